@@ -1,0 +1,1 @@
+"""HuggingFace transformers integration: block detection fallback, binding, patching."""

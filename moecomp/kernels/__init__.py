@@ -1,0 +1,1 @@
+"""Triton kernels (``@triton.jit`` code only) and their tuned configs (``configs/*.json``)."""

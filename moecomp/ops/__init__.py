@@ -1,0 +1,5 @@
+"""Custom ops (``torch.ops.moecomp.*``) and their launch wrappers. Importing this registers the ops."""
+
+from .moe_op import EXPERT_ARGS, MOE_ARGS, check_args, moe_experts, moe_forward
+
+__all__ = ["MOE_ARGS", "EXPERT_ARGS", "check_args", "moe_forward", "moe_experts"]

@@ -1,0 +1,144 @@
+"""The custom ops: ``torch.ops.moecomp.moe_forward`` (a whole MoE block) and ``torch.ops.moecomp.moe_experts``
+(routed experts only, routing given), each opaque to Dynamo / Inductor through a fake implementation.
+
+Dispatch: CUDA tensors run our Triton kernels (``ops/triton_moe.py``). CPU tensors run a vectorised PyTorch path
+(``ops/torch_moe.py``), or the same Triton kernels under ``TRITON_INTERPRET=1`` when ``MOECOMP_CPU_BACKEND=triton``
+(how the tests exercise the kernels without a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..spec import MoESpec, SpecError
+
+# Argument order of moe_forward after x; every entry point binds tensors by these names.
+MOE_ARGS = (
+    "router_w",
+    "router_b",
+    "correction_bias",
+    "w13",
+    "b13",
+    "w2",
+    "b2",
+    "shared_w1",
+    "shared_w3",
+    "shared_w2",
+    "shared_gate_w",
+)
+EXPERT_ARGS = ("w13", "b13", "w2", "b2")
+
+
+def _backend(device: torch.device) -> str:
+    if device.type == "cuda":
+        return os.environ.get("MOECOMP_CUDA_BACKEND", "triton")
+    return os.environ.get("MOECOMP_CPU_BACKEND", "torch")
+
+
+def check_args(x: torch.Tensor, tensors: dict, spec: MoESpec) -> None:
+    """Clear errors for tensors that do not fit the spec (shapes, presence, devices, dtypes)."""
+    E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
+    if x.shape[-1] != H:
+        raise SpecError(f"hidden_states last dim is {x.shape[-1]}, spec says hidden_size={H}")
+    if not x.is_floating_point():
+        raise SpecError(f"hidden_states must be floating point, got {x.dtype}")
+    expect = dict(spec.expert_weight_shapes())
+    if "router_w" in tensors:
+        expect["router_w"] = (E, H)
+        if spec.has_router_bias:
+            expect["router_b"] = (E,)
+        if spec.has_correction_bias:
+            expect["correction_bias"] = (E,)
+        sh = spec.shared
+        if sh is not None:
+            Is = sh.intermediate_size
+            if sh.gated and sh.layout == "concat":
+                expect["shared_w1"] = (2 * Is, H)
+            elif sh.gated:
+                expect.update(shared_w1=(Is, H), shared_w3=(Is, H))
+            else:
+                expect["shared_w3"] = (Is, H)
+            expect["shared_w2"] = (H, Is)
+            if sh.gate == "sigmoid":
+                expect["shared_gate_w"] = (1, H)
+    for name, t in tensors.items():
+        want = expect.get(name)
+        if want is None:
+            if t is not None:
+                raise SpecError(f"{name} was given but the spec has no use for it ({spec.describe()})")
+            continue
+        if t is None:
+            raise SpecError(f"{name} is required by the spec ({spec.describe()}) but was None")
+        if tuple(t.shape) != want:
+            raise SpecError(f"{name} has shape {tuple(t.shape)}, the spec needs {want}")
+        if t.device != x.device:
+            raise SpecError(f"{name} is on {t.device}, hidden_states on {x.device}")
+        if not t.is_floating_point():
+            raise SpecError(f"{name} must be floating point, got {t.dtype}")
+
+
+@torch.library.custom_op("moecomp::moe_forward", mutates_args=())
+def moe_forward(
+    x: torch.Tensor,
+    router_w: torch.Tensor,
+    router_b: torch.Tensor | None,
+    correction_bias: torch.Tensor | None,
+    w13: torch.Tensor,
+    b13: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    shared_w1: torch.Tensor | None,
+    shared_w3: torch.Tensor | None,
+    shared_w2: torch.Tensor | None,
+    shared_gate_w: torch.Tensor | None,
+    spec: str,
+) -> torch.Tensor:
+    s = MoESpec.from_key(spec)
+    args = dict(zip(MOE_ARGS, (router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3,
+                               shared_w2, shared_gate_w)))
+    check_args(x, args, s)
+    if _backend(x.device) == "triton":
+        from . import triton_moe as impl
+    else:
+        from . import torch_moe as impl
+    return impl.moe_forward(x, args, s)
+
+
+@moe_forward.register_fake
+def _(x, router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2, shared_gate_w,
+      spec):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("moecomp::moe_experts", mutates_args=())
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    b13: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    spec: str,
+) -> torch.Tensor:
+    """Routed experts only: x [T, H], topk_ids / topk_weights [T, k] -> [T, H]."""
+    s = MoESpec.from_key(spec)
+    args = dict(zip(EXPERT_ARGS, (w13, b13, w2, b2)))
+    check_args(x, args, s)
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise SpecError(
+            f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} must both be "
+            f"[T={x.shape[0]}, k]"
+        )
+    if _backend(x.device) == "triton":
+        from . import triton_moe as impl
+    else:
+        from . import torch_moe as impl
+    return impl.moe_experts(x, topk_ids, topk_weights, args, s)
+
+
+@moe_experts.register_fake
+def _(x, topk_ids, topk_weights, w13, b13, w2, b2, spec):
+    return torch.empty_like(x)

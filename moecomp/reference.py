@@ -1,0 +1,175 @@
+"""Plain-PyTorch MoE: the oracle every test compares against.
+
+Written for clarity, not speed: fp32 (or fp64) math, a loop over experts, nothing fused. It takes exactly the
+arguments of ``torch.ops.moecomp.moe_forward`` (see ``moecomp.ops.moe_op.MOE_ARGS``) plus a ``MoESpec``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .spec import MoESpec
+
+
+def score(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    if scoring == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if scoring == "sigmoid":
+        return torch.sigmoid(logits)
+    if scoring == "sqrtsoftplus":
+        return torch.sqrt(F.softplus(logits))
+    return logits
+
+
+def _topk_low_index_ties(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k that breaks ties by the lower index (what our kernels do), in any order-insensitive use."""
+    vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+    return vals[..., :k], idx[..., :k]
+
+
+def route(
+    logits: torch.Tensor, correction_bias: torch.Tensor | None, spec: MoESpec, acc=torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing from router logits [T, E] -> (weights [T, k] in ``acc``, ids [T, k] int64)."""
+    logits = logits.to(acc)
+    T, E, k = logits.shape[0], spec.num_experts, spec.top_k
+    if spec.score_order == "topk_then_score":
+        vals, ids = _topk_low_index_ties(logits, k)
+        weights = torch.softmax(vals, dim=-1)
+    else:
+        scores = score(logits, spec.scoring)
+        choice = scores
+        if spec.has_correction_bias:
+            choice = scores + correction_bias.to(acc)
+        if spec.n_group > 1:
+            g = choice.view(T, spec.n_group, E // spec.n_group)
+            if spec.group_score == "top2_sum":
+                gs = g.topk(2, dim=-1).values.sum(-1)
+            else:
+                gs = g.max(dim=-1).values
+            _, keep = _topk_low_index_ties(gs, spec.topk_group)  # [T, topk_group]
+            mask = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, keep, True)
+            mask = mask[:, :, None].expand_as(g).reshape(T, E)
+            choice = choice.masked_fill(~mask, float("-inf"))
+        _, ids = _topk_low_index_ties(choice, k)
+        weights = scores.gather(1, ids)
+    if spec.renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + spec.renorm_eps)
+    weights = weights * spec.routed_scaling_factor
+    return weights, ids
+
+
+def activation(h: torch.Tensor, spec_activation: str, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    if spec_activation == "silu":
+        return F.silu(h)
+    if spec_activation == "gelu":
+        return F.gelu(h)
+    if spec_activation == "gelu_tanh":
+        return F.gelu(h, approximate="tanh")
+    if spec_activation == "relu":
+        return F.relu(h)
+    raise ValueError(f"not an elementwise activation: {spec_activation}")
+
+
+def _expert_in(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, layout: str) -> torch.Tensor:
+    y = x @ (w.T if layout == "out_in" else w)
+    return y if b is None else y + b
+
+
+def expert_mlp(x: torch.Tensor, w13, b13, w2, b2, spec: MoESpec) -> torch.Tensor:
+    """One expert on rows x [n, H] -> [n, H]; w13 / w2 are that expert's matrices."""
+    h = _expert_in(x, w13, b13, spec.w_layout)  # [n, 2I] or [n, I]
+    I = spec.intermediate_size
+    if spec.gated:
+        if spec.gate_up == "concat":
+            gate, up = h[:, :I], h[:, I:]
+        else:
+            gate, up = h[:, 0::2], h[:, 1::2]
+        if spec.activation == "swiglu_oai":
+            gate = gate.clamp(max=spec.activation_limit)
+            up = up.clamp(min=-spec.activation_limit, max=spec.activation_limit)
+            h = (up + 1) * (gate * torch.sigmoid(gate * spec.activation_alpha))
+        else:
+            h = activation(gate, spec.activation) * up
+    else:
+        h = activation(h, spec.activation)
+    return _expert_in(h, w2, b2, spec.w_layout)
+
+
+def experts(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13, b13, w2, b2, spec: MoESpec, acc=torch.float32
+) -> torch.Tensor:
+    """Routed experts: x [T, H], ids / weights [T, k] -> [T, H] in ``acc``."""
+    x = x.to(acc)
+    out = torch.zeros_like(x)
+    for e in range(spec.num_experts):
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        y = expert_mlp(
+            x[tok],
+            w13[e].to(acc),
+            None if b13 is None else b13[e].to(acc),
+            w2[e].to(acc),
+            None if b2 is None else b2[e].to(acc),
+            spec,
+        )
+        out.index_add_(0, tok, y * weights[tok, slot, None].to(acc))
+    return out
+
+
+def shared_experts(x: torch.Tensor, shared_w1, shared_w3, shared_w2, shared_gate_w, spec: MoESpec, acc=torch.float32):
+    sh = spec.shared
+    x = x.to(acc)
+    if sh.gated:
+        if sh.layout == "concat":
+            g, u = (x @ shared_w1.to(acc).T).chunk(2, dim=-1)
+        else:
+            g, u = x @ shared_w1.to(acc).T, x @ shared_w3.to(acc).T
+        h = activation(g, sh.activation) * u
+    else:
+        h = activation(x @ shared_w3.to(acc).T, sh.activation)
+    y = h @ shared_w2.to(acc).T
+    if sh.gate == "sigmoid":
+        y = y * torch.sigmoid(x @ shared_gate_w.to(acc).T)
+    return y
+
+
+def router_logits(x: torch.Tensor, router_w, router_b, spec: MoESpec) -> torch.Tensor:
+    if spec.router_fp32:
+        x, router_w = x.float(), router_w.float()
+        router_b = None if router_b is None else router_b.float()
+    return F.linear(x, router_w.to(x.dtype), None if router_b is None else router_b.to(x.dtype))
+
+
+def moe_forward(
+    x,
+    router_w,
+    router_b,
+    correction_bias,
+    w13,
+    b13,
+    w2,
+    b2,
+    shared_w1,
+    shared_w3,
+    shared_w2,
+    shared_gate_w,
+    spec: MoESpec | str,
+    acc=torch.float32,
+) -> torch.Tensor:
+    """The whole block: x [..., H] -> [..., H] in x's dtype, math in ``acc``."""
+    if isinstance(spec, str):
+        spec = MoESpec.from_key(spec)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])  # [T, H]
+    # The router reads x in the model dtype (like HF), unless the spec says fp32.
+    logits = router_logits(x2, router_w, router_b, spec)  # [T, E]
+    weights, ids = route(logits, correction_bias, spec, acc)
+    if spec.round_weights:
+        weights = weights.to(x.dtype).to(acc)
+    out = experts(x2, ids, weights, w13, b13, w2, b2, spec, acc)
+    if spec.shared is not None:
+        out = out + shared_experts(x2, shared_w1, shared_w3, shared_w2, shared_gate_w, spec, acc)
+    return out.to(x.dtype).reshape(shape)

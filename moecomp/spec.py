@@ -1,0 +1,196 @@
+"""MoESpec: the single description of a Mixture-of-Experts block.
+
+Every entry point (module detection, the FX pass, the HF experts interface) produces a ``MoESpec``;
+the op ``torch.ops.moecomp.moe_forward``, the plain-torch reference and the Triton kernels consume it.
+
+What a block computes, in terms of the spec (T tokens, H hidden, E experts, k = top_k, I intermediate):
+
+    logits   = x @ router_w.T (+ router_b)                     # [T, E]   (fp32 when router_fp32)
+    scores   = score_fn(logits)                                # softmax | sigmoid | sqrtsoftplus | none
+    choice   = scores (+ correction_bias)                      # bias only steers the selection
+    groups   : keep the topk_group best of n_group groups      # group score: sum of top-2, or max
+    ids      = topk(choice, k)                                 # [T, k]
+    weights  = scores[ids]  (renormalise)  * routed_scaling    # [T, k]
+      (score_order == "topk_then_score": ids = topk(logits), weights = softmax(logits[ids]))
+    per pair : h = act(x @ w1_e.T) * (x @ w3_e.T)  (gated) | act(x @ w13_e.T) (not gated)
+               y = h @ w2_e.T                                  # [H]
+    out      = sum_k weights * y  (+ shared(x) * sigmoid(x @ shared_gate_w.T))
+
+The op receives the spec as a string (``spec.key``) so that it is a plain schema argument; ``MoESpec.from_key``
+parses it back (cached).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus", "none")
+SCORE_ORDERS = ("score_then_topk", "topk_then_score")
+GROUP_SCORES = ("top2_sum", "max")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "swiglu_oai")
+W_LAYOUTS = ("out_in", "in_out")  # per-expert matrix stored [out, in] (nn.Linear style) or [in, out]
+GATE_UP = ("concat", "interleaved")
+
+
+class SpecError(ValueError):
+    """A MoESpec (or the tensors given with it) describes something moecomp cannot compute."""
+
+
+@dataclass(frozen=True)
+class SharedExpertSpec:
+    """Shared (always-on) experts, run densely on every token.
+
+    ``layout`` "separate": ``shared_w1`` = gate_proj [Is, H], ``shared_w3`` = up_proj [Is, H];
+    "concat": ``shared_w1`` = [2*Is, H] (gate rows first) and no ``shared_w3``; not ``gated``: ``shared_w3`` only.
+    ``gate`` "sigmoid": the output is scaled by sigmoid(x @ shared_gate_w.T) (Qwen2-MoE), "none": added as is.
+    """
+
+    intermediate_size: int
+    activation: str = "silu"
+    gated: bool = True
+    layout: str = "separate"
+    gate: str = "none"
+
+    def validate(self) -> None:
+        if self.intermediate_size <= 0:
+            raise SpecError(f"shared expert intermediate_size must be positive, got {self.intermediate_size}")
+        if self.activation not in ACTIVATIONS or self.activation == "swiglu_oai":
+            raise SpecError(f"unsupported shared-expert activation {self.activation!r}")
+        if self.layout not in ("separate", "concat"):
+            raise SpecError(f"unknown shared-expert layout {self.layout!r}")
+        if self.gate not in ("none", "sigmoid"):
+            raise SpecError(f"unknown shared-expert gate {self.gate!r}")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    # --- routing ---
+    scoring: str = "softmax"
+    score_order: str = "score_then_topk"
+    renormalize: bool = True
+    renorm_eps: float = 0.0
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "top2_sum"
+    has_correction_bias: bool = False
+    has_router_bias: bool = False
+    router_fp32: bool = False  # router GEMM in fp32 (DeepSeek-V3 style) instead of the model dtype
+    round_weights: bool = False  # routing weights rounded to the model dtype before use (Qwen/OLMoE style)
+    # --- experts ---
+    activation: str = "silu"
+    gated: bool = True
+    activation_alpha: float = 1.702  # swiglu_oai only
+    activation_limit: float = 7.0  # swiglu_oai only
+    w_layout: str = "out_in"  # w13 [E, 2I, H] / w2 [E, H, I] ("out_in"), or [E, H, 2I] / [E, I, H] ("in_out")
+    gate_up: str = "concat"  # gate rows then up rows, or interleaved gate0, up0, gate1, ...
+    has_expert_bias: bool = False
+    # --- shared experts ---
+    shared: SharedExpertSpec | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        E, k = self.num_experts, self.top_k
+        if E <= 0 or self.hidden_size <= 0 or self.intermediate_size <= 0:
+            raise SpecError(f"sizes must be positive: E={E}, H={self.hidden_size}, I={self.intermediate_size}")
+        if not 1 <= k <= E:
+            raise SpecError(f"top_k must be in [1, num_experts={E}], got {k}")
+        for name, value, allowed in (
+            ("scoring", self.scoring, SCORINGS),
+            ("score_order", self.score_order, SCORE_ORDERS),
+            ("group_score", self.group_score, GROUP_SCORES),
+            ("activation", self.activation, ACTIVATIONS),
+            ("w_layout", self.w_layout, W_LAYOUTS),
+            ("gate_up", self.gate_up, GATE_UP),
+        ):
+            if value not in allowed:
+                raise SpecError(f"{name}={value!r} is not one of {allowed}")
+        if self.n_group < 1 or E % self.n_group:
+            raise SpecError(f"num_experts={E} is not divisible by n_group={self.n_group}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise SpecError(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+        if self.n_group > 1 and k > self.topk_group * (E // self.n_group):
+            raise SpecError(f"top_k={k} exceeds the experts left by group selection")
+        if self.n_group > 1 and self.group_score == "top2_sum" and E // self.n_group < 2:
+            raise SpecError("group_score 'top2_sum' needs at least 2 experts per group")
+        if self.score_order == "topk_then_score" and self.scoring != "softmax":
+            raise SpecError("score_order 'topk_then_score' is defined for softmax only")
+        if self.activation == "swiglu_oai" and not self.gated:
+            raise SpecError("activation 'swiglu_oai' needs gated experts")
+        if self.shared is not None:
+            self.shared.validate()
+
+    # ------------------------------------------------------------ serialise
+    @functools.cached_property
+    def key(self) -> str:
+        """A compact, canonical string: the op's ``spec`` argument."""
+        d = dataclasses.asdict(self)
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_key(key: str) -> "MoESpec":
+        return _spec_from_key(key)
+
+    def replace(self, **changes) -> "MoESpec":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------- helpers
+    @property
+    def w13_rows(self) -> int:
+        """Output features of the first expert GEMM: 2I when gated, else I."""
+        return 2 * self.intermediate_size if self.gated else self.intermediate_size
+
+    def expert_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        E, H, I, N = self.num_experts, self.hidden_size, self.intermediate_size, self.w13_rows
+        if self.w_layout == "out_in":
+            shapes = {"w13": (E, N, H), "w2": (E, H, I)}
+        else:
+            shapes = {"w13": (E, H, N), "w2": (E, I, H)}
+        if self.has_expert_bias:
+            shapes.update(b13=(E, N), b2=(E, H))
+        return shapes
+
+    def bytes_per_expert(self, itemsize: int = 2) -> int:
+        E, H, I = 1, self.hidden_size, self.intermediate_size
+        return E * (self.w13_rows * H + H * I) * itemsize
+
+    def describe(self) -> str:
+        route = self.scoring if self.score_order == "score_then_topk" else "topk->softmax"
+        if self.n_group > 1:
+            route += f" grouped {self.topk_group}/{self.n_group}"
+        if self.has_correction_bias:
+            route += " +bias"
+        if self.renormalize:
+            route += " renorm"
+        if self.routed_scaling_factor != 1.0:
+            route += f" x{self.routed_scaling_factor:g}"
+        sh = ""
+        if self.shared is not None:
+            sh = f", shared I={self.shared.intermediate_size}" + (" gated" if self.shared.gate != "none" else "")
+        act = self.activation + ("*up" if self.gated and self.activation != "swiglu_oai" else "")
+        return (
+            f"E={self.num_experts} k={self.top_k} H={self.hidden_size} I={self.intermediate_size} "
+            f"[{route}] {act}{sh}"
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_from_key(key: str) -> MoESpec:
+    try:
+        d = json.loads(key)
+    except json.JSONDecodeError as e:  # pragma: no cover - message path
+        raise SpecError(f"not a MoESpec key: {key[:80]!r}") from e
+    shared = d.pop("shared", None)
+    if shared is not None:
+        shared = SharedExpertSpec(**shared)
+    return MoESpec(**d, shared=shared)
