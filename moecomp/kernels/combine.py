@@ -1,0 +1,59 @@
+"""Weighted combine over top-k, with the shared expert folded in.
+
+    out[t] = sum_j y[t * k + j]  (+ shared[t] * sigmoid(gate_logit[t]))        y already carries routing weights
+
+fp32 sum, one store in the output dtype. One program per (token, BLOCK_H columns).
+"""
+
+import triton
+import triton.language as tl
+
+from .activations import act
+
+
+@triton.jit
+def combine_kernel(
+    y_ptr,  # [T * TOP_K, H]
+    shared_ptr,  # [T, H] or None
+    gate_ptr,  # [T] shared-expert gate logits (strided) or None
+    out_ptr,  # [T, H]
+    H,
+    stride_y,
+    stride_s,
+    stride_g,
+    stride_o,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    offs_k = tl.arange(0, K_PAD)
+    rows = t * TOP_K + offs_k
+    y = tl.load(
+        y_ptr + rows[:, None] * stride_y + offs_h[None, :],
+        mask=(offs_k < TOP_K)[:, None] & h_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    acc = tl.sum(y, axis=0)  # [BLOCK_H]
+    if HAS_SHARED:
+        s = tl.load(shared_ptr + t * stride_s + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            g = tl.load(gate_ptr + t * stride_g).to(tl.float32)
+            s = s * tl.sigmoid(g)
+        acc += s
+    tl.store(out_ptr + t * stride_o + offs_h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
+@triton.jit
+def act_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    """Shared-expert activation: out[t] = act(gu[t, :I]) * gu[t, I:] (gate then up, concatenated)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < I
+    g = tl.load(gu_ptr + t * stride_gu + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + offs, (act(g, ACT) * u).to(out_ptr.dtype.element_ty), mask=ok)

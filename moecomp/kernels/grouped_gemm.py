@@ -1,0 +1,188 @@
+"""Grouped GEMMs over expert-sorted token blocks.
+
+    sorted_ids [S]  (pair p = token * k + slot, or the sentinel P on padding rows), block_expert [S / BLOCK_M]
+
+    gemm1 (gate+up, activation fused):
+        h[s, n] = act(x[tok(s)] . w1_e[n] + b1) * (x[tok(s)] . w3_e[n] + b3)          h: [S, I] in sorted order
+    gemm2 (down, routing weight fused):
+        y[p(s), n] = (h[s] . w2_e[n] + b2) * weight[p(s)]                              y: [P, H] in pair order
+
+A program owns one BLOCK_M block of sorted rows (one expert) and BLOCK_N output columns; blocks past the number
+of padded rows (read on the device) return at once, so the grid is static and capturable. Weight matrices are
+addressed through strides, so [out, in] and [in, out] layouts and concatenated or interleaved gate/up all run
+without copies. Offsets that can pass 2**31 (expert base, token row, pair row) are computed in int64.
+"""
+
+import triton
+import triton.language as tl
+
+from .activations import act as _act
+
+
+@triton.jit
+def _block_ids(pid, n_cols, MAX_BLOCKS, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped program order: GROUP_M row blocks sweep the columns together (weight tiles stay in L2)."""
+    num_n = tl.cdiv(n_cols, BLOCK_N)
+    per_group = GROUP_M * num_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(MAX_BLOCKS - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def moe_gemm1_kernel(
+    x_ptr,  # [T, K]
+    w_ptr,  # expert weights, element (e, row n, col k) at e*stride_we + n*stride_wn + k*stride_wk
+    b_ptr,  # [E, N_total] bias or None
+    h_ptr,  # [S, N_OUT] out, sorted order
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    P,
+    TOP_K,
+    N_OUT,  # I
+    K,  # H
+    MAX_BLOCKS,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_hm,
+    UP_OFFSET,  # row of up[n] = n * GATE_STRIDE + UP_OFFSET
+    alpha,
+    limit,
+    GATE_STRIDE: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,  # dot in fp32 (interpreter bf16 workaround)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else "tf32" (ignored for 16-bit)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = _block_ids(tl.program_id(0), N_OUT, MAX_BLOCKS, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m)
+    row_ok = pair < P
+    tok = (pair // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N_OUT
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
+    w_base = w_ptr + expert * stride_we
+    g_rows = offs_n.to(tl.int64) * GATE_STRIDE
+    g_ptrs = w_base + g_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    if GATED:
+        u_ptrs = w_base + (g_rows + UP_OFFSET)[None, :] * stride_wn + offs_k[:, None] * stride_wk
+
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            bg = bg.to(tl.float32)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
+        if GATED:
+            bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if UPCAST:
+                bu = bu.to(tl.float32)
+            acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
+            u_ptrs += BLOCK_K * stride_wk
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K * stride_wk
+
+    if HAS_BIAS:
+        b_base = b_ptr + expert * stride_be
+        acc_g += tl.load(b_base + g_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_u += tl.load(b_base + g_rows + UP_OFFSET, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+
+    if GATED:
+        if ACT == 4:  # clamped SwiGLU (gpt-oss): (clamp(u) + 1) * g * sigmoid(alpha * g), g clamped above
+            g = tl.minimum(acc_g, limit)
+            u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+            h = (u + 1.0) * (g * tl.sigmoid(g * alpha))
+        else:
+            h = _act(acc_g, ACT) * acc_u
+    else:
+        h = _act(acc_g, ACT)
+
+    h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def moe_gemm2_kernel(
+    h_ptr,  # [S, K] sorted order
+    w_ptr,  # expert weights (e, row n, col k)
+    b_ptr,  # [E, N] bias or None
+    topk_w_ptr,  # [P] fp32 routing weights (pair order)
+    y_ptr,  # [P, N] out, pair order
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    P,
+    N,  # H
+    K,  # I
+    MAX_BLOCKS,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = _block_ids(tl.program_id(0), N, MAX_BLOCKS, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m)
+    row_ok = pair < P
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_k[None, :]
+    b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wk
+
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    w = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)
+    acc = acc * w[:, None]
+    y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])

@@ -1,0 +1,134 @@
+"""Fused routing: scores -> (grouped) top-k -> renormalise -> scale, one launch.
+
+    logits [T, E] --score--> s [T, E] --(+bias)--> choice --group mask--> top-k ids [T, k]
+                                    \__________ s[ids] (renorm, *scale) ---------> weights [T, k] fp32
+
+One program owns BLOCK_T tokens and all E experts (padded to BLOCK_E). Top-k is k rounds of arg-max, ties going to
+the lower expert index (``moecomp.reference`` does the same). Group-limited selection keeps the TOPK_GROUP best of
+N_GROUP contiguous groups, a group scored by its top-2 sum (or its max).
+"""
+
+import triton
+import triton.language as tl
+
+# SCORING codes
+SOFTMAX, SIGMOID, SQRTSOFTPLUS, IDENTITY = 0, 1, 2, 3
+
+
+@triton.jit
+def _softplus(x):
+    # max(x, 0) + log1p(exp(-|x|)), with log1p by its series where exp(-|x|) is tiny
+    u = tl.exp(-tl.abs(x))
+    lp = tl.where(u < 1e-3, u * (1.0 - u * (0.5 - u / 3.0)), tl.log(1.0 + u))
+    return tl.maximum(x, 0.0) + lp
+
+
+@triton.jit
+def route_topk_kernel(
+    logits_ptr,  # [T, E] any float dtype, row stride stride_lt
+    bias_ptr,  # [E] correction bias (selection only)
+    ids_ptr,  # [T, TOP_K] int32 out
+    weights_ptr,  # [T, TOP_K] fp32 out
+    T,
+    E,
+    stride_lt,
+    scaling,
+    renorm_eps,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    SCORING: tl.constexpr,
+    TOPK_THEN_SCORE: tl.constexpr,
+    RENORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    GROUP_BY_MAX: tl.constexpr,
+    ROUND_TO: tl.constexpr,  # 0 keep fp32, 1 round weights through bf16, 2 through fp16
+):
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+    offs_e = tl.arange(0, BLOCK_E)  # [BE]
+    t_ok = offs_t < T
+    e_ok = offs_e < E
+    neg = float("-inf")
+
+    ptrs = logits_ptr + offs_t[:, None].to(tl.int64) * stride_lt + offs_e[None, :]
+    logit = tl.load(ptrs, mask=t_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)  # [BT, BE]
+
+    if TOPK_THEN_SCORE:
+        score = logit
+    elif SCORING == 0:
+        m = tl.max(tl.where(e_ok[None, :], logit, neg), axis=1)
+        p = tl.where(e_ok[None, :], tl.exp(logit - m[:, None]), 0.0)
+        score = p / tl.sum(p, axis=1)[:, None]
+    elif SCORING == 1:
+        score = tl.sigmoid(logit)
+    elif SCORING == 2:
+        score = tl.sqrt(_softplus(logit))
+    else:
+        score = logit
+
+    choice = score
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + offs_e, mask=e_ok, other=0.0).to(tl.float32)[None, :]
+    choice = tl.where(e_ok[None, :], choice, neg)
+
+    if N_GROUP > 1:
+        gsize = E // N_GROUP
+        gid = offs_e // gsize  # [BE]
+        offs_g = tl.arange(0, G_PAD)
+        gscore = tl.full([BLOCK_T, G_PAD], neg, tl.float32)
+        for g in tl.static_range(N_GROUP):
+            v = tl.where((gid == g)[None, :], choice, neg)
+            if GROUP_BY_MAX:
+                s_g = tl.max(v, axis=1)
+            else:
+                i1 = tl.argmax(v, axis=1, tie_break_left=True)
+                m1 = tl.max(v, axis=1)
+                m2 = tl.max(tl.where(offs_e[None, :] == i1[:, None], neg, v), axis=1)
+                s_g = m1 + m2
+            gscore = tl.where(offs_g[None, :] == g, s_g[:, None], gscore)
+        keep_g = tl.zeros([BLOCK_T, G_PAD], tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            gi = tl.argmax(gscore, axis=1, tie_break_left=True)
+            hit = offs_g[None, :] == gi[:, None]
+            keep_g = tl.where(hit, 1, keep_g)
+            gscore = tl.where(hit, neg, gscore)
+        keep_e = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
+        for g in tl.static_range(N_GROUP):
+            kg = tl.sum(tl.where(offs_g[None, :] == g, keep_g, 0), axis=1)  # [BT]
+            keep_e = tl.where((gid == g)[None, :], kg[:, None], keep_e)
+        choice = tl.where(keep_e > 0, choice, neg)
+
+    offs_k = tl.arange(0, K_PAD)
+    top_ids = tl.zeros([BLOCK_T, K_PAD], tl.int32)
+    top_w = tl.zeros([BLOCK_T, K_PAD], tl.float32)
+    for j in tl.static_range(TOP_K):
+        idx = tl.argmax(choice, axis=1, tie_break_left=True)  # [BT]
+        sel = offs_e[None, :] == idx[:, None]
+        w = tl.sum(tl.where(sel, score, 0.0), axis=1)
+        choice = tl.where(sel, neg, choice)
+        top_ids = tl.where(offs_k[None, :] == j, idx[:, None], top_ids)
+        top_w = tl.where(offs_k[None, :] == j, w[:, None], top_w)
+
+    k_ok = offs_k < TOP_K
+    if TOPK_THEN_SCORE:
+        m = tl.max(tl.where(k_ok[None, :], top_w, neg), axis=1)
+        p = tl.where(k_ok[None, :], tl.exp(top_w - m[:, None]), 0.0)
+        top_w = p / tl.sum(p, axis=1)[:, None]
+    if RENORM:
+        denom = tl.sum(tl.where(k_ok[None, :], top_w, 0.0), axis=1) + renorm_eps
+        top_w = top_w / denom[:, None]
+    top_w = top_w * scaling
+    if ROUND_TO == 1:
+        top_w = top_w.to(tl.bfloat16).to(tl.float32)
+    elif ROUND_TO == 2:
+        top_w = top_w.to(tl.float16).to(tl.float32)
+
+    out = offs_t[:, None].to(tl.int64) * TOP_K + offs_k[None, :]
+    m_out = t_ok[:, None] & k_ok[None, :]
+    tl.store(ids_ptr + out, top_ids, mask=m_out)
+    tl.store(weights_ptr + out, top_w, mask=m_out)

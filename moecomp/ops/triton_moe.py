@@ -1,0 +1,285 @@
+"""Launch wrappers: the op's CUDA path on our Triton kernels (and, under TRITON_INTERPRET=1, its CPU test path).
+
+moe_forward, main stream                                   side stream (shared experts)
+    logits = x @ [router_w; shared_gate_w].T   (FSE)       g, u = x @ w1.T, x @ w3.T
+    route_topk_kernel      -> ids [T, k], w [T, k]          h = act(g) * u        (act_mul_kernel)
+    align kernels          -> sorted_ids, block_expert      s = h @ w2.T
+    moe_gemm1_kernel       -> h [S, I]   (act fused)
+    moe_gemm2_kernel       -> y [P, H]   (routing weight fused)
+    combine_kernel         -> out [T, H] = sum_k y (+ sigmoid(gate) * s)   <- waits for the side stream
+
+Every size the kernels see on the device is static for a given T (worst-case block counts), nothing reads device
+memory on the host, so the whole op can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from ..kernels import align as align_k
+from ..kernels import combine as combine_k
+from ..kernels import grouped_gemm as gemm_k
+from ..kernels import routing as routing_k
+from .. import reference
+from ..spec import MoESpec
+from . import tuning
+
+_SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "none": 3}
+_ACT = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu_oai": 4}
+SMALL_P = 256  # single-program alignment up to this many (token, expert) pairs
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _upcast(t: torch.Tensor) -> bool:
+    # The Triton interpreter's bf16 dot is wrong (FACTS.md); upcast operands to fp32 inside the kernel there.
+    return _interpret() and t.dtype == torch.bfloat16
+
+
+def _precision(t: torch.Tensor) -> str:
+    # fp32 models get fp32 products (no tf32), like torch's default matmul; 16-bit dots ignore this.
+    return "ieee" if t.dtype == torch.float32 or _upcast(t) else "tf32"
+
+
+# --------------------------------------------------------------------------------------------- weight cache
+_derived: dict = {}
+_DERIVED_MAX = 256
+
+
+def _derived_weight(tag: str, tensors: tuple, make):
+    """A weight derived from parameters (fp32 router copy, FSE concatenation), rebuilt when a source changes
+    (storage, shape, dtype or in-place version counter). Built on the first (warm-up) call, outside any
+    CUDA-graph capture; a graph captured before an in-place weight update must be captured again."""
+    slot = (tag,) + tuple(t.data_ptr() for t in tensors)
+    sig = tuple((t._version, tuple(t.shape), t.dtype) for t in tensors)
+    hit = _derived.get(slot)
+    if hit is not None and hit[0] == sig:
+        return hit[1]
+    if len(_derived) >= _DERIVED_MAX:
+        _derived.pop(next(iter(_derived)))
+    out = make()
+    _derived[slot] = (sig, out)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- routing
+def router_logits(x: torch.Tensor, args: dict, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Router GEMM, fused with the shared-expert gate GEMM when there is one. Returns (logits [T, E], gate [T])."""
+    rw, rb, gw = args["router_w"], args["router_b"], args["shared_gate_w"]
+    E = spec.num_experts
+    want = torch.float32 if spec.router_fp32 else x.dtype
+    xs = x if x.dtype == want else x.to(want)
+    if gw is not None:
+        w = _derived_weight("fse", (rw, gw), lambda: torch.cat([rw, gw], 0).to(want))  # [E + 1, H]
+        b = None
+        if rb is not None:
+            b = _derived_weight("fse_b", (rb,), lambda: torch.cat([rb, rb.new_zeros(1)]).to(want))
+        both = torch.nn.functional.linear(xs, w, b)  # [T, E + 1]
+        return both[:, :E], both[:, E]
+    if rw.dtype != want:
+        rw = _derived_weight("router", (rw,), lambda: rw.to(want))
+    if rb is not None and rb.dtype != want:
+        rb = rb.to(want)
+    return torch.nn.functional.linear(xs, rw, rb), None
+
+
+def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch.dtype):
+    """logits [T, E] (any row stride) -> ids [T, k] int32, weights [T, k] fp32."""
+    T, E, k = logits.shape[0], spec.num_experts, spec.top_k
+    ids = torch.empty(T, k, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
+    if T == 0:
+        return ids, weights
+    block_e = triton.next_power_of_2(E)
+    block_t = max(1, min(16, 4096 // block_e, triton.next_power_of_2(T)))
+    round_to = 0
+    if spec.round_weights:
+        round_to = {torch.bfloat16: 1, torch.float16: 2}.get(out_dtype, 0)
+    grid = (triton.cdiv(T, block_t),)
+    routing_k.route_topk_kernel[grid](
+        logits, correction_bias, ids, weights,
+        T, E, logits.stride(0),
+        float(spec.routed_scaling_factor), float(spec.renorm_eps),
+        TOP_K=k, K_PAD=triton.next_power_of_2(k), BLOCK_T=block_t, BLOCK_E=block_e,
+        SCORING=_SCORING[spec.scoring], TOPK_THEN_SCORE=spec.score_order == "topk_then_score",
+        RENORM=spec.renormalize, HAS_BIAS=spec.has_correction_bias,
+        N_GROUP=spec.n_group, G_PAD=triton.next_power_of_2(spec.n_group), TOPK_GROUP=spec.topk_group,
+        GROUP_BY_MAX=spec.group_score == "max", ROUND_TO=round_to,
+        num_warps=4 if block_e <= 256 else 8,
+    )
+    return ids, weights
+
+
+# --------------------------------------------------------------------------------------------- alignment
+def align(ids: torch.Tensor, E: int, block_m: int):
+    """ids [T, k] -> (sorted_ids [S], block_expert [S / block_m], num_padded [1], max_blocks). No host sync."""
+    flat = ids.reshape(-1)
+    P = flat.numel()
+    dev = ids.device
+    max_blocks = triton.cdiv(P, block_m) + min(E, P)
+    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    e_pad = triton.next_power_of_2(E)
+    block_b = max(16, min(128, 8192 // e_pad))
+    if P <= SMALL_P:
+        align_k.align_small_kernel[(1,)](
+            flat, sorted_ids, block_expert, num_padded, P, E, max_blocks,
+            BLOCK_M=block_m, E_PAD=e_pad, P_PAD=max(16, triton.next_power_of_2(P)), BLOCK_B=block_b,
+        )
+    else:
+        counts = torch.zeros(E, dtype=torch.int32, device=dev)
+        cursor = torch.empty(E, dtype=torch.int32, device=dev)
+        block_p = max(16, min(1024, 32768 // e_pad))
+        grid = (triton.cdiv(P, block_p),)
+        align_k.count_kernel[grid](flat, counts, P, E_PAD=e_pad, BLOCK_P=block_p)
+        align_k.offsets_kernel[(1,)](
+            counts, sorted_ids, block_expert, num_padded, cursor, P, E, max_blocks,
+            BLOCK_M=block_m, E_PAD=e_pad, BLOCK_B=block_b,
+        )
+        align_k.scatter_kernel[(triton.cdiv(P, 1024),)](flat, cursor, sorted_ids, P, BLOCK_P=1024)
+    return sorted_ids, block_expert, num_padded, max_blocks
+
+
+# --------------------------------------------------------------------------------------------- experts
+def _w_strides(w: torch.Tensor, layout: str):
+    """(stride_e, stride_row_out, stride_col_in) of per-expert matrices in either layout."""
+    if layout == "out_in":
+        return w.stride(0), w.stride(1), w.stride(2)
+    return w.stride(0), w.stride(2), w.stride(1)
+
+
+def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
+    """Routed experts before the combine: x [T, H] -> y [T * k, H] (routing weights applied), x's dtype."""
+    T, H = x.shape
+    k, E, I = ids.shape[1], spec.num_experts, spec.intermediate_size
+    P = T * k
+    w13, b13, w2, b2 = args["w13"], args["b13"], args["w2"], args["b2"]
+    cfg = tuning.get_config(E, I, H, T, k, x.dtype, x.device)
+    bm = cfg["BLOCK_M"]
+    sorted_ids, block_expert, num_padded, max_blocks = align(ids, E, bm)
+
+    # gemm1: [S, H] x [E, 2I, H] -> h [S, I]
+    h = torch.empty(sorted_ids.numel(), I, dtype=x.dtype, device=x.device)
+    se, sn, sk = _w_strides(w13, spec.w_layout)
+    interleaved = spec.gated and spec.gate_up == "interleaved"
+    c1 = cfg["g1"]
+    grid1 = (max_blocks * triton.cdiv(I, c1["BLOCK_N"]),)
+    gemm_k.moe_gemm1_kernel[grid1](
+        x, w13, b13, h, sorted_ids, block_expert, num_padded,
+        P, k, I, H, max_blocks,
+        x.stride(0), se, sn, sk, 0 if b13 is None else b13.stride(0), h.stride(0),
+        1 if interleaved else I, float(spec.activation_alpha), float(spec.activation_limit),
+        GATE_STRIDE=2 if interleaved else 1, GATED=spec.gated, ACT=_ACT[spec.activation],
+        HAS_BIAS=b13 is not None, UPCAST=_upcast(x), DOT_PRECISION=_precision(x),
+        BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
+        num_warps=c1["num_warps"], num_stages=c1["num_stages"],
+    )
+
+    # gemm2: h [S, I] x [E, H, I] -> y [P, H], times routing weight
+    y = torch.empty(P, H, dtype=x.dtype, device=x.device)
+    se, sn, sk = _w_strides(w2, spec.w_layout)
+    c2 = cfg["g2"]
+    grid2 = (max_blocks * triton.cdiv(H, c2["BLOCK_N"]),)
+    gemm_k.moe_gemm2_kernel[grid2](
+        h, w2, b2, weights, y, sorted_ids, block_expert, num_padded,
+        P, H, I, max_blocks,
+        h.stride(0), se, sn, sk, 0 if b2 is None else b2.stride(0), y.stride(0),
+        HAS_BIAS=b2 is not None, UPCAST=_upcast(x), DOT_PRECISION=_precision(x),
+        BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"],
+        num_warps=c2["num_warps"], num_stages=c2["num_stages"],
+    )
+    return y
+
+
+def combine(y: torch.Tensor, T: int, k: int, out: torch.Tensor, shared=None, gate=None) -> torch.Tensor:
+    H = out.shape[1]
+    if T == 0:
+        return out
+    block_h = min(1024, triton.next_power_of_2(H))
+    combine_k.combine_kernel[(T, triton.cdiv(H, block_h))](
+        y, shared, gate, out, H,
+        y.stride(0), 0 if shared is None else shared.stride(0), 0 if gate is None else gate.stride(0), out.stride(0),
+        TOP_K=k, K_PAD=triton.next_power_of_2(k), HAS_SHARED=shared is not None, HAS_GATE=gate is not None,
+        BLOCK_H=block_h, num_warps=4,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------- shared experts
+def shared_mlp(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
+    """Shared experts without their gate (the combine applies it): x [T, H] -> [T, H]."""
+    sh = spec.shared
+    w1, w3, w2 = args["shared_w1"], args["shared_w3"], args["shared_w2"]
+    Is = sh.intermediate_size
+    T = x.shape[0]
+    if not sh.gated:
+        up = torch.nn.functional.linear(x, w3)
+        return torch.nn.functional.linear(reference.activation(up, sh.activation), w2)
+    if sh.layout == "concat":
+        gu = torch.nn.functional.linear(x, w1)  # [T, 2 Is]
+    else:
+        gu = torch.empty(T, 2 * Is, dtype=x.dtype, device=x.device)
+        torch.mm(x, w1.t(), out=gu[:, :Is])
+        torch.mm(x, w3.t(), out=gu[:, Is:])
+    hs = torch.empty(T, Is, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(Is))
+    combine_k.act_mul_kernel[(T, triton.cdiv(Is, block))](
+        gu, hs, Is, gu.stride(0), hs.stride(0), ACT=_ACT[sh.activation], BLOCK=block
+    )
+    return torch.nn.functional.linear(hs, w2)
+
+
+_side_streams: dict = {}
+
+
+def _side_stream(device: torch.device):
+    s = _side_streams.get(device.index)
+    if s is None:
+        s = _side_streams[device.index] = torch.cuda.Stream(device)
+    return s
+
+
+# --------------------------------------------------------------------------------------------- entry points
+def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()  # [T, H]
+    T = x2.shape[0]
+    out = torch.empty_like(x2)
+    if T == 0:
+        return out.reshape(shape)
+    shared, side = None, None
+    overlap = spec.shared is not None and x2.is_cuda and os.environ.get("MOECOMP_NO_OVERLAP") != "1"
+    if overlap:
+        main = torch.cuda.current_stream(x2.device)
+        side = _side_stream(x2.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            shared = shared_mlp(x2, args, spec)
+    elif spec.shared is not None:
+        shared = shared_mlp(x2, args, spec)
+
+    logits, gate = router_logits(x2, args, spec)  # [T, E], [T] or None
+    ids, weights = route(logits, args["correction_bias"], spec, x2.dtype)
+    y = experts(x2, ids, weights, args, spec)
+
+    if overlap:
+        main.wait_stream(side)
+        shared.record_stream(main)
+        x2.record_stream(side)
+    return combine(y, T, spec.top_k, out, shared, gate).reshape(shape)
+
+
+def moe_experts(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.Tensor:
+    x2 = x.contiguous()
+    T = x2.shape[0]
+    out = torch.empty_like(x2)
+    if T == 0:
+        return out
+    y = experts(x2, topk_ids.to(torch.int32), topk_weights.float().contiguous(), args, spec)
+    return combine(y, T, topk_ids.shape[1], out)
