@@ -1,4 +1,4 @@
-"""Fused routing: scores -> (grouped) top-k -> renormalise -> scale, one launch.
+r"""Fused routing: scores -> (grouped) top-k -> renormalise -> scale, one launch.
 
     logits [T, E] --score--> s [T, E] --(+bias)--> choice --group mask--> top-k ids [T, k]
                                     \__________ s[ids] (renorm, *scale) ---------> weights [T, k] fp32

@@ -154,25 +154,18 @@ def _w_strides(w: torch.Tensor, layout: str):
     return w.stride(0), w.stride(2), w.stride(1)
 
 
-def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
-    """Routed experts before the combine: x [T, H] -> y [T * k, H] (routing weights applied), x's dtype."""
+def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict) -> torch.Tensor:
+    """x [T, H] x w13 [E, 2I, H] over expert-sorted rows -> h [S, I] (activation fused)."""
+    sorted_ids, block_expert, num_padded, max_blocks = aligned
     T, H = x.shape
-    k, E, I = ids.shape[1], spec.num_experts, spec.intermediate_size
-    P = T * k
-    w13, b13, w2, b2 = args["w13"], args["b13"], args["w2"], args["b2"]
-    cfg = tuning.get_config(E, I, H, T, k, x.dtype, x.device)
-    bm = cfg["BLOCK_M"]
-    sorted_ids, block_expert, num_padded, max_blocks = align(ids, E, bm)
-
-    # gemm1: [S, H] x [E, 2I, H] -> h [S, I]
+    I = spec.intermediate_size
     h = torch.empty(sorted_ids.numel(), I, dtype=x.dtype, device=x.device)
     se, sn, sk = _w_strides(w13, spec.w_layout)
     interleaved = spec.gated and spec.gate_up == "interleaved"
-    c1 = cfg["g1"]
-    grid1 = (max_blocks * triton.cdiv(I, c1["BLOCK_N"]),)
-    gemm_k.moe_gemm1_kernel[grid1](
+    grid = (max_blocks * triton.cdiv(I, c1["BLOCK_N"]),)
+    gemm_k.moe_gemm1_kernel[grid](
         x, w13, b13, h, sorted_ids, block_expert, num_padded,
-        P, k, I, H, max_blocks,
+        T * k, k, I, H, max_blocks,
         x.stride(0), se, sn, sk, 0 if b13 is None else b13.stride(0), h.stride(0),
         1 if interleaved else I, float(spec.activation_alpha), float(spec.activation_limit),
         GATE_STRIDE=2 if interleaved else 1, GATED=spec.gated, ACT=_ACT[spec.activation],
@@ -180,21 +173,37 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, args: dic
         BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
         num_warps=c1["num_warps"], num_stages=c1["num_stages"],
     )
+    return h
 
-    # gemm2: h [S, I] x [E, H, I] -> y [P, H], times routing weight
-    y = torch.empty(P, H, dtype=x.dtype, device=x.device)
+
+def gemm2(h, w2, b2, weights, spec: MoESpec, aligned, P: int, bm: int, c2: dict) -> torch.Tensor:
+    """h [S, I] x w2 [E, H, I] -> y [P, H] in pair order, each row times its routing weight."""
+    sorted_ids, block_expert, num_padded, max_blocks = aligned
+    H, I = spec.hidden_size, spec.intermediate_size
+    y = torch.empty(P, H, dtype=h.dtype, device=h.device)
     se, sn, sk = _w_strides(w2, spec.w_layout)
-    c2 = cfg["g2"]
-    grid2 = (max_blocks * triton.cdiv(H, c2["BLOCK_N"]),)
-    gemm_k.moe_gemm2_kernel[grid2](
+    grid = (max_blocks * triton.cdiv(H, c2["BLOCK_N"]),)
+    gemm_k.moe_gemm2_kernel[grid](
         h, w2, b2, weights, y, sorted_ids, block_expert, num_padded,
         P, H, I, max_blocks,
         h.stride(0), se, sn, sk, 0 if b2 is None else b2.stride(0), y.stride(0),
-        HAS_BIAS=b2 is not None, UPCAST=_upcast(x), DOT_PRECISION=_precision(x),
+        HAS_BIAS=b2 is not None, UPCAST=_upcast(h), DOT_PRECISION=_precision(h),
         BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"],
         num_warps=c2["num_warps"], num_stages=c2["num_stages"],
     )
     return y
+
+
+def experts(x, ids, weights, args: dict, spec: MoESpec, cfg: dict | None = None) -> torch.Tensor:
+    """Routed experts before the combine: x [T, H] -> y [T * k, H] (routing weights applied), x's dtype."""
+    T, H = x.shape
+    k = ids.shape[1]
+    if cfg is None:
+        cfg = tuning.get_config(spec.num_experts, spec.intermediate_size, H, T, k, x.dtype, x.device)
+    bm = cfg["BLOCK_M"]
+    aligned = align(ids, spec.num_experts, bm)
+    h = gemm1(x, args["w13"], args["b13"], spec, aligned, k, bm, cfg["g1"])
+    return gemm2(h, args["w2"], args["b2"], weights, spec, aligned, T * k, bm, cfg["g2"])
 
 
 def combine(y: torch.Tensor, T: int, k: int, out: torch.Tensor, shared=None, gate=None) -> torch.Tensor:

@@ -1,0 +1,128 @@
+"""moe_forward / moe_experts against moecomp.reference over a grid of shapes, on CPU (torch path and Triton
+kernels under the interpreter). Outputs and every scratch buffer are NaN-poisoned (``poison`` fixture).
+
+Tolerances (relative Frobenius error vs the fp32 reference): fp32 1e-5; fp16 5e-3 (16-bit operands, the
+intermediate activation and per-pair outputs are rounded to fp16 like HF does)."""
+
+import pytest
+import torch
+
+from moecomp import reference
+from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
+from moecomp.testing import random_moe_args
+
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check(spec, T, dtype, seed=0):
+    args = random_moe_args(spec, T, dtype, seed=seed)
+    out = torch.ops.moecomp.moe_forward(*args, spec.key)
+    ref = reference.moe_forward(*args, spec)
+    assert out.shape == ref.shape and out.dtype == args[0].dtype
+    assert torch.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite output"
+    if T:
+        assert rel_err(out, ref) < TOL[dtype], f"rel err {rel_err(out, ref):.2e} for {spec.describe()} T={T}"
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("E", [4, 7, 8])
+@pytest.mark.parametrize("k", [1, 2, "E"])
+@pytest.mark.parametrize("T", [0, 1, 7, 33, 100])
+def test_grid(cpu_backend, poison, T, E, k, dtype):
+    k = E if k == "E" else k
+    spec = MoESpec(num_experts=E, top_k=k, hidden_size=33, intermediate_size=17)
+    check(spec, T, dtype, seed=T * 100 + E * 10 + k)
+
+
+STYLES = {
+    "mixtral": MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40),
+    "qwen3_no_renorm_round": MoESpec(num_experts=8, top_k=3, hidden_size=48, intermediate_size=40,
+                                     renormalize=False, round_weights=True),
+    "qwen2_shared_gate": MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40,
+                                 shared=SharedExpertSpec(56, gate="sigmoid")),
+    "deepseek_v3": MoESpec(num_experts=16, top_k=4, hidden_size=48, intermediate_size=24, scoring="sigmoid",
+                           has_correction_bias=True, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                           renorm_eps=1e-20, router_fp32=True, shared=SharedExpertSpec(48)),
+    "deepseek_v2_softmax_group_max": MoESpec(num_experts=16, top_k=3, hidden_size=48, intermediate_size=24,
+                                             n_group=4, topk_group=2, group_score="max", renormalize=False,
+                                             routed_scaling_factor=1.5),
+    "sigmoid_no_group": MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40, scoring="sigmoid",
+                                has_correction_bias=True),
+    "sqrtsoftplus": MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40, scoring="sqrtsoftplus"),
+    "gpt_oss": MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40, score_order="topk_then_score",
+                       renormalize=False, has_router_bias=True, activation="swiglu_oai", w_layout="in_out",
+                       gate_up="interleaved", has_expert_bias=True, activation_alpha=1.702, activation_limit=0.5),
+    "not_gated_gelu": MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40, gated=False,
+                              activation="gelu"),
+    "gelu_tanh_shared_concat": MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40,
+                                       activation="gelu_tanh", shared=SharedExpertSpec(24, layout="concat")),
+    "relu_shared_ungated_mlp": MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40,
+                                       activation="relu", shared=SharedExpertSpec(24, gated=False, activation="relu")),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", sorted(STYLES))
+def test_router_and_expert_styles(cpu_backend, poison, name, dtype):
+    check(STYLES[name], 300 if dtype == torch.float32 else 21, dtype, seed=len(name))
+
+
+def test_alignment_large_path(cpu_backend, poison):
+    """More than 256 (token, expert) pairs takes the multi-program alignment (atomics) path."""
+    spec = MoESpec(num_experts=7, top_k=3, hidden_size=33, intermediate_size=17)
+    check(spec, 150, torch.float32, seed=3)
+
+
+def test_leading_dims_kept(cpu_backend):
+    spec = STYLES["mixtral"]
+    args = random_moe_args(spec, 10, seed=1)
+    x3 = args[0].reshape(2, 5, -1)
+    out = torch.ops.moecomp.moe_forward(x3, *args[1:], spec.key)
+    assert out.shape == x3.shape
+    torch.testing.assert_close(out.reshape(10, -1), reference.moe_forward(*args, spec), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", [0, 5, 40])
+def test_moe_experts_given_routing(cpu_backend, poison, T):
+    spec = MoESpec(num_experts=6, top_k=2, hidden_size=33, intermediate_size=17)
+    args = random_moe_args(spec, T, seed=T)
+    x = args[0]
+    ids = torch.stack([torch.randperm(6)[:2] for _ in range(T)]) if T else torch.empty(0, 2, dtype=torch.long)
+    w = torch.rand(T, 2)
+    a = dict(zip(("w13", "b13", "w2", "b2"), (args[4], args[5], args[6], args[7])))
+    out = torch.ops.moecomp.moe_experts(x, ids, w, a["w13"], a["b13"], a["w2"], a["b2"], spec.key)
+    ref = reference.experts(x, ids, w, a["w13"], a["b13"], a["w2"], a["b2"], spec)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref.to(out.dtype), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_name_the_problem():
+    spec = STYLES["mixtral"]
+    args = list(random_moe_args(spec, 4, seed=0))
+    with pytest.raises(SpecError, match="w13 has shape"):
+        bad = args.copy()
+        bad[4] = bad[4][:, :-1]
+        torch.ops.moecomp.moe_forward(*bad, spec.key)
+    with pytest.raises(SpecError, match="hidden_size"):
+        torch.ops.moecomp.moe_forward(args[0][:, :-1], *args[1:], spec.key)
+    with pytest.raises(SpecError, match="shared_w1 was given"):
+        bad = args.copy()
+        bad[8] = torch.randn(3, 48)
+        torch.ops.moecomp.moe_forward(*bad, spec.key)
+    with pytest.raises(SpecError, match="top_k"):
+        MoESpec(num_experts=4, top_k=5, hidden_size=8, intermediate_size=8)
+    with pytest.raises(SpecError, match="n_group"):
+        MoESpec(num_experts=10, top_k=2, hidden_size=8, intermediate_size=8, n_group=4)
+
+
+def test_spec_key_roundtrip_and_hash():
+    for spec in STYLES.values():
+        again = MoESpec.from_key(spec.key)
+        assert again == spec and hash(again) == hash(spec)
+    assert len({s.key for s in STYLES.values()}) == len(STYLES)
