@@ -65,6 +65,7 @@ def moe_gemm1_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    TILE_N: tl.constexpr,  # 2 * BLOCK_N when gated, else BLOCK_N
 ):
     pid_m, pid_n = _block_ids(tl.program_id(0), N_OUT, MAX_BLOCKS, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -75,51 +76,47 @@ def moe_gemm1_kernel(
     pair = tl.load(sorted_ptr + offs_m)
     row_ok = pair < P
     tok = (pair // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N_OUT
     offs_k = tl.arange(0, BLOCK_K)
+    # One dot per K step over a [BLOCK_K, TILE_N] weight tile. Gated: tile column 2c is gate row n0 + c and
+    # column 2c + 1 its up row, so the accumulator splits into (gate, up) pairs in registers.
+    if GATED:
+        offs_j = tl.arange(0, TILE_N)
+        col_n = pid_n * BLOCK_N + offs_j // 2
+        w_rows = col_n.to(tl.int64) * GATE_STRIDE + (offs_j % 2) * UP_OFFSET
+    else:
+        col_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_rows = col_n.to(tl.int64)
+    col_ok = col_n < N_OUT
 
     a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
-    w_base = w_ptr + expert * stride_we
-    g_rows = offs_n.to(tl.int64) * GATE_STRIDE
-    g_ptrs = w_base + g_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    if GATED:
-        u_ptrs = w_base + (g_rows + UP_OFFSET)[None, :] * stride_wn + offs_k[:, None] * stride_wk
-
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_ptrs = w_ptr + expert * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
-            bg = bg.to(tl.float32)
-        acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
-        if GATED:
-            bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if UPCAST:
-                bu = bu.to(tl.float32)
-            acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
-            u_ptrs += BLOCK_K * stride_wk
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K * stride_wk
+        b_ptrs += BLOCK_K * stride_wk
 
     if HAS_BIAS:
-        b_base = b_ptr + expert * stride_be
-        acc_g += tl.load(b_base + g_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_u += tl.load(b_base + g_rows + UP_OFFSET, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(b_ptr + expert * stride_be + w_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
 
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N_OUT
     if GATED:
+        g, u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
         if ACT == 4:  # clamped SwiGLU (gpt-oss): (clamp(u) + 1) * g * sigmoid(alpha * g), g clamped above
-            g = tl.minimum(acc_g, limit)
-            u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
             h = (u + 1.0) * (g * tl.sigmoid(g * alpha))
         else:
-            h = _act(acc_g, ACT) * acc_u
+            h = _act(g, ACT) * u
     else:
-        h = _act(acc_g, ACT)
+        h = _act(acc, ACT)
 
     h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])

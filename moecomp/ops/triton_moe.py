@@ -15,6 +15,7 @@ memory on the host, so the whole op can be captured in a CUDA graph.
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import triton
@@ -52,18 +53,19 @@ _DERIVED_MAX = 256
 
 
 def _derived_weight(tag: str, tensors: tuple, make):
-    """A weight derived from parameters (fp32 router copy, FSE concatenation), rebuilt when a source changes
-    (storage, shape, dtype or in-place version counter). Built on the first (warm-up) call, outside any
-    CUDA-graph capture; a graph captured before an in-place weight update must be captured again."""
-    slot = (tag,) + tuple(t.data_ptr() for t in tensors)
-    sig = tuple((t._version, tuple(t.shape), t.dtype) for t in tensors)
+    """A weight derived from parameters (fp32 router copy, FSE concatenation), cached per source tensor object
+    and rebuilt when a source changes (another object, even at the same address, or an in-place update).
+    Built on the first (warm-up) call, outside CUDA-graph capture; a graph captured before an in-place weight
+    update must be captured again."""
+    slot = (tag,) + tuple(id(t) for t in tensors)
+    sig = tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in tensors)
     hit = _derived.get(slot)
-    if hit is not None and hit[0] == sig:
-        return hit[1]
+    if hit is not None and hit[0] == sig and all(r() is t for r, t in zip(hit[1], tensors)):
+        return hit[2]
     if len(_derived) >= _DERIVED_MAX:
         _derived.pop(next(iter(_derived)))
     out = make()
-    _derived[slot] = (sig, out)
+    _derived[slot] = (sig, tuple(weakref.ref(t) for t in tensors), out)
     return out
 
 
@@ -171,7 +173,7 @@ def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict) -> tor
         GATE_STRIDE=2 if interleaved else 1, GATED=spec.gated, ACT=_ACT[spec.activation],
         HAS_BIAS=b13 is not None, UPCAST=_upcast(x), DOT_PRECISION=_precision(x),
         BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
-        num_warps=c1["num_warps"], num_stages=c1["num_stages"],
+        TILE_N=c1["BLOCK_N"] * (2 if spec.gated else 1), num_warps=c1["num_warps"], num_stages=c1["num_stages"],
     )
     return h
 

@@ -40,8 +40,9 @@ def _table(dev: str) -> dict:
 def _heuristic(E: int, N: int, K: int, T: int, top_k: int, device: torch.device) -> dict:
     P = T * top_k
     if device.type != "cuda":  # interpreter: small tiles keep CPU tests fast
-        g = dict(BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=1)
-        return dict(BLOCK_M=16, g1=g, g2=g)
+        g1 = dict(BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=1)
+        g2 = dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=16, g1=g1, g2=g2)
     rows = P / max(1, min(E, P))  # mean rows per active expert
     if rows <= 16:
         bm = 16

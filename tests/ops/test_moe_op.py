@@ -126,3 +126,22 @@ def test_spec_key_roundtrip_and_hash():
         again = MoESpec.from_key(spec.key)
         assert again == spec and hash(again) == hash(spec)
     assert len({s.key for s in STYLES.values()}) == len(STYLES)
+
+
+def test_derived_weights_follow_the_parameters(cpu_backend):
+    """FSE / fp32-router copies are cached per parameter: new tensors (even at a recycled address) and in-place
+    updates must be seen (a stale cache gave wrong routing once)."""
+    spec = MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, router_fp32=True,
+                   shared=SharedExpertSpec(16, gate="sigmoid"))
+    for seed in range(3):
+        args = random_moe_args(spec, 6, seed=seed)
+        out = torch.ops.moecomp.moe_forward(*args, spec.key)
+        torch.testing.assert_close(out, reference.moe_forward(*args, spec), rtol=1e-5, atol=1e-6)
+        del args, out
+    args = random_moe_args(spec, 6, seed=9)
+    torch.ops.moecomp.moe_forward(*args, spec.key)
+    with torch.no_grad():
+        args[1].mul_(-3.0)  # router weights, in place
+        args[-1].mul_(-2.0)  # shared-expert gate, in place
+    out = torch.ops.moecomp.moe_forward(*args, spec.key)
+    torch.testing.assert_close(out, reference.moe_forward(*args, spec), rtol=1e-5, atol=1e-6)
