@@ -23,11 +23,13 @@ from moecomp.ops import triton_moe, tuning
 from moecomp.testing import LAYER_PRESETS, random_moe_args
 
 TOKENS = [1, 8, 16, 64, 128, 512, 1024, 4096, 8192]
-# (BLOCK_N, BLOCK_K, num_warps, num_stages)
-TILES = [
-    (32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3),
-    (128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3),
-]
+# (BLOCK_N, BLOCK_K, num_warps, num_stages); gemm1's weight tile is 2 * BLOCK_N wide (gate and up columns)
+TILES = {
+    "g1": [(16, 128, 4, 4), (16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 4), (64, 64, 8, 4),
+           (64, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4)],
+    "g2": [(32, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 4), (64, 128, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3),
+           (128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3)],
+}
 
 
 def block_ms(T: int, k: int, E: int) -> list[int]:
@@ -54,7 +56,7 @@ def tune_one(spec, T: int, rep: int = 25):
         res = {}
         for which in ("g1", "g2"):
             ref_out, best_t, best_c = None, float("inf"), None
-            for bn, bk, nw, ns in TILES:
+            for bn, bk, nw, ns in TILES[which]:
                 c = dict(BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8 if bm >= 64 else 1, num_warps=nw, num_stages=ns)
                 if which == "g1":
                     fn = lambda c=c: triton_moe.gemm1(x, named["w13"], named["b13"], spec, aligned, k, bm, c)  # noqa: E731

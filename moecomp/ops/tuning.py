@@ -46,11 +46,11 @@ def _heuristic(E: int, N: int, K: int, T: int, top_k: int, device: torch.device)
     rows = P / max(1, min(E, P))  # mean rows per active expert
     if rows <= 16:
         bm = 16
-        g1 = dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+        g1 = dict(BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
         g2 = dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
     elif rows <= 48:
         bm = 32
-        g1 = dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4)
+        g1 = dict(BLOCK_N=32, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4)
         g2 = dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4)
     elif rows <= 128:
         bm = 64
@@ -59,7 +59,7 @@ def _heuristic(E: int, N: int, K: int, T: int, top_k: int, device: torch.device)
     else:
         bm = 128
         g1 = dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
-        g2 = dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+        g2 = dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
     return dict(BLOCK_M=bm, g1=g1, g2=g2)
 
 
