@@ -1,0 +1,1018 @@
+#!/usr/bin/env python3
+"""Time one MoE block per model family: HF eager, HF grouped_mm, torch.compile, and moecomp's custom op.
+
+Each block is built from transformers' own class with a config of the family's sizes, directly on the device
+in bf16, weights drawn from N(0, 0.02) in place (never zeros). moecomp binds the block's own parameters to
+``torch.ops.moecomp.moe_forward`` with a ``MoESpec`` made from the family's config. Before timing, every path's
+output is compared with the HF block (per-expert eager loop) on the same random input; moecomp's relative
+error is the "check" column (flagged loudly when above ``--tol``, the run keeps going).
+
+Every path is timed with plain launches and, where it can be captured (T <= 1024), as a CUDA-graph replay;
+the table shows the better, the JSON both. Times are ``triton.testing.do_bench`` medians in ms. The floor
+per cell is max(bytes / copy rate, FLOPs / matmul rate) with bytes counted from the experts the batch's
+routing actually touched, and both ceilings measured at the start of the same run.
+
+    python3 benchmarks/bench_moe.py                      # everything (~4-6 min on an H200)
+    python3 benchmarks/bench_moe.py --families qwen3,olmoe --tokens 1,128 --peers hf_grouped_mm,moecomp
+    python3 benchmarks/bench_moe.py --device cpu --tiny  # a smoke run on CPU (tiny sizes, host timer)
+
+Output: ``benchmarks/results/<gpu>-<date>-<commit>.json`` (and a copy under ``$OUT`` when set), written after
+every family; the markdown table is printed last. ``benchmarks/report.py`` turns JSONs into BENCHMARKS.md.
+Depends only on torch, triton, transformers and the stdlib (plus moecomp from this repository).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import importlib
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+for _p in (HERE, REPO):  # report.py (table) and moecomp (this checkout) without installing anything
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import torch  # noqa: E402
+
+import report  # noqa: E402  (benchmarks/report.py)
+
+DTYPE = torch.bfloat16
+INIT_STD = 0.02
+CORRECTION_BIAS_STD = 0.01  # DeepSeek's e_score_correction_bias: small, random (it only steers the selection)
+GRAPH_CONSISTENCY_TOL = 1e-2  # graph replay vs plain call on a fresh input
+ALL_TOKENS = (1, 16, 128, 1024, 8192)
+TINY_TOKENS = (1, 16, 128)
+ALL_PEERS = ("hf_eager", "hf_grouped_mm", "compile", "moecomp")
+PEER_ALIASES = {"eager": "hf_eager", "grouped_mm": "hf_grouped_mm", "grouped": "hf_grouped_mm",
+                "torch_compile": "compile", "ours": "moecomp"}
+
+
+class FatalCudaError(RuntimeError):
+    """The CUDA context is no longer usable (a sticky error): stop timing, keep what we have."""
+
+
+# ======================================================================================= model families
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str  # key used by --families and in PEERS_MD
+    label: str
+    module: str  # transformers module holding config + block classes
+    config_cls: str
+    block_cls: str
+    full: dict  # config kwargs at the real sizes
+    tiny: dict  # config kwargs for --tiny (CPU smoke runs)
+    spec_fn: str  # name of the spec builder below
+    aliases: tuple = ()
+
+
+def _attn(heads, kv, **extra):
+    return dict(num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv, **extra)
+
+
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family("mixtral", "Mixtral-8x7B", "transformers.models.mixtral", "MixtralConfig", "MixtralSparseMoeBlock",
+               dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+                    router_jitter_noise=0.0, **_attn(32, 8)),
+               dict(hidden_size=64, intermediate_size=96, num_local_experts=8, num_experts_per_tok=2,
+                    router_jitter_noise=0.0, **_attn(4, 2)),
+               "spec_mixtral"),
+        Family("qwen3", "Qwen3-30B-A3B", "transformers.models.qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeSparseMoeBlock",
+               dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                    norm_topk_prob=True, **_attn(32, 4, head_dim=128)),
+               dict(hidden_size=64, moe_intermediate_size=32, num_experts=32, num_experts_per_tok=8,
+                    norm_topk_prob=True, **_attn(4, 2, head_dim=16)),
+               "spec_qwen_style", ("qwen3_moe", "qwen3-30b-a3b")),
+        Family("qwen2", "Qwen1.5-MoE-A2.7B", "transformers.models.qwen2_moe", "Qwen2MoeConfig",
+               "Qwen2MoeSparseMoeBlock",
+               dict(hidden_size=2048, moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60,
+                    num_experts_per_tok=4, norm_topk_prob=False, **_attn(16, 16)),
+               dict(hidden_size=64, moe_intermediate_size=48, shared_expert_intermediate_size=96, num_experts=12,
+                    num_experts_per_tok=4, norm_topk_prob=False, **_attn(4, 2)),
+               "spec_qwen2", ("qwen2_moe", "qwen1.5", "qwen15")),
+        Family("olmoe", "OLMoE-1B-7B", "transformers.models.olmoe", "OlmoeConfig", "OlmoeSparseMoeBlock",
+               dict(hidden_size=2048, intermediate_size=1024, num_experts=64, num_experts_per_tok=8,
+                    norm_topk_prob=False, **_attn(16, 16)),
+               dict(hidden_size=64, intermediate_size=32, num_experts=16, num_experts_per_tok=8,
+                    norm_topk_prob=False, **_attn(4, 4)),
+               "spec_qwen_style"),
+        Family("deepseek", "DeepSeek-V3 layer", "transformers.models.deepseek_v3", "DeepseekV3Config", "DeepseekV3MoE",
+               dict(hidden_size=7168, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8,
+                    n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1,
+                    first_k_dense_replace=0, **_attn(128, 128)),
+               dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=32, num_experts_per_tok=8,
+                    n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1,
+                    first_k_dense_replace=0, **_attn(4, 4)),
+               "spec_deepseek_v3", ("deepseek_v3", "deepseek-v3", "dsv3")),
+    )
+}
+
+
+def _resolve(names: str, table: dict, aliases: dict, what: str) -> list[str]:
+    if names in ("all", ""):
+        return list(table)
+    out = []
+    for n in names.split(","):
+        n = n.strip().lower()
+        if not n:
+            continue
+        n = aliases.get(n, n)
+        if n not in table:
+            raise SystemExit(f"unknown {what} {n!r}; choose from {', '.join(table)}")
+        if n not in out:
+            out.append(n)
+    return out
+
+
+def build_block(fam: Family, tiny: bool, device: torch.device, seed: int):
+    """The HF block on ``device`` in bf16 (router / bias buffers keep the dtype the class gives them),
+    every floating parameter and the correction bias drawn in place (never zeros)."""
+    mod = importlib.import_module(fam.module)
+    cfg = getattr(mod, fam.config_cls)(**(fam.tiny if tiny else fam.full))
+    block_cls = getattr(mod, fam.block_cls, None)
+    if block_cls is None:  # older layouts export the block from modeling_* only
+        block_cls = getattr(importlib.import_module(f"{fam.module}.modeling_{fam.module.rsplit('.', 1)[1]}"),
+                            fam.block_cls)
+    try:  # set before construction too (some versions may read it in __init__)
+        set_experts_impl(None, cfg, "grouped_mm")
+    except Exception:
+        pass
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(DTYPE)
+    try:
+        with torch.device(device):
+            block = block_cls(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    block.eval()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for _, p in block.named_parameters():
+            p.requires_grad_(False)
+            if p.is_floating_point():
+                p.normal_(0.0, INIT_STD, generator=gen)
+        for name, b in block.named_buffers():
+            if b.is_floating_point() and "bias" in name:
+                b.normal_(0.0, CORRECTION_BIAS_STD, generator=gen)
+    return cfg, block
+
+
+def set_experts_impl(block, cfg, impl: str) -> None:
+    """Select transformers' experts path ("eager" | "grouped_mm") on this block, across 5.17 .. 5.24 APIs.
+
+    Both versions dispatch on ``experts.config._experts_implementation`` at call time; newer ones also have
+    ``set_experts_implementation`` on PreTrainedModel (not on a bare block), used when a module offers it."""
+    ex = getattr(block, "experts", None) if block is not None else None
+    for obj in (block, ex):
+        f = getattr(obj, "set_experts_implementation", None) if obj is not None else None
+        if callable(f):
+            try:
+                f(impl)
+            except Exception:
+                pass
+    configs = [cfg]
+    ex_cfg = getattr(ex, "config", None)
+    if ex_cfg is not None and ex_cfg is not cfg:
+        configs.append(ex_cfg)
+    for c in configs:
+        c._experts_implementation = impl
+    got = getattr(ex_cfg if ex_cfg is not None else cfg, "_experts_implementation", None)
+    if got != impl:
+        raise RuntimeError(f"could not select experts implementation {impl!r} (config says {got!r})")
+
+
+# ------------------------------------------------------------------------------------------ MoESpec per style
+_ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+         "relu": "relu"}
+
+
+def _act(cfg) -> str:
+    a = getattr(cfg, "hidden_act", "silu")
+    if a not in _ACTS:
+        raise ValueError(f"activation {a!r} has no MoESpec equivalent here")
+    return _ACTS[a]
+
+
+def _experts(block, H: int):
+    """(w13, w2, w_layout, E, I) from the block's fused experts module."""
+    ex = block.experts
+    w13, w2 = ex.gate_up_proj, ex.down_proj
+    transposed = bool(getattr(ex, "is_transposed", False) or getattr(ex, "experts_are_transposed", False))
+    layout = "in_out" if transposed else "out_in"
+    E = w13.shape[0]
+    I = w2.shape[-1] if layout == "out_in" else w2.shape[-2]
+    return w13, w2, layout, E, I
+
+
+def spec_mixtral(cfg, block):
+    from moecomp.spec import MoESpec
+
+    H = cfg.hidden_size
+    w13, w2, layout, E, I = _experts(block, H)
+    spec = MoESpec(num_experts=E, top_k=cfg.num_experts_per_tok, hidden_size=H, intermediate_size=I,
+                   scoring="softmax", renormalize=True, round_weights=False, activation=_act(cfg),
+                   w_layout=layout, gate_up="concat")
+    return spec, dict(router_w=block.gate.weight, w13=w13, w2=w2)
+
+
+def spec_qwen_style(cfg, block, shared=None, shared_tensors=None):
+    """Qwen2/3-MoE, OLMoE: softmax (fp32) -> top-k -> optional renormalise -> weights rounded to bf16."""
+    from moecomp.spec import MoESpec
+
+    H = cfg.hidden_size
+    w13, w2, layout, E, I = _experts(block, H)
+    spec = MoESpec(num_experts=E, top_k=cfg.num_experts_per_tok, hidden_size=H, intermediate_size=I,
+                   scoring="softmax", renormalize=bool(getattr(cfg, "norm_topk_prob", False)), round_weights=True,
+                   activation=_act(cfg), w_layout=layout, gate_up="concat", shared=shared)
+    return spec, dict(router_w=block.gate.weight, w13=w13, w2=w2, **(shared_tensors or {}))
+
+
+def spec_qwen2(cfg, block):
+    from moecomp.spec import SharedExpertSpec
+
+    se = block.shared_expert
+    shared = SharedExpertSpec(cfg.shared_expert_intermediate_size, activation=_act(cfg), gate="sigmoid")
+    return spec_qwen_style(cfg, block, shared, dict(
+        shared_w1=se.gate_proj.weight, shared_w3=se.up_proj.weight, shared_w2=se.down_proj.weight,
+        shared_gate_w=block.shared_expert_gate.weight))
+
+
+def spec_deepseek_v3(cfg, block):
+    from moecomp.spec import MoESpec, SharedExpertSpec
+
+    H = cfg.hidden_size
+    w13, w2, layout, E, I = _experts(block, H)
+    se = block.shared_experts
+    shared = SharedExpertSpec(se.down_proj.weight.shape[1], activation=_act(cfg))
+    spec = MoESpec(num_experts=E, top_k=cfg.num_experts_per_tok, hidden_size=H, intermediate_size=I,
+                   scoring="sigmoid", renormalize=bool(cfg.norm_topk_prob), renorm_eps=1e-20,
+                   routed_scaling_factor=float(cfg.routed_scaling_factor), n_group=cfg.n_group,
+                   topk_group=cfg.topk_group, group_score="top2_sum", has_correction_bias=True, router_fp32=True,
+                   round_weights=False, activation=_act(cfg), w_layout=layout, gate_up="concat", shared=shared)
+    return spec, dict(router_w=block.gate.weight, correction_bias=block.gate.e_score_correction_bias, w13=w13, w2=w2,
+                      shared_w1=se.gate_proj.weight, shared_w3=se.up_proj.weight, shared_w2=se.down_proj.weight)
+
+
+def family_label(fam: Family, spec) -> str:
+    sh = "-"
+    if spec.shared is not None:
+        sh = str(spec.shared.intermediate_size) + (" gated" if spec.shared.gate != "none" else "")
+    topk = str(spec.top_k)
+    if spec.n_group > 1:
+        topk += f" grouped {spec.n_group}/{spec.topk_group}"
+    return (f"{fam.label} ({spec.hidden_size}, {spec.intermediate_size}, {spec.num_experts}, {topk}, {sh})")
+
+
+# ================================================================================================ floor
+def floor_of(spec, T: int, ids: torch.Tensor, tensors: dict, ceilings: dict) -> dict:
+    """Roofline floor from the routing actually taken (distinct experts touched by this batch)."""
+    H, I, E, k = spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k
+    w_item = tensors["w13"].element_size()
+    distinct = int(torch.unique(ids).numel())
+    nbytes = distinct * spec.bytes_per_expert(w_item)
+    flops = 2 * T * k * (spec.w13_rows + I) * H
+    rw = tensors["router_w"]
+    nbytes += rw.numel() * rw.element_size()
+    flops += 2 * T * H * E
+    if tensors.get("correction_bias") is not None:
+        nbytes += tensors["correction_bias"].numel() * tensors["correction_bias"].element_size()
+    if spec.shared is not None:
+        for n in ("shared_w1", "shared_w3", "shared_w2", "shared_gate_w"):
+            t = tensors.get(n)
+            if t is not None:
+                nbytes += t.numel() * t.element_size()
+                flops += 2 * T * t.numel()
+    act_item = torch.finfo(DTYPE).bits // 8
+    nbytes += 2 * T * H * act_item  # x in, out
+    bytes_ms = nbytes / ceilings["copy_bytes_per_s"] * 1e3
+    flops_ms = flops / ceilings["matmul_flops_per_s"] * 1e3
+    return dict(floor_ms=max(bytes_ms, flops_ms), bytes=nbytes, flops=flops, bytes_ms=bytes_ms, flops_ms=flops_ms,
+                bound="memory" if bytes_ms >= flops_ms else "compute", distinct_experts=distinct)
+
+
+# =============================================================================================== timing
+class Timer:
+    def __init__(self, device: torch.device, quick: bool):
+        self.cuda = device.type == "cuda"
+        self.quick = quick
+        if self.cuda:
+            import triton.testing
+
+            self._do_bench = triton.testing.do_bench
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def once_ms(self, call) -> float:
+        if self.cuda:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            call()
+            e.record()
+            e.synchronize()
+            return s.elapsed_time(e)
+        t = time.perf_counter()
+        call()
+        return (time.perf_counter() - t) * 1e3
+
+    def bench(self, call, est_ms: float) -> float:
+        """Median ms. do_bench's warmup / rep are in ms; slow paths get a few calls only."""
+        est_ms = max(est_ms, 1e-3)
+        if not self.cuda:
+            n = 3 if self.quick else max(3, min(15, int(200 / est_ms)))
+            call()
+            ts = []
+            for _ in range(n):
+                t = time.perf_counter()
+                call()
+                ts.append((time.perf_counter() - t) * 1e3)
+            return statistics.median(ts)
+        warmup, rep = (5.0, 30.0) if self.quick else (25.0, 100.0)
+        if est_ms > 5:  # do_bench already runs 5 estimate calls; add 1 warm-up and ~4-8 timed calls
+            warmup = est_ms
+            rep = min(max(rep, (4 if self.quick else 8) * est_ms), 600.0 if self.quick else 1500.0)
+        return float(self._do_bench(call, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def measure_ceilings(device: torch.device, timer: Timer) -> dict:
+    if device.type == "cuda":
+        n = 1 << 29  # 1 GiB of bf16 each way: 2 GiB moved per copy
+        src = torch.randn(n, device=device, dtype=DTYPE)
+        dst = torch.empty_like(src)
+        t = timer.bench(lambda: dst.copy_(src), 1.0)
+        copy = 2 * n * src.element_size() / (t * 1e-3)
+        del src, dst
+        m = 8192
+    else:
+        n = 1 << 22
+        src = torch.randn(n, dtype=DTYPE)
+        dst = torch.empty_like(src)
+        t = timer.bench(lambda: dst.copy_(src), 1.0)
+        copy = 2 * n * src.element_size() / (t * 1e-3)
+        del src, dst
+        m = 256
+    a = torch.randn(m, m, device=device, dtype=DTYPE)
+    b = torch.randn(m, m, device=device, dtype=DTYPE)
+    c = torch.empty(m, m, device=device, dtype=DTYPE)
+    t2 = timer.bench(lambda: torch.matmul(a, b, out=c), 1.0)
+    mm = 2 * m**3 / (t2 * 1e-3)
+    del a, b, c
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return dict(copy_bytes_per_s=copy, copy_ms=t, copy_bytes=2 * n * 2, matmul_flops_per_s=mm, matmul_ms=t2,
+                matmul_size=m)
+
+
+# =============================================================================================== checks
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float().reshape(-1, a.shape[-1]), b.detach().float().reshape(-1, b.shape[-1])
+    num, den = (a - b).norm().item(), b.norm().item()
+    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+def bad_token_frac(a: torch.Tensor, b: torch.Tensor, thresh: float = 0.05) -> float:
+    """Fraction of tokens whose own relative error exceeds ``thresh`` (routing flips show up here)."""
+    a, b = a.detach().float().reshape(-1, a.shape[-1]), b.detach().float().reshape(-1, b.shape[-1])
+    per = (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)
+    return float((~(per <= thresh)).float().mean().item())
+
+
+def routing_ambiguous(logits: torch.Tensor, correction_bias, spec, fp32_router: bool) -> torch.Tensor:
+    """[T] bool: tokens whose expert choice could legitimately differ between two correct implementations.
+
+    bf16 routers round the logits to bf16, so exact ties at the top-k boundary are common (~10% of tokens at
+    E=128), and ``torch.topk`` and our kernels may break them differently; two GEMMs summing in different orders
+    can also land one bf16 ulp apart. Each ranking key gets an interval from the logit +- d; a token is ambiguous
+    when the worst selected key's lower end does not clear the best rejected key's upper end (likewise for the
+    group choice)."""
+    from moecomp import reference
+
+    l = logits.float()
+    if fp32_router:  # fp32 GEMMs over H terms in different orders: ~1e-6 apart; allow 2e-5
+        d = 2e-5 * (1.0 + l.abs())
+    else:  # half a bf16 ulp each side: exact ties and 1-ulp gaps (one rounding apart) count as ambiguous
+        _, e = torch.frexp(l)
+        d = 0.5 * torch.pow(2.0, (e - 8).float()) + 1e-30
+    T, E, k = l.shape[0], spec.num_experts, spec.top_k
+    if spec.score_order == "topk_then_score" or (spec.scoring == "softmax" and not spec.has_correction_bias):
+        lo, hi, key = l - d, l + d, l  # softmax ranks like its logits
+    elif spec.scoring == "softmax":
+        p = torch.softmax(l, -1)
+        lo, hi, key = p * torch.exp(-2 * d), p * torch.exp(2 * d), p
+    else:
+        lo, hi, key = reference.score(l - d, spec.scoring), reference.score(l + d, spec.scoring), \
+            reference.score(l, spec.scoring)
+    if spec.has_correction_bias and spec.score_order != "topk_then_score":
+        b = correction_bias.float()
+        lo, hi, key = lo + b, hi + b, key + b
+    amb = torch.zeros(T, dtype=torch.bool, device=l.device)
+    allowed = torch.ones(T, E, dtype=torch.bool, device=l.device)
+    if spec.n_group > 1 and spec.score_order != "topk_then_score":
+        G = spec.n_group
+
+        def gscore(v):
+            v = v.view(T, G, E // G)
+            return v.topk(2, -1).values.sum(-1) if spec.group_score == "top2_sum" else v.max(-1).values
+
+        gk, glo, ghi = gscore(key), gscore(lo), gscore(hi)
+        keep = gk.topk(spec.topk_group, -1).indices
+        kmask = torch.zeros(T, G, dtype=torch.bool, device=l.device).scatter_(1, keep, True)
+        if spec.topk_group < G:
+            worst_kept = glo.masked_fill(~kmask, math.inf).min(-1).values
+            best_dropped = ghi.masked_fill(kmask, -math.inf).max(-1).values
+            amb |= ~(worst_kept > best_dropped)
+        allowed = kmask[:, :, None].expand(T, G, E // G).reshape(T, E)
+    if k < E:
+        masked = key.masked_fill(~allowed, -math.inf)
+        sel = masked.topk(k, -1).indices
+        smask = torch.zeros(T, E, dtype=torch.bool, device=l.device).scatter_(1, sel, True)
+        worst_sel = lo.masked_fill(~smask, math.inf).min(-1).values
+        best_rej = hi.masked_fill(smask | ~allowed, -math.inf).max(-1).values
+        amb |= ~(worst_sel > best_rej)
+    return amb
+
+
+def rel_err_rows(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor) -> float | None:
+    a, b = a.detach().float().reshape(-1, a.shape[-1]), b.detach().float().reshape(-1, b.shape[-1])
+    if not bool(rows.any()):
+        return None
+    return rel_err(a[rows], b[rows])
+
+
+def _root_msg(e: BaseException, n: int = 160) -> str:
+    seen, cur = [], e
+    while cur is not None and len(seen) < 8:
+        seen.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    root = seen[-1]
+    msg = " ".join(str(root).split()) or "?"
+    return f"{type(root).__name__}: {msg}"[:n]
+
+
+def cuda_healthy(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize()
+        return torch.ones(2, device=device).add_(1).sum().item() == 4.0
+    except Exception:
+        return False
+
+
+# ================================================================================================ paths
+@dataclasses.dataclass
+class Path:
+    name: str
+    fn: object  # x [1, T, H] -> [1, T, H]
+    prepare: object = None  # called before this path's calls (selects HF's experts implementation)
+
+
+def check_output(out: torch.Tensor, ref: torch.Tensor, amb: torch.Tensor | None, tol: float) -> dict:
+    """rel err vs the HF block over all tokens and over the tokens with an unambiguous routing; ok when finite
+    and the unambiguous part is within ``tol`` (tie flips are legitimate, see ``routing_ambiguous``)."""
+    rel = rel_err(out, ref)
+    c = dict(rel_err_vs_hf=rel)
+    judged = rel
+    if amb is not None:
+        n_amb = int(amb.sum().item())
+        c["ambiguous_tokens"] = n_amb
+        if n_amb:
+            u = rel_err_rows(out, ref, ~amb)
+            c["rel_err_unambiguous"] = u
+            if u is not None:
+                judged = u
+                keep = ~amb
+                c["bad_token_frac_unambiguous"] = bad_token_frac(out.reshape(-1, out.shape[-1])[keep],
+                                                                 ref.reshape(-1, ref.shape[-1])[keep])
+    c["check_ok"] = bool(math.isfinite(rel) and judged <= tol)
+    return c
+
+
+def run_path(path: Path, x: torch.Tensor, ref: torch.Tensor, timer: Timer, args, device, tol: float,
+             amb: torch.Tensor | None = None) -> dict:
+    rec: dict = dict(plain_ms=None, graph_ms=None, best_ms=None, best_mode=None)
+    T = x.shape[1]
+    try:
+        if path.prepare:
+            path.prepare()
+        t0 = time.perf_counter()
+        out = path.fn(x)
+        timer.sync()
+        rec["first_call_s"] = round(time.perf_counter() - t0, 4)
+        rec.update(check_output(out, ref, amb, tol))
+        est = timer.once_ms(lambda: path.fn(x))
+        rec["plain_ms"] = timer.bench(lambda: path.fn(x), est)
+    except torch.cuda.OutOfMemoryError as e:
+        rec["error"] = _root_msg(e)
+        out = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    except Exception as e:
+        rec["error"] = _root_msg(e)
+        out = None
+        if not cuda_healthy(device):
+            raise FatalCudaError(f"{path.name}: {rec['error']}") from e
+        if args.verbose:
+            traceback.print_exc()
+    # ---- CUDA graph replay
+    if device.type != "cuda":
+        rec["graph_note"] = "n/a (cpu)"
+    elif args.no_graph:
+        rec["graph_note"] = "n/a (--no-graph)"
+    elif T > args.graph_max_t:
+        rec["graph_note"] = f"n/a (T > {args.graph_max_t})"
+    elif out is None:
+        rec["graph_note"] = "n/a (plain call failed)"
+    else:
+        rec.update(time_graph(path, x, out, timer, est, device))
+    cands = [(v, m) for v, m in ((rec["plain_ms"], "plain"), (rec["graph_ms"], "graph")) if v is not None]
+    if cands:
+        rec["best_ms"], rec["best_mode"] = min(cands)
+    return rec
+
+
+def time_graph(path: Path, x, out_plain, timer: Timer, est: float, device) -> dict:
+    g = xs = gout = None
+    main_stream = torch.cuda.current_stream()
+    try:
+        xs = x.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up on a side stream (allocator / autotune / compile)
+            for _ in range(2):
+                path.fn(xs)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            gout = path.fn(xs)
+        torch.cuda.synchronize()
+    except Exception as e:
+        reason = _root_msg(e, 120)
+        # torch.cuda.graph's __exit__ skips restoring the stream when capture_end raises: restore it here
+        torch.cuda.set_stream(main_stream)
+        del g, gout
+        gc.collect()
+        if not cuda_healthy(device):
+            raise FatalCudaError(f"{path.name} graph capture: {reason}") from e
+        return dict(graph_ms=None, graph_note=f"n/a (capture failed: {reason})")
+    try:
+        g.replay()
+        torch.cuda.synchronize()
+        same = rel_err(gout, out_plain)
+        # A graph that baked in host-side decisions (e.g. which experts run) would pass on the capture input
+        # and fail here: replay on a fresh input and compare with a plain call on it.
+        x_new = torch.randn_like(x)
+        xs.copy_(x_new)
+        g.replay()
+        want = path.fn(x_new)
+        torch.cuda.synchronize()
+        fresh = rel_err(gout, want)
+        xs.copy_(x)
+        if not (fresh <= GRAPH_CONSISTENCY_TOL and same <= GRAPH_CONSISTENCY_TOL):
+            return dict(graph_ms=None, graph_note=f"n/a (replay disagrees with plain call: rel err {same:.2g} on the "
+                                                  f"capture input, {fresh:.2g} on a fresh input)",
+                        graph_rel_err=fresh)
+        ms = timer.bench(g.replay, est)
+        return dict(graph_ms=ms, graph_note="ok", graph_rel_err=max(same, fresh))
+    except Exception as e:
+        reason = _root_msg(e, 120)
+        if not cuda_healthy(device):
+            raise FatalCudaError(f"{path.name} graph replay: {reason}") from e
+        return dict(graph_ms=None, graph_note=f"n/a (replay failed: {reason})")
+    finally:
+        del g, gout, xs
+        gc.collect()
+
+
+# ============================================================================================ environment
+def git_commit() -> str:
+    try:
+        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=20)
+        if r.returncode == 0 and r.stdout.strip():
+            sha = r.stdout.strip()
+            d = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=20)
+            return sha + ("-dirty" if d.returncode == 0 and d.stdout.strip() else "")
+    except Exception:
+        pass
+    return os.environ.get("MOECOMP_COMMIT", "unknown") or "unknown"
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    try:
+        import triton
+
+        triton_v = triton.__version__
+    except Exception:
+        triton_v = None
+    env = dict(torch=torch.__version__, triton=triton_v, transformers=transformers.__version__,
+               python=platform.python_version(), cuda=torch.version.cuda, device=device.type)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=torch.cuda.get_device_name(device), capability=".".join(map(str, (props.major, props.minor))),
+                   sm_count=props.multi_processor_count, gpu_mem_gib=round(props.total_memory / 2**30, 1))
+    else:
+        env.update(gpu=f"cpu ({platform.processor() or platform.machine()})")
+    return env
+
+
+def peer_hygiene() -> dict:
+    """What the HF / compile peers actually dispatch to once moecomp is imported (kept in the JSON)."""
+    h = {}
+    try:
+        from transformers.integrations import moe as hf_moe
+
+        fns = hf_moe.ALL_EXPERTS_FUNCTIONS
+        for name in ("eager", "grouped_mm"):
+            f = fns.get(name, None) if hasattr(fns, "get") else None
+            h[f"experts_{name}"] = None if f is None else f"{getattr(f, '__module__', '?')}.{f.__qualname__}"
+    except Exception as e:
+        h["experts"] = _root_msg(e)
+    try:
+        import torch._inductor.config as iconfig
+
+        h["inductor_post_grad_custom_post_pass"] = repr(iconfig.post_grad_custom_post_pass)
+        h["inductor_post_grad_custom_pre_pass"] = repr(iconfig.post_grad_custom_pre_pass)
+    except Exception as e:
+        h["inductor"] = _root_msg(e)
+    return h
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-") or "unknown"
+
+
+# =================================================================================================== run
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", default="all", help=f"comma list of {', '.join(FAMILIES)} (default all)")
+    ap.add_argument("--tokens", default=None, help="comma list of T (default 1,16,128,1024,8192; tiny: 1,16,128)")
+    ap.add_argument("--peers", default="all", help=f"comma list of {', '.join(ALL_PEERS)} (default all)")
+    ap.add_argument("--quick", action="store_true", help="shorter do_bench warmup / rep (noisier)")
+    ap.add_argument("--no-graph", action="store_true", help="skip CUDA-graph capture")
+    ap.add_argument("--graph-max-t", type=int, default=1024, help="capture graphs up to this T (default 1024)")
+    ap.add_argument("--via-optimize", action="store_true",
+                    help="also time moecomp.optimize(block) (needs moecomp.optimize); direct binding stays")
+    ap.add_argument("--moecomp-backend", choices=("triton", "torch"), default=None,
+                    help="sets MOECOMP_CUDA_BACKEND for the op (default: the op's own default)")
+    ap.add_argument("--tol", type=float, default=2e-2, help="moecomp vs HF rel-error tolerance (default 2e-2)")
+    ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke runs); no PEERS.md column")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--budget-s", type=float, default=540.0,
+                    help="start no new cell after this many seconds (default 540: the table still prints inside a "
+                         "10-minute limit); skipped cells are marked in the JSON")
+    ap.add_argument("--out-json", default=None,
+                    help="result path (default benchmarks/results/<gpu>-<date>-<commit>.json)")
+    ap.add_argument("--no-save", action="store_true", help="write no JSON")
+    ap.add_argument("--verbose", action="store_true", help="print tracebacks of failing paths")
+    return ap.parse_args(argv)
+
+
+def _save(result: dict, path: str | None):
+    if path is None:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    os.replace(tmp, path)
+    out_dir = os.environ.get("OUT")
+    if out_dir and os.path.isdir(out_dir) and os.path.abspath(os.path.dirname(path)) != os.path.abspath(out_dir):
+        with open(os.path.join(out_dir, os.path.basename(path)), "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+
+def log(msg: str):
+    print(msg, flush=True)
+
+
+def run(argv=None) -> dict:
+    """Run the benchmark; returns the result dict (also saved as JSON). The table is printed last."""
+    args = parse_args(argv)
+    if args.moecomp_backend:
+        os.environ["MOECOMP_CUDA_BACKEND"] = args.moecomp_backend
+    import moecomp  # registers torch.ops.moecomp.*
+    from moecomp import reference
+    from moecomp.ops.moe_op import MOE_ARGS, check_args
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    fams = _resolve(args.families, FAMILIES, {a: f.name for f in FAMILIES.values() for a in f.aliases}, "family")
+    peers = _resolve(args.peers, {p: p for p in ALL_PEERS}, PEER_ALIASES, "peer")
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(TINY_TOKENS if args.tiny else ALL_TOKENS)
+    timer = Timer(device, args.quick)
+    t_start = time.perf_counter()
+
+    env = environment(device)
+    commit = git_commit()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    full_run = (fams == list(FAMILIES) and peers == list(ALL_PEERS) and tokens == list(ALL_TOKENS)
+                and not args.quick and not args.tiny and not args.no_graph)
+    suffix = "" if full_run else ("-tiny" if args.tiny else "-partial")
+    short = "unknown" if commit == "unknown" else commit[:7] + ("-dirty" if commit.endswith("-dirty") else "")
+    gpu_slug = _slug(env["gpu"]) if device.type == "cuda" else "cpu"
+    out_json = None if args.no_save else (
+        args.out_json or os.path.join(HERE, "results", f"{gpu_slug}-{now:%Y%m%d}-{short}{suffix}.json"))
+
+    log(f"[bench] {env['gpu']} | torch {env['torch']} triton {env['triton']} transformers {env['transformers']} | "
+        f"commit {commit} | families {fams} | T {tokens} | peers {peers}")
+    ceilings = measure_ceilings(device, timer)
+    log(f"[bench] ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
+        f"matmul {ceilings['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({ceilings['matmul_size']}^3 bf16)")
+    result = dict(schema=1, **env, date=now.strftime("%Y-%m-%d"), timestamp=now.isoformat(timespec="seconds"),
+                  commit=commit, argv=sys.argv[1:] if argv is None else list(argv), tiny=args.tiny, quick=args.quick,
+                  moecomp_backend=(os.environ.get("MOECOMP_CUDA_BACKEND", "triton") if device.type == "cuda"
+                                   else os.environ.get("MOECOMP_CPU_BACKEND", "torch")),
+                  moecomp_version=getattr(moecomp, "__version__", None), tolerance=args.tol,
+                  init=dict(weight_std=INIT_STD, correction_bias_std=CORRECTION_BIAS_STD, input="randn (std 1)",
+                            dtype=str(DTYPE)),
+                  timing=("triton.testing.do_bench median (ms), L2 flushed per call" if device.type == "cuda"
+                          else "host perf_counter median (ms), CPU"),
+                  ceilings=ceilings, families=[], fatal=None, json_path=out_json)
+    result["peer_hygiene"] = peer_hygiene()
+    _save(result, out_json)
+
+    fatal = None
+    skipped = []
+    for fi, fname in enumerate(fams):
+        if fatal:
+            break
+        fam = FAMILIES[fname]
+        if time.perf_counter() - t_start > args.budget_s:
+            skipped += [f"{fname}:{T}" for T in tokens]
+            continue
+        t_fam = time.perf_counter()
+        frec: dict = dict(name=fam.name, label=fam.label, hf_class=f"{fam.module}.{fam.block_cls}", cells=[],
+                          errors=[])
+        result["families"].append(frec)
+        block = compiled = None
+        paths: list[Path] = []
+        try:
+            cfg, block = build_block(fam, args.tiny, device, args.seed + 1000 * fi)
+            frec["build_s"] = round(time.perf_counter() - t_fam, 2)
+            frec["config"] = {k: getattr(cfg, k, None) for k in sorted(fam.full)}
+            spec_err = None
+            try:
+                spec, tensors = globals()[fam.spec_fn](cfg, block)
+                frec["label"] = family_label(fam, spec)
+                frec["spec"] = spec.key
+                frec["spec_describe"] = spec.describe()
+                targs = [tensors.get(n) for n in MOE_ARGS]
+                H = spec.hidden_size
+                check_args(torch.empty(1, H, device=device, dtype=DTYPE), dict(zip(MOE_ARGS, targs)), spec)
+            except Exception as e:
+                spec_err = _root_msg(e)
+                frec["errors"].append(f"spec: {spec_err}")
+                spec = None
+            if "hf_eager" in peers:
+                paths.append(Path("hf_eager", block, lambda b=block, c=cfg: set_experts_impl(b, c, "eager")))
+            if "hf_grouped_mm" in peers:
+                paths.append(Path("hf_grouped_mm", block, lambda b=block, c=cfg: set_experts_impl(b, c, "grouped_mm")))
+            if "compile" in peers:
+                torch._dynamo.reset()
+                set_experts_impl(block, cfg, "grouped_mm")
+                compiled = torch.compile(block, dynamic=True)
+                paths.append(Path("compile", compiled, lambda b=block, c=cfg: set_experts_impl(b, c, "grouped_mm")))
+            if "moecomp" in peers:
+                if spec is not None:
+                    op, key = torch.ops.moecomp.moe_forward, spec.key
+
+                    def moecomp_fn(x, _op=op, _a=tuple(targs), _k=key, _H=H):
+                        return _op(x.view(-1, _H), *_a, _k).view(x.shape)
+
+                    paths.append(Path("moecomp", moecomp_fn))
+                else:
+                    paths.append(Path("moecomp", None))
+            keep_inputs = args.via_optimize
+            saved = []
+            H = cfg.hidden_size
+            gen = torch.Generator(device=device).manual_seed(args.seed + 1000 * fi + 7)
+            for T in tokens:
+                if time.perf_counter() - t_start > args.budget_s:
+                    skipped.append(f"{fname}:{T}")
+                    continue
+                t_cell = time.perf_counter()
+                cell: dict = dict(T=T, paths={})
+                frec["cells"].append(cell)
+                x = torch.randn(1, T, H, device=device, dtype=DTYPE, generator=gen)
+                with torch.no_grad():
+                    ref, ref_path = None, None
+                    for impl in ("eager", "grouped_mm"):  # the HF block itself (per-expert loop first)
+                        try:
+                            set_experts_impl(block, cfg, impl)
+                            ref, ref_path = block(x), f"hf_{impl}"
+                            break
+                        except Exception as e:
+                            cell.setdefault("ref_errors", []).append(f"{impl}: {_root_msg(e)}")
+                            if not cuda_healthy(device):
+                                raise FatalCudaError(f"HF reference: {_root_msg(e)}") from e
+                    cell["ref_path"] = ref_path
+                    amb = None
+                    if spec is not None:
+                        logits = reference.router_logits(x.view(-1, H), tensors["router_w"], None, spec)
+                        _, ids = reference.route(logits, tensors.get("correction_bias"), spec)
+                        fl = floor_of(spec, T, ids, tensors, ceilings)
+                        cell["floor_ms"] = fl.pop("floor_ms")
+                        cell["floor"] = fl
+                        amb = routing_ambiguous(logits, tensors.get("correction_bias"), spec, spec.router_fp32)
+                        cell["ambiguous_tokens"] = int(amb.sum().item())
+                        del logits, ids
+                    if not args.tiny and fam.name in report.PEERS_MD and T in report.PEERS_MD[fam.name]:
+                        cell["peers_md"] = report.peers_md_ref(fam.name, T)
+                    for p in paths:
+                        if ref is None:
+                            cell["paths"][p.name] = dict(error="no HF reference output", best_ms=None)
+                            continue
+                        if p.fn is None:
+                            cell["paths"][p.name] = dict(error=f"spec: {spec_err}", best_ms=None)
+                            continue
+                        cell["paths"][p.name] = run_path(p, x, ref, timer, args, device, args.tol, amb)
+                    mc = cell["paths"].get("moecomp")
+                    if mc is not None:
+                        chk = dict(tolerance=args.tol, against=ref_path)
+                        if mc.get("rel_err_vs_hf") is not None:
+                            chk["rel_err"] = mc["rel_err_vs_hf"]
+                            chk["ok"] = bool(mc.get("check_ok"))
+                            for k_ in ("ambiguous_tokens", "rel_err_unambiguous", "bad_token_frac_unambiguous"):
+                                if k_ in mc:
+                                    chk[k_] = mc[k_]
+                        else:
+                            chk["rel_err"] = None
+                            chk["ok"] = False
+                            chk["error"] = mc.get("error", "no output")
+                        g = cell["paths"].get("hf_grouped_mm", {}).get("rel_err_vs_hf")
+                        if g is not None:
+                            chk["hf_grouped_mm_rel_err"] = g  # bf16 noise level between HF's own two paths
+                        cell["check"] = chk
+                        if not chk["ok"]:
+                            log(f"[bench] !!!!! CORRECTNESS FAILURE {fam.name} T={T}: moecomp vs {ref_path} "
+                                f"rel err {chk['rel_err']} (tol {args.tol}) {chk.get('error', '')}")
+                    if keep_inputs and ref is not None:
+                        saved.append((cell, x, ref, amb))
+                    else:
+                        del x, ref, amb
+                cell["wall_s"] = round(time.perf_counter() - t_cell, 2)
+                log(_cell_line(fam.name, cell))
+                _save(result, out_json)
+            if args.via_optimize:
+                _run_optimize_path(block, saved, timer, args, device, frec)
+                _save(result, out_json)
+        except FatalCudaError as e:
+            fatal = str(e)
+            result["fatal"] = fatal
+            frec["errors"].append(f"FATAL: {fatal}")
+            log(f"[bench] FATAL CUDA error, stopping: {fatal}")
+        except Exception as e:
+            frec["errors"].append(_root_msg(e, 300))
+            log(f"[bench] {fam.name}: {_root_msg(e, 300)}")
+            if args.verbose:
+                traceback.print_exc()
+            if not cuda_healthy(device):
+                fatal = result["fatal"] = f"{fam.name}: {_root_msg(e)}"
+        finally:
+            frec["wall_s"] = round(time.perf_counter() - t_fam, 1)
+            paths = saved = compiled = block = None
+            try:
+                torch._dynamo.reset()
+            except Exception:
+                pass
+            gc.collect()
+            if device.type == "cuda" and not fatal:
+                torch.cuda.empty_cache()
+        log(f"[bench] {fam.name} done in {frec['wall_s']} s (total {time.perf_counter() - t_start:.0f} s)")
+        _save(result, out_json)
+
+    result["total_wall_s"] = round(time.perf_counter() - t_start, 1)
+    result["skipped_over_budget"] = skipped
+    if skipped:
+        log(f"[bench] over the {args.budget_s:g} s budget, skipped: {', '.join(skipped)}")
+    _save(result, out_json)
+    _print_notes(result)
+    if out_json:
+        log(f"[bench] JSON: {out_json}" + (f" (copy in $OUT)" if os.environ.get("OUT") else ""))
+    log(f"[bench] total {result['total_wall_s']} s\n")
+    log(report.render_table(result))
+    return result
+
+
+def _run_optimize_path(block, saved, timer: Timer, args, device, frec: dict):
+    """moecomp.optimize on a holder module around the block, timed on the same inputs (after the others,
+    since optimize may rewrite the block in place)."""
+    import moecomp
+
+    opt = getattr(moecomp, "optimize", None)
+    if opt is None:
+        frec["errors"].append("--via-optimize: moecomp.optimize does not exist in this checkout")
+        return
+
+    class Holder(torch.nn.Module):
+        def __init__(self, mlp):
+            super().__init__()
+            self.mlp = mlp
+
+        def forward(self, x):
+            return self.mlp(x)
+
+    holder = Holder(block)
+    try:
+        rep = None
+        try:
+            new, rep = opt(holder, report=True)
+        except TypeError:  # an optimize() without report=
+            new = opt(holder)
+        holder = new if isinstance(new, torch.nn.Module) else holder
+        if rep is not None:
+            try:
+                frec["optimize_report"] = rep.to_dict()
+            except Exception:
+                frec["optimize_report"] = str(rep)
+            if hasattr(rep, "rewritten") and not rep.rewritten:
+                why = ""
+                try:
+                    why = "; ".join(f"{b.name}: {getattr(b, 'reason', '')}" for b in rep.skipped)
+                except Exception:
+                    pass
+                msg = f"moecomp.optimize rewrote no block ({report._short(why or str(rep), 300)})"
+                frec["errors"].append(msg)
+                for cell, *_ in saved:
+                    cell["paths"]["moecomp_opt"] = dict(error=msg, best_ms=None)
+                return
+        path = Path("moecomp_opt", holder)
+        for cell, x, ref, amb in saved:
+            with torch.no_grad():
+                cell["paths"]["moecomp_opt"] = run_path(path, x, ref, timer, args, device, args.tol, amb)
+            log(_cell_line(frec["name"] + " (optimize)", cell))
+    except FatalCudaError:
+        raise
+    except Exception as e:
+        frec["errors"].append(f"moecomp.optimize: {_root_msg(e)}")
+    finally:
+        un = getattr(moecomp, "unoptimize", None)
+        if callable(un):
+            try:
+                un(holder)
+            except Exception:
+                pass
+
+
+def _cell_line(name: str, cell: dict) -> str:
+    parts = [f"[{name} T={cell['T']}]", f"floor {report._fmt_ms(cell.get('floor_ms'))}"]
+    for p, r in cell["paths"].items():
+        v = r.get("best_ms")
+        if v is None:
+            parts.append(f"{p} ERR({report._short(r.get('error', r.get('graph_note', '?')), 60)})")
+        else:
+            parts.append(f"{p} {report._fmt_ms(v)}{' g' if r.get('best_mode') == 'graph' else ''}")
+    chk = cell.get("check")
+    if chk:
+        parts.append(f"check {chk.get('rel_err') if chk.get('rel_err') is None else format(chk['rel_err'], '.1e')}"
+                     f"{'' if chk.get('ok') else ' FAIL'}")
+    parts.append(f"({cell.get('wall_s', '?')} s)")
+    return " | ".join(parts)
+
+
+def _print_notes(result: dict):
+    """Graph-capture notes and errors, before the table (the table is printed last)."""
+    notes = {}
+    for fam in result["families"]:
+        for e in fam.get("errors", []):
+            log(f"[bench] error {fam['name']}: {e}")
+        for cell in fam["cells"]:
+            for p, r in cell["paths"].items():
+                n = r.get("graph_note")
+                if n and n != "ok" and not n.startswith(("n/a (T >", "n/a (cpu)", "n/a (--no-graph)")):
+                    notes.setdefault((p, n), []).append(f"{fam['name']}:{cell['T']}")
+                if r.get("error"):
+                    notes.setdefault((p, "error: " + r["error"]), []).append(f"{fam['name']}:{cell['T']}")
+    for (p, n), where in notes.items():
+        log(f"[bench] {p}: {n} [{', '.join(where[:6])}{' ...' if len(where) > 6 else ''}]")
+    if result.get("fatal"):
+        log(f"[bench] FATAL: {result['fatal']}")
+
+
+def main(argv=None) -> int:
+    res = run(argv)
+    bad = [c for f in res["families"] for c in f["cells"] if c.get("check") and not c["check"].get("ok")]
+    return 2 if res.get("fatal") else (1 if bad else 0)  # 1: a correctness check failed (see the table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""CPU smoke test of benchmarks/bench_moe.py: tiny blocks, the correctness check and the table (no timing asserts)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_DIR = os.path.join(ROOT, "benchmarks")
+
+
+def _load(name):
+    if BENCH_DIR not in sys.path:
+        sys.path.insert(0, BENCH_DIR)
+    return importlib.import_module(name)
+
+
+pytest.importorskip("transformers")
+bench = _load("bench_moe")
+report = _load("report")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "result.json"
+    old = os.environ.pop("OUT", None)
+    try:
+        res = bench.run(["--device", "cpu", "--tiny", "--tokens", "1,16", "--quick",
+                         "--peers", "hf_grouped_mm,moecomp", "--out-json", str(out)])
+    finally:
+        if old is not None:
+            os.environ["OUT"] = old
+    return res, out
+
+
+def test_every_family_and_T_has_a_checked_row(tiny_run):
+    res, out = tiny_run
+    assert res["fatal"] is None
+    fams = [f["name"] for f in res["families"]]
+    assert fams == list(bench.FAMILIES)
+    for fam in res["families"]:
+        assert not fam["errors"], fam["errors"]
+        assert [c["T"] for c in fam["cells"]] == [1, 16]
+        for cell in fam["cells"]:
+            assert cell["floor_ms"] > 0 and cell["floor"]["distinct_experts"] >= 1
+            assert set(cell["paths"]) == {"hf_grouped_mm", "moecomp"}
+            for name, p in cell["paths"].items():
+                assert p.get("error") is None, (fam["name"], cell["T"], name, p.get("error"))
+                assert p["best_ms"] > 0
+            chk = cell["check"]
+            assert chk["ok"], (fam["name"], cell["T"], chk)
+            assert chk["rel_err"] < 5e-2
+    # the JSON on disk is the same result and feeds report.py
+    on_disk = json.loads(out.read_text())
+    assert on_disk["families"][0]["cells"][0]["T"] == 1
+    assert on_disk["ceilings"]["copy_bytes_per_s"] > 0
+
+
+def test_table_rows(tiny_run):
+    res, _ = tiny_run
+    table = report.render_table(res)
+    rows = [ln for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| family")]
+    assert len(rows) == len(bench.FAMILIES) * 2
+    for fam in bench.FAMILIES.values():
+        assert any(r.startswith(f"| {fam.label} (") for r in rows), fam.label
+    head = next(ln for ln in table.splitlines() if ln.startswith("| family"))
+    for col in ("floor", "HF grouped_mm", "moecomp", "moecomp / best HF peer", "moecomp / floor"):
+        assert col in head
+    assert "Geometric means" in table
+    assert "FAIL" not in table
+
+
+def test_report_markdown_section(tiny_run, tmp_path):
+    res, out = tiny_run
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text("# Benchmarks\n\nintro\n")
+    assert report.main([str(out), "--update", str(md)]) == 0
+    first = md.read_text()
+    assert first.count(report.BEGIN_MARK) == 1 and "intro" in first
+    assert report.main([str(out), "--update", str(md)]) == 0  # regenerates in place, no duplicate
+    assert md.read_text() == first
+
+
+def test_routing_ambiguity_flags_exact_ties():
+    from moecomp.spec import MoESpec
+
+    spec = MoESpec(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8)
+    logits = torch.tensor([[3.0, 1.0, 1.0, -2.0],  # tie at the top-2 boundary
+                           [3.0, 2.0, 0.0, -2.0]], dtype=torch.bfloat16)
+    amb = bench.routing_ambiguous(logits, None, spec, fp32_router=False)
+    assert amb.tolist() == [True, False]
+    g = MoESpec(num_experts=8, top_k=2, hidden_size=8, intermediate_size=8, scoring="sigmoid", n_group=4,
+                topk_group=1, has_correction_bias=True)
+    logits = torch.tensor([[4.0, 3.0, -1, -1, -1, -1, -1, -1], [4.0, 3.0, 4.0, 3.0, -1, -1, -1, -1]])
+    amb = bench.routing_ambiguous(logits, torch.zeros(8), g, fp32_router=True)
+    assert amb.tolist() == [False, True]  # second row: two groups tie
