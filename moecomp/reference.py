@@ -162,6 +162,8 @@ def moe_forward(
     """The whole block: x [..., H] -> [..., H] in x's dtype, math in ``acc``."""
     if isinstance(spec, str):
         spec = MoESpec.from_key(spec)
+    if spec.fused_shared_gate:  # router_w [E + 1, H]: the last row is the shared-expert gate
+        router_w, shared_gate_w = router_w[: spec.num_experts], router_w[spec.num_experts :]
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])  # [T, H]
     # The router reads x in the model dtype (like HF), unless the spec says fp32.

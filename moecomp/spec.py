@@ -15,6 +15,7 @@ What a block computes, in terms of the spec (T tokens, H hidden, E experts, k = 
     per pair : h = act(x @ w1_e.T) * (x @ w3_e.T)  (gated) | act(x @ w13_e.T) (not gated)
                y = h @ w2_e.T                                  # [H]
     out      = sum_k weights * y  (+ shared(x) * sigmoid(x @ shared_gate_w.T))
+    FSE      : with fused_shared_gate, router_w is [E + 1, H] (gate row last): one GEMM gives logits and gate
 
 The op receives the spec as a string (``spec.key``) so that it is a plain schema argument; ``MoESpec.from_key``
 parses it back (cached).
@@ -84,6 +85,7 @@ class MoESpec:
     has_router_bias: bool = False
     router_fp32: bool = False  # router GEMM in fp32 (DeepSeek-V3 style) instead of the model dtype
     round_weights: bool = False  # routing weights rounded to the model dtype before use (Qwen/OLMoE style)
+    fused_shared_gate: bool = False  # FSE: router_w is [E + 1, H], its last row the shared-expert gate
     # --- experts ---
     activation: str = "silu"
     gated: bool = True
@@ -129,6 +131,10 @@ class MoESpec:
             raise SpecError("activation 'swiglu_oai' needs gated experts")
         if self.shared is not None:
             self.shared.validate()
+        if self.fused_shared_gate and (self.shared is None or self.shared.gate != "sigmoid"):
+            raise SpecError("fused_shared_gate needs a sigmoid-gated shared expert")
+        if self.fused_shared_gate and self.has_router_bias:
+            raise SpecError("fused_shared_gate with a router bias is not supported")
 
     # ------------------------------------------------------------ serialise
     @functools.cached_property

@@ -29,6 +29,16 @@ MOE_ARGS = (
     "shared_gate_w",
 )
 EXPERT_ARGS = ("w13", "b13", "w2", "b2")
+# What the op implements beyond the base spec; passes check this before relying on it.
+FEATURES = ("fused_shared_gate",)
+
+
+def split_fused_gate(args: dict, spec: MoESpec) -> dict:
+    """FSE arguments (router_w [E + 1, H]) as plain ones: router rows and gate row as views, no copy."""
+    if not spec.fused_shared_gate:
+        return args
+    E = spec.num_experts
+    return {**args, "router_w": args["router_w"][:E], "shared_gate_w": args["router_w"][E:]}
 
 
 def _backend(device: torch.device) -> str:
@@ -46,7 +56,7 @@ def check_args(x: torch.Tensor, tensors: dict, spec: MoESpec) -> None:
         raise SpecError(f"hidden_states must be floating point, got {x.dtype}")
     expect = dict(spec.expert_weight_shapes())
     if "router_w" in tensors:
-        expect["router_w"] = (E, H)
+        expect["router_w"] = (E + 1, H) if spec.fused_shared_gate else (E, H)
         if spec.has_router_bias:
             expect["router_b"] = (E,)
         if spec.has_correction_bias:
@@ -61,7 +71,7 @@ def check_args(x: torch.Tensor, tensors: dict, spec: MoESpec) -> None:
             else:
                 expect["shared_w3"] = (Is, H)
             expect["shared_w2"] = (H, Is)
-            if sh.gate == "sigmoid":
+            if sh.gate == "sigmoid" and not spec.fused_shared_gate:
                 expect["shared_gate_w"] = (1, H)
     for name, t in tensors.items():
         want = expect.get(name)

@@ -101,6 +101,9 @@ def moe_experts(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.T
 
 
 def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
+    from .moe_op import split_fused_gate
+
+    args = split_fused_gate(args, spec)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     logits = reference.router_logits(x2, args["router_w"], args["router_b"], spec)

@@ -76,6 +76,9 @@ def router_logits(x: torch.Tensor, args: dict, spec: MoESpec) -> tuple[torch.Ten
     E = spec.num_experts
     want = torch.float32 if spec.router_fp32 else x.dtype
     xs = x if x.dtype == want else x.to(want)
+    if spec.fused_shared_gate:  # the graph already concatenated [router; gate] rows (FSE pass)
+        both = torch.nn.functional.linear(xs, rw if rw.dtype == want else rw.to(want))  # [T, E + 1]
+        return both[:, :E], both[:, E]
     if gw is not None:
         w = _derived_weight("fse", (rw, gw), lambda: torch.cat([rw, gw], 0).to(want))  # [E + 1, H]
         b = None

@@ -145,3 +145,19 @@ def test_derived_weights_follow_the_parameters(cpu_backend):
         args[-1].mul_(-2.0)  # shared-expert gate, in place
     out = torch.ops.moecomp.moe_forward(*args, spec.key)
     torch.testing.assert_close(out, reference.moe_forward(*args, spec), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_shared_gate_argument_form(cpu_backend, poison):
+    """FSE form (what passes/fse.py emits): router_w = cat([router_w, shared_gate_w]) and no shared_gate_w."""
+    spec = MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40,
+                   shared=SharedExpertSpec(24, gate="sigmoid"))
+    args = list(random_moe_args(spec, 13, seed=5))
+    plain = torch.ops.moecomp.moe_forward(*args, spec.key)
+    fused_spec = spec.replace(fused_shared_gate=True)
+    args[1] = torch.cat([args[1], args[-1]], 0)
+    args[-1] = None
+    fused = torch.ops.moecomp.moe_forward(*args, fused_spec.key)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused, reference.moe_forward(*args, fused_spec), rtol=1e-5, atol=1e-6)
+    with pytest.raises(SpecError, match="router_w has shape"):
+        torch.ops.moecomp.moe_forward(args[0], args[1][:8], *args[2:], fused_spec.key)

@@ -1,0 +1,231 @@
+"""The ``moecomp`` torch.compile backend: MoE blocks -> ``torch.ops.moecomp.moe_forward``, the rest -> Inductor.
+
+    import moecomp                       # registers the backend
+    model = torch.compile(model, backend="moecomp", dynamic=True)
+
+For every graph Dynamo hands it, the backend runs
+
+1. ``passes.detect_moe.detect_moe(gm, example_inputs)``: find and prove each MoE block (see that module),
+2. ``passes.rewrite_moe.rewrite_moe(gm, matches)``: one ``moe_forward`` per block (shared expert folded in),
+3. ``passes.fse.fuse_shared_gate(gm)``: router + shared-gate GEMM fusion, when the op supports it,
+
+and hands the result to ``torch._inductor.compile_fx.compile_fx`` (``mode=`` / ``options=`` of torch.compile are
+honoured as for the inductor backend). Counts land in ``moecomp.counters``; the last graphs' match descriptions and
+rejection reasons in ``moecomp.backend.last_results``.
+
+Caching: the passes' identity is part of Inductor's cache key. The backend installs a post-grad custom pass
+(``torch._inductor.config.post_grad_custom_post_pass``, chaining any pass the user set) whose ``uuid()`` hashes the
+source files of the passes, so a changed pass never reuses a stale compiled graph.
+
+Autograd: ``moe_forward`` has no backward. When grad mode is on and a block's weights require grad, the block is
+left alone (counted as ``counters["backend"]["skipped_autograd"]``); run inference under ``torch.no_grad()`` /
+``torch.inference_mode()``.
+
+HF ``eager`` experts: transformers' eager experts loop cannot be traced into one graph. While Dynamo traces for this
+backend, HF experts configured as ``eager`` trace as transformers' equivalent ``grouped_mm`` path instead
+(``moecomp.capture.traceable_experts``), so those blocks are matched too; other backends and eager runs are
+unaffected.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from . import capture as _capture
+from .counters import counters
+from .passes.detect_moe import detect_moe
+from .passes.fse import fuse_shared_gate
+from .passes.rewrite_moe import rewrite_moe
+
+BACKEND_NAME = "moecomp"
+last_results: list[dict] = []  # newest last; at most _KEEP entries
+_KEEP = 16
+
+_PASS_FILES = tuple(
+    os.path.join(os.path.dirname(__file__), *p)
+    for p in (
+        ("passes", "_fx.py"),
+        ("passes", "detect_moe.py"),
+        ("passes", "rewrite_moe.py"),
+        ("passes", "fse.py"),
+        ("backend.py",),
+        ("capture.py",),
+        ("spec.py",),
+    )
+)
+
+
+@functools.lru_cache(maxsize=1)
+def passes_hash() -> str:
+    """A hash of the passes' source files (the identity Inductor's cache key sees)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in _PASS_FILES:
+        with open(f, "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()
+
+
+def _post_grad_pass_class():
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class MoecompPostGradPass(CustomGraphPass):
+        """Carries the passes' hash into Inductor's cache key; runs the user's own post-grad pass, if any."""
+
+        def __init__(self, inner=None):
+            self.inner = inner
+
+        def __call__(self, graph):
+            if self.inner is not None:
+                self.inner(graph)
+
+        def uuid(self):
+            inner = None
+            if self.inner is not None:
+                inner = self.inner.uuid() if hasattr(self.inner, "uuid") else None
+                if inner is None:
+                    return None  # the user's pass opts out of caching: so do we
+            return ("moecomp", passes_hash(), inner)
+
+    return MoecompPostGradPass
+
+
+def _config_patches(mode: str | None, options: dict | None) -> dict:
+    import torch._inductor.config as iconfig
+
+    patches: dict = {}
+    if mode and mode != "default":
+        from torch._inductor import list_mode_options
+
+        patches.update(list_mode_options(mode))
+    if options:
+        patches.update(options)
+    inner = patches.get("post_grad_custom_post_pass", iconfig.post_grad_custom_post_pass)
+    patches["post_grad_custom_post_pass"] = _post_grad_pass_class()(inner)
+    return patches
+
+
+def _needs_grad(gm, example_inputs, match) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    names = {v for v in match.bindings.values() if v is not None}
+    for n, v in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
+        if n.name in names and isinstance(v, torch.Tensor) and v.requires_grad:
+            return True
+    return False
+
+
+def run_passes(gm: torch.fx.GraphModule, example_inputs, *, verify: bool = True, count: bool = True):
+    """detect + rewrite + FSE on ``gm`` in place; returns the DetectResult (usable without compiling).
+
+    ``count=False`` leaves ``moecomp.counters`` alone (the backend counts once the inner compiler succeeded: Dynamo
+    retraces a frame when AOTAutograd asks it to, e.g. to specialise float scalars, and the first attempt's matches
+    never run)."""
+    res = detect_moe(gm, example_inputs, verify=verify)
+    keep = []
+    for m in res.matches:
+        if _needs_grad(gm, example_inputs, m):
+            res.rejected.append((m.where, "grad mode is on and the weights require grad (moe_forward has no backward)"))
+        else:
+            keep.append(m)
+    res.matches = keep
+    res.replaced = rewrite_moe(gm, res.matches)
+    res.fused = fuse_shared_gate(gm, count=False)
+    if count:
+        _count(gm, res)
+    return res
+
+
+def _count(gm, res) -> None:
+    counters["detect_moe"]["matched"] += len(res.matches)
+    counters["detect_moe"]["rejected"] += len(res.rejected)
+    counters["rewrite_moe"]["replaced"] += res.replaced
+    skipped = sum(1 for _, why in res.rejected if why.startswith("grad mode is on"))
+    if skipped:
+        counters["backend"]["skipped_autograd"] += skipped
+    for k, v in res.fused.items():
+        counters["fse"][k] += v
+    last_results.append(
+        {
+            "matches": [m.describe() for m in res.matches],
+            "rejected": list(res.rejected),
+            "code": gm.code,
+        }
+    )
+    del last_results[:-_KEEP]
+
+
+class config:
+    """Backend settings. ``inner``: what compiles the rewritten graph: "inductor" (default), "aot_eager" or "eager"
+    (no codegen: quick, for tests and debugging). Per call: ``torch.compile(..., options={"moecomp.inner": ...})``."""
+
+    inner = "inductor"
+    verify = True  # run detect_moe's numeric check
+
+
+def moecomp_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    """The registered backend (``torch.compile(..., backend="moecomp")``)."""
+    options = dict(kwargs.get("options") or {})
+    inner = options.pop("moecomp.inner", config.inner)
+    verify = options.pop("moecomp.verify", config.verify)
+    res = run_passes(gm, example_inputs, verify=verify, count=False)
+    if inner == "eager":
+        compiled = gm.forward
+    elif inner == "aot_eager":
+        from torch._dynamo.backends.debugging import aot_eager
+
+        compiled = aot_eager(gm, example_inputs)
+    elif inner == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        compiled = compile_fx(gm, example_inputs, config_patches=_config_patches(kwargs.get("mode"), options))
+    else:
+        raise ValueError(f"moecomp backend: unknown inner compiler {inner!r}")
+    counters["backend"]["graphs"] += 1
+    _count(gm, res)
+    return compiled
+
+
+# ------------------------------------------------------------------------------------- HF eager experts, traced
+def _is_moecomp_backend(fn, depth: int = 0) -> bool:
+    if fn is None or depth > 6:
+        return False
+    if fn is moecomp_backend:
+        return True
+    for attr in ("_torchdynamo_orig_backend", "compiler_fn", "func", "__wrapped__"):
+        inner = getattr(fn, attr, None)
+        if inner is not None and inner is not fn and _is_moecomp_backend(inner, depth + 1):
+            return True
+    return False
+
+
+@torch._dynamo.assume_constant_result
+def tracing_for_moecomp() -> bool:
+    """True while Dynamo traces a frame for this backend (evaluated once at trace time, a constant in the graph)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        return _is_moecomp_backend(getattr(getattr(tx, "output", None), "compiler_fn", None))
+    except Exception:
+        return False
+
+
+_capture.register_trace_predicate(tracing_for_moecomp)
+
+
+def _register() -> None:
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if BACKEND_NAME in _COMPILER_FNS:
+        if _COMPILER_FNS[BACKEND_NAME] is moecomp_backend:
+            return
+        del _COMPILER_FNS[BACKEND_NAME]  # a reload of this module: replace the stale function
+    register_backend(compiler_fn=moecomp_backend, name=BACKEND_NAME)
+
+
+_register()

@@ -1,0 +1,314 @@
+"""Capture one block with Dynamo and describe it: the stable API between the FX pass and ``moecomp.optimize``.
+
+    from moecomp.capture import detect_block, DetectError
+
+    m = detect_block(block, example_input)        # example_input: hidden states [B, S, H] (or [T, H])
+    m.spec                                        # MoESpec, derived from what the captured graph computes
+    m.bindings                                    # {"router_w": "gate.weight", "w13": "experts.gate_up_proj",
+                                                  #  "w2": "experts.down_proj", "shared_w1": "shared_expert.gate_proj.weight",
+                                                  #  ..., "b13": None, ...}  one key per moecomp.ops.MOE_ARGS name,
+                                                  #  a path relative to ``block`` (get it with block.get_parameter /
+                                                  #  get_buffer / attrgetter), or None when the op gets None
+    m.constants                                   # spec fields read from scalar attributes, field -> path
+                                                  #  e.g. {"routed_scaling_factor": "gate.routed_scaling_factor"}
+    m.output_index, m.num_outputs                 # where the MoE result sits among the graph's outputs (gpt-oss's
+                                                  #  block returns (hidden, router_scores): index 0 of 2)
+    m.verified                                    # how the match was checked (see passes/detect_moe.py)
+
+    try: ...
+    except DetectError as e:
+        e.reason        # why (one line)
+        e.kind          # "capture": Dynamo could not trace the block (e.capture_failed is True), fall back freely
+                        # "detect":  traced, but not an MoE we can prove equal (leave the block alone or fall back)
+
+Functions:
+
+* ``capture_block(module, example_input, *, dynamic=True) -> CapturedBlock``: ``torch.compile(fullgraph=True,
+  dynamic=True)`` through a backend that records Dynamo's torch-level graph and never runs it. Each placeholder is
+  mapped back to a module-relative path: parameters and buffers by tensor identity with the example inputs Dynamo
+  passes the backend, scalar attributes (which Dynamo lifts to 0-d inputs) by their Dynamo name, the hidden states
+  as ``"<input>"``, SymInts as None. Each call traces a fresh code object, so capturing many blocks of one class
+  never hits Dynamo's recompile limit, and nothing is left in the caches of the block's own ``forward``.
+* ``detect_block(module, example_input, *, verify=True) -> BlockMatch``: ``capture_block`` + ``detect_moe``; exactly
+  one MoE whose input is the block input and whose result is returned by the block, else ``DetectError``.
+* ``traceable_experts()``: context manager. transformers' ``eager`` experts path loops over the experts hit
+  (``for expert_idx in expert_hit``), which Dynamo cannot trace into one graph. While the context is active, an
+  experts module configured as ``eager`` traces as transformers' ``grouped_mm`` path instead (transformers keeps its
+  experts implementations interchangeable); outside it nothing changes. ``capture_block`` and the ``moecomp``
+  compile backend use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import types
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .ops.moe_op import MOE_ARGS
+from .spec import MoESpec
+
+__all__ = ["CapturedBlock", "BlockMatch", "DetectError", "capture_block", "detect_block", "traceable_experts"]
+
+
+class DetectError(Exception):
+    """A block could not be captured (``kind == "capture"``) or is not an MoE we can prove (``kind == "detect"``)."""
+
+    def __init__(self, reason: str, kind: str = "detect", rejected: list | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.kind = kind
+        self.capture_failed = kind == "capture"
+        self.rejected = list(rejected or [])
+
+
+@dataclass
+class CapturedBlock:
+    gm: fx.GraphModule  # Dynamo's torch-level graph of module(example_input)
+    example_inputs: list  # what Dynamo passed the backend, in placeholder order
+    paths: dict[str, str | None]  # placeholder name -> module-relative path | "<input>" | None (SymInt / unknown)
+
+    def concrete_inputs(self) -> list:
+        """``example_inputs`` with SymInts replaced by the sizes they were traced with (to run ``gm``)."""
+        out = []
+        for v in self.example_inputs:
+            if isinstance(v, torch.SymInt):
+                node = v.node
+                hint = getattr(node, "hint", None)
+                if hint is None:
+                    env = getattr(node.shape_env, "backed_var_to_val", None) or node.shape_env.var_to_val
+                    hint = node.expr.xreplace(env)
+                v = int(hint)
+            out.append(v)
+        return out
+
+    def placeholder(self, path: str) -> str | None:
+        for name, p in self.paths.items():
+            if p == path:
+                return name
+        return None
+
+
+@dataclass
+class BlockMatch:
+    spec: MoESpec
+    bindings: dict[str, str | None]  # MOE_ARGS name -> module-relative path (None = the op gets None)
+    constants: dict[str, str] = field(default_factory=dict)  # spec field -> path of the scalar attribute it came from
+    output_index: int = 0  # position of the MoE result among the block graph's outputs
+    num_outputs: int = 1
+    verified: str = ""
+    captured: CapturedBlock | None = None
+
+    def describe(self) -> str:
+        bound = ", ".join(f"{k}={v}" for k, v in self.bindings.items() if v is not None)
+        return f"{self.spec.describe()} [{bound}] ({self.verified})"
+
+
+# ------------------------------------------------------------------------------------------------- eager experts
+class _ExpertsState:
+    active = 0  # > 0 while traceable_experts() is entered (a counter: contexts nest)
+    installed = False
+    predicate = None  # () -> bool, evaluated at Dynamo trace time (the moecomp backend registers one)
+
+
+_STATE = _ExpertsState()
+
+
+def register_trace_predicate(fn) -> None:
+    """``fn() -> bool`` (a ``torch._dynamo.assume_constant_result`` function): trace eager experts as grouped_mm
+    whenever it is true at trace time. The compile backend registers "Dynamo is tracing for moecomp"."""
+    _STATE.predicate = fn
+    _install()
+
+
+def _eager_or_grouped(self, *args, **kwargs):
+    """Registered as transformers' "eager" experts implementation: the class's own loop unless tracing for moecomp."""
+    if _STATE.active or (
+        _STATE.predicate is not None and torch.compiler.is_compiling() and _STATE.predicate()
+    ):
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(self, *args, **kwargs)
+    original = getattr(type(self).forward, "__wrapped__", None)
+    if original is None:  # pragma: no cover - the decorator always sets it
+        raise RuntimeError(f"{type(self).__name__}.forward has no original eager implementation")
+    return original(self, *args, **kwargs)
+
+
+def _install() -> None:
+    if _STATE.installed:
+        return
+    _STATE.installed = True
+    try:
+        from transformers.integrations import moe as hf_moe
+    except Exception:  # transformers absent: nothing to make traceable
+        return
+    fns = getattr(hf_moe, "ALL_EXPERTS_FUNCTIONS", None)
+    if fns is None or not hasattr(hf_moe, "grouped_mm_experts_forward"):
+        return
+    try:  # the dispatcher needs the decorator to keep the original forward as __wrapped__
+        class _Probe(nn.Module):
+            def forward(self, hidden_states, top_k_index, top_k_weights):
+                return hidden_states
+
+        probe = hf_moe.use_experts_implementation(_Probe)
+        if getattr(probe.forward, "__wrapped__", None) is None:
+            return
+    except Exception:
+        return
+    try:
+        if "eager" not in getattr(fns, "_local_mapping", {}):
+            fns["eager"] = _eager_or_grouped
+    except Exception:  # pragma: no cover - an interface we do not know
+        pass
+
+
+@contextlib.contextmanager
+def traceable_experts():
+    """While active, HF experts configured as ``eager`` trace as the (equivalent) ``grouped_mm`` path."""
+    _install()
+    _STATE.active += 1
+    try:
+        yield
+    finally:
+        _STATE.active -= 1
+
+
+# ------------------------------------------------------------------------------------------------------- capture
+class _Captured(Exception):
+    pass
+
+
+_ids = itertools.count()
+
+
+def _fresh_entry():
+    """``lambda mod, x: mod(x)`` with a code object of its own (its own Dynamo cache, no recompile limit)."""
+
+    def entry(mod, x):
+        return mod(x)
+
+    code = entry.__code__.replace(co_name=f"moecomp_capture_{next(_ids)}")
+    return types.FunctionType(code, entry.__globals__, code.co_name)
+
+
+def _dynamo_name(prefix: str, path: str) -> str:
+    """Dynamo's placeholder name for ``L['mod']._modules[a]._modules[b].attr`` (non-tensor attribute)."""
+    parts = path.split(".")
+    s = prefix + "".join(f"modules_{p}_" for p in parts[:-1]) + parts[-1]
+    return s
+
+
+def capture_block(module: nn.Module, example_input: torch.Tensor, *, dynamic: bool = True) -> CapturedBlock:
+    """Dynamo's torch-level graph of ``module(example_input)``, with placeholders mapped to module paths."""
+    box: dict = {}
+
+    def backend(gm, example_inputs):
+        if "gm" in box:
+            raise RuntimeError("block traced into more than one graph")
+        box["gm"], box["inputs"] = gm, list(example_inputs)
+
+        def never(*args):
+            raise _Captured()
+
+        return never
+
+    entry = _fresh_entry()
+    compiled = torch.compile(entry, backend=backend, fullgraph=True, dynamic=dynamic)
+    try:
+        with traceable_experts(), torch.no_grad():
+            compiled(module, example_input)
+    except _Captured:
+        pass
+    except Exception as e:  # Dynamo raises many types (Unsupported, UserError, ...)
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DetectError(f"Dynamo could not capture the block: {type(e).__name__}: {msg[:300]}", "capture") from e
+    finally:
+        del compiled
+    if "gm" not in box:
+        raise DetectError("Dynamo produced no graph for the block", "capture")
+    gm, inputs = box["gm"], box["inputs"]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+    by_id: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), name)
+    for name, b in module.named_buffers(remove_duplicate=False):
+        by_id.setdefault(id(b), name)
+    scalar_names: dict[str, str] = {}
+    for mname, sub in module.named_modules():
+        for attr, v in vars(sub).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not attr.startswith("_"):
+                path = f"{mname}.{attr}" if mname else attr
+                scalar_names[_dynamo_name("", path).lower()] = path
+
+    paths: dict[str, str | None] = {}
+    for n, v in zip(placeholders, inputs):
+        if v is example_input:
+            paths[n.name] = "<input>"
+        elif isinstance(v, torch.Tensor) and id(v) in by_id:
+            paths[n.name] = by_id[id(v)]
+        elif isinstance(v, torch.Tensor) and v.dim() == 0:
+            key = n.name.lower()
+            hit = None
+            for enc, path in scalar_names.items():
+                if key.endswith("_" + enc) or key == enc:
+                    if hit is None or len(enc) > len(hit[0]):
+                        hit = (enc, path)
+            paths[n.name] = hit[1] if hit else None
+        else:
+            paths[n.name] = None
+    return CapturedBlock(gm=gm, example_inputs=inputs, paths=paths)
+
+
+def detect_block(module: nn.Module, example_input: torch.Tensor, *, verify: bool = True) -> BlockMatch:
+    """MoESpec + module-relative bindings of one block, or ``DetectError`` (see the module docstring)."""
+    from .passes.detect_moe import detect_moe
+
+    cap = capture_block(module, example_input)
+    res = detect_moe(cap.gm, cap.example_inputs, verify=verify)
+    if not res.matches:
+        why = "; ".join(f"{w}: {r}" for w, r in res.rejected) or "no top-k routing over stacked expert weights"
+        raise DetectError(f"no MoE recognised: {why}", "detect", res.rejected)
+    if len(res.matches) > 1:
+        raise DetectError(f"{len(res.matches)} MoE computations in one block", "detect", res.rejected)
+    m = res.matches[0]
+    from .passes import _fx
+
+    x_base = m.x  # the block input itself, or views of it (anything computed from it is not the MoE's input)
+    while x_base.op != "placeholder" and _fx.op_name(x_base) in _fx.VIEW_OPS:
+        x_base = _fx.arg(x_base, 0)
+    if x_base.op != "placeholder" or cap.paths.get(x_base.name) != "<input>":
+        raise DetectError("the MoE does not read the block input directly", "detect")
+    out_node = next(n for n in cap.gm.graph.nodes if n.op == "output")
+    outs = out_node.args[0]
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    idx = [i for i, o in enumerate(outs) if o is m.output]
+    if len(idx) != 1:
+        raise DetectError("the block post-processes the MoE result before returning it", "detect")
+    bindings: dict[str, str | None] = {}
+    for k in MOE_ARGS:
+        ph = m.bindings.get(k)
+        if ph is None:
+            bindings[k] = None
+            continue
+        path = cap.paths.get(ph)
+        if path is None or path == "<input>":
+            raise DetectError(f"{k} reads {ph}, which is not a parameter or buffer of the block", "detect")
+        bindings[k] = path
+    constants = {}
+    for fld, ph in m.baked.items():
+        constants[fld] = cap.paths.get(ph) or ph
+    return BlockMatch(
+        spec=m.spec,
+        bindings=bindings,
+        constants=constants,
+        output_index=idx[0],
+        num_outputs=len(outs),
+        verified=m.verified,
+        captured=cap,
+    )

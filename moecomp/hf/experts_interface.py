@@ -1,0 +1,206 @@
+"""transformers' experts interface: ``experts_implementation="moecomp"``.
+
+Importing moecomp registers ``"moecomp"`` in ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`` (when
+transformers is installed and has that interface), so that
+
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="moecomp")
+    model.set_experts_implementation("moecomp")
+
+route every ``@use_experts_implementation`` experts module through ``torch.ops.moecomp.moe_experts``. Through this
+door only the routed experts are replaced (transformers runs the router first); ``moecomp.optimize`` replaces the
+whole block (routing, experts and shared experts in one op).
+
+The spec comes from the experts module: ``has_gate``, ``has_bias``, ``is_transposed``, ``is_concatenated`` (the
+decorator's flags), the weight shapes, and the activation measured by calling ``act_fn`` / ``_apply_gate`` on a
+probe tensor (so gpt-oss' clamped SwiGLU with its ``alpha`` / ``limit`` is recognised, and gates the spec cannot
+express are refused). Unsupported modules (post-expert norm, expert parallel, unknown gates) and training with
+gradients (the op has no backward) run transformers' ``grouped_mm`` path, or eager, with a one-time warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..spec import MoESpec, SpecError
+from .fallback import probe_activation, probe_gate
+
+NAME = "moecomp"
+_warned: set = set()
+
+
+class Unsupported(Exception):
+    pass
+
+
+def _weights(m):
+    has_gate = bool(getattr(m, "has_gate", True))
+    w13 = getattr(m, "gate_up_proj" if has_gate else "up_proj", None)
+    w2 = getattr(m, "down_proj", None)
+    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor) or w13.dim() != 3 or w2.dim() != 3:
+        raise Unsupported("expert weights are not 3-D gate_up_proj / up_proj and down_proj tensors")
+    b13 = b2 = None
+    if getattr(m, "has_bias", False):
+        b13 = getattr(m, "gate_up_proj_bias" if has_gate else "up_proj_bias", None)
+        b2 = getattr(m, "down_proj_bias", None)
+        if b13 is None or b2 is None:
+            raise Unsupported("has_bias is set but the bias tensors are missing")
+    return w13, b13, w2, b2
+
+
+def experts_spec(m: torch.nn.Module, top_k: int) -> MoESpec:
+    """The MoESpec (routing fields unused) of a ``@use_experts_implementation`` experts module."""
+    if getattr(m, "has_post_expert_norm", False):
+        raise Unsupported("has_post_expert_norm (a norm after each expert)")
+    w13, b13, w2, _ = _weights(m)
+    has_gate = bool(getattr(m, "has_gate", True))
+    transposed = bool(getattr(m, "is_transposed", False))
+    E = w13.shape[0]
+    if transposed:  # [E, H, N], [E, I, H]
+        H, N = w13.shape[1:]
+        I = w2.shape[1]
+    else:  # [E, N, H], [E, H, I]
+        N, H = w13.shape[1:]
+        I = w2.shape[2]
+    if N != (2 * I if has_gate else I):
+        raise Unsupported(f"weight shapes {tuple(w13.shape)} / {tuple(w2.shape)} do not fit")
+    alpha, limit, gate_up = 1.702, 7.0, "concat"
+    if has_gate:
+        r = probe_gate(m, getattr(m, "is_concatenated", True))
+        if r is None:
+            raise Unsupported(f"{type(m).__name__}._apply_gate is not a gate the spec knows")
+        act, gate_up, alpha, limit = r
+    else:
+        act = probe_activation(getattr(m, "act_fn", None))
+        if act is None:
+            raise Unsupported(f"activation {type(getattr(m, 'act_fn', None)).__name__} is not one the spec knows")
+    try:
+        return MoESpec(num_experts=E, top_k=top_k, hidden_size=H, intermediate_size=I, activation=act,
+                       gated=has_gate, activation_alpha=alpha, activation_limit=limit,
+                       w_layout="in_out" if transposed else "out_in", gate_up=gate_up,
+                       has_expert_bias=b13 is not None)
+    except SpecError as e:
+        raise Unsupported(str(e)) from None
+
+
+def _spec_cached(m, top_k: int) -> MoESpec:
+    w13, _, w2, _ = _weights(m)
+    key = (top_k, tuple(w13.shape), tuple(w2.shape))
+    cache = m.__dict__.setdefault("_moecomp_experts_specs", {})
+    hit = cache.get(key)
+    if hit is None:
+        try:
+            hit = experts_spec(m, top_k)
+        except Unsupported as e:
+            hit = e
+        cache[key] = hit
+    if isinstance(hit, Exception):
+        raise hit
+    return hit
+
+
+def _fallback(m, hidden_states, top_k_index, top_k_weights, why: str):
+    key = (type(m).__name__, why)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"moecomp experts: {type(m).__name__} runs transformers' own experts path ({why})",
+                      stacklevel=3)
+    try:
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(m, hidden_states, top_k_index, top_k_weights)
+    except ImportError:
+        pass
+    eager = getattr(type(m).forward, "__wrapped__", None)
+    if eager is None:
+        raise RuntimeError(f"moecomp experts: no fallback path for {type(m).__name__} ({why})")
+    return eager(m, hidden_states, top_k_index, top_k_weights)
+
+
+def moecomp_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``experts_implementation="moecomp"``: routed experts through ``torch.ops.moecomp.moe_experts``."""
+    if getattr(self, "_is_expert_parallel", False):
+        return _fallback(self, hidden_states, top_k_index, top_k_weights, "expert parallel")
+    if self.training and torch.is_grad_enabled():
+        return _fallback(self, hidden_states, top_k_index, top_k_weights, "training with gradients: no backward")
+    if hidden_states.dim() != 2 or top_k_index.dim() != 2:
+        return _fallback(self, hidden_states, top_k_index, top_k_weights, "inputs not [T, H] / [T, k]")
+    try:
+        spec = _spec_cached(self, int(top_k_index.shape[-1]))
+    except Unsupported as e:
+        return _fallback(self, hidden_states, top_k_index, top_k_weights, str(e))
+    w13, b13, w2, b2 = _weights(self)
+    return torch.ops.moecomp.moe_experts(hidden_states, top_k_index, top_k_weights, w13, b13, w2, b2, spec.key)
+
+
+def register() -> bool:
+    """Register ``"moecomp"`` with transformers' experts interface. False when transformers (or it) is missing."""
+    try:
+        from transformers.integrations import moe as hf_moe
+    except Exception:
+        return False
+    iface = getattr(hf_moe, "ALL_EXPERTS_FUNCTIONS", None)
+    if iface is None:
+        return False
+    reg = getattr(type(iface), "register", None)
+    if reg is not None:
+        reg(NAME, moecomp_experts_forward)
+    else:  # pragma: no cover - older interface
+        iface[NAME] = moecomp_experts_forward
+    return True
+
+
+class _RegisterOnImport:
+    """Meta-path finder: registers "moecomp" right after ``transformers.integrations.moe`` is imported.
+
+    Importing transformers' MoE integration costs ~2 s; ``import moecomp`` should not pay it when transformers is
+    not in use. Every model class with ``@use_experts_implementation`` imports that module before
+    ``from_pretrained(..., experts_implementation=...)`` can look the name up, so registering then is in time.
+    """
+
+    TARGET = "transformers.integrations.moe"
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.TARGET:
+            return None
+        import importlib.util
+
+        _uninstall()
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+        orig = loader.exec_module
+
+        def exec_module(module, _orig=orig):
+            _orig(module)
+            register()
+
+        loader.exec_module = exec_module
+        return spec
+
+
+_finder = _RegisterOnImport()
+
+
+def _uninstall() -> None:
+    import sys
+
+    if _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
+
+
+def _install() -> bool:
+    """Register now if transformers' MoE integration is loaded, else when it is imported. True if registered now."""
+    import sys
+
+    if _RegisterOnImport.TARGET in sys.modules:
+        return register()
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+    return False
+
+
+REGISTERED = _install()

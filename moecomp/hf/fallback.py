@@ -1,0 +1,714 @@
+"""Attribute-based MoE block detection: the fallback for blocks Dynamo cannot capture, and for meta-device models.
+
+``extract_block(block, example_input)`` names the block's parts (:mod:`moecomp.hf.structure`), reads the routing
+and expert settings from the module and its config, and, when it may run the block, *measures* what cannot be read:
+
+1. the activation: ``act_fn`` / ``_apply_gate`` are called on a probe tensor spanning [-12, 12] and compared with
+   every activation the spec knows (this also catches clamped SwiGLU variants the spec cannot express);
+2. the routing: the block runs once on a random input with a hook on the experts module that records the
+   ``(top_k_index, top_k_weights)`` it receives; every routing the spec can express (scoring, order, renormalise,
+   groups, group score) is evaluated on the same router logits and the one that picks the same experts with the
+   same weights (up to one constant, the routed scaling) is kept;
+3. precisions: router GEMM in fp32 or in the model dtype, routing weights rounded to the model dtype or not,
+   from the dtypes the router returns when run in bf16.
+
+Without an input (meta tensors) only the static guesses are made and the result is marked unverified.
+The caller (``moecomp.optimize``) still checks the whole block's output against the op before rewriting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import reference
+from ..ops.moe_op import MOE_ARGS
+from ..spec import MoESpec, SharedExpertSpec, SpecError
+from .structure import BlockParts, NotABlock, find_parts, get_path
+
+
+class FallbackError(Exception):
+    """The fallback cannot describe this block with a MoESpec; ``reason`` says why."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class BlockMatch:
+    """Same fields as ``moecomp.capture.BlockMatch``: the spec and, per op argument, a block-relative path."""
+
+    spec: MoESpec
+    bindings: dict[str, str | None]
+
+
+@dataclass
+class Derived:
+    """A tensor the op needs but the module does not hold, built once from module tensors (``sources``).
+
+    ``kind`` "stack": per expert, the listed paths are concatenated on dim 0, then stacked on a new dim 0 (a
+    ModuleList of expert MLPs); "cat": the listed 3-D tensors are concatenated on ``dim`` (separate gate / up).
+    """
+
+    name: str  # buffer name on the block
+    sources: list[list[str]]
+    kind: str = "stack"
+    dim: int = 1
+
+    def build(self, block: nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            if self.kind == "cat":
+                return torch.cat([get_path(block, p).detach() for p in self.sources[0]], self.dim).contiguous()
+            rows = [torch.cat([get_path(block, p).detach() for p in group], 0) for group in self.sources]
+            return torch.stack(rows, 0)
+
+    def source_paths(self) -> list[str]:
+        return [p for g in self.sources for p in g]
+
+
+@dataclass
+class Extraction:
+    match: BlockMatch
+    parts: BlockParts
+    verified: bool  # routing and activation measured (not only read)
+    notes: list[str] = field(default_factory=list)
+    derived: list[Derived] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------------------------- attributes
+_TOPK_NAMES = ("top_k", "num_experts_per_tok", "moe_topk", "top_k_experts", "num_experts_per_token", "topk",
+               "moe_k", "n_activated_experts")
+_NORM_NAMES = ("norm_topk_prob", "normalize_expert_weights", "renormalize")
+_GROUP_NAMES = ("num_group", "n_group", "num_expert_group", "n_expert_groups")
+_TOPK_GROUP_NAMES = ("topk_group", "num_limited_groups", "n_limited_groups")
+_SCORING_NAMES = ("scoring_func", "score_func", "expert_selection_fn", "router_score_function")
+_SCALE_NAMES = ("routed_scaling_factor", "route_scale", "router_scaling_factor", "moe_routed_scaling_factor",
+                "routed_scaling", "scaling_factor")
+_JITTER_NAMES = ("jitter_noise", "router_jitter_noise", "input_jitter_noise")
+
+
+def attr_sources(block: nn.Module, parts: BlockParts) -> list:
+    """Objects to read settings from, most specific first: router, block, experts, their configs."""
+    out = []
+    try:
+        out.append(get_path(block, parts.router_module))
+    except AttributeError:
+        pass
+    out.append(block)
+    experts = get_path(block, parts.experts)
+    out.append(experts)
+    for o in list(out):
+        cfg = getattr(o, "config", None)
+        if cfg is not None and not isinstance(cfg, nn.Module):
+            out.append(cfg)
+    seen, uniq = set(), []
+    for o in out:
+        if id(o) not in seen:
+            seen.add(id(o))
+            uniq.append(o)
+    return uniq
+
+
+def read_attr(sources, names, kinds=(int, float, bool, str)):
+    for src in sources:
+        for n in names:
+            try:
+                v = getattr(src, n)
+            except Exception:
+                continue
+            if v is None or isinstance(v, (nn.Module, torch.Tensor)) or not isinstance(v, kinds):
+                continue
+            return v
+    return None
+
+
+def jitter_of(block: nn.Module, parts: BlockParts | None) -> float:
+    srcs = [block]
+    if parts is not None and parts.router_module:
+        srcs.append(get_path(block, parts.router_module))
+    v = read_attr(srcs, _JITTER_NAMES, (int, float))
+    return float(v or 0.0)
+
+
+def _source(obj) -> str:
+    try:
+        return inspect.getsource(type(obj).forward if not inspect.isfunction(obj) else obj)
+    except (OSError, TypeError):
+        return ""
+
+
+# ----------------------------------------------------------------------------------------------- activations
+_PROBE = torch.linspace(-12.0, 12.0, 241, dtype=torch.float32)
+
+
+def _act_ref(name: str, t: torch.Tensor) -> torch.Tensor:
+    return reference.activation(t, name)
+
+
+def probe_activation(fn) -> str | None:
+    """Which elementwise activation ``fn`` computes (checked on [-12, 12]), or None."""
+    if fn is None:
+        return None
+    try:
+        y = fn(_PROBE.clone())
+    except Exception:
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != _PROBE.shape:
+        return None
+    for name in ("silu", "gelu", "gelu_tanh", "relu"):
+        ref = _act_ref(name, _PROBE)
+        if torch.allclose(y.float(), ref, rtol=1e-5, atol=1e-6):
+            return name
+    return None
+
+
+def _gate_ref(h: torch.Tensor, activation: str, gate_up: str, alpha: float, limit: float) -> torch.Tensor:
+    I = h.shape[-1] // 2
+    if gate_up == "concat":
+        gate, up = h[..., :I], h[..., I:]
+    else:
+        gate, up = h[..., 0::2], h[..., 1::2]
+    if activation == "swiglu_oai":
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return _act_ref(activation, gate) * up
+
+
+def probe_gate(experts: nn.Module, concat_hint: bool | None) -> tuple[str, str, float, float] | None:
+    """(activation, gate_up, alpha, limit) that ``experts._apply_gate`` computes, or None."""
+    fn = getattr(experts, "_apply_gate", None)
+    if fn is None:
+        return None
+    g = torch.Generator().manual_seed(1234)
+    h = torch.randn(64, 2 * 16, generator=g) * 6.0  # wide enough to hit clamps at 7-10
+    try:
+        y = fn(h.clone())
+    except Exception:
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != (64, 16):
+        return None
+    alpha = read_attr([experts, getattr(experts, "config", None)], ("alpha", "swiglu_alpha"), (int, float))
+    limit = read_attr([experts, getattr(experts, "config", None)], ("limit", "swiglu_limit"), (int, float))
+    layouts = ["concat", "interleaved"] if concat_hint in (None, True) else ["interleaved", "concat"]
+    acts = ["silu", "gelu", "gelu_tanh", "relu"]
+    if alpha is not None and limit is not None:
+        acts = ["swiglu_oai"] + acts
+    for lay in layouts:
+        for act in acts:
+            ref = _gate_ref(h, act, lay, float(alpha or 1.702), float(limit or 7.0))
+            if torch.allclose(y.float(), ref, rtol=1e-5, atol=1e-5):
+                return act, lay, float(alpha or 1.702), float(limit or 7.0)
+    return None
+
+
+def describe_unknown_gate(experts: nn.Module) -> str:
+    """Name a gate the spec lacks, when it is a known variant (for the report)."""
+    limit = read_attr([experts, getattr(experts, "config", None)], ("limit", "swiglu_limit"), (int, float))
+    if limit is None:
+        return ""
+    g = torch.Generator().manual_seed(1234)
+    h = torch.randn(64, 32, generator=g) * 6.0
+    try:
+        y = experts._apply_gate(h.clone())
+    except Exception:
+        return ""
+    for lay in ("concat", "interleaved"):
+        gate, up = (h[:, :16], h[:, 16:]) if lay == "concat" else (h[:, 0::2], h[:, 1::2])
+        for act in ("silu", "gelu"):
+            ref = _act_ref(act, gate.clamp(max=limit)) * up.clamp(-limit, limit)
+            if isinstance(y, torch.Tensor) and y.shape == ref.shape and torch.allclose(y, ref, rtol=1e-5, atol=1e-5):
+                return f"clamped SwiGLU {act}(min(gate, {limit:g})) * clamp(up, +-{limit:g}) (no MoESpec field for it)"
+    return ""
+
+
+def _mlp_activation(mod: nn.Module, sources) -> tuple[str | None, str]:
+    """Activation of a dense MLP module: probe its act_fn, else read hidden_act from the config."""
+    for n in ("act_fn", "act", "activation_fn", "activation"):
+        fn = getattr(mod, n, None)
+        if fn is not None and callable(fn):
+            a = probe_activation(fn)
+            return a, ("probed" if a else f"{n}={type(fn).__name__} is not an activation the spec knows")
+    name = read_attr(sources, ("hidden_act", "hidden_activation", "mlp_hidden_act"), (str,))
+    return _ACT_NAMES.get(name), f"read hidden_act={name!r}"
+
+
+_ACT_NAMES = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+              "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "relu": "relu"}
+
+
+# ----------------------------------------------------------------------------------------------- static spec
+_F32 = r"(float\(\)|type\(torch\.float(32)?\)|to\(torch\.float(32)?\)|to\(self\.weight\.dtype\))"
+_RE_ROUTER_FP32 = [
+    re.compile(r"(linear|matmul|mm)\(\s*[\w\.]+\." + _F32),  # linear(x.float(), ...)
+    re.compile(r"hidden_states\s*=\s*hidden_states\." + _F32),  # x = x.float(); linear(x, ...)
+    re.compile(r"flat\s*=\s*flat\." + _F32),
+]
+_RE_ROUND = re.compile(
+    r"\.to\(\s*(hidden_states|router_logits|x|hidden|flat|input)\.dtype\s*\)|type_as\(hidden_states\)")
+_RE_TOPK_LOGITS = re.compile(r"topk\(\s*(router_)?logits|(router_)?logits\.topk\(|topk\(\s*(router_)?logits\s*,")
+_RE_TOPK_PROBS = re.compile(r"topk\(\s*(router_)?(probs|probabilities|scores|routing_weights)|(probs|scores)\.topk\(")
+
+
+def _routing_guess(block: nn.Module, parts: BlockParts, sources) -> dict:
+    """Routing fields as read from attributes and forward source (no running): a best guess that also orders
+    the candidates ``measure`` tries (equivalent routings, e.g. top-k->softmax vs renormalised softmax->top-k, are
+    told apart only by this order)."""
+    E = parts.num_experts
+    rsrc = _source(get_path(block, parts.router_module)) if parts.router_module else ""
+    src = rsrc + "\n" + _source(block)
+    g = {}
+    scoring = read_attr(sources, _SCORING_NAMES, (str,))
+    scoring = {"softmax": "softmax", "sigmoid": "sigmoid", "sqrtsoftplus": "sqrtsoftplus",
+               "sqrt_softplus": "sqrtsoftplus"}.get(str(scoring).lower()) if scoring else None
+    if scoring is None:
+        if re.search(r"sigmoid", src) and not re.search(r"softmax", src):
+            scoring = "sigmoid"
+        elif parts.correction_bias is not None and "softmax" not in src:
+            scoring = "sigmoid"
+        else:
+            scoring = "softmax"
+    g["scoring"] = scoring
+    if scoring == "softmax" and _RE_TOPK_LOGITS.search(src) and not _RE_TOPK_PROBS.search(src):
+        g["score_order"] = "topk_then_score"
+    norm = read_attr(sources, _NORM_NAMES, (bool, int))
+    if norm is None:
+        norm = ".sum(dim=-1, keepdim=True)" in src or ".sum(-1, keepdim=True)" in src
+    g["renormalize"] = bool(norm) and g.get("score_order") != "topk_then_score"
+    m = re.search(r"\.sum\(dim=-1, keepdim=True\)\s*\+\s*([0-9.]+e-?[0-9]+|[0-9]*\.[0-9]+)", src)
+    if m and g["renormalize"]:
+        try:
+            g["renorm_eps"] = float(m.group(1))
+        except ValueError:
+            pass
+    ng = read_attr(sources, _GROUP_NAMES, (int,))
+    tg = read_attr(sources, _TOPK_GROUP_NAMES, (int,))
+    method = read_attr(sources, ("topk_method",), (str,))
+    if ng and tg and ng > 1 and E % ng == 0 and (method is None or method != "greedy"):
+        g["n_group"], g["topk_group"] = int(ng), int(tg)
+        g["group_score"] = "max" if (method == "group_limited_greedy" or ".max(dim=-1)" in src) else "top2_sum"
+    scale = read_attr(sources, _SCALE_NAMES, (int, float))
+    if scale is not None and not isinstance(scale, bool):
+        g["routed_scaling_factor"] = float(scale)
+    g["has_correction_bias"] = parts.correction_bias is not None
+    g["has_router_bias"] = parts.router_bias is not None
+    g["router_fp32"] = any(r.search(rsrc or src) for r in _RE_ROUTER_FP32)
+    g["round_weights"] = bool(_RE_ROUND.search(rsrc or src))
+    return g
+
+
+def _shared_spec(block: nn.Module, parts: BlockParts, sources) -> tuple[SharedExpertSpec | None, list[str]]:
+    sp = parts.shared
+    if sp is None:
+        return None, []
+    if any(b is not None for b in (sp.gate_bias, sp.up_bias, sp.down_bias)):
+        raise FallbackError(f"shared expert {sp.path!r} has biases (the op has no shared-expert biases)")
+    act, how = _mlp_activation(get_path(block, sp.path), sources)
+    if act is None:
+        raise FallbackError(f"shared expert activation not supported ({how})")
+    spec = SharedExpertSpec(
+        intermediate_size=sp.intermediate_size,
+        activation=act,
+        gated=sp.gated,
+        layout="concat" if sp.concat else "separate",
+        gate="sigmoid" if parts.shared_gate else "none",
+    )
+    return spec, [f"shared activation {how}"]
+
+
+def _expert_activation(block: nn.Module, parts: BlockParts, sources):
+    """(activation, gate_up, alpha, limit, note) of the routed experts."""
+    experts = get_path(block, parts.experts)
+    if parts.kind == "modulelist":
+        act, how = _mlp_activation(get_path(block, parts.expert_mlps[0].path), sources)
+        if act is None:
+            raise FallbackError(f"expert activation not supported ({how})")
+        return act, "concat", 1.702, 7.0, how
+    if getattr(experts, "has_post_expert_norm", False):
+        raise FallbackError("experts apply a norm after each expert (has_post_expert_norm)")
+    if not parts.gated:
+        act, how = _mlp_activation(experts, sources)
+        if act is None:
+            raise FallbackError(f"expert activation not supported ({how})")
+        return act, "concat", 1.702, 7.0, how
+    concat = getattr(experts, "is_concatenated", None)
+    if parts.split_gate_up is None:
+        r = probe_gate(experts, concat)
+        if r is not None:
+            return (*r, "probed _apply_gate")
+        if getattr(experts, "_apply_gate", None) is not None:
+            what = describe_unknown_gate(experts)
+            raise FallbackError(f"the experts' gate ({type(experts).__name__}._apply_gate) is not one the spec "
+                                f"knows{': ' + what if what else ''}")
+    act, how = _mlp_activation(experts, sources)
+    if act is None:
+        raise FallbackError(f"expert activation not supported ({how})")
+    return act, "concat" if concat in (None, True) else "interleaved", 1.702, 7.0, how
+
+
+def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Extraction:
+    """Spec and bindings from attributes only (safe on the meta device). Routing is a best guess."""
+    if parts is None:
+        try:
+            parts = find_parts(block)
+        except NotABlock as e:
+            raise FallbackError(str(e)) from None
+    sources = attr_sources(block, parts)
+    notes = []
+    E, H, I = parts.num_experts, parts.hidden_size, parts.intermediate_size
+    top_k = read_attr(sources, _TOPK_NAMES, (int,))
+    if top_k is None or isinstance(top_k, bool):
+        raise FallbackError("top-k not found among the block's / router's / config's attributes")
+    act, gate_up, alpha, limit, how = _expert_activation(block, parts, sources)
+    notes.append(f"expert activation: {how}")
+    shared, sh_notes = _shared_spec(block, parts, sources)
+    notes += sh_notes
+    if parts.extra_modules:
+        notes.append(f"block has other parameterised children: {', '.join(parts.extra_modules)}")
+    routing = _routing_guess(block, parts, sources)
+    bindings, derived = _bindings(block, parts)
+    kw = dict(routing)
+    try:
+        spec = MoESpec(
+            num_experts=E, top_k=int(top_k), hidden_size=H, intermediate_size=I,
+            activation=act, gated=parts.gated, activation_alpha=alpha, activation_limit=limit,
+            w_layout=parts.w_layout, gate_up=gate_up, has_expert_bias=bindings.get("b13") is not None,
+            shared=shared, **kw,
+        )
+    except SpecError as e:
+        raise FallbackError(f"no valid spec: {e}") from None
+    return Extraction(BlockMatch(spec, bindings), parts, verified=False, notes=notes, derived=derived)
+
+
+def _bindings(block: nn.Module, parts: BlockParts) -> tuple[dict[str, str | None], list[Derived]]:
+    b: dict[str, str | None] = dict.fromkeys(MOE_ARGS)
+    derived: list[Derived] = []
+    b["router_w"] = parts.router_weight
+    b["router_b"] = parts.router_bias
+    b["correction_bias"] = parts.correction_bias
+    if parts.kind == "fused":
+        b["w13"], b["w2"], b["b13"], b["b2"] = parts.w13, parts.w2, parts.b13, parts.b2
+        if parts.split_gate_up is not None:
+            # [E, I, H] gate and up -> [E, 2I, H] (out_in) or [E, H, I] -> [E, H, 2I] (in_out), built once
+            derived.append(Derived("_moecomp_w13", [list(parts.split_gate_up)], kind="cat",
+                                   dim=1 if parts.w_layout == "out_in" else 2))
+            b["w13"] = "_moecomp_w13"
+    else:
+        mlps = parts.expert_mlps
+        if mlps[0].gated:
+            if mlps[0].concat:
+                w13 = [[m.gate] for m in mlps]
+            else:
+                w13 = [[m.gate, m.up] for m in mlps]
+        else:
+            w13 = [[m.up] for m in mlps]
+        derived.append(Derived("_moecomp_w13", w13))
+        derived.append(Derived("_moecomp_w2", [[m.down] for m in mlps]))
+        b["w13"], b["w2"] = "_moecomp_w13", "_moecomp_w2"
+        p0 = mlps[0]
+        has_b = [p0.gate_bias, p0.up_bias, p0.down_bias]
+        if any(x is not None for x in has_b):
+            if mlps[0].gated and not mlps[0].concat and (p0.gate_bias is None) != (p0.up_bias is None):
+                raise FallbackError("expert MLPs have a bias on only one of gate / up")
+            if p0.down_bias is None or (mlps[0].gated and not mlps[0].concat and p0.gate_bias is None) or (
+                    not mlps[0].gated and p0.up_bias is None):
+                raise FallbackError("expert MLPs have biases on only some layers")
+            if mlps[0].gated and not mlps[0].concat:
+                b13 = [[m.gate_bias, m.up_bias] for m in mlps]
+            elif mlps[0].gated:
+                b13 = [[m.gate_bias] for m in mlps]
+            else:
+                b13 = [[m.up_bias] for m in mlps]
+            derived.append(Derived("_moecomp_b13", b13))
+            derived.append(Derived("_moecomp_b2", [[m.down_bias] for m in mlps]))
+            b["b13"], b["b2"] = "_moecomp_b13", "_moecomp_b2"
+    sp = parts.shared
+    if sp is not None:
+        if sp.gated:
+            b["shared_w1"] = sp.gate
+            b["shared_w3"] = sp.up  # None when concat
+        else:
+            b["shared_w3"] = sp.up
+        b["shared_w2"] = sp.down
+        b["shared_gate_w"] = parts.shared_gate
+    return b, derived
+
+
+# ----------------------------------------------------------------------------------------------- probing
+@dataclass
+class ProbeRun:
+    """What one call of the original block forward did."""
+
+    x: torch.Tensor
+    output: object
+    experts_args: tuple | None = None  # (hidden [T, H], ids [T, k], weights [T, k]) given to the experts module
+    router_args: tuple | None = None  # (args, kwargs) of the router module call
+    router_out: object = None
+    router_calls: int = 0
+
+
+def run_probe(block: nn.Module, parts: BlockParts, x: torch.Tensor, **kwargs) -> ProbeRun:
+    rec = ProbeRun(x=x, output=None)
+    handles = []
+    experts = get_path(block, parts.experts)
+    if parts.kind == "fused":
+        def exp_hook(mod, args, kw):
+            a = list(args) + [v for v in kw.values()]
+            if len(a) >= 3 and rec.experts_args is None:
+                rec.experts_args = tuple(t.detach().clone() if isinstance(t, torch.Tensor) else t for t in a[:3])
+        handles.append(experts.register_forward_pre_hook(exp_hook, with_kwargs=True))
+    if parts.router_module:
+        router = get_path(block, parts.router_module)
+
+        def r_pre(mod, args, kw):
+            rec.router_calls += 1
+            if rec.router_args is None:
+                rec.router_args = (args, kw)
+
+        def r_post(mod, args, out):
+            if rec.router_out is None:
+                rec.router_out = out
+
+        handles.append(router.register_forward_pre_hook(r_pre, with_kwargs=True))
+        handles.append(router.register_forward_hook(r_post))
+    try:
+        with torch.no_grad():
+            rec.output = block(x, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return rec
+
+
+def _primary(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _match_routing(ids_ref, w_ref, ids, w, tol) -> float | None:
+    """None when the id sets differ on any token, else the weight scale c with w_ref ~= c * w (or nan if no fit)."""
+    if ids_ref.shape != ids.shape:
+        return None
+    a_ids, a_ord = ids_ref.sort(-1)
+    b_ids, b_ord = ids.sort(-1)
+    if not torch.equal(a_ids, b_ids.to(a_ids.dtype)):
+        return None
+    a = w_ref.float().gather(-1, a_ord)
+    b = w.float().gather(-1, b_ord)
+    denom = (b * b).sum()
+    if denom == 0:
+        return float("nan")
+    c = float((a * b).sum() / denom)
+    if not torch.allclose(a, c * b, rtol=tol, atol=tol * float(a.abs().max())):
+        return float("nan")
+    return c
+
+
+def _snap(c: float, consts: list[float]) -> float:
+    if abs(c - 1.0) < 1e-4:
+        return 1.0
+    for v in consts:
+        if v and abs(c - v) <= 1e-4 * abs(v):
+            return float(v)
+    return c
+
+
+def numeric_consts(sources, k: int) -> list[float]:
+    out = []
+    for src in sources:
+        names = list(vars(src)) if hasattr(src, "__dict__") else []
+        for n in names:
+            try:
+                v = getattr(src, n)
+            except Exception:
+                continue
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v not in (0,):
+                out += [float(v), 1.0 / float(v)]
+    return out + [float(k), 1.0 / k]
+
+
+def _routing_candidates(guess: dict, E: int, k: int, has_corr: bool):
+    scorings = list(dict.fromkeys([guess.get("scoring", "softmax"), "softmax", "sigmoid", "sqrtsoftplus"]))
+    norm0 = guess.get("renormalize", True)
+    groups = []
+    if guess.get("n_group", 1) > 1:
+        gs0 = guess.get("group_score", "top2_sum")
+        groups += [(guess["n_group"], guess["topk_group"], gs0),
+                   (guess["n_group"], guess["topk_group"], "max" if gs0 == "top2_sum" else "top2_sum")]
+    groups.append((1, 1, "top2_sum"))
+    orders = ["score_then_topk", "topk_then_score"]
+    if guess.get("score_order") == "topk_then_score":
+        orders.reverse()
+    for order in orders:
+        for scoring in scorings:
+            if order == "topk_then_score" and scoring != "softmax":
+                continue
+            for norm in ([norm0, not norm0] if order == "score_then_topk" else [False]):
+                for ng, tg, gs in groups:
+                    if order == "topk_then_score" and ng > 1:
+                        continue
+                    yield dict(scoring=scoring, score_order=order, renormalize=norm, n_group=ng, topk_group=tg,
+                               group_score=gs)
+
+
+def measure(block: nn.Module, x: torch.Tensor, ext: Extraction) -> tuple[Extraction, ProbeRun]:
+    """Run the block on ``x`` and replace the guessed routing / precision fields by measured ones."""
+    with torch.no_grad():
+        return _measure(block, x, ext)
+
+
+def _measure(block: nn.Module, x: torch.Tensor, ext: Extraction) -> tuple[Extraction, ProbeRun]:
+    parts = ext.parts
+    spec = ext.match.spec
+    sources = attr_sources(block, parts)
+    run = run_probe(block, parts, x)
+    notes = list(ext.notes)
+    x2 = x.reshape(-1, x.shape[-1])
+    T, E = x2.shape[0], parts.num_experts
+    changes = {}
+    if run.experts_args is not None:
+        _, ids, w = run.experts_args[:3]
+        if not (isinstance(ids, torch.Tensor) and isinstance(w, torch.Tensor) and ids.dim() == 2 and
+                ids.shape[0] == T and w.shape == ids.shape):
+            raise FallbackError("the experts module was not called with (hidden [T, H], ids [T, k], weights [T, k])")
+        k = ids.shape[1]
+        if (ids < 0).any() or (ids >= E).any():
+            raise FallbackError("the router produced expert ids outside [0, E) (skip / null experts)")
+        W = get_path(block, parts.router_weight)
+        Rb = get_path(block, parts.router_bias) if parts.router_bias else None
+        corr = get_path(block, parts.correction_bias).reshape(E) if parts.correction_bias else None
+        low = x.dtype != torch.float32
+        tol = 2e-2 if low else 2e-5
+        guess = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+        found = None
+        logit_variants = [spec.router_fp32, not spec.router_fp32] if low else [spec.router_fp32]
+        for fp32 in logit_variants:
+            probe_spec = spec.replace(top_k=k, router_fp32=fp32, routed_scaling_factor=1.0, renorm_eps=0.0)
+            logits = reference.router_logits(x2, W, Rb, probe_spec).float()
+            for cand in _routing_candidates(guess, E, k, corr is not None):
+                try:
+                    cs = probe_spec.replace(**cand)
+                except SpecError:
+                    continue
+                w_c, ids_c = reference.route(logits, corr, cs)
+                c = _match_routing(ids, w, ids_c, w_c, tol)
+                if c is None or math.isnan(c):
+                    continue
+                found = dict(cand, top_k=k, router_fp32=fp32, routed_scaling_factor=c)
+                break
+            if found:
+                break
+        if found is None:
+            raise FallbackError(
+                "routing not recognised: no softmax / sigmoid / sqrt-softplus, top-k, renormalise, group-limited "
+                "routing the spec knows picks the experts this router picks")
+        consts = numeric_consts(sources, found["top_k"])
+        found["routed_scaling_factor"] = _snap(found["routed_scaling_factor"], consts)
+        if not found["renormalize"] or found["score_order"] == "topk_then_score":
+            found["renorm_eps"] = 0.0
+        else:
+            found["renorm_eps"] = spec.renorm_eps
+        changes.update(found)
+        # precisions, measured where the router runs in a low-precision dtype
+        prec = _measure_precision(block, parts, run, x)
+        if prec is not None:
+            changes.update(prec)
+            notes.append(f"router precision measured: {prec}")
+        notes.append("routing measured from the experts' inputs")
+    else:
+        notes.append("routing read from attributes (experts not called as one module); checked on the output")
+    try:
+        new_spec = spec.replace(**changes)
+    except SpecError as e:
+        raise FallbackError(f"measured routing gives no valid spec: {e}") from None
+    return dataclasses.replace(ext, match=BlockMatch(new_spec, ext.match.bindings), verified=True, notes=notes), run
+
+
+def _measure_precision(block, parts: BlockParts, run: ProbeRun, x: torch.Tensor) -> dict | None:
+    """router_fp32 / round_weights as the block shows them when it runs in a low-precision dtype.
+
+    fp32 blocks cannot show either (casts to fp32 are no-ops there): their values come from the forward source,
+    like the FX pass reads them from the casts in the traced graph.
+    """
+    if x.dtype == torch.float32 or run.experts_args is None:
+        return None
+    out = {"round_weights": run.experts_args[2].dtype == x.dtype}
+    rout = run.router_out
+    E, H = parts.num_experts, parts.hidden_size
+    logits = None
+    if isinstance(rout, torch.Tensor) and rout.shape[-1] == E:
+        logits = rout
+    elif isinstance(rout, (tuple, list)):
+        logits = next((o for o in rout if isinstance(o, torch.Tensor) and o.is_floating_point()
+                       and o.shape[-1] == E and o.numel() == x.numel() // H * E), None)
+    if logits is not None:
+        x2 = x.reshape(-1, H)
+        W = get_path(block, parts.router_weight)
+        b = get_path(block, parts.router_bias) if parts.router_bias else None
+        lo = F.linear(x2, W.to(x.dtype), None if b is None else b.to(x.dtype)).float()
+        hi = F.linear(x2.float(), W.float(), None if b is None else b.float())
+        lg = logits.reshape(-1, E).float()
+        out["router_fp32"] = bool(logits.dtype == torch.float32 and (lg - hi).abs().max() < (lg - lo).abs().max())
+    return out
+
+
+def extract_block(block: nn.Module, example_input: torch.Tensor | None = None) -> Extraction:
+    """Describe ``block`` with a MoESpec from its attributes, measuring what it can when ``example_input`` is given."""
+    ext = static_extract(block)
+    if example_input is None or example_input.device.type == "meta":
+        return ext
+    ext, _ = measure(block, example_input, ext)
+    return ext
+
+
+def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> str | None:
+    """Check ``spec``'s activations against the block's own ``_apply_gate`` / ``act_fn`` over [-12, 12].
+
+    A check on random hidden states rarely reaches the clamps of clamped SwiGLU variants (limit 7-10); this one
+    does. Returns why they differ, or None (also when the block has nothing to call).
+    """
+    experts = get_path(block, parts.experts)
+    if parts.kind == "fused" and spec.gated and getattr(experts, "_apply_gate", None) is not None:
+        g = torch.Generator().manual_seed(1234)
+        h = torch.randn(64, 2 * 16, generator=g) * 6.0
+        try:
+            y = experts._apply_gate(h.clone())
+        except Exception:
+            y = None
+        if isinstance(y, torch.Tensor) and y.shape == (64, 16):
+            ref = _gate_ref(h, spec.activation, spec.gate_up, spec.activation_alpha, spec.activation_limit)
+            if not torch.allclose(y.float(), ref, rtol=1e-5, atol=1e-5):
+                return (f"{type(experts).__name__}._apply_gate differs from the spec's "
+                        f"{spec.activation}/{spec.gate_up} gate on inputs up to +-12 (clamped or other variant)")
+    fns = []
+    if parts.kind == "fused" and not spec.gated:
+        fns.append((getattr(experts, "act_fn", None), spec.activation, "experts.act_fn"))
+    if parts.kind == "modulelist":
+        fns.append((getattr(get_path(block, parts.expert_mlps[0].path), "act_fn", None), spec.activation,
+                    "expert act_fn"))
+    if parts.shared is not None and spec.shared is not None:
+        fns.append((getattr(get_path(block, parts.shared.path), "act_fn", None), spec.shared.activation,
+                    "shared act_fn"))
+    for fn, want, where in fns:
+        if fn is None or not callable(fn):
+            continue
+        got = probe_activation(fn)
+        if got is not None and got != want:
+            return f"{where} is {got}, the spec says {want}"
+        if got is None:
+            try:
+                y = fn(_PROBE.clone())
+            except Exception:
+                continue
+            if isinstance(y, torch.Tensor) and y.shape == _PROBE.shape and want in ("silu", "gelu", "gelu_tanh",
+                                                                                    "relu"):
+                if not torch.allclose(y.float(), _act_ref(want, _PROBE), rtol=1e-5, atol=1e-6):
+                    return f"{where} ({type(fn).__name__}) differs from {want} on [-12, 12]"
+    return None

@@ -1,0 +1,444 @@
+"""Coverage, measured: every model family of the installed transformers whose experts use
+``@use_experts_implementation`` is built tiny with random weights, optimized, and compared with itself.
+
+    python -m moecomp coverage            # regenerates docs/coverage.md
+
+Per family: build a tiny model from its config (hidden 64, 4 heads, 2 KV heads, 8 experts, top-2, 2 layers; a few
+families need their own sizes, see ``FAMILY_OVERRIDES``), give routing biases random values (zeros would hide
+bias handling), run it (fp32, CPU, batch 2 x 5 tokens), ``moecomp.optimize`` it, run it again and check
+
+* the logits (or last hidden state) within 1e-4 relative (max abs difference / max abs value),
+* exactly one ``torch.ops.moecomp.moe_forward`` call per rewritten block (counted with a TorchDispatchMode,
+  attributed to blocks by forward hooks), and no call elsewhere.
+
+A family that cannot be built tiny is listed with its error, not hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+TINY = dict(
+    hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    shared_intermediate_size=32, shared_experts_intermediate_size=32, moe_shared_expert_intermediate_size=32,
+    num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+    num_experts=8, num_local_experts=8, n_routed_experts=8, moe_num_experts=8,
+    num_experts_per_tok=2, moe_topk=2, top_k_experts=2,
+    vocab_size=128, head_dim=16, max_position_embeddings=256, sliding_window=16,
+    first_k_dense_replace=0, num_dense_layers=0, mlp_only_layers=[], decoder_sparse_step=1,
+    n_group=4, topk_group=2, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    # MLA attention (DeepSeek-V2/V3 style)
+    kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+    vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,  # Gemma-4 per-layer embeddings
+)
+MLA_KEYS = ("kv_lora_rank", "qk_rope_head_dim")
+
+# Per-family config changes on top of TINY (found by building; each says why).
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0}
+FAMILY_OVERRIDES: dict[str, dict] = {
+    # the defaults make the first layers dense
+    "beam": {"mlp_layer_types": ["sparse", "sparse"]},
+    "deepseek_ocr2": {"mlp_layer_types": ["sparse", "sparse"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # no default layer pattern
+    "zaya": {"num_experts_per_tok": 1},  # ZAYA supports top-1 only
+    "dots1": {"n_shared_experts": 1},
+    # DSA attention wants NoPE and as many KV heads as heads; small indexer
+    "glm5_next": {"qk_rope_head_dim": 0, "mlp_layer_types": ["sparse", "sparse"], "index_topk": 16,
+                  "index_head_dim": 16, "index_n_heads": 2, "index_kpool": 4, "num_key_value_heads": 4},
+    "mistral4": {"head_dim": 32},  # head_dim = nope + rope dims
+    "deepseek_v4": {"mlp_layer_types": ["hash_moe", "moe"]},  # one hash-routed layer, one top-k layer
+    "gemma4": {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 32},
+    # multimodal RoPE sections must fit the tiny head dim
+    "glm4v_moe": {"rope_parameters": {**_MROPE, "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}},
+    "hy_v4_vl": {"num_key_value_heads": 4, "rope_parameters": {**_MROPE, "mrope_section": [4, 2, 2]}},
+    "ernie4_5_vl_moe": {"moe_intermediate_size": [32, 32], "rope_parameters": {**_MROPE, "mrope_section": [3, 3, 2]}},
+}
+
+TOL = 1e-4
+MAX_PARAMS = 20_000_000
+
+
+# ----------------------------------------------------------------------------------------------- families
+def transformers_dir() -> str | None:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return os.path.dirname(transformers.__file__)
+
+
+def experts_families() -> list[str]:
+    """Model families whose modeling file uses ``@use_experts_implementation`` (source scan, no imports)."""
+    root = transformers_dir()
+    if root is None:
+        return []
+    out = []
+    mdir = os.path.join(root, "models")
+    for fam in sorted(os.listdir(mdir)):
+        p = os.path.join(mdir, fam, f"modeling_{fam}.py")
+        if os.path.exists(p):
+            with open(p, encoding="utf-8") as f:
+                if "@use_experts_implementation" in f.read():
+                    out.append(fam)
+    return out
+
+
+def is_experts_class(c) -> bool:
+    f = getattr(c, "forward", None)
+    co = getattr(f, "__code__", None)
+    return inspect.isclass(c) and co is not None and co.co_filename.replace("\\", "/").endswith("integrations/moe.py")
+
+
+def _model_candidates(mod):
+    from transformers import PreTrainedModel
+
+    cl = [c for n, c in vars(mod).items() if inspect.isclass(c) and issubclass(c, PreTrainedModel)
+          and c.__module__ == mod.__name__ and not n.endswith("PreTrainedModel")]
+
+    def rank(c):
+        n = c.__name__
+        text_cfg = not getattr(c.config_class, "sub_configs", None)
+        for i, suf in enumerate(("ForCausalLM", "TextModel", "Model")):
+            if n.endswith(suf):
+                return (0 if text_cfg else 1, i, n)
+        return (2, 9, n)
+
+    return sorted(cl, key=rank)
+
+
+def _config_fields(cls) -> set[str]:
+    names = set()
+    if dataclasses.is_dataclass(cls):
+        names |= {f.name for f in dataclasses.fields(cls)}
+    names |= set(getattr(cls, "attribute_map", {}) or {})
+    try:
+        names |= set(inspect.signature(cls.__init__).parameters)
+    except (TypeError, ValueError):
+        pass
+    return names
+
+
+def tiny_config(config_cls, family: str, extra: dict | None = None):
+    base = config_cls()
+    fields = _config_fields(config_cls) | set(vars(base))
+    kw = {}
+    for k, v in TINY.items():
+        if k in fields or hasattr(base, k):
+            kw[k] = v
+    if any(k in fields for k in MLA_KEYS):
+        kw["head_dim"] = kw.get("qk_rope_head_dim", 16)
+        kw["num_key_value_heads"] = kw.get("num_attention_heads", 4)
+    if "n_shared_experts" in fields and getattr(base, "n_shared_experts", 1) is None:
+        kw["n_shared_experts"] = 1
+    kw.update(FAMILY_OVERRIDES.get(family, {}))
+    if extra:
+        kw.update(extra)
+    kw = {k: v for k, v in kw.items() if k in fields or hasattr(base, k)}
+    return config_cls(**kw)
+
+
+def _retry_fixes(msg: str) -> dict | None:
+    if "num_key_value_heads" in msg and "same" in msg:
+        return {"num_key_value_heads": TINY["num_attention_heads"]}
+    if "num_experts_per_tok=1" in msg:
+        return {"num_experts_per_tok": 1}
+    return None
+
+
+def _randomize_biases(model: nn.Module, seed: int) -> None:
+    """Zero-initialised tensors (routing biases, some routers) would hide their handling: give them random values."""
+    g = torch.Generator().manual_seed(seed + 17)
+    names = ("e_score_correction_bias", "expert_bias", "correction_bias")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.numel() > 1 and not p.any():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        for mname, m in model.named_modules():
+            for n, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False)):
+                if t is not None and t.is_floating_point() and any(k in n for k in names):
+                    t.copy_(torch.randn(t.shape, generator=g) * 0.3)
+            if isinstance(getattr(m, "bias", None), torch.Tensor) and ("router" in mname or mname.endswith("gate")):
+                b = m.bias
+                if b.dim() == 1 and b.is_floating_point():
+                    b.copy_(torch.randn(b.shape, generator=g) * 0.5)
+
+
+def build_tiny(family: str, seed: int = 0):
+    """(model, model class name) for ``family``; raises with the reason when it cannot be built tiny."""
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    experts = tuple(c for c in vars(mod).values() if is_experts_class(c))
+    errors = []
+    for mc in _model_candidates(mod):
+        extra = {}
+        for _attempt in range(3):
+            try:
+                cfg = tiny_config(mc.config_class, family, extra)
+                with torch.device("meta"):  # size check first: a config field we do not shrink can be huge
+                    n = sum(p.numel() for p in mc(cfg).parameters())
+                if n > MAX_PARAMS:
+                    raise RuntimeError(f"tiny config still has {n / 1e6:.0f}M parameters (a size field we do not "
+                                       f"shrink)")
+                torch.manual_seed(seed)
+                model = mc(cfg).eval()
+            except Exception as e:  # config validation and build errors
+                fix = _retry_fixes(str(e))
+                if fix and not all(extra.get(k) == v for k, v in fix.items()):
+                    extra.update(fix)
+                    continue
+                errors.append(f"{mc.__name__}: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}")
+                break
+            if not any(isinstance(m, experts) for m in model.modules()):
+                errors.append(f"{mc.__name__}: tiny model has no experts module")
+                break
+            _randomize_biases(model, seed)
+            return model, mc.__name__
+        if errors and not errors[-1].endswith("no experts module"):
+            break  # the preferred class failed to build: report that error
+    raise RuntimeError("; ".join(errors) or "no model class found")
+
+
+# ----------------------------------------------------------------------------------------------- counting
+class OpCounter(TorchDispatchMode):
+    """Counts ``torch.ops.moecomp.moe_forward`` calls while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.experts_calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.moecomp.moe_forward.default:
+            self.calls += 1
+        elif func is torch.ops.moecomp.moe_experts.default:
+            self.experts_calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_calls_per_block(model: nn.Module, fn, with_forwards: bool = False):
+    """Run ``fn()``; return (its result, {block name: moe_forward calls inside it}, total calls).
+
+    With ``with_forwards``, also {block name: times the block's forward ran} (a block the input does not reach,
+    e.g. the vision experts of a text-only input, runs 0 times and calls the op 0 times).
+    """
+    from ..optimize import rewritten_blocks
+
+    counter = OpCounter()
+    per, runs = {}, {}
+    handles = []
+    for name, m in rewritten_blocks(model).items():
+        per[name] = runs[name] = 0
+
+        def pre(mod, args, _n=name):
+            mod._moecomp_count0 = counter.calls
+
+        def post(mod, args, out, _n=name):
+            per[_n] += counter.calls - mod.__dict__.pop("_moecomp_count0")
+            runs[_n] += 1
+
+        handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    try:
+        with counter:
+            res = fn()
+    finally:
+        for h in handles:
+            h.remove()
+    if with_forwards:
+        return res, per, counter.calls, runs
+    return res, per, counter.calls
+
+
+# ----------------------------------------------------------------------------------------------- checking
+@dataclass
+class FamilyResult:
+    family: str
+    status: str  # equal | not equal | not rewritten | partial | no MoE block | build failed | import failed
+    model_class: str = ""
+    blocks: int = 0
+    rewritten: int = 0
+    calls_ok: bool = False
+    max_rel_err: float | None = None
+    router: str = ""
+    experts: str = ""
+    reason: str = ""
+    seconds: float = 0.0
+    skipped: list = field(default_factory=list)
+    fallback: str = ""  # what the attribute fallback alone does (optimize(use_capture=False)): equal / skipped ...
+    fallback_agrees: str = "-"  # where the FX pass detected the blocks: does the fallback give the same spec
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
+def _logits(out):
+    for k in ("logits", "last_hidden_state"):
+        v = getattr(out, k, None)
+        if isinstance(v, torch.Tensor):
+            return v
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return out
+
+
+def check_family(family: str, seed: int = 0, batch: int = 2, seq: int = 5, use_capture: bool = True,
+                 fallback_too: bool = False) -> FamilyResult:
+    """Build ``family`` tiny, optimize, compare. ``fallback_too``: also run the attribute fallback alone."""
+    r = _check_family(family, seed, batch, seq, use_capture)
+    if fallback_too and use_capture and r.status not in ("build failed", "import failed"):
+        f = _check_family(family, seed, batch, seq, use_capture=False)
+        r.fallback = f.status + (f": {f.reason}" if f.reason and f.status != "equal" else "")
+        r.seconds += f.seconds
+    return r
+
+
+def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: bool) -> FamilyResult:
+    import moecomp
+
+    t0 = time.perf_counter()
+    r = FamilyResult(family, "build failed")
+    try:
+        model, r.model_class = build_tiny(family, seed)
+    except ImportError as e:
+        r.status, r.reason = "import failed", f"{type(e).__name__}: {e}"
+        r.seconds = time.perf_counter() - t0
+        return r
+    except Exception as e:
+        r.reason = str(e)[:400]
+        r.seconds = time.perf_counter() - t0
+        return r
+    g = torch.Generator().manual_seed(seed)
+    vocab = getattr(model.config, "vocab_size", None) or getattr(getattr(model.config, "text_config", None),
+                                                                 "vocab_size", 128)
+    ids = torch.randint(3, min(int(vocab), 128), (batch, seq), generator=g)
+    kwargs = {"input_ids": ids}
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        kwargs["use_cache"] = False
+    try:
+        with torch.no_grad():
+            ref = _logits(model(**kwargs)).clone()
+    except Exception as e:
+        r.status, r.reason = "build failed", f"forward: {type(e).__name__}: {str(e)[:300]}"
+        r.seconds = time.perf_counter() - t0
+        return r
+    try:
+        _, rep = moecomp.optimize(model, report=True, use_capture=use_capture)
+    except Exception as e:
+        r.status = "not rewritten"
+        r.reason = f"optimize raised {type(e).__name__}: {e}\n{traceback.format_exc()[-600:]}"
+        r.seconds = time.perf_counter() - t0
+        return r
+    r.blocks = len(rep.blocks)
+    r.rewritten = len(rep.rewritten)
+    r.skipped = [f"{b.name}: {b.reason}" for b in rep.blocks if b.status == "skipped"]
+    fx = [b for b in rep.rewritten if b.method == "fx"]
+    if fx:
+        r.fallback_agrees = "yes" if all("attribute fallback agrees" in b.notes for b in fx) else "no: " + "; ".join(
+            n for b in fx for n in b.notes if n.startswith("attribute fallback"))[:200]
+    styles = {b.router for b in rep.rewritten if b.router}
+    r.router = "; ".join(sorted(styles))
+    r.experts = "; ".join(sorted({b.experts for b in rep.rewritten if b.experts}))
+    if r.blocks == 0:
+        r.status, r.reason = "no MoE block", "no candidate block found"
+        r.seconds = time.perf_counter() - t0
+        return r
+    try:
+        def fwd():
+            with torch.no_grad():
+                return _logits(model(**kwargs))
+
+        out, per, total, runs = count_calls_per_block(model, fwd, with_forwards=True)
+    except Exception as e:
+        r.status, r.reason = "not equal", f"optimized forward raised {type(e).__name__}: {str(e)[:300]}"
+        r.seconds = time.perf_counter() - t0
+        return r
+    # exactly one op call per block call (a block the input does not reach runs 0 times), and none elsewhere
+    r.calls_ok = (len(per) == r.rewritten and all(per[n] == runs[n] for n in per) and any(runs.values())
+                  and total == sum(per.values()))
+    err = float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+    r.max_rel_err = err
+    if r.rewritten == 0:
+        r.status = "not rewritten"
+        r.reason = "; ".join(sorted({b.reason for b in rep.blocks}))
+    elif not (err <= TOL) or not torch.isfinite(out).all():
+        r.status, r.reason = "not equal", f"logits max rel. err {err:.2e}"
+    elif not r.calls_ok:
+        r.status, r.reason = "not equal", f"moe_forward calls per block {per} for block runs {runs}, total {total}"
+    elif r.rewritten < r.blocks:
+        r.status = "partial"
+        r.reason = "; ".join(sorted({b.reason for b in rep.skipped}))
+    else:
+        r.status = "equal"
+    r.seconds = time.perf_counter() - t0
+    return r
+
+
+def run_coverage(families: list[str] | None = None, progress=None, fallback_too: bool = True) -> list[FamilyResult]:
+    out = []
+    for fam in families or experts_families():
+        res = check_family(fam, fallback_too=fallback_too)
+        out.append(res)
+        if progress:
+            progress(res)
+    return out
+
+
+def coverage_markdown(results: list[FamilyResult]) -> str:
+    import platform
+
+    import transformers
+
+    from collections import Counter
+
+    c = Counter(r.status for r in results)
+    built = sum(r.status not in ("build failed", "import failed") for r in results)
+    lines = [
+        "# Coverage: transformers model families with `@use_experts_implementation`",
+        "",
+        "Generated by `python -m moecomp coverage` (do not edit by hand): every family is built tiny with random",
+        "weights (hidden 64, 4 heads, 2 KV heads, 8 experts, top-2, 2 layers; routing biases random), run in fp32",
+        "on CPU (batch 2 x 5 tokens), optimized with `moecomp.optimize`, and run again. *equal* = logits within",
+        f"{TOL:g} relative and exactly one `moe_forward` call per MoE block.",
+        "",
+        f"transformers {transformers.__version__}, torch {torch.__version__}, Python {platform.python_version()}.",
+        "",
+        f"**{len(results)} families; {built} build tiny; {c.get('equal', 0)} rewritten and equal; "
+        f"{c.get('partial', 0)} partly rewritten; {c.get('not rewritten', 0)} left alone (reason below); "
+        f"{c.get('not equal', 0)} not equal; {c.get('build failed', 0) + c.get('import failed', 0)} not built.**",
+        "",
+        "Columns: *status* of `moecomp.optimize(model)` (FX pass first, attribute fallback where Dynamo cannot",
+        "capture); *fallback alone*: the same with `use_capture=False` (the attribute fallback on every block);",
+        "*fallback = FX*: where the FX pass detected the blocks, whether the fallback derives the same MoESpec.",
+        "",
+        "| family | model | status | blocks rewritten | router | experts | max rel. err | reason | fallback alone "
+        "| fallback = FX |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def cell(t, n=300):
+        t = (t or "").replace("|", "\\|").replace("\n", " ")
+        return t if len(t) <= n else t[: n - 3] + "..."
+
+    for r in results:
+        err = "-" if r.max_rel_err is None else f"{r.max_rel_err:.1e}"
+        lines.append(f"| {r.family} | {r.model_class or '-'} | {r.status} | "
+                     f"{r.rewritten}/{r.blocks} | {r.router or '-'} | {r.experts or '-'} | {err} | {cell(r.reason)} | "
+                     f"{cell(r.fallback, 160) or '-'} | {cell(r.fallback_agrees, 160)} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def write_coverage(path: str = "docs/coverage.md", families=None, progress=None) -> list[FamilyResult]:
+    results = run_coverage(families, progress)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(coverage_markdown(results))
+    return results

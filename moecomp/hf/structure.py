@@ -1,0 +1,384 @@
+"""Find MoE blocks in a module tree and name their parts, from attributes alone (works on the meta device).
+
+A *block* is the module whose forward runs router + routed experts (+ shared experts) and returns the combined
+output, e.g. ``MixtralSparseMoeBlock`` or ``DeepseekV3MoE``. It is recognised by what it owns:
+
+* an *experts* child: either a module holding 3-D expert weights (``gate_up_proj`` / ``up_proj`` / ``down_proj``
+  with the experts on dim 0, transformers 5 style) or an ``nn.ModuleList`` of identical per-expert MLPs
+  (``w1/w3/w2`` or ``gate_proj/up_proj/down_proj``, the older layout);
+* a *router*: a 2-D weight ``[E, H]`` in the block (outside experts and shared experts), at most two levels deep
+  (``gate.weight``, ``router.weight``, ``gate.wg.weight``, ``router.gate.weight``...);
+* optionally shared experts (a dense MLP child) and their sigmoid gate (a ``Linear(H, 1)``).
+
+Nothing here runs the model: :mod:`moecomp.hf.fallback` turns the parts into a ``MoESpec`` and checks it by running.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+# (gate, up, down) names of a per-expert / shared MLP, gated first.
+MLP_NAMES = (
+    ("gate_proj", "up_proj", "down_proj"),
+    ("w1", "w3", "w2"),
+)
+UNGATED_MLP_NAMES = (("up_proj", "down_proj"), ("fc1", "fc2"), ("c_fc", "c_proj"), ("w1", "w2"))
+SHARED_NAMES = ("shared_expert", "shared_experts", "shared_mlp", "shared")
+SHARED_GATE_NAMES = ("shared_expert_gate", "shared_gate", "shared_experts_gate")
+CORRECTION_NAMES = ("e_score_correction_bias", "expert_bias", "correction_bias", "router_bias_correction")
+
+
+@dataclass
+class MLPParts:
+    """A dense (shared or per-expert) MLP: paths of its Linear weights, relative to the block."""
+
+    path: str
+    gated: bool
+    concat: bool  # gate and up in one Linear ([2I, H], gate rows first)
+    gate: str | None  # weight paths
+    up: str | None
+    down: str
+    gate_bias: str | None = None
+    up_bias: str | None = None
+    down_bias: str | None = None
+    intermediate_size: int = 0
+
+
+@dataclass
+class BlockParts:
+    """What a candidate MoE block owns; every path is relative to the block module."""
+
+    experts: str  # path of the experts module / ModuleList
+    kind: str  # "fused" (3-D weights) or "modulelist"
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    router_weight: str
+    router_module: str  # the module owning router_weight ("" when the block itself)
+    router_bias: str | None = None
+    correction_bias: str | None = None
+    # fused experts
+    w13: str | None = None  # gate_up (or up when not gated)
+    w2: str | None = None
+    b13: str | None = None
+    b2: str | None = None
+    gated: bool = True
+    w_layout: str = "out_in"
+    split_gate_up: tuple[str, str] | None = None  # separate 3-D gate and up weights (stacked once)
+    # ModuleList experts
+    expert_mlps: list[MLPParts] = field(default_factory=list)
+    # shared experts
+    shared: MLPParts | None = None
+    shared_gate: str | None = None
+    extra_modules: list[str] = field(default_factory=list)  # parameterised children nothing above explains
+
+    def submodule_paths(self, block: nn.Module | None = None) -> list[str]:
+        """Modules the original forward calls and whose hooks must keep firing: router, experts, shared experts
+        (with everything inside them when ``block`` is given)."""
+        out = [self.router_module, self.experts]
+        if self.shared is not None:
+            out.append(self.shared.path)
+        if self.shared_gate is not None:
+            out.append(self.shared_gate.rsplit(".", 1)[0])
+        out = [p for p in dict.fromkeys(out) if p]
+        if block is not None:
+            full = []
+            for p in out:
+                full += [f"{p}.{n}" if n else p for n, _ in get_path(block, p).named_modules()]
+            out = list(dict.fromkeys(full))
+        return out
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class NotABlock(Exception):
+    """The module is not an MoE block (not an error)."""
+
+
+def get_path(root: nn.Module, path: str):
+    obj = root
+    if not path:
+        return obj
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _owned_tensors(m: nn.Module) -> dict[str, torch.Tensor]:
+    out = dict(m.named_parameters(recurse=False))
+    out.update({n: b for n, b in m.named_buffers(recurse=False) if b is not None})
+    return {n: t for n, t in out.items() if t is not None}
+
+
+def _linear_w(m: nn.Module, name: str) -> nn.Module | None:
+    c = getattr(m, name, None) if name in getattr(m, "_modules", {}) else None
+    if isinstance(c, nn.Linear) or (isinstance(c, nn.Module) and isinstance(getattr(c, "weight", None), torch.Tensor)
+                                    and c.weight.dim() == 2 and not isinstance(c, nn.Embedding)):
+        return c
+    return None
+
+
+def mlp_parts(m: nn.Module, path: str, hidden: int | None) -> MLPParts | None:
+    """Recognise a dense MLP child (gated gate/up/down, concatenated gate_up + down, or up/down)."""
+    if not isinstance(m, nn.Module) or isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+        return None
+    pre = f"{path}." if path else ""
+
+    def bias_path(name, lin):
+        return f"{pre}{name}.bias" if getattr(lin, "bias", None) is not None else None
+
+    for g, u, d in MLP_NAMES:
+        G, U, D = _linear_w(m, g), _linear_w(m, u), _linear_w(m, d)
+        if G is not None and U is not None and D is not None:
+            I, H = G.weight.shape
+            if U.weight.shape != (I, H) or D.weight.shape != (H, I) or (hidden is not None and H != hidden):
+                return None
+            return MLPParts(path, True, False, f"{pre}{g}.weight", f"{pre}{u}.weight", f"{pre}{d}.weight",
+                            bias_path(g, G), bias_path(u, U), bias_path(d, D), I)
+    for gu, d in (("gate_up_proj", "down_proj"), ("w13", "w2")):
+        GU, D = _linear_w(m, gu), _linear_w(m, d)
+        if GU is not None and D is not None:
+            N, H = GU.weight.shape
+            if N % 2 or D.weight.shape != (H, N // 2) or (hidden is not None and H != hidden):
+                return None
+            return MLPParts(path, True, True, f"{pre}{gu}.weight", None, f"{pre}{d}.weight",
+                            bias_path(gu, GU), None, bias_path(d, D), N // 2)
+    for u, d in UNGATED_MLP_NAMES:
+        U, D = _linear_w(m, u), _linear_w(m, d)
+        if U is not None and D is not None and len(_params_of(m)) == (2 + sum(x.bias is not None for x in (U, D)
+                                                                            if isinstance(x, nn.Linear))):
+            I, H = U.weight.shape
+            if D.weight.shape != (H, I) or (hidden is not None and H != hidden):
+                return None
+            return MLPParts(path, False, False, None, f"{pre}{u}.weight", f"{pre}{d}.weight",
+                            None, bias_path(u, U), bias_path(d, D), I)
+    return None
+
+
+def _params_of(m: nn.Module) -> list[str]:
+    return [n for n, _ in m.named_parameters()]
+
+
+def _fused_experts(m: nn.Module):
+    """(w13 name, w2 name, b13, b2, gated, split) for a module holding 3-D expert weights, else None."""
+    t = _owned_tensors(m)
+    three = {n: x for n, x in t.items() if x.dim() == 3}
+    if not three:
+        return None
+    gated = bool(getattr(m, "has_gate", True))
+    down = next((n for n in ("down_proj", "w2", "output_linear", "fc2", "down") if n in three), None)
+    if down is None:
+        return None
+    split = None
+    if "gate_up_proj" in three and gated:
+        up = "gate_up_proj"
+    elif "w13" in three:
+        up = "w13"
+    elif "input_linear" in three:
+        up = "input_linear"
+    elif "gate_proj" in three and "up_proj" in three:
+        up, split = "gate_proj", ("gate_proj", "up_proj")
+    elif "w1" in three and "w3" in three:
+        up, split = "w1", ("w1", "w3")
+    elif "up_proj" in three:
+        up, gated = "up_proj", False
+    elif "fc1" in three:
+        up, gated = "fc1", False
+    else:
+        return None
+    if three[up].shape[0] != three[down].shape[0]:
+        return None
+    b13 = next((b for b in (f"{up}_bias", "gate_up_bias", "b13") if b in t and t[b].dim() == 2), None)
+    b2 = next((b for b in (f"{down}_bias", "down_bias", "b2") if b in t and t[b].dim() == 2), None)
+    if split is not None:
+        b13 = None
+    return up, down, b13, b2, gated, split
+
+
+def _expert_list_parts(m: nn.Module, path: str):
+    if not isinstance(m, nn.ModuleList) or len(m) < 2:
+        return None
+    if len({type(e) for e in m}) != 1:
+        return None
+    parts = [mlp_parts(e, f"{path}.{i}", None) for i, e in enumerate(m)]
+    if any(p is None for p in parts):
+        return None
+    shapes = {(p.gated, p.concat, p.intermediate_size, tuple(get_path(m[i], p.down.split(".", 2)[2]).shape))
+              for i, p in enumerate(parts)}
+    if len(shapes) != 1:
+        return None
+    return parts
+
+
+def find_parts(block: nn.Module) -> BlockParts:
+    """Name the parts of a candidate block, or raise NotABlock."""
+    experts_name, experts, fused, mlps = None, None, None, None
+    for name, child in block.named_children():
+        f = _fused_experts(child) if not isinstance(child, nn.ModuleList) else None
+        if f is not None:
+            experts_name, experts, fused = name, child, f
+            break
+        lst = _expert_list_parts(child, name)
+        if lst is not None:
+            experts_name, experts, mlps = name, child, lst
+            break
+    if experts is None:
+        raise NotABlock("no experts child")
+
+    if fused is not None:
+        up, down, b13, b2, gated, split = fused
+        W13, W2 = getattr(experts, up), getattr(experts, down)
+        E = W13.shape[0]
+        transposed = getattr(experts, "is_transposed", None)
+    else:
+        E = len(mlps)
+    # candidate hidden sizes from expert weights; the router pins it.
+    router = _find_router(block, experts_name, E)
+    if router is None:
+        raise NotABlock(f"experts {experts_name!r} ({E} experts) but no router weight [{E}, H] next to them (the "
+                        f"router is not one linear map of the hidden states)")
+    router_w_path, router_mod_path, H = router
+    parts = BlockParts(experts=experts_name, kind="fused" if fused else "modulelist", num_experts=E,
+                       hidden_size=H, intermediate_size=0, router_weight=router_w_path,
+                       router_module=router_mod_path)
+    rmod = get_path(block, router_mod_path)
+    rb = getattr(rmod, "bias", None)
+    if isinstance(rb, torch.Tensor) and tuple(rb.shape) == (E,):
+        parts.router_bias = f"{router_mod_path}.bias" if router_mod_path else "bias"
+
+    if fused is not None:
+        if split is not None:
+            g, u = getattr(experts, split[0]), getattr(experts, split[1])
+            if g.shape != u.shape:
+                raise NotABlock("separate gate/up expert weights of different shapes")
+        a, b = W13.shape[1:]
+        c, d = W2.shape[1:]
+        n_mult = 1 if (split is not None or not gated) else 2
+        if transposed is None:
+            # out_in: w13 [E, N, H], w2 [E, H, I];  in_out: w13 [E, H, N], w2 [E, I, H]
+            transposed = not (b == H and c == H and a == n_mult * d) and (a == H and d == H and b == n_mult * c)
+        if not transposed:
+            ok = b == H and c == H and a == n_mult * d
+            I = d
+        else:
+            ok = a == H and d == H and b == n_mult * c
+            I = c
+        if not ok:
+            raise NotABlock(f"expert weights {tuple(W13.shape)} / {tuple(W2.shape)} do not work on the router's "
+                            f"width H={H} (projections around the experts?)")
+        pre = f"{experts_name}."
+        parts.w13, parts.w2 = pre + up, pre + down
+        parts.b13 = pre + b13 if b13 else None
+        parts.b2 = pre + b2 if b2 else None
+        parts.gated = gated
+        parts.w_layout = "in_out" if transposed else "out_in"
+        parts.intermediate_size = I
+        if split is not None:
+            parts.split_gate_up = (pre + split[0], pre + split[1])
+    else:
+        p0 = mlps[0]
+        parts.expert_mlps = mlps
+        parts.gated = p0.gated
+        parts.intermediate_size = p0.intermediate_size
+        parts.w_layout = "out_in"
+
+    # shared experts and their gate
+    taken = {experts_name, router_mod_path.split(".")[0] if router_mod_path else None}
+    for name in SHARED_NAMES:
+        child = block._modules.get(name)
+        if child is None:
+            continue
+        sp = mlp_parts(child, name, H)
+        if sp is not None:
+            parts.shared = sp
+            taken.add(name)
+            break
+    for name in SHARED_GATE_NAMES:
+        child = block._modules.get(name)
+        if isinstance(child, nn.Linear) and tuple(child.weight.shape) == (1, H) and child.bias is None:
+            parts.shared_gate = f"{name}.weight"
+            taken.add(name)
+            break
+    # correction bias: a float [E] (or [1, E]) tensor of the block or router, not the router's own bias
+    parts.correction_bias = _find_correction_bias(block, router_mod_path, E, parts.router_bias)
+    for name, child in block.named_children():
+        if name in taken or child is None:
+            continue
+        if any(True for _ in child.parameters()):
+            parts.extra_modules.append(name)
+    return parts
+
+
+def _find_router(block: nn.Module, experts_name: str, E: int):
+    """(weight path, owning module path, H) of the router: a 2-D [E, H] weight outside the experts."""
+    best = None
+    for mod_name, mod in block.named_modules():
+        depth = mod_name.count(".") + 1 if mod_name else 0
+        if depth > 2 or mod_name.split(".")[0] == experts_name:
+            continue
+        if any(mod_name.split(".")[0] == s for s in SHARED_NAMES + SHARED_GATE_NAMES):
+            continue
+        for pname, p in mod.named_parameters(recurse=False):
+            if p.dim() != 2 or p.shape[0] != E:
+                continue
+            score = 0
+            lname = (mod_name + "." + pname).lower()
+            if any(k in lname for k in ("gate", "router", "wg", "route")):
+                score += 2
+            if pname == "weight":
+                score += 1
+            score -= depth
+            if best is None or score > best[0]:
+                best = (score, f"{mod_name}.{pname}" if mod_name else pname, mod_name, int(p.shape[1]))
+    if best is None:
+        return None
+    # the router module is the block's child that holds the weight (a TopKRouter, or a Linear)
+    return best[1], best[2].split(".")[0] if best[2] else "", best[3]
+
+
+def _find_correction_bias(block: nn.Module, router_mod: str, E: int, router_bias: str | None) -> str | None:
+    """A float tensor of E values on the block, the router or the router's children (not the router's bias)."""
+    mods = [("", block)]
+    if router_mod:
+        rm = get_path(block, router_mod)
+        mods += [(f"{router_mod}.{n}" if n else router_mod, m) for n, m in rm.named_modules()]
+    cands = []
+    for mod_name, mod in mods:
+        for n, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
+            if t is None or not t.is_floating_point() or t.numel() != E or t.dim() > 2:
+                continue
+            full = f"{mod_name}.{n}" if mod_name else n
+            if full == router_bias:
+                continue
+            if any(k in n for k in CORRECTION_NAMES) or "correction" in n or "bias" in n and "expert" in n:
+                cands.append(full)
+    return cands[0] if cands else None
+
+
+def iter_blocks(model: nn.Module):
+    """Yield (name, module, BlockParts | None, reason) for every candidate MoE block, innermost wins.
+
+    A module is a candidate if it has an experts child (3-D expert weights or a ModuleList of expert MLPs). Those
+    without a router are still yielded (parts None) so that the report can say why they were skipped.
+    """
+    claimed: list[str] = []
+    found = []
+    for name, mod in reversed(list(model.named_modules())):  # children before parents
+        if any(name == "" or c.startswith(name + ".") for c in claimed):
+            continue
+        try:
+            parts = find_parts(mod)
+        except NotABlock as e:
+            if str(e) != "no experts child":  # an experts module, but not a block we can describe
+                found.append((name, mod, None, str(e)))
+                claimed.append(name)
+            continue
+        found.append((name, mod, parts, ""))
+        claimed.append(name)
+    found.reverse()
+    return found

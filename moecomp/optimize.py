@@ -1,0 +1,541 @@
+"""``moecomp.optimize(model)``, ``moecomp.scan(model)``, ``moecomp.unoptimize(model)`` and the ``Report``.
+
+For every candidate MoE block (a module owning a router weight [E, H] and 3-D expert weights, or a ModuleList of
+per-expert MLPs; see :mod:`moecomp.hf.structure`):
+
+1. detect: the FX pass (``moecomp.capture.detect_block``) first; when Dynamo cannot capture the block (or the pass
+   is not installed), the attribute fallback (:mod:`moecomp.hf.fallback`), which measures routing and activation by
+   running the block once;
+2. check: the block's original forward and ``torch.ops.moecomp.moe_forward`` run on the same random input
+   (32 tokens, the block's dtype and device); the rewrite happens only if they agree (fp32: 1e-4 relative to the
+   output's largest value; bf16: 3e-2; fp16: 1e-2) and the output is finite;
+3. bind: the block's forward is replaced (:mod:`moecomp.hf.bind`); parameters are shared, not copied.
+
+Blocks that fail any step are left alone and reported with the reason. On the meta device nothing can run:
+``scan`` then reports what the attribute fallback reads, marked unverified.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .ops.moe_op import MOE_ARGS
+from .spec import MoESpec, SpecError
+from .hf import bind as _bind
+from .hf import fallback as _fb
+from .hf.structure import BlockParts, get_path, iter_blocks
+
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+PROBE_SHAPE = (2, 16)  # batch, tokens of the check input
+
+
+# ----------------------------------------------------------------------------------------------- report
+def router_style(spec: MoESpec) -> str:
+    if spec.score_order == "topk_then_score":
+        s = "top-k→softmax"
+    else:
+        s = {"softmax": "softmax", "sigmoid": "sigmoid", "sqrtsoftplus": "sqrt-softplus", "none": "logits"}[
+            spec.scoring]
+        if spec.has_correction_bias:
+            s += "+bias"
+        if spec.n_group > 1:
+            s += f" group {spec.topk_group}/{spec.n_group}" + ("" if spec.group_score == "top2_sum" else " max")
+        s += "→top-k"
+        if spec.renormalize:
+            s += " renorm"
+    if spec.has_router_bias:
+        s = "linear+b " + s
+    if spec.routed_scaling_factor != 1.0:
+        s += f" ×{spec.routed_scaling_factor:g}"
+    return s
+
+
+def expert_style(spec: MoESpec) -> str:
+    a = spec.activation
+    if spec.gated and a != "swiglu_oai":
+        a = f"{a}·up"
+    if spec.gate_up == "interleaved":
+        a += " interleaved"
+    if spec.has_expert_bias:
+        a += " +b"
+    if spec.w_layout == "in_out":
+        a += " [in,out]"
+    return a
+
+
+def _itemsize(t: torch.Tensor | None, default=2) -> int:
+    return default if t is None else t.element_size()
+
+
+@dataclass
+class BlockReport:
+    name: str
+    cls: str
+    status: str  # rewritten | skipped | supported | unverified | already
+    reason: str = ""
+    method: str = ""  # fx | fallback | fallback (meta)
+    spec: MoESpec | None = None
+    num_experts: int | None = None
+    top_k: int | None = None
+    hidden: int | None = None
+    intermediate: int | None = None
+    shared: str = "-"
+    router: str = ""
+    experts: str = ""
+    bytes_per_token: int | None = None
+    extra_bytes: int = 0  # memory for stacked copies (ModuleList experts)
+    max_rel_err: float | None = None
+    notes: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["spec"] = None if self.spec is None else json.loads(self.spec.key)
+        return d
+
+
+def _fill_from_spec(r: BlockReport, spec: MoESpec, block: nn.Module, bindings: dict, derived) -> None:
+    r.spec = spec
+    r.num_experts, r.top_k, r.hidden, r.intermediate = (spec.num_experts, spec.top_k, spec.hidden_size,
+                                                       spec.intermediate_size)
+    if spec.shared is not None:
+        sh = spec.shared
+        r.shared = f"I={sh.intermediate_size}" + (" sigmoid-gated" if sh.gate == "sigmoid" else "")
+    r.router = router_style(spec)
+    r.experts = expert_style(spec)
+
+    def t(name):
+        p = bindings.get(name)
+        if p is None:
+            return None
+        try:
+            return get_path(block, p)
+        except AttributeError:
+            return None
+
+    w13 = t("w13")
+    if w13 is None and derived:  # stacked: size from the first source
+        src = get_path(block, derived[0].source_paths()[0])
+        isz = src.element_size()
+    else:
+        isz = _itemsize(w13)
+    per_tok = spec.top_k * spec.bytes_per_expert(isz)
+    if spec.has_expert_bias:
+        per_tok += spec.top_k * (spec.w13_rows + spec.hidden_size) * isz
+    rw = t("router_w")
+    per_tok += spec.num_experts * spec.hidden_size * _itemsize(rw, isz)
+    if spec.shared is not None:
+        Is = spec.shared.intermediate_size
+        n = (3 if spec.shared.gated else 2) * Is * spec.hidden_size
+        if spec.shared.gate == "sigmoid":
+            n += spec.hidden_size
+        per_tok += n * _itemsize(t("shared_w2"), isz)
+    r.bytes_per_token = int(per_tok)
+    if derived:
+        r.extra_bytes = int(sum(
+            sum(get_path(block, p).numel() for p in d.source_paths()) * isz for d in derived))
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@dataclass
+class Report:
+    """What ``optimize`` / ``scan`` found: one row per candidate MoE block. ``str(report)`` is a table."""
+
+    model: str
+    blocks: list[BlockReport]
+    detection: str = ""  # how blocks were detected (FX pass available or not)
+    action: str = "scan"  # scan | optimize
+
+    @property
+    def rewritten(self) -> list[BlockReport]:
+        return [b for b in self.blocks if b.status in ("rewritten", "already")]
+
+    @property
+    def skipped(self) -> list[BlockReport]:
+        return [b for b in self.blocks if b.status == "skipped"]
+
+    def summary(self) -> dict:
+        from collections import Counter
+
+        c = Counter(b.status for b in self.blocks)
+        return {"blocks": len(self.blocks), **dict(c)}
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "action": self.action, "detection": self.detection,
+                "summary": self.summary(), "blocks": [b.to_dict() for b in self.blocks]}
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **({"indent": 2} | kw))
+
+    def __str__(self) -> str:
+        head = ["block", "router", "E", "k", "H", "I", "shared", "experts", "status", "bytes/token"]
+        rows = []
+        for b in self.blocks:
+            st = b.status
+            if b.reason:
+                st += f": {b.reason}"
+            if b.method and b.status != "skipped":
+                st += f" [{b.method}]"
+            rows.append([b.name or "<root>", b.router or "-", *(str(v) if v is not None else "-" for v in (
+                b.num_experts, b.top_k, b.hidden, b.intermediate)), b.shared, b.experts or "-", st,
+                _fmt_bytes(b.bytes_per_token)])
+        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+        widths[8] = min(widths[8], 70)
+        line = lambda r: "  ".join(str(c)[:widths[i]].ljust(widths[i]) if i != 8 else str(c)  # noqa: E731
+                                   for i, c in enumerate(r)).rstrip()
+        out = [f"moecomp {self.action}: {self.model} — {len(self.blocks)} MoE block(s) "
+               f"{self.summary()}", self.detection] if self.detection else [
+            f"moecomp {self.action}: {self.model} — {len(self.blocks)} MoE block(s) {self.summary()}"]
+        out.append(line(head))
+        out.append(line(["-" * w for w in widths]))
+        out += [line(r) for r in rows]
+        extra = sum(b.extra_bytes for b in self.blocks if b.status in ("rewritten", "already"))
+        if extra:
+            out.append(f"stacked expert weights (ModuleList experts) use {_fmt_bytes(extra)} extra memory")
+        return "\n".join(out)
+
+    __repr__ = __str__
+
+
+# ----------------------------------------------------------------------------------------------- detection
+def _capture():
+    """(detect_block, DetectError) of the FX pass, or (None, reason)."""
+    try:
+        from . import capture  # noqa: PLC0415
+    except ImportError as e:
+        return None, f"FX pass unavailable ({e})"
+    fn = getattr(capture, "detect_block", None)
+    err = getattr(capture, "DetectError", Exception)
+    if fn is None:
+        return None, "FX pass has no detect_block"
+    return (fn, err), ""
+
+
+def _is_capture_failure(e: Exception) -> bool:
+    """True when the FX pass could not capture the block at all (then the attribute fallback may try)."""
+    if getattr(e, "capture_failed", False) or getattr(e, "kind", None) in ("capture", "dynamo"):
+        return True
+    return type(e).__name__ in ("CaptureError", "DynamoCaptureError")
+
+
+def _block_device_dtype(block: nn.Module, parts: BlockParts):
+    t = get_path(block, parts.w13) if parts.w13 else get_path(block, parts.expert_mlps[0].down)
+    return t.device, t.dtype
+
+
+def _example(H: int, device, dtype, shape=PROBE_SHAPE, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, H, generator=g).to(device=device, dtype=dtype)
+
+
+def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.float(), ref.float()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    scale = ref.abs().max().item()
+    if scale == 0:
+        return float((a - ref).abs().max().item())
+    return float((a - ref).abs().max().item() / scale)
+
+
+def _run_op(block, spec: MoESpec, bindings, derived, x):
+    tensors = _bind.bound_tensors(block, spec, bindings, derived)
+    with torch.no_grad():
+        return torch.ops.moecomp.moe_forward(x, *tensors, spec.key)
+
+
+def _verify(block, spec, bindings, derived, run, consts) -> tuple[MoESpec, float]:
+    """Compare the op with the original output; fit one constant on the routed part if that alone is off."""
+    x = run.x
+    ref = _fb._primary(run.output).reshape(x.shape)
+    y = _run_op(block, spec, bindings, derived, x)
+    err = _rel_err(y, ref)
+    tol = TOLERANCE.get(x.dtype, 1e-2)
+    if err <= tol:
+        return spec, err
+    # routed output scaled outside the router (e.g. `experts(...) * routed_scaling_factor` in the block)
+    spec1 = spec.replace(routed_scaling_factor=1.0)
+    routed = _run_op(block, spec1.replace(shared=None), {**bindings, **{k: None for k in MOE_ARGS if
+                                                                        k.startswith("shared")}}, derived, x).float()
+    shared = _run_op(block, spec1, bindings, derived, x).float() - routed if spec.shared is not None else 0.0
+    num = ((ref.float() - shared) * routed).sum()
+    den = (routed * routed).sum()
+    if den > 0:
+        c = _fb._snap(float(num / den), consts)
+        if math.isfinite(c) and c != spec.routed_scaling_factor:
+            try:
+                spec2 = spec1.replace(routed_scaling_factor=c)
+            except SpecError:
+                return spec, err
+            y2 = _run_op(block, spec2, bindings, derived, x)
+            err2 = _rel_err(y2, ref)
+            if err2 <= tol:
+                return spec2, err2
+    return spec, err
+
+
+def _ignored_params(block: nn.Module, x: torch.Tensor, ref, extra_params) -> frozenset:
+    """Extra forward parameters (e.g. ``input_ids``) that leave this block's output unchanged."""
+    ok = set()
+    for p in extra_params:
+        if "ids" not in p:
+            continue
+        val = torch.ones(x.shape[:-1], dtype=torch.long, device=x.device)
+        try:
+            with torch.no_grad():
+                out = block(x, **{p: val})
+        except Exception:
+            continue
+        o = _fb._primary(out)
+        if isinstance(o, torch.Tensor) and torch.equal(o, _fb._primary(ref)):
+            ok.add(p)
+    return frozenset(ok)
+
+
+_SKIP_KEY_ATTRS = frozenset({"training", "layer_idx", "layer_id", "layer_number", "layer_index"})
+
+
+def structure_key(block: nn.Module):
+    """Blocks with equal keys trace to the same graph: class, tensor names / shapes / dtypes, scalar attributes."""
+    tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in block.named_parameters()) + tuple(
+        (n, tuple(t.shape), t.dtype) for n, t in block.named_buffers())
+    scalars = []
+    for mname, sub in block.named_modules():
+        scalars.append((mname, type(sub).__qualname__))
+        for a, v in vars(sub).items():
+            if isinstance(v, (int, float, bool, str)) and not a.startswith("_") and a not in _SKIP_KEY_ATTRS:
+                scalars.append((f"{mname}.{a}", v))
+    return (type(block), tensors, tuple(scalars))
+
+
+def _fx_detect(block, example, cap, cache):
+    """The FX pass's BlockMatch for ``block`` (DetectError / other errors raised), cached per structure."""
+    detect_block, _ = cap
+    key = structure_key(block)
+    hit = cache.get(key) if cache is not None else None
+    if hit is None:
+        try:
+            hit = detect_block(block, example)
+        except Exception as e:
+            hit = e
+        if cache is not None:
+            cache[key] = hit
+    if isinstance(hit, Exception):
+        raise hit
+    return hit
+
+
+COMPARE_FALLBACK = True  # when the FX pass detects a block, also run the attribute fallback and note any difference
+
+
+def fallback_spec(block: nn.Module, parts: BlockParts, x: torch.Tensor | None = None) -> MoESpec:
+    """The spec the attribute fallback gives (measured and output-checked when it can run): for comparisons."""
+    ext = _fb.static_extract(block, parts)
+    if x is None:
+        return ext.match.spec
+    ext, run = _fb.measure(block, x, ext)
+    consts = _fb.numeric_consts(_fb.attr_sources(block, parts), ext.match.spec.top_k)
+    spec, _ = _verify(block, ext.match.spec, ext.match.bindings, ext.derived, run, consts)
+    return spec
+
+
+def _compare_fallback(block, parts, x, spec: MoESpec, consts) -> str:
+    try:
+        fb = fallback_spec(block, parts, x)
+    except _fb.FallbackError as e:
+        return f"attribute fallback could not describe the block: {e.reason}"
+    except Exception as e:
+        return f"attribute fallback failed: {type(e).__name__}: {e}"
+    if fb == spec:
+        return "attribute fallback agrees"
+    a, b = json.loads(spec.key), json.loads(fb.key)
+    diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+    return f"attribute fallback differs (fx, fallback): {diff}"
+
+
+def _detect(name: str, block: nn.Module, parts: BlockParts, cap, rep: BlockReport, cache=None,
+            trust_fallback: bool = False):
+    """Detection + check for one block with real tensors. Returns (spec, bindings, derived, contract, run)."""
+    device, dtype = _block_device_dtype(block, parts)
+    H = parts.hidden_size
+    x = _example(H, device, dtype)
+    match, method, derived = None, None, []
+    if cap is not None:
+        detect_block, DetectError = cap
+        try:
+            match = _fx_detect(block, _example(H, device, dtype, shape=(1, 3)), cap, cache)
+            method = "fx"
+        except DetectError as e:  # noqa: B014
+            reason = getattr(e, "reason", str(e))
+            if not _is_capture_failure(e):
+                if not trust_fallback:
+                    raise _fb.FallbackError(f"FX pass: {reason}") from None
+                rep.notes.append(f"FX pass rejected the block ({reason}); attribute fallback used (trust_fallback)")
+            else:
+                rep.notes.append(f"FX pass could not capture the block ({reason}); attribute fallback used")
+        except Exception as e:  # Dynamo errors surface as many types
+            rep.notes.append(f"FX pass failed ({type(e).__name__}: {str(e)[:120]}); attribute fallback used")
+    consts = _fb.numeric_consts(_fb.attr_sources(block, parts), 1)
+    if match is None:
+        ext = _fb.static_extract(block, parts)
+        ext, run = _fb.measure(block, x, ext)
+        spec, bindings, derived = ext.match.spec, ext.match.bindings, ext.derived
+        method = "fallback"
+        rep.notes += ext.notes
+    else:
+        spec, bindings = match.spec, dict(match.bindings)
+        for a in MOE_ARGS:
+            bindings.setdefault(a, None)
+        derived = []
+        run = _fb.run_probe(block, parts, x)
+        if COMPARE_FALLBACK:  # once per block structure: the other layers would repeat the same answer
+            ck = ("compare", structure_key(block))
+            if cache is None or ck not in cache:
+                note = _compare_fallback(block, parts, x, spec, consts)
+                if cache is not None:
+                    cache[ck] = note
+            else:
+                note = cache[ck]
+            rep.notes.append(note)
+    rep.method = method
+    why = _fb.activation_mismatch(block, parts, spec)
+    if why is not None:
+        raise _fb.FallbackError(f"activation check: {why}")
+    contract = _bind.infer_contract(run, parts)
+    try:
+        spec, err = _verify(block, spec, bindings, derived, run, consts + [float(spec.top_k), 1.0 / spec.top_k])
+    except SpecError as e:
+        raise _fb.FallbackError(f"op rejected the block's tensors: {e}") from None
+    rep.max_rel_err = err
+    tol = TOLERANCE.get(dtype, 1e-2)
+    if not err <= tol:
+        extra = f" (block also has {', '.join(parts.extra_modules)})" if parts.extra_modules else ""
+        raise _fb.FallbackError(f"op output differs from the block's: max rel. err {err:.2e} > {tol:g}{extra}")
+    return spec, bindings, derived, contract, run, method
+
+
+def _process(name: str, block: nn.Module, parts: BlockParts | None, reason: str, cap, bind_it: bool,
+             cache=None, trust_fallback: bool = False) -> BlockReport:
+    rep = BlockReport(name=name, cls=type(block).__name__, status="skipped", reason=reason)
+    if parts is None:
+        return rep
+    if getattr(block, "_moecomp", None) is not None:
+        st = block._moecomp
+        rep.status, rep.method = "already", st.method
+        _fill_from_spec(rep, st.spec, block, st.bindings, st.derived)
+        return rep
+    attn = [n for n in parts.extra_modules if any(k in n.lower() for k in ("attn", "attention", "mixer", "mamba"))]
+    if attn:
+        rep.reason = (f"router and experts sit in {type(block).__name__} next to {', '.join(attn)} (no separate MoE "
+                      f"module to rewrite)")
+        return rep
+    if parts.router_module:
+        try:
+            rsig = inspect.signature(get_path(block, parts.router_module).forward).parameters
+        except (TypeError, ValueError):
+            rsig = {}
+        if any(n in rsig for n in ("input_ids", "token_ids")):
+            rep.reason = "the router reads token ids (hash routing): not a routing MoESpec can express"
+            return rep
+    meta = any(p.device.type == "meta" for p in block.parameters())
+    if meta:
+        try:
+            ext = _fb.static_extract(block, parts)
+        except _fb.FallbackError as e:
+            rep.reason = e.reason
+            return rep
+        _fill_from_spec(rep, ext.match.spec, block, ext.match.bindings, ext.derived)
+        rep.status, rep.method, rep.reason = "unverified", "fallback (meta)", ""
+        rep.notes += ext.notes + ["meta tensors: routing read from attributes and source, not measured"]
+        return rep
+    try:
+        spec, bindings, derived, contract, run, method = _detect(name, block, parts, cap, rep, cache, trust_fallback)
+        hidden, extra = _bind.forward_params(block)
+        ignored = _ignored_params(block, run.x, run.output, extra) if extra else frozenset()
+    except (_fb.FallbackError, _bind.BindError) as e:
+        rep.reason = e.reason
+        return rep
+    except Exception as e:  # the block's own forward failed on the check input, or the op did
+        rep.reason = f"check failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e) else ''}"
+        return rep
+    _fill_from_spec(rep, spec, block, bindings, derived)
+    rep.reason = ""
+    if bind_it:
+        _bind.bind(block, name, spec, bindings, derived, contract, parts, ignored, method=method)
+        rep.status = "rewritten"
+    else:
+        rep.status = "supported"
+    return rep
+
+
+def _walk(model: nn.Module, bind_it: bool, use_capture: bool = True, trust_fallback: bool = False) -> Report:
+    cap, why = _capture() if use_capture else (None, "FX pass not used")
+    blocks = iter_blocks(model)
+    reps = []
+    cache = {}  # FX results per block structure: one Dynamo capture per distinct block, not per layer
+    was_training = {}
+    for name, mod, parts, reason in blocks:
+        was_training[name] = mod.training
+        mod.eval()  # checks run in eval mode (no jitter / dropout); restored below
+        try:
+            reps.append(_process(name, mod, parts, reason, cap, bind_it, cache, trust_fallback))
+        finally:
+            mod.train(was_training[name])
+    det = "detection: FX pass, attribute fallback where Dynamo cannot capture" if cap else (
+        f"detection: attribute fallback only — {why}")
+    return Report(type(model).__name__, reps, det, "optimize" if bind_it else "scan")
+
+
+def optimize(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool = False, report: bool = False):
+    """Rewrite every MoE block of ``model`` (in place) to call ``torch.ops.moecomp.moe_forward`` once.
+
+    Returns the same model (``(model, Report)`` with ``report=True``). Blocks that cannot be proven equal to the op
+    are left alone; ``moecomp.scan(model)`` (or ``report=True``) says which and why. ``moecomp.unoptimize(model)``
+    restores the original forwards.
+
+    ``use_capture=False`` skips the FX pass (attribute fallback only). ``trust_fallback=True`` also hands blocks the
+    FX pass traced but rejected to the attribute fallback; its evidence is numerical (random inputs, activations
+    over [-12, 12]) rather than structural, so it is off by default.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"moecomp.optimize expects a torch.nn.Module, got {type(model).__name__}")
+    rep = _walk(model, bind_it=True, use_capture=use_capture, trust_fallback=trust_fallback)
+    model._moecomp_report = rep
+    return (model, rep) if report else model
+
+
+def scan(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool = False) -> Report:
+    """Report the MoE blocks of ``model`` without changing it (already-rewritten blocks show as such)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"moecomp.scan expects a torch.nn.Module, got {type(model).__name__}")
+    return _walk(model, bind_it=False, use_capture=use_capture, trust_fallback=trust_fallback)
+
+
+def unoptimize(model: nn.Module):
+    """Restore the original forward of every block ``optimize`` rewrote. Returns the model."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"moecomp.unoptimize expects a torch.nn.Module, got {type(model).__name__}")
+    for m in model.modules():
+        _bind.unbind(m)
+    if "_moecomp_report" in model.__dict__:
+        del model._moecomp_report
+    return model
+
+
+def rewritten_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    return {n: m for n, m in model.named_modules() if getattr(m, "_moecomp", None) is not None}

@@ -1,0 +1,112 @@
+"""rewrite_moe: replace each matched MoE block with one ``torch.ops.moecomp.moe_forward`` call.
+
+Before (one block, whatever its spelling; see detect_moe.py)::
+
+    x ─┬─ router linear ─ scoring ─ top-k ─ renorm/scale ─┐
+       ├─ dispatch ─ GEMM(w13) ─ gate ─ GEMM(w2) ─────────┴─ combine ─┐
+       └─ [shared MLP (* sigmoid gate)] ──────────────────────────────(+)─ [view / cast] ─ out ─► users
+
+After::
+
+    x ─ moecomp.moe_forward(x, router_w, router_b, correction_bias, w13, b13, w2, b2,
+                            shared_w1, shared_w3, shared_w2, shared_gate_w, spec.key) ─ [.to(out dtype)] ─► users
+
+The op reads the same parameter placeholders the block read (so weight updates stay visible and nothing is copied);
+scalar attributes (routed scaling, swiglu alpha / limit) are in ``spec.key``. The shared expert and its gate are
+folded into the op (it overlaps them with the routed experts on a side stream): there is no separate overlap pass.
+
+Dead-code elimination is alias-aware and limited to the block's nodes: a node stays when anything outside the block
+still reads it (e.g. router logits or router scores a model also returns), and so does every in-place write into a
+tensor that stays (``setitem``, ``index_add_``, ``scatter_``, ``/=`` ...).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..ops.moe_op import MOE_ARGS
+from . import _fx
+
+
+def rewrite_moe(gm: fx.GraphModule, matches) -> int:
+    """Rewrite every match of ``detect_moe(gm)`` in place; returns the number of blocks replaced."""
+    done = 0
+    for m in matches:
+        _rewrite_one(gm, m)
+        done += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def _fake_like(node: fx.Node):
+    v = _fx.meta_val(node)
+    if isinstance(v, torch.Tensor):
+        mode = getattr(v, "fake_mode", None)
+        if mode is not None:
+            with mode:
+                return torch.empty_like(v)
+    return v
+
+
+def _rewrite_one(gm: fx.GraphModule, m) -> None:
+    g = gm.graph
+    ph = {n.name: n for n in g.nodes if n.op == "placeholder"}
+    args = [ph[m.bindings[k]] if m.bindings.get(k) is not None else None for k in MOE_ARGS]
+    out = m.output
+    with g.inserting_before(out):
+        new = g.call_function(torch.ops.moecomp.moe_forward.default, (m.x, *args, m.spec.key))
+        new.meta["example_value"] = _fake_like(m.x)
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+            if key in out.meta:
+                new.meta[key] = out.meta[key]
+        result = new
+        if m.output_dtype is not None:
+            result = g.call_method("to", (new, m.output_dtype))
+            result.meta["example_value"] = _fake_like(out)
+    block = set(m.nodes)
+    # outside readers only: in-place writes of the block into ``out`` (index_add_ into a zeros buffer) must not be
+    # redirected into the op's result; they die with the block
+    out.replace_all_uses_with(result, delete_user_cb=lambda u: u not in block)
+    _dce(g, block)
+
+
+def _dce(g: fx.Graph, block: set) -> None:
+    """Erase block nodes nothing outside the block needs any more (alias- and mutation-aware)."""
+    block = {n for n in block if n.op not in ("placeholder", "output", "get_attr")}
+    # in-place writes per written base tensor
+    writes: dict[fx.Node, list[fx.Node]] = {}
+    for n in block:
+        b = _fx._mut_base(n)
+        if b is not None:
+            writes.setdefault(_root(b), []).append(n)
+    live: set = set()
+    stack = [n for n in block if any(u not in block for u in n.users)]
+    while stack:
+        n = stack.pop()
+        if n in live:
+            continue
+        live.add(n)
+        for a in n.all_input_nodes:
+            if a in block and a not in live:
+                stack.append(a)
+        for w in writes.get(_root(n), ()):
+            if w not in live:
+                stack.append(w)
+    for n in reversed(list(g.nodes)):
+        if n in block and n not in live:
+            if n.users:  # every user is dead too and was erased before; anything left means a bug: keep it
+                continue
+            g.erase_node(n)
+
+
+def _root(n: fx.Node) -> fx.Node:
+    """The tensor a view (chain) aliases."""
+    while isinstance(n, fx.Node) and _fx.op_name(n) in _fx.VIEW_OPS | _fx.CAST_OPS | {"getitem"}:
+        a = _fx.arg(n, 0)
+        if not isinstance(a, fx.Node) or not isinstance(_fx.meta_val(a), torch.Tensor):
+            break
+        n = a
+    return n

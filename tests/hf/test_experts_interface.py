@@ -1,0 +1,97 @@
+"""experts_implementation="moecomp": transformers' experts interface routed through torch.ops.moecomp.moe_experts."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import moecomp  # noqa: F401  (registers "moecomp")
+from moecomp.hf import experts_interface as ei
+from moecomp.hf import families as F
+
+from .conftest import rel_err
+
+TOL = 1e-4
+
+
+def run(model, ids):
+    counter = F.OpCounter()
+    with counter, torch.no_grad():
+        out = model(input_ids=ids, use_cache=False).logits
+    return out, counter
+
+
+@pytest.fixture
+def ids():
+    return torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+
+
+def test_registered():
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    assert ALL_EXPERTS_FUNCTIONS["moecomp"] is ei.moecomp_experts_forward
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3", "qwen2_moe"])
+def test_set_experts_implementation(family, ids, poison):
+    model, _ = F.build_tiny(family)
+    ref, c0 = run(model, ids)
+    assert c0.experts_calls == 0
+    model.set_experts_implementation("moecomp")
+    out, c = run(model, ids)
+    n_moe = sum(F.is_experts_class(type(m)) for m in model.modules())
+    assert c.experts_calls == n_moe and c.calls == 0
+    assert torch.isfinite(out).all() and rel_err(out, ref) <= TOL
+
+
+def test_from_config_experts_implementation(ids):
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = F.tiny_config(Qwen3MoeConfig, "qwen3_moe")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, experts_implementation="moecomp").eval()
+    assert model.config._experts_implementation == "moecomp"
+    plain = copy.deepcopy(model)
+    plain.set_experts_implementation("grouped_mm")
+    out, c = run(model, ids)
+    ref, _ = run(plain, ids)
+    assert c.experts_calls == cfg.num_hidden_layers and rel_err(out, ref) <= TOL
+
+
+def test_spec_from_gpt_oss_experts():
+    model, _ = F.build_tiny("gpt_oss")
+    spec = ei.experts_spec(model.model.layers[0].mlp.experts, top_k=2)
+    assert (spec.w_layout, spec.gate_up, spec.activation, spec.has_expert_bias) == (
+        "in_out", "interleaved", "swiglu_oai", True)
+    cfg = model.config
+    assert (spec.activation_alpha, spec.activation_limit) == (cfg.swiglu_alpha, cfg.swiglu_limit)
+
+
+@pytest.mark.parametrize("family", ["hy_v4", "nemotron_h"])
+def test_unsupported_experts_fall_back_with_one_warning(family, ids):
+    """Clamped SwiGLU (hy_v4) and relu^2 (nemotron_h) are not in MoESpec: transformers' own path runs."""
+    model, _ = F.build_tiny(family)
+    ref, _ = run(model, ids)
+    model.set_experts_implementation("moecomp")
+    ei._warned.clear()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out, c = run(model, ids)
+        run(model, ids)
+    msgs = [str(x.message) for x in w if "moecomp experts" in str(x.message)]
+    assert len(msgs) == 1, msgs
+    assert c.experts_calls == 0
+    assert rel_err(out, ref) <= TOL
+
+
+def test_training_falls_back(ids):
+    model, _ = F.build_tiny("qwen3_moe")
+    model.set_experts_implementation("moecomp")
+    model.train()
+    counter = F.OpCounter()
+    with counter, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert counter.experts_calls == 0
+    assert model.model.layers[0].mlp.experts.gate_up_proj.grad is not None

@@ -1,0 +1,203 @@
+"""The "moecomp" torch.compile backend on whole tiny models and single blocks.
+
+Whole models compile with ``options={"moecomp.inner": "eager"}``: the passes run exactly as always, and the
+rewritten graph runs as is instead of going through Inductor codegen (minutes of C++ compiles on 2 cores). The
+single-block tests go through Inductor for real. Logits: fp32, within 1e-4 relative to eager's max.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "passes"))
+
+import moecomp  # noqa: E402
+import tiny_models as tm  # noqa: E402
+from moecomp import backend  # noqa: E402
+
+EAGER_INNER = {"moecomp.inner": "eager"}
+MOE_CALL = "torch.ops.moecomp.moe_forward.default("
+GONE = ("grouped_mm_fallback", "torch.topk", "torch.histc", "torch.bmm", ".topk(", "torch.sort")
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    moecomp.counters.clear()
+    backend.last_results.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+CASES = [(f, "grouped_mm") for f in tm.FAMILIES] + [
+    (f, impl) for f in ("mixtral", "deepseek_v3", "gpt_oss") for impl in ("eager", "batched_mm")
+]
+
+
+@pytest.mark.parametrize("family, impl", CASES)
+def test_whole_model(family, impl, poison):
+    model = tm.hf_model(family, impl)
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+        compiled = torch.compile(model, backend="moecomp", dynamic=True, options=EAGER_INNER)
+        got = compiled(ids).logits
+        assert rel_err(got, want) <= 1e-4
+        # another sequence length: same graph, still equal
+        ids2 = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(2))
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got2 = compiled(ids2).logits
+        assert rel_err(got2, model(ids2).logits) <= 1e-4
+
+    c = moecomp.counters
+    assert c["backend"]["graphs"] == 1
+    assert c["detect_moe"]["matched"] == tm.LAYERS
+    assert c["detect_moe"]["rejected"] == 0, backend.last_results[-1]["rejected"]
+    assert c["rewrite_moe"]["replaced"] == tm.LAYERS
+    code = backend.last_results[-1]["code"]
+    assert code.count(MOE_CALL) == tm.LAYERS
+    for op in GONE:
+        assert op not in code, op
+
+
+def test_counts_only_graphs_that_compiled():
+    """Through AOTAutograd, Dynamo traces an HF model twice (it restarts to specialise float scalars): matches of
+    the abandoned attempt are not counted."""
+    model = tm.hf_model("qwen3_moe")
+    ids = torch.randint(0, 128, (1, 5))
+    with torch.no_grad():
+        want = model(ids).logits
+        got = torch.compile(model, backend="moecomp", dynamic=True, options={"moecomp.inner": "aot_eager"})(ids)
+    assert rel_err(got.logits, want) <= 1e-4
+    assert moecomp.counters["backend"]["graphs"] == 1
+    assert moecomp.counters["rewrite_moe"]["replaced"] == tm.LAYERS
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+def test_block_inductor_no_recompile(family, poison):
+    """One block, fullgraph, through Inductor; after the first dynamic compile, no token count recompiles.
+
+    The batch dim is marked unbacked on the first call (else Dynamo specialises size 1 and recompiles for it)."""
+    block = tm.moe_blocks(tm.hf_model(family))[0]
+    compiled = torch.compile(block, backend="moecomp", fullgraph=True, dynamic=True)
+    x0 = torch.randn(2, 5, tm.H)
+    torch._dynamo.decorators.mark_unbacked(x0, 0)
+    with torch.no_grad():
+        compiled(x0)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for b in (1, 2, 3, 4, 7, 16, 33, 128, 1000, 4096):
+                x = torch.randn(b, 3, tm.H)
+                got, want = compiled(x), block(x)
+                if isinstance(got, tuple):  # gpt-oss: (hidden, router_scores)
+                    assert rel_err(got[1], want[1]) <= 1e-5
+                    got, want = got[0], want[0]
+                assert torch.isfinite(got).all()
+                assert rel_err(got, want) <= 1e-4, b
+    assert moecomp.counters["backend"]["graphs"] == 1
+    assert moecomp.counters["rewrite_moe"]["replaced"] == 1
+    assert backend.last_results[-1]["code"].count(MOE_CALL) == 1
+
+
+def test_dense_model_unchanged():
+    """A dense model: zero matches, the graph handed on is exactly Dynamo's, same output."""
+    model = tm.hf_model("llama")
+    ids = torch.randint(0, 128, (2, 6))
+    seen = {}
+
+    def spy(gm, example_inputs):
+        seen["before"] = gm.code
+        res = backend.run_passes(gm, example_inputs)
+        seen["after"], seen["res"] = gm.code, res
+        return gm.forward
+
+    with torch.no_grad():
+        want = model(ids).logits
+        torch.compile(model, backend=spy, dynamic=True)(ids)
+        got = torch.compile(model, backend="moecomp", dynamic=True, options=EAGER_INNER)(ids).logits
+    assert seen["before"] == seen["after"]
+    assert len(seen["res"].matches) == 0 and seen["res"].rejected == []
+    assert torch.equal(got, want) or rel_err(got, want) <= 1e-6
+    assert moecomp.counters["detect_moe"]["matched"] == 0
+    assert moecomp.counters["rewrite_moe"]["replaced"] == 0
+
+
+def test_plain_pytorch_moe_in_a_model(poison):
+    """A hand-written MoE (no transformers) inside a small residual model."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(tm.H)
+            self.moe = tm.EinsumMoE()
+            self.head = torch.nn.Linear(tm.H, 10)
+
+        def forward(self, x):
+            return self.head(x + self.moe(self.norm(x)))
+
+    net = Net().eval()
+    x = torch.randn(3, 4, tm.H)
+    with torch.no_grad():
+        got = torch.compile(net, backend="moecomp", dynamic=True, options=EAGER_INNER)(x)
+        assert rel_err(got, net(x)) <= 1e-4
+    assert moecomp.counters["rewrite_moe"]["replaced"] == 1
+    assert backend.last_results[-1]["code"].count(MOE_CALL) == 1
+
+
+def test_grad_mode_leaves_blocks_alone():
+    """moe_forward has no backward: with grad on and weights requiring grad, the block is not rewritten."""
+    model = tm.hf_model("mixtral")
+    ids = torch.randint(0, 128, (1, 5))
+    want = model(ids).logits
+    got = torch.compile(model, backend="moecomp", dynamic=True, options=EAGER_INNER)(ids).logits
+    assert rel_err(got, want.detach()) <= 1e-5
+    assert moecomp.counters["rewrite_moe"]["replaced"] == 0
+    assert moecomp.counters["backend"]["skipped_autograd"] == tm.LAYERS
+
+
+def test_cache_key_follows_pass_sources(tmp_path, monkeypatch):
+    """The post-grad pass's uuid hashes the pass sources (a changed pass is a new Inductor cache key) and chains a
+    pass the user set."""
+    patches = backend._config_patches(None, None)
+    p = patches["post_grad_custom_post_pass"]
+    uuid0 = p.uuid()
+    assert uuid0[0] == "moecomp" and uuid0[1] == backend.passes_hash()
+
+    copy = tmp_path / "detect_moe.py"
+    copy.write_text(open(backend._PASS_FILES[1]).read() + "\n# changed\n")
+    monkeypatch.setattr(backend, "_PASS_FILES", backend._PASS_FILES[:1] + (str(copy),) + backend._PASS_FILES[2:])
+    backend.passes_hash.cache_clear()
+    try:
+        assert p.uuid() != uuid0
+    finally:
+        backend.passes_hash.cache_clear()
+
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Mine(CustomGraphPass):
+        calls = 0
+
+        def __call__(self, graph):
+            Mine.calls += 1
+
+        def uuid(self):
+            return "mine"
+
+    chained = backend._config_patches(None, {"post_grad_custom_post_pass": Mine()})["post_grad_custom_post_pass"]
+    chained(torch.fx.Graph())
+    assert Mine.calls == 1 and chained.uuid()[2] == "mine"
+
+
+def test_counters_module_is_subscriptable():
+    moecomp.counters["x"]["y"] += 2
+    assert moecomp.counters["x"]["y"] == 2 and "x" in moecomp.counters
+    assert moecomp.counters.snapshot()["x"] == {"y": 2}
+    moecomp.counters.clear()
+    assert moecomp.counters["x"]["y"] == 0
