@@ -34,7 +34,7 @@ def build_meta(path: str):
     from transformers import AutoModel, AutoModelForCausalLM
 
     cfg = _load_config(path)
-    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    dtype = cfg.dtype if hasattr(cfg, "dtype") else getattr(cfg, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     errors = []

@@ -13,6 +13,13 @@ per-expert MLPs; see :mod:`moecomp.hf.structure`):
 
 Blocks that fail any step are left alone and reported with the reason. On the meta device nothing can run:
 ``scan`` then reports what the attribute fallback reads, marked unverified.
+
+At run time a rewritten block still runs its original forward when the op cannot stand in for it: in training mode
+with router / input jitter, in training mode with gradients (the op has no backward yet), while a forward hook on
+its router / experts / shared experts is active (transformers records ``output_router_logits`` that way; its
+recording hooks only count while a recording is in progress), or when it gets an extra argument it was not checked
+with (e.g. ``input_ids``). Blocks that return extra outputs (gpt-oss: ``(hidden, router_scores)``) get them from
+their router module, called once more on the same input.
 """
 
 from __future__ import annotations
@@ -498,6 +505,9 @@ def _walk(model: nn.Module, bind_it: bool, use_capture: bool = True, trust_fallb
             mod.train(was_training[name])
     det = "detection: FX pass, attribute fallback where Dynamo cannot capture" if cap else (
         f"detection: attribute fallback only — {why}")
+    if reps and all(r.method == "fallback (meta)" or r.status == "skipped" for r in reps) and any(
+            r.method == "fallback (meta)" for r in reps):
+        det = "detection: attribute fallback (meta tensors: Dynamo cannot run the blocks; nothing verified)"
     return Report(type(model).__name__, reps, det, "optimize" if bind_it else "scan")
 
 

@@ -21,7 +21,12 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "kernels" / "configs"
 def device_key(device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu"
-    return torch.cuda.get_device_name(device).replace(" ", "_")
+    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_name(index: int) -> str:  # a driver query: once per device, not once per call
+    return torch.cuda.get_device_name(index).replace(" ", "_")
 
 
 def shape_key(E: int, N: int, K: int, dtype: torch.dtype) -> str:
