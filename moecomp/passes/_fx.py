@@ -139,6 +139,44 @@ def meta_val(node) :
     return v
 
 
+def is_call_input(node: fx.Node, value=None) -> bool | None:
+    """Is placeholder ``node`` an argument of the compiled call (activations, token ids, masks) rather than state
+    the code reads (parameters, buffers, tensor / scalar attributes)? None when the graph does not say.
+
+    Dynamo records where each graph input came from (``node.meta["grapharg"].source``): ``L['x']``,
+    ``L['args'][0]`` or ``L['kwargs']['input_ids']`` (a local, or items of one) are call inputs;
+    ``L['self']._modules['mlp']._parameters['weight']``, ``L['self'].scale`` (anything reached through an attribute),
+    globals and closures are state. An ``nn.Parameter`` value is state wherever it came from. Without Dynamo's record
+    (graphs from other tracers) the answer is None and callers fall back to shapes.
+
+    Shapes alone cannot tell: with static shapes (``dynamic=False`` / the first compile of ``dynamic=None``, or a
+    size-1 dim specialised under ``dynamic=True``) token ids and hidden states are as static as any weight.
+    """
+    if isinstance(value, torch.nn.Parameter) or isinstance(meta_val(node), torch.nn.Parameter):
+        return False
+    ga = node.meta.get("grapharg", None)
+    src = getattr(ga, "source", None)
+    if src is None:
+        return None
+    try:
+        from torch._dynamo import source as S
+    except Exception:  # pragma: no cover
+        return None
+    item_sources = tuple(
+        c for c in (getattr(S, n, None) for n in ("GetItemSource", "DictGetItemSource", "DictSubclassGetItemSource",
+                                                  "IndexedSource", "NamedTupleFieldsSource"))
+        if isinstance(c, type)
+    )
+    cur = src
+    while True:
+        if isinstance(cur, S.LocalSource):
+            return True  # a local (argument) of the traced frame, or an item of one
+        if isinstance(cur, item_sources) and getattr(cur, "base", None) is not None:
+            cur = cur.base
+            continue
+        return False  # an attribute, a global, a closure, a tensor property, ...: state, not a call argument
+
+
 def shape_of(node) -> tuple | None:
     v = meta_val(node)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None

@@ -184,7 +184,10 @@ class _Context:
         else:
             for p in self.placeholders:
                 self.values[p] = _fx.meta_val(p)
-        # weight-like placeholders: static shapes (parameters, buffers, 0-d scalar attributes) and SymInts
+        # weight-like placeholders: SymInts, and tensors of static shape that are state, not call arguments
+        # (parameters, buffers, 0-d scalar attributes). Static shape alone is not enough: under static shapes the
+        # token ids / hidden states the model is called with are static too, and taking them for weights makes
+        # every later layer "computable from the block input plus weights" (one region swallowing all blocks).
         self.static_ph = set()
         for p in self.placeholders:
             v = _fx.meta_val(p)
@@ -193,7 +196,8 @@ class _Context:
             if isinstance(v, (torch.SymInt, int, float, torch.SymFloat)):
                 self.static_ph.add(p)
             elif isinstance(v, torch.Tensor) and all(_fx.static_int(d) is not None for d in v.shape):
-                self.static_ph.add(p)
+                if not _fx.is_call_input(p, self.values.get(p)):
+                    self.static_ph.add(p)
 
     def pshape(self, n) -> tuple | None:
         if isinstance(n, fx.Node) and n.op == "placeholder":
