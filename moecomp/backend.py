@@ -1,7 +1,12 @@
 """The ``moecomp`` torch.compile backend: MoE blocks -> ``torch.ops.moecomp.moe_forward``, the rest -> Inductor.
 
     import moecomp                       # registers the backend
-    model = torch.compile(model, backend="moecomp", dynamic=True)
+    model = torch.compile(model, backend="moecomp")                            # static shapes (default)
+    model = torch.compile(model, backend="moecomp", mode="reduce-overhead")    # Inductor mode options
+    model = torch.compile(model, backend="moecomp", dynamic=True)              # one graph for every token count
+
+Static and dynamic shapes are handled alike: the passes tell weights from the call's inputs by where Dynamo says
+each graph input came from (see ``passes._fx.is_call_input``), not by whether its shape is static.
 
 For every graph Dynamo hands it, the backend runs
 
@@ -10,8 +15,9 @@ For every graph Dynamo hands it, the backend runs
 3. ``passes.fse.fuse_shared_gate(gm)``: router + shared-gate GEMM fusion, when the op supports it,
 
 and hands the result to ``torch._inductor.compile_fx.compile_fx`` (``mode=`` / ``options=`` of torch.compile are
-honoured as for the inductor backend). Counts land in ``moecomp.counters``; the last graphs' match descriptions and
-rejection reasons in ``moecomp.backend.last_results``.
+honoured as for the inductor backend; torch.compile refuses ``mode=`` together with ``options=``, so with a mode
+set the inner compiler comes from ``config.inner``). Counts land in ``moecomp.counters``; the last graphs' match
+descriptions and rejection reasons in ``moecomp.backend.last_results``.
 
 Caching: the passes' identity is part of Inductor's cache key. The backend installs a post-grad custom pass
 (``torch._inductor.config.post_grad_custom_post_pass``, chaining any pass the user set) whose ``uuid()`` hashes the

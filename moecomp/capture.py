@@ -50,6 +50,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .ops.moe_op import MOE_ARGS
+from .passes import _fx
 from .spec import MoESpec
 
 __all__ = ["CapturedBlock", "BlockMatch", "DetectError", "capture_block", "detect_block", "traceable_experts"]
@@ -210,6 +211,8 @@ def capture_block(module: nn.Module, example_input: torch.Tensor, *, dynamic: bo
     def backend(gm, example_inputs):
         if "gm" in box:
             raise RuntimeError("block traced into more than one graph")
+        # which placeholders are call arguments (Dynamo drops its record of sources once this returns)
+        _fx.record_input_roles(gm)
         box["gm"], box["inputs"] = gm, list(example_inputs)
 
         def never(*args):
@@ -277,7 +280,6 @@ def detect_block(module: nn.Module, example_input: torch.Tensor, *, verify: bool
     if len(res.matches) > 1:
         raise DetectError(f"{len(res.matches)} MoE computations in one block", "detect", res.rejected)
     m = res.matches[0]
-    from .passes import _fx
 
     x_base = m.x  # the block input itself, or views of it (anything computed from it is not the MoE's input)
     while x_base.op != "placeholder" and _fx.op_name(x_base) in _fx.VIEW_OPS:

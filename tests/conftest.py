@@ -38,3 +38,16 @@ def cpu_backend(request, monkeypatch):
     """Run the op's CPU path either as vectorised torch or as our Triton kernels under the interpreter."""
     monkeypatch.setenv("MOECOMP_CPU_BACKEND", request.param)
     return request.param
+
+
+@pytest.fixture
+def quiet_single_thread():
+    """Quiet transformers; one intra-op thread (tiny tensors: a second thread only adds wake-up latency)."""
+    import transformers
+
+    old, threads = transformers.logging.get_verbosity(), torch.get_num_threads()
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    transformers.logging.set_verbosity(old)

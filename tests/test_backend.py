@@ -57,15 +57,80 @@ def test_whole_model(family, impl, poison):
             got2 = compiled(ids2).logits
         assert rel_err(got2, model(ids2).logits) <= 1e-4
 
+    assert_every_block_rewritten(graphs=1)
+
+
+def assert_every_block_rewritten(graphs: int) -> list[str]:
+    """``graphs`` graphs compiled, each with one moe_forward per MoE layer and no routing left; their code."""
     c = moecomp.counters
-    assert c["backend"]["graphs"] == 1
-    assert c["detect_moe"]["matched"] == tm.LAYERS
-    assert c["detect_moe"]["rejected"] == 0, backend.last_results[-1]["rejected"]
-    assert c["rewrite_moe"]["replaced"] == tm.LAYERS
-    code = backend.last_results[-1]["code"]
-    assert code.count(MOE_CALL) == tm.LAYERS
-    for op in GONE:
-        assert op not in code, op
+    assert c["backend"]["graphs"] == graphs
+    assert c["detect_moe"]["matched"] == graphs * tm.LAYERS, [r["rejected"] for r in backend.last_results]
+    assert c["detect_moe"]["rejected"] == 0, [r["rejected"] for r in backend.last_results]
+    assert c["rewrite_moe"]["replaced"] == graphs * tm.LAYERS
+    codes = [r["code"] for r in backend.last_results[-graphs:]]
+    for code in codes:
+        assert code.count(MOE_CALL) == tm.LAYERS
+        for op in GONE:
+            assert op not in code, op
+    return codes
+
+
+# Static shapes (torch.compile's default): (dynamic, input shape) spread over the cases, each pair several times
+STATIC = [(None, (2, 5)), (False, (8, 1)), (None, (8, 1)), (False, (2, 5))]
+STATIC_CASES = [
+    pytest.param(f, impl, dyn, shape, id=f"{f}-{impl}-dynamic={dyn}-{shape[0]}x{shape[1]}")
+    for (f, impl), (dyn, shape) in zip(CASES, STATIC * len(CASES))
+]
+
+
+@pytest.mark.parametrize("family, impl, dynamic, shape", STATIC_CASES)
+def test_whole_model_static_shapes(family, impl, dynamic, shape, poison):
+    """dynamic=None / False trace with static shapes: the token ids are as static as any weight, yet they are the
+    call's input, not a weight; every block is still found. [8, 1] is a decode step."""
+    model = tm.hf_model(family, impl)
+    ids = torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(ids).logits
+        compiled = torch.compile(model, backend="moecomp", dynamic=dynamic, options=EAGER_INNER)
+        got = compiled(ids).logits
+        assert rel_err(got, want) <= 1e-4
+        ids2 = torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(4))
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got2 = compiled(ids2).logits
+        assert rel_err(got2, model(ids2).logits) <= 1e-4
+    (code,) = assert_every_block_rewritten(graphs=1)
+    assert "torch.SymInt" not in code  # the graph really was static
+
+
+def test_static_then_dynamic_recompile():
+    """dynamic=None: a static graph for the first shape, a dynamic one once the shape changes; both rewritten, and
+    the dynamic one serves further shapes without recompiling."""
+    model = tm.hf_model("qwen2_moe")
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="moecomp", options=EAGER_INNER)
+        for i, shape in enumerate([(8, 1), (2, 5), (3, 4)]):
+            ids = torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(i))
+            with torch._dynamo.config.patch(error_on_recompile=i == 2):
+                got = compiled(ids).logits
+            assert rel_err(got, model(ids).logits) <= 1e-4, shape
+    static, dynamic = assert_every_block_rewritten(graphs=2)
+    assert "torch.SymInt" not in static and "torch.SymInt" in dynamic
+
+
+def test_reduce_overhead_mode_static_decode(poison):
+    """What users write: ``torch.compile(model, backend="moecomp", mode="reduce-overhead")``, static shapes, a
+    decode-shaped call, through Inductor for real (on CPU the mode is Inductor options: cudagraphs stay off)."""
+    model = tm.hf_model("qwen3_moe")
+    ids = torch.randint(0, 128, (8, 1), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = model(ids).logits
+        compiled = torch.compile(model, backend="moecomp", mode="reduce-overhead")
+        assert rel_err(compiled(ids).logits, want) <= 1e-4
+        ids2 = torch.randint(0, 128, (8, 1), generator=torch.Generator().manual_seed(6))
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            assert rel_err(compiled(ids2).logits, model(ids2).logits) <= 1e-4
+    (code,) = assert_every_block_rewritten(graphs=1)
+    assert "torch.SymInt" not in code
 
 
 def test_counts_only_graphs_that_compiled():

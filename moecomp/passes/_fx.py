@@ -139,6 +139,9 @@ def meta_val(node) :
     return v
 
 
+_CALL_INPUT_KEY = "moecomp_call_input"  # node.meta key: is_call_input's answer, kept after Dynamo's cleanup
+
+
 def is_call_input(node: fx.Node, value=None) -> bool | None:
     """Is placeholder ``node`` an argument of the compiled call (activations, token ids, masks) rather than state
     the code reads (parameters, buffers, tensor / scalar attributes)? None when the graph does not say.
@@ -146,16 +149,32 @@ def is_call_input(node: fx.Node, value=None) -> bool | None:
     Dynamo records where each graph input came from (``node.meta["grapharg"].source``): ``L['x']``,
     ``L['args'][0]`` or ``L['kwargs']['input_ids']`` (a local, or items of one) are call inputs;
     ``L['self']._modules['mlp']._parameters['weight']``, ``L['self'].scale`` (anything reached through an attribute),
-    globals and closures are state. An ``nn.Parameter`` value is state wherever it came from. Without Dynamo's record
-    (graphs from other tracers) the answer is None and callers fall back to shapes.
+    globals and closures are state. An ``nn.Parameter`` value is state wherever it came from. Dynamo deletes that
+    record once the backend returns; :func:`record_input_roles` keeps the answer in ``node.meta`` for graphs that are
+    analysed later (``moecomp.capture``). Without either (graphs from other tracers) the answer is None and callers
+    fall back to shapes.
 
     Shapes alone cannot tell: with static shapes (``dynamic=False`` / the first compile of ``dynamic=None``, or a
     size-1 dim specialised under ``dynamic=True``) token ids and hidden states are as static as any weight.
     """
     if isinstance(value, torch.nn.Parameter) or isinstance(meta_val(node), torch.nn.Parameter):
         return False
-    ga = node.meta.get("grapharg", None)
-    src = getattr(ga, "source", None)
+    if _CALL_INPUT_KEY in node.meta:
+        return node.meta[_CALL_INPUT_KEY]
+    return _source_is_call_input(getattr(node.meta.get("grapharg", None), "source", None))
+
+
+def record_input_roles(gm: fx.GraphModule) -> None:
+    """Store :func:`is_call_input` of every placeholder in its meta while Dynamo's ``grapharg`` is still there
+    (call it inside a backend, before Dynamo's cleanup)."""
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and _CALL_INPUT_KEY not in n.meta:
+            role = _source_is_call_input(getattr(n.meta.get("grapharg", None), "source", None))
+            if role is not None:
+                n.meta[_CALL_INPUT_KEY] = role
+
+
+def _source_is_call_input(src) -> bool | None:
     if src is None:
         return None
     try:
@@ -163,8 +182,7 @@ def is_call_input(node: fx.Node, value=None) -> bool | None:
     except Exception:  # pragma: no cover
         return None
     item_sources = tuple(
-        c for c in (getattr(S, n, None) for n in ("GetItemSource", "DictGetItemSource", "DictSubclassGetItemSource",
-                                                  "IndexedSource", "NamedTupleFieldsSource"))
+        c for c in (getattr(S, n, None) for n in ("GetItemSource", "DictGetItemSource", "DictSubclassGetItemSource"))
         if isinstance(c, type)
     )
     cur = src

@@ -26,8 +26,12 @@ How a match is proven (nothing is matched on class or module names):
 
 1. **Region.** From each top-k whose indices select slices of 3-D ``[E, ., .]`` weights, walk back to the router
    linear and its input ``x``. The block is the set of nodes computable from ``x`` plus weights (placeholders of
-   static shape, i.e. parameters, buffers, scalar attributes) that descend from ``x``; its output is the one node
-   of that set that depends on the expert GEMMs and is read outside it (or returned).
+   static shape that are state, i.e. parameters, buffers, scalar attributes, but not the arguments the compiled
+   call was made with: ``_fx.is_call_input``, from Dynamo's record of each input's source) that descend from ``x``;
+   its output is the one node of that set that depends on the expert GEMMs and is read outside it (or returned).
+   Under static shapes the token ids / hidden states a model is called with have static shapes too: were they
+   taken for weights, everything after the first block (residual stream included) would be "computable from x
+   plus weights" and one region would swallow every later block.
 2. **Structure.** Every spec field is read from the nodes: scoring op, top-k ``k``, correction-bias add, group view
    and group top-k, renormalising sum/div and its eps, scaling multiplier, casts (router in fp32, weights rounded to
    the model dtype), GEMM operand order / transposes (weight layout), the gate's chunk or stride-2 slices and

@@ -17,13 +17,5 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.fixture(autouse=True)
-def _quiet_single_thread():
-    """Quiet transformers; one intra-op thread (tiny tensors: a second thread only adds wake-up latency)."""
-    import transformers
-
-    old, threads = transformers.logging.get_verbosity(), torch.get_num_threads()
-    transformers.logging.set_verbosity_error()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    transformers.logging.set_verbosity(old)
+def _quiet_single_thread(quiet_single_thread):
+    """Every test here runs quiet and single-threaded (the shared fixture in tests/conftest.py)."""

@@ -152,3 +152,29 @@ def test_numeric_check_skipped_when_gathers_are_too_large(monkeypatch):
     cap = capture_block(tm.moe_blocks(tm.hf_model("mixtral", "grouped_mm"))[0], torch.randn(1, 3, tm.H))
     res = detect_moe(cap.gm, cap.example_inputs)  # no gathers: still checked
     assert len(res) == 1 and res[0].verified.startswith("numeric")
+
+
+@pytest.mark.parametrize("family, impl", [("qwen3_moe", "grouped_mm"), ("gpt_oss", "batched_mm")])
+def test_static_shapes_block_input_is_not_a_weight(family, impl, poison):
+    """Static shapes: the block input [8, 1, H] has as many rows as there are experts, so by shape alone it is a
+    stacked [E, ., .] weight. Dynamo's record of where each input came from (kept by capture_block) says it is the
+    call's argument: one block is matched and rewritten."""
+    block = tm.moe_blocks(tm.hf_model(family, impl))[0]
+    cap = capture_block(block, torch.randn(tm.E, 1, tm.H), dynamic=False)
+    phs = [n for n in cap.gm.graph.nodes if n.op == "placeholder"]
+    assert all(_fx.static_int(d) is not None for p in phs for d in _fx.shape_of(p) or ())  # really static
+    roles = {cap.paths[p.name]: _fx.is_call_input(p) for p in phs}
+    assert roles.pop("<input>") is True
+    assert roles and not any(roles.values()), roles  # parameters / buffers are state
+    _check_rewrite(cap)
+
+
+def test_static_shapes_without_source_record_fall_back_to_shapes():
+    """A graph that does not say where its inputs came from (not from Dynamo, or the record was dropped): static
+    shapes decide, as before; a block whose input cannot pass for an expert weight is still matched."""
+    cap = capture_block(tm.moe_blocks(tm.hf_model("mixtral"))[0], torch.randn(2, 5, tm.H), dynamic=False)
+    for p in cap.gm.graph.nodes:
+        p.meta.pop(_fx._CALL_INPUT_KEY, None)
+        assert _fx.is_call_input(p) is None or isinstance(_fx.meta_val(p), torch.nn.Parameter)
+    res = detect_moe(cap.gm, cap.example_inputs)
+    assert len(res) == 1, res.rejected
