@@ -7,11 +7,11 @@
 
 from . import ops  # noqa: F401  (registers torch.ops.moecomp.*)
 from .spec import MoESpec, SharedExpertSpec, SpecError
-from .optimize import Report, optimize, scan, unoptimize  # noqa: E402
-from .hf import experts_interface as _experts_interface  # noqa: E402,F401  (registers "moecomp" experts in transformers)
-from . import backend  # noqa: F401,E402  (registers the "moecomp" torch.compile backend)
+from .optimize import Report, optimize, scan, unoptimize
+from .hf import experts_interface as _experts_interface  # noqa: F401  (registers "moecomp" experts in transformers)
+from . import backend  # noqa: F401  (registers the "moecomp" torch.compile backend)
 
 __version__ = "0.1.0"
 
-__all__ = ["MoESpec", "SharedExpertSpec", "SpecError", "ops", "__version__"]
-__all__ += ["optimize", "scan", "unoptimize", "Report"]
+__all__ = ["MoESpec", "SharedExpertSpec", "SpecError", "ops", "optimize", "scan", "unoptimize", "Report",
+           "__version__"]
