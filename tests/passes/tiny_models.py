@@ -87,18 +87,23 @@ def moe_blocks(model) -> list[nn.Module]:
 
 
 # ------------------------------------------------------------------------------------------ plain-PyTorch MoEs
+def _router_and_experts(m: nn.Module, dim: int, inter: int, experts: int, seed: int) -> None:
+    """m.gate [E, dim] and stacked m.w13 [E, 2*inter, dim], m.w2 [E, dim, inter], seeded random."""
+    g = torch.Generator().manual_seed(seed)
+    m.gate = nn.Linear(dim, experts, bias=False)
+    m.w13 = nn.Parameter(torch.randn(experts, 2 * inter, dim, generator=g) / math.sqrt(dim))
+    m.w2 = nn.Parameter(torch.randn(experts, dim, inter, generator=g) / math.sqrt(inter))
+    with torch.no_grad():
+        m.gate.weight.copy_(torch.randn(experts, dim, generator=g) / math.sqrt(dim) * 2)
+
+
 class EinsumMoE(nn.Module):
     """gpt-fast style: expert weights gathered per token (``w13[expert_indices]``) and applied with einsum."""
 
     def __init__(self, dim=H, inter=40, experts=E, k=K, seed=0):
         super().__init__()
-        g = torch.Generator().manual_seed(seed)
         self.k, self.dim = k, dim
-        self.gate = nn.Linear(dim, experts, bias=False)
-        self.w13 = nn.Parameter(torch.randn(experts, 2 * inter, dim, generator=g) / math.sqrt(dim))
-        self.w2 = nn.Parameter(torch.randn(experts, dim, inter, generator=g) / math.sqrt(inter))
-        with torch.no_grad():
-            self.gate.weight.copy_(torch.randn(experts, dim, generator=g) / math.sqrt(dim) * 2)
+        _router_and_experts(self, dim, inter, experts, seed)
 
     def forward(self, x):
         shape = x.shape
@@ -208,13 +213,8 @@ class LoopMoE(nn.Module):
 
     def __init__(self, dim=H, inter=32, experts=E, k=K, seed=3):
         super().__init__()
-        g = torch.Generator().manual_seed(seed)
         self.k, self.experts = k, experts
-        self.gate = nn.Linear(dim, experts, bias=False)
-        self.w13 = nn.Parameter(torch.randn(experts, 2 * inter, dim, generator=g) / math.sqrt(dim))
-        self.w2 = nn.Parameter(torch.randn(experts, dim, inter, generator=g) / math.sqrt(inter))
-        with torch.no_grad():
-            self.gate.weight.copy_(torch.randn(experts, dim, generator=g) / math.sqrt(dim) * 2)
+        _router_and_experts(self, dim, inter, experts, seed)
 
     def forward(self, x):
         w, idx = torch.topk(F.softmax(self.gate(x), dim=-1), self.k)
