@@ -111,7 +111,11 @@ def main(argv=None):
                         fresh = variant == "moecomp" or sname == next(iter(shapes))
                         if fresh and replaced != LAYERS:
                             failures.append(f"{mname} {sname} {variant}: {replaced} blocks replaced, want {LAYERS}")
-                        if not fresh and snap.get("backend", {}).get("graphs", 0):
+                        # dynamic=True still specialises sizes 0 and 1 (torch's rule): [8,1] -> [1,128] flips both
+                        # dims across 1, so a recompile there is expected and only recorded, not a failure.
+                        first = shapes[next(iter(shapes))]
+                        ones_same = [d == 1 for d in first] == [d == 1 for d in shp]
+                        if not fresh and ones_same and snap.get("backend", {}).get("graphs", 0):
                             failures.append(f"{mname} {sname} {variant}: recompiled for a new shape")
                     if row[f"{variant}_rel_err"] > 2e-2:
                         failures.append(f"{mname} {sname} {variant}: rel err {row[f'{variant}_rel_err']:.2e}")
