@@ -41,7 +41,7 @@ def route(
         scores = score(logits, spec.scoring)
         choice = scores
         if spec.has_correction_bias:
-            choice = scores + correction_bias.to(acc)
+            choice = (logits if spec.bias_on_logits else scores) + correction_bias.to(acc)
         if spec.n_group > 1:
             g = choice.view(T, spec.n_group, E // spec.n_group)
             if spec.group_score == "top2_sum":
@@ -51,11 +51,14 @@ def route(
             _, keep = _topk_low_index_ties(gs, spec.topk_group)  # [T, topk_group]
             mask = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, keep, True)
             mask = mask[:, :, None].expand_as(g).reshape(T, E)
-            choice = choice.masked_fill(~mask, float("-inf"))
+            choice = choice.masked_fill(~mask, 0.0 if spec.group_mask_zero else float("-inf"))
         _, ids = _topk_low_index_ties(choice, k)
         weights = scores.gather(1, ids)
     if spec.renormalize:
-        weights = weights / (weights.sum(-1, keepdim=True) + spec.renorm_eps)
+        denom = weights.sum(-1, keepdim=True) + spec.renorm_eps
+        if spec.renorm_min > 0:
+            denom = denom.clamp(min=spec.renorm_min)
+        weights = weights / denom
     weights = weights * spec.routed_scaling_factor
     return weights, ids
 
@@ -69,7 +72,21 @@ def activation(h: torch.Tensor, spec_activation: str, alpha: float = 1.702, limi
         return F.gelu(h, approximate="tanh")
     if spec_activation == "relu":
         return F.relu(h)
+    if spec_activation == "relu2":
+        return torch.square(F.relu(h))
     raise ValueError(f"not an elementwise activation: {spec_activation}")
+
+
+def gated_activation(gate, up, activation_name: str, alpha: float, limit: float, clamp: bool) -> torch.Tensor:
+    """act(gate) * up, with the clamps of clamped SwiGLU (``clamp``) or gpt-oss's ``swiglu_oai``."""
+    if activation_name == "swiglu_oai":
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    if clamp:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return activation(gate, activation_name) * up
 
 
 def _expert_in(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, layout: str) -> torch.Tensor:
@@ -86,12 +103,9 @@ def expert_mlp(x: torch.Tensor, w13, b13, w2, b2, spec: MoESpec) -> torch.Tensor
             gate, up = h[:, :I], h[:, I:]
         else:
             gate, up = h[:, 0::2], h[:, 1::2]
-        if spec.activation == "swiglu_oai":
-            gate = gate.clamp(max=spec.activation_limit)
-            up = up.clamp(min=-spec.activation_limit, max=spec.activation_limit)
-            h = (up + 1) * (gate * torch.sigmoid(gate * spec.activation_alpha))
-        else:
-            h = activation(gate, spec.activation) * up
+        h = gated_activation(
+            gate, up, spec.activation, spec.activation_alpha, spec.activation_limit, spec.activation_clamp
+        )
     else:
         h = activation(h, spec.activation)
     return _expert_in(h, w2, b2, spec.w_layout)
@@ -127,7 +141,7 @@ def shared_experts(x: torch.Tensor, shared_w1, shared_w3, shared_w2, shared_gate
             g, u = (x @ shared_w1.to(acc).T).chunk(2, dim=-1)
         else:
             g, u = x @ shared_w1.to(acc).T, x @ shared_w3.to(acc).T
-        h = activation(g, sh.activation) * u
+        h = gated_activation(g, u, sh.activation, sh.activation_alpha, sh.activation_limit, sh.activation_clamp)
     else:
         h = activation(x @ shared_w3.to(acc).T, sh.activation)
     y = h @ shared_w2.to(acc).T

@@ -8,11 +8,15 @@ What a block computes, in terms of the spec (T tokens, H hidden, E experts, k = 
     logits   = x @ router_w.T (+ router_b)                     # [T, E]   (fp32 when router_fp32)
     scores   = score_fn(logits)                                # softmax | sigmoid | sqrtsoftplus | none
     choice   = scores (+ correction_bias)                      # bias only steers the selection
+               (bias_on_logits: choice = logits + correction_bias)
     groups   : keep the topk_group best of n_group groups      # group score: sum of top-2, or max
+               others set to -inf (group_mask_zero: to 0.0)
     ids      = topk(choice, k)                                 # [T, k]
-    weights  = scores[ids]  (renormalise)  * routed_scaling    # [T, k]
+    weights  = scores[ids]  (/ max(sum + renorm_eps, renorm_min))  * routed_scaling    # [T, k]
       (score_order == "topk_then_score": ids = topk(logits), weights = softmax(logits[ids]))
-    per pair : h = act(x @ w1_e.T) * (x @ w3_e.T)  (gated) | act(x @ w13_e.T) (not gated)
+    per pair : h = act(g) * u, g = x @ w1_e.T, u = x @ w3_e.T  (gated) | act(x @ w13_e.T) (not gated)
+               activation_clamp: g = min(g, limit), u = clamp(u, -limit, limit) first (DeepSeek-V4 style)
+               swiglu_oai: (clamp(u) + 1) * g * sigmoid(alpha * g), g = min(g, limit) (gpt-oss)
                y = h @ w2_e.T                                  # [H]
     out      = sum_k weights * y  (+ shared(x) * sigmoid(x @ shared_gate_w.T))
     FSE      : with fused_shared_gate, router_w is [E + 1, H] (gate row last): one GEMM gives logits and gate
@@ -31,7 +35,7 @@ from dataclasses import dataclass
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus", "none")
 SCORE_ORDERS = ("score_then_topk", "topk_then_score")
 GROUP_SCORES = ("top2_sum", "max")
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "swiglu_oai")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2", "swiglu_oai")  # relu2 = relu(x)**2
 W_LAYOUTS = ("out_in", "in_out")  # per-expert matrix stored [out, in] (nn.Linear style) or [in, out]
 GATE_UP = ("concat", "interleaved")
 
@@ -47,6 +51,8 @@ class SharedExpertSpec:
     ``layout`` "separate": ``shared_w1`` = gate_proj [Is, H], ``shared_w3`` = up_proj [Is, H];
     "concat": ``shared_w1`` = [2*Is, H] (gate rows first) and no ``shared_w3``; not ``gated``: ``shared_w3`` only.
     ``gate`` "sigmoid": the output is scaled by sigmoid(x @ shared_gate_w.T) (Qwen2-MoE), "none": added as is.
+    ``activation`` / ``activation_alpha`` / ``activation_limit`` / ``activation_clamp`` mean what they mean for the
+    routed experts (``MoESpec``): a gpt-oss style shared expert is ``activation="swiglu_oai"``.
     """
 
     intermediate_size: int
@@ -54,12 +60,16 @@ class SharedExpertSpec:
     gated: bool = True
     layout: str = "separate"
     gate: str = "none"
+    activation_alpha: float = 1.702  # swiglu_oai only
+    activation_limit: float = 7.0  # swiglu_oai, or with activation_clamp
+    activation_clamp: bool = False
 
     def validate(self) -> None:
         if self.intermediate_size <= 0:
             raise SpecError(f"shared expert intermediate_size must be positive, got {self.intermediate_size}")
-        if self.activation not in ACTIVATIONS or self.activation == "swiglu_oai":
+        if self.activation not in ACTIVATIONS:
             raise SpecError(f"unsupported shared-expert activation {self.activation!r}")
+        _check_activation(self.activation, self.gated, self.activation_clamp, self.activation_limit, "shared expert ")
         if self.layout not in ("separate", "concat"):
             raise SpecError(f"unknown shared-expert layout {self.layout!r}")
         if self.gate not in ("none", "sigmoid"):
@@ -82,6 +92,9 @@ class MoESpec:
     topk_group: int = 1
     group_score: str = "top2_sum"
     has_correction_bias: bool = False
+    bias_on_logits: bool = False  # the correction bias is added to the logits, not the scores (Kolibri-1)
+    group_mask_zero: bool = False  # experts of dropped groups get 0.0 in the choice, not -inf (Mistral-4)
+    renorm_min: float = 0.0  # renormalise by max(sum + renorm_eps, renorm_min) (ERNIE-4.5: clamp(sum, min))
     has_router_bias: bool = False
     router_fp32: bool = False  # router GEMM in fp32 (DeepSeek-V3 style) instead of the model dtype
     round_weights: bool = False  # routing weights rounded to the model dtype before use (Qwen/OLMoE style)
@@ -90,7 +103,8 @@ class MoESpec:
     activation: str = "silu"
     gated: bool = True
     activation_alpha: float = 1.702  # swiglu_oai only
-    activation_limit: float = 7.0  # swiglu_oai only
+    activation_limit: float = 7.0  # swiglu_oai, or with activation_clamp
+    activation_clamp: bool = False  # gated: gate clamped to <= limit, up to [-limit, limit] before act(gate) * up
     w_layout: str = "out_in"  # w13 [E, 2I, H] / w2 [E, H, I] ("out_in"), or [E, H, 2I] / [E, I, H] ("in_out")
     gate_up: str = "concat"  # gate rows then up rows, or interleaved gate0, up0, gate1, ...
     has_expert_bias: bool = False
@@ -127,8 +141,15 @@ class MoESpec:
             raise SpecError("group_score 'top2_sum' needs at least 2 experts per group")
         if self.score_order == "topk_then_score" and self.scoring != "softmax":
             raise SpecError("score_order 'topk_then_score' is defined for softmax only")
-        if self.activation == "swiglu_oai" and not self.gated:
-            raise SpecError("activation 'swiglu_oai' needs gated experts")
+        _check_activation(self.activation, self.gated, self.activation_clamp, self.activation_limit, "")
+        if self.bias_on_logits and not self.has_correction_bias:
+            raise SpecError("bias_on_logits needs a correction bias (has_correction_bias)")
+        if self.bias_on_logits and self.score_order != "score_then_topk":
+            raise SpecError("bias_on_logits is defined for score_order 'score_then_topk' only")
+        if self.group_mask_zero and self.n_group == 1:
+            raise SpecError("group_mask_zero needs group-limited routing (n_group > 1)")
+        if self.renorm_min < 0 or self.renorm_eps < 0:
+            raise SpecError(f"renorm_eps={self.renorm_eps} and renorm_min={self.renorm_min} must be >= 0")
         if self.shared is not None:
             self.shared.validate()
         if self.fused_shared_gate and (self.shared is None or self.shared.gate != "sigmoid"):
@@ -175,7 +196,9 @@ class MoESpec:
         if self.n_group > 1:
             route += f" grouped {self.topk_group}/{self.n_group}"
         if self.has_correction_bias:
-            route += " +bias"
+            route += " +bias(logits)" if self.bias_on_logits else " +bias"
+        if self.group_mask_zero:
+            route += " mask0"
         if self.renormalize:
             route += " renorm"
         if self.routed_scaling_factor != 1.0:
@@ -184,10 +207,21 @@ class MoESpec:
         if self.shared is not None:
             sh = f", shared I={self.shared.intermediate_size}" + (" gated" if self.shared.gate != "none" else "")
         act = self.activation + ("*up" if self.gated and self.activation != "swiglu_oai" else "")
+        if self.activation_clamp:
+            act = f"clamp{self.activation_limit:g} " + act
         return (
             f"E={self.num_experts} k={self.top_k} H={self.hidden_size} I={self.intermediate_size} "
             f"[{route}] {act}{sh}"
         )
+
+
+def _check_activation(activation: str, gated: bool, clamp: bool, limit: float, who: str) -> None:
+    if activation == "swiglu_oai" and not gated:
+        raise SpecError(f"{who}activation 'swiglu_oai' needs gated experts")
+    if clamp and (not gated or activation == "swiglu_oai"):
+        raise SpecError(f"{who}activation_clamp is for gated act(gate) * up experts (swiglu_oai clamps anyway)")
+    if (clamp or activation == "swiglu_oai") and not limit > 0:
+        raise SpecError(f"{who}activation_limit must be positive, got {limit}")
 
 
 @functools.lru_cache(maxsize=256)

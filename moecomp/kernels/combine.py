@@ -8,7 +8,7 @@ fp32 sum, one store in the output dtype. One program per (token, BLOCK_H columns
 import triton
 import triton.language as tl
 
-from .activations import act
+from .activations import gated
 
 
 @triton.jit
@@ -49,11 +49,15 @@ def combine_kernel(
 
 
 @triton.jit
-def act_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    """Shared-expert activation: out[t] = act(gu[t, :I]) * gu[t, I:] (gate then up, concatenated)."""
+def act_mul_kernel(
+    gu_ptr, out_ptr, I, stride_gu, stride_o, alpha, limit, ACT: tl.constexpr, CLAMP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Shared-expert activation: out[t] = act(gu[t, :I]) * gu[t, I:] (gate then up, concatenated; clamps and
+    swiglu_oai as in ``activations.gated``)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < I
     g = tl.load(gu_ptr + t * stride_gu + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_o + offs, (act(g, ACT) * u).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + t * stride_o + offs, gated(g, u, alpha, limit, ACT, CLAMP).to(out_ptr.dtype.element_ty), mask=ok)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .activations import act as _act
+from .activations import gated as _gated
 
 
 @triton.jit
@@ -58,6 +59,7 @@ def moe_gemm1_kernel(
     GATE_STRIDE: tl.constexpr,
     GATED: tl.constexpr,
     ACT: tl.constexpr,
+    CLAMP: tl.constexpr,  # clamped SwiGLU: gate <= limit, |up| <= limit before act(gate) * up
     HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,  # dot in fp32 (interpreter bf16 workaround)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else "tf32" (ignored for 16-bit)
@@ -109,12 +111,7 @@ def moe_gemm1_kernel(
     n_ok = offs_n < N_OUT
     if GATED:
         g, u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
-        if ACT == 4:  # clamped SwiGLU (gpt-oss): (clamp(u) + 1) * g * sigmoid(alpha * g), g clamped above
-            g = tl.minimum(g, limit)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
-            h = (u + 1.0) * (g * tl.sigmoid(g * alpha))
-        else:
-            h = _act(g, ACT) * u
+        h = _gated(g, u, alpha, limit, ACT, CLAMP)
     else:
         h = _act(acc, ACT)
 

@@ -2,6 +2,7 @@ r"""Fused routing: scores -> (grouped) top-k -> renormalise -> scale, one launch
 
     logits [T, E] --score--> s [T, E] --(+bias)--> choice --group mask--> top-k ids [T, k]
                                     \__________ s[ids] (renorm, *scale) ---------> weights [T, k] fp32
+    (BIAS_ON_LOGITS: choice = logits + bias; MASK_ZERO: dropped groups get 0.0 in the choice, not -inf)
 
 One program owns BLOCK_T tokens and all E experts (padded to BLOCK_E). Top-k is k rounds of arg-max, ties going to
 the lower expert index (``moecomp.reference`` does the same). Group-limited selection keeps the TOPK_GROUP best of
@@ -34,6 +35,7 @@ def route_topk_kernel(
     stride_lt,
     scaling,
     renorm_eps,
+    renorm_min,  # > 0: the renorm denominator is max(sum + renorm_eps, renorm_min)
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -42,6 +44,8 @@ def route_topk_kernel(
     TOPK_THEN_SCORE: tl.constexpr,
     RENORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    BIAS_ON_LOGITS: tl.constexpr,
+    MASK_ZERO: tl.constexpr,
     N_GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
@@ -73,6 +77,8 @@ def route_topk_kernel(
 
     choice = score
     if HAS_BIAS:
+        if BIAS_ON_LOGITS:
+            choice = logit
         choice = choice + tl.load(bias_ptr + offs_e, mask=e_ok, other=0.0).to(tl.float32)[None, :]
     choice = tl.where(e_ok[None, :], choice, neg)
 
@@ -101,7 +107,10 @@ def route_topk_kernel(
         for g in tl.static_range(N_GROUP):
             kg = tl.sum(tl.where(offs_g[None, :] == g, keep_g, 0), axis=1)  # [BT]
             keep_e = tl.where((gid == g)[None, :], kg[:, None], keep_e)
-        choice = tl.where(keep_e > 0, choice, neg)
+        if MASK_ZERO:
+            choice = tl.where(keep_e > 0, choice, tl.where(e_ok[None, :], 0.0, neg))
+        else:
+            choice = tl.where(keep_e > 0, choice, neg)
 
     offs_k = tl.arange(0, K_PAD)
     top_ids = tl.zeros([BLOCK_T, K_PAD], tl.int32)
@@ -121,6 +130,7 @@ def route_topk_kernel(
         top_w = p / tl.sum(p, axis=1)[:, None]
     if RENORM:
         denom = tl.sum(tl.where(k_ok[None, :], top_w, 0.0), axis=1) + renorm_eps
+        denom = tl.where(renorm_min > 0, tl.maximum(denom, renorm_min), denom)
         top_w = top_w / denom[:, None]
     top_w = top_w * scaling
     if ROUND_TO == 1:

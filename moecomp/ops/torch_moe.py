@@ -66,11 +66,9 @@ def _gate(h: torch.Tensor, spec: MoESpec) -> torch.Tensor:
         gate, up = h[:, :I], h[:, I:]
     else:
         gate, up = h[:, 0::2], h[:, 1::2]
-    if spec.activation == "swiglu_oai":
-        gate = gate.clamp(max=spec.activation_limit)
-        up = up.clamp(min=-spec.activation_limit, max=spec.activation_limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * spec.activation_alpha))
-    return reference.activation(gate, spec.activation) * up
+    return reference.gated_activation(
+        gate, up, spec.activation, spec.activation_alpha, spec.activation_limit, spec.activation_clamp
+    )
 
 
 def experts_fp32(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.Tensor:

@@ -29,7 +29,7 @@ from ..spec import MoESpec
 from . import tuning
 
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "none": 3}
-_ACT = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu_oai": 4}
+_ACT = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu_oai": 4, "relu2": 5}
 SMALL_P = 256  # single-program alignment up to this many (token, expert) pairs
 
 
@@ -109,10 +109,11 @@ def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch
     routing_k.route_topk_kernel[grid](
         logits, correction_bias, ids, weights,
         T, E, logits.stride(0),
-        float(spec.routed_scaling_factor), float(spec.renorm_eps),
+        float(spec.routed_scaling_factor), float(spec.renorm_eps), float(spec.renorm_min),
         TOP_K=k, K_PAD=triton.next_power_of_2(k), BLOCK_T=block_t, BLOCK_E=block_e,
         SCORING=_SCORING[spec.scoring], TOPK_THEN_SCORE=spec.score_order == "topk_then_score",
-        RENORM=spec.renormalize, HAS_BIAS=spec.has_correction_bias,
+        RENORM=spec.renormalize, HAS_BIAS=spec.has_correction_bias, BIAS_ON_LOGITS=spec.bias_on_logits,
+        MASK_ZERO=spec.group_mask_zero,
         N_GROUP=spec.n_group, G_PAD=triton.next_power_of_2(spec.n_group), TOPK_GROUP=spec.topk_group,
         GROUP_BY_MAX=spec.group_score == "max", ROUND_TO=round_to,
         num_warps=4 if block_e <= 256 else 8,
@@ -174,6 +175,7 @@ def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict) -> tor
         x.stride(0), se, sn, sk, 0 if b13 is None else b13.stride(0), h.stride(0),
         1 if interleaved else I, float(spec.activation_alpha), float(spec.activation_limit),
         GATE_STRIDE=2 if interleaved else 1, GATED=spec.gated, ACT=_ACT[spec.activation],
+        CLAMP=spec.activation_clamp,
         HAS_BIAS=b13 is not None, UPCAST=_upcast(x), DOT_PRECISION=_precision(x),
         BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
         TILE_N=c1["BLOCK_N"] * (2 if spec.gated else 1), num_warps=c1["num_warps"], num_stages=c1["num_stages"],
@@ -244,7 +246,8 @@ def shared_mlp(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     hs = torch.empty(T, Is, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(Is))
     combine_k.act_mul_kernel[(T, triton.cdiv(Is, block))](
-        gu, hs, Is, gu.stride(0), hs.stride(0), ACT=_ACT[sh.activation], BLOCK=block
+        gu, hs, Is, gu.stride(0), hs.stride(0), float(sh.activation_alpha), float(sh.activation_limit),
+        ACT=_ACT[sh.activation], CLAMP=sh.activation_clamp, BLOCK=block,
     )
     return torch.nn.functional.linear(hs, w2)
 

@@ -19,6 +19,13 @@ CASES = [
     dict(num_experts=16, top_k=3, scoring="sqrtsoftplus", has_correction_bias=True),
     dict(num_experts=16, top_k=4, scoring="none", renormalize=False),
     dict(num_experts=32, top_k=4, score_order="topk_then_score", renormalize=False),
+    dict(num_experts=16, top_k=2, scoring="sigmoid", has_correction_bias=True, bias_on_logits=True),
+    # sigmoid(logit) + bias goes negative here (logits ~ N(0, 3^2), bias ~ N(0, 0.1^2)): a 0.0 mask can win
+    dict(num_experts=32, top_k=8, scoring="sigmoid", has_correction_bias=True, n_group=8, topk_group=2,
+         group_mask_zero=True),
+    dict(num_experts=32, top_k=4, scoring="none", n_group=4, topk_group=2, group_mask_zero=True,
+         renormalize=False),
+    dict(num_experts=16, top_k=2, renorm_min=0.6),
 ]
 
 
@@ -54,3 +61,22 @@ def test_ties_go_to_lower_index():
     logits[:, 5] = 1.0
     ids, _ = triton_moe.route(logits, None, spec, torch.float32)
     assert ids[:, 0].tolist() == [5, 5, 5] and ids[:, 1].tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("field,value", [("group_mask_zero", True), ("bias_on_logits", True), ("renorm_min", 0.6)])
+def test_new_routing_fields_change_the_routing(field, value):
+    """The data of the cases above is such that each of these fields changes the result (so the tests can fail)."""
+    base = dict(num_experts=32, top_k=8, scoring="sigmoid", has_correction_bias=True, n_group=8, topk_group=2)
+    if field == "renorm_min":
+        base = dict(num_experts=16, top_k=2)
+    spec = MoESpec(hidden_size=8, intermediate_size=8, **base)
+    g = torch.Generator().manual_seed(37)
+    logits = torch.randn(37, spec.num_experts, generator=g) * 3
+    bias = torch.randn(spec.num_experts, generator=g) * 0.1 if spec.has_correction_bias else None
+    w0, ids0 = reference.route(logits, bias, spec)
+    spec1 = spec.replace(**{field: value})
+    ids1, w1 = triton_moe.route(logits, bias, spec1, torch.float32)
+    rw1, rids1 = reference.route(logits, bias, spec1)
+    assert torch.equal(ids1.long().sort(1).values, rids1.sort(1).values)
+    changed = not torch.equal(ids0.sort(1).values, rids1.sort(1).values) or not torch.allclose(w0.sum(1), rw1.sum(1))
+    assert changed, f"{field}={value} made no difference on this data"

@@ -118,6 +118,41 @@ def test_gpt_oss_style_bf16():
     assert rel_err(torch.ops.moecomp.moe_forward(*args, spec.key), reference.moe_forward(*args, spec)) < 2e-2
 
 
+NEW_STYLES = {  # spec fields added for issue 3's families, at mid sizes; limits low enough that the clamps bind
+    "clamped_swiglu (deepseek_v4 / hy_v4 / glm5_next)": MoESpec(
+        num_experts=64, top_k=6, hidden_size=1024, intermediate_size=512, scoring="sigmoid", has_correction_bias=True,
+        activation_clamp=True, activation_limit=0.5,
+        shared=SharedExpertSpec(512, activation_clamp=True, activation_limit=0.5)),
+    "relu2 (nemotron_h)": MoESpec(
+        num_experts=64, top_k=6, hidden_size=1024, intermediate_size=512, gated=False, activation="relu2",
+        scoring="sigmoid", has_correction_bias=True, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+        shared=SharedExpertSpec(768, gated=False, activation="relu2")),
+    "swiglu_oai concat + oai shared (minimax_m3)": MoESpec(
+        num_experts=32, top_k=4, hidden_size=1024, intermediate_size=512, scoring="sigmoid",
+        has_correction_bias=True, activation="swiglu_oai", activation_limit=0.5, routed_scaling_factor=2.0,
+        shared=SharedExpertSpec(512, activation="swiglu_oai", layout="concat", activation_limit=0.5)),
+    "bias on logits (kolibri1)": MoESpec(
+        num_experts=64, top_k=8, hidden_size=1024, intermediate_size=512, scoring="sigmoid",
+        has_correction_bias=True, bias_on_logits=True, router_fp32=True),
+    "group mask 0.0 (mistral4)": MoESpec(
+        num_experts=64, top_k=4, hidden_size=1024, intermediate_size=512, n_group=8, topk_group=2,
+        group_mask_zero=True, routed_scaling_factor=1.5),
+    "renorm_min (ernie4_5)": MoESpec(
+        num_experts=64, top_k=2, hidden_size=1024, intermediate_size=512, has_correction_bias=True, renorm_min=0.6),
+}
+
+
+@pytest.mark.parametrize("T", [1, 300])
+@pytest.mark.parametrize("name", sorted(NEW_STYLES))
+def test_new_styles_bf16(name, T):
+    spec = NEW_STYLES[name]
+    args = random_moe_args(spec, T, torch.bfloat16, "cuda", std=0.05, seed=T)
+    poison_cache()
+    out = torch.ops.moecomp.moe_forward(*args, spec.key)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, reference.moe_forward(*args, spec)) < 2e-2
+
+
 def test_opcheck_cuda():
     spec = FAMILIES["qwen15_moe_a27b"].replace(hidden_size=256, intermediate_size=128,
                                                shared=SharedExpertSpec(192, gate="sigmoid"))

@@ -64,6 +64,24 @@ STYLES = {
                                        activation="gelu_tanh", shared=SharedExpertSpec(24, layout="concat")),
     "relu_shared_ungated_mlp": MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40,
                                        activation="relu", shared=SharedExpertSpec(24, gated=False, activation="relu")),
+    # limits of 1.0 so that the clamps bind on these inputs (gate / up values ~ N(0, 1.4))
+    "clamped_swiglu_shared_too": MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40,
+                                         scoring="sigmoid", activation_clamp=True, activation_limit=1.0,
+                                         shared=SharedExpertSpec(24, activation_clamp=True, activation_limit=1.0)),
+    "relu2_ungated": MoESpec(num_experts=16, top_k=4, hidden_size=48, intermediate_size=24, gated=False,
+                             activation="relu2", scoring="sigmoid", has_correction_bias=True, n_group=4, topk_group=2,
+                             shared=SharedExpertSpec(32, gated=False, activation="relu2")),
+    "swiglu_oai_concat_shared_oai": MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40,
+                                            scoring="sigmoid", has_correction_bias=True, activation="swiglu_oai",
+                                            activation_limit=1.0, routed_scaling_factor=2.0,
+                                            shared=SharedExpertSpec(24, activation="swiglu_oai", layout="concat",
+                                                                    activation_limit=1.0)),
+    "bias_on_logits": MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40, scoring="sigmoid",
+                              has_correction_bias=True, bias_on_logits=True, router_fp32=True),
+    "group_mask_zero": MoESpec(num_experts=16, top_k=4, hidden_size=48, intermediate_size=24, n_group=4,
+                               topk_group=2, group_mask_zero=True, routed_scaling_factor=1.5),
+    "renorm_min": MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40, has_correction_bias=True,
+                          renorm_min=0.6),
 }
 
 
@@ -161,3 +179,20 @@ def test_fused_shared_gate_argument_form(cpu_backend, poison):
     torch.testing.assert_close(fused, reference.moe_forward(*args, fused_spec), rtol=1e-5, atol=1e-6)
     with pytest.raises(SpecError, match="router_w has shape"):
         torch.ops.moecomp.moe_forward(args[0], args[1][:8], *args[2:], fused_spec.key)
+
+
+@pytest.mark.parametrize("name,unset", [
+    ("clamped_swiglu_shared_too", dict(activation_clamp=False)),
+    ("relu2_ungated", dict(activation="relu")),
+    ("swiglu_oai_concat_shared_oai", dict(activation="silu")),
+    ("bias_on_logits", dict(bias_on_logits=False)),
+])
+def test_new_styles_are_not_noops(name, unset):
+    """On the inputs of test_router_and_expert_styles each new spec field changes the reference output, so
+    those tests would catch a kernel that ignored it."""
+    spec = STYLES[name]
+    args = random_moe_args(spec, 300, torch.float32, seed=len(name))
+    other = spec.replace(**unset)
+    if name == "clamped_swiglu_shared_too":
+        other = other.replace(shared=SharedExpertSpec(24))
+    assert rel_err(reference.moe_forward(*args, other), reference.moe_forward(*args, spec)) > 1e-2
