@@ -63,6 +63,41 @@ def route(
     return weights, ids
 
 
+def near_tie_tokens(x2: torch.Tensor, router_w, router_b, correction_bias, spec: MoESpec, rel: float) -> torch.Tensor:
+    """[T] bool: tokens whose expert choice (or group choice) is within ``rel`` of a tie, i.e. where two correct
+    implementations whose router logits differ by a rounding of relative size ``rel`` may pick different experts.
+
+    The margin is measured in choice units against ``rel * max|logit|`` of the token (scoring functions here change
+    by at most 1 per unit of logit). 16-bit routers have exact ties often (bf16 keeps 8 bits), and ``torch.topk``
+    breaks them in no documented order, while our kernels take the lower expert index."""
+    if spec.fused_shared_gate:
+        router_w = router_w[: spec.num_experts]
+    logits = router_logits(x2, router_w, router_b, spec).float()  # [T, E], rounded like the block's own router
+    T, E, k = logits.shape[0], spec.num_experts, spec.top_k
+    tol = rel * logits.abs().amax(-1, keepdim=True)  # [T, 1]
+    near = torch.zeros(T, dtype=torch.bool, device=logits.device)
+    if spec.score_order == "topk_then_score":
+        choice = logits
+    else:
+        choice = score(logits, spec.scoring)
+        if spec.has_correction_bias:
+            choice = (logits if spec.bias_on_logits else choice) + correction_bias.float().reshape(-1)
+    if spec.n_group > 1 and spec.score_order != "topk_then_score":
+        g = choice.view(T, spec.n_group, E // spec.n_group)
+        gs = g.topk(2, dim=-1).values.sum(-1) if spec.group_score == "top2_sum" else g.max(dim=-1).values
+        if spec.topk_group < spec.n_group:
+            v = gs.sort(-1, descending=True).values
+            near |= (v[:, spec.topk_group - 1] - v[:, spec.topk_group]) <= 2 * tol[:, 0]
+        _, keep = _topk_low_index_ties(gs, spec.topk_group)
+        mask = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, keep, True)
+        mask = mask[:, :, None].expand_as(g).reshape(T, E)
+        choice = choice.masked_fill(~mask, 0.0 if spec.group_mask_zero else float("-inf"))
+    if k < E:
+        v = choice.sort(-1, descending=True).values
+        near |= (v[:, k - 1] - v[:, k]) <= tol[:, 0]
+    return near
+
+
 def activation(h: torch.Tensor, spec_activation: str, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     if spec_activation == "silu":
         return F.silu(h)

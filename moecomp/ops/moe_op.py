@@ -1,7 +1,8 @@
 """The custom ops: ``torch.ops.moecomp.moe_forward`` (a whole MoE block) and ``torch.ops.moecomp.moe_experts``
 (routed experts only, routing given), each opaque to Dynamo / Inductor through a fake implementation.
 
-Dispatch: CUDA tensors run our Triton kernels (``ops/triton_moe.py``). CPU tensors run a vectorised PyTorch path
+Dispatch: CUDA tensors run our Triton kernels (``ops/triton_moe.py``), through per-shape CUDA graphs in eager mode
+at small token counts (``ops/graphs.py``). CPU tensors run a vectorised PyTorch path
 (``ops/torch_moe.py``), or the same Triton kernels under ``TRITON_INTERPRET=1`` when ``MOECOMP_CPU_BACKEND=triton``
 (how the tests exercise the kernels without a GPU).
 """
@@ -13,6 +14,7 @@ import os
 import torch
 
 from ..spec import MoESpec, SpecError
+from . import graphs
 
 # Argument order of moe_forward after x; every entry point binds tensors by these names.
 MOE_ARGS = (
@@ -113,6 +115,8 @@ def moe_forward(
         from . import triton_moe as impl
     else:
         from . import torch_moe as impl
+    if x.is_cuda:  # per-shape CUDA graphs in eager mode (ops/graphs.py)
+        return graphs.run("moe_forward", lambda xx: impl.moe_forward(xx, args, s), (x,), tuple(args.values()), spec)
     return impl.moe_forward(x, args, s)
 
 
@@ -146,6 +150,9 @@ def moe_experts(
         from . import triton_moe as impl
     else:
         from . import torch_moe as impl
+    if x.is_cuda:
+        return graphs.run("moe_experts", lambda xx, ids, w: impl.moe_experts(xx, ids, w, args, s),
+                          (x, topk_ids, topk_weights), tuple(args.values()), spec)
     return impl.moe_experts(x, topk_ids, topk_weights, args, s)
 
 

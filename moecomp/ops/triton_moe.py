@@ -26,7 +26,7 @@ from ..kernels import grouped_gemm as gemm_k
 from ..kernels import routing as routing_k
 from .. import reference
 from ..spec import MoESpec
-from . import tuning
+from . import graphs, tuning
 
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "none": 3}
 _ACT = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu_oai": 4, "relu2": 5}
@@ -61,11 +61,15 @@ def _derived_weight(tag: str, tensors: tuple, make):
     sig = tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in tensors)
     hit = _derived.get(slot)
     if hit is not None and hit[0] == sig and all(r() is t for r, t in zip(hit[1], tensors)):
+        if graphs.keepalive is not None:  # a CUDA graph being captured reads it: keep it alive with the graph
+            graphs.keepalive.append(hit[2])
         return hit[2]
     if len(_derived) >= _DERIVED_MAX:
         _derived.pop(next(iter(_derived)))
     out = make()
     _derived[slot] = (sig, tuple(weakref.ref(t) for t in tensors), out)
+    if graphs.keepalive is not None:
+        graphs.keepalive.append(out)
     return out
 
 

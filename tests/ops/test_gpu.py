@@ -72,10 +72,12 @@ def test_cuda_graph_capture_and_replay(name, T):
         assert rel_err(static_out, ref) < 2e-2
 
 
-def test_no_host_sync_on_hot_path():
+@pytest.mark.parametrize("T", [300, 4])  # 300: plain launches; 4: the op's own CUDA-graph replay (ops/graphs.py)
+def test_no_host_sync_on_hot_path(T):
     spec = FAMILIES["qwen15_moe_a27b"]
-    args = random_moe_args(spec, 300, torch.bfloat16, "cuda", std=0.02, seed=2)
-    torch.ops.moecomp.moe_forward(*args, spec.key)  # warm-up (compile, derived weights)
+    args = random_moe_args(spec, T, torch.bfloat16, "cuda", std=0.02, seed=2)
+    for _ in range(2):  # warm-up (compile, derived weights), then the graph capture for T=4
+        torch.ops.moecomp.moe_forward(*args, spec.key)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -159,3 +161,36 @@ def test_opcheck_cuda():
     for T in (0, 3, 65):
         args = random_moe_args(spec, T, torch.bfloat16, "cuda", std=0.05, seed=T)
         torch.library.opcheck(torch.ops.moecomp.moe_forward.default, (*args, spec.key))
+
+
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "qwen15_moe_a27b", "deepseek_v3"])
+def test_op_graphs_in_eager_mode(name):
+    """ops/graphs.py: replays give the plain launches' result on fresh inputs, follow in-place weight updates and
+    replaced weights, and give each call its own output tensor."""
+    from moecomp.ops import graphs, triton_moe
+    from moecomp.ops.moe_op import MOE_ARGS
+
+    spec = FAMILIES[name]
+    graphs.clear()
+    args = list(random_moe_args(spec, 2, torch.bfloat16, "cuda", std=0.02, seed=5))
+
+    def plain(x, a):
+        return triton_moe.moe_forward(x, dict(zip(MOE_ARGS, a)), spec)
+
+    outs = []
+    for step in range(6):
+        if step == 4:  # in-place update of a routed weight and of the router (derived FSE / fp32 copies follow)
+            args[4].mul_(0.5)
+            args[1].mul_(-1.0)
+        x = torch.randn(2, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
+        out = torch.ops.moecomp.moe_forward(x, *args[1:], spec.key)
+        torch.testing.assert_close(out, plain(x, args[1:]), rtol=0, atol=0)
+        outs.append(out)
+    assert graphs.stats["captured"] == 2 and graphs.stats["replayed"] >= 2, graphs.stats
+    assert len({o.data_ptr() for o in outs}) == len(outs)
+    w13 = args[4].clone()  # a replaced weight tensor
+    x = torch.randn(2, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        out = torch.ops.moecomp.moe_forward(x, *args[1:4], w13, *args[5:], spec.key)
+    torch.testing.assert_close(out, plain(x, args[1:4] + [w13] + args[5:]), rtol=0, atol=0)
+    assert graphs.stats["captured"] == 3

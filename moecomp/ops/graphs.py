@@ -1,0 +1,128 @@
+"""Per-shape CUDA graphs for the ops in eager mode: one replay instead of ~8 kernel launches and their host work.
+
+At decode sizes an MoE block runs for tens of microseconds on the GPU while the host spends hundreds launching it;
+plain HF `generate()` (no torch.compile, no CUDA graphs of its own) is host-bound. So the CUDA implementations of
+``moe_forward`` / ``moe_experts`` go through ``run``:
+
+    key = (op, spec, shapes and dtypes of the per-call tensors, identity of every weight tensor)
+    1st call of a key  -> plain launches (warm-up: Triton compiles, derived weights such as the FSE concat are built)
+    2nd call           -> capture a CUDA graph over static copies of the per-call tensors, then replay it
+    later calls        -> copy inputs into the static buffers, replay, return a copy of the static output
+
+Weights are keyed by identity (object id, data pointer and version counter, checked through weak references), so a
+weight that is replaced, moved or updated in place gets a new graph instead of a stale one. Derived tensors a graph
+reads are kept alive by the graph's entry. All graphs share one memory pool: they replay one at a time on the
+caller's stream, so their scratch may overlap.
+
+Not used (plain launches instead) when: tokens > MOECOMP_OP_GRAPHS_MAX_T (default 256; 0 turns graphs off), a CUDA
+graph capture is already running (torch.compile mode="reduce-overhead" or the user's own graph covers the op),
+autograd records the call (grad mode on and a tensor that requires grad), or a capture of that key failed before.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections import OrderedDict
+
+import torch
+
+MAX_GRAPHS = 2048  # LRU bound on cached graphs (memory is shared through one pool)
+_entries: OrderedDict = OrderedDict()
+_pool = None
+keepalive: list | None = None  # set during a capture: derived tensors read by the graph register here
+stats = {"plain": 0, "captured": 0, "replayed": 0, "capture_failed": 0}
+
+
+def max_tokens() -> int:
+    return int(os.environ.get("MOECOMP_OP_GRAPHS_MAX_T", "256"))
+
+
+class _Entry:
+    __slots__ = ("refs", "calls", "graph", "inputs", "output", "keep", "failed")
+
+    def __init__(self, static):
+        self.refs = tuple(None if t is None else weakref.ref(t) for t in static)
+        self.calls = 0
+        self.graph = self.inputs = self.output = None
+        self.keep: list = []
+        self.failed = False
+
+    def alive(self, static) -> bool:
+        return all((r is None and t is None) or (r is not None and r() is t) for r, t in zip(self.refs, static))
+
+
+def _usable(x: torch.Tensor, tensors) -> bool:
+    limit = max_tokens()
+    return (
+        limit > 0
+        and x.is_cuda
+        and x.dim() >= 1
+        and 0 < x.numel() // max(1, x.shape[-1]) <= limit
+        and not torch.cuda.is_current_stream_capturing()
+        and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+    )
+
+
+def _capture(fn, inputs):
+    """(graph, output) for fn(*inputs) captured into the shared pool."""
+    global _pool
+    if _pool is None:
+        _pool = torch.cuda.graph_pool_handle()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=_pool):
+        out = fn(*inputs)
+    return g, out
+
+
+def run(name: str, fn, dynamic: tuple, static: tuple, spec_key: str) -> torch.Tensor:
+    """fn(*dynamic) (weights bound inside fn), through a cached CUDA graph when that is safe and pays."""
+    global keepalive
+    x = dynamic[0]
+    if not _usable(x, dynamic + static):
+        stats["plain"] += 1
+        return fn(*dynamic)
+    key = (
+        name,
+        spec_key,
+        x.device.index,
+        tuple((tuple(t.shape), t.dtype) for t in dynamic),
+        tuple(None if t is None else (id(t), t.data_ptr(), t._version, t.dtype) for t in static),
+    )
+    e = _entries.get(key)
+    if e is None or not e.alive(static):
+        e = _entries[key] = _Entry(static)
+        while len(_entries) > MAX_GRAPHS:
+            _entries.popitem(last=False)
+    else:
+        _entries.move_to_end(key)
+    e.calls += 1
+    if e.failed or (e.graph is None and e.calls < 2):
+        stats["plain"] += 1
+        return fn(*dynamic)
+    if e.graph is None:
+        inputs = tuple(t.clone() for t in dynamic)
+        keepalive = e.keep
+        try:
+            e.graph, e.output = _capture(fn, inputs)
+            e.inputs = inputs
+            stats["captured"] += 1
+        except Exception:  # capture not possible here (e.g. an op that is not capturable): plain from now on
+            e.failed, e.graph = True, None
+            stats["capture_failed"] += 1
+            return fn(*dynamic)
+        finally:
+            keepalive = None
+    else:
+        for s, d in zip(e.inputs, dynamic):
+            s.copy_(d)
+        stats["replayed"] += 1
+    e.graph.replay()  # (right after a capture, which computes nothing, the static inputs hold this call's data)
+    return e.output.clone()
+
+
+def clear() -> None:
+    """Drop every cached graph (their memory returns to the pool once nothing references it)."""
+    _entries.clear()
+    for k in stats:
+        stats[k] = 0

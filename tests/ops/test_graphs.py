@@ -1,0 +1,113 @@
+"""ops/graphs.py's caching policy on CPU, with a stand-in for CUDA graph capture (the real thing is in
+tests/ops/test_gpu.py): when it captures, replays, re-captures for replaced / moved / updated weights, and falls
+back to plain calls."""
+
+import pytest
+import torch
+
+from moecomp.ops import graphs
+
+
+class FakeGraph:
+    """Captures fn over static inputs; replay recomputes into the static output, as a CUDA graph would."""
+
+    def __init__(self, fn, inputs):
+        self.fn, self.inputs = fn, inputs
+        self.out = fn(*inputs)
+
+    def replay(self):
+        self.out.copy_(self.fn(*self.inputs))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    captured = []
+
+    def capture(fn, inputs):
+        g = FakeGraph(fn, inputs)
+        captured.append(g)
+        return g, g.out
+
+    monkeypatch.setattr(graphs, "_usable", lambda x, ts: graphs.max_tokens() > 0 and x.shape[0] <= graphs.max_tokens())
+    monkeypatch.setattr(graphs, "_capture", capture)
+    graphs.clear()
+    yield captured
+    graphs.clear()
+
+
+def test_warmup_capture_replay_and_fresh_results(fake_cuda):
+    w = torch.randn(8, 8)
+    calls = []
+
+    def fn(x):
+        calls.append(x)
+        return x @ w
+
+    outs, xs = [], [torch.randn(3, 8) for _ in range(4)]
+    for x in xs:
+        outs.append(graphs.run("op", fn, (x,), (w,), "spec"))
+    assert graphs.stats == {"plain": 1, "captured": 1, "replayed": 2, "capture_failed": 0}
+    assert len(fake_cuda) == 1
+    for x, o in zip(xs, outs):
+        torch.testing.assert_close(o, x @ w)
+    assert outs[2].data_ptr() != outs[3].data_ptr()  # a copy per call, not the static buffer
+
+
+def test_new_graph_for_replaced_or_updated_weights_and_new_shapes(fake_cuda):
+    w = torch.randn(8, 8)
+
+    def fn_for(weight):
+        return lambda x: x @ weight
+
+    x = torch.randn(3, 8)
+    for _ in range(3):
+        graphs.run("op", fn_for(w), (x,), (w,), "spec")
+    assert len(fake_cuda) == 1
+    w.mul_(2)  # in-place update: version counter moves
+    for _ in range(2):
+        out = graphs.run("op", fn_for(w), (x,), (w,), "spec")
+    torch.testing.assert_close(out, x @ w)
+    assert len(fake_cuda) == 2
+    w2 = w.clone()  # a replaced weight (another tensor object)
+    for _ in range(2):
+        out = graphs.run("op", fn_for(w2), (x,), (w2,), "spec")
+    assert len(fake_cuda) == 3
+    x5 = torch.randn(5, 8)  # another token count
+    for _ in range(2):
+        out = graphs.run("op", fn_for(w2), (x5,), (w2,), "spec")
+    torch.testing.assert_close(out, x5 @ w2)
+    assert len(fake_cuda) == 4
+
+
+def test_limits_and_failed_capture_fall_back_to_plain(fake_cuda, monkeypatch):
+    w = torch.randn(8, 8)
+    monkeypatch.setenv("MOECOMP_OP_GRAPHS_MAX_T", "4")
+    big = torch.randn(5, 8)
+    for _ in range(3):
+        torch.testing.assert_close(graphs.run("op", lambda x: x @ w, (big,), (w,), "s"), big @ w)
+    assert graphs.stats["captured"] == 0 and graphs.stats["plain"] == 3
+
+    def boom(fn, inputs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_capture", boom)
+    x = torch.randn(2, 8)
+    for _ in range(4):
+        torch.testing.assert_close(graphs.run("op", lambda x: x @ w, (x,), (w,), "s"), x @ w)
+    assert graphs.stats["capture_failed"] == 1  # tried once, then plain
+
+
+def test_derived_tensors_are_kept_alive_by_the_graph(fake_cuda):
+    from moecomp.ops import triton_moe
+
+    a, b = torch.randn(4, 8), torch.randn(1, 8)
+    x = torch.randn(3, 8)
+
+    def fn(x):
+        both = triton_moe._derived_weight("test_cat", (a, b), lambda: torch.cat([a, b]))
+        return x @ both.T
+
+    for _ in range(2):
+        graphs.run("op", fn, (x,), (a, b), "s")
+    entry = next(iter(graphs._entries.values()))
+    assert len(entry.keep) == 1 and entry.keep[0].shape == (5, 8)
