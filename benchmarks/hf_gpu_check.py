@@ -192,7 +192,7 @@ def part_b(fams: list[str], dev: str = "cuda") -> tuple[list[dict], list[str]]:
         def f(k):
             v = r.get(k)
             if isinstance(v, dict):
-                return f"{v['median']:.1e}" + (f" ({v["flips"]:.1%} flips)" if v["flips"] else "")
+                return f"{v['median']:.1e}" + (f" ({v['flips']:.1%} flips)" if v["flips"] else "")
             return f"{v:.1e}" if isinstance(v, float) else "-"
 
         print(f"| {r['family']} | {r.get('rewritten', '-')} | {f('bf16')} | {f('fp16')} | {f('fp32')} | "
