@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _get_dispatch_mode
 
 from ..spec import MoESpec, SpecError
 from . import graphs
@@ -91,6 +92,45 @@ def check_args(x: torch.Tensor, tensors: dict, spec: MoESpec) -> None:
             raise SpecError(f"{name} must be floating point, got {t.dtype}")
 
 
+def _impl(device: torch.device):
+    if _backend(device) == "triton":
+        from . import triton_moe as impl
+    else:
+        from . import torch_moe as impl
+    return impl
+
+
+def _forward(x: torch.Tensor, args: dict, s: MoESpec, spec: str) -> torch.Tensor:
+    impl = _impl(x.device)
+    if x.is_cuda:  # per-shape CUDA graphs in eager mode (ops/graphs.py)
+        return graphs.run("moe_forward", lambda xx: impl.moe_forward(xx, args, s), (x,), tuple(args.values()), spec)
+    return impl.moe_forward(x, args, s)
+
+
+def _plain_eager(tensors) -> bool:
+    """True when going through the dispatcher would change nothing: not tracing, no Python dispatch or function
+    mode (FakeTensorMode, op counters, ...), plain tensors, and nothing for autograd to record."""
+    if torch.compiler.is_compiling() or _get_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) is not torch.Tensor or (grad and t.requires_grad)):
+            return False
+    return True
+
+
+def call_moe_forward(x: torch.Tensor, tensors, spec: MoESpec) -> torch.Tensor:
+    """``torch.ops.moecomp.moe_forward(x, *tensors, spec.key)`` for eager callers (the bound HF blocks): the same
+    computation, without the custom-op dispatcher's host cost (tens of microseconds a call) where that dispatcher
+    would change nothing (``_plain_eager``); through the op otherwise."""
+    tensors = tuple(tensors)
+    if _plain_eager((x,) + tensors):
+        args = dict(zip(MOE_ARGS, tensors))
+        check_args(x, args, spec)
+        return _forward(x, args, spec, spec.key)
+    return torch.ops.moecomp.moe_forward(x, *tensors, spec.key)
+
+
 @torch.library.custom_op("moecomp::moe_forward", mutates_args=())
 def moe_forward(
     x: torch.Tensor,
@@ -111,13 +151,7 @@ def moe_forward(
     args = dict(zip(MOE_ARGS, (router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3,
                                shared_w2, shared_gate_w)))
     check_args(x, args, s)
-    if _backend(x.device) == "triton":
-        from . import triton_moe as impl
-    else:
-        from . import torch_moe as impl
-    if x.is_cuda:  # per-shape CUDA graphs in eager mode (ops/graphs.py)
-        return graphs.run("moe_forward", lambda xx: impl.moe_forward(xx, args, s), (x,), tuple(args.values()), spec)
-    return impl.moe_forward(x, args, s)
+    return _forward(x, args, s, spec)
 
 
 @moe_forward.register_fake
@@ -146,10 +180,7 @@ def moe_experts(
             f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} must both be "
             f"[T={x.shape[0]}, k]"
         )
-    if _backend(x.device) == "triton":
-        from . import triton_moe as impl
-    else:
-        from . import torch_moe as impl
+    impl = _impl(x.device)
     if x.is_cuda:
         return graphs.run("moe_experts", lambda xx, ids, w: impl.moe_experts(xx, ids, w, args, s),
                           (x, topk_ids, topk_weights), tuple(args.values()), spec)

@@ -196,3 +196,30 @@ def test_new_styles_are_not_noops(name, unset):
     if name == "clamped_swiglu_shared_too":
         other = other.replace(shared=SharedExpertSpec(24))
     assert rel_err(reference.moe_forward(*args, other), reference.moe_forward(*args, spec)) > 1e-2
+
+
+def test_call_moe_forward_skips_the_dispatcher_only_when_that_changes_nothing(cpu_backend):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moecomp.ops.moe_op import call_moe_forward
+
+    spec = STYLES["qwen2_shared_gate"]
+    args = random_moe_args(spec, 9, torch.float32, seed=11)
+    want = torch.ops.moecomp.moe_forward(*args, spec.key)
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad():
+        torch.testing.assert_close(call_moe_forward(args[0], args[1:], spec), want, rtol=0, atol=0)
+        with Seen() as mode:  # a dispatch mode is active: the call must show up as the op
+            torch.testing.assert_close(call_moe_forward(args[0], args[1:], spec), want, rtol=0, atol=0)
+    assert any("moecomp.moe_forward" in o for o in mode.ops)
+    with pytest.raises(SpecError, match="w13 has shape"):
+        call_moe_forward(args[0], args[1:4] + (args[4][:, :-1],) + args[5:], spec)
