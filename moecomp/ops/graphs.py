@@ -16,7 +16,10 @@ caller's stream, so their scratch may overlap.
 
 Not used (plain launches instead) when: tokens > MOECOMP_OP_GRAPHS_MAX_T (default 256; 0 turns graphs off), a CUDA
 graph capture is already running (torch.compile mode="reduce-overhead" or the user's own graph covers the op),
-autograd records the call (grad mode on and a tensor that requires grad), or a capture of that key failed before.
+a Python dispatch or function mode is active (opcheck, FakeTensorMode, op counters: a capture under them would
+fail or see fake work), a tensor is a subclass (FakeTensor, DTensor), autograd records the call, or a capture of
+that key failed before. A failed capture can leave CUDA state (the RNG's capture flag) behind, so these checks
+keep captures to the plain case where they work.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class _Entry:
 
 
 def _usable(x: torch.Tensor, tensors) -> bool:
+    from .moe_op import plain_eager
+
     limit = max_tokens()
     return (
         limit > 0
@@ -60,7 +65,7 @@ def _usable(x: torch.Tensor, tensors) -> bool:
         and x.dim() >= 1
         and 0 < x.numel() // max(1, x.shape[-1]) <= limit
         and not torch.cuda.is_current_stream_capturing()
-        and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+        and plain_eager(tensors)  # no tracing, dispatch / function modes, tensor subclasses or autograd
     )
 
 

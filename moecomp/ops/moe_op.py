@@ -107,14 +107,18 @@ def _forward(x: torch.Tensor, args: dict, s: MoESpec, spec: str) -> torch.Tensor
     return impl.moe_forward(x, args, s)
 
 
-def _plain_eager(tensors) -> bool:
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain_eager(tensors) -> bool:
     """True when going through the dispatcher would change nothing: not tracing, no Python dispatch or function
-    mode (FakeTensorMode, op counters, ...), plain tensors, and nothing for autograd to record."""
+    mode (FakeTensorMode, op counters, opcheck's checkers, ...), plain tensors or parameters (no subclasses such
+    as FakeTensor or DTensor), and nothing for autograd to record."""
     if torch.compiler.is_compiling() or _get_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled():
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
-        if t is not None and (type(t) is not torch.Tensor or (grad and t.requires_grad)):
+        if t is not None and (type(t) not in _PLAIN_TYPES or (grad and t.requires_grad)):
             return False
     return True
 
@@ -124,7 +128,7 @@ def call_moe_forward(x: torch.Tensor, tensors, spec: MoESpec) -> torch.Tensor:
     computation, without the custom-op dispatcher's host cost (tens of microseconds a call) where that dispatcher
     would change nothing (``_plain_eager``); through the op otherwise."""
     tensors = tuple(tensors)
-    if _plain_eager((x,) + tensors):
+    if plain_eager((x,) + tensors):
         args = dict(zip(MOE_ARGS, tensors))
         check_args(x, args, spec)
         return _forward(x, args, spec, spec.key)

@@ -111,3 +111,24 @@ def test_derived_tensors_are_kept_alive_by_the_graph(fake_cuda):
         graphs.run("op", fn, (x,), (a, b), "s")
     entry = next(iter(graphs._entries.values()))
     assert len(entry.keep) == 1 and entry.keep[0].shape == (5, 8)
+
+
+def test_usable_only_for_plain_eager_calls(monkeypatch):
+    """The real _usable: parameters are fine; dispatch modes, subclasses and autograd recording are not (checked
+    with is_cuda faked, since the rest of the policy does not depend on the device)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class FakeCudaTensor(torch.Tensor):
+        pass
+
+    x = torch.randn(2, 8)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    with torch.no_grad():
+        assert graphs._usable(x, (x, w))
+        with TorchDispatchMode():
+            assert not graphs._usable(x, (x, w))
+        assert not graphs._usable(x, (x, w.detach().as_subclass(FakeCudaTensor)))
+    assert not graphs._usable(x, (x, w))  # grad mode on and w requires grad
+    assert graphs._usable(x, (x, w.detach()))
