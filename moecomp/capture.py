@@ -14,6 +14,10 @@
     m.output_index, m.num_outputs                 # where the MoE result sits among the graph's outputs (gpt-oss's
                                                   #  block returns (hidden, router_scores): index 0 of 2)
     m.verified                                    # how the match was checked (see passes/detect_moe.py)
+    m.output_node, m.output_is_graph_output       # the node holding the MoE result; False when the block applies a
+    m.tail_ops                                    #  tail (post-MoE norm) before returning it: detect_block raises
+                                                  #  then (e.match holds the BlockMatch) unless allow_tail=True
+                                                  #  or the tail only reshapes (views: flatten, view, ...)
 
     try: ...
     except DetectError as e:
@@ -65,6 +69,7 @@ class DetectError(Exception):
         self.kind = kind
         self.capture_failed = kind == "capture"
         self.rejected = list(rejected or [])
+        self.match = None  # a BlockMatch when the MoE was found but the block post-processes its result
 
 
 @dataclass
@@ -103,6 +108,12 @@ class BlockMatch:
     num_outputs: int = 1
     verified: str = ""
     captured: CapturedBlock | None = None
+    output_node: str = ""  # the graph node holding the MoE result (what moe_forward computes)
+    # is the MoE result exactly what the block returns (graph output ``output_index``)? False when the block
+    # applies a tail to it first (AXK1's post_mlp_layernorm): ``tail_ops`` lists the tail's ops, in graph order,
+    # and ``output_index`` is the graph output carrying the tail's result
+    output_is_graph_output: bool = True
+    tail_ops: tuple[str, ...] = ()
 
     def describe(self) -> str:
         bound = ", ".join(f"{k}={v}" for k, v in self.bindings.items() if v is not None)
@@ -268,8 +279,14 @@ def capture_block(module: nn.Module, example_input: torch.Tensor, *, dynamic: bo
     return CapturedBlock(gm=gm, example_inputs=inputs, paths=paths)
 
 
-def detect_block(module: nn.Module, example_input: torch.Tensor, *, verify: bool = True) -> BlockMatch:
-    """MoESpec + module-relative bindings of one block, or ``DetectError`` (see the module docstring)."""
+def detect_block(module: nn.Module, example_input: torch.Tensor, *, verify: bool = True,
+                 allow_tail: bool = False) -> BlockMatch:
+    """MoESpec + module-relative bindings of one block, or ``DetectError`` (see the module docstring).
+
+    A block that applies a tail to the MoE result before returning it (a post-MoE norm) raises unless
+    ``allow_tail``; the error carries the match as ``e.match`` (``output_is_graph_output`` False, ``tail_ops``).
+    A tail of views only (ERNIE-4.5-VL returns ``result.flatten()``) is returned like ``allow_tail`` (check
+    ``output_is_graph_output``): the block's output is the op's, reshaped."""
     from .passes.detect_moe import detect_moe
 
     cap = capture_block(module, example_input)
@@ -290,8 +307,15 @@ def detect_block(module: nn.Module, example_input: torch.Tensor, *, verify: bool
     outs = out_node.args[0]
     outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
     idx = [i for i, o in enumerate(outs) if o is m.output]
+    tail_ops: tuple[str, ...] = ()
     if len(idx) != 1:
-        raise DetectError("the block post-processes the MoE result before returning it", "detect")
+        idx = [i for i, o in enumerate(outs) if o is m.block_output] if not m.output_is_final else []
+        if len(idx) != 1:
+            raise DetectError("the block post-processes the MoE result before returning it", "detect")
+        tail_ops = tuple(_fx.op_name(n) or n.op for n in cap.gm.graph.nodes if n in m.tail)
+        post = "the block post-processes the MoE result before returning it (" + ", ".join(tail_ops)[:200] + ")"
+    else:
+        post = None
     bindings: dict[str, str | None] = {}
     for k in MOE_ARGS:
         ph = m.bindings.get(k)
@@ -305,7 +329,7 @@ def detect_block(module: nn.Module, example_input: torch.Tensor, *, verify: bool
     constants = {}
     for fld, ph in m.baked.items():
         constants[fld] = cap.paths.get(ph) or ph
-    return BlockMatch(
+    bm = BlockMatch(
         spec=m.spec,
         bindings=bindings,
         constants=constants,
@@ -313,4 +337,12 @@ def detect_block(module: nn.Module, example_input: torch.Tensor, *, verify: bool
         num_outputs=len(outs),
         verified=m.verified,
         captured=cap,
+        output_node=m.output.name,
+        output_is_graph_output=post is None,
+        tail_ops=tail_ops,
     )
+    if post is not None and not allow_tail and not all(op in _fx.VIEW_OPS for op in tail_ops):
+        err = DetectError(post, "detect", res.rejected)
+        err.match = bm
+        raise err
+    return bm

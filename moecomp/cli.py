@@ -74,7 +74,8 @@ def cmd_coverage(a) -> int:
     torch.set_num_threads(1)  # tiny models: extra intra-op threads only add latency
 
     def progress(r):
-        print(f"{r.family:24s} {r.status:14s} {r.rewritten}/{r.blocks} {r.seconds:5.1f}s {r.reason[:100]}",
+        eo = f"+{r.experts_only}e" if r.experts_only else ""
+        print(f"{r.family:24s} {r.status:14s} {r.rewritten}/{r.blocks}{eo} {r.seconds:5.1f}s {r.reason[:100]}",
               flush=True)
 
     results = families.write_coverage(a.out, fams, progress)

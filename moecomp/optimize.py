@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import reference
 from .ops.moe_op import MOE_ARGS
 from .spec import MoESpec, SpecError
 from .hf import bind as _bind
@@ -51,12 +52,14 @@ def router_style(spec: MoESpec) -> str:
         s = {"softmax": "softmax", "sigmoid": "sigmoid", "sqrtsoftplus": "sqrt-softplus", "none": "logits"}[
             spec.scoring]
         if spec.has_correction_bias:
-            s += "+bias"
+            s += "+bias" if not spec.bias_on_logits else " (bias on logits)"
         if spec.n_group > 1:
             s += f" group {spec.topk_group}/{spec.n_group}" + ("" if spec.group_score == "top2_sum" else " max")
+            if spec.group_mask_zero:
+                s += " mask 0"
         s += "→top-k"
         if spec.renormalize:
-            s += " renorm"
+            s += " renorm" + (f" (min {spec.renorm_min:g})" if spec.renorm_min > 0 else "")
     if spec.has_router_bias:
         s = "linear+b " + s
     if spec.routed_scaling_factor != 1.0:
@@ -68,6 +71,8 @@ def expert_style(spec: MoESpec) -> str:
     a = spec.activation
     if spec.gated and a != "swiglu_oai":
         a = f"{a}·up"
+    if spec.activation_clamp:
+        a = f"clamp{spec.activation_limit:g} {a}"
     if spec.gate_up == "interleaved":
         a += " interleaved"
     if spec.has_expert_bias:
@@ -85,7 +90,7 @@ def _itemsize(t: torch.Tensor | None, default=2) -> int:
 class BlockReport:
     name: str
     cls: str
-    status: str  # rewritten | skipped | supported | unverified | already
+    status: str  # rewritten | skipped | supported | unverified | already | experts only | experts only supported
     reason: str = ""
     method: str = ""  # fx | fallback | fallback (meta)
     spec: MoESpec | None = None
@@ -97,8 +102,9 @@ class BlockReport:
     router: str = ""
     experts: str = ""
     bytes_per_token: int | None = None
-    extra_bytes: int = 0  # memory for stacked copies (ModuleList experts)
+    extra_bytes: int = 0  # memory for stacked / concatenated copies (ModuleList experts, separate 3-D gate / up)
     max_rel_err: float | None = None
+    epilogue: list = field(default_factory=list)  # child modules applied to the op's output (e.g. a post-MoE norm)
     notes: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -173,6 +179,11 @@ class Report:
         return [b for b in self.blocks if b.status in ("rewritten", "already")]
 
     @property
+    def experts_only(self) -> list[BlockReport]:
+        """Blocks left as they are except for their experts module, which runs ``moe_experts``."""
+        return [b for b in self.blocks if b.status == "experts only"]
+
+    @property
     def skipped(self) -> list[BlockReport]:
         return [b for b in self.blocks if b.status == "skipped"]
 
@@ -198,6 +209,8 @@ class Report:
                 st += f": {b.reason}"
             if b.method and b.status != "skipped":
                 st += f" [{b.method}]"
+            if b.epilogue:
+                st += f" then {', '.join(b.epilogue)}"
             rows.append([b.name or "<root>", b.router or "-", *(str(v) if v is not None else "-" for v in (
                 b.num_experts, b.top_k, b.hidden, b.intermediate)), b.shared, b.experts or "-", st,
                 _fmt_bytes(b.bytes_per_token)])
@@ -213,7 +226,8 @@ class Report:
         out += [line(r) for r in rows]
         extra = sum(b.extra_bytes for b in self.blocks if b.status in ("rewritten", "already"))
         if extra:
-            out.append(f"stacked expert weights (ModuleList experts) use {_fmt_bytes(extra)} extra memory")
+            out.append(f"stacked / concatenated expert weights (ModuleList experts, separate 3-D gate and up) use "
+                       f"{_fmt_bytes(extra)} extra memory")
         return "\n".join(out)
 
     __repr__ = __str__
@@ -260,18 +274,50 @@ def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).abs().max().item() / scale)
 
 
+# 16-bit routers: logits of two correct implementations may differ by a rounding; tokens whose choice is that close
+# to a tie may take the other expert (bf16 keeps 8 bits: exact ties are common). Relative to the token's max |logit|.
+TIE_REL = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+MAX_TIE_FRACTION = 0.125  # at most this share of the probe tokens may differ by a tie (a wrong spec hits every token)
+
+
+def _err_with_ties(block, spec: MoESpec, bindings, derived, x, y, ref, notes: list | None = None) -> float:
+    """``_rel_err(y, ref)``, except that in 16-bit a few tokens that differ because their routing is within a
+    rounding of a tie (``reference.near_tie_tokens``) are left out; the count goes to ``notes``."""
+    err = _rel_err(y, ref)
+    tol = TOLERANCE.get(x.dtype, 1e-2)
+    rel = TIE_REL.get(x.dtype)
+    if err <= tol or rel is None or not torch.isfinite(y).all():
+        return err
+    H = x.shape[-1]
+    y2, r2, x2 = y.float().reshape(-1, H), ref.float().reshape(-1, H), x.reshape(-1, H)
+    scale = r2.abs().max().clamp_min(1e-30)
+    per_token = (y2 - r2).abs().amax(-1) / scale  # [T]
+    bad = per_token > tol
+    if int(bad.sum()) > max(1, int(MAX_TIE_FRACTION * bad.numel())):
+        return err
+    t = _bind.bound_tensors(block, spec, bindings, derived)
+    with torch.no_grad():
+        near = reference.near_tie_tokens(x2, t[0], t[1], t[2], spec, rel)
+    if bool((bad & ~near).any()):
+        return err
+    if notes is not None:
+        notes.append(f"{int(bad.sum())} of {bad.numel()} check tokens took the other expert at a routing tie "
+                     f"(16-bit router logits within a rounding of a tie); error measured on the others")
+    return float(per_token[~bad].max()) if bool((~bad).any()) else 0.0
+
+
 def _run_op(block, spec: MoESpec, bindings, derived, x):
     tensors = _bind.bound_tensors(block, spec, bindings, derived)
     with torch.no_grad():
         return torch.ops.moecomp.moe_forward(x, *tensors, spec.key)
 
 
-def _verify(block, spec, bindings, derived, run, consts) -> tuple[MoESpec, float]:
+def _verify(block, spec, bindings, derived, run, consts, notes: list | None = None) -> tuple[MoESpec, float]:
     """Compare the op with the original output; fit one constant on the routed part if that alone is off."""
     x = run.x
     ref = _fb._primary(run.output).reshape(x.shape)
     y = _run_op(block, spec, bindings, derived, x)
-    err = _rel_err(y, ref)
+    err = _err_with_ties(block, spec, bindings, derived, x, y, ref, notes)
     tol = TOLERANCE.get(x.dtype, 1e-2)
     if err <= tol:
         return spec, err
@@ -290,7 +336,7 @@ def _verify(block, spec, bindings, derived, run, consts) -> tuple[MoESpec, float
             except SpecError:
                 return spec, err
             y2 = _run_op(block, spec2, bindings, derived, x)
-            err2 = _rel_err(y2, ref)
+            err2 = _err_with_ties(block, spec2, bindings, derived, x, y2, ref, notes)
             if err2 <= tol:
                 return spec2, err2
     return spec, err
@@ -425,7 +471,8 @@ def _detect(name: str, block: nn.Module, parts: BlockParts, cap, rep: BlockRepor
         raise _fb.FallbackError(f"activation check: {why}")
     contract = _bind.infer_contract(run, parts)
     try:
-        spec, err = _verify(block, spec, bindings, derived, run, consts + [float(spec.top_k), 1.0 / spec.top_k])
+        spec, err = _verify(block, spec, bindings, derived, run, consts + [float(spec.top_k), 1.0 / spec.top_k],
+                            rep.notes)
     except SpecError as e:
         raise _fb.FallbackError(f"op rejected the block's tensors: {e}") from None
     rep.max_rel_err = err
@@ -436,14 +483,136 @@ def _detect(name: str, block: nn.Module, parts: BlockParts, cap, rep: BlockRepor
     return spec, bindings, derived, contract, run, method
 
 
+def _find_epilogue(block: nn.Module, parts: BlockParts, x: torch.Tensor) -> list[str]:
+    """Children the block applies last to its result (``return self.post_mlp_layernorm(h)``), seen by running it.
+
+    A candidate is a parameterised child that nothing else explains (``parts.extra_modules``), called once on one
+    [.., H] tensor, whose output *is* the block's output. It is peeled off (replaced by ``nn.Identity`` while the MoE
+    part is detected) and applied after the op; the whole is then checked against the block.
+    """
+    cands = [n for n in parts.extra_modules if isinstance(block._modules.get(n), nn.Module)]
+    if not cands:
+        return []
+    seen: dict = {}
+    handles = []
+    for n in cands:
+        def hook(mod, args, out, _n=n):
+            seen.setdefault(_n, []).append((args, out))
+        handles.append(block._modules[n].register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            out = block(x)
+    except Exception:
+        return []
+    finally:
+        for h in handles:
+            h.remove()
+    prim = _fb._primary(out)
+    if not isinstance(prim, torch.Tensor):
+        return []
+    for n, calls in seen.items():
+        if len(calls) != 1:
+            continue
+        args, o = calls[0]
+        if (len(args) == 1 and isinstance(args[0], torch.Tensor) and args[0].shape[-1] == x.shape[-1]
+                and isinstance(o, torch.Tensor) and o.numel() == prim.numel() and torch.equal(o.reshape(prim.shape),
+                                                                                             prim)):
+            return [n]
+    return []
+
+
+class _Peeled:
+    """Context manager: the named children of ``block`` are ``nn.Identity`` inside it."""
+
+    def __init__(self, block: nn.Module, names):
+        self.block, self.names, self.saved = block, list(names), {}
+
+    def __enter__(self):
+        for n in self.names:
+            self.saved[n] = self.block._modules[n]
+            self.block._modules[n] = nn.Identity()
+        return self
+
+    def __exit__(self, *exc):
+        for n, m in self.saved.items():
+            self.block._modules[n] = m
+        return False
+
+
 def _process(name: str, block: nn.Module, parts: BlockParts | None, reason: str, cap, bind_it: bool,
-             cache=None, trust_fallback: bool = False) -> BlockReport:
+             cache=None, trust_fallback: bool = False, experts_only: bool = True) -> BlockReport:
+    rep = _process_block(name, block, parts, reason, cap, bind_it, cache, trust_fallback)
+    if rep.status == "skipped" and experts_only:
+        _try_experts_only(name, block, parts, rep, bind_it)
+    return rep
+
+
+def _try_experts_only(name: str, block: nn.Module, parts: BlockParts | None, rep: BlockReport, bind_it: bool):
+    """Switch just the block's experts module to ``moe_experts`` (routing stays HF's), when proven equal."""
+    from .hf import experts_interface as _ei
+    from .hf.structure import experts_child
+
+    path = parts.experts if parts is not None else experts_child(block)
+    if not path:
+        return
+    experts = get_path(block, path)
+    if not _ei.is_hf_experts(experts):
+        rep.notes.append("experts only: not a @use_experts_implementation experts module")
+        return
+    full = f"{name}.{path}" if name else path
+    if getattr(experts, "_moecomp_experts", None) is not None:
+        st = experts._moecomp_experts
+        _fill_experts(rep, st.spec, full)
+        rep.status, rep.method = "experts only", "experts interface"
+        return
+    if any(p.device.type == "meta" for p in experts.parameters()):
+        return
+    srcs = _fb.attr_sources(block, parts) if parts is not None else [block, experts]
+    cfg = getattr(experts, "config", None)
+    top_k = _fb.read_attr(srcs + ([cfg] if cfg is not None and not isinstance(cfg, nn.Module) else []),
+                          _fb._TOPK_NAMES, (int,))
+    k = int(top_k) if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 0 else 2
+    try:
+        spec = _ei.experts_spec(experts, k, verify=False)
+        err, tol = _ei.verify_experts(experts, spec)
+        if not err <= tol:
+            raise _ei.Unsupported(f"{type(experts).__name__}'s forward differs from moe_experts on a probe: max rel. "
+                                  f"err {err:.2e} > {tol:g}")
+    except _ei.Unsupported as e:
+        rep.notes.append(f"experts only not possible either: {e}")
+        rep.reason += f"; experts only not possible either: {e}"
+        return
+    except Exception as e:  # the module's forward failed on the probe
+        rep.notes.append(f"experts only: check failed: {type(e).__name__}: {str(e)[:120]}")
+        return
+    _fill_experts(rep, spec, full)
+    rep.max_rel_err = err
+    rep.notes.append(f"experts module {path!r} checked against moe_experts: max rel. err {err:.1e}")
+    rep.method = "experts interface"
+    if bind_it:
+        _bind.bind_experts(experts, full, spec, rep.reason)
+        _ei.cache_spec(experts, k, spec)
+        rep.status = "experts only"
+    else:
+        rep.status = "experts only supported"
+
+
+def _fill_experts(rep: BlockReport, spec: MoESpec, path: str) -> None:
+    rep.spec = spec
+    rep.num_experts, rep.hidden, rep.intermediate = spec.num_experts, spec.hidden_size, spec.intermediate_size
+    rep.router = "HF (unchanged)"
+    rep.experts = expert_style(spec) + f" ({path})"
+
+
+def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason: str, cap, bind_it: bool,
+                   cache=None, trust_fallback: bool = False) -> BlockReport:
     rep = BlockReport(name=name, cls=type(block).__name__, status="skipped", reason=reason)
     if parts is None:
         return rep
     if getattr(block, "_moecomp", None) is not None:
         st = block._moecomp
         rep.status, rep.method = "already", st.method
+        rep.epilogue = [".".join(p) for p in st.epilogue]
         _fill_from_spec(rep, st.spec, block, st.bindings, st.derived)
         return rep
     attn = [n for n in parts.extra_modules if any(k in n.lower() for k in ("attn", "attention", "mixer", "mamba"))]
@@ -470,10 +639,24 @@ def _process(name: str, block: nn.Module, parts: BlockParts | None, reason: str,
         rep.status, rep.method, rep.reason = "unverified", "fallback (meta)", ""
         rep.notes += ext.notes + ["meta tensors: routing read from attributes and source, not measured"]
         return rep
+    epilogue = []
+    if parts.extra_modules:
+        device, dtype = _block_device_dtype(block, parts)
+        try:
+            epilogue = _find_epilogue(block, parts, _example(parts.hidden_size, device, dtype))
+        except Exception:
+            epilogue = []
+    dparts = parts
+    if epilogue:
+        dparts = dataclasses.replace(parts, extra_modules=[n for n in parts.extra_modules if n not in epilogue])
     try:
-        spec, bindings, derived, contract, run, method = _detect(name, block, parts, cap, rep, cache, trust_fallback)
-        hidden, extra = _bind.forward_params(block)
-        ignored = _ignored_params(block, run.x, run.output, extra) if extra else frozenset()
+        with _Peeled(block, epilogue):
+            spec, bindings, derived, contract, run, method = _detect(name, block, dparts, cap, rep, cache,
+                                                                     trust_fallback)
+            hidden, extra = _bind.forward_params(block)
+            ignored = _ignored_params(block, run.x, run.output, extra) if extra else frozenset()
+        if epilogue:
+            _check_epilogue(block, spec, bindings, derived, run.x, epilogue, rep)
     except (_fb.FallbackError, _bind.BindError) as e:
         rep.reason = e.reason
         return rep
@@ -482,15 +665,37 @@ def _process(name: str, block: nn.Module, parts: BlockParts | None, reason: str,
         return rep
     _fill_from_spec(rep, spec, block, bindings, derived)
     rep.reason = ""
+    rep.epilogue = list(epilogue)
     if bind_it:
-        _bind.bind(block, name, spec, bindings, derived, contract, parts, ignored, method=method)
+        _bind.bind(block, name, spec, bindings, derived, contract, dparts, ignored, method=method,
+                   epilogue=epilogue)
         rep.status = "rewritten"
     else:
         rep.status = "supported"
     return rep
 
 
-def _walk(model: nn.Module, bind_it: bool, use_capture: bool = True, trust_fallback: bool = False) -> Report:
+def _check_epilogue(block, spec, bindings, derived, x, epilogue, rep) -> None:
+    """The whole block against ``epilogue(op(x))`` on the check input and on a second, fresh input."""
+    tol = TOLERANCE.get(x.dtype, 1e-2)
+    worst = 0.0
+    for xx in (x, _example(x.shape[-1], x.device, x.dtype, seed=7)):
+        with torch.no_grad():
+            ref = _fb._primary(block(xx)).reshape(xx.shape)
+            y = _run_op(block, spec, bindings, derived, xx)
+            for n in epilogue:
+                y = get_path(block, n)(y)
+        worst = max(worst, _err_with_ties(block, spec, bindings, derived, xx, y, ref, rep.notes))
+    if not worst <= tol:
+        raise _fb.FallbackError(f"op followed by {', '.join(epilogue)} differs from the block: max rel. err "
+                                f"{worst:.2e} > {tol:g}")
+    rep.max_rel_err = max(rep.max_rel_err or 0.0, worst)
+    rep.notes.append(f"epilogue: the block applies {', '.join(epilogue)} to the MoE output; bound as "
+                     f"{epilogue[0]}(moe_forward(x)) (checked: max rel. err {worst:.1e})")
+
+
+def _walk(model: nn.Module, bind_it: bool, use_capture: bool = True, trust_fallback: bool = False,
+          experts_only: bool = True) -> Report:
     cap, why = _capture() if use_capture else (None, "FX pass not used")
     blocks = iter_blocks(model)
     reps = []
@@ -500,7 +705,7 @@ def _walk(model: nn.Module, bind_it: bool, use_capture: bool = True, trust_fallb
         was_training[name] = mod.training
         mod.eval()  # checks run in eval mode (no jitter / dropout); restored below
         try:
-            reps.append(_process(name, mod, parts, reason, cap, bind_it, cache, trust_fallback))
+            reps.append(_process(name, mod, parts, reason, cap, bind_it, cache, trust_fallback, experts_only))
         finally:
             mod.train(was_training[name])
     det = "detection: FX pass, attribute fallback where Dynamo cannot capture" if cap else (
@@ -511,7 +716,8 @@ def _walk(model: nn.Module, bind_it: bool, use_capture: bool = True, trust_fallb
     return Report(type(model).__name__, reps, det, "optimize" if bind_it else "scan")
 
 
-def optimize(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool = False, report: bool = False):
+def optimize(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool = False, report: bool = False,
+             experts_only: bool = True):
     """Rewrite every MoE block of ``model`` (in place) to call ``torch.ops.moecomp.moe_forward`` once.
 
     Returns the same model (``(model, Report)`` with ``report=True``). Blocks that cannot be proven equal to the op
@@ -521,19 +727,27 @@ def optimize(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool
     ``use_capture=False`` skips the FX pass (attribute fallback only). ``trust_fallback=True`` also hands blocks the
     FX pass traced but rejected to the attribute fallback; its evidence is numerical (random inputs, activations
     over [-12, 12]) rather than structural, so it is off by default.
+
+    ``experts_only`` (default on): a block that cannot be rewritten whole (routing the spec cannot express, router
+    and experts inside a decoder layer, ...) but holds a standard ``@use_experts_implementation`` experts module
+    that ``moe_experts`` computes exactly (checked on probes) gets just that module switched to moecomp's experts
+    path; routing stays HF's. Reported as "experts only" with the reason the whole block was not rewritten.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"moecomp.optimize expects a torch.nn.Module, got {type(model).__name__}")
-    rep = _walk(model, bind_it=True, use_capture=use_capture, trust_fallback=trust_fallback)
+    rep = _walk(model, bind_it=True, use_capture=use_capture, trust_fallback=trust_fallback,
+                experts_only=experts_only)
     model._moecomp_report = rep
     return (model, rep) if report else model
 
 
-def scan(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool = False) -> Report:
+def scan(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool = False,
+         experts_only: bool = True) -> Report:
     """Report the MoE blocks of ``model`` without changing it (already-rewritten blocks show as such)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"moecomp.scan expects a torch.nn.Module, got {type(model).__name__}")
-    return _walk(model, bind_it=False, use_capture=use_capture, trust_fallback=trust_fallback)
+    return _walk(model, bind_it=False, use_capture=use_capture, trust_fallback=trust_fallback,
+                 experts_only=experts_only)
 
 
 def unoptimize(model: nn.Module):
@@ -549,3 +763,8 @@ def unoptimize(model: nn.Module):
 
 def rewritten_blocks(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if getattr(m, "_moecomp", None) is not None}
+
+
+def experts_only_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Experts modules switched to ``moe_experts`` by an experts-only rewrite."""
+    return {n: m for n, m in model.named_modules() if m.__dict__.get("_moecomp_experts") is not None}

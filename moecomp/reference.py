@@ -64,37 +64,59 @@ def route(
 
 
 def near_tie_tokens(x2: torch.Tensor, router_w, router_b, correction_bias, spec: MoESpec, rel: float) -> torch.Tensor:
-    """[T] bool: tokens whose expert choice (or group choice) is within ``rel`` of a tie, i.e. where two correct
-    implementations whose router logits differ by a rounding of relative size ``rel`` may pick different experts.
+    """[T] bool: tokens whose expert (or group) selection could change if each router logit moved by up to
+    ``rel * max|logit|`` of its token, i.e. where two correct implementations whose router GEMMs round differently
+    may pick different experts. 16-bit routers have exact ties often (bf16 keeps 8 bits), and ``torch.topk`` breaks
+    them in no documented order, while our kernels take the lower expert index.
 
-    The margin is measured in choice units against ``rel * max|logit|`` of the token (scoring functions here change
-    by at most 1 per unit of logit). 16-bit routers have exact ties often (bf16 keeps 8 bits), and ``torch.topk``
-    breaks them in no documented order, while our kernels take the lower expert index."""
+    Each expert's choice value gets an interval [lo, hi] over that logit range (scores are monotone in their logit;
+    softmax moves by at most a factor e^(+-2 delta)); a selection is near a tie when the worst chosen lower bound does
+    not clear the best unchosen upper bound."""
     if spec.fused_shared_gate:
         router_w = router_w[: spec.num_experts]
     logits = router_logits(x2, router_w, router_b, spec).float()  # [T, E], rounded like the block's own router
     T, E, k = logits.shape[0], spec.num_experts, spec.top_k
-    tol = rel * logits.abs().amax(-1, keepdim=True)  # [T, 1]
-    near = torch.zeros(T, dtype=torch.bool, device=logits.device)
+    d = rel * logits.abs().amax(-1, keepdim=True)  # [T, 1]
+    bias = correction_bias.float().reshape(-1) if spec.has_correction_bias else None
     if spec.score_order == "topk_then_score":
-        choice = logits
+        choice, lo, hi = logits, logits - d, logits + d
+    elif spec.has_correction_bias and spec.bias_on_logits:
+        choice, lo, hi = logits + bias, logits + bias - d, logits + bias + d
     else:
         choice = score(logits, spec.scoring)
-        if spec.has_correction_bias:
-            choice = (logits if spec.bias_on_logits else choice) + correction_bias.float().reshape(-1)
+        if spec.scoring == "softmax":
+            lo, hi = choice * torch.exp(-2 * d), choice * torch.exp(2 * d)
+        else:
+            lo, hi = score(logits - d, spec.scoring), score(logits + d, spec.scoring)
+        if bias is not None:
+            choice, lo, hi = choice + bias, lo + bias, hi + bias
+
+    def contested(c, lo_, hi_, n):
+        """c/lo/hi [T, m]; pick n by c: can an unpicked one overtake a picked one within the intervals?"""
+        if n >= c.shape[-1]:
+            return torch.zeros(c.shape[0], dtype=torch.bool, device=c.device)
+        _, idx = _topk_low_index_ties(c, n)
+        picked = torch.zeros_like(c, dtype=torch.bool).scatter_(1, idx, True)
+        worst_in = lo_.masked_fill(~picked, float("inf")).amin(-1)
+        best_out = hi_.masked_fill(picked, float("-inf")).amax(-1)
+        return worst_in <= best_out
+
+    near = torch.zeros(T, dtype=torch.bool, device=logits.device)
     if spec.n_group > 1 and spec.score_order != "topk_then_score":
-        g = choice.view(T, spec.n_group, E // spec.n_group)
-        gs = g.topk(2, dim=-1).values.sum(-1) if spec.group_score == "top2_sum" else g.max(dim=-1).values
-        if spec.topk_group < spec.n_group:
-            v = gs.sort(-1, descending=True).values
-            near |= (v[:, spec.topk_group - 1] - v[:, spec.topk_group]) <= 2 * tol[:, 0]
+        G = spec.n_group
+
+        def gscore(v):
+            g = v.view(T, G, E // G)
+            return g.topk(2, dim=-1).values.sum(-1) if spec.group_score == "top2_sum" else g.max(dim=-1).values
+
+        gs = gscore(choice)
+        near |= contested(gs, gscore(lo), gscore(hi), spec.topk_group)
         _, keep = _topk_low_index_ties(gs, spec.topk_group)
         mask = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, keep, True)
-        mask = mask[:, :, None].expand_as(g).reshape(T, E)
-        choice = choice.masked_fill(~mask, 0.0 if spec.group_mask_zero else float("-inf"))
-    if k < E:
-        v = choice.sort(-1, descending=True).values
-        near |= (v[:, k - 1] - v[:, k]) <= tol[:, 0]
+        mask = mask[:, :, None].expand(T, G, E // G).reshape(T, E)
+        fill = 0.0 if spec.group_mask_zero else float("-inf")
+        choice, lo, hi = (v.masked_fill(~mask, fill) for v in (choice, lo, hi))
+    near |= contested(choice, lo, hi, k)
     return near
 
 

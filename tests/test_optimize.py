@@ -308,6 +308,7 @@ class OldMixtralBlock(nn.Module):
         self.gate = nn.Linear(H, E, bias=False)
         self.experts = nn.ModuleList([OldExpert(H, I) for _ in range(E)])
         self.norm = nn.LayerNorm(H) if post_norm else None
+        self.post_norm = post_norm
 
     def forward(self, hidden_states):
         b, s, h = hidden_states.shape
@@ -323,7 +324,7 @@ class OldMixtralBlock(nn.Module):
                 out.index_add_(0, tok, expert(x[tok]) * w[tok, slot, None])
         out = out.view(b, s, h)
         if self.norm is not None:
-            out = self.norm(out)
+            out = out + self.norm(out) if self.post_norm == "mix" else self.norm(out)
         return out, router_logits
 
 
@@ -368,9 +369,29 @@ def test_modulelist_experts_stacked_once(use_capture):
     assert not any(n.startswith("_moecomp") for n, _ in net.named_buffers())
 
 
-def test_unprovable_block_left_alone():
+def test_post_norm_epilogue_rewritten():
+    """A block that ends with a child norm (``return self.norm(out)``, like AXK1's post_mlp_layernorm) is bound as
+    ``norm(moe_forward(x))``: one op call per block, logits equal on fresh inputs, reported as an epilogue."""
     torch.manual_seed(0)
     net = Net(post_norm=True).eval()
+    x = torch.randn(2, 7, 32)
+    with torch.no_grad():
+        ref = net(x)
+    _, rep = moecomp.optimize(net, report=True)
+    assert [b.status for b in rep.blocks] == ["rewritten"] * 2, str(rep)
+    assert all(b.epilogue == ["norm"] for b in rep.blocks)
+    assert "then norm" in str(rep)
+    out, per, total = F.count_calls_per_block(net, lambda: net(x))
+    assert total == 2 and all(n == 1 for n in per.values())
+    assert rel_err(out, ref) <= TOL
+    moecomp.unoptimize(net)
+    with torch.no_grad():
+        assert torch.equal(net(x), ref)
+
+
+def test_unprovable_block_left_alone():
+    torch.manual_seed(0)
+    net = Net(post_norm="mix").eval()
     x = torch.randn(2, 7, 32)
     with torch.no_grad():
         ref = net(x)
@@ -380,3 +401,40 @@ def test_unprovable_block_left_alone():
     assert not rewritten_blocks(net)
     with torch.no_grad():
         assert torch.equal(net(x), ref)
+
+
+def test_bf16_routing_ties_do_not_block_the_rewrite():
+    """A bf16 router has exact ties often (8 bits of mantissa) and torch.topk breaks them in no set order: the
+    tiny gpt-oss below (seed 1) has such a token in each layer's check input. The check leaves out tokens whose
+    routing is within a rounding of a tie (and says so), measures the rest, and rewrites."""
+    model, _ = F.build_tiny("gpt_oss", seed=1)
+    model = model.to(torch.bfloat16)
+    _, rep = moecomp.optimize(model, report=True)
+    assert len(rep.rewritten) == 2, [b.reason for b in rep.blocks]
+    assert any("routing tie" in n for b in rep.rewritten for n in b.notes)
+    assert all(b.max_rel_err < 3e-2 for b in rep.rewritten)
+
+
+def test_ties_do_not_excuse_a_wrong_result():
+    import importlib
+
+    from moecomp.spec import MoESpec
+
+    O = importlib.import_module("moecomp.optimize")  # the module (moecomp.optimize is also the function's name)
+
+    spec = MoESpec(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8)
+    block = nn.Module()
+    block.router = nn.Parameter(torch.zeros(4, 8, dtype=torch.bfloat16))  # all logits 0: every token is a tie
+    bindings = {"router_w": "router"}
+    x = torch.randn(16, 8).to(torch.bfloat16)
+    ref = torch.randn(16, 8).to(torch.bfloat16)
+    notes = []
+    # every token off (a wrong spec): not excused although every token is a tie
+    assert O._err_with_ties(block, spec, bindings, [], x, ref * 1.5, ref, notes) > 0.1 and not notes
+    y = ref.clone()
+    y[3] += 1.0  # one token off, at a tie: excused
+    assert O._err_with_ties(block, spec, bindings, [], x, y, ref, notes) == 0.0 and len(notes) == 1
+    block.router.data = torch.eye(4, 8, dtype=torch.bfloat16) * 10  # logits 10 * x[:, :4]
+    x = torch.zeros(16, 8, dtype=torch.bfloat16)
+    x[:, :4] = torch.tensor([4.0, 3.0, 1.0, 0.0])  # clear margins now (30 vs 10): not excused
+    assert O._err_with_ties(block, spec, bindings, [], x, y, ref, []) > 0.1

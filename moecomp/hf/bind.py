@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..ops.moe_op import MOE_ARGS
+from ..ops.moe_op import MOE_ARGS, call_moe_forward
 from ..spec import MoESpec
 from .fallback import Derived, ProbeRun, _primary
 from .structure import BlockParts, get_path
@@ -169,6 +169,7 @@ class BoundState:
     ignored_params: frozenset  # extra parameters checked to make no difference
     original: object  # the instance-level forward we replaced, or None (class forward)
     method: str = "fallback"
+    epilogue: tuple = ()  # child module paths applied, in order, to the op's output (AXK1's post_mlp_layernorm)
     versions: dict = field(default_factory=dict)
     calls: int = 0
     fallbacks: int = 0
@@ -244,12 +245,12 @@ def moecomp_block_forward(self: nn.Module, *args, **kwargs):
         tensors[2] = tensors[2].reshape(-1)
     st.calls += 1
     c = st.contract
-    if c.primary == "same":
-        y = torch.ops.moecomp.moe_forward(x, *tensors, st.spec_key)
-    else:
-        y = torch.ops.moecomp.moe_forward(x.reshape(-1, x.shape[-1]), *tensors, st.spec_key)
-        if c.primary == "flat1d":
-            y = y.reshape(-1)
+    # the op (through the dispatcher where a mode, tracing or autograd needs it; see call_moe_forward)
+    y = call_moe_forward(x if c.primary == "same" else x.reshape(-1, x.shape[-1]), tensors, st.spec)
+    for p in st.epilogue:
+        y = _resolve(self, p)(y)
+    if c.primary == "flat1d":
+        y = y.reshape(-1)
     if not c.is_tuple:
         return y
     rout = None
@@ -318,7 +319,7 @@ def forward_params(block: nn.Module) -> tuple[str, tuple[str, ...]]:
 
 
 def bind(block: nn.Module, name: str, spec: MoESpec, bindings: dict, derived: list[Derived], contract: Contract,
-         parts: BlockParts, ignored_params=frozenset(), method: str = "fallback") -> BoundState:
+         parts: BlockParts, ignored_params=frozenset(), method: str = "fallback", epilogue=()) -> BoundState:
     if getattr(block, "_moecomp", None) is not None:
         raise BindError("already bound")
     missing = [a for a in MOE_ARGS if a not in bindings]
@@ -334,7 +335,7 @@ def bind(block: nn.Module, name: str, spec: MoESpec, bindings: dict, derived: li
         paths=tuple(_split(bindings[a]) for a in MOE_ARGS), derived=list(derived), contract=contract,
         watch=tuple(parts.submodule_paths(block)), router_path=parts.router_module, jitter_attrs=tuple(jitter),
         hidden_name=hidden, extra_params=extra, ignored_params=frozenset(ignored_params),
-        original=block.__dict__.get("forward"), method=method,
+        original=block.__dict__.get("forward"), method=method, epilogue=tuple(_split(p) for p in epilogue),
     )
     block._moecomp = st
     if st.derived:
@@ -344,6 +345,8 @@ def bind(block: nn.Module, name: str, spec: MoESpec, bindings: dict, derived: li
 
 
 def unbind(block: nn.Module) -> bool:
+    if unbind_experts(block):
+        return True
     st = getattr(block, "_moecomp", None)
     if st is None:
         return False
@@ -374,3 +377,69 @@ def bound_tensors(block: nn.Module, spec: MoESpec, bindings: dict, derived: list
                 t = t.reshape(-1)
             out.append(t)
     return out
+
+
+# ----------------------------------------------------------------------------------------------- experts only
+@dataclass
+class ExpertsState:
+    """An experts module switched to ``moe_experts`` by ``optimize`` (its block's routing stays HF's)."""
+
+    name: str
+    spec: MoESpec
+    reason: str  # why the whole block was not rewritten
+    original: object  # the instance-level forward we replaced, or None (class forward)
+    calls: int = 0
+    fallbacks: int = 0
+
+
+class ExpertsForward:
+    """``experts.forward`` after an experts-only rewrite: ``moecomp_experts_forward`` for the standard call
+    ``(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``, the original forward for anything else."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        from .experts_interface import moecomp_experts_forward
+
+        m = self.module
+        st: ExpertsState = m._moecomp_experts
+        a = list(args) + list(kwargs.values())
+        if len(a) == 3 and all(isinstance(t, torch.Tensor) for t in a) and a[0].dim() == 2 and a[1].dim() == 2 \
+                and not a[1].is_floating_point() and a[2].shape == a[1].shape:
+            st.calls += 1
+            return moecomp_experts_forward(m, *a)
+        st.fallbacks += 1
+        if st.original is not None:
+            return st.original(*args, **kwargs)
+        return type(m).forward(m, *args, **kwargs)
+
+    def __getstate__(self):
+        return {"module": self.module}
+
+    def __setstate__(self, state):
+        self.module = state["module"]
+
+
+def bind_experts(experts: nn.Module, name: str, spec: MoESpec, reason: str) -> ExpertsState:
+    if getattr(experts, "_moecomp_experts", None) is not None:
+        raise BindError("experts already bound")
+    st = ExpertsState(name=name, spec=spec, reason=reason, original=experts.__dict__.get("forward"))
+    experts._moecomp_experts = st
+    experts.forward = ExpertsForward(experts)
+    return st
+
+
+def unbind_experts(experts: nn.Module) -> bool:
+    st = experts.__dict__.get("_moecomp_experts")
+    if st is None:
+        return False
+    if st.original is not None:
+        experts.forward = st.original
+    else:
+        experts.__dict__.pop("forward", None)
+    del experts._moecomp_experts
+    experts.__dict__.pop("_moecomp_experts_specs", None)
+    return True

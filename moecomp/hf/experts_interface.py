@@ -23,6 +23,7 @@ import warnings
 
 import torch
 
+from ..ops.moe_op import call_moe_experts
 from ..spec import MoESpec, SpecError
 from .fallback import probe_activation, probe_gate
 
@@ -32,6 +33,12 @@ _warned: set = set()
 
 class Unsupported(Exception):
     pass
+
+
+def is_hf_experts(m) -> bool:
+    """True for an instance of a transformers ``@use_experts_implementation`` experts class."""
+    co = getattr(getattr(type(m), "forward", None), "__code__", None)
+    return co is not None and co.co_filename.replace("\\", "/").endswith("integrations/moe.py")
 
 
 def _weights(m):
@@ -49,8 +56,12 @@ def _weights(m):
     return w13, b13, w2, b2
 
 
-def experts_spec(m: torch.nn.Module, top_k: int) -> MoESpec:
-    """The MoESpec (routing fields unused) of a ``@use_experts_implementation`` experts module."""
+def experts_spec(m: torch.nn.Module, top_k: int, verify: bool = True) -> MoESpec:
+    """The MoESpec (routing fields unused) of a ``@use_experts_implementation`` experts module.
+
+    With ``verify`` (and real tensors), the module's own eager forward and ``moe_experts`` are also run on a probe
+    (:func:`verify_experts`); a module whose forward computes something else is refused.
+    """
     if getattr(m, "has_post_expert_norm", False):
         raise Unsupported("has_post_expert_norm (a norm after each expert)")
     w13, b13, w2, _ = _weights(m)
@@ -65,28 +76,84 @@ def experts_spec(m: torch.nn.Module, top_k: int) -> MoESpec:
         I = w2.shape[2]
     if N != (2 * I if has_gate else I):
         raise Unsupported(f"weight shapes {tuple(w13.shape)} / {tuple(w2.shape)} do not fit")
-    alpha, limit, gate_up = 1.702, 7.0, "concat"
+    alpha, limit, gate_up, clamp = 1.702, 7.0, "concat", False
     if has_gate:
         r = probe_gate(m, getattr(m, "is_concatenated", True))
         if r is None:
             raise Unsupported(f"{type(m).__name__}._apply_gate is not a gate the spec knows")
-        act, gate_up, alpha, limit = r
+        act, gate_up, alpha, limit, clamp = r
     else:
         act = probe_activation(getattr(m, "act_fn", None))
         if act is None:
             raise Unsupported(f"activation {type(getattr(m, 'act_fn', None)).__name__} is not one the spec knows")
     try:
-        return MoESpec(num_experts=E, top_k=top_k, hidden_size=H, intermediate_size=I, activation=act,
-                       gated=has_gate, activation_alpha=alpha, activation_limit=limit,
+        spec = MoESpec(num_experts=E, top_k=min(top_k, E), hidden_size=H, intermediate_size=I, activation=act,
+                       gated=has_gate, activation_alpha=alpha, activation_limit=limit, activation_clamp=clamp,
                        w_layout="in_out" if transposed else "out_in", gate_up=gate_up,
                        has_expert_bias=b13 is not None)
     except SpecError as e:
         raise Unsupported(str(e)) from None
+    if verify and w13.device.type != "meta":
+        err, tol = verify_experts(m, spec)
+        if not err <= tol:
+            raise Unsupported(f"{type(m).__name__}'s forward differs from moe_experts on a probe: max rel. err "
+                              f"{err:.2e} > {tol:g}")
+    return spec
+
+
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
+def eager_forward(m):
+    """The experts module's own forward (what ``experts_implementation="eager"`` runs)."""
+    fwd = type(m).forward
+    return getattr(fwd, "__wrapped__", fwd)
+
+
+def verify_experts(m: torch.nn.Module, spec: MoESpec, tokens: int = 24) -> tuple[float, float]:
+    """(max rel. err, tolerance) of ``moe_experts`` against the module's eager forward on random probes.
+
+    Two probes: hidden states of unit scale, and scaled so that the first GEMM's outputs reach about +-25 (the
+    clamps of clamped SwiGLU / gpt-oss variants at 7-10). Ids are distinct per token, weights random positive.
+    """
+    w13, b13, w2, b2 = _weights(m)
+    E, H, k = spec.num_experts, spec.hidden_size, min(spec.top_k, spec.num_experts)
+    g = torch.Generator().manual_seed(2024)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).to(w13.device)
+    wts = (torch.rand(tokens, k, generator=g) + 0.1).to(device=w13.device, dtype=w13.dtype)
+    x = torch.randn(tokens, H, generator=g)
+    pre = torch.einsum("th,enh->ten", x, w13.detach().float().cpu()) if spec.w_layout == "out_in" else \
+        torch.einsum("th,ehn->ten", x, w13.detach().float().cpu())
+    big = 8.0 / float(pre.std().clamp_min(1e-12))
+    tol = TOLERANCE.get(w13.dtype, 1e-2)
+    err = 0.0
+    eager = eager_forward(m)
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    # an internal check: invisible to dispatch modes that count or trace the model's own ops
+    with torch.no_grad(), _disable_current_modes():
+        for scale in (1.0, big):
+            xs = (x * scale).to(device=w13.device, dtype=w13.dtype)
+            ref = eager(m, xs, ids, wts).float()
+            out = torch.ops.moecomp.moe_experts(xs, ids, wts, w13, b13, w2, b2, spec.key).float()
+            if not torch.isfinite(out).all():
+                return float("inf"), tol
+            err = max(err, float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
+    return err, tol
+
+
+def _cache_key(m, top_k: int):
+    w13, _, w2, _ = _weights(m)
+    return (top_k, tuple(w13.shape), tuple(w2.shape))
+
+
+def cache_spec(m, top_k: int, spec: MoESpec) -> None:
+    """Remember a spec already checked (``verify_experts``) for calls with ``top_k`` experts per token."""
+    m.__dict__.setdefault("_moecomp_experts_specs", {})[_cache_key(m, top_k)] = spec
 
 
 def _spec_cached(m, top_k: int) -> MoESpec:
-    w13, _, w2, _ = _weights(m)
-    key = (top_k, tuple(w13.shape), tuple(w2.shape))
+    key = _cache_key(m, top_k)
     cache = m.__dict__.setdefault("_moecomp_experts_specs", {})
     hit = cache.get(key)
     if hit is None:
@@ -132,7 +199,7 @@ def moecomp_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
     except Unsupported as e:
         return _fallback(self, hidden_states, top_k_index, top_k_weights, str(e))
     w13, b13, w2, b2 = _weights(self)
-    return torch.ops.moecomp.moe_experts(hidden_states, top_k_index, top_k_weights, w13, b13, w2, b2, spec.key)
+    return call_moe_experts(hidden_states, top_k_index, top_k_weights, w13, b13, w2, b2, spec)
 
 
 def register() -> bool:

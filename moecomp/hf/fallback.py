@@ -31,7 +31,7 @@ from torch import nn
 from .. import reference
 from ..ops.moe_op import MOE_ARGS
 from ..spec import MoESpec, SharedExpertSpec, SpecError
-from .structure import BlockParts, NotABlock, find_parts, get_path
+from .structure import BlockParts, MLPParts, NotABlock, find_parts, get_path
 
 
 class FallbackError(Exception):
@@ -149,6 +149,11 @@ def _source(obj) -> str:
 _PROBE = torch.linspace(-12.0, 12.0, 241, dtype=torch.float32)
 
 
+_ELEMENTWISE = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
+_LIMIT_NAMES = ("limit", "swiglu_limit", "clamp_limit", "activation_limit")
+_ALPHA_NAMES = ("alpha", "swiglu_alpha", "activation_alpha")
+
+
 def _act_ref(name: str, t: torch.Tensor) -> torch.Tensor:
     return reference.activation(t, name)
 
@@ -163,28 +168,47 @@ def probe_activation(fn) -> str | None:
         return None
     if not isinstance(y, torch.Tensor) or y.shape != _PROBE.shape:
         return None
-    for name in ("silu", "gelu", "gelu_tanh", "relu"):
+    for name in _ELEMENTWISE:
         ref = _act_ref(name, _PROBE)
-        if torch.allclose(y.float(), ref, rtol=1e-5, atol=1e-6):
+        if torch.allclose(y.float(), ref, rtol=1e-5, atol=1e-6 * max(1.0, float(ref.abs().max()))):
             return name
     return None
 
 
-def _gate_ref(h: torch.Tensor, activation: str, gate_up: str, alpha: float, limit: float) -> torch.Tensor:
+def _gate_ref(h: torch.Tensor, activation: str, gate_up: str, alpha: float, limit: float,
+              clamp: bool = False) -> torch.Tensor:
     I = h.shape[-1] // 2
     if gate_up == "concat":
         gate, up = h[..., :I], h[..., I:]
     else:
         gate, up = h[..., 0::2], h[..., 1::2]
-    if activation == "swiglu_oai":
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-    return _act_ref(activation, gate) * up
+    return reference.gated_activation(gate, up, activation, alpha, limit, clamp)
 
 
-def probe_gate(experts: nn.Module, concat_hint: bool | None) -> tuple[str, str, float, float] | None:
-    """(activation, gate_up, alpha, limit) that ``experts._apply_gate`` computes, or None."""
+def _limits(objs) -> tuple[float | None, float | None]:
+    """(alpha, limit) of a clamped / gpt-oss SwiGLU, read from the given modules and their configs."""
+    srcs = []
+    for o in objs:
+        if o is None:
+            continue
+        srcs.append(o)
+        cfg = getattr(o, "config", None)
+        if cfg is not None and not isinstance(cfg, nn.Module):
+            srcs.append(cfg)
+    alpha = read_attr(srcs, _ALPHA_NAMES, (int, float))
+    limit = read_attr(srcs, _LIMIT_NAMES, (int, float))
+    alpha = None if alpha is None or isinstance(alpha, bool) else float(alpha)
+    limit = None if limit is None or isinstance(limit, bool) or not limit > 0 else float(limit)
+    return alpha, limit
+
+
+def probe_gate(experts: nn.Module, concat_hint: bool | None) -> tuple[str, str, float, float, bool] | None:
+    """(activation, gate_up, alpha, limit, clamp) that ``experts._apply_gate`` computes, or None.
+
+    Checked on gate / up values spread over about +-20, so that clamps at 7-10 are reached: plain act(gate) * up,
+    clamped SwiGLU (``clamp``: gate <= limit, |up| <= limit; limit from ``limit`` / ``swiglu_limit``) and gpt-oss's
+    ``swiglu_oai`` (alpha, limit) are told apart.
+    """
     fn = getattr(experts, "_apply_gate", None)
     if fn is None:
         return None
@@ -196,18 +220,25 @@ def probe_gate(experts: nn.Module, concat_hint: bool | None) -> tuple[str, str, 
         return None
     if not isinstance(y, torch.Tensor) or y.shape != (64, 16):
         return None
-    alpha = read_attr([experts, getattr(experts, "config", None)], ("alpha", "swiglu_alpha"), (int, float))
-    limit = read_attr([experts, getattr(experts, "config", None)], ("limit", "swiglu_limit"), (int, float))
+    alpha, limit = _limits([experts])
     layouts = ["concat", "interleaved"] if concat_hint in (None, True) else ["interleaved", "concat"]
-    acts = ["silu", "gelu", "gelu_tanh", "relu"]
-    if alpha is not None and limit is not None:
-        acts = ["swiglu_oai"] + acts
+    cands = [(a, False) for a in _ELEMENTWISE]
+    if limit is not None:
+        cands += [(a, True) for a in _ELEMENTWISE]
+        if alpha is not None:
+            cands.insert(0, ("swiglu_oai", False))
+    a0, l0 = float(alpha if alpha is not None else 1.702), float(limit if limit is not None else 7.0)
     for lay in layouts:
-        for act in acts:
-            ref = _gate_ref(h, act, lay, float(alpha or 1.702), float(limit or 7.0))
+        for act, clamp in cands:
+            ref = _gate_ref(h, act, lay, a0, l0, clamp)
             if torch.allclose(y.float(), ref, rtol=1e-5, atol=1e-5):
-                return act, lay, float(alpha or 1.702), float(limit or 7.0)
+                return (act, lay, *_canonical(act, clamp, a0, l0), clamp)
     return None
+
+
+def _canonical(act: str, clamp: bool, alpha: float, limit: float) -> tuple[float, float]:
+    """(alpha, limit) as the spec stores them: the defaults unless the activation uses them."""
+    return (alpha if act == "swiglu_oai" else 1.702), (limit if (clamp or act == "swiglu_oai") else 7.0)
 
 
 def describe_unknown_gate(experts: nn.Module) -> str:
@@ -230,6 +261,66 @@ def describe_unknown_gate(experts: nn.Module) -> str:
     return ""
 
 
+def _mlp_ref(block: nn.Module, mp: MLPParts, x: torch.Tensor, act: str, clamp: bool, alpha: float,
+             limit: float) -> torch.Tensor:
+    def t(p):
+        return None if p is None else get_path(block, p).detach().float()
+
+    if mp.gated:
+        if mp.concat:
+            gate, up = F.linear(x, t(mp.gate), t(mp.gate_bias)).chunk(2, dim=-1)
+        else:
+            gate, up = F.linear(x, t(mp.gate), t(mp.gate_bias)), F.linear(x, t(mp.up), t(mp.up_bias))
+        h = reference.gated_activation(gate, up, act, alpha, limit, clamp)
+    else:
+        h = reference.activation(F.linear(x, t(mp.up), t(mp.up_bias)), act)
+    return F.linear(h, t(mp.down), t(mp.down_bias))
+
+
+def _mlp_probe_input(block: nn.Module, mp: MLPParts):
+    """A [48, H] input (the MLP's dtype) whose first-layer outputs spread over about +-25 (clamps at 7-10 hit)."""
+    W = get_path(block, mp.gate if mp.gated else mp.up).detach()
+    g = torch.Generator().manual_seed(4321)
+    x = torch.randn(48, W.shape[1], generator=g)
+    pre = x @ W.float().cpu().T
+    x = x * (8.0 / float(pre.std().clamp_min(1e-12)))
+    return x.to(device=W.device, dtype=W.dtype)
+
+
+def probe_mlp(block: nn.Module, mp: MLPParts, first: str | None = None) -> tuple[str, bool, float, float] | None:
+    """(activation, clamp, alpha, limit) that the dense MLP module at ``mp`` computes, measured by calling it.
+
+    Candidates: every elementwise activation the spec knows, the same with the clamped-SwiGLU clamps (gated, limit
+    read from the module), and gpt-oss's ``swiglu_oai`` (gated, alpha / limit read from the module). ``first`` is
+    tried first (the activation its ``act_fn`` probes as). None when nothing matches or the module cannot run.
+    """
+    mod = get_path(block, mp.path)
+    if any(p.device.type == "meta" for p in mod.parameters()):
+        return None
+    x = _mlp_probe_input(block, mp)
+    try:
+        with torch.no_grad():
+            y = mod(x)
+    except Exception:
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return None
+    y = y.float()
+    alpha, limit = _limits([mod])
+    a0, l0 = float(alpha if alpha is not None else 1.702), float(limit if limit is not None else 7.0)
+    acts = list(dict.fromkeys(([first] if first else []) + list(_ELEMENTWISE)))
+    cands = [(a, False) for a in acts]
+    if mp.gated and limit is not None:
+        cands += [(a, True) for a in acts] + ([("swiglu_oai", False)] if alpha is not None else [])
+    tol = 1e-5 if x.dtype in (torch.float32, torch.float64) else 2e-2
+    xf = x.float()
+    for act, clamp in cands:
+        ref = _mlp_ref(block, mp, xf, act, clamp, a0, l0)
+        if float((y - ref).abs().max()) <= tol * max(float(ref.abs().max()), 1e-30):
+            return (act, clamp, *_canonical(act, clamp, a0, l0))
+    return None
+
+
 def _mlp_activation(mod: nn.Module, sources) -> tuple[str | None, str]:
     """Activation of a dense MLP module: probe its act_fn, else read hidden_act from the config."""
     for n in ("act_fn", "act", "activation_fn", "activation"):
@@ -242,7 +333,7 @@ def _mlp_activation(mod: nn.Module, sources) -> tuple[str | None, str]:
 
 
 _ACT_NAMES = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
-              "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "relu": "relu"}
+              "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "relu": "relu", "relu2": "relu2"}
 
 
 # ----------------------------------------------------------------------------------------------- static spec
@@ -302,7 +393,49 @@ def _routing_guess(block: nn.Module, parts: BlockParts, sources) -> dict:
     g["has_router_bias"] = parts.router_bias is not None
     g["router_fp32"] = any(r.search(rsrc or src) for r in _RE_ROUTER_FP32)
     g["round_weights"] = bool(_RE_ROUND.search(rsrc or src))
+    # the whole classes (helpers such as AXK2's apply_group_scoring live outside forward)
+    csrc = src + "\n" + (_class_source(get_path(block, parts.router_module)) if parts.router_module else "") + \
+        "\n" + _class_source(block)
+    if g["has_correction_bias"] and _RE_BIAS_ON_LOGITS.search(csrc):
+        g["bias_on_logits"] = True
+        g.pop("score_order", None)
+    if g.get("n_group", 1) > 1 and _RE_MASK_ZERO.search(csrc) and not _RE_MASK_INF.search(csrc):
+        g["group_mask_zero"] = True
+    m = _RE_RENORM_MIN.search(csrc)
+    if m and g["renormalize"]:
+        v = _resolve_number(m.group(1), [get_path(block, parts.router_module) if parts.router_module else block,
+                                         block] + list(sources))
+        if v is not None and v > 0:
+            g["renorm_min"] = v
     return g
+
+
+# topk(logits + bias): the correction bias steers the choice on the logits (Kolibri-1)
+_RE_BIAS_ON_LOGITS = re.compile(r"topk\(\s*(router_)?logits\s*\+|(router_)?logits\s*\+\s*self\.\w*(bias|correction)")
+_RE_MASK_ZERO = re.compile(r"masked_fill\((?:[^()]|\([^()]*\))*,\s*0(\.0*)?\s*\)")
+_RE_MASK_INF = re.compile(r"masked_fill\((?:[^()]|\([^()]*\))*,\s*(float\(\s*[\"']-inf[\"']\s*\)|-math\.inf|-torch\.inf)")
+# weights / clamp(weights.sum(...), min=norm_min)  (ERNIE-4.5)
+_RE_RENORM_MIN = re.compile(r"clamp\(\s*[\w\.]+\.sum\([^()]*\)\s*,\s*min\s*=\s*([\w\.\-+e]+)\s*\)")
+
+
+def _class_source(obj) -> str:
+    try:
+        return inspect.getsource(type(obj))
+    except (OSError, TypeError):
+        return ""
+
+
+def _resolve_number(expr: str, objs) -> float | None:
+    try:
+        return float(expr)
+    except ValueError:
+        pass
+    name = expr.split(".")[-1]
+    for o in objs:
+        v = getattr(o, name, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
 
 
 def _shared_spec(block: nn.Module, parts: BlockParts, sources) -> tuple[SharedExpertSpec | None, list[str]]:
@@ -311,34 +444,54 @@ def _shared_spec(block: nn.Module, parts: BlockParts, sources) -> tuple[SharedEx
         return None, []
     if any(b is not None for b in (sp.gate_bias, sp.up_bias, sp.down_bias)):
         raise FallbackError(f"shared expert {sp.path!r} has biases (the op has no shared-expert biases)")
-    act, how = _mlp_activation(get_path(block, sp.path), sources)
-    if act is None:
+    mod = get_path(block, sp.path)
+    act, how = _mlp_activation(mod, sources)
+    clamp, alpha, limit = False, 1.702, 7.0
+    if not any(p.device.type == "meta" for p in mod.parameters()):
+        r = probe_mlp(block, sp, act)
+        if r is None:
+            raise FallbackError(f"shared expert {type(mod).__name__} computes no activation the spec knows (called "
+                                f"on a probe: {how})")
+        act, clamp, alpha, limit = r
+        how = f"measured {act}" + (f" clamped at {limit:g}" if clamp else "") + (
+            f" (alpha {alpha:g}, limit {limit:g})" if act == "swiglu_oai" else "")
+    elif act is None:
         raise FallbackError(f"shared expert activation not supported ({how})")
-    spec = SharedExpertSpec(
-        intermediate_size=sp.intermediate_size,
-        activation=act,
-        gated=sp.gated,
-        layout="concat" if sp.concat else "separate",
-        gate="sigmoid" if parts.shared_gate else "none",
-    )
+    try:
+        spec = SharedExpertSpec(
+            intermediate_size=sp.intermediate_size, activation=act, gated=sp.gated,
+            layout="concat" if sp.concat else "separate", gate="sigmoid" if parts.shared_gate else "none",
+            activation_alpha=alpha if act == "swiglu_oai" else 1.702,
+            activation_limit=limit if (clamp or act == "swiglu_oai") else 7.0, activation_clamp=clamp,
+        )
+    except SpecError as e:
+        raise FallbackError(f"shared expert: {e}") from None
     return spec, [f"shared activation {how}"]
 
 
 def _expert_activation(block: nn.Module, parts: BlockParts, sources):
-    """(activation, gate_up, alpha, limit, note) of the routed experts."""
+    """(activation, gate_up, alpha, limit, clamp, note) of the routed experts."""
     experts = get_path(block, parts.experts)
     if parts.kind == "modulelist":
-        act, how = _mlp_activation(get_path(block, parts.expert_mlps[0].path), sources)
+        mp = parts.expert_mlps[0]
+        mod = get_path(block, mp.path)
+        act, how = _mlp_activation(mod, sources)
+        if not any(p.device.type == "meta" for p in mod.parameters()):
+            r = probe_mlp(block, mp, act)
+            if r is None:
+                raise FallbackError(f"expert MLP {type(mod).__name__} computes no activation the spec knows ({how})")
+            act, clamp, alpha, limit = r
+            return act, "concat", alpha, limit, clamp, f"measured on expert 0: {act}" + (" clamped" if clamp else "")
         if act is None:
             raise FallbackError(f"expert activation not supported ({how})")
-        return act, "concat", 1.702, 7.0, how
+        return act, "concat", 1.702, 7.0, False, how
     if getattr(experts, "has_post_expert_norm", False):
         raise FallbackError("experts apply a norm after each expert (has_post_expert_norm)")
     if not parts.gated:
         act, how = _mlp_activation(experts, sources)
         if act is None:
             raise FallbackError(f"expert activation not supported ({how})")
-        return act, "concat", 1.702, 7.0, how
+        return act, "concat", 1.702, 7.0, False, how
     concat = getattr(experts, "is_concatenated", None)
     if parts.split_gate_up is None:
         r = probe_gate(experts, concat)
@@ -351,7 +504,7 @@ def _expert_activation(block: nn.Module, parts: BlockParts, sources):
     act, how = _mlp_activation(experts, sources)
     if act is None:
         raise FallbackError(f"expert activation not supported ({how})")
-    return act, "concat" if concat in (None, True) else "interleaved", 1.702, 7.0, how
+    return act, "concat" if concat in (None, True) else "interleaved", 1.702, 7.0, False, how
 
 
 def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Extraction:
@@ -367,7 +520,7 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Extract
     top_k = read_attr(sources, _TOPK_NAMES, (int,))
     if top_k is None or isinstance(top_k, bool):
         raise FallbackError("top-k not found among the block's / router's / config's attributes")
-    act, gate_up, alpha, limit, how = _expert_activation(block, parts, sources)
+    act, gate_up, alpha, limit, clamp, how = _expert_activation(block, parts, sources)
     notes.append(f"expert activation: {how}")
     shared, sh_notes = _shared_spec(block, parts, sources)
     notes += sh_notes
@@ -380,7 +533,7 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Extract
         spec = MoESpec(
             num_experts=E, top_k=int(top_k), hidden_size=H, intermediate_size=I,
             activation=act, gated=parts.gated, activation_alpha=alpha, activation_limit=limit,
-            w_layout=parts.w_layout, gate_up=gate_up, has_expert_bias=bindings.get("b13") is not None,
+            activation_clamp=clamp, w_layout=parts.w_layout, gate_up=gate_up, has_expert_bias=bindings.get("b13") is not None,
             shared=shared, **kw,
         )
     except SpecError as e:
@@ -537,6 +690,8 @@ def numeric_consts(sources, k: int) -> list[float]:
 def _routing_candidates(guess: dict, E: int, k: int, has_corr: bool):
     scorings = list(dict.fromkeys([guess.get("scoring", "softmax"), "softmax", "sigmoid", "sqrtsoftplus"]))
     norm0 = guess.get("renormalize", True)
+    bol0 = bool(guess.get("bias_on_logits", False))
+    mz0 = bool(guess.get("group_mask_zero", False))
     groups = []
     if guess.get("n_group", 1) > 1:
         gs0 = guess.get("group_score", "top2_sum")
@@ -554,8 +709,12 @@ def _routing_candidates(guess: dict, E: int, k: int, has_corr: bool):
                 for ng, tg, gs in groups:
                     if order == "topk_then_score" and ng > 1:
                         continue
-                    yield dict(scoring=scoring, score_order=order, renormalize=norm, n_group=ng, topk_group=tg,
-                               group_score=gs)
+                    bols = [bol0, not bol0] if has_corr and order == "score_then_topk" else [False]
+                    mzs = [mz0, not mz0] if ng > 1 else [False]
+                    for bol in bols:
+                        for mz in mzs:
+                            yield dict(scoring=scoring, score_order=order, renormalize=norm, n_group=ng,
+                                       topk_group=tg, group_score=gs, bias_on_logits=bol, group_mask_zero=mz)
 
 
 def measure(block: nn.Module, x: torch.Tensor, ext: Extraction) -> tuple[Extraction, ProbeRun]:
@@ -612,9 +771,9 @@ def _measure(block: nn.Module, x: torch.Tensor, ext: Extraction) -> tuple[Extrac
         consts = numeric_consts(sources, found["top_k"])
         found["routed_scaling_factor"] = _snap(found["routed_scaling_factor"], consts)
         if not found["renormalize"] or found["score_order"] == "topk_then_score":
-            found["renorm_eps"] = 0.0
+            found["renorm_eps"] = found["renorm_min"] = 0.0
         else:
-            found["renorm_eps"] = spec.renorm_eps
+            found["renorm_eps"], found["renorm_min"] = spec.renorm_eps, spec.renorm_min
         changes.update(found)
         # precisions, measured where the router runs in a low-precision dtype
         prec = _measure_precision(block, parts, run, x)
@@ -669,10 +828,12 @@ def extract_block(block: nn.Module, example_input: torch.Tensor | None = None) -
 
 
 def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> str | None:
-    """Check ``spec``'s activations against the block's own ``_apply_gate`` / ``act_fn`` over [-12, 12].
+    """Check ``spec``'s activations against the block's own modules on inputs that reach the clamps.
 
     A check on random hidden states rarely reaches the clamps of clamped SwiGLU variants (limit 7-10); this one
-    does. Returns why they differ, or None (also when the block has nothing to call).
+    does: the experts' ``_apply_gate`` / ``act_fn`` over about +-20, and the shared expert (and ModuleList expert 0)
+    called as a whole on inputs whose first-layer outputs spread over about +-25. Returns why they differ, or None
+    (also when the block has nothing to call).
     """
     experts = get_path(block, parts.experts)
     if parts.kind == "fused" and spec.gated and getattr(experts, "_apply_gate", None) is not None:
@@ -683,32 +844,47 @@ def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> s
         except Exception:
             y = None
         if isinstance(y, torch.Tensor) and y.shape == (64, 16):
-            ref = _gate_ref(h, spec.activation, spec.gate_up, spec.activation_alpha, spec.activation_limit)
+            ref = _gate_ref(h, spec.activation, spec.gate_up, spec.activation_alpha, spec.activation_limit,
+                            spec.activation_clamp)
             if not torch.allclose(y.float(), ref, rtol=1e-5, atol=1e-5):
                 return (f"{type(experts).__name__}._apply_gate differs from the spec's "
-                        f"{spec.activation}/{spec.gate_up} gate on inputs up to +-12 (clamped or other variant)")
-    fns = []
+                        f"{'clamped ' if spec.activation_clamp else ''}{spec.activation}/{spec.gate_up} gate on "
+                        f"inputs up to +-20 (clamped or other variant)")
     if parts.kind == "fused" and not spec.gated:
-        fns.append((getattr(experts, "act_fn", None), spec.activation, "experts.act_fn"))
-    if parts.kind == "modulelist":
-        fns.append((getattr(get_path(block, parts.expert_mlps[0].path), "act_fn", None), spec.activation,
-                    "expert act_fn"))
-    if parts.shared is not None and spec.shared is not None:
-        fns.append((getattr(get_path(block, parts.shared.path), "act_fn", None), spec.shared.activation,
-                    "shared act_fn"))
-    for fn, want, where in fns:
-        if fn is None or not callable(fn):
-            continue
-        got = probe_activation(fn)
-        if got is not None and got != want:
-            return f"{where} is {got}, the spec says {want}"
-        if got is None:
+        fn = getattr(experts, "act_fn", None)
+        if fn is not None and callable(fn):
             try:
                 y = fn(_PROBE.clone())
             except Exception:
-                continue
-            if isinstance(y, torch.Tensor) and y.shape == _PROBE.shape and want in ("silu", "gelu", "gelu_tanh",
-                                                                                    "relu"):
-                if not torch.allclose(y.float(), _act_ref(want, _PROBE), rtol=1e-5, atol=1e-6):
-                    return f"{where} ({type(fn).__name__}) differs from {want} on [-12, 12]"
+                y = None
+            if isinstance(y, torch.Tensor) and y.shape == _PROBE.shape:
+                ref = _act_ref(spec.activation, _PROBE)
+                if not torch.allclose(y.float(), ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max())):
+                    return f"experts.act_fn ({type(fn).__name__}) differs from {spec.activation} on [-12, 12]"
+    mlps = []
+    if parts.kind == "modulelist" and spec.activation != "swiglu_oai":
+        mlps.append((parts.expert_mlps[0], spec.activation, spec.activation_clamp, spec.activation_alpha,
+                     spec.activation_limit, "expert 0"))
+    if parts.shared is not None and spec.shared is not None:
+        sh = spec.shared
+        mlps.append((parts.shared, sh.activation, sh.activation_clamp, sh.activation_alpha, sh.activation_limit,
+                     "shared expert"))
+    for mp, act, clamp, alpha, limit, where in mlps:
+        mod = get_path(block, mp.path)
+        if any(p.device.type == "meta" for p in mod.parameters()):
+            continue
+        x = _mlp_probe_input(block, mp)
+        try:
+            with torch.no_grad():
+                y = mod(x)
+        except Exception:
+            continue
+        if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+            continue
+        ref = _mlp_ref(block, mp, x.float(), act, clamp, alpha, limit)
+        tol = 1e-5 if x.dtype in (torch.float32, torch.float64) else 2e-2
+        err = float((y.float() - ref).abs().max()) / max(float(ref.abs().max()), 1e-30)
+        if not err <= tol:
+            return (f"{where} ({type(mod).__name__}) differs from the spec's {'clamped ' if clamp else ''}{act} on "
+                    f"inputs whose pre-activations reach +-25 (rel. err {err:.1e})")
     return None

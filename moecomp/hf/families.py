@@ -9,7 +9,9 @@ bias handling), run it (fp32, CPU, batch 2 x 5 tokens), ``moecomp.optimize`` it,
 
 * the logits (or last hidden state) within 1e-4 relative (max abs difference / max abs value),
 * exactly one ``torch.ops.moecomp.moe_forward`` call per rewritten block (counted with a TorchDispatchMode,
-  attributed to blocks by forward hooks), and no call elsewhere.
+  attributed to blocks by forward hooks), and no call elsewhere;
+* for blocks rewritten "experts only" (routing left to HF, the experts module switched to ``moe_experts``):
+  exactly one ``torch.ops.moecomp.moe_experts`` call per call of that experts module, and none elsewhere.
 
 A family that cannot be built tiny is listed with its error, not hidden.
 """
@@ -257,14 +259,44 @@ def count_calls_per_block(model: nn.Module, fn, with_forwards: bool = False):
     return res, per, counter.calls
 
 
+def count_experts_calls(model: nn.Module, fn):
+    """Run ``fn()``; return (its result, {experts module: moe_experts calls inside it}, total moe_experts calls,
+    {experts module: times it ran}) for the experts modules of experts-only rewrites."""
+    from ..optimize import experts_only_modules
+
+    counter = OpCounter()
+    per, runs = {}, {}
+    handles = []
+    for name, m in experts_only_modules(model).items():
+        per[name] = runs[name] = 0
+
+        def pre(mod, args, kwargs, _n=name):
+            mod.__dict__["_moecomp_ecount0"] = counter.experts_calls
+
+        def post(mod, args, kwargs, out, _n=name):
+            per[_n] += counter.experts_calls - mod.__dict__.pop("_moecomp_ecount0")
+            runs[_n] += 1
+
+        handles += [m.register_forward_pre_hook(pre, with_kwargs=True),
+                    m.register_forward_hook(post, with_kwargs=True)]
+    try:
+        with counter:
+            res = fn()
+    finally:
+        for h in handles:
+            h.remove()
+    return res, per, counter.experts_calls, runs
+
+
 # ----------------------------------------------------------------------------------------------- checking
 @dataclass
 class FamilyResult:
     family: str
-    status: str  # equal | not equal | not rewritten | partial | no MoE block | build failed | import failed
+    status: str  # equal | experts only | not equal | not rewritten | partial | no MoE block | build failed | ...
     model_class: str = ""
     blocks: int = 0
     rewritten: int = 0
+    experts_only: int = 0  # blocks whose experts module alone runs moe_experts
     calls_ok: bool = False
     max_rel_err: float | None = None
     router: str = ""
@@ -338,6 +370,7 @@ def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: boo
         return r
     r.blocks = len(rep.blocks)
     r.rewritten = len(rep.rewritten)
+    r.experts_only = len(rep.experts_only)
     r.skipped = [f"{b.name}: {b.reason}" for b in rep.blocks if b.status == "skipped"]
     fx = [b for b in rep.rewritten if b.method == "fx"]
     if fx:
@@ -345,7 +378,8 @@ def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: boo
             n for b in fx for n in b.notes if n.startswith("attribute fallback"))[:200]
     styles = {b.router for b in rep.rewritten if b.router}
     r.router = "; ".join(sorted(styles))
-    r.experts = "; ".join(sorted({b.experts for b in rep.rewritten if b.experts}))
+    r.experts = "; ".join(sorted({b.experts for b in rep.rewritten if b.experts} | {
+        b.experts.split(" (")[0] + " (experts only)" for b in rep.experts_only if b.experts}))
     if r.blocks == 0:
         r.status, r.reason = "no MoE block", "no candidate block found"
         r.seconds = time.perf_counter() - t0
@@ -355,26 +389,36 @@ def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: boo
             with torch.no_grad():
                 return _logits(model(**kwargs))
 
-        out, per, total, runs = count_calls_per_block(model, fwd, with_forwards=True)
+        (out, per, total, runs), eper, etotal, eruns = count_experts_calls(
+            model, lambda: count_calls_per_block(model, fwd, with_forwards=True))
     except Exception as e:
         r.status, r.reason = "not equal", f"optimized forward raised {type(e).__name__}: {str(e)[:300]}"
         r.seconds = time.perf_counter() - t0
         return r
     # exactly one op call per block call (a block the input does not reach runs 0 times), and none elsewhere
-    r.calls_ok = (len(per) == r.rewritten and all(per[n] == runs[n] for n in per) and any(runs.values())
-                  and total == sum(per.values()))
+    calls_fwd = (len(per) == r.rewritten and all(per[n] == runs[n] for n in per)
+                 and (any(runs.values()) or r.rewritten == 0) and total == sum(per.values()))
+    calls_exp = (len(eper) == r.experts_only and all(eper[n] == eruns[n] for n in eper)
+                 and (any(eruns.values()) or r.experts_only == 0) and etotal == sum(eper.values()))
+    r.calls_ok = calls_fwd and calls_exp
     err = float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
     r.max_rel_err = err
-    if r.rewritten == 0:
+    if r.rewritten == 0 and r.experts_only == 0:
         r.status = "not rewritten"
         r.reason = "; ".join(sorted({b.reason for b in rep.blocks}))
     elif not (err <= TOL) or not torch.isfinite(out).all():
         r.status, r.reason = "not equal", f"logits max rel. err {err:.2e}"
-    elif not r.calls_ok:
+    elif not calls_fwd:
         r.status, r.reason = "not equal", f"moe_forward calls per block {per} for block runs {runs}, total {total}"
-    elif r.rewritten < r.blocks:
+    elif not calls_exp:
+        r.status, r.reason = "not equal", (f"moe_experts calls per experts module {eper} for module runs {eruns}, "
+                                           f"total {etotal}")
+    elif r.rewritten + r.experts_only < r.blocks:
         r.status = "partial"
         r.reason = "; ".join(sorted({b.reason for b in rep.skipped}))
+    elif r.experts_only:
+        r.status = "experts only"
+        r.reason = "; ".join(sorted({b.reason for b in rep.experts_only}))
     else:
         r.status = "equal"
     r.seconds = time.perf_counter() - t0
@@ -406,12 +450,14 @@ def coverage_markdown(results: list[FamilyResult]) -> str:
         "Generated by `python -m moecomp coverage` (do not edit by hand): every family is built tiny with random",
         "weights (hidden 64, 4 heads, 2 KV heads, 8 experts, top-2, 2 layers; routing biases random), run in fp32",
         "on CPU (batch 2 x 5 tokens), optimized with `moecomp.optimize`, and run again. *equal* = logits within",
-        f"{TOL:g} relative and exactly one `moe_forward` call per MoE block.",
+        f"{TOL:g} relative and exactly one `moe_forward` call per MoE block. *experts only* = logits within",
+        f"{TOL:g}, every block rewritten whole (one `moe_forward`) or, where the whole block cannot be, its experts",
+        "module switched to `moe_experts` (one call per experts call; routing stays HF's; reason given).",
         "",
         f"transformers {transformers.__version__}, torch {torch.__version__}, Python {platform.python_version()}.",
         "",
         f"**{len(results)} families; {built} build tiny; {c.get('equal', 0)} rewritten and equal; "
-        f"{c.get('partial', 0)} partly rewritten; {c.get('not rewritten', 0)} left alone (reason below); "
+        f"{c.get('experts only', 0)} experts only (equal); {c.get('partial', 0)} partly rewritten; {c.get('not rewritten', 0)} left alone (reason below); "
         f"{c.get('not equal', 0)} not equal; {c.get('build failed', 0) + c.get('import failed', 0)} not built.**",
         "",
         "Columns: *status* of `moecomp.optimize(model)` (FX pass first, attribute fallback where Dynamo cannot",
@@ -429,8 +475,9 @@ def coverage_markdown(results: list[FamilyResult]) -> str:
 
     for r in results:
         err = "-" if r.max_rel_err is None else f"{r.max_rel_err:.1e}"
+        eo = f" + {r.experts_only} experts only" if r.experts_only else ""
         lines.append(f"| {r.family} | {r.model_class or '-'} | {r.status} | "
-                     f"{r.rewritten}/{r.blocks} | {r.router or '-'} | {r.experts or '-'} | {err} | {cell(r.reason)} | "
+                     f"{r.rewritten}/{r.blocks}{eo} | {r.router or '-'} | {r.experts or '-'} | {err} | {cell(r.reason)} | "
                      f"{cell(r.fallback, 160) or '-'} | {cell(r.fallback_agrees, 160)} |")
     lines.append("")
     return "\n".join(lines)

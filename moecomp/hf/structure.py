@@ -200,6 +200,14 @@ def _fused_experts(m: nn.Module):
     return up, down, b13, b2, gated, split
 
 
+def experts_child(block: nn.Module) -> str | None:
+    """Name of the block's child holding 3-D stacked expert weights, or None."""
+    for name, child in block.named_children():
+        if not isinstance(child, nn.ModuleList) and _fused_experts(child) is not None:
+            return name
+    return None
+
+
 def _expert_list_parts(m: nn.Module, path: str):
     if not isinstance(m, nn.ModuleList) or len(m) < 2:
         return None

@@ -135,6 +135,13 @@ def call_moe_forward(x: torch.Tensor, tensors, spec: MoESpec) -> torch.Tensor:
     return torch.ops.moecomp.moe_forward(x, *tensors, spec.key)
 
 
+def call_moe_experts(x, topk_ids, topk_weights, w13, b13, w2, b2, spec: MoESpec) -> torch.Tensor:
+    """``torch.ops.moecomp.moe_experts(...)`` for eager callers, without the dispatcher where it changes nothing."""
+    if plain_eager((x, topk_ids, topk_weights, w13, b13, w2, b2)):
+        return _experts(x, topk_ids, topk_weights, dict(zip(EXPERT_ARGS, (w13, b13, w2, b2))), spec, spec.key)
+    return torch.ops.moecomp.moe_experts(x, topk_ids, topk_weights, w13, b13, w2, b2, spec.key)
+
+
 @torch.library.custom_op("moecomp::moe_forward", mutates_args=())
 def moe_forward(
     x: torch.Tensor,
@@ -177,7 +184,10 @@ def moe_experts(
 ) -> torch.Tensor:
     """Routed experts only: x [T, H], topk_ids / topk_weights [T, k] -> [T, H]."""
     s = MoESpec.from_key(spec)
-    args = dict(zip(EXPERT_ARGS, (w13, b13, w2, b2)))
+    return _experts(x, topk_ids, topk_weights, dict(zip(EXPERT_ARGS, (w13, b13, w2, b2))), s, spec)
+
+
+def _experts(x, topk_ids, topk_weights, args: dict, s: MoESpec, spec: str) -> torch.Tensor:
     check_args(x, args, s)
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise SpecError(

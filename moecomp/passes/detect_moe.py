@@ -5,17 +5,23 @@ The matched subgraph (names are roles, not node names; ``[..]`` optional, ``|`` 
         x ──[view/reshape]──[.float()]──► linear(·, router_w [E,H], [router_b]) = logits [T,E]
                                                      │
             score_then_topk:  softmax | sigmoid | sqrt(softplus) | none ──► scores
-                              [+ correction_bias [E]] ──► choice
-                              [view(T,G,E/G) ─ topk(2).sum | amax ─ topk(topk_group) ─ mask ─ masked_fill(-inf)]
+                              [+ correction_bias [E] | [1,E].squeeze()] ──► choice
+                              [view(T,G,E/G) ─ topk(2).sum | amax ─ topk(topk_group) ─ mask
+                                 ─ masked_fill(-inf | 0.0 (group_mask_zero))]
                               topk(choice, k) ──► ids ;  weights = topk values | scores.gather(ids)
+            bias_on_logits:   topk(logits + correction_bias, k) ──► ids ;
+                              weights = sigmoid(logits.gather(ids)) | scores.gather(ids)   (elementwise: same)
             topk_then_score:  topk(logits, k) ──► ids ; weights = softmax(values)
                                                      │
-                  [weights /= weights.sum(-1) (+eps)] [* routed_scaling] [.to(model dtype)]
+                  [weights /= max(weights.sum(-1) (+eps), renorm_min)] [* or / scalar] [.to(model dtype)]
                                                      │
-        x ──► dispatch by ids ──► GEMM(w13 [E,2I,H] | [E,H,2I]) [+ b13[ids]] ──► act(gate) * up | swiglu_oai | act
-                                 ──► GEMM(w2 [E,H,I] | [E,I,H]) [+ b2[ids]] ──► * weights ──► combine over k
+        x ──► dispatch by ids ──► GEMM(w13 [E,2I,H] | [E,H,2I]) [+ b13[ids]]
+                 ──► act(gate) * up | act(gate.clamp(max=L)) * up.clamp(-L, L) | swiglu_oai | act | relu(·)**2
+                 ──► GEMM(w2 [E,H,I] | [E,I,H]) [+ b2[ids]] ──► * weights ──► combine over k
+                 ──► [* routed_scaling (scalar constant / attribute, folded into routed_scaling_factor)]
                                                      │
-        x ──► [shared: down(act(gate_proj x) * up_proj x) [* sigmoid(shared_gate x)]] ──(+)──► [view] ──► out
+        x ──► [shared: down(act(gate_proj x) * up_proj x) | clamped | swiglu_oai(chunk(gate_up_proj x)) | act(up x)
+               [* sigmoid(shared_gate x)]] ──(+)──► [view] ──► out (the MoE output) ──► [tail, e.g. a norm] ──►
 
     dispatch / GEMM / combine may be spelled as transformers' ``grouped_mm`` path (sort, histc, cumsum,
     ``transformers::grouped_mm_fallback`` | ``torch._grouped_mm`` | ``F.grouped_mm``, inverse permutation,
@@ -36,11 +42,21 @@ How a match is proven (nothing is matched on class or module names):
    and group top-k, renormalising sum/div and its eps, scaling multiplier, casts (router in fp32, weights rounded to
    the model dtype), GEMM operand order / transposes (weight layout), the gate's chunk or stride-2 slices and
    activation (and swiglu alpha / limit), per-expert biases, shared-expert linears and their sigmoid gate.
+   A clamp in the activation is either a clamped SwiGLU (gate ``clamp(max=L)`` into the activation, up
+   ``clamp(-L, L)`` into the product: ``activation_clamp``) or part of swiglu_oai; any other clamp is rejected.
+   A scalar multiply (or divide) of the combined routed output that every path from the expert GEMMs to the output
+   passes through, before any shared-expert add, is folded into ``routed_scaling_factor``.
    Scalar module attributes that Dynamo lifts to 0-d inputs (``routed_scaling_factor``, gpt-oss ``alpha`` /
    ``limit``) are read from the example inputs the backend receives and baked into the spec (Dynamo does not guard
    on them; the match records which spec field came from which placeholder in ``MoEMatch.baked``).
    The region may contain only deterministic ops and may mutate only tensors it created.
-3. **Numerics.** The region is cut out as its own GraphModule and run on random tokens (a quarter of them copies of
+3. **Output.** The MoE output is the region's result, or, when the block applies a tail to it (AXK1's
+   ``post_mlp_layernorm``; in a whole-model graph the next layer's norm), the latest node before it through which
+   everything the experts compute passes (tried latest first, at most ``MAX_OUTPUT_CANDIDATES``; the first the
+   numeric check accepts is taken). ``MoEMatch.output`` is that node, ``MoEMatch.block_output`` the region's
+   result, ``MoEMatch.tail`` the nodes between (left in the graph), ``MoEMatch.output_is_final`` whether there is
+   no tail.
+4. **Numerics.** The region is cut out as its own GraphModule and run on random tokens (a quarter of them copies of
    one token, so one expert gets crowded: capacity limits would show) against ``moecomp.reference.moe_forward``
    with the derived spec and the real weights. fp32/fp64 blocks must agree to 1e-4 (relative to the output's max);
    lower-precision blocks per token to 3e-2, on at least 90% of tokens (routing near-ties may flip). Only where the
@@ -48,13 +64,19 @@ How a match is proven (nothing is matched on class or module names):
    turn; the first that agrees is taken. The check runs on about ``VERIFY_TOKENS`` tokens (the graph's symbolic
    sizes are set accordingly; the traced sizes are the fallback). A block that gathers whole expert matrices per
    token (``w13[ids]``) would materialise T * k of them: when even 4 tokens exceed ``VERIFY_GATHER_BYTES`` the check
-   is skipped, the match rests on the structure alone and says so (``MoEMatch.verified``).
+   is skipped, the match rests on the structure alone and says so (``MoEMatch.verified``). A spec that clamps
+   (swiglu_oai, ``activation_clamp``, in routed or shared experts) is checked again with the clamped projections'
+   weights scaled up until the clamps bind (random weights seldom reach a limit such as 10).
+
+Blocks routed by a table lookup of token ids (hash routing, ``tid2eid[input_ids]``) have no top-k; they are reported
+in ``rejected`` with that reason.
 
 Anything not recognised is left alone and reported in ``DetectResult.rejected`` as ``(where, reason)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -100,6 +122,20 @@ class MoEMatch:
     baked: dict[str, str] = field(default_factory=dict)  # spec field -> placeholder its value was read from
     verified: str = ""  # "numeric (max rel err ...)" or "skipped: why"
     output_dtype: torch.dtype | None = None  # dtype of ``output`` when it differs from x's
+    # the node where the block's own result leaves the matched region: ``output`` itself, or the end of a tail of
+    # ops computed from it (e.g. AXK1's post_mlp_layernorm) that the rewrite leaves in place
+    block_output: fx.Node | None = None
+    tail: frozenset = frozenset()  # the tail's nodes (not in ``nodes``: they stay)
+    arg_shapes: dict[str, tuple] = field(default_factory=dict)  # MOE_ARGS name -> shape the op needs it viewed as
+
+    def __post_init__(self):
+        if self.block_output is None:
+            self.block_output = self.output
+
+    @property
+    def output_is_final(self) -> bool:
+        """Is the MoE output the block's own result (no tail after it)?"""
+        return self.block_output is self.output
 
     @property
     def placeholders(self) -> dict[str, fx.Node | None]:
@@ -149,6 +185,7 @@ def detect_moe(
     graph cannot tell (currently unused by the HF families we know; kept for callers that have a model config).
     """
     ctx = _Context(gm, example_inputs, verify=verify, config=config or {})
+    _hash_routed(ctx)
     result = DetectResult()
     claimed: set = set()
     for t in ctx.final_topks():
@@ -258,6 +295,28 @@ class _Context:
         return out
 
 
+def _hash_routed(ctx: _Context) -> None:
+    """Blocks whose expert ids are looked up in an integer table by token ids (DeepSeek-V4's ``tid2eid[input_ids]``
+    hash routing) have no top-k to start from: report them (``early_rejects``) instead of passing them by silently."""
+    ph3 = {p for p in ctx.static_ph if (s := ctx.pshape(p)) is not None and len(s) == 3}
+    for p in ctx.static_ph:
+        v = _fx.meta_val(p)
+        if not (isinstance(v, torch.Tensor) and v.dim() == 2 and not v.is_floating_point() and v.dtype != torch.bool):
+            continue
+        for u in p.users:
+            if op_name(u) not in ("getitem", "index_select", "embedding", "index"):
+                continue
+            idx = [a for a in u.all_input_nodes if a is not p]
+            if not idx or all(a in ctx.static_ph for a in idx):
+                continue
+            reach = _fx.descendants(u)
+            if any(_weight_base(a) in ph3 for r in reach for a in r.all_input_nodes):
+                ctx.early_rejects.append((f"{u.name} ({p.name}[token ids])",
+                                          "expert ids are looked up in a table by token ids (hash routing), not "
+                                          "chosen by a top-k: not a routing MoESpec can express"))
+                break
+
+
 def _weight_base(n):
     """Follow a (gathered / sliced / transposed / cast) weight back to what it was taken from."""
     while isinstance(n, fx.Node):
@@ -309,11 +368,18 @@ class _Routing:
     group_score: str = "top2_sum"
     renormalize: bool = False
     renorm_eps: float = 0.0
+    renorm_min: float = 0.0
     scaling: float = 1.0
+    bias_on_logits: bool = False
+    group_mask_zero: bool = False
+    bias_shape: tuple | None = None  # the correction bias placeholder's shape when it is not (E,) (e.g. [1, E])
     round_weights: bool = False
     router_fp32: bool = False
     weights: fx.Node | None = None
     baked: dict = field(default_factory=dict)
+
+
+MAX_OUTPUT_CANDIDATES = 8  # earlier nodes tried as the MoE output when the block's result does not agree
 
 
 def _match_at(ctx: _Context, t: fx.Node) -> MoEMatch:
@@ -324,14 +390,136 @@ def _match_at(ctx: _Context, t: fx.Node) -> MoEMatch:
         raise _Reject("the top-k is not computed from the router input alone")
     _check_ops(ctx, region | support, x_root)
     ex = _experts(ctx, r, region, support)
-    out = _output(ctx, region, ex["g2"])
-    sh = _shared(ctx, r, region, x_root, out, ex)
-    x_in = _pick_input(ctx, x_root, x_chain, out, region)
+    ex["H"] = r.H
+    block_out = _output(ctx, region, ex["g2"])
+    # The MoE output is the block's result, or (when a tail such as a post-MoE norm follows the combine) the latest
+    # node before it through which everything the experts compute passes: tried latest first, the first one whose
+    # value the spec reproduces is taken; the tail stays in the graph.
+    errors = []
+    for out in _output_candidates(ctx, region, ex, block_out)[:MAX_OUTPUT_CANDIDATES]:
+        try:
+            return _match_output(ctx, t, r, x_root, x_chain, region, support, ex, out, block_out)
+        except _Reject as e:
+            errors.append((out, str(e)))
+    why = errors[0][1]
+    if len(errors) > 1:
+        why += (f" (also tried {len(errors) - 1} earlier node(s) as the MoE output, followed by a tail: "
+                + "; ".join(f"{o.name}: {w[:160]}" for o, w in errors[1:3]) + ")")
+    raise _Reject(why)
+
+
+def _output_candidates(ctx: _Context, region: set, ex: dict, block_out: fx.Node) -> list:
+    """``block_out``, then the nodes before it (latest first) that every path from the expert GEMMs to it passes
+    through and that hold a [..., H] tensor: the places where the MoE result may end and a tail begin."""
+    g2s = set(ex["g2_all"])
+    anc = _fx.ancestors(block_out, region, pos=ctx.order)
+    path = set()
+    for g in g2s:
+        path |= _fx.descendants(g, region) & anc
+    path |= {block_out}
+
+    def reaches(skip):
+        seen, stack = set(), [u for g in g2s for u in g.users if u in path and u is not skip]
+        while stack:
+            n = stack.pop()
+            if n is block_out:
+                return True
+            if n in seen:
+                continue
+            seen.add(n)
+            stack.extend(u for u in n.users if u in path and u is not skip and u not in seen)
+        return False
+
+    H = ex.get("H")
+    out = [block_out]
+    for n in sorted(path - {block_out} - g2s, key=ctx.order.get, reverse=True):
+        s = _fx.shape_of(n)
+        if not s or (H is not None and _fx.static_int(s[-1]) != H) or _fx.is_inplace(n):
+            continue
+        if not reaches(n):
+            out.append(n)
+    return out
+
+
+def _scalar_operand(ctx: _Context, v):
+    """(value, placeholder name or None) when ``v`` is a scalar constant or a scalar attribute, else None."""
+    val = _fx.scalar_value(v, ctx.values)
+    src = v
+    while isinstance(src, fx.Node) and op_name(src) in ("item", "neg"):
+        src = arg(src, 0)
+    name = src.name if isinstance(src, fx.Node) and src.op == "placeholder" else None
+    if val is not None:
+        return val, name
+    if isinstance(v, fx.Node) and v.op == "placeholder" and v in ctx.static_ph:
+        t = ctx.values.get(v)
+        if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point() and not _fx.is_fake(t):
+            return float(t), v.name
+    return None
+
+
+def _output_scale(ctx: _Context, region: set, ex: dict, out: fx.Node, shared_down) -> tuple[float, dict]:
+    """Scalar multiplies (or divides) of the combined routed output before any shared-expert add
+    (``experts(x) * routed_scaling_factor``): as the combine is linear they equal scaling the routing weights."""
+    g2s = set(ex["g2_all"])
+    anc = _fx.ancestors(out, region, pos=ctx.order) | {out}
+    path = set()
+    for g in g2s:
+        path |= _fx.descendants(g, region) & anc
+    after_shared = _fx.descendants(shared_down, region) | {shared_down} if shared_down is not None else set()
+    scale, baked = 1.0, {}
+    for n in sorted(path, key=ctx.order.get):
+        nm = op_name(n)
+        if nm not in ("mul", "div") or n in after_shared:
+            continue
+        a, b = arg(n, 0), arg(n, 1)
+        if nm == "mul" and not (isinstance(a, fx.Node) and a in path):
+            a, b = b, a
+        if not (isinstance(a, fx.Node) and a in path):
+            continue
+        sc = _scalar_operand(ctx, b)
+        if sc is None:
+            continue
+        # every path from the expert GEMMs to the output passes through n
+        seen, stack, hit = set(), [u for g in g2s for u in g.users if u in path and u is not n], False
+        while stack:
+            m = stack.pop()
+            if m is out:
+                hit = True
+                break
+            if m not in seen:
+                seen.add(m)
+                stack.extend(u for u in m.users if u in path and u is not n and u not in seen)
+        if hit or (out is not n and n not in _fx.ancestors(out, region, pos=ctx.order)):
+            continue
+        v, src = sc
+        if nm == "div":
+            if v == 0:
+                continue
+            v = 1.0 / v
+        scale *= v
+        if src is not None:
+            baked["routed_scaling_factor"] = src
+    return scale, baked
+
+
+def _match_output(ctx, t, r0, x_root, x_chain, region, support, ex, out, block_out) -> MoEMatch:
+    r = dataclasses.replace(r0, baked=dict(r0.baked))
+    tail = _fx.descendants(out, region) if out is not block_out else set()
+    core = region - tail
+    sh = _shared(ctx, r, core, x_root, out, ex)
+    x_in = _pick_input(ctx, x_root, x_chain, out, core)
+    scale, scale_baked = _output_scale(ctx, core, ex, out, sh["down"] if sh else None)
+    if scale != 1.0:
+        r.scaling *= scale
+        if "routed_scaling_factor" in scale_baked and "routed_scaling_factor" in r.baked:
+            raise _Reject("routed scaling read from two scalar attributes (router and block output)")
+        r.baked.update(scale_baked)
     out_dtype = _fx.dtype_of(out)
     x_dtype = _fx.dtype_of(x_in)
     if x_dtype in (torch.bfloat16, torch.float16) and _fx.dtype_of(r.weights) == x_dtype:
         r.round_weights = True  # the weights reach the experts in the model dtype (e.g. a softmax with dtype=bf16)
 
+    oai_or_clamp = ex["clamp"] or "swiglu_oai" in ex["activations"]
     base = dict(
         num_experts=r.E,
         top_k=r.top_k,
@@ -341,22 +529,28 @@ def _match_at(ctx: _Context, t: fx.Node) -> MoEMatch:
         score_order=r.score_order,
         renormalize=r.renormalize,
         renorm_eps=r.renorm_eps,
+        renorm_min=r.renorm_min,
         routed_scaling_factor=r.scaling,
         n_group=r.n_group,
         topk_group=r.topk_group,
         group_score=r.group_score,
         has_correction_bias=r.correction_bias is not None,
+        bias_on_logits=r.bias_on_logits,
+        group_mask_zero=r.group_mask_zero,
         has_router_bias=r.router_b is not None,
         router_fp32=r.router_fp32,
         round_weights=r.round_weights,
         gated=ex["gated"],
-        activation_alpha=ex.get("alpha", 1.702),
-        activation_limit=ex.get("limit", 7.0),
+        activation_clamp=ex["clamp"],
+        activation_alpha=ex.get("alpha", 1.702) if "swiglu_oai" in ex["activations"] else 1.702,
+        activation_limit=ex.get("limit", 7.0) if oai_or_clamp else 7.0,
         has_expert_bias=ex["b13"] is not None,
         shared=sh["spec"] if sh else None,
     )
     baked = dict(r.baked)
     baked.update(ex.get("baked", {}))
+    if sh:
+        baked.update(sh["baked"])
     bindings = {k: None for k in MOE_ARGS}
     bindings.update(
         router_w=r.router_w.name,
@@ -369,6 +563,7 @@ def _match_at(ctx: _Context, t: fx.Node) -> MoEMatch:
     )
     if sh:
         bindings.update({k: (v.name if v is not None else None) for k, v in sh["bind"].items()})
+    arg_shapes = {"correction_bias": (r.E,)} if r.bias_shape is not None else {}
 
     candidates, last_err = [], None
     for layout in ex["layouts"]:
@@ -381,25 +576,30 @@ def _match_at(ctx: _Context, t: fx.Node) -> MoEMatch:
     if not candidates:
         raise _Reject(f"no valid spec: {last_err}")
 
-    nodes = frozenset(region | support)
+    nodes = frozenset((core | support) - tail)
     verified = "skipped: verify=False"
     spec = candidates[0]
     if ctx.verify:
-        spec, verified = _verify(ctx, candidates, bindings, x_root, x_in, out, region, support)
+        spec, verified = _verify(ctx, candidates, bindings, x_root, x_in, out, core, support, arg_shapes)
     elif len(candidates) > 1:
         raise _Reject("the graph leaves the weight layout / gate split / activation open and verify=False")
+    elif out is not block_out:
+        raise _Reject("a tail follows the MoE result: only the numeric check can place the MoE output (verify=False)")
     return MoEMatch(
         spec=spec,
         bindings=bindings,
         x=x_in,
         output=out,
         nodes=nodes,
-        region=frozenset(region),
+        region=frozenset(core),
         router=r.logits_linear,
         topk=t,
         baked=baked,
         verified=verified,
         output_dtype=out_dtype if out_dtype != x_dtype else None,
+        block_output=block_out,
+        tail=frozenset(tail),
+        arg_shapes=arg_shapes,
     )
 
 
@@ -423,6 +623,7 @@ def _routing(ctx: _Context, t: fx.Node) -> _Routing:
     scoring = None
     bias = None
     mask_fill = None
+    mask_zero = False
     lin = None
     while True:
         name = op_name(cur)
@@ -432,17 +633,19 @@ def _routing(ctx: _Context, t: fx.Node) -> _Routing:
         if name == "masked_fill" and mask_fill is None and scoring is None:
             mask_fill = cur
             v = arg(cur, 2)
-            if not (isinstance(v, float) and v == -math.inf):
-                raise _Reject("top-k input is masked with a value other than -inf")
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0:
+                mask_zero = True  # dropped groups' experts get 0.0 (Mistral-4); only with group routing (_groups)
+            elif not (isinstance(v, float) and v == -math.inf):
+                raise _Reject(f"top-k input is masked with {v!r}, neither -inf nor 0.0")
             cur = arg(cur, 0)
             continue
         if name == "add" and bias is None and scoring is None:
             a, b = arg(cur, 0), arg(cur, 1)
-            pa, pb = ctx.weight_ph(a, 1), ctx.weight_ph(b, 1)
-            if pb is not None and ctx.pshape(pb) == (E,):
+            pa, pb = _bias_ph(ctx, a, E), _bias_ph(ctx, b, E)
+            if pb is not None:
                 bias, cur = pb, a
                 continue
-            if pa is not None and ctx.pshape(pa) == (E,):
+            if pa is not None:
                 bias, cur = pa, b
                 continue
             raise _Reject("an add before the top-k that is not a per-expert bias")
@@ -471,22 +674,27 @@ def _routing(ctx: _Context, t: fx.Node) -> _Routing:
     H = ws[1]
     router_fp32 = _fx.cast_dtype(a) == torch.float32 if op_name(a) in _fx.CAST_OPS else False
     x_router = _fx.strip_views_casts(a, views=False)
-    if scoring is None and bias is not None:
-        raise _Reject("correction bias without a scoring function")
+    bias_on_logits = scoring is None and bias is not None  # topk(logits + bias): the scores come after the gather
 
     R = _Routing(
         logits_linear=lin, x_router=x_router, router_w=w, router_b=b, correction_bias=bias,
         scoring=scoring or "none", score_order="score_then_topk", top_k=k, E=E, H=H, router_fp32=router_fp32,
+        bias_on_logits=bias_on_logits,
     )
+    if bias is not None and ctx.pshape(bias) != (E,):
+        R.bias_shape = ctx.pshape(bias)
     if mask_fill is not None:
         _groups(ctx, R, mask_fill, lin)
+        R.group_mask_zero = mask_zero
 
     vals = [u for u in t.users if op_name(u) == "getitem" and u.args[1] == 0]
     ids = [u for u in t.users if op_name(u) == "getitem" and u.args[1] == 1]
     ids = ids[0]
     # where the weights come from
     w0 = None
-    for u in ids.users:
+    if bias_on_logits:
+        w0 = _weights_after_biased_logits(ctx, R, ids, lin)
+    for u in ids.users if w0 is None else ():
         if op_name(u) == "gather":
             src = arg(u, 0)
             if scoring_node is not None and _fx.strip_views_casts(src, views=False) is scoring_node or src is scoring_node:
@@ -508,6 +716,49 @@ def _routing(ctx: _Context, t: fx.Node) -> _Routing:
             w0 = v
     _weight_chain(ctx, R, w0)
     return R
+
+
+def _bias_ph(ctx: _Context, n, E: int):
+    """``n`` as a per-expert bias: a static placeholder with E elements ([E], or [1, E] squeezed / viewed), through
+    views and casts; else None."""
+    base = _fx.strip_views_casts(n)
+    if not (isinstance(base, fx.Node) and base.op == "placeholder" and base in ctx.static_ph):
+        return None
+    s = ctx.pshape(base)
+    if s is None or E not in s or math.prod(s) != E:
+        return None
+    return base
+
+
+def _weights_after_biased_logits(ctx: _Context, R: _Routing, ids: fx.Node, lin: fx.Node) -> fx.Node:
+    """``topk(logits + bias)`` (Kolibri-1): the weights are the scores of the chosen experts, scored before or after
+    the gather (an elementwise scoring commutes with it): ``sigmoid(logits.gather(ids))`` or
+    ``sigmoid(logits).gather(ids)``. Sets ``R.scoring``; returns the weights node."""
+    found = []
+    for u in ids.users:
+        if op_name(u) != "gather":
+            continue
+        if arg(u, 1) not in (1, -1):
+            raise _Reject("weights gathered over a dim other than the experts")
+        src = _fx.strip_views_casts(arg(u, 0), views=False)
+        if src is lin:
+            after = [v for v in u.users if op_name(v) in ("sigmoid", "softmax", "sqrt", "softplus")]
+            if not after:
+                found.append(("none", u))
+            elif len(after) == 1 and op_name(after[0]) == "sigmoid":
+                found.append(("sigmoid", after[0]))
+            else:
+                raise _Reject(f"biased top-k of the logits, then '{op_name(after[0])}' of the gathered logits: "
+                              "not a scoring the spec knows (only an elementwise sigmoid commutes with the gather)")
+        elif op_name(src) in ("sigmoid", "softmax") and _fx.strip_views_casts(arg(src, 0), views=False) is lin:
+            if op_name(src) == "softmax" and arg(src, 1, default=None) not in (-1, len(_fx.shape_of(src)) - 1):
+                raise _Reject("softmax over a dim other than the experts")
+            found.append((op_name(src), u))
+    if len(found) != 1:
+        raise _Reject("top-k of the biased logits: the weights are not the scores of the chosen experts "
+                      f"({len(found)} candidate gathers)")
+    R.scoring = found[0][0]
+    return found[0][1]
 
 
 def _rowsums(cur: fx.Node) -> list[fx.Node]:
@@ -532,7 +783,10 @@ def _rowsums(cur: fx.Node) -> list[fx.Node]:
 
 def _groups(ctx: _Context, R: _Routing, mask_fill: fx.Node, lin: fx.Node) -> None:
     """Group-limited routing: read n_group / topk_group / group score from the mask's ancestry."""
-    anc = _fx.ancestors(arg(mask_fill, 1), _fx.descendants(lin), pos=ctx.order)
+    # (only nodes after the router: descendants() follows in-place writes back to the tensors they alias, which in
+    # a whole-model graph can reach the residual stream and the attention before the block)
+    after_lin = {n for n in _fx.descendants(lin) if ctx.order[n] > ctx.order[lin]}
+    anc = _fx.ancestors(arg(mask_fill, 1), after_lin, pos=ctx.order)
     gtopk = [n for n in anc if op_name(n) == "topk"]
     views = [n for n in anc if op_name(n) in ("view", "reshape") and len(_fx.shape_of(n) or ()) >= 3]
     if not gtopk or not views:
@@ -574,18 +828,29 @@ def _weight_chain(ctx: _Context, R: _Routing, w0: fx.Node) -> None:
             name = op_name(u)
             if name in ("div", "div_") and arg(u, 0) is cur and sums:
                 d = arg(u, 1)
-                eps = 0.0
+                eps, lo = 0.0, 0.0
+                if op_name(d) in _CLAMPS:  # max(sum (+ eps), min): ERNIE-4.5's clamp(sum, min=norm_min)
+                    lo_v, hi_v = _clamp_bounds(ctx, d, R.baked, "renorm_min")
+                    if hi_v is not None or lo_v is None:
+                        raise _Reject("renormalisation denominator clamped from above")
+                    lo, d = lo_v, arg(d, 0)
                 if op_name(d) == "add" and arg(d, 0) in sums:
                     e = _fx.scalar_value(arg(d, 1), ctx.values)
                     if e is None:
                         raise _Reject("renormalisation eps is not a constant")
                     eps, d = e, arg(d, 0)
-                elif op_name(d) == "clamp" and arg(d, 0) in sums:
-                    raise _Reject("renormalisation with a clamped denominator")
+                if op_name(d) in _CLAMPS and arg(d, 0) in sums:
+                    raise _Reject("renormalisation denominator clamped before the eps is added (max(sum, m) + eps)")
                 if d in sums:
                     if R.renormalize:
                         raise _Reject("weights renormalised twice")
-                    R.renormalize, R.renorm_eps, nxt = True, eps, u
+                    R.renormalize, R.renorm_eps, R.renorm_min, nxt = True, eps, lo, u
+                    break
+            if name in ("div", "div_") and arg(u, 0) is cur:  # weights / scalar (e.g. `router_scores / top_k`)
+                v = _fx.scalar_value(arg(u, 1), ctx.values)
+                if v is not None and v != 0 and math.isfinite(v):
+                    R.scaling /= v
+                    nxt = u
                     break
             if name in ("mul", "mul_"):
                 a, b = arg(u, 0), arg(u, 1)
@@ -776,7 +1041,7 @@ def _experts(ctx: _Context, R: _Routing, region: set, support: set) -> dict:
     names = {op_name(n) for n in between}
 
     res = dict(w13=w13, w2=w2, I=I, gated=gated, layouts=layouts, g1=g1, g2=sorted(g2, key=ctx.order.get)[-1],
-               b13=None, b2=None, baked={})
+               g2_all=g2, b13=None, b2=None, baked={})
 
     # gate split
     if gated:
@@ -791,23 +1056,12 @@ def _experts(ctx: _Context, R: _Routing, region: set, support: set) -> dict:
         res["gate_ups"] = ["concat"]
 
     # activation
-    if "clamp" in names and "sigmoid" in names and gated:
-        alpha, limit = _swiglu_consts(ctx, between, res)
-        res.update(alpha=alpha, limit=limit, activations=["swiglu_oai"])
-    else:
-        acts = []
-        for n in between:
-            nm = op_name(n)
-            if nm == "gelu":
-                acts.append("gelu_tanh" if arg(n, 1, "approximate", "none") == "tanh" else "gelu")
-            elif nm in ("silu", "relu"):
-                acts.append(nm)
-            elif nm == "sigmoid":
-                acts.append("silu")  # x * sigmoid(x); the numeric check confirms
-        acts = sorted(set(acts))
-        if len(acts) != 1:
-            raise _Reject(f"expert activation not recognised (ops between the GEMMs: {sorted(names)})")
-        res["activations"] = acts
+    act = _activation(ctx, between, gated, res["baked"], "expert")
+    res.update(activations=act["activations"], clamp=act["clamp"])
+    if "alpha" in act:
+        res["alpha"] = act["alpha"]
+    if "limit" in act:
+        res["limit"] = act["limit"]
 
     # per-expert biases: 2-D [E, N] / [E, H] placeholders gathered by expert id inside the block
     b_cands = []
@@ -854,7 +1108,102 @@ def _layout_from_use(uses) -> str | None:
     return votes.pop() if len(votes) == 1 else None
 
 
-def _swiglu_consts(ctx: _Context, between: set, res: dict):
+_CLAMPS = ("clamp", "clamp_min", "clamp_max")
+
+
+def _clamp_bounds(ctx: _Context, n: fx.Node, baked: dict | None = None, field: str | None = None):
+    """(min, max) of a clamp node as floats, None where open; rejects bounds whose value cannot be read."""
+    nm = op_name(n)
+    if nm == "clamp":
+        lo, hi = arg(n, 1, "min"), arg(n, 2, "max")
+    elif nm == "clamp_min":
+        lo, hi = arg(n, 1, "min"), None
+    else:
+        lo, hi = None, arg(n, 1, "max")
+    out = []
+    for b in (lo, hi):
+        if b is None:
+            out.append(None)
+            continue
+        v = _fx.scalar_value(b, ctx.values)
+        if v is None:
+            raise _Reject(f"clamp bound of {n.name} is not readable (a tensor, or no example inputs)")
+        if baked is not None and field and isinstance(b, fx.Node):
+            src = b
+            while isinstance(src, fx.Node) and op_name(src) in ("neg", "item"):
+                src = arg(src, 0)
+            if isinstance(src, fx.Node) and src.op == "placeholder":
+                baked[field] = src.name
+        out.append(v)
+    return out[0], out[1]
+
+
+def _strip_gate_clamp(n):
+    """``n`` through views / casts and an upper-only clamp (the gate side of a clamped SwiGLU)."""
+    n = _fx.strip_views_casts(n)
+    if isinstance(n, fx.Node) and op_name(n) in ("clamp", "clamp_max") and (
+            op_name(n) == "clamp_max" or arg(n, 1, "min") is None):
+        n = _fx.strip_views_casts(arg(n, 0))
+    return n
+
+
+def _activation(ctx: _Context, between: set, gated: bool, baked: dict, who: str) -> dict:
+    """The activation computed by the nodes ``between`` the first GEMM(s) and the down GEMM: candidate activation
+    names, and swiglu_oai's alpha / limit or the clamped SwiGLU's limit (``clamp``)."""
+    names = {op_name(n) for n in between}
+    clamps = [n for n in between if op_name(n) in _CLAMPS]
+    if clamps and "sigmoid" in names and gated:
+        alpha, limit = _swiglu_consts(ctx, between, baked)
+        return dict(activations=["swiglu_oai"], alpha=alpha, limit=limit, clamp=False)
+    acts = []
+    for n in between:
+        nm = op_name(n)
+        if nm == "gelu":
+            acts.append("gelu_tanh" if arg(n, 1, "approximate", "none") == "tanh" else "gelu")
+        elif nm == "relu":
+            sq = [u for u in n.users if u in between and (
+                op_name(u) == "square" or (op_name(u) == "pow" and arg(u, 1, "exponent") in (2, 2.0))
+                or (op_name(u) == "mul" and arg(u, 0) is n and arg(u, 1) is n))]
+            acts.append("relu2" if sq else "relu")
+        elif nm == "silu":
+            acts.append(nm)
+        elif nm == "sigmoid":
+            acts.append("silu")  # x * sigmoid(x); the numeric check confirms
+    acts = sorted(set(acts))
+    if len(acts) != 1:
+        raise _Reject(f"{who} activation not recognised (ops between the GEMMs: {sorted(names)})")
+    res = dict(activations=acts, clamp=False)
+    if clamps:
+        if not gated:
+            raise _Reject(f"{who}: clamp in an ungated activation (not a clamped SwiGLU)")
+        res.update(clamp=True, limit=_clamp_limit(ctx, clamps, between, baked, who))
+    return res
+
+
+def _clamp_limit(ctx: _Context, clamps, between: set, baked: dict, who: str) -> float:
+    """Clamped SwiGLU (DeepSeek-V4): act(gate.clamp(max=L)) * up.clamp(-L, L). Returns L; rejects anything else."""
+    upper, sym = [], []
+    for c in clamps:
+        lo, hi = _clamp_bounds(ctx, c, baked, "activation_limit")
+        if lo is None and hi is not None:
+            upper.append((c, hi))
+        elif lo is not None and hi is not None and math.isclose(lo, -hi) and hi > 0:
+            sym.append((c, hi))
+        else:
+            raise _Reject(f"{who}: clamp({lo}, {hi}) in the activation is not a clamped SwiGLU's")
+    if len(upper) != 1 or len(sym) != 1 or not math.isclose(upper[0][1], sym[0][1]):
+        raise _Reject(f"{who}: clamps {[(c.name, v) for c, v in upper + sym]} are not one gate clamp(max=L) and "
+                      "one up clamp(-L, L)")
+    (cu, limit), (cs, _) = upper[0], sym[0]
+    act_in = [n for n in between if op_name(n) in ("silu", "gelu", "relu") and _fx.strip_views_casts(arg(n, 0)) is cu]
+    up_in = [n for n in between if op_name(n) == "mul" and any(
+        _fx.strip_views_casts(a) is cs for a in (arg(n, 0), arg(n, 1)))]
+    if len(act_in) != 1 or not up_in:
+        raise _Reject(f"{who}: clamped gate / up do not feed act(gate) * up")
+    return limit
+
+
+def _swiglu_consts(ctx: _Context, between: set, baked: dict):
     limit = alpha = None
     for n in between:
         nm = op_name(n)
@@ -867,7 +1216,7 @@ def _swiglu_consts(ctx: _Context, between: set, res: dict):
                 raise _Reject("swiglu clamps with different limits")
             limit = v
             if isinstance(mx, fx.Node) and op_name(mx) == "item":
-                res["baked"]["activation_limit"] = arg(mx, 0).name
+                baked["activation_limit"] = arg(mx, 0).name
         if nm == "sigmoid":
             m = arg(n, 0)
             if op_name(m) == "mul":
@@ -876,7 +1225,7 @@ def _swiglu_consts(ctx: _Context, between: set, res: dict):
                     if v is not None:
                         alpha = v
                         if isinstance(o, fx.Node) and op_name(o) == "item":
-                            res["baked"]["activation_alpha"] = arg(o, 0).name
+                            baked["activation_alpha"] = arg(o, 0).name
     if alpha is None or limit is None:
         raise _Reject("clamp + sigmoid gate without a readable alpha / limit")
     return alpha, limit
@@ -934,15 +1283,19 @@ def _shared(ctx: _Context, R: _Routing, region: set, x_root, out, ex) -> dict | 
     Is = ctx.pshape(wd)[1]
     if ctx.pshape(wd)[0] != H:
         raise _Reject(f"shared down projection {ctx.pshape(wd)} does not produce hidden size {H}")
+    down_anc = _fx.ancestors(down, region, pos=ctx.order)
+    between = set()
+    for n, _ in mlp_in:
+        between |= _fx.descendants(n, region) & down_anc
+    # which input projection feeds the activation (through views / casts and a gate clamp(max=L))
     act_of = {}
     for n, w in mlp_in:
-        for u in _fx.descendants(n, region) & _fx.ancestors(down, region, pos=ctx.order):
+        for u in between:
             nm = op_name(u)
-            if nm in ("silu", "relu", "gelu"):
-                a = "gelu_tanh" if nm == "gelu" and arg(u, 1, "approximate", "none") == "tanh" else nm
-                if arg(u, 0) is n or _fx.strip_views_casts(arg(u, 0)) is n:
-                    act_of[n] = a
+            if nm in ("silu", "relu", "gelu") and _strip_gate_clamp(arg(u, 0)) is n:
+                act_of[n] = nm
     bind = dict(shared_w1=None, shared_w3=None, shared_w2=wd, shared_gate_w=None)
+    baked = {}  # spec fields read from scalar attributes: reported as "shared.<field>"
     if len(mlp_in) == 2:
         gated_ones = [n for n, _ in mlp_in if n in act_of]
         if len(gated_ones) != 1:
@@ -953,26 +1306,37 @@ def _shared(ctx: _Context, R: _Routing, region: set, x_root, out, ex) -> dict | 
         wu = [w for n, w in mlp_in if n is up][0]
         if ctx.pshape(wg) != (Is, H) or ctx.pshape(wu) != (Is, H):
             raise _Reject("shared gate / up projections do not match the down projection")
-        spec = dict(intermediate_size=Is, activation=act_of[g], gated=True, layout="separate")
+        act = _activation(ctx, between, True, baked, "shared expert")
+        spec = dict(intermediate_size=Is, gated=True, layout="separate")
         bind.update(shared_w1=wg, shared_w3=wu)
     elif len(mlp_in) == 1:
         n, w = mlp_in[0]
         s = ctx.pshape(w)
         chunked = any(op_name(u) in ("chunk", "split", "getitem") for u in n.users)
         if s == (2 * Is, H) and chunked:
-            acts = [op_name(u) for u in _fx.descendants(n, region) & _fx.ancestors(down, region, pos=ctx.order)
-                    if op_name(u) in ("silu", "relu", "gelu")]
-            if len(set(acts)) != 1:
-                raise _Reject("shared expert (concatenated gate/up): activation not recognised")
-            spec = dict(intermediate_size=Is, activation=acts[0], gated=True, layout="concat")
+            if any(op_name(u) == "getitem" and _has_step2(arg(u, 1)) for u in between):
+                raise _Reject("shared expert with interleaved gate/up rows is not supported")
+            try:
+                act = _activation(ctx, between, True, baked, "shared expert (concatenated gate/up)")
+            except _Reject as e:
+                raise _Reject(f"shared expert (concatenated gate/up): activation not recognised ({e})") from None
+            spec = dict(intermediate_size=Is, gated=True, layout="concat")
             bind.update(shared_w1=w)
         elif s == (Is, H) and n in act_of:
-            spec = dict(intermediate_size=Is, activation=act_of[n], gated=False, layout="separate")
+            act = _activation(ctx, between, False, baked, "shared expert")
+            spec = dict(intermediate_size=Is, gated=False, layout="separate")
             bind.update(shared_w3=w)
         else:
             raise _Reject("shared expert projection not recognised")
     else:
         raise _Reject("more than two shared input projections")
+    if len(act["activations"]) != 1:
+        raise _Reject(f"shared expert activation is ambiguous: {act['activations']}")
+    spec.update(activation=act["activations"][0], activation_clamp=act["clamp"])
+    if "alpha" in act:
+        spec["activation_alpha"] = act["alpha"]
+    if "limit" in act:
+        spec["activation_limit"] = act["limit"]
     spec["gate"] = "none"
     if gate_lin:
         if len(gate_lin) != 1:
@@ -984,13 +1348,19 @@ def _shared(ctx: _Context, R: _Routing, region: set, x_root, out, ex) -> dict | 
         bind["shared_gate_w"] = gw
     if out not in _fx.descendants(down, region) and out is not down:
         raise _Reject("the shared expert does not reach the block output")
-    return dict(spec=SharedExpertSpec(**spec), bind=bind)
+    return dict(spec=SharedExpertSpec(**spec), bind=bind, down=down,
+                baked={f"shared.{k}": v for k, v in baked.items()})
 
 
 # ------------------------------------------------------------------------------------------------ numeric check
-def _verify(ctx: _Context, candidates, bindings, x_root, x_in, out, region, support):
-    """Cut the region into a GraphModule and compare it with the reference for each candidate spec."""
+def _verify(ctx: _Context, candidates, bindings, x_root, x_in, out, region, support, arg_shapes=None):
+    """Cut the region into a GraphModule and compare it with the reference for each candidate spec.
+
+    A spec that clamps (swiglu_oai, activation_clamp) is checked a second time with the clamped projections'
+    weights scaled up so that the clamps bind: random weights rarely reach a limit like 10, and a clamp that never
+    binds proves nothing about it."""
     spec0 = candidates[0]
+    arg_shapes = arg_shapes or {}
     ph = {n.name: n for n in ctx.placeholders}
     # token budget: a block that gathers whole expert matrices per (token, slot) (batched_mm style) materialises
     # T * k of them; keep that under VERIFY_GATHER_BYTES
@@ -1023,21 +1393,71 @@ def _verify(ctx: _Context, candidates, bindings, x_root, x_in, out, region, supp
             except Exception as e:  # noqa: BLE001
                 errs.append(f"the block's own graph failed to run ({type(e).__name__}: {str(e)[:200]})")
                 continue
-            got = got.float()
             xin = x_val if x_in is x_root else x_val.reshape(got.shape)
             for spec in candidates:
-                try:
-                    want = reference.moe_forward(xin, **tensors, spec=spec).float()
-                except Exception as e:  # noqa: BLE001
-                    errs.append(f"{spec.describe()}: reference failed ({e})")
-                    continue
-                ok, msg = _close(got.reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1]), x_val.dtype)
+                ok, msg = _agree(got, xin, tensors, spec, arg_shapes, x_val.dtype)
                 if ok:
+                    stressed = _stress(ctx, sub, args, inputs, ph, bindings, tensors, spec, xin, arg_shapes,
+                                       x_val.dtype)
+                    if stressed is not None and not stressed[0]:
+                        errs.append(f"{spec.describe()}: agrees, but not once the activation clamps bind "
+                                    f"({stressed[1]})")
+                        continue
                     T = x_val.numel() // x_val.shape[-1]
-                    return spec, f"numeric, {T} tokens ({msg})"
+                    more = f"; clamps binding: {stressed[1]}" if stressed is not None else ""
+                    return spec, f"numeric, {T} tokens ({msg}{more})"
                 errs.append(f"{spec.describe()}: {msg}")
         break  # the graph ran: its verdict stands
     raise _Reject("numeric check failed: " + "; ".join(errs))
+
+
+def _agree(got, xin, tensors, spec, arg_shapes, dtype):
+    t = dict(tensors)
+    for k, shape in arg_shapes.items():
+        if t.get(k) is not None:
+            t[k] = t[k].reshape(shape)
+    try:
+        want = reference.moe_forward(xin, **t, spec=spec).float()
+    except Exception as e:  # noqa: BLE001
+        return False, f"reference failed ({e})"
+    got = got.float()
+    return _close(got.reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1]), dtype)
+
+
+def _stress(ctx, sub, args, inputs, ph, bindings, tensors, spec, xin, arg_shapes, dtype):
+    """Run graph and reference again with the clamped projections scaled so that about a third of the
+    pre-activations exceed the limit. None when the spec clamps nothing."""
+    scaled = {}
+    x2 = xin.reshape(-1, xin.shape[-1]).float()
+    if spec.activation_clamp or spec.activation == "swiglu_oai":
+        w = tensors["w13"].float()
+        h = torch.einsum("th,enh->ten", x2, w) if spec.w_layout == "out_in" else torch.einsum("th,ehn->ten", x2, w)
+        scaled["w13"] = _stress_factor(h, spec.activation_limit)
+    sh = spec.shared
+    if sh is not None and (sh.activation_clamp or sh.activation == "swiglu_oai"):
+        for k in ("shared_w1", "shared_w3"):
+            if tensors.get(k) is not None:
+                scaled[k] = _stress_factor(x2 @ tensors[k].float().T, sh.activation_limit)
+    if not scaled:
+        return None
+    args2, tensors2 = list(args), dict(tensors)
+    for k, f in scaled.items():
+        t = tensors[k] * f
+        tensors2[k] = t
+        p = ph[bindings[k]]
+        if p in inputs:
+            args2[inputs.index(p)] = t
+    try:
+        got = _run_disabled(sub, args2)
+    except Exception as e:  # noqa: BLE001
+        return False, f"the block's own graph failed to run ({type(e).__name__})"
+    ok, msg = _agree(got, xin, tensors2, spec, arg_shapes, dtype)
+    return ok, msg
+
+
+def _stress_factor(h: torch.Tensor, limit: float) -> float:
+    q = torch.quantile(h.abs().flatten()[:100000].float(), 0.7).item()
+    return max(1.0, 1.5 * limit / max(q, 1e-6))
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype) -> tuple[bool, str]:

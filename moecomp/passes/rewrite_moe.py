@@ -11,9 +11,13 @@ After::
     x ─ moecomp.moe_forward(x, router_w, router_b, correction_bias, w13, b13, w2, b2,
                             shared_w1, shared_w3, shared_w2, shared_gate_w, spec.key) ─ [.to(out dtype)] ─► users
 
-The op reads the same parameter placeholders the block read (so weight updates stay visible and nothing is copied);
+The op reads the same parameter placeholders the block read (so weight updates stay visible and nothing is copied;
+a tensor the op needs in another shape, e.g. a ``[1, E]`` correction bias, is passed through a ``reshape`` node);
 scalar attributes (routed scaling, swiglu alpha / limit) are in ``spec.key``. The shared expert and its gate are
 folded into the op (it overlaps them with the routed experts on a side stream): there is no separate overlap pass.
+
+A tail the block applies to the MoE result (``MoEMatch.tail``, e.g. a post-MoE norm) is not part of the match: it
+now reads the op's result and stays.
 
 Dead-code elimination is alias-aware and limited to the block's nodes: a node stays when anything outside the block
 still reads it (e.g. router logits or router scores a model also returns), and so does every in-place write into a
@@ -57,6 +61,14 @@ def _rewrite_one(gm: fx.GraphModule, m) -> None:
     args = [ph[m.bindings[k]] if m.bindings.get(k) is not None else None for k in MOE_ARGS]
     out = m.output
     with g.inserting_before(out):
+        for i, k in enumerate(MOE_ARGS):  # e.g. a [1, E] correction bias the op takes as [E]
+            shape = getattr(m, "arg_shapes", {}).get(k)
+            if shape is not None and args[i] is not None:
+                v = g.call_method("reshape", (args[i], *shape))
+                fake = _fx.meta_val(args[i])
+                if isinstance(fake, torch.Tensor):
+                    v.meta["example_value"] = fake.reshape(shape)
+                args[i] = v
         new = g.call_function(torch.ops.moecomp.moe_forward.default, (m.x, *args, m.spec.key))
         new.meta["example_value"] = _fake_like(m.x)
         for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):

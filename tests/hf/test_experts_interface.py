@@ -16,9 +16,12 @@ TOL = 1e-4
 
 
 def run(model, ids):
+    import inspect
+
     counter = F.OpCounter()
+    kw = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
     with counter, torch.no_grad():
-        out = model(input_ids=ids, use_cache=False).logits
+        out = F._logits(model(input_ids=ids, **kw))
     return out, counter
 
 
@@ -33,7 +36,10 @@ def test_registered():
     assert ALL_EXPERTS_FUNCTIONS["moecomp"] is ei.moecomp_experts_forward
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3", "qwen2_moe"])
+# clamped SwiGLU (hy_v4, glm5_next, deepseek_v4), relu^2 ungated (nemotron_h), swiglu_oai concat (minimax_m3_vl),
+# gelu_tanh in a decoder layer (gemma4)
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3", "qwen2_moe", "hy_v4", "glm5_next",
+                                    "deepseek_v4", "nemotron_h", "minimax_m3_vl", "gemma4"])
 def test_set_experts_implementation(family, ids, poison):
     model, _ = F.build_tiny(family)
     ref, c0 = run(model, ids)
@@ -68,9 +74,10 @@ def test_spec_from_gpt_oss_experts():
     assert (spec.activation_alpha, spec.activation_limit) == (cfg.swiglu_alpha, cfg.swiglu_limit)
 
 
-@pytest.mark.parametrize("family", ["hy_v4", "nemotron_h"])
+@pytest.mark.parametrize("family", ["inkling2", "muse_spark"])
 def test_unsupported_experts_fall_back_with_one_warning(family, ids):
-    """Clamped SwiGLU (hy_v4) and relu^2 (nemotron_h) are not in MoESpec: transformers' own path runs."""
+    """A soft-capped SwiGLU (inkling2) and a norm after each expert (muse_spark) are not in MoESpec: transformers'
+    own path runs."""
     model, _ = F.build_tiny(family)
     ref, _ = run(model, ids)
     model.set_experts_implementation("moecomp")
@@ -95,3 +102,27 @@ def test_training_falls_back(ids):
         model(input_ids=ids, labels=ids).loss.backward()
     assert counter.experts_calls == 0
     assert model.model.layers[0].mlp.experts.gate_up_proj.grad is not None
+
+
+@pytest.mark.parametrize("family,want", [
+    ("hy_v4", dict(activation="silu", activation_clamp=True, gated=True)),
+    ("deepseek_v4", dict(activation="silu", activation_clamp=True, activation_limit=10.0)),
+    ("nemotron_h", dict(activation="relu2", gated=False)),
+    ("minimax_m3_vl", dict(activation="swiglu_oai", gate_up="concat", activation_clamp=False)),
+])
+def test_spec_new_activations(family, want):
+    model, _ = F.build_tiny(family)
+    m = next(m for m in model.modules() if F.is_experts_class(type(m)))
+    spec = ei.experts_spec(m, top_k=2)
+    assert {k: getattr(spec, k) for k in want} == want
+    err, tol = ei.verify_experts(m, spec)
+    assert err <= tol
+
+
+def test_wrong_gate_is_refused_by_the_probe():
+    """A module whose forward clamps but whose _apply_gate does not is caught by the numeric probe."""
+    model, _ = F.build_tiny("hy_v4")
+    m = next(m for m in model.modules() if F.is_experts_class(type(m)))
+    spec = ei.experts_spec(m, top_k=2)
+    err, tol = ei.verify_experts(m, spec.replace(activation_clamp=False))
+    assert err > tol

@@ -59,14 +59,22 @@ def test_block_parts_named():
     assert m.bindings["shared_gate_w"] == "shared_expert_gate.weight" and m.spec.shared.gate == "sigmoid"
 
 
-def test_unsupported_gate_is_refused_with_reason():
-    """Clamped SwiGLU (limit 10) is not in MoESpec: both the fallback and optimize's activation check refuse it."""
+def test_clamped_swiglu_detected():
+    """Clamped SwiGLU (limit 10) in the experts' _apply_gate and in the shared MLP's forward (glm5_next) is measured
+    on inputs that reach the clamps; hy_v4's shared MLP is not clamped."""
+    model, _ = F.build_tiny("glm5_next")
+    name, block, parts = first_block(model)
+    spec = fb.static_extract(block, parts).match.spec
+    assert (spec.activation, spec.activation_clamp, spec.activation_limit) == ("silu", True, 10.0)
+    assert (spec.shared.activation, spec.shared.activation_clamp, spec.shared.activation_limit) == ("silu", True, 10.0)
     model, _ = F.build_tiny("hy_v4")
     name, block, parts = first_block(model)
-    with pytest.raises(fb.FallbackError, match="clamped SwiGLU"):
-        fb.static_extract(block, parts)
-    _, rep = moecomp.optimize(model, report=True)
-    assert rep.blocks and all(b.status == "skipped" and b.reason for b in rep.blocks)
+    spec = fb.static_extract(block, parts).match.spec
+    assert spec.activation_clamp and spec.activation_limit == model.config.swiglu_limit
+    assert not spec.shared.activation_clamp
+    # a spec without the clamp is refused by optimize's activation check
+    assert "differs" in fb.activation_mismatch(block, parts, spec.replace(activation_clamp=False))
+    assert fb.activation_mismatch(block, parts, spec) is None
 
 
 def test_activation_probe():
@@ -74,7 +82,8 @@ def test_activation_probe():
     assert fb.probe_activation(torch.nn.GELU()) == "gelu"
     assert fb.probe_activation(torch.nn.GELU(approximate="tanh")) == "gelu_tanh"
     assert fb.probe_activation(torch.nn.ReLU()) == "relu"
-    assert fb.probe_activation(lambda t: torch.relu(t) ** 2) is None
+    assert fb.probe_activation(lambda t: torch.relu(t) ** 2) == "relu2"
+    assert fb.probe_activation(lambda t: torch.tanh(t) * 3) is None
     assert fb.probe_activation(None) is None
 
 
@@ -122,5 +131,5 @@ def test_sqrt_softplus_routing_measured():
     assert (spec.scoring, spec.has_correction_bias, spec.renormalize, spec.n_group) == ("sqrtsoftplus", True, True, 1)
     assert spec.routed_scaling_factor == model.config.routed_scaling_factor
     _, rep = moecomp.optimize(model, report=True, use_capture=False)
-    assert [b.status for b in rep.blocks] == ["skipped", "rewritten"]
+    assert [b.status for b in rep.blocks] == ["experts only", "rewritten"]
     assert "hash routing" in rep.blocks[0].reason

@@ -19,6 +19,13 @@ EXPECTED_EQUAL = {
     "minimax", "minimax_m2", "mixtral", "olmoe", "openai_privacy_filter", "qwen2_moe", "qwen3_5_moe", "qwen3_moe",
     "qwen3_next", "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp", "solar_open", "unlimited_ocr",
 }
+# Blocks moecomp cannot rewrite whole (hash routing, router inside a decoder layer, router MLPs, sparsemixer) whose
+# standard experts module is switched to moe_experts: at least "experts only" (never left alone, never different).
+EXPECTED_EXPERTS_ONLY = {"deepseek_v4", "diffusion_gemma", "gemma4", "inkling", "phimoe", "zaya"}
+# Rewritten whole by the attribute fallback alone (tests/hf/test_new_styles.py); with the FX pass first they are
+# "equal" once the pass knows their style, "experts only" until then.
+EXPECTED_REWRITTEN = {"axk1", "axk2", "beam", "ernie4_5_moe", "ernie4_5_vl_moe", "glm5_next", "hy_v4", "hy_v4_vl",
+                      "kolibri1", "minimax_m3_vl", "mistral4", "mistral_large4", "nemotron_h"}
 ALL = F.experts_families()
 
 
@@ -34,11 +41,13 @@ def test_family(family):
         assert family not in EXPECTED_EQUAL, f"{family} no longer builds tiny: {r.reason}"
         pytest.skip(f"{family} cannot be built tiny: {r.reason[:200]}")
     assert r.status != "not equal", f"{family}: optimized model differs: {r.reason}"
-    if r.rewritten:
-        assert r.calls_ok, f"{family}: moe_forward calls per block are not exactly one"
+    if r.rewritten or r.experts_only:
+        assert r.calls_ok, f"{family}: moe_forward / moe_experts calls per block are not exactly one"
         assert r.max_rel_err is not None and r.max_rel_err <= F.TOL
     if family in EXPECTED_EQUAL:
         assert r.status == "equal", f"{family}: {r.status}: {r.reason} {r.skipped}"
+    elif family in EXPECTED_EXPERTS_ONLY | EXPECTED_REWRITTEN:
+        assert r.status in ("equal", "experts only"), f"{family}: {r.status}: {r.reason} {r.skipped}"
     else:
-        assert r.status in ("equal", "partial", "not rewritten", "no MoE block")
+        assert r.status in ("equal", "experts only", "partial", "not rewritten", "no MoE block")
         assert r.status == "equal" or r.reason, "a family left alone must say why"

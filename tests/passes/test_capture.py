@@ -136,7 +136,8 @@ def test_detect_block_expert_loop(poison):
     [
         (tm.SeparateW1W3MoE, "separate gate / up"),
         (tm.CapacityMoE, "numeric check failed"),  # equal on spread-out tokens, not on a crowd of identical ones
-        (tm.ScaledOutMoE, "numeric check failed"),
+        (tm.TanhOutMoE, "post-processes the MoE result"),
+        (tm.TwoSidedGateClampMoE, "not one gate clamp(max=L) and one up clamp(-L, L)"),
         (tm.JitterMoE, "between the router logits and the top-k"),
         (tm.DenseMLP, "no top-k routing"),
     ],

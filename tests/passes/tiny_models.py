@@ -186,10 +186,69 @@ class CapacityMoE(EinsumMoE):
 
 
 class ScaledOutMoE(EinsumMoE):
-    """Multiplies the MoE result by 0.5 inside the block: not what any spec computes; must not be matched."""
+    """Multiplies the MoE result by 0.5 inside the block (Beam's ``* routed_scaling_factor`` after the combine):
+    the same as scaling the routing weights, matched with ``routed_scaling_factor=0.5``."""
 
     def forward(self, x):
         return super().forward(x) * 0.5
+
+
+class TanhOutMoE(EinsumMoE):
+    """tanh of the MoE result inside the block: no spec computes it. The MoE before it is matched, the tanh is a
+    tail the rewrite leaves in place (``detect_block`` refuses: the block post-processes the result)."""
+
+    def forward(self, x):
+        return torch.tanh(super().forward(x) * 3.0)
+
+
+class ClampedSwiGLUMoE(EinsumMoE):
+    """DeepSeek-V4 style clamped SwiGLU: silu(gate.clamp(max=L)) * up.clamp(-L, L), L small enough to bind."""
+
+    limit = 0.5
+
+    def act(self, h):
+        g, u = h.chunk(2, dim=-1)
+        return F.silu(g.clamp(max=self.limit)) * u.clamp(min=-self.limit, max=self.limit)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.view(-1, self.dim)
+        weights, idx = torch.topk(F.softmax(self.gate(x), dim=-1), self.k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        h = torch.einsum("ti,taoi->tao", x, self.w13[idx])
+        y = torch.einsum("tao,taio->tai", self.act(h), self.w2[idx])
+        return torch.einsum("tai,ta->ti", y, weights).view(shape)
+
+
+class TwoSidedGateClampMoE(ClampedSwiGLUMoE):
+    """The gate clamped on both sides: not the clamped SwiGLU the spec knows; must not be matched."""
+
+    def act(self, h):
+        g, u = h.chunk(2, dim=-1)
+        return F.silu(g.clamp(-self.limit, self.limit)) * u.clamp(min=-self.limit, max=self.limit)
+
+
+class Relu2MoE(nn.Module):
+    """Ungated relu(x)**2 experts (Nemotron-H), sigmoid routing with a correction bias on the logits (Kolibri-1),
+    renormalised by clamp(sum, min) (ERNIE-4.5), output scaled by a constant after the combine (Beam)."""
+
+    def __init__(self, dim=H, inter=24, experts=E, k=K, seed=4):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.k = k
+        self.router = nn.Parameter(torch.randn(experts, dim, generator=g) / math.sqrt(dim) * 2)
+        self.bias = nn.Parameter(torch.randn(1, experts, generator=g) * 0.3)
+        self.w_up = nn.Parameter(torch.randn(experts, inter, dim, generator=g) / math.sqrt(dim))
+        self.w_down = nn.Parameter(torch.randn(experts, dim, inter, generator=g) / math.sqrt(inter))
+
+    def forward(self, x):
+        logits = F.linear(x, self.router)
+        idx = torch.topk(logits + self.bias.squeeze(), self.k, dim=-1).indices
+        w = torch.sigmoid(logits.gather(1, idx))
+        w = w / torch.clamp(w.sum(-1, keepdim=True), min=0.05)
+        h = torch.square(F.relu(torch.einsum("ti,taoi->tao", x, self.w_up[idx])))
+        y = torch.einsum("tao,taio->tai", h, self.w_down[idx])
+        return torch.einsum("tai,ta->ti", y, w) * 1.25
 
 
 class JitterMoE(EinsumMoE):

@@ -1,0 +1,194 @@
+"""Styles the spec gained (clamped SwiGLU, relu², shared gpt-oss SwiGLU, bias on logits, 0.0 group mask, renorm
+minimum, post-experts scaling), a post-MoE norm (epilogue), experts-only rewrites and separate 3-D gate / up
+weights: what optimize derives and that the optimized model equals the original (fp32, CPU, 1e-4 relative, fresh
+random inputs, exactly one op call per block)."""
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import moecomp
+from moecomp.hf import families as F
+from moecomp.optimize import experts_only_modules, rewritten_blocks
+
+from .conftest import rel_err
+
+TOL = 1e-4
+
+
+def _fields(spec, want):
+    out = {}
+    for k in want:
+        obj = spec
+        for a in k.split("."):
+            obj = getattr(obj, a)
+        out[k] = obj
+    return out
+
+
+def _run(model, ids):
+    kw = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    with torch.no_grad():
+        return F._logits(model(input_ids=ids, **kw))
+
+
+# family: (blocks rewritten whole, blocks experts only, spec fields of the rewritten blocks; callables get config)
+CASES = {
+    "deepseek_v4": (1, 1, {"activation_clamp": True, "activation_limit": 10.0, "scoring": "sqrtsoftplus",
+                           "renorm_eps": 1e-20, "shared.activation_clamp": True, "shared.activation_limit": 10.0}),
+    "hy_v4": (1, 0, {"activation_clamp": True, "activation_limit": lambda c: float(c.swiglu_limit),
+                     "shared.activation_clamp": False}),
+    "hy_v4_vl": (1, 0, {"activation_clamp": True, "shared.activation_clamp": False}),
+    "glm5_next": (2, 0, {"activation_clamp": True, "activation_limit": 10.0, "shared.activation_clamp": True,
+                         "shared.activation": "silu"}),
+    "nemotron_h": (1, 0, {"activation": "relu2", "gated": False, "shared.activation": "relu2",
+                          "shared.gated": False}),
+    "minimax_m3_vl": (2, 0, {"activation": "swiglu_oai", "gate_up": "concat", "shared.activation": "swiglu_oai",
+                             "shared.layout": "concat",
+                             "routed_scaling_factor": lambda c: float(c.routed_scaling_factor)}),
+    "kolibri1": (2, 0, {"bias_on_logits": True, "has_correction_bias": True, "scoring": "sigmoid"}),
+    "ernie4_5_moe": (1, 0, {"renorm_min": lambda c: float(c.moe_norm_min), "renormalize": True}),
+    "ernie4_5_vl_moe": (2, 0, {"renorm_min": lambda c: float(c.moe_norm_min)}),
+    "mistral4": (2, 0, {"group_mask_zero": True, "scoring": "softmax"}),
+    "mistral_large4": (2, 0, {"group_mask_zero": True}),
+    "axk2": (1, 0, {"group_mask_zero": True, "has_correction_bias": True}),
+    "beam": (2, 0, {"routed_scaling_factor": lambda c: float(c.routed_scaling_factor), "renorm_eps": 1e-20}),
+    "axk1": (1, 0, {"has_correction_bias": True}),
+}
+
+
+def _text_config(model):
+    c = model.config
+    return getattr(c, "text_config", None) or c
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_fallback_alone_rewrites_and_equals(family):
+    """optimize(use_capture=False): the attribute fallback derives the spec; the model stays equal."""
+    n_full, n_exp, want = CASES[family]
+    model, _ = F.build_tiny(family)
+    ids = torch.randint(3, 128, (3, 7), generator=torch.Generator().manual_seed(11))
+    ref = _run(model, ids)
+    _, rep = moecomp.optimize(model, report=True, use_capture=False)
+    assert len(rep.rewritten) == n_full and len(rep.experts_only) == n_exp, str(rep)
+    assert len(rep.blocks) == n_full + n_exp
+    cfg = _text_config(model)
+    want = {k: (v(cfg) if callable(v) else v) for k, v in want.items()}
+    for b in rep.rewritten:
+        assert _fields(b.spec, want) == want, b.name
+    (out, per, total, runs), eper, etotal, eruns = F.count_experts_calls(
+        model, lambda: F.count_calls_per_block(model, lambda: _run(model, ids), with_forwards=True))
+    # one call per block run (ernie4_5_vl_moe's vision experts do not run on text)
+    assert set(per) == {b.name for b in rep.rewritten} and all(per[n] == runs[n] for n in per), (per, runs)
+    assert total == sum(runs.values()) >= 1
+    assert len(eper) == n_exp and all(eper[n] == eruns[n] == 1 for n in eper) and etotal == n_exp
+    assert torch.isfinite(out).all() and rel_err(out, ref) <= TOL
+
+
+def test_axk1_epilogue():
+    """AXK1 ends its MoE block with post_mlp_layernorm: bound as norm(moe_forward(x)), one op call, equal."""
+    model, _ = F.build_tiny("axk1")
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    ref = _run(model, ids)
+    _, rep = moecomp.optimize(model, report=True)
+    assert [b.status for b in rep.blocks] == ["rewritten"], str(rep)
+    assert rep.blocks[0].epilogue == ["post_mlp_layernorm"]
+    assert any("epilogue" in n for n in rep.blocks[0].notes)
+    out, per, total = F.count_calls_per_block(model, lambda: _run(model, ids))
+    assert total == 1 and list(per.values()) == [1]
+    assert rel_err(out, ref) <= TOL
+    moecomp.unoptimize(model)
+    assert torch.equal(_run(model, ids), ref)
+
+
+@pytest.mark.parametrize("family,n", [("gemma4", 2), ("phimoe", 2), ("zaya", 2), ("inkling", 2),
+                                      ("diffusion_gemma", 2)])
+def test_experts_only(family, n):
+    """Routing moecomp cannot express / router in a decoder layer: only the experts module runs moe_experts."""
+    model, _ = F.build_tiny(family)
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(9))
+    ref = _run(model, ids)
+    _, rep = moecomp.optimize(model, report=True)
+    assert [b.status for b in rep.blocks] == ["experts only"] * n, str(rep)
+    assert all(b.reason and b.method == "experts interface" for b in rep.blocks)
+    assert not rewritten_blocks(model) and len(experts_only_modules(model)) == n
+    (out, per, total), eper, etotal, eruns = F.count_experts_calls(
+        model, lambda: F.count_calls_per_block(model, lambda: _run(model, ids)))
+    assert total == 0 and etotal == n and all(eper[k] == eruns[k] == 1 for k in eper)
+    assert rel_err(out, ref) <= TOL
+    scan = moecomp.scan(model)
+    assert [b.status for b in scan.blocks] == ["experts only"] * n
+    moecomp.unoptimize(model)
+    assert not experts_only_modules(model)
+    assert all("forward" not in m.__dict__ for m in model.modules() if F.is_experts_class(type(m)))
+    assert torch.equal(_run(model, ids), ref)
+    _, rep2 = moecomp.optimize(model, report=True, experts_only=False)
+    assert [b.status for b in rep2.blocks] == ["skipped"] * n
+
+
+def test_experts_only_refused_with_reason():
+    """inkling2's soft-capped SwiGLU is not in the spec: left alone, the reason says both why not."""
+    model, _ = F.build_tiny("inkling2")
+    _, rep = moecomp.optimize(model, report=True)
+    assert rep.blocks and all(b.status == "skipped" and "experts only not possible" in b.reason for b in rep.blocks)
+    assert not experts_only_modules(model)
+
+
+# ------------------------------------------------------------------------------ separate 3-D gate / up weights
+class SplitExperts(nn.Module):
+    """Experts with separate 3-D ``gate_proj`` [E, I, H] and ``up_proj`` [E, I, H] (no gate_up_proj)."""
+
+    def __init__(self, E, H, I):
+        super().__init__()
+        self.num_experts = E
+        self.gate_proj = nn.Parameter(torch.randn(E, I, H) * 0.2)
+        self.up_proj = nn.Parameter(torch.randn(E, I, H) * 0.2)
+        self.down_proj = nn.Parameter(torch.randn(E, H, I) * 0.2)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x, ids, w):
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            tok, slot = torch.where(ids == e)
+            if tok.numel():
+                h = self.act_fn(x[tok] @ self.gate_proj[e].T) * (x[tok] @ self.up_proj[e].T)
+                out.index_add_(0, tok, (h @ self.down_proj[e].T) * w[tok, slot, None])
+        return out
+
+
+class SplitBlock(nn.Module):
+    def __init__(self, E=6, H=32, I=24, k=2):
+        super().__init__()
+        self.top_k = k
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = SplitExperts(E, H, I)
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        w = torch.softmax(self.gate(x), dim=-1)
+        w, ids = torch.topk(w, self.top_k, dim=-1)
+        w = w / w.sum(dim=-1, keepdim=True)
+        return self.experts(x, ids, w).view(b, s, h)
+
+
+def test_separate_3d_gate_up_detected_and_equal():
+    torch.manual_seed(0)
+    net = nn.Sequential(SplitBlock(), SplitBlock()).eval()
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        ref = net(x)
+    _, rep = moecomp.optimize(net, report=True, use_capture=False)
+    assert [b.status for b in rep.blocks] == ["rewritten"] * 2, str(rep)
+    E, I, H = 6, 24, 32
+    assert all(b.intermediate == I and b.extra_bytes == 2 * E * I * H * 4 for b in rep.blocks)  # one [E, 2I, H] copy
+    assert "extra memory" in str(rep)
+    out, per, total = F.count_calls_per_block(net, lambda: net(x))
+    assert total == 2 and rel_err(out, ref) <= TOL
+    # an in-place weight update reaches the concatenated copy
+    with torch.no_grad():
+        net[0].experts.up_proj.mul_(1.5)
+        ref2 = moecomp.optimize.__globals__["_bind"].original_forward(net[0])(x)
+        assert rel_err(net[0](x), ref2) <= TOL
