@@ -7,7 +7,9 @@ vocab 151936) with 4 of its 48 layers, in bf16; bf16 GEMMs and the odd routing n
 comparisons loose, so the check there is on the whole tensor: ||optimized - original|| / ||original|| <= 2e-2
 (and the max-abs figure is printed too).
 
-It prints the scan report and the forward time before and after (median of timed runs after warm-up).
+It prints the scan report, the forward time before and after (median of timed runs after warm-up), and the time per
+generated token of greedy `generate()` (KV cache on, batch 1) before and after: plain eager HF decoding, the case
+where the op's own per-shape CUDA graphs (`moecomp/ops/graphs.py`) take the MoE blocks' launch overhead away.
 """
 
 from __future__ import annotations
@@ -60,8 +62,21 @@ def _time(fn, device: str, reps: int) -> float:
     return statistics.median(ts)
 
 
+def _decode_ms(model, prompt, new_tokens: int, device: str) -> tuple[float, torch.Tensor]:
+    """(ms per generated token, tokens) of greedy generate(): (t(1 + n) - t(1)) / n, so the prompt is not counted."""
+    def gen(n):
+        with torch.no_grad():
+            return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True,
+                                  pad_token_id=0)
+
+    gen(2)  # warm-up (and the op graphs' first capture)
+    t1 = _time(lambda: gen(1), device, 3)
+    tn = _time(lambda: gen(1 + new_tokens), device, 3)
+    return (tn - t1) / new_tokens * 1e3, gen(1 + new_tokens)[0, prompt.shape[1]:]
+
+
 def run(device: str | None = None, layers: int | None = None, batch: int = 1, seq: int = 128, reps: int = 5,
-        use_capture: bool = True, print_fn=print) -> dict:
+        use_capture: bool = True, print_fn=print, decode_tokens: int | None = None) -> dict:
     import moecomp
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -81,9 +96,15 @@ def run(device: str | None = None, layers: int | None = None, batch: int = 1, se
 
     ref = fwd().float()
     t_before = _time(fwd, device, reps)
+    n_new = decode_tokens if decode_tokens is not None else (32 if gpu else 8)
+    prompt = ids[:1, :16]
+    if n_new:
+        dec_before, toks_before = _decode_ms(model, prompt, n_new, device)
     _, rep = moecomp.optimize(model, report=True, use_capture=use_capture)
     out = fwd().float()
     t_after = _time(fwd, device, reps)
+    if n_new:
+        dec_after, toks_after = _decode_ms(model, prompt, n_new, device)
     print_fn(str(rep))
     max_rel = float((out - ref).abs().max() / ref.abs().max())
     norm_rel = float((out - ref).norm() / ref.norm())
@@ -96,8 +117,15 @@ def run(device: str | None = None, layers: int | None = None, batch: int = 1, se
     print_fn(f"logits vs the unoptimized model: {check} -> {'OK' if ok else 'MISMATCH'}")
     print_fn(f"forward ({batch} x {seq} tokens): before {t_before * 1e3:.2f} ms, after {t_after * 1e3:.2f} ms "
              f"({t_before / t_after:.2f}x)")
-    return {"ok": ok, "max_rel": max_rel, "norm_rel": norm_rel, "before_s": t_before, "after_s": t_after,
-            "rewritten": len(rep.rewritten), "blocks": len(rep.blocks)}
+    res = {"ok": ok, "max_rel": max_rel, "norm_rel": norm_rel, "before_s": t_before, "after_s": t_after,
+           "rewritten": len(rep.rewritten), "blocks": len(rep.blocks)}
+    if n_new:
+        same = float((toks_before == toks_after).float().mean())
+        print_fn(f"greedy generate() ({n_new} new tokens, batch 1, KV cache): before {dec_before:.2f} ms/token, after "
+                 f"{dec_after:.2f} ms/token ({dec_before / dec_after:.2f}x); same tokens as before: {same:.0%}"
+                 )
+        res.update(decode_ms_before=dec_before, decode_ms_after=dec_after, decode_same_tokens=same)
+    return res
 
 
 def main(argv=None) -> int:
@@ -108,8 +136,10 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--no-capture", action="store_true", help="attribute fallback only (no Dynamo)")
+    p.add_argument("--decode", type=int, default=None, help="new tokens for the generate() timing (default 32 on "
+                   "GPU, 8 on CPU; 0 skips it)")
     a = p.parse_args(argv)
-    res = run(a.device, a.layers, a.batch, a.seq, a.reps, use_capture=not a.no_capture)
+    res = run(a.device, a.layers, a.batch, a.seq, a.reps, use_capture=not a.no_capture, decode_tokens=a.decode)
     return 0 if res["ok"] and res["rewritten"] == res["blocks"] > 0 else 1
 
 
