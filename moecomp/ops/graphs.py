@@ -35,6 +35,7 @@ _entries: OrderedDict = OrderedDict()
 _pool = None
 keepalive: list | None = None  # set during a capture: derived tensors read by the graph register here
 stats = {"plain": 0, "captured": 0, "replayed": 0, "capture_failed": 0}
+last_error: str | None = None  # why the last capture failed
 
 
 def max_tokens() -> int:
@@ -82,7 +83,7 @@ def _capture(fn, inputs):
 
 def run(name: str, fn, dynamic: tuple, static: tuple, spec_key: str) -> torch.Tensor:
     """fn(*dynamic) (weights bound inside fn), through a cached CUDA graph when that is safe and pays."""
-    global keepalive
+    global keepalive, last_error
     x = dynamic[0]
     if not _usable(x, dynamic + static):
         stats["plain"] += 1
@@ -112,7 +113,8 @@ def run(name: str, fn, dynamic: tuple, static: tuple, spec_key: str) -> torch.Te
             e.graph, e.output = _capture(fn, inputs)
             e.inputs = inputs
             stats["captured"] += 1
-        except Exception:  # capture not possible here (e.g. an op that is not capturable): plain from now on
+        except Exception as err:  # capture not possible here (e.g. an op that is not capturable): plain from now on
+            last_error = f"{type(err).__name__}: {err}"
             e.failed, e.graph = True, None
             stats["capture_failed"] += 1
             return fn(*dynamic)
