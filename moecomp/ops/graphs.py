@@ -70,13 +70,20 @@ def _usable(x: torch.Tensor, tensors) -> bool:
     )
 
 
-def _capture(fn, inputs):
-    """(graph, output) for fn(*inputs) captured into the shared pool."""
+def _pool_handle():
+    """The shared memory pool for the next capture. The caching allocator frees a private pool with its last graph,
+    and capturing into a freed pool's handle fails inside the allocator (after the CUDA RNG has already been put in
+    capture mode), so a pool is reused only while one of our graphs still holds it."""
     global _pool
-    if _pool is None:
+    if _pool is None or not any(e.graph is not None for e in _entries.values()):
         _pool = torch.cuda.graph_pool_handle()
+    return _pool
+
+
+def _capture(fn, inputs, pool):
+    """(graph, output) for fn(*inputs) captured into ``pool``."""
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=_pool):
+    with torch.cuda.graph(g, pool=pool):
         out = fn(*inputs)
     return g, out
 
@@ -110,7 +117,7 @@ def run(name: str, fn, dynamic: tuple, static: tuple, spec_key: str) -> torch.Te
         inputs = tuple(t.clone() for t in dynamic)
         keepalive = e.keep
         try:
-            e.graph, e.output = _capture(fn, inputs)
+            e.graph, e.output = _capture(fn, inputs, _pool_handle())
             e.inputs = inputs
             stats["captured"] += 1
         except Exception as err:  # capture not possible here (e.g. an op that is not capturable): plain from now on

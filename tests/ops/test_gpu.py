@@ -186,6 +186,7 @@ def test_op_graphs_in_eager_mode(name):
         out = torch.ops.moecomp.moe_forward(x, *args[1:], spec.key)
         torch.testing.assert_close(out, plain(x, args[1:]), rtol=0, atol=0)
         outs.append(out)
+    assert graphs.stats["capture_failed"] == 0, graphs.last_error
     assert graphs.stats["captured"] == 2 and graphs.stats["replayed"] >= 2, graphs.stats
     assert len({o.data_ptr() for o in outs}) == len(outs)
     w13 = args[4].clone()  # a replaced weight tensor

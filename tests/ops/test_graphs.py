@@ -23,13 +23,17 @@ class FakeGraph:
 def fake_cuda(monkeypatch):
     captured = []
 
-    def capture(fn, inputs):
+    def capture(fn, inputs, pool):
         g = FakeGraph(fn, inputs)
+        g.pool = pool
         captured.append(g)
         return g, g.out
 
     monkeypatch.setattr(graphs, "_usable", lambda x, ts: graphs.max_tokens() > 0 and x.shape[0] <= graphs.max_tokens())
     monkeypatch.setattr(graphs, "_capture", capture)
+    handles = iter(range(1000))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+    monkeypatch.setattr(graphs, "_pool", None)
     graphs.clear()
     yield captured
     graphs.clear()
@@ -87,7 +91,7 @@ def test_limits_and_failed_capture_fall_back_to_plain(fake_cuda, monkeypatch):
         torch.testing.assert_close(graphs.run("op", lambda x: x @ w, (big,), (w,), "s"), big @ w)
     assert graphs.stats["captured"] == 0 and graphs.stats["plain"] == 3
 
-    def boom(fn, inputs):
+    def boom(fn, inputs, pool):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(graphs, "_capture", boom)
@@ -132,3 +136,15 @@ def test_usable_only_for_plain_eager_calls(monkeypatch):
         assert not graphs._usable(x, (x, w.detach().as_subclass(FakeCudaTensor)))
     assert not graphs._usable(x, (x, w))  # grad mode on and w requires grad
     assert graphs._usable(x, (x, w.detach()))
+
+
+def test_a_new_pool_once_no_graph_holds_the_old_one(fake_cuda):
+    """A pool dies with its last graph; capturing into its stale handle breaks the allocator (seen on the H200 after
+    graphs.clear(), and possible when the only graph is replaced)."""
+    w, x, x3 = torch.randn(8, 8), torch.randn(2, 8), torch.randn(3, 8)
+    for xx in (x, x, x3, x3):
+        graphs.run("op", lambda x: x @ w, (xx,), (w,), "s")
+    graphs.clear()
+    for _ in range(2):
+        graphs.run("op", lambda x: x @ w, (x,), (w,), "s")
+    assert [g.pool for g in fake_cuda] == [0, 0, 1]
