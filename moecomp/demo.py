@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 4 on GPU, 2 on CPU)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=11, help="timed forwards (median); host-bound GPU timings are noisy")
     p.add_argument("--no-capture", action="store_true", help="attribute fallback only (no Dynamo)")
     p.add_argument("--decode", type=int, default=None, help="new tokens for the generate() timing (default 32 on "
                    "GPU, 8 on CPU; 0 skips it)")
