@@ -602,6 +602,10 @@ def time_graph(path: Path, x, out_plain, timer: Timer, est: float, device) -> di
 
 # ============================================================================================ environment
 def git_commit() -> str:
+    """MOECOMP_COMMIT when set (a snapshot run from inside another checkout would otherwise report that checkout's
+    HEAD), else the repository's HEAD (+ "-dirty")."""
+    if os.environ.get("MOECOMP_COMMIT"):
+        return os.environ["MOECOMP_COMMIT"]
     try:
         r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=20)
         if r.returncode == 0 and r.stdout.strip():
