@@ -14,6 +14,10 @@ weight that is replaced, moved or updated in place gets a new graph instead of a
 reads are kept alive by the graph's entry. All graphs share one memory pool: they replay one at a time on the
 caller's stream, so their scratch may overlap.
 
+Memory: per cached shape, a static input and output ([T, H] each) outside the pool, plus the shared pool (about the
+largest graph's scratch). Outputs are copied out right after each replay, which is what makes sharing the pool safe
+while graphs replay one after another; replays of these graphs from several streams at once are not supported.
+
 Not used (plain launches instead) when: tokens > MOECOMP_OP_GRAPHS_MAX_T (default 256; 0 turns graphs off), a CUDA
 graph capture is already running (torch.compile mode="reduce-overhead" or the user's own graph covers the op),
 a Python dispatch or function mode is active (opcheck, FakeTensorMode, op counters: a capture under them would
