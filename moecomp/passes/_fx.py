@@ -391,3 +391,25 @@ def _is_fake(t) -> bool:
 
 def is_fake(t) -> bool:
     return _is_fake(t)
+
+
+def base_tensor(n):
+    """The tensor a view / getitem chain starts from (None when it is not a node)."""
+    while isinstance(n, fx.Node) and is_view(n) and op_name(n) != "getitem":
+        n = arg(n, 0)
+    while isinstance(n, fx.Node) and op_name(n) == "getitem" and isinstance(arg(n, 0), fx.Node) and isinstance(
+        meta_val(arg(n, 0)), torch.Tensor
+    ):
+        n = arg(n, 0)
+    return n if isinstance(n, fx.Node) else None
+
+
+def weight_base(n):
+    """Follow a (gathered / sliced / transposed / cast) weight back to what it was taken from."""
+    while isinstance(n, fx.Node):
+        name = op_name(n)
+        if name in VIEW_OPS or name in CAST_OPS or name in ("getitem", "index_select", "mT"):
+            n = arg(n, 0)
+        else:
+            break
+    return n

@@ -61,8 +61,8 @@ How a match is proven (nothing is matched on class or module names):
    with the derived spec and the real weights. fp32/fp64 blocks must agree to 1e-4 (relative to the output's max);
    lower-precision blocks per token to 3e-2, on at least 90% of tokens (routing near-ties may flip). Only where the
    graph leaves a discrete choice open (e.g. weight layout when every dim equals H) are the few candidates tried in
-   turn; the first that agrees is taken. The check runs on about ``VERIFY_TOKENS`` tokens (the graph's symbolic
-   sizes are set accordingly; the traced sizes are the fallback). A block that gathers whole expert matrices per
+   turn; the first that agrees is taken. The check (``passes/_numeric.py``) runs on about ``VERIFY_TOKENS`` tokens
+   (the graph's symbolic sizes are set accordingly; the traced sizes are the fallback). A block that gathers whole expert matrices per
    token (``w13[ids]``) would materialise T * k of them: when even 4 tokens exceed ``VERIFY_GATHER_BYTES`` the check
    is skipped, the match rests on the structure alone and says so (``MoEMatch.verified``). A spec that clamps
    (swiglu_oai, ``activation_clamp``, in routed or shared experts) is checked again with the clamped projections'
@@ -83,14 +83,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .. import reference
 from ..ops.moe_op import MOE_ARGS
 from ..spec import MoESpec, SharedExpertSpec, SpecError
 from . import _fx
 from ._fx import arg, op_name
+from ._numeric import Reject as _Reject
+from ._numeric import verify as _verify
 
-VERIFY_TOKENS = 48  # tokens the numeric check aims for (when the graph's token count is symbolic)
-VERIFY_GATHER_BYTES = 2 << 30  # most gathered expert weight (w13[ids] style blocks) the check may materialise
+_base_tensor = _fx.base_tensor
+_weight_base = _fx.weight_base
+
 
 _RANDOM_OPS = frozenset(
     {
@@ -101,10 +103,6 @@ _RANDOM_OPS = frozenset(
 )
 _SCORE_OPS = {"softmax": "softmax", "sigmoid": "sigmoid"}
 _ACTIVATIONS = {"silu": "silu", "relu": "relu", "gelu": "gelu"}
-
-
-class _Reject(Exception):
-    pass
 
 
 @dataclass
@@ -315,17 +313,6 @@ def _hash_routed(ctx: _Context) -> None:
                                           "expert ids are looked up in a table by token ids (hash routing), not "
                                           "chosen by a top-k: not a routing MoESpec can express"))
                 break
-
-
-def _weight_base(n):
-    """Follow a (gathered / sliced / transposed / cast) weight back to what it was taken from."""
-    while isinstance(n, fx.Node):
-        name = op_name(n)
-        if name in _fx.VIEW_OPS or name in _fx.CAST_OPS or name in ("getitem", "index_select", "mT"):
-            n = arg(n, 0)
-        else:
-            break
-    return n
 
 
 # ------------------------------------------------------------------------------------------------ linear forms
@@ -941,16 +928,6 @@ def _check_ops(ctx: _Context, nodes: set, x_root: fx.Node) -> None:
                 raise _Reject(f"'{n.name}' mutates a tensor the block did not create")
 
 
-def _base_tensor(n):
-    while isinstance(n, fx.Node) and _fx.is_view(n) and op_name(n) != "getitem":
-        n = arg(n, 0)
-    while isinstance(n, fx.Node) and op_name(n) == "getitem" and isinstance(arg(n, 0), fx.Node) and isinstance(
-        _fx.meta_val(arg(n, 0)), torch.Tensor
-    ):
-        n = arg(n, 0)
-    return n if isinstance(n, fx.Node) else None
-
-
 # ------------------------------------------------------------------------------------------------------- experts
 _GEMMS = ("grouped_mm", "bmm", "matmul", "linear", "mm", "einsum", "baddbmm")
 
@@ -1350,248 +1327,3 @@ def _shared(ctx: _Context, R: _Routing, region: set, x_root, out, ex) -> dict | 
         raise _Reject("the shared expert does not reach the block output")
     return dict(spec=SharedExpertSpec(**spec), bind=bind, down=down,
                 baked={f"shared.{k}": v for k, v in baked.items()})
-
-
-# ------------------------------------------------------------------------------------------------ numeric check
-def _verify(ctx: _Context, candidates, bindings, x_root, x_in, out, region, support, arg_shapes=None):
-    """Cut the region into a GraphModule and compare it with the reference for each candidate spec.
-
-    A spec that clamps (swiglu_oai, activation_clamp) is checked a second time with the clamped projections'
-    weights scaled up so that the clamps bind: random weights rarely reach a limit like 10, and a clamp that never
-    binds proves nothing about it."""
-    spec0 = candidates[0]
-    arg_shapes = arg_shapes or {}
-    ph = {n.name: n for n in ctx.placeholders}
-    # token budget: a block that gathers whole expert matrices per (token, slot) (batched_mm style) materialises
-    # T * k of them; keep that under VERIFY_GATHER_BYTES
-    per_expert = 0
-    for k in ("w13", "w2"):
-        v = _fx.meta_val(ph[bindings[k]])
-        if isinstance(v, torch.Tensor):
-            per_expert += (v.numel() // v.shape[0]) * v.element_size()
-    target = VERIFY_TOKENS
-    if _gathers(region | support, [ph[bindings["w13"]], ph[bindings["w2"]]]):
-        target = min(target, VERIFY_GATHER_BYTES // max(1, spec0.top_k * per_expert))
-    if target < 4:
-        if len(candidates) > 1:
-            raise _Reject("experts too large for the numeric check and the structure leaves choices open")
-        return spec0, "skipped: gathered expert weights would exceed VERIFY_GATHER_BYTES"
-
-    nodes = region | support
-    sub, inputs = _extract(ctx, nodes, x_root, out)
-    errs = []
-    for vals in _sym_values(x_root, target, per_expert * spec0.top_k if target < VERIFY_TOKENS else 0):
-        gen = torch.Generator(device="cpu").manual_seed(0x6D6F65)
-        args, x_val = _make_inputs(ctx, inputs, x_root, gen, vals)
-        tensors = {}
-        for k in MOE_ARGS:
-            p = ph[bindings[k]] if bindings[k] is not None else None
-            tensors[k] = None if p is None else args[inputs.index(p)] if p in inputs else _value(ctx, p, gen)
-        with torch.no_grad():
-            try:
-                got = _run_disabled(sub, args)
-            except Exception as e:  # noqa: BLE001
-                errs.append(f"the block's own graph failed to run ({type(e).__name__}: {str(e)[:200]})")
-                continue
-            xin = x_val if x_in is x_root else x_val.reshape(got.shape)
-            for spec in candidates:
-                ok, msg = _agree(got, xin, tensors, spec, arg_shapes, x_val.dtype)
-                if ok:
-                    stressed = _stress(ctx, sub, args, inputs, ph, bindings, tensors, spec, xin, arg_shapes,
-                                       x_val.dtype)
-                    if stressed is not None and not stressed[0]:
-                        errs.append(f"{spec.describe()}: agrees, but not once the activation clamps bind "
-                                    f"({stressed[1]})")
-                        continue
-                    T = x_val.numel() // x_val.shape[-1]
-                    more = f"; clamps binding: {stressed[1]}" if stressed is not None else ""
-                    return spec, f"numeric, {T} tokens ({msg}{more})"
-                errs.append(f"{spec.describe()}: {msg}")
-        break  # the graph ran: its verdict stands
-    raise _Reject("numeric check failed: " + "; ".join(errs))
-
-
-def _agree(got, xin, tensors, spec, arg_shapes, dtype):
-    t = dict(tensors)
-    for k, shape in arg_shapes.items():
-        if t.get(k) is not None:
-            t[k] = t[k].reshape(shape)
-    try:
-        want = reference.moe_forward(xin, **t, spec=spec).float()
-    except Exception as e:  # noqa: BLE001
-        return False, f"reference failed ({e})"
-    got = got.float()
-    return _close(got.reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1]), dtype)
-
-
-def _stress(ctx, sub, args, inputs, ph, bindings, tensors, spec, xin, arg_shapes, dtype):
-    """Run graph and reference again with the clamped projections scaled so that about a third of the
-    pre-activations exceed the limit. None when the spec clamps nothing."""
-    scaled = {}
-    x2 = xin.reshape(-1, xin.shape[-1]).float()
-    if spec.activation_clamp or spec.activation == "swiglu_oai":
-        w = tensors["w13"].float()
-        h = torch.einsum("th,enh->ten", x2, w) if spec.w_layout == "out_in" else torch.einsum("th,ehn->ten", x2, w)
-        scaled["w13"] = _stress_factor(h, spec.activation_limit)
-    sh = spec.shared
-    if sh is not None and (sh.activation_clamp or sh.activation == "swiglu_oai"):
-        for k in ("shared_w1", "shared_w3"):
-            if tensors.get(k) is not None:
-                scaled[k] = _stress_factor(x2 @ tensors[k].float().T, sh.activation_limit)
-    if not scaled:
-        return None
-    args2, tensors2 = list(args), dict(tensors)
-    for k, f in scaled.items():
-        t = tensors[k] * f
-        tensors2[k] = t
-        p = ph[bindings[k]]
-        if p in inputs:
-            args2[inputs.index(p)] = t
-    try:
-        got = _run_disabled(sub, args2)
-    except Exception as e:  # noqa: BLE001
-        return False, f"the block's own graph failed to run ({type(e).__name__})"
-    ok, msg = _agree(got, xin, tensors2, spec, arg_shapes, dtype)
-    return ok, msg
-
-
-def _stress_factor(h: torch.Tensor, limit: float) -> float:
-    q = torch.quantile(h.abs().flatten()[:100000].float(), 0.7).item()
-    return max(1.0, 1.5 * limit / max(q, 1e-6))
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, dtype) -> tuple[bool, str]:
-    if got.shape != want.shape:
-        return False, f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
-    scale = want.abs().max().clamp_min(1e-6)
-    err = ((got - want).abs().max() / scale).item()
-    if dtype in (torch.float32, torch.float64):
-        return err <= 1e-4, f"max rel err {err:.2e}"
-    tok_scale = want.abs().amax(-1).clamp_min(1e-3 * scale.item())
-    tok_err = (got - want).abs().amax(-1) / tok_scale
-    frac = (tok_err <= 3e-2).float().mean().item()
-    return frac >= 0.9, f"{frac:.0%} tokens within 3e-2 (max rel err {err:.2e})"
-
-
-@torch._dynamo.disable
-def _run_disabled(sub, args):
-    return sub(*args)
-
-
-def _extract(ctx: _Context, nodes: set, x_root, out):
-    """A GraphModule computing ``out`` from x_root and the placeholders the region reads."""
-    g = fx.Graph()
-    env = {}
-    inputs = [x_root]
-    env[x_root] = g.placeholder("x")
-    env[x_root].meta = dict(x_root.meta)
-    needed = _fx.ancestors(out, nodes | set(ctx.placeholders), pos=ctx.order) | {out}
-    # mutations of needed tensors
-    extra = set()
-    for n in nodes:
-        if _fx.is_inplace(n) and _base_tensor(_fx.mutated_arg(n)) in needed | extra:
-            extra.add(n)
-            extra |= _fx.ancestors(n, nodes | set(ctx.placeholders), pos=ctx.order)
-    needed |= extra
-    for p in ctx.placeholders:
-        if p in needed and p is not x_root:
-            env[p] = g.placeholder(p.name)
-            env[p].meta = dict(p.meta)
-            inputs.append(p)
-    for n in ctx.graph.nodes:
-        if n in needed and n not in env and n.op not in ("placeholder", "output"):
-            if not all(a in env for a in n.all_input_nodes):
-                raise _Reject(f"region is not self-contained at {n.name}")
-            env[n] = g.node_copy(n, lambda a: env[a])
-    g.output(env[out])
-    return fx.GraphModule(ctx.gm, g), inputs
-
-
-def _gathers(nodes, weights) -> bool:
-    """Does the block index a 3-D expert weight with a tensor (``w13[ids]``)?"""
-    for n in nodes:
-        if op_name(n) in ("getitem", "index_select") and _weight_base(n) in weights:
-            idx = n.args[1] if len(n.args) > 1 else None
-            items = idx if isinstance(idx, (tuple, list)) else (idx,)
-            if any(isinstance(i, fx.Node) for i in items) or op_name(n) == "index_select":
-                return True
-    return False
-
-
-def _sym_values(x_root, target: int, bytes_per_token: int = 0) -> list[dict]:
-    """Values for the free symbols of x's shape: the smallest that give ``target`` tokens, then the traced hints
-    (when the first fail to run and the hints stay within budget)."""
-    xs = _fx.shape_of(x_root)
-    free, hints = [], {}
-    for d in xs:
-        if isinstance(d, torch.SymInt):
-            node = d.node
-            env = getattr(node.shape_env, "backed_var_to_val", None) or node.shape_env.var_to_val
-            for sym in node.expr.free_symbols:
-                if sym not in hints:
-                    free.append(sym)
-                    hints[sym] = int(env.get(sym, 2))
-    if not free:
-        return [{}]
-
-    def tokens(vals):
-        n = 1
-        for d in xs[:-1]:
-            n *= int(d.node.expr.xreplace(vals)) if isinstance(d, torch.SymInt) else int(d)
-        return n
-
-    out = []
-    for v in range(2, 4097):
-        vals = {sym: v for sym in free}
-        if tokens(vals) >= target:
-            out.append(vals)
-            break
-    if hints not in out and (not bytes_per_token or tokens(hints) * bytes_per_token <= VERIFY_GATHER_BYTES):
-        out.append(hints)
-    return out
-
-
-def _make_inputs(ctx: _Context, inputs, x_root, gen, vals):
-    """Values for the cut-out graph: random tokens for x, real (or random) weights, sizes for SymInts."""
-    xs = _fx.shape_of(x_root)
-    shape = [int(d.node.expr.xreplace(vals)) if isinstance(d, torch.SymInt) else int(d) for d in xs]
-    dev = None
-    for p in inputs[1:]:
-        v = ctx.values.get(p)
-        if isinstance(v, torch.Tensor) and not _fx.is_fake(v):
-            dev = v.device
-            break
-    dev = dev or torch.device("cpu")
-    dt = _fx.dtype_of(x_root) or torch.float32
-    x = torch.randn(shape, generator=gen, dtype=torch.float32)
-    flat = x.view(-1, shape[-1])
-    T = flat.shape[0]
-    if T >= 4:
-        flat[: T // 4] = flat[T // 4]  # a crowd of identical tokens: one expert gets many
-    x = x.to(device=dev, dtype=dt)
-    args = [x]
-    for p in inputs[1:]:
-        mv = _fx.meta_val(p)
-        if isinstance(mv, torch.SymInt):
-            args.append(int(mv.node.expr.xreplace(vals)))
-        elif isinstance(ctx.values.get(p), (int, torch.SymInt)) and not isinstance(mv, torch.Tensor):
-            args.append(int(ctx.values[p]))
-        else:
-            args.append(_value(ctx, p, gen))
-    return args, x
-
-
-def _value(ctx: _Context, p, gen):
-    v = ctx.values.get(p)
-    if isinstance(v, torch.Tensor) and not _fx.is_fake(v):
-        return v
-    mv = _fx.meta_val(p)
-    if isinstance(mv, torch.Tensor):
-        if mv.dim() == 0:
-            raise _Reject(f"the value of scalar input {p.name} is unknown (pass example inputs)")
-        fan = mv.shape[-1] if mv.dim() else 1
-        t = torch.randn(tuple(int(d) for d in mv.shape), generator=gen) / math.sqrt(max(1, fan))
-        return t.to(dtype=mv.dtype)
-    if isinstance(v, (int, float)):
-        return v
-    raise _Reject(f"no value for input {p.name}")
