@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import io
 import math
 import re
+import tokenize
 from dataclasses import dataclass, field
 
 import torch
@@ -139,10 +141,27 @@ def jitter_of(block: nn.Module, parts: BlockParts | None) -> float:
 
 
 def _source(obj) -> str:
+    """The forward's source with comments blanked out (a comment such as "sigmoid scoring, not softmax" must not
+    count as a softmax); code formatting is kept as written, since the source patterns below depend on it."""
     try:
-        return inspect.getsource(type(obj).forward if not inspect.isfunction(obj) else obj)
+        src = inspect.getsource(type(obj).forward if not inspect.isfunction(obj) else obj)
     except (OSError, TypeError):
         return ""
+    return _strip_comments(src)
+
+
+def _strip_comments(src: str) -> str:
+    lines = src.splitlines(keepends=True)
+    try:
+        toks = list(tokenize.generate_tokens(io.StringIO(src).readline))
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return src
+    for t in reversed(toks):
+        if t.type == tokenize.COMMENT:
+            (row, col), (_, end) = t.start, t.end
+            line = lines[row - 1]
+            lines[row - 1] = line[:col] + line[end:]
+    return "".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------- activations

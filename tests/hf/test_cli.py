@@ -58,3 +58,17 @@ def test_demo_cpu(capsys):
     assert res["ok"] and res["rewritten"] == res["blocks"] == 1
     assert res["max_rel"] <= demo.CPU_TOL
     assert "before" in out and "after" in out and "OK" in out
+
+
+def test_scan_reads_code_not_comments(tmp_path, capsys):
+    """MiniMax-M3's router says "# Sigmoid scoring (not softmax)" above `F.sigmoid(...)`: on the meta device the
+    attribute fallback reads the source, and a comment must not count as code."""
+    from moecomp.hf import families
+
+    model, _ = families.build_tiny("minimax_m3_vl")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(model.config.to_dict()))
+    assert cli.main(["scan", str(path), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    routers = [b["router"] for b in rep["blocks"]]
+    assert routers and all(r.startswith("sigmoid") for r in routers), routers
