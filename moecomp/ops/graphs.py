@@ -36,7 +36,7 @@ import torch
 
 MAX_GRAPHS = 2048  # LRU bound on cached graphs (memory is shared through one pool)
 _entries: OrderedDict = OrderedDict()
-_pool = None
+_pools: dict = {}  # device index -> memory pool handle shared by that device's graphs
 keepalive: list | None = None  # set during a capture: derived tensors read by the graph register here
 stats = {"plain": 0, "captured": 0, "replayed": 0, "capture_failed": 0}
 last_error: str | None = None  # why the last capture failed
@@ -74,14 +74,14 @@ def _usable(x: torch.Tensor, tensors) -> bool:
     )
 
 
-def _pool_handle():
-    """The shared memory pool for the next capture. The caching allocator frees a private pool with its last graph,
-    and capturing into a freed pool's handle fails inside the allocator (after the CUDA RNG has already been put in
-    capture mode), so a pool is reused only while one of our graphs still holds it."""
-    global _pool
-    if _pool is None or not any(e.graph is not None for e in _entries.values()):
-        _pool = torch.cuda.graph_pool_handle()
-    return _pool
+def _pool_handle(device_index):
+    """The shared memory pool for the next capture on this device. The caching allocator frees a private pool with
+    its last graph, and capturing into a freed pool's handle fails inside the allocator (after the CUDA RNG has
+    already been put in capture mode), so a pool is reused only while one of this device's graphs still holds it."""
+    pool = _pools.get(device_index)
+    if pool is None or not any(e.graph is not None and k[2] == device_index for k, e in _entries.items()):
+        pool = _pools[device_index] = torch.cuda.graph_pool_handle()
+    return pool
 
 
 def _capture(fn, inputs, pool):
@@ -121,7 +121,7 @@ def run(name: str, fn, dynamic: tuple, static: tuple, spec_key: str) -> torch.Te
         inputs = tuple(t.clone() for t in dynamic)
         keepalive = e.keep
         try:
-            e.graph, e.output = _capture(fn, inputs, _pool_handle())
+            e.graph, e.output = _capture(fn, inputs, _pool_handle(x.device.index))
             e.inputs = inputs
             stats["captured"] += 1
         except Exception as err:  # capture not possible here (e.g. an op that is not capturable): plain from now on

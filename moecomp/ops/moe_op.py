@@ -100,10 +100,20 @@ def _impl(device: torch.device):
     return impl
 
 
+def _on_device(x: torch.Tensor, fn):
+    """fn() with x's GPU as the current device: Triton launches (and graph captures) go to the current device, and
+    a model spread over several GPUs (device_map="auto") calls blocks on a GPU that need not be current."""
+    if x.device.index is None or x.device.index == torch.cuda.current_device():
+        return fn()
+    with torch.cuda.device(x.device):
+        return fn()
+
+
 def _forward(x: torch.Tensor, args: dict, s: MoESpec, spec: str) -> torch.Tensor:
     impl = _impl(x.device)
     if x.is_cuda:  # per-shape CUDA graphs in eager mode (ops/graphs.py)
-        return graphs.run("moe_forward", lambda xx: impl.moe_forward(xx, args, s), (x,), tuple(args.values()), spec)
+        return _on_device(x, lambda: graphs.run(
+            "moe_forward", lambda xx: impl.moe_forward(xx, args, s), (x,), tuple(args.values()), spec))
     return impl.moe_forward(x, args, s)
 
 
@@ -196,8 +206,9 @@ def _experts(x, topk_ids, topk_weights, args: dict, s: MoESpec, spec: str) -> to
         )
     impl = _impl(x.device)
     if x.is_cuda:
-        return graphs.run("moe_experts", lambda xx, ids, w: impl.moe_experts(xx, ids, w, args, s),
-                          (x, topk_ids, topk_weights), tuple(args.values()), spec)
+        return _on_device(x, lambda: graphs.run(
+            "moe_experts", lambda xx, ids, w: impl.moe_experts(xx, ids, w, args, s), (x, topk_ids, topk_weights),
+            tuple(args.values()), spec))
     return impl.moe_experts(x, topk_ids, topk_weights, args, s)
 
 

@@ -33,7 +33,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(graphs, "_capture", capture)
     handles = iter(range(1000))
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
-    monkeypatch.setattr(graphs, "_pool", None)
+    monkeypatch.setattr(graphs, "_pools", {})
     graphs.clear()
     yield captured
     graphs.clear()
@@ -148,3 +148,16 @@ def test_a_new_pool_once_no_graph_holds_the_old_one(fake_cuda):
     for _ in range(2):
         graphs.run("op", lambda x: x @ w, (x,), (w,), "s")
     assert [g.pool for g in fake_cuda] == [0, 0, 1]
+
+
+def test_pools_are_per_device(fake_cuda):
+    """Each GPU's graphs share that GPU's pool; a device whose graphs are all gone gets a fresh pool even while
+    another device's graphs keep theirs alive."""
+    e0, e1 = graphs._Entry(()), graphs._Entry(())
+    e0.graph = e1.graph = object()
+    graphs._entries[("op", "s", 0, (), ())] = e0
+    graphs._entries[("op", "s", 1, (), ())] = e1
+    p0, p1 = graphs._pool_handle(0), graphs._pool_handle(1)
+    assert p0 != p1 and graphs._pool_handle(0) == p0 and graphs._pool_handle(1) == p1
+    del graphs._entries[("op", "s", 1, (), ())]  # device 1's last graph is gone
+    assert graphs._pool_handle(1) not in (p0, p1) and graphs._pool_handle(0) == p0
