@@ -565,7 +565,9 @@ def _try_experts_only(name: str, block: nn.Module, parts: BlockParts | None, rep
         _fill_experts(rep, st.spec, full)
         rep.status, rep.method = "experts only", "experts interface"
         return
-    if any(p.device.type == "meta" for p in experts.parameters()):
+    if any(p.device.type == "meta" for p in experts.parameters()):  # nothing can run: say what would be tried
+        rep.reason += (f"; {full!r} is a standard experts module: with weights loaded, optimize can run it on "
+                       f"moecomp's experts path (experts only; not checkable on the meta device)")
         return
     srcs = _fb.attr_sources(block, parts) if parts is not None else [block, experts]
     cfg = getattr(experts, "config", None)

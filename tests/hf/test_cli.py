@@ -72,3 +72,16 @@ def test_scan_reads_code_not_comments(tmp_path, capsys):
     rep = json.loads(capsys.readouterr().out)
     routers = [b["router"] for b in rep["blocks"]]
     assert routers and all(r.startswith("sigmoid") for r in routers), routers
+
+
+def test_scan_meta_says_when_experts_only_is_possible(tmp_path, capsys):
+    """Gemma-4's router sits in the decoder layer (no whole-block rewrite); on the meta device the scan says that
+    its experts module could still run moecomp's experts path once weights are loaded."""
+    from moecomp.hf import families
+
+    model, _ = families.build_tiny("gemma4")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(model.config.to_dict()))
+    assert cli.main(["scan", str(path), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["blocks"] and all("experts only" in b["reason"] for b in rep["blocks"]), rep["blocks"]
