@@ -35,7 +35,9 @@ from collections import OrderedDict
 import torch
 
 MAX_GRAPHS = 2048  # LRU bound on cached graphs (memory is shared through one pool)
-_entries: OrderedDict = OrderedDict()
+MAX_SEEN = 4096  # LRU bound on keys seen once (not captured yet)
+_entries: OrderedDict = OrderedDict()  # key -> _Entry with a graph (or a failed capture)
+_seen: OrderedDict = OrderedDict()  # key -> _Entry seen once
 _pools: dict = {}  # device index -> memory pool handle shared by that device's graphs
 keepalive: list | None = None  # set during a capture: derived tensors read by the graph register here
 stats = {"plain": 0, "captured": 0, "replayed": 0, "capture_failed": 0}
@@ -47,11 +49,10 @@ def max_tokens() -> int:
 
 
 class _Entry:
-    __slots__ = ("refs", "calls", "graph", "inputs", "output", "keep", "failed")
+    __slots__ = ("refs", "graph", "inputs", "output", "keep", "failed")
 
     def __init__(self, static):
         self.refs = tuple(None if t is None else weakref.ref(t) for t in static)
-        self.calls = 0
         self.graph = self.inputs = self.output = None
         self.keep: list = []
         self.failed = False
@@ -107,14 +108,23 @@ def run(name: str, fn, dynamic: tuple, static: tuple, spec_key: str) -> torch.Te
         tuple(None if t is None else (id(t), t.data_ptr(), t._version, t.dtype) for t in static),
     )
     e = _entries.get(key)
-    if e is None or not e.alive(static):
-        e = _entries[key] = _Entry(static)
+    if e is not None and e.alive(static):
+        _entries.move_to_end(key)
+    else:
+        # First sight of a key is tracked apart from the graphs: keys that never repeat (a weight built afresh on
+        # every call, e.g. a concatenation inside a compiled graph) then cycle through _seen and never push
+        # captured graphs out of _entries.
+        first = _seen.pop(key, None)
+        if first is None or not first.alive(static):
+            _seen[key] = _Entry(static)
+            while len(_seen) > MAX_SEEN:
+                _seen.popitem(last=False)
+            stats["plain"] += 1
+            return fn(*dynamic)
+        e = _entries[key] = first
         while len(_entries) > MAX_GRAPHS:
             _entries.popitem(last=False)
-    else:
-        _entries.move_to_end(key)
-    e.calls += 1
-    if e.failed or (e.graph is None and e.calls < 2):
+    if e.failed:
         stats["plain"] += 1
         return fn(*dynamic)
     if e.graph is None:
@@ -142,5 +152,6 @@ def run(name: str, fn, dynamic: tuple, static: tuple, spec_key: str) -> torch.Te
 def clear() -> None:
     """Drop every cached graph (their memory returns to the pool once nothing references it)."""
     _entries.clear()
+    _seen.clear()
     for k in stats:
         stats[k] = 0

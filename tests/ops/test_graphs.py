@@ -161,3 +161,22 @@ def test_pools_are_per_device(fake_cuda):
     assert p0 != p1 and graphs._pool_handle(0) == p0 and graphs._pool_handle(1) == p1
     del graphs._entries[("op", "s", 1, (), ())]  # device 1's last graph is gone
     assert graphs._pool_handle(1) not in (p0, p1) and graphs._pool_handle(0) == p0
+
+
+def test_keys_that_never_repeat_do_not_evict_graphs(fake_cuda, monkeypatch):
+    """A weight made afresh on every call (a concatenation inside a compiled graph) gives a new key each time: those
+    keys cycle through the seen-once list and the captured graphs stay."""
+    monkeypatch.setattr(graphs, "MAX_GRAPHS", 2)
+    monkeypatch.setattr(graphs, "MAX_SEEN", 4)
+    w, x = torch.randn(8, 8), torch.randn(2, 8)
+    for _ in range(3):
+        graphs.run("op", lambda x: x @ w, (x,), (w,), "s")
+    assert graphs.stats["captured"] == 1
+    for _ in range(50):
+        fresh = w.clone()  # a new tensor every call
+        out = graphs.run("op", lambda x: x @ fresh, (x,), (fresh,), "s")
+        torch.testing.assert_close(out, x @ fresh)
+    assert graphs.stats["captured"] == 1 and len(graphs._seen) <= 4
+    before = graphs.stats["replayed"]
+    graphs.run("op", lambda x: x @ w, (x,), (w,), "s")
+    assert graphs.stats["replayed"] == before + 1  # the first graph is still there
