@@ -226,25 +226,20 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_calls_per_block(model: nn.Module, fn, with_forwards: bool = False):
-    """Run ``fn()``; return (its result, {block name: moe_forward calls inside it}, total calls).
-
-    With ``with_forwards``, also {block name: times the block's forward ran} (a block the input does not reach,
-    e.g. the vision experts of a text-only input, runs 0 times and calls the op 0 times).
-    """
-    from ..optimize import rewritten_blocks
-
+def _count_in(modules: dict, fn, which: str):
+    """Run ``fn()`` under an OpCounter; return (result, {name: ``which`` op calls inside that module}, total
+    ``which`` calls, {name: times the module's forward ran}). ``which`` is "calls" or "experts_calls"."""
     counter = OpCounter()
-    per, runs = {}, {}
+    per, runs, start = {}, {}, {}
     handles = []
-    for name, m in rewritten_blocks(model).items():
+    for name, m in modules.items():
         per[name] = runs[name] = 0
 
         def pre(mod, args, _n=name):
-            mod._moecomp_count0 = counter.calls
+            start[_n] = getattr(counter, which)
 
         def post(mod, args, out, _n=name):
-            per[_n] += counter.calls - mod.__dict__.pop("_moecomp_count0")
+            per[_n] += getattr(counter, which) - start.pop(_n)
             runs[_n] += 1
 
         handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
@@ -254,9 +249,19 @@ def count_calls_per_block(model: nn.Module, fn, with_forwards: bool = False):
     finally:
         for h in handles:
             h.remove()
-    if with_forwards:
-        return res, per, counter.calls, runs
-    return res, per, counter.calls
+    return res, per, getattr(counter, which), runs
+
+
+def count_calls_per_block(model: nn.Module, fn, with_forwards: bool = False):
+    """Run ``fn()``; return (its result, {block name: moe_forward calls inside it}, total calls).
+
+    With ``with_forwards``, also {block name: times the block's forward ran} (a block the input does not reach,
+    e.g. the vision experts of a text-only input, runs 0 times and calls the op 0 times).
+    """
+    from ..optimize import rewritten_blocks
+
+    res, per, total, runs = _count_in(rewritten_blocks(model), fn, "calls")
+    return (res, per, total, runs) if with_forwards else (res, per, total)
 
 
 def count_experts_calls(model: nn.Module, fn):
@@ -264,28 +269,7 @@ def count_experts_calls(model: nn.Module, fn):
     {experts module: times it ran}) for the experts modules of experts-only rewrites."""
     from ..optimize import experts_only_modules
 
-    counter = OpCounter()
-    per, runs = {}, {}
-    handles = []
-    for name, m in experts_only_modules(model).items():
-        per[name] = runs[name] = 0
-
-        def pre(mod, args, kwargs, _n=name):
-            mod.__dict__["_moecomp_ecount0"] = counter.experts_calls
-
-        def post(mod, args, kwargs, out, _n=name):
-            per[_n] += counter.experts_calls - mod.__dict__.pop("_moecomp_ecount0")
-            runs[_n] += 1
-
-        handles += [m.register_forward_pre_hook(pre, with_kwargs=True),
-                    m.register_forward_hook(post, with_kwargs=True)]
-    try:
-        with counter:
-            res = fn()
-    finally:
-        for h in handles:
-            h.remove()
-    return res, per, counter.experts_calls, runs
+    return _count_in(experts_only_modules(model), fn, "experts_calls")
 
 
 # ----------------------------------------------------------------------------------------------- checking
