@@ -344,16 +344,21 @@ def bind(block: nn.Module, name: str, spec: MoESpec, bindings: dict, derived: li
     return st
 
 
+def _restore_forward(module: nn.Module, original) -> None:
+    """Undo our instance-level ``forward``: put back the instance forward we replaced, or fall back to the class's."""
+    if original is not None:
+        module.forward = original
+    else:
+        module.__dict__.pop("forward", None)
+
+
 def unbind(block: nn.Module) -> bool:
     if unbind_experts(block):
         return True
     st = getattr(block, "_moecomp", None)
     if st is None:
         return False
-    if st.original is not None:
-        block.forward = st.original
-    else:
-        block.__dict__.pop("forward", None)
+    _restore_forward(block, st.original)
     for d in st.derived:
         if d.name in block._buffers:
             del block._buffers[d.name]
@@ -436,10 +441,7 @@ def unbind_experts(experts: nn.Module) -> bool:
     st = experts.__dict__.get("_moecomp_experts")
     if st is None:
         return False
-    if st.original is not None:
-        experts.forward = st.original
-    else:
-        experts.__dict__.pop("forward", None)
+    _restore_forward(experts, st.original)
     del experts._moecomp_experts
     experts.__dict__.pop("_moecomp_experts_specs", None)
     return True
