@@ -61,7 +61,7 @@ class _Entry:
         return all((r is None and t is None) or (r is not None and r() is t) for r, t in zip(self.refs, static))
 
 
-def _usable(x: torch.Tensor, tensors) -> bool:
+def _usable(x: torch.Tensor, tensors, eager: bool = False) -> bool:
     from .moe_op import plain_eager
 
     limit = max_tokens()
@@ -71,7 +71,7 @@ def _usable(x: torch.Tensor, tensors) -> bool:
         and x.dim() >= 1
         and 0 < x.numel() // max(1, x.shape[-1]) <= limit
         and not torch.cuda.is_current_stream_capturing()
-        and plain_eager(tensors)  # no tracing, dispatch / function modes, tensor subclasses or autograd
+        and (eager or plain_eager(tensors))  # no tracing, dispatch / function modes, subclasses or autograd
     )
 
 
@@ -93,11 +93,12 @@ def _capture(fn, inputs, pool):
     return g, out
 
 
-def run(name: str, fn, dynamic: tuple, static: tuple, spec_key: str) -> torch.Tensor:
-    """fn(*dynamic) (weights bound inside fn), through a cached CUDA graph when that is safe and pays."""
+def run(name: str, fn, dynamic: tuple, static: tuple, spec_key: str, eager: bool = False) -> torch.Tensor:
+    """fn(*dynamic) (weights bound inside fn), through a cached CUDA graph when that is safe and pays.
+    ``eager``: the caller already checked ``moe_op.plain_eager`` on these tensors (not checked twice)."""
     global keepalive, last_error
     x = dynamic[0]
-    if not _usable(x, dynamic + static):
+    if not _usable(x, dynamic + static, eager):
         stats["plain"] += 1
         return fn(*dynamic)
     key = (

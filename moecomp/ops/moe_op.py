@@ -109,11 +109,12 @@ def _on_device(x: torch.Tensor, fn):
         return fn()
 
 
-def _forward(x: torch.Tensor, args: dict, s: MoESpec, spec: str) -> torch.Tensor:
+def _forward(x: torch.Tensor, args: dict, s: MoESpec, spec: str, eager: bool = False) -> torch.Tensor:
+    """``eager``: the caller has already established ``plain_eager`` for these tensors."""
     impl = _impl(x.device)
     if x.is_cuda:  # per-shape CUDA graphs in eager mode (ops/graphs.py)
         return _on_device(x, lambda: graphs.run(
-            "moe_forward", lambda xx: impl.moe_forward(xx, args, s), (x,), tuple(args.values()), spec))
+            "moe_forward", lambda xx: impl.moe_forward(xx, args, s), (x,), tuple(args.values()), spec, eager))
     return impl.moe_forward(x, args, s)
 
 
@@ -141,14 +142,15 @@ def call_moe_forward(x: torch.Tensor, tensors, spec: MoESpec) -> torch.Tensor:
     if plain_eager((x,) + tensors):
         args = dict(zip(MOE_ARGS, tensors))
         check_args(x, args, spec)
-        return _forward(x, args, spec, spec.key)
+        return _forward(x, args, spec, spec.key, eager=True)
     return torch.ops.moecomp.moe_forward(x, *tensors, spec.key)
 
 
 def call_moe_experts(x, topk_ids, topk_weights, w13, b13, w2, b2, spec: MoESpec) -> torch.Tensor:
     """``torch.ops.moecomp.moe_experts(...)`` for eager callers, without the dispatcher where it changes nothing."""
     if plain_eager((x, topk_ids, topk_weights, w13, b13, w2, b2)):
-        return _experts(x, topk_ids, topk_weights, dict(zip(EXPERT_ARGS, (w13, b13, w2, b2))), spec, spec.key)
+        return _experts(x, topk_ids, topk_weights, dict(zip(EXPERT_ARGS, (w13, b13, w2, b2))), spec, spec.key,
+                        eager=True)
     return torch.ops.moecomp.moe_experts(x, topk_ids, topk_weights, w13, b13, w2, b2, spec.key)
 
 
@@ -197,7 +199,7 @@ def moe_experts(
     return _experts(x, topk_ids, topk_weights, dict(zip(EXPERT_ARGS, (w13, b13, w2, b2))), s, spec)
 
 
-def _experts(x, topk_ids, topk_weights, args: dict, s: MoESpec, spec: str) -> torch.Tensor:
+def _experts(x, topk_ids, topk_weights, args: dict, s: MoESpec, spec: str, eager: bool = False) -> torch.Tensor:
     check_args(x, args, s)
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise SpecError(
@@ -208,7 +210,7 @@ def _experts(x, topk_ids, topk_weights, args: dict, s: MoESpec, spec: str) -> to
     if x.is_cuda:
         return _on_device(x, lambda: graphs.run(
             "moe_experts", lambda xx, ids, w: impl.moe_experts(xx, ids, w, args, s), (x, topk_ids, topk_weights),
-            tuple(args.values()), spec))
+            tuple(args.values()), spec, eager))
     return impl.moe_experts(x, topk_ids, topk_weights, args, s)
 
 

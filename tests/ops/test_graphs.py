@@ -29,7 +29,7 @@ def fake_cuda(monkeypatch):
         captured.append(g)
         return g, g.out
 
-    monkeypatch.setattr(graphs, "_usable", lambda x, ts: graphs.max_tokens() > 0 and x.shape[0] <= graphs.max_tokens())
+    monkeypatch.setattr(graphs, "_usable", lambda x, ts, eager=False: graphs.max_tokens() > 0 and x.shape[0] <= graphs.max_tokens())
     monkeypatch.setattr(graphs, "_capture", capture)
     handles = iter(range(1000))
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
