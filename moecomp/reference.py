@@ -28,12 +28,27 @@ def _topk_low_index_ties(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     return vals[..., :k], idx[..., :k]
 
 
+def group_scores(choice: torch.Tensor, spec: MoESpec) -> torch.Tensor:
+    """[T, E] -> [T, n_group]: each group's top-2 sum (or max)."""
+    T, E, G = choice.shape[0], spec.num_experts, spec.n_group
+    g = choice.view(T, G, E // G)
+    return g.topk(2, dim=-1).values.sum(-1) if spec.group_score == "top2_sum" else g.max(dim=-1).values
+
+
+def _kept_experts(gs: torch.Tensor, spec: MoESpec) -> torch.Tensor:
+    """Group scores [T, n_group] -> [T, E] bool: the experts of the topk_group best groups (ties: lower index)."""
+    T, E, G = gs.shape[0], spec.num_experts, spec.n_group
+    _, keep = _topk_low_index_ties(gs, spec.topk_group)  # [T, topk_group]
+    mask = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, keep, True)
+    return mask[:, :, None].expand(T, G, E // G).reshape(T, E)
+
+
 def route(
     logits: torch.Tensor, correction_bias: torch.Tensor | None, spec: MoESpec, acc=torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing from router logits [T, E] -> (weights [T, k] in ``acc``, ids [T, k] int64)."""
     logits = logits.to(acc)
-    T, E, k = logits.shape[0], spec.num_experts, spec.top_k
+    k = spec.top_k
     if spec.score_order == "topk_then_score":
         vals, ids = _topk_low_index_ties(logits, k)
         weights = torch.softmax(vals, dim=-1)
@@ -43,14 +58,7 @@ def route(
         if spec.has_correction_bias:
             choice = (logits if spec.bias_on_logits else scores) + correction_bias.to(acc)
         if spec.n_group > 1:
-            g = choice.view(T, spec.n_group, E // spec.n_group)
-            if spec.group_score == "top2_sum":
-                gs = g.topk(2, dim=-1).values.sum(-1)
-            else:
-                gs = g.max(dim=-1).values
-            _, keep = _topk_low_index_ties(gs, spec.topk_group)  # [T, topk_group]
-            mask = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, keep, True)
-            mask = mask[:, :, None].expand_as(g).reshape(T, E)
+            mask = _kept_experts(group_scores(choice, spec), spec)
             choice = choice.masked_fill(~mask, 0.0 if spec.group_mask_zero else float("-inf"))
         _, ids = _topk_low_index_ties(choice, k)
         weights = scores.gather(1, ids)
@@ -75,7 +83,7 @@ def near_tie_tokens(x2: torch.Tensor, router_w, router_b, correction_bias, spec:
     if spec.fused_shared_gate:
         router_w = router_w[: spec.num_experts]
     logits = router_logits(x2, router_w, router_b, spec).float()  # [T, E], rounded like the block's own router
-    T, E, k = logits.shape[0], spec.num_experts, spec.top_k
+    T, k = logits.shape[0], spec.top_k
     d = rel * logits.abs().amax(-1, keepdim=True)  # [T, 1]
     bias = correction_bias.float().reshape(-1) if spec.has_correction_bias else None
     if spec.score_order == "topk_then_score":
@@ -103,17 +111,9 @@ def near_tie_tokens(x2: torch.Tensor, router_w, router_b, correction_bias, spec:
 
     near = torch.zeros(T, dtype=torch.bool, device=logits.device)
     if spec.n_group > 1 and spec.score_order != "topk_then_score":
-        G = spec.n_group
-
-        def gscore(v):
-            g = v.view(T, G, E // G)
-            return g.topk(2, dim=-1).values.sum(-1) if spec.group_score == "top2_sum" else g.max(dim=-1).values
-
-        gs = gscore(choice)
-        near |= contested(gs, gscore(lo), gscore(hi), spec.topk_group)
-        _, keep = _topk_low_index_ties(gs, spec.topk_group)
-        mask = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, keep, True)
-        mask = mask[:, :, None].expand(T, G, E // G).reshape(T, E)
+        gs = group_scores(choice, spec)
+        near |= contested(gs, group_scores(lo, spec), group_scores(hi, spec), spec.topk_group)
+        mask = _kept_experts(gs, spec)
         fill = 0.0 if spec.group_mask_zero else float("-inf")
         choice, lo, hi = (v.masked_fill(~mask, fill) for v in (choice, lo, hi))
     near |= contested(choice, lo, hi, k)
