@@ -173,6 +173,7 @@ class Report:
     blocks: list[BlockReport]
     detection: str = ""  # how blocks were detected (FX pass available or not)
     action: str = "scan"  # scan | optimize
+    generate: str = ""  # what model.generate does after optimize ("" = transformers' own)
 
     @property
     def rewritten(self) -> list[BlockReport]:
@@ -194,7 +195,7 @@ class Report:
         return {"blocks": len(self.blocks), **dict(c)}
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "action": self.action, "detection": self.detection,
+        return {"model": self.model, "action": self.action, "detection": self.detection, "generate": self.generate,
                 "summary": self.summary(), "blocks": [b.to_dict() for b in self.blocks]}
 
     def to_json(self, **kw) -> str:
@@ -226,8 +227,10 @@ class Report:
         out += [line(r) for r in rows]
         extra = sum(b.extra_bytes for b in self.blocks if b.status in ("rewritten", "already"))
         if extra:
-            out.append(f"stacked / concatenated expert weights (ModuleList experts, separate 3-D gate and up) use "
-                       f"{_fmt_bytes(extra)} extra memory")
+            out.append(f"stacked / concatenated weights (ModuleList experts, separate 3-D gate and up, router copies) "
+                       f"use {_fmt_bytes(extra)} extra memory")
+        if self.generate:
+            out.append(f"generate(): {self.generate}")
         return "\n".join(out)
 
     __repr__ = __str__
@@ -665,15 +668,16 @@ def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason
     except Exception as e:  # the block's own forward failed on the check input, or the op did
         rep.reason = f"check failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e) else ''}"
         return rep
-    _fill_from_spec(rep, spec, block, bindings, derived)
     rep.reason = ""
     rep.epilogue = list(epilogue)
     if bind_it:
-        _bind.bind(block, name, spec, bindings, derived, contract, dparts, ignored, method=method,
-                   epilogue=epilogue)
+        st = _bind.bind(block, name, spec, bindings, derived, contract, dparts, ignored, method=method,
+                        epilogue=epilogue)
+        derived = st.derived  # with the router buffer, where the op reads one
         rep.status = "rewritten"
     else:
         rep.status = "supported"
+    _fill_from_spec(rep, spec, block, bindings, derived)
     return rep
 
 
@@ -719,7 +723,7 @@ def _walk(model: nn.Module, bind_it: bool, use_capture: bool = True, trust_fallb
 
 
 def optimize(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool = False, report: bool = False,
-             experts_only: bool = True):
+             experts_only: bool = True, fast_generate: bool = True):
     """Rewrite every MoE block of ``model`` (in place) to call ``torch.ops.moecomp.moe_forward`` once.
 
     Returns the same model (``(model, Report)`` with ``report=True``). Blocks that cannot be proven equal to the op
@@ -734,11 +738,22 @@ def optimize(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool
     and experts inside a decoder layer, ...) but holds a standard ``@use_experts_implementation`` experts module
     that ``moe_experts`` computes exactly (checked on probes) gets just that module switched to moecomp's experts
     path; routing stays HF's. Reported as "experts only" with the reason the whole block was not rewritten.
+
+    ``fast_generate`` (default on): when a block was rewritten and the model has transformers' ``generate``, that
+    becomes moecomp's (:mod:`moecomp.generate`): a static KV cache and, on CUDA, every decode step replayed as one
+    CUDA graph; calls it cannot serve (beam search, streamers, caches passed in, custom processors, ...) run
+    transformers' own generate. ``fast_generate=False``, or ``generate(..., moecomp_fast=False)`` per call, keeps
+    transformers' generate (the rewritten blocks still run the op).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"moecomp.optimize expects a torch.nn.Module, got {type(model).__name__}")
     rep = _walk(model, bind_it=True, use_capture=use_capture, trust_fallback=trust_fallback,
                 experts_only=experts_only)
+    if fast_generate and (rep.rewritten or rep.experts_only):
+        from .generate import install
+
+        if install(model):
+            rep.generate = "moecomp (static cache; whole decode steps as CUDA graphs on GPU)"
     model._moecomp_report = rep
     return (model, rep) if report else model
 
@@ -756,6 +771,9 @@ def unoptimize(model: nn.Module):
     """Restore the original forward of every block ``optimize`` rewrote. Returns the model."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"moecomp.unoptimize expects a torch.nn.Module, got {type(model).__name__}")
+    from .generate import uninstall
+
+    uninstall(model)
     for m in model.modules():
         _bind.unbind(m)
     if "_moecomp_report" in model.__dict__:

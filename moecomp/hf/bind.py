@@ -171,7 +171,8 @@ class BoundState:
     method: str = "fallback"
     epilogue: tuple = ()  # child module paths applied, in order, to the op's output (AXK1's post_mlp_layernorm)
     versions: dict = field(default_factory=dict)
-    calls: int = 0
+    op_spec: MoESpec | None = None  # the spec the op is called with (FSE form when the router buffer fuses the gate)
+    calls: int = 0  # eager calls only: compiled code must not mutate state Dynamo guards on
     fallbacks: int = 0
 
 
@@ -238,15 +239,21 @@ def moecomp_block_forward(self: nn.Module, *args, **kwargs):
     if why is not None:
         st.fallbacks += 1
         return _call_original(self, st, x, rest, kwargs)
-    if st.derived and not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if st.derived and not compiling:
         _refresh_derived(self, st)
     tensors = [None if p is None else _resolve(self, p) for p in st.paths]
+    if compiling:  # small derived tensors are built in the graph (always fresh, nothing cached across calls)
+        for d in st.derived:
+            if d.inline:
+                tensors[st.paths.index((d.name,))] = d.build(self)
     if st.spec.has_correction_bias and tensors[2] is not None and tensors[2].dim() != 1:
         tensors[2] = tensors[2].reshape(-1)
-    st.calls += 1
+    if not compiling:
+        st.calls += 1
     c = st.contract
     # the op (through the dispatcher where a mode, tracing or autograd needs it; see call_moe_forward)
-    y = call_moe_forward(x if c.primary == "same" else x.reshape(-1, x.shape[-1]), tensors, st.spec)
+    y = call_moe_forward(x if c.primary == "same" else x.reshape(-1, x.shape[-1]), tensors, st.op_spec or st.spec)
     for p in st.epilogue:
         y = _resolve(self, p)(y)
     if c.primary == "flat1d":
@@ -318,6 +325,29 @@ def forward_params(block: nn.Module) -> tuple[str, tuple[str, ...]]:
     return names[0], tuple(names[1:])
 
 
+ROUTER_BUFFER = "_moecomp_router"
+
+
+def router_derived(block: nn.Module, spec: MoESpec, bindings: dict, derived: list) -> tuple[MoESpec, dict, list]:
+    """The op's router argument as a block buffer, so no call converts or concatenates it again:
+    ``[router_w; shared_gate_w]`` (FSE: one GEMM gives the logits and the shared-expert gate) and / or its fp32 copy
+    (an fp32 router over 16-bit weights). Returns (spec for the op, bindings for the op, derived tensors)."""
+    rw_path, gw_path = bindings.get("router_w"), bindings.get("shared_gate_w")
+    if rw_path is None or rw_path in {d.name for d in derived}:
+        return spec, bindings, derived
+    fuse = (spec.shared is not None and spec.shared.gate == "sigmoid" and gw_path is not None
+            and not spec.has_router_bias and not spec.fused_shared_gate)
+    fp32 = spec.router_fp32 and get_path(block, rw_path).dtype != torch.float32
+    if not (fuse or fp32):
+        return spec, bindings, derived
+    d = Derived(ROUTER_BUFFER, [[rw_path] + ([gw_path] if fuse else [])], kind="cat", dim=0, fp32=fp32, inline=True)
+    b = {**bindings, "router_w": ROUTER_BUFFER}
+    if fuse:
+        b["shared_gate_w"] = None
+        spec = spec.replace(fused_shared_gate=True)
+    return spec, b, list(derived) + [d]
+
+
 def bind(block: nn.Module, name: str, spec: MoESpec, bindings: dict, derived: list[Derived], contract: Contract,
          parts: BlockParts, ignored_params=frozenset(), method: str = "fallback", epilogue=()) -> BoundState:
     if getattr(block, "_moecomp", None) is not None:
@@ -325,6 +355,7 @@ def bind(block: nn.Module, name: str, spec: MoESpec, bindings: dict, derived: li
     missing = [a for a in MOE_ARGS if a not in bindings]
     if missing:
         raise BindError(f"bindings lack {missing}")
+    op_spec, op_bindings, derived = router_derived(block, spec, bindings, derived)
     hidden, extra = forward_params(block)
     jitter = []
     for mpath in dict.fromkeys(["", parts.router_module]):
@@ -332,10 +363,11 @@ def bind(block: nn.Module, name: str, spec: MoESpec, bindings: dict, derived: li
             jitter.append((mpath, attr))
     st = BoundState(
         name=name, spec=spec, spec_key=spec.key, bindings=dict(bindings),
-        paths=tuple(_split(bindings[a]) for a in MOE_ARGS), derived=list(derived), contract=contract,
+        paths=tuple(_split(op_bindings[a]) for a in MOE_ARGS), derived=list(derived), contract=contract,
         watch=tuple(parts.submodule_paths(block)), router_path=parts.router_module, jitter_attrs=tuple(jitter),
         hidden_name=hidden, extra_params=extra, ignored_params=frozenset(ignored_params),
         original=block.__dict__.get("forward"), method=method, epilogue=tuple(_split(p) for p in epilogue),
+        op_spec=op_spec,
     )
     block._moecomp = st
     if st.derived:

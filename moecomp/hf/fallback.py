@@ -57,20 +57,27 @@ class Derived:
     """A tensor the op needs but the module does not hold, built once from module tensors (``sources``).
 
     ``kind`` "stack": per expert, the listed paths are concatenated on dim 0, then stacked on a new dim 0 (a
-    ModuleList of expert MLPs); "cat": the listed 3-D tensors are concatenated on ``dim`` (separate gate / up).
+    ModuleList of expert MLPs); "cat": the listed tensors are concatenated on ``dim`` (separate 3-D gate / up, or
+    router and shared-expert gate rows). ``fp32``: the result is converted to fp32 (an fp32 router over 16-bit
+    weights). ``inline``: small enough to build on every call inside a compiled graph (always fresh there).
     """
 
     name: str  # buffer name on the block
     sources: list[list[str]]
     kind: str = "stack"
     dim: int = 1
+    fp32: bool = False
+    inline: bool = False
 
     def build(self, block: nn.Module) -> torch.Tensor:
         with torch.no_grad():
             if self.kind == "cat":
-                return torch.cat([get_path(block, p).detach() for p in self.sources[0]], self.dim).contiguous()
-            rows = [torch.cat([get_path(block, p).detach() for p in group], 0) for group in self.sources]
-            return torch.stack(rows, 0)
+                ts = [get_path(block, p).detach() for p in self.sources[0]]
+                out = torch.cat([t.to(ts[0].dtype) for t in ts], self.dim).contiguous()
+            else:
+                rows = [torch.cat([get_path(block, p).detach() for p in group], 0) for group in self.sources]
+                out = torch.stack(rows, 0)
+            return out.float() if self.fp32 else out
 
     def source_paths(self) -> list[str]:
         return [p for g in self.sources for p in g]

@@ -10,20 +10,23 @@ plain HF `generate()` (no torch.compile, no CUDA graphs of its own) is host-boun
     later calls        -> copy inputs into the static buffers, replay, return a copy of the static output
 
 Weights are keyed by identity (object id, data pointer and version counter, checked through weak references), so a
-weight that is replaced, moved or updated in place gets a new graph instead of a stale one. Derived tensors a graph
-reads are kept alive by the graph's entry. All graphs share one memory pool: they replay one at a time on the
-caller's stream, so their scratch may overlap.
+weight that is replaced, moved or updated in place gets a new graph instead of a stale one. All graphs share one
+memory pool: they replay one at a time on the caller's stream, so their scratch may overlap.
 
 Memory: per cached shape, a static input and output ([T, H] each) outside the pool, plus the shared pool (about the
 largest graph's scratch). Outputs are copied out right after each replay, which is what makes sharing the pool safe
 while graphs replay one after another; replays of these graphs from several streams at once are not supported.
 
-Not used (plain launches instead) when: tokens > MOECOMP_OP_GRAPHS_MAX_T (default 256; 0 turns graphs off), a CUDA
-graph capture is already running (torch.compile mode="reduce-overhead" or the user's own graph covers the op),
-a Python dispatch or function mode is active (opcheck, FakeTensorMode, op counters: a capture under them would
-fail or see fake work), a tensor is a subclass (FakeTensor, DTensor), autograd records the call, or a capture of
-that key failed before. A failed capture can leave CUDA state (the RNG's capture flag) behind, so these checks
-keep captures to the plain case where they work.
+Used only for calls from plain eager code: the bound HF blocks and experts modules (``call_moe_forward`` /
+``call_moe_experts``), after they checked ``moe_op.plain_eager`` (no tracing, no Python dispatch or function mode,
+no tensor subclass, nothing for autograd to record). A call that comes through the dispatcher (compiled code,
+``torch.ops.moecomp.*`` called directly) runs plain launches: compiled code may run inside Inductor's CUDA-graph
+trees, whose warm-up and recording allocate from the tree's own pool, and a static input or graph kept by this cache
+there is a tensor the tree does not track ("tensors in the cudagraph pool not tracked as outputs"). Also plain:
+tokens > MOECOMP_OP_GRAPHS_MAX_T (default 256; 0 turns graphs off), a CUDA graph capture already running (the
+whole-step graphs of moecomp's generate(), or the user's own), or a key whose capture failed before. A failed
+capture can leave CUDA state (the RNG's capture flag) behind, so these checks keep captures to the plain case where
+they work.
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ MAX_SEEN = 4096  # LRU bound on keys seen once (not captured yet)
 _entries: OrderedDict = OrderedDict()  # key -> _Entry with a graph (or a failed capture)
 _seen: OrderedDict = OrderedDict()  # key -> _Entry seen once
 _pools: dict = {}  # device index -> memory pool handle shared by that device's graphs
-keepalive: list | None = None  # set during a capture: derived tensors read by the graph register here
 stats = {"plain": 0, "captured": 0, "replayed": 0, "capture_failed": 0}
 last_error: str | None = None  # why the last capture failed
 
@@ -49,29 +51,27 @@ def max_tokens() -> int:
 
 
 class _Entry:
-    __slots__ = ("refs", "graph", "inputs", "output", "keep", "failed")
+    __slots__ = ("refs", "graph", "inputs", "output", "failed")
 
     def __init__(self, static):
         self.refs = tuple(None if t is None else weakref.ref(t) for t in static)
         self.graph = self.inputs = self.output = None
-        self.keep: list = []
         self.failed = False
 
     def alive(self, static) -> bool:
         return all((r is None and t is None) or (r is not None and r() is t) for r, t in zip(self.refs, static))
 
 
-def _usable(x: torch.Tensor, tensors, eager: bool = False) -> bool:
-    from .moe_op import plain_eager
-
+def _usable(x: torch.Tensor, eager: bool) -> bool:
+    """``eager``: the caller is plain eager code and checked ``moe_op.plain_eager`` (see the module docstring)."""
     limit = max_tokens()
     return (
-        limit > 0
+        eager
+        and limit > 0
         and x.is_cuda
         and x.dim() >= 1
         and 0 < x.numel() // max(1, x.shape[-1]) <= limit
         and not torch.cuda.is_current_stream_capturing()
-        and (eager or plain_eager(tensors))  # no tracing, dispatch / function modes, subclasses or autograd
     )
 
 
@@ -95,10 +95,11 @@ def _capture(fn, inputs, pool):
 
 def run(name: str, fn, dynamic: tuple, static: tuple, spec_key: str, eager: bool = False) -> torch.Tensor:
     """fn(*dynamic) (weights bound inside fn), through a cached CUDA graph when that is safe and pays.
-    ``eager``: the caller already checked ``moe_op.plain_eager`` on these tensors (not checked twice)."""
-    global keepalive, last_error
+    ``eager``: the caller is plain eager code and checked ``moe_op.plain_eager`` on these tensors; other calls
+    always run plain launches."""
+    global last_error
     x = dynamic[0]
-    if not _usable(x, dynamic + static, eager):
+    if not _usable(x, eager):
         stats["plain"] += 1
         return fn(*dynamic)
     key = (
@@ -130,7 +131,6 @@ def run(name: str, fn, dynamic: tuple, static: tuple, spec_key: str, eager: bool
         return fn(*dynamic)
     if e.graph is None:
         inputs = tuple(t.clone() for t in dynamic)
-        keepalive = e.keep
         try:
             e.graph, e.output = _capture(fn, inputs, _pool_handle(x.device.index))
             e.inputs = inputs
@@ -140,8 +140,6 @@ def run(name: str, fn, dynamic: tuple, static: tuple, spec_key: str, eager: bool
             e.failed, e.graph = True, None
             stats["capture_failed"] += 1
             return fn(*dynamic)
-        finally:
-            keepalive = None
     else:
         for s, d in zip(e.inputs, dynamic):
             s.copy_(d)

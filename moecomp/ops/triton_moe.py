@@ -15,7 +15,6 @@ memory on the host, so the whole op can be captured in a CUDA graph.
 from __future__ import annotations
 
 import os
-import weakref
 
 import torch
 import triton
@@ -26,7 +25,7 @@ from ..kernels import grouped_gemm as gemm_k
 from ..kernels import routing as routing_k
 from .. import reference
 from ..spec import MoESpec
-from . import graphs, tuning
+from . import tuning
 
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "none": 3}
 _ACT = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu_oai": 4, "relu2": 5}
@@ -47,54 +46,30 @@ def _precision(t: torch.Tensor) -> str:
     return "ieee" if t.dtype == torch.float32 or _upcast(t) else "tf32"
 
 
-# --------------------------------------------------------------------------------------------- weight cache
-_derived: dict = {}
-_DERIVED_MAX = 256
-
-
-def _derived_weight(tag: str, tensors: tuple, make):
-    """A weight derived from parameters (fp32 router copy, FSE concatenation), cached per source tensor object
-    and rebuilt when a source changes (another object, even at the same address, or an in-place update).
-    Built on the first (warm-up) call, outside CUDA-graph capture; a graph captured before an in-place weight
-    update must be captured again."""
-    slot = (tag,) + tuple(id(t) for t in tensors)
-    sig = tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in tensors)
-    hit = _derived.get(slot)
-    if hit is not None and hit[0] == sig and all(r() is t for r, t in zip(hit[1], tensors)):
-        if graphs.keepalive is not None:  # a CUDA graph being captured reads it: keep it alive with the graph
-            graphs.keepalive.append(hit[2])
-        return hit[2]
-    if len(_derived) >= _DERIVED_MAX:
-        _derived.pop(next(iter(_derived)))
-    out = make()
-    _derived[slot] = (sig, tuple(weakref.ref(t) for t in tensors), out)
-    if graphs.keepalive is not None:
-        graphs.keepalive.append(out)
-    return out
-
-
 # --------------------------------------------------------------------------------------------- routing
 def router_logits(x: torch.Tensor, args: dict, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Router GEMM, fused with the shared-expert gate GEMM when there is one. Returns (logits [T, E], gate [T])."""
+    """Router GEMM, fused with the shared-expert gate GEMM when there is one. Returns (logits [T, E], gate [T]).
+
+    Weights are used as given: an fp32 router (``spec.router_fp32``) over 16-bit weights converts them here on every
+    call, and a separate gate is concatenated here on every call. The op caches nothing derived from its inputs (a
+    cached tensor made while compiled code runs inside Inductor's CUDA-graph trees would live in the tree's pool,
+    untracked); callers that call often pass the fused / converted weights (the bound HF blocks keep them as
+    buffers, the FSE pass concatenates in the graph)."""
     rw, rb, gw = args["router_w"], args["router_b"], args["shared_gate_w"]
     E = spec.num_experts
     want = torch.float32 if spec.router_fp32 else x.dtype
     xs = x if x.dtype == want else x.to(want)
-    if spec.fused_shared_gate:  # the graph already concatenated [router; gate] rows (FSE pass)
-        both = torch.nn.functional.linear(xs, rw if rw.dtype == want else rw.to(want))  # [T, E + 1]
-        return both[:, :E], both[:, E]
     if gw is not None:
-        w = _derived_weight("fse", (rw, gw), lambda: torch.cat([rw, gw], 0).to(want))  # [E + 1, H]
-        b = None
+        rw = torch.cat([rw, gw.to(rw.dtype)], 0)  # [E + 1, H]
         if rb is not None:
-            b = _derived_weight("fse_b", (rb,), lambda: torch.cat([rb, rb.new_zeros(1)]).to(want))
-        both = torch.nn.functional.linear(xs, w, b)  # [T, E + 1]
-        return both[:, :E], both[:, E]
-    if rw.dtype != want:
-        rw = _derived_weight("router", (rw,), lambda: rw.to(want))
+            rb = torch.cat([rb, rb.new_zeros(1)])
+    rw = rw if rw.dtype == want else rw.to(want)
     if rb is not None and rb.dtype != want:
         rb = rb.to(want)
-    return torch.nn.functional.linear(xs, rw, rb), None
+    logits = torch.nn.functional.linear(xs, rw, rb)  # [T, E] or [T, E + 1]
+    if spec.fused_shared_gate or gw is not None:
+        return logits[:, :E], logits[:, E]
+    return logits, None
 
 
 def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch.dtype):

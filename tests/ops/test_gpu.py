@@ -76,12 +76,15 @@ def test_cuda_graph_capture_and_replay(name, T):
 def test_no_host_sync_on_hot_path(T):
     spec = FAMILIES["qwen15_moe_a27b"]
     args = random_moe_args(spec, T, torch.bfloat16, "cuda", std=0.02, seed=2)
-    for _ in range(2):  # warm-up (compile, derived weights), then the graph capture for T=4
-        torch.ops.moecomp.moe_forward(*args, spec.key)
+    from moecomp.ops.moe_op import call_moe_forward
+
+    for _ in range(2):  # warm-up (compile), then the op graph's capture for T=4 (eager callers get op graphs)
+        call_moe_forward(args[0], args[1:], spec)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         torch.ops.moecomp.moe_forward(*args, spec.key)
+        call_moe_forward(args[0], args[1:], spec)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
@@ -165,10 +168,11 @@ def test_opcheck_cuda():
 
 @pytest.mark.parametrize("name", ["qwen3_30b_a3b", "qwen15_moe_a27b", "deepseek_v3"])
 def test_op_graphs_in_eager_mode(name):
-    """ops/graphs.py: replays give the plain launches' result on fresh inputs, follow in-place weight updates and
-    replaced weights, and give each call its own output tensor."""
+    """ops/graphs.py (eager callers: call_moe_forward, as the bound HF blocks call it): replays give the plain
+    launches' result on fresh inputs, follow in-place weight updates and replaced weights, and give each call its own
+    output tensor."""
     from moecomp.ops import graphs, triton_moe
-    from moecomp.ops.moe_op import MOE_ARGS
+    from moecomp.ops.moe_op import MOE_ARGS, call_moe_forward
 
     spec = FAMILIES[name]
     graphs.clear()
@@ -183,7 +187,7 @@ def test_op_graphs_in_eager_mode(name):
             args[4].mul_(0.5)
             args[1].mul_(-1.0)
         x = torch.randn(2, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
-        out = torch.ops.moecomp.moe_forward(x, *args[1:], spec.key)
+        out = call_moe_forward(x, args[1:], spec)
         torch.testing.assert_close(out, plain(x, args[1:]), rtol=0, atol=0)
         outs.append(out)
     assert graphs.stats["capture_failed"] == 0, graphs.last_error
@@ -192,7 +196,7 @@ def test_op_graphs_in_eager_mode(name):
     w13 = args[4].clone()  # a replaced weight tensor
     x = torch.randn(2, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
-        out = torch.ops.moecomp.moe_forward(x, *args[1:4], w13, *args[5:], spec.key)
+        out = call_moe_forward(x, args[1:4] + [w13] + args[5:], spec)
     torch.testing.assert_close(out, plain(x, args[1:4] + [w13] + args[5:]), rtol=0, atol=0)
     assert graphs.stats["captured"] == 3
 
@@ -203,6 +207,7 @@ def test_moe_experts_cuda(name, T):
     """The routed-experts op (experts_implementation="moecomp", experts-only rewrites) on CUDA, HF-style int64 ids,
     called three times (plain, graph capture, replay) with fresh routing each time."""
     from moecomp.ops import graphs
+    from moecomp.ops.moe_op import call_moe_experts
 
     if name == "gpt_oss_style":
         spec = MoESpec(num_experts=32, top_k=4, hidden_size=1024, intermediate_size=512, activation="swiglu_oai",
@@ -217,7 +222,7 @@ def test_moe_experts_cuda(name, T):
         scores = torch.rand(T, spec.num_experts, device="cuda", generator=g)
         w, ids = scores.topk(spec.top_k, dim=-1)
         w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
-        out = torch.ops.moecomp.moe_experts(x, ids, w, w13, b13, w2, b2, spec.key)
+        out = call_moe_experts(x, ids, w, w13, b13, w2, b2, spec)
         ref = reference.experts(x, ids, w.float(), w13, b13, w2, b2, spec)
         assert torch.isfinite(out).all()
         assert rel_err(out, ref) < 2e-2

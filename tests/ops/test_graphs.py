@@ -29,7 +29,7 @@ def fake_cuda(monkeypatch):
         captured.append(g)
         return g, g.out
 
-    monkeypatch.setattr(graphs, "_usable", lambda x, ts, eager=False: graphs.max_tokens() > 0 and x.shape[0] <= graphs.max_tokens())
+    monkeypatch.setattr(graphs, "_usable", lambda x, eager: graphs.max_tokens() > 0 and x.shape[0] <= graphs.max_tokens())
     monkeypatch.setattr(graphs, "_capture", capture)
     handles = iter(range(1000))
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
@@ -101,26 +101,13 @@ def test_limits_and_failed_capture_fall_back_to_plain(fake_cuda, monkeypatch):
     assert graphs.stats["capture_failed"] == 1  # tried once, then plain
 
 
-def test_derived_tensors_are_kept_alive_by_the_graph(fake_cuda):
-    from moecomp.ops import triton_moe
-
-    a, b = torch.randn(4, 8), torch.randn(1, 8)
-    x = torch.randn(3, 8)
-
-    def fn(x):
-        both = triton_moe._derived_weight("test_cat", (a, b), lambda: torch.cat([a, b]))
-        return x @ both.T
-
-    for _ in range(2):
-        graphs.run("op", fn, (x,), (a, b), "s")
-    entry = next(iter(graphs._entries.values()))
-    assert len(entry.keep) == 1 and entry.keep[0].shape == (5, 8)
-
-
 def test_usable_only_for_plain_eager_calls(monkeypatch):
-    """The real _usable: parameters are fine; dispatch modes, subclasses and autograd recording are not (checked
-    with is_cuda faked, since the rest of the policy does not depend on the device)."""
+    """Graphs only for callers that established plain eager (parameters are fine; dispatch modes, subclasses and
+    autograd recording are not), never for calls through the dispatcher (compiled code may run inside Inductor's
+    CUDA-graph trees). Checked with is_cuda faked: the rest of the policy does not depend on the device."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moecomp.ops.moe_op import plain_eager
 
     class FakeCudaTensor(torch.Tensor):
         pass
@@ -129,13 +116,16 @@ def test_usable_only_for_plain_eager_calls(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     w = torch.nn.Parameter(torch.randn(8, 8))
+    assert graphs._usable(x, eager=True) and not graphs._usable(x, eager=False)
     with torch.no_grad():
-        assert graphs._usable(x, (x, w))
+        assert plain_eager((x, w))
         with TorchDispatchMode():
-            assert not graphs._usable(x, (x, w))
-        assert not graphs._usable(x, (x, w.detach().as_subclass(FakeCudaTensor)))
-    assert not graphs._usable(x, (x, w))  # grad mode on and w requires grad
-    assert graphs._usable(x, (x, w.detach()))
+            assert not plain_eager((x, w))
+        assert not plain_eager((x, w.detach().as_subclass(FakeCudaTensor)))
+    assert not plain_eager((x, w))  # grad mode on and w requires grad
+    assert plain_eager((x, w.detach()))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not graphs._usable(x, eager=True)  # inside someone's capture (moecomp's generate() step graphs)
 
 
 def test_a_new_pool_once_no_graph_holds_the_old_one(fake_cuda):

@@ -1,0 +1,516 @@
+"""End-to-end ``generate()`` on one GPU: every way a user can run an HF MoE model, side by side.
+
+Models are built on the device from config (real layer sizes, random weights N(0, 0.02), bf16, depth cut to fit;
+no downloads). Prompt of ``--prompt`` random tokens (no padding), ``--new`` new tokens, greedy, ``min_new_tokens``
+= ``--new`` so every path decodes the same number of steps.
+
+Paths (each timed after one untimed warm-up call with the same arguments, which also compiles / captures):
+  hf                 transformers' default generate (dynamic cache, eager)
+  experts_impl       experts_implementation="moecomp" (the routed experts on moecomp's op, routing HF's)
+  optimize_hf        moecomp.optimize(model), then transformers' own generate (moecomp_fast=False)
+  hf_static          static cache: transformers' auto torch.compile (mode="reduce-overhead")
+  hf_static_moecomp  static cache + CompileConfig(backend="moecomp", mode="reduce-overhead")
+  optimize_static    moecomp.optimize(model) + generate(cache_implementation="static") (transformers' compile)
+  one_liner          moecomp.optimize(model) + generate(): moecomp's static cache and whole-step CUDA graphs
+
+Timing: for transformers' loops a stopping criterion that synchronizes and reads the clock after every token (the
+loop synchronizes there anyway to test for the end): prefill = start -> first token, decode = mean of the following
+steps. For the one-liner, CUDA events around the prefill and around the decode loop (``model.generate.last``).
+tokens/s = batch / decode step.
+
+Floor per decode step = bytes the step must read / the copy rate measured in this run: every weight except the
+embedding table (B rows of it) and the routed experts (only the distinct experts the batch's routing touched, counted
+in the ``hf`` run with hooks on the experts modules), plus the KV cache at the mean context length. Prefill floor =
+max(bytes / copy rate, FLOPs / matmul rate) with every expert the prompt touched.
+
+Tokens: each path's greedy tokens are compared with the ``hf`` path's (``match``: share of identical tokens; bf16
+paths diverge after the first near-tie, so ``first_diff`` gives the step of the first difference).
+
+    PYTHONPATH=. python3 benchmarks/bench_generate.py                       # all models, batches, paths
+    PYTHONPATH=. python3 benchmarks/bench_generate.py --models qwen3 --batches 1,32 --profile
+    python3 benchmarks/bench_generate.py --device cpu --tiny                # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from bench_moe import _save, _slug, environment, git_commit  # noqa: E402
+
+MODELS = {
+    "qwen3": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", 12, dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936, norm_topk_prob=True)),
+    "qwen2": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", 12, dict(
+        hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+        num_experts=60, num_experts_per_tok=4, num_attention_heads=16, num_key_value_heads=16, vocab_size=151936,
+        norm_topk_prob=False)),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", 8, dict(
+        hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, sliding_window=None)),
+    "deepseek": ("DeepseekV3ForCausalLM", "DeepseekV3Config", 3, dict(
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
+        num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+        num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, head_dim=64, vocab_size=129280, first_k_dense_replace=0)),
+}
+TINY = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, q_lora_rank=32,
+            kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
+ALL_PATHS = ("hf", "experts_impl", "optimize_hf", "hf_static", "hf_static_moecomp", "optimize_static", "one_liner")
+EXTRA_PATHS = ("one_liner_no_overlap", "one_liner_compiled")  # measurements of the engine's options (--paths)
+COMPILED = ("hf_static", "hf_static_moecomp", "optimize_static")
+
+
+def log(msg: str):
+    print(msg, flush=True)
+
+
+# ================================================================================================ models
+def build(name: str, device, dtype, layers: int | None, tiny: bool, seed: int):
+    import transformers
+
+    cls_name, cfg_name, depth, sizes = MODELS[name]
+    sizes = dict(sizes)
+    if tiny:
+        sizes.update({k: v for k, v in TINY.items() if k in sizes or k in ("head_dim",)})
+        for k in ("num_experts", "n_routed_experts"):
+            if k in sizes:
+                sizes[k] = 8
+        if name == "qwen2":
+            sizes["num_experts"] = 6
+        if name == "deepseek":
+            sizes.update(n_group=4, topk_group=2, num_key_value_heads=4, head_dim=16, num_attention_heads=4)
+        depth = 2
+    cfg = getattr(transformers, cfg_name)(num_hidden_layers=layers or depth, max_position_embeddings=4096,
+                                          pad_token_id=0, bos_token_id=1, eos_token_id=2, **sizes)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = getattr(transformers, cls_name)._from_config(cfg, dtype=dtype).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+            elif "correction_bias" in n:
+                p.normal_(0.0, 0.01)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = 2
+    return model
+
+
+def experts_modules(model):
+    return [m for n, m in model.named_modules() if n.endswith(".experts") and hasattr(m, "gate_up_proj")]
+
+
+def param_bytes(model) -> dict:
+    emb = model.get_input_embeddings().weight
+    expert = sum(p.numel() * p.element_size() for m in experts_modules(model) for p in m.parameters())
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_expert = sum(p[0].numel() * p.element_size() for m in experts_modules(model)[:1] for p in m.parameters())
+    return dict(total=total, expert=expert, embedding=emb.numel() * emb.element_size(), per_expert=per_expert,
+                row=emb.shape[1] * emb.element_size(), moe_layers=len(experts_modules(model)))
+
+
+def kv_bytes_per_token(model, device) -> int:
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.ones(1, 1, dtype=torch.long, device=device), past_key_values=cache, use_cache=True)
+    n = 0
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                n += t.numel() * t.element_size()
+    return n
+
+
+class RoutingCounter:
+    """Forward pre-hooks on the experts modules: distinct experts per call, split by call size."""
+
+    def __init__(self, model):
+        self.calls: list[tuple[int, int]] = []  # (tokens, distinct experts)
+        self.handles = [m.register_forward_pre_hook(self._hook) for m in experts_modules(model)]
+
+    def _hook(self, mod, args):
+        if len(args) >= 2 and isinstance(args[1], torch.Tensor):
+            self.calls.append((args[0].shape[0], int(args[1].unique().numel())))
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+    def mean_distinct(self, decode: bool) -> float:
+        big = max(t for t, _ in self.calls)
+        xs = [d for t, d in self.calls if (t < big) == decode] or [d for _, d in self.calls]
+        return sum(xs) / len(xs)
+
+
+def floors(pb: dict, kv_tok: int, distinct_decode: float, distinct_prefill: float, B: int, S: int, new: int,
+           ceil: dict, active_params_tok: float) -> dict:
+    bw, mm = ceil["copy_bytes_per_s"], ceil["matmul_flops_per_s"]
+    dense = pb["total"] - pb["expert"] - pb["embedding"]  # attention, norms, routers, shared experts, lm_head
+    dec = dense + B * pb["row"] + pb["moe_layers"] * distinct_decode * pb["per_expert"] + B * (S + new / 2) * kv_tok
+    pre = dense + B * S * pb["row"] + pb["moe_layers"] * distinct_prefill * pb["per_expert"] + B * S * kv_tok
+    flops = 2 * B * S * active_params_tok
+    return dict(decode_ms=dec / bw * 1e3, prefill_ms=max(pre / bw, flops / mm) * 1e3, decode_bytes=dec,
+                prefill_bytes=pre, prefill_flops=flops, distinct_experts_decode=distinct_decode,
+                distinct_experts_prefill=distinct_prefill)
+
+
+# ================================================================================================ timing
+class StepClock:
+    """A stopping criterion that stops nothing: it synchronizes and reads the clock after every token."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.times = cuda, []
+
+    def __call__(self, input_ids, scores, **kw):
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def run_hf_loop(model, ids, new: int, cuda: bool, **kw) -> tuple[torch.Tensor, float, float]:
+    from transformers import StoppingCriteriaList
+
+    clock = StepClock(cuda)
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                         stopping_criteria=StoppingCriteriaList([clock]), **kw)
+    ts = clock.times
+    prefill = ts[0] - t0
+    decode = (ts[-1] - ts[0]) / max(1, len(ts) - 1)
+    return out, prefill, decode
+
+
+def run_one_liner(model, ids, new: int, cuda: bool) -> tuple[torch.Tensor, float, float, dict]:
+    if cuda:
+        torch.cuda.synchronize()
+    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    last = dict(model.generate.last)
+    if last.get("path") != "moecomp":
+        raise RuntimeError(f"one-liner fell back to transformers: {last}")
+    return out, last["prefill_s"], last["decode_s"] / max(1, last["decode_steps"]), last
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, S: int) -> dict:
+    a, b = out[:, S:], ref[:, S:]
+    n = min(a.shape[1], b.shape[1])
+    same = (a[:, :n] == b[:, :n])
+    diff = (~same).any(0).nonzero()
+    return dict(match=float(same.float().mean()), first_diff=int(diff[0]) if len(diff) else None,
+                lengths=(int(a.shape[1]), int(b.shape[1])))
+
+
+# ================================================================================================ paths
+def set_path(model, path: str, state: dict):
+    """Put the model in the state ``path`` needs (undoing the previous one)."""
+    import moecomp
+
+    opt_paths = ("optimize_hf", "optimize_static") + tuple(p for p in ALL_PATHS + EXTRA_PATHS if "one_liner" in p)
+    if state.get("optimized") and path not in opt_paths:
+        moecomp.unoptimize(model)
+        state["optimized"] = False
+    want_impl = "moecomp" if path == "experts_impl" else "grouped_mm"
+    if state.get("impl", "grouped_mm") != want_impl:
+        model.set_experts_implementation(want_impl)
+        state["impl"] = want_impl
+    if path in opt_paths and not state.get("optimized"):
+        moecomp.optimize(model)
+        state["optimized"] = True
+    for var, on in (("MOECOMP_NO_OVERLAP", path == "one_liner_no_overlap"),
+                    ("MOECOMP_GENERATE_COMPILE", path == "one_liner_compiled")):
+        if on != (os.environ.get(var) == "1"):
+            os.environ[var] = "1" if on else "0"
+            if "generate" in model.__dict__:
+                model.generate.release()  # graphs bake the option in: capture again
+                model.generate.engine = None
+    if path in COMPILED:
+        torch._dynamo.reset()
+        model.__dict__.pop("_compiled_call", None)
+        model._last_compile_config = None if hasattr(model, "_last_compile_config") else None
+
+
+def run_path(model, path: str, ids, new: int, cuda: bool) -> dict:
+    from transformers import CompileConfig
+
+    kw = {}
+    if path in COMPILED:
+        kw["cache_implementation"] = "static"
+        if path == "hf_static_moecomp":
+            kw["compile_config"] = CompileConfig(backend="moecomp", mode="reduce-overhead")
+    if path == "optimize_hf":
+        kw["moecomp_fast"] = False
+    rec = {}
+    try:
+        from torch._dynamo.utils import counters as dcounters
+
+        skips0 = sum(dcounters["inductor"].get(k, 0) for k in dcounters["inductor"] if "cudagraph_skips" in k)
+    except Exception:
+        dcounters, skips0 = None, 0
+    t = time.perf_counter()
+    for rep in range(2):  # warm-up (compile / capture), then the timed call
+        if path.startswith("one_liner"):
+            out, pre, dec, last = run_one_liner(model, ids, new, cuda)
+            rec["graphs"] = last.get("graphs")
+        else:
+            out, pre, dec = run_hf_loop(model, ids, new, cuda, **kw)
+        if rep == 0:
+            rec["warmup_s"] = time.perf_counter() - t
+    if dcounters is not None and path in COMPILED:
+        rec["cudagraph_skips"] = sum(dcounters["inductor"].get(k, 0) for k in dcounters["inductor"]
+                                     if "cudagraph_skips" in k) - skips0
+    rec.update(prefill_ms=pre * 1e3, decode_ms=dec * 1e3, tok_s=ids.shape[0] / dec)
+    return rec, out
+
+
+# ================================================================================================ profile
+def _kernels(prof) -> tuple[int, float]:
+    """(kernel count, kernel time in ms) of a profile: device-side activities other than copies and memsets."""
+    n, us = 0, 0.0
+    try:
+        evs = prof.profiler.kineto_results.events()
+        for e in evs:
+            if "cuda" in str(e.device_type()).lower() and not any(w in e.name() for w in ("Memcpy", "Memset")):
+                n += 1
+                us += e.duration_ns() / 1e3
+    except Exception:
+        for e in prof.events():
+            if "cuda" in str(getattr(e, "device_type", "")).lower() and "Memcpy" not in e.name:
+                n += 1
+                us += getattr(e, "device_time_total", 0.0)
+    return n, us / 1e3
+
+
+def profile_steps(model, path: str, ids, cuda: bool, steps: int = 8) -> dict:
+    """Kernels and GPU busy time per decode step: two profiled calls (1 and 1 + steps new tokens), differenced, so
+    the prefill drops out. Idle = 1 - kernel time / wall time of the decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    kw = dict(moecomp_fast=False) if path == "optimize_hf" else {}
+
+    def call(new):
+        if path.startswith("one_liner"):
+            return run_one_liner(model, ids, new, cuda)[:3]
+        return run_hf_loop(model, ids, new, cuda, **kw)
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    call(1 + steps)  # warm-up (captures)
+    got = []
+    for new in (1, 1 + steps):
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            _, pre, dec = call(new)
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        got.append((*_kernels(prof), wall * 1e3))
+    (k1, b1, w1), (k2, b2, w2) = got
+    per_k, per_busy, per_wall = (k2 - k1) / steps, (b2 - b1) / steps, (w2 - w1) / steps
+    return dict(path=path, kernels_per_step=per_k, gpu_busy_ms_per_step=per_busy, wall_ms_per_step=per_wall,
+                gpu_idle_frac=max(0.0, 1 - per_busy / per_wall) if per_wall > 0 else None,
+                decode_ms_per_step_unprofiled=dec * 1e3)
+
+
+# ================================================================================================ main
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="all")
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--paths", default="all")
+    ap.add_argument("--compiled-batches", default="1,32", help="batch sizes for the torch.compile rows (slow)")
+    ap.add_argument("--compiled-models", default="qwen3", help="models for the torch.compile rows")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--layers", default="", help="name=depth overrides, e.g. qwen3=12,mixtral=8")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="profile one decode step of hf and one_liner (qwen3, B=1)")
+    ap.add_argument("--budget-s", type=float, default=560.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-json", default=None)
+    return ap.parse_args(argv)
+
+
+def measure_ceilings(device) -> dict:
+    if device.type != "cuda":
+        return dict(copy_bytes_per_s=2e10, matmul_flops_per_s=1e11, note="CPU: nominal, not measured")
+    import triton.testing
+
+    n = 1 << 29
+    src = torch.randn(n, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    t2 = triton.testing.do_bench(lambda: a @ b, return_mode="median")
+    del src, dst, a, b
+    torch.cuda.empty_cache()
+    return dict(copy_bytes_per_s=4 * n / (t * 1e-3), matmul_flops_per_s=2 * 8192**3 / (t2 * 1e-3))
+
+
+def run(argv=None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    models = list(MODELS) if args.models == "all" else args.models.split(",")
+    paths = list(ALL_PATHS) if args.paths == "all" else args.paths.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    cbatches = [int(b) for b in args.compiled_batches.split(",")]
+    cmodels = args.compiled_models.split(",")
+    depth = {k: int(v) for k, v in (x.split("=") for x in args.layers.split(",") if x)}
+    S, new = (16, 8) if args.tiny else (args.prompt, args.new)
+    t_start = time.perf_counter()
+    ceil = measure_ceilings(device)
+    result = dict(env=environment(device), commit=git_commit(), date=datetime.date.today().isoformat(),
+                  args=vars(args), ceilings=ceil, rows=[], profiles=[], errors=[])
+    log(f"# {result['env'].get('gpu')} torch {torch.__version__} commit {result['commit']}: copy "
+        f"{ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    for name in models:
+        if time.perf_counter() - t_start > args.budget_s:
+            result["errors"].append(f"{name}: skipped (budget)")
+            continue
+        model = build(name, device, dtype, depth.get(name), args.tiny, args.seed)
+        pb = param_bytes(model)
+        kv_tok = kv_bytes_per_token(model, device)
+        H = model.config.hidden_size
+        n_layers = pb["moe_layers"]
+        k = model.config.num_experts_per_tok
+        active = (pb["total"] - pb["expert"] - pb["embedding"]) / 2 + n_layers * k * pb["per_expert"] / 2
+        log(f"## {name}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, {n_layers} MoE layers, "
+            f"KV {kv_tok} B/token")
+        for B in batches:
+            if time.perf_counter() - t_start > args.budget_s:
+                result["errors"].append(f"{name} B={B}: skipped (budget)")
+                continue
+            g = torch.Generator().manual_seed(args.seed + B)
+            ids = torch.randint(3, model.config.vocab_size, (B, S), generator=g).to(device)
+            state: dict = {}
+            ref = None
+            for path in paths:
+                if path in COMPILED and (B not in cbatches or name not in cmodels):
+                    continue
+                if time.perf_counter() - t_start > args.budget_s:
+                    result["errors"].append(f"{name} B={B} {path}: skipped (budget)")
+                    continue
+                row = dict(model=name, batch=B, path=path, prompt=S, new=new)
+                try:
+                    set_path(model, path, state)
+                    counter = RoutingCounter(model) if path == "hf" else None
+                    rec, out = run_path(model, path, ids, new, cuda)
+                    if counter is not None:
+                        counter.remove()
+                        fl = floors(pb, kv_tok, counter.mean_distinct(True), counter.mean_distinct(False), B, S,
+                                    new, ceil, active)
+                        state["floor"] = fl
+                    if path == "hf":
+                        ref = out
+                    row.update(rec)
+                    if ref is not None:
+                        row["tokens"] = compare(out, ref, S)
+                    fl = state.get("floor")
+                    if fl is not None:
+                        row.update(floor_decode_ms=fl["decode_ms"], floor_prefill_ms=fl["prefill_ms"],
+                                   decode_vs_floor=row["decode_ms"] / fl["decode_ms"],
+                                   prefill_vs_floor=row["prefill_ms"] / fl["prefill_ms"])
+                except Exception as e:  # the row records the failure; the run goes on
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                    result["errors"].append(f"{name} B={B} {path}: {row['error']}")
+                    traceback.print_exc()
+                    if cuda:
+                        try:
+                            torch.cuda.synchronize()
+                        except Exception:
+                            result["errors"].append("CUDA context lost: stopping")
+                            result["rows"].append(row)
+                            return _finish(result, args)
+                result["rows"].append(row)
+                log(_row_line(row))
+            if state.get("floor"):
+                result.setdefault("floors", []).append(dict(model=name, batch=B, **state["floor"]))
+        if args.profile and name == models[0]:
+            ids = torch.randint(3, model.config.vocab_size, (1, S)).to(device)
+            state = {}
+            for path in ("hf", "optimize_hf", "one_liner"):
+                try:
+                    set_path(model, path, state)
+                    p = profile_steps(model, path, ids, cuda)
+                    result["profiles"].append(dict(model=name, **p))
+                    log(f"profile {name} {path}: {p}")
+                except Exception as e:
+                    result["errors"].append(f"profile {path}: {type(e).__name__}: {e}")
+        import moecomp
+
+        moecomp.unoptimize(model)
+        del model
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return _finish(result, args)
+
+
+def _row_line(r: dict) -> str:
+    if "error" in r:
+        return f"{r['model']:8s} B={r['batch']:<4d} {r['path']:18s} ERROR {r['error']}"
+    tok = r.get("tokens", {})
+    return (f"{r['model']:8s} B={r['batch']:<4d} {r['path']:18s} prefill {r['prefill_ms']:8.2f} ms  decode "
+            f"{r['decode_ms']:7.3f} ms/step ({r.get('decode_vs_floor', float('nan')):.2f}x floor)  "
+            f"{r['tok_s']:8.1f} tok/s  match {tok.get('match', float('nan')):.2f}"
+            + (f"  graphs: {r['graphs']}" if r.get("graphs") else "")
+            + (f"  cudagraph skips {r['cudagraph_skips']}" if r.get("cudagraph_skips") else ""))
+
+
+def _finish(result: dict, args) -> dict:
+    path = args.out_json
+    if path is None and not args.tiny:
+        gpu = _slug(result["env"].get("gpu", "cpu"))
+        path = os.path.join(HERE, "results", f"{gpu}-{result['date']}-{result['commit'][:7]}-generate.json")
+    if path:
+        _save(result, path)
+    log("\n" + table(result))
+    for e in result["errors"]:
+        log(f"error: {e}")
+    return result
+
+
+def table(result: dict) -> str:
+    lines = ["| model | B | path | prefill ms | decode ms/step | x floor | tok/s | tokens = hf |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['batch']} | {r['path']} | error: {r['error'][:80]} | | | | |")
+            continue
+        tok = r.get("tokens", {})
+        lines.append(f"| {r['model']} | {r['batch']} | {r['path']} | {r['prefill_ms']:.2f} | {r['decode_ms']:.3f} | "
+                     f"{r.get('decode_vs_floor', float('nan')):.2f} | {r['tok_s']:.0f} | "
+                     f"{tok.get('match', float('nan')):.2f} |")
+    for f in result.get("floors", []):
+        lines.append(f"floor {f['model']} B={f['batch']}: decode {f['decode_ms']:.3f} ms, prefill "
+                     f"{f['prefill_ms']:.2f} ms (distinct experts/layer: decode {f['distinct_experts_decode']:.1f}, "
+                     f"prefill {f['distinct_experts_prefill']:.1f})")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    res = run()
+    sys.exit(1 if any("error" in r for r in res["rows"]) else 0)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device-tool call's worth of GPU work, by stage (each stage bounded by its own timeout; logs and JSON to $OUT).
+#   benchmarks/run_gpu.sh explore   generate(): Qwen3 12-layer B=1,32, engine options, profile; then the GPU tests
+#   benchmarks/run_gpu.sh bench     benchmarks/bench_generate.py on all models (table, JSON, plot)
+#   benchmarks/run_gpu.sh tests     pytest -m gpu (every GPU test)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+quiet() { grep -v -i "warn\|^\s*$\|torch._dynamo\|^  " ; }
+case "${1:-explore}" in
+explore)
+  timeout 330 python3 benchmarks/bench_generate.py --models qwen3 --batches 1,32 \
+      --paths hf,optimize_hf,one_liner,one_liner_compiled --profile --budget-s 280 \
+      --out-json "$OUT/explore.json" 2>&1 | tee "$OUT/explore.log" | quiet | tail -40
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/generate/test_generate_gpu.py 2>&1 \
+      | tee "$OUT/tests_generate.log" | tail -25 ;;
+bench)
+  timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_generate.py ${BENCH_ARGS:-} 2>&1 \
+      | tee "$OUT/bench.log" | quiet | tail -80 ;;
+tests)
+  timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" \
+      | tail -30 ;;
+esac

@@ -1,0 +1,285 @@
+"""The decode engine behind the one-line fast ``generate()``: a static KV cache, and each decode step as one CUDA graph.
+
+    prompt ids [B, S] --pad rows to Bb--> prefill (eager, transformers' own masks) -> cache slots 0..S-1, token 0
+    decode step t (captured once per slot and sampler, then replayed):
+        mask  [Bb, 1, 1, L] = pad_mask & (arange(L) <= slot)
+        model(tok [Bb, 1], pos [Bb, 1], mask, static cache) -> logits [Bb, V] -> select -> tok, out[:, t]
+        pos += 1, slot += 1
+
+A *slot* is one static cache and the tensors its step reads and writes, for a batch bucket ``Bb`` (1, 2, 4, ... 128,
+then multiples of 64; missing rows repeat the last prompt and are dropped from the result) and a cache length
+``L`` (prompt + new tokens rounded up to 256), so prompts of other lengths reuse the same graphs. Slots are kept per
+model (``MAX_SLOTS``, least recently used first out); the graphs of one slot share one memory pool (they replay one
+at a time, and every result they keep is written to the slot's own tensors, outside the pool).
+
+Graphs read weights at the addresses they had when captured, so every graph is keyed by a fingerprint of the
+model's tensors (identity, address, version, dtype): a moved, replaced, re-loaded or in-place-updated weight gives a
+new capture instead of a stale replay (the eager prefill runs first, so derived tensors are rebuilt by then).
+
+Nothing in a step reads device memory on the host. The host replays up to ``CHECK_EVERY`` steps ahead before it
+reads the stop flag, so the GPU never waits for Python; steps after every row finished only write pad tokens that
+the result leaves out (``StepState.ncols`` counts the steps transformers would have taken).
+
+On CPU, or when a capture fails, the same step runs eagerly (``info["graphs"]`` says which, and why).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from collections import OrderedDict
+
+import torch
+
+from .sampling import Sampler, StepState, Unsupported, select
+
+MAX_SLOTS = 3
+CHECK_EVERY = 16
+LENGTH_ROUND = 256
+
+
+def batch_bucket(b: int) -> int:
+    if b <= 128:
+        return 1 << max(0, (b - 1).bit_length())
+    return -(-b // 64) * 64
+
+
+def length_bucket(n: int) -> int:
+    return -(-n // LENGTH_ROUND) * LENGTH_ROUND
+
+
+def fingerprint(model: torch.nn.Module) -> tuple:
+    return tuple((id(t), t.data_ptr(), t._version, t.dtype) for t in
+                 list(model.parameters()) + list(model.buffers()))
+
+
+class Slot:
+    def __init__(self, model, batch: int, length: int, device, dtype):
+        from transformers import StaticCache
+
+        self.batch, self.length = batch, length
+        self.cache = StaticCache(config=model.config, max_cache_len=length)
+        z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
+        self.tok = z(batch, 1)
+        self.pos = z(batch, 1)
+        self.slot = z(())  # cache index the next step writes
+        self.pad_mask = z(batch, length, dt=torch.bool)
+        self.arange = torch.arange(length, device=device)
+        self.state = StepState(batch, length, device)
+        self.graphs: dict = {}  # (fingerprint, sampler signature) -> (graph, sampler)
+        self.failed: dict = {}  # same key -> why a capture failed
+        self.pool = None  # graph memory pool of this slot (made with its first graph)
+        self.why_not = Engine.cache_unsupported(self)
+
+
+class Engine:
+    """Static-cache decoding for one model (held by its ``FastGenerate``)."""
+
+    def __init__(self, model):
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.slots: OrderedDict = OrderedDict()
+        self.stats = {"calls": 0, "captures": 0, "replays": 0, "eager_steps": 0, "capture_failures": 0}
+        # experiment: decoder layers compiled by Inductor inside the decode step (MOECOMP_GENERATE_COMPILE=1)
+        self.compile_layers = os.environ.get("MOECOMP_GENERATE_COMPILE") == "1"
+        self._compiled = None
+
+    # ------------------------------------------------------------------------------------------- checks
+    def unsupported(self) -> str | None:
+        """Why this model cannot use the engine (None when it can). Cheap; called once per generate()."""
+        m, cfg = self.model, self.model.config
+        if cfg.is_encoder_decoder:
+            return "encoder-decoder model"
+        params = inspect.signature(m.forward).parameters
+        for p in ("attention_mask", "position_ids", "logits_to_keep", self.cache_kw):
+            if p not in params:
+                return f"forward takes no {p!r}"
+        impl = getattr(cfg, "_attn_implementation", None)
+        if impl not in ("sdpa", "eager"):
+            return f"attention implementation {impl!r} (sdpa and eager are supported)"
+        if "create_masks_for_generate" in vars(type(m)) or any(
+                "create_masks_for_generate" in vars(c) for c in type(m).__mro__[1:] if c.__name__ != "GenerationMixin"):
+            return "the model builds its own generation masks"
+        return None
+
+    @staticmethod
+    def cache_unsupported(slot: Slot) -> str | None:
+        for layer in slot.cache.layers:
+            name = type(layer).__name__
+            if name == "StaticLayer":
+                continue
+            if name == "StaticSlidingWindowLayer" and getattr(layer, "max_cache_len", 0) >= slot.length:
+                continue  # window at least as long as the cache: a plain causal cache here
+            return f"cache layer {name} (only full-attention static layers are graphed)"
+        return None
+
+    # ------------------------------------------------------------------------------------------- slots
+    def _slot(self, batch: int, length: int, device, dtype) -> Slot:
+        key = (batch, length, device, dtype)
+        s = self.slots.get(key)
+        if s is None:
+            while len(self.slots) >= MAX_SLOTS:
+                self.slots.popitem(last=False)
+            s = self.slots[key] = Slot(self.model, batch, length, device, dtype)
+        self.slots.move_to_end(key)
+        return s
+
+    def release(self) -> None:
+        self.slots.clear()
+
+    # ------------------------------------------------------------------------------------------- the step
+    def _mask(self, s: Slot, dtype) -> torch.Tensor:
+        keep = (s.pad_mask & (s.arange <= s.slot))[:, None, None, :]  # [Bb, 1, 1, L]
+        if self.model.config._attn_implementation == "eager":
+            return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+        return keep
+
+    def _layers(self):
+        """(ModuleList of decoder layers, compiled wrappers) for the compile experiment."""
+        if self._compiled is None:
+            base = getattr(self.model, self.model.base_model_prefix, None)
+            layers = getattr(base, "layers", None)
+            if not isinstance(layers, torch.nn.ModuleList):
+                self._compiled = (None, None)
+            else:
+                import torch._dynamo
+
+                torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(layers))
+                self._compiled = (layers, [torch.compile(m, dynamic=False) for m in layers])
+        return self._compiled
+
+    def _step(self, s: Slot, sampler: Sampler, dtype) -> None:
+        layers, compiled = self._layers() if self.compile_layers and s.tok.is_cuda else (None, None)
+        if layers is not None:
+            saved = list(layers)
+            for i, c in enumerate(compiled):
+                layers._modules[str(i)] = c
+        try:
+            out = self.model(input_ids=s.tok, position_ids=s.pos, attention_mask=self._mask(s, dtype),
+                             **{self.cache_kw: s.cache}, use_cache=True, logits_to_keep=1, return_dict=True)
+        finally:
+            if layers is not None:
+                for i, m in enumerate(saved):
+                    layers._modules[str(i)] = m
+        nxt = select(out.logits[:, -1], s.state, sampler)
+        s.tok.copy_(nxt[:, None])
+        s.pos.add_(1)
+        s.slot.add_(1)
+
+    def _graph(self, s: Slot, sampler: Sampler, dtype, fp: tuple):
+        """The captured step for this slot, sampler and weights; None where graphs are off or capture failed."""
+        key = (fp, sampler.signature)
+        hit = s.graphs.get(key)
+        if hit is not None:
+            return hit[0]
+        if key in s.failed:
+            return None
+        s.graphs = {k: v for k, v in s.graphs.items() if k[0] == fp}  # graphs of older weights are stale
+        if not s.graphs:  # a pool whose graphs are all gone is freed: capturing into its handle would fail
+            s.pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g, pool=s.pool):
+                self._step(s, sampler, dtype)
+        except Exception as e:  # a host sync or an uncapturable op in the model: plain launches from now on
+            s.failed[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            self.stats["capture_failures"] += 1
+            torch.cuda.synchronize()
+            return None
+        s.graphs[key] = (g, sampler)
+        self.stats["captures"] += 1
+        return g
+
+    # ------------------------------------------------------------------------------------------- generate
+    @torch.no_grad()
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+            max_new: int, sampler: Sampler, use_graphs: bool = True) -> tuple[torch.Tensor, dict]:
+        """Generate ``max_new`` tokens at most: (ids [B, S + n], info)."""
+        m = self.model
+        B, S = input_ids.shape
+        dev = input_ids.device
+        dtype = m.get_input_embeddings().weight.dtype if m.get_input_embeddings() is not None else m.dtype
+        Bb, L = batch_bucket(B), length_bucket(S + max_new)
+        s = self._slot(Bb, L, dev, dtype)
+        if s.why_not is not None:
+            raise Unsupported(s.why_not)
+        info = {"batch_bucket": Bb, "cache_length": L}
+        self.stats["calls"] += 1
+
+        # prefill: transformers' own masks over the static cache; rows beyond B repeat the last prompt
+        rows = torch.cat([torch.arange(B, device=dev), torch.full((Bb - B,), B - 1, device=dev)]).long()
+        ids = input_ids[rows]
+        am = attention_mask[rows].bool() if attention_mask is not None else None
+        if position_ids is None:
+            position_ids = (am.long().cumsum(-1) - 1).masked_fill(~am, 0) if am is not None else \
+                torch.arange(S, device=dev)[None].expand(Bb, S)
+        else:
+            position_ids = position_ids.expand(B, S)[rows]
+        s.cache.reset()
+        cuda = dev.type == "cuda"
+        if cuda:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            ev[0].record()
+        t0 = time.perf_counter()
+        out = m(input_ids=ids, attention_mask=am.long() if am is not None else None, position_ids=position_ids,
+                **{self.cache_kw: s.cache}, use_cache=True, logits_to_keep=1, return_dict=True)
+        sampler.prepare(dev, out.logits.shape[-1])
+        s.pad_mask.fill_(True)
+        if am is not None:
+            s.pad_mask[:, :S] = am
+        s.slot.fill_(S)
+        s.pos.copy_(position_ids[:, -1:] + 1)
+        s.state.start(B, sampler.min_new)
+        s.tok.copy_(select(out.logits[:, -1], s.state, sampler)[:, None])
+        del out
+        if cuda:
+            ev[1].record()
+        prefill_s = time.perf_counter() - t0
+
+        # decode
+        graph = None
+        want = use_graphs and cuda
+        fp = fingerprint(m) if want else None
+        t0, steps = time.perf_counter(), 0
+        for t in range(1, max_new):
+            steps += 1
+            if want and graph is None and t >= 2:  # step 1 ran eagerly: the warm-up before a capture
+                graph = self._graph(s, sampler, dtype, fp)
+                want = graph is not None
+            if graph is not None:
+                graph.replay()
+                self.stats["replays"] += 1
+            else:
+                self._step(s, sampler, dtype)
+                self.stats["eager_steps"] += 1
+            if sampler.eos and t % CHECK_EVERY == 0 and not bool(s.state.unfinished.any()):
+                break
+        if cuda:
+            ev[2].record()
+        if dev.type != "cuda":
+            info["graphs"] = "off (CPU)"
+        elif not use_graphs:
+            info["graphs"] = "off"
+        elif graph is not None:
+            info["graphs"] = "replayed"
+        else:
+            fail = s.failed.get((fp, sampler.signature))
+            info["graphs"] = f"capture failed: {fail}" if fail else "not needed (fewer than 3 steps)"
+        n = int(s.state.ncols)
+        info["decode_steps"] = steps  # forward passes after the prefill (the first capture's step included)
+        info["decode_s"] = ev[1].elapsed_time(ev[2]) / 1e3 if cuda else time.perf_counter() - t0
+        info["prefill_s"] = ev[0].elapsed_time(ev[1]) / 1e3 if cuda else prefill_s
+        return torch.cat([input_ids, s.state.out[:B, :n]], dim=-1), info
+
+
+_engines: list = []  # weak references to every engine (tests and benchmarks read their stats)
+
+
+def register(engine: Engine) -> Engine:
+    import weakref
+
+    _engines.append(weakref.ref(engine))
+    _engines[:] = [r for r in _engines if r() is not None]
+    return engine

@@ -1,0 +1,185 @@
+"""``model.generate`` after ``moecomp.optimize(model)``: transformers' generate, with its decode loop run by our engine.
+
+    model.generate(ids, ...)                      (FastGenerate, an instance attribute set by optimize)
+      -> transformers' GenerationMixin.generate(..., custom_generate=decode)
+           transformers resolves the generation config, special tokens, attention mask, position ids, max length,
+           logits processors and stopping criteria exactly as it always does, then calls
+      -> decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
+           greedy / sampling with processors the engine can run  -> Engine.run (static cache, CUDA-graph steps)
+           anything else                                          -> transformers' own _sample, unchanged
+
+Before handing the call to transformers, ``FastGenerate`` sends a call straight to transformers' own generate
+(no custom decode) when the user manages caches or loops themselves: a cache passed in (``past_key_values`` /
+``cache``), ``cache_implementation`` or ``compile_config``, a streamer, an assistant model, custom logits processors
+or stopping criteria, ``prefix_allowed_tokens_fn``, beam search or another decoding mode, ``synced_gpus``, or
+``moecomp_fast=False``. ``model.generate.last`` says which path the last call took and why.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .engine import Engine, register
+from .sampling import Sampler, Unsupported
+
+_PLAIN_ARGS = ("past_key_values", "cache", "cache_implementation", "compile_config", "streamer", "assistant_model",
+               "assistant_tokenizer", "tokenizer", "custom_generate", "prefix_allowed_tokens_fn", "logits_processor",
+               "stopping_criteria", "negative_prompt_ids", "negative_prompt_attention_mask", "synced_gpus",
+               "inputs_embeds", "prompt_lookup_num_tokens", "stop_strings")
+_MODEL_KWARGS = ("attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep",
+                 "cache_position")
+_OUTPUT_FLAGS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits",
+                 "output_router_logits", "return_dict_in_generate")
+
+
+class FastGenerate:
+    """Stands in for ``model.generate`` (see the module docstring). ``enabled = False`` turns the engine off."""
+
+    __slots__ = ("model", "engine", "enabled", "last")
+
+    def __init__(self, model):
+        self.model = model
+        self.engine = None
+        self.enabled = True
+        self.last: dict = {}
+
+    def _engine(self) -> Engine:
+        if self.engine is None:
+            self.engine = register(Engine(self.model))
+        return self.engine
+
+    def release(self) -> None:
+        """Free the static caches and graphs (the next call builds them again)."""
+        if self.engine is not None:
+            self.engine.release()
+
+    def _plain_reason(self, args, kwargs) -> str | None:
+        if not self.enabled:
+            return "disabled (model.generate.enabled = False)"
+        for k in _PLAIN_ARGS:
+            v = kwargs.get(k)
+            if v is not None and v is not False and not (isinstance(v, list) and not v):
+                return f"{k} given"
+        if len(args) > 1:
+            return "positional arguments after the inputs"
+        try:
+            gc, _ = self.model._prepare_generation_config(kwargs.get("generation_config"),
+                                                          **{k: v for k, v in kwargs.items()
+                                                             if k != "generation_config"})
+            mode = gc.get_generation_mode(None)
+        except Exception as e:  # let transformers raise its own error
+            return f"generation config: {type(e).__name__}"
+        if getattr(mode, "name", str(mode)) not in ("GREEDY_SEARCH", "SAMPLE"):
+            return f"decoding mode {getattr(mode, 'name', mode)}"
+        if gc.cache_implementation is not None:
+            return f"cache_implementation={gc.cache_implementation!r} in the generation config"
+        return None
+
+    def __call__(self, *args, **kwargs):
+        m = self.model
+        fast = kwargs.pop("moecomp_fast", True)
+        why = "moecomp_fast=False" if not fast else self._plain_reason(args, kwargs)
+        if why is not None:
+            self.last = {"path": "transformers", "reason": why}
+            return type(m).generate(m, *args, **kwargs)
+        self.last = {}
+        return type(m).generate(m, *args, custom_generate=decode, **kwargs)
+
+    def __getstate__(self):
+        return {"model": self.model, "enabled": self.enabled}
+
+    def __setstate__(self, state):
+        self.model, self.enabled = state["model"], state["enabled"]
+        self.engine, self.last = None, {}
+
+
+def _fast_generate(model) -> FastGenerate | None:
+    fg = model.__dict__.get("generate")
+    return fg if isinstance(fg, FastGenerate) else None
+
+
+def _device_of(model) -> torch.device | None:
+    devs = {p.device for p in model.parameters()}
+    return devs.pop() if len(devs) == 1 else None
+
+
+def _why_not(self, input_ids, generation_config, streamer, synced_gpus, model_kwargs) -> str | None:
+    if streamer is not None or synced_gpus:
+        return "streamer / synced_gpus"
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        return f"input_ids of shape {tuple(input_ids.shape)}"
+    for f in _OUTPUT_FLAGS:
+        if getattr(generation_config, f, False) or model_kwargs.get(f):
+            return f"{f}=True"
+    if not model_kwargs.get("use_cache", True):
+        return "use_cache=False"
+    for k, v in model_kwargs.items():
+        if k not in _MODEL_KWARGS and k not in _OUTPUT_FLAGS and v is not None:
+            return f"model argument {k!r}"
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if cache is not None and (type(cache).__name__ != "DynamicCache" or cache.get_seq_length() != 0):
+        return f"a {type(cache).__name__} prepared by transformers or the caller"
+    dev = _device_of(self)
+    if dev is None or dev != input_ids.device:
+        return "model on several devices, or inputs on another device"
+    return None
+
+
+def decode(self, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
+           synced_gpus=False, streamer=None, **model_kwargs):
+    """transformers' decoding-method contract (like ``GenerationMixin._sample``); ``self`` is the model."""
+    fg = _fast_generate(self)
+    why = _why_not(self, input_ids, generation_config, streamer, synced_gpus, model_kwargs)
+    eng = fg._engine() if fg is not None else None
+    if why is None and eng is None:
+        why = "model.generate is not moecomp's"
+    if why is None:
+        why = eng.unsupported()
+    sampler = None
+    if why is None:
+        try:
+            sampler, max_length = Sampler.from_hf(logits_processor, stopping_criteria, generation_config,
+                                                  input_ids.shape[1])
+        except Unsupported as e:
+            why = str(e)
+    if why is None:
+        max_new = max_length - input_ids.shape[1]
+        if max_new <= 0:
+            why = "no tokens to generate"
+    if why is None:
+        try:
+            out, info = eng.run(input_ids, model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"),
+                                max_new, sampler, use_graphs=True)
+        except Unsupported as e:
+            why = str(e)
+        else:
+            if fg is not None:
+                fg.last = {"path": "moecomp", **info}
+            return out
+    if fg is not None:
+        fg.last = {"path": "transformers", "reason": why}
+    return type(self)._sample(self, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                              generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer,
+                              **model_kwargs)
+
+
+def install(model) -> bool:
+    """Set ``model.generate`` to a ``FastGenerate`` (idempotent). False when the model has no HF ``generate``."""
+    if _fast_generate(model) is not None:
+        return True
+    gen = getattr(type(model), "generate", None)
+    if gen is None or not any(c.__name__ == "GenerationMixin" for c in type(model).__mro__):
+        return False
+    if "generate" in model.__dict__:  # someone else's instance-level generate: leave it
+        return False
+    model.generate = FastGenerate(model)
+    return True
+
+
+def uninstall(model) -> bool:
+    fg = _fast_generate(model)
+    if fg is None:
+        return False
+    fg.release()
+    del model.__dict__["generate"]
+    return True

@@ -1,0 +1,212 @@
+"""moecomp's generate() on CPU (fp32): the one-liner gives transformers' tokens exactly, falls back to transformers'
+loop for what it does not do, and optimize() composes with torch.compile without per-step recompiles.
+
+On CPU the engine runs the same static-cache step as on the GPU, eagerly (no graphs): these tests cover the loop's
+logic (static cache, masks, left padding, batch buckets, eos and pad handling, min lengths, processors, sampling).
+The CUDA-graph side is in test_generate_gpu.py.
+"""
+
+import copy
+import inspect
+import pickle
+
+import pytest
+import torch
+
+import moecomp
+from moecomp.generate import sampling
+from moecomp.optimize import rewritten_blocks
+
+from .models import FAMILIES, build, prompts
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _quiet(quiet_single_thread):
+    pass
+
+
+def _pair(family, **kw):
+    ref = build(family, **kw)
+    opt = moecomp.optimize(copy.deepcopy(ref))
+    assert len(opt._moecomp_report.rewritten) == ref.config.num_hidden_layers
+    return ref, opt
+
+
+def _both(ref, opt, ids, mask=None, **kw):
+    want = ref.generate(ids, attention_mask=mask, **kw)
+    got = opt.generate(ids, attention_mask=mask, **kw)
+    return got, want
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_tokens_equal_transformers(family):
+    """Batch of 3 with left padding (bucket 4: one repeated row), 16 new tokens."""
+    ref, opt = _pair(family)
+    ids, mask = prompts(ref.config.vocab_size, 3, 9, seed=1, left_pad=(0, 3, 5))
+    got, want = _both(ref, opt, ids, mask, max_new_tokens=16, do_sample=False)
+    last = opt.generate.last
+    assert last["path"] == "moecomp" and last["batch_bucket"] == 4 and last["graphs"] == "off (CPU)", last
+    assert torch.equal(got, want)
+    got, want = _both(ref, opt, ids[:1], None, max_new_tokens=5, do_sample=False)  # no mask, batch 1
+    assert torch.equal(got, want) and opt.generate.last["batch_bucket"] == 1
+
+
+def test_eos_pad_and_lengths():
+    """Rows stop at eos and get pad tokens afterwards; the result is as long as transformers' (it stops when every row
+    has stopped); max_length and min_new_tokens / min_length are honoured."""
+    ref, opt = _pair("qwen3_moe")
+    ids, mask = prompts(ref.config.vocab_size, 4, 8, seed=2, left_pad=(0, 0, 4, 1))
+    free = ref.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)[:, 8:]
+    eos = [int(free[0, 3]), int(free[2, 6])]
+    checked = 0
+    for kw in (dict(max_new_tokens=24), dict(max_length=20), dict(max_new_tokens=24, min_new_tokens=10),
+               dict(max_new_tokens=24, min_length=14)):
+        got, want = _both(ref, opt, ids, mask, do_sample=False, eos_token_id=eos, pad_token_id=0, **kw)
+        assert opt.generate.last["path"] == "moecomp", opt.generate.last
+        assert torch.equal(got, want), kw
+        checked += int(got.shape[1] < 8 + 24)
+    assert checked >= 1  # at least one setting stopped early on eos
+
+
+def test_sampling_paths():
+    ref, opt = _pair("qwen2_moe")
+    ids, mask = prompts(ref.config.vocab_size, 2, 6, seed=3)
+    greedy = ref.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    got = opt.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=True, top_k=1)
+    assert opt.generate.last["path"] == "moecomp" and torch.equal(got, greedy)
+    runs = []
+    for seed in (5, 5, 6):
+        torch.manual_seed(seed)
+        runs.append(opt.generate(ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=True,
+                                 temperature=2.0, top_p=0.95, top_k=0))
+        assert opt.generate.last["path"] == "moecomp"
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+
+
+def test_sampler_draws_from_the_softmax():
+    """select() with do_sample: frequencies over 40,000 draws match softmax(logits / T) within 5 standard errors."""
+    V, n = 6, 40_000
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).expand(n, V).contiguous()
+    from transformers.generation.logits_process import TemperatureLogitsWarper
+
+    s = sampling.Sampler(True, [TemperatureLogitsWarper(0.7)], (), -1).prepare("cpu", V)
+    st = sampling.StepState(n, 4, "cpu")
+    st.start(n, 0)
+    torch.manual_seed(0)
+    freq = torch.bincount(sampling.select(logits, st, s), minlength=V).float() / n
+    p = torch.softmax(logits[0] / 0.7, -1)
+    se = (p * (1 - p) / n).sqrt()
+    assert ((freq - p).abs() <= 5 * se + 1e-4).all(), (freq, p)
+
+
+@pytest.mark.parametrize("kw,reason", [
+    (dict(num_beams=2), "decoding mode"),
+    (dict(repetition_penalty=1.3), "logits processor RepetitionPenaltyLogitsProcessor"),
+    (dict(return_dict_in_generate=True, output_scores=True), "=True"),
+    (dict(moecomp_fast=False), "moecomp_fast=False"),
+    (dict(cache_implementation="static"), "cache_implementation given"),
+])
+def test_falls_back_to_transformers_with_the_same_result(kw, reason):
+    ref, opt = _pair("qwen3_moe")
+    ids, mask = prompts(ref.config.vocab_size, 2, 7, seed=4)
+    got = opt.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, **kw)
+    last = opt.generate.last
+    assert last["path"] == "transformers" and reason in last["reason"], last
+    kw.pop("moecomp_fast", None)
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, **kw)
+    if isinstance(got, torch.Tensor):
+        assert torch.equal(got, want)
+    else:
+        assert torch.equal(got.sequences, want.sequences)
+
+
+def test_streamer_and_user_cache_go_to_transformers():
+    from transformers import DynamicCache
+    from transformers.generation.streamers import BaseStreamer
+
+    class Keep(BaseStreamer):
+        def __init__(self):
+            self.seen = []
+
+        def put(self, v):
+            self.seen.append(v)
+
+        def end(self):
+            pass
+
+    ref, opt = _pair("qwen3_moe")
+    ids, _ = prompts(ref.config.vocab_size, 1, 5, seed=5)
+    st = Keep()
+    got = opt.generate(ids, max_new_tokens=4, do_sample=False, streamer=st)
+    assert opt.generate.last["reason"] == "streamer given" and len(st.seen) == 1 + got.shape[1] - 5
+    assert torch.equal(got, ref.generate(ids, max_new_tokens=4, do_sample=False))
+    opt.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=DynamicCache(config=opt.config))
+    assert opt.generate.last["path"] == "transformers"
+
+
+def test_opt_outs_unoptimize_copy_and_pickle():
+    ref, opt = _pair("qwen3_moe")
+    ids, _ = prompts(ref.config.vocab_size, 1, 5, seed=6)
+    want = ref.generate(ids, max_new_tokens=5, do_sample=False)
+    plain = moecomp.optimize(copy.deepcopy(ref), fast_generate=False)
+    assert "generate" not in plain.__dict__ and torch.equal(plain.generate(ids, max_new_tokens=5, do_sample=False),
+                                                           want)
+    assert "moecomp" in opt._moecomp_report.generate and "generate()" in str(opt._moecomp_report)
+    for clone in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert torch.equal(clone.generate(ids, max_new_tokens=5, do_sample=False), want)
+        assert clone.generate.last["path"] == "moecomp" and clone.generate.model is clone
+    opt.generate.enabled = False
+    opt.generate(ids, max_new_tokens=5, do_sample=False)
+    assert opt.generate.last["path"] == "transformers"
+    moecomp.unoptimize(opt)
+    assert "generate" not in opt.__dict__ and torch.equal(opt.generate(ids, max_new_tokens=5, do_sample=False), want)
+
+
+def test_dense_model_keeps_transformers_generate():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    m = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                     num_key_value_heads=2, num_hidden_layers=1, vocab_size=64)).eval()
+    moecomp.optimize(m)
+    assert "generate" not in m.__dict__ and m._moecomp_report.generate == ""
+
+
+def test_weight_updates_between_calls_are_followed():
+    ref, opt = _pair("qwen2_moe")
+    ids, mask = prompts(ref.config.vocab_size, 2, 6, seed=7)
+    kw = dict(max_new_tokens=8, do_sample=False)
+    got, want = _both(ref, opt, ids, mask, **kw)
+    assert torch.equal(got, want)
+    with torch.no_grad():
+        for m in (ref, opt):
+            m.model.layers[0].mlp.gate.weight.mul_(-1.0)
+            m.model.layers[0].mlp.shared_expert_gate.weight.mul_(4.0)
+    got, want = _both(ref, opt, ids, mask, **kw)
+    assert torch.equal(got, want)
+
+
+def test_torch_compile_of_an_optimized_model_does_not_recompile_per_step():
+    """The bound block counted its calls in a Python attribute; under torch.compile Dynamo guarded on the count and
+    recompiled every step (then fell back to eager at the cache limit)."""
+    from transformers import StaticCache
+
+    ref, opt = _pair("qwen3_moe")
+    compiled = torch.compile(opt, backend="eager")
+    ids, _ = prompts(ref.config.vocab_size, 2, 7, seed=8)
+    cache = StaticCache(config=opt.config, max_cache_len=32)
+    kw = {"cache" if "cache" in inspect.signature(opt.forward).parameters else "past_key_values": cache}
+    calls0 = [b._moecomp.calls for b in rewritten_blocks(opt).values()]
+    with torch.no_grad():
+        tok = opt(input_ids=ids, use_cache=True, **kw).logits[:, -1:].argmax(-1)
+        try:
+            for t in range(8):
+                if t == 2:
+                    torch.compiler.set_stance("fail_on_recompile")
+                tok = compiled(input_ids=tok, position_ids=torch.full((2, 1), 7 + t), use_cache=True,
+                               **kw).logits[:, -1:].argmax(-1)
+        finally:
+            torch.compiler.set_stance("default")
+    calls1 = [b._moecomp.calls for b in rewritten_blocks(opt).values()]
+    assert [c1 - c0 for c0, c1 in zip(calls0, calls1)] == [1, 1]  # only the eager prefill counted

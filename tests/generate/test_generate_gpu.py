@@ -1,0 +1,198 @@
+"""generate() on CUDA: the one-liner's whole-step graphs, and optimize() under transformers' static-cache compile and
+torch.compile(mode="reduce-overhead") (the cudagraph-pool crash and the per-call recompiles of issue 8).
+
+fp32 models give exact token equality with the unoptimized model; bf16 models are checked step by step against the
+unoptimized model's logits on the same sequence (teacher forcing): every generated token is the reference's argmax or
+within the op's bf16 tolerance (2e-2 of the largest |logit|) of it.
+"""
+
+import copy
+import inspect
+
+import pytest
+import torch
+
+import moecomp
+
+from .models import build, prompts
+
+pytestmark = pytest.mark.gpu
+BF16_TOL = 2e-2
+
+
+def _pair(family, dtype=torch.float32, **kw):
+    ref = build(family, "cuda", dtype, **kw)
+    opt = moecomp.optimize(copy.deepcopy(ref))
+    assert len(opt._moecomp_report.rewritten) == ref.config.num_hidden_layers
+    return ref, opt
+
+
+def _gen(model, ids, mask, n, **kw):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, **kw)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral"])
+def test_one_liner_replays_graphs_and_equals_hf_fp32(family):
+    ref, opt = _pair(family)
+    ids, mask = prompts(ref.config.vocab_size, 3, 9, seed=1, left_pad=(0, 3, 5))
+    ids, mask = ids.cuda(), mask.cuda()
+    want = _gen(ref, ids, mask, 20)
+    for _ in range(2):  # capture on the first call, replay on the second
+        got = _gen(opt, ids, mask, 20)
+        assert opt.generate.last["path"] == "moecomp", opt.generate.last
+        assert torch.equal(got, want)
+    assert opt.generate.last["graphs"] == "replayed", opt.generate.last
+    eng = opt.generate.engine
+    assert eng.stats["captures"] == 1 and eng.stats["capture_failures"] == 0 and eng.stats["replays"] >= 30
+
+
+def test_one_liner_eos_padding_and_prompt_lengths():
+    """Rows that stop early get pad tokens, the result ends where transformers' would, and other prompt lengths
+    within the cache-length bucket reuse the captured graph."""
+    ref, opt = _pair("qwen3_moe")
+    ids, mask = prompts(ref.config.vocab_size, 4, 12, seed=3, left_pad=(0, 2, 0, 7))
+    ids, mask = ids.cuda(), mask.cuda()
+    first = _gen(ref, ids, mask, 30)[:, 12:]
+    eos = int(first[1, 4])  # a token row 1 produces early: generation stops there for it
+    for cfg in (ref.generation_config, opt.generation_config):
+        cfg.eos_token_id = eos
+    want = _gen(ref, ids, mask, 30)
+    got = _gen(opt, ids, mask, 30)
+    assert torch.equal(got, want) and (got[1, 12 + 5:] == 0).all()
+    caps = opt.generate.engine.stats["captures"]
+    for S in (10, 14):
+        ids2, mask2 = prompts(ref.config.vocab_size, 4, S, seed=S)
+        assert torch.equal(_gen(opt, ids2.cuda(), mask2.cuda(), 30), _gen(ref, ids2.cuda(), mask2.cuda(), 30))
+    assert opt.generate.engine.stats["captures"] == caps
+
+
+def test_one_liner_follows_weight_changes():
+    ref, opt = _pair("qwen2_moe")
+    ids, mask = prompts(ref.config.vocab_size, 2, 8, seed=4)
+    ids, mask = ids.cuda(), mask.cuda()
+    assert torch.equal(_gen(opt, ids, mask, 12), _gen(ref, ids, mask, 12))
+    assert torch.equal(_gen(opt, ids, mask, 12), _gen(ref, ids, mask, 12))
+    with torch.no_grad():
+        for m in (ref, opt):  # in place: a routed expert, the router and the shared-expert gate
+            layer = m.model.layers[1].mlp
+            layer.experts.down_proj.mul_(-2.0)
+            layer.gate.weight.mul_(-1.0)
+            layer.shared_expert_gate.weight.mul_(3.0)
+    assert torch.equal(_gen(opt, ids, mask, 12), _gen(ref, ids, mask, 12))
+    opt.to(torch.float64).to(torch.float32)  # new parameter tensors
+    assert torch.equal(_gen(opt, ids, mask, 12), _gen(ref, ids, mask, 12))
+    assert opt.generate.last["graphs"] == "replayed"
+
+
+def _teacher_forced_ok(ref, out, S: int) -> float:
+    """Worst margin (in units of max |logit|) by which a generated token falls short of the reference argmax."""
+    with torch.no_grad():
+        logits = ref(out).logits[:, S - 1:-1].float()  # [B, n, V]: the logits that chose each new token
+    chosen = logits.gather(-1, out[:, S:, None]).squeeze(-1)
+    short = (logits.max(-1).values - chosen) / logits.abs().amax()
+    return float(short.max())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_one_liner_bf16_each_step_within_tolerance(family):
+    ref, opt = _pair(family, torch.bfloat16, hidden_size=256, moe_intermediate_size=128, intermediate_size=256)
+    ids, mask = prompts(ref.config.vocab_size, 4, 32, seed=5)
+    out = _gen(opt, ids.cuda(), mask.cuda(), 24)
+    out = _gen(opt, ids.cuda(), mask.cuda(), 24)
+    assert opt.generate.last["graphs"] == "replayed"
+    assert _teacher_forced_ok(ref, out, 32) <= BF16_TOL
+
+
+def test_one_liner_sampling():
+    ref, opt = _pair("qwen3_moe")
+    ids, mask = prompts(ref.config.vocab_size, 2, 6, seed=6)
+    ids, mask = ids.cuda(), mask.cuda()
+    greedy = _gen(ref, ids, mask, 16)
+    top1 = opt.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=True, top_k=1)
+    assert opt.generate.last["path"] == "moecomp" and torch.equal(top1, greedy)
+    outs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        outs.append(opt.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=True, temperature=1.5,
+                                 top_p=0.9, top_k=0, min_new_tokens=16))
+        assert opt.generate.last["path"] == "moecomp", opt.generate.last
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+    assert outs[0].shape == (2, 22) and (outs[0] >= 0).all() and (outs[0] < ref.config.vocab_size).all()
+
+
+def test_one_liner_memory_is_bounded():
+    """Changing batch sizes and lengths: slots are bounded (LRU), so memory stops growing."""
+    _, opt = _pair("qwen3_moe")
+    peaks = []
+    for rnd in range(3):
+        for B in (1, 3, 5, 8, 2):
+            ids, mask = prompts(opt.config.vocab_size, B, 5 + B, seed=B)
+            _gen(opt, ids.cuda(), mask.cuda(), 10 + rnd)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.memory_allocated())
+    assert len(opt.generate.engine.slots) <= 3
+    assert peaks[2] <= peaks[1] * 1.05 + 2**20
+
+
+def test_static_cache_auto_compile_after_optimize():
+    """optimize() + generate(cache_implementation="static"): transformers compiles the decode step with
+    mode="reduce-overhead" (CUDA-graph trees). It crashed ("tensors in the cudagraph pool not tracked as outputs")
+    and recompiled on every step (a guarded call counter)."""
+    ref, opt = _pair("qwen3_moe")
+    ids, mask = prompts(ref.config.vocab_size, 2, 10, seed=7)
+    ids, mask = ids.cuda(), mask.cuda()
+    want = _gen(ref, ids, mask, 12)
+    got = _gen(opt, ids, mask, 12, cache_implementation="static")
+    assert opt.generate.last["path"] == "transformers" and torch.equal(got, want)
+    torch.compiler.set_stance("fail_on_recompile")
+    try:  # decode steps of another prompt length: same graphs
+        ids2, mask2 = prompts(ref.config.vocab_size, 2, 13, seed=8)
+        got = _gen(opt, ids2.cuda(), mask2.cuda(), 12, cache_implementation="static")
+    finally:
+        torch.compiler.set_stance("default")
+    assert torch.equal(got, _gen(ref, ids2.cuda(), mask2.cuda(), 12))
+
+
+def test_compile_backend_reduce_overhead_deepseek_like():
+    """The compile backend under transformers' static cache, reduce-overhead, on a DeepSeek-V3-style model (groups,
+    correction bias, fp32 router over bf16 weights, shared expert): it hit an illegal memory access (a cached fp32
+    router copy made inside the CUDA-graph tree's pool)."""
+    from transformers import CompileConfig
+
+    ref, _ = _pair("deepseek_v3", torch.bfloat16, layers=3)
+    ids, mask = prompts(ref.config.vocab_size, 1, 16, seed=9)
+    cc = CompileConfig(backend="moecomp", mode="reduce-overhead")
+    for _ in range(2):
+        out = _gen(ref, ids.cuda(), mask.cuda(), 16, cache_implementation="static", compile_config=cc)
+    torch.cuda.synchronize()
+    assert _teacher_forced_ok(ref, out, 16) <= BF16_TOL
+
+
+def test_torch_compile_reduce_overhead_static_decode_no_recompiles():
+    from transformers import StaticCache
+
+    ref, opt = _pair("qwen2_moe")
+    compiled = torch.compile(opt, mode="reduce-overhead")
+    ids, _ = prompts(ref.config.vocab_size, 2, 7, seed=10)
+    ids = ids.cuda()
+    caches = [StaticCache(config=m.config, max_cache_len=64) for m in (ref, opt)]
+    kw = "cache" if "cache" in inspect.signature(ref.forward).parameters else "past_key_values"
+    try:
+        _decode_both(ref, opt, compiled, ids, caches, kw)
+    finally:
+        torch.compiler.set_stance("default")
+
+
+def _decode_both(ref, opt, compiled, ids, caches, kw):
+    with torch.no_grad():
+        lr = ref(input_ids=ids, use_cache=True, **{kw: caches[0]}).logits[:, -1:]
+        opt(input_ids=ids, use_cache=True, **{kw: caches[1]})
+        tok = lr.argmax(-1)
+        for t in range(10):
+            if t == 3:
+                torch.compiler.set_stance("fail_on_recompile")
+            pos = torch.full((2, 1), 7 + t, device="cuda")
+            a = ref(input_ids=tok, position_ids=pos, use_cache=True, **{kw: caches[0]}).logits
+            b = compiled(input_ids=tok, position_ids=pos, use_cache=True, **{kw: caches[1]}).logits.clone()
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+            tok = a[:, -1:].argmax(-1)
