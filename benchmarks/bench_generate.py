@@ -282,21 +282,24 @@ def run_path(model, path: str, ids, new: int, cuda: bool) -> dict:
 
 
 # ================================================================================================ profile
-def _kernels(prof) -> tuple[int, float]:
-    """(kernel count, kernel time in ms) of a profile: device-side activities other than copies and memsets."""
-    n, us = 0, 0.0
+def _kernels(prof) -> tuple[int, float, dict]:
+    """(kernel count, kernel time in ms, {name: [count, us]}) of a profile: device activities except copies / memsets."""
+    n, us, by = 0, 0.0, {}
     try:
-        evs = prof.profiler.kineto_results.events()
-        for e in evs:
-            if "cuda" in str(e.device_type()).lower() and not any(w in e.name() for w in ("Memcpy", "Memset")):
-                n += 1
-                us += e.duration_ns() / 1e3
+        evs = [(e.name(), e.duration_ns() / 1e3) for e in prof.profiler.kineto_results.events()
+               if "cuda" in str(e.device_type()).lower()]
     except Exception:
-        for e in prof.events():
-            if "cuda" in str(getattr(e, "device_type", "")).lower() and "Memcpy" not in e.name:
-                n += 1
-                us += getattr(e, "device_time_total", 0.0)
-    return n, us / 1e3
+        evs = [(e.name, getattr(e, "device_time_total", 0.0)) for e in prof.events()
+               if "cuda" in str(getattr(e, "device_type", "")).lower()]
+    for name, d in evs:
+        if "Memcpy" in name or "Memset" in name:
+            continue
+        n += 1
+        us += d
+        b = by.setdefault(name[:90], [0, 0.0])
+        b[0] += 1
+        b[1] += d
+    return n, us / 1e3, by
 
 
 def profile_steps(model, path: str, ids, cuda: bool, steps: int = 8) -> dict:
@@ -324,11 +327,16 @@ def profile_steps(model, path: str, ids, cuda: bool, steps: int = 8) -> dict:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t0
         got.append((*_kernels(prof), wall * 1e3))
-    (k1, b1, w1), (k2, b2, w2) = got
+    (k1, b1, by1, w1), (k2, b2, by2, w2) = got
     per_k, per_busy, per_wall = (k2 - k1) / steps, (b2 - b1) / steps, (w2 - w1) / steps
+    top = []
+    for name, (c, t) in by2.items():
+        c0, t0 = by1.get(name, (0, 0.0))
+        top.append((round((t - t0) / steps, 2), round((c - c0) / steps, 2), name))
+    top.sort(reverse=True)
     return dict(path=path, kernels_per_step=per_k, gpu_busy_ms_per_step=per_busy, wall_ms_per_step=per_wall,
                 gpu_idle_frac=max(0.0, 1 - per_busy / per_wall) if per_wall > 0 else None,
-                decode_ms_per_step_unprofiled=dec * 1e3)
+                decode_ms_per_step_unprofiled=dec * 1e3, top_kernels_us_per_step=top[:25])
 
 
 # ================================================================================================ main
@@ -344,7 +352,8 @@ def parse_args(argv=None):
     ap.add_argument("--layers", default="", help="name=depth overrides, e.g. qwen3=12,mixtral=8")
     ap.add_argument("--device", default=None)
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="profile one decode step of hf and one_liner (qwen3, B=1)")
+    ap.add_argument("--profile", default="", help="profile decode steps of the first model: path:batch,... "
+                    "(e.g. hf:1,one_liner:1,one_liner:32)")
     ap.add_argument("--budget-s", type=float, default=560.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-json", default=None)
@@ -370,6 +379,8 @@ def measure_ceilings(device) -> dict:
 
 def run(argv=None) -> dict:
     args = parse_args(argv)
+    args.profile_paths = [(p.split(":")[0], int(p.split(":")[1]) if ":" in p else 1)
+                          for p in args.profile.split(",") if p]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -383,7 +394,7 @@ def run(argv=None) -> dict:
     t_start = time.perf_counter()
     ceil = measure_ceilings(device)
     result = dict(env=environment(device), commit=git_commit(), date=datetime.date.today().isoformat(),
-                  args=vars(args), ceilings=ceil, rows=[], profiles=[], errors=[])
+                  args={k: v for k, v in vars(args).items() if k != 'profile_paths'}, ceilings=ceil, rows=[], profiles=[], errors=[])
     log(f"# {result['env'].get('gpu')} torch {torch.__version__} commit {result['commit']}: copy "
         f"{ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
     for name in models:
@@ -449,14 +460,17 @@ def run(argv=None) -> dict:
             if state.get("floor"):
                 result.setdefault("floors", []).append(dict(model=name, batch=B, **state["floor"]))
         if args.profile and name == models[0]:
-            ids = torch.randint(3, model.config.vocab_size, (1, S)).to(device)
             state = {}
-            for path in ("hf", "optimize_hf", "one_liner"):
+            for path, B in args.profile_paths:
+                ids = torch.randint(3, model.config.vocab_size, (B, S)).to(device)
                 try:
                     set_path(model, path, state)
                     p = profile_steps(model, path, ids, cuda)
-                    result["profiles"].append(dict(model=name, **p))
-                    log(f"profile {name} {path}: {p}")
+                    result["profiles"].append(dict(model=name, batch=B, **p))
+                    top = p.pop("top_kernels_us_per_step")
+                    log(f"profile {name} B={B} {path}: {p}")
+                    for t in top[:12]:
+                        log(f"    {t[0]:8.2f} us/step  x{t[1]:<6g} {t[2]}")
                 except Exception as e:
                     result["errors"].append(f"profile {path}: {type(e).__name__}: {e}")
         import moecomp

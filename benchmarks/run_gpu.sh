@@ -6,15 +6,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export MOECOMP_COMMIT=${MOECOMP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 quiet() { grep -v -i "warn\|^\s*$\|torch._dynamo\|^  " ; }
 case "${1:-explore}" in
 explore)
-  timeout 330 python3 benchmarks/bench_generate.py --models qwen3 --batches 1,32 \
-      --paths hf,optimize_hf,one_liner,one_liner_compiled --profile --budget-s 280 \
-      --out-json "$OUT/explore.json" 2>&1 | tee "$OUT/explore.log" | quiet | tail -40
+  timeout ${EXPLORE_TIMEOUT:-330} python3 benchmarks/bench_generate.py ${EXPLORE_ARGS:---models qwen3 --batches 1,32 \
+      --paths hf,optimize_hf,one_liner,one_liner_compiled --profile hf:1,one_liner:1,one_liner:32} \
+      --budget-s 280 --out-json "$OUT/explore.json" 2>&1 | tee "$OUT/explore.log" | quiet | tail -60
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/generate/test_generate_gpu.py 2>&1 \
       | tee "$OUT/tests_generate.log" | tail -25 ;;
 bench)

@@ -144,9 +144,9 @@ class Engine:
             if not isinstance(layers, torch.nn.ModuleList):
                 self._compiled = (None, None)
             else:
-                import torch._dynamo
+                from torch._dynamo import config as dynamo_config
 
-                torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(layers))
+                dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 4 * len(layers))
                 self._compiled = (layers, [torch.compile(m, dynamic=False) for m in layers])
         return self._compiled
 
