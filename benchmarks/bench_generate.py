@@ -71,7 +71,10 @@ TINY = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, shar
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, q_lora_rank=32,
             kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
 ALL_PATHS = ("hf", "experts_impl", "optimize_hf", "hf_static", "hf_static_moecomp", "optimize_static", "one_liner")
-EXTRA_PATHS = ("one_liner_no_overlap", "one_liner_compiled")  # measurements of the engine's options (--paths)
+# the engine with one of its parts off (--paths), to measure what each part saves
+ENGINE_OPTIONS = {"one_liner_no_overlap": "MOECOMP_NO_OVERLAP", "one_liner_no_fse": "MOECOMP_NO_FSE",
+                  "one_liner_eager_layers": "MOECOMP_GENERATE_COMPILE", "one_liner_sdpa": "MOECOMP_DECODE_ATTENTION"}
+EXTRA_PATHS = tuple(ENGINE_OPTIONS)
 COMPILED = ("hf_static", "hf_static_moecomp", "optimize_static")
 
 
@@ -220,6 +223,10 @@ def compare(out: torch.Tensor, ref: torch.Tensor, S: int) -> dict:
 
 
 # ================================================================================================ paths
+def want_default(var: str) -> str:
+    return "0" if var.startswith("MOECOMP_NO_") else "1"
+
+
 def set_path(model, path: str, state: dict):
     """Put the model in the state ``path`` needs (undoing the previous one)."""
     import moecomp
@@ -232,16 +239,21 @@ def set_path(model, path: str, state: dict):
     if state.get("impl", "grouped_mm") != want_impl:
         model.set_experts_implementation(want_impl)
         state["impl"] = want_impl
+    # engine options: "off" values per variable (NO_* variables are off when "1", the others when "0")
+    want = {var: (("1" if var.startswith("MOECOMP_NO_") else "0") if ENGINE_OPTIONS.get(path) == var else
+                  ("0" if var.startswith("MOECOMP_NO_") else "1")) for var in ENGINE_OPTIONS.values()}
+    changed = [var for var, val in want.items() if os.environ.get(var, want_default(var)) != val]
+    for var in changed:
+        os.environ[var] = want[var]
+    if "MOECOMP_NO_FSE" in changed and state.get("optimized"):
+        moecomp.unoptimize(model)  # FSE is decided when a block is bound
+        state["optimized"] = False
     if path in opt_paths and not state.get("optimized"):
         moecomp.optimize(model)
         state["optimized"] = True
-    for var, on in (("MOECOMP_NO_OVERLAP", path == "one_liner_no_overlap"),
-                    ("MOECOMP_GENERATE_COMPILE", path == "one_liner_compiled")):
-        if on != (os.environ.get(var) == "1"):
-            os.environ[var] = "1" if on else "0"
-            if "generate" in model.__dict__:
-                model.generate.release()  # graphs bake the option in: capture again
-                model.generate.engine = None
+    if changed and "generate" in model.__dict__:
+        model.generate.release()  # graphs bake the options in: a fresh engine captures again
+        model.generate.engine = None
     if path in COMPILED:
         torch._dynamo.reset()
         model.__dict__.pop("_compiled_call", None)

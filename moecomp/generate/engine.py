@@ -32,6 +32,7 @@ from collections import OrderedDict
 
 import torch
 
+from . import attention
 from .sampling import Sampler, StepState, Unsupported, select
 
 MAX_SLOTS = 3
@@ -82,9 +83,17 @@ class Engine:
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.slots: OrderedDict = OrderedDict()
         self.stats = {"calls": 0, "captures": 0, "replays": 0, "eager_steps": 0, "capture_failures": 0}
-        # experiment: decoder layers compiled by Inductor inside the decode step (MOECOMP_GENERATE_COMPILE=1)
-        self.compile_layers = os.environ.get("MOECOMP_GENERATE_COMPILE") == "1"
+        # On CUDA the decoder layers of the decode step are compiled by Inductor (norms, rotary and residual adds
+        # fused: a few hundred fewer kernels per step); MOECOMP_GENERATE_COMPILE=0 keeps them eager.
+        self.compile_layers = os.environ.get("MOECOMP_GENERATE_COMPILE", "1") != "0"
+        self.compile_error: str | None = None
+        self.compile_backend = "inductor"  # tests compile on CPU with "eager" (cpu_compile = True)
+        self.cpu_compile = False
         self._compiled = None
+        # attention of the decode step: moecomp's decode kernel where the model uses sdpa (generate/attention.py)
+        use_attn = os.environ.get("MOECOMP_DECODE_ATTENTION", "1") != "0" and attention.register()
+        self.attn_configs = attention.sdpa_configs(model) if use_attn else []
+        self.n = None  # [] int64: cache positions the running step attends to
 
     # ------------------------------------------------------------------------------------------- checks
     def unsupported(self) -> str | None:
@@ -147,22 +156,42 @@ class Engine:
                 from torch._dynamo import config as dynamo_config
 
                 dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 4 * len(layers))
-                self._compiled = (layers, [torch.compile(m, dynamic=False) for m in layers])
+                self._compiled = (layers, [torch.compile(m, dynamic=False, backend=self.compile_backend)
+                                           for m in layers])
         return self._compiled
 
-    def _step(self, s: Slot, sampler: Sampler, dtype) -> None:
-        layers, compiled = self._layers() if self.compile_layers and s.tok.is_cuda else (None, None)
+    def _forward(self, s: Slot, dtype, compiled: bool):
+        layers, wrapped = self._layers() if compiled else (None, None)
         if layers is not None:
             saved = list(layers)
-            for i, c in enumerate(compiled):
+            for i, c in enumerate(wrapped):
                 layers._modules[str(i)] = c
         try:
-            out = self.model(input_ids=s.tok, position_ids=s.pos, attention_mask=self._mask(s, dtype),
-                             **{self.cache_kw: s.cache}, use_cache=True, logits_to_keep=1, return_dict=True)
+            with attention.Swapped(self.attn_configs, self.n):
+                return self.model(input_ids=s.tok, position_ids=s.pos, attention_mask=self._mask(s, dtype),
+                                  **{self.cache_kw: s.cache}, use_cache=True, logits_to_keep=1, return_dict=True)
         finally:
             if layers is not None:
                 for i, m in enumerate(saved):
                     layers._modules[str(i)] = m
+
+    def _step(self, s: Slot, sampler: Sampler, dtype) -> None:
+        if self.n is None or self.n.device != s.slot.device:
+            self.n = torch.zeros((), dtype=torch.long, device=s.slot.device)
+        torch.add(s.slot, 1, out=self.n)
+        compiled = self.compile_layers and (s.tok.is_cuda or self.cpu_compile) and self.compile_error is None
+        if compiled and not (s.tok.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # the eager warm-up step compiles: if that fails, undo what the layers that ran wrote and go eager
+            lengths = [layer.cumulative_length.clone() for layer in s.cache.layers]
+            try:
+                out = self._forward(s, dtype, True)
+            except Exception as e:
+                self.compile_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                for layer, n in zip(s.cache.layers, lengths):
+                    layer.cumulative_length.copy_(n)
+                out = self._forward(s, dtype, False)
+        else:
+            out = self._forward(s, dtype, compiled)
         nxt = select(out.logits[:, -1], s.state, sampler)
         s.tok.copy_(nxt[:, None])
         s.pos.add_(1)
@@ -258,6 +287,9 @@ class Engine:
                 break
         if cuda:
             ev[2].record()
+        info["attention"] = "moecomp decode kernel" if self.attn_configs else "transformers"
+        info["layers"] = ("eager" if not ((cuda or self.cpu_compile) and self.compile_layers) else
+                          f"eager (compile failed: {self.compile_error})" if self.compile_error else "compiled")
         if dev.type != "cuda":
             info["graphs"] = "off (CPU)"
         elif not use_graphs:

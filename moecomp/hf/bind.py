@@ -21,6 +21,7 @@ tensor changes (new storage or in-place update).
 from __future__ import annotations
 
 import inspect
+import os
 import types
 from dataclasses import dataclass, field
 
@@ -336,7 +337,8 @@ def router_derived(block: nn.Module, spec: MoESpec, bindings: dict, derived: lis
     if rw_path is None or rw_path in {d.name for d in derived}:
         return spec, bindings, derived
     fuse = (spec.shared is not None and spec.shared.gate == "sigmoid" and gw_path is not None
-            and not spec.has_router_bias and not spec.fused_shared_gate)
+            and not spec.has_router_bias and not spec.fused_shared_gate
+            and os.environ.get("MOECOMP_NO_FSE") != "1")  # (the knob measures what FSE saves)
     fp32 = spec.router_fp32 and get_path(block, rw_path).dtype != torch.float32
     if not (fuse or fp32):
         return spec, bindings, derived

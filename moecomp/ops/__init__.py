@@ -1,5 +1,6 @@
 """Custom ops (``torch.ops.moecomp.*``) and their launch wrappers. Importing this registers the ops."""
 
+from .attention import decode_attention
 from .moe_op import EXPERT_ARGS, MOE_ARGS, check_args, moe_experts, moe_forward
 
-__all__ = ["MOE_ARGS", "EXPERT_ARGS", "check_args", "moe_forward", "moe_experts"]
+__all__ = ["MOE_ARGS", "EXPERT_ARGS", "check_args", "moe_forward", "moe_experts", "decode_attention"]

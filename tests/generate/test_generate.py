@@ -210,3 +210,30 @@ def test_torch_compile_of_an_optimized_model_does_not_recompile_per_step():
             torch.compiler.set_stance("default")
     calls1 = [b._moecomp.calls for b in rewritten_blocks(opt).values()]
     assert [c1 - c0 for c0, c1 in zip(calls0, calls1)] == [1, 1]  # only the eager prefill counted
+
+
+def test_compiled_decoder_layers_and_a_failed_compile(monkeypatch):
+    """The decode step with the decoder layers under torch.compile (what the GPU does with Inductor; here the "eager"
+    backend), the decode attention included: same tokens. A compile that fails in the warm-up step is undone (the
+    cache lengths the layers that ran had advanced are put back) and the engine goes on with eager layers."""
+    ref, opt = _pair("qwen3_moe")
+    ids, mask = prompts(ref.config.vocab_size, 2, 7, seed=9, left_pad=(0, 2))
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    opt.generate._engine().cpu_compile = True
+    opt.generate._engine().compile_backend = "eager"
+    assert torch.equal(opt.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False), want)
+    assert opt.generate.last["layers"] == "compiled", opt.generate.last
+
+    calls = []
+
+    def broken(gm, example_inputs):
+        calls.append(1)
+        if len(calls) == 2:  # the second layer's compile fails, after the first layer ran
+            raise RuntimeError("backend failed")
+        return gm
+
+    _, opt2 = _pair("qwen3_moe")
+    eng = opt2.generate._engine()
+    eng.cpu_compile, eng.compile_backend = True, broken
+    assert torch.equal(opt2.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False), want)
+    assert "compile failed" in opt2.generate.last["layers"] and len(calls) >= 2
