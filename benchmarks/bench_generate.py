@@ -71,9 +71,13 @@ TINY = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, shar
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, q_lora_rank=32,
             kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
 ALL_PATHS = ("hf", "experts_impl", "optimize_hf", "hf_static", "hf_static_moecomp", "optimize_static", "one_liner")
-# the engine with one of its parts off (--paths), to measure what each part saves
-ENGINE_OPTIONS = {"one_liner_no_overlap": "MOECOMP_NO_OVERLAP", "one_liner_no_fse": "MOECOMP_NO_FSE",
-                  "one_liner_eager_layers": "MOECOMP_GENERATE_COMPILE", "one_liner_sdpa": "MOECOMP_DECODE_ATTENTION"}
+# the engine with one of its parts off or changed (--variants): path -> (environment variable, value, default)
+ENGINE_OPTIONS = {"one_liner_no_overlap": ("MOECOMP_NO_OVERLAP", "1", "0"),
+                  "one_liner_no_fse": ("MOECOMP_NO_FSE", "1", "0"),
+                  "one_liner_eager_layers": ("MOECOMP_GENERATE_COMPILE", "0", "1"),
+                  "one_liner_eager_prefill": ("MOECOMP_GENERATE_COMPILE_PREFILL", "0", "1"),
+                  "one_liner_sdpa": ("MOECOMP_DECODE_ATTENTION", "0", "1"),
+                  "one_liner_align64": ("MOECOMP_ALIGN_SMALL_P", "64", "256")}
 EXTRA_PATHS = tuple(ENGINE_OPTIONS)
 COMPILED = ("hf_static", "hf_static_moecomp", "optimize_static")
 
@@ -223,8 +227,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor, S: int) -> dict:
 
 
 # ================================================================================================ paths
-def want_default(var: str) -> str:
-    return "0" if var.startswith("MOECOMP_NO_") else "1"
+ENGINE_DEFAULTS = {var: default for var, _, default in ENGINE_OPTIONS.values()}
 
 
 def set_path(model, path: str, state: dict):
@@ -239,10 +242,12 @@ def set_path(model, path: str, state: dict):
     if state.get("impl", "grouped_mm") != want_impl:
         model.set_experts_implementation(want_impl)
         state["impl"] = want_impl
-    # engine options: "off" values per variable (NO_* variables are off when "1", the others when "0")
-    want = {var: (("1" if var.startswith("MOECOMP_NO_") else "0") if ENGINE_OPTIONS.get(path) == var else
-                  ("0" if var.startswith("MOECOMP_NO_") else "1")) for var in ENGINE_OPTIONS.values()}
-    changed = [var for var, val in want.items() if os.environ.get(var, want_default(var)) != val]
+    # engine options: each variable at its default, except the one this path changes
+    want = dict(ENGINE_DEFAULTS)
+    if path in ENGINE_OPTIONS:
+        var, val, _ = ENGINE_OPTIONS[path]
+        want[var] = val
+    changed = [var for var, val in want.items() if os.environ.get(var, ENGINE_DEFAULTS[var]) != val]
     for var in changed:
         os.environ[var] = want[var]
     if "MOECOMP_NO_FSE" in changed and state.get("optimized"):
@@ -278,13 +283,18 @@ def run_path(model, path: str, ids, new: int, cuda: bool) -> dict:
     except Exception:
         dcounters, skips0 = None, 0
     t = time.perf_counter()
-    for rep in range(2):  # warm-up (compile / capture), then the timed call
+    # warm-up calls: compiled transformers paths need the timed length (the static cache is sized by it); the
+    # one-liner needs two (the first captures the decode graph and compiles the step, the second compiles the
+    # prefill); eager paths one short call. Then the timed call.
+    warm = [new] if path in COMPILED else [2, 2] if path.startswith("one_liner") else [2]
+    for rep, n in enumerate(warm + [new]):
         if path.startswith("one_liner"):
-            out, pre, dec, last = run_one_liner(model, ids, new, cuda)
-            rec["graphs"] = last.get("graphs")
+            out, pre, dec, last = run_one_liner(model, ids, n, cuda)
+            rec.update(graphs=last.get("graphs"), layers=last.get("layers"), prefill_layers=last.get("prefill_layers"),
+                       attention=last.get("attention"))
         else:
-            out, pre, dec = run_hf_loop(model, ids, new, cuda, **kw)
-        if rep == 0:
+            out, pre, dec = run_hf_loop(model, ids, n, cuda, **kw)
+        if rep == len(warm) - 1:
             rec["warmup_s"] = time.perf_counter() - t
     if dcounters is not None and path in COMPILED:
         rec["cudagraph_skips"] = sum(dcounters["inductor"].get(k, 0) for k in dcounters["inductor"]
@@ -359,6 +369,9 @@ def parse_args(argv=None):
     ap.add_argument("--paths", default="all")
     ap.add_argument("--compiled-batches", default="1,32", help="batch sizes for the torch.compile rows (slow)")
     ap.add_argument("--compiled-models", default="qwen3", help="models for the torch.compile rows")
+    ap.add_argument("--variants", default="", help="cells that also run engine variants "
+                    f"({', '.join(ENGINE_OPTIONS)}): model:batch=path+path,... e.g. "
+                    "qwen2:1=one_liner_no_overlap+one_liner_no_fse")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--layers", default="", help="name=depth overrides, e.g. qwen3=12,mixtral=8")
@@ -393,6 +406,7 @@ def run(argv=None) -> dict:
     args = parse_args(argv)
     args.profile_paths = [(p.split(":")[0], int(p.split(":")[1]) if ":" in p else 1)
                           for p in args.profile.split(",") if p]
+    args.variant_cells = {c.split("=")[0]: c.split("=")[1].split("+") for c in args.variants.split(",") if "=" in c}
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -406,7 +420,7 @@ def run(argv=None) -> dict:
     t_start = time.perf_counter()
     ceil = measure_ceilings(device)
     result = dict(env=environment(device), commit=git_commit(), date=datetime.date.today().isoformat(),
-                  args={k: v for k, v in vars(args).items() if k != 'profile_paths'}, ceilings=ceil, rows=[], profiles=[], errors=[])
+                  args={k: v for k, v in vars(args).items() if k not in ('profile_paths', 'variant_cells')}, ceilings=ceil, rows=[], profiles=[], errors=[])
     log(f"# {result['env'].get('gpu')} torch {torch.__version__} commit {result['commit']}: copy "
         f"{ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
     for name in models:
@@ -422,15 +436,17 @@ def run(argv=None) -> dict:
         active = (pb["total"] - pb["expert"] - pb["embedding"]) / 2 + n_layers * k * pb["per_expert"] / 2
         log(f"## {name}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, {n_layers} MoE layers, "
             f"KV {kv_tok} B/token")
+        state: dict = {}  # what set_path did to the model (optimized, experts implementation), across batches
         for B in batches:
             if time.perf_counter() - t_start > args.budget_s:
                 result["errors"].append(f"{name} B={B}: skipped (budget)")
                 continue
             g = torch.Generator().manual_seed(args.seed + B)
             ids = torch.randint(3, model.config.vocab_size, (B, S), generator=g).to(device)
-            state: dict = {}
             ref = None
-            for path in paths:
+            state.pop("floor", None)
+            cell_paths = list(paths) + args.variant_cells.get(f"{name}:{B}", [])
+            for path in cell_paths:
                 if path in COMPILED and (B not in cbatches or name not in cmodels):
                     continue
                 if time.perf_counter() - t_start > args.budget_s:
@@ -472,7 +488,6 @@ def run(argv=None) -> dict:
             if state.get("floor"):
                 result.setdefault("floors", []).append(dict(model=name, batch=B, **state["floor"]))
         if args.profile and name == models[0]:
-            state = {}
             for path, B in args.profile_paths:
                 ids = torch.randint(3, model.config.vocab_size, (B, S)).to(device)
                 try:

@@ -12,15 +12,29 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,nohe
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 quiet() { grep -v -i "warn\|^\s*$\|torch._dynamo\|^  " ; }
 case "${1:-explore}" in
+tests+explore)
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" \
+      | grep -v "^DEBUG" | tail -12
+  "$0" explore ;;
 explore)
   timeout ${EXPLORE_TIMEOUT:-330} python3 benchmarks/bench_generate.py ${EXPLORE_ARGS:---models qwen3 --batches 1,32 \
       --paths hf,optimize_hf,one_liner,one_liner_compiled --profile hf:1,one_liner:1,one_liner:32} \
       --budget-s 280 --out-json "$OUT/explore.json" 2>&1 | tee "$OUT/explore.log" | quiet | tail -60
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/generate/test_generate_gpu.py 2>&1 \
-      | tee "$OUT/tests_generate.log" | tail -25 ;;
+  [ -n "${EXPLORE_ONLY:-}" ] || timeout 240 python3 -m pytest -q -p no:cacheprovider \
+      tests/generate/test_generate_gpu.py 2>&1 | tee "$OUT/tests_generate.log" | tail -25 ;;
 bench)
   timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_generate.py ${BENCH_ARGS:-} 2>&1 \
       | tee "$OUT/bench.log" | quiet | tail -80 ;;
+final)  # generate GPU tests, then the benchmark: every model without the compiled rows, then qwen3's compiled rows
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/generate/test_generate_gpu.py 2>&1 \
+      | tee "$OUT/tests_generate.log" | grep -v "^DEBUG" | tail -6
+  timeout 320 python3 benchmarks/bench_generate.py --budget-s 285 --compiled-models none \
+      --variants ${VARIANTS:-qwen3:1=one_liner_eager_prefill+one_liner_sdpa,qwen3:32=one_liner_align64+one_liner_sdpa,qwen2:1=one_liner_no_overlap+one_liner_no_fse,qwen2:32=one_liner_no_overlap,deepseek:1=one_liner_no_overlap} \
+      --profile hf:1,one_liner:1,one_liner:32 --out-json "$OUT/bench_main.json" 2>&1 \
+      | tee "$OUT/bench_main.log" | grep -v "^DEBUG" | quiet | grep -v "^|" | tail -70
+  timeout ${COMPILED_TIMEOUT:-110} python3 benchmarks/bench_generate.py --models qwen3 --batches 1 \
+      --paths hf,optimize_static,hf_static,hf_static_moecomp --budget-s 75 --out-json "$OUT/bench_compiled.json" \
+      2>&1 | tee "$OUT/bench_compiled.log" | grep -v "^DEBUG" | quiet | grep -v "^|" | tail -12 ;;
 tests)
   timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" \
       | tail -30 ;;

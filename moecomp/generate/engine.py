@@ -145,53 +145,69 @@ class Engine:
             return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
         return keep
 
-    def _layers(self):
-        """(ModuleList of decoder layers, compiled wrappers) for the compile experiment."""
+    def _layers(self, phase: str):
+        """(ModuleList of decoder layers, compiled wrappers for ``phase``): "prefill" wrappers are compiled with
+        dynamic shapes (any prompt length or batch: one compile, batch 1 apart); "decode" wrappers with torch's
+        automatic dynamic shapes (the first batch bucket static, one more compile covers the other buckets)."""
         if self._compiled is None:
             base = getattr(self.model, self.model.base_model_prefix, None)
             layers = getattr(base, "layers", None)
             if not isinstance(layers, torch.nn.ModuleList):
-                self._compiled = (None, None)
+                self._compiled = (None, {})
             else:
                 from torch._dynamo import config as dynamo_config
 
-                dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 4 * len(layers))
-                self._compiled = (layers, [torch.compile(m, dynamic=False, backend=self.compile_backend)
-                                           for m in layers])
-        return self._compiled
+                dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 8 * len(layers))
+                self._compiled = (layers, {})
+        layers, by_phase = self._compiled
+        if layers is not None and phase not in by_phase:
+            by_phase[phase] = [torch.compile(m, dynamic=True if phase == "prefill" else None,
+                                             backend=self.compile_backend)
+                               for m in layers]
+        return layers, by_phase.get(phase)
 
-    def _forward(self, s: Slot, dtype, compiled: bool):
-        layers, wrapped = self._layers() if compiled else (None, None)
+    def _call(self, phase: str | None, **kw):
+        """The model's forward, with the decoder layers swapped for their compiled wrappers when ``phase`` is set."""
+        layers, wrapped = self._layers(phase) if phase else (None, None)
         if layers is not None:
             saved = list(layers)
             for i, c in enumerate(wrapped):
                 layers._modules[str(i)] = c
         try:
-            with attention.Swapped(self.attn_configs, self.n):
-                return self.model(input_ids=s.tok, position_ids=s.pos, attention_mask=self._mask(s, dtype),
-                                  **{self.cache_kw: s.cache}, use_cache=True, logits_to_keep=1, return_dict=True)
+            return self.model(**kw, use_cache=True, logits_to_keep=1, return_dict=True)
         finally:
             if layers is not None:
                 for i, m in enumerate(saved):
                     layers._modules[str(i)] = m
 
+    def _compiled_or_eager(self, s: Slot, phase: str, **kw):
+        """``_call`` with compiled layers; if compiling fails, put back the cache lengths the layers that ran had
+        advanced, remember why, and run eagerly (from then on the engine stays eager)."""
+        lengths = [layer.cumulative_length.clone() for layer in s.cache.layers]
+        try:
+            return self._call(phase, **kw)
+        except Exception as e:
+            self.compile_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            for layer, n in zip(s.cache.layers, lengths):
+                layer.cumulative_length.copy_(n)
+            return self._call(None, **kw)
+
+    def _compiling(self, s: Slot) -> bool:
+        return self.compile_layers and (s.tok.is_cuda or self.cpu_compile) and self.compile_error is None
+
+    def _forward(self, s: Slot, dtype, compiled: bool):
+        kw = dict(input_ids=s.tok, position_ids=s.pos, attention_mask=self._mask(s, dtype),
+                  **{self.cache_kw: s.cache})
+        with attention.Swapped(self.attn_configs, self.n):
+            if compiled and not (s.tok.is_cuda and torch.cuda.is_current_stream_capturing()):
+                return self._compiled_or_eager(s, "decode", **kw)  # the eager warm-up step compiles
+            return self._call("decode" if compiled else None, **kw)
+
     def _step(self, s: Slot, sampler: Sampler, dtype) -> None:
         if self.n is None or self.n.device != s.slot.device:
             self.n = torch.zeros((), dtype=torch.long, device=s.slot.device)
         torch.add(s.slot, 1, out=self.n)
-        compiled = self.compile_layers and (s.tok.is_cuda or self.cpu_compile) and self.compile_error is None
-        if compiled and not (s.tok.is_cuda and torch.cuda.is_current_stream_capturing()):
-            # the eager warm-up step compiles: if that fails, undo what the layers that ran wrote and go eager
-            lengths = [layer.cumulative_length.clone() for layer in s.cache.layers]
-            try:
-                out = self._forward(s, dtype, True)
-            except Exception as e:
-                self.compile_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                for layer, n in zip(s.cache.layers, lengths):
-                    layer.cumulative_length.copy_(n)
-                out = self._forward(s, dtype, False)
-        else:
-            out = self._forward(s, dtype, compiled)
+        out = self._forward(s, dtype, self._compiling(s))
         nxt = select(out.logits[:, -1], s.state, sampler)
         s.tok.copy_(nxt[:, None])
         s.pos.add_(1)
@@ -252,8 +268,16 @@ class Engine:
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             ev[0].record()
         t0 = time.perf_counter()
-        out = m(input_ids=ids, attention_mask=am.long() if am is not None else None, position_ids=position_ids,
-                **{self.cache_kw: s.cache}, use_cache=True, logits_to_keep=1, return_dict=True)
+        kw = dict(input_ids=ids, attention_mask=am.long() if am is not None else None, position_ids=position_ids,
+                  **{self.cache_kw: s.cache})
+        # compiled prefill once the cache exists (its lazy allocation stays out of the compiled code)
+        if (self._compiling(s) and os.environ.get("MOECOMP_GENERATE_COMPILE_PREFILL", "1") != "0"
+                and all(getattr(layer, "is_initialized", False) for layer in s.cache.layers)):
+            out = self._compiled_or_eager(s, "prefill", **kw)
+            prefill = "compiled"
+        else:
+            out = self._call(None, **kw)
+            prefill = "eager"
         sampler.prepare(dev, out.logits.shape[-1])
         s.pad_mask.fill_(True)
         if am is not None:
@@ -290,6 +314,7 @@ class Engine:
         info["attention"] = "moecomp decode kernel" if self.attn_configs else "transformers"
         info["layers"] = ("eager" if not ((cuda or self.cpu_compile) and self.compile_layers) else
                           f"eager (compile failed: {self.compile_error})" if self.compile_error else "compiled")
+        info["prefill_layers"] = prefill
         if dev.type != "cuda":
             info["graphs"] = "off (CPU)"
         elif not use_graphs:

@@ -29,7 +29,7 @@ from . import tuning
 
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "none": 3}
 _ACT = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu_oai": 4, "relu2": 5}
-SMALL_P = 256  # single-program alignment up to this many (token, expert) pairs
+SMALL_P = 256  # single-program alignment up to this many (token, expert) pairs (MOECOMP_ALIGN_SMALL_P overrides)
 
 
 def _interpret() -> bool:
@@ -112,7 +112,7 @@ def align(ids: torch.Tensor, E: int, block_m: int):
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     e_pad = triton.next_power_of_2(E)
     block_b = max(16, min(128, 8192 // e_pad))
-    if P <= SMALL_P:
+    if P <= int(os.environ.get("MOECOMP_ALIGN_SMALL_P", SMALL_P)):
         align_k.align_small_kernel[(1,)](
             flat, sorted_ids, block_expert, num_padded, P, E, max_blocks,
             BLOCK_M=block_m, E_PAD=e_pad, P_PAD=max(16, triton.next_power_of_2(P)), BLOCK_B=block_b,

@@ -222,7 +222,12 @@ def test_compiled_decoder_layers_and_a_failed_compile(monkeypatch):
     opt.generate._engine().cpu_compile = True
     opt.generate._engine().compile_backend = "eager"
     assert torch.equal(opt.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False), want)
-    assert opt.generate.last["layers"] == "compiled", opt.generate.last
+    assert opt.generate.last["layers"] == "compiled" and opt.generate.last["prefill_layers"] == "eager"
+    for S in (7, 5):  # the cache exists now: the prefill runs compiled too (dynamic shapes: any prompt length)
+        ids2, mask2 = prompts(ref.config.vocab_size, 2, S, seed=S, left_pad=(1, 0))
+        want2 = ref.generate(ids2, attention_mask=mask2, max_new_tokens=8, do_sample=False)
+        assert torch.equal(opt.generate(ids2, attention_mask=mask2, max_new_tokens=8, do_sample=False), want2)
+        assert opt.generate.last["prefill_layers"] == "compiled", opt.generate.last
 
     calls = []
 
