@@ -455,13 +455,15 @@ def run(argv=None) -> dict:
                 row = dict(model=name, batch=B, path=path, prompt=S, new=new)
                 try:
                     set_path(model, path, state)
-                    counter = RoutingCounter(model) if path == "hf" else None
+                    if path == "hf":  # routing counted in a short untimed call (its hooks synchronize)
+                        counter = RoutingCounter(model)
+                        try:
+                            run_hf_loop(model, ids, 3, cuda)
+                        finally:
+                            counter.remove()
+                        state["floor"] = floors(pb, kv_tok, counter.mean_distinct(True), counter.mean_distinct(False),
+                                                B, S, new, ceil, active)
                     rec, out = run_path(model, path, ids, new, cuda)
-                    if counter is not None:
-                        counter.remove()
-                        fl = floors(pb, kv_tok, counter.mean_distinct(True), counter.mean_distinct(False), B, S,
-                                    new, ceil, active)
-                        state["floor"] = fl
                     if path == "hf":
                         ref = out
                     row.update(rec)

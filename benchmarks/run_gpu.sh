@@ -35,6 +35,10 @@ final)  # generate GPU tests, then the benchmark: every model without the compil
   timeout ${COMPILED_TIMEOUT:-110} python3 benchmarks/bench_generate.py --models qwen3 --batches 1 \
       --paths hf,optimize_static,hf_static,hf_static_moecomp --budget-s 75 --out-json "$OUT/bench_compiled.json" \
       2>&1 | tee "$OUT/bench_compiled.log" | grep -v "^DEBUG" | quiet | grep -v "^|" | tail -12 ;;
+rest)  # the models the final stage's budget left out, and transformers' rows measured without routing hooks
+  timeout 330 python3 benchmarks/bench_generate.py --budget-s 270 --compiled-models none ${REST_ARGS:-} \
+      --out-json "$OUT/bench_rest.json" 2>&1 | tee "$OUT/bench_rest.log" | grep -v "^DEBUG" | quiet \
+      | grep -v "^|" | tail -40 ;;
 tests)
   timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" \
       | tail -30 ;;

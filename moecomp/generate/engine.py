@@ -157,7 +157,14 @@ class Engine:
             else:
                 from torch._dynamo import config as dynamo_config
 
-                dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 8 * len(layers))
+                # Dynamo guards on each bound MoE block's forward object, so every decoder layer compiles its own
+                # entry (per phase and batch class: about 8 per layer). Past the limits Dynamo would silently run
+                # the layers eagerly.
+                for name, need in (("recompile_limit", 16 * len(layers)), ("cache_size_limit", 16 * len(layers)),
+                                   ("accumulated_recompile_limit", 64 * len(layers)),
+                                   ("accumulated_cache_size_limit", 64 * len(layers))):
+                    if isinstance(getattr(dynamo_config, name, None), int):
+                        setattr(dynamo_config, name, max(getattr(dynamo_config, name), need))
                 self._compiled = (layers, {})
         layers, by_phase = self._compiled
         if layers is not None and phase not in by_phase:
