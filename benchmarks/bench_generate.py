@@ -208,6 +208,7 @@ def run_hf_loop(model, ids, new: int, cuda: bool, **kw) -> tuple[torch.Tensor, f
 
 
 def run_one_liner(model, ids, new: int, cuda: bool) -> tuple[torch.Tensor, float, float, dict]:
+    model.generate.cpu = True  # CPU smoke runs: the engine (CPU models keep transformers' loop by default)
     if cuda:
         torch.cuda.synchronize()
     out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)

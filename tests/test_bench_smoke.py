@@ -99,3 +99,30 @@ def test_routing_ambiguity_flags_exact_ties():
     logits = torch.tensor([[4.0, 3.0, -1, -1, -1, -1, -1, -1], [4.0, 3.0, 4.0, 3.0, -1, -1, -1, -1]])
     amb = bench.routing_ambiguous(logits, torch.zeros(8), g, fp32_router=True)
     assert amb.tolist() == [False, True]  # second row: two groups tie
+
+
+def test_bench_generate_tiny_cpu(tmp_path):
+    """benchmarks/bench_generate.py on tiny CPU models: every path and an engine variant give a row with a floor and
+    the one-liner's tokens equal transformers' (fp32)."""
+    gen = _load("bench_generate")
+    out = tmp_path / "gen.json"
+    res = gen.run(["--device", "cpu", "--tiny", "--batches", "1,2", "--models", "qwen2",
+                   "--compiled-models", "qwen2", "--compiled-batches", "2", "--variants",
+                   "qwen2:2=one_liner_no_fse", "--out-json", str(out)])
+    rows = {(r["batch"], r["path"]): r for r in res["rows"]}
+    assert not res["errors"] and all("error" not in r for r in res["rows"]), res["errors"]
+    assert set(rows) == {(1, p) for p in ("hf", "experts_impl", "optimize_hf", "one_liner")} | {
+        (2, p) for p in gen.ALL_PATHS + ("one_liner_no_fse",)}
+    for r in res["rows"]:
+        assert r["decode_ms"] > 0 and r["floor_decode_ms"] > 0 and r["tokens"]["match"] == 1.0
+    assert json.loads(out.read_text())["rows"]
+
+
+def test_plot_generate(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = _load("plot_generate")
+    src = os.path.join(BENCH_DIR, "results", "nvidia-h200-2026-11-30-5a5420a-generate-rest.json")
+    rows, floors = plot.load([src])
+    assert ("qwen2", 32, "one_liner") in rows and ("deepseek", 1) in floors
+    plot.main([str(tmp_path / "g.png"), src])
+    assert (tmp_path / "g.png").stat().st_size > 1000

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .engine import Engine, register
+from .engine import Engine
 from .sampling import Sampler, Unsupported
 
 _PLAIN_ARGS = ("past_key_values", "cache", "cache_implementation", "compile_config", "streamer", "assistant_model",
@@ -33,19 +33,24 @@ _OUTPUT_FLAGS = ("output_attentions", "output_hidden_states", "output_scores", "
 
 
 class FastGenerate:
-    """Stands in for ``model.generate`` (see the module docstring). ``enabled = False`` turns the engine off."""
+    """Stands in for ``model.generate`` (see the module docstring). ``enabled = False`` turns the engine off.
 
-    __slots__ = ("model", "engine", "enabled", "last")
+    On CPU there are no graphs to replay, and transformers' loop over a dynamic cache is faster than the engine's
+    static-cache step, so CPU models keep transformers' loop unless ``cpu = True`` (the tests run the engine's logic
+    on CPU that way)."""
+
+    __slots__ = ("model", "engine", "enabled", "cpu", "last")
 
     def __init__(self, model):
         self.model = model
         self.engine = None
         self.enabled = True
+        self.cpu = False
         self.last: dict = {}
 
     def _engine(self) -> Engine:
         if self.engine is None:
-            self.engine = register(Engine(self.model))
+            self.engine = Engine(self.model)
         return self.engine
 
     def release(self) -> None:
@@ -56,6 +61,9 @@ class FastGenerate:
     def _plain_reason(self, args, kwargs) -> str | None:
         if not self.enabled:
             return "disabled (model.generate.enabled = False)"
+        p = next(self.model.parameters(), None)
+        if p is not None and p.device.type == "cpu" and not self.cpu:
+            return "CPU model: transformers' loop (the engine pays on the GPU; model.generate.cpu = True runs it)"
         for k in _PLAIN_ARGS:
             v = kwargs.get(k)
             if v is not None and v is not False and not (isinstance(v, list) and not v):
@@ -86,10 +94,10 @@ class FastGenerate:
         return type(m).generate(m, *args, custom_generate=decode, **kwargs)
 
     def __getstate__(self):
-        return {"model": self.model, "enabled": self.enabled}
+        return {"model": self.model, "enabled": self.enabled, "cpu": self.cpu}
 
     def __setstate__(self, state):
-        self.model, self.enabled = state["model"], state["enabled"]
+        self.model, self.enabled, self.cpu = state["model"], state["enabled"], state.get("cpu", False)
         self.engine, self.last = None, {}
 
 

@@ -31,7 +31,17 @@ def _pair(family, **kw):
     ref = build(family, **kw)
     opt = moecomp.optimize(copy.deepcopy(ref))
     assert len(opt._moecomp_report.rewritten) == ref.config.num_hidden_layers
+    opt.generate.cpu = True  # the engine on CPU (by default CPU models keep transformers' loop)
     return ref, opt
+
+
+def test_cpu_models_keep_transformers_loop_by_default():
+    ref = build("qwen3_moe")
+    opt = moecomp.optimize(copy.deepcopy(ref))
+    ids, _ = prompts(ref.config.vocab_size, 1, 5, seed=11)
+    assert torch.equal(opt.generate(ids, max_new_tokens=4, do_sample=False),
+                       ref.generate(ids, max_new_tokens=4, do_sample=False))
+    assert opt.generate.last["path"] == "transformers" and "CPU" in opt.generate.last["reason"]
 
 
 def _both(ref, opt, ids, mask=None, **kw):
@@ -150,7 +160,7 @@ def test_opt_outs_unoptimize_copy_and_pickle():
     ref, opt = _pair("qwen3_moe")
     ids, _ = prompts(ref.config.vocab_size, 1, 5, seed=6)
     want = ref.generate(ids, max_new_tokens=5, do_sample=False)
-    plain = moecomp.optimize(copy.deepcopy(ref), fast_generate=False)
+    plain = moecomp.optimize(copy.deepcopy(ref), fast_generate=False)  # (opt.generate.cpu carries over below)
     assert "generate" not in plain.__dict__ and torch.equal(plain.generate(ids, max_new_tokens=5, do_sample=False),
                                                            want)
     assert "moecomp" in opt._moecomp_report.generate and "generate()" in str(opt._moecomp_report)
