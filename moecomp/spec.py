@@ -173,6 +173,12 @@ class MoESpec:
 
     # ------------------------------------------------------------- helpers
     @property
+    def can_fuse_shared_gate(self) -> bool:
+        """FSE applies: a sigmoid-gated shared expert, no router bias, not fused yet (the checks in __post_init__)."""
+        return (self.shared is not None and self.shared.gate == "sigmoid" and not self.has_router_bias
+                and not self.fused_shared_gate)
+
+    @property
     def w13_rows(self) -> int:
         """Output features of the first expert GEMM: 2I when gated, else I."""
         return 2 * self.intermediate_size if self.gated else self.intermediate_size

@@ -336,8 +336,7 @@ def router_derived(block: nn.Module, spec: MoESpec, bindings: dict, derived: lis
     rw_path, gw_path = bindings.get("router_w"), bindings.get("shared_gate_w")
     if rw_path is None or rw_path in {d.name for d in derived}:
         return spec, bindings, derived
-    fuse = (spec.shared is not None and spec.shared.gate == "sigmoid" and gw_path is not None
-            and not spec.has_router_bias and not spec.fused_shared_gate
+    fuse = (spec.can_fuse_shared_gate and gw_path is not None
             and os.environ.get("MOECOMP_NO_FSE") != "1")  # (the knob measures what FSE saves)
     fp32 = spec.router_fp32 and get_path(block, rw_path).dtype != torch.float32
     if not (fuse or fp32):

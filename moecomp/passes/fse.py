@@ -52,9 +52,8 @@ def fuse_shared_gate(gm: fx.GraphModule, *, count: bool = True) -> dict[str, int
     eligible = []
     for n in nodes:
         spec = MoESpec.from_key(n.args[_SPEC])
-        if spec.shared is not None and spec.shared.gate == "sigmoid" and n.args[_GATE] is not None:
-            if not getattr(spec, "fused_shared_gate", False):
-                eligible.append((n, spec))
+        if spec.can_fuse_shared_gate and n.args[_GATE] is not None:
+            eligible.append((n, spec))
     if not eligible:
         return {}
     if not op_supports_fse():
