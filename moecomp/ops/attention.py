@@ -13,12 +13,12 @@ splits. No host sync, fixed launch sizes for a given shape: CUDA-graph capturabl
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
 from ..kernels import decode_attention as attn_k
+from .moe_op import _backend, _on_device
+from .triton_moe import _precision, _upcast
 
 
 def _check(q, k, v, keep, n):
@@ -71,13 +71,13 @@ def _triton(q, k, v, keep, n, scale: float) -> torch.Tensor:
     po = torch.empty(B * Hkv * S * BG, BDV, device=q.device, dtype=torch.float32)
     pm = torch.empty(B * Hkv * S * BG, device=q.device, dtype=torch.float32)
     pl = torch.empty_like(pm)
-    upcast = os.environ.get("TRITON_INTERPRET", "0") == "1" and q.dtype == torch.bfloat16
+    upcast = _upcast(q)
     attn_k.decode_attn_split_kernel[(B * Hkv, S)](
         q, k, v, keep, n, po, pm, pl, Hkv, L, float(scale),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         keep.stride(0),
         G=G, BLOCK_G=BG, DK=Dk, BLOCK_DK=BDK, DV=Dv, BLOCK_DV=BDV, BLOCK_N=block_n, CHUNK=chunk, SPLITS=S,
-        UPCAST=upcast, DOT_PRECISION="ieee" if upcast or q.dtype == torch.float32 else "tf32",
+        UPCAST=upcast, DOT_PRECISION=_precision(q),
         num_warps=4 if BDK <= 128 else 8,
     )
     out = torch.empty(B, Hq, Dv, device=q.device, dtype=q.dtype)
@@ -88,24 +88,17 @@ def _triton(q, k, v, keep, n, scale: float) -> torch.Tensor:
     return out
 
 
-def _backend(device: torch.device) -> str:
-    if device.type == "cuda":
-        return "triton"
-    return os.environ.get("MOECOMP_CPU_BACKEND", "torch")
-
-
 @torch.library.custom_op("moecomp::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, n: torch.Tensor,
                      scale: float) -> torch.Tensor:
     _check(q, k, v, keep, n)
     if q.shape[0] == 0:
         return q.new_empty(q.shape[0], q.shape[1], v.shape[3])
-    if _backend(q.device) == "triton":
-        if q.is_cuda and q.device.index is not None and q.device.index != torch.cuda.current_device():
-            with torch.cuda.device(q.device):
-                return _triton(q, k, v, keep, n, scale)
-        return _triton(q, k, v, keep, n, scale)
-    return _torch(q, k, v, keep, n, scale)
+    if _backend(q.device) != "triton":  # CPU (or MOECOMP_CUDA_BACKEND=torch): the same math in torch
+        return _torch(q, k, v, keep, n, scale)
+    if q.is_cuda:
+        return _on_device(q, lambda: _triton(q, k, v, keep, n, scale))
+    return _triton(q, k, v, keep, n, scale)
 
 
 @decode_attention.register_fake
