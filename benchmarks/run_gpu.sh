@@ -3,6 +3,7 @@
 #   benchmarks/run_gpu.sh explore   generate(): Qwen3 12-layer B=1,32, engine options, profile; then the GPU tests
 #   benchmarks/run_gpu.sh bench     benchmarks/bench_generate.py on all models (table, JSON, plot)
 #   benchmarks/run_gpu.sh tests     pytest -m gpu (every GPU test)
+#   benchmarks/run_gpu.sh mixtral   every GPU test, then Mixtral's rows;  compiled: the remaining rows
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -39,6 +40,20 @@ rest)  # the models the final stage's budget left out, and transformers' rows me
   timeout 330 python3 benchmarks/bench_generate.py --budget-s 270 --compiled-models none ${REST_ARGS:-} \
       --out-json "$OUT/bench_rest.json" 2>&1 | tee "$OUT/bench_rest.log" | grep -v "^DEBUG" | quiet \
       | grep -v "^|" | tail -40 ;;
+mixtral)  # every GPU test, then Mixtral at every batch size (the rows the earlier calls' budget left out)
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" \
+      | grep -v "^DEBUG" | tail -8
+  timeout 330 python3 benchmarks/bench_generate.py --budget-s 300 --models mixtral --compiled-models none \
+      --paths hf,experts_impl,optimize_hf,one_liner --out-json "$OUT/bench_mixtral.json" 2>&1 \
+      | tee "$OUT/bench_mixtral.log" | grep -v "^DEBUG" | quiet | grep -v "^|" | tail -30 ;;
+compiled)  # Qwen1.5-MoE / DeepSeek-V3 at batch 8 and 128, then transformers' compiled rows past batch 1
+  timeout 250 python3 benchmarks/bench_generate.py --budget-s 225 --models qwen2,deepseek --batches 8,128 \
+      --paths hf,optimize_hf,one_liner --compiled-models none --out-json "$OUT/bench_rest2.json" 2>&1 \
+      | tee "$OUT/bench_rest2.log" | grep -v "^DEBUG" | quiet | grep -v "^|" | tail -20
+  timeout 320 python3 benchmarks/bench_generate.py --budget-s 270 --models qwen3 --batches 32,8,128 \
+      --compiled-batches 8,32,128 --paths hf,hf_static,hf_static_moecomp,optimize_static,one_liner \
+      --out-json "$OUT/bench_compiled2.json" 2>&1 | tee "$OUT/bench_compiled2.log" | grep -v "^DEBUG" | quiet \
+      | grep -v "^|" | tail -20 ;;
 tests)
   timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" \
       | tail -30 ;;

@@ -161,9 +161,9 @@ class Engine:
             else:
                 from torch._dynamo import config as dynamo_config
 
-                # Dynamo guards on each bound MoE block's forward object, so every decoder layer compiles its own
-                # entry (per phase and batch class: about 8 per layer). Past the limits Dynamo would silently run
-                # the layers eagerly.
+                # Every decoder layer compiles its own entries (per phase and batch class): Dynamo specialises on
+                # the layer index the attention reads to pick its cache layer (a Python list index). Past the
+                # limits Dynamo would silently run the layers eagerly.
                 for name, need in (("recompile_limit", 16 * len(layers)), ("cache_size_limit", 16 * len(layers)),
                                    ("accumulated_recompile_limit", 64 * len(layers)),
                                    ("accumulated_cache_size_limit", 64 * len(layers))):

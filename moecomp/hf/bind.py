@@ -238,7 +238,8 @@ def moecomp_block_forward(self: nn.Module, *args, **kwargs):
     if why is None and torch.compiler.is_compiling() and (self.training and torch.is_grad_enabled()):
         why = "training"
     if why is not None:
-        st.fallbacks += 1
+        if not torch.compiler.is_compiling():
+            st.fallbacks += 1
         return _call_original(self, st, x, rest, kwargs)
     compiling = torch.compiler.is_compiling()
     if st.derived and not compiling:
@@ -430,6 +431,25 @@ class ExpertsState:
     fallbacks: int = 0
 
 
+def experts_block_forward(m: nn.Module, *args, **kwargs):
+    """Replacement forward of an experts module bound by :func:`bind_experts`."""
+    from .experts_interface import moecomp_experts_forward
+
+    st: ExpertsState = m._moecomp_experts
+    compiling = torch.compiler.is_compiling()
+    a = list(args) + list(kwargs.values())
+    if len(a) == 3 and all(isinstance(t, torch.Tensor) for t in a) and a[0].dim() == 2 and a[1].dim() == 2 \
+            and not a[1].is_floating_point() and a[2].shape == a[1].shape:
+        if not compiling:  # (compiled code must not mutate state Dynamo guards on)
+            st.calls += 1
+        return moecomp_experts_forward(m, *a)
+    if not compiling:
+        st.fallbacks += 1
+    if st.original is not None:
+        return st.original(*args, **kwargs)
+    return type(m).forward(m, *args, **kwargs)
+
+
 class ExpertsForward:
     """``experts.forward`` after an experts-only rewrite: ``moecomp_experts_forward`` for the standard call
     ``(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``, the original forward for anything else."""
@@ -440,19 +460,7 @@ class ExpertsForward:
         self.module = module
 
     def __call__(self, *args, **kwargs):
-        from .experts_interface import moecomp_experts_forward
-
-        m = self.module
-        st: ExpertsState = m._moecomp_experts
-        a = list(args) + list(kwargs.values())
-        if len(a) == 3 and all(isinstance(t, torch.Tensor) for t in a) and a[0].dim() == 2 and a[1].dim() == 2 \
-                and not a[1].is_floating_point() and a[2].shape == a[1].shape:
-            st.calls += 1
-            return moecomp_experts_forward(m, *a)
-        st.fallbacks += 1
-        if st.original is not None:
-            return st.original(*args, **kwargs)
-        return type(m).forward(m, *args, **kwargs)
+        return experts_block_forward(self.module, *args, **kwargs)
 
     def __getstate__(self):
         return {"module": self.module}
@@ -478,3 +486,4 @@ def unbind_experts(experts: nn.Module) -> bool:
     del experts._moecomp_experts
     experts.__dict__.pop("_moecomp_experts_specs", None)
     return True
+

@@ -192,3 +192,24 @@ def test_separate_3d_gate_up_detected_and_equal():
         net[0].experts.up_proj.mul_(1.5)
         ref2 = moecomp.optimize.__globals__["_bind"].original_forward(net[0])(x)
         assert rel_err(net[0](x), ref2) <= TOL
+
+
+def test_experts_only_compiled_does_not_recompile_per_call():
+    """A compiled experts-only model: the experts forward counts eager calls only (a counter Dynamo guarded on made
+    every call recompile). Fails on a recompile; same output as eager."""
+    model, _ = F.build_tiny("phimoe")
+    moecomp.optimize(model)
+    assert len(experts_only_modules(model)) == 2
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(3))
+    ref = _run(model, ids)
+    compiled = torch.compile(model, backend="eager")
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            first = compiled(ids).logits
+            torch.compiler.set_stance("fail_on_recompile")
+            for _ in range(3):
+                again = compiled(ids).logits
+    finally:
+        torch.compiler.set_stance("default")
+    assert rel_err(first, ref) <= TOL and torch.equal(first, again)
