@@ -47,13 +47,15 @@ mixtral)  # every GPU test, then Mixtral at every batch size (the rows the earli
       --paths hf,experts_impl,optimize_hf,one_liner --out-json "$OUT/bench_mixtral.json" 2>&1 \
       | tee "$OUT/bench_mixtral.log" | grep -v "^DEBUG" | quiet | grep -v "^|" | tail -30 ;;
 compiled)  # Qwen1.5-MoE / DeepSeek-V3 at batch 8 and 128, then transformers' compiled rows past batch 1
-  timeout 250 python3 benchmarks/bench_generate.py --budget-s 225 --models qwen2,deepseek --batches 8,128 \
+  timeout 215 python3 benchmarks/bench_generate.py --budget-s 190 --models qwen2,deepseek --batches 8,128 \
       --paths hf,optimize_hf,one_liner --compiled-models none --out-json "$OUT/bench_rest2.json" 2>&1 \
       | tee "$OUT/bench_rest2.log" | grep -v "^DEBUG" | quiet | grep -v "^|" | tail -20
-  timeout 320 python3 benchmarks/bench_generate.py --budget-s 270 --models qwen3 --batches 32,8,128 \
-      --compiled-batches 8,32,128 --paths hf,hf_static,hf_static_moecomp,optimize_static,one_liner \
+  timeout 270 python3 benchmarks/bench_generate.py --budget-s 230 --models qwen3 --batches 32,8 \
+      --compiled-batches 8,32 --paths hf,hf_static,hf_static_moecomp,optimize_static,one_liner \
       --out-json "$OUT/bench_compiled2.json" 2>&1 | tee "$OUT/bench_compiled2.log" | grep -v "^DEBUG" | quiet \
-      | grep -v "^|" | tail -20 ;;
+      | grep -v "^|" | tail -20
+  timeout 60 python3 benchmarks/diag_tokens.py --models mixtral --layers 8 --prompt 512 --batch 4 2>&1 \
+      | grep -v "^DEBUG\|Warn" > "$OUT/diag_mixtral8.log"; grep -A3 "argmax\|block_rel" "$OUT/diag_mixtral8.log" ;;
 tests)
   timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" \
       | tail -30 ;;
