@@ -8,8 +8,9 @@ comparisons loose, so the check there is on the whole tensor: ||optimized - orig
 (and the max-abs figure is printed too).
 
 It prints the scan report, the forward time before and after (median of timed runs after warm-up), and the time per
-generated token of greedy `generate()` (KV cache on, batch 1) before and after: plain eager HF decoding, the case
-where the op's own per-shape CUDA graphs (`moecomp/ops/graphs.py`) take the MoE blocks' launch overhead away.
+decode step of greedy `generate()` (batch 1) before and after, each step timed inside the call: transformers' loop
+before; after, on GPU moecomp's generate() (static cache, CUDA-graph steps), on CPU transformers' loop with the
+op in the blocks.
 """
 
 from __future__ import annotations
@@ -62,17 +63,46 @@ def _time(fn, device: str, reps: int) -> float:
     return statistics.median(ts)
 
 
-def _decode_ms(model, prompt, new_tokens: int, device: str) -> tuple[float, torch.Tensor]:
-    """(ms per generated token, tokens) of greedy generate(): (t(1 + n) - t(1)) / n, so the prompt is not counted."""
-    def gen(n):
+class _Clock:
+    """A stopping criterion that never stops: the clock time at which each generated token was chosen."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.times = cuda, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _decode_ms(model, prompt, new_tokens: int, device: str, reps: int = 5) -> tuple[float, torch.Tensor, str]:
+    """(ms per decode step, tokens, which loop) of greedy generate(), timed step by step inside each call (the
+    prompt's prefill is not counted); the median over ``reps`` calls. moecomp's generate() times its own decode
+    loop with CUDA events (``model.generate.last``); transformers' loop is timed by a stopping criterion that reads
+    the clock at every token. Both are differences of one monotonic clock within a call: never negative."""
+    from transformers import StoppingCriteriaList
+
+    def gen(n, **kw):
         with torch.no_grad():
             return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True,
-                                  pad_token_id=0)
+                                  pad_token_id=0, **kw)
 
-    gen(2)  # warm-up (and the op graphs' first capture)
-    t1 = _time(lambda: gen(1), device, 3)
-    tn = _time(lambda: gen(1 + new_tokens), device, 3)
-    return (tn - t1) / new_tokens * 1e3, gen(1 + new_tokens)[0, prompt.shape[1]:]
+    new_tokens = max(2, new_tokens)
+    toks = gen(new_tokens)  # warm-up (compiles, captures); says which loop a plain call takes
+    last = getattr(model.generate, "last", None) or {}
+    per_step = []
+    for _ in range(reps):
+        if last.get("path") == "moecomp":
+            gen(new_tokens)
+            last = model.generate.last
+            per_step.append(last["decode_s"] / max(1, last["decode_steps"]))
+        else:
+            clock = _Clock(device.startswith("cuda"))
+            gen(new_tokens, stopping_criteria=StoppingCriteriaList([clock]))
+            per_step.append((clock.times[-1] - clock.times[0]) / (len(clock.times) - 1))
+    loop = "moecomp generate()" if last.get("path") == "moecomp" else "transformers' loop"
+    return statistics.median(per_step) * 1e3, toks[0, prompt.shape[1]:], loop
 
 
 def run(device: str | None = None, layers: int | None = None, batch: int = 1, seq: int = 128, reps: int = 5,
@@ -99,12 +129,12 @@ def run(device: str | None = None, layers: int | None = None, batch: int = 1, se
     n_new = decode_tokens if decode_tokens is not None else (32 if gpu else 8)
     prompt = ids[:1, :16]
     if n_new:
-        dec_before, toks_before = _decode_ms(model, prompt, n_new, device)
+        dec_before, toks_before, loop_before = _decode_ms(model, prompt, n_new, device, min(5, reps))
     _, rep = moecomp.optimize(model, report=True, use_capture=use_capture)
     out = fwd().float()
     t_after = _time(fwd, device, reps)
     if n_new:
-        dec_after, toks_after = _decode_ms(model, prompt, n_new, device)
+        dec_after, toks_after, loop_after = _decode_ms(model, prompt, n_new, device, min(5, reps))
     print_fn(str(rep))
     max_rel = float((out - ref).abs().max() / ref.abs().max())
     norm_rel = float((out - ref).norm() / ref.norm())
@@ -121,10 +151,12 @@ def run(device: str | None = None, layers: int | None = None, batch: int = 1, se
            "rewritten": len(rep.rewritten), "blocks": len(rep.blocks)}
     if n_new:
         same = float((toks_before == toks_after).float().mean())
-        print_fn(f"greedy generate() ({n_new} new tokens, batch 1, KV cache): before {dec_before:.2f} ms/token, after "
-                 f"{dec_after:.2f} ms/token ({dec_before / dec_after:.2f}x); same tokens as before: {same:.0%}"
-                 )
-        res.update(decode_ms_before=dec_before, decode_ms_after=dec_after, decode_same_tokens=same)
+        print_fn(f"greedy generate() ({n_new} new tokens, batch 1; ms per decode step, median of "
+                 f"{min(5, reps)} calls): before "
+                 f"{dec_before:.2f} ms ({loop_before}), after {dec_after:.2f} ms ({loop_after}), "
+                 f"{dec_before / dec_after:.2f}x; same tokens as before: {same:.0%}")
+        res.update(decode_ms_before=dec_before, decode_ms_after=dec_after, decode_same_tokens=same,
+                   decode_loop_before=loop_before, decode_loop_after=loop_after)
     return res
 
 

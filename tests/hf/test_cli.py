@@ -58,6 +58,9 @@ def test_demo_cpu(capsys):
     assert res["ok"] and res["rewritten"] == res["blocks"] == 1
     assert res["max_rel"] <= demo.CPU_TOL
     assert "before" in out and "after" in out and "OK" in out
+    # decode steps timed inside each call (a difference of two calls' medians printed a negative time once)
+    assert res["decode_ms_before"] > 0 and res["decode_ms_after"] > 0
+    assert res["decode_loop_before"] == res["decode_loop_after"] == "transformers' loop"  # CPU models keep HF's loop
 
 
 def test_scan_reads_code_not_comments(tmp_path, capsys):
