@@ -23,9 +23,11 @@ Caching: the passes' identity is part of Inductor's cache key. The backend insta
 (``torch._inductor.config.post_grad_custom_post_pass``, chaining any pass the user set) whose ``uuid()`` hashes the
 source files of the passes, so a changed pass never reuses a stale compiled graph.
 
-Autograd: ``moe_forward`` has no backward. When grad mode is on and a block's weights require grad, the block is
-left alone (counted as ``counters["backend"]["skipped_autograd"]``); run inference under ``torch.no_grad()`` /
-``torch.inference_mode()``.
+Autograd: ``moe_forward`` has no backward. When grad mode is on and a block's weights or its input (hidden states
+that require grad, e.g. ``inputs_embeds`` for input attribution with frozen weights) require grad, the block is left
+alone (counted as ``counters["backend"]["skipped_autograd"]``); run inference under ``torch.no_grad()`` /
+``torch.inference_mode()``. Weights are graph inputs here (never copied), so weight changes after compiling are
+what Dynamo's guards and the graph inputs make of them, as for any compiled model.
 
 HF ``eager`` experts: transformers' eager experts loop cannot be traced into one graph. While Dynamo traces for this
 backend, HF experts configured as ``eager`` trace as transformers' equivalent ``grouped_mm`` path instead
@@ -118,6 +120,11 @@ def _config_patches(mode: str | None, options: dict | None) -> dict:
 def _needs_grad(gm, example_inputs, match) -> bool:
     if not torch.is_grad_enabled():
         return False
+    from .passes._fx import meta_val
+
+    x = meta_val(match.x)
+    if isinstance(x, torch.Tensor) and x.requires_grad:  # the block's input (activations) needs a gradient
+        return True
     names = {v for v in match.bindings.values() if v is not None}
     for n, v in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
         if n.name in names and isinstance(v, torch.Tensor) and v.requires_grad:
@@ -135,7 +142,8 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs, *, verify: bool = True,
     keep = []
     for m in res.matches:
         if _needs_grad(gm, example_inputs, m):
-            res.rejected.append((m.where, "grad mode is on and the weights require grad (moe_forward has no backward)"))
+            res.rejected.append((m.where, "grad mode is on and the weights or the input require grad (moe_forward has "
+                                          "no backward)"))
         else:
             keep.append(m)
     res.matches = keep

@@ -9,17 +9,26 @@ per-expert MLPs; see :mod:`moecomp.hf.structure`):
 2. check: the block's original forward and ``torch.ops.moecomp.moe_forward`` run on the same random input
    (32 tokens, the block's dtype and device); the rewrite happens only if they agree (fp32: 1e-4 relative to the
    output's largest value; bf16: 3e-2; fp16: 1e-2) and the output is finite;
-3. bind: the block's forward is replaced (:mod:`moecomp.hf.bind`); parameters are shared, not copied.
+3. bind: the block's forward is replaced (:mod:`moecomp.hf.bind`); parameters are shared, not copied (a
+   ModuleList of expert MLPs is stacked once and its Parameters re-pointed at the stacked tensor's slices, so the
+   weights are still held once and every write to them reaches the op).
 
 Blocks that fail any step are left alone and reported with the reason. On the meta device nothing can run:
-``scan`` then reports what the attribute fallback reads, marked unverified.
+``scan`` then reports what the attribute fallback reads, marked unverified, and ``optimize`` warns (UserWarning)
+that it bound nothing there.
 
 At run time a rewritten block still runs its original forward when the op cannot stand in for it: in training mode
-with router / input jitter, in training mode with gradients (the op has no backward yet), while a forward hook on
-its router / experts / shared experts is active (transformers records ``output_router_logits`` that way; its
-recording hooks only count while a recording is in progress), or when it gets an extra argument it was not checked
-with (e.g. ``input_ids``). Blocks that return extra outputs (gpt-oss: ``(hidden, router_scores)``) get them from
-their router module, called once more on the same input.
+with router / input jitter, in training mode with gradients, in eval mode when gradients are needed (grad mode on
+and the hidden states or weights require grad: the op has no backward; warned once per process), after an
+attribute it was derived from changed (warned once per block; ``optimize(model)`` again re-binds it), while a
+forward hook on its router / experts / shared experts is active (transformers records ``output_router_logits`` that
+way; its recording hooks only count while a recording is in progress), or when it gets an extra argument it was not
+checked with (e.g. ``input_ids``). Blocks that return extra outputs (gpt-oss: ``(hidden, router_scores)``) get them
+from their router module, called once more on the same input.
+
+``optimize`` on an already optimized model re-binds blocks whose attributes changed, and rebuilds the weight copies
+moecomp keeps for the layouts it cannot share (separate 3-D gate / up, fp32 router copies): the way to pick up
+``.data`` writes to those weights.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import dataclasses
 import inspect
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -102,7 +112,7 @@ class BlockReport:
     router: str = ""
     experts: str = ""
     bytes_per_token: int | None = None
-    extra_bytes: int = 0  # memory for stacked / concatenated copies (ModuleList experts, separate 3-D gate / up)
+    extra_bytes: int = 0  # memory for weight copies (separate 3-D gate / up, fp32 routers); shared stacks: 0
     max_rel_err: float | None = None
     epilogue: list = field(default_factory=list)  # child modules applied to the op's output (e.g. a post-MoE norm)
     notes: list = field(default_factory=list)
@@ -150,9 +160,10 @@ def _fill_from_spec(r: BlockReport, spec: MoESpec, block: nn.Module, bindings: d
             n += spec.hidden_size
         per_tok += n * _itemsize(t("shared_w2"), isz)
     r.bytes_per_token = int(per_tok)
-    if derived:
+    copies = [d for d in derived if not _bind.is_shared(block, d)]  # shared stacks hold no second copy
+    if copies:
         r.extra_bytes = int(sum(
-            sum(get_path(block, p).numel() for p in d.source_paths()) * isz for d in derived))
+            sum(get_path(block, p).numel() for p in d.source_paths()) * (4 if d.fp32 else isz) for d in copies))
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -227,8 +238,8 @@ class Report:
         out += [line(r) for r in rows]
         extra = sum(b.extra_bytes for b in self.blocks if b.status in ("rewritten", "already"))
         if extra:
-            out.append(f"stacked / concatenated weights (ModuleList experts, separate 3-D gate and up, router copies) "
-                       f"use {_fmt_bytes(extra)} extra memory")
+            out.append(f"weight copies (separate 3-D gate and up, fp32 router copies) use {_fmt_bytes(extra)} extra "
+                       f"memory")
         if self.generate:
             out.append(f"generate(): {self.generate}")
         return "\n".join(out)
@@ -547,6 +558,8 @@ def _process(name: str, block: nn.Module, parts: BlockParts | None, reason: str,
     rep = _process_block(name, block, parts, reason, cap, bind_it, cache, trust_fallback)
     if rep.status == "skipped" and experts_only:
         _try_experts_only(name, block, parts, rep, bind_it)
+    if rep.status not in ("already", "experts only") and any(p.device.type == "meta" for p in block.parameters()):
+        rep.notes.append(META_NOTE)
     return rep
 
 
@@ -563,6 +576,11 @@ def _try_experts_only(name: str, block: nn.Module, parts: BlockParts | None, rep
         rep.notes.append("experts only: not a @use_experts_implementation experts module")
         return
     full = f"{name}.{path}" if name else path
+    if getattr(experts, "_moecomp_experts", None) is not None and bind_it:
+        changed = _bind.experts_stale(experts)
+        if changed:  # checked against other attributes: check and bind again
+            _bind.unbind_experts(experts)
+            rep.notes.append(f"experts only: re-detected ({changed} since the last optimize)")
     if getattr(experts, "_moecomp_experts", None) is not None:
         st = experts._moecomp_experts
         _fill_experts(rep, st.spec, full)
@@ -609,13 +627,25 @@ def _fill_experts(rep: BlockReport, spec: MoESpec, path: str) -> None:
     rep.experts = expert_style(spec) + f" ({path})"
 
 
+META_NOTE = "meta tensors: nothing can run, nothing verified or bound"
+
+
 def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason: str, cap, bind_it: bool,
                    cache=None, trust_fallback: bool = False) -> BlockReport:
     rep = BlockReport(name=name, cls=type(block).__name__, status="skipped", reason=reason)
     if parts is None:
         return rep
+    changed = _bind.stale(block) if getattr(block, "_moecomp", None) is not None else ""
+    if changed and bind_it:  # derived from attributes that have changed since: detect and bind again
+        _bind.unbind(block)
+        rep.notes.append(f"re-detected: {changed} since the last optimize")
     if getattr(block, "_moecomp", None) is not None:
         st = block._moecomp
+        if changed:  # (scan changes nothing)
+            rep.notes.append(f"stale: {changed} since optimize; the block runs its original forward until "
+                             f"moecomp.optimize(model) re-binds it")
+        elif bind_it:
+            _bind.refresh(block)  # rebuild weight copies (picks up .data writes to weights moecomp had to copy)
         rep.status, rep.method = "already", st.method
         rep.epilogue = [".".join(p) for p in st.epilogue]
         _fill_from_spec(rep, st.spec, block, st.bindings, st.derived)
@@ -749,6 +779,13 @@ def optimize(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool
         raise TypeError(f"moecomp.optimize expects a torch.nn.Module, got {type(model).__name__}")
     rep = _walk(model, bind_it=True, use_capture=use_capture, trust_fallback=trust_fallback,
                 experts_only=experts_only)
+    meta = [b.name or "<root>" for b in rep.blocks if META_NOTE in b.notes]
+    if meta:
+        shown = ", ".join(meta[:3]) + (f" and {len(meta) - 3} more" if len(meta) > 3 else "")
+        warnings.warn(
+            f"moecomp.optimize: {len(meta)} MoE block(s) ({shown}) hold meta tensors and were left as they are: "
+            f"meta tensors cannot run, so the rewrite cannot be verified. Use moecomp.scan(model) to see what would "
+            f"be rewritten, or call moecomp.optimize(model) after the weights are loaded.", UserWarning, stacklevel=2)
     if fast_generate and (rep.rewritten or rep.experts_only):
         from .generate import install
 

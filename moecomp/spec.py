@@ -166,6 +166,8 @@ class MoESpec:
 
     @staticmethod
     def from_key(key: str) -> "MoESpec":
+        if not isinstance(key, str):
+            raise SpecError(f"spec must be a MoESpec key string (MoESpec.key), got {type(key).__name__}")
         return _spec_from_key(key)
 
     def replace(self, **changes) -> "MoESpec":
@@ -230,13 +232,39 @@ def _check_activation(activation: str, gated: bool, clamp: bool, limit: float, w
         raise SpecError(f"{who}activation_limit must be positive, got {limit}")
 
 
+_FIELD_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+
+
+def _fields_from_key(d, cls, key: str, where: str) -> dict:
+    """The JSON object ``d`` checked against ``cls``'s fields: SpecError naming a missing, unknown or mistyped one."""
+    if not isinstance(d, dict):
+        raise SpecError(f"spec string {key[:80]!r}: {where} must be a JSON object of {cls.__name__} fields, "
+                        f"got {type(d).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise SpecError(f"spec string {key[:80]!r}: unknown {cls.__name__} field(s) {unknown}; expected only "
+                        f"{sorted(fields)}")
+    missing = [n for n, f in fields.items() if n not in d and f.default is dataclasses.MISSING]
+    if missing:
+        raise SpecError(f"spec string {key[:80]!r}: missing required {cls.__name__} field(s) {missing}")
+    for name, value in d.items():
+        ok = _FIELD_TYPES.get(fields[name].type)
+        if ok is not None and (not isinstance(value, ok) or (bool not in ok and isinstance(value, bool))):
+            raise SpecError(f"spec string {key[:80]!r}: {cls.__name__} field {name}={value!r} should be "
+                            f"{fields[name].type}")
+    return d
+
+
 @functools.lru_cache(maxsize=256)
 def _spec_from_key(key: str) -> MoESpec:
+    """Parse ``MoESpec.key``; anything that is not a valid key is a SpecError (never a TypeError / KeyError)."""
     try:
         d = json.loads(key)
-    except json.JSONDecodeError as e:  # pragma: no cover - message path
-        raise SpecError(f"not a MoESpec key: {key[:80]!r}") from e
+    except json.JSONDecodeError as e:
+        raise SpecError(f"spec string {key[:80]!r} is not a MoESpec key (JSON of the MoESpec fields): {e}") from e
+    d = dict(_fields_from_key(d, MoESpec, key, "the spec"))
     shared = d.pop("shared", None)
     if shared is not None:
-        shared = SharedExpertSpec(**shared)
+        shared = SharedExpertSpec(**_fields_from_key(shared, SharedExpertSpec, key, "'shared'"))
     return MoESpec(**d, shared=shared)

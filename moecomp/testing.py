@@ -66,3 +66,58 @@ LAYER_PRESETS = {
                            has_correction_bias=True, n_group=8, topk_group=4, routed_scaling_factor=2.5,
                            renorm_eps=1e-20, router_fp32=True, shared=SharedExpertSpec(2048)),
 }
+
+
+# ----------------------------------------------------------------------------------------------- toy blocks
+# Plain-PyTorch MoE blocks in layouts transformers' families do not use, for tests of detection and binding.
+class LinearExpert(torch.nn.Module):
+    """One expert MLP of ``nn.Linear``s (the transformers-4 / remote-code layout of a ModuleList of experts)."""
+
+    def __init__(self, H: int, I: int):
+        super().__init__()
+        self.w1 = torch.nn.Linear(H, I, bias=False)
+        self.w3 = torch.nn.Linear(H, I, bias=False)
+        self.w2 = torch.nn.Linear(I, H, bias=False)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.w2(self.act_fn(self.w1(x)) * self.w3(x))
+
+
+class SplitExperts(torch.nn.Module):
+    """Experts with separate 3-D ``gate_proj`` [E, I, H] and ``up_proj`` [E, I, H] (no gate_up_proj)."""
+
+    def __init__(self, E: int, H: int, I: int):
+        super().__init__()
+        self.num_experts = E
+        self.gate_proj = torch.nn.Parameter(torch.randn(E, I, H) * 0.2)
+        self.up_proj = torch.nn.Parameter(torch.randn(E, I, H) * 0.2)
+        self.down_proj = torch.nn.Parameter(torch.randn(E, H, I) * 0.2)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x, ids, w):  # x [T, H], ids / w [T, k]
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            tok, slot = torch.where(ids == e)
+            if tok.numel():
+                h = self.act_fn(x[tok] @ self.gate_proj[e].T) * (x[tok] @ self.up_proj[e].T)
+                out.index_add_(0, tok, (h @ self.down_proj[e].T) * w[tok, slot, None])
+        return out
+
+
+class SplitBlock(torch.nn.Module):
+    """Softmax top-k routing (renormalised) over :class:`SplitExperts`."""
+
+    def __init__(self, E: int = 6, H: int = 32, I: int = 24, k: int = 2):
+        super().__init__()
+        self.top_k = k
+        self.gate = torch.nn.Linear(H, E, bias=False)
+        self.experts = SplitExperts(E, H, I)
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        w = torch.softmax(self.gate(x), dim=-1)
+        w, ids = torch.topk(w, self.top_k, dim=-1)
+        w = w / w.sum(dim=-1, keepdim=True)
+        return self.experts(x, ids, w).view(b, s, h)

@@ -8,29 +8,63 @@ elements, which are recomputed by calling the router module when the original re
 It runs the original forward instead when the op cannot stand in for it:
 * training with router / input jitter (``self.training`` and a jitter attribute > 0);
 * training with gradients (the op has no backward);
+* gradients needed in eval mode: grad mode is on and the hidden states or a tensor the op would read (or one a
+  stacked weight is built from) requires grad, e.g. ``model(ids, labels=ids).loss.backward()`` after
+  ``from_pretrained`` or input attribution through ``inputs_embeds``; the original forward gives exact gradients.
+  Warned once per process. ``torch.no_grad()`` / ``torch.inference_mode()`` calls keep the op;
+* an attribute the spec was derived from changed after binding (see "Attributes" below); warned once per block;
 * a forward hook or pre-hook on the router, experts or shared-expert modules is active (this is how transformers
   records ``output_router_logits``; its recording hooks count only while a recording is in progress), or a
   global module hook is registered;
 * an extra forward argument the rewrite was not checked with is given (e.g. ``input_ids`` for hash routing).
 
 State lives in ``block._moecomp`` (a plain attribute, not a Module / Parameter / buffer: ``state_dict()`` is
-unchanged). Stacked expert weights (ModuleList experts) are non-persistent buffers, rebuilt when a source
-tensor changes (new storage or in-place update).
-"""
+unchanged).
 
+Derived weights (``fallback.Derived``). A ModuleList of expert MLPs has no ``[E, 2I, H]`` tensor for the op: one is
+built as a non-persistent buffer and the experts' Parameters are re-pointed at its slices (``param.data =
+stacked[i, rows]``, same Parameter objects), so the weights are held once and every in-place write, ``.data``
+writes included (EMA loops), reaches the op. Each call checks that every source is still a view of the buffer at
+its offset (a pointer compare per source) and rebuilds + re-shares when one was replaced (new Parameter,
+``.data = other``, ``.to()`` / ``.half()``, ``to_empty`` + ``load_state_dict``, ``load_state_dict(assign=True)``).
+The router + shared-expert-gate rows of the fused-gate router buffer are shared the same way. Tensors whose
+sources cannot be contiguous slices of one buffer (separate 3-D gate / up weights, fp32 copies of a 16-bit router)
+stay copies, rebuilt when a source's identity, storage, version (in-place writes under ``no_grad``), dtype or
+device changes; a write through ``.data`` bumps no version and is *not* seen there until
+``moecomp.optimize(model)`` is called again (it rebuilds every copy of the blocks it finds already bound). A tensor
+object that is a source of two bound blocks is shared by the first only (the second keeps a copy).
+Under ``torch.compile`` the graph reads the buffer: in-place and ``.data`` writes to shared weights are seen;
+replacing shared Parameters or converting the model after compiling is picked up by the next eager call (or
+``moecomp.optimize(model)``), not by the compiled code.
+
+Attributes. At bind time the binder snapshots what the spec was derived from: the plain scalar attributes (int,
+float, bool, str, None, dtype; public names) and the callables (functions, methods, any name) in the ``__dict__``
+of the block and of every module under it, and the identity of every child module (``experts.act_fn``,
+``gate``, each expert). ``training``, moecomp's own attributes, the jitter attributes (read at call time) and
+``nn.Linear`` / ``nn.Identity`` scalars (their forwards read none) are left out; so are other objects (configs,
+lists, tensors that are plain attributes). Each eager call compares the snapshot (C-level tuple compares, about
+1-2 us for a transformers-5 block); on a change the block runs its original forward, warns once naming the
+attribute, and ``moecomp.optimize(model)`` re-binds it. Under ``torch.compile`` the same comparison is traced:
+Dynamo guards on those attributes and recompiles when one changes, and the recompiled graph runs the original
+forward.
+"""
 from __future__ import annotations
 
 import inspect
+import operator
 import os
 import types
+import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops.moe_op import MOE_ARGS, call_moe_forward
 from ..spec import MoESpec
-from .fallback import Derived, ProbeRun, _primary
+from .fallback import _JITTER_NAMES, Derived, ProbeRun, SharedLayout, _primary
 from .structure import BlockParts, get_path
 
 
@@ -141,13 +175,139 @@ def _hook_active(fn) -> bool:
     return True
 
 
+_FWD_HOOKS = operator.attrgetter("_forward_hooks")
+_FWD_PRE_HOOKS = operator.attrgetter("_forward_pre_hooks")
+
+
 def hooks_active(mods) -> bool:
     g = torch.nn.modules.module
     if g._global_forward_hooks or g._global_forward_pre_hooks:
         return True
+    if not (any(map(_FWD_HOOKS, mods)) or any(map(_FWD_PRE_HOOKS, mods))):  # the common case, in C
+        return False
     for m in mods:
         for d in (m._forward_hooks, m._forward_pre_hooks):
             if d and any(_hook_active(h) for h in d.values()):
+                return True
+    return False
+
+
+# ----------------------------------------------------------------------------------------------- attribute snapshot
+_SCALAR_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_NO_SCALARS = (nn.Linear, nn.Identity)  # torch modules whose forward reads no scalar attribute
+_SKIP_ATTRS = frozenset({"training", "_compiled_call_impl"}) | frozenset(_JITTER_NAMES)
+_DICT = operator.attrgetter("__dict__")
+_MODULES = operator.attrgetter("_modules")
+_call = getattr(operator, "call", None) or (lambda f, *a: f(*a))  # operator.call: Python 3.11+
+_MISSING = object()
+
+
+def _watched(key: str, v, scalars: bool) -> bool:
+    if key in _SKIP_ATTRS or key.startswith("_moecomp") or isinstance(v, (nn.Module, torch.Tensor)):
+        return False
+    if isinstance(v, _SCALAR_TYPES):
+        return scalars and not key.startswith("_")
+    return callable(v)
+
+
+@dataclass
+class Snapshot:
+    """What a bound module's spec was derived from (see the module docstring, "Attributes").
+
+    Per watched module (pre-order, so a parent is compared before its children): the names of its watched
+    ``__dict__`` entries and their values, as ``operator.itemgetter`` returns them (one value, or a tuple); per module
+    with children: a copy of its ``_modules``. Module references stay valid while every parent's ``_modules``
+    compares equal, which the eager check tests first.
+    """
+
+    paths: tuple  # per watched module: its path ("" = the root)
+    mods: tuple
+    keys: tuple  # per watched module: the watched names
+    getters: tuple  # per watched module: operator.itemgetter(*keys)
+    values: tuple
+    kid_paths: tuple
+    kid_mods: tuple
+    kids: tuple  # per module with children: dict(m._modules) at snapshot time
+
+
+def take_snapshot(root: nn.Module, skip_root_forward: bool = True) -> Snapshot:
+    """The snapshot of ``root`` and every module under it. ``skip_root_forward``: the root's instance ``forward``
+    is ours (the binder's), not a watched callable."""
+    paths, mods, keys, getters, values, kpaths, kmods, kids = [], [], [], [], [], [], [], []
+    for path, m in root.named_modules():
+        scalars = not isinstance(m, _NO_SCALARS)
+        ks = tuple(k for k, v in m.__dict__.items()
+                   if _watched(k, v, scalars) and not (skip_root_forward and m is root and k == "forward"))
+        if ks:
+            g = operator.itemgetter(*ks)
+            paths.append(path)
+            mods.append(m)
+            keys.append(ks)
+            getters.append(g)
+            values.append(g(m.__dict__))
+        if m._modules or not isinstance(m, _NO_SCALARS):
+            kpaths.append(path)
+            kmods.append(m)
+            kids.append(dict(m._modules))
+    return Snapshot(tuple(paths), tuple(mods), tuple(keys), tuple(getters), tuple(values), tuple(kpaths),
+                    tuple(kmods), tuple(kids))
+
+
+def snapshot_changed(snap: Snapshot) -> bool:
+    """Eager check: has anything in the snapshot changed? (C-level compares; a few hundred ns per module)"""
+    try:
+        if tuple(map(_MODULES, snap.kid_mods)) != snap.kids:
+            return True
+        return tuple(map(_call, snap.getters, map(_DICT, snap.mods))) != snap.values
+    except Exception:  # a watched name left __dict__ (KeyError), or an odd __eq__
+        return True
+
+
+def snapshot_diff(snap: Snapshot) -> str:
+    """What changed, for the warning ("" when nothing did)."""
+    def full(path, k):
+        return f"{path}.{k}" if path else k
+
+    for path, m, saved in zip(snap.kid_paths, snap.kid_mods, snap.kids):
+        cur = m._modules
+        for k in list(saved) + [k for k in cur if k not in saved]:
+            a, b = saved.get(k, _MISSING), cur.get(k, _MISSING)
+            if a is not b:
+                what = "added" if a is _MISSING else "removed" if b is _MISSING else (
+                    f"replaced ({type(a).__name__} -> {type(b).__name__})")
+                return f"child module {full(path, k)!r} {what}"
+    for path, m, ks, vals in zip(snap.paths, snap.mods, snap.keys, snap.values):
+        vals = vals if len(ks) > 1 else (vals,)
+        for k, v in zip(ks, vals):
+            cur = m.__dict__.get(k, _MISSING)
+            if cur is _MISSING or not (cur is v or (type(cur) is type(v) and cur == v)):
+                now = "no longer a plain attribute" if cur is _MISSING else _short(cur)
+                return f"attribute {full(path, k)!r} ({_short(v)} -> {now})"
+    return ""
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def snapshot_changed_traced(root: nn.Module, snap: Snapshot) -> bool:
+    """The same comparison, written for Dynamo: attributes read with getattr and compared with constants, so that
+    Dynamo guards on each of them (a change recompiles, and the new trace takes the original forward)."""
+    for path, saved in zip(snap.kid_paths, snap.kids):
+        m = get_path(root, path)
+        for k, child in saved.items():
+            if getattr(m, k, None) is not child:
+                return True
+    for path, ks, vals in zip(snap.paths, snap.keys, snap.values):
+        m = get_path(root, path)
+        vals = vals if len(ks) > 1 else (vals,)
+        for k, v in zip(ks, vals):
+            cur = getattr(m, k, _MISSING)
+            if isinstance(v, _SCALAR_TYPES):
+                if cur is _MISSING or type(cur) is not type(v) or cur != v:
+                    return True
+            elif cur is not v:
                 return True
     return False
 
@@ -171,10 +331,13 @@ class BoundState:
     original: object  # the instance-level forward we replaced, or None (class forward)
     method: str = "fallback"
     epilogue: tuple = ()  # child module paths applied, in order, to the op's output (AXK1's post_mlp_layernorm)
-    versions: dict = field(default_factory=dict)
+    versions: dict = field(default_factory=dict)  # per derived: SharedLayout (shared) or the sources' versions
     op_spec: MoESpec | None = None  # the spec the op is called with (FSE form when the router buffer fuses the gate)
     calls: int = 0  # eager calls only: compiled code must not mutate state Dynamo guards on
     fallbacks: int = 0
+    snapshot: Snapshot | None = None  # what the spec was derived from (attributes, child modules)
+    watch_mods: tuple | None = None  # the modules at ``watch`` (valid while the snapshot is unchanged)
+    warned_stale: bool = False  # (class-level defaults: states pickled before these fields load too)
 
 
 def _split(p: str | None):
@@ -188,13 +351,83 @@ def _resolve(root, parts):
     return obj
 
 
-def _refresh_derived(block: nn.Module, st: BoundState) -> None:
+# A source tensor shared by a bound block (re-pointed at its buffer) -> that block (weakly). A tensor that is a
+# source of two blocks (an expert module reused across layers) is shared by the first only: re-pointing it for
+# the second would make the first rebuild on every call.
+_SHARED_BY = WeakIdKeyDictionary()
+
+
+def _shared_elsewhere(block: nn.Module, owners, names) -> bool:
+    for owner, n in zip(owners, names):
+        t = owner._parameters.get(n) if n in owner._parameters else owner._buffers.get(n)
+        ref = _SHARED_BY.get(t) if t is not None else None
+        other = ref() if ref is not None else None
+        if other is not None and other is not block and getattr(other, "_moecomp", None) is not None:
+            return True
+    return False
+
+
+def _build_derived(block: nn.Module, st: BoundState, d: Derived) -> None:
+    old = block._buffers.get(d.name)
+    if old is not None:  # let the old copy go before the new one is made (peak memory)
+        block._buffers[d.name] = None
+        del old
+    plan = d.share_plan(block)
+    if plan is not None and not _shared_elsewhere(block, plan.owners, plan.names):
+        buf, layout = d.build_shared(block, plan)
+        for t in layout.sources():
+            _SHARED_BY[t] = weakref.ref(block)
+        block.register_buffer(d.name, buf, persistent=False)
+        st.versions[d.name] = layout
+        return
+    srcs = [get_path(block, p) for p in d.source_paths()]
+    block.register_buffer(d.name, d.build(block), persistent=False)
+    st.versions[d.name] = _versions(srcs)
+
+
+def _versions(srcs) -> tuple:
+    return tuple((id(t), t.data_ptr(), t._version, t.dtype, t.device) for t in srcs)
+
+
+def _refresh_derived(block: nn.Module, st: BoundState, force: bool = False) -> None:
+    """Rebuild the derived tensors whose sources changed (``force``: every copy, shared ones only when stale)."""
     for d in st.derived:
-        srcs = [get_path(block, p) for p in d.source_paths()]
-        ver = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in srcs)
-        if st.versions.get(d.name) != ver or getattr(block, d.name, None) is None:
-            block.register_buffer(d.name, d.build(block), persistent=False)
-            st.versions[d.name] = ver
+        v = st.versions.get(d.name)
+        buf = block._buffers.get(d.name)
+        if isinstance(v, SharedLayout):
+            if v.current(buf):
+                continue
+        elif not force and buf is not None and v == _versions(get_path(block, p) for p in d.source_paths()):
+            continue
+        _build_derived(block, st, d)
+
+
+def refresh(block: nn.Module) -> bool:
+    """Bring a bound block's derived tensors up to date now, rebuilding every copy (the way to pick up ``.data``
+    writes to weights moecomp copies; see the module docstring). False when the block is not bound."""
+    st = getattr(block, "_moecomp", None)
+    if st is None:
+        return False
+    if st.derived:
+        _refresh_derived(block, st, force=True)
+    return True
+
+
+def is_shared(block: nn.Module, d: Derived) -> bool:
+    """Does ``d`` share its sources' storage (bound) / would it (not bound yet)?"""
+    st = getattr(block, "_moecomp", None)
+    if st is not None and d.name in st.versions:
+        return isinstance(st.versions[d.name], SharedLayout)
+    return d.share_plan(block) is not None
+
+
+def stale(block: nn.Module) -> str:
+    """Why a bound block's binding no longer fits it ("" when it does): an attribute / child module changed."""
+    st = getattr(block, "_moecomp", None)
+    snap = getattr(st, "snapshot", None)
+    if snap is None or not snapshot_changed(snap):
+        return ""
+    return snapshot_diff(snap) or "module tree changed"
 
 
 def _jitter_on(block: nn.Module, st: BoundState) -> bool:
@@ -210,17 +443,86 @@ def _jitter_on(block: nn.Module, st: BoundState) -> bool:
     return False
 
 
+_grad_warned = False
+
+
+def _warn_grad(what: str) -> None:
+    global _grad_warned
+    if _grad_warned:
+        return
+    _grad_warned = True
+    warnings.warn(
+        f"moecomp: gradients are needed ({what} requires grad with grad mode on): MoE modules rewritten by "
+        f"moecomp.optimize run their original forward, which gives exact gradients. Run inference under "
+        f"torch.no_grad() or torch.inference_mode() to use moecomp's op. (Warned once per process.)",
+        UserWarning, stacklevel=4)
+
+
+def _grad_needed(block: nn.Module, st: BoundState, x) -> str:
+    """What requires grad among the op's inputs (the hidden states, its tensors, derived tensors' sources), or ""
+    (only asked with grad mode on)."""
+    if isinstance(x, torch.Tensor) and x.requires_grad:
+        return "the hidden states"
+    for p in st.paths:
+        if p is not None:
+            t = _resolve(block, p)
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                return ".".join(p)
+    for d in st.derived:
+        v = st.versions.get(d.name)
+        if isinstance(v, SharedLayout) and not torch.compiler.is_compiling():
+            srcs = v.sources()
+        else:
+            srcs = (get_path(block, p) for p in d.source_paths())
+        for t in srcs:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                return "the expert weights"
+    return ""
+
+
+def _attrs_stale(block: nn.Module, st: BoundState) -> bool:
+    snap = st.snapshot
+    if snap is None or not snapshot_changed(snap):
+        return False
+    if not st.warned_stale:
+        st.warned_stale = True
+        what = snapshot_diff(snap) or "the module tree changed"
+        warnings.warn(
+            f"moecomp: {what} in {st.name or type(block).__name__!r} after moecomp.optimize; the rewritten block was "
+            f"derived from the old value, so it runs its original forward from now on. Call moecomp.optimize(model) "
+            f"again to re-detect and re-bind it.", UserWarning, stacklevel=4)
+    return True
+
+
 def _needs_original(block: nn.Module, st: BoundState, x, extra: dict) -> str | None:
     if _jitter_on(block, st):
         return "router jitter while training"
     if block.training and torch.is_grad_enabled():
         return "training with gradients"
-    mods = [get_path(block, p) for p in st.watch]
+    if _attrs_stale(block, st):
+        return "attributes changed"
+    mods = st.watch_mods if st.watch_mods is not None else [get_path(block, p) for p in st.watch]
     if hooks_active(mods):
         return "hooks on router / experts"
     for k, v in extra.items():
         if v is not None and k not in st.ignored_params:
             return f"argument {k!r}"
+    if torch.is_grad_enabled():
+        what = _grad_needed(block, st, x)
+        if what:
+            _warn_grad(what)
+            return "gradients"
+    return None
+
+
+def _needs_original_traced(block: nn.Module, st: BoundState, x) -> str | None:
+    """Under torch.compile: the checks Dynamo can trace and guard on (grad mode, requires_grad, attributes)."""
+    if block.training and torch.is_grad_enabled():
+        return "training"
+    if st.snapshot is not None and snapshot_changed_traced(block, st.snapshot):
+        return "attributes changed"
+    if torch.is_grad_enabled() and _grad_needed(block, st, x):
+        return "gradients"
     return None
 
 
@@ -234,14 +536,12 @@ def moecomp_block_forward(self: nn.Module, *args, **kwargs):
         rest = ()
     extra = dict(zip(st.extra_params, rest))
     extra.update(kwargs)
-    why = None if torch.compiler.is_compiling() else _needs_original(self, st, x, extra)
-    if why is None and torch.compiler.is_compiling() and (self.training and torch.is_grad_enabled()):
-        why = "training"
+    compiling = torch.compiler.is_compiling()
+    why = _needs_original_traced(self, st, x) if compiling else _needs_original(self, st, x, extra)
     if why is not None:
-        if not torch.compiler.is_compiling():
+        if not compiling:
             st.fallbacks += 1
         return _call_original(self, st, x, rest, kwargs)
-    compiling = torch.compiler.is_compiling()
     if st.derived and not compiling:
         _refresh_derived(self, st)
     tensors = [None if p is None else _resolve(self, p) for p in st.paths]
@@ -353,7 +653,9 @@ def router_derived(block: nn.Module, spec: MoESpec, bindings: dict, derived: lis
 def bind(block: nn.Module, name: str, spec: MoESpec, bindings: dict, derived: list[Derived], contract: Contract,
          parts: BlockParts, ignored_params=frozenset(), method: str = "fallback", epilogue=()) -> BoundState:
     if getattr(block, "_moecomp", None) is not None:
-        raise BindError("already bound")
+        if not stale(block):
+            raise BindError("already bound")
+        unbind(block)  # bound from attributes that have changed since: bind afresh
     missing = [a for a in MOE_ARGS if a not in bindings]
     if missing:
         raise BindError(f"bindings lack {missing}")
@@ -374,6 +676,8 @@ def bind(block: nn.Module, name: str, spec: MoESpec, bindings: dict, derived: li
     block._moecomp = st
     if st.derived:
         _refresh_derived(block, st)
+    st.snapshot = take_snapshot(block)
+    st.watch_mods = tuple(get_path(block, p) for p in st.watch)
     block.forward = BoundForward(block)
     return st
 
@@ -429,20 +733,33 @@ class ExpertsState:
     original: object  # the instance-level forward we replaced, or None (class forward)
     calls: int = 0
     fallbacks: int = 0
+    snapshot: Snapshot | None = None  # the module's attributes when ``spec`` was checked (for optimize's report)
 
 
 def experts_block_forward(m: nn.Module, *args, **kwargs):
-    """Replacement forward of an experts module bound by :func:`bind_experts`."""
-    from .experts_interface import moecomp_experts_forward
+    """Replacement forward of an experts module bound by :func:`bind_experts`.
+
+    The standard call ``(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])`` runs ``moe_experts``, except
+    with gradients to compute (grad mode on, and the module is training or an input / expert weight requires grad):
+    then, like anything else, the original forward (exact gradients; warned once per process in eval mode).
+    Attribute changes (``act_fn`` replaced, ...) are followed: the spec is re-derived and checked again
+    (``experts_interface._spec_cached``)."""
+    from .experts_interface import experts_grad_needed, moecomp_experts_forward
 
     st: ExpertsState = m._moecomp_experts
     compiling = torch.compiler.is_compiling()
     a = list(args) + list(kwargs.values())
     if len(a) == 3 and all(isinstance(t, torch.Tensor) for t in a) and a[0].dim() == 2 and a[1].dim() == 2 \
             and not a[1].is_floating_point() and a[2].shape == a[1].shape:
-        if not compiling:  # (compiled code must not mutate state Dynamo guards on)
-            st.calls += 1
-        return moecomp_experts_forward(m, *a)
+        grad = ""
+        if torch.is_grad_enabled():
+            grad = "training" if m.training else experts_grad_needed(m, a[0], a[2])
+        if not grad:
+            if not compiling:  # (compiled code must not mutate state Dynamo guards on)
+                st.calls += 1
+            return moecomp_experts_forward(m, *a)
+        if grad != "training" and not compiling:
+            _warn_grad(grad)
     if not compiling:
         st.fallbacks += 1
     if st.original is not None:
@@ -473,9 +790,21 @@ def bind_experts(experts: nn.Module, name: str, spec: MoESpec, reason: str) -> E
     if getattr(experts, "_moecomp_experts", None) is not None:
         raise BindError("experts already bound")
     st = ExpertsState(name=name, spec=spec, reason=reason, original=experts.__dict__.get("forward"))
+    st.snapshot = take_snapshot(experts)
     experts._moecomp_experts = st
     experts.forward = ExpertsForward(experts)
     return st
+
+
+def experts_stale(experts: nn.Module) -> str:
+    """Why an experts-only binding's spec no longer fits the module ("" when it does). Calls follow such changes by
+    themselves (the spec is derived and checked again, ``experts_interface._spec_cached``); ``optimize`` asks this to
+    bind afresh, with a report of the new spec."""
+    st = experts.__dict__.get("_moecomp_experts")
+    snap = getattr(st, "snapshot", None)
+    if snap is None or not snapshot_changed(snap):
+        return ""
+    return snapshot_diff(snap) or "module tree changed"
 
 
 def unbind_experts(experts: nn.Module) -> bool:
@@ -485,5 +814,6 @@ def unbind_experts(experts: nn.Module) -> bool:
     _restore_forward(experts, st.original)
     del experts._moecomp_experts
     experts.__dict__.pop("_moecomp_experts_specs", None)
+    experts.__dict__.pop("_moecomp_experts_snap", None)
     return True
 

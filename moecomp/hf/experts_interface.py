@@ -13,8 +13,16 @@ whole block (routing, experts and shared experts in one op).
 The spec comes from the experts module: ``has_gate``, ``has_bias``, ``is_transposed``, ``is_concatenated`` (the
 decorator's flags), the weight shapes, and the activation measured by calling ``act_fn`` / ``_apply_gate`` on a
 probe tensor (so gpt-oss' clamped SwiGLU with its ``alpha`` / ``limit`` is recognised, and gates the spec cannot
-express are refused). Unsupported modules (post-expert norm, expert parallel, unknown gates) and training with
-gradients (the op has no backward) run transformers' ``grouped_mm`` path, or eager, with a one-time warning.
+express are refused). Unsupported modules (post-expert norm, expert parallel, unknown gates) and calls that need
+gradients (the op has no backward: training with grad mode on, or grad mode on and the hidden states, routing
+weights or expert weights requiring grad) run transformers' ``grouped_mm`` path, or eager, with a one-time warning.
+
+Checked specs are cached per module and top-k together with a snapshot of the module's attributes
+(``bind.take_snapshot``: scalars, callables such as ``act_fn`` / ``_apply_gate``, child modules). When the snapshot
+no longer matches (``experts.act_fn`` replaced, ``limit`` changed, ...), the cache is dropped and the spec derived
+and checked again on the next eager call, so the change is followed (or refused with the fallback's warning).
+Under ``torch.compile`` the comparison is traced (Dynamo guards on the attributes) and a changed module runs the
+fallback path.
 """
 
 from __future__ import annotations
@@ -149,10 +157,29 @@ def _cache_key(m, top_k: int):
 
 def cache_spec(m, top_k: int, spec: MoESpec) -> None:
     """Remember a spec already checked (``verify_experts``) for calls with ``top_k`` experts per token."""
+    _check_snapshot(m)
     m.__dict__.setdefault("_moecomp_experts_specs", {})[_cache_key(m, top_k)] = spec
 
 
+def _check_snapshot(m) -> None:
+    """Eager: drop the cached specs when the module's attributes changed since they were checked."""
+    from .bind import snapshot_changed, take_snapshot
+
+    snap = m.__dict__.get("_moecomp_experts_snap")
+    if snap is None or snapshot_changed(snap):
+        m.__dict__["_moecomp_experts_specs"] = {}
+        m.__dict__["_moecomp_experts_snap"] = take_snapshot(m)
+
+
 def _spec_cached(m, top_k: int) -> MoESpec:
+    if torch.compiler.is_compiling():
+        from .bind import snapshot_changed_traced
+
+        snap = m.__dict__.get("_moecomp_experts_snap")
+        if snap is not None and snapshot_changed_traced(m, snap):
+            raise Unsupported("attributes changed since the spec was checked (an eager call checks it again)")
+    else:
+        _check_snapshot(m)
     key = _cache_key(m, top_k)
     cache = m.__dict__.setdefault("_moecomp_experts_specs", {})
     hit = cache.get(key)
@@ -185,13 +212,34 @@ def _fallback(m, hidden_states, top_k_index, top_k_weights, why: str):
     return eager(m, hidden_states, top_k_index, top_k_weights)
 
 
+def experts_grad_needed(m, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> str:
+    """What requires grad among ``moe_experts``'s inputs ("" when nothing does); asked with grad mode on."""
+    if hidden_states.requires_grad:
+        return "the hidden states"
+    if top_k_weights.requires_grad:
+        return "the routing weights"
+    try:
+        ws = _weights(m)
+    except Unsupported:
+        return ""
+    if any(w is not None and w.requires_grad for w in ws):
+        return "the expert weights"
+    return ""
+
+
 def moecomp_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """``experts_implementation="moecomp"``: routed experts through ``torch.ops.moecomp.moe_experts``."""
     if getattr(self, "_is_expert_parallel", False):
         return _fallback(self, hidden_states, top_k_index, top_k_weights, "expert parallel")
-    if self.training and torch.is_grad_enabled():
-        return _fallback(self, hidden_states, top_k_index, top_k_weights, "training with gradients: no backward")
+    if torch.is_grad_enabled():
+        if self.training:
+            return _fallback(self, hidden_states, top_k_index, top_k_weights, "training with gradients: no backward")
+        what = experts_grad_needed(self, hidden_states, top_k_weights)
+        if what:
+            return _fallback(self, hidden_states, top_k_index, top_k_weights,
+                             f"{what} requires grad with grad mode on: no backward; use torch.no_grad() / "
+                             f"torch.inference_mode() for inference")
     if hidden_states.dim() != 2 or top_k_index.dim() != 2:
         return _fallback(self, hidden_states, top_k_index, top_k_weights, "inputs not [T, H] / [T, k]")
     try:
@@ -199,7 +247,7 @@ def moecomp_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
     except Unsupported as e:
         return _fallback(self, hidden_states, top_k_index, top_k_weights, str(e))
     w13, b13, w2, b2 = _weights(self)
-    return call_moe_experts(hidden_states, top_k_index, top_k_weights, w13, b13, w2, b2, spec)
+    return call_moe_experts(hidden_states, top_k_index, top_k_weights, w13, b13, w2, b2, spec, ids_from_topk=True)
 
 
 def register() -> bool:

@@ -33,9 +33,20 @@ def _grouped_mm_ok(device_type: str, dtype: torch.dtype) -> bool:
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    """grouped_mm wants 16-byte aligned storage and strides (unit strides aside)."""
+    """What grouped_mm accepts: 16-byte aligned storage; of the matrix dims (the last two) one with stride 1 and the
+    other's stride at least that dim's extent and a multiple of 16 bytes; batch strides multiples of 16 bytes.
+    (Exempting every unit stride was not enough: a [1, 1] matrix has two, and grouped_mm refuses it.)"""
     es = t.element_size()
-    return t.data_ptr() % 16 == 0 and all(st == 1 or (st * es) % 16 == 0 for st in t.stride())
+    if t.data_ptr() % 16 or t.dim() < 2:
+        return False
+    s, n = t.stride(), t.shape
+    if s[-2] == 1 and s[-1] >= max(1, n[-2]):
+        lead = s[-1]
+    elif s[-1] == 1 and s[-2] >= max(1, n[-1]):
+        lead = s[-2]
+    else:
+        return False
+    return (lead * es) % 16 == 0 and all((st * es) % 16 == 0 for st in s[:-2])
 
 
 def _in_out(w: torch.Tensor, layout: str) -> torch.Tensor:

@@ -41,6 +41,12 @@ def _upcast(t: torch.Tensor) -> bool:
     return _interpret() and t.dtype == torch.bfloat16
 
 
+def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels index vectors and the last dim of bias rows as contiguous (offset = index): a view with another
+    last-dim stride (a slice with a step, a transposed bias) is copied first."""
+    return t if t is None or t.stride(-1) == 1 or t.numel() <= 1 else t.contiguous()
+
+
 def _precision(t: torch.Tensor) -> str:
     # fp32 models get fp32 products (no tf32), like torch's default matmul; 16-bit dots ignore this.
     return "ieee" if t.dtype == torch.float32 or _upcast(t) else "tf32"
@@ -85,15 +91,20 @@ def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch
     if spec.round_weights:
         round_to = {torch.bfloat16: 1, torch.float16: 2}.get(out_dtype, 0)
     grid = (triton.cdiv(T, block_t),)
+    correction_bias = _unit_stride(correction_bias)
+    # "topk_then_score" is top-k of the raw logits, then softmax over the chosen (moecomp.reference): no correction
+    # bias and no group-limited selection take part, whatever else the spec says (the kernel would apply both).
+    plain_topk = spec.score_order == "topk_then_score"
+    n_group = 1 if plain_topk else spec.n_group
     routing_k.route_topk_kernel[grid](
         logits, correction_bias, ids, weights,
         T, E, logits.stride(0),
         float(spec.routed_scaling_factor), float(spec.renorm_eps), float(spec.renorm_min),
         TOP_K=k, K_PAD=triton.next_power_of_2(k), BLOCK_T=block_t, BLOCK_E=block_e,
-        SCORING=_SCORING[spec.scoring], TOPK_THEN_SCORE=spec.score_order == "topk_then_score",
-        RENORM=spec.renormalize, HAS_BIAS=spec.has_correction_bias, BIAS_ON_LOGITS=spec.bias_on_logits,
-        MASK_ZERO=spec.group_mask_zero,
-        N_GROUP=spec.n_group, G_PAD=triton.next_power_of_2(spec.n_group), TOPK_GROUP=spec.topk_group,
+        SCORING=_SCORING[spec.scoring], TOPK_THEN_SCORE=plain_topk,
+        RENORM=spec.renormalize, HAS_BIAS=spec.has_correction_bias and not plain_topk,
+        BIAS_ON_LOGITS=spec.bias_on_logits, MASK_ZERO=spec.group_mask_zero and not plain_topk,
+        N_GROUP=n_group, G_PAD=triton.next_power_of_2(n_group), TOPK_GROUP=1 if plain_topk else spec.topk_group,
         GROUP_BY_MAX=spec.group_score == "max", ROUND_TO=round_to,
         num_warps=4 if block_e <= 256 else 8,
     )
@@ -104,6 +115,8 @@ def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch
 def align(ids: torch.Tensor, E: int, block_m: int):
     """ids [T, k] -> (sorted_ids [S], block_expert [S / block_m], num_padded [1], max_blocks). No host sync."""
     flat = ids.reshape(-1)
+    if flat.numel() > 1 and flat.stride(0) != 1:  # reshape keeps a view with a step (e.g. every other column)
+        flat = flat.contiguous()
     P = flat.numel()
     dev = ids.device
     max_blocks = triton.cdiv(P, block_m) + min(E, P)
@@ -188,8 +201,8 @@ def experts(x, ids, weights, args: dict, spec: MoESpec, cfg: dict | None = None)
         cfg = tuning.get_config(spec.num_experts, spec.intermediate_size, H, T, k, x.dtype, x.device)
     bm = cfg["BLOCK_M"]
     aligned = align(ids, spec.num_experts, bm)
-    h = gemm1(x, args["w13"], args["b13"], spec, aligned, k, bm, cfg["g1"])
-    return gemm2(h, args["w2"], args["b2"], weights, spec, aligned, T * k, bm, cfg["g2"])
+    h = gemm1(x, args["w13"], _unit_stride(args["b13"]), spec, aligned, k, bm, cfg["g1"])
+    return gemm2(h, args["w2"], _unit_stride(args["b2"]), weights, spec, aligned, T * k, bm, cfg["g2"])
 
 
 def combine(y: torch.Tensor, T: int, k: int, out: torch.Tensor, shared=None, gate=None) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Reliability tests (issue 9): bad inputs, property tests against the reference."""
