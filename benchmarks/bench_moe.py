@@ -48,11 +48,12 @@ for _p in (HERE, REPO):  # report.py (table) and moecomp (this checkout) without
 import torch  # noqa: E402
 
 import report  # noqa: E402  (benchmarks/report.py)
+from moecomp import policy  # noqa: E402  (tolerances and the near-tie window: moecomp/policy.py)
 
 DTYPE = torch.bfloat16
 INIT_STD = 0.02
 CORRECTION_BIAS_STD = 0.01  # DeepSeek's e_score_correction_bias: small, random (it only steers the selection)
-GRAPH_CONSISTENCY_TOL = 1e-2  # graph replay vs plain call on a fresh input
+GRAPH_CONSISTENCY_TOL = policy.BENCH_GRAPH_CONSISTENCY_TOL  # graph replay vs plain call on a fresh input
 ALL_TOKENS = (1, 16, 128, 1024, 8192)
 TINY_TOKENS = (1, 16, 128)
 ALL_PEERS = ("hf_eager", "hf_grouped_mm", "compile", "moecomp")
@@ -385,7 +386,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return num / den if den > 0 else (0.0 if num == 0 else math.inf)
 
 
-def bad_token_frac(a: torch.Tensor, b: torch.Tensor, thresh: float = 0.05) -> float:
+def bad_token_frac(a: torch.Tensor, b: torch.Tensor, thresh: float = policy.BENCH_BAD_TOKEN_REL) -> float:
     """Fraction of tokens whose own relative error exceeds ``thresh`` (routing flips show up here)."""
     a, b = a.detach().float().reshape(-1, a.shape[-1]), b.detach().float().reshape(-1, b.shape[-1])
     per = (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)
@@ -399,15 +400,12 @@ def routing_ambiguous(logits: torch.Tensor, correction_bias, spec, fp32_router: 
     E=128), and ``torch.topk`` and our kernels may break them differently; two GEMMs summing in different orders
     can also land one bf16 ulp apart. Each ranking key gets an interval from the logit +- d; a token is ambiguous
     when the worst selected key's lower end does not clear the best rejected key's upper end (likewise for the
-    group choice)."""
+    group choice). The window d is ``moecomp.policy.bench_tie_window`` (fp32 routers: 2e-5 relative; bf16: half an
+    ulp each side)."""
     from moecomp import reference
 
     l = logits.float()
-    if fp32_router:  # fp32 GEMMs over H terms in different orders: ~1e-6 apart; allow 2e-5
-        d = 2e-5 * (1.0 + l.abs())
-    else:  # half a bf16 ulp each side: exact ties and 1-ulp gaps (one rounding apart) count as ambiguous
-        _, e = torch.frexp(l)
-        d = 0.5 * torch.pow(2.0, (e - 8).float()) + 1e-30
+    d = policy.bench_tie_window(l, fp32_router)
     T, E, k = l.shape[0], spec.num_experts, spec.top_k
     if spec.score_order == "topk_then_score" or (spec.scoring == "softmax" and not spec.has_correction_bias):
         lo, hi, key = l - d, l + d, l  # softmax ranks like its logits
@@ -677,7 +675,8 @@ def parse_args(argv=None):
                     help="also time moecomp.optimize(block) (needs moecomp.optimize); direct binding stays")
     ap.add_argument("--moecomp-backend", choices=("triton", "torch"), default=None,
                     help="sets MOECOMP_CUDA_BACKEND for the op (default: the op's own default)")
-    ap.add_argument("--tol", type=float, default=2e-2, help="moecomp vs HF rel-error tolerance (default 2e-2)")
+    ap.add_argument("--tol", type=float, default=policy.BENCH_TOLERANCE,
+                    help=f"moecomp vs HF rel-error tolerance (default {policy.BENCH_TOLERANCE:g})")
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke runs); no PEERS.md column")
     ap.add_argument("--seed", type=int, default=0)

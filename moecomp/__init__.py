@@ -3,15 +3,48 @@
     import moecomp
     model = moecomp.optimize(model)   # every MoE block -> one torch.ops.moecomp.moe_forward call
     print(moecomp.scan(model))        # what was found, with which spec, and why anything was skipped
+
+``import moecomp`` is cheap and leaves other libraries alone: it registers the custom ops ``torch.ops.moecomp.*``
+(torch only: Triton and the kernels are imported by the first call that runs them) and imports neither
+transformers nor ``torch._dynamo`` nor Triton.
+
+* transformers' experts interface gets ``"moecomp"`` (``experts_implementation="moecomp"``) when
+  ``transformers.integrations.moe`` is imported (at once if it already is; ``hf/experts_interface.py``). Only that
+  name is registered; transformers' own entries (``"eager"``, ...) are left as they are.
+* The ``"moecomp"`` torch.compile backend is found by torch through the ``torch_dynamo_backends`` entry point
+  (``pyproject.toml``), which loads ``moecomp.backend`` on the first ``torch.compile(..., backend="moecomp")``;
+  importing ``moecomp.backend`` (or reading ``moecomp.backend``) registers it as well.
+* Heavy submodules (``backend``, ``capture``, ``passes``, ``kernels``, ``generate``, ``testing``, ``demo``, ...) are
+  imported on first attribute access (``moecomp.backend``) or by an explicit import.
 """
 
-from . import ops  # noqa: F401  (registers torch.ops.moecomp.*)
+from __future__ import annotations
+
+import importlib
+
+from . import counters  # noqa: F401  (moecomp.counters: a module that indexes like a dict; torch only)
+from . import ops  # noqa: F401  (registers torch.ops.moecomp.*; torch only)
 from .spec import MoESpec, SharedExpertSpec, SpecError
 from .optimize import Report, optimize, scan, unoptimize
-from .hf import experts_interface as _experts_interface  # noqa: F401  (registers "moecomp" experts in transformers)
-from . import backend  # noqa: F401  (registers the "moecomp" torch.compile backend)
+from .hf import experts_interface as _experts_interface  # noqa: F401  ("moecomp" experts, once transformers loads)
 
 __version__ = "0.1.0"
 
+# submodules imported on first attribute access (PEP 562): they import torch._dynamo, Triton or transformers
+_LAZY_SUBMODULES = frozenset({
+    "backend", "capture", "cli", "demo", "generate", "hf", "kernels", "passes", "reference", "testing",
+})
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")  # the import also sets the package attribute
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | _LAZY_SUBMODULES)
+
+
 __all__ = ["MoESpec", "SharedExpertSpec", "SpecError", "ops", "optimize", "scan", "unoptimize", "Report",
-           "__version__"]
+           "counters", "__version__"]

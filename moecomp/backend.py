@@ -1,9 +1,12 @@
 """The ``moecomp`` torch.compile backend: MoE blocks -> ``torch.ops.moecomp.moe_forward``, the rest -> Inductor.
 
-    import moecomp                       # registers the backend
     model = torch.compile(model, backend="moecomp")                            # static shapes (default)
     model = torch.compile(model, backend="moecomp", mode="reduce-overhead")    # Inductor mode options
     model = torch.compile(model, backend="moecomp", dynamic=True)              # one graph for every token count
+
+Registration: torch finds the name through the ``torch_dynamo_backends`` entry point (``pyproject.toml``), which
+imports this module on the first lookup of "moecomp" (``import moecomp`` does not import Dynamo); importing this
+module registers it too (a source checkout without the installed entry point).
 
 Static and dynamic shapes are handled alike: the passes tell weights from the call's inputs by where Dynamo says
 each graph input came from (see ``passes._fx.is_call_input``), not by whether its shape is static.
@@ -47,6 +50,7 @@ from .counters import counters
 from .passes.detect_moe import detect_moe
 from .passes.fse import fuse_shared_gate
 from .passes.rewrite_moe import rewrite_moe
+from .reject import Reject, RejectCode
 
 BACKEND_NAME = "moecomp"
 last_results: list[dict] = []  # newest last; at most _KEEP entries
@@ -135,18 +139,24 @@ def _needs_grad(gm, example_inputs, match) -> bool:
 def run_passes(gm: torch.fx.GraphModule, example_inputs, *, verify: bool = True, count: bool = True):
     """detect + rewrite + FSE on ``gm`` in place; returns the DetectResult (usable without compiling).
 
+    Matches the backend itself leaves alone (grad mode) are added to ``res.rejected`` as ``(where, text)`` like the
+    pass's own rejections, and to ``res.rejects`` as ``(where, Reject)`` with their code (what ``_count`` reads).
+
     ``count=False`` leaves ``moecomp.counters`` alone (the backend counts once the inner compiler succeeded: Dynamo
     retraces a frame when AOTAutograd asks it to, e.g. to specialise float scalars, and the first attempt's matches
     never run)."""
     res = detect_moe(gm, example_inputs, verify=verify)
-    keep = []
+    keep, rejects = [], []
     for m in res.matches:
         if _needs_grad(gm, example_inputs, m):
-            res.rejected.append((m.where, "grad mode is on and the weights or the input require grad (moe_forward has "
-                                          "no backward)"))
+            r = Reject(RejectCode.GRAD_MODE, "grad mode is on and the weights or the input require grad (moe_forward "
+                                             "has no backward)")
+            rejects.append((m.where, r))
+            res.rejected.append((m.where, r.message))
         else:
             keep.append(m)
     res.matches = keep
+    res.rejects = rejects
     res.replaced = rewrite_moe(gm, res.matches)
     res.fused = fuse_shared_gate(gm, count=False)
     if count:
@@ -158,7 +168,7 @@ def _count(gm, res) -> None:
     counters["detect_moe"]["matched"] += len(res.matches)
     counters["detect_moe"]["rejected"] += len(res.rejected)
     counters["rewrite_moe"]["replaced"] += res.replaced
-    skipped = sum(1 for _, why in res.rejected if why.startswith("grad mode is on"))
+    skipped = sum(1 for _, r in getattr(res, "rejects", ()) if r.code is RejectCode.GRAD_MODE)
     if skipped:
         counters["backend"]["skipped_autograd"] += skipped
     for k, v in res.fused.items():
@@ -233,11 +243,17 @@ _capture.register_trace_predicate(tracing_for_moecomp)
 
 
 def _register() -> None:
-    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+    """Register the backend under "moecomp", unless torch is loading it through the entry point right now."""
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
 
-    if BACKEND_NAME in _COMPILER_FNS:
-        if _COMPILER_FNS[BACKEND_NAME] is moecomp_backend:
-            return
+    current = _COMPILER_FNS.get(BACKEND_NAME)
+    if current is moecomp_backend:
+        return
+    if current is None and _BACKENDS.get(BACKEND_NAME) is not None:
+        # the entry point is known to torch: ``lookup_backend`` registers what ``EntryPoint.load()`` returns (this
+        # function) right after this import, and registering it here first would be a duplicate name there
+        return
+    if current is not None:
         del _COMPILER_FNS[BACKEND_NAME]  # a reload of this module: replace the stale function
     register_backend(compiler_fn=moecomp_backend, name=BACKEND_NAME)
 

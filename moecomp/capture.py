@@ -24,6 +24,7 @@
         e.reason        # why (one line)
         e.kind          # "capture": Dynamo could not trace the block (e.capture_failed is True), fall back freely
                         # "detect":  traced, but not an MoE we can prove equal (leave the block alone or fall back)
+        e.code          # the same as a moecomp.reject.RejectCode: CAPTURE_FAILED | NOT_RECOGNISED (test this)
 
 Functions:
 
@@ -55,18 +56,23 @@ import torch.nn as nn
 
 from .ops.moe_op import MOE_ARGS
 from .passes import _fx
+from .reject import RejectCode
 from .spec import MoESpec
 
 __all__ = ["CapturedBlock", "BlockMatch", "DetectError", "capture_block", "detect_block", "traceable_experts"]
 
 
 class DetectError(Exception):
-    """A block could not be captured (``kind == "capture"``) or is not an MoE we can prove (``kind == "detect"``)."""
+    """A block could not be captured (``kind == "capture"``, ``code`` ``RejectCode.CAPTURE_FAILED``) or is not an MoE
+    we can prove (``kind == "detect"``, ``code`` ``RejectCode.NOT_RECOGNISED``)."""
 
     def __init__(self, reason: str, kind: str = "detect", rejected: list | None = None):
+        if kind not in ("capture", "detect"):
+            raise ValueError(f"DetectError kind must be 'capture' or 'detect', not {kind!r}")
         super().__init__(reason)
         self.reason = reason
         self.kind = kind
+        self.code = RejectCode.CAPTURE_FAILED if kind == "capture" else RejectCode.NOT_RECOGNISED
         self.capture_failed = kind == "capture"
         self.rejected = list(rejected or [])
         self.match = None  # a BlockMatch when the MoE was found but the block post-processes its result
@@ -91,12 +97,6 @@ class CapturedBlock:
                 v = int(hint)
             out.append(v)
         return out
-
-    def placeholder(self, path: str) -> str | None:
-        for name, p in self.paths.items():
-            if p == path:
-                return name
-        return None
 
 
 @dataclass
@@ -179,15 +179,32 @@ def _install() -> None:
         pass
 
 
+def _uninstall() -> None:
+    """Give transformers' "eager" entry back, unless the compile backend needs it at its (later) trace time."""
+    if not _STATE.installed or _STATE.predicate is not None or _STATE.active:
+        return
+    _STATE.installed = False
+    try:
+        from transformers.integrations import moe as hf_moe
+
+        fns = hf_moe.ALL_EXPERTS_FUNCTIONS
+        if fns._local_mapping.get("eager") is _eager_or_grouped:
+            del fns._local_mapping["eager"]
+    except Exception:  # pragma: no cover - an interface we do not know
+        pass
+
+
 @contextlib.contextmanager
 def traceable_experts():
-    """While active, HF experts configured as ``eager`` trace as the (equivalent) ``grouped_mm`` path."""
+    """While active, HF experts configured as ``eager`` trace as the (equivalent) ``grouped_mm`` path (transformers'
+    "eager" entry is ours only meanwhile, or while the compile backend is registered)."""
     _install()
     _STATE.active += 1
     try:
         yield
     finally:
         _STATE.active -= 1
+        _uninstall()
 
 
 # ------------------------------------------------------------------------------------------------------- capture

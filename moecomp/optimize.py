@@ -7,13 +7,15 @@ per-expert MLPs; see :mod:`moecomp.hf.structure`):
    is not installed), the attribute fallback (:mod:`moecomp.hf.fallback`), which measures routing and activation by
    running the block once;
 2. check: the block's original forward and ``torch.ops.moecomp.moe_forward`` run on the same random input
-   (32 tokens, the block's dtype and device); the rewrite happens only if they agree (fp32: 1e-4 relative to the
-   output's largest value; bf16: 3e-2; fp16: 1e-2) and the output is finite;
+   (``policy.PROBE_SHAPE``: 32 tokens, the block's dtype and device); the rewrite happens only if they agree within
+   ``policy.VERIFY_TOLERANCE`` relative to the output's largest value (fp32: 1e-4; bf16: 3e-2; fp16: 1e-2; 16-bit
+   routing near-ties excused per ``policy.TIE_REL`` / ``MAX_TIE_FRACTION``) and the output is finite;
 3. bind: the block's forward is replaced (:mod:`moecomp.hf.bind`); parameters are shared, not copied (a
    ModuleList of expert MLPs is stacked once and its Parameters re-pointed at the stacked tensor's slices, so the
    weights are still held once and every write to them reaches the op).
 
-Blocks that fail any step are left alone and reported with the reason. On the meta device nothing can run:
+Blocks that fail any step are left alone and reported with the reason (``BlockReport.reason``, text) and its
+code (``BlockReport.codes``, :class:`moecomp.reject.RejectCode`). On the meta device nothing can run:
 ``scan`` then reports what the attribute fallback reads, marked unverified, and ``optimize`` warns (UserWarning)
 that it bound nothing there.
 
@@ -43,15 +45,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import reference
+from . import policy, reference
 from .ops.moe_op import MOE_ARGS
+from .reject import RejectCode
 from .spec import MoESpec, SpecError
 from .hf import bind as _bind
 from .hf import fallback as _fb
 from .hf.structure import BlockParts, get_path, iter_blocks
 
-TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 3e-2, torch.float16: 1e-2}
-PROBE_SHAPE = (2, 16)  # batch, tokens of the check input
+# the verify check's rules live in moecomp.policy (re-exported here for callers that read them from optimize)
+TOLERANCE = policy.VERIFY_TOLERANCE
+PROBE_SHAPE = policy.PROBE_SHAPE
+TIE_REL = policy.TIE_REL
+MAX_TIE_FRACTION = policy.MAX_TIE_FRACTION
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -116,11 +122,18 @@ class BlockReport:
     max_rel_err: float | None = None
     epilogue: list = field(default_factory=list)  # child modules applied to the op's output (e.g. a post-MoE norm)
     notes: list = field(default_factory=list)
+    codes: list = field(default_factory=list)  # RejectCode of each refusal (``reason`` is the text for people)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["spec"] = None if self.spec is None else json.loads(self.spec.key)
+        d["codes"] = [c.value for c in self.codes]
         return d
+
+    def refuse(self, code: RejectCode, reason: str) -> None:
+        """Record a refusal: ``reason`` (report text) replaces the current one, ``code`` is added to ``codes``."""
+        self.reason = reason
+        self.codes.append(code)
 
 
 def _fill_from_spec(r: BlockReport, spec: MoESpec, block: nn.Module, bindings: dict, derived) -> None:
@@ -263,9 +276,7 @@ def _capture():
 
 def _is_capture_failure(e: Exception) -> bool:
     """True when the FX pass could not capture the block at all (then the attribute fallback may try)."""
-    if getattr(e, "capture_failed", False) or getattr(e, "kind", None) in ("capture", "dynamo"):
-        return True
-    return type(e).__name__ in ("CaptureError", "DynamoCaptureError")
+    return getattr(e, "code", None) is RejectCode.CAPTURE_FAILED
 
 
 def _block_device_dtype(block: nn.Module, parts: BlockParts):
@@ -273,9 +284,7 @@ def _block_device_dtype(block: nn.Module, parts: BlockParts):
     return t.device, t.dtype
 
 
-def _example(H: int, device, dtype, shape=PROBE_SHAPE, seed=0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, H, generator=g).to(device=device, dtype=dtype)
+_example = policy.probe_input  # the verify check's input (shape, distribution, seed: see moecomp.policy)
 
 
 def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -288,18 +297,13 @@ def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).abs().max().item() / scale)
 
 
-# 16-bit routers: logits of two correct implementations may differ by a rounding; tokens whose choice is that close
-# to a tie may take the other expert (bf16 keeps 8 bits: exact ties are common). Relative to the token's max |logit|.
-TIE_REL = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
-MAX_TIE_FRACTION = 0.125  # at most this share of the probe tokens may differ by a tie (a wrong spec hits every token)
-
-
 def _err_with_ties(block, spec: MoESpec, bindings, derived, x, y, ref, notes: list | None = None) -> float:
     """``_rel_err(y, ref)``, except that in 16-bit a few tokens that differ because their routing is within a
-    rounding of a tie (``reference.near_tie_tokens``) are left out; the count goes to ``notes``."""
+    rounding of a tie (``reference.near_tie_tokens``) are left out; the count goes to ``notes``. When ties are
+    excused (window per dtype, largest share of tokens) is :mod:`moecomp.policy`'s."""
     err = _rel_err(y, ref)
-    tol = TOLERANCE.get(x.dtype, 1e-2)
-    rel = TIE_REL.get(x.dtype)
+    tol = policy.verify_tolerance(x.dtype)
+    rel = policy.tie_window(x.dtype)
     if err <= tol or rel is None or not torch.isfinite(y).all():
         return err
     H = x.shape[-1]
@@ -307,7 +311,7 @@ def _err_with_ties(block, spec: MoESpec, bindings, derived, x, y, ref, notes: li
     scale = r2.abs().max().clamp_min(1e-30)
     per_token = (y2 - r2).abs().amax(-1) / scale  # [T]
     bad = per_token > tol
-    if int(bad.sum()) > max(1, int(MAX_TIE_FRACTION * bad.numel())):
+    if int(bad.sum()) > policy.max_tie_tokens(bad.numel()):
         return err
     t = _bind.bound_tensors(block, spec, bindings, derived)
     with torch.no_grad():
@@ -332,7 +336,7 @@ def _verify(block, spec, bindings, derived, run, consts, notes: list | None = No
     ref = _fb._primary(run.output).reshape(x.shape)
     y = _run_op(block, spec, bindings, derived, x)
     err = _err_with_ties(block, spec, bindings, derived, x, y, ref, notes)
-    tol = TOLERANCE.get(x.dtype, 1e-2)
+    tol = policy.verify_tolerance(x.dtype)
     if err <= tol:
         return spec, err
     # routed output scaled outside the router (e.g. `experts(...) * routed_scaling_factor` in the block)
@@ -445,13 +449,13 @@ def _detect(name: str, block: nn.Module, parts: BlockParts, cap, rep: BlockRepor
     if cap is not None:
         detect_block, DetectError = cap
         try:
-            match = _fx_detect(block, _example(H, device, dtype, shape=(1, 3)), cap, cache)
+            match = _fx_detect(block, _example(H, device, dtype, shape=policy.CAPTURE_PROBE_SHAPE), cap, cache)
             method = "fx"
         except DetectError as e:  # noqa: B014
             reason = getattr(e, "reason", str(e))
             if not _is_capture_failure(e):
                 if not trust_fallback:
-                    raise _fb.FallbackError(f"FX pass: {reason}") from None
+                    raise _fb.FallbackError(f"FX pass: {reason}", RejectCode.NOT_RECOGNISED) from None
                 rep.notes.append(f"FX pass rejected the block ({reason}); attribute fallback used (trust_fallback)")
             else:
                 rep.notes.append(f"FX pass could not capture the block ({reason}); attribute fallback used")
@@ -482,18 +486,19 @@ def _detect(name: str, block: nn.Module, parts: BlockParts, cap, rep: BlockRepor
     rep.method = method
     why = _fb.activation_mismatch(block, parts, spec)
     if why is not None:
-        raise _fb.FallbackError(f"activation check: {why}")
+        raise _fb.FallbackError(f"activation check: {why}", RejectCode.VERIFICATION_FAILED)
     contract = _bind.infer_contract(run, parts)
     try:
         spec, err = _verify(block, spec, bindings, derived, run, consts + [float(spec.top_k), 1.0 / spec.top_k],
                             rep.notes)
     except SpecError as e:
-        raise _fb.FallbackError(f"op rejected the block's tensors: {e}") from None
+        raise _fb.FallbackError(f"op rejected the block's tensors: {e}", RejectCode.SPEC_INVALID) from None
     rep.max_rel_err = err
-    tol = TOLERANCE.get(dtype, 1e-2)
+    tol = policy.verify_tolerance(dtype)
     if not err <= tol:
         extra = f" (block also has {', '.join(parts.extra_modules)})" if parts.extra_modules else ""
-        raise _fb.FallbackError(f"op output differs from the block's: max rel. err {err:.2e} > {tol:g}{extra}")
+        raise _fb.FallbackError(f"op output differs from the block's: max rel. err {err:.2e} > {tol:g}{extra}",
+                                RejectCode.VERIFICATION_FAILED)
     return spec, bindings, derived, contract, run, method
 
 
@@ -560,6 +565,7 @@ def _process(name: str, block: nn.Module, parts: BlockParts | None, reason: str,
         _try_experts_only(name, block, parts, rep, bind_it)
     if rep.status not in ("already", "experts only") and any(p.device.type == "meta" for p in block.parameters()):
         rep.notes.append(META_NOTE)
+        rep.codes.append(RejectCode.META_TENSORS)
     return rep
 
 
@@ -633,7 +639,8 @@ META_NOTE = "meta tensors: nothing can run, nothing verified or bound"
 def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason: str, cap, bind_it: bool,
                    cache=None, trust_fallback: bool = False) -> BlockReport:
     rep = BlockReport(name=name, cls=type(block).__name__, status="skipped", reason=reason)
-    if parts is None:
+    if parts is None:  # structure.iter_blocks says why (free text)
+        rep.codes.append(RejectCode.NOT_A_BLOCK)
         return rep
     changed = _bind.stale(block) if getattr(block, "_moecomp", None) is not None else ""
     if changed and bind_it:  # derived from attributes that have changed since: detect and bind again
@@ -652,8 +659,8 @@ def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason
         return rep
     attn = [n for n in parts.extra_modules if any(k in n.lower() for k in ("attn", "attention", "mixer", "mamba"))]
     if attn:
-        rep.reason = (f"router and experts sit in {type(block).__name__} next to {', '.join(attn)} (no separate MoE "
-                      f"module to rewrite)")
+        rep.refuse(RejectCode.UNSUPPORTED_STRUCTURE, f"router and experts sit in {type(block).__name__} next to "
+                   f"{', '.join(attn)} (no separate MoE module to rewrite)")
         return rep
     if parts.router_module:
         try:
@@ -661,14 +668,15 @@ def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason
         except (TypeError, ValueError):
             rsig = {}
         if any(n in rsig for n in ("input_ids", "token_ids")):
-            rep.reason = "the router reads token ids (hash routing): not a routing MoESpec can express"
+            rep.refuse(RejectCode.UNSUPPORTED_ROUTING,
+                       "the router reads token ids (hash routing): not a routing MoESpec can express")
             return rep
     meta = any(p.device.type == "meta" for p in block.parameters())
     if meta:
         try:
             ext = _fb.static_extract(block, parts)
         except _fb.FallbackError as e:
-            rep.reason = e.reason
+            rep.refuse(e.code, e.reason)
             return rep
         _fill_from_spec(rep, ext.match.spec, block, ext.match.bindings, ext.derived)
         rep.status, rep.method, rep.reason = "unverified", "fallback (meta)", ""
@@ -692,11 +700,15 @@ def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason
             ignored = _ignored_params(block, run.x, run.output, extra) if extra else frozenset()
         if epilogue:
             _check_epilogue(block, spec, bindings, derived, run.x, epilogue, rep)
-    except (_fb.FallbackError, _bind.BindError) as e:
-        rep.reason = e.reason
+    except _fb.FallbackError as e:
+        rep.refuse(e.code, e.reason)
+        return rep
+    except _bind.BindError as e:
+        rep.refuse(RejectCode.BIND_FAILED, e.reason)
         return rep
     except Exception as e:  # the block's own forward failed on the check input, or the op did
-        rep.reason = f"check failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e) else ''}"
+        rep.refuse(RejectCode.CHECK_ERROR,
+                   f"check failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e) else ''}")
         return rep
     rep.reason = ""
     rep.epilogue = list(epilogue)
@@ -713,9 +725,9 @@ def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason
 
 def _check_epilogue(block, spec, bindings, derived, x, epilogue, rep) -> None:
     """The whole block against ``epilogue(op(x))`` on the check input and on a second, fresh input."""
-    tol = TOLERANCE.get(x.dtype, 1e-2)
+    tol = policy.verify_tolerance(x.dtype)
     worst = 0.0
-    for xx in (x, _example(x.shape[-1], x.device, x.dtype, seed=7)):
+    for xx in (x, _example(x.shape[-1], x.device, x.dtype, seed=policy.EPILOGUE_PROBE_SEED)):
         with torch.no_grad():
             ref = _fb._primary(block(xx)).reshape(xx.shape)
             y = _run_op(block, spec, bindings, derived, xx)
@@ -724,7 +736,7 @@ def _check_epilogue(block, spec, bindings, derived, x, epilogue, rep) -> None:
         worst = max(worst, _err_with_ties(block, spec, bindings, derived, xx, y, ref, rep.notes))
     if not worst <= tol:
         raise _fb.FallbackError(f"op followed by {', '.join(epilogue)} differs from the block: max rel. err "
-                                f"{worst:.2e} > {tol:g}")
+                                f"{worst:.2e} > {tol:g}", RejectCode.VERIFICATION_FAILED)
     rep.max_rel_err = max(rep.max_rel_err or 0.0, worst)
     rep.notes.append(f"epilogue: the block applies {', '.join(epilogue)} to the MoE output; bound as "
                      f"{epilogue[0]}(moe_forward(x)) (checked: max rel. err {worst:.1e})")
@@ -779,7 +791,7 @@ def optimize(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool
         raise TypeError(f"moecomp.optimize expects a torch.nn.Module, got {type(model).__name__}")
     rep = _walk(model, bind_it=True, use_capture=use_capture, trust_fallback=trust_fallback,
                 experts_only=experts_only)
-    meta = [b.name or "<root>" for b in rep.blocks if META_NOTE in b.notes]
+    meta = [b.name or "<root>" for b in rep.blocks if RejectCode.META_TENSORS in b.codes]
     if meta:
         shown = ", ".join(meta[:3]) + (f" and {len(meta) - 3} more" if len(meta) > 3 else "")
         warnings.warn(

@@ -18,7 +18,7 @@ gradients (the op has no backward: training with grad mode on, or grad mode on a
 weights or expert weights requiring grad) run transformers' ``grouped_mm`` path, or eager, with a one-time warning.
 
 Checked specs are cached per module and top-k together with a snapshot of the module's attributes
-(``bind.take_snapshot``: scalars, callables such as ``act_fn`` / ``_apply_gate``, child modules). When the snapshot
+(``snapshot.take_snapshot``: scalars, callables such as ``act_fn`` / ``_apply_gate``, child modules). When the snapshot
 no longer matches (``experts.act_fn`` replaced, ``limit`` changed, ...), the cache is dropped and the spec derived
 and checked again on the next eager call, so the change is followed (or refused with the fallback's warning).
 Under ``torch.compile`` the comparison is traced (Dynamo guards on the attributes) and a changed module runs the
@@ -34,6 +34,7 @@ import torch
 from ..ops.moe_op import call_moe_experts
 from ..spec import MoESpec, SpecError
 from .fallback import probe_activation, probe_gate
+from .snapshot import snapshot_changed, snapshot_changed_traced, take_snapshot
 
 NAME = "moecomp"
 _warned: set = set()
@@ -109,31 +110,33 @@ def experts_spec(m: torch.nn.Module, top_k: int, verify: bool = True) -> MoESpec
     return spec
 
 
-TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 3e-2, torch.float16: 1e-2}
-
-
 def eager_forward(m):
     """The experts module's own forward (what ``experts_implementation="eager"`` runs)."""
     fwd = type(m).forward
     return getattr(fwd, "__wrapped__", fwd)
 
 
-def verify_experts(m: torch.nn.Module, spec: MoESpec, tokens: int = 24) -> tuple[float, float]:
+def verify_experts(m: torch.nn.Module, spec: MoESpec, tokens: int | None = None) -> tuple[float, float]:
     """(max rel. err, tolerance) of ``moe_experts`` against the module's eager forward on random probes.
 
     Two probes: hidden states of unit scale, and scaled so that the first GEMM's outputs reach about +-25 (the
     clamps of clamped SwiGLU / gpt-oss variants at 7-10). Ids are distinct per token, weights random positive.
+    Token count, seed, scale and tolerance: :mod:`moecomp.policy`.
     """
+    from .. import policy
+
+    if tokens is None:
+        tokens = policy.EXPERTS_PROBE_TOKENS
     w13, b13, w2, b2 = _weights(m)
     E, H, k = spec.num_experts, spec.hidden_size, min(spec.top_k, spec.num_experts)
-    g = torch.Generator().manual_seed(2024)
+    g = torch.Generator().manual_seed(policy.EXPERTS_PROBE_SEED)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).to(w13.device)
     wts = (torch.rand(tokens, k, generator=g) + 0.1).to(device=w13.device, dtype=w13.dtype)
     x = torch.randn(tokens, H, generator=g)
     pre = torch.einsum("th,enh->ten", x, w13.detach().float().cpu()) if spec.w_layout == "out_in" else \
         torch.einsum("th,ehn->ten", x, w13.detach().float().cpu())
-    big = 8.0 / float(pre.std().clamp_min(1e-12))
-    tol = TOLERANCE.get(w13.dtype, 1e-2)
+    big = policy.CLAMP_REACH_STD / float(pre.std().clamp_min(1e-12))
+    tol = policy.verify_tolerance(w13.dtype)
     err = 0.0
     eager = eager_forward(m)
     from torch.utils._python_dispatch import _disable_current_modes
@@ -163,7 +166,6 @@ def cache_spec(m, top_k: int, spec: MoESpec) -> None:
 
 def _check_snapshot(m) -> None:
     """Eager: drop the cached specs when the module's attributes changed since they were checked."""
-    from .bind import snapshot_changed, take_snapshot
 
     snap = m.__dict__.get("_moecomp_experts_snap")
     if snap is None or snapshot_changed(snap):
@@ -173,7 +175,6 @@ def _check_snapshot(m) -> None:
 
 def _spec_cached(m, top_k: int) -> MoESpec:
     if torch.compiler.is_compiling():
-        from .bind import snapshot_changed_traced
 
         snap = m.__dict__.get("_moecomp_experts_snap")
         if snap is not None and snapshot_changed_traced(m, snap):
@@ -251,7 +252,10 @@ def moecomp_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
 
 
 def register() -> bool:
-    """Register ``"moecomp"`` with transformers' experts interface. False when transformers (or it) is missing."""
+    """Register ``"moecomp"`` with transformers' experts interface. False when transformers (or it) is missing.
+
+    Only our own name is registered: transformers' entries (``"eager"``, ``"grouped_mm"``, ...) are left alone."""
+    global REGISTERED
     try:
         from transformers.integrations import moe as hf_moe
     except Exception:
@@ -264,6 +268,7 @@ def register() -> bool:
         reg(NAME, moecomp_experts_forward)
     else:  # pragma: no cover - older interface
         iface[NAME] = moecomp_experts_forward
+    REGISTERED = True
     return True
 
 
@@ -273,6 +278,8 @@ class _RegisterOnImport:
     Importing transformers' MoE integration costs ~2 s; ``import moecomp`` should not pay it when transformers is
     not in use. Every model class with ``@use_experts_implementation`` imports that module before
     ``from_pretrained(..., experts_implementation=...)`` can look the name up, so registering then is in time.
+    The finder removes itself on first use; it never changes how the module is found or loaded, and any problem in
+    it leaves the import to the other finders (the name then gets registered by ``ensure_registered``).
     """
 
     TARGET = "transformers.integrations.moe"
@@ -280,21 +287,24 @@ class _RegisterOnImport:
     def find_spec(self, name, path=None, target=None):
         if name != self.TARGET:
             return None
-        import importlib.util
-
         _uninstall()
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        try:
+            import importlib.util
+
+            spec = importlib.util.find_spec(name)
+            loader = getattr(spec, "loader", None)
+            if loader is None or not hasattr(loader, "exec_module"):
+                return spec
+            orig = loader.exec_module
+
+            def exec_module(module, _orig=orig):
+                _orig(module)
+                register()
+
+            loader.exec_module = exec_module
             return spec
-        loader = spec.loader
-        orig = loader.exec_module
-
-        def exec_module(module, _orig=orig):
-            _orig(module)
-            register()
-
-        loader.exec_module = exec_module
-        return spec
+        except Exception:  # pragma: no cover - let the regular finders import it
+            return None
 
 
 _finder = _RegisterOnImport()
@@ -312,10 +322,18 @@ def _install() -> bool:
     import sys
 
     if _RegisterOnImport.TARGET in sys.modules:
+        _uninstall()
         return register()
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
     return False
 
 
-REGISTERED = _install()
+def ensure_registered() -> bool:
+    """``"moecomp"`` in transformers' experts interface now if ``transformers.integrations.moe`` is loaded (True),
+    else armed to be registered when it is (False). For entry points that hand ``"moecomp"`` to transformers."""
+    return REGISTERED or _install()
+
+
+REGISTERED = False  # set by register()
+_install()

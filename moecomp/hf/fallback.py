@@ -1,7 +1,8 @@
 """Attribute-based MoE block detection: the fallback for blocks Dynamo cannot capture, and for meta-device models.
 
-``extract_block(block, example_input)`` names the block's parts (:mod:`moecomp.hf.structure`), reads the routing
-and expert settings from the module and its config, and, when it may run the block, *measures* what cannot be read:
+``static_extract(block, parts)`` names the block's parts (:mod:`moecomp.hf.structure`) and reads the routing and
+expert settings from the module and its config; ``measure(block, x, extraction)``, when it may run the block,
+*measures* what cannot be read:
 
 1. the activation: ``act_fn`` / ``_apply_gate`` are called on a probe tensor spanning [-12, 12] and compared with
    every activation the spec knows (this also catches clamped SwiGLU variants the spec cannot express);
@@ -14,6 +15,7 @@ and expert settings from the module and its config, and, when it may run the blo
 
 Without an input (meta tensors) only the static guesses are made and the result is marked unverified.
 The caller (``moecomp.optimize``) still checks the whole block's output against the op before rewriting.
+Probe inputs and match tolerances come from :mod:`moecomp.policy`.
 """
 
 from __future__ import annotations
@@ -30,18 +32,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import reference
+from .. import policy, reference
 from ..ops.moe_op import MOE_ARGS
+from ..reject import RejectCode
 from ..spec import MoESpec, SharedExpertSpec, SpecError
 from .structure import BlockParts, MLPParts, NotABlock, find_parts, get_path
 
 
 class FallbackError(Exception):
-    """The fallback cannot describe this block with a MoESpec; ``reason`` says why."""
+    """The fallback cannot describe this block with a MoESpec (or the block fails a check): ``reason`` says why (text
+    for the report), ``code`` (a :class:`moecomp.reject.RejectCode`) what kind of refusal it is."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, code: RejectCode = RejectCode.UNSUPPORTED_STRUCTURE):
         super().__init__(reason)
         self.reason = reason
+        self.code = code
 
 
 @dataclass
@@ -255,14 +260,6 @@ def read_attr(sources, names, kinds=(int, float, bool, str)):
     return None
 
 
-def jitter_of(block: nn.Module, parts: BlockParts | None) -> float:
-    srcs = [block]
-    if parts is not None and parts.router_module:
-        srcs.append(get_path(block, parts.router_module))
-    v = read_attr(srcs, _JITTER_NAMES, (int, float))
-    return float(v or 0.0)
-
-
 def _source(obj) -> str:
     """The forward's source with comments blanked out (a comment such as "sigmoid scoring, not softmax" must not
     count as a softmax); code formatting is kept as written, since the source patterns below depend on it."""
@@ -288,7 +285,7 @@ def _strip_comments(src: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- activations
-_PROBE = torch.linspace(-12.0, 12.0, 241, dtype=torch.float32)
+_PROBE = policy.activation_probe_input()
 
 
 _ELEMENTWISE = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
@@ -312,7 +309,8 @@ def probe_activation(fn) -> str | None:
         return None
     for name in _ELEMENTWISE:
         ref = _act_ref(name, _PROBE)
-        if torch.allclose(y.float(), ref, rtol=1e-5, atol=1e-6 * max(1.0, float(ref.abs().max()))):
+        if torch.allclose(y.float(), ref, rtol=policy.ACT_MATCH_RTOL,
+                          atol=policy.ACT_MATCH_ATOL_REL * max(1.0, float(ref.abs().max()))):
             return name
     return None
 
@@ -354,13 +352,12 @@ def probe_gate(experts: nn.Module, concat_hint: bool | None) -> tuple[str, str, 
     fn = getattr(experts, "_apply_gate", None)
     if fn is None:
         return None
-    g = torch.Generator().manual_seed(1234)
-    h = torch.randn(64, 2 * 16, generator=g) * 6.0  # wide enough to hit clamps at 7-10
+    h = policy.gate_probe_input()  # wide enough to hit clamps at 7-10
     try:
         y = fn(h.clone())
     except Exception:
         return None
-    if not isinstance(y, torch.Tensor) or y.shape != (64, 16):
+    if not isinstance(y, torch.Tensor) or y.shape != (h.shape[0], h.shape[1] // 2):
         return None
     alpha, limit = _limits([experts])
     layouts = ["concat", "interleaved"] if concat_hint in (None, True) else ["interleaved", "concat"]
@@ -373,7 +370,7 @@ def probe_gate(experts: nn.Module, concat_hint: bool | None) -> tuple[str, str, 
     for lay in layouts:
         for act, clamp in cands:
             ref = _gate_ref(h, act, lay, a0, l0, clamp)
-            if torch.allclose(y.float(), ref, rtol=1e-5, atol=1e-5):
+            if torch.allclose(y.float(), ref, rtol=policy.ACT_MATCH_RTOL, atol=policy.ACT_MATCH_ATOL):
                 return (act, lay, *_canonical(act, clamp, a0, l0), clamp)
     return None
 
@@ -388,17 +385,18 @@ def describe_unknown_gate(experts: nn.Module) -> str:
     limit = read_attr([experts, getattr(experts, "config", None)], ("limit", "swiglu_limit"), (int, float))
     if limit is None:
         return ""
-    g = torch.Generator().manual_seed(1234)
-    h = torch.randn(64, 32, generator=g) * 6.0
+    h = policy.gate_probe_input()
+    half = h.shape[1] // 2
     try:
         y = experts._apply_gate(h.clone())
     except Exception:
         return ""
     for lay in ("concat", "interleaved"):
-        gate, up = (h[:, :16], h[:, 16:]) if lay == "concat" else (h[:, 0::2], h[:, 1::2])
+        gate, up = (h[:, :half], h[:, half:]) if lay == "concat" else (h[:, 0::2], h[:, 1::2])
         for act in ("silu", "gelu"):
             ref = _act_ref(act, gate.clamp(max=limit)) * up.clamp(-limit, limit)
-            if isinstance(y, torch.Tensor) and y.shape == ref.shape and torch.allclose(y, ref, rtol=1e-5, atol=1e-5):
+            if isinstance(y, torch.Tensor) and y.shape == ref.shape and torch.allclose(
+                    y, ref, rtol=policy.ACT_MATCH_RTOL, atol=policy.ACT_MATCH_ATOL):
                 return f"clamped SwiGLU {act}(min(gate, {limit:g})) * clamp(up, +-{limit:g}) (no MoESpec field for it)"
     return ""
 
@@ -420,12 +418,13 @@ def _mlp_ref(block: nn.Module, mp: MLPParts, x: torch.Tensor, act: str, clamp: b
 
 
 def _mlp_probe_input(block: nn.Module, mp: MLPParts):
-    """A [48, H] input (the MLP's dtype) whose first-layer outputs spread over about +-25 (clamps at 7-10 hit)."""
+    """A [MLP_PROBE_TOKENS, H] input (the MLP's dtype) whose first-layer outputs spread over about +-25 (clamps at
+    7-10 hit); see :mod:`moecomp.policy`."""
     W = get_path(block, mp.gate if mp.gated else mp.up).detach()
-    g = torch.Generator().manual_seed(4321)
-    x = torch.randn(48, W.shape[1], generator=g)
+    g = torch.Generator().manual_seed(policy.MLP_PROBE_SEED)
+    x = torch.randn(policy.MLP_PROBE_TOKENS, W.shape[1], generator=g)
     pre = x @ W.float().cpu().T
-    x = x * (8.0 / float(pre.std().clamp_min(1e-12)))
+    x = x * (policy.CLAMP_REACH_STD / float(pre.std().clamp_min(1e-12)))
     return x.to(device=W.device, dtype=W.dtype)
 
 
@@ -454,7 +453,7 @@ def probe_mlp(block: nn.Module, mp: MLPParts, first: str | None = None) -> tuple
     cands = [(a, False) for a in acts]
     if mp.gated and limit is not None:
         cands += [(a, True) for a in acts] + ([("swiglu_oai", False)] if alpha is not None else [])
-    tol = 1e-5 if x.dtype in (torch.float32, torch.float64) else 2e-2
+    tol = policy.mlp_match_tolerance(x.dtype)
     xf = x.float()
     for act, clamp in cands:
         ref = _mlp_ref(block, mp, xf, act, clamp, a0, l0)
@@ -679,7 +678,7 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Extract
             shared=shared, **kw,
         )
     except SpecError as e:
-        raise FallbackError(f"no valid spec: {e}") from None
+        raise FallbackError(f"no valid spec: {e}", RejectCode.SPEC_INVALID) from None
     return Extraction(BlockMatch(spec, bindings), parts, verified=False, notes=notes, derived=derived)
 
 
@@ -807,10 +806,10 @@ def _match_routing(ids_ref, w_ref, ids, w, tol) -> float | None:
 
 
 def _snap(c: float, consts: list[float]) -> float:
-    if abs(c - 1.0) < 1e-4:
+    if abs(c - 1.0) < policy.SNAP_REL:
         return 1.0
     for v in consts:
-        if v and abs(c - v) <= 1e-4 * abs(v):
+        if v and abs(c - v) <= policy.SNAP_REL * abs(v):
             return float(v)
     return c
 
@@ -881,12 +880,13 @@ def _measure(block: nn.Module, x: torch.Tensor, ext: Extraction) -> tuple[Extrac
             raise FallbackError("the experts module was not called with (hidden [T, H], ids [T, k], weights [T, k])")
         k = ids.shape[1]
         if (ids < 0).any() or (ids >= E).any():
-            raise FallbackError("the router produced expert ids outside [0, E) (skip / null experts)")
+            raise FallbackError("the router produced expert ids outside [0, E) (skip / null experts)",
+                                RejectCode.UNSUPPORTED_ROUTING)
         W = get_path(block, parts.router_weight)
         Rb = get_path(block, parts.router_bias) if parts.router_bias else None
         corr = get_path(block, parts.correction_bias).reshape(E) if parts.correction_bias else None
         low = x.dtype != torch.float32
-        tol = 2e-2 if low else 2e-5
+        tol = policy.routing_match_tolerance(x.dtype)
         guess = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
         found = None
         logit_variants = [spec.router_fp32, not spec.router_fp32] if low else [spec.router_fp32]
@@ -909,7 +909,7 @@ def _measure(block: nn.Module, x: torch.Tensor, ext: Extraction) -> tuple[Extrac
         if found is None:
             raise FallbackError(
                 "routing not recognised: no softmax / sigmoid / sqrt-softplus, top-k, renormalise, group-limited "
-                "routing the spec knows picks the experts this router picks")
+                "routing the spec knows picks the experts this router picks", RejectCode.UNSUPPORTED_ROUTING)
         consts = numeric_consts(sources, found["top_k"])
         found["routed_scaling_factor"] = _snap(found["routed_scaling_factor"], consts)
         if not found["renormalize"] or found["score_order"] == "topk_then_score":
@@ -928,7 +928,7 @@ def _measure(block: nn.Module, x: torch.Tensor, ext: Extraction) -> tuple[Extrac
     try:
         new_spec = spec.replace(**changes)
     except SpecError as e:
-        raise FallbackError(f"measured routing gives no valid spec: {e}") from None
+        raise FallbackError(f"measured routing gives no valid spec: {e}", RejectCode.SPEC_INVALID) from None
     return dataclasses.replace(ext, match=BlockMatch(new_spec, ext.match.bindings), verified=True, notes=notes), run
 
 
@@ -960,15 +960,6 @@ def _measure_precision(block, parts: BlockParts, run: ProbeRun, x: torch.Tensor)
     return out
 
 
-def extract_block(block: nn.Module, example_input: torch.Tensor | None = None) -> Extraction:
-    """Describe ``block`` with a MoESpec from its attributes, measuring what it can when ``example_input`` is given."""
-    ext = static_extract(block)
-    if example_input is None or example_input.device.type == "meta":
-        return ext
-    ext, _ = measure(block, example_input, ext)
-    return ext
-
-
 def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> str | None:
     """Check ``spec``'s activations against the block's own modules on inputs that reach the clamps.
 
@@ -979,16 +970,15 @@ def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> s
     """
     experts = get_path(block, parts.experts)
     if parts.kind == "fused" and spec.gated and getattr(experts, "_apply_gate", None) is not None:
-        g = torch.Generator().manual_seed(1234)
-        h = torch.randn(64, 2 * 16, generator=g) * 6.0
+        h = policy.gate_probe_input()
         try:
             y = experts._apply_gate(h.clone())
         except Exception:
             y = None
-        if isinstance(y, torch.Tensor) and y.shape == (64, 16):
+        if isinstance(y, torch.Tensor) and y.shape == (h.shape[0], h.shape[1] // 2):
             ref = _gate_ref(h, spec.activation, spec.gate_up, spec.activation_alpha, spec.activation_limit,
                             spec.activation_clamp)
-            if not torch.allclose(y.float(), ref, rtol=1e-5, atol=1e-5):
+            if not torch.allclose(y.float(), ref, rtol=policy.ACT_MATCH_RTOL, atol=policy.ACT_MATCH_ATOL):
                 return (f"{type(experts).__name__}._apply_gate differs from the spec's "
                         f"{'clamped ' if spec.activation_clamp else ''}{spec.activation}/{spec.gate_up} gate on "
                         f"inputs up to +-20 (clamped or other variant)")
@@ -1001,7 +991,8 @@ def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> s
                 y = None
             if isinstance(y, torch.Tensor) and y.shape == _PROBE.shape:
                 ref = _act_ref(spec.activation, _PROBE)
-                if not torch.allclose(y.float(), ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max())):
+                if not torch.allclose(y.float(), ref, rtol=policy.ACT_MATCH_RTOL,
+                                      atol=policy.ACT_MATCH_ATOL_REL * float(ref.abs().max())):
                     return f"experts.act_fn ({type(fn).__name__}) differs from {spec.activation} on [-12, 12]"
     mlps = []
     if parts.kind == "modulelist" and spec.activation != "swiglu_oai":
@@ -1024,7 +1015,7 @@ def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> s
         if not isinstance(y, torch.Tensor) or y.shape != x.shape:
             continue
         ref = _mlp_ref(block, mp, x.float(), act, clamp, alpha, limit)
-        tol = 1e-5 if x.dtype in (torch.float32, torch.float64) else 2e-2
+        tol = policy.mlp_match_tolerance(x.dtype)
         err = float((y.float() - ref).abs().max()) / max(float(ref.abs().max()), 1e-30)
         if not err <= tol:
             return (f"{where} ({type(mod).__name__}) differs from the spec's {'clamped ' if clamp else ''}{act} on "

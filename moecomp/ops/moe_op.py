@@ -22,40 +22,8 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _get_dispatch_mode
 
 from ..spec import MoESpec, SpecError
-from . import graphs
-
-# Argument order of moe_forward after x; every entry point binds tensors by these names.
-MOE_ARGS = (
-    "router_w",
-    "router_b",
-    "correction_bias",
-    "w13",
-    "b13",
-    "w2",
-    "b2",
-    "shared_w1",
-    "shared_w3",
-    "shared_w2",
-    "shared_gate_w",
-)
-EXPERT_ARGS = ("w13", "b13", "w2", "b2")
-# What the op implements beyond the base spec; passes check this before relying on it.
-FEATURES = ("fused_shared_gate",)
-
-
-def split_fused_gate(args: dict, spec: MoESpec) -> dict:
-    """FSE arguments (router_w [E + 1, H]) as plain ones: router rows and gate row as views, no copy."""
-    if not spec.fused_shared_gate:
-        return args
-    E = spec.num_experts
-    return {**args, "router_w": args["router_w"][:E], "shared_gate_w": args["router_w"][E:]}
-
-
-def _backend(device: torch.device) -> str:
-    if device.type == "cuda":
-        return os.environ.get("MOECOMP_CUDA_BACKEND", "triton")
-    return os.environ.get("MOECOMP_CPU_BACKEND", "torch")
-
+from . import graphs, torch_moe
+from .common import EXPERT_ARGS, FEATURES, MOE_ARGS, _backend, _on_device, split_fused_gate  # noqa: F401  (re-exported)
 
 # Floating dtypes the kernels compute in (x / hidden_states). float64 only on the vectorised torch path (CPU, or
 # MOECOMP_CUDA_BACKEND=torch), which computes the experts in fp32 and returns float64; the Triton GEMMs have no fp64.
@@ -197,19 +165,12 @@ def check_ids_range(topk_ids: torch.Tensor, spec: MoESpec) -> None:
 
 def _impl(device: torch.device):
     if _backend(device) == "triton":
+        # lazy: triton_moe imports Triton and the kernels, which ``import moecomp`` should not pay for; triton_moe
+        # never imports this module (no cycle)
         from . import triton_moe as impl
     else:
-        from . import torch_moe as impl
+        impl = torch_moe
     return impl
-
-
-def _on_device(x: torch.Tensor, fn):
-    """fn() with x's GPU as the current device: Triton launches (and graph captures) go to the current device, and
-    a model spread over several GPUs (device_map="auto") calls blocks on a GPU that need not be current."""
-    if x.device.index is None or x.device.index == torch.cuda.current_device():
-        return fn()
-    with torch.cuda.device(x.device):
-        return fn()
 
 
 def _forward(x: torch.Tensor, args: dict, s: MoESpec, spec: str, eager: bool = False) -> torch.Tensor:

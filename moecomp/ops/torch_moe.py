@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from .. import reference
 from ..spec import MoESpec
+from .common import split_fused_gate
 
 _CHUNK_BYTES = 256 << 20  # gathered-weight fallback: at most this much weight copy in flight
 
@@ -110,8 +111,6 @@ def moe_experts(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.T
 
 
 def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
-    from .moe_op import split_fused_gate
-
     args = split_fused_gate(args, spec)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])

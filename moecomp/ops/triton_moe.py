@@ -26,30 +26,17 @@ from ..kernels import routing as routing_k
 from .. import reference
 from ..spec import MoESpec
 from . import tuning
+from .common import _interpret, _precision, _upcast  # noqa: F401  (used here and by tests / benchmarks)
 
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "none": 3}
 _ACT = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu_oai": 4, "relu2": 5}
 SMALL_P = 256  # single-program alignment up to this many (token, expert) pairs (MOECOMP_ALIGN_SMALL_P overrides)
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _upcast(t: torch.Tensor) -> bool:
-    # The Triton interpreter's bf16 dot is wrong (FACTS.md); upcast operands to fp32 inside the kernel there.
-    return _interpret() and t.dtype == torch.bfloat16
-
-
 def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
     """The kernels index vectors and the last dim of bias rows as contiguous (offset = index): a view with another
     last-dim stride (a slice with a step, a transposed bias) is copied first."""
     return t if t is None or t.stride(-1) == 1 or t.numel() <= 1 else t.contiguous()
-
-
-def _precision(t: torch.Tensor) -> str:
-    # fp32 models get fp32 products (no tf32), like torch's default matmul; 16-bit dots ignore this.
-    return "ieee" if t.dtype == torch.float32 or _upcast(t) else "tf32"
 
 
 # --------------------------------------------------------------------------------------------- routing

@@ -12,18 +12,15 @@ that blocks which gather whole expert matrices per token stay under ``VERIFY_GAT
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 
 from .. import reference
-from ..ops.moe_op import MOE_ARGS
+from ..ops.common import MOE_ARGS
 from . import _fx
+from ._context import Context as _Context
 from ._fx import op_name
-
-if TYPE_CHECKING:
-    from .detect_moe import _Context
 
 VERIFY_TOKENS = 48  # tokens the numeric check aims for (when the graph's token count is symbolic)
 VERIFY_GATHER_BYTES = 2 << 30  # most gathered expert weight (w13[ids] style blocks) the check may materialise

@@ -83,9 +83,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..ops.moe_op import MOE_ARGS
+from ..ops.common import MOE_ARGS
 from ..spec import MoESpec, SharedExpertSpec, SpecError
 from . import _fx
+from ._context import Context as _Context
 from ._fx import arg, op_name
 from ._numeric import Reject as _Reject
 from ._numeric import verify as _verify
@@ -102,7 +103,6 @@ _RANDOM_OPS = frozenset(
     }
 )
 _SCORE_OPS = {"softmax": "softmax", "sigmoid": "sigmoid"}
-_ACTIVATIONS = {"silu": "silu", "relu": "relu", "gelu": "gelu"}
 
 
 @dataclass
@@ -172,17 +172,15 @@ def detect_moe(
     example_inputs: list | tuple | None = None,
     *,
     verify: bool = True,
-    config: dict | None = None,
 ) -> DetectResult:
     """Find the MoE blocks of ``gm`` (a Dynamo torch-level graph).
 
     ``example_inputs``: the values the backend received, in placeholder order. They give the real values of scalar
     attributes (baked into the spec) and the weights for the numeric check; without them the check uses random
     weights of the recorded shapes, and blocks that need a scalar attribute's value are rejected.
-    ``verify``: run the numeric check (see the module docstring). ``config``: fallback values for spec fields the
-    graph cannot tell (currently unused by the HF families we know; kept for callers that have a model config).
+    ``verify``: run the numeric check (see the module docstring).
     """
-    ctx = _Context(gm, example_inputs, verify=verify, config=config or {})
+    ctx = _Context(gm, example_inputs, verify=verify)
     _hash_routed(ctx)
     result = DetectResult()
     claimed: set = set()
@@ -204,93 +202,6 @@ def detect_moe(
     for where, reason in ctx.early_rejects:
         result.rejected.append((where, reason))
     return result
-
-
-# --------------------------------------------------------------------------------------------------- graph facts
-class _Context:
-    def __init__(self, gm, example_inputs, *, verify, config):
-        self.gm = gm
-        self.graph = gm.graph
-        self.verify = verify
-        self.config = config
-        self.early_rejects: list[tuple[str, str]] = []
-        self.order = {n: i for i, n in enumerate(self.graph.nodes)}
-        self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
-        self.values: dict = {}
-        if example_inputs is not None and len(example_inputs) == len(self.placeholders):
-            for p, v in zip(self.placeholders, example_inputs):
-                self.values[p] = v
-        else:
-            for p in self.placeholders:
-                self.values[p] = _fx.meta_val(p)
-        # weight-like placeholders: SymInts, and tensors of static shape that are state, not call arguments
-        # (parameters, buffers, 0-d scalar attributes). Static shape alone is not enough: under static shapes the
-        # token ids / hidden states the model is called with are static too, and taking them for weights makes
-        # every later layer "computable from the block input plus weights" (one region swallowing all blocks).
-        self.static_ph = set()
-        for p in self.placeholders:
-            v = _fx.meta_val(p)
-            if v is None:
-                v = self.values.get(p)
-            if isinstance(v, (torch.SymInt, int, float, torch.SymFloat)):
-                self.static_ph.add(p)
-            elif isinstance(v, torch.Tensor) and all(_fx.static_int(d) is not None for d in v.shape):
-                if not _fx.is_call_input(p, self.values.get(p)):
-                    self.static_ph.add(p)
-
-    def pshape(self, n) -> tuple | None:
-        if isinstance(n, fx.Node) and n.op == "placeholder":
-            v = _fx.meta_val(n)
-            if v is None:
-                v = self.values.get(n)
-            if isinstance(v, torch.Tensor):
-                return tuple(v.shape)
-        return None
-
-    def weight_ph(self, n, ndim: int | None = None):
-        """``n`` (through casts / views that keep it whole) as a static-shape tensor placeholder, else None."""
-        base = _fx.strip_views_casts(n, views=False)
-        if isinstance(base, fx.Node) and base.op == "placeholder" and base in self.static_ph:
-            s = self.pshape(base)
-            if s is not None and (ndim is None or len(s) == ndim):
-                return base
-        return None
-
-    def final_topks(self) -> list[fx.Node]:
-        """Top-k nodes whose indices select slices of 3-D weights with as many experts as the top-k input."""
-        ph3 = {}
-        for p in self.static_ph:
-            s = self.pshape(p)
-            if s is not None and len(s) == 3:
-                ph3[p] = s[0]
-        out = []
-        for n in self.graph.nodes:
-            if op_name(n) != "topk":
-                continue
-            s = _fx.shape_of(arg(n, 0))
-            if not s:
-                continue
-            E = _fx.static_int(s[-1])
-            if E is None or not any(e == E for e in ph3.values()):
-                continue
-            # indices must reach a 3-D weight's consumer
-            idx = [u for u in n.users if op_name(u) == "getitem" and u.args[1] == 1]
-            if not idx:
-                continue
-            reach = _fx.descendants(idx[0])
-            hit = False
-            for r in reach:
-                for a in r.all_input_nodes:
-                    b = _weight_base(a)
-                    if b in ph3 and ph3[b] == E:
-                        hit = True
-                        break
-                if hit:
-                    break
-            if hit:
-                out.append(n)
-        # (group top-k's read [T, G] / [T, G, E/G] and were skipped by the expert-count check above)
-        return out
 
 
 def _hash_routed(ctx: _Context) -> None:

@@ -10,10 +10,8 @@ Where it applies (after rewrite_moe, both linears live inside the op)::
                     logits, gate    = logits_and_gate[:, :E], logits_and_gate[:, E:]
 
 Decision: FSE is an op-level feature. Doing it in the graph (``linear(x, cat(W_r, W_g))`` then ``split``) would
-only move two linears that no longer exist after the rewrite. So this pass changes the op's arguments, and only when
-the op says it implements the fused form: ``"fused_shared_gate" in moecomp.ops.moe_op.FEATURES`` and ``MoESpec`` has
-a ``fused_shared_gate`` field (requested in docs/NOTES_passes.md). Until then the pass leaves the graph as it is and
-counts ``counters["fse"]["op_unsupported"]``; the graph stays correct with the current op.
+only move two linears that no longer exist after the rewrite. So this pass changes the op's arguments: the op
+implements the fused form (``MoESpec.fused_shared_gate``, ``"fused_shared_gate" in moecomp.ops.moe_op.FEATURES``).
 
 The concatenation is a graph node (``torch.cat`` of two parameter placeholders, (E+1) x H elements per call), so
 weight updates stay visible; Inductor constant-folds it when the model is frozen (``torch._inductor.config.freezing``).
@@ -22,13 +20,10 @@ When the router reads fp32 copies (``spec.router_fp32``) the gate is cast with i
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.fx as fx
 
 from ..counters import counters
-from ..ops import moe_op
 from ..ops.moe_op import MOE_ARGS
 from ..spec import MoESpec
 
@@ -37,16 +32,10 @@ _GATE = 1 + MOE_ARGS.index("shared_gate_w")
 _SPEC = 1 + len(MOE_ARGS)
 
 
-def op_supports_fse() -> bool:
-    feats = getattr(moe_op, "FEATURES", ())
-    return "fused_shared_gate" in feats and "fused_shared_gate" in {f.name for f in dataclasses.fields(MoESpec)}
-
-
 def fuse_shared_gate(gm: fx.GraphModule, *, count: bool = True) -> dict[str, int]:
     """Fuse the shared-gate GEMM into the router GEMM of every eligible moe_forward call.
 
-    Returns ``{"fused": n}`` or ``{"op_unsupported": n}`` (empty when nothing is eligible); ``count`` adds it to
-    ``moecomp.counters["fse"]``."""
+    Returns ``{"fused": n}`` (empty when nothing is eligible); ``count`` adds it to ``moecomp.counters["fse"]``."""
     target = torch.ops.moecomp.moe_forward.default
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
     eligible = []
@@ -56,10 +45,6 @@ def fuse_shared_gate(gm: fx.GraphModule, *, count: bool = True) -> dict[str, int
             eligible.append((n, spec))
     if not eligible:
         return {}
-    if not op_supports_fse():
-        if count:
-            counters["fse"]["op_unsupported"] += len(eligible)
-        return {"op_unsupported": len(eligible)}
     for n, spec in eligible:
         args = list(n.args)
         with gm.graph.inserting_before(n):

@@ -1,0 +1,67 @@
+"""What the op modules share, one layer below them: argument names, backend choice, device placement, the
+Triton-interpreter precision flags. Imports torch only (no Triton, no kernels), so that ``moe_op`` (the op
+definitions), ``torch_moe`` / ``triton_moe`` (the implementations), ``attention`` and the passes can all import it
+without importing each other.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Argument order of moe_forward after x; every entry point binds tensors by these names.
+MOE_ARGS = (
+    "router_w",
+    "router_b",
+    "correction_bias",
+    "w13",
+    "b13",
+    "w2",
+    "b2",
+    "shared_w1",
+    "shared_w3",
+    "shared_w2",
+    "shared_gate_w",
+)
+EXPERT_ARGS = ("w13", "b13", "w2", "b2")
+# What the op implements beyond the base spec; passes check this before relying on it.
+FEATURES = ("fused_shared_gate",)
+
+
+def split_fused_gate(args: dict, spec) -> dict:
+    """FSE arguments (router_w [E + 1, H]) as plain ones: router rows and gate row as views, no copy."""
+    if not spec.fused_shared_gate:
+        return args
+    E = spec.num_experts
+    return {**args, "router_w": args["router_w"][:E], "shared_gate_w": args["router_w"][E:]}
+
+
+def _backend(device: torch.device) -> str:
+    """"triton" or "torch": which implementation runs on ``device`` (MOECOMP_CUDA_BACKEND / MOECOMP_CPU_BACKEND)."""
+    if device.type == "cuda":
+        return os.environ.get("MOECOMP_CUDA_BACKEND", "triton")
+    return os.environ.get("MOECOMP_CPU_BACKEND", "torch")
+
+
+def _on_device(x: torch.Tensor, fn):
+    """fn() with x's GPU as the current device: Triton launches (and graph captures) go to the current device, and
+    a model spread over several GPUs (device_map="auto") calls blocks on a GPU that need not be current."""
+    if x.device.index is None or x.device.index == torch.cuda.current_device():
+        return fn()
+    with torch.cuda.device(x.device):
+        return fn()
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _upcast(t: torch.Tensor) -> bool:
+    # The Triton interpreter's bf16 dot is wrong (FACTS.md); upcast operands to fp32 inside the kernel there.
+    return _interpret() and t.dtype == torch.bfloat16
+
+
+def _precision(t: torch.Tensor) -> str:
+    # fp32 models get fp32 products (no tf32), like torch's default matmul; 16-bit dots ignore this.
+    return "ieee" if t.dtype == torch.float32 or _upcast(t) else "tf32"

@@ -1,0 +1,168 @@
+"""moecomp's numeric policy: every tolerance, near-tie rule and probe input the recognisers and checks use.
+
+Each value is defined here once, with why it has that value; the modules that apply it import it from here
+(``tests/test_policy.py`` checks that no copy of these literals is left in them). Changing a value here changes
+what ``moecomp.optimize`` accepts: regenerate ``docs/coverage.md`` (``python -m moecomp coverage``) and compare.
+
+Three groups:
+
+* the *verify check* (``moecomp.optimize``, ``moecomp.hf.experts_interface``): the block's own forward and the
+  op on the same probe input must agree within :data:`VERIFY_TOLERANCE` of the output's largest value;
+* the *near-tie rule*: which tokens may legitimately take another expert (16-bit router logits within a rounding
+  of a tie). What "near a tie" means is the oracle's (``moecomp.reference.near_tie_tokens``); *when* it excuses
+  tokens (window per dtype, largest share of tokens) is decided here;
+* the *probe inputs*: how many tokens, which distribution, which seed, for each check that runs a module.
+
+The FX pass's own numeric check (``moecomp.passes._numeric``, not yet migrated: it still spells its 1e-4 / 3e-2 /
+90% rule in place) and the whole-model checks (``moecomp.hf.families.TOL``, ``moecomp.demo``,
+``benchmarks/hf_gpu_check.py``) are separate rules with their own owners.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# ------------------------------------------------------------------------------------------------ verify check
+# max |op - block| / max |block| on the probe input, per dtype of the block. fp32: both sides compute the same
+# math in a different order (GEMM blocking, expert summation order): a few ulps of fp32 grown over two GEMMs and a
+# weighted sum stay well under 1e-4, while any wrong spec field (a missed scale, renormalisation, activation) is
+# off by far more. fp64: the same argument with ~9 more decimal digits. bf16 keeps 8 significant bits (~4e-3 per
+# rounding) and the op rounds in other places than the block (fused gate/up, fp32 accumulation): 3e-2. fp16 keeps
+# 11 bits: 1e-2.
+VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+# dtypes not listed above (other 8/16-bit floats): the fp16 value, the tightest 16-bit one we can justify
+VERIFY_TOLERANCE_DEFAULT = 1e-2
+
+
+def verify_tolerance(dtype: torch.dtype) -> float:
+    """The verify check's tolerance for a block (or experts module) of ``dtype``."""
+    return VERIFY_TOLERANCE.get(dtype, VERIFY_TOLERANCE_DEFAULT)
+
+
+# ------------------------------------------------------------------------------------------------ near-tie rule
+# 16-bit routers: the logits of two correct implementations may differ by a rounding; tokens whose choice is that
+# close to a tie may take the other expert (bf16 keeps 8 bits: exact ties are common). The window is one rounding
+# of the dtype relative to the token's max |logit| (bf16: 2^-7 ~ one ulp at 8 significant bits; fp16: 2^-10, 11
+# bits). fp32 / fp64 routers get no window: their logits agree far below any expert gap the probe input produces.
+TIE_REL = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+# at most this share of the probe tokens may differ by a tie (a wrong spec hits every token, a tie a few: with 32
+# probe tokens, up to 4)
+MAX_TIE_FRACTION = 0.125
+
+
+def tie_window(dtype: torch.dtype) -> float | None:
+    """The near-tie window (relative to the token's max |logit|) for routers of ``dtype``; None: ties not excused."""
+    return TIE_REL.get(dtype)
+
+
+def max_tie_tokens(n_tokens: int) -> int:
+    """How many of ``n_tokens`` probe tokens may be excused as near ties (at least one)."""
+    return max(1, int(MAX_TIE_FRACTION * n_tokens))
+
+
+# ------------------------------------------------------------------------------------------------ probe inputs
+# The verify check's input: [batch, tokens] = 2 x 16 = 32 tokens of N(0, 1) hidden states (the block's dtype and
+# device), from a fixed seed so that reports are reproducible. 32 tokens with top-k routing over <= 128 experts hit
+# most experts and both batch rows; a second batch row catches blocks that mix tokens across the batch. Small enough
+# to run in milliseconds on CPU test models.
+PROBE_SHAPE = (2, 16)
+PROBE_SEED = 0
+# the epilogue check (``op`` followed by a peeled post-MoE norm) repeats on a second, independent input
+EPILOGUE_PROBE_SEED = 7
+# the FX pass traces on [1, 3, H]: any token count does (dynamic shapes); 3 is not 1 (no size-1 specialisation)
+# and differs from every other size in a test model (no accidental shape coincidences)
+CAPTURE_PROBE_SHAPE = (1, 3)
+
+
+def probe_input(hidden: int, device, dtype, shape=PROBE_SHAPE, seed: int = PROBE_SEED) -> torch.Tensor:
+    """The verify check's input: N(0, 1) of ``shape + (hidden,)``, drawn on the CPU (same values on every device)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, hidden, generator=g).to(device=device, dtype=dtype)
+
+
+# Inputs that reach activation clamps. Clamped SwiGLU variants clamp at 7-10; N(0, 1) hidden states rarely reach
+# that, so the probes below are scaled so that the first GEMM's outputs have std 8 (reaching about +-25).
+CLAMP_REACH_STD = 8.0
+# dense MLP modules (shared experts, ModuleList expert 0) are called on this many tokens, fixed seed
+MLP_PROBE_TOKENS = 48
+MLP_PROBE_SEED = 4321
+# experts modules (``moe_experts`` against the module's own eager forward): tokens, fixed seed
+EXPERTS_PROBE_TOKENS = 24
+EXPERTS_PROBE_SEED = 2024
+# ``experts._apply_gate``: [tokens, 2 * width] gate/up values of N(0, 6^2) (about +-20: clamps at 7-10 are hit)
+GATE_PROBE_TOKENS = 64
+GATE_PROBE_WIDTH = 16
+GATE_PROBE_STD = 6.0
+GATE_PROBE_SEED = 1234
+# elementwise activations (``act_fn``): a grid over [-12, 12], step 0.1 (covers the clamps and both tails)
+ACTIVATION_PROBE_RANGE = 12.0
+ACTIVATION_PROBE_POINTS = 241
+
+
+def gate_probe_input() -> torch.Tensor:
+    """[GATE_PROBE_TOKENS, 2 * GATE_PROBE_WIDTH] fp32 gate/up values for ``_apply_gate`` probes."""
+    g = torch.Generator().manual_seed(GATE_PROBE_SEED)
+    return torch.randn(GATE_PROBE_TOKENS, 2 * GATE_PROBE_WIDTH, generator=g) * GATE_PROBE_STD
+
+
+def activation_probe_input() -> torch.Tensor:
+    """The fp32 grid elementwise activations are told apart on."""
+    return torch.linspace(-ACTIVATION_PROBE_RANGE, ACTIVATION_PROBE_RANGE, ACTIVATION_PROBE_POINTS,
+                          dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------ recognition
+# An activation / gate function matches a reference when allclose(rtol, atol) holds on the probes above; both
+# sides run in fp32 on the same values, so only the last bits may differ (1e-5 relative).
+ACT_MATCH_RTOL = 1e-5
+ACT_MATCH_ATOL = 1e-5  # gate probes: values of order 1-20
+ACT_MATCH_ATOL_REL = 1e-6  # elementwise probes: atol relative to the reference's largest value
+# a dense MLP module against the reference MLP, max |diff| / max |ref|: fp32 / fp64 the same math (1e-5); 16-bit
+# modules round their GEMMs and activations (2e-2; a wrong activation or clamp is off by far more on the probe)
+MLP_MATCH_TOL_FULL = 1e-5
+MLP_MATCH_TOL_LOW = 2e-2
+
+
+def mlp_match_tolerance(dtype: torch.dtype) -> float:
+    return MLP_MATCH_TOL_FULL if dtype in (torch.float32, torch.float64) else MLP_MATCH_TOL_LOW
+
+
+# The routing the block measurably takes (``moecomp.hf.fallback``) against a candidate routing: the routing weights
+# must agree up to one constant within this rtol (atol relative to the largest weight). fp32 blocks: fp32 softmax /
+# sigmoid of the same logits (2e-5). Other dtypes (fp64 included, as measured so far): 16-bit weights are rounded
+# (2e-2 covers one bf16 rounding of weights near 1).
+ROUTING_MATCH_TOL_FP32 = 2e-5
+ROUTING_MATCH_TOL_LOW = 2e-2
+
+
+def routing_match_tolerance(dtype: torch.dtype) -> float:
+    return ROUTING_MATCH_TOL_FP32 if dtype == torch.float32 else ROUTING_MATCH_TOL_LOW
+
+
+# A fitted constant (routed scaling factor) is snapped to 1 or to a scalar attribute of the block when within this
+# relative distance: a least-squares fit over 32 fp32 tokens lands within ~1e-6 of the true value; 1e-4 still tells
+# apart any two constants a config would hold.
+SNAP_REL = 1e-4
+
+# ------------------------------------------------------------------------------------------------ benchmarks
+# ``benchmarks/bench_moe.py``: moecomp vs the HF block in bf16 at real sizes, ||diff|| / ||ref|| over all tokens
+# that are not near a tie. Whole-tensor norms average the per-element bf16 roundings (~4e-3 each): 2e-2.
+BENCH_TOLERANCE = 2e-2
+# CUDA-graph replay against a plain call on a fresh input: same kernels, only the input differs; bf16 noise of a
+# different input through the same code stays under 1e-2
+BENCH_GRAPH_CONSISTENCY_TOL = 1e-2
+# a token counts as "bad" (routing flip) when its own ||diff|| / ||ref|| is above this (a flip changes ~1/k of it)
+BENCH_BAD_TOKEN_REL = 0.05
+# The benchmark's near-tie window is per logit (it has the logits, not the router weights): fp32 routers, two GEMMs
+# summing H terms in different orders land ~1e-6 apart: 2e-5 * (1 + |logit|); bf16 routers: half an ulp of the
+# logit each side (exact ties and 1-ulp gaps, one rounding apart), i.e. 2^(exponent - bits) with bf16's 8 bits.
+BENCH_TIE_FP32_REL = 2e-5
+BENCH_TIE_SIGNIFICAND_BITS = 8
+
+
+def bench_tie_window(logits: torch.Tensor, fp32_router: bool) -> torch.Tensor:
+    """Per-logit half-width of the benchmark's near-tie interval (``bench_moe.routing_ambiguous``)."""
+    if fp32_router:
+        return BENCH_TIE_FP32_REL * (1.0 + logits.abs())
+    _, e = torch.frexp(logits)
+    return 0.5 * torch.pow(2.0, (e - BENCH_TIE_SIGNIFICAND_BITS).float()) + 1e-30
