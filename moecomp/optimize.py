@@ -31,6 +31,9 @@ from their router module, called once more on the same input.
 ``optimize`` on an already optimized model re-binds blocks whose attributes changed, and rebuilds the weight copies
 moecomp keeps for the layouts it cannot share (separate 3-D gate / up, fp32 router copies): the way to pick up
 ``.data`` writes to those weights.
+
+This module holds the API and the walk over the blocks (detection included); the check of step 2 is
+:mod:`moecomp.verify`, the ``Report`` :mod:`moecomp.report`, the experts-only rewrite :mod:`moecomp.experts_only`.
 """
 
 from __future__ import annotations
@@ -38,17 +41,18 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import math
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from . import policy, reference
+from . import policy
+from .experts_only import _try_experts_only
 from .ops.moe_op import MOE_ARGS
 from .reject import RejectCode
+from .report import BlockReport, Report, _fill_from_spec, expert_style, router_style  # noqa: F401 (re-exported)
 from .spec import MoESpec, SpecError
+from .verify import _check_epilogue, _err_with_ties, _example, _verify  # noqa: F401 (re-exported)
 from .hf import bind as _bind
 from .hf import fallback as _fb
 from .hf.structure import BlockParts, get_path, iter_blocks
@@ -58,206 +62,6 @@ TOLERANCE = policy.VERIFY_TOLERANCE
 PROBE_SHAPE = policy.PROBE_SHAPE
 TIE_REL = policy.TIE_REL
 MAX_TIE_FRACTION = policy.MAX_TIE_FRACTION
-
-
-# ----------------------------------------------------------------------------------------------- report
-def router_style(spec: MoESpec) -> str:
-    if spec.score_order == "topk_then_score":
-        s = "top-k→softmax"
-    else:
-        s = {"softmax": "softmax", "sigmoid": "sigmoid", "sqrtsoftplus": "sqrt-softplus", "none": "logits"}[
-            spec.scoring]
-        if spec.has_correction_bias:
-            s += "+bias" if not spec.bias_on_logits else " (bias on logits)"
-        if spec.n_group > 1:
-            s += f" group {spec.topk_group}/{spec.n_group}" + ("" if spec.group_score == "top2_sum" else " max")
-            if spec.group_mask_zero:
-                s += " mask 0"
-        s += "→top-k"
-        if spec.renormalize:
-            s += " renorm" + (f" (min {spec.renorm_min:g})" if spec.renorm_min > 0 else "")
-    if spec.has_router_bias:
-        s = "linear+b " + s
-    if spec.routed_scaling_factor != 1.0:
-        s += f" ×{spec.routed_scaling_factor:g}"
-    return s
-
-
-def expert_style(spec: MoESpec) -> str:
-    a = spec.activation
-    if spec.gated and a != "swiglu_oai":
-        a = f"{a}·up"
-    if spec.activation_clamp:
-        a = f"clamp{spec.activation_limit:g} {a}"
-    if spec.gate_up == "interleaved":
-        a += " interleaved"
-    if spec.has_expert_bias:
-        a += " +b"
-    if spec.w_layout == "in_out":
-        a += " [in,out]"
-    return a
-
-
-def _itemsize(t: torch.Tensor | None, default=2) -> int:
-    return default if t is None else t.element_size()
-
-
-@dataclass
-class BlockReport:
-    name: str
-    cls: str
-    status: str  # rewritten | skipped | supported | unverified | already | experts only | experts only supported
-    reason: str = ""
-    method: str = ""  # fx | fallback | fallback (meta)
-    spec: MoESpec | None = None
-    num_experts: int | None = None
-    top_k: int | None = None
-    hidden: int | None = None
-    intermediate: int | None = None
-    shared: str = "-"
-    router: str = ""
-    experts: str = ""
-    bytes_per_token: int | None = None
-    extra_bytes: int = 0  # memory for weight copies (separate 3-D gate / up, fp32 routers); shared stacks: 0
-    max_rel_err: float | None = None
-    epilogue: list = field(default_factory=list)  # child modules applied to the op's output (e.g. a post-MoE norm)
-    notes: list = field(default_factory=list)
-    codes: list = field(default_factory=list)  # RejectCode of each refusal (``reason`` is the text for people)
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["spec"] = None if self.spec is None else json.loads(self.spec.key)
-        d["codes"] = [c.value for c in self.codes]
-        return d
-
-    def refuse(self, code: RejectCode, reason: str) -> None:
-        """Record a refusal: ``reason`` (report text) replaces the current one, ``code`` is added to ``codes``."""
-        self.reason = reason
-        self.codes.append(code)
-
-
-def _fill_from_spec(r: BlockReport, spec: MoESpec, block: nn.Module, bindings: dict, derived) -> None:
-    r.spec = spec
-    r.num_experts, r.top_k, r.hidden, r.intermediate = (spec.num_experts, spec.top_k, spec.hidden_size,
-                                                       spec.intermediate_size)
-    if spec.shared is not None:
-        sh = spec.shared
-        r.shared = f"I={sh.intermediate_size}" + (" sigmoid-gated" if sh.gate == "sigmoid" else "")
-    r.router = router_style(spec)
-    r.experts = expert_style(spec)
-
-    def t(name):
-        p = bindings.get(name)
-        if p is None:
-            return None
-        try:
-            return get_path(block, p)
-        except AttributeError:
-            return None
-
-    w13 = t("w13")
-    if w13 is None and derived:  # stacked: size from the first source
-        src = get_path(block, derived[0].source_paths()[0])
-        isz = src.element_size()
-    else:
-        isz = _itemsize(w13)
-    per_tok = spec.top_k * spec.bytes_per_expert(isz)
-    if spec.has_expert_bias:
-        per_tok += spec.top_k * (spec.w13_rows + spec.hidden_size) * isz
-    rw = t("router_w")
-    per_tok += spec.num_experts * spec.hidden_size * _itemsize(rw, isz)
-    if spec.shared is not None:
-        Is = spec.shared.intermediate_size
-        n = (3 if spec.shared.gated else 2) * Is * spec.hidden_size
-        if spec.shared.gate == "sigmoid":
-            n += spec.hidden_size
-        per_tok += n * _itemsize(t("shared_w2"), isz)
-    r.bytes_per_token = int(per_tok)
-    copies = [d for d in derived if not _bind.is_shared(block, d)]  # shared stacks hold no second copy
-    if copies:
-        r.extra_bytes = int(sum(
-            sum(get_path(block, p).numel() for p in d.source_paths()) * (4 if d.fp32 else isz) for d in copies))
-
-
-def _fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-@dataclass
-class Report:
-    """What ``optimize`` / ``scan`` found: one row per candidate MoE block. ``str(report)`` is a table."""
-
-    model: str
-    blocks: list[BlockReport]
-    detection: str = ""  # how blocks were detected (FX pass available or not)
-    action: str = "scan"  # scan | optimize
-    generate: str = ""  # what model.generate does after optimize ("" = transformers' own)
-
-    @property
-    def rewritten(self) -> list[BlockReport]:
-        return [b for b in self.blocks if b.status in ("rewritten", "already")]
-
-    @property
-    def experts_only(self) -> list[BlockReport]:
-        """Blocks left as they are except for their experts module, which runs ``moe_experts``."""
-        return [b for b in self.blocks if b.status == "experts only"]
-
-    @property
-    def skipped(self) -> list[BlockReport]:
-        return [b for b in self.blocks if b.status == "skipped"]
-
-    def summary(self) -> dict:
-        from collections import Counter
-
-        c = Counter(b.status for b in self.blocks)
-        return {"blocks": len(self.blocks), **dict(c)}
-
-    def to_dict(self) -> dict:
-        return {"model": self.model, "action": self.action, "detection": self.detection, "generate": self.generate,
-                "summary": self.summary(), "blocks": [b.to_dict() for b in self.blocks]}
-
-    def to_json(self, **kw) -> str:
-        return json.dumps(self.to_dict(), **({"indent": 2} | kw))
-
-    def __str__(self) -> str:
-        head = ["block", "router", "E", "k", "H", "I", "shared", "experts", "status", "bytes/token"]
-        rows = []
-        for b in self.blocks:
-            st = b.status
-            if b.reason:
-                st += f": {b.reason}"
-            if b.method and b.status != "skipped":
-                st += f" [{b.method}]"
-            if b.epilogue:
-                st += f" then {', '.join(b.epilogue)}"
-            rows.append([b.name or "<root>", b.router or "-", *(str(v) if v is not None else "-" for v in (
-                b.num_experts, b.top_k, b.hidden, b.intermediate)), b.shared, b.experts or "-", st,
-                _fmt_bytes(b.bytes_per_token)])
-        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
-        widths[8] = min(widths[8], 70)
-        line = lambda r: "  ".join(str(c)[:widths[i]].ljust(widths[i]) if i != 8 else str(c)  # noqa: E731
-                                   for i, c in enumerate(r)).rstrip()
-        out = [f"moecomp {self.action}: {self.model} — {len(self.blocks)} MoE block(s) "
-               f"{self.summary()}", self.detection] if self.detection else [
-            f"moecomp {self.action}: {self.model} — {len(self.blocks)} MoE block(s) {self.summary()}"]
-        out.append(line(head))
-        out.append(line(["-" * w for w in widths]))
-        out += [line(r) for r in rows]
-        extra = sum(b.extra_bytes for b in self.blocks if b.status in ("rewritten", "already"))
-        if extra:
-            out.append(f"weight copies (separate 3-D gate and up, fp32 router copies) use {_fmt_bytes(extra)} extra "
-                       f"memory")
-        if self.generate:
-            out.append(f"generate(): {self.generate}")
-        return "\n".join(out)
-
-    __repr__ = __str__
 
 
 # ----------------------------------------------------------------------------------------------- detection
@@ -282,82 +86,6 @@ def _is_capture_failure(e: Exception) -> bool:
 def _block_device_dtype(block: nn.Module, parts: BlockParts):
     t = get_path(block, parts.w13) if parts.w13 else get_path(block, parts.expert_mlps[0].down)
     return t.device, t.dtype
-
-
-_example = policy.probe_input  # the verify check's input (shape, distribution, seed: see moecomp.policy)
-
-
-def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    a, ref = a.float(), ref.float()
-    if not torch.isfinite(a).all():
-        return float("inf")
-    scale = ref.abs().max().item()
-    if scale == 0:
-        return float((a - ref).abs().max().item())
-    return float((a - ref).abs().max().item() / scale)
-
-
-def _err_with_ties(block, spec: MoESpec, bindings, derived, x, y, ref, notes: list | None = None) -> float:
-    """``_rel_err(y, ref)``, except that in 16-bit a few tokens that differ because their routing is within a
-    rounding of a tie (``reference.near_tie_tokens``) are left out; the count goes to ``notes``. When ties are
-    excused (window per dtype, largest share of tokens) is :mod:`moecomp.policy`'s."""
-    err = _rel_err(y, ref)
-    tol = policy.verify_tolerance(x.dtype)
-    rel = policy.tie_window(x.dtype)
-    if err <= tol or rel is None or not torch.isfinite(y).all():
-        return err
-    H = x.shape[-1]
-    y2, r2, x2 = y.float().reshape(-1, H), ref.float().reshape(-1, H), x.reshape(-1, H)
-    scale = r2.abs().max().clamp_min(1e-30)
-    per_token = (y2 - r2).abs().amax(-1) / scale  # [T]
-    bad = per_token > tol
-    if int(bad.sum()) > policy.max_tie_tokens(bad.numel()):
-        return err
-    t = _bind.bound_tensors(block, spec, bindings, derived)
-    with torch.no_grad():
-        near = reference.near_tie_tokens(x2, t[0], t[1], t[2], spec, rel)
-    if bool((bad & ~near).any()):
-        return err
-    if notes is not None:
-        notes.append(f"{int(bad.sum())} of {bad.numel()} check tokens took the other expert at a routing tie "
-                     f"(16-bit router logits within a rounding of a tie); error measured on the others")
-    return float(per_token[~bad].max()) if bool((~bad).any()) else 0.0
-
-
-def _run_op(block, spec: MoESpec, bindings, derived, x):
-    tensors = _bind.bound_tensors(block, spec, bindings, derived)
-    with torch.no_grad():
-        return torch.ops.moecomp.moe_forward(x, *tensors, spec.key)
-
-
-def _verify(block, spec, bindings, derived, run, consts, notes: list | None = None) -> tuple[MoESpec, float]:
-    """Compare the op with the original output; fit one constant on the routed part if that alone is off."""
-    x = run.x
-    ref = _fb._primary(run.output).reshape(x.shape)
-    y = _run_op(block, spec, bindings, derived, x)
-    err = _err_with_ties(block, spec, bindings, derived, x, y, ref, notes)
-    tol = policy.verify_tolerance(x.dtype)
-    if err <= tol:
-        return spec, err
-    # routed output scaled outside the router (e.g. `experts(...) * routed_scaling_factor` in the block)
-    spec1 = spec.replace(routed_scaling_factor=1.0)
-    routed = _run_op(block, spec1.replace(shared=None), {**bindings, **{k: None for k in MOE_ARGS if
-                                                                        k.startswith("shared")}}, derived, x).float()
-    shared = _run_op(block, spec1, bindings, derived, x).float() - routed if spec.shared is not None else 0.0
-    num = ((ref.float() - shared) * routed).sum()
-    den = (routed * routed).sum()
-    if den > 0:
-        c = _fb._snap(float(num / den), consts)
-        if math.isfinite(c) and c != spec.routed_scaling_factor:
-            try:
-                spec2 = spec1.replace(routed_scaling_factor=c)
-            except SpecError:
-                return spec, err
-            y2 = _run_op(block, spec2, bindings, derived, x)
-            err2 = _err_with_ties(block, spec2, bindings, derived, x, y2, ref, notes)
-            if err2 <= tol:
-                return spec2, err2
-    return spec, err
 
 
 def _ignored_params(block: nn.Module, x: torch.Tensor, ref, extra_params) -> frozenset:
@@ -439,28 +167,44 @@ def _compare_fallback(block, parts, x, spec: MoESpec, consts) -> str:
     return f"attribute fallback differs (fx, fallback): {diff}"
 
 
+def _try_fx(block: nn.Module, H: int, device, dtype, cap, rep: BlockReport, cache, trust_fallback: bool):
+    """The FX pass's BlockMatch, or None (noted in ``rep``) when the attribute fallback is to try instead; a block
+    the pass traced but rejected raises FallbackError unless ``trust_fallback``."""
+    detect_block, DetectError = cap
+    try:
+        return _fx_detect(block, _example(H, device, dtype, shape=policy.CAPTURE_PROBE_SHAPE), cap, cache)
+    except DetectError as e:  # noqa: B014
+        reason = getattr(e, "reason", str(e))
+        if not _is_capture_failure(e):
+            if not trust_fallback:
+                raise _fb.FallbackError(f"FX pass: {reason}", RejectCode.NOT_RECOGNISED) from None
+            rep.notes.append(f"FX pass rejected the block ({reason}); attribute fallback used (trust_fallback)")
+        else:
+            rep.notes.append(f"FX pass could not capture the block ({reason}); attribute fallback used")
+    except Exception as e:  # Dynamo errors surface as many types
+        rep.notes.append(f"FX pass failed ({type(e).__name__}: {str(e)[:120]}); attribute fallback used")
+    return None
+
+
+def _compare_note(block, parts, x, spec: MoESpec, consts, cache) -> str:
+    """``_compare_fallback``'s note, once per block structure: the other layers would repeat the same answer."""
+    ck = ("compare", structure_key(block))
+    if cache is None or ck not in cache:
+        note = _compare_fallback(block, parts, x, spec, consts)
+        if cache is not None:
+            cache[ck] = note
+    else:
+        note = cache[ck]
+    return note
+
+
 def _detect(name: str, block: nn.Module, parts: BlockParts, cap, rep: BlockReport, cache=None,
             trust_fallback: bool = False):
     """Detection + check for one block with real tensors. Returns (spec, bindings, derived, contract, run)."""
     device, dtype = _block_device_dtype(block, parts)
     H = parts.hidden_size
     x = _example(H, device, dtype)
-    match, method, derived = None, None, []
-    if cap is not None:
-        detect_block, DetectError = cap
-        try:
-            match = _fx_detect(block, _example(H, device, dtype, shape=policy.CAPTURE_PROBE_SHAPE), cap, cache)
-            method = "fx"
-        except DetectError as e:  # noqa: B014
-            reason = getattr(e, "reason", str(e))
-            if not _is_capture_failure(e):
-                if not trust_fallback:
-                    raise _fb.FallbackError(f"FX pass: {reason}", RejectCode.NOT_RECOGNISED) from None
-                rep.notes.append(f"FX pass rejected the block ({reason}); attribute fallback used (trust_fallback)")
-            else:
-                rep.notes.append(f"FX pass could not capture the block ({reason}); attribute fallback used")
-        except Exception as e:  # Dynamo errors surface as many types
-            rep.notes.append(f"FX pass failed ({type(e).__name__}: {str(e)[:120]}); attribute fallback used")
+    match = _try_fx(block, H, device, dtype, cap, rep, cache, trust_fallback) if cap is not None else None
     consts = _fb.numeric_consts(_fb.attr_sources(block, parts), 1)
     if match is None:
         ext = _fb.static_extract(block, parts)
@@ -474,15 +218,9 @@ def _detect(name: str, block: nn.Module, parts: BlockParts, cap, rep: BlockRepor
             bindings.setdefault(a, None)
         derived = []
         run = _fb.run_probe(block, parts, x)
-        if COMPARE_FALLBACK:  # once per block structure: the other layers would repeat the same answer
-            ck = ("compare", structure_key(block))
-            if cache is None or ck not in cache:
-                note = _compare_fallback(block, parts, x, spec, consts)
-                if cache is not None:
-                    cache[ck] = note
-            else:
-                note = cache[ck]
-            rep.notes.append(note)
+        method = "fx"
+        if COMPARE_FALLBACK:
+            rep.notes.append(_compare_note(block, parts, x, spec, consts, cache))
     rep.method = method
     why = _fb.activation_mismatch(block, parts, spec)
     if why is not None:
@@ -569,71 +307,64 @@ def _process(name: str, block: nn.Module, parts: BlockParts | None, reason: str,
     return rep
 
 
-def _try_experts_only(name: str, block: nn.Module, parts: BlockParts | None, rep: BlockReport, bind_it: bool):
-    """Switch just the block's experts module to ``moe_experts`` (routing stays HF's), when proven equal."""
-    from .hf import experts_interface as _ei
-    from .hf.structure import experts_child
-
-    path = parts.experts if parts is not None else experts_child(block)
-    if not path:
-        return
-    experts = get_path(block, path)
-    if not _ei.is_hf_experts(experts):
-        rep.notes.append("experts only: not a @use_experts_implementation experts module")
-        return
-    full = f"{name}.{path}" if name else path
-    if getattr(experts, "_moecomp_experts", None) is not None and bind_it:
-        changed = _bind.experts_stale(experts)
-        if changed:  # checked against other attributes: check and bind again
-            _bind.unbind_experts(experts)
-            rep.notes.append(f"experts only: re-detected ({changed} since the last optimize)")
-    if getattr(experts, "_moecomp_experts", None) is not None:
-        st = experts._moecomp_experts
-        _fill_experts(rep, st.spec, full)
-        rep.status, rep.method = "experts only", "experts interface"
-        return
-    if any(p.device.type == "meta" for p in experts.parameters()):  # nothing can run: say what would be tried
-        rep.reason += (f"; {full!r} is a standard experts module: with weights loaded, optimize can run it on "
-                       f"moecomp's experts path (experts only; not checkable on the meta device)")
-        return
-    srcs = _fb.attr_sources(block, parts) if parts is not None else [block, experts]
-    cfg = getattr(experts, "config", None)
-    top_k = _fb.read_attr(srcs + ([cfg] if cfg is not None and not isinstance(cfg, nn.Module) else []),
-                          _fb._TOPK_NAMES, (int,))
-    k = int(top_k) if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 0 else 2
-    try:
-        spec = _ei.experts_spec(experts, k, verify=False)
-        err, tol = _ei.verify_experts(experts, spec)
-        if not err <= tol:
-            raise _ei.Unsupported(f"{type(experts).__name__}'s forward differs from moe_experts on a probe: max rel. "
-                                  f"err {err:.2e} > {tol:g}")
-    except _ei.Unsupported as e:
-        rep.notes.append(f"experts only not possible either: {e}")
-        rep.reason += f"; experts only not possible either: {e}"
-        return
-    except Exception as e:  # the module's forward failed on the probe
-        rep.notes.append(f"experts only: check failed: {type(e).__name__}: {str(e)[:120]}")
-        return
-    _fill_experts(rep, spec, full)
-    rep.max_rel_err = err
-    rep.notes.append(f"experts module {path!r} checked against moe_experts: max rel. err {err:.1e}")
-    rep.method = "experts interface"
-    if bind_it:
-        _bind.bind_experts(experts, full, spec, rep.reason)
-        _ei.cache_spec(experts, k, spec)
-        rep.status = "experts only"
-    else:
-        rep.status = "experts only supported"
-
-
-def _fill_experts(rep: BlockReport, spec: MoESpec, path: str) -> None:
-    rep.spec = spec
-    rep.num_experts, rep.hidden, rep.intermediate = spec.num_experts, spec.hidden_size, spec.intermediate_size
-    rep.router = "HF (unchanged)"
-    rep.experts = expert_style(spec) + f" ({path})"
-
-
 META_NOTE = "meta tensors: nothing can run, nothing verified or bound"
+
+
+def _report_already(block: nn.Module, rep: BlockReport, changed: str, bind_it: bool) -> None:
+    """A block bound by an earlier ``optimize``: reported as "already" (its weight copies rebuilt when binding)."""
+    st = block._moecomp
+    if changed:  # (scan changes nothing)
+        rep.notes.append(f"stale: {changed} since optimize; the block runs its original forward until "
+                         f"moecomp.optimize(model) re-binds it")
+    elif bind_it:
+        _bind.refresh(block)  # rebuild weight copies (picks up .data writes to weights moecomp had to copy)
+    rep.status, rep.method = "already", st.method
+    rep.epilogue = [".".join(p) for p in st.epilogue]
+    _fill_from_spec(rep, st.spec, block, st.bindings, st.derived)
+
+
+def _refuse_structure(block: nn.Module, parts: BlockParts, rep: BlockReport) -> bool:
+    """True (refusal recorded in ``rep``) for structures the op cannot stand in for, seen without running: router
+    and experts next to attention / mixer modules, a router that reads token ids."""
+    attn = [n for n in parts.extra_modules if any(k in n.lower() for k in ("attn", "attention", "mixer", "mamba"))]
+    if attn:
+        rep.refuse(RejectCode.UNSUPPORTED_STRUCTURE, f"router and experts sit in {type(block).__name__} next to "
+                   f"{', '.join(attn)} (no separate MoE module to rewrite)")
+        return True
+    if parts.router_module:
+        try:
+            rsig = inspect.signature(get_path(block, parts.router_module).forward).parameters
+        except (TypeError, ValueError):
+            rsig = {}
+        if any(n in rsig for n in ("input_ids", "token_ids")):
+            rep.refuse(RejectCode.UNSUPPORTED_ROUTING,
+                       "the router reads token ids (hash routing): not a routing MoESpec can express")
+            return True
+    return False
+
+
+def _report_meta(block: nn.Module, parts: BlockParts, rep: BlockReport) -> None:
+    """A block on the meta device: what the attribute fallback reads, marked unverified (nothing can run)."""
+    try:
+        ext = _fb.static_extract(block, parts)
+    except _fb.FallbackError as e:
+        rep.refuse(e.code, e.reason)
+        return
+    _fill_from_spec(rep, ext.match.spec, block, ext.match.bindings, ext.derived)
+    rep.status, rep.method, rep.reason = "unverified", "fallback (meta)", ""
+    rep.notes += ext.notes + ["meta tensors: routing read from attributes and source, not measured"]
+
+
+def _epilogue_of(block: nn.Module, parts: BlockParts) -> list[str]:
+    """``_find_epilogue`` on the check input; [] when the block has no unexplained children or running it fails."""
+    epilogue = []
+    if parts.extra_modules:
+        device, dtype = _block_device_dtype(block, parts)
+        try:
+            epilogue = _find_epilogue(block, parts, _example(parts.hidden_size, device, dtype))
+        except Exception:
+            epilogue = []
+    return epilogue
 
 
 def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason: str, cap, bind_it: bool,
@@ -647,48 +378,15 @@ def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason
         _bind.unbind(block)
         rep.notes.append(f"re-detected: {changed} since the last optimize")
     if getattr(block, "_moecomp", None) is not None:
-        st = block._moecomp
-        if changed:  # (scan changes nothing)
-            rep.notes.append(f"stale: {changed} since optimize; the block runs its original forward until "
-                             f"moecomp.optimize(model) re-binds it")
-        elif bind_it:
-            _bind.refresh(block)  # rebuild weight copies (picks up .data writes to weights moecomp had to copy)
-        rep.status, rep.method = "already", st.method
-        rep.epilogue = [".".join(p) for p in st.epilogue]
-        _fill_from_spec(rep, st.spec, block, st.bindings, st.derived)
+        _report_already(block, rep, changed, bind_it)
         return rep
-    attn = [n for n in parts.extra_modules if any(k in n.lower() for k in ("attn", "attention", "mixer", "mamba"))]
-    if attn:
-        rep.refuse(RejectCode.UNSUPPORTED_STRUCTURE, f"router and experts sit in {type(block).__name__} next to "
-                   f"{', '.join(attn)} (no separate MoE module to rewrite)")
+    if _refuse_structure(block, parts, rep):
         return rep
-    if parts.router_module:
-        try:
-            rsig = inspect.signature(get_path(block, parts.router_module).forward).parameters
-        except (TypeError, ValueError):
-            rsig = {}
-        if any(n in rsig for n in ("input_ids", "token_ids")):
-            rep.refuse(RejectCode.UNSUPPORTED_ROUTING,
-                       "the router reads token ids (hash routing): not a routing MoESpec can express")
-            return rep
     meta = any(p.device.type == "meta" for p in block.parameters())
     if meta:
-        try:
-            ext = _fb.static_extract(block, parts)
-        except _fb.FallbackError as e:
-            rep.refuse(e.code, e.reason)
-            return rep
-        _fill_from_spec(rep, ext.match.spec, block, ext.match.bindings, ext.derived)
-        rep.status, rep.method, rep.reason = "unverified", "fallback (meta)", ""
-        rep.notes += ext.notes + ["meta tensors: routing read from attributes and source, not measured"]
+        _report_meta(block, parts, rep)
         return rep
-    epilogue = []
-    if parts.extra_modules:
-        device, dtype = _block_device_dtype(block, parts)
-        try:
-            epilogue = _find_epilogue(block, parts, _example(parts.hidden_size, device, dtype))
-        except Exception:
-            epilogue = []
+    epilogue = _epilogue_of(block, parts)
     dparts = parts
     if epilogue:
         dparts = dataclasses.replace(parts, extra_modules=[n for n in parts.extra_modules if n not in epilogue])
@@ -721,25 +419,6 @@ def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason
         rep.status = "supported"
     _fill_from_spec(rep, spec, block, bindings, derived)
     return rep
-
-
-def _check_epilogue(block, spec, bindings, derived, x, epilogue, rep) -> None:
-    """The whole block against ``epilogue(op(x))`` on the check input and on a second, fresh input."""
-    tol = policy.verify_tolerance(x.dtype)
-    worst = 0.0
-    for xx in (x, _example(x.shape[-1], x.device, x.dtype, seed=policy.EPILOGUE_PROBE_SEED)):
-        with torch.no_grad():
-            ref = _fb._primary(block(xx)).reshape(xx.shape)
-            y = _run_op(block, spec, bindings, derived, xx)
-            for n in epilogue:
-                y = get_path(block, n)(y)
-        worst = max(worst, _err_with_ties(block, spec, bindings, derived, xx, y, ref, rep.notes))
-    if not worst <= tol:
-        raise _fb.FallbackError(f"op followed by {', '.join(epilogue)} differs from the block: max rel. err "
-                                f"{worst:.2e} > {tol:g}", RejectCode.VERIFICATION_FAILED)
-    rep.max_rel_err = max(rep.max_rel_err or 0.0, worst)
-    rep.notes.append(f"epilogue: the block applies {', '.join(epilogue)} to the MoE output; bound as "
-                     f"{epilogue[0]}(moe_forward(x)) (checked: max rel. err {worst:.1e})")
 
 
 def _walk(model: nn.Module, bind_it: bool, use_capture: bool = True, trust_fallback: bool = False,
