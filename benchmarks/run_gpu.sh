@@ -56,7 +56,7 @@ compiled)  # Qwen1.5-MoE / DeepSeek-V3 at batch 8 and 128, then transformers' co
       | grep -v "^|" | tail -20
   timeout 60 python3 benchmarks/diag_tokens.py --models mixtral --layers 8 --prompt 512 --batch 4 2>&1 \
       | grep -v "^DEBUG\|Warn" > "$OUT/diag_mixtral8.log"; grep -A3 "argmax\|block_rel" "$OUT/diag_mixtral8.log" ;;
-tests)  # every GPU test (about 8 minutes on an H200 as of 6a77b13): failures named at the end, the slowest listed
+tests)  # every GPU test (not yet timed whole since the reliability suite joined it): failures named, slowest listed
   timeout ${TEST_TIMEOUT:-585} python3 -m pytest -q -rfE --durations=8 -m gpu -p no:cacheprovider tests 2>&1 \
       | grep -v "^DEBUG" | tee "$OUT/tests.log" | tail -30 ;;
 esac
