@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from .reject import RejectCode
 from .report import BlockReport, expert_style
 from .spec import MoESpec
 from .hf import bind as _bind
@@ -46,9 +47,11 @@ def _try_experts_only(name: str, block: nn.Module, parts: BlockParts | None, rep
     except _ei.Unsupported as e:
         rep.notes.append(f"experts only not possible either: {e}")
         rep.reason += f"; experts only not possible either: {e}"
+        rep.codes.append(e.code)
         return
     except Exception as e:  # the module's forward failed on the probe
         rep.notes.append(f"experts only: check failed: {type(e).__name__}: {str(e)[:120]}")
+        rep.codes.append(RejectCode.CHECK_ERROR)
         return
     _fill_experts(rep, spec, full)
     rep.max_rel_err = err
@@ -80,7 +83,7 @@ def _checked_spec(experts: nn.Module, k: int) -> tuple[MoESpec, float]:
     err, tol = _ei.verify_experts(experts, spec)
     if not err <= tol:
         raise _ei.Unsupported(f"{type(experts).__name__}'s forward differs from moe_experts on a probe: max rel. "
-                              f"err {err:.2e} > {tol:g}")
+                              f"err {err:.2e} > {tol:g}", RejectCode.VERIFICATION_FAILED)
     return spec, err
 
 

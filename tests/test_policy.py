@@ -171,3 +171,15 @@ def test_skipped_block_has_a_code():
     assert rep.to_dict()["codes"] == ["unsupported_routing"]
     r = _process_block("m", nn.Linear(2, 2), None, "no router", None, False)
     assert r.status == "skipped" and r.reason == "no router" and r.codes == [RejectCode.NOT_A_BLOCK]
+
+
+def test_experts_only_refusal_carries_its_code():
+    """inkling2's soft-capped SwiGLU gate is not in the spec: the block is left alone, and besides the whole block's
+    code its report carries the experts-only path's (read by code, not from the text)."""
+    from moecomp.hf import families as F
+
+    model, _ = F.build_tiny("inkling2")
+    _, rep = moecomp.optimize(model, report=True)
+    assert rep.blocks and all(b.status == "skipped" for b in rep.blocks)
+    assert all(RejectCode.UNSUPPORTED_STRUCTURE in b.codes[1:] for b in rep.blocks), [b.codes for b in rep.blocks]
+    assert all("experts only not possible" in b.reason for b in rep.blocks)

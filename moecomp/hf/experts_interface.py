@@ -32,6 +32,7 @@ import warnings
 import torch
 
 from ..ops.moe_op import call_moe_experts
+from ..reject import RejectCode
 from ..spec import MoESpec, SpecError
 from .fallback import probe_activation, probe_gate
 from .snapshot import snapshot_changed, snapshot_changed_traced, take_snapshot
@@ -41,7 +42,12 @@ _warned: set = set()
 
 
 class Unsupported(Exception):
-    pass
+    """Why an experts module cannot run on ``moe_experts``: ``code`` (a ``RejectCode``) for control flow and
+    reports, the message for people."""
+
+    def __init__(self, message: str, code: RejectCode = RejectCode.UNSUPPORTED_STRUCTURE):
+        super().__init__(message)
+        self.code = code
 
 
 def is_hf_experts(m) -> bool:
@@ -101,12 +107,12 @@ def experts_spec(m: torch.nn.Module, top_k: int, verify: bool = True) -> MoESpec
                        w_layout="in_out" if transposed else "out_in", gate_up=gate_up,
                        has_expert_bias=b13 is not None)
     except SpecError as e:
-        raise Unsupported(str(e)) from None
+        raise Unsupported(str(e), RejectCode.SPEC_INVALID) from None
     if verify and w13.device.type != "meta":
         err, tol = verify_experts(m, spec)
         if not err <= tol:
             raise Unsupported(f"{type(m).__name__}'s forward differs from moe_experts on a probe: max rel. err "
-                              f"{err:.2e} > {tol:g}")
+                              f"{err:.2e} > {tol:g}", RejectCode.VERIFICATION_FAILED)
     return spec
 
 
