@@ -179,21 +179,10 @@ def floors(pb: dict, kv_tok: int, distinct_decode: float, distinct_prefill: floa
 
 
 # ================================================================================================ timing
-class StepClock:
-    """A stopping criterion that stops nothing: it synchronizes and reads the clock after every token."""
-
-    def __init__(self, cuda: bool):
-        self.cuda, self.times = cuda, []
-
-    def __call__(self, input_ids, scores, **kw):
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.times.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
 def run_hf_loop(model, ids, new: int, cuda: bool, **kw) -> tuple[torch.Tensor, float, float]:
     from transformers import StoppingCriteriaList
+
+    from moecomp.testing import StepClock
 
     clock = StepClock(cuda)
     if cuda:

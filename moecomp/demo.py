@@ -63,25 +63,14 @@ def _time(fn, device: str, reps: int) -> float:
     return statistics.median(ts)
 
 
-class _Clock:
-    """A stopping criterion that never stops: the clock time at which each generated token was chosen."""
-
-    def __init__(self, cuda: bool):
-        self.cuda, self.times = cuda, []
-
-    def __call__(self, input_ids, scores, **kwargs):
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.times.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
 def _decode_ms(model, prompt, new_tokens: int, device: str, reps: int = 5) -> tuple[float, torch.Tensor, str]:
     """(ms per decode step, tokens, which loop) of greedy generate(), timed step by step inside each call (the
     prompt's prefill is not counted); the median over ``reps`` calls. moecomp's generate() times its own decode
     loop with CUDA events (``model.generate.last``); transformers' loop is timed by a stopping criterion that reads
     the clock at every token. Both are differences of one monotonic clock within a call: never negative."""
     from transformers import StoppingCriteriaList
+
+    from .testing import StepClock
 
     def gen(n, **kw):
         with torch.no_grad():
@@ -98,7 +87,7 @@ def _decode_ms(model, prompt, new_tokens: int, device: str, reps: int = 5) -> tu
             last = model.generate.last
             per_step.append(last["decode_s"] / max(1, last["decode_steps"]))
         else:
-            clock = _Clock(device.startswith("cuda"))
+            clock = StepClock(device.startswith("cuda"))
             gen(new_tokens, stopping_criteria=StoppingCriteriaList([clock]))
             per_step.append((clock.times[-1] - clock.times[0]) / (len(clock.times) - 1))
     loop = "moecomp generate()" if last.get("path") == "moecomp" else "transformers' loop"

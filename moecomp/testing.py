@@ -1,10 +1,12 @@
-"""Random inputs for a MoESpec, shared by tests, benchmarks and the demo.
+"""Random inputs for a MoESpec, toy blocks and a per-token clock, shared by tests, benchmarks and the demo.
 
 ``random_moe_args(spec, T, ...)`` returns the op's positional arguments (x, then ``MOE_ARGS`` in order), drawn from
 N(0, std) so that nothing is zero and routing is not degenerate.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -66,6 +68,21 @@ LAYER_PRESETS = {
                            has_correction_bias=True, n_group=8, topk_group=4, routed_scaling_factor=2.5,
                            renorm_eps=1e-20, router_fp32=True, shared=SharedExpertSpec(2048)),
 }
+
+
+# ----------------------------------------------------------------------------------------------- timing
+class StepClock:
+    """A transformers stopping criterion that stops nothing: it synchronizes (on CUDA) and reads the clock after
+    every generated token, so decode steps are timed inside one ``generate()`` call."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.times = cuda, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 # ----------------------------------------------------------------------------------------------- toy blocks
