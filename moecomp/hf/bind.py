@@ -64,7 +64,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops.moe_op import MOE_ARGS, call_moe_forward
 from ..spec import MoESpec
-from .fallback import Derived, ProbeRun, SharedLayout, _primary
+from .fallback import _JITTER_NAMES, Derived, ProbeRun, SharedLayout, _primary
 from .snapshot import Snapshot, snapshot_changed, snapshot_changed_traced, snapshot_diff, take_snapshot
 from .structure import BlockParts, get_path
 
@@ -544,7 +544,7 @@ def bind(block: nn.Module, name: str, spec: MoESpec, bindings: dict, derived: li
     hidden, extra = forward_params(block)
     jitter = []
     for mpath in dict.fromkeys(["", parts.router_module]):
-        for attr in ("jitter_noise", "router_jitter_noise", "input_jitter_noise"):
+        for attr in _JITTER_NAMES:
             jitter.append((mpath, attr))
     st = BoundState(
         name=name, spec=spec, spec_key=spec.key, bindings=dict(bindings),
