@@ -2,10 +2,12 @@
 """Time one MoE block per model family: HF eager, HF grouped_mm, torch.compile, and moecomp's custom op.
 
 Each block is built from transformers' own class with a config of the family's sizes, directly on the device
-in bf16, weights drawn from N(0, 0.02) in place (never zeros). moecomp binds the block's own parameters to
-``torch.ops.moecomp.moe_forward`` with a ``MoESpec`` made from the family's config. Before timing, every path's
-output is compared with the HF block (per-expert eager loop) on the same random input; moecomp's relative
-error is the "check" column (flagged loudly when above ``--tol``, the run keeps going).
+in bf16, weights drawn from N(0, 0.02) in place (never zeros). moecomp calls ``torch.ops.moecomp.moe_forward``
+on the block's own parameters with the ``MoESpec`` and tensors moecomp's recogniser finds in the block
+(``moecomp.recognise.match_block``: what ``moecomp.optimize`` would bind; the script has no spec of its own, and a
+block moecomp refuses is reported with its reject code, gets no moecomp timing, and the exit status is 3).
+Before timing, every path's output is compared with the HF block (per-expert eager loop) on the same random
+input; moecomp's relative error is the "check" column (flagged loudly when above ``--tol``, the run keeps going).
 
 Every path is timed with plain launches and, where it can be captured (T <= 1024), as a CUDA-graph replay;
 the table shows the better, the JSON both. Times are ``triton.testing.do_bench`` medians in ms. The floor
@@ -75,7 +77,6 @@ class Family:
     block_cls: str
     full: dict  # config kwargs at the real sizes
     tiny: dict  # config kwargs for --tiny (CPU smoke runs)
-    spec_fn: str  # name of the spec builder below
     aliases: tuple = ()
 
 
@@ -90,35 +91,35 @@ FAMILIES = {
                dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
                     router_jitter_noise=0.0, **_attn(32, 8)),
                dict(hidden_size=64, intermediate_size=96, num_local_experts=8, num_experts_per_tok=2,
-                    router_jitter_noise=0.0, **_attn(4, 2)),
-               "spec_mixtral"),
+                    router_jitter_noise=0.0, **_attn(4, 2))),
         Family("qwen3", "Qwen3-30B-A3B", "transformers.models.qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeSparseMoeBlock",
                dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                     norm_topk_prob=True, **_attn(32, 4, head_dim=128)),
                dict(hidden_size=64, moe_intermediate_size=32, num_experts=32, num_experts_per_tok=8,
                     norm_topk_prob=True, **_attn(4, 2, head_dim=16)),
-               "spec_qwen_style", ("qwen3_moe", "qwen3-30b-a3b")),
+               ("qwen3_moe", "qwen3-30b-a3b")),
         Family("qwen2", "Qwen1.5-MoE-A2.7B", "transformers.models.qwen2_moe", "Qwen2MoeConfig",
                "Qwen2MoeSparseMoeBlock",
                dict(hidden_size=2048, moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60,
                     num_experts_per_tok=4, norm_topk_prob=False, **_attn(16, 16)),
                dict(hidden_size=64, moe_intermediate_size=48, shared_expert_intermediate_size=96, num_experts=12,
                     num_experts_per_tok=4, norm_topk_prob=False, **_attn(4, 2)),
-               "spec_qwen2", ("qwen2_moe", "qwen1.5", "qwen15")),
+               ("qwen2_moe", "qwen1.5", "qwen15")),
         Family("olmoe", "OLMoE-1B-7B", "transformers.models.olmoe", "OlmoeConfig", "OlmoeSparseMoeBlock",
                dict(hidden_size=2048, intermediate_size=1024, num_experts=64, num_experts_per_tok=8,
                     norm_topk_prob=False, **_attn(16, 16)),
                dict(hidden_size=64, intermediate_size=32, num_experts=16, num_experts_per_tok=8,
-                    norm_topk_prob=False, **_attn(4, 4)),
-               "spec_qwen_style"),
+                    norm_topk_prob=False, **_attn(4, 4))),
         Family("deepseek", "DeepSeek-V3 layer", "transformers.models.deepseek_v3", "DeepseekV3Config", "DeepseekV3MoE",
                dict(hidden_size=7168, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8,
                     n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1,
                     first_k_dense_replace=0, **_attn(128, 128)),
-               dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=32, num_experts_per_tok=8,
+               # tiny: the shared expert's width (48) differs from E (32): the FX pass reads [E, H] tensors used in
+               # the block as per-expert biases, so shared weights of [E, H] would make it refuse the block
+               dict(hidden_size=64, moe_intermediate_size=48, n_routed_experts=32, num_experts_per_tok=8,
                     n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1,
                     first_k_dense_replace=0, **_attn(4, 4)),
-               "spec_deepseek_v3", ("deepseek_v3", "deepseek-v3", "dsv3")),
+               ("deepseek_v3", "deepseek-v3", "dsv3")),
     )
 }
 
@@ -196,76 +197,43 @@ def set_experts_impl(block, cfg, impl: str) -> None:
         raise RuntimeError(f"could not select experts implementation {impl!r} (config says {got!r})")
 
 
-# ------------------------------------------------------------------------------------------ MoESpec per style
-_ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-         "relu": "relu"}
+# ------------------------------------------------------------------------------------- MoESpec from moecomp
+class BlockRefused(RuntimeError):
+    """moecomp's recogniser refused a family's block: the benchmark has no spec of its own to fall back to."""
+
+    def __init__(self, code: str, reason: str):
+        super().__init__(f"moecomp refused the block [{code}]: {reason}")
+        self.code, self.reason = code, reason
 
 
-def _act(cfg) -> str:
-    a = getattr(cfg, "hidden_act", "silu")
-    if a not in _ACTS:
-        raise ValueError(f"activation {a!r} has no MoESpec equivalent here")
-    return _ACTS[a]
+def block_spec(block, record: dict | None = None):
+    """(MoESpec, {MOE_ARGS name: tensor or None}) for ``block``, from moecomp's own recogniser and verify stage
+    (``moecomp.recognise.match_block``, as ``moecomp.optimize`` sees the block, without binding it); the tensors are
+    the block's own (``moecomp.hf.bind.bound_tensors``). The block is put in eval mode first. Raises
+    :class:`BlockRefused` (with the reject code) when moecomp does not take the block. ``record``, when given, receives
+    how the block was recognised (for the JSON)."""
+    from moecomp import reject
+    from moecomp.hf.bind import bound_tensors
+    from moecomp.ops.common import MOE_ARGS
+    from moecomp.recognise import match_block
 
-
-def _experts(block, H: int):
-    """(w13, w2, w_layout, E, I) from the block's fused experts module."""
-    ex = block.experts
-    w13, w2 = ex.gate_up_proj, ex.down_proj
-    transposed = bool(getattr(ex, "is_transposed", False) or getattr(ex, "experts_are_transposed", False))
-    layout = "in_out" if transposed else "out_in"
-    E = w13.shape[0]
-    I = w2.shape[-1] if layout == "out_in" else w2.shape[-2]
-    return w13, w2, layout, E, I
-
-
-def spec_mixtral(cfg, block):
-    from moecomp.spec import MoESpec
-
-    H = cfg.hidden_size
-    w13, w2, layout, E, I = _experts(block, H)
-    spec = MoESpec(num_experts=E, top_k=cfg.num_experts_per_tok, hidden_size=H, intermediate_size=I,
-                   scoring="softmax", renormalize=True, round_weights=False, activation=_act(cfg),
-                   w_layout=layout, gate_up="concat")
-    return spec, dict(router_w=block.gate.weight, w13=w13, w2=w2)
-
-
-def spec_qwen_style(cfg, block, shared=None, shared_tensors=None):
-    """Qwen2/3-MoE, OLMoE: softmax (fp32) -> top-k -> optional renormalise -> weights rounded to bf16."""
-    from moecomp.spec import MoESpec
-
-    H = cfg.hidden_size
-    w13, w2, layout, E, I = _experts(block, H)
-    spec = MoESpec(num_experts=E, top_k=cfg.num_experts_per_tok, hidden_size=H, intermediate_size=I,
-                   scoring="softmax", renormalize=bool(getattr(cfg, "norm_topk_prob", False)), round_weights=True,
-                   activation=_act(cfg), w_layout=layout, gate_up="concat", shared=shared)
-    return spec, dict(router_w=block.gate.weight, w13=w13, w2=w2, **(shared_tensors or {}))
-
-
-def spec_qwen2(cfg, block):
-    from moecomp.spec import SharedExpertSpec
-
-    se = block.shared_expert
-    shared = SharedExpertSpec(cfg.shared_expert_intermediate_size, activation=_act(cfg), gate="sigmoid")
-    return spec_qwen_style(cfg, block, shared, dict(
-        shared_w1=se.gate_proj.weight, shared_w3=se.up_proj.weight, shared_w2=se.down_proj.weight,
-        shared_gate_w=block.shared_expert_gate.weight))
-
-
-def spec_deepseek_v3(cfg, block):
-    from moecomp.spec import MoESpec, SharedExpertSpec
-
-    H = cfg.hidden_size
-    w13, w2, layout, E, I = _experts(block, H)
-    se = block.shared_experts
-    shared = SharedExpertSpec(se.down_proj.weight.shape[1], activation=_act(cfg))
-    spec = MoESpec(num_experts=E, top_k=cfg.num_experts_per_tok, hidden_size=H, intermediate_size=I,
-                   scoring="sigmoid", renormalize=bool(cfg.norm_topk_prob), renorm_eps=1e-20,
-                   routed_scaling_factor=float(cfg.routed_scaling_factor), n_group=cfg.n_group,
-                   topk_group=cfg.topk_group, group_score="top2_sum", has_correction_bias=True, router_fp32=True,
-                   round_weights=False, activation=_act(cfg), w_layout=layout, gate_up="concat", shared=shared)
-    return spec, dict(router_w=block.gate.weight, correction_bias=block.gate.e_score_correction_bias, w13=w13, w2=w2,
-                      shared_w1=se.gate_proj.weight, shared_w3=se.up_proj.weight, shared_w2=se.down_proj.weight)
+    block.eval()
+    t0 = time.perf_counter()
+    try:
+        v = match_block(block)
+    except reject.Refused as e:
+        code = getattr(e.code, "name", None) or str(e.code)
+        if record is not None:
+            record.update(refused=dict(code=code, reason=e.reason))
+        raise BlockRefused(code, e.reason) from e
+    m = v.match
+    tensors = dict(zip(MOE_ARGS, bound_tensors(block, m.spec, m.bindings, m.derived)))
+    if record is not None:
+        record.update(method=m.evidence.method, checked=m.evidence.checked, verify_max_rel_err=v.max_rel_err,
+                      bindings={k: p for k, p in m.bindings.items() if p is not None},
+                      derived=[d.name for d in m.derived], notes=list(m.evidence.notes),
+                      seconds=round(time.perf_counter() - t0, 2))
+    return m.spec, tensors
 
 
 def family_label(fam: Family, spec) -> str:
@@ -715,7 +683,8 @@ def run(argv=None) -> dict:
         os.environ["MOECOMP_CUDA_BACKEND"] = args.moecomp_backend
     import moecomp  # registers torch.ops.moecomp.*
     from moecomp import reference
-    from moecomp.ops.moe_op import MOE_ARGS, check_args
+    from moecomp.ops.common import MOE_ARGS, split_fused_gate
+    from moecomp.ops.moe_op import check_args
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     fams = _resolve(args.families, FAMILIES, {a: f.name for f in FAMILIES.values() for a in f.aliases}, "family")
@@ -773,17 +742,24 @@ def run(argv=None) -> dict:
             frec["build_s"] = round(time.perf_counter() - t_fam, 2)
             frec["config"] = {k: getattr(cfg, k, None) for k in sorted(fam.full)}
             spec_err = None
-            try:
-                spec, tensors = globals()[fam.spec_fn](cfg, block)
+            frec["recognised"] = rec = {}
+            try:  # the spec and tensors moecomp.optimize would use for this block: no spec of the benchmark's own
+                spec, tensors = block_spec(block, rec)
                 frec["label"] = family_label(fam, spec)
                 frec["spec"] = spec.key
                 frec["spec_describe"] = spec.describe()
-                targs = [tensors.get(n) for n in MOE_ARGS]
+                targs = [tensors[n] for n in MOE_ARGS]
                 H = spec.hidden_size
-                check_args(torch.empty(1, H, device=device, dtype=DTYPE), dict(zip(MOE_ARGS, targs)), spec)
+                check_args(torch.empty(1, H, device=device, dtype=DTYPE), tensors, spec)
+            except BlockRefused as e:  # loud, and no moecomp timing: the benchmark has no spec to fall back to
+                spec_err = str(e)
+                frec["errors"].append(f"spec: {spec_err}")
+                log(f"[bench] !!!!! {fam.name}: {spec_err}")
+                spec = None
             except Exception as e:
                 spec_err = _root_msg(e)
                 frec["errors"].append(f"spec: {spec_err}")
+                log(f"[bench] !!!!! {fam.name}: no spec ({spec_err})")
                 spec = None
             if "hf_eager" in peers:
                 paths.append(Path("hf_eager", block, lambda b=block, c=cfg: set_experts_impl(b, c, "eager")))
@@ -830,7 +806,8 @@ def run(argv=None) -> dict:
                     cell["ref_path"] = ref_path
                     amb = None
                     if spec is not None:
-                        logits = reference.router_logits(x.view(-1, H), tensors["router_w"], None, spec)
+                        rt = split_fused_gate(tensors, spec)  # (router rows only, should a spec ever fuse the gate)
+                        logits = reference.router_logits(x.view(-1, H), rt["router_w"], rt["router_b"], spec)
                         _, ids = reference.route(logits, tensors.get("correction_bias"), spec)
                         fl = floor_of(spec, T, ids, tensors, ceilings)
                         cell["floor_ms"] = fl.pop("floor_ms")
@@ -1014,7 +991,13 @@ def _print_notes(result: dict):
 def main(argv=None) -> int:
     res = run(argv)
     bad = [c for f in res["families"] for c in f["cells"] if c.get("check") and not c["check"].get("ok")]
-    return 2 if res.get("fatal") else (1 if bad else 0)  # 1: a correctness check failed (see the table)
+    refused = [f["name"] for f in res["families"] if f.get("recognised", {}).get("refused")]
+    if res.get("fatal"):
+        return 2
+    if refused:  # 3: moecomp's recogniser refused a family's block (reason code in the log and the JSON)
+        log(f"[bench] moecomp refused the block of: {', '.join(refused)}")
+        return 3
+    return 1 if bad else 0  # 1: a correctness check failed (see the table)
 
 
 if __name__ == "__main__":

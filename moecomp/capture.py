@@ -56,23 +56,22 @@ import torch.nn as nn
 
 from .ops.moe_op import MOE_ARGS
 from .passes import _fx
-from .reject import RejectCode
+from .derived import Derived
+from .reject import Refused, RejectCode
 from .spec import MoESpec
 
 __all__ = ["CapturedBlock", "BlockMatch", "DetectError", "capture_block", "detect_block", "traceable_experts"]
 
 
-class DetectError(Exception):
+class DetectError(Refused):
     """A block could not be captured (``kind == "capture"``, ``code`` ``RejectCode.CAPTURE_FAILED``) or is not an MoE
     we can prove (``kind == "detect"``, ``code`` ``RejectCode.NOT_RECOGNISED``)."""
 
     def __init__(self, reason: str, kind: str = "detect", rejected: list | None = None):
         if kind not in ("capture", "detect"):
             raise ValueError(f"DetectError kind must be 'capture' or 'detect', not {kind!r}")
-        super().__init__(reason)
-        self.reason = reason
+        super().__init__(reason, RejectCode.CAPTURE_FAILED if kind == "capture" else RejectCode.NOT_RECOGNISED)
         self.kind = kind
-        self.code = RejectCode.CAPTURE_FAILED if kind == "capture" else RejectCode.NOT_RECOGNISED
         self.capture_failed = kind == "capture"
         self.rejected = list(rejected or [])
         self.match = None  # a BlockMatch when the MoE was found but the block post-processes its result
@@ -114,6 +113,9 @@ class BlockMatch:
     # and ``output_index`` is the graph output carrying the tail's result
     output_is_graph_output: bool = True
     tail_ops: tuple[str, ...] = ()
+    # tensors the op reads that the block holds in pieces (per-expert nn.Linear weights: stacked); ``bindings``
+    # names them by ``Derived.name``
+    derived: list[Derived] = field(default_factory=list)
 
     def describe(self) -> str:
         bound = ", ".join(f"{k}={v}" for k, v in self.bindings.items() if v is not None)
@@ -232,8 +234,38 @@ def _dynamo_name(prefix: str, path: str) -> str:
     return s
 
 
-def capture_block(module: nn.Module, example_input: torch.Tensor, *, dynamic: bool = True) -> CapturedBlock:
-    """Dynamo's torch-level graph of ``module(example_input)``, with placeholders mapped to module paths."""
+@contextlib.contextmanager
+def _real_values():
+    """Trace with real values beside the fake ones: a branch on a data-dependent value (``if tok.numel():`` in a
+    per-expert loop) takes the way the example input takes instead of breaking the graph. The graph is then the
+    block's computation *for branches the example took*: the caller checks that every expert was reached."""
+    import logging
+
+    import torch._functorch.config as functorch_config
+    import torch.fx.experimental._config as fx_config
+
+    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = log.level
+    patches = [functorch_config.patch(fake_tensor_propagate_real_tensors=True),
+               torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True)]
+    if hasattr(fx_config, "soft_pending_unbacked_not_found_error"):
+        patches.append(fx_config.patch(soft_pending_unbacked_not_found_error=True))
+    log.setLevel(logging.ERROR)  # one warning per data-dependent branch otherwise
+    try:
+        with contextlib.ExitStack() as stack:
+            for p in patches:
+                stack.enter_context(p)
+            yield
+    finally:
+        log.setLevel(level)
+
+
+def capture_block(module: nn.Module, example_input: torch.Tensor, *, dynamic: bool = True,
+                  real_values: bool = False) -> CapturedBlock:
+    """Dynamo's torch-level graph of ``module(example_input)``, with placeholders mapped to module paths.
+
+    ``real_values``: trace with real values propagated (:func:`_real_values`): data-dependent branches follow the
+    example input. For per-expert loops that skip experts without tokens."""
     box: dict = {}
 
     def backend(gm, example_inputs):
@@ -251,7 +283,7 @@ def capture_block(module: nn.Module, example_input: torch.Tensor, *, dynamic: bo
     entry = _fresh_entry()
     compiled = torch.compile(entry, backend=backend, fullgraph=True, dynamic=dynamic)
     try:
-        with traceable_experts(), torch.no_grad():
+        with traceable_experts(), torch.no_grad(), (_real_values() if real_values else contextlib.nullcontext()):
             compiled(module, example_input)
     except _Captured:
         pass
@@ -297,7 +329,7 @@ def capture_block(module: nn.Module, example_input: torch.Tensor, *, dynamic: bo
 
 
 def detect_block(module: nn.Module, example_input: torch.Tensor, *, verify: bool = True,
-                 allow_tail: bool = False) -> BlockMatch:
+                 allow_tail: bool = False, real_values: bool = False) -> BlockMatch:
     """MoESpec + module-relative bindings of one block, or ``DetectError`` (see the module docstring).
 
     A block that applies a tail to the MoE result before returning it (a post-MoE norm) raises unless
@@ -306,7 +338,7 @@ def detect_block(module: nn.Module, example_input: torch.Tensor, *, verify: bool
     ``output_is_graph_output``): the block's output is the op's, reshaped."""
     from .passes.detect_moe import detect_moe
 
-    cap = capture_block(module, example_input)
+    cap = capture_block(module, example_input, real_values=real_values)
     res = detect_moe(cap.gm, cap.example_inputs, verify=verify)
     if not res.matches:
         why = "; ".join(f"{w}: {r}" for w, r in res.rejected) or "no top-k routing over stacked expert weights"
@@ -333,16 +365,22 @@ def detect_block(module: nn.Module, example_input: torch.Tensor, *, verify: bool
         post = "the block post-processes the MoE result before returning it (" + ", ".join(tail_ops)[:200] + ")"
     else:
         post = None
-    bindings: dict[str, str | None] = {}
-    for k in MOE_ARGS:
-        ph = m.bindings.get(k)
-        if ph is None:
-            bindings[k] = None
-            continue
+    def path_of(k, ph):
         path = cap.paths.get(ph)
         if path is None or path == "<input>":
             raise DetectError(f"{k} reads {ph}, which is not a parameter or buffer of the block", "detect")
-        bindings[k] = path
+        return path
+
+    bindings: dict[str, str | None] = {}
+    derived: list[Derived] = []
+    for k in MOE_ARGS:
+        ph = m.bindings.get(k)
+        groups = getattr(m, "stacked", {}).get(k)
+        if groups:  # per expert, the pieces of its slice: built as one [E, ...] tensor
+            derived.append(Derived(f"_moecomp_{k}", [[path_of(k, p) for p in g] for g in groups]))
+            bindings[k] = derived[-1].name
+        else:
+            bindings[k] = None if ph is None else path_of(k, ph)
     constants = {}
     for fld, ph in m.baked.items():
         constants[fld] = cap.paths.get(ph) or ph
@@ -357,6 +395,7 @@ def detect_block(module: nn.Module, example_input: torch.Tensor, *, verify: bool
         output_node=m.output.name,
         output_is_graph_output=post is None,
         tail_ops=tail_ops,
+        derived=derived,
     )
     if post is not None and not allow_tail and not all(op in _fx.VIEW_OPS for op in tail_ops):
         err = DetectError(post, "detect", res.rejected)

@@ -11,6 +11,7 @@ from .report import BlockReport, expert_style
 from .spec import MoESpec
 from .hf import bind as _bind
 from .hf import fallback as _fb
+from .hf.names import TOPK_NAMES, read_attr
 from .hf.structure import BlockParts, get_path
 
 
@@ -69,8 +70,8 @@ def _experts_top_k(block: nn.Module, parts: BlockParts | None, experts: nn.Modul
     """top-k read from the block's (or the experts module's config's) attributes; 2 when none reads as one."""
     srcs = _fb.attr_sources(block, parts) if parts is not None else [block, experts]
     cfg = getattr(experts, "config", None)
-    top_k = _fb.read_attr(srcs + ([cfg] if cfg is not None and not isinstance(cfg, nn.Module) else []),
-                          _fb._TOPK_NAMES, (int,))
+    top_k = read_attr(srcs + ([cfg] if cfg is not None and not isinstance(cfg, nn.Module) else []),
+                          TOPK_NAMES, (int,))
     return int(top_k) if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 0 else 2
 
 

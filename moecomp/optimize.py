@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import warnings
 
 import torch
@@ -48,11 +47,13 @@ from torch import nn
 
 from . import policy
 from .experts_only import _try_experts_only
-from .ops.moe_op import MOE_ARGS
 from .reject import RejectCode
 from .report import BlockReport, Report, _fill_from_spec, expert_style, router_style  # noqa: F401 (re-exported)
-from .spec import MoESpec, SpecError
-from .verify import _check_epilogue, _err_with_ties, _example, _verify  # noqa: F401 (re-exported)
+from .epilogue import Peeled, block_device_dtype, epilogue_of
+from .match import Verified
+from .recognise import fx_available, recognise, structure_key  # noqa: F401 (structure_key re-exported)
+from .reject import Refused, Reject
+from .verify import verify, verify_epilogue
 from .hf import bind as _bind
 from .hf import fallback as _fb
 from .hf.structure import BlockParts, get_path, iter_blocks
@@ -64,241 +65,31 @@ TIE_REL = policy.TIE_REL
 MAX_TIE_FRACTION = policy.MAX_TIE_FRACTION
 
 
-# ----------------------------------------------------------------------------------------------- detection
-def _capture():
-    """(detect_block, DetectError) of the FX pass, or (None, reason)."""
-    try:
-        from . import capture  # noqa: PLC0415
-    except ImportError as e:
-        return None, f"FX pass unavailable ({e})"
-    fn = getattr(capture, "detect_block", None)
-    err = getattr(capture, "DetectError", Exception)
-    if fn is None:
-        return None, "FX pass has no detect_block"
-    return (fn, err), ""
+# ----------------------------------------------------------------------------------------------- one block
+def _recognise_and_verify(block: nn.Module, parts: BlockParts, epilogue, rep: BlockReport, use_fx: bool,
+                          cache, trust_fallback: bool) -> Verified:
+    """recognise (FX pass, attribute reader) -> verify; raises ``Refused``. Epilogue children are peeled off while
+    the MoE part is recognised and verified, then checked with it."""
+    device, dtype = block_device_dtype(block, parts)
+    x = policy.probe_input(parts.hidden_size, device, dtype)
+    dparts = parts
+    if epilogue:
+        dparts = dataclasses.replace(parts, extra_modules=[n for n in parts.extra_modules if n not in epilogue])
+    with Peeled(block, epilogue):
+        got, notes = recognise(block, dparts, x, use_fx=use_fx, trust_fallback=trust_fallback, cache=cache)
+        rep.notes += notes
+        if isinstance(got, Reject):
+            raise Refused(got.message, got.code)
+        rep.method = got.method
+        rep.notes += got.evidence.notes
+        consts = _fb.numeric_consts(_fb.attr_sources(block, dparts), 1)
+        verified = verify(block, got, x, consts, rep.notes)
+    return verify_epilogue(block, verified, x, epilogue, rep.notes)
 
 
-def _is_capture_failure(e: Exception) -> bool:
-    """True when the FX pass could not capture the block at all (then the attribute fallback may try)."""
-    return getattr(e, "code", None) is RejectCode.CAPTURE_FAILED
-
-
-def _block_device_dtype(block: nn.Module, parts: BlockParts):
-    t = get_path(block, parts.w13) if parts.w13 else get_path(block, parts.expert_mlps[0].down)
-    return t.device, t.dtype
-
-
-def _ignored_params(block: nn.Module, x: torch.Tensor, ref, extra_params) -> frozenset:
-    """Extra forward parameters (e.g. ``input_ids``) that leave this block's output unchanged."""
-    ok = set()
-    for p in extra_params:
-        if "ids" not in p:
-            continue
-        val = torch.ones(x.shape[:-1], dtype=torch.long, device=x.device)
-        try:
-            with torch.no_grad():
-                out = block(x, **{p: val})
-        except Exception:
-            continue
-        o = _fb._primary(out)
-        if isinstance(o, torch.Tensor) and torch.equal(o, _fb._primary(ref)):
-            ok.add(p)
-    return frozenset(ok)
-
-
-_SKIP_KEY_ATTRS = frozenset({"training", "layer_idx", "layer_id", "layer_number", "layer_index"})
-
-
-def structure_key(block: nn.Module):
-    """Blocks with equal keys trace to the same graph: class, tensor names / shapes / dtypes, scalar attributes."""
-    tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in block.named_parameters()) + tuple(
-        (n, tuple(t.shape), t.dtype) for n, t in block.named_buffers())
-    scalars = []
-    for mname, sub in block.named_modules():
-        scalars.append((mname, type(sub).__qualname__))
-        for a, v in vars(sub).items():
-            if isinstance(v, (int, float, bool, str)) and not a.startswith("_") and a not in _SKIP_KEY_ATTRS:
-                scalars.append((f"{mname}.{a}", v))
-    return (type(block), tensors, tuple(scalars))
-
-
-def _fx_detect(block, example, cap, cache):
-    """The FX pass's BlockMatch for ``block`` (DetectError / other errors raised), cached per structure."""
-    detect_block, _ = cap
-    key = structure_key(block)
-    hit = cache.get(key) if cache is not None else None
-    if hit is None:
-        try:
-            hit = detect_block(block, example)
-        except Exception as e:
-            hit = e
-        if cache is not None:
-            cache[key] = hit
-    if isinstance(hit, Exception):
-        raise hit
-    return hit
-
-
-COMPARE_FALLBACK = True  # when the FX pass detects a block, also run the attribute fallback and note any difference
-
-
-def fallback_spec(block: nn.Module, parts: BlockParts, x: torch.Tensor | None = None) -> MoESpec:
-    """The spec the attribute fallback gives (measured and output-checked when it can run): for comparisons."""
-    ext = _fb.static_extract(block, parts)
-    if x is None:
-        return ext.match.spec
-    ext, run = _fb.measure(block, x, ext)
-    consts = _fb.numeric_consts(_fb.attr_sources(block, parts), ext.match.spec.top_k)
-    spec, _ = _verify(block, ext.match.spec, ext.match.bindings, ext.derived, run, consts)
-    return spec
-
-
-def _compare_fallback(block, parts, x, spec: MoESpec, consts) -> str:
-    try:
-        fb = fallback_spec(block, parts, x)
-    except _fb.FallbackError as e:
-        return f"attribute fallback could not describe the block: {e.reason}"
-    except Exception as e:
-        return f"attribute fallback failed: {type(e).__name__}: {e}"
-    if fb == spec:
-        return "attribute fallback agrees"
-    a, b = json.loads(spec.key), json.loads(fb.key)
-    diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
-    return f"attribute fallback differs (fx, fallback): {diff}"
-
-
-def _try_fx(block: nn.Module, H: int, device, dtype, cap, rep: BlockReport, cache, trust_fallback: bool):
-    """The FX pass's BlockMatch, or None (noted in ``rep``) when the attribute fallback is to try instead; a block
-    the pass traced but rejected raises FallbackError unless ``trust_fallback``."""
-    detect_block, DetectError = cap
-    try:
-        return _fx_detect(block, _example(H, device, dtype, shape=policy.CAPTURE_PROBE_SHAPE), cap, cache)
-    except DetectError as e:  # noqa: B014
-        reason = getattr(e, "reason", str(e))
-        if not _is_capture_failure(e):
-            if not trust_fallback:
-                raise _fb.FallbackError(f"FX pass: {reason}", RejectCode.NOT_RECOGNISED) from None
-            rep.notes.append(f"FX pass rejected the block ({reason}); attribute fallback used (trust_fallback)")
-        else:
-            rep.notes.append(f"FX pass could not capture the block ({reason}); attribute fallback used")
-    except Exception as e:  # Dynamo errors surface as many types
-        rep.notes.append(f"FX pass failed ({type(e).__name__}: {str(e)[:120]}); attribute fallback used")
-    return None
-
-
-def _compare_note(block, parts, x, spec: MoESpec, consts, cache) -> str:
-    """``_compare_fallback``'s note, once per block structure: the other layers would repeat the same answer."""
-    ck = ("compare", structure_key(block))
-    if cache is None or ck not in cache:
-        note = _compare_fallback(block, parts, x, spec, consts)
-        if cache is not None:
-            cache[ck] = note
-    else:
-        note = cache[ck]
-    return note
-
-
-def _detect(name: str, block: nn.Module, parts: BlockParts, cap, rep: BlockReport, cache=None,
-            trust_fallback: bool = False):
-    """Detection + check for one block with real tensors. Returns (spec, bindings, derived, contract, run)."""
-    device, dtype = _block_device_dtype(block, parts)
-    H = parts.hidden_size
-    x = _example(H, device, dtype)
-    match = _try_fx(block, H, device, dtype, cap, rep, cache, trust_fallback) if cap is not None else None
-    consts = _fb.numeric_consts(_fb.attr_sources(block, parts), 1)
-    if match is None:
-        ext = _fb.static_extract(block, parts)
-        ext, run = _fb.measure(block, x, ext)
-        spec, bindings, derived = ext.match.spec, ext.match.bindings, ext.derived
-        method = "fallback"
-        rep.notes += ext.notes
-    else:
-        spec, bindings = match.spec, dict(match.bindings)
-        for a in MOE_ARGS:
-            bindings.setdefault(a, None)
-        derived = []
-        run = _fb.run_probe(block, parts, x)
-        method = "fx"
-        if COMPARE_FALLBACK:
-            rep.notes.append(_compare_note(block, parts, x, spec, consts, cache))
-    rep.method = method
-    why = _fb.activation_mismatch(block, parts, spec)
-    if why is not None:
-        raise _fb.FallbackError(f"activation check: {why}", RejectCode.VERIFICATION_FAILED)
-    contract = _bind.infer_contract(run, parts)
-    try:
-        spec, err = _verify(block, spec, bindings, derived, run, consts + [float(spec.top_k), 1.0 / spec.top_k],
-                            rep.notes)
-    except SpecError as e:
-        raise _fb.FallbackError(f"op rejected the block's tensors: {e}", RejectCode.SPEC_INVALID) from None
-    rep.max_rel_err = err
-    tol = policy.verify_tolerance(dtype)
-    if not err <= tol:
-        extra = f" (block also has {', '.join(parts.extra_modules)})" if parts.extra_modules else ""
-        raise _fb.FallbackError(f"op output differs from the block's: max rel. err {err:.2e} > {tol:g}{extra}",
-                                RejectCode.VERIFICATION_FAILED)
-    return spec, bindings, derived, contract, run, method
-
-
-def _find_epilogue(block: nn.Module, parts: BlockParts, x: torch.Tensor) -> list[str]:
-    """Children the block applies last to its result (``return self.post_mlp_layernorm(h)``), seen by running it.
-
-    A candidate is a parameterised child that nothing else explains (``parts.extra_modules``), called once on one
-    [.., H] tensor, whose output *is* the block's output. It is peeled off (replaced by ``nn.Identity`` while the MoE
-    part is detected) and applied after the op; the whole is then checked against the block.
-    """
-    cands = [n for n in parts.extra_modules if isinstance(block._modules.get(n), nn.Module)]
-    if not cands:
-        return []
-    seen: dict = {}
-    handles = []
-    for n in cands:
-        def hook(mod, args, out, _n=n):
-            seen.setdefault(_n, []).append((args, out))
-        handles.append(block._modules[n].register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            out = block(x)
-    except Exception:
-        return []
-    finally:
-        for h in handles:
-            h.remove()
-    prim = _fb._primary(out)
-    if not isinstance(prim, torch.Tensor):
-        return []
-    for n, calls in seen.items():
-        if len(calls) != 1:
-            continue
-        args, o = calls[0]
-        if (len(args) == 1 and isinstance(args[0], torch.Tensor) and args[0].shape[-1] == x.shape[-1]
-                and isinstance(o, torch.Tensor) and o.numel() == prim.numel() and torch.equal(o.reshape(prim.shape),
-                                                                                             prim)):
-            return [n]
-    return []
-
-
-class _Peeled:
-    """Context manager: the named children of ``block`` are ``nn.Identity`` inside it."""
-
-    def __init__(self, block: nn.Module, names):
-        self.block, self.names, self.saved = block, list(names), {}
-
-    def __enter__(self):
-        for n in self.names:
-            self.saved[n] = self.block._modules[n]
-            self.block._modules[n] = nn.Identity()
-        return self
-
-    def __exit__(self, *exc):
-        for n, m in self.saved.items():
-            self.block._modules[n] = m
-        return False
-
-
-def _process(name: str, block: nn.Module, parts: BlockParts | None, reason: str, cap, bind_it: bool,
+def _process(name: str, block: nn.Module, parts: BlockParts | None, reason: str, use_fx: bool, bind_it: bool,
              cache=None, trust_fallback: bool = False, experts_only: bool = True) -> BlockReport:
-    rep = _process_block(name, block, parts, reason, cap, bind_it, cache, trust_fallback)
+    rep = _process_block(name, block, parts, reason, use_fx, bind_it, cache, trust_fallback)
     if rep.status == "skipped" and experts_only:
         _try_experts_only(name, block, parts, rep, bind_it)
     if rep.status not in ("already", "experts only") and any(p.device.type == "meta" for p in block.parameters()):
@@ -344,30 +135,17 @@ def _refuse_structure(block: nn.Module, parts: BlockParts, rep: BlockReport) -> 
 
 
 def _report_meta(block: nn.Module, parts: BlockParts, rep: BlockReport) -> None:
-    """A block on the meta device: what the attribute fallback reads, marked unverified (nothing can run)."""
-    try:
-        ext = _fb.static_extract(block, parts)
-    except _fb.FallbackError as e:
-        rep.refuse(e.code, e.reason)
+    """A block on the meta device: what the attribute reader reads, marked unverified (nothing can run)."""
+    got, notes = recognise(block, parts, None)
+    if isinstance(got, Reject):
+        rep.refuse(got.code, got.message)
         return
-    _fill_from_spec(rep, ext.match.spec, block, ext.match.bindings, ext.derived)
-    rep.status, rep.method, rep.reason = "unverified", "fallback (meta)", ""
-    rep.notes += ext.notes + ["meta tensors: routing read from attributes and source, not measured"]
+    _fill_from_spec(rep, got.spec, block, got.bindings, got.derived)
+    rep.status, rep.method, rep.reason = "unverified", got.method, ""
+    rep.notes += got.evidence.notes + notes
 
 
-def _epilogue_of(block: nn.Module, parts: BlockParts) -> list[str]:
-    """``_find_epilogue`` on the check input; [] when the block has no unexplained children or running it fails."""
-    epilogue = []
-    if parts.extra_modules:
-        device, dtype = _block_device_dtype(block, parts)
-        try:
-            epilogue = _find_epilogue(block, parts, _example(parts.hidden_size, device, dtype))
-        except Exception:
-            epilogue = []
-    return epilogue
-
-
-def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason: str, cap, bind_it: bool,
+def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason: str, use_fx: bool, bind_it: bool,
                    cache=None, trust_fallback: bool = False) -> BlockReport:
     rep = BlockReport(name=name, cls=type(block).__name__, status="skipped", reason=reason)
     if parts is None:  # structure.iter_blocks says why (free text)
@@ -386,23 +164,11 @@ def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason
     if meta:
         _report_meta(block, parts, rep)
         return rep
-    epilogue = _epilogue_of(block, parts)
-    dparts = parts
-    if epilogue:
-        dparts = dataclasses.replace(parts, extra_modules=[n for n in parts.extra_modules if n not in epilogue])
+    epilogue = epilogue_of(block, parts)
     try:
-        with _Peeled(block, epilogue):
-            spec, bindings, derived, contract, run, method = _detect(name, block, dparts, cap, rep, cache,
-                                                                     trust_fallback)
-            hidden, extra = _bind.forward_params(block)
-            ignored = _ignored_params(block, run.x, run.output, extra) if extra else frozenset()
-        if epilogue:
-            _check_epilogue(block, spec, bindings, derived, run.x, epilogue, rep)
-    except _fb.FallbackError as e:
+        verified = _recognise_and_verify(block, parts, epilogue, rep, use_fx, cache, trust_fallback)
+    except Refused as e:
         rep.refuse(e.code, e.reason)
-        return rep
-    except _bind.BindError as e:
-        rep.refuse(RejectCode.BIND_FAILED, e.reason)
         return rep
     except Exception as e:  # the block's own forward failed on the check input, or the op did
         rep.refuse(RejectCode.CHECK_ERROR,
@@ -410,20 +176,22 @@ def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason
         return rep
     rep.reason = ""
     rep.epilogue = list(epilogue)
+    rep.max_rel_err = verified.max_rel_err
+    m = verified.match
+    derived = m.derived
     if bind_it:
-        st = _bind.bind(block, name, spec, bindings, derived, contract, dparts, ignored, method=method,
-                        epilogue=epilogue)
-        derived = st.derived  # with the router buffer, where the op reads one
+        derived = _bind.bind(block, name, verified).derived  # with the router buffer, where the op reads one
         rep.status = "rewritten"
     else:
         rep.status = "supported"
-    _fill_from_spec(rep, spec, block, bindings, derived)
+    _fill_from_spec(rep, m.spec, block, m.bindings, derived)
     return rep
 
 
 def _walk(model: nn.Module, bind_it: bool, use_capture: bool = True, trust_fallback: bool = False,
           experts_only: bool = True) -> Report:
-    cap, why = _capture() if use_capture else (None, "FX pass not used")
+    why = fx_available() if use_capture else "FX pass not used"
+    use_fx = not why
     blocks = iter_blocks(model)
     reps = []
     cache = {}  # FX results per block structure: one Dynamo capture per distinct block, not per layer
@@ -432,10 +200,10 @@ def _walk(model: nn.Module, bind_it: bool, use_capture: bool = True, trust_fallb
         was_training[name] = mod.training
         mod.eval()  # checks run in eval mode (no jitter / dropout); restored below
         try:
-            reps.append(_process(name, mod, parts, reason, cap, bind_it, cache, trust_fallback, experts_only))
+            reps.append(_process(name, mod, parts, reason, use_fx, bind_it, cache, trust_fallback, experts_only))
         finally:
             mod.train(was_training[name])
-    det = "detection: FX pass, attribute fallback where Dynamo cannot capture" if cap else (
+    det = "detection: FX pass, attribute fallback where Dynamo cannot capture" if use_fx else (
         f"detection: attribute fallback only — {why}")
     if reps and all(r.method == "fallback (meta)" or r.status == "skipped" for r in reps) and any(
             r.method == "fallback (meta)" for r in reps):

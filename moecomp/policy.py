@@ -72,6 +72,18 @@ EPILOGUE_PROBE_SEED = 7
 # the FX pass traces on [1, 3, H]: any token count does (dynamic shapes); 3 is not 1 (no size-1 specialisation)
 # and differs from every other size in a test model (no accidental shape coincidences)
 CAPTURE_PROBE_SHAPE = (1, 3)
+# A block whose capture fails on a data-dependent branch (a per-expert loop's ``if tok.numel():``) is traced again
+# with real values, following the example's branches: the example must then reach every expert. With
+# REAL_TRACE_TOKENS_PER_EXPERT tokens per expert (at least REAL_TRACE_MIN_TOKENS) and top-k >= 1, an expert a
+# random router sends 1/E of the choices misses all of them with probability about exp(-8) (0.03%); a missed expert
+# makes the FX pass refuse the trace (the attribute reader then tries), never a wrong match.
+REAL_TRACE_TOKENS_PER_EXPERT = 8
+REAL_TRACE_MIN_TOKENS = 64
+
+
+def real_trace_shape(num_experts: int) -> tuple[int, int]:
+    """[batch, tokens] of the example for a trace that follows the example's branches (see above)."""
+    return (1, max(REAL_TRACE_MIN_TOKENS, REAL_TRACE_TOKENS_PER_EXPERT * int(num_experts)))
 
 
 def probe_input(hidden: int, device, dtype, shape=PROBE_SHAPE, seed: int = PROBE_SEED) -> torch.Tensor:
@@ -144,6 +156,16 @@ def routing_match_tolerance(dtype: torch.dtype) -> float:
 # apart any two constants a config would hold.
 SNAP_REL = 1e-4
 
+
+def snap_constant(c: float, consts) -> float:
+    """``c`` snapped to 1 or to the first of ``consts`` within ``SNAP_REL`` of it (else ``c`` as fitted)."""
+    if abs(c - 1.0) < SNAP_REL:
+        return 1.0
+    for v in consts:
+        if v and abs(c - v) <= SNAP_REL * abs(v):
+            return float(v)
+    return c
+
 # ------------------------------------------------------------------------------------------------ benchmarks
 # ``benchmarks/bench_moe.py``: moecomp vs the HF block in bf16 at real sizes, ||diff|| / ||ref|| over all tokens
 # that are not near a tie. Whole-tensor norms average the per-element bf16 roundings (~4e-3 each): 2e-2.
@@ -166,3 +188,40 @@ def bench_tie_window(logits: torch.Tensor, fp32_router: bool) -> torch.Tensor:
         return BENCH_TIE_FP32_REL * (1.0 + logits.abs())
     _, e = torch.frexp(logits)
     return 0.5 * torch.pow(2.0, (e - BENCH_TIE_SIGNIFICAND_BITS).float()) + 1e-30
+
+
+# ------------------------------------------------------------------------------------------------ FX pass check
+# (moved here from ``moecomp.passes._numeric``, the FX pass's numeric check: the cut-out block graph against
+# ``moecomp.reference.moe_forward`` with the derived spec.) A rule of its own, not the verify check's: it compares
+# every token of a block it cut out of Dynamo's graph, in the block's dtype.
+#
+# fp32 and fp64 blocks: max |graph - reference| / max |reference| within the fp32 verify tolerance (1e-4, the same
+# argument: one computation in two summation orders). fp64 blocks get the fp32 value too (as before the move: the
+# reference's result is compared in fp32).
+FX_CHECK_TOL_FULL = VERIFY_TOLERANCE[torch.float32]
+# 16-bit blocks: per token, max |diff| / max |reference| of that token within the bf16 verify tolerance (3e-2) ...
+FX_CHECK_TOL_TOKEN_LOW = VERIFY_TOLERANCE[torch.bfloat16]
+# ... on at least 90% of the tokens (a near tie of 16-bit router logits may send a token to another expert; a wrong
+# spec misses on most tokens)
+FX_CHECK_MIN_TOKEN_SHARE = 0.9
+# floors of the denominators: the output's max (an all-zero output compares absolutely; also the floor of the clamp
+# stress quantile below), and a token's max relative to the output's (a near-zero token is compared against the
+# output's scale instead)
+FX_CHECK_SCALE_FLOOR = 1e-6
+FX_CHECK_TOKEN_SCALE_FLOOR = 1e-3
+# tokens the check aims for when the graph's token count is symbolic (the traced sizes are the fallback): enough for
+# top-k over tens of experts to hit most of them, small enough to run in milliseconds on CPU
+FX_CHECK_TOKENS = 48
+# at most this many bytes of gathered expert weights (``w13[ids]``, T * k whole matrices) may be materialised; past
+# it the match rests on the structure alone and says so
+FX_CHECK_GATHER_BYTES = 2 << 30
+# the first 1/4 of the tokens are copies of one token: one expert gets crowded, so capacity limits (dropped tokens)
+# show up
+FX_CHECK_CROWD_DIVISOR = 4
+FX_CHECK_SEED = 0x6D6F65
+# A spec that clamps is checked again with the clamped projections scaled so that the pre-activations' 70th
+# percentile of |value| sits at 1.5 x the limit (about a third of them clamped); the quantile is read from at most
+# 100000 values
+FX_CLAMP_STRESS_QUANTILE = 0.7
+FX_CLAMP_STRESS_OVERSHOOT = 1.5
+FX_CLAMP_STRESS_SAMPLE = 100_000

@@ -31,3 +31,20 @@ class Reject:
 
     def __str__(self) -> str:
         return self.message
+
+
+class Refused(Exception):
+    """A stage refuses a block: the exception form of :class:`Reject` (``code`` for control flow, ``reason`` the
+    message). The stages' own errors (``FallbackError``, ``BindError``, ``DetectError``, the experts interface's
+    ``Unsupported``) are subclasses, so a caller catches one type and reads one code."""
+
+    default_code = RejectCode.UNSUPPORTED_STRUCTURE
+
+    def __init__(self, reason: str, code: RejectCode | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.code = code if code is not None else self.default_code
+
+    @property
+    def reject(self) -> Reject:
+        return Reject(self.code, self.reason)

@@ -1,21 +1,32 @@
-"""The verify stage of ``moecomp.optimize``: ``torch.ops.moecomp.moe_forward`` against the block's original forward
-on the probe input (:mod:`moecomp.policy`: shape, tolerance per dtype, 16-bit routing near-ties excused), the one
-constant it may fit on the routed part, and the check of an epilogue (``epilogue(op(x))`` against the whole block).
+"""The verify stage: a recogniser's :class:`moecomp.match.Match` proved on probes, or refused.
+
+    Match ──► activations against the block's own modules on wide inputs (clamps reached)
+          ──► the block's original forward and ``torch.ops.moecomp.moe_forward`` on the same probe input
+              (:mod:`moecomp.policy`: shape, tolerance per dtype, 16-bit routing near-ties excused); if only the
+              routed part is off by one constant, the constant is fitted (snapped to the block's own numbers)
+          ──► extra forward arguments (``input_ids``) checked to make no difference
+          ──► [an epilogue: ``epilogue(op(x))`` against the whole block, on two inputs: verify_epilogue]
+          ──► Verified(match, contract, error, ignored arguments, epilogue)    (else ``Refused`` with a code)
+
+Every recogniser's Match goes through the same checks; nothing here depends on which recogniser produced it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 from . import policy, reference
+from .derived import get_path
+from .hf.bind import bound_tensors, forward_params
+from .hf.activations import activation_mismatch
+from .match import Match, Verified
 from .ops.moe_op import MOE_ARGS
-from .reject import RejectCode
+from .probe import contract_of, primary, run_probe
+from .reject import Refused, RejectCode
 from .spec import MoESpec, SpecError
-from .hf import bind as _bind
-from .hf import fallback as _fb
-from .hf.structure import get_path
 
 _example = policy.probe_input  # the verify check's input (shape, distribution, seed: see moecomp.policy)
 
@@ -30,7 +41,7 @@ def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).abs().max().item() / scale)
 
 
-def _err_with_ties(block, spec: MoESpec, bindings, derived, x, y, ref, notes: list | None = None) -> float:
+def err_with_ties(block, spec: MoESpec, bindings, derived, x, y, ref, notes: list | None = None) -> float:
     """``_rel_err(y, ref)``, except that in 16-bit a few tokens that differ because their routing is within a
     rounding of a tie (``reference.near_tie_tokens``) are left out; the count goes to ``notes``. When ties are
     excused (window per dtype, largest share of tokens) is :mod:`moecomp.policy`'s."""
@@ -46,7 +57,7 @@ def _err_with_ties(block, spec: MoESpec, bindings, derived, x, y, ref, notes: li
     bad = per_token > tol
     if int(bad.sum()) > policy.max_tie_tokens(bad.numel()):
         return err
-    t = _bind.bound_tensors(block, spec, bindings, derived)
+    t = bound_tensors(block, spec, bindings, derived)
     with torch.no_grad():
         near = reference.near_tie_tokens(x2, t[0], t[1], t[2], spec, rel)
     if bool((bad & ~near).any()):
@@ -58,7 +69,7 @@ def _err_with_ties(block, spec: MoESpec, bindings, derived, x, y, ref, notes: li
 
 
 def _run_op(block, spec: MoESpec, bindings, derived, x):
-    tensors = _bind.bound_tensors(block, spec, bindings, derived)
+    tensors = bound_tensors(block, spec, bindings, derived)
     with torch.no_grad():
         return torch.ops.moecomp.moe_forward(x, *tensors, spec.key)
 
@@ -66,9 +77,9 @@ def _run_op(block, spec: MoESpec, bindings, derived, x):
 def _verify(block, spec, bindings, derived, run, consts, notes: list | None = None) -> tuple[MoESpec, float]:
     """Compare the op with the original output; fit one constant on the routed part if that alone is off."""
     x = run.x
-    ref = _fb._primary(run.output).reshape(x.shape)
+    ref = primary(run.output).reshape(x.shape)
     y = _run_op(block, spec, bindings, derived, x)
-    err = _err_with_ties(block, spec, bindings, derived, x, y, ref, notes)
+    err = err_with_ties(block, spec, bindings, derived, x, y, ref, notes)
     tol = policy.verify_tolerance(x.dtype)
     if err <= tol:
         return spec, err
@@ -80,33 +91,94 @@ def _verify(block, spec, bindings, derived, run, consts, notes: list | None = No
     num = ((ref.float() - shared) * routed).sum()
     den = (routed * routed).sum()
     if den > 0:
-        c = _fb._snap(float(num / den), consts)
+        c = policy.snap_constant(float(num / den), consts)
         if math.isfinite(c) and c != spec.routed_scaling_factor:
             try:
                 spec2 = spec1.replace(routed_scaling_factor=c)
             except SpecError:
                 return spec, err
             y2 = _run_op(block, spec2, bindings, derived, x)
-            err2 = _err_with_ties(block, spec2, bindings, derived, x, y2, ref, notes)
+            err2 = err_with_ties(block, spec2, bindings, derived, x, y2, ref, notes)
             if err2 <= tol:
                 return spec2, err2
     return spec, err
 
 
-def _check_epilogue(block, spec, bindings, derived, x, epilogue, rep) -> None:
+def _check_epilogue(block, match: Match, x, epilogue, notes: list) -> float:
     """The whole block against ``epilogue(op(x))`` on the check input and on a second, fresh input."""
+    spec, bindings, derived = match.spec, match.bindings, match.derived
     tol = policy.verify_tolerance(x.dtype)
     worst = 0.0
     for xx in (x, _example(x.shape[-1], x.device, x.dtype, seed=policy.EPILOGUE_PROBE_SEED)):
         with torch.no_grad():
-            ref = _fb._primary(block(xx)).reshape(xx.shape)
+            ref = primary(block(xx)).reshape(xx.shape)
             y = _run_op(block, spec, bindings, derived, xx)
             for n in epilogue:
                 y = get_path(block, n)(y)
-        worst = max(worst, _err_with_ties(block, spec, bindings, derived, xx, y, ref, rep.notes))
+        worst = max(worst, err_with_ties(block, spec, bindings, derived, xx, y, ref, notes))
     if not worst <= tol:
-        raise _fb.FallbackError(f"op followed by {', '.join(epilogue)} differs from the block: max rel. err "
-                                f"{worst:.2e} > {tol:g}", RejectCode.VERIFICATION_FAILED)
-    rep.max_rel_err = max(rep.max_rel_err or 0.0, worst)
-    rep.notes.append(f"epilogue: the block applies {', '.join(epilogue)} to the MoE output; bound as "
-                     f"{epilogue[0]}(moe_forward(x)) (checked: max rel. err {worst:.1e})")
+        raise Refused(f"op followed by {', '.join(epilogue)} differs from the block: max rel. err "
+                      f"{worst:.2e} > {tol:g}", RejectCode.VERIFICATION_FAILED)
+    notes.append(f"epilogue: the block applies {', '.join(epilogue)} to the MoE output; bound as "
+                 f"{epilogue[0]}(moe_forward(x)) (checked: max rel. err {worst:.1e})")
+    return worst
+
+
+def _ignored_params(block, x: torch.Tensor, ref, extra_params) -> frozenset:
+    """Extra forward parameters (e.g. ``input_ids``) that leave this block's output unchanged."""
+    ok = set()
+    for p in extra_params:
+        if "ids" not in p:
+            continue
+        val = torch.ones(x.shape[:-1], dtype=torch.long, device=x.device)
+        try:
+            with torch.no_grad():
+                out = block(x, **{p: val})
+        except Exception:
+            continue
+        o = primary(out)
+        if isinstance(o, torch.Tensor) and torch.equal(o, primary(ref)):
+            ok.add(p)
+    return frozenset(ok)
+
+
+def fit_routed_scale(block, match: Match, x: torch.Tensor, consts) -> MoESpec:
+    """``match.spec`` with the routed scale the probe run shows (for comparing recognisers; no tolerance check)."""
+    run = run_probe(block, match.parts, x)
+    spec, _ = _verify(block, match.spec, match.bindings, match.derived, run, consts)
+    return spec
+
+
+def verify(block, match: Match, x: torch.Tensor, consts, notes: list) -> Verified:
+    """Prove ``match`` on the probe input ``x`` (see the module docstring). ``consts``: the numbers the block's
+    attributes and source mention (a fitted routed scale snaps to one of them). Refuses with ``Refused``:
+    VERIFICATION_FAILED (outputs or activations differ), SPEC_INVALID (the op refuses the block's tensors),
+    BIND_FAILED (the forward's outputs cannot be reproduced), CHECK_ERROR (the block or the op raised)."""
+    parts, spec = match.parts, match.spec
+    why = activation_mismatch(block, parts, spec)
+    if why is not None:
+        raise Refused(f"activation check: {why}", RejectCode.VERIFICATION_FAILED)
+    run = run_probe(block, parts, x)
+    contract = contract_of(run)
+    try:
+        spec, err = _verify(block, spec, match.bindings, match.derived, run,
+                            list(consts) + [float(spec.top_k), 1.0 / spec.top_k], notes)
+    except SpecError as e:
+        raise Refused(f"op rejected the block's tensors: {e}", RejectCode.SPEC_INVALID) from None
+    tol = policy.verify_tolerance(x.dtype)
+    if not err <= tol:
+        extra = f" (block also has {', '.join(parts.extra_modules)})" if parts.extra_modules else ""
+        raise Refused(f"op output differs from the block's: max rel. err {err:.2e} > {tol:g}{extra}",
+                      RejectCode.VERIFICATION_FAILED)
+    _, extra_params = forward_params(block)
+    ignored = _ignored_params(block, run.x, run.output, extra_params) if extra_params else frozenset()
+    return Verified(match.replace(spec=spec), contract, err, ignored)
+
+
+def verify_epilogue(block, verified: Verified, x: torch.Tensor, epilogue, notes: list) -> Verified:
+    """``verified`` (found with the ``epilogue`` children peeled off) checked against the whole block again, as
+    ``epilogue(op(x))``; refused (VERIFICATION_FAILED) when they differ."""
+    if not epilogue:
+        return verified
+    err = _check_epilogue(block, verified.match, x, epilogue, notes)
+    return dataclasses.replace(verified, max_rel_err=max(verified.max_rel_err, err), epilogue=tuple(epilogue))

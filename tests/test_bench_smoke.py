@@ -61,6 +61,73 @@ def test_every_family_and_T_has_a_checked_row(tiny_run):
     assert on_disk["ceilings"]["copy_bytes_per_s"] > 0
 
 
+def test_spec_is_the_recognisers(tiny_run):
+    """The benchmark has no recogniser of its own: per family, the spec it timed is ``match_block``'s for that block
+    and its tensors are ``bound_tensors``' (the block's own parameters), keyed by MOE_ARGS."""
+    from moecomp.hf.bind import bound_tensors
+    from moecomp.ops.common import MOE_ARGS
+    from moecomp.recognise import match_block
+
+    res, _ = tiny_run
+    timed = {f["name"]: f for f in res["families"]}
+    for fi, fam in enumerate(bench.FAMILIES.values()):
+        _, block = bench.build_block(fam, True, torch.device("cpu"), 1000 * fi)  # the run's seed (--seed 0)
+        rec = {}
+        spec, tensors = bench.block_spec(block, rec)
+        m = match_block(block).match
+        assert spec == m.spec, fam.name
+        assert timed[fam.name]["spec"] == spec.key, fam.name  # what the run timed
+        assert timed[fam.name]["recognised"]["method"] == rec["method"] and rec["bindings"], fam.name
+        assert tuple(tensors) == MOE_ARGS
+        want = bound_tensors(block, m.spec, m.bindings, m.derived)
+        own = {p.data_ptr() for p in block.parameters()} | {b.data_ptr() for b in block.buffers()}
+        for name, t, w in zip(MOE_ARGS, tensors.values(), want):
+            assert (t is None) == (w is None), (fam.name, name)
+            if t is not None:
+                assert t.data_ptr() == w.data_ptr() and t.shape == w.shape and t.data_ptr() in own, (fam.name, name)
+        assert all(tensors[n] is not None for n in ("router_w", "w13", "w2"))
+        assert (tensors["correction_bias"] is not None) == spec.has_correction_bias == (fam.name == "deepseek")
+        assert (spec.shared is not None) == (tensors["shared_w1"] is not None) == (fam.name in ("qwen2", "deepseek"))
+        assert (tensors["shared_gate_w"] is not None) == (fam.name == "qwen2")
+
+
+def test_no_spec_of_its_own():
+    import dataclasses
+    import inspect
+
+    for gone in ("spec_mixtral", "spec_qwen_style", "spec_qwen2", "spec_deepseek_v3", "_experts", "_act", "_ACTS"):
+        assert not hasattr(bench, gone), gone
+    assert "spec_fn" not in {f.name for f in dataclasses.fields(bench.Family)}
+    src = inspect.getsource(bench)
+    assert "MoESpec(" not in src and "SharedExpertSpec" not in src and "match_block(" in src
+
+
+def test_refused_block_fails_loudly(monkeypatch, capsys):
+    """A block moecomp refuses: BlockRefused with the reject code; in a run, the code in the log and the JSON, no
+    moecomp timing (nothing to fall back to), exit status 3."""
+    with pytest.raises(bench.BlockRefused) as ei:
+        bench.block_spec(torch.nn.Sequential(torch.nn.Linear(8, 8)))
+    assert ei.value.code == "NOT_A_BLOCK" and "[NOT_A_BLOCK]" in str(ei.value)
+
+    def refuse(block, record=None):
+        if record is not None:
+            record["refused"] = dict(code="NOT_RECOGNISED", reason="test")
+        raise bench.BlockRefused("NOT_RECOGNISED", "test")
+
+    monkeypatch.setattr(bench, "block_spec", refuse)
+    runs, run = [], bench.run
+    monkeypatch.setattr(bench, "run", lambda argv: runs.append(run(argv)) or runs[-1])
+    rc = bench.main(["--device", "cpu", "--tiny", "--families", "olmoe", "--tokens", "1", "--quick",
+                     "--peers", "moecomp", "--no-save"])
+    assert rc == 3
+    assert "!!!!! olmoe: moecomp refused the block [NOT_RECOGNISED]: test" in capsys.readouterr().out
+    (fam,) = runs[0]["families"]
+    assert fam["recognised"]["refused"]["code"] == "NOT_RECOGNISED" and "spec" not in fam
+    assert any("[NOT_RECOGNISED]" in e for e in fam["errors"])
+    mc = fam["cells"][0]["paths"]["moecomp"]
+    assert mc["best_ms"] is None and "[NOT_RECOGNISED]" in mc["error"]
+
+
 def test_table_rows(tiny_run):
     res, _ = tiny_run
     table = report.render_table(res)

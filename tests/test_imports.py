@@ -342,8 +342,8 @@ def test_passes_and_hf_never_import_kernels():
 
 def test_lower_layers_do_not_import_upper_ones():
     """kernels import only kernels; ops only ops, kernels and the spec / reference / counters; passes no HF
-    integration, no optimize / backend / capture; optimize's report / verify / experts_only only hf, ops and the
-    modules below them."""
+    integration, no optimize / backend / capture; optimize's report / experts_only only hf, ops and the modules below
+    them; verify and bind no recogniser (verify: the binder, probes, activation probes; bind: its own helpers)."""
     allowed = {
         "moecomp.kernels": ("moecomp.kernels",),
         "moecomp.ops": ("moecomp.ops", "moecomp.kernels", "moecomp.spec", "moecomp.reference", "moecomp.counters",
@@ -354,7 +354,20 @@ def test_lower_layers_do_not_import_upper_ones():
     # optimize's parts: below optimize (never importing it, the backend or capture), above hf / ops
     below_optimize = ("moecomp.hf", "moecomp.ops", "moecomp.spec", "moecomp.reference", "moecomp.counters",
                       "moecomp.policy", "moecomp.reject", "moecomp.report")
-    allowed |= {m: below_optimize for m in ("moecomp.report", "moecomp.verify", "moecomp.experts_only")}
+    allowed |= {m: below_optimize for m in ("moecomp.report", "moecomp.experts_only")}
+    # the pipeline's data (match, derived tensors) and its lower stages: verify and bind never import a recogniser
+    # (hf.fallback, recognise, capture, passes), bind not verify
+    data = ("moecomp.spec", "moecomp.reference", "moecomp.counters", "moecomp.policy", "moecomp.reject",
+            "moecomp.derived", "moecomp.match")
+    binder = data + ("moecomp.ops", "moecomp.hf.bind", "moecomp.hf.snapshot", "moecomp.hf.names",
+                     "moecomp.hf.structure", "moecomp.hf.experts_interface")
+    allowed |= {
+        "moecomp.derived": ("moecomp.derived",),
+        "moecomp.match": ("moecomp.derived", "moecomp.ops.common", "moecomp.spec"),
+        "moecomp.probe": data + ("moecomp.hf.structure",),
+        "moecomp.hf.bind": binder,
+        "moecomp.verify": binder + ("moecomp.probe", "moecomp.hf.activations"),
+    }
     bad = []
     for m in MODS:
         for layer, ok in allowed.items():

@@ -77,7 +77,7 @@ def test_users_read_the_policy():
 
     assert opt.TOLERANCE is policy.VERIFY_TOLERANCE and opt.TIE_REL is policy.TIE_REL
     assert not hasattr(ei, "TOLERANCE")
-    x = opt._example(8, "cpu", torch.float32)
+    x = policy.probe_input(8, "cpu", torch.float32)
     assert x.shape == (*policy.PROBE_SHAPE, 8)
     g = torch.Generator().manual_seed(policy.PROBE_SEED)
     assert torch.equal(x, torch.randn(*policy.PROBE_SHAPE, 8, generator=g))
@@ -107,13 +107,25 @@ def test_detect_error_codes():
         DetectError("x", "dynamo")
 
 
-def test_capture_failure_is_read_from_the_code_not_the_text():
-    from moecomp.capture import DetectError
-    from moecomp.optimize import _is_capture_failure
+def test_capture_failure_is_read_from_the_code_not_the_text(monkeypatch):
+    """The pipeline hands a block to the attribute reader when the FX pass's Reject says CAPTURE_FAILED, whatever
+    its text says, and returns any other Reject as it is."""
+    from moecomp import recognise as R
+    from moecomp.hf import families as F
+    from moecomp.hf.structure import iter_blocks
+    from moecomp.match import Match
 
-    assert _is_capture_failure(DetectError("no MoE recognised", "capture"))
-    assert not _is_capture_failure(DetectError("Dynamo could not capture the block", "detect"))
-    assert not _is_capture_failure(RuntimeError("capture"))
+    model, _ = F.build_tiny("mixtral")
+    _, block, parts, _ = iter_blocks(model)[0]
+    x = torch.randn(2, 16, parts.hidden_size)
+    monkeypatch.setattr(R, "_detect_fx", lambda *a: Reject(RejectCode.CAPTURE_FAILED, "no MoE recognised"))
+    got, notes = R.recognise(block, parts, x)
+    assert isinstance(got, Match) and got.method == "fallback" and "attribute fallback used" in notes[0]
+    monkeypatch.setattr(R, "_detect_fx", lambda *a: Reject(RejectCode.NOT_RECOGNISED, "Dynamo could not capture"))
+    got, _ = R.recognise(block, parts, x)
+    assert isinstance(got, Reject) and got.code is RejectCode.NOT_RECOGNISED
+    got, notes = R.recognise(block, parts, x, trust_fallback=True)
+    assert isinstance(got, Match) and got.method == "fallback" and "trust_fallback" in notes[0]
 
 
 def test_backend_counts_grad_mode_by_code(monkeypatch):

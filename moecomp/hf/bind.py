@@ -21,8 +21,8 @@ It runs the original forward instead when the op cannot stand in for it:
 State lives in ``block._moecomp`` (a plain attribute, not a Module / Parameter / buffer: ``state_dict()`` is
 unchanged).
 
-Derived weights (``fallback.Derived``). A ModuleList of expert MLPs has no ``[E, 2I, H]`` tensor for the op: one is
-built as a non-persistent buffer and the experts' Parameters are re-pointed at its slices (``param.data =
+Derived weights (``moecomp.derived.Derived``). A ModuleList of expert MLPs has no ``[E, 2I, H]`` tensor for the op: one
+is built as a non-persistent buffer and the experts' Parameters are re-pointed at its slices (``param.data =
 stacked[i, rows]``, same Parameter objects), so the weights are held once and every in-place write, ``.data``
 writes included (EMA loops), reaches the op. Each call checks that every source is still a view of the buffer at
 its offset (a pointer compare per source) and rebuilds + re-shares when one was replaced (new Parameter,
@@ -64,106 +64,21 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops.moe_op import MOE_ARGS, call_moe_forward
 from ..spec import MoESpec
-from .fallback import _JITTER_NAMES, Derived, ProbeRun, SharedLayout, _primary
+from ..derived import Derived, SharedLayout
+from ..match import Contract, Verified, reshape_to
+from ..reject import Refused, RejectCode
+from .names import JITTER_NAMES
 from .snapshot import Snapshot, snapshot_changed, snapshot_changed_traced, snapshot_diff, take_snapshot
 from .structure import BlockParts, get_path
 
 
-class BindError(Exception):
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
+class BindError(Refused):
+    """The block's forward cannot be bound (its outputs or arguments): code ``BIND_FAILED``."""
+
+    default_code = RejectCode.BIND_FAILED
 
 
 # ----------------------------------------------------------------------------------------------- return contract
-@dataclass(frozen=True)
-class Contract:
-    """How the original forward shaped its result.
-
-    ``primary``: "same" (like the input), "flat2d" ([T, H]) or "flat1d" ([T*H]).
-    ``extras``: for a tuple result, one entry per further element: ("router", j, shape_mode) = element j of the
-    router module's output reshaped ("same" / "flat1d" / "rows"), or ("none",).
-    """
-
-    primary: str = "same"
-    is_tuple: bool = False
-    extras: tuple = ()
-    router_call: str = "x2"  # the router was called with the flattened input ("x2") or the input as given ("x")
-
-
-def _shape_mode(t: torch.Tensor, ref: torch.Tensor) -> str | None:
-    if t.shape == ref.shape:
-        return "same"
-    if t.dim() == 1 and t.numel() == ref.numel():
-        return "flat1d"
-    if t.dim() == 2 and t.numel() == ref.numel() and ref.dim() >= 1 and t.shape[-1] == ref.shape[-1]:
-        return "rows"
-    return None
-
-
-def _reshape(t: torch.Tensor, mode: str, like: torch.Tensor | None = None):
-    if mode == "same":
-        return t if like is None else t.reshape(like.shape)
-    if mode == "flat1d":
-        return t.reshape(-1)
-    return t.reshape(-1, t.shape[-1])
-
-
-def infer_contract(run: ProbeRun, parts: BlockParts) -> Contract:
-    x = run.x
-    out = run.output
-    H = x.shape[-1]
-    prim = _primary(out)
-    if not isinstance(prim, torch.Tensor):
-        raise BindError(f"forward returns {type(prim).__name__}, not a tensor")
-    if prim.shape == x.shape:
-        pmode = "same"
-    elif prim.dim() == 2 and prim.shape == (x.numel() // H, H):
-        pmode = "flat2d"
-    elif prim.dim() == 1 and prim.numel() == x.numel():
-        pmode = "flat1d"
-    else:
-        raise BindError(f"output shape {tuple(prim.shape)} does not follow the input {tuple(x.shape)}")
-    if not isinstance(out, (tuple, list)):
-        return Contract(pmode)
-    if isinstance(out, list):
-        raise BindError("forward returns a list")
-    extras = []
-    router_call = "x2"
-    rout = run.router_out
-    rouf = list(rout) if isinstance(rout, (tuple, list)) else [rout]
-    for e in out[1:]:
-        if e is None:
-            extras.append(("none",))
-            continue
-        hit = None
-        if isinstance(e, torch.Tensor):
-            for j, r in enumerate(rouf):
-                if isinstance(r, torch.Tensor):
-                    mode = _shape_mode(e, r)
-                    if mode and torch.equal(_reshape(r, mode, e), e):
-                        hit = ("router", j if isinstance(rout, (tuple, list)) else -1, mode)
-                        break
-        if hit is None:
-            raise BindError("forward returns extra outputs that are not the router's outputs")
-        extras.append(hit)
-    if any(x[0] == "router" for x in extras):
-        if run.router_calls != 1 or run.router_args is None:
-            raise BindError("extra outputs come from a router that was not called exactly once")
-        args, kw = run.router_args
-        if kw or len(args) != 1 or not isinstance(args[0], torch.Tensor):
-            raise BindError("extra outputs come from a router called with more than the hidden states")
-        a = args[0]
-        if a.shape == x.shape and torch.equal(a, x):
-            router_call = "x"
-        elif a.shape == (x.numel() // H, H) and torch.equal(a, x.reshape(-1, H)):
-            router_call = "x2"
-        else:
-            raise BindError("extra outputs come from a router called on something other than the input")
-    return Contract(pmode, True, tuple(extras), router_call)
-
-
-# ----------------------------------------------------------------------------------------------- hooks
 def _hook_active(fn) -> bool:
     code = getattr(fn, "__code__", None)
     if code is not None and code.co_name == "output_capturing_hook" and fn.__closure__:
@@ -453,7 +368,7 @@ def moecomp_block_forward(self: nn.Module, *args, **kwargs):
             router = get_path(self, st.router_path)
             rout = router(x if c.router_call == "x" else x.reshape(-1, x.shape[-1]))
         r = rout if e[1] == -1 else rout[e[1]]
-        outs.append(_reshape(r, e[2]))
+        outs.append(reshape_to(r, e[2]))
     return tuple(outs)
 
 
@@ -531,8 +446,10 @@ def router_derived(block: nn.Module, spec: MoESpec, bindings: dict, derived: lis
     return spec, b, list(derived) + [d]
 
 
-def bind(block: nn.Module, name: str, spec: MoESpec, bindings: dict, derived: list[Derived], contract: Contract,
-         parts: BlockParts, ignored_params=frozenset(), method: str = "fallback", epilogue=()) -> BoundState:
+def bind(block: nn.Module, name: str, verified: Verified) -> BoundState:
+    """Replace ``block``'s forward by one op call, as ``verified`` describes it (the verify stage's result)."""
+    m = verified.match
+    spec, bindings, derived, parts = m.spec, m.bindings, m.derived, m.parts
     if getattr(block, "_moecomp", None) is not None:
         if not stale(block):
             raise BindError("already bound")
@@ -544,14 +461,15 @@ def bind(block: nn.Module, name: str, spec: MoESpec, bindings: dict, derived: li
     hidden, extra = forward_params(block)
     jitter = []
     for mpath in dict.fromkeys(["", parts.router_module]):
-        for attr in _JITTER_NAMES:
+        for attr in JITTER_NAMES:
             jitter.append((mpath, attr))
     st = BoundState(
         name=name, spec=spec, spec_key=spec.key, bindings=dict(bindings),
-        paths=tuple(_split(op_bindings[a]) for a in MOE_ARGS), derived=list(derived), contract=contract,
+        paths=tuple(_split(op_bindings[a]) for a in MOE_ARGS), derived=list(derived), contract=verified.contract,
         watch=tuple(parts.submodule_paths(block)), router_path=parts.router_module, jitter_attrs=tuple(jitter),
-        hidden_name=hidden, extra_params=extra, ignored_params=frozenset(ignored_params),
-        original=block.__dict__.get("forward"), method=method, epilogue=tuple(_split(p) for p in epilogue),
+        hidden_name=hidden, extra_params=extra, ignored_params=frozenset(verified.ignored_params),
+        original=block.__dict__.get("forward"), method=m.method,
+        epilogue=tuple(_split(p) for p in verified.epilogue),
         op_spec=op_spec,
     )
     block._moecomp = st

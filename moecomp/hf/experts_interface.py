@@ -32,22 +32,18 @@ import warnings
 import torch
 
 from ..ops.moe_op import call_moe_experts
-from ..reject import RejectCode
+from ..reject import Refused, RejectCode
 from ..spec import MoESpec, SpecError
-from .fallback import probe_activation, probe_gate
+from .activations import probe_activation, probe_gate
 from .snapshot import snapshot_changed, snapshot_changed_traced, take_snapshot
 
 NAME = "moecomp"
 _warned: set = set()
 
 
-class Unsupported(Exception):
+class Unsupported(Refused):
     """Why an experts module cannot run on ``moe_experts``: ``code`` (a ``RejectCode``) for control flow and
     reports, the message for people."""
-
-    def __init__(self, message: str, code: RejectCode = RejectCode.UNSUPPORTED_STRUCTURE):
-        super().__init__(message)
-        self.code = code
 
 
 def is_hf_experts(m) -> bool:

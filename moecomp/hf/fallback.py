@@ -34,195 +34,24 @@ from torch import nn
 
 from .. import policy, reference
 from ..ops.moe_op import MOE_ARGS
-from ..reject import RejectCode
+from ..match import Evidence, Match
+from ..reject import Refused, Reject, RejectCode
 from ..spec import MoESpec, SharedExpertSpec, SpecError
+from ..derived import Derived, SharedLayout, SharePlan  # noqa: F401 (re-exported: older imports)
+from ..probe import ProbeRun, primary, run_probe  # noqa: F401
+from . import names
+from .names import read_attr  # noqa: F401 (re-exported)
+from .activations import (  # noqa: F401 (probe_* re-exported)
+    activation_mismatch, describe_unknown_gate, probe_activation, probe_gate, probe_mlp)
 from .structure import BlockParts, MLPParts, NotABlock, find_parts, get_path
 
 
-class FallbackError(Exception):
-    """The fallback cannot describe this block with a MoESpec (or the block fails a check): ``reason`` says why (text
-    for the report), ``code`` (a :class:`moecomp.reject.RejectCode`) what kind of refusal it is."""
-
-    def __init__(self, reason: str, code: RejectCode = RejectCode.UNSUPPORTED_STRUCTURE):
-        super().__init__(reason)
-        self.reason = reason
-        self.code = code
-
-
-@dataclass
-class BlockMatch:
-    """Same fields as ``moecomp.capture.BlockMatch``: the spec and, per op argument, a block-relative path."""
-
-    spec: MoESpec
-    bindings: dict[str, str | None]
-
-
-@dataclass
-class Derived:
-    """A tensor the op needs but the module does not hold, built from module tensors (``sources``).
-
-    ``kind`` "stack": per expert, the listed paths are concatenated on dim 0, then stacked on a new dim 0 (a
-    ModuleList of expert MLPs); "cat": the listed tensors are concatenated on ``dim`` (separate 3-D gate / up, or
-    router and shared-expert gate rows). ``fp32``: the result is converted to fp32 (an fp32 router over 16-bit
-    weights). ``inline``: small enough to build on every call inside a compiled graph (always fresh there).
-
-    Sharing (:meth:`share_plan` / :meth:`build_shared`): where every source is a contiguous block of the result
-    ("stack" of per-expert 1-D / 2-D tensors, "cat" on dim 0, same dtype, no fp32 conversion), the result is built
-    once and each source Parameter / buffer is re-pointed at its block (``param.data = result[i, rows]``: the same
-    object, so optimizers and references keep working). The weights are then held once, and every write to them,
-    ``.data`` writes included, is a write to the op's tensor. Other kinds (separate 3-D gate / up: the sources
-    would be strided views; fp32 copies) stay copies, rebuilt when a source's identity, storage, version, dtype or
-    device changes (``.data`` writes do not bump the version: see :mod:`moecomp.hf.bind`).
-    """
-
-    name: str  # buffer name on the block
-    sources: list[list[str]]
-    kind: str = "stack"
-    dim: int = 1
-    fp32: bool = False
-    inline: bool = False
-
-    def build(self, block: nn.Module) -> torch.Tensor:
-        """A new tensor (a copy: the sources are left as they are)."""
-        with torch.no_grad():
-            if self.kind == "cat":
-                ts = [get_path(block, p).detach() for p in self.sources[0]]
-                out = torch.cat([t.to(ts[0].dtype) for t in ts], self.dim).contiguous()
-            else:
-                rows = [torch.cat([get_path(block, p).detach() for p in group], 0) for group in self.sources]
-                out = torch.stack(rows, 0)
-            return out.float() if self.fp32 else out
-
-    def source_paths(self) -> list[str]:
-        return [p for g in self.sources for p in g]
-
-    def share_plan(self, block: nn.Module) -> SharePlan | None:
-        """Where each source would sit in a shared result, or None when this tensor cannot share its sources'
-        storage (layout, fp32 conversion, mixed dtypes / devices, tensor subclasses, computed or repeated sources).
-        Reads only; :meth:`build_shared` applies the plan."""
-        if self.fp32 or not (self.kind == "stack" or (self.kind == "cat" and self.dim == 0)):
-            return None
-        owners, names, slots, seen = [], [], [], set()
-        tail = dtype = device = None
-        rows = None
-        for i, group in enumerate(self.sources if self.kind == "stack" else [self.source_paths()]):
-            r = 0
-            for p in group:
-                mpath, _, name = p.rpartition(".")
-                try:
-                    owner = get_path(block, mpath) if mpath else block
-                except AttributeError:
-                    return None
-                if not isinstance(owner, nn.Module):
-                    return None
-                t = owner._parameters.get(name) if name in owner._parameters else owner._buffers.get(name)
-                if t is None or type(t) not in (torch.Tensor, nn.Parameter) or id(t) in seen or t.dim() not in (1, 2):
-                    return None
-                if t.is_sparse or t.is_quantized:
-                    return None
-                if tail is None:
-                    tail, dtype, device = tuple(t.shape[1:]), t.dtype, t.device
-                elif tuple(t.shape[1:]) != tail or t.dtype != dtype or t.device != device:
-                    return None
-                seen.add(id(t))
-                owners.append(owner)
-                names.append(name)
-                slots.append((i if self.kind == "stack" else None, r, r + t.shape[0]))
-                r += t.shape[0]
-            if rows is None:
-                rows = r
-            elif r != rows:
-                return None
-        if not owners:
-            return None
-        shape = (len(self.sources), rows) + tail if self.kind == "stack" else (rows,) + tail
-        return SharePlan(tuple(owners), tuple(names), tuple(slots), shape, dtype, device)
-
-    def build_shared(self, block: nn.Module, plan: SharePlan) -> tuple[torch.Tensor, SharedLayout]:
-        """Build the result and re-point every source at its block of it (see the class docstring). Sources are
-        copied and re-pointed one at a time, so that their old storage can go as the new one fills: the peak is the
-        result plus the sources' old storage, never a third copy."""
-        with torch.no_grad():
-            out = torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)
-            for owner, name, (i, r0, r1) in zip(plan.owners, plan.names, plan.slots):
-                t = owner._parameters[name] if name in owner._parameters else owner._buffers[name]
-                view = out[r0:r1] if i is None else out[i, r0:r1]
-                view.copy_(t.detach())
-                t.data = view
-            base = out.data_ptr()
-            offsets = tuple(
-                (owner._parameters[n] if n in owner._parameters else owner._buffers[n]).data_ptr() - base
-                for owner, n in zip(plan.owners, plan.names))
-        return out, SharedLayout(plan.owners, plan.names, offsets)
-
-
-@dataclass
-class SharePlan:
-    """:meth:`Derived.share_plan`'s answer: per source, its owner module, tensor name and (expert, rows) slot."""
-
-    owners: tuple
-    names: tuple
-    slots: tuple  # (expert index or None for "cat", first row, end row)
-    shape: tuple
-    dtype: torch.dtype
-    device: torch.device
-
-
-@dataclass
-class SharedLayout:
-    """A shared derived tensor as built: per source, its owner module, name and byte offset into the result.
-
-    The sources are current while each one's ``data_ptr()`` is the result's plus its offset (it is then a view of
-    the result's storage: only that storage holds those addresses while the result lives). Owner modules are kept
-    by reference; the binder checks first that the block's module tree is unchanged (attribute snapshot), so they
-    are the modules at those paths. Offsets are relative, so a model pickled whole (``torch.save(model)``) loads
-    still shared.
-    """
-
-    owners: tuple
-    names: tuple
-    offsets: tuple
-
-    def current(self, buf: torch.Tensor | None) -> bool:
-        if buf is None:
-            return False
-        base = buf.data_ptr()
-        try:
-            for owner, n, off in zip(self.owners, self.names, self.offsets):
-                t = owner._parameters.get(n)
-                if t is None:
-                    t = owner._buffers[n]
-                if t.data_ptr() - base != off:
-                    return False
-        except (KeyError, AttributeError):
-            return False
-        return True
-
-    def sources(self):
-        for owner, n in zip(self.owners, self.names):
-            t = owner._parameters.get(n)
-            yield t if t is not None else owner._buffers.get(n)
-
-
-@dataclass
-class Extraction:
-    match: BlockMatch
-    parts: BlockParts
-    verified: bool  # routing and activation measured (not only read)
-    notes: list[str] = field(default_factory=list)
-    derived: list[Derived] = field(default_factory=list)
+class FallbackError(Refused):
+    """The attribute reader cannot describe this block with a MoESpec (or the block fails a check): ``reason`` says
+    why (text for the report), ``code`` (a :class:`moecomp.reject.RejectCode`) what kind of refusal it is."""
 
 
 # ----------------------------------------------------------------------------------------------- attributes
-_TOPK_NAMES = ("top_k", "num_experts_per_tok", "moe_topk", "top_k_experts", "num_experts_per_token", "topk",
-               "moe_k", "n_activated_experts")
-_NORM_NAMES = ("norm_topk_prob", "normalize_expert_weights", "renormalize")
-_GROUP_NAMES = ("num_group", "n_group", "num_expert_group", "n_expert_groups")
-_TOPK_GROUP_NAMES = ("topk_group", "num_limited_groups", "n_limited_groups")
-_SCORING_NAMES = ("scoring_func", "score_func", "expert_selection_fn", "router_score_function")
-_SCALE_NAMES = ("routed_scaling_factor", "route_scale", "router_scaling_factor", "moe_routed_scaling_factor",
-                "routed_scaling", "scaling_factor")
-_JITTER_NAMES = ("jitter_noise", "router_jitter_noise", "input_jitter_noise")
 
 
 def attr_sources(block: nn.Module, parts: BlockParts) -> list:
@@ -245,19 +74,6 @@ def attr_sources(block: nn.Module, parts: BlockParts) -> list:
             seen.add(id(o))
             uniq.append(o)
     return uniq
-
-
-def read_attr(sources, names, kinds=(int, float, bool, str)):
-    for src in sources:
-        for n in names:
-            try:
-                v = getattr(src, n)
-            except Exception:
-                continue
-            if v is None or isinstance(v, (nn.Module, torch.Tensor)) or not isinstance(v, kinds):
-                continue
-            return v
-    return None
 
 
 def _source(obj) -> str:
@@ -284,184 +100,6 @@ def _strip_comments(src: str) -> str:
     return "".join(lines)
 
 
-# ----------------------------------------------------------------------------------------------- activations
-_PROBE = policy.activation_probe_input()
-
-
-_ELEMENTWISE = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
-_LIMIT_NAMES = ("limit", "swiglu_limit", "clamp_limit", "activation_limit")
-_ALPHA_NAMES = ("alpha", "swiglu_alpha", "activation_alpha")
-
-
-def _act_ref(name: str, t: torch.Tensor) -> torch.Tensor:
-    return reference.activation(t, name)
-
-
-def probe_activation(fn) -> str | None:
-    """Which elementwise activation ``fn`` computes (checked on [-12, 12]), or None."""
-    if fn is None:
-        return None
-    try:
-        y = fn(_PROBE.clone())
-    except Exception:
-        return None
-    if not isinstance(y, torch.Tensor) or y.shape != _PROBE.shape:
-        return None
-    for name in _ELEMENTWISE:
-        ref = _act_ref(name, _PROBE)
-        if torch.allclose(y.float(), ref, rtol=policy.ACT_MATCH_RTOL,
-                          atol=policy.ACT_MATCH_ATOL_REL * max(1.0, float(ref.abs().max()))):
-            return name
-    return None
-
-
-def _gate_ref(h: torch.Tensor, activation: str, gate_up: str, alpha: float, limit: float,
-              clamp: bool = False) -> torch.Tensor:
-    I = h.shape[-1] // 2
-    if gate_up == "concat":
-        gate, up = h[..., :I], h[..., I:]
-    else:
-        gate, up = h[..., 0::2], h[..., 1::2]
-    return reference.gated_activation(gate, up, activation, alpha, limit, clamp)
-
-
-def _limits(objs) -> tuple[float | None, float | None]:
-    """(alpha, limit) of a clamped / gpt-oss SwiGLU, read from the given modules and their configs."""
-    srcs = []
-    for o in objs:
-        if o is None:
-            continue
-        srcs.append(o)
-        cfg = getattr(o, "config", None)
-        if cfg is not None and not isinstance(cfg, nn.Module):
-            srcs.append(cfg)
-    alpha = read_attr(srcs, _ALPHA_NAMES, (int, float))
-    limit = read_attr(srcs, _LIMIT_NAMES, (int, float))
-    alpha = None if alpha is None or isinstance(alpha, bool) else float(alpha)
-    limit = None if limit is None or isinstance(limit, bool) or not limit > 0 else float(limit)
-    return alpha, limit
-
-
-def probe_gate(experts: nn.Module, concat_hint: bool | None) -> tuple[str, str, float, float, bool] | None:
-    """(activation, gate_up, alpha, limit, clamp) that ``experts._apply_gate`` computes, or None.
-
-    Checked on gate / up values spread over about +-20, so that clamps at 7-10 are reached: plain act(gate) * up,
-    clamped SwiGLU (``clamp``: gate <= limit, |up| <= limit; limit from ``limit`` / ``swiglu_limit``) and gpt-oss's
-    ``swiglu_oai`` (alpha, limit) are told apart.
-    """
-    fn = getattr(experts, "_apply_gate", None)
-    if fn is None:
-        return None
-    h = policy.gate_probe_input()  # wide enough to hit clamps at 7-10
-    try:
-        y = fn(h.clone())
-    except Exception:
-        return None
-    if not isinstance(y, torch.Tensor) or y.shape != (h.shape[0], h.shape[1] // 2):
-        return None
-    alpha, limit = _limits([experts])
-    layouts = ["concat", "interleaved"] if concat_hint in (None, True) else ["interleaved", "concat"]
-    cands = [(a, False) for a in _ELEMENTWISE]
-    if limit is not None:
-        cands += [(a, True) for a in _ELEMENTWISE]
-        if alpha is not None:
-            cands.insert(0, ("swiglu_oai", False))
-    a0, l0 = float(alpha if alpha is not None else 1.702), float(limit if limit is not None else 7.0)
-    for lay in layouts:
-        for act, clamp in cands:
-            ref = _gate_ref(h, act, lay, a0, l0, clamp)
-            if torch.allclose(y.float(), ref, rtol=policy.ACT_MATCH_RTOL, atol=policy.ACT_MATCH_ATOL):
-                return (act, lay, *_canonical(act, clamp, a0, l0), clamp)
-    return None
-
-
-def _canonical(act: str, clamp: bool, alpha: float, limit: float) -> tuple[float, float]:
-    """(alpha, limit) as the spec stores them: the defaults unless the activation uses them."""
-    return (alpha if act == "swiglu_oai" else 1.702), (limit if (clamp or act == "swiglu_oai") else 7.0)
-
-
-def describe_unknown_gate(experts: nn.Module) -> str:
-    """Name a gate the spec lacks, when it is a known variant (for the report)."""
-    limit = read_attr([experts, getattr(experts, "config", None)], ("limit", "swiglu_limit"), (int, float))
-    if limit is None:
-        return ""
-    h = policy.gate_probe_input()
-    half = h.shape[1] // 2
-    try:
-        y = experts._apply_gate(h.clone())
-    except Exception:
-        return ""
-    for lay in ("concat", "interleaved"):
-        gate, up = (h[:, :half], h[:, half:]) if lay == "concat" else (h[:, 0::2], h[:, 1::2])
-        for act in ("silu", "gelu"):
-            ref = _act_ref(act, gate.clamp(max=limit)) * up.clamp(-limit, limit)
-            if isinstance(y, torch.Tensor) and y.shape == ref.shape and torch.allclose(
-                    y, ref, rtol=policy.ACT_MATCH_RTOL, atol=policy.ACT_MATCH_ATOL):
-                return f"clamped SwiGLU {act}(min(gate, {limit:g})) * clamp(up, +-{limit:g}) (no MoESpec field for it)"
-    return ""
-
-
-def _mlp_ref(block: nn.Module, mp: MLPParts, x: torch.Tensor, act: str, clamp: bool, alpha: float,
-             limit: float) -> torch.Tensor:
-    def t(p):
-        return None if p is None else get_path(block, p).detach().float()
-
-    if mp.gated:
-        if mp.concat:
-            gate, up = F.linear(x, t(mp.gate), t(mp.gate_bias)).chunk(2, dim=-1)
-        else:
-            gate, up = F.linear(x, t(mp.gate), t(mp.gate_bias)), F.linear(x, t(mp.up), t(mp.up_bias))
-        h = reference.gated_activation(gate, up, act, alpha, limit, clamp)
-    else:
-        h = reference.activation(F.linear(x, t(mp.up), t(mp.up_bias)), act)
-    return F.linear(h, t(mp.down), t(mp.down_bias))
-
-
-def _mlp_probe_input(block: nn.Module, mp: MLPParts):
-    """A [MLP_PROBE_TOKENS, H] input (the MLP's dtype) whose first-layer outputs spread over about +-25 (clamps at
-    7-10 hit); see :mod:`moecomp.policy`."""
-    W = get_path(block, mp.gate if mp.gated else mp.up).detach()
-    g = torch.Generator().manual_seed(policy.MLP_PROBE_SEED)
-    x = torch.randn(policy.MLP_PROBE_TOKENS, W.shape[1], generator=g)
-    pre = x @ W.float().cpu().T
-    x = x * (policy.CLAMP_REACH_STD / float(pre.std().clamp_min(1e-12)))
-    return x.to(device=W.device, dtype=W.dtype)
-
-
-def probe_mlp(block: nn.Module, mp: MLPParts, first: str | None = None) -> tuple[str, bool, float, float] | None:
-    """(activation, clamp, alpha, limit) that the dense MLP module at ``mp`` computes, measured by calling it.
-
-    Candidates: every elementwise activation the spec knows, the same with the clamped-SwiGLU clamps (gated, limit
-    read from the module), and gpt-oss's ``swiglu_oai`` (gated, alpha / limit read from the module). ``first`` is
-    tried first (the activation its ``act_fn`` probes as). None when nothing matches or the module cannot run.
-    """
-    mod = get_path(block, mp.path)
-    if any(p.device.type == "meta" for p in mod.parameters()):
-        return None
-    x = _mlp_probe_input(block, mp)
-    try:
-        with torch.no_grad():
-            y = mod(x)
-    except Exception:
-        return None
-    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
-        return None
-    y = y.float()
-    alpha, limit = _limits([mod])
-    a0, l0 = float(alpha if alpha is not None else 1.702), float(limit if limit is not None else 7.0)
-    acts = list(dict.fromkeys(([first] if first else []) + list(_ELEMENTWISE)))
-    cands = [(a, False) for a in acts]
-    if mp.gated and limit is not None:
-        cands += [(a, True) for a in acts] + ([("swiglu_oai", False)] if alpha is not None else [])
-    tol = policy.mlp_match_tolerance(x.dtype)
-    xf = x.float()
-    for act, clamp in cands:
-        ref = _mlp_ref(block, mp, xf, act, clamp, a0, l0)
-        if float((y - ref).abs().max()) <= tol * max(float(ref.abs().max()), 1e-30):
-            return (act, clamp, *_canonical(act, clamp, a0, l0))
-    return None
-
-
 def _mlp_activation(mod: nn.Module, sources) -> tuple[str | None, str]:
     """Activation of a dense MLP module: probe its act_fn, else read hidden_act from the config."""
     for n in ("act_fn", "act", "activation_fn", "activation"):
@@ -470,11 +108,9 @@ def _mlp_activation(mod: nn.Module, sources) -> tuple[str | None, str]:
             a = probe_activation(fn)
             return a, ("probed" if a else f"{n}={type(fn).__name__} is not an activation the spec knows")
     name = read_attr(sources, ("hidden_act", "hidden_activation", "mlp_hidden_act"), (str,))
-    return _ACT_NAMES.get(name), f"read hidden_act={name!r}"
+    return names.ACT_NAMES.get(name), f"read hidden_act={name!r}"
 
 
-_ACT_NAMES = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
-              "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "relu": "relu", "relu2": "relu2"}
 
 
 # ----------------------------------------------------------------------------------------------- static spec
@@ -498,7 +134,7 @@ def _routing_guess(block: nn.Module, parts: BlockParts, sources) -> dict:
     rsrc = _source(get_path(block, parts.router_module)) if parts.router_module else ""
     src = rsrc + "\n" + _source(block)
     g = {}
-    scoring = read_attr(sources, _SCORING_NAMES, (str,))
+    scoring = read_attr(sources, names.SCORING_NAMES, (str,))
     scoring = {"softmax": "softmax", "sigmoid": "sigmoid", "sqrtsoftplus": "sqrtsoftplus",
                "sqrt_softplus": "sqrtsoftplus"}.get(str(scoring).lower()) if scoring else None
     if scoring is None:
@@ -511,7 +147,7 @@ def _routing_guess(block: nn.Module, parts: BlockParts, sources) -> dict:
     g["scoring"] = scoring
     if scoring == "softmax" and _RE_TOPK_LOGITS.search(src) and not _RE_TOPK_PROBS.search(src):
         g["score_order"] = "topk_then_score"
-    norm = read_attr(sources, _NORM_NAMES, (bool, int))
+    norm = read_attr(sources, names.NORM_NAMES, (bool, int))
     if norm is None:
         norm = ".sum(dim=-1, keepdim=True)" in src or ".sum(-1, keepdim=True)" in src
     g["renormalize"] = bool(norm) and g.get("score_order") != "topk_then_score"
@@ -521,13 +157,13 @@ def _routing_guess(block: nn.Module, parts: BlockParts, sources) -> dict:
             g["renorm_eps"] = float(m.group(1))
         except ValueError:
             pass
-    ng = read_attr(sources, _GROUP_NAMES, (int,))
-    tg = read_attr(sources, _TOPK_GROUP_NAMES, (int,))
+    ng = read_attr(sources, names.GROUP_NAMES, (int,))
+    tg = read_attr(sources, names.TOPK_GROUP_NAMES, (int,))
     method = read_attr(sources, ("topk_method",), (str,))
     if ng and tg and ng > 1 and E % ng == 0 and (method is None or method != "greedy"):
         g["n_group"], g["topk_group"] = int(ng), int(tg)
         g["group_score"] = "max" if (method == "group_limited_greedy" or ".max(dim=-1)" in src) else "top2_sum"
-    scale = read_attr(sources, _SCALE_NAMES, (int, float))
+    scale = read_attr(sources, names.SCALE_NAMES, (int, float))
     if scale is not None and not isinstance(scale, bool):
         g["routed_scaling_factor"] = float(scale)
     g["has_correction_bias"] = parts.correction_bias is not None
@@ -648,8 +284,9 @@ def _expert_activation(block: nn.Module, parts: BlockParts, sources):
     return act, "concat" if concat in (None, True) else "interleaved", 1.702, 7.0, False, how
 
 
-def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Extraction:
-    """Spec and bindings from attributes only (safe on the meta device). Routing is a best guess."""
+def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
+    """Spec and bindings from attributes only (safe on the meta device). Routing is a best guess (evidence
+    method "fallback (meta)", checked "read only" until :func:`measure` runs the block)."""
     if parts is None:
         try:
             parts = find_parts(block)
@@ -658,7 +295,7 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Extract
     sources = attr_sources(block, parts)
     notes = []
     E, H, I = parts.num_experts, parts.hidden_size, parts.intermediate_size
-    top_k = read_attr(sources, _TOPK_NAMES, (int,))
+    top_k = read_attr(sources, names.TOPK_NAMES, (int,))
     if top_k is None or isinstance(top_k, bool):
         raise FallbackError("top-k not found among the block's / router's / config's attributes")
     act, gate_up, alpha, limit, clamp, how = _expert_activation(block, parts, sources)
@@ -679,7 +316,8 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Extract
         )
     except SpecError as e:
         raise FallbackError(f"no valid spec: {e}", RejectCode.SPEC_INVALID) from None
-    return Extraction(BlockMatch(spec, bindings), parts, verified=False, notes=notes, derived=derived)
+    return Match(spec, bindings, derived, parts, Evidence("fallback (meta)", "read from attributes and source",
+                                                         notes=notes))
 
 
 def _bindings(block: nn.Module, parts: BlockParts) -> tuple[dict[str, str | None], list[Derived]]:
@@ -736,56 +374,6 @@ def _bindings(block: nn.Module, parts: BlockParts) -> tuple[dict[str, str | None
     return b, derived
 
 
-# ----------------------------------------------------------------------------------------------- probing
-@dataclass
-class ProbeRun:
-    """What one call of the original block forward did."""
-
-    x: torch.Tensor
-    output: object
-    experts_args: tuple | None = None  # (hidden [T, H], ids [T, k], weights [T, k]) given to the experts module
-    router_args: tuple | None = None  # (args, kwargs) of the router module call
-    router_out: object = None
-    router_calls: int = 0
-
-
-def run_probe(block: nn.Module, parts: BlockParts, x: torch.Tensor, **kwargs) -> ProbeRun:
-    rec = ProbeRun(x=x, output=None)
-    handles = []
-    experts = get_path(block, parts.experts)
-    if parts.kind == "fused":
-        def exp_hook(mod, args, kw):
-            a = list(args) + [v for v in kw.values()]
-            if len(a) >= 3 and rec.experts_args is None:
-                rec.experts_args = tuple(t.detach().clone() if isinstance(t, torch.Tensor) else t for t in a[:3])
-        handles.append(experts.register_forward_pre_hook(exp_hook, with_kwargs=True))
-    if parts.router_module:
-        router = get_path(block, parts.router_module)
-
-        def r_pre(mod, args, kw):
-            rec.router_calls += 1
-            if rec.router_args is None:
-                rec.router_args = (args, kw)
-
-        def r_post(mod, args, out):
-            if rec.router_out is None:
-                rec.router_out = out
-
-        handles.append(router.register_forward_pre_hook(r_pre, with_kwargs=True))
-        handles.append(router.register_forward_hook(r_post))
-    try:
-        with torch.no_grad():
-            rec.output = block(x, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    return rec
-
-
-def _primary(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
 def _match_routing(ids_ref, w_ref, ids, w, tol) -> float | None:
     """None when the id sets differ on any token, else the weight scale c with w_ref ~= c * w (or nan if no fit)."""
     if ids_ref.shape != ids.shape:
@@ -802,15 +390,6 @@ def _match_routing(ids_ref, w_ref, ids, w, tol) -> float | None:
     c = float((a * b).sum() / denom)
     if not torch.allclose(a, c * b, rtol=tol, atol=tol * float(a.abs().max())):
         return float("nan")
-    return c
-
-
-def _snap(c: float, consts: list[float]) -> float:
-    if abs(c - 1.0) < policy.SNAP_REL:
-        return 1.0
-    for v in consts:
-        if v and abs(c - v) <= policy.SNAP_REL * abs(v):
-            return float(v)
     return c
 
 
@@ -858,18 +437,18 @@ def _routing_candidates(guess: dict, E: int, k: int, has_corr: bool):
                                        topk_group=tg, group_score=gs, bias_on_logits=bol, group_mask_zero=mz)
 
 
-def measure(block: nn.Module, x: torch.Tensor, ext: Extraction) -> tuple[Extraction, ProbeRun]:
+def measure(block: nn.Module, x: torch.Tensor, ext: Match) -> tuple[Match, ProbeRun]:
     """Run the block on ``x`` and replace the guessed routing / precision fields by measured ones."""
     with torch.no_grad():
         return _measure(block, x, ext)
 
 
-def _measure(block: nn.Module, x: torch.Tensor, ext: Extraction) -> tuple[Extraction, ProbeRun]:
+def _measure(block: nn.Module, x: torch.Tensor, ext: Match) -> tuple[Match, ProbeRun]:
     parts = ext.parts
-    spec = ext.match.spec
+    spec = ext.spec
     sources = attr_sources(block, parts)
     run = run_probe(block, parts, x)
-    notes = list(ext.notes)
+    notes = list(ext.evidence.notes)
     x2 = x.reshape(-1, x.shape[-1])
     T, E = x2.shape[0], parts.num_experts
     changes = {}
@@ -911,7 +490,7 @@ def _measure(block: nn.Module, x: torch.Tensor, ext: Extraction) -> tuple[Extrac
                 "routing not recognised: no softmax / sigmoid / sqrt-softplus, top-k, renormalise, group-limited "
                 "routing the spec knows picks the experts this router picks", RejectCode.UNSUPPORTED_ROUTING)
         consts = numeric_consts(sources, found["top_k"])
-        found["routed_scaling_factor"] = _snap(found["routed_scaling_factor"], consts)
+        found["routed_scaling_factor"] = policy.snap_constant(found["routed_scaling_factor"], consts)
         if not found["renormalize"] or found["score_order"] == "topk_then_score":
             found["renorm_eps"] = found["renorm_min"] = 0.0
         else:
@@ -929,7 +508,20 @@ def _measure(block: nn.Module, x: torch.Tensor, ext: Extraction) -> tuple[Extrac
         new_spec = spec.replace(**changes)
     except SpecError as e:
         raise FallbackError(f"measured routing gives no valid spec: {e}", RejectCode.SPEC_INVALID) from None
-    return dataclasses.replace(ext, match=BlockMatch(new_spec, ext.match.bindings), verified=True, notes=notes), run
+    ev = Evidence("fallback", "routing and activation measured on a probe run", notes=notes)
+    return ext.replace(spec=new_spec, evidence=ev), run
+
+
+def recognise(block: nn.Module, parts: BlockParts, x: torch.Tensor | None = None) -> Match | Reject:
+    """The attribute reader's answer for one block: a Match, measured by running the block on ``x`` when given
+    (read from attributes only otherwise: the meta device), or a Reject."""
+    try:
+        m = static_extract(block, parts)
+        if x is not None:
+            m, _ = measure(block, x, m)
+        return m
+    except Refused as e:
+        return e.reject
 
 
 def _measure_precision(block, parts: BlockParts, run: ProbeRun, x: torch.Tensor) -> dict | None:
@@ -958,66 +550,3 @@ def _measure_precision(block, parts: BlockParts, run: ProbeRun, x: torch.Tensor)
         lg = logits.reshape(-1, E).float()
         out["router_fp32"] = bool(logits.dtype == torch.float32 and (lg - hi).abs().max() < (lg - lo).abs().max())
     return out
-
-
-def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> str | None:
-    """Check ``spec``'s activations against the block's own modules on inputs that reach the clamps.
-
-    A check on random hidden states rarely reaches the clamps of clamped SwiGLU variants (limit 7-10); this one
-    does: the experts' ``_apply_gate`` / ``act_fn`` over about +-20, and the shared expert (and ModuleList expert 0)
-    called as a whole on inputs whose first-layer outputs spread over about +-25. Returns why they differ, or None
-    (also when the block has nothing to call).
-    """
-    experts = get_path(block, parts.experts)
-    if parts.kind == "fused" and spec.gated and getattr(experts, "_apply_gate", None) is not None:
-        h = policy.gate_probe_input()
-        try:
-            y = experts._apply_gate(h.clone())
-        except Exception:
-            y = None
-        if isinstance(y, torch.Tensor) and y.shape == (h.shape[0], h.shape[1] // 2):
-            ref = _gate_ref(h, spec.activation, spec.gate_up, spec.activation_alpha, spec.activation_limit,
-                            spec.activation_clamp)
-            if not torch.allclose(y.float(), ref, rtol=policy.ACT_MATCH_RTOL, atol=policy.ACT_MATCH_ATOL):
-                return (f"{type(experts).__name__}._apply_gate differs from the spec's "
-                        f"{'clamped ' if spec.activation_clamp else ''}{spec.activation}/{spec.gate_up} gate on "
-                        f"inputs up to +-20 (clamped or other variant)")
-    if parts.kind == "fused" and not spec.gated:
-        fn = getattr(experts, "act_fn", None)
-        if fn is not None and callable(fn):
-            try:
-                y = fn(_PROBE.clone())
-            except Exception:
-                y = None
-            if isinstance(y, torch.Tensor) and y.shape == _PROBE.shape:
-                ref = _act_ref(spec.activation, _PROBE)
-                if not torch.allclose(y.float(), ref, rtol=policy.ACT_MATCH_RTOL,
-                                      atol=policy.ACT_MATCH_ATOL_REL * float(ref.abs().max())):
-                    return f"experts.act_fn ({type(fn).__name__}) differs from {spec.activation} on [-12, 12]"
-    mlps = []
-    if parts.kind == "modulelist" and spec.activation != "swiglu_oai":
-        mlps.append((parts.expert_mlps[0], spec.activation, spec.activation_clamp, spec.activation_alpha,
-                     spec.activation_limit, "expert 0"))
-    if parts.shared is not None and spec.shared is not None:
-        sh = spec.shared
-        mlps.append((parts.shared, sh.activation, sh.activation_clamp, sh.activation_alpha, sh.activation_limit,
-                     "shared expert"))
-    for mp, act, clamp, alpha, limit, where in mlps:
-        mod = get_path(block, mp.path)
-        if any(p.device.type == "meta" for p in mod.parameters()):
-            continue
-        x = _mlp_probe_input(block, mp)
-        try:
-            with torch.no_grad():
-                y = mod(x)
-        except Exception:
-            continue
-        if not isinstance(y, torch.Tensor) or y.shape != x.shape:
-            continue
-        ref = _mlp_ref(block, mp, x.float(), act, clamp, alpha, limit)
-        tol = policy.mlp_match_tolerance(x.dtype)
-        err = float((y.float() - ref).abs().max()) / max(float(ref.abs().max()), 1e-30)
-        if not err <= tol:
-            return (f"{where} ({type(mod).__name__}) differs from the spec's {'clamped ' if clamp else ''}{act} on "
-                    f"inputs whose pre-activations reach +-25 (rel. err {err:.1e})")
-    return None

@@ -345,6 +345,9 @@ def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: boo
         r.status, r.reason = "build failed", f"forward: {type(e).__name__}: {str(e)[:300]}"
         r.seconds = time.perf_counter() - t0
         return r
+    from .. import recognise as _recognise  # noqa: PLC0415
+
+    compare, _recognise.COMPARE_FALLBACK = _recognise.COMPARE_FALLBACK, True  # the table's "fallback agrees" column
     try:
         _, rep = moecomp.optimize(model, report=True, use_capture=use_capture)
     except Exception as e:
@@ -352,6 +355,8 @@ def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: boo
         r.reason = f"optimize raised {type(e).__name__}: {e}\n{traceback.format_exc()[-600:]}"
         r.seconds = time.perf_counter() - t0
         return r
+    finally:
+        _recognise.COMPARE_FALLBACK = compare
     r.blocks = len(rep.blocks)
     r.rewritten = len(rep.rewritten)
     r.experts_only = len(rep.experts_only)

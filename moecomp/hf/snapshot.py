@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .fallback import _JITTER_NAMES
+from .names import JITTER_NAMES
 from .structure import get_path
 
 _SCALAR_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
 _NO_SCALARS = (nn.Linear, nn.Identity)  # torch modules whose forward reads no scalar attribute
-_SKIP_ATTRS = frozenset({"training", "_compiled_call_impl"}) | frozenset(_JITTER_NAMES)
+_SKIP_ATTRS = frozenset({"training", "_compiled_call_impl"}) | frozenset(JITTER_NAMES)
 _DICT = operator.attrgetter("__dict__")
 _MODULES = operator.attrgetter("_modules")
 _call = getattr(operator, "call", None) or (lambda f, *a: f(*a))  # operator.call: Python 3.11+

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..derived import get_path  # noqa: F401 (re-exported)
+
 # (gate, up, down) names of a per-expert / shared MLP, gated first.
 MLP_NAMES = (
     ("gate_proj", "up_proj", "down_proj"),
@@ -98,15 +100,6 @@ class BlockParts:
 
 class NotABlock(Exception):
     """The module is not an MoE block (not an error)."""
-
-
-def get_path(root: nn.Module, path: str):
-    obj = root
-    if not path:
-        return obj
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _owned_tensors(m: nn.Module) -> dict[str, torch.Tensor]:

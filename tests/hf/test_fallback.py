@@ -7,7 +7,16 @@ import moecomp
 from moecomp.hf import families as F
 from moecomp.hf import fallback as fb
 from moecomp.hf.structure import iter_blocks
-from moecomp.optimize import _detect, BlockReport, _capture, fallback_spec
+from moecomp.match import Match
+from moecomp.recognise import fx_available, recognise
+from moecomp.verify import fit_routed_scale, verify
+
+
+def fallback_spec(block, parts, x):
+    """The attribute reader's spec, measured on ``x`` (routed scale fitted as the verify stage does)."""
+    m = fb.recognise(block, parts, x)
+    assert isinstance(m, Match), m
+    return fit_routed_scale(block, m, x, fb.numeric_consts(fb.attr_sources(block, parts), m.spec.top_k))
 
 # one family per router / expert style: softmax renorm, softmax no renorm + sigmoid-gated shared, sigmoid + bias +
 # groups + scaling + shared, softmax group-limited (max), top-k->softmax with router bias + gpt-oss gate,
@@ -25,15 +34,16 @@ def first_block(model):
 @pytest.mark.parametrize("family", STYLES)
 def test_fallback_spec_equals_fx_spec(family):
     """Where the FX pass proves a block, the attribute fallback must derive the same MoESpec."""
-    cap, why = _capture()
-    if cap is None:
+    why = fx_available()
+    if why:
         pytest.skip(why)
     model, _ = F.build_tiny(family)
     name, block, parts = first_block(model)
     block.eval()
-    rep = BlockReport(name, type(block).__name__, "")
-    spec_fx, *_, method = _detect(name, block, parts, cap, rep)
-    assert method == "fx", rep.notes
+    probe = moecomp.policy.probe_input(parts.hidden_size, "cpu", next(block.parameters()).dtype)
+    m, notes = recognise(block, parts, probe)
+    assert isinstance(m, Match) and m.method == "fx", (m, notes)
+    spec_fx = verify(block, m, probe, fb.numeric_consts(fb.attr_sources(block, parts), 1), notes).match.spec
     x = torch.randn(2, 16, parts.hidden_size, generator=torch.Generator().manual_seed(3))
     assert fallback_spec(block, parts, x) == spec_fx
 
@@ -44,7 +54,7 @@ def test_static_guess_equals_measured(family):
     model, _ = F.build_tiny(family)
     name, block, parts = first_block(model)
     x = torch.randn(2, 16, parts.hidden_size, generator=torch.Generator().manual_seed(3))
-    static = fb.static_extract(block, parts).match.spec
+    static = fb.static_extract(block, parts).spec
     assert static == fallback_spec(block, parts, x)
 
 
@@ -55,7 +65,7 @@ def test_block_parts_named():
     assert (parts.router_weight, parts.experts, parts.w13, parts.w2) == (
         "gate.weight", "experts", "experts.gate_up_proj", "experts.down_proj")
     assert parts.shared.gate == "shared_expert.gate_proj.weight" and parts.shared_gate == "shared_expert_gate.weight"
-    m = fb.static_extract(block, parts).match
+    m = fb.static_extract(block, parts)
     assert m.bindings["shared_gate_w"] == "shared_expert_gate.weight" and m.spec.shared.gate == "sigmoid"
 
 
@@ -64,12 +74,12 @@ def test_clamped_swiglu_detected():
     on inputs that reach the clamps; hy_v4's shared MLP is not clamped."""
     model, _ = F.build_tiny("glm5_next")
     name, block, parts = first_block(model)
-    spec = fb.static_extract(block, parts).match.spec
+    spec = fb.static_extract(block, parts).spec
     assert (spec.activation, spec.activation_clamp, spec.activation_limit) == ("silu", True, 10.0)
     assert (spec.shared.activation, spec.shared.activation_clamp, spec.shared.activation_limit) == ("silu", True, 10.0)
     model, _ = F.build_tiny("hy_v4")
     name, block, parts = first_block(model)
-    spec = fb.static_extract(block, parts).match.spec
+    spec = fb.static_extract(block, parts).spec
     assert spec.activation_clamp and spec.activation_limit == model.config.swiglu_limit
     assert not spec.shared.activation_clamp
     # a spec without the clamp is refused by optimize's activation check

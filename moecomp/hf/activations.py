@@ -1,0 +1,257 @@
+"""Activations measured, not read: call a block's own activation code on probe inputs and name what it computes.
+
+Used by the attribute reader (:mod:`moecomp.hf.fallback`: which activation the experts / shared expert / a
+ModuleList expert compute), by the experts interface (:mod:`moecomp.hf.experts_interface`: the same for a
+transformers experts module), and by the verify stage (:func:`activation_mismatch`: a spec's activations against
+the block's modules on inputs wide enough to reach the clamps of clamped SwiGLU variants, which random hidden
+states rarely do). Probe inputs and tolerances: :mod:`moecomp.policy`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import policy, reference
+from ..spec import MoESpec
+from . import names
+from .names import read_attr
+from .structure import BlockParts, MLPParts, get_path
+
+_PROBE = policy.activation_probe_input()
+
+
+_ELEMENTWISE = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
+
+
+def _act_ref(name: str, t: torch.Tensor) -> torch.Tensor:
+    return reference.activation(t, name)
+
+
+def probe_activation(fn) -> str | None:
+    """Which elementwise activation ``fn`` computes (checked on [-12, 12]), or None."""
+    if fn is None:
+        return None
+    try:
+        y = fn(_PROBE.clone())
+    except Exception:
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != _PROBE.shape:
+        return None
+    for name in _ELEMENTWISE:
+        ref = _act_ref(name, _PROBE)
+        if torch.allclose(y.float(), ref, rtol=policy.ACT_MATCH_RTOL,
+                          atol=policy.ACT_MATCH_ATOL_REL * max(1.0, float(ref.abs().max()))):
+            return name
+    return None
+
+
+def _gate_ref(h: torch.Tensor, activation: str, gate_up: str, alpha: float, limit: float,
+              clamp: bool = False) -> torch.Tensor:
+    I = h.shape[-1] // 2
+    if gate_up == "concat":
+        gate, up = h[..., :I], h[..., I:]
+    else:
+        gate, up = h[..., 0::2], h[..., 1::2]
+    return reference.gated_activation(gate, up, activation, alpha, limit, clamp)
+
+
+def _limits(objs) -> tuple[float | None, float | None]:
+    """(alpha, limit) of a clamped / gpt-oss SwiGLU, read from the given modules and their configs."""
+    srcs = []
+    for o in objs:
+        if o is None:
+            continue
+        srcs.append(o)
+        cfg = getattr(o, "config", None)
+        if cfg is not None and not isinstance(cfg, nn.Module):
+            srcs.append(cfg)
+    alpha = read_attr(srcs, names.ALPHA_NAMES, (int, float))
+    limit = read_attr(srcs, names.LIMIT_NAMES, (int, float))
+    alpha = None if alpha is None or isinstance(alpha, bool) else float(alpha)
+    limit = None if limit is None or isinstance(limit, bool) or not limit > 0 else float(limit)
+    return alpha, limit
+
+
+def probe_gate(experts: nn.Module, concat_hint: bool | None) -> tuple[str, str, float, float, bool] | None:
+    """(activation, gate_up, alpha, limit, clamp) that ``experts._apply_gate`` computes, or None.
+
+    Checked on gate / up values spread over about +-20, so that clamps at 7-10 are reached: plain act(gate) * up,
+    clamped SwiGLU (``clamp``: gate <= limit, |up| <= limit; limit from ``limit`` / ``swiglu_limit``) and gpt-oss's
+    ``swiglu_oai`` (alpha, limit) are told apart.
+    """
+    fn = getattr(experts, "_apply_gate", None)
+    if fn is None:
+        return None
+    h = policy.gate_probe_input()  # wide enough to hit clamps at 7-10
+    try:
+        y = fn(h.clone())
+    except Exception:
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != (h.shape[0], h.shape[1] // 2):
+        return None
+    alpha, limit = _limits([experts])
+    layouts = ["concat", "interleaved"] if concat_hint in (None, True) else ["interleaved", "concat"]
+    cands = [(a, False) for a in _ELEMENTWISE]
+    if limit is not None:
+        cands += [(a, True) for a in _ELEMENTWISE]
+        if alpha is not None:
+            cands.insert(0, ("swiglu_oai", False))
+    a0, l0 = float(alpha if alpha is not None else 1.702), float(limit if limit is not None else 7.0)
+    for lay in layouts:
+        for act, clamp in cands:
+            ref = _gate_ref(h, act, lay, a0, l0, clamp)
+            if torch.allclose(y.float(), ref, rtol=policy.ACT_MATCH_RTOL, atol=policy.ACT_MATCH_ATOL):
+                return (act, lay, *_canonical(act, clamp, a0, l0), clamp)
+    return None
+
+
+def _canonical(act: str, clamp: bool, alpha: float, limit: float) -> tuple[float, float]:
+    """(alpha, limit) as the spec stores them: the defaults unless the activation uses them."""
+    return (alpha if act == "swiglu_oai" else 1.702), (limit if (clamp or act == "swiglu_oai") else 7.0)
+
+
+def describe_unknown_gate(experts: nn.Module) -> str:
+    """Name a gate the spec lacks, when it is a known variant (for the report)."""
+    limit = read_attr([experts, getattr(experts, "config", None)], ("limit", "swiglu_limit"), (int, float))
+    if limit is None:
+        return ""
+    h = policy.gate_probe_input()
+    half = h.shape[1] // 2
+    try:
+        y = experts._apply_gate(h.clone())
+    except Exception:
+        return ""
+    for lay in ("concat", "interleaved"):
+        gate, up = (h[:, :half], h[:, half:]) if lay == "concat" else (h[:, 0::2], h[:, 1::2])
+        for act in ("silu", "gelu"):
+            ref = _act_ref(act, gate.clamp(max=limit)) * up.clamp(-limit, limit)
+            if isinstance(y, torch.Tensor) and y.shape == ref.shape and torch.allclose(
+                    y, ref, rtol=policy.ACT_MATCH_RTOL, atol=policy.ACT_MATCH_ATOL):
+                return f"clamped SwiGLU {act}(min(gate, {limit:g})) * clamp(up, +-{limit:g}) (no MoESpec field for it)"
+    return ""
+
+
+def _mlp_ref(block: nn.Module, mp: MLPParts, x: torch.Tensor, act: str, clamp: bool, alpha: float,
+             limit: float) -> torch.Tensor:
+    def t(p):
+        return None if p is None else get_path(block, p).detach().float()
+
+    if mp.gated:
+        if mp.concat:
+            gate, up = F.linear(x, t(mp.gate), t(mp.gate_bias)).chunk(2, dim=-1)
+        else:
+            gate, up = F.linear(x, t(mp.gate), t(mp.gate_bias)), F.linear(x, t(mp.up), t(mp.up_bias))
+        h = reference.gated_activation(gate, up, act, alpha, limit, clamp)
+    else:
+        h = reference.activation(F.linear(x, t(mp.up), t(mp.up_bias)), act)
+    return F.linear(h, t(mp.down), t(mp.down_bias))
+
+
+def _mlp_probe_input(block: nn.Module, mp: MLPParts):
+    """A [MLP_PROBE_TOKENS, H] input (the MLP's dtype) whose first-layer outputs spread over about +-25 (clamps at
+    7-10 hit); see :mod:`moecomp.policy`."""
+    W = get_path(block, mp.gate if mp.gated else mp.up).detach()
+    g = torch.Generator().manual_seed(policy.MLP_PROBE_SEED)
+    x = torch.randn(policy.MLP_PROBE_TOKENS, W.shape[1], generator=g)
+    pre = x @ W.float().cpu().T
+    x = x * (policy.CLAMP_REACH_STD / float(pre.std().clamp_min(1e-12)))
+    return x.to(device=W.device, dtype=W.dtype)
+
+
+def probe_mlp(block: nn.Module, mp: MLPParts, first: str | None = None) -> tuple[str, bool, float, float] | None:
+    """(activation, clamp, alpha, limit) that the dense MLP module at ``mp`` computes, measured by calling it.
+
+    Candidates: every elementwise activation the spec knows, the same with the clamped-SwiGLU clamps (gated, limit
+    read from the module), and gpt-oss's ``swiglu_oai`` (gated, alpha / limit read from the module). ``first`` is
+    tried first (the activation its ``act_fn`` probes as). None when nothing matches or the module cannot run.
+    """
+    mod = get_path(block, mp.path)
+    if any(p.device.type == "meta" for p in mod.parameters()):
+        return None
+    x = _mlp_probe_input(block, mp)
+    try:
+        with torch.no_grad():
+            y = mod(x)
+    except Exception:
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return None
+    y = y.float()
+    alpha, limit = _limits([mod])
+    a0, l0 = float(alpha if alpha is not None else 1.702), float(limit if limit is not None else 7.0)
+    acts = list(dict.fromkeys(([first] if first else []) + list(_ELEMENTWISE)))
+    cands = [(a, False) for a in acts]
+    if mp.gated and limit is not None:
+        cands += [(a, True) for a in acts] + ([("swiglu_oai", False)] if alpha is not None else [])
+    tol = policy.mlp_match_tolerance(x.dtype)
+    xf = x.float()
+    for act, clamp in cands:
+        ref = _mlp_ref(block, mp, xf, act, clamp, a0, l0)
+        if float((y - ref).abs().max()) <= tol * max(float(ref.abs().max()), 1e-30):
+            return (act, clamp, *_canonical(act, clamp, a0, l0))
+    return None
+
+
+def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> str | None:
+    """Check ``spec``'s activations against the block's own modules on inputs that reach the clamps.
+
+    A check on random hidden states rarely reaches the clamps of clamped SwiGLU variants (limit 7-10); this one
+    does: the experts' ``_apply_gate`` / ``act_fn`` over about +-20, and the shared expert (and ModuleList expert 0)
+    called as a whole on inputs whose first-layer outputs spread over about +-25. Returns why they differ, or None
+    (also when the block has nothing to call).
+    """
+    experts = get_path(block, parts.experts)
+    if parts.kind == "fused" and spec.gated and getattr(experts, "_apply_gate", None) is not None:
+        h = policy.gate_probe_input()
+        try:
+            y = experts._apply_gate(h.clone())
+        except Exception:
+            y = None
+        if isinstance(y, torch.Tensor) and y.shape == (h.shape[0], h.shape[1] // 2):
+            ref = _gate_ref(h, spec.activation, spec.gate_up, spec.activation_alpha, spec.activation_limit,
+                            spec.activation_clamp)
+            if not torch.allclose(y.float(), ref, rtol=policy.ACT_MATCH_RTOL, atol=policy.ACT_MATCH_ATOL):
+                return (f"{type(experts).__name__}._apply_gate differs from the spec's "
+                        f"{'clamped ' if spec.activation_clamp else ''}{spec.activation}/{spec.gate_up} gate on "
+                        f"inputs up to +-20 (clamped or other variant)")
+    if parts.kind == "fused" and not spec.gated:
+        fn = getattr(experts, "act_fn", None)
+        if fn is not None and callable(fn):
+            try:
+                y = fn(_PROBE.clone())
+            except Exception:
+                y = None
+            if isinstance(y, torch.Tensor) and y.shape == _PROBE.shape:
+                ref = _act_ref(spec.activation, _PROBE)
+                if not torch.allclose(y.float(), ref, rtol=policy.ACT_MATCH_RTOL,
+                                      atol=policy.ACT_MATCH_ATOL_REL * float(ref.abs().max())):
+                    return f"experts.act_fn ({type(fn).__name__}) differs from {spec.activation} on [-12, 12]"
+    mlps = []
+    if parts.kind == "modulelist" and spec.activation != "swiglu_oai":
+        mlps.append((parts.expert_mlps[0], spec.activation, spec.activation_clamp, spec.activation_alpha,
+                     spec.activation_limit, "expert 0"))
+    if parts.shared is not None and spec.shared is not None:
+        sh = spec.shared
+        mlps.append((parts.shared, sh.activation, sh.activation_clamp, sh.activation_alpha, sh.activation_limit,
+                     "shared expert"))
+    for mp, act, clamp, alpha, limit, where in mlps:
+        mod = get_path(block, mp.path)
+        if any(p.device.type == "meta" for p in mod.parameters()):
+            continue
+        x = _mlp_probe_input(block, mp)
+        try:
+            with torch.no_grad():
+                y = mod(x)
+        except Exception:
+            continue
+        if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+            continue
+        ref = _mlp_ref(block, mp, x.float(), act, clamp, alpha, limit)
+        tol = policy.mlp_match_tolerance(x.dtype)
+        err = float((y.float() - ref).abs().max()) / max(float(ref.abs().max()), 1e-30)
+        if not err <= tol:
+            return (f"{where} ({type(mod).__name__}) differs from the spec's {'clamped ' if clamp else ''}{act} on "
+                    f"inputs whose pre-activations reach +-25 (rel. err {err:.1e})")
+    return None

@@ -1,0 +1,119 @@
+"""What flows between the stages: a recogniser's :class:`Match`, the verify stage's :class:`Verified`.
+
+    block ──► recogniser (FX pass | attribute reader) ──► Match | Reject
+                                                              │
+          Match = spec          what the block computes (MoESpec)
+                  bindings      op argument (MOE_ARGS) -> block-relative tensor path | a Derived's name | None
+                  derived       tensors built from the block's (stacked ModuleList experts, cat of split gate/up)
+                  parts         the block's named modules (router, experts, shared expert): hooks, extra outputs
+                  evidence      which recogniser, how it checked, which spec fields came from which attribute
+                                                              │
+    verify (op against the block on probes) ──► Verified(match, contract, error, ignored args, epilogue) | Reject
+                                                              │
+    bind (the block's forward becomes one op call) ◄──────────┘
+
+Recognisers return a ``Match`` or a :class:`moecomp.reject.Reject` (a code and a message); stages that raise use
+:class:`moecomp.reject.Refused`. Nothing here runs a block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from .derived import Derived
+from .ops.common import MOE_ARGS
+from .spec import MoESpec
+
+
+@dataclass
+class Evidence:
+    """How a Match was found and what backs it (for the report; control flow reads none of it)."""
+
+    method: str  # "fx" (the FX pass over Dynamo's graph) | "fallback" (attribute reader) | "fallback (meta)"
+    checked: str = ""  # the recogniser's own check: the FX pass's numeric check, "routing measured", "read only"
+    constants: dict[str, str] = field(default_factory=dict)  # spec field -> attribute path its value was read from
+    notes: list[str] = field(default_factory=list)  # for the report
+
+
+@dataclass(frozen=True)
+class Contract:
+    """How the original forward shaped its result (read from a probe run; the binder reproduces it).
+
+    ``primary``: "same" (like the input), "flat2d" ([T, H]) or "flat1d" ([T*H]).
+    ``extras``: for a tuple result, one entry per further element: ("router", j, shape_mode) = element j of the
+    router module's output reshaped ("same" / "flat1d" / "rows"), or ("none",).
+    """
+
+    primary: str = "same"
+    is_tuple: bool = False
+    extras: tuple = ()
+    router_call: str = "x2"  # the router was called with the flattened input ("x2") or the input as given ("x")
+
+
+def shape_mode(t: torch.Tensor, ref: torch.Tensor) -> str | None:
+    """How ``t`` is ``ref`` reshaped (a :class:`Contract` extras mode), or None."""
+    if t.shape == ref.shape:
+        return "same"
+    if t.dim() == 1 and t.numel() == ref.numel():
+        return "flat1d"
+    if t.dim() == 2 and t.numel() == ref.numel() and ref.dim() >= 1 and t.shape[-1] == ref.shape[-1]:
+        return "rows"
+    return None
+
+
+def reshape_to(t: torch.Tensor, mode: str, like: torch.Tensor | None = None):
+    """``t`` reshaped by a :class:`Contract` extras mode (``like``'s shape for "same")."""
+    if mode == "same":
+        return t if like is None else t.reshape(like.shape)
+    if mode == "flat1d":
+        return t.reshape(-1)
+    return t.reshape(-1, t.shape[-1])
+
+
+@dataclass
+class Match:
+    """One MoE block as a recogniser describes it (see the module docstring)."""
+
+    spec: MoESpec
+    bindings: dict[str, str | None]
+    derived: list[Derived] = field(default_factory=list)
+    parts: object = None  # moecomp.hf.structure.BlockParts (router / experts / shared module paths), or None
+    evidence: Evidence = field(default_factory=lambda: Evidence("fx"))
+
+    def __post_init__(self):
+        unknown = set(self.bindings) - set(MOE_ARGS)
+        if unknown:
+            raise ValueError(f"bindings: expected keys among moecomp.ops.MOE_ARGS, got {sorted(unknown)}")
+        self.bindings = {a: self.bindings.get(a) for a in MOE_ARGS}
+        names = {d.name for d in self.derived}
+        for a, p in self.bindings.items():
+            if a in ("router_w", "w13", "w2") and p is None:
+                raise ValueError(f"bindings[{a!r}]: expected a tensor path or a derived tensor's name, got None")
+        dup = len(names) != len(self.derived)
+        if dup:
+            raise ValueError("derived: expected distinct names")
+
+    @property
+    def method(self) -> str:
+        return self.evidence.method
+
+    def replace(self, **kw) -> Match:
+        return dataclasses.replace(self, **kw)
+
+    def describe(self) -> str:
+        bound = ", ".join(f"{k}={v}" for k, v in self.bindings.items() if v is not None)
+        return f"{self.spec.describe()} [{bound}] ({self.evidence.method}; {self.evidence.checked})"
+
+
+@dataclass
+class Verified:
+    """A Match the verify stage proved on probes, with what the binder needs besides it."""
+
+    match: Match  # spec as verified (a routed scale fitted on the probe is folded in)
+    contract: Contract
+    max_rel_err: float
+    ignored_params: frozenset = frozenset()  # extra forward arguments checked to make no difference
+    epilogue: tuple = ()  # child module paths the block applies to the MoE output, in order

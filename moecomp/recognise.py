@@ -1,0 +1,201 @@
+"""Recognition: one block in, one :class:`moecomp.match.Match` or :class:`moecomp.reject.Reject` out.
+
+    block ─► FX pass (Dynamo's graph of the block; primary) ──────────────────────► Match
+               │ capture failed on a data-dependent branch (a per-expert loop)
+               ├─► FX pass again, tracing with real values (the loop unrolled) ──► Match
+               │ Dynamo cannot capture the block at all / meta tensors / FX pass not used
+               └─► attribute reader (names, source, one measured run) ─────────────► Match
+             any other refusal of the FX pass ─────────────────────────────────────► Reject
+             (``trust_fallback=True``: the attribute reader tries those too, and the report says so)
+
+Both recognisers describe a block the same way (spec, bindings by block-relative path, derived tensors); the verify
+stage (:mod:`moecomp.verify`) then proves the Match on probes and the binder (:mod:`moecomp.hf.bind`) uses nothing
+else. FX results are cached per block structure (:func:`structure_key`): one Dynamo capture per distinct block,
+not per layer.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import nn
+
+from . import policy
+from .hf import fallback
+from .hf.structure import BlockParts
+from .match import Evidence, Match, Verified
+from .reject import Refused, Reject, RejectCode
+
+# When the FX pass recognises a block, also run the attribute reader and note any difference in the report
+# (``hf/families.py`` turns it on for the coverage table; off for users: it runs the block once more per structure).
+COMPARE_FALLBACK = False
+
+_SKIP_KEY_ATTRS = frozenset({"training", "layer_idx", "layer_id", "layer_number", "layer_index"})
+
+
+def structure_key(block: nn.Module):
+    """Blocks with equal keys trace to the same graph: class, tensor names / shapes / dtypes, scalar attributes."""
+    tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in block.named_parameters()) + tuple(
+        (n, tuple(t.shape), t.dtype) for n, t in block.named_buffers())
+    scalars = []
+    for mname, sub in block.named_modules():
+        scalars.append((mname, type(sub).__qualname__))
+        for a, v in vars(sub).items():
+            if isinstance(v, (int, float, bool, str)) and not a.startswith("_") and a not in _SKIP_KEY_ATTRS:
+                scalars.append((f"{mname}.{a}", v))
+    return (type(block), tensors, tuple(scalars))
+
+
+def fx_available() -> str:
+    """'' when the FX pass can run here, else why not."""
+    try:
+        from . import capture  # noqa: F401, PLC0415 (imports Dynamo: only when recognising)
+    except ImportError as e:
+        return f"FX pass unavailable ({e})"
+    return ""
+
+
+# ------------------------------------------------------------------------------------------------------ FX pass
+def _from_block_match(bm, parts: BlockParts) -> Match:
+    return Match(bm.spec, dict(bm.bindings), list(bm.derived), parts,
+                 Evidence("fx", bm.verified, dict(bm.constants)))
+
+
+def _detect_fx(block: nn.Module, parts: BlockParts, device, dtype) -> Match | Reject:
+    from .capture import DetectError, detect_block  # noqa: PLC0415
+
+    H = parts.hidden_size
+    try:
+        bm = detect_block(block, policy.probe_input(H, device, dtype, shape=policy.CAPTURE_PROBE_SHAPE))
+        return _from_block_match(bm, parts)
+    except DetectError as e:
+        first = e
+    except Exception as e:  # Dynamo errors surface as many types
+        return Reject(RejectCode.CAPTURE_FAILED, f"FX pass failed ({type(e).__name__}: {str(e)[:120]})")
+    if first.code is not RejectCode.CAPTURE_FAILED or not _data_dependent(first):
+        return first.reject
+    # a per-expert loop branches on the routing (``if tok.numel():``): trace again following the example's branches
+    x = policy.probe_input(H, device, dtype, shape=policy.real_trace_shape(parts.num_experts))
+    try:
+        bm = detect_block(block, x, real_values=True)
+    except DetectError as e:  # the unrolled trace proves nothing either way: let the attribute reader try
+        return Reject(RejectCode.CAPTURE_FAILED, f"{first.reason}; traced with real values: {e.reason}")
+    except Exception as e:
+        return Reject(RejectCode.CAPTURE_FAILED, f"{first.reason}; traced with real values: {type(e).__name__}")
+    m = _from_block_match(bm, parts)
+    m.evidence.notes.append("traced with real values (data-dependent branches followed the example, which reached "
+                            "every expert)")
+    return m
+
+
+def _data_dependent(e: Exception) -> bool:
+    """Did Dynamo give up on a branch over a data-dependent value (somewhere in the exception's chain)?"""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode  # noqa: PLC0415
+
+    c, seen = e.__cause__, 0
+    while c is not None and seen < 16:
+        if isinstance(c, GuardOnDataDependentSymNode):
+            return True
+        c, seen = c.__cause__ or c.__context__, seen + 1
+    return False
+
+
+def fx_match(block: nn.Module, parts: BlockParts, device, dtype, cache: dict | None = None) -> Match | Reject:
+    """The FX pass's answer for ``block`` (cached per structure in ``cache``; bindings are block-relative, so one
+    answer serves every block of the same structure)."""
+    key = ("fx", structure_key(block))
+    hit = cache.get(key) if cache is not None else None
+    if hit is None:
+        hit = _detect_fx(block, parts, device, dtype)
+        if cache is not None:
+            cache[key] = hit
+    if isinstance(hit, Match):  # a fresh copy per block (evidence notes are appended to)
+        hit = hit.replace(parts=parts, evidence=Evidence(hit.evidence.method, hit.evidence.checked,
+                                                         dict(hit.evidence.constants), list(hit.evidence.notes)))
+    return hit
+
+
+# ------------------------------------------------------------------------------------------------------ pipeline
+def recognise(block: nn.Module, parts: BlockParts, x: torch.Tensor | None, *, use_fx: bool = True,
+              trust_fallback: bool = False, cache: dict | None = None) -> tuple[Match | Reject, list[str]]:
+    """Match or Reject for ``block`` (see the module docstring), plus notes for the report.
+
+    ``x``: a probe input for the attribute reader's measured run (None on the meta device: read only)."""
+    notes: list[str] = []
+    if x is None:
+        return fallback.recognise(block, parts, None), ["meta tensors: routing read from attributes and source, "
+                                                        "not measured"]
+    device, dtype = x.device, x.dtype
+    if use_fx:
+        got = fx_match(block, parts, device, dtype, cache)
+        if isinstance(got, Match):
+            if COMPARE_FALLBACK:
+                notes.append(_compare_note(block, parts, x, got, cache))
+            return got, notes
+        if got.code is RejectCode.CAPTURE_FAILED:
+            notes.append(f"FX pass could not capture the block ({got.message}); attribute fallback used")
+        elif trust_fallback:
+            notes.append(f"FX pass rejected the block ({got.message}); attribute fallback used (trust_fallback)")
+        else:
+            return Reject(got.code, f"FX pass: {got.message}"), notes
+    return fallback.recognise(block, parts, x), notes
+
+
+def _compare_note(block, parts, x, fx: Match, cache) -> str:
+    """Does the attribute reader agree with the FX pass? Once per block structure."""
+    ck = ("compare", structure_key(block))
+    if cache is not None and ck in cache:
+        return cache[ck]
+    try:
+        from .verify import fit_routed_scale  # noqa: PLC0415
+
+        fb = fallback.recognise(block, parts, x)
+        if isinstance(fb, Reject):
+            note = f"attribute fallback could not describe the block: {fb.message}"
+        else:
+            spec = fit_routed_scale(block, fb, x, fallback.numeric_consts(fallback.attr_sources(block, parts),
+                                                                          fb.spec.top_k))
+            note = "attribute fallback agrees" if spec == fx.spec else _diff(fx.spec, spec)
+    except Refused as e:
+        note = f"attribute fallback could not describe the block: {e.reason}"
+    except Exception as e:
+        note = f"attribute fallback failed: {type(e).__name__}: {e}"
+    if cache is not None:
+        cache[ck] = note
+    return note
+
+
+def _diff(a, b) -> str:
+    ka, kb = json.loads(a.key), json.loads(b.key)
+    return f"attribute fallback differs (fx, fallback): { {k: (ka[k], kb[k]) for k in ka if ka[k] != kb[k]} }"
+
+
+# ------------------------------------------------------------------------------------------------------ one call
+def match_block(block: nn.Module, example: torch.Tensor | None = None, *, use_fx: bool = True) -> Verified:
+    """Recognise and verify one block, as ``optimize`` would (without binding it): the way for tools (the layer
+    benchmark, scripts) to get a block's spec and the op's tensors (``moecomp.hf.bind.bound_tensors``). Raises
+    :class:`moecomp.reject.Refused` with the reason code when the block is not one the op can stand in for.
+
+    ``example``: the probe input (default: ``policy.probe_input`` in the block's dtype and device)."""
+    from .epilogue import block_device_dtype  # noqa: PLC0415
+    from .hf.structure import NotABlock, find_parts  # noqa: PLC0415
+    from .verify import verify  # noqa: PLC0415
+
+    try:
+        parts = find_parts(block)
+    except NotABlock as e:
+        raise Refused(str(e), RejectCode.NOT_A_BLOCK) from None
+    if example is None:
+        device, dtype = block_device_dtype(block, parts)
+        example = policy.probe_input(parts.hidden_size, device, dtype)
+    was = block.training
+    block.eval()
+    try:
+        got, notes = recognise(block, parts, example, use_fx=use_fx)
+        if isinstance(got, Reject):
+            raise Refused(got.message, got.code)
+        consts = fallback.numeric_consts(fallback.attr_sources(block, parts), 1)
+        return verify(block, got, example, consts, notes + got.evidence.notes)
+    finally:
+        block.train(was)
