@@ -443,61 +443,62 @@ def measure(block: nn.Module, x: torch.Tensor, ext: Match) -> tuple[Match, Probe
         return _measure(block, x, ext)
 
 
+def _routing_seen(run: ProbeRun, T: int, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [T, k], weights [T, k]) the experts module received on the probe run."""
+    _, ids, w = run.experts_args[:3]
+    if not (isinstance(ids, torch.Tensor) and isinstance(w, torch.Tensor) and ids.dim() == 2 and
+            ids.shape[0] == T and w.shape == ids.shape):
+        raise FallbackError("the experts module was not called with (hidden [T, H], ids [T, k], weights [T, k])")
+    if (ids < 0).any() or (ids >= E).any():
+        raise FallbackError("the router produced expert ids outside [0, E) (skip / null experts)",
+                            RejectCode.UNSUPPORTED_ROUTING)
+    return ids, w
+
+
+def _fit_routing(block: nn.Module, parts: BlockParts, spec: MoESpec, x2: torch.Tensor, ids, w) -> dict:
+    """The routing fields (and the routed scale, unsnapped) of the first routing the spec knows that picks the
+    experts this router picked, with the same weights up to one constant."""
+    E, k = parts.num_experts, ids.shape[1]
+    W = get_path(block, parts.router_weight)
+    Rb = get_path(block, parts.router_bias) if parts.router_bias else None
+    corr = get_path(block, parts.correction_bias).reshape(E) if parts.correction_bias else None
+    tol = policy.routing_match_tolerance(x2.dtype)
+    guess = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    fp32_variants = [spec.router_fp32, not spec.router_fp32] if x2.dtype != torch.float32 else [spec.router_fp32]
+    for fp32 in fp32_variants:
+        probe_spec = spec.replace(top_k=k, router_fp32=fp32, routed_scaling_factor=1.0, renorm_eps=0.0)
+        logits = reference.router_logits(x2, W, Rb, probe_spec).float()
+        for cand in _routing_candidates(guess, E, k, corr is not None):
+            try:
+                cs = probe_spec.replace(**cand)
+            except SpecError:
+                continue
+            w_c, ids_c = reference.route(logits, corr, cs)
+            c = _match_routing(ids, w, ids_c, w_c, tol)
+            if c is not None and not math.isnan(c):
+                return dict(cand, top_k=k, router_fp32=fp32, routed_scaling_factor=c)
+    raise FallbackError(
+        "routing not recognised: no softmax / sigmoid / sqrt-softplus, top-k, renormalise, group-limited "
+        "routing the spec knows picks the experts this router picks", RejectCode.UNSUPPORTED_ROUTING)
+
+
 def _measure(block: nn.Module, x: torch.Tensor, ext: Match) -> tuple[Match, ProbeRun]:
-    parts = ext.parts
-    spec = ext.spec
-    sources = attr_sources(block, parts)
+    parts, spec = ext.parts, ext.spec
     run = run_probe(block, parts, x)
     notes = list(ext.evidence.notes)
     x2 = x.reshape(-1, x.shape[-1])
-    T, E = x2.shape[0], parts.num_experts
     changes = {}
     if run.experts_args is not None:
-        _, ids, w = run.experts_args[:3]
-        if not (isinstance(ids, torch.Tensor) and isinstance(w, torch.Tensor) and ids.dim() == 2 and
-                ids.shape[0] == T and w.shape == ids.shape):
-            raise FallbackError("the experts module was not called with (hidden [T, H], ids [T, k], weights [T, k])")
-        k = ids.shape[1]
-        if (ids < 0).any() or (ids >= E).any():
-            raise FallbackError("the router produced expert ids outside [0, E) (skip / null experts)",
-                                RejectCode.UNSUPPORTED_ROUTING)
-        W = get_path(block, parts.router_weight)
-        Rb = get_path(block, parts.router_bias) if parts.router_bias else None
-        corr = get_path(block, parts.correction_bias).reshape(E) if parts.correction_bias else None
-        low = x.dtype != torch.float32
-        tol = policy.routing_match_tolerance(x.dtype)
-        guess = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
-        found = None
-        logit_variants = [spec.router_fp32, not spec.router_fp32] if low else [spec.router_fp32]
-        for fp32 in logit_variants:
-            probe_spec = spec.replace(top_k=k, router_fp32=fp32, routed_scaling_factor=1.0, renorm_eps=0.0)
-            logits = reference.router_logits(x2, W, Rb, probe_spec).float()
-            for cand in _routing_candidates(guess, E, k, corr is not None):
-                try:
-                    cs = probe_spec.replace(**cand)
-                except SpecError:
-                    continue
-                w_c, ids_c = reference.route(logits, corr, cs)
-                c = _match_routing(ids, w, ids_c, w_c, tol)
-                if c is None or math.isnan(c):
-                    continue
-                found = dict(cand, top_k=k, router_fp32=fp32, routed_scaling_factor=c)
-                break
-            if found:
-                break
-        if found is None:
-            raise FallbackError(
-                "routing not recognised: no softmax / sigmoid / sqrt-softplus, top-k, renormalise, group-limited "
-                "routing the spec knows picks the experts this router picks", RejectCode.UNSUPPORTED_ROUTING)
-        consts = numeric_consts(sources, found["top_k"])
+        ids, w = _routing_seen(run, x2.shape[0], parts.num_experts)
+        found = _fit_routing(block, parts, spec, x2, ids, w)
+        consts = numeric_consts(attr_sources(block, parts), found["top_k"])
         found["routed_scaling_factor"] = policy.snap_constant(found["routed_scaling_factor"], consts)
         if not found["renormalize"] or found["score_order"] == "topk_then_score":
             found["renorm_eps"] = found["renorm_min"] = 0.0
         else:
             found["renorm_eps"], found["renorm_min"] = spec.renorm_eps, spec.renorm_min
         changes.update(found)
-        # precisions, measured where the router runs in a low-precision dtype
-        prec = _measure_precision(block, parts, run, x)
+        prec = _measure_precision(block, parts, run, x)  # where the router runs in a low-precision dtype
         if prec is not None:
             changes.update(prec)
             notes.append(f"router precision measured: {prec}")

@@ -216,85 +216,55 @@ def _expert_list_parts(m: nn.Module, path: str):
     return parts
 
 
-def find_parts(block: nn.Module) -> BlockParts:
-    """Name the parts of a candidate block, or raise NotABlock."""
-    experts_name, experts, fused, mlps = None, None, None, None
+def _experts_of(block: nn.Module):
+    """(name, module, fused parts | None, per-expert MLP parts | None) of the block's experts child."""
     for name, child in block.named_children():
         f = _fused_experts(child) if not isinstance(child, nn.ModuleList) else None
         if f is not None:
-            experts_name, experts, fused = name, child, f
-            break
+            return name, child, f, None
         lst = _expert_list_parts(child, name)
         if lst is not None:
-            experts_name, experts, mlps = name, child, lst
-            break
-    if experts is None:
-        raise NotABlock("no experts child")
+            return name, child, None, lst
+    raise NotABlock("no experts child")
 
-    if fused is not None:
-        up, down, b13, b2, gated, split = fused
-        W13, W2 = getattr(experts, up), getattr(experts, down)
-        E = W13.shape[0]
-        transposed = getattr(experts, "is_transposed", None)
-    else:
-        E = len(mlps)
-    # candidate hidden sizes from expert weights; the router pins it.
-    router = _find_router(block, experts_name, E)
-    if router is None:
-        raise NotABlock(f"experts {experts_name!r} ({E} experts) but no router weight [{E}, H] next to them (the "
-                        f"router is not one linear map of the hidden states)")
-    router_w_path, router_mod_path, H = router
-    parts = BlockParts(experts=experts_name, kind="fused" if fused else "modulelist", num_experts=E,
-                       hidden_size=H, intermediate_size=0, router_weight=router_w_path,
-                       router_module=router_mod_path)
-    rmod = get_path(block, router_mod_path)
-    rb = getattr(rmod, "bias", None)
-    if isinstance(rb, torch.Tensor) and tuple(rb.shape) == (E,):
-        parts.router_bias = f"{router_mod_path}.bias" if router_mod_path else "bias"
 
-    if fused is not None:
-        if split is not None:
-            g, u = getattr(experts, split[0]), getattr(experts, split[1])
-            if g.shape != u.shape:
-                raise NotABlock("separate gate/up expert weights of different shapes")
-        a, b = W13.shape[1:]
-        c, d = W2.shape[1:]
-        n_mult = 1 if (split is not None or not gated) else 2
-        if transposed is None:
-            # out_in: w13 [E, N, H], w2 [E, H, I];  in_out: w13 [E, H, N], w2 [E, I, H]
-            transposed = not (b == H and c == H and a == n_mult * d) and (a == H and d == H and b == n_mult * c)
-        if not transposed:
-            ok = b == H and c == H and a == n_mult * d
-            I = d
-        else:
-            ok = a == H and d == H and b == n_mult * c
-            I = c
-        if not ok:
-            raise NotABlock(f"expert weights {tuple(W13.shape)} / {tuple(W2.shape)} do not work on the router's "
-                            f"width H={H} (projections around the experts?)")
-        pre = f"{experts_name}."
-        parts.w13, parts.w2 = pre + up, pre + down
-        parts.b13 = pre + b13 if b13 else None
-        parts.b2 = pre + b2 if b2 else None
-        parts.gated = gated
-        parts.w_layout = "in_out" if transposed else "out_in"
-        parts.intermediate_size = I
-        if split is not None:
-            parts.split_gate_up = (pre + split[0], pre + split[1])
-    else:
-        p0 = mlps[0]
-        parts.expert_mlps = mlps
-        parts.gated = p0.gated
-        parts.intermediate_size = p0.intermediate_size
-        parts.w_layout = "out_in"
+def _fill_fused(parts: BlockParts, experts: nn.Module, fused) -> None:
+    """Weights, layout and sizes of 3-D experts (``fused``: ``_fused_experts``'s answer), checked against H."""
+    up, down, b13, b2, gated, split = fused
+    W13, W2 = getattr(experts, up), getattr(experts, down)
+    H = parts.hidden_size
+    transposed = getattr(experts, "is_transposed", None)
+    if split is not None:
+        g, u = getattr(experts, split[0]), getattr(experts, split[1])
+        if g.shape != u.shape:
+            raise NotABlock("separate gate/up expert weights of different shapes")
+    a, b = W13.shape[1:]
+    c, d = W2.shape[1:]
+    n_mult = 1 if (split is not None or not gated) else 2
+    if transposed is None:
+        # out_in: w13 [E, N, H], w2 [E, H, I];  in_out: w13 [E, H, N], w2 [E, I, H]
+        transposed = not (b == H and c == H and a == n_mult * d) and (a == H and d == H and b == n_mult * c)
+    ok, I = (a == H and d == H and b == n_mult * c, c) if transposed else (b == H and c == H and a == n_mult * d, d)
+    if not ok:
+        raise NotABlock(f"expert weights {tuple(W13.shape)} / {tuple(W2.shape)} do not work on the router's "
+                        f"width H={H} (projections around the experts?)")
+    pre = f"{parts.experts}."
+    parts.w13, parts.w2 = pre + up, pre + down
+    parts.b13 = pre + b13 if b13 else None
+    parts.b2 = pre + b2 if b2 else None
+    parts.gated = gated
+    parts.w_layout = "in_out" if transposed else "out_in"
+    parts.intermediate_size = I
+    if split is not None:
+        parts.split_gate_up = (pre + split[0], pre + split[1])
 
-    # shared experts and their gate
-    taken = {experts_name, router_mod_path.split(".")[0] if router_mod_path else None}
+
+def _fill_shared(block: nn.Module, parts: BlockParts, taken: set) -> None:
+    """The shared expert MLP and its sigmoid gate, found by name among the block's children (added to ``taken``)."""
+    H = parts.hidden_size
     for name in SHARED_NAMES:
         child = block._modules.get(name)
-        if child is None:
-            continue
-        sp = mlp_parts(child, name, H)
+        sp = mlp_parts(child, name, H) if child is not None else None
         if sp is not None:
             parts.shared = sp
             taken.add(name)
@@ -305,13 +275,36 @@ def find_parts(block: nn.Module) -> BlockParts:
             parts.shared_gate = f"{name}.weight"
             taken.add(name)
             break
+
+
+def find_parts(block: nn.Module) -> BlockParts:
+    """Name the parts of a candidate block, or raise NotABlock."""
+    experts_name, experts, fused, mlps = _experts_of(block)
+    E = getattr(experts, fused[0]).shape[0] if fused is not None else len(mlps)
+    router = _find_router(block, experts_name, E)  # the router pins H
+    if router is None:
+        raise NotABlock(f"experts {experts_name!r} ({E} experts) but no router weight [{E}, H] next to them (the "
+                        f"router is not one linear map of the hidden states)")
+    router_w_path, router_mod_path, H = router
+    parts = BlockParts(experts=experts_name, kind="fused" if fused else "modulelist", num_experts=E,
+                       hidden_size=H, intermediate_size=0, router_weight=router_w_path,
+                       router_module=router_mod_path)
+    rb = getattr(get_path(block, router_mod_path), "bias", None)
+    if isinstance(rb, torch.Tensor) and tuple(rb.shape) == (E,):
+        parts.router_bias = f"{router_mod_path}.bias" if router_mod_path else "bias"
+    if fused is not None:
+        _fill_fused(parts, experts, fused)
+    else:
+        parts.expert_mlps = mlps
+        parts.gated = mlps[0].gated
+        parts.intermediate_size = mlps[0].intermediate_size
+        parts.w_layout = "out_in"
+    taken = {experts_name, router_mod_path.split(".")[0] if router_mod_path else None}
+    _fill_shared(block, parts, taken)
     # correction bias: a float [E] (or [1, E]) tensor of the block or router, not the router's own bias
     parts.correction_bias = _find_correction_bias(block, router_mod_path, E, parts.router_bias)
-    for name, child in block.named_children():
-        if name in taken or child is None:
-            continue
-        if any(True for _ in child.parameters()):
-            parts.extra_modules.append(name)
+    parts.extra_modules += [name for name, child in block.named_children()
+                            if name not in taken and child is not None and any(True for _ in child.parameters())]
     return parts
 
 
