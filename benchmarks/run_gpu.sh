@@ -4,6 +4,7 @@
 #   benchmarks/run_gpu.sh bench     benchmarks/bench_generate.py on all models (table, JSON, plot)
 #   benchmarks/run_gpu.sh tests     pytest -m gpu (every GPU test)
 #   benchmarks/run_gpu.sh mixtral   every GPU test, then Mixtral's rows;  compiled: the remaining rows
+#   benchmarks/run_gpu.sh layer     benchmarks/bench_moe.py --quick (the layer grid, JSON + log)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -59,4 +60,7 @@ compiled)  # Qwen1.5-MoE / DeepSeek-V3 at batch 8 and 128, then transformers' co
 tests)  # every GPU test (not yet timed whole since the reliability suite joined it): failures named, slowest listed
   timeout ${TEST_TIMEOUT:-585} python3 -m pytest -q -rfE --durations=8 -m gpu -p no:cacheprovider tests 2>&1 \
       | grep -v "^DEBUG" | tee "$OUT/tests.log" | tail -30 ;;
+layer)  # the layer benchmark (every family, every T, every HF peer in the same run), after a pipeline change
+  timeout ${LAYER_TIMEOUT:-560} python3 benchmarks/bench_moe.py --quick --budget-s ${LAYER_BUDGET:-500} \
+      --out-json "$OUT/layer.json" 2>&1 | grep -v "^DEBUG" | tee "$OUT/layer.log" | quiet | tail -60 ;;
 esac
