@@ -204,7 +204,7 @@ def shared_experts(x: torch.Tensor, shared_w1, shared_w3, shared_w2, shared_gate
     y = h @ shared_w2.to(acc).T
     if sh.gate == "sigmoid":
         y = y * torch.sigmoid(x @ shared_gate_w.to(acc).T)
-    return y
+    return y * sh.scale if sh.scale != 1.0 else y
 
 
 def router_logits(x: torch.Tensor, router_w, router_b, spec: MoESpec) -> torch.Tensor:

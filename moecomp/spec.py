@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from dataclasses import dataclass
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus", "none")
@@ -53,6 +54,8 @@ class SharedExpertSpec:
     ``gate`` "sigmoid": the output is scaled by sigmoid(x @ shared_gate_w.T) (Qwen2-MoE), "none": added as is.
     ``activation`` / ``activation_alpha`` / ``activation_limit`` / ``activation_clamp`` mean what they mean for the
     routed experts (``MoESpec``): a gpt-oss style shared expert is ``activation="swiglu_oai"``.
+    ``scale``: the shared experts' output is multiplied by it before it is added (Cohere2-MoE's "average" strategy,
+    ``(routed + shared) / 2``, is ``scale=0.5`` with ``routed_scaling_factor=0.5``).
     """
 
     intermediate_size: int
@@ -63,8 +66,11 @@ class SharedExpertSpec:
     activation_alpha: float = 1.702  # swiglu_oai only
     activation_limit: float = 7.0  # swiglu_oai, or with activation_clamp
     activation_clamp: bool = False
+    scale: float = 1.0
 
     def validate(self) -> None:
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise SpecError(f"shared expert scale must be finite and positive, got {self.scale}")
         if self.intermediate_size <= 0:
             raise SpecError(f"shared expert intermediate_size must be positive, got {self.intermediate_size}")
         if self.activation not in ACTIVATIONS:
@@ -213,7 +219,8 @@ class MoESpec:
             route += f" x{self.routed_scaling_factor:g}"
         sh = ""
         if self.shared is not None:
-            sh = f", shared I={self.shared.intermediate_size}" + (" gated" if self.shared.gate != "none" else "")
+            sh = f", shared I={self.shared.intermediate_size}" + (" gated" if self.shared.gate != "none" else "") + (
+                f" x{self.shared.scale:g}" if self.shared.scale != 1.0 else "")
         act = self.activation + ("*up" if self.gated and self.activation != "swiglu_oai" else "")
         if self.activation_clamp:
             act = f"clamp{self.activation_limit:g} " + act

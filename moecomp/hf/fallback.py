@@ -234,16 +234,21 @@ def _shared_spec(block: nn.Module, parts: BlockParts, sources) -> tuple[SharedEx
             f" (alpha {alpha:g}, limit {limit:g})" if act == "swiglu_oai" else "")
     elif act is None:
         raise FallbackError(f"shared expert activation not supported ({how})")
+    combine = read_attr(sources, names.SHARED_COMBINE_NAMES, (str,))
+    if combine not in (None, "sum", "average"):
+        raise FallbackError(f"routed and shared outputs combine as {combine!r} (the op adds or averages them)")
     try:
         spec = SharedExpertSpec(
             intermediate_size=sp.intermediate_size, activation=act, gated=sp.gated,
             layout="concat" if sp.concat else "separate", gate="sigmoid" if parts.shared_gate else "none",
             activation_alpha=alpha if act == "swiglu_oai" else 1.702,
             activation_limit=limit if (clamp or act == "swiglu_oai") else 7.0, activation_clamp=clamp,
+            scale=0.5 if combine == "average" else 1.0,  # the routed half is fitted by the verify stage
         )
     except SpecError as e:
         raise FallbackError(f"shared expert: {e}") from None
-    return spec, [f"shared activation {how}"]
+    return spec, [f"shared activation {how}"] + (["routed and shared outputs averaged"] if combine == "average"
+                                                  else [])
 
 
 def _expert_activation(block: nn.Module, parts: BlockParts, sources):

@@ -18,6 +18,8 @@ TOPK_GROUP_NAMES = ("topk_group", "num_limited_groups", "n_limited_groups")
 SCORING_NAMES = ("scoring_func", "score_func", "expert_selection_fn", "router_score_function")
 SCALE_NAMES = ("routed_scaling_factor", "route_scale", "router_scaling_factor", "moe_routed_scaling_factor",
                "routed_scaling", "scaling_factor")
+# how routed and shared outputs combine: "average" halves both ((routed + shared) / 2, Cohere2-MoE), "sum" adds them
+SHARED_COMBINE_NAMES = ("shared_expert_combination_strategy",)
 JITTER_NAMES = ("jitter_noise", "router_jitter_noise", "input_jitter_noise")
 LIMIT_NAMES = ("limit", "swiglu_limit", "clamp_limit", "activation_limit")
 ALPHA_NAMES = ("alpha", "swiglu_alpha", "activation_alpha")

@@ -215,7 +215,7 @@ def shared_mlp(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     T = x.shape[0]
     if not sh.gated:
         up = torch.nn.functional.linear(x, w3)
-        return torch.nn.functional.linear(reference.activation(up, sh.activation), w2)
+        return _scaled(torch.nn.functional.linear(reference.activation(up, sh.activation), w2), sh.scale)
     if sh.layout == "concat":
         gu = torch.nn.functional.linear(x, w1)  # [T, 2 Is]
     else:
@@ -228,7 +228,12 @@ def shared_mlp(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
         gu, hs, Is, gu.stride(0), hs.stride(0), float(sh.activation_alpha), float(sh.activation_limit),
         ACT=_ACT[sh.activation], CLAMP=sh.activation_clamp, BLOCK=block,
     )
-    return torch.nn.functional.linear(hs, w2)
+    return _scaled(torch.nn.functional.linear(hs, w2), sh.scale)
+
+
+def _scaled(y: torch.Tensor, scale: float) -> torch.Tensor:
+    """The shared experts' output times ``SharedExpertSpec.scale`` (in place; nothing to do at 1)."""
+    return y.mul_(scale) if scale != 1.0 else y
 
 
 _side_streams: dict = {}

@@ -111,6 +111,7 @@ def shared_specs(draw, max_is: int):
         activation_alpha=draw(st.sampled_from((1.702, 1.0))),
         activation_limit=draw(st.sampled_from((0.5, 1.0, 7.0))),
         activation_clamp=clamp,
+        scale=draw(st.sampled_from((1.0, 1.0, 0.5, 2.0))),  # Cohere2 "average": 0.5
     )
 
 
@@ -540,7 +541,7 @@ GPU_POOL = (
     # DeepSeek-V3 style: sigmoid + correction bias, groups (top-2 sum), scaling, fp32 router, silu, shared silu
     MoESpec(num_experts=16, top_k=4, hidden_size=64, intermediate_size=33, scoring="sigmoid",
             has_correction_bias=True, n_group=4, topk_group=2, routed_scaling_factor=2.5, renorm_eps=1e-20,
-            router_fp32=True, shared=SharedExpertSpec(24)),
+            router_fp32=True, shared=SharedExpertSpec(24, scale=0.5)),  # shared output halved (Cohere2 "average")
     # gpt-oss style: top-k then softmax, router bias, swiglu_oai, [in, out] weights, interleaved gate/up, biases
     MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40, score_order="topk_then_score",
             renormalize=False, has_router_bias=True, activation="swiglu_oai", activation_limit=1.0,
