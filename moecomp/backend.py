@@ -41,6 +41,7 @@ unaffected.
 from __future__ import annotations
 
 import functools
+import glob
 import os
 
 import torch
@@ -56,17 +57,10 @@ BACKEND_NAME = "moecomp"
 last_results: list[dict] = []  # newest last; at most _KEEP entries
 _KEEP = 16
 
-_PASS_FILES = tuple(
-    os.path.join(os.path.dirname(__file__), *p)
-    for p in (
-        ("passes", "_fx.py"),
-        ("passes", "detect_moe.py"),
-        ("passes", "rewrite_moe.py"),
-        ("passes", "fse.py"),
-        ("backend.py",),
-        ("capture.py",),
-        ("spec.py",),
-    )
+_HERE = os.path.dirname(__file__)
+# every file whose code decides what the pass rewrites: the pass package whole, and the modules it runs through
+_PASS_FILES = tuple(sorted(glob.glob(os.path.join(_HERE, "passes", "*.py")))) + tuple(
+    os.path.join(_HERE, p) for p in ("backend.py", "capture.py", "spec.py", "policy.py", "reject.py")
 )
 
 
@@ -139,8 +133,9 @@ def _needs_grad(gm, example_inputs, match) -> bool:
 def run_passes(gm: torch.fx.GraphModule, example_inputs, *, verify: bool = True, count: bool = True):
     """detect + rewrite + FSE on ``gm`` in place; returns the DetectResult (usable without compiling).
 
-    Matches the backend itself leaves alone (grad mode) are added to ``res.rejected`` as ``(where, text)`` like the
-    pass's own rejections, and to ``res.rejects`` as ``(where, Reject)`` with their code (what ``_count`` reads).
+    Matches the backend itself leaves alone (grad mode; experts kept as per-expert modules, whose weights the op would
+    need stacked on every call) are added to ``res.rejected`` as ``(where, Reject)`` like the pass's own rejections,
+    and to ``res.rejects`` (the backend's own only: what ``_count`` reads).
 
     ``count=False`` leaves ``moecomp.counters`` alone (the backend counts once the inner compiler succeeded: Dynamo
     retraces a frame when AOTAutograd asks it to, e.g. to specialise float scalars, and the first attempt's matches
@@ -148,13 +143,18 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs, *, verify: bool = True,
     res = detect_moe(gm, example_inputs, verify=verify)
     keep, rejects = [], []
     for m in res.matches:
-        if _needs_grad(gm, example_inputs, m):
+        if getattr(m, "stacked", None):
+            r = Reject(RejectCode.UNSUPPORTED_STRUCTURE, "experts are per-expert modules: moe_forward would need their "
+                                                         "weights stacked on every call (moecomp.optimize binds such "
+                                                         "blocks)")
+        elif _needs_grad(gm, example_inputs, m):
             r = Reject(RejectCode.GRAD_MODE, "grad mode is on and the weights or the input require grad (moe_forward "
                                              "has no backward)")
-            rejects.append((m.where, r))
-            res.rejected.append((m.where, r.message))
         else:
             keep.append(m)
+            continue
+        rejects.append((m.where, r))
+        res.rejected.append((m.where, r))
     res.matches = keep
     res.rejects = rejects
     res.replaced = rewrite_moe(gm, res.matches)

@@ -250,6 +250,7 @@ def _real_values():
                torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True)]
     if hasattr(fx_config, "soft_pending_unbacked_not_found_error"):
         patches.append(fx_config.patch(soft_pending_unbacked_not_found_error=True))
+    patches += _parameter_values_patch()
     log.setLevel(logging.ERROR)  # one warning per data-dependent branch otherwise
     try:
         with contextlib.ExitStack() as stack:
@@ -258,6 +259,27 @@ def _real_values():
             yield
     finally:
         log.setLevel(level)
+
+
+def _parameter_values_patch() -> list:
+    """Real values for parameters too: the fake-tensor converter copies a real value only for plain tensors
+    (``meta_utils._safe_copy`` skips ``nn.Parameter``), so the router weights would be uninitialised memory and the
+    traced branches would follow garbage routing. Private API: without it, no patch (a trace that reaches too few
+    experts is refused, never wrong)."""
+    import unittest.mock
+
+    try:
+        import torch._subclasses.meta_utils as meta_utils
+    except ImportError:
+        return []
+    orig = getattr(meta_utils, "_safe_copy", None)
+    if orig is None:
+        return []
+
+    def copy_parameters_too(dst, src):
+        return orig(dst, src.detach() if isinstance(src, nn.Parameter) else src)
+
+    return [unittest.mock.patch.object(meta_utils, "_safe_copy", copy_parameters_too)]
 
 
 def capture_block(module: nn.Module, example_input: torch.Tensor, *, dynamic: bool = True,
@@ -328,43 +350,9 @@ def capture_block(module: nn.Module, example_input: torch.Tensor, *, dynamic: bo
     return CapturedBlock(gm=gm, example_inputs=inputs, paths=paths)
 
 
-def detect_block(module: nn.Module, example_input: torch.Tensor, *, verify: bool = True,
-                 allow_tail: bool = False, real_values: bool = False) -> BlockMatch:
-    """MoESpec + module-relative bindings of one block, or ``DetectError`` (see the module docstring).
-
-    A block that applies a tail to the MoE result before returning it (a post-MoE norm) raises unless
-    ``allow_tail``; the error carries the match as ``e.match`` (``output_is_graph_output`` False, ``tail_ops``).
-    A tail of views only (ERNIE-4.5-VL returns ``result.flatten()``) is returned like ``allow_tail`` (check
-    ``output_is_graph_output``): the block's output is the op's, reshaped."""
-    from .passes.detect_moe import detect_moe
-
-    cap = capture_block(module, example_input, real_values=real_values)
-    res = detect_moe(cap.gm, cap.example_inputs, verify=verify)
-    if not res.matches:
-        why = "; ".join(f"{w}: {r}" for w, r in res.rejected) or "no top-k routing over stacked expert weights"
-        raise DetectError(f"no MoE recognised: {why}", "detect", res.rejected)
-    if len(res.matches) > 1:
-        raise DetectError(f"{len(res.matches)} MoE computations in one block", "detect", res.rejected)
-    m = res.matches[0]
-
-    x_base = m.x  # the block input itself, or views of it (anything computed from it is not the MoE's input)
-    while x_base.op != "placeholder" and _fx.op_name(x_base) in _fx.VIEW_OPS:
-        x_base = _fx.arg(x_base, 0)
-    if x_base.op != "placeholder" or cap.paths.get(x_base.name) != "<input>":
-        raise DetectError("the MoE does not read the block input directly", "detect")
-    out_node = next(n for n in cap.gm.graph.nodes if n.op == "output")
-    outs = out_node.args[0]
-    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-    idx = [i for i, o in enumerate(outs) if o is m.output]
-    tail_ops: tuple[str, ...] = ()
-    if len(idx) != 1:
-        idx = [i for i, o in enumerate(outs) if o is m.block_output] if not m.output_is_final else []
-        if len(idx) != 1:
-            raise DetectError("the block post-processes the MoE result before returning it", "detect")
-        tail_ops = tuple(_fx.op_name(n) or n.op for n in cap.gm.graph.nodes if n in m.tail)
-        post = "the block post-processes the MoE result before returning it (" + ", ".join(tail_ops)[:200] + ")"
-    else:
-        post = None
+def _block_paths(cap: CapturedBlock, m) -> tuple[dict, list[Derived]]:
+    """The match's placeholder bindings as block-relative paths; per-expert pieces (``m.stacked``) become a
+    ``Derived`` stacked tensor, bound by its name."""
     def path_of(k, ph):
         path = cap.paths.get(ph)
         if path is None or path == "<input>":
@@ -381,24 +369,58 @@ def detect_block(module: nn.Module, example_input: torch.Tensor, *, verify: bool
             bindings[k] = derived[-1].name
         else:
             bindings[k] = None if ph is None else path_of(k, ph)
-    constants = {}
-    for fld, ph in m.baked.items():
-        constants[fld] = cap.paths.get(ph) or ph
+    return bindings, derived
+
+
+def _output_position(cap: CapturedBlock, m) -> tuple[int, int, tuple]:
+    """(graph output index of the MoE result, number of outputs, tail ops) of the match; the tail is empty when the
+    block returns the MoE result itself."""
+    out_node = next(n for n in cap.gm.graph.nodes if n.op == "output")
+    outs = out_node.args[0]
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    idx = [i for i, o in enumerate(outs) if o is m.output]
+    if len(idx) == 1:
+        return idx[0], len(outs), ()
+    idx = [i for i, o in enumerate(outs) if o is m.block_output] if not m.output_is_final else []
+    if len(idx) != 1:
+        raise DetectError("the block post-processes the MoE result before returning it", "detect")
+    return idx[0], len(outs), tuple(_fx.op_name(n) or n.op for n in cap.gm.graph.nodes if n in m.tail)
+
+
+def detect_block(module: nn.Module, example_input: torch.Tensor, *, verify: bool = True,
+                 allow_tail: bool = False, real_values: bool = False) -> BlockMatch:
+    """MoESpec + module-relative bindings of one block, or ``DetectError`` (see the module docstring).
+
+    A block that applies a tail to the MoE result before returning it (a post-MoE norm) raises unless
+    ``allow_tail``; the error carries the match as ``e.match`` (``output_is_graph_output`` False, ``tail_ops``).
+    A tail of views only (ERNIE-4.5-VL returns ``result.flatten()``) is returned like ``allow_tail`` (check
+    ``output_is_graph_output``): the block's output is the op's, reshaped.
+    ``real_values``: trace with real values (``capture_block``), for per-expert loops that branch on the routing."""
+    from .passes.detect_moe import detect_moe
+
+    cap = capture_block(module, example_input, real_values=real_values)
+    res = detect_moe(cap.gm, cap.example_inputs, verify=verify)
+    if not res.matches:
+        why = "; ".join(f"{w}: {r}" for w, r in res.rejected) or "no top-k routing over stacked expert weights"
+        raise DetectError(f"no MoE recognised: {why}", "detect", res.rejected)
+    if len(res.matches) > 1:
+        raise DetectError(f"{len(res.matches)} MoE computations in one block", "detect", res.rejected)
+    m = res.matches[0]
+    x_base = m.x  # the block input itself, or views of it (anything computed from it is not the MoE's input)
+    while x_base.op != "placeholder" and _fx.op_name(x_base) in _fx.VIEW_OPS:
+        x_base = _fx.arg(x_base, 0)
+    if x_base.op != "placeholder" or cap.paths.get(x_base.name) != "<input>":
+        raise DetectError("the MoE does not read the block input directly", "detect")
+    index, n_out, tail_ops = _output_position(cap, m)
+    bindings, derived = _block_paths(cap, m)
     bm = BlockMatch(
-        spec=m.spec,
-        bindings=bindings,
-        constants=constants,
-        output_index=idx[0],
-        num_outputs=len(outs),
-        verified=m.verified,
-        captured=cap,
-        output_node=m.output.name,
-        output_is_graph_output=post is None,
-        tail_ops=tail_ops,
-        derived=derived,
+        spec=m.spec, bindings=bindings, constants={f: cap.paths.get(ph) or ph for f, ph in m.baked.items()},
+        output_index=index, num_outputs=n_out, verified=m.verified, captured=cap, output_node=m.output.name,
+        output_is_graph_output=not tail_ops, tail_ops=tail_ops, derived=derived,
     )
-    if post is not None and not allow_tail and not all(op in _fx.VIEW_OPS for op in tail_ops):
-        err = DetectError(post, "detect", res.rejected)
+    if tail_ops and not allow_tail and not all(op in _fx.VIEW_OPS for op in tail_ops):
+        err = DetectError("the block post-processes the MoE result before returning it (" +
+                          ", ".join(tail_ops)[:200] + ")", "detect", res.rejected)
         err.match = bm
         raise err
     return bm

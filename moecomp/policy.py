@@ -13,8 +13,8 @@ Three groups:
   tokens (window per dtype, largest share of tokens) is decided here;
 * the *probe inputs*: how many tokens, which distribution, which seed, for each check that runs a module.
 
-The FX pass's own numeric check (``moecomp.passes._numeric``, not yet migrated: it still spells its 1e-4 / 3e-2 /
-90% rule in place) and the whole-model checks (``moecomp.hf.families.TOL``, ``moecomp.demo``,
+The FX pass's own numeric check (``moecomp.passes._numeric``) reads its token budget and agreement rule from the
+section at the end of this module. The whole-model checks (``moecomp.hf.families.TOL``, ``moecomp.demo``,
 ``benchmarks/hf_gpu_check.py``) are separate rules with their own owners.
 """
 
@@ -212,9 +212,11 @@ FX_CHECK_TOKEN_SCALE_FLOOR = 1e-3
 # tokens the check aims for when the graph's token count is symbolic (the traced sizes are the fallback): enough for
 # top-k over tens of experts to hit most of them, small enough to run in milliseconds on CPU
 FX_CHECK_TOKENS = 48
-# at most this many bytes of gathered expert weights (``w13[ids]``, T * k whole matrices) may be materialised; past
-# it the match rests on the structure alone and says so
+# at most this many bytes of gathered expert weights (``w13[ids]``, T * k whole matrices) may be materialised; when
+# even FX_CHECK_MIN_TOKENS tokens exceed it, the match rests on the structure alone and says so (fewer tokens than
+# that would not crowd an expert, see below)
 FX_CHECK_GATHER_BYTES = 2 << 30
+FX_CHECK_MIN_TOKENS = 4
 # the first 1/4 of the tokens are copies of one token: one expert gets crowded, so capacity limits (dropped tokens)
 # show up
 FX_CHECK_CROWD_DIVISOR = 4

@@ -1,24 +1,26 @@
-"""The graph facts ``detect_moe`` and its numeric check (``_numeric``) share: one layer below both, so neither
-imports the other's module for them."""
+"""The graph facts the FX pass's stages (``detect_moe`` and its ``moe_*`` modules) and its numeric check
+(``_numeric``) share: one layer below all of them, so none imports another's module for them."""
 
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
+from ..reject import Reject as RejectRecord
 from . import _fx
 from ._fx import arg, op_name
 
 
 class Context:
-    """Graph facts of one ``detect_moe`` call, shared by the matcher (``detect_moe``) and its numeric check
-    (``_numeric``): placeholders, their values, which of them are weights, the final top-k candidates."""
+    """Graph facts of one ``detect_moe`` call, shared by the matcher's stages and its numeric check (``_numeric``):
+    placeholders, their values, which of them are weights, linear forms, the top-k candidates of stacked experts
+    (those of per-expert modules: ``moe_per_expert.selector_topks``)."""
 
     def __init__(self, gm, example_inputs, *, verify):
         self.gm = gm
         self.graph = gm.graph
         self.verify = verify
-        self.early_rejects: list[tuple[str, str]] = []
+        self.early_rejects: list[tuple[str, RejectRecord]] = []  # found before any top-k (hash routing)
         self.order = {n: i for i, n in enumerate(self.graph.nodes)}
         self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         self.values: dict = {}
@@ -61,6 +63,27 @@ class Context:
                 return base
         return None
 
+    def as_linear(self, n: fx.Node):
+        """``n`` as y = a @ W.T (+ b) with W a 2-D weight placeholder [out, in]: (a, W, b) or None.
+
+        Spellings: ``F.linear`` / ``nn.Linear``, ``a @ W.t()`` / ``W.T`` / ``W.mT`` / ``W.transpose(0, 1)`` /
+        ``W.permute(1, 0)`` (``matmul`` or ``mm``)."""
+        name = op_name(n)
+        if name == "linear":
+            w = self.weight_ph(arg(n, 1), 2)
+            b = arg(n, 2)
+            bp = self.weight_ph(b, 1) if isinstance(b, fx.Node) else None
+            if w is None or (b is not None and bp is None):
+                return None
+            return arg(n, 0), w, bp
+        if name in ("matmul", "mm"):
+            rhs = arg(n, 1)
+            if isinstance(rhs, fx.Node) and _is_2d_transpose(rhs):
+                w = self.weight_ph(arg(rhs, 0), 2)
+                if w is not None:
+                    return arg(n, 0), w, None
+        return None
+
     def final_topks(self) -> list[fx.Node]:
         """Top-k nodes whose indices select slices of 3-D weights with as many experts as the top-k input."""
         ph3 = {}
@@ -96,3 +119,12 @@ class Context:
                 out.append(n)
         # (group top-k's read [T, G] / [T, G, E/G] and were skipped by the expert-count check above)
         return out
+
+
+def _is_2d_transpose(n: fx.Node) -> bool:
+    name = op_name(n)
+    if name == "t" or (name == "getattr" and len(n.args) > 1 and n.args[1] in ("T", "mT")):
+        return True
+    if name == "transpose":
+        return sorted(int(d) % 2 for d in n.args[1:3]) == [0, 1]
+    return name == "permute" and list(n.args[1:]) in ([1, 0], [[1, 0]], [(1, 0)])

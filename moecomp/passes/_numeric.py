@@ -2,90 +2,136 @@
 
     matched region  --cut out-->  GraphModule  --run on random tokens, real weights where Dynamo gave them-->  got
     candidate MoESpec  -->  moecomp.reference.moe_forward on the same tensors  -->  want
-    got ~ want (fp32: 1e-4; 16-bit: 90% of tokens within 3e-2)  -->  accepted (the first candidate that agrees)
+    got ~ want (fp32: policy.FX_CHECK_TOL_FULL; 16-bit: policy.FX_CHECK_MIN_TOKEN_SHARE of the tokens within
+    policy.FX_CHECK_TOL_TOKEN_LOW)  -->  accepted (the first candidate that agrees)
+
+The op's tensors are the placeholders the match binds, or, for experts kept as per-expert modules, the per-expert
+placeholders concatenated on dim 0 and stacked over the experts (``Block.stacked``).
 
 A spec that clamps (swiglu_oai, activation_clamp) is checked again with the clamped projections' weights scaled up
-until the clamps bind. Token counts follow the graph's symbolic sizes (about ``VERIFY_TOKENS``), kept small enough
-that blocks which gather whole expert matrices per token stay under ``VERIFY_GATHER_BYTES``.
+until the clamps bind. Token counts follow the graph's symbolic sizes (about ``policy.FX_CHECK_TOKENS``), kept small
+enough that blocks which gather whole expert matrices per token stay under ``policy.FX_CHECK_GATHER_BYTES``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
-from .. import reference
+from .. import policy, reference
 from ..ops.common import MOE_ARGS
+from ..reject import RejectCode
 from . import _fx
 from ._context import Context as _Context
 from ._fx import op_name
-
-VERIFY_TOKENS = 48  # tokens the numeric check aims for (when the graph's token count is symbolic)
-VERIFY_GATHER_BYTES = 2 << 30  # most gathered expert weight (w13[ids] style blocks) the check may materialise
+from ._reject import Reject
 
 
-class Reject(Exception):
-    """A candidate block is not an MoE the spec can express (the message says why)."""
+@dataclass
+class Block:
+    """What the check runs: the nodes from ``x_root`` to ``out``, and where each op argument's tensor comes from."""
+
+    x_root: fx.Node  # the block input (the cut-out graph's first input)
+    x_in: fx.Node  # the op's input: x_root or a view of it with the output's shape
+    out: fx.Node
+    nodes: set  # region | support
+    bindings: dict  # op argument -> placeholder name | None
+    stacked: dict = field(default_factory=dict)  # op argument -> per expert, placeholder names concatenated on dim 0
+    arg_shapes: dict = field(default_factory=dict)  # op argument -> shape the op needs it viewed as
 
 
-def verify(ctx: _Context, candidates, bindings, x_root, x_in, out, region, support, arg_shapes=None):
-    """Cut the region into a GraphModule and compare it with the reference for each candidate spec.
+class _Sources:
+    """Placeholders per op argument, and the op's tensor built from their values."""
+
+    def __init__(self, ctx: _Context, blk: Block):
+        ph = {n.name: n for n in ctx.placeholders}
+        self.single = {k: ph[v] for k, v in blk.bindings.items() if v is not None}
+        self.stacked = {k: [[ph[n] for n in names] for names in per] for k, per in blk.stacked.items()}
+
+    def of(self, k: str) -> list:
+        if k in self.stacked:
+            return [p for names in self.stacked[k] for p in names]
+        return [self.single[k]] if k in self.single else []
+
+    def tensor(self, k: str, value):
+        """The op's ``k`` from ``value(placeholder)``: the value itself, or the per-expert values concatenated on
+        dim 0 and stacked."""
+        if k in self.stacked:
+            return torch.stack([torch.cat([value(p) for p in names], 0) for names in self.stacked[k]])
+        return value(self.single[k]) if k in self.single else None
+
+    def bytes_per_expert(self) -> int:
+        total = 0
+        for k in ("w13", "w2"):
+            vals = [_fx.meta_val(p) for p in self.stacked[k][0]] if k in self.stacked else [
+                _fx.meta_val(self.single[k])]
+            for v in vals:
+                if isinstance(v, torch.Tensor):
+                    total += (v.numel() // (1 if k in self.stacked else v.shape[0])) * v.element_size()
+        return total
+
+
+def verify(ctx: _Context, candidates, blk: Block):
+    """Cut the block into a GraphModule and compare it with the reference for each candidate spec: (the first spec
+    that agrees, how it was verified). Raises ``Reject`` (VERIFICATION_FAILED) when none agrees.
 
     A spec that clamps (swiglu_oai, activation_clamp) is checked a second time with the clamped projections'
     weights scaled up so that the clamps bind: random weights rarely reach a limit like 10, and a clamp that never
     binds proves nothing about it."""
     spec0 = candidates[0]
-    arg_shapes = arg_shapes or {}
-    ph = {n.name: n for n in ctx.placeholders}
+    src = _Sources(ctx, blk)
     # token budget: a block that gathers whole expert matrices per (token, slot) (batched_mm style) materialises
-    # T * k of them; keep that under VERIFY_GATHER_BYTES
-    per_expert = 0
-    for k in ("w13", "w2"):
-        v = _fx.meta_val(ph[bindings[k]])
-        if isinstance(v, torch.Tensor):
-            per_expert += (v.numel() // v.shape[0]) * v.element_size()
-    target = VERIFY_TOKENS
-    if _gathers(region | support, [ph[bindings["w13"]], ph[bindings["w2"]]]):
-        target = min(target, VERIFY_GATHER_BYTES // max(1, spec0.top_k * per_expert))
-    if target < 4:
+    # T * k of them; keep that under FX_CHECK_GATHER_BYTES
+    per_expert = src.bytes_per_expert()
+    target = policy.FX_CHECK_TOKENS
+    if _gathers(blk.nodes, src.of("w13") + src.of("w2")):
+        target = min(target, policy.FX_CHECK_GATHER_BYTES // max(1, spec0.top_k * per_expert))
+    if target < policy.FX_CHECK_MIN_TOKENS:
         if len(candidates) > 1:
             raise Reject("experts too large for the numeric check and the structure leaves choices open")
-        return spec0, "skipped: gathered expert weights would exceed VERIFY_GATHER_BYTES"
-
-    nodes = region | support
-    sub, inputs = _extract(ctx, nodes, x_root, out)
-    errs = []
-    for vals in _sym_values(x_root, target, per_expert * spec0.top_k if target < VERIFY_TOKENS else 0):
-        gen = torch.Generator(device="cpu").manual_seed(0x6D6F65)
-        args, x_val = _make_inputs(ctx, inputs, x_root, gen, vals)
-        tensors = {}
-        for k in MOE_ARGS:
-            p = ph[bindings[k]] if bindings[k] is not None else None
-            tensors[k] = None if p is None else args[inputs.index(p)] if p in inputs else _value(ctx, p, gen)
+        return spec0, "skipped: gathered expert weights would exceed policy.FX_CHECK_GATHER_BYTES"
+    sub, inputs = _extract(ctx, blk.nodes, blk.x_root, blk.out)
+    errs, ran = [], False
+    for vals in _sym_values(blk.x_root, target, per_expert * spec0.top_k if target < policy.FX_CHECK_TOKENS else 0):
+        gen = torch.Generator(device="cpu").manual_seed(policy.FX_CHECK_SEED)
+        args, x_val = _make_inputs(ctx, inputs, blk.x_root, gen, vals)
+        tensors = {k: src.tensor(k, lambda p: args[inputs.index(p)] if p in inputs else _value(ctx, p, gen))
+                   for k in MOE_ARGS}
         with torch.no_grad():
             try:
                 got = _run_disabled(sub, args)
             except Exception as e:  # noqa: BLE001
                 errs.append(f"the block's own graph failed to run ({type(e).__name__}: {str(e)[:200]})")
                 continue
-            xin = x_val if x_in is x_root else x_val.reshape(got.shape)
-            for spec in candidates:
-                ok, msg = _agree(got, xin, tensors, spec, arg_shapes, x_val.dtype)
-                if ok:
-                    stressed = _stress(ctx, sub, args, inputs, ph, bindings, tensors, spec, xin, arg_shapes,
-                                       x_val.dtype)
-                    if stressed is not None and not stressed[0]:
-                        errs.append(f"{spec.describe()}: agrees, but not once the activation clamps bind "
-                                    f"({stressed[1]})")
-                        continue
-                    T = x_val.numel() // x_val.shape[-1]
-                    more = f"; clamps binding: {stressed[1]}" if stressed is not None else ""
-                    return spec, f"numeric, {T} tokens ({msg}{more})"
-                errs.append(f"{spec.describe()}: {msg}")
+            ran = True
+            xin = x_val if blk.x_in is blk.x_root else x_val.reshape(got.shape)
+            found = _first_agreeing(ctx, sub, args, inputs, src, tensors, candidates, blk, xin, got, errs)
+            if found is not None:
+                spec, msg = found
+                return spec, f"numeric, {x_val.numel() // x_val.shape[-1]} tokens ({msg})"
         break  # the graph ran: its verdict stands
-    raise Reject("numeric check failed: " + "; ".join(errs))
+    code = RejectCode.VERIFICATION_FAILED if ran else RejectCode.CHECK_ERROR
+    raise Reject("numeric check failed: " + "; ".join(errs), code)
+
+
+def _first_agreeing(ctx, sub, args, inputs, src, tensors, candidates, blk, xin, got, errs):
+    """(spec, message) of the first candidate the graph's output ``got`` agrees with (clamps binding too); None when
+    none does (the reasons appended to ``errs``)."""
+    for spec in candidates:
+        ok, msg = _agree(got, xin, tensors, spec, blk.arg_shapes, xin.dtype)
+        if not ok:
+            errs.append(f"{spec.describe()}: {msg}")
+            continue
+        stressed = _stress(sub, args, inputs, src, tensors, spec, xin, blk.arg_shapes)
+        if stressed is not None and not stressed[0]:
+            errs.append(f"{spec.describe()}: agrees, but not once the activation clamps bind ({stressed[1]})")
+            continue
+        more = f"; clamps binding: {stressed[1]}" if stressed is not None else ""
+        return spec, msg + more
+    return None
 
 
 def _agree(got, xin, tensors, spec, arg_shapes, dtype):
@@ -101,7 +147,7 @@ def _agree(got, xin, tensors, spec, arg_shapes, dtype):
     return _close(got.reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1]), dtype)
 
 
-def _stress(ctx, sub, args, inputs, ph, bindings, tensors, spec, xin, arg_shapes, dtype):
+def _stress(sub, args, inputs, src, tensors, spec, xin, arg_shapes):
     """Run graph and reference again with the clamped projections scaled so that about a third of the
     pre-activations exceed the limit. None when the spec clamps nothing."""
     scaled = {}
@@ -119,35 +165,35 @@ def _stress(ctx, sub, args, inputs, ph, bindings, tensors, spec, xin, arg_shapes
         return None
     args2, tensors2 = list(args), dict(tensors)
     for k, f in scaled.items():
-        t = tensors[k] * f
-        tensors2[k] = t
-        p = ph[bindings[k]]
-        if p in inputs:
-            args2[inputs.index(p)] = t
+        tensors2[k] = tensors[k] * f
+        for p in src.of(k):
+            if p in inputs:
+                args2[inputs.index(p)] = args[inputs.index(p)] * f
     try:
         got = _run_disabled(sub, args2)
     except Exception as e:  # noqa: BLE001
         return False, f"the block's own graph failed to run ({type(e).__name__})"
-    ok, msg = _agree(got, xin, tensors2, spec, arg_shapes, dtype)
-    return ok, msg
+    return _agree(got, xin, tensors2, spec, arg_shapes, xin.dtype)
 
 
 def _stress_factor(h: torch.Tensor, limit: float) -> float:
-    q = torch.quantile(h.abs().flatten()[:100000].float(), 0.7).item()
-    return max(1.0, 1.5 * limit / max(q, 1e-6))
+    sample = h.abs().flatten()[: policy.FX_CLAMP_STRESS_SAMPLE].float()
+    q = torch.quantile(sample, policy.FX_CLAMP_STRESS_QUANTILE).item()
+    return max(1.0, policy.FX_CLAMP_STRESS_OVERSHOOT * limit / max(q, policy.FX_CHECK_SCALE_FLOOR))
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype) -> tuple[bool, str]:
     if got.shape != want.shape:
         return False, f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
-    scale = want.abs().max().clamp_min(1e-6)
+    scale = want.abs().max().clamp_min(policy.FX_CHECK_SCALE_FLOOR)
     err = ((got - want).abs().max() / scale).item()
     if dtype in (torch.float32, torch.float64):
-        return err <= 1e-4, f"max rel err {err:.2e}"
-    tok_scale = want.abs().amax(-1).clamp_min(1e-3 * scale.item())
+        return err <= policy.FX_CHECK_TOL_FULL, f"max rel err {err:.2e}"
+    tok_scale = want.abs().amax(-1).clamp_min(policy.FX_CHECK_TOKEN_SCALE_FLOOR * scale.item())
     tok_err = (got - want).abs().amax(-1) / tok_scale
-    frac = (tok_err <= 3e-2).float().mean().item()
-    return frac >= 0.9, f"{frac:.0%} tokens within 3e-2 (max rel err {err:.2e})"
+    tol = policy.FX_CHECK_TOL_TOKEN_LOW
+    frac = (tok_err <= tol).float().mean().item()
+    return frac >= policy.FX_CHECK_MIN_TOKEN_SHARE, f"{frac:.0%} tokens within {tol:g} (max rel err {err:.2e})"
 
 
 @torch._dynamo.disable
@@ -223,7 +269,7 @@ def _sym_values(x_root, target: int, bytes_per_token: int = 0) -> list[dict]:
         if tokens(vals) >= target:
             out.append(vals)
             break
-    if hints not in out and (not bytes_per_token or tokens(hints) * bytes_per_token <= VERIFY_GATHER_BYTES):
+    if hints not in out and (not bytes_per_token or tokens(hints) * bytes_per_token <= policy.FX_CHECK_GATHER_BYTES):
         out.append(hints)
     return out
 
@@ -243,8 +289,9 @@ def _make_inputs(ctx: _Context, inputs, x_root, gen, vals):
     x = torch.randn(shape, generator=gen, dtype=torch.float32)
     flat = x.view(-1, shape[-1])
     T = flat.shape[0]
-    if T >= 4:
-        flat[: T // 4] = flat[T // 4]  # a crowd of identical tokens: one expert gets many
+    crowd = T // policy.FX_CHECK_CROWD_DIVISOR
+    if crowd:
+        flat[:crowd] = flat[crowd]  # a crowd of identical tokens: one expert gets many
     x = x.to(device=dev, dtype=dt)
     args = [x]
     for p in inputs[1:]:

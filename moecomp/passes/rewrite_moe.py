@@ -13,7 +13,10 @@ After::
 
 The op reads the same parameter placeholders the block read (so weight updates stay visible and nothing is copied;
 a tensor the op needs in another shape, e.g. a ``[1, E]`` correction bias, is passed through a ``reshape`` node);
-scalar attributes (routed scaling, swiglu alpha / limit) are in ``spec.key``. The shared expert and its gate are
+scalar attributes (routed scaling, swiglu alpha / limit) are in ``spec.key``. Experts kept as per-expert modules
+(``MoEMatch.stacked``) have no stacked tensor to read: the graph builds it, ``torch.stack`` of each expert's
+``torch.cat`` (a copy of every expert weight per call; ``moecomp.backend`` leaves such blocks alone, and
+``moecomp.optimize`` binds them to a stacked buffer their parameters share instead). The shared expert and its gate are
 folded into the op (it overlaps them with the routed experts on a side stream): there is no separate overlap pass.
 
 A tail the block applies to the MoE result (``MoEMatch.tail``, e.g. a post-MoE norm) is not part of the match: it
@@ -61,6 +64,8 @@ def _rewrite_one(gm: fx.GraphModule, m) -> None:
     args = [ph[m.bindings[k]] if m.bindings.get(k) is not None else None for k in MOE_ARGS]
     out = m.output
     with g.inserting_before(out):
+        for k, per_expert in getattr(m, "stacked", {}).items():
+            args[MOE_ARGS.index(k)] = _stack(g, [[ph[n] for n in names] for names in per_expert])
         for i, k in enumerate(MOE_ARGS):  # e.g. a [1, E] correction bias the op takes as [E]
             shape = getattr(m, "arg_shapes", {}).get(k)
             if shape is not None and args[i] is not None:
@@ -83,6 +88,27 @@ def _rewrite_one(gm: fx.GraphModule, m) -> None:
     # redirected into the op's result; they die with the block
     out.replace_all_uses_with(result, delete_user_cb=lambda u: u not in block)
     _dce(g, block)
+
+
+def _stack(g: fx.Graph, per_expert: list) -> fx.Node:
+    """``torch.stack([torch.cat(expert, 0) for expert in per_expert])`` as graph nodes (fake values in meta)."""
+    rows = []
+    for nodes in per_expert:
+        row = nodes[0] if len(nodes) == 1 else g.call_function(torch.cat, (list(nodes), 0))
+        rows.append(row)
+        if len(nodes) > 1:
+            _set_fake(row, lambda: torch.cat([_fx.meta_val(n) for n in nodes], 0), nodes[0])
+    out = g.call_function(torch.stack, (rows, 0))
+    _set_fake(out, lambda: torch.stack([_fx.meta_val(r) for r in rows], 0), rows[0])
+    return out
+
+
+def _set_fake(node: fx.Node, make, like: fx.Node) -> None:
+    v = _fx.meta_val(like)
+    mode = getattr(v, "fake_mode", None)
+    if mode is not None:
+        with mode:
+            node.meta["example_value"] = make()
 
 
 def _dce(g: fx.Graph, block: set) -> None:

@@ -180,3 +180,51 @@ def test_experts_only_compiled_does_not_recompile_per_call():
     finally:
         torch.compiler.set_stance("default")
     assert rel_err(first, ref) <= TOL and torch.equal(first, again)
+
+
+# ----------------------------------------------------------------------- routed and shared outputs averaged
+def _cohere2(strategy: str):
+    mod = pytest.importorskip("transformers.models.cohere2_moe.modeling_cohere2_moe")
+    mc = F._model_candidates(mod)[0]
+    cfg = F.tiny_config(mc.config_class, "cohere2_moe", {"num_shared_experts": 1,
+                                                         "shared_expert_combination_strategy": strategy})
+    torch.manual_seed(0)
+    model = mc(cfg).eval()
+    F._randomize_biases(model, 0)
+    return model
+
+
+@pytest.mark.parametrize("use_capture", [True, False], ids=["fx", "attributes"])
+def test_cohere2_shared_average(use_capture):
+    """Cohere2-MoE's "average" strategy, (routed + shared) / 2: shared.scale 0.5 and routed scale 0.5, rewritten
+    whole by either recogniser, one op call per block, equal to the original (fp32, 1e-4, fresh inputs)."""
+    model = _cohere2("average")
+    ids = torch.randint(3, 128, (3, 7), generator=torch.Generator().manual_seed(13))
+    ref = _run(model, ids)
+    _, rep = moecomp.optimize(model, report=True, use_capture=use_capture, fast_generate=False)
+    assert [b.status for b in rep.blocks] == ["rewritten"] * len(rep.blocks) and rep.blocks, str(rep)
+    assert {b.method for b in rep.blocks} == {"fx" if use_capture else "fallback"}
+    for b in rep.blocks:
+        assert (b.spec.shared.scale, b.spec.routed_scaling_factor) == (0.5, 0.5), b.spec
+    out, per, total = F.count_calls_per_block(model, lambda: _run(model, ids))
+    assert total == len(rep.blocks) and set(per.values()) == {1}
+    assert torch.isfinite(out).all() and rel_err(out, ref) <= TOL
+
+
+def test_shared_width_equal_to_expert_count():
+    """A DeepSeek-V3 block whose shared expert is as wide as there are experts ([E, H] shared projections): the FX
+    pass must not take those projections for per-expert biases (they are GEMM weights, never gathered by id)."""
+    mod = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    mc = F._model_candidates(mod)[0]
+    cfg = F.tiny_config(mc.config_class, "deepseek_v3", {"n_routed_experts": 32, "moe_intermediate_size": 32,
+                                                        "n_group": 4, "topk_group": 2})
+    torch.manual_seed(0)
+    model = mc(cfg).eval()
+    F._randomize_biases(model, 0)
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(17))
+    ref = _run(model, ids)
+    _, rep = moecomp.optimize(model, report=True, fast_generate=False)
+    assert rep.blocks and {(b.status, b.method) for b in rep.blocks} == {("rewritten", "fx")}, str(rep)
+    assert all(not b.spec.has_expert_bias and b.spec.shared.intermediate_size == 32 for b in rep.blocks)
+    out = _run(model, ids)
+    assert torch.isfinite(out).all() and rel_err(out, ref) <= TOL

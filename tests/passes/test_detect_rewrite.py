@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 
+from moecomp.reject import RejectCode
 from moecomp.spec import MoESpec
 
 import tiny_models as tm
@@ -89,7 +90,8 @@ def test_detect_without_example_inputs():
     cap = capture_block(tm.moe_blocks(tm.hf_model("deepseek_v3"))[0], torch.randn(1, 3, tm.H))
     res = detect_moe(cap.gm)
     assert len(res) == 0
-    assert any("example inputs" in why for _, why in res.rejected), res.rejected
+    assert any("example inputs" in r.message for _, r in res.rejected), res.rejected
+    assert all(r.code is RejectCode.NOT_RECOGNISED for _, r in res.rejected), res.rejected
 
 
 def test_detect_verify_false_agrees():
@@ -101,18 +103,19 @@ def test_detect_verify_false_agrees():
 
 def test_numeric_check_catches_a_wrong_structural_reading(monkeypatch):
     """If the structure were misread (here: forced renormalize=False on Mixtral), the numeric check rejects."""
-    import moecomp.passes.detect_moe as dm
+    import moecomp.passes.moe_routing as routing
 
-    orig = dm._weight_chain
+    orig = routing._weight_chain
 
     def misread(ctx, R, w0):
         orig(ctx, R, w0)
         R.renormalize = False
 
-    monkeypatch.setattr(dm, "_weight_chain", misread)
+    monkeypatch.setattr(routing, "_weight_chain", misread)
     cap = capture_block(tm.moe_blocks(tm.hf_model("mixtral"))[0], torch.randn(1, 3, tm.H))
     res = detect_moe(cap.gm, cap.example_inputs)
-    assert len(res) == 0 and "numeric check failed" in res.rejected[0][1]
+    assert len(res) == 0 and res.rejected[0][1].code is RejectCode.VERIFICATION_FAILED, res.rejected
+    assert "numeric check failed" in str(res.rejected[0][1])
 
 
 def test_fse_fuses_router_and_shared_gate():
@@ -142,9 +145,9 @@ def test_fse_fuses_router_and_shared_gate():
 
 def test_numeric_check_skipped_when_gathers_are_too_large(monkeypatch):
     """batched_mm gathers T*k expert matrices: past the budget the match rests on the structure and says so."""
-    import moecomp.passes._numeric as numeric
+    from moecomp import policy
 
-    monkeypatch.setattr(numeric, "VERIFY_GATHER_BYTES", 1000)
+    monkeypatch.setattr(policy, "FX_CHECK_GATHER_BYTES", 1000)
     cap = capture_block(tm.moe_blocks(tm.hf_model("mixtral", "batched_mm"))[0], torch.randn(1, 3, tm.H))
     res = detect_moe(cap.gm, cap.example_inputs)
     assert len(res) == 1 and res[0].verified.startswith("skipped")

@@ -22,7 +22,9 @@ from moecomp import backend
 from moecomp.capture import DetectError, capture_block, detect_block
 from moecomp.ops.moe_op import MOE_ARGS
 from moecomp.passes import detect_moe as dm
+from moecomp.passes import moe_activation
 from moecomp.passes.rewrite_moe import rewrite_moe
+from moecomp.reject import RejectCode
 
 EAGER_INNER = {"moecomp.inner": "eager"}
 MOE_CALL = "torch.ops.moecomp.moe_forward.default("
@@ -108,7 +110,8 @@ def test_family_compiled(family, recorded, poison):
     assert backend.last_results[-1]["code"].count(MOE_CALL) == n_blocks
     rejected = backend.last_results[-1]["rejected"]
     if family == "deepseek_v4":  # layer 0 is hash-routed: reported, left alone
-        assert len(rejected) == 1 and "hash routing" in rejected[0][1], rejected
+        assert len(rejected) == 1 and "hash routing" in rejected[0][1].message, rejected
+        assert rejected[0][1].code is RejectCode.UNSUPPORTED_ROUTING
     else:
         assert rejected == [], rejected
 
@@ -214,12 +217,12 @@ def test_clamp_limit_is_checked_with_binding_clamps(monkeypatch):
     projections scaled up does."""
     block = tm.ClampedSwiGLUMoE().eval()
     block.limit = 8.0  # rarely reached by x @ w13 with random weights
-    orig = dm._clamp_limit
-    monkeypatch.setattr(dm, "_clamp_limit", lambda *a: orig(*a) * 4)
+    orig = moe_activation._clamp_limit
+    monkeypatch.setattr(moe_activation, "_clamp_limit", lambda *a: orig(*a) * 4)
     with pytest.raises(DetectError) as e:
         detect_block(block, torch.randn(2, 3, tm.H))
     assert "clamps bind" in e.value.reason, e.value.reason
-    monkeypatch.setattr(dm, "_clamp_limit", orig)
+    monkeypatch.setattr(moe_activation, "_clamp_limit", orig)
     assert detect_block(block, torch.randn(2, 3, tm.H)).spec.activation_limit == 8.0
 
 

@@ -1,0 +1,151 @@
+"""The activation between an expert's first GEMM(s) and its down GEMM (routed or shared experts), read from the ops
+in between::
+
+    gated:     act(gate) * up                       act ∈ silu (or x * sigmoid(x)) | gelu | gelu_tanh | relu | relu2
+    clamped:   act(gate.clamp(max=L)) * up.clamp(-L, L)                         (DeepSeek-V4: activation_clamp)
+    oai:       (up.clamp(-L, L) + 1) * g * sigmoid(alpha * g),  g = gate.clamp(max=L)        (gpt-oss: swiglu_oai)
+    plain:     act(up)                                      relu2: relu(up) ** 2 | square(relu(up)) | r * r
+
+Any other clamp is refused. Bounds, alpha and limit are read as constants or from scalar attributes (the
+placeholder a value came from is recorded in ``baked``, spec field -> placeholder name).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from . import _fx
+from ._context import Context
+from ._fx import arg, op_name
+from ._reject import Reject
+
+CLAMPS = ("clamp", "clamp_min", "clamp_max")
+
+
+@dataclass
+class Activation:
+    names: list[str]  # candidate spec activations (one, except where only the numeric check can tell)
+    clamp: bool = False  # activation_clamp (clamped SwiGLU)
+    alpha: float | None = None  # swiglu_oai's alpha
+    limit: float | None = None  # swiglu_oai's or the clamped SwiGLU's limit
+
+
+def activation(ctx: Context, between: set, gated: bool, baked: dict, who: str) -> Activation:
+    """The activation computed by the nodes ``between`` the first GEMM(s) and the down GEMM."""
+    names = {op_name(n) for n in between}
+    clamps = [n for n in between if op_name(n) in CLAMPS]
+    if clamps and "sigmoid" in names and gated:
+        alpha, limit = _swiglu_consts(ctx, between, baked)
+        return Activation(["swiglu_oai"], alpha=alpha, limit=limit)
+    acts = sorted({a for n in between if (a := _elementwise_act(n, between)) is not None})
+    if len(acts) != 1:
+        raise Reject(f"{who} activation not recognised (ops between the GEMMs: {sorted(names)})")
+    res = Activation(acts)
+    if clamps:
+        if not gated:
+            raise Reject(f"{who}: clamp in an ungated activation (not a clamped SwiGLU)")
+        res.clamp, res.limit = True, _clamp_limit(ctx, clamps, between, baked, who)
+    return res
+
+
+def _elementwise_act(n: fx.Node, between: set) -> str | None:
+    nm = op_name(n)
+    if nm == "gelu":
+        return "gelu_tanh" if arg(n, 1, "approximate", "none") == "tanh" else "gelu"
+    if nm == "relu":
+        sq = [u for u in n.users if u in between and (
+            op_name(u) == "square" or (op_name(u) == "pow" and arg(u, 1, "exponent") in (2, 2.0))
+            or (op_name(u) == "mul" and arg(u, 0) is n and arg(u, 1) is n))]
+        return "relu2" if sq else "relu"
+    if nm in ("silu", "sigmoid"):
+        return "silu"  # sigmoid: x * sigmoid(x); the numeric check confirms
+    return None
+
+
+def clamp_bounds(ctx: Context, n: fx.Node, baked: dict | None = None, field: str | None = None):
+    """(min, max) of a clamp node as floats, None where open; rejects bounds whose value cannot be read."""
+    nm = op_name(n)
+    if nm == "clamp":
+        lo, hi = arg(n, 1, "min"), arg(n, 2, "max")
+    elif nm == "clamp_min":
+        lo, hi = arg(n, 1, "min"), None
+    else:
+        lo, hi = None, arg(n, 1, "max")
+    out = []
+    for b in (lo, hi):
+        if b is None:
+            out.append(None)
+            continue
+        v = _fx.scalar_value(b, ctx.values)
+        if v is None:
+            raise Reject(f"clamp bound of {n.name} is not readable (a tensor, or no example inputs)")
+        if baked is not None and field and isinstance(b, fx.Node):
+            src = b
+            while isinstance(src, fx.Node) and op_name(src) in ("neg", "item"):
+                src = arg(src, 0)
+            if isinstance(src, fx.Node) and src.op == "placeholder":
+                baked[field] = src.name
+        out.append(v)
+    return out[0], out[1]
+
+
+def strip_gate_clamp(n):
+    """``n`` through views / casts and an upper-only clamp (the gate side of a clamped SwiGLU)."""
+    n = _fx.strip_views_casts(n)
+    if isinstance(n, fx.Node) and op_name(n) in ("clamp", "clamp_max") and (
+            op_name(n) == "clamp_max" or arg(n, 1, "min") is None):
+        n = _fx.strip_views_casts(arg(n, 0))
+    return n
+
+
+def _clamp_limit(ctx: Context, clamps, between: set, baked: dict, who: str) -> float:
+    """Clamped SwiGLU (DeepSeek-V4): act(gate.clamp(max=L)) * up.clamp(-L, L). Returns L; rejects anything else."""
+    upper, sym = [], []
+    for c in clamps:
+        lo, hi = clamp_bounds(ctx, c, baked, "activation_limit")
+        if lo is None and hi is not None:
+            upper.append((c, hi))
+        elif lo is not None and hi is not None and math.isclose(lo, -hi) and hi > 0:
+            sym.append((c, hi))
+        else:
+            raise Reject(f"{who}: clamp({lo}, {hi}) in the activation is not a clamped SwiGLU's")
+    if len(upper) != 1 or len(sym) != 1 or not math.isclose(upper[0][1], sym[0][1]):
+        raise Reject(f"{who}: clamps {[(c.name, v) for c, v in upper + sym]} are not one gate clamp(max=L) and "
+                     "one up clamp(-L, L)")
+    (cu, limit), (cs, _) = upper[0], sym[0]
+    act_in = [n for n in between if op_name(n) in ("silu", "gelu", "relu") and _fx.strip_views_casts(arg(n, 0)) is cu]
+    up_in = [n for n in between if op_name(n) == "mul" and any(
+        _fx.strip_views_casts(a) is cs for a in (arg(n, 0), arg(n, 1)))]
+    if len(act_in) != 1 or not up_in:
+        raise Reject(f"{who}: clamped gate / up do not feed act(gate) * up")
+    return limit
+
+
+def _swiglu_consts(ctx: Context, between: set, baked: dict):
+    """swiglu_oai's (alpha, limit): the clamps' max and the constant multiplying the gate inside the sigmoid."""
+    limit = alpha = None
+    for n in between:
+        nm = op_name(n)
+        if nm == "clamp":
+            mx = arg(n, 2, "max")
+            v = _fx.scalar_value(mx, ctx.values)
+            if v is None:
+                raise Reject("swiglu limit is not readable (no example inputs?)")
+            if limit is not None and not math.isclose(v, limit):
+                raise Reject("swiglu clamps with different limits")
+            limit = v
+            if isinstance(mx, fx.Node) and op_name(mx) == "item":
+                baked["activation_limit"] = arg(mx, 0).name
+        if nm == "sigmoid" and op_name(m := arg(n, 0)) == "mul":
+            for o in (arg(m, 0), arg(m, 1)):
+                v = _fx.scalar_value(o, ctx.values)
+                if v is not None:
+                    alpha = v
+                    if isinstance(o, fx.Node) and op_name(o) == "item":
+                        baked["activation_alpha"] = arg(o, 0).name
+    if alpha is None or limit is None:
+        raise Reject("clamp + sigmoid gate without a readable alpha / limit")
+    return alpha, limit

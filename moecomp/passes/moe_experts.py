@@ -1,0 +1,236 @@
+"""The routed experts as two stacked 3-D weights, whatever the dispatch spelling::
+
+    x ──► dispatch by ids ──► GEMM(w13 [E,2I,H] "out_in" | [E,H,2I] "in_out") [+ b13[ids] ([E,2I])]   = g1
+          ──► gate split: chunk / split / [:I] (concat) | [..., ::2] (interleaved)
+          ──► activation (moe_activation) ──► GEMM(w2 [E,H,I] | [E,I,H]) [+ b2[ids] ([E,H])]          = g2
+          ──► * weights ──► combine over k
+
+The GEMM is ``grouped_mm``, ``bmm`` / ``matmul`` / ``einsum`` on gathered ``w[ids]``, or ``linear`` of ``w[e]`` in a
+per-expert loop. Which weight is w13 follows from which GEMM feeds the other; the layout from the shapes (and where
+every dim equals H, from how the GEMM reads the weight, else both are left to the numeric check). A block that reads
+no [E, ., .] weight may keep its experts as per-expert modules of 2-D weights: ``moe_per_expert`` matches those.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from . import _fx
+from ._context import Context
+from ._fx import arg, op_name
+from ._reject import Reject
+from .moe_activation import Activation, activation
+from .moe_region import Region
+from .moe_routing import Routing
+
+GEMMS = ("grouped_mm", "bmm", "matmul", "linear", "mm", "einsum", "baddbmm")
+
+
+@dataclass
+class Experts:
+    """The routed experts: their weights (stacked placeholders, or per-expert ones in ``stacked``), sizes, and the
+    discrete choices the graph leaves open (``layouts`` x ``gate_ups`` x ``act.names``: the numeric check picks)."""
+
+    I: int
+    gated: bool
+    layouts: list[str]
+    gate_ups: list[str]
+    act: Activation
+    g1: set  # the first GEMM(s)
+    g2_all: set  # the second GEMM(s)
+    g2: fx.Node  # the last of them in graph order
+    w13: fx.Node | None = None
+    w2: fx.Node | None = None
+    b13: fx.Node | None = None
+    b2: fx.Node | None = None
+    # per-expert modules: op argument -> per expert 0..E-1, the placeholders concatenated on dim 0 (moe_per_expert)
+    stacked: dict[str, list[list[fx.Node]]] = field(default_factory=dict)
+    linears: frozenset = frozenset()  # per-expert linears (not a shared expert's)
+    baked: dict = field(default_factory=dict)  # spec field -> placeholder its value was read from
+
+    @property
+    def has_bias(self) -> bool:
+        return self.b13 is not None or "b13" in self.stacked
+
+
+def stacked_experts(ctx: Context, R: Routing, region: Region) -> Experts | None:
+    """The routed experts as two stacked 3-D weights; None when the block uses no [E, ., .] weight at all."""
+    nodes = region.all
+    cands = _stacked_weights(ctx, R.E, nodes)
+    if not cands:
+        return None
+    if len(cands) < 2:
+        raise Reject("no pair of stacked 3-D expert weights [E, ., .] used by the block")
+    if len(cands) > 2:
+        raise Reject(f"{len(cands)} stacked expert weights used (separate gate / up weights are not supported; "
+                     "the op needs them concatenated)")
+    (w13, u13), (w2, u2) = _ordered_pair(ctx, cands, nodes)
+    s13, s2 = ctx.pshape(w13), ctx.pshape(w2)
+    layouts = _layouts(s13, s2, R.H, u13)
+    N = s13[1] if layouts[0] == "out_in" else s13[2]
+    I = s2[2] if layouts[0] == "out_in" else s2[1]
+    gated = gated_width(N, I)
+    g1, g2 = {u for u, _, _ in u13}, {u for u, _, _ in u2}
+    g2_anc = set().union(*[_fx.ancestors(x, nodes, pos=ctx.order) for x in g2])
+    between = set()
+    for g in g1:
+        between |= _fx.descendants(g, nodes) & g2_anc
+    ex = Experts(I=I, gated=gated, layouts=layouts, gate_ups=gate_ups(between, gated), act=Activation([]), g1=g1,
+                 g2_all=g2, g2=max(g2, key=ctx.order.get), w13=w13, w2=w2)
+    ex.act = activation(ctx, between, gated, ex.baked, "expert")
+    ex.b13, ex.b2 = _expert_biases(ctx, R, nodes, g2_anc, N)
+    return ex
+
+
+def _stacked_weights(ctx: Context, E: int, nodes: set) -> list:
+    """[(placeholder, its GEMM uses)] for every static [E, ., .] placeholder some GEMM of the block reads."""
+    cands = []
+    for p in ctx.static_ph:
+        s = ctx.pshape(p)
+        if s is None or len(s) != 3 or s[0] != E:
+            continue
+        uses = _weight_uses(p, nodes)
+        if uses:
+            cands.append((p, uses))
+    return cands
+
+
+def _weight_uses(p: fx.Node, nodes: set):
+    """GEMM nodes fed by placeholder ``p`` through views / casts / indexing: (gemm, transposed on the way, the node
+    the GEMM reads)."""
+    out = []
+    stack = [(p, False)]
+    seen = set()
+    while stack:
+        n, tr = stack.pop()
+        for u in n.users:
+            if u not in nodes or (u, tr) in seen:
+                continue
+            seen.add((u, tr))
+            name = op_name(u)
+            if name in GEMMS:
+                out.append((u, tr, n))
+            elif name in ("transpose", "t", "permute", "mT", "swapaxes"):
+                stack.append((u, not tr))
+            elif name in _fx.CAST_OPS or name in ("getitem", "index_select", "contiguous", "view", "reshape",
+                                                  "unsqueeze", "squeeze", "expand", "clone", "detach"):
+                if name == "getitem" and arg(u, 0) is not n:
+                    continue  # p used as the index, not indexed
+                stack.append((u, tr))
+    return out
+
+
+def _ordered_pair(ctx: Context, cands: list, nodes: set):
+    """The two stacked weights as ((w13, uses), (w2, uses)): w13's GEMM feeds w2's."""
+    (pa, ua), (pb, ub) = cands
+    ga = {u for u, _, _ in ua}
+    gb = {u for u, _, _ in ub}
+    anc_b = set().union(*[_fx.ancestors(x, nodes, pos=ctx.order) for x in gb])
+    anc_a = set().union(*[_fx.ancestors(x, nodes, pos=ctx.order) for x in ga])
+    a_feeds_b = any(g in anc_b for g in ga)
+    b_feeds_a = any(g in anc_a for g in gb)
+    if a_feeds_b == b_feeds_a:
+        raise Reject("cannot order the two expert GEMMs")
+    return ((pa, ua), (pb, ub)) if a_feeds_b else ((pb, ub), (pa, ua))
+
+
+def _layouts(s13: tuple, s2: tuple, H: int, u13) -> list[str]:
+    """Candidate weight layouts, from the shapes; where every dim equals H, the structural reading first."""
+    structural = _layout_from_use(u13)
+    if s2[1] == H and s13[2] == H and not (s2[2] == H and s13[1] == H):
+        layouts = ["out_in"]
+    elif s2[2] == H and s13[1] == H and not (s2[1] == H and s13[2] == H):
+        layouts = ["in_out"]
+    elif s2[1] == H and s13[2] == H and s2[2] == H and s13[1] == H:
+        layouts = [structural] + [x for x in ("out_in", "in_out") if x != structural] if structural else [
+            "out_in", "in_out"]
+    else:
+        raise Reject(f"expert weights {tuple(s13)} / {tuple(s2)} do not fit hidden size {H}")
+    if structural is not None and len(layouts) == 1 and structural != layouts[0]:
+        raise Reject(f"expert weight shapes say {layouts[0]} but the GEMM reads them as {structural}")
+    return layouts
+
+
+def gated_width(N: int, I: int) -> bool:
+    """Is a first GEMM of N outputs, read by a second GEMM of I inputs, gated (N = 2I) or plain (N = I)?"""
+    if N == 2 * I:
+        return True
+    if N == I:
+        return False
+    raise Reject(f"first expert GEMM has {N} outputs, second reads {I}: neither gated (2I) nor plain (I)")
+
+
+def gate_ups(between: set, gated: bool) -> list[str]:
+    """Candidate gate/up splits of the first GEMM's output, from the ops ``between`` the GEMMs."""
+    if not gated:
+        return ["concat"]
+    if any(op_name(n) == "getitem" and has_step2(arg(n, 1)) for n in between):
+        return ["interleaved"]
+    if {op_name(n) for n in between} & {"chunk", "split", "getitem"}:
+        return ["concat"]
+    return ["concat", "interleaved"]
+
+
+_GATHERS = frozenset({"getitem", "index_select", "gather", "index", "take"})
+
+
+def _gathered(p: fx.Node, nodes: set) -> bool:
+    """Is ``p`` (through views / casts) indexed inside the block, the way a per-expert bias is (``b[ids]``,
+    ``b[e]``)? A 2-D weight a GEMM reads whole (a shared expert's [E, H] projection when its width equals E) is not."""
+    todo, seen = [p], set()
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u not in nodes or u in seen:
+                continue
+            seen.add(u)
+            name = op_name(u)
+            if name in _GATHERS and arg(u, 0) is n:
+                return True
+            if name in _fx.VIEW_OPS or name in _fx.CAST_OPS:
+                todo.append(u)
+    return False
+
+
+def _expert_biases(ctx: Context, R: Routing, nodes: set, g2_anc: set, N: int):
+    """(b13, b2): 2-D [E, N] / [E, H] placeholders the block gathers by expert id; or (None, None)."""
+    b13 = b2 = None
+    for p in ctx.static_ph:
+        s = ctx.pshape(p)
+        if s is None or len(s) != 2 or s[0] != R.E or p is R.router_w or not _gathered(p, nodes):
+            continue
+        feeds_g2 = any(a in g2_anc for a in _fx.descendants(p, nodes))
+        if feeds_g2 and s[1] == N:
+            b13 = p
+        elif not feeds_g2 and s[1] == R.H:
+            b2 = p
+        else:
+            raise Reject(f"unexplained per-expert 2-D tensor {p.name} {tuple(s)}")
+    if (b13 is None) != (b2 is None):
+        raise Reject("only one of the two expert GEMMs has a bias")
+    return b13, b2
+
+
+def has_step2(idx) -> bool:
+    items = idx if isinstance(idx, tuple) else (idx,)
+    return any(isinstance(s, slice) and s.step == 2 for s in items)
+
+
+def _layout_from_use(uses) -> str | None:
+    """out_in / in_out from how the first GEMM reads the weight (None when it cannot tell)."""
+    votes = set()
+    for g, transposed, src in uses:
+        name = op_name(g)
+        if name == "grouped_mm":
+            votes.add("out_in" if transposed else "in_out")
+        elif name == "linear":
+            votes.add("in_out" if transposed else "out_in")
+        elif name in ("bmm", "matmul", "mm"):
+            pos = 0 if arg(g, 0) is src else 1
+            # weight on the left (W @ x) computes out = W x: [out, in] unless transposed
+            left = "out_in" if not transposed else "in_out"
+            right = "in_out" if not transposed else "out_in"
+            votes.add(left if pos == 0 else right)
+    return votes.pop() if len(votes) == 1 else None
