@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Time one MoE block per model family: HF eager, HF grouped_mm, torch.compile, and moecomp's custom op.
+"""Time one MoE block per model family: HF eager, HF grouped_mm, torch.compile, vLLM's fused-MoE kernel (when it is
+available) and moecomp's custom op.
 
 Each block is built from transformers' own class with a config of the family's sizes, directly on the device
 in bf16, weights drawn from N(0, 0.02) in place (never zeros). moecomp calls ``torch.ops.moecomp.moe_forward``
@@ -7,15 +8,28 @@ on the block's own parameters with the ``MoESpec`` and tensors moecomp's recogni
 (``moecomp.recognise.match_block``: what ``moecomp.optimize`` would bind; the script has no spec of its own, and a
 block moecomp refuses is reported with its reject code, gets no moecomp timing, and the exit status is 3).
 Before timing, every path's output is compared with the HF block (per-expert eager loop) on the same random
-input; moecomp's relative error is the "check" column (flagged loudly when above ``--tol``, the run keeps going).
+input; moecomp's relative error is the "check" column, the vLLM peer's "check_vllm" (flagged loudly when above
+``--tol``, the run keeps going).
+
+The vLLM peer ("vllm") is vLLM's Triton fused-MoE kernel, loaded from a standalone copy (``--vllm-peer DIR``, the
+directory holding ``vllm_fused_moe.py``) or from an installed ``vllm``; the block's own HF router module computes
+the routing around it and the shared expert (where the family has one) runs in plain torch. On CPU the copy runs
+under the Triton interpreter in fp32 (a smoke run; its times mean nothing there).
+
+``--routing`` picks the routing: ``real`` (default) lets the random router weights route; ``uniform`` / ``zipf`` /
+``one-hot`` draw the expert ids from that distribution and plant them: the router rows are set to orthonormal
+vectors and each token's input is chosen so that its router logits rank the drawn experts first (by >= 2 logits),
+so every path still runs the whole block and routes through the same router to the same ids (checked per cell).
 
 Every path is timed with plain launches and, where it can be captured (T <= 1024), as a CUDA-graph replay;
 the table shows the better, the JSON both. Times are ``triton.testing.do_bench`` medians in ms. The floor
 per cell is max(bytes / copy rate, FLOPs / matmul rate) with bytes counted from the experts the batch's
-routing actually touched, and both ceilings measured at the start of the same run.
+routing actually touched, and both ceilings measured at the start of the same run; each path's achieved
+TB/s and TFLOP/s (the floor's bytes and FLOPs over its time) sit next to those ceilings.
 
     python3 benchmarks/bench_moe.py                      # everything (~4-6 min on an H200)
     python3 benchmarks/bench_moe.py --families qwen3,olmoe --tokens 1,128 --peers hf_grouped_mm,moecomp
+    python3 benchmarks/bench_moe.py --vllm-peer .peers/vllm_fused_moe --routing zipf
     python3 benchmarks/bench_moe.py --device cpu --tiny  # a smoke run on CPU (tiny sizes, host timer)
 
 Output: ``benchmarks/results/<gpu>-<date>-<commit>.json`` (and a copy under ``$OUT`` when set), written after
@@ -30,6 +44,7 @@ import dataclasses
 import datetime
 import gc
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -58,9 +73,14 @@ CORRECTION_BIAS_STD = 0.01  # DeepSeek's e_score_correction_bias: small, random 
 GRAPH_CONSISTENCY_TOL = policy.BENCH_GRAPH_CONSISTENCY_TOL  # graph replay vs plain call on a fresh input
 ALL_TOKENS = (1, 16, 128, 1024, 8192)
 TINY_TOKENS = (1, 16, 128)
-ALL_PEERS = ("hf_eager", "hf_grouped_mm", "compile", "moecomp")
+ALL_PEERS = ("hf_eager", "hf_grouped_mm", "compile", "vllm", "moecomp")
 PEER_ALIASES = {"eager": "hf_eager", "grouped_mm": "hf_grouped_mm", "grouped": "hf_grouped_mm",
-                "torch_compile": "compile", "ours": "moecomp"}
+                "torch_compile": "compile", "ours": "moecomp", "vllm_fused_moe": "vllm", "vllm_kernel": "vllm"}
+ROUTING_MODES = ("real", "uniform", "zipf", "one-hot")
+ZIPF_EXPONENT = 1.2  # zipf: expert of popularity rank r (1 = most popular) is drawn with probability ~ r^-1.2
+PLANT_CHOSEN = (4.0, 6.0)  # synthetic routing: planted router logits of the drawn experts, uniform in this range,
+PLANT_OTHER_STD = 0.3  # ... and of the others N(0, 0.3): the k-th and (k+1)-th logits are >= ~2 apart
+VLLM_INSTALLED_MODULE = "vllm.model_executor.layers.fused_moe.fused_moe"  # fused_experts(x, w1, w2, tw, ti)
 
 
 class FatalCudaError(RuntimeError):
@@ -273,6 +293,304 @@ def floor_of(spec, T: int, ids: torch.Tensor, tensors: dict, ceilings: dict) -> 
                 bound="memory" if bytes_ms >= flops_ms else "compute", distinct_experts=distinct)
 
 
+def achieved_of(fl: dict, ms: float | None, ceilings: dict) -> dict | None:
+    """What a path achieved in a cell: the floor's bytes and FLOPs over its time, and the share of the ceilings."""
+    if not ms or ms <= 0 or not fl:
+        return None
+    tbs = fl["bytes"] / ms / 1e9  # bytes / (ms * 1e-3 s) / 1e12
+    tfs = fl["flops"] / ms / 1e9
+    return dict(tb_per_s=tbs, tflop_per_s=tfs, copy_ceiling_frac=tbs * 1e12 / ceilings["copy_bytes_per_s"],
+                matmul_ceiling_frac=tfs * 1e12 / ceilings["matmul_flops_per_s"])
+
+
+# ======================================================================================= routing modes
+ROUTING_METHOD = (
+    "real: the router's random weights route (N(0, 0.02) rows; inputs randn). uniform / zipf / one-hot: expert ids "
+    "are drawn per token (k distinct experts, weighted sampling without replacement; grouped routers: at most "
+    "topk_group groups per token), then planted: the router rows are set to orthonormal vectors and each token's input "
+    f"x = (randn projected off the router rows) + the part that makes its router logits U{PLANT_CHOSEN} for the drawn "
+    f"experts and N(0, {PLANT_OTHER_STD}) for the others. Every path runs the whole block and routes through the same "
+    "router, so all see the same ids; the ids the router actually picks are checked against the drawn ones per cell "
+    "(routing.planned_match) and the floor counts those.")
+
+
+class RoutingPlan:
+    """Synthetic expert ids for one family: ``ids(T)`` -> [T, k] int64 on the CPU.
+
+    uniform: every expert equally likely; zipf: the expert of popularity rank r drawn with probability ~ r^-s
+    (``ZIPF_EXPONENT``; which expert has which rank is a random permutation, fixed per family); one-hot: the same k
+    experts (drawn once per family, uniformly) for every token. Each token gets k distinct experts (Gumbel-top-k:
+    sequential sampling without replacement in proportion to the probabilities); for grouped routers
+    (``n_group > 1``) the draw keeps to at most ``topk_group`` groups per token, as the router itself would."""
+
+    def __init__(self, mode: str, spec, seed: int):
+        if mode not in ROUTING_MODES or mode == "real":
+            raise ValueError(f"no synthetic routing for {mode!r}")
+        self.mode, self.spec = mode, spec
+        E, k = spec.num_experts, spec.top_k
+        self.gen = torch.Generator().manual_seed(seed)
+        if mode == "zipf":
+            rank = torch.randperm(E, generator=self.gen)  # rank[e] = popularity rank of expert e (0 = most popular)
+            logp = -ZIPF_EXPONENT * torch.log((rank + 1).double())
+        else:
+            logp = torch.zeros(E, dtype=torch.float64)
+        self.probs = torch.softmax(logp, -1)  # per-draw probabilities (before "without replacement")
+        self.grouped = spec.n_group > 1 and spec.score_order != "topk_then_score"
+        if self.grouped and spec.topk_group * (E // spec.n_group) < k:
+            raise ValueError(f"topk_group {spec.topk_group} x {E // spec.n_group} experts per group < top-k {k}")
+        self.fixed = self._draw(1) if mode == "one-hot" else None
+
+    def _draw(self, n: int) -> torch.Tensor:
+        spec = self.spec
+        E, k = spec.num_experts, spec.top_k
+        u = torch.rand(n, E, generator=self.gen, dtype=torch.float64).clamp_(1e-300, 1.0 - 1e-16)
+        keys = torch.log(self.probs)[None, :] - torch.log(-torch.log(u))  # + Gumbel noise
+        ids = torch.empty(n, k, dtype=torch.long)
+        taken = torch.zeros(n, E, dtype=torch.bool)
+        rows = torch.arange(n)
+        if self.grouped:
+            G, per = spec.n_group, E // spec.n_group
+            used = torch.zeros(n, G, dtype=torch.bool)
+        for j in range(k):
+            allowed = ~taken
+            if self.grouped:
+                full = used.sum(-1, keepdim=True) >= spec.topk_group
+                allowed &= ~full | used.repeat_interleave(per, dim=1)
+            e = keys.masked_fill(~allowed, -math.inf).argmax(-1)
+            ids[:, j] = e
+            taken[rows, e] = True
+            if self.grouped:
+                used[rows, e // per] = True
+        return ids
+
+    def ids(self, T: int) -> torch.Tensor:
+        if self.fixed is not None:
+            return self.fixed.expand(T, -1).clone()
+        return self._draw(T)
+
+    def describe(self) -> dict:
+        d = dict(mode=self.mode, group_limit=self.grouped)
+        if self.fixed is not None:
+            d["one_hot_experts"] = [int(i) for i in self.fixed[0]]
+        if self.mode == "zipf":
+            top = torch.topk(self.probs, min(4, self.probs.numel()))
+            d.update(zipf_exponent=ZIPF_EXPONENT, most_popular_experts=[int(i) for i in top.indices],
+                     their_draw_probs=[round(float(v), 4) for v in top.values])
+        return d
+
+
+def router_rows(tensors: dict, spec) -> torch.Tensor:
+    """The router weight rows [E, H] (a view of the block's own parameter)."""
+    rw = tensors["router_w"]
+    return rw[: spec.num_experts] if spec.fused_shared_gate else rw
+
+
+def plant_router(tensors: dict, spec, seed: int) -> None:
+    """Set the router rows (in place, the block's own parameter) to orthonormal vectors, so that any wanted logits
+    can be planted through the input. Needs E <= H (true of every family here)."""
+    w = router_rows(tensors, spec)
+    E, H = w.shape
+    if E > H:
+        raise ValueError(f"cannot plant routing: {E} experts > hidden size {H}")
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(H, E, generator=g, dtype=torch.float64))
+    with torch.no_grad():
+        w.copy_(q.T.to(device=w.device, dtype=w.dtype))
+
+
+def planted_input(ids: torch.Tensor, tensors: dict, spec, gen: torch.Generator, device, dtype) -> torch.Tensor:
+    """x [1, T, H] whose router logits are U(PLANT_CHOSEN) on ``ids`` [T, k] and N(0, PLANT_OTHER_STD) elsewhere
+    (exactly, before x is rounded to ``dtype``); the rest of x is randn projected off the router rows."""
+    T, k = ids.shape
+    A = router_rows(tensors, spec).float()  # [E, H], as stored (after rounding)
+    E, H = A.shape
+    logits = torch.randn(T, E, device=device, generator=gen) * PLANT_OTHER_STD
+    lo, hi = PLANT_CHOSEN
+    logits.scatter_(1, ids.to(device), lo + (hi - lo) * torch.rand(T, k, device=device, generator=gen))
+    if tensors.get("router_b") is not None:
+        logits -= tensors["router_b"].float()[: E]
+    base = torch.randn(T, H, device=device, generator=gen)
+    corr = torch.linalg.solve(A @ A.T, (logits - base @ A.T).T).T  # [T, E]: A (base + corr A)^T = logits
+    return (base + corr @ A).to(dtype).view(1, T, H)
+
+
+def same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[T] bool: row t of ``a`` and ``b`` ([T, k] ids) name the same experts."""
+    return (a.long().sort(-1).values == b.long().sort(-1).values.to(a.device)).all(-1)
+
+
+def routing_stats(ids: torch.Tensor, E: int) -> dict:
+    """Distinct experts touched, the share of tokens the busiest expert serves, and its load over the mean load."""
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
+    T, k = ids.shape
+    return dict(distinct_experts=int((counts > 0).sum()), busiest_expert_token_frac=round(float(counts.max()) / T, 4),
+                busiest_over_mean_load=round(float(counts.max()) * E / (T * k), 3))
+
+
+# =========================================================================================== vLLM peer
+def load_vllm_peer(peer_dir: str | None, device: torch.device) -> tuple[object | None, dict]:
+    """(fused(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] fp32, topk_ids [T, k]) -> [T, H], info).
+
+    ``peer_dir``: a directory holding the standalone copy ``vllm_fused_moe.py`` (vLLM's code, Apache-2.0, imported
+    and timed, nothing of it copied here); without it, an installed ``vllm``'s ``fused_experts`` when importable (CUDA
+    only). On CPU the copy's Triton kernels run under the interpreter: ``TRITON_INTERPRET=1`` is set for the rest of
+    the process (Triton reads it when a kernel is created and at each launch; moecomp's CPU path is torch, unaffected).
+    Returns (None, info with "error") when neither is there."""
+    if peer_dir:
+        path = os.path.join(os.path.abspath(peer_dir), "vllm_fused_moe.py")
+        if not os.path.isfile(path):
+            return None, dict(source=peer_dir, error=f"--vllm-peer {peer_dir}: no vllm_fused_moe.py there")
+        interpret = device.type != "cuda"
+        info = dict(source=os.path.relpath(path, REPO) if path.startswith(REPO) else path,
+                    triton_interpret=interpret)
+        name = "_bench_vllm_fused_moe" + ("_interp" if interpret else "")
+        if interpret:  # read when the kernels are created and again at every launch: stays set for the process
+            os.environ["TRITON_INTERPRET"] = "1"
+        mod = sys.modules.get(name)
+        if mod is None:
+            try:
+                spec = importlib.util.spec_from_file_location(name, path)
+                mod = importlib.util.module_from_spec(spec)
+                sys.modules[name] = mod
+                spec.loader.exec_module(mod)
+            except Exception as e:
+                sys.modules.pop(name, None)
+                return None, dict(info, error=f"importing {path}: {_root_msg(e)}")
+        fused = getattr(mod, "fused_moe", None)
+        if fused is None:
+            return None, dict(info, error=f"{path} has no fused_moe")
+        first = (mod.__doc__ or "").strip().splitlines()
+        info["doc"] = first[0] if first else None
+        return fused, info
+    if importlib.util.find_spec("vllm") is None:
+        return None, dict(source=None, error="vLLM is not installed and no --vllm-peer DIR was given")
+    if device.type != "cuda":
+        return None, dict(source="vllm (installed)", error="the installed vLLM's kernel needs CUDA")
+    try:
+        import vllm
+
+        mod = importlib.import_module(VLLM_INSTALLED_MODULE)
+        fused = mod.fused_experts
+    except Exception as e:
+        return None, dict(source="vllm (installed)", error=f"importing {VLLM_INSTALLED_MODULE}: {_root_msg(e)}")
+
+    def fused_installed(x, w13, w2, tw, ti, _f=fused):
+        return _f(x, w13, w2, tw, ti)
+
+    return fused_installed, dict(source=f"vllm {getattr(vllm, '__version__', '?')} (installed): "
+                                        f"{VLLM_INSTALLED_MODULE}.fused_experts")
+
+
+def vllm_unsupported(spec, tensors: dict) -> str | None:
+    """Why vLLM's kernel cannot run this block (it takes gated SiLU experts, w13 [E, 2I, H] gate rows first, w2
+    [E, H, I], no expert biases), or None."""
+    why = []
+    if not spec.gated or spec.activation != "silu" or spec.activation_clamp:
+        why.append(f"activation {'clamped ' if spec.activation_clamp else ''}{spec.activation}"
+                   f"{'' if spec.gated else ' (not gated)'}, the kernel does silu(gate) * up")
+    if spec.gate_up != "concat":
+        why.append(f"gate/up {spec.gate_up}, the kernel wants gate rows then up rows")
+    if spec.w_layout != "out_in":
+        why.append(f"weights {spec.w_layout}, the kernel wants [E, 2I, H] / [E, H, I]")
+    if spec.has_expert_bias or tensors.get("b13") is not None or tensors.get("b2") is not None:
+        why.append("expert biases")
+    if not why:
+        E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
+        w13, w2 = tensors["w13"], tensors["w2"]
+        if tuple(w13.shape) != (E, 2 * I, H) or tuple(w2.shape) != (E, H, I):
+            why.append(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)}, not [E, 2I, H] / [E, H, I]")
+        elif not (w13.is_contiguous() and w2.is_contiguous()):
+            why.append("expert weights not contiguous")
+    return "; ".join(why) or None
+
+
+def hf_router(block, bindings: dict, spec, device) -> tuple[object | None, str]:
+    """The block's own router module (the module that owns the recognised router weight, e.g. ``gate``) when it
+    returns (logits, weights [T, k], ids [T, k]) as transformers' routers do; else (None, why)."""
+    name = (bindings or {}).get("router_w")
+    if not name or "." not in name:
+        return None, f"router weight bound as {name!r}, no router module to call"
+    owner = name.rsplit(".", 1)[0]
+    try:
+        mod = block.get_submodule(owner)
+        probe = torch.randn(3, spec.hidden_size, device=device, dtype=DTYPE)
+        with torch.no_grad():
+            out = mod(probe)
+    except Exception as e:
+        return None, f"calling {owner!r}: {_root_msg(e)}"
+    k = spec.top_k
+    if (isinstance(out, (tuple, list)) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)
+            and tuple(out[1].shape) == (3, k) and tuple(out[2].shape) == (3, k) and not out[2].is_floating_point()):
+        return mod, owner
+    return None, f"{owner!r} does not return (logits, weights [T, k], ids [T, k])"
+
+
+def torch_shared_expert(spec, tensors: dict):
+    """The shared expert in plain torch (F.linear, the activation, the sigmoid gate where the family has one), in the
+    model dtype, on the block's own weights; None when the family has none."""
+    sh = spec.shared
+    if sh is None:
+        return None
+    import torch.nn.functional as F
+
+    from moecomp import reference
+    from moecomp.ops.common import split_fused_gate
+
+    t = split_fused_gate(tensors, spec)
+    w1, w3, w2, gw = t["shared_w1"], t["shared_w3"], t["shared_w2"], t["shared_gate_w"]
+
+    def shared(x2):
+        if sh.gated:
+            g, u = F.linear(x2, w1).chunk(2, dim=-1) if sh.layout == "concat" else (F.linear(x2, w1), F.linear(x2, w3))
+            h = reference.gated_activation(g, u, sh.activation, sh.activation_alpha, sh.activation_limit,
+                                           sh.activation_clamp)
+        else:
+            h = reference.activation(F.linear(x2, w3), sh.activation)
+        y = F.linear(h, w2)
+        if sh.gate == "sigmoid":
+            y = y * torch.sigmoid(F.linear(x2, gw))
+        return y * sh.scale if sh.scale != 1.0 else y
+
+    return shared
+
+
+def make_vllm_fn(fused, spec, tensors: dict, router, compute_dtype: torch.dtype):
+    """x [1, T, H] -> [1, T, H]: the router (the block's own module, else moecomp.reference.route on the recognised
+    spec), vLLM's fused experts, plus the shared expert in torch. ``compute_dtype`` != the weights' dtype (fp32 on the
+    CPU interpreter) runs the kernel on copies of x / w13 / w2 in that dtype and casts its output back."""
+    from moecomp import reference
+    from moecomp.ops.common import split_fused_gate
+
+    H = spec.hidden_size
+    w13, w2 = tensors["w13"], tensors["w2"]
+    if w13.dtype != compute_dtype:
+        w13, w2 = w13.to(compute_dtype).contiguous(), w2.to(compute_dtype).contiguous()
+    rt = split_fused_gate(tensors, spec)
+    shared = torch_shared_expert(spec, tensors)
+
+    def vllm_fn(x):
+        x2 = x.reshape(-1, H)
+        if router is not None:
+            _, tw, ti = router(x2)
+        else:
+            logits = reference.router_logits(x2, rt["router_w"], rt["router_b"], spec)
+            tw, ti = reference.route(logits, rt["correction_bias"], spec)
+            if spec.round_weights:
+                tw = tw.to(x.dtype)
+        if tw.dtype != torch.float32:
+            tw = tw.float()
+        tw, ti = tw.contiguous(), ti.contiguous()  # (no-ops for HF's routers; reference.route returns slices)
+        xin = x2 if x2.dtype == compute_dtype else x2.to(compute_dtype)
+        out = fused(xin.contiguous(), w13, w2, tw, ti)
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
+        if shared is not None:
+            out = out + shared(x2)
+        return out.view(x.shape)
+
+    return vllm_fn
+
+
 # =============================================================================================== timing
 class Timer:
     def __init__(self, device: torch.device, quick: bool):
@@ -446,6 +764,8 @@ class Path:
     name: str
     fn: object  # x [1, T, H] -> [1, T, H]
     prepare: object = None  # called before this path's calls (selects HF's experts implementation)
+    skip: str | None = None  # fn is None: why the path does not run here (recorded as "skipped", not an error)
+    error: str | None = None  # fn is None: why it could not be set up (recorded as an error)
 
 
 def check_output(out: torch.Tensor, ref: torch.Tensor, amb: torch.Tensor | None, tol: float) -> dict:
@@ -467,6 +787,24 @@ def check_output(out: torch.Tensor, ref: torch.Tensor, amb: torch.Tensor | None,
                                                                  ref.reshape(-1, ref.shape[-1])[keep])
     c["check_ok"] = bool(math.isfinite(rel) and judged <= tol)
     return c
+
+
+def check_record(rec: dict, tol: float, ref_path: str | None, hf_grouped_mm_rel_err: float | None) -> dict:
+    """A path's verdict against the HF block (the "check" columns): rel err, ok, and the tie-aware parts."""
+    chk = dict(tolerance=tol, against=ref_path)
+    if rec.get("rel_err_vs_hf") is not None:
+        chk["rel_err"] = rec["rel_err_vs_hf"]
+        chk["ok"] = bool(rec.get("check_ok"))
+        for k_ in ("ambiguous_tokens", "rel_err_unambiguous", "bad_token_frac_unambiguous"):
+            if k_ in rec:
+                chk[k_] = rec[k_]
+    else:
+        chk["rel_err"] = None
+        chk["ok"] = False
+        chk["error"] = rec.get("error", "no output")
+    if hf_grouped_mm_rel_err is not None:
+        chk["hf_grouped_mm_rel_err"] = hf_grouped_mm_rel_err  # bf16 noise level between HF's own two paths
+    return chk
 
 
 def run_path(path: Path, x: torch.Tensor, ref: torch.Tensor, timer: Timer, args, device, tol: float,
@@ -635,7 +973,14 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", default="all", help=f"comma list of {', '.join(FAMILIES)} (default all)")
     ap.add_argument("--tokens", default=None, help="comma list of T (default 1,16,128,1024,8192; tiny: 1,16,128)")
-    ap.add_argument("--peers", default="all", help=f"comma list of {', '.join(ALL_PEERS)} (default all)")
+    ap.add_argument("--peers", default="all",
+                    help=f"comma list of {', '.join(ALL_PEERS)} (default all; vllm only when its kernel is found)")
+    ap.add_argument("--vllm-peer", metavar="DIR", default=None,
+                    help="directory holding the standalone vllm_fused_moe.py (vLLM's kernel, timed as the peer "
+                         "'vllm'); default: the installed vllm package when importable, else no vllm peer")
+    ap.add_argument("--routing", choices=ROUTING_MODES, default="real",
+                    help="real (default): random router weights route; uniform / zipf / one-hot: expert ids drawn "
+                         "from that distribution and planted through the router (every path sees the same ids)")
     ap.add_argument("--quick", action="store_true", help="shorter do_bench warmup / rep (noisier)")
     ap.add_argument("--no-graph", action="store_true", help="skip CUDA-graph capture")
     ap.add_argument("--graph-max-t", type=int, default=1024, help="capture graphs up to this T (default 1024)")
@@ -692,24 +1037,38 @@ def run(argv=None) -> dict:
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(TINY_TOKENS if args.tiny else ALL_TOKENS)
     timer = Timer(device, args.quick)
     t_start = time.perf_counter()
+    vllm_fused, vllm_info = None, dict(requested=False)
+    if "vllm" in peers:
+        vllm_fused, vllm_info = load_vllm_peer(args.vllm_peer, device)
+        named = args.vllm_peer is not None or args.peers not in ("all", "")
+        vllm_info["requested"] = named
+        if vllm_fused is None:
+            log(f"[bench] vllm peer not timed: {vllm_info['error']}")
+            if not named:  # not asked for by name: leave it out (the table keeps the PEERS.md figure)
+                peers.remove("vllm")
 
     env = environment(device)
     commit = git_commit()
     now = datetime.datetime.now(datetime.timezone.utc)
-    full_run = (fams == list(FAMILIES) and peers == list(ALL_PEERS) and tokens == list(ALL_TOKENS)
-                and not args.quick and not args.tiny and not args.no_graph)
+    full_run = (fams == list(FAMILIES) and args.peers in ("all", "") and tokens == list(ALL_TOKENS)
+                and not args.quick and not args.tiny and not args.no_graph and args.routing == "real")
     suffix = "" if full_run else ("-tiny" if args.tiny else "-partial")
+    if args.routing != "real":
+        suffix = f"-{args.routing}{suffix}"
     short = "unknown" if commit == "unknown" else commit[:7] + ("-dirty" if commit.endswith("-dirty") else "")
     gpu_slug = _slug(env["gpu"]) if device.type == "cuda" else "cpu"
     out_json = None if args.no_save else (
         args.out_json or os.path.join(HERE, "results", f"{gpu_slug}-{now:%Y%m%d}-{short}{suffix}.json"))
 
     log(f"[bench] {env['gpu']} | torch {env['torch']} triton {env['triton']} transformers {env['transformers']} | "
-        f"commit {commit} | families {fams} | T {tokens} | peers {peers}")
+        f"commit {commit} | families {fams} | T {tokens} | peers {peers} | routing {args.routing}")
+    if vllm_fused is not None:
+        log(f"[bench] vllm peer: {vllm_info['source']}"
+            + (" (Triton interpreter, fp32: a smoke run, its times mean nothing)" if device.type != "cuda" else ""))
     ceilings = measure_ceilings(device, timer)
     log(f"[bench] ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
         f"matmul {ceilings['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({ceilings['matmul_size']}^3 bf16)")
-    result = dict(schema=1, **env, date=now.strftime("%Y-%m-%d"), timestamp=now.isoformat(timespec="seconds"),
+    result = dict(schema=2, **env, date=now.strftime("%Y-%m-%d"), timestamp=now.isoformat(timespec="seconds"),
                   commit=commit, argv=sys.argv[1:] if argv is None else list(argv), tiny=args.tiny, quick=args.quick,
                   moecomp_backend=(os.environ.get("MOECOMP_CUDA_BACKEND", "triton") if device.type == "cuda"
                                    else os.environ.get("MOECOMP_CPU_BACKEND", "torch")),
@@ -718,7 +1077,16 @@ def run(argv=None) -> dict:
                             dtype=str(DTYPE)),
                   timing=("triton.testing.do_bench median (ms), L2 flushed per call" if device.type == "cuda"
                           else "host perf_counter median (ms), CPU"),
-                  ceilings=ceilings, families=[], fatal=None, json_path=out_json)
+                  ceilings=ceilings, families=[], fatal=None, json_path=out_json,
+                  routing=dict(mode=args.routing, method=ROUTING_METHOD,
+                               **(dict(zipf_exponent=ZIPF_EXPONENT) if args.routing == "zipf" else {}),
+                               **(dict(plant_chosen_logits=PLANT_CHOSEN, plant_other_logit_std=PLANT_OTHER_STD)
+                                  if args.routing != "real" else {})),
+                  vllm_peer=dict(vllm_info, timed=vllm_fused is not None and "vllm" in peers,
+                                 compute_dtype=None if vllm_fused is None else
+                                 str(DTYPE if device.type == "cuda" else torch.float32),
+                                 router="the block's own router module (the owner of the recognised router weight), "
+                                        "else moecomp.reference.route on the recognised spec; shared expert in torch"))
     result["peer_hygiene"] = peer_hygiene()
     _save(result, out_json)
 
@@ -737,6 +1105,7 @@ def run(argv=None) -> dict:
         result["families"].append(frec)
         block = compiled = None
         paths: list[Path] = []
+        plan = router_mod = None
         try:
             cfg, block = build_block(fam, args.tiny, device, args.seed + 1000 * fi)
             frec["build_s"] = round(time.perf_counter() - t_fam, 2)
@@ -761,6 +1130,18 @@ def run(argv=None) -> dict:
                 frec["errors"].append(f"spec: {spec_err}")
                 log(f"[bench] !!!!! {fam.name}: no spec ({spec_err})")
                 spec = None
+            if spec is not None:  # the block's own router module: for the vllm path and to check the ids
+                router_mod, router_note = hf_router(block, rec.get("bindings"), spec, device)
+                frec["hf_router"] = router_note if router_mod is not None else None
+                if "vllm" in peers:
+                    frec["vllm_router"] = (f"HF router module {router_note!r}" if router_mod is not None else
+                                           f"moecomp.reference.route on the recognised spec ({router_note})")
+            if args.routing != "real":
+                if spec is None:
+                    raise RuntimeError(f"--routing {args.routing} needs the recognised router weight ({spec_err})")
+                plant_router(tensors, spec, args.seed + 1000 * fi + 11)
+                plan = RoutingPlan(args.routing, spec, args.seed + 1000 * fi + 13)
+                frec["routing_plan"] = plan.describe()
             if "hf_eager" in peers:
                 paths.append(Path("hf_eager", block, lambda b=block, c=cfg: set_experts_impl(b, c, "eager")))
             if "hf_grouped_mm" in peers:
@@ -770,6 +1151,19 @@ def run(argv=None) -> dict:
                 set_experts_impl(block, cfg, "grouped_mm")
                 compiled = torch.compile(block, dynamic=True)
                 paths.append(Path("compile", compiled, lambda b=block, c=cfg: set_experts_impl(b, c, "grouped_mm")))
+            if "vllm" in peers:
+                if vllm_fused is None:
+                    paths.append(Path("vllm", None, error=f"vLLM peer not loaded: {vllm_info.get('error')}"))
+                elif spec is None:
+                    paths.append(Path("vllm", None, skip=f"no spec to run it from ({spec_err})"))
+                else:
+                    why = vllm_unsupported(spec, tensors)
+                    if why:
+                        paths.append(Path("vllm", None, skip=why))
+                        log(f"[bench] {fam.name}: vllm peer skipped: {why}")
+                    else:
+                        cd = DTYPE if device.type == "cuda" else torch.float32  # the interpreter: fp32 only
+                        paths.append(Path("vllm", make_vllm_fn(vllm_fused, spec, tensors, router_mod, cd)))
             if "moecomp" in peers:
                 if spec is not None:
                     op, key = torch.ops.moecomp.moe_forward, spec.key
@@ -791,7 +1185,12 @@ def run(argv=None) -> dict:
                 t_cell = time.perf_counter()
                 cell: dict = dict(T=T, paths={})
                 frec["cells"].append(cell)
-                x = torch.randn(1, T, H, device=device, dtype=DTYPE, generator=gen)
+                planned = None
+                if plan is not None:  # synthetic routing: draw the ids, plant them through the router
+                    planned = plan.ids(T)
+                    x = planted_input(planned, tensors, spec, gen, device, DTYPE)
+                else:
+                    x = torch.randn(1, T, H, device=device, dtype=DTYPE, generator=gen)
                 with torch.no_grad():
                     ref, ref_path = None, None
                     for impl in ("eager", "grouped_mm"):  # the HF block itself (per-expert loop first)
@@ -814,37 +1213,44 @@ def run(argv=None) -> dict:
                         cell["floor"] = fl
                         amb = routing_ambiguous(logits, tensors.get("correction_bias"), spec, spec.router_fp32)
                         cell["ambiguous_tokens"] = int(amb.sum().item())
+                        rrec = dict(mode=args.routing, **routing_stats(ids, spec.num_experts))
+                        if planned is not None:  # the router picks the drawn experts (so does every path)
+                            rrec["planned_match"] = float(same_sets(ids, planned).float().mean())
+                            if rrec["planned_match"] < 1.0:
+                                log(f"[bench] !!!!! {fam.name} T={T}: the router picks the drawn experts for only "
+                                    f"{rrec['planned_match']:.1%} of the tokens")
+                        if router_mod is not None:  # HF's own router module: the same ids?
+                            hids = router_mod(x.view(-1, H))[2]
+                            rrec["hf_router_match"] = float(same_sets(hids, ids).float().mean())
+                        cell["routing"] = rrec
                         del logits, ids
-                    if not args.tiny and fam.name in report.PEERS_MD and T in report.PEERS_MD[fam.name]:
+                    if (not args.tiny and args.routing == "real" and fam.name in report.PEERS_MD
+                            and T in report.PEERS_MD[fam.name]):
                         cell["peers_md"] = report.peers_md_ref(fam.name, T)
                     for p in paths:
                         if ref is None:
                             cell["paths"][p.name] = dict(error="no HF reference output", best_ms=None)
                             continue
                         if p.fn is None:
-                            cell["paths"][p.name] = dict(error=f"spec: {spec_err}", best_ms=None)
+                            cell["paths"][p.name] = (dict(skipped=p.skip, best_ms=None) if p.skip else
+                                                     dict(error=p.error or f"spec: {spec_err}", best_ms=None))
                             continue
                         cell["paths"][p.name] = run_path(p, x, ref, timer, args, device, args.tol, amb)
-                    mc = cell["paths"].get("moecomp")
-                    if mc is not None:
-                        chk = dict(tolerance=args.tol, against=ref_path)
-                        if mc.get("rel_err_vs_hf") is not None:
-                            chk["rel_err"] = mc["rel_err_vs_hf"]
-                            chk["ok"] = bool(mc.get("check_ok"))
-                            for k_ in ("ambiguous_tokens", "rel_err_unambiguous", "bad_token_frac_unambiguous"):
-                                if k_ in mc:
-                                    chk[k_] = mc[k_]
-                        else:
-                            chk["rel_err"] = None
-                            chk["ok"] = False
-                            chk["error"] = mc.get("error", "no output")
-                        g = cell["paths"].get("hf_grouped_mm", {}).get("rel_err_vs_hf")
-                        if g is not None:
-                            chk["hf_grouped_mm_rel_err"] = g  # bf16 noise level between HF's own two paths
-                        cell["check"] = chk
+                        if p.name == "vllm" and device.type != "cuda":
+                            cell["paths"][p.name]["compute_dtype"] = "float32 (Triton interpreter)"
+                    g = cell["paths"].get("hf_grouped_mm", {}).get("rel_err_vs_hf")
+                    for pname, key, who in (("moecomp", "check", "moecomp"), ("vllm", "check_vllm", "vLLM peer")):
+                        pr = cell["paths"].get(pname)
+                        if pr is None or "skipped" in pr:
+                            continue
+                        chk = check_record(pr, args.tol, ref_path, g)
+                        cell[key] = chk
                         if not chk["ok"]:
-                            log(f"[bench] !!!!! CORRECTNESS FAILURE {fam.name} T={T}: moecomp vs {ref_path} "
+                            log(f"[bench] !!!!! CORRECTNESS FAILURE {fam.name} T={T}: {who} vs {ref_path} "
                                 f"rel err {chk['rel_err']} (tol {args.tol}) {chk.get('error', '')}")
+                    if cell.get("floor"):
+                        cell["achieved"] = {pn: a for pn, pr in cell["paths"].items()
+                                            if (a := achieved_of(cell["floor"], pr.get("best_ms"), ceilings))}
                     if keep_inputs and ref is not None:
                         saved.append((cell, x, ref, amb))
                     else:
@@ -957,14 +1363,20 @@ def _cell_line(name: str, cell: dict) -> str:
     parts = [f"[{name} T={cell['T']}]", f"floor {report._fmt_ms(cell.get('floor_ms'))}"]
     for p, r in cell["paths"].items():
         v = r.get("best_ms")
-        if v is None:
+        if v is None and r.get("skipped"):
+            parts.append(f"{p} skipped")
+        elif v is None:
             parts.append(f"{p} ERR({report._short(r.get('error', r.get('graph_note', '?')), 60)})")
         else:
             parts.append(f"{p} {report._fmt_ms(v)}{' g' if r.get('best_mode') == 'graph' else ''}")
-    chk = cell.get("check")
-    if chk:
-        parts.append(f"check {chk.get('rel_err') if chk.get('rel_err') is None else format(chk['rel_err'], '.1e')}"
-                     f"{'' if chk.get('ok') else ' FAIL'}")
+    ach = (cell.get("achieved") or {}).get("moecomp")
+    if ach:
+        parts.append(f"moecomp {ach['tb_per_s']:.3g} TB/s {ach['tflop_per_s']:.3g} TFLOP/s")
+    for key, who in (("check", "check"), ("check_vllm", "vllm check")):
+        chk = cell.get(key)
+        if chk:
+            parts.append(f"{who} {chk.get('rel_err') if chk.get('rel_err') is None else format(chk['rel_err'], '.1e')}"
+                         f"{'' if chk.get('ok') else ' FAIL'}")
     parts.append(f"({cell.get('wall_s', '?')} s)")
     return " | ".join(parts)
 
@@ -982,6 +1394,8 @@ def _print_notes(result: dict):
                     notes.setdefault((p, n), []).append(f"{fam['name']}:{cell['T']}")
                 if r.get("error"):
                     notes.setdefault((p, "error: " + r["error"]), []).append(f"{fam['name']}:{cell['T']}")
+                if r.get("skipped"):
+                    notes.setdefault((p, "skipped: " + r["skipped"]), []).append(f"{fam['name']}:{cell['T']}")
     for (p, n), where in notes.items():
         log(f"[bench] {p}: {n} [{', '.join(where[:6])}{' ...' if len(where) > 6 else ''}]")
     if result.get("fatal"):

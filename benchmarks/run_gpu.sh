@@ -60,7 +60,10 @@ compiled)  # Qwen1.5-MoE / DeepSeek-V3 at batch 8 and 128, then transformers' co
 tests)  # every GPU test (not yet timed whole since the reliability suite joined it): failures named, slowest listed
   timeout ${TEST_TIMEOUT:-585} python3 -m pytest -q -rfE --durations=8 -m gpu -p no:cacheprovider tests 2>&1 \
       | grep -v "^DEBUG" | tee "$OUT/tests.log" | tail -30 ;;
-layer)  # the layer benchmark (every family, every T, every HF peer in the same run), after a pipeline change
-  timeout ${LAYER_TIMEOUT:-560} python3 benchmarks/bench_moe.py --quick --budget-s ${LAYER_BUDGET:-500} \
-      --out-json "$OUT/layer.json" 2>&1 | grep -v "^DEBUG" | tee "$OUT/layer.log" | quiet | tail -60 ;;
+layer)  # the layer benchmark: every family, every T, every peer in the same run (vLLM's kernel from the copy in
+        # .peers/, carried: cp -r ../shared/peers/vllm_fused_moe .peers/), ROUTING=real|uniform|zipf|one-hot
+  peer=(); [ -d .peers/vllm_fused_moe ] && peer=(--vllm-peer .peers/vllm_fused_moe)
+  timeout ${LAYER_TIMEOUT:-560} python3 benchmarks/bench_moe.py --quick --budget-s ${LAYER_BUDGET:-470} "${peer[@]}" \
+      --routing ${ROUTING:-real} --out-json "$OUT/layer-${ROUTING:-real}.json" 2>&1 | grep -v "^DEBUG" \
+      | tee "$OUT/layer-${ROUTING:-real}.log" | quiet | tail -60 ;;
 esac

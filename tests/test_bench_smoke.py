@@ -1,17 +1,23 @@
-"""CPU smoke test of benchmarks/bench_moe.py: tiny blocks, the correctness check and the table (no timing asserts)."""
+"""CPU smoke test of benchmarks/bench_moe.py: tiny blocks, the correctness check and the table (no timing asserts);
+the vLLM peer under the Triton interpreter (subprocess), the synthetic routing modes, report.py's table and plot."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
+import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(ROOT, "benchmarks")
+VLLM_PEER_DIR = os.environ.get("MOECOMP_VLLM_PEER", os.path.join(os.path.dirname(ROOT), "shared", "peers",
+                                                                  "vllm_fused_moe"))
 
 
 def _load(name):
@@ -59,6 +65,31 @@ def test_every_family_and_T_has_a_checked_row(tiny_run):
     on_disk = json.loads(out.read_text())
     assert on_disk["families"][0]["cells"][0]["T"] == 1
     assert on_disk["ceilings"]["copy_bytes_per_s"] > 0
+
+
+def test_new_json_fields(tiny_run):
+    """Routing mode, the vLLM peer's status, per-cell routing stats and achieved TB/s / TFLOP/s."""
+    res, out = tiny_run
+    on_disk = json.loads(out.read_text())
+    for r in (res, on_disk):
+        assert r["schema"] == 2
+        assert r["routing"]["mode"] == "real" and r["routing"]["method"]
+        assert r["vllm_peer"]["timed"] is False  # not among --peers here
+    ce = res["ceilings"]
+    for fam in res["families"]:
+        assert fam["hf_router"] == "gate"  # the block's own router module (owner of the recognised router weight)
+        for cell in fam["cells"]:
+            rt = cell["routing"]
+            assert rt["mode"] == "real" and rt["distinct_experts"] == cell["floor"]["distinct_experts"]
+            assert rt["hf_router_match"] > 0.5 and 0 < rt["busiest_expert_token_frac"] <= 1
+            assert "planned_match" not in rt
+            for p in ("hf_grouped_mm", "moecomp"):
+                a = cell["achieved"][p]
+                ms = cell["paths"][p]["best_ms"]
+                assert math.isclose(a["tb_per_s"], cell["floor"]["bytes"] / ms / 1e9)
+                assert math.isclose(a["tflop_per_s"], cell["floor"]["flops"] / ms / 1e9)
+                assert math.isclose(a["copy_ceiling_frac"], a["tb_per_s"] * 1e12 / ce["copy_bytes_per_s"])
+                assert math.isclose(a["matmul_ceiling_frac"], a["tflop_per_s"] * 1e12 / ce["matmul_flops_per_s"])
 
 
 def test_spec_is_the_recognisers(tiny_run):
@@ -136,9 +167,11 @@ def test_table_rows(tiny_run):
     for fam in bench.FAMILIES.values():
         assert any(r.startswith(f"| {fam.label} (") for r in rows), fam.label
     head = next(ln for ln in table.splitlines() if ln.startswith("| family"))
-    for col in ("floor", "HF grouped_mm", "moecomp", "moecomp / best HF peer", "moecomp / floor"):
+    for col in ("floor", "HF grouped_mm", "moecomp", "moecomp / best HF peer", "moecomp / floor", "moecomp / best peer",
+                "moecomp TB/s (copy ceiling", "moecomp TFLOP/s (matmul ceiling"):
         assert col in head
-    assert "Geometric means" in table
+    assert "vLLM" not in head  # neither measured nor a PEERS.md figure (tiny sizes)
+    assert "Geometric means" in table and "moecomp / best peer:" in table
     assert "FAIL" not in table
 
 
@@ -193,3 +226,221 @@ def test_plot_generate(tmp_path):
     assert ("qwen2", 32, "one_liner") in rows and ("deepseek", 1) in floors
     plot.main([str(tmp_path / "g.png"), src])
     assert (tmp_path / "g.png").stat().st_size > 1000
+
+
+# ------------------------------------------------------------------------------------------ report.py, synthetic
+def _fake_result(vllm_ms, vllm_ok=True, peers_md=None):
+    cells = []
+    for T, (hf, mine, vl) in ((1, (2.0, 1.0, vllm_ms)), (16, (4.0, 3.0, vllm_ms))):
+        paths = {"hf_grouped_mm": dict(best_ms=hf, check_ok=True), "moecomp": dict(best_ms=mine, check_ok=True)}
+        if vl is not None:
+            paths["vllm"] = dict(best_ms=vl, check_ok=vllm_ok, rel_err_vs_hf=1e-3 if vllm_ok else 0.5)
+        cell = dict(T=T, floor_ms=0.5, floor=dict(bytes=1e9, flops=1e12), paths=paths,
+                    achieved={"moecomp": dict(tb_per_s=1e9 / mine / 1e9, tflop_per_s=1e12 / mine / 1e9)},
+                    check=dict(rel_err=1e-3, ok=True, tolerance=0.02))
+        if vl is not None:
+            cell["check_vllm"] = dict(rel_err=1e-3 if vllm_ok else 0.5, ok=vllm_ok, tolerance=0.02)
+        if peers_md:
+            cell["peers_md"] = dict(zip(report.PEERS_MD_PATHS, (9.0, 9.0, 9.0, peers_md)))
+        cells.append(cell)
+    return dict(gpu="fake", ceilings=dict(copy_bytes_per_s=4e12, matmul_flops_per_s=8e14), tolerance=0.02,
+                vllm_peer=dict(source="x/vllm_fused_moe.py"), families=[dict(name="f", label="F (1)", cells=cells)])
+
+
+def test_table_vllm_measured_drops_peers_md_column():
+    res = _fake_result(0.5, peers_md=2.0)
+    table = report.render_table(res)
+    head = next(ln for ln in table.splitlines() if ln.startswith("| family"))
+    assert "moecomp / vLLM (measured)" in head and report.VLLM_LABEL not in head
+    assert "check: vLLM vs HF rel err" in head and "TB/s (copy ceiling 4)" in head
+    assert "TFLOP/s (matmul ceiling 800)" in head
+    rows = [ln for ln in table.splitlines() if ln.startswith("| F") or ln.startswith("|  |")]
+    cols = [c.strip() for c in rows[0].strip("|").split("|")]
+    h = [c.strip() for c in head.strip("|").split("|")]
+    assert cols[h.index("moecomp / vLLM (measured)")] == "2.00x"  # 1.0 / 0.5
+    assert cols[h.index("moecomp / best peer")] == "2.00x"  # vLLM is the best peer
+    assert cols[h.index("moecomp / best HF peer")] == "0.50x"
+    assert cols[h.index("moecomp TB/s (copy ceiling 4)")] == "1.00"
+    assert "moecomp / vLLM (measured): 3.46x over 2/2 cells" in table  # sqrt(1.0 / 0.5 * 3.0 / 0.5)
+    assert "vLLM 0.25x (2 cells)" in table  # reproduction of the PEERS.md vLLM figure (0.5 / 2.0)
+
+
+def test_table_keeps_peers_md_column_when_vllm_not_measured():
+    table = report.render_table(_fake_result(None, peers_md=2.0))
+    head = next(ln for ln in table.splitlines() if ln.startswith("| family"))
+    assert report.VLLM_LABEL in head and "moecomp / vLLM (PEERS.md)" in head and "(measured)" not in head
+    assert "check: vLLM" not in head
+
+
+def test_failed_vllm_check_is_not_the_best_peer():
+    res = _fake_result(0.1, vllm_ok=False)
+    cell = res["families"][0]["cells"][0]
+    assert report.best_peer(cell) == (2.0, "hf_grouped_mm")
+    table = report.render_table(res)
+    assert "**WRONG**" in table and "vLLM PEER CHECK FAILURES (2" in table
+    assert "moecomp / vLLM (measured): - over 0/2 cells" in table
+
+
+def test_plot_renders(tiny_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    _, out = tiny_run
+    png = tmp_path / "layer.png"
+    assert report.main([str(out), "--plot", str(png)]) == 0
+    assert png.stat().st_size > 5000
+
+
+# --------------------------------------------------------------------------------------------- routing modes
+def _spec(**kw):
+    from moecomp.spec import MoESpec
+
+    return MoESpec(**dict(dict(num_experts=16, top_k=2, hidden_size=32, intermediate_size=8), **kw))
+
+
+def test_routing_plan_distributions():
+    T = 4000
+    uni = bench.RoutingPlan("uniform", _spec(), seed=1).ids(T)
+    assert uni.shape == (T, 2) and uni.dtype == torch.long
+    assert bool((uni[:, 0] != uni[:, 1]).all())  # k distinct experts per token
+    counts = torch.bincount(uni.reshape(-1), minlength=16).double()
+    assert counts.min() > 0.8 * counts.mean() and counts.max() < 1.2 * counts.mean()
+
+    zp = bench.RoutingPlan("zipf", _spec(), seed=1)
+    z = zp.ids(T)
+    counts = torch.bincount(z.reshape(-1), minlength=16).double()
+    by_prob = torch.argsort(zp.probs, descending=True)
+    assert int(counts.argmax()) == int(by_prob[0])  # the most popular expert is drawn most
+    assert counts[by_prob[0]] > 4 * counts[by_prob[8:]].mean()  # skewed
+    assert bool((z[:, 0] != z[:, 1]).all())
+    assert math.isclose(float(zp.probs[by_prob[0]] / zp.probs[by_prob[1]]), 2 ** bench.ZIPF_EXPONENT, rel_tol=1e-9)
+
+    oh = bench.RoutingPlan("one-hot", _spec(), seed=1).ids(T)
+    assert bool((oh == oh[0]).all()) and oh[0, 0] != oh[0, 1]
+
+    g = _spec(num_experts=32, top_k=8, scoring="sigmoid", n_group=8, topk_group=2, has_correction_bias=True)
+    for mode in ("uniform", "zipf", "one-hot"):
+        ids = bench.RoutingPlan(mode, g, seed=2).ids(500)
+        groups = ids // 4
+        assert all(len(set(r)) <= 2 for r in groups.tolist()), mode  # at most topk_group groups per token
+        assert all(len(set(r)) == 8 for r in ids.tolist()), mode
+    with pytest.raises(ValueError):
+        bench.RoutingPlan("real", _spec(), seed=0)
+
+
+@pytest.mark.parametrize("fam", ["qwen3", "deepseek"])
+def test_planted_routing_every_path_same_ids(fam):
+    """Planted ids: moecomp's reference routing, HF's own router module and the HF block all follow the drawn ids,
+    and moecomp's op (which routes by itself) matches the HF block, i.e. took the same experts."""
+    from moecomp import reference
+
+    f = bench.FAMILIES[fam]
+    _, block = bench.build_block(f, True, torch.device("cpu"), 5)
+    rec = {}
+    spec, tensors = bench.block_spec(block, rec)
+    bench.plant_router(tensors, spec, 3)
+    router, owner = bench.hf_router(block, rec["bindings"], spec, torch.device("cpu"))
+    assert owner == "gate"
+    plan = bench.RoutingPlan("zipf", spec, 4)
+    planned = plan.ids(64)
+    gen = torch.Generator().manual_seed(0)
+    x = bench.planted_input(planned, tensors, spec, gen, torch.device("cpu"), torch.bfloat16)
+    x2 = x.view(-1, spec.hidden_size)
+    with torch.no_grad():
+        logits = reference.router_logits(x2, tensors["router_w"], tensors["router_b"], spec)
+        _, ids = reference.route(logits, tensors["correction_bias"], spec)
+        assert bool(bench.same_sets(ids, planned).all())
+        assert bool(bench.same_sets(router(x2)[2], planned).all())
+        assert int(bench.routing_ambiguous(logits, tensors["correction_bias"], spec, spec.router_fp32).sum()) == 0
+        ref = block(x)
+        from moecomp.ops.common import MOE_ARGS
+
+        out = torch.ops.moecomp.moe_forward(x2, *[tensors[n] for n in MOE_ARGS], spec.key).view(x.shape)
+    assert bench.rel_err(out, ref) < 2e-2
+
+
+def test_routing_run_zipf(tmp_path):
+    res = bench.run(["--device", "cpu", "--tiny", "--families", "deepseek", "--tokens", "16", "--quick",
+                     "--routing", "zipf", "--peers", "hf_grouped_mm,moecomp", "--no-save"])
+    assert res["routing"]["mode"] == "zipf" and res["routing"]["zipf_exponent"] == bench.ZIPF_EXPONENT
+    (fam,) = res["families"]
+    assert not fam["errors"] and fam["routing_plan"]["mode"] == "zipf" and fam["routing_plan"]["group_limit"]
+    (cell,) = fam["cells"]
+    rt = cell["routing"]
+    assert rt["planned_match"] == 1.0 and rt["hf_router_match"] == 1.0 and cell["ambiguous_tokens"] == 0
+    assert rt["distinct_experts"] == cell["floor"]["distinct_experts"]
+    assert "peers_md" not in cell
+    for p in ("hf_grouped_mm", "moecomp"):
+        assert cell["paths"][p]["check_ok"], (p, cell["paths"][p])
+    assert "Routing: **zipf**" in report.render_table(res)
+
+
+# ------------------------------------------------------------------------------------------------ vLLM peer
+_VLLM_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    sys.path.insert(0, {bench_dir!r})
+    import torch
+    import bench_moe as bench
+    import report
+    dev = torch.device("cpu")
+    fused, info = bench.load_vllm_peer({peer!r}, dev)
+    assert fused is not None, info
+    out = dict(info=info, direct={{}})
+    # fp32 blocks: the peer path (HF router + vLLM's kernel + torch shared expert) against the HF block itself
+    bench.DTYPE = torch.float32
+    for name in ("mixtral", "qwen2", "deepseek"):
+        cfg, block = bench.build_block(bench.FAMILIES[name], True, dev, 3)
+        rec = {{}}
+        spec, tensors = bench.block_spec(block, rec)
+        assert bench.vllm_unsupported(spec, tensors) is None
+        assert all(t is None or t.dtype == torch.float32 for t in tensors.values())
+        router, owner = bench.hf_router(block, rec["bindings"], spec, dev)
+        x = torch.randn(1, 7, spec.hidden_size, generator=torch.Generator().manual_seed(1))
+        bench.set_experts_impl(block, cfg, "eager")  # the reference: HF's per-expert loop
+        with torch.no_grad():
+            ref = block(x)
+            errs = [bench.rel_err(bench.make_vllm_fn(fused, spec, tensors, r, torch.float32)(x), ref)
+                    for r in (router, None)]  # HF's router module, then moecomp.reference.route
+        out["direct"][name] = dict(owner=owner, rel_err=errs)
+    bench.DTYPE = torch.bfloat16
+    res = bench.run(["--device", "cpu", "--tiny", "--families", "mixtral", "--tokens", "4", "--quick",
+                     "--peers", "hf_eager,vllm,moecomp", "--vllm-peer", {peer!r}, "--routing", "zipf", "--no-save"])
+    out["run"] = res
+    out["table"] = report.render_table(res)
+    print("RESULT " + json.dumps(out, default=str))
+""")
+
+
+def test_vllm_peer_under_the_interpreter():
+    """The vLLM peer from ../shared/peers/vllm_fused_moe under TRITON_INTERPRET=1 (a subprocess: Triton reads the
+    variable at kernel creation and launch): on fp32 Mixtral / Qwen1.5-MoE (sigmoid-gated shared expert) /
+    DeepSeek-V3 (grouped routing, shared expert) tiny blocks it matches the HF block; in a tiny bench run (zipf
+    routing: the vLLM path takes the planted ids like the others) it is timed (fp32 on the interpreter), checked like
+    moecomp and shown as measured in the table."""
+    if not os.path.isfile(os.path.join(VLLM_PEER_DIR, "vllm_fused_moe.py")):
+        pytest.skip(f"no vLLM peer at {VLLM_PEER_DIR}")
+    pytest.importorskip("triton")
+    code = _VLLM_SCRIPT.format(bench_dir=BENCH_DIR, peer=VLLM_PEER_DIR)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("OUT", None)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert r.returncode == 0 and line, (r.stdout[-3000:], r.stderr[-3000:])
+    out = json.loads(line[len("RESULT "):])
+    assert out["info"]["triton_interpret"] is True
+    assert set(out["direct"]) == {"mixtral", "qwen2", "deepseek"}
+    for name, d in out["direct"].items():
+        assert d["owner"] == "gate", name
+        assert max(d["rel_err"]) < 1e-4, (name, d)
+    res = out["run"]
+    assert res["vllm_peer"]["timed"] and res["vllm_peer"]["compute_dtype"] == "torch.float32"
+    (fam,) = res["families"]
+    assert res["routing"]["mode"] == "zipf"
+    assert not fam["errors"] and fam["vllm_router"] == "HF router module 'gate'"
+    (cell,) = fam["cells"]
+    assert cell["routing"]["planned_match"] == 1.0 and cell["routing"]["hf_router_match"] == 1.0  # zipf, planted
+    v = cell["paths"]["vllm"]
+    assert v["best_ms"] > 0 and v["compute_dtype"].startswith("float32")
+    assert cell["check_vllm"]["ok"] and cell["check_vllm"]["rel_err"] < 2e-2, cell["check_vllm"]
+    assert cell["check"]["ok"] and "vllm" in cell["achieved"]
+    head = next(ln for ln in out["table"].splitlines() if ln.startswith("| family"))
+    assert "| vLLM |" in head and "moecomp / vLLM (measured)" in head and report.VLLM_LABEL not in head
