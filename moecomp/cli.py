@@ -1,8 +1,12 @@
-"""Command line: ``python -m moecomp {demo, scan, coverage}`` (also the ``moecomp`` script).
+"""Command line: ``python -m moecomp {demo, scan, coverage, tune}`` (also the ``moecomp`` script).
 
     python -m moecomp demo                       # random-weight Qwen3-MoE, optimized, checked, timed
     python -m moecomp scan PATH [--json]         # MoE blocks of a local model folder / config.json (meta device)
     python -m moecomp coverage [--out FILE]      # regenerate docs/coverage.md (all transformers MoE families)
+    python -m moecomp tune [--presets ...] [--shape E,I,H,k ...] [--tokens 1,16,...] [--restart] [--budget-s S]
+                                                 # tune the kernel configs on this GPU (moecomp/kernels/configs/)
+
+``demo`` and ``tune`` parse their own options (``python -m moecomp tune --help``).
 """
 
 from __future__ import annotations
@@ -90,8 +94,21 @@ def cmd_demo(a) -> int:
     return demo.main(a.rest)
 
 
+def cmd_tune(a) -> int:
+    from . import tune  # imports Triton's launch wrappers only when it runs: ``import moecomp`` stays light
+
+    return tune.main(a.rest)
+
+
+# commands that parse their own options: everything after the name goes to them as it is (argparse's REMAINDER
+# would not take a leading ``--option``)
+_FORWARDED = {"demo": cmd_demo, "tune": cmd_tune}
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _FORWARDED:
+        return _FORWARDED[argv[0]](argparse.Namespace(rest=argv[1:]))
     p = argparse.ArgumentParser(prog="python -m moecomp", description="moecomp: fast MoE layers for HF models")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("scan", help="list the MoE blocks of a local model folder or config.json (no weights)")
@@ -105,6 +122,10 @@ def main(argv=None) -> int:
     d = sub.add_parser("demo", help="optimize a random-weight Qwen3-MoE, check it, time it", add_help=False)
     d.add_argument("rest", nargs=argparse.REMAINDER)
     d.set_defaults(fn=cmd_demo)
+    t = sub.add_parser("tune", help="tune the fused-MoE kernel configs on this GPU (resumable; --help for options)",
+                       add_help=False)
+    t.add_argument("rest", nargs=argparse.REMAINDER)
+    t.set_defaults(fn=cmd_tune)
     a = p.parse_args(argv)
     return a.fn(a)
 

@@ -3,7 +3,8 @@
 Files live in ``moecomp/kernels/configs/<device>.json`` (device = ``torch.cuda.get_device_name()`` with spaces as
 ``_``). Each maps ``"E=<E>,N=<I>,K=<H>,dtype=<dtype>"`` to ``{"<M bucket>": config}`` where the bucket is the
 largest listed token count <= T; a config holds ``BLOCK_M`` (shared by alignment and both GEMMs) and per-GEMM
-``g1`` / ``g2`` dicts of ``BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages``. ``benchmarks/tune_moe.py`` writes them.
+``g1`` / ``g2`` dicts of ``BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages``. ``python -m moecomp tune``
+(:mod:`moecomp.tune`; ``benchmarks/tune_moe.py`` wraps it) writes them, and their measurements to ``<device>.meta.json``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,502 @@
+"""``python -m moecomp tune``: measure the grouped-GEMM configs on this GPU and write the JSON table read at run time.
+
+For each shape (a layer preset of ``moecomp.testing.LAYER_PRESETS`` or ``--shape E,I,H,k``) and each token-count
+bucket: route once, then for every BLOCK_M candidate align the tokens and time each gemm1 candidate and each gemm2
+candidate on their own (``triton.testing.do_bench`` medians, L2 flushed). Each candidate is checked against the
+first one that ran (relative error), so a broken config is never chosen; the best (align + gemm1 + gemm2) wins.
+
+Output: ``moecomp/kernels/configs/<gpu>.json`` by default (``ops.tuning.device_key``), the format that
+``moecomp.ops.tuning`` documents and looks up: ``"E=<E>,N=<I>,K=<H>,dtype=<dtype>"`` -> ``{"<bucket>": config}``.
+``tuning.get_config`` reads every key of a shape's table as a bucket (``int(key)``), so no ``"_meta"`` key can go
+there: the measurements (best total ms, per GEMM, per BLOCK_M; date, commit, torch, triton, device) go to a sidecar
+``<gpu>.meta.json`` next to the table, of the same layout (shape key -> bucket -> record), which nothing reads at
+run time.
+
+* Resumable: the file is rewritten (temporary file + ``os.replace``, merged with what is on disk, so entries of
+  other shapes stay) after every finished (shape, bucket); a rerun skips the entries already there unless
+  ``--restart``. Ctrl-C or ``--budget-s`` leave a valid file; rerun the same command to go on.
+* Progress on stderr: one line redrawn with ``\\r`` on a terminal; otherwise one line per finished bucket.
+* Exit status: 0 done, 1 an entry found no working candidate, 3 stopped by ``--budget-s`` (rerun to resume),
+  130 interrupted (Ctrl-C), 2 refused (no CUDA and no ``--interpret``).
+
+``--interpret`` (tests only): CPU tensors through the Triton interpreter (``TRITON_INTERPRET=1``), a tiny shape,
+two candidates per GEMM and wall-clock timings that mean nothing; it exercises the plumbing, not the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from .ops import tuning
+from .spec import MoESpec
+from .testing import LAYER_PRESETS
+
+TOKENS = [1, 16, 128, 1024, 8192]
+# (BLOCK_N, BLOCK_K, num_warps, num_stages); gemm1's weight tile is 2 * BLOCK_N wide (gate and up columns)
+TILES = {
+    "g1": [(16, 128, 4, 4), (16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 4), (64, 64, 8, 4),
+           (64, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4)],
+    "g2": [(32, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 4), (64, 128, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3),
+           (128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3)],
+}
+# --interpret: a tiny shape, its buckets and two candidates per GEMM (the interpreter runs every program in Python)
+INTERPRET_SHAPE = (4, 32, 32, 2)  # E, I, H, k
+INTERPRET_TOKENS = [1, 16]
+INTERPRET_TILES = {"g1": [(16, 32, 4, 1), (32, 32, 4, 1)], "g2": [(16, 32, 4, 1), (32, 32, 4, 1)]}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+REL_TOL = 1e-2  # a candidate further than this from the first one is rejected
+EXIT_BUDGET, EXIT_INTERRUPTED, EXIT_REFUSED = 3, 130, 2
+
+
+class TuneError(RuntimeError):
+    """No candidate ran for an entry (every tile out of resources, or rejected)."""
+
+
+# --------------------------------------------------------------------------------------------------- measuring
+def block_ms(T: int, k: int, E: int) -> list[int]:
+    """BLOCK_M candidates: up to twice the mean rows per active expert (rounded up to a power of two), >= 16."""
+    rows = T * k / max(1, min(E, T * k))
+    cap = max(16, 2 * (1 << max(0, int(rows) - 1).bit_length()))
+    return [bm for bm in (16, 32, 64, 128) if bm <= cap]
+
+
+def bench(fn, rep_ms: float, device: torch.device) -> float:
+    """Median milliseconds of ``fn()``. CUDA: ``do_bench`` (L2 flushed between runs). CPU (the interpreter): the
+    wall clock over three runs, meaningless as a kernel timing but enough to rank in tests."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=5, rep=rep_ms, return_mode="median")
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[1]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _tile(c: dict) -> str:
+    """A GEMM config in short: BLOCK_NxBLOCK_K/w<num_warps>s<num_stages> (GROUP_M follows BLOCK_M)."""
+    return f"{c['BLOCK_N']}x{c['BLOCK_K']}/w{c['num_warps']}s{c['num_stages']}"
+
+
+def _config(tile, bm: int) -> dict:
+    bn, bk, nw, ns = tile
+    return dict(BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8 if bm >= 64 else 1, num_warps=nw, num_stages=ns)
+
+
+def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, tiles: dict, rep_ms: float = 25,
+               status=None, note=None) -> dict:
+    """Measure one (shape, bucket). Returns ``{"config", "ms", "align_ms", "g1_ms", "g2_ms", "block_m_ms",
+    "rejected", "failed"}`` (ms: the winner's align + gemm1 + gemm2). ``status(text)`` is called before each
+    candidate, ``note(text)`` for every rejected or failing candidate and every BLOCK_M measured."""
+    from .ops import triton_moe
+    from .testing import random_moe_args
+
+    status = status or (lambda text: None)
+    note = note or (lambda text: None)
+    cuda = device.type == "cuda"
+    args = random_moe_args(spec, T, dtype, device, std=0.02, seed=T)
+    x = args[0]
+    named = dict(zip(("router_w", "router_b", "correction_bias", "w13", "b13", "w2", "b2"), args[1:8]))
+    w13, b13, w2, b2 = named["w13"], named["b13"], named["w2"], named["b2"]
+    logits, _ = triton_moe.router_logits(x, {**named, "shared_gate_w": None}, spec)
+    ids, weights = triton_moe.route(logits, named["correction_bias"], spec, x.dtype)
+    E, k, P = spec.num_experts, spec.top_k, T * spec.top_k
+    best, per_bm, rejected, failed = None, {}, 0, 0
+    for bm in block_ms(T, k, E):
+        status(f"BM={bm} align")
+        aligned = triton_moe.align(ids, E, bm)
+        t_align = bench(lambda: triton_moe.align(ids, E, bm), rep_ms, device)
+        res = {}
+        for which in ("g1", "g2"):
+            ref_out, best_t, best_c = None, float("inf"), None
+            cands = tiles[which]
+            for i, tile in enumerate(cands):
+                c = _config(tile, bm)
+                if best:
+                    so_far = f"  best so far {best['ms'] * 1e3:.1f} us (BM={best['config']['BLOCK_M']})"
+                else:
+                    so_far = f"  best {which} so far {best_t * 1e3:.1f} us" if best_c else ""
+                status(f"BM={bm} {which} {i + 1}/{len(cands)}{so_far}")
+                if which == "g1":
+                    fn = lambda c=c: triton_moe.gemm1(x, w13, b13, spec, aligned, k, bm, c)  # noqa: E731
+                else:
+                    h = res["h"]
+                    fn = lambda c=c: triton_moe.gemm2(h, w2, b2, weights, spec, aligned, P, bm, c)  # noqa: E731
+                try:
+                    out = fn()
+                    if cuda:
+                        torch.cuda.synchronize()
+                except Exception as e:  # out of shared memory / registers for this tile
+                    failed += 1
+                    note(f"skip T={T} BM={bm} {which} {_tile(c)}: {type(e).__name__}")
+                    continue
+                if which == "g1":  # padding rows and rows past num_padded are never written: real rows only
+                    real = (aligned[0] < P) & (torch.arange(aligned[0].numel(), device=device) < aligned[2])
+                    out = out[real]
+                if ref_out is None:
+                    ref_out = out.clone()
+                elif _rel(out, ref_out) > REL_TOL:
+                    rejected += 1
+                    note(f"REJECT T={T} BM={bm} {which} {_tile(c)}: rel err {_rel(out, ref_out):.2e}")
+                    continue
+                t = bench(fn, rep_ms, device)
+                if t < best_t:
+                    best_t, best_c = t, c
+            res[which] = (best_t, best_c)
+            if best_c is None:
+                break
+            if which == "g1":
+                res["h"] = triton_moe.gemm1(x, w13, b13, spec, aligned, k, bm, best_c)
+        if res["g1"][1] is None or res.get("g2", (0, None))[1] is None:
+            note(f"T={T} BM={bm}: no candidate ran for {'g1' if res['g1'][1] is None else 'g2'}")
+            continue
+        total = t_align + res["g1"][0] + res["g2"][0]
+        per_bm[str(bm)] = total
+        note(f"T={T:5d} BM={bm:3d}: align {t_align * 1e3:7.1f} us  g1 {res['g1'][0] * 1e3:8.1f} us  "
+             f"g2 {res['g2'][0] * 1e3:8.1f} us  {_tile(res['g1'][1])} / {_tile(res['g2'][1])}")
+        if best is None or total < best["ms"]:
+            best = dict(config=dict(BLOCK_M=bm, g1=res["g1"][1], g2=res["g2"][1]), ms=total, align_ms=t_align,
+                        g1_ms=res["g1"][0], g2_ms=res["g2"][0])
+    del args
+    if best is None:
+        raise TuneError(f"T={T}: no BLOCK_M candidate ran ({failed} failed, {rejected} rejected)")
+    return dict(best, block_m_ms=per_bm, rejected=rejected, failed=failed)
+
+
+# ------------------------------------------------------------------------------------------------------- files
+def read_json(path: str) -> dict:
+    """The table at ``path`` ({} when there is none); a file that does not parse is an error, never overwritten."""
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{path}: not valid JSON ({e}); move it away or fix it") from None
+    if not isinstance(d, dict):
+        raise SystemExit(f"{path}: not a JSON object")
+    return d
+
+
+def write_json_atomic(path: str, obj: dict) -> None:
+    """Write ``obj`` to a temporary file next to ``path``, then ``os.replace`` it: readers (and an interrupted
+    run) see the old file or the new one, never half of one."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def meta_path(path: str) -> str:
+    root = path[:-len(".json")] if path.endswith(".json") else path
+    return root + ".meta.json"
+
+
+def save_entry(path: str, key: str, bucket: int, config: dict, meta: dict) -> None:
+    """Merge one entry into the file as it is on disk now (other shapes and buckets stay), then its record into
+    the sidecar."""
+    for p, value in ((path, config), (meta_path(path), meta)):
+        table = read_json(p)
+        shape = table.get(key)
+        table[key] = dict(shape) if isinstance(shape, dict) else {}
+        table[key][str(bucket)] = value
+        write_json_atomic(p, table)
+
+
+def _done(table: dict, key: str, bucket: int) -> bool:
+    e = table.get(key, {}).get(str(bucket)) if isinstance(table.get(key), dict) else None
+    return isinstance(e, dict) and isinstance(e.get("BLOCK_M"), int) and isinstance(e.get("g1"), dict) \
+        and isinstance(e.get("g2"), dict)
+
+
+def _commit() -> tuple[str | None, bool | None]:
+    """(commit, dirty) of the source tree: MOECOMP_COMMIT when set (copies without .git), else git."""
+    env = os.environ.get("MOECOMP_COMMIT")
+    if env:
+        return env, None
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        sha = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10).stdout.strip() or None
+        if sha is None:
+            return None, None
+        dirty = subprocess.run(["git", "-C", root, "diff", "--quiet", "HEAD", "--"], capture_output=True,
+                               timeout=10).returncode != 0
+        return sha, dirty
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
+# ---------------------------------------------------------------------------------------------------- progress
+def _fmt_s(s: float) -> str:
+    s = int(round(s))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class Progress:
+    """One status line on stderr redrawn with ``\\r`` (a terminal), or one line per finished bucket (not one)."""
+
+    def __init__(self, total: int, stream=None, tty: bool | None = None, verbose: bool = False):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.total, self.done, self.verbose = total, 0, verbose
+        self.timed_s, self.timed_n = 0.0, 0
+        self.entry, self.entry_t0, self.last = "", time.time(), ""
+
+    def _eta(self) -> str:
+        if not self.timed_n:
+            return "ETA ?"
+        left = self.timed_s / self.timed_n * (self.total - self.done) - (time.time() - self.entry_t0)
+        return f"ETA {_fmt_s(max(0.0, left))}"
+
+    def _draw(self, text: str) -> None:
+        width = shutil.get_terminal_size((120, 20)).columns - 1
+        line = text[:width]
+        self.stream.write("\r" + line + " " * max(0, len(self.last) - len(line)))
+        self.stream.flush()
+        self.last = line
+
+    def _clear(self) -> None:
+        if self.tty and self.last:
+            self.stream.write("\r" + " " * len(self.last) + "\r")
+            self.last = ""
+
+    def start(self, entry: str) -> None:
+        self.entry, self.entry_t0 = entry, time.time()
+        self.status("")
+
+    def status(self, detail: str) -> None:
+        if self.tty:
+            self._draw(f"[tune] {self.done}/{self.total} shapes x buckets  {self._eta()}  {self.entry} {detail}")
+
+    def note(self, msg: str, always: bool = False) -> None:
+        """A line of its own: rejections and failures with --verbose, or whatever ``always`` says must show."""
+        if not (always or self.verbose):
+            return
+        self._clear()
+        self.stream.write(f"[tune] {msg}\n")
+        self.stream.flush()
+
+    def finished(self, msg: str, seconds: float | None) -> None:
+        self.done += 1
+        if seconds is not None:
+            self.timed_s, self.timed_n = self.timed_s + seconds, self.timed_n + 1
+        self._clear()
+        self.stream.write(f"[tune] {self.done}/{self.total} {msg}\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        self._clear()
+
+
+# -------------------------------------------------------------------------------------------------------- CLI
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m moecomp tune",
+        description="Tune the fused-MoE grouped-GEMM configs on this GPU and write the JSON table read at run time "
+                    "(moecomp/kernels/configs/<gpu>.json; measurements in <gpu>.meta.json next to it). Resumable: "
+                    "every finished (shape, token bucket) is saved at once and skipped by a rerun.",
+        epilog="Exit status: 0 done, 1 an entry had no working candidate (reported, not saved), 3 stopped by "
+               "--budget-s (rerun the same command to resume), 130 interrupted (the file keeps every finished entry; "
+               "rerun without --restart to resume), 2 refused.")
+    p.add_argument("--presets", action="extend", nargs="+", default=None, metavar="NAME",
+                   help=f"layer presets, comma- or space-separated, or 'all' (default: all unless --shape is given; "
+                        f"{', '.join(LAYER_PRESETS)})")
+    p.add_argument("--shape", action="extend", nargs="+", default=None, metavar="E,I,H,k",
+                   help="explicit shapes: experts, intermediate size, hidden size, top-k (repeatable)")
+    p.add_argument("--tokens", default=None,
+                   help=f"token-count buckets, comma-separated (default {','.join(map(str, TOKENS))}); the run-time "
+                        "lookup takes the largest bucket <= the call's token count")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="activation / weight dtype (default bf16; fp32 under --interpret)")
+    p.add_argument("--out", default=None, metavar="FILE|DIR",
+                   help="the table to write (a DIR gets DIR/<gpu>.json); default: "
+                        "moecomp/kernels/configs/<gpu>.json, the file the run-time lookup reads")
+    p.add_argument("--copy-to", default=None, metavar="DIR",
+                   help="also copy the table and its .meta.json into DIR after every entry")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--resume", dest="restart", action="store_false", default=False,
+                   help="skip the entries already in the file (the default)")
+    g.add_argument("--restart", dest="restart", action="store_true",
+                   help="measure every requested entry again (others in the file are kept; to resume an "
+                        "interrupted --restart, rerun without it)")
+    p.add_argument("--budget-s", type=float, default=None, metavar="S",
+                   help="start no new entry after S seconds (one entry at least; exit status 3 when entries "
+                        "are left: rerun to resume)")
+    p.add_argument("--rep", type=float, default=25, metavar="MS", help="do_bench rep per candidate (ms, default 25)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print every BLOCK_M measured and every rejected / failing candidate")
+    p.add_argument("--interpret", action="store_true",
+                   help="FOR TESTS ONLY: run on CPU under TRITON_INTERPRET=1 with a tiny shape (E,I,H,k = "
+                        f"{','.join(map(str, INTERPRET_SHAPE))}), buckets {','.join(map(str, INTERPRET_TOKENS))} and "
+                        "two candidates per GEMM; timings are meaningless, --out is required")
+    return p
+
+
+def _shapes(a, interpret: bool) -> list[tuple[str, MoESpec]]:
+    out = []
+    names = [n for item in (a.presets or []) for n in item.split(",") if n]
+    if names == ["all"] or (not names and not a.shape and not interpret):
+        names = list(LAYER_PRESETS)
+    for n in names:
+        if n not in LAYER_PRESETS:
+            raise SystemExit(f"unknown preset {n!r}; known: {', '.join(LAYER_PRESETS)}")
+        out.append((n, LAYER_PRESETS[n]))
+    shapes = list(a.shape or [])
+    if interpret and not names and not shapes:
+        shapes = [",".join(map(str, INTERPRET_SHAPE))]
+    for s in shapes:
+        try:
+            E, I, H, k = (int(v) for v in s.split(","))
+            spec = MoESpec(num_experts=E, top_k=k, hidden_size=H, intermediate_size=I)
+        except Exception as e:
+            raise SystemExit(f"--shape {s!r}: expected E,I,H,k (experts, intermediate, hidden, top-k): {e}") from None
+        out.append((f"E={E},I={I},H={H},k={k}", spec))
+    return out
+
+
+def _resolve_out(out: str | None, gpu: str, interpret: bool) -> str:
+    if out is None:
+        if interpret:
+            raise SystemExit("--interpret writes no package file: give --out FILE")
+        return str(tuning.CONFIG_DIR / f"{gpu}.json")
+    if os.path.isdir(out) or out.endswith(os.sep) or not out.endswith(".json"):
+        return os.path.join(out, f"{gpu}.json")
+    return out
+
+
+def _setup_device(interpret: bool) -> torch.device | None:
+    """The device to tune on, or None (refused, message printed)."""
+    if interpret:
+        kernels_loaded = any(m.startswith("moecomp.kernels.") for m in sys.modules)
+        if os.environ.get("TRITON_INTERPRET") != "1" and kernels_loaded:
+            print("tune --interpret: the Triton kernels were already imported without TRITON_INTERPRET=1; run it in "
+                  "a fresh process (or set TRITON_INTERPRET=1 first)", file=sys.stderr)
+            return None
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported: @triton.jit reads it then
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        print("tune: no CUDA GPU here; the tuner measures kernels on the GPU whose table it writes. "
+              "--interpret runs a tiny CPU tune under the Triton interpreter, for tests only.", file=sys.stderr)
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    device = _setup_device(a.interpret)
+    if device is None:
+        return EXIT_REFUSED
+    dtype = DTYPES[a.dtype or ("fp32" if a.interpret else "bf16")]
+    tokens = [int(t) for t in (a.tokens.split(",") if a.tokens else INTERPRET_TOKENS if a.interpret else TOKENS)]
+    if not tokens or min(tokens) < 1:
+        raise SystemExit("--tokens: positive token counts, comma-separated")
+    tiles = INTERPRET_TILES if a.interpret else TILES
+    gpu = tuning.device_key(device)
+    path = _resolve_out(a.out, gpu, a.interpret)
+    table = read_json(path)
+    read_json(meta_path(path))  # fail now, not after the first entry, when the sidecar does not parse
+
+    # (shape key, label, spec) once per key: presets sharing E, I, H (and the dtype) share a table
+    jobs, seen = [], {}
+    for label, spec in _shapes(a, a.interpret):
+        key = tuning.shape_key(spec.num_experts, spec.intermediate_size, spec.hidden_size, dtype)
+        if key in seen:
+            print(f"[tune] {label}: same table as {seen[key]} ({key}), tuned once", file=sys.stderr)
+            continue
+        seen[key] = label
+        jobs += [(key, label, spec, T) for T in dict.fromkeys(tokens)]
+    todo = [j for j in jobs if a.restart or not _done(table, j[0], j[3])]
+    skipped = len(jobs) - len(todo)
+    if skipped:
+        what = "all entries skipped" if not todo else f"skipping {skipped}/{len(jobs)} entries"
+        print(f"[tune] {what}: already in {path} (--restart measures them again)", file=sys.stderr)
+    if not todo:
+        return 0
+
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
+    import triton
+
+    commit, dirty = _commit()
+    stamp = dict(commit=commit, dirty=dirty, torch=torch.__version__, triton=triton.__version__, device=dev_name,
+                 dtype=str(dtype).replace("torch.", ""), rep_ms=a.rep, interpret=a.interpret)
+    prog = Progress(len(todo), verbose=a.verbose)
+    print(f"[tune] {len(todo)} entries ({len({j[0] for j in todo})} shapes) on {dev_name} -> {path}",
+          file=sys.stderr)
+    t_start, left, status, saved = time.time(), 0, 0, 0
+    try:
+        for i, (key, label, spec, T) in enumerate(todo):
+            if i and a.budget_s is not None and time.time() - t_start > a.budget_s:  # one entry per run at least
+                left = len(todo) - i
+                break
+            short = key.replace(",dtype=", " ").replace("bfloat16", "bf16").replace("float16", "fp16")
+            prog.start(f"{short} T={T}")
+            t0 = time.time()
+            try:
+                r = tune_entry(spec, T, dtype, device, tiles, a.rep, status=prog.status, note=prog.note)
+            except TuneError as e:
+                prog.finished(f"{short} T={T}: FAILED, nothing saved: {e}", None)
+                status = 1
+                continue
+            meta = dict(stamp, ms=r["ms"], align_ms=r["align_ms"], g1_ms=r["g1_ms"], g2_ms=r["g2_ms"],
+                        block_m_ms=r["block_m_ms"], rejected=r["rejected"], failed=r["failed"], preset=label,
+                        seconds=round(time.time() - t0, 2),
+                        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+            save_entry(path, key, T, r["config"], meta)
+            if a.copy_to:
+                os.makedirs(a.copy_to, exist_ok=True)
+                for p in (path, meta_path(path)):
+                    dst = os.path.join(a.copy_to, os.path.basename(p))
+                    if not (os.path.exists(dst) and os.path.samefile(p, dst)):
+                        shutil.copyfile(p, dst)
+            c = r["config"]
+            extra = "".join(f", {r[n]} {n}" for n in ("rejected", "failed") if r[n])
+            saved += 1
+            prog.finished(f"{short} T={T}: {r['ms'] * 1e3:.1f} us BM={c['BLOCK_M']} g1 {_tile(c['g1'])} g2 "
+                          f"{_tile(c['g2'])} ({time.time() - t0:.0f} s{extra})", time.time() - t0)
+            if device.type == "cuda" and (i + 1 == len(todo) or todo[i + 1][0] != key):
+                torch.cuda.empty_cache()
+    except KeyboardInterrupt:
+        prog.close()
+        print(f"\n[tune] interrupted: {saved}/{len(todo)} entries saved in {path}; rerun the same command to "
+              f"resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    prog.close()
+    if left:
+        print(f"[tune] budget of {a.budget_s:g} s spent: {left} entries left; rerun the same command to resume "
+              f"({path})", file=sys.stderr)
+        return EXIT_BUDGET
+    print(f"[tune] wrote {path} ({saved} entries, {time.time() - t_start:.0f} s)", file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,208 @@
+"""``python -m moecomp tune``: a tiny tune under the Triton interpreter writes a table the run-time lookup reads;
+reruns resume (no timing) and ``--restart`` redoes; other shapes' entries stay; an interrupted run leaves a valid
+file; without CUDA (and without ``--interpret``) it refuses. One GPU test tunes a small shape for real."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from moecomp import cli, tune
+from moecomp.ops import tuning
+
+E, I, H, K = tune.INTERPRET_SHAPE
+KEY = tuning.shape_key(E, I, H, torch.float32)
+ARGS = ["--interpret", "--shape", f"{E},{I},{H},{K}", "--tokens", "1,16"]
+interpreted = pytest.mark.skipif(torch.cuda.is_available(),
+                                 reason="--interpret tests run where the kernels are interpreted (no CUDA)")
+
+
+@pytest.fixture
+def lookup_dir(tmp_path, monkeypatch):
+    """The run-time lookup reads its tables from tmp_path while the test runs."""
+    monkeypatch.delenv("MOECOMP_CONFIG", raising=False)
+    monkeypatch.setattr(tuning, "CONFIG_DIR", tmp_path)
+    tuning._table.cache_clear()
+    yield tmp_path
+    tuning._table.cache_clear()
+
+
+@pytest.fixture
+def bench_calls(monkeypatch):
+    """Count the timing calls (and time nothing: the candidates still run once, for the correctness check)."""
+    calls = []
+
+    def fake(fn, rep_ms, device):
+        calls.append(fn)
+        return 1.0 + 0.01 * len(calls)
+
+    monkeypatch.setattr(tune, "bench", fake)
+    return calls
+
+
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+@interpreted
+def test_tiny_tune_table_is_looked_up(lookup_dir, capsys):
+    out = lookup_dir / "cpu.json"
+    assert cli.main(["tune", *ARGS, "--out", str(out)]) == 0  # the real (wall-clock) timer
+    table = _load(out)
+    assert set(table) == {KEY} and set(table[KEY]) == {"1", "16"}
+    tiles = {w: {(bn, bk, nw, ns) for bn, bk, nw, ns in tune.INTERPRET_TILES[w]} for w in ("g1", "g2")}
+    for T, bucket in ((1, "1"), (5, "1"), (16, "16"), (1000, "16")):
+        cfg = tuning.get_config(E, I, H, T, K, torch.float32, torch.device("cpu"))
+        assert cfg == table[KEY][bucket]
+        assert cfg["BLOCK_M"] in tune.block_ms(int(bucket), K, E)
+        for w in ("g1", "g2"):
+            c = cfg[w]
+            assert (c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]) in tiles[w]
+    meta = _load(lookup_dir / "cpu.meta.json")[KEY]
+    for bucket in ("1", "16"):
+        m = meta[bucket]
+        assert m["ms"] > 0 and m["ms"] == pytest.approx(m["align_ms"] + m["g1_ms"] + m["g2_ms"])
+        assert m["torch"] == torch.__version__ and m["interpret"] is True and m["date"] and "triton" in m
+    err = capsys.readouterr().err
+    assert "[tune] 2/2" in err and "wrote" in err
+
+
+@interpreted
+def test_resume_skips_and_restart_redoes(tmp_path, bench_calls, capsys):
+    out = str(tmp_path / "cpu.json")
+    assert tune.main([*ARGS, "--out", out]) == 0
+    first = len(bench_calls)
+    assert first > 0
+    before = _load(out)
+    assert tune.main([*ARGS, "--out", out]) == 0  # same arguments: nothing left to measure
+    assert len(bench_calls) == first
+    assert "all entries skipped" in capsys.readouterr().err
+    assert _load(out) == before
+    assert tune.main([*ARGS, "--out", out, "--restart"]) == 0
+    assert len(bench_calls) == 2 * first
+    assert tune.main([*ARGS, "--tokens", "1,16,64", "--out", out]) == 0  # only the new bucket is measured
+    per_bm = 5  # align, 2 gemm1 candidates, 2 gemm2 candidates
+    assert first == per_bm * (len(tune.block_ms(1, K, E)) + len(tune.block_ms(16, K, E)))
+    assert len(bench_calls) - 2 * first == per_bm * len(tune.block_ms(64, K, E))
+    assert set(_load(out)[KEY]) == {"1", "16", "64"}
+
+
+@interpreted
+def test_other_entries_are_kept(tmp_path, bench_calls):
+    out = tmp_path / "cpu.json"
+    other = {"E=8,N=64,K=64,dtype=float32": {"1": {"BLOCK_M": 16, "g1": {"BLOCK_N": 32}, "g2": {"BLOCK_N": 64}}},
+             KEY: {"4096": {"BLOCK_M": 64, "g1": {"BLOCK_N": 64}, "g2": {"BLOCK_N": 128}}}}
+    out.write_text(json.dumps(other))
+    (tmp_path / "cpu.meta.json").write_text(json.dumps({"E=8,N=64,K=64,dtype=float32": {"1": {"ms": 0.5}}}))
+    assert tune.main([*ARGS, "--out", str(out)]) == 0
+    table = _load(out)
+    assert table["E=8,N=64,K=64,dtype=float32"] == other["E=8,N=64,K=64,dtype=float32"]
+    assert set(table[KEY]) == {"1", "16", "4096"} and table[KEY]["4096"] == other[KEY]["4096"]
+    assert _load(tmp_path / "cpu.meta.json")["E=8,N=64,K=64,dtype=float32"] == {"1": {"ms": 0.5}}
+
+
+@interpreted
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])
+def test_interrupted_run_leaves_a_valid_file(tmp_path, monkeypatch, exc, capsys):
+    out = tmp_path / "cpu.json"
+    saves, real_save = [], tune.save_entry
+
+    def save(*a, **kw):
+        real_save(*a, **kw)
+        saves.append(a)
+
+    def bench(fn, rep_ms, device):
+        if saves:  # the first bucket is saved: stop in the middle of the second
+            raise exc("stop")
+        return 1.0
+
+    monkeypatch.setattr(tune, "save_entry", save)
+    monkeypatch.setattr(tune, "bench", bench)
+    if exc is KeyboardInterrupt:  # Ctrl-C: a message and exit status 130
+        assert tune.main([*ARGS, "--out", str(out)]) == tune.EXIT_INTERRUPTED
+        assert "rerun the same command to resume" in capsys.readouterr().err
+    else:
+        with pytest.raises(RuntimeError):
+            tune.main([*ARGS, "--out", str(out)])
+    assert set(_load(out)[KEY]) == {"1"} and set(_load(tmp_path / "cpu.meta.json")[KEY]) == {"1"}
+    assert sorted(os.listdir(tmp_path)) == ["cpu.json", "cpu.meta.json"]  # no temporary file left
+
+
+def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch):
+    path = tmp_path / "t.json"
+    tune.write_json_atomic(str(path), {"a": {"1": {"BLOCK_M": 16}}})
+
+    def broken_dump(obj, f, **kw):
+        f.write('{"a": {"1": ')  # half a table, then the process "dies"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(json, "dump", broken_dump)
+    with pytest.raises(KeyboardInterrupt):
+        tune.write_json_atomic(str(path), {"b": {}})
+    monkeypatch.undo()
+    assert _load(path) == {"a": {"1": {"BLOCK_M": 16}}}
+    assert os.listdir(tmp_path) == ["t.json"]
+
+
+def test_refuses_without_cuda(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["tune", "--out", str(tmp_path / "x.json")]) == tune.EXIT_REFUSED
+    assert "--interpret" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
+@interpreted
+def test_interpret_needs_out():
+    with pytest.raises(SystemExit, match="--out"):  # never the package's configs/cpu.json, which CPU runs read
+        tune.main(["--interpret"])
+
+
+def test_help_mentions_tests_only(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["tune", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--interpret" in text and "TESTS ONLY" in text and "--restart" in text and "--budget-s" in text
+
+
+@interpreted
+def test_budget_stops_between_entries(tmp_path, bench_calls, capsys):
+    out = str(tmp_path / "cpu.json")
+    assert tune.main([*ARGS, "--out", out, "--budget-s", "0"]) == tune.EXIT_BUDGET  # the first entry, then stop
+    assert set(_load(out)[KEY]) == {"1"} and "1 entries left" in capsys.readouterr().err
+    assert tune.main([*ARGS, "--out", out, "--budget-s", "0"]) == 0  # the rerun finishes it
+    assert set(_load(out)[KEY]) == {"1", "16"}
+
+
+def test_progress_line_on_a_terminal():
+    import io
+
+    s = io.StringIO()
+    p = tune.Progress(4, stream=s, tty=True)
+    p.start("E=4,N=32,K=32 float32 T=1")
+    p.status("BM=16 g1 1/2")
+    p.finished("E=4,N=32,K=32 float32 T=1: 1.0 us", 2.0)
+    p.start("E=4,N=32,K=32 float32 T=16")
+    p.status("BM=16 g2 2/2")
+    p.close()
+    text = s.getvalue()
+    assert "\r[tune] 0/4 shapes x buckets  ETA ?" in text and "\r[tune] 1/4 shapes x buckets  ETA " in text
+    assert "[tune] 1/4 E=4,N=32,K=32 float32 T=1: 1.0 us\n" in text
+    q = io.StringIO()
+    p = tune.Progress(4, stream=q, tty=False)
+    p.start("x")
+    p.status("BM=16 g1 1/2")
+    p.finished("x: 1.0 us", 1.0)
+    assert q.getvalue() == "[tune] 1/4 x: 1.0 us\n"  # not a terminal: one line per finished bucket
+
+
+@pytest.mark.gpu
+def test_gpu_tune_small_shape(lookup_dir):
+    out = lookup_dir / f"{tuning.device_key(torch.device('cuda'))}.json"
+    assert tune.main(["--shape", "8,128,256,2", "--tokens", "1,64", "--out", str(out), "--rep", "5"]) == 0
+    cfg = tuning.get_config(8, 128, 256, 100, 2, torch.bfloat16, torch.device("cuda"))
+    assert cfg == _load(out)[tuning.shape_key(8, 128, 256, torch.bfloat16)]["64"]
