@@ -3,10 +3,11 @@
 available) and moecomp's custom op.
 
 Each block is built from transformers' own class with a config of the family's sizes, directly on the device
-in bf16, weights drawn from N(0, 0.02) in place (never zeros). moecomp calls ``torch.ops.moecomp.moe_forward``
-on the block's own parameters with the ``MoESpec`` and tensors moecomp's recogniser finds in the block
-(``moecomp.recognise.match_block``: what ``moecomp.optimize`` would bind; the script has no spec of its own, and a
-block moecomp refuses is reported with its reject code, gets no moecomp timing, and the exit status is 3).
+in bf16 (``--dtype``), weights drawn from N(0, 0.02) in place (never zeros). moecomp calls
+``torch.ops.moecomp.moe_forward`` on the block's own parameters with the ``MoESpec`` and tensors moecomp's
+recogniser finds in the block (``moecomp.recognise.match_block``: what ``moecomp.optimize`` would bind; the script
+has no spec of its own, and a block moecomp refuses is reported with its reject code, gets no moecomp timing, and
+the exit status is 3).
 Before timing, every path's output is compared with the HF block (per-expert eager loop) on the same random
 input; moecomp's relative error is the "check" column, the vLLM peer's "check_vllm" (flagged loudly when above
 ``--tol``, the run keeps going).
@@ -30,7 +31,14 @@ TB/s and TFLOP/s (the floor's bytes and FLOPs over its time) sit next to those c
     python3 benchmarks/bench_moe.py                      # everything (~4-6 min on an H200)
     python3 benchmarks/bench_moe.py --families qwen3,olmoe --tokens 1,128 --peers hf_grouped_mm,moecomp
     python3 benchmarks/bench_moe.py --vllm-peer .peers/vllm_fused_moe --routing zipf
+    python3 benchmarks/bench_moe.py --quick --vllm-peer .peers/vllm_fused_moe --dtype fp16
+    python3 benchmarks/bench_moe.py --families qwen3,olmoe --tokens 1,16 --breakdown qwen3:1,olmoe:1
     python3 benchmarks/bench_moe.py --device cpu --tiny  # a smoke run on CPU (tiny sizes, host timer)
+
+``--dtype bf16|fp16`` (default bf16) runs everything in that dtype (blocks, inputs, every peer, the floor's bytes, the
+ceilings); fp16's default tolerance is tighter (``default_tolerance``). ``--breakdown family:T,...`` profiles
+moecomp's op (and the vLLM peer where it was timed) in those cells with ``torch.profiler`` once every timing of the
+run is done: per-kernel device time, calls and share of the op's wall time, and the gaps (wall - kernels).
 
 Output: ``benchmarks/results/<gpu>-<date>-<commit>.json`` (and a copy under ``$OUT`` when set), written after
 every family; the markdown table is printed last. ``benchmarks/report.py`` turns JSONs into BENCHMARKS.md.
@@ -67,7 +75,8 @@ import torch  # noqa: E402
 import report  # noqa: E402  (benchmarks/report.py)
 from moecomp import policy  # noqa: E402  (tolerances and the near-tie window: moecomp/policy.py)
 
-DTYPE = torch.bfloat16
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype: blocks, inputs, every peer, the floor's bytes
+DTYPE = torch.bfloat16  # the run's dtype (``run`` sets it from --dtype for the run and restores it after)
 INIT_STD = 0.02
 CORRECTION_BIAS_STD = 0.01  # DeepSeek's e_score_correction_bias: small, random (it only steers the selection)
 GRAPH_CONSISTENCY_TOL = policy.BENCH_GRAPH_CONSISTENCY_TOL  # graph replay vs plain call on a fresh input
@@ -81,6 +90,20 @@ ZIPF_EXPONENT = 1.2  # zipf: expert of popularity rank r (1 = most popular) is d
 PLANT_CHOSEN = (4.0, 6.0)  # synthetic routing: planted router logits of the drawn experts, uniform in this range,
 PLANT_OTHER_STD = 0.3  # ... and of the others N(0, 0.3): the k-th and (k+1)-th logits are >= ~2 apart
 VLLM_INSTALLED_MODULE = "vllm.model_executor.layers.fused_moe.fused_moe"  # fused_experts(x, w1, w2, tw, ti)
+BREAKDOWN_PATHS = ("moecomp", "vllm")  # --breakdown profiles these paths (vllm only where it was timed)
+BREAKDOWN_REPS = 5  # calls per profiled session (after one warm-up call)
+BREAKDOWN_NAME_CHARS = 200  # kernel names kept in the JSON (the log table shortens them further)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next((k for k, v in DTYPES.items() if v == dtype), str(dtype).replace("torch.", ""))
+
+
+def default_tolerance(dtype: torch.dtype) -> float:
+    """The check's default tolerance in ``dtype``: ``policy.BENCH_TOLERANCE`` is the bf16 rule (whole-tensor norms of
+    bf16 roundings); other dtypes scale it as the policy's verify tolerances scale (fp16 keeps 11 significant bits
+    against bf16's 8: its verify tolerance is a third of bf16's, so is this, 2e-2 / 3 ~ 6.7e-3)."""
+    return policy.BENCH_TOLERANCE * policy.verify_tolerance(dtype) / policy.verify_tolerance(torch.bfloat16)
 
 
 class FatalCudaError(RuntimeError):
@@ -661,8 +684,8 @@ def measure_ceilings(device: torch.device, timer: Timer) -> dict:
     del a, b, c
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return dict(copy_bytes_per_s=copy, copy_ms=t, copy_bytes=2 * n * 2, matmul_flops_per_s=mm, matmul_ms=t2,
-                matmul_size=m)
+    return dict(copy_bytes_per_s=copy, copy_ms=t, copy_bytes=2 * n * torch.finfo(DTYPE).bits // 8,
+                matmul_flops_per_s=mm, matmul_ms=t2, matmul_size=m, matmul_dtype=dtype_name(DTYPE))
 
 
 # =============================================================================================== checks
@@ -981,6 +1004,13 @@ def parse_args(argv=None):
     ap.add_argument("--routing", choices=ROUTING_MODES, default="real",
                     help="real (default): random router weights route; uniform / zipf / one-hot: expert ids drawn "
                          "from that distribution and planted through the router (every path sees the same ids)")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16",
+                    help="dtype of the whole run: blocks, inputs, every peer, the floor's bytes, the ceilings "
+                         "(default bf16; the JSON name gets -<dtype> when not bf16)")
+    ap.add_argument("--breakdown", metavar="CELLS", default="",
+                    help="family:T,... (e.g. qwen3:1,mixtral:8192): after every timing of the run, profile "
+                         "moecomp's op (and the vLLM peer where timed) in those cells with torch.profiler: per-kernel "
+                         "device time and the gaps (wall - kernels), in the JSON (cell.breakdown) and the log")
     ap.add_argument("--quick", action="store_true", help="shorter do_bench warmup / rep (noisier)")
     ap.add_argument("--no-graph", action="store_true", help="skip CUDA-graph capture")
     ap.add_argument("--graph-max-t", type=int, default=1024, help="capture graphs up to this T (default 1024)")
@@ -988,8 +1018,9 @@ def parse_args(argv=None):
                     help="also time moecomp.optimize(block) (needs moecomp.optimize); direct binding stays")
     ap.add_argument("--moecomp-backend", choices=("triton", "torch"), default=None,
                     help="sets MOECOMP_CUDA_BACKEND for the op (default: the op's own default)")
-    ap.add_argument("--tol", type=float, default=policy.BENCH_TOLERANCE,
-                    help=f"moecomp vs HF rel-error tolerance (default {policy.BENCH_TOLERANCE:g})")
+    ap.add_argument("--tol", type=float, default=None,
+                    help=f"moecomp vs HF rel-error tolerance (default: bf16 {default_tolerance(torch.bfloat16):g}, "
+                         f"fp16 {default_tolerance(torch.float16):.2g}; see default_tolerance)")
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke runs); no PEERS.md column")
     ap.add_argument("--seed", type=int, default=0)
@@ -1023,7 +1054,40 @@ def log(msg: str):
 
 def run(argv=None) -> dict:
     """Run the benchmark; returns the result dict (also saved as JSON). The table is printed last."""
+    global DTYPE
     args = parse_args(argv)
+    prev = DTYPE
+    DTYPE = DTYPES[args.dtype]
+    try:
+        return _run(args, argv)
+    finally:
+        DTYPE = prev
+
+
+def parse_breakdown(text: str, fams: list[str], tokens: list[int]) -> tuple[list[tuple[str, int]], list[str]]:
+    """``family:T,...`` -> ([(family, T)] in the run, [the named cells the run does not have])."""
+    aliases = {a: f.name for f in FAMILIES.values() for a in f.aliases}
+    cells, missing = [], []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, t = item.partition(":")
+        if not sep or not t.strip().isdigit():
+            raise SystemExit(f"--breakdown {item!r}: expected family:T (e.g. qwen3:1)")
+        (fam,) = _resolve(name, FAMILIES, aliases, "family")
+        c = (fam, int(t))
+        if fam in fams and c[1] in tokens:
+            if c not in cells:
+                cells.append(c)
+        else:
+            missing.append(f"{fam}:{c[1]}")
+    return cells, missing
+
+
+def _run(args, argv) -> dict:
+    if args.tol is None:
+        args.tol = default_tolerance(DTYPE)
     if args.moecomp_backend:
         os.environ["MOECOMP_CUDA_BACKEND"] = args.moecomp_backend
     import moecomp  # registers torch.ops.moecomp.*
@@ -1035,6 +1099,8 @@ def run(argv=None) -> dict:
     fams = _resolve(args.families, FAMILIES, {a: f.name for f in FAMILIES.values() for a in f.aliases}, "family")
     peers = _resolve(args.peers, {p: p for p in ALL_PEERS}, PEER_ALIASES, "peer")
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(TINY_TOKENS if args.tiny else ALL_TOKENS)
+    bd_cells, bd_missing = parse_breakdown(args.breakdown, fams, tokens)
+    pending_bd = []  # (family, cell, x, [(path name, fn)]): profiled after every timing of the run
     timer = Timer(device, args.quick)
     t_start = time.perf_counter()
     vllm_fused, vllm_info = None, dict(requested=False)
@@ -1055,21 +1121,27 @@ def run(argv=None) -> dict:
     suffix = "" if full_run else ("-tiny" if args.tiny else "-partial")
     if args.routing != "real":
         suffix = f"-{args.routing}{suffix}"
+    if args.dtype != "bf16":
+        suffix = f"-{args.dtype}{suffix}"
     short = "unknown" if commit == "unknown" else commit[:7] + ("-dirty" if commit.endswith("-dirty") else "")
     gpu_slug = _slug(env["gpu"]) if device.type == "cuda" else "cpu"
     out_json = None if args.no_save else (
         args.out_json or os.path.join(HERE, "results", f"{gpu_slug}-{now:%Y%m%d}-{short}{suffix}.json"))
 
     log(f"[bench] {env['gpu']} | torch {env['torch']} triton {env['triton']} transformers {env['transformers']} | "
-        f"commit {commit} | families {fams} | T {tokens} | peers {peers} | routing {args.routing}")
+        f"commit {commit} | families {fams} | T {tokens} | peers {peers} | routing {args.routing} | "
+        f"dtype {args.dtype} (tol {args.tol:.3g})")
+    if bd_missing:
+        log(f"[bench] --breakdown: not in this run (families x T), ignored: {', '.join(bd_missing)}")
     if vllm_fused is not None:
         log(f"[bench] vllm peer: {vllm_info['source']}"
             + (" (Triton interpreter, fp32: a smoke run, its times mean nothing)" if device.type != "cuda" else ""))
     ceilings = measure_ceilings(device, timer)
     log(f"[bench] ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
-        f"matmul {ceilings['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({ceilings['matmul_size']}^3 bf16)")
+        f"matmul {ceilings['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({ceilings['matmul_size']}^3 {args.dtype})")
     result = dict(schema=2, **env, date=now.strftime("%Y-%m-%d"), timestamp=now.isoformat(timespec="seconds"),
                   commit=commit, argv=sys.argv[1:] if argv is None else list(argv), tiny=args.tiny, quick=args.quick,
+                  dtype=args.dtype,
                   moecomp_backend=(os.environ.get("MOECOMP_CUDA_BACKEND", "triton") if device.type == "cuda"
                                    else os.environ.get("MOECOMP_CPU_BACKEND", "torch")),
                   moecomp_version=getattr(moecomp, "__version__", None), tolerance=args.tol,
@@ -1078,6 +1150,8 @@ def run(argv=None) -> dict:
                   timing=("triton.testing.do_bench median (ms), L2 flushed per call" if device.type == "cuda"
                           else "host perf_counter median (ms), CPU"),
                   ceilings=ceilings, families=[], fatal=None, json_path=out_json,
+                  breakdown=dict(cells=[f"{f}:{t}" for f, t in bd_cells], not_in_run=bd_missing,
+                                 paths=list(BREAKDOWN_PATHS), reps=BREAKDOWN_REPS) if args.breakdown else None,
                   routing=dict(mode=args.routing, method=ROUTING_METHOD,
                                **(dict(zipf_exponent=ZIPF_EXPONENT) if args.routing == "zipf" else {}),
                                **(dict(plant_chosen_logits=PLANT_CHOSEN, plant_other_logit_std=PLANT_OTHER_STD)
@@ -1224,8 +1298,8 @@ def run(argv=None) -> dict:
                             rrec["hf_router_match"] = float(same_sets(hids, ids).float().mean())
                         cell["routing"] = rrec
                         del logits, ids
-                    if (not args.tiny and args.routing == "real" and fam.name in report.PEERS_MD
-                            and T in report.PEERS_MD[fam.name]):
+                    if (not args.tiny and args.routing == "real" and args.dtype == "bf16"  # PEERS.md: bf16
+                            and fam.name in report.PEERS_MD and T in report.PEERS_MD[fam.name]):
                         cell["peers_md"] = report.peers_md_ref(fam.name, T)
                     for p in paths:
                         if ref is None:
@@ -1251,6 +1325,17 @@ def run(argv=None) -> dict:
                     if cell.get("floor"):
                         cell["achieved"] = {pn: a for pn, pr in cell["paths"].items()
                                             if (a := achieved_of(cell["floor"], pr.get("best_ms"), ceilings))}
+                    if (fam.name, T) in bd_cells:  # profiled after every timing of the run (keeps x and the fns)
+                        todo = []
+                        for p in paths:
+                            pr = cell["paths"].get(p.name)
+                            if p.name not in BREAKDOWN_PATHS or pr is None:
+                                continue
+                            if p.fn is not None and pr.get("best_ms") is not None:
+                                todo.append((p.name, p.fn))
+                            else:
+                                cell.setdefault("breakdown", {})[p.name] = dict(skipped="no timing in this cell")
+                        pending_bd.append((fam.name, cell, x, todo))
                     if keep_inputs and ref is not None:
                         saved.append((cell, x, ref, amb))
                     else:
@@ -1286,6 +1371,9 @@ def run(argv=None) -> dict:
         log(f"[bench] {fam.name} done in {frec['wall_s']} s (total {time.perf_counter() - t_start:.0f} s)")
         _save(result, out_json)
 
+    if pending_bd and not fatal:
+        fatal = run_breakdowns(pending_bd, device, result, out_json)
+    pending_bd = None
     result["total_wall_s"] = round(time.perf_counter() - t_start, 1)
     result["skipped_over_budget"] = skipped
     if skipped:
@@ -1297,6 +1385,101 @@ def run(argv=None) -> dict:
     log(f"[bench] total {result['total_wall_s']} s\n")
     log(report.render_table(result))
     return result
+
+
+# ============================================================================================== breakdown
+def _device_rows(prof, cuda: bool) -> list[tuple[str, str, int, float]]:
+    """[(name, kind, count, us)] of a profile, summed over the session. CUDA: every device activity (kernels, and
+    memcpy / memset as their own kinds). CPU (no device): each op's *self* CPU time (children excluded, so nested
+    aten ops are not counted twice)."""
+    by: dict = {}
+    if cuda:
+        try:
+            evs = [(e.name(), e.duration_ns() / 1e3) for e in prof.profiler.kineto_results.events()
+                   if "cuda" in str(e.device_type()).lower()]
+        except Exception:
+            evs = [(e.name, getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0))
+                   for e in prof.events() if "cuda" in str(getattr(e, "device_type", "")).lower()]
+        for name, us in evs:
+            kind = "memcpy" if "memcpy" in name.lower() else "memset" if "memset" in name.lower() else "kernel"
+            b = by.setdefault((name[:BREAKDOWN_NAME_CHARS], kind), [0, 0.0])
+            b[0] += 1
+            b[1] += us
+    else:
+        for a in prof.key_averages():
+            if "cpu" not in str(getattr(a, "device_type", "cpu")).lower() or a.self_cpu_time_total <= 0:
+                continue
+            b = by.setdefault((a.key[:BREAKDOWN_NAME_CHARS], "op"), [0, 0.0])
+            b[0] += a.count
+            b[1] += a.self_cpu_time_total
+    return [(n, k, c, us) for (n, k), (c, us) in by.items()]
+
+
+def profile_breakdown(fn, x: torch.Tensor, device: torch.device, reps: int = BREAKDOWN_REPS) -> dict:
+    """Where one call of ``fn(x)`` spends its time: ``reps`` calls back to back under ``torch.profiler`` (after one
+    warm-up call and ``reps`` unprofiled calls), per call: each kernel's device time (CUDA; on CPU each op's self
+    time), the op's wall time (host timer around the calls, synchronised at the end) and the gaps = wall - the sum of
+    the kernel times (launch overhead, host work, idle device)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with torch.no_grad():
+        fn(x)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn(x)
+        sync()
+        unprof = (time.perf_counter() - t0) * 1e6 / reps
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn(x)
+            sync()
+            wall = (time.perf_counter() - t0) * 1e6 / reps
+    rows = sorted(_device_rows(prof, cuda), key=lambda r: -r[3])
+    busy = sum(r[3] for r in rows) / reps
+    out = dict(activities="cuda" if cuda else "cpu (no device: each op's self CPU time)", reps=reps,
+               per="one call of the op (totals over the profiled calls / reps)",
+               wall_us=wall, wall_us_unprofiled=unprof, kernel_us=busy, gap_us=wall - busy,
+               gap_share=(wall - busy) / wall if wall > 0 else None,
+               launches=sum(r[2] for r in rows) / reps,
+               rows=[dict(name=n, kind=k, calls=c / reps, total_us=us / reps,
+                          share=us / reps / wall if wall > 0 else None) for n, k, c, us in rows])
+    if cuda:  # the same kernel times against the unprofiled wall (the profiler slows the host side)
+        out["gap_us_unprofiled"] = unprof - busy
+        out["kernels"] = sum(r[2] for r in rows if r[1] == "kernel") / reps
+    return out
+
+
+def run_breakdowns(pending: list, device: torch.device, result: dict, out_json: str | None) -> str | None:
+    """Profile the queued cells (after every timing of the run, so that no timing follows a profiler session) and
+    log a table per cell and path; returns a fatal CUDA error, if one happened."""
+    log(f"[bench] breakdowns (torch.profiler, {BREAKDOWN_REPS} calls each; after every timing of the run)")
+    for fname, cell, x, todo in pending:
+        bd = cell.setdefault("breakdown", {})
+        for pname, fn in todo:
+            try:
+                rec = profile_breakdown(fn, x, device)
+            except Exception as e:
+                rec = dict(error=_root_msg(e, 300))
+                if not cuda_healthy(device):
+                    bd[pname] = rec
+                    result["fatal"] = f"breakdown {fname}:{cell['T']} {pname}: {rec['error']}"
+                    _save(result, out_json)
+                    return result["fatal"]
+            pr = cell["paths"].get(pname, {})
+            rec.update(timed_best_ms=pr.get("best_ms"), timed_best_mode=pr.get("best_mode"),
+                       timed_plain_ms=pr.get("plain_ms"))
+            bd[pname] = rec
+            log(report.render_breakdown(fname, cell["T"], pname, rec))
+        for name, rec in bd.items():
+            if "skipped" in rec:
+                log(f"[breakdown {fname} T={cell['T']} {name}] skipped: {rec['skipped']}")
+        _save(result, out_json)
+    return None
 
 
 def _run_optimize_path(block, saved, timer: Timer, args, device, frec: dict):

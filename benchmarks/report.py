@@ -163,6 +163,11 @@ def paths_present(result: dict) -> list[str]:
     return sorted(seen, key=lambda p: order.index(p) if p in order else len(order))
 
 
+def result_dtype(result: dict) -> str:
+    """The run's dtype ("bf16", "fp16"); results from before --dtype are bf16."""
+    return result.get("dtype") or "bf16"
+
+
 # ------------------------------------------------------------------------------------------------ table
 def routing_line(result: dict) -> str | None:
     r = result.get("routing") or {}
@@ -188,7 +193,8 @@ def render_table(result: dict, heading: bool = True) -> str:
     lines = []
     if heading:
         lines.append(
-            f"### MoE block latency, {result.get('gpu', '?')} ({result.get('date', '?')}, commit "
+            f"### MoE block latency, {result_dtype(result)}, {result.get('gpu', '?')} ({result.get('date', '?')}, "
+            f"commit "
             f"{result.get('commit', '?')}; torch {result.get('torch', '?')}, triton {result.get('triton', '?')}, "
             f"transformers {result.get('transformers', '?')})"
         )
@@ -196,7 +202,7 @@ def render_table(result: dict, heading: bool = True) -> str:
         extra = ""
         if bw and mm:
             extra = (f" Ceilings measured in the same run: {bw / 1e12:.2f} TB/s copy, {mm / 1e12:.0f} TFLOP/s "
-                     "bf16 matmul.")
+                     f"{ce.get('matmul_dtype', 'bf16')} matmul.")
         vp = result.get("vllm_peer") or {}
         vtxt = ""
         if measured_vllm:
@@ -342,6 +348,55 @@ def reproduction_line(result: dict) -> str | None:
     return "Reproduction of PEERS.md (measured / PEERS.md, geomean): " + "; ".join(out) + "."
 
 
+# -------------------------------------------------------------------------------------------- breakdowns
+def _fmt_us(v) -> str:
+    return "-" if v is None else (f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}")
+
+
+def _fmt_share(v) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def render_breakdown(family: str, T, path: str, bd: dict, top: int = 12) -> str:
+    """One cell's profile (``cell.breakdown[path]`` of bench_moe.py --breakdown) as a small markdown table: per kernel
+    calls, us and share of the op's wall time per call of the op, then the gaps (wall - kernels)."""
+    head = f"[breakdown {family} T={T} {path}]"
+    if bd.get("skipped"):
+        return f"{head} skipped: {bd['skipped']}"
+    if bd.get("error"):
+        return f"{head} error: {bd['error']}"
+    what = "kernels" if str(bd.get("activities", "")).startswith("cuda") else "ops (self CPU time)"
+    lines = [f"{head} {bd.get('activities')}: per call of the op ({bd.get('reps')} profiled): wall "
+             f"{_fmt_us(bd.get('wall_us'))} us (unprofiled {_fmt_us(bd.get('wall_us_unprofiled'))}, timed "
+             f"{_fmt_us(None if bd.get('timed_best_ms') is None else bd['timed_best_ms'] * 1e3)}), {what} "
+             f"{_fmt_us(bd.get('kernel_us'))} us in {bd.get('launches', 0):g} calls, gaps "
+             f"{_fmt_us(bd.get('gap_us'))} us "
+             f"({_fmt_share(bd.get('gap_share'))})", "",
+             f"| {what.split(' ')[0][:-1]} | kind | calls | total us | share of wall |", "|---|---|---|---|---|"]
+    rows = bd.get("rows") or []
+    for r in rows[:top]:
+        lines.append(f"| `{_short(r.get('name'), 90)}` | {r.get('kind', '-')} | {r.get('calls', 0):g} | "
+                     f"{_fmt_us(r.get('total_us'))} | {_fmt_share(r.get('share'))} |")
+    if len(rows) > top:
+        rest = rows[top:]
+        lines.append(f"| ({len(rest)} more) | | {sum(r.get('calls', 0) for r in rest):g} | "
+                     f"{_fmt_us(sum(r.get('total_us') or 0 for r in rest))} | "
+                     f"{_fmt_share(sum(r.get('share') or 0 for r in rest))} |")
+    lines.append(f"| (gaps: wall - {what.split(' ')[0]}) | | | {_fmt_us(bd.get('gap_us'))} | "
+                 f"{_fmt_share(bd.get('gap_share'))} |")
+    return "\n".join(lines)
+
+
+def render_breakdowns(result: dict) -> str | None:
+    """Every breakdown of a result (bench_moe.py --breakdown), one table per cell and path; None when it has none."""
+    out = []
+    for fam in result.get("families", []):
+        for cell in fam.get("cells", []):
+            for path, bd in (cell.get("breakdown") or {}).items():
+                out.append(render_breakdown(fam.get("name"), cell.get("T"), path, bd))
+    return ("#### Breakdowns (torch.profiler, " + result_dtype(result) + ")\n\n" + "\n\n".join(out)) if out else None
+
+
 # ------------------------------------------------------------------------------------------- BENCHMARKS.md
 def update_markdown(path: str, body: str) -> None:
     """Replace the text between the markers in ``path`` (append a marked section if there are none)."""
@@ -439,7 +494,8 @@ def main(argv=None) -> int:
             by_gpu[r.get("gpu")] = r
         results = list(by_gpu.values())
     body = "\n\n".join(render_table(r) + f"\n\nSource: `{os.path.relpath(r['_file'])}`" for r in results)
-    print(body)
+    bds = [b for b in (render_breakdowns(r) for r in results) if b]
+    print("\n\n".join([body] + bds))  # breakdowns: printed, not written to --update's section
     if a.update:
         update_markdown(a.update, body)
         print(f"\n[report] updated {a.update}", file=sys.stderr)

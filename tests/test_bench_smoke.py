@@ -73,6 +73,11 @@ def test_new_json_fields(tiny_run):
     on_disk = json.loads(out.read_text())
     for r in (res, on_disk):
         assert r["schema"] == 2
+        assert r["dtype"] == "bf16" and r["init"]["dtype"] == "torch.bfloat16"
+        assert r["ceilings"]["matmul_dtype"] == "bf16"
+        assert r["tolerance"] == bench.policy.BENCH_TOLERANCE  # the bf16 rule, unchanged
+        assert r["breakdown"] is None  # --breakdown is off by default
+        assert not any("breakdown" in c for f in r["families"] for c in f["cells"])
         assert r["routing"]["mode"] == "real" and r["routing"]["method"]
         assert r["vllm_peer"]["timed"] is False  # not among --peers here
     ce = res["ceilings"]
@@ -403,7 +408,8 @@ _VLLM_SCRIPT = textwrap.dedent("""
         out["direct"][name] = dict(owner=owner, rel_err=errs)
     bench.DTYPE = torch.bfloat16
     res = bench.run(["--device", "cpu", "--tiny", "--families", "mixtral", "--tokens", "4", "--quick",
-                     "--peers", "hf_eager,vllm,moecomp", "--vllm-peer", {peer!r}, "--routing", "zipf", "--no-save"])
+                     "--peers", "hf_eager,vllm,moecomp", "--vllm-peer", {peer!r}, "--routing", "zipf", "--no-save",
+                     "--breakdown", "mixtral:4"])
     out["run"] = res
     out["table"] = report.render_table(res)
     print("RESULT " + json.dumps(out, default=str))
@@ -444,3 +450,106 @@ def test_vllm_peer_under_the_interpreter():
     assert cell["check"]["ok"] and "vllm" in cell["achieved"]
     head = next(ln for ln in out["table"].splitlines() if ln.startswith("| family"))
     assert "| vLLM |" in head and "moecomp / vLLM (measured)" in head and report.VLLM_LABEL not in head
+    # --breakdown: the vLLM peer (timed here) is profiled like moecomp
+    assert set(cell["breakdown"]) == {"moecomp", "vllm"}
+    for name, bd in cell["breakdown"].items():
+        assert "error" not in bd and bd["rows"] and bd["wall_us"] > 0 and bd["kernel_us"] >= 0, (name, bd)
+        assert bd["timed_best_ms"] == cell["paths"][name]["best_ms"]
+
+
+# --------------------------------------------------------------------------------------------------- --dtype
+def test_fp16_run(tmp_path, monkeypatch):
+    """--dtype fp16: every family's block, input and peer in fp16 (the checks' rel errors drop well below bf16's), the
+    tighter fp16 tolerance (policy's verify tolerances' ratio), the dtype in the JSON, the table title and the name."""
+    monkeypatch.setattr(bench, "HERE", str(tmp_path))  # the default JSON path: <HERE>/results/<gpu>-<date>-<commit>...
+    monkeypatch.delenv("OUT", raising=False)
+    res = bench.run(["--device", "cpu", "--tiny", "--tokens", "1,16", "--quick", "--peers", "hf_grouped_mm,moecomp",
+                     "--dtype", "fp16"])
+    assert bench.DTYPE == torch.bfloat16  # restored after the run
+    assert res["fatal"] is None and res["dtype"] == "fp16" and res["init"]["dtype"] == "torch.float16"
+    assert res["ceilings"]["matmul_dtype"] == "fp16"
+    tol = res["tolerance"]
+    assert tol == bench.default_tolerance(torch.float16) and tol < bench.policy.BENCH_TOLERANCE
+    assert math.isclose(tol, bench.policy.BENCH_TOLERANCE / 3)
+    assert os.path.basename(res["json_path"]).endswith("-fp16-tiny.json")
+    assert os.path.dirname(res["json_path"]) == str(tmp_path / "results")
+    assert json.loads(open(res["json_path"]).read())["dtype"] == "fp16"
+    assert [f["name"] for f in res["families"]] == list(bench.FAMILIES)
+    for fam in res["families"]:
+        assert not fam["errors"], fam["errors"]
+        for cell in fam["cells"]:
+            for name, p in cell["paths"].items():
+                assert p.get("error") is None and p["best_ms"] > 0, (fam["name"], cell["T"], name, p)
+            chk = cell["check"]
+            assert chk["ok"] and chk["tolerance"] == tol, (fam["name"], cell["T"], chk)
+            assert chk["rel_err"] < 3e-3, (fam["name"], cell["T"], chk)  # fp16 roundings (bf16's are ~4e-3)
+    assert "### MoE block latency, fp16, cpu" in report.render_table(res)
+
+
+# ----------------------------------------------------------------------------------------------- --breakdown
+def test_breakdown_cpu(monkeypatch, capsys):
+    """--breakdown family:T,...: moecomp's op profiled in the named cells only, after every timing of the run; per-op
+    rows (CPU: self time), wall, kernels (ops) and gaps, all non-negative; a table per cell in the log."""
+    order = []
+    run_path, prof = bench.run_path, bench.profile_breakdown
+    monkeypatch.setattr(bench, "run_path", lambda path, *a, **k: order.append("time") or run_path(path, *a, **k))
+    monkeypatch.setattr(bench, "profile_breakdown", lambda *a, **k: order.append("profile") or prof(*a, **k))
+    res = bench.run(["--device", "cpu", "--tiny", "--families", "olmoe,qwen3", "--tokens", "1,16", "--quick",
+                     "--peers", "hf_grouped_mm,moecomp", "--no-save", "--breakdown", "olmoe:1,qwen3_moe:3,qwen3:16"])
+    log = capsys.readouterr().out
+    assert order.count("profile") == 2 and order.index("profile") == order.count("time")  # after every timing
+    assert res["breakdown"]["cells"] == ["olmoe:1", "qwen3:16"] and res["breakdown"]["not_in_run"] == ["qwen3:3"]
+    assert "--breakdown: not in this run (families x T), ignored: qwen3:3" in log
+    got = {(f["name"], c["T"]): c.get("breakdown") for f in res["families"] for c in f["cells"]}
+    assert {k for k, v in got.items() if v} == {("olmoe", 1), ("qwen3", 16)}
+    for (fam, T), cellbd in got.items():
+        if not cellbd:
+            continue
+        assert set(cellbd) == {"moecomp"}  # HF peers are not profiled; no vLLM peer in this run
+        bd = cellbd["moecomp"]
+        cell = next(c for f in res["families"] if f["name"] == fam for c in f["cells"] if c["T"] == T)
+        assert bd["timed_best_ms"] == cell["paths"]["moecomp"]["best_ms"]
+        assert bd["activities"].startswith("cpu") and bd["reps"] == bench.BREAKDOWN_REPS
+        assert bd["rows"] and any(r["name"] == "moecomp::moe_forward" for r in bd["rows"])
+        for r in bd["rows"]:
+            assert r["name"] and r["calls"] > 0 and r["total_us"] >= 0 and r["share"] >= 0, r
+        for k in ("wall_us", "wall_us_unprofiled", "kernel_us", "gap_us", "gap_share", "launches"):
+            assert bd[k] >= 0, (k, bd[k])
+        assert math.isclose(bd["kernel_us"], sum(r["total_us"] for r in bd["rows"]))
+        assert math.isclose(bd["gap_us"], bd["wall_us"] - bd["kernel_us"])
+        assert f"[breakdown {fam} T={T} moecomp] cpu" in log
+    assert "| (gaps: wall - ops) |" in log
+    assert "[breakdown olmoe T=1 moecomp]" in report.render_breakdowns(res)
+    with pytest.raises(SystemExit):
+        bench.parse_breakdown("qwen3", ["qwen3"], [1])
+
+
+def test_breakdown_cuda_rows():
+    """The CUDA side of --breakdown (no GPU here): device activities from kineto, grouped by name, memcpy / memset
+    kept as their own kinds; CPU-side events left out."""
+
+    class Ev:
+        def __init__(self, name, dev, ns):
+            self._n, self._d, self._ns = name, dev, ns
+
+        def name(self):
+            return self._n
+
+        def device_type(self):
+            return self._d
+
+        def duration_ns(self):
+            return self._ns
+
+    evs = [Ev("moe_gemm_kernel", "DeviceType.CUDA", 4000), Ev("moe_gemm_kernel", "DeviceType.CUDA", 6000),
+           Ev("Memset (Device)", "DeviceType.CUDA", 500), Ev("cudaLaunchKernel", "DeviceType.CPU", 9000)]
+    results = type("R", (), {"events": lambda self: evs})()
+    prof = type("P", (), {"profiler": type("K", (), {"kineto_results": results})()})()
+    rows = sorted(bench._device_rows(prof, cuda=True))
+    assert rows == [("Memset (Device)", "memset", 1, 0.5), ("moe_gemm_kernel", "kernel", 2, 10.0)]
+    bd = dict(activities="cuda", reps=2, wall_us=8.0, wall_us_unprofiled=7.0, kernel_us=5.25, gap_us=2.75,
+              gap_share=2.75 / 8, launches=1.5, timed_best_ms=0.007,
+              rows=[dict(name="moe_gemm_kernel", kind="kernel", calls=1, total_us=5.0, share=5 / 8)])
+    text = report.render_breakdown("qwen3", 1, "moecomp", bd)
+    assert "| `moe_gemm_kernel` | kernel | 1 | 5.0 | 62.5% |" in text
+    assert "| (gaps: wall - kernels) | | | 2.8 | 34.4% |" in text
