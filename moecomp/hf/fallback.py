@@ -37,12 +37,11 @@ from ..ops.moe_op import MOE_ARGS
 from ..match import Evidence, Match
 from ..reject import Refused, Reject, RejectCode
 from ..spec import MoESpec, SharedExpertSpec, SpecError
-from ..derived import Derived, SharedLayout, SharePlan  # noqa: F401 (re-exported: older imports)
-from ..probe import ProbeRun, primary, run_probe  # noqa: F401
+from ..derived import Derived
+from ..probe import ProbeRun, run_probe
 from . import names
-from .names import read_attr  # noqa: F401 (re-exported)
-from .activations import (  # noqa: F401 (probe_* re-exported)
-    activation_mismatch, describe_unknown_gate, probe_activation, probe_gate, probe_mlp)
+from .activations import describe_unknown_gate, probe_activation, probe_gate, probe_mlp
+from .names import read_attr
 from .structure import BlockParts, MLPParts, NotABlock, find_parts, get_path
 
 

@@ -6,6 +6,7 @@ import torch
 import moecomp
 from moecomp.hf import families as F
 from moecomp.hf import fallback as fb
+from moecomp.hf.activations import activation_mismatch
 from moecomp.hf.structure import iter_blocks
 from moecomp.match import Match
 from moecomp.recognise import fx_available, recognise
@@ -83,8 +84,8 @@ def test_clamped_swiglu_detected():
     assert spec.activation_clamp and spec.activation_limit == model.config.swiglu_limit
     assert not spec.shared.activation_clamp
     # a spec without the clamp is refused by optimize's activation check
-    assert "differs" in fb.activation_mismatch(block, parts, spec.replace(activation_clamp=False))
-    assert fb.activation_mismatch(block, parts, spec) is None
+    assert "differs" in activation_mismatch(block, parts, spec.replace(activation_clamp=False))
+    assert activation_mismatch(block, parts, spec) is None
 
 
 def test_activation_probe():
