@@ -51,11 +51,10 @@ from .reject import RejectCode
 from .report import BlockReport, Report, _fill_from_spec, expert_style, router_style  # noqa: F401 (re-exported)
 from .epilogue import Peeled, block_device_dtype, epilogue_of
 from .match import Verified
-from .recognise import fx_available, recognise, structure_key  # noqa: F401 (structure_key re-exported)
+from .recognise import block_constants, fx_available, recognise, structure_key  # noqa: F401 (structure_key re-exported)
 from .reject import Refused, Reject
 from .verify import verify, verify_epilogue
 from .hf import bind as _bind
-from .hf import fallback as _fb
 from .hf.structure import BlockParts, get_path, iter_blocks
 
 # the verify check's rules live in moecomp.policy (re-exported here for callers that read them from optimize)
@@ -82,8 +81,7 @@ def _recognise_and_verify(block: nn.Module, parts: BlockParts, epilogue, rep: Bl
             raise Refused(got.message, got.code)
         rep.method = got.method
         rep.notes += got.evidence.notes
-        consts = _fb.numeric_consts(_fb.attr_sources(block, dparts), 1)
-        verified = verify(block, got, x, consts, rep.notes)
+        verified = verify(block, got, x, block_constants(block, dparts), rep.notes)
     return verify_epilogue(block, verified, x, epilogue, rep.notes)
 
 

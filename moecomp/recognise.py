@@ -47,6 +47,12 @@ def structure_key(block: nn.Module):
     return (type(block), tensors, tuple(scalars))
 
 
+def block_constants(block: nn.Module, parts: BlockParts, top_k: int = 1) -> list[float]:
+    """The numbers the block's attributes and forward source mention: a routed scale the verify stage fits snaps to
+    one of them (``policy.snap_constant``)."""
+    return fallback.numeric_consts(fallback.attr_sources(block, parts), top_k)
+
+
 def fx_available() -> str:
     """'' when the FX pass can run here, else why not."""
     try:
@@ -154,8 +160,7 @@ def _compare_note(block, parts, x, fx: Match, cache) -> str:
         if isinstance(fb, Reject):
             note = f"attribute fallback could not describe the block: {fb.message}"
         else:
-            spec = fit_routed_scale(block, fb, x, fallback.numeric_consts(fallback.attr_sources(block, parts),
-                                                                          fb.spec.top_k))
+            spec = fit_routed_scale(block, fb, x, block_constants(block, parts, fb.spec.top_k))
             note = "attribute fallback agrees" if spec == fx.spec else _diff(fx.spec, spec)
     except Refused as e:
         note = f"attribute fallback could not describe the block: {e.reason}"
@@ -195,7 +200,6 @@ def match_block(block: nn.Module, example: torch.Tensor | None = None, *, use_fx
         got, notes = recognise(block, parts, example, use_fx=use_fx)
         if isinstance(got, Reject):
             raise Refused(got.message, got.code)
-        consts = fallback.numeric_consts(fallback.attr_sources(block, parts), 1)
-        return verify(block, got, example, consts, notes + got.evidence.notes)
+        return verify(block, got, example, block_constants(block, parts), notes + got.evidence.notes)
     finally:
         block.train(was)
