@@ -5,6 +5,7 @@
 #   benchmarks/run_gpu.sh tests     pytest -m gpu (every GPU test)
 #   benchmarks/run_gpu.sh mixtral   every GPU test, then Mixtral's rows;  compiled: the remaining rows
 #   benchmarks/run_gpu.sh layer     benchmarks/bench_moe.py --quick (the layer grid, JSON + log)
+#   benchmarks/run_gpu.sh tune      python -m moecomp tune (PRESETS, TOKENS; writes the package table, copied to $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -66,4 +67,8 @@ layer)  # the layer benchmark: every family, every T, every peer in the same run
   timeout ${LAYER_TIMEOUT:-560} python3 benchmarks/bench_moe.py --quick --budget-s ${LAYER_BUDGET:-470} "${peer[@]}" \
       --routing ${ROUTING:-real} --out-json "$OUT/layer-${ROUTING:-real}.json" 2>&1 | grep -v "^DEBUG" \
       | tee "$OUT/layer-${ROUTING:-real}.log" | quiet | tail -60 ;;
+tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
+  timeout ${TUNE_TIMEOUT:-560} python3 -m moecomp tune --restart -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-480} \
+      --presets ${PRESETS:-all} ${TOKENS:+--tokens $TOKENS} --copy-to "$OUT" 2>&1 | tee "$OUT/tune.log" \
+      | grep -v "^DEBUG" | grep "T=\|tune\]" | tail -${TUNE_TAIL:-80} ;;
 esac

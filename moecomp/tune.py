@@ -49,10 +49,20 @@ TILES = {
     "g2": [(32, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 4), (64, 128, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3),
            (128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3)],
 }
+# The decode path (``triton_moe.routed``): DIRECT gemm1 tiles (as above) and ``decode_down`` tiles (..., mode):
+# "fused" = the down-combine kernel, "pairs" = gemm2 DIRECT + combine.
+DECODE_TILES = {
+    "g1": [(16, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 3), (32, 64, 4, 6)],
+    "g2": [(16, 256, 4, 3, "fused"), (32, 128, 4, 4, "fused"), (32, 256, 4, 3, "fused"), (64, 128, 4, 3, "fused"),
+           (32, 128, 4, 4, "pairs"), (64, 128, 4, 3, "pairs"), (32, 256, 4, 3, "pairs"), (128, 64, 4, 4, "pairs")],
+}
+DECODE_BUCKETS_BELOW = 64  # buckets under this many tokens also measure the decode path
 # --interpret: a tiny shape, its buckets and two candidates per GEMM (the interpreter runs every program in Python)
 INTERPRET_SHAPE = (4, 32, 32, 2)  # E, I, H, k
 INTERPRET_TOKENS = [1, 16]
 INTERPRET_TILES = {"g1": [(16, 32, 4, 1), (32, 32, 4, 1)], "g2": [(16, 32, 4, 1), (32, 32, 4, 1)]}
+INTERPRET_DECODE_TILES = {"g1": [(16, 32, 4, 1), (32, 32, 4, 1)],
+                          "g2": [(16, 32, 4, 1, "fused"), (16, 32, 4, 1, "pairs")]}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 REL_TOL = 1e-2  # a candidate further than this from the first one is rejected
 EXIT_BUDGET, EXIT_INTERRUPTED, EXIT_REFUSED = 3, 130, 2
@@ -83,6 +93,22 @@ def bench(fn, rep_ms: float, device: torch.device) -> float:
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[1]
+
+
+def bench_graph(fn, rep_ms: float, device: torch.device) -> float:
+    """``bench`` of ``fn`` captured in a CUDA graph (the way the op runs at small T): a few-microsecond kernel is
+    timed, not Python's launch cost. CPU: ``bench`` of ``fn`` itself."""
+    if device.type != "cuda":
+        return bench(fn, rep_ms, device)
+    main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        fn()  # compiled and warm before the capture
+    main.wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return bench(g.replay, rep_ms, device)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -121,7 +147,7 @@ def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, 
     for bm in block_ms(T, k, E):
         status(f"BM={bm} align")
         aligned = triton_moe.align(ids, E, bm)
-        t_align = bench(lambda: triton_moe.align(ids, E, bm), rep_ms, device)
+        t_align = bench_graph(lambda: triton_moe.align(ids, E, bm), rep_ms, device)
         res = {}
         for which in ("g1", "g2"):
             ref_out, best_t, best_c = None, float("inf"), None
@@ -155,7 +181,7 @@ def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, 
                     rejected += 1
                     note(f"REJECT T={T} BM={bm} {which} {_tile(c)}: rel err {_rel(out, ref_out):.2e}")
                     continue
-                t = bench(fn, rep_ms, device)
+                t = bench_graph(fn, rep_ms, device)
                 if t < best_t:
                     best_t, best_c = t, c
             res[which] = (best_t, best_c)
@@ -177,6 +203,101 @@ def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, 
     if best is None:
         raise TuneError(f"T={T}: no BLOCK_M candidate ran ({failed} failed, {rejected} rejected)")
     return dict(best, block_m_ms=per_bm, rejected=rejected, failed=failed)
+
+
+def decode_probes(T: int, tokens: list[int]) -> list[int]:
+    """Token counts at which a bucket's decode path is weighed against its aligned path: T, 2T, 4T, 8T below the
+    next bucket (and below DECODE_BUCKETS_BELOW); [] for buckets from DECODE_BUCKETS_BELOW up."""
+    if T >= DECODE_BUCKETS_BELOW:
+        return []
+    nxt = min([b for b in tokens if b > T] + [DECODE_BUCKETS_BELOW + 1])
+    return [T << i for i in range(4) if T << i < nxt]
+
+
+def tune_decode(spec: MoESpec, probes: list[int], dtype: torch.dtype, device: torch.device, aligned_cfg: dict,
+                tiles: dict, rep_ms: float = 25, status=None, note=None) -> dict:
+    """The decode path for one bucket: its tiles at ``probes[0]`` tokens (DIRECT gemm1, then ``decode_down``; the
+    candidates of ``tiles`` and the aligned winner's tiles, each checked against the first candidate), then the whole routed step (``triton_moe.routed``) on the decode
+    path and on the aligned path (``aligned_cfg``) at every probe, both in CUDA graphs. ``max_t`` is the largest
+    probe up to which the decode path won at every probe (0: never). Returns ``{"decode": config, "ms": {T:
+    [decode, aligned]}, "rejected", "failed"}``."""
+    from .ops import triton_moe
+    from .testing import random_moe_args
+
+    status = status or (lambda text: None)
+    note = note or (lambda text: None)
+    args = random_moe_args(spec, max(probes), dtype, device, std=0.02, seed=max(probes) + 1)
+    named = dict(zip(("router_w", "router_b", "correction_bias", "w13", "b13", "w2", "b2"), args[1:8]))
+    k, H, rejected, failed = spec.top_k, spec.hidden_size, 0, 0
+
+    def routing(T):
+        x = args[0][:T]
+        logits, _ = triton_moe.router_logits(x, {**named, "shared_gate_w": None}, spec)
+        return (x, *triton_moe.route(logits, named["correction_bias"], spec, x.dtype))
+
+    x, ids, weights = routing(probes[0])
+    d = triton_moe.direct(ids)
+    best = {}
+    for which in ("g1", "g2"):
+        ref_out, best_t = None, float("inf")
+        c0 = aligned_cfg[which]  # the aligned path's winner is a candidate too (as gemm1 / gemm2 DIRECT)
+        own = (c0["BLOCK_N"], c0["BLOCK_K"], c0["num_warps"], c0["num_stages"]) + (("pairs",) if which == "g2" else ())
+        cands = list(tiles[which]) + ([own] if own not in tiles[which] else [])
+        for i, tile in enumerate(cands):
+            c = _config(tile[:4], 16)
+            if which == "g2":
+                c["mode"] = tile[4]
+            status(f"decode {which} {i + 1}/{len(cands)}")
+            if which == "g1":
+                fn = lambda c=c: triton_moe.gemm1(x, named["w13"], named["b13"], spec, d, k, 16, c)  # noqa: E731
+            else:
+                out = torch.empty(x.shape[0], H, dtype=dtype, device=device)
+                fn = lambda c=c, out=out: triton_moe.decode_down(  # noqa: E731
+                    h, named["w2"], named["b2"], d[0], weights.reshape(-1), spec, out, None, None, c)
+            try:
+                got = fn()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+            except Exception as e:  # out of shared memory / registers for this tile
+                failed += 1
+                note(f"skip decode {which} {_tile(c)}: {type(e).__name__}")
+                continue
+            if ref_out is None:
+                ref_out = got.clone()
+            elif _rel(got, ref_out) > REL_TOL:
+                rejected += 1
+                note(f"REJECT decode {which} {_tile(c)}: rel err {_rel(got, ref_out):.2e}")
+                continue
+            t = bench_graph(fn, rep_ms, device)
+            note(f"decode T={probes[0]} {which} {_tile(c)}{' ' + c['mode'] if which == 'g2' else ''}: {t * 1e3:.1f} us")
+            if t < best_t:
+                best_t, best[which] = t, c
+        if which not in best:
+            raise TuneError(f"decode T={probes[0]}: no {which} candidate ran ({failed} failed, {rejected} rejected)")
+        if which == "g1":
+            h = triton_moe.gemm1(x, named["w13"], named["b13"], spec, d, k, 16, best["g1"])
+
+    ms, max_t = {}, 0
+    on = dict(aligned_cfg, decode=dict(max_t=1 << 30, g1=best["g1"], g2=best["g2"]))
+    off = dict(aligned_cfg, decode=dict(max_t=0))
+    for T in probes:
+        status(f"decode vs aligned T={T}")
+        x, ids, weights = routing(T)
+        outs = [torch.empty(T, H, dtype=dtype, device=device) for _ in range(2)]
+        fns = [lambda cfg=cfg, o=o: triton_moe.routed(x, ids, weights, named, spec, o, cfg=cfg)
+               for cfg, o in ((on, outs[0]), (off, outs[1]))]
+        got = [f().clone() for f in fns]
+        if _rel(got[0], got[1]) > REL_TOL:
+            rejected += 1
+            note(f"REJECT decode path at T={T}: rel err {_rel(got[0], got[1]):.2e} against the aligned path")
+            break
+        ms[T] = [bench_graph(f, rep_ms, device) for f in fns]
+        note(f"T={T:3d}: decode {ms[T][0] * 1e3:7.1f} us  aligned {ms[T][1] * 1e3:7.1f} us")
+        if ms[T][0] >= ms[T][1]:
+            break
+        max_t = T
+    del args
+    return dict(decode=dict(max_t=max_t, g1=best["g1"], g2=best["g2"]), ms=ms, rejected=rejected, failed=failed)
 
 
 # ------------------------------------------------------------------------------------------------------- files
@@ -420,6 +541,9 @@ def main(argv=None) -> int:
     if not tokens or min(tokens) < 1:
         raise SystemExit("--tokens: positive token counts, comma-separated")
     tiles = INTERPRET_TILES if a.interpret else TILES
+    dec_tiles = INTERPRET_DECODE_TILES if a.interpret else DECODE_TILES
+    if os.environ.pop("MOECOMP_DECODE_MAX_T", None) is not None:
+        print("[tune] MOECOMP_DECODE_MAX_T ignored while tuning (the tuner weighs both paths itself)", file=sys.stderr)
     gpu = tuning.device_key(device)
     path = _resolve_out(a.out, gpu, a.interpret)
     table = read_json(path)
@@ -466,7 +590,18 @@ def main(argv=None) -> int:
                 prog.finished(f"{short} T={T}: FAILED, nothing saved: {e}", None)
                 status = 1
                 continue
+            decode_ms = None
+            probes = decode_probes(T, tokens)
+            if probes:
+                try:
+                    rd = tune_decode(spec, probes, dtype, device, r["config"], dec_tiles, a.rep, status=prog.status,
+                                     note=prog.note)
+                    r["config"]["decode"], decode_ms = rd["decode"], {str(t): v for t, v in rd["ms"].items()}
+                except TuneError as e:
+                    prog.note(f"{short} T={T}: decode path not used: {e}", always=True)
+                    r["config"]["decode"] = dict(max_t=0)
             meta = dict(stamp, ms=r["ms"], align_ms=r["align_ms"], g1_ms=r["g1_ms"], g2_ms=r["g2_ms"],
+                        decode_ms=decode_ms,
                         block_m_ms=r["block_m_ms"], rejected=r["rejected"], failed=r["failed"], preset=label,
                         seconds=round(time.time() - t0, 2),
                         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
@@ -480,8 +615,14 @@ def main(argv=None) -> int:
             c = r["config"]
             extra = "".join(f", {r[n]} {n}" for n in ("rejected", "failed") if r[n])
             saved += 1
+            dec = ""
+            if "decode" in c:
+                dec = f"; decode up to T={c['decode']['max_t']}"
+                if decode_ms:
+                    dec += " (" + ", ".join(f"T={t}: {v[0] * 1e3:.1f} vs {v[1] * 1e3:.1f} us" for t, v in
+                                            decode_ms.items()) + ")"
             prog.finished(f"{short} T={T}: {r['ms'] * 1e3:.1f} us BM={c['BLOCK_M']} g1 {_tile(c['g1'])} g2 "
-                          f"{_tile(c['g2'])} ({time.time() - t0:.0f} s{extra})", time.time() - t0)
+                          f"{_tile(c['g2'])}{dec} ({time.time() - t0:.0f} s{extra})", time.time() - t0)
             if device.type == "cuda" and (i + 1 == len(todo) or todo[i + 1][0] != key):
                 torch.cuda.empty_cache()
     except KeyboardInterrupt:

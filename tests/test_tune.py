@@ -63,6 +63,20 @@ def test_tiny_tune_table_is_looked_up(lookup_dir, capsys):
             c = cfg[w]
             assert (c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]) in tiles[w]
     meta = _load(lookup_dir / "cpu.meta.json")[KEY]
+    dec_tiles = {w: {t[:4] for t in tune.INTERPRET_DECODE_TILES[w]} for w in ("g1", "g2")}
+    for bucket, probes in (("1", [1, 2, 4, 8]), ("16", [16, 32, 64])):  # T, 2T, 4T, 8T below the next bucket / 64
+        dec = table[KEY][bucket]["decode"]
+        measured = [int(t) for t in meta[bucket]["decode_ms"]]
+        assert measured == probes[:len(measured)] and measured, "probes in order, stopping at the first loss"
+        assert dec["max_t"] in [0] + measured
+        for w in ("g1", "g2"):
+            c, c0 = dec[w], table[KEY][bucket][w]  # a decode candidate, or the aligned winner (as DIRECT)
+            own = (c0["BLOCK_N"], c0["BLOCK_K"], c0["num_warps"], c0["num_stages"])
+            assert (c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]) in dec_tiles[w] | {own}
+        T = max(int(bucket), dec["max_t"])  # the bucket's largest decode size, or its first size
+        want = dec if T <= dec["max_t"] else None
+        assert tuning.decode_config(tuning.get_config(E, I, H, T, K, torch.float32, torch.device("cpu")), T,
+                                    torch.device("cpu")) == want
     for bucket in ("1", "16"):
         m = meta[bucket]
         assert m["ms"] > 0 and m["ms"] == pytest.approx(m["align_ms"] + m["g1_ms"] + m["g2_ms"])
@@ -86,8 +100,12 @@ def test_resume_skips_and_restart_redoes(tmp_path, bench_calls, capsys):
     assert len(bench_calls) == 2 * first
     assert tune.main([*ARGS, "--tokens", "1,16,64", "--out", out]) == 0  # only the new bucket is measured
     per_bm = 5  # align, 2 gemm1 candidates, 2 gemm2 candidates
-    assert first == per_bm * (len(tune.block_ms(1, K, E)) + len(tune.block_ms(16, K, E)))
-    assert len(bench_calls) - 2 * first == per_bm * len(tune.block_ms(64, K, E))
+    # decode (buckets 1 and 16): 2 + 2 tile candidates (the aligned winners, the first tiles under the fake timer,
+    # are among them), then decode and aligned at each probe (1, 2, 4, 8 and 16,
+    # 32, 64; the fake timer ranks the decode path, timed first, ahead at every one)
+    decode = (4 + 2 * 4) + (4 + 2 * 3)
+    assert first == per_bm * (len(tune.block_ms(1, K, E)) + len(tune.block_ms(16, K, E))) + decode
+    assert len(bench_calls) - 2 * first == per_bm * len(tune.block_ms(64, K, E))  # 64: no decode path measured
     assert set(_load(out)[KEY]) == {"1", "16", "64"}
 
 

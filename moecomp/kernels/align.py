@@ -18,6 +18,8 @@ Two ways, chosen by the launcher:
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _offsets_and_blocks(
@@ -70,7 +72,9 @@ def align_small_kernel(
     E_PAD: tl.constexpr,
     P_PAD: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     offs_p = tl.arange(0, P_PAD)
     p_ok = offs_p < P
     ids = tl.load(ids_ptr + offs_p, mask=p_ok, other=-1).to(tl.int32)  # [P_PAD]

@@ -8,6 +8,8 @@ fp32 sum, one store in the output dtype. One program per (token, BLOCK_H columns
 import triton
 import triton.language as tl
 
+from . import pdl
+
 from .activations import gated
 
 
@@ -27,7 +29,9 @@ def combine_kernel(
     HAS_SHARED: tl.constexpr,
     HAS_GATE: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H

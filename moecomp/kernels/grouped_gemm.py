@@ -8,13 +8,20 @@
         y[p(s), n] = (h[s] . w2_e[n] + b2) * weight[p(s)]                              y: [P, H] in pair order
 
 A program owns one BLOCK_M block of sorted rows (one expert) and BLOCK_N output columns; blocks past the number
-of padded rows (read on the device) return at once, so the grid is static and capturable. Weight matrices are
+of padded rows (read on the device) return at once, so the grid is static and capturable.
+
+DIRECT (decode, a few tokens): no alignment. ``sorted_ptr`` is the flat top-k ids [P] and a program owns one pair p
+(row 0 of its BLOCK_M tile; the other rows are masked): expert = ids[p]; gemm1 writes h[p] ([P, I], pair order)
+and gemm2 reads it. The tile's spare rows cost tensor-core slots, not memory traffic, and decode is bound by the
+weight bytes. Weight matrices are
 addressed through strides, so [out, in] and [in, out] layouts and concatenated or interleaved gate/up all run
 without copies. Offsets that can pass 2**31 (expert base, token row, pair row) are computed in int64.
 """
 
 import triton
 import triton.language as tl
+
+from . import pdl
 
 from .activations import act as _act
 from .activations import gated as _gated
@@ -31,6 +38,29 @@ def _block_ids(pid, n_cols, MAX_BLOCKS, BLOCK_N: tl.constexpr, GROUP_M: tl.const
     pid_m = first_m + (pid % per_group) % size_m
     pid_n = (pid % per_group) // size_m
     return pid_m, pid_n
+
+
+@triton.jit
+def _rows(sorted_ptr, block_expert_ptr, num_padded_ptr, P, n_cols, MAX_BLOCKS, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, DIRECT: tl.constexpr):
+    """(pid_m, pid_n, expert, offs_m = the tile's rows of h, pair [BLOCK_M], row_ok, dead = nothing to do)."""
+    if DIRECT:
+        num_n = tl.cdiv(n_cols, BLOCK_N)
+        pid_m = tl.program_id(0) // num_n  # the pair
+        pid_n = tl.program_id(0) % num_n
+        expert = tl.load(sorted_ptr + pid_m).to(tl.int64)
+        offs_m = pid_m + tl.arange(0, BLOCK_M) * 0
+        pair = offs_m
+        row_ok = tl.arange(0, BLOCK_M) == 0
+        dead = pid_m >= P
+    else:
+        pid_m, pid_n = _block_ids(tl.program_id(0), n_cols, MAX_BLOCKS, BLOCK_N, GROUP_M)
+        dead = pid_m * BLOCK_M >= tl.load(num_padded_ptr)
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)  # in bounds (pid_m < MAX_BLOCKS); unused if dead
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + offs_m)
+        row_ok = pair < P
+    return pid_m, pid_n, expert, offs_m, pair, row_ok, dead
 
 
 @triton.jit
@@ -68,15 +98,14 @@ def moe_gemm1_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     TILE_N: tl.constexpr,  # 2 * BLOCK_N when gated, else BLOCK_N
+    DIRECT: tl.constexpr = False,  # one pair per program, expert = sorted_ptr[pair] (see the module docstring)
+    USE_PDL: tl.constexpr = False,
 ):
-    pid_m, pid_n = _block_ids(tl.program_id(0), N_OUT, MAX_BLOCKS, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    pdl.enter(USE_PDL)
+    pid_m, pid_n, expert, offs_m, pair, row_ok, dead = _rows(
+        sorted_ptr, block_expert_ptr, num_padded_ptr, P, N_OUT, MAX_BLOCKS, BLOCK_M, BLOCK_N, GROUP_M, DIRECT)
+    if dead:
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
-    row_ok = pair < P
     tok = (pair // TOP_K).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     # One dot per K step over a [BLOCK_K, TILE_N] weight tile. Gated: tile column 2c is gate row n0 + c and
@@ -146,15 +175,14 @@ def moe_gemm2_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    DIRECT: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
-    pid_m, pid_n = _block_ids(tl.program_id(0), N, MAX_BLOCKS, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    pdl.enter(USE_PDL)
+    pid_m, pid_n, expert, offs_m, pair, row_ok, dead = _rows(
+        sorted_ptr, block_expert_ptr, num_padded_ptr, P, N, MAX_BLOCKS, BLOCK_M, BLOCK_N, GROUP_M, DIRECT)
+    if dead:
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
-    row_ok = pair < P
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)

@@ -12,6 +12,8 @@ N_GROUP contiguous groups, a group scored by its top-2 sum (or its max).
 import triton
 import triton.language as tl
 
+from . import pdl
+
 # SCORING codes
 SOFTMAX, SIGMOID, SQRTSOFTPLUS, IDENTITY = 0, 1, 2, 3
 
@@ -51,7 +53,9 @@ def route_topk_kernel(
     TOPK_GROUP: tl.constexpr,
     GROUP_BY_MAX: tl.constexpr,
     ROUND_TO: tl.constexpr,  # 0 keep fp32, 1 round weights through bf16, 2 through fp16
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     offs_e = tl.arange(0, BLOCK_E)  # [BE]

@@ -8,6 +8,11 @@ moe_forward, main stream                                   side stream (shared e
     moe_gemm2_kernel       -> y [P, H]   (routing weight fused)
     combine_kernel         -> out [T, H] = sum_k y (+ sigmoid(gate) * s)   <- waits for the side stream
 
+Decode (T <= the config's ``decode.max_t``): no alignment; moe_gemm1_kernel(DIRECT) -> h [P, I] in pair order, then
+moe_down_combine_kernel -> out [T, H] (down projection, routing weights, top-k sum and shared expert in one kernel),
+or moe_gemm2_kernel(DIRECT) + combine_kernel (the config's ``mode``). On Hopper every kernel here is launched with
+programmatic dependent launch (``_pdl``): the next launch overlaps the previous kernel's tail.
+
 Every size the kernels see on the device is static for a given T (worst-case block counts), nothing reads device
 memory on the host, so the whole op can be captured in a CUDA graph.
 """
@@ -21,7 +26,9 @@ import triton
 
 from ..kernels import align as align_k
 from ..kernels import combine as combine_k
+from ..kernels import decode as decode_k
 from ..kernels import grouped_gemm as gemm_k
+from ..kernels import pdl as pdl_k
 from ..kernels import routing as routing_k
 from .. import reference
 from ..spec import MoESpec
@@ -31,6 +38,20 @@ from .common import _interpret, _precision, _upcast  # noqa: F401  (used here an
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "none": 3}
 _ACT = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu_oai": 4, "relu2": 5}
 SMALL_P = 256  # single-program alignment up to this many (token, expert) pairs (MOECOMP_ALIGN_SMALL_P overrides)
+
+
+def _pdl(device: torch.device) -> dict:
+    """Launch options for programmatic dependent launch: on for CUDA devices of compute capability 9+ (Hopper) when
+    this Triton has grid dependency control, unless MOECOMP_PDL=0; {} (plain launches) otherwise."""
+    if device.type != "cuda" or _interpret() or os.environ.get("MOECOMP_PDL") == "0":
+        return {}
+    on = _pdl_devices.get(device.index)
+    if on is None:
+        on = _pdl_devices[device.index] = pdl_k.available() and torch.cuda.get_device_capability(device)[0] >= 9
+    return dict(USE_PDL=True, launch_pdl=True) if on else {}
+
+
+_pdl_devices: dict = {}
 
 
 def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -93,7 +114,7 @@ def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch
         BIAS_ON_LOGITS=spec.bias_on_logits, MASK_ZERO=spec.group_mask_zero and not plain_topk,
         N_GROUP=n_group, G_PAD=triton.next_power_of_2(n_group), TOPK_GROUP=1 if plain_topk else spec.topk_group,
         GROUP_BY_MAX=spec.group_score == "max", ROUND_TO=round_to,
-        num_warps=4 if block_e <= 256 else 8,
+        num_warps=4 if block_e <= 256 else 8, **_pdl(logits.device),
     )
     return ids, weights
 
@@ -115,7 +136,7 @@ def align(ids: torch.Tensor, E: int, block_m: int):
     if P <= int(os.environ.get("MOECOMP_ALIGN_SMALL_P", SMALL_P)):
         align_k.align_small_kernel[(1,)](
             flat, sorted_ids, block_expert, num_padded, P, E, max_blocks,
-            BLOCK_M=block_m, E_PAD=e_pad, P_PAD=max(16, triton.next_power_of_2(P)), BLOCK_B=block_b,
+            BLOCK_M=block_m, E_PAD=e_pad, P_PAD=max(16, triton.next_power_of_2(P)), BLOCK_B=block_b, **_pdl(dev),
         )
     else:
         counts = torch.zeros(E, dtype=torch.int32, device=dev)
@@ -139,15 +160,25 @@ def _w_strides(w: torch.Tensor, layout: str):
     return w.stride(0), w.stride(2), w.stride(1)
 
 
+def direct(ids: torch.Tensor):
+    """ids [T, k] -> the ``aligned`` tuple of the DIRECT (unaligned, one pair per program) GEMMs: (flat ids [P],
+    None, None, P). h is then [P, I] in pair order."""
+    flat = ids.reshape(-1)
+    if flat.numel() > 1 and flat.stride(0) != 1:
+        flat = flat.contiguous()
+    return flat, None, None, flat.numel()
+
+
 def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict) -> torch.Tensor:
-    """x [T, H] x w13 [E, 2I, H] over expert-sorted rows -> h [S, I] (activation fused)."""
+    """x [T, H] x w13 [E, 2I, H] over expert-sorted rows -> h [S, I] (activation fused); DIRECT (``direct``):
+    h [P, I] in pair order."""
     sorted_ids, block_expert, num_padded, max_blocks = aligned
     T, H = x.shape
     I = spec.intermediate_size
     h = torch.empty(sorted_ids.numel(), I, dtype=x.dtype, device=x.device)
     se, sn, sk = _w_strides(w13, spec.w_layout)
     interleaved = spec.gated and spec.gate_up == "interleaved"
-    grid = (max_blocks * triton.cdiv(I, c1["BLOCK_N"]),)
+    grid = (max_blocks * triton.cdiv(I, c1["BLOCK_N"]),)  # DIRECT: max_blocks = P
     gemm_k.moe_gemm1_kernel[grid](
         x, w13, b13, h, sorted_ids, block_expert, num_padded,
         T * k, k, I, H, max_blocks,
@@ -157,13 +188,14 @@ def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict) -> tor
         CLAMP=spec.activation_clamp,
         HAS_BIAS=b13 is not None, UPCAST=_upcast(x), DOT_PRECISION=_precision(x),
         BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
-        TILE_N=c1["BLOCK_N"] * (2 if spec.gated else 1), num_warps=c1["num_warps"], num_stages=c1["num_stages"],
+        TILE_N=c1["BLOCK_N"] * (2 if spec.gated else 1), DIRECT=block_expert is None,
+        num_warps=c1["num_warps"], num_stages=c1["num_stages"], **_pdl(x.device),
     )
     return h
 
 
 def gemm2(h, w2, b2, weights, spec: MoESpec, aligned, P: int, bm: int, c2: dict) -> torch.Tensor:
-    """h [S, I] x w2 [E, H, I] -> y [P, H] in pair order, each row times its routing weight."""
+    """h [S, I] x w2 [E, H, I] -> y [P, H] in pair order, each row times its routing weight (DIRECT: h [P, I])."""
     sorted_ids, block_expert, num_padded, max_blocks = aligned
     H, I = spec.hidden_size, spec.intermediate_size
     y = torch.empty(P, H, dtype=h.dtype, device=h.device)
@@ -174,10 +206,36 @@ def gemm2(h, w2, b2, weights, spec: MoESpec, aligned, P: int, bm: int, c2: dict)
         P, H, I, max_blocks,
         h.stride(0), se, sn, sk, 0 if b2 is None else b2.stride(0), y.stride(0),
         HAS_BIAS=b2 is not None, UPCAST=_upcast(h), DOT_PRECISION=_precision(h),
-        BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"],
-        num_warps=c2["num_warps"], num_stages=c2["num_stages"],
+        BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"], DIRECT=block_expert is None,
+        num_warps=c2["num_warps"], num_stages=c2["num_stages"], **_pdl(h.device),
     )
     return y
+
+
+def decode_down(h, w2, b2, ids_flat, weights, spec: MoESpec, out, shared, gate, c2: dict, join=None):
+    """Decode: h [P, I] (pair order) x w2 -> out [T, H] = sum_k weight * (h . w2_e + b2) (+ gated shared).
+    ``c2["mode"]``: "fused" (moe_down_combine_kernel, one launch) or "pairs" (gemm2 DIRECT -> y [P, H], then the
+    combine). ``join()`` runs before the first launch that reads ``shared``."""
+    T, H = out.shape
+    P = ids_flat.numel()
+    if c2.get("mode", "fused") == "pairs":
+        y = gemm2(h, w2, b2, weights, spec, (ids_flat, None, None, P), P, 16, c2)
+        if join is not None:
+            join()
+        return combine(y, T, P // T, out, shared, gate)
+    if join is not None:
+        join()
+    se, sn, sk = _w_strides(w2, spec.w_layout)
+    decode_k.moe_down_combine_kernel[(T * triton.cdiv(H, c2["BLOCK_N"]),)](
+        h, w2, b2, ids_flat, weights, shared, gate, out, H, spec.intermediate_size,
+        h.stride(0), se, sn, sk, 0 if b2 is None else b2.stride(0),
+        0 if shared is None else shared.stride(0), 0 if gate is None else gate.stride(0), out.stride(0),
+        TOP_K=P // T, HAS_BIAS=b2 is not None, HAS_SHARED=shared is not None,
+        HAS_GATE=gate is not None, UPCAST=_upcast(h), DOT_PRECISION=_precision(h),
+        BLOCK_M=16, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"],
+        num_warps=c2["num_warps"], num_stages=c2["num_stages"], **_pdl(h.device),
+    )
+    return out
 
 
 def experts(x, ids, weights, args: dict, spec: MoESpec, cfg: dict | None = None) -> torch.Tensor:
@@ -192,6 +250,28 @@ def experts(x, ids, weights, args: dict, spec: MoESpec, cfg: dict | None = None)
     return gemm2(h, args["w2"], _unit_stride(args["b2"]), weights, spec, aligned, T * k, bm, cfg["g2"])
 
 
+def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=None, cfg: dict | None = None,
+           join=None):
+    """The routed experts and the combine: x [T, H] -> out [T, H] = sum_k weight * expert(x) (+ gated shared).
+    Up to the config's ``decode.max_t`` tokens: the DIRECT gemm1 and ``decode_down`` (no alignment; the fused
+    down-combine or gemm2 DIRECT + combine); above, align + gemm1 + gemm2 + combine. ``join()`` (the shared experts' side stream) runs
+    just before the first kernel that reads ``shared``."""
+    T, H = x.shape
+    k = ids.shape[1]
+    if cfg is None:
+        cfg = tuning.get_config(spec.num_experts, spec.intermediate_size, H, T, k, x.dtype, x.device)
+    dec = tuning.decode_config(cfg, T, x.device)
+    if dec is None:
+        y = experts(x, ids, weights, args, spec, cfg)
+        if join is not None:
+            join()
+        return combine(y, T, k, out, shared, gate)
+    ids_direct = direct(ids)
+    h = gemm1(x, args["w13"], _unit_stride(args["b13"]), spec, ids_direct, k, 16, dec["g1"])
+    return decode_down(h, args["w2"], _unit_stride(args["b2"]), ids_direct[0], weights.reshape(-1), spec, out,
+                       shared, gate, dec["g2"], join)
+
+
 def combine(y: torch.Tensor, T: int, k: int, out: torch.Tensor, shared=None, gate=None) -> torch.Tensor:
     H = out.shape[1]
     if T == 0:
@@ -201,7 +281,7 @@ def combine(y: torch.Tensor, T: int, k: int, out: torch.Tensor, shared=None, gat
         y, shared, gate, out, H,
         y.stride(0), 0 if shared is None else shared.stride(0), 0 if gate is None else gate.stride(0), out.stride(0),
         TOP_K=k, K_PAD=triton.next_power_of_2(k), HAS_SHARED=shared is not None, HAS_GATE=gate is not None,
-        BLOCK_H=block_h, num_warps=4,
+        BLOCK_H=block_h, num_warps=4, **_pdl(out.device),
     )
     return out
 
@@ -267,13 +347,13 @@ def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
 
     logits, gate = router_logits(x2, args, spec)  # [T, E], [T] or None
     ids, weights = route(logits, args["correction_bias"], spec, x2.dtype)
-    y = experts(x2, ids, weights, args, spec)
 
-    if overlap:
+    def join():
         main.wait_stream(side)
         shared.record_stream(main)
         x2.record_stream(side)
-    return combine(y, T, spec.top_k, out, shared, gate).reshape(shape)
+
+    return routed(x2, ids, weights, args, spec, out, shared, gate, join=join if overlap else None).reshape(shape)
 
 
 def moe_experts(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.Tensor:
@@ -282,5 +362,4 @@ def moe_experts(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.T
     out = torch.empty_like(x2)
     if T == 0:
         return out
-    y = experts(x2, topk_ids.to(torch.int32), topk_weights.float().contiguous(), args, spec)
-    return combine(y, T, topk_ids.shape[1], out)
+    return routed(x2, topk_ids.to(torch.int32), topk_weights.float().contiguous(), args, spec, out)

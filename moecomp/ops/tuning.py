@@ -3,7 +3,9 @@
 Files live in ``moecomp/kernels/configs/<device>.json`` (device = ``torch.cuda.get_device_name()`` with spaces as
 ``_``). Each maps ``"E=<E>,N=<I>,K=<H>,dtype=<dtype>"`` to ``{"<M bucket>": config}`` where the bucket is the
 largest listed token count <= T; a config holds ``BLOCK_M`` (shared by alignment and both GEMMs) and per-GEMM
-``g1`` / ``g2`` dicts of ``BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages``. ``python -m moecomp tune``
+``g1`` / ``g2`` dicts of ``BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages``, and optionally ``decode``: ``max_t``
+(the decode path up to this many tokens) with its own ``g1`` (DIRECT gemm1) and ``g2`` (``mode`` "fused": the
+down-combine kernel, or "pairs": gemm2 DIRECT + combine) tiles; without it, ``decode_config``'s heuristic. ``python -m moecomp tune``
 (:mod:`moecomp.tune`; ``benchmarks/tune_moe.py`` wraps it) writes them, and their measurements to ``<device>.meta.json``.
 """
 
@@ -83,3 +85,25 @@ def get_config(E: int, N: int, K: int, T: int, top_k: int, dtype: torch.dtype, d
                 best = b
         return table[str(best)]
     return _heuristic(E, N, K, T, top_k, device)
+
+
+# The decode path's token limit for shapes without a tuned entry (MOECOMP_DECODE_MAX_T overrides; 0 turns it off).
+# Tuned on an H200 (2026-11-30), it won at T = 1-2 on every preset but DeepSeek-V3 and lost from T = 4-8 on.
+DECODE_MAX_T = 2
+
+
+def _decode_heuristic(device: torch.device) -> dict:
+    if device.type != "cuda":  # interpreter: small tiles; up to 8 tokens, so the CPU tests' T = 1, 5, 7 take this path
+        g = dict(BLOCK_N=16, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=1)
+        return dict(max_t=8, g1=g, g2=dict(g, mode="fused"))
+    g1 = dict(BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    g2 = dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3, mode="pairs")
+    return dict(max_t=DECODE_MAX_T, g1=g1, g2=g2)
+
+
+def decode_config(cfg: dict, T: int, device: torch.device) -> dict | None:
+    """The decode path's tiles when T is within its token limit, else None (the aligned path)."""
+    dec = cfg.get("decode") or _decode_heuristic(device)
+    override = os.environ.get("MOECOMP_DECODE_MAX_T")
+    max_t = int(override) if override else dec["max_t"]
+    return dec if T <= max_t else None

@@ -97,6 +97,43 @@ def test_alignment_large_path(cpu_backend, poison):
     check(spec, 150, torch.float32, seed=3)
 
 
+PATHS = {  # launches of each path: (align, gemm2, combine)
+    "aligned": (1, 1, 1),  # align, gemm1, gemm2, combine
+    "fused": (0, 0, 0),  # gemm1 DIRECT, moe_down_combine_kernel
+    "pairs": (0, 1, 1),  # gemm1 DIRECT, gemm2 DIRECT, combine
+}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("name", sorted(STYLES))
+def test_decode_and_aligned_paths(monkeypatch, poison, name, path):
+    """Each style through the Triton kernels at a decode size (T=5) on each routed path, which must be the path
+    taken (launches counted)."""
+    import json
+
+    from moecomp.ops import triton_moe, tuning
+
+    monkeypatch.setenv("MOECOMP_CPU_BACKEND", "triton")
+    monkeypatch.delenv("MOECOMP_DECODE_MAX_T", raising=False)
+    spec = STYLES[name]
+    cfg = tuning.get_config(spec.num_experts, spec.intermediate_size, spec.hidden_size, 5, spec.top_k,
+                            torch.float32, torch.device("cpu"))
+    tile = dict(BLOCK_N=16, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=1)
+    dec = dict(max_t=0) if path == "aligned" else dict(max_t=8, g1=tile, g2=dict(tile, mode=path))
+    monkeypatch.setenv("MOECOMP_CONFIG", json.dumps(dict(cfg, decode=dec)))
+    calls = dict.fromkeys(("align", "gemm2", "combine"), 0)
+    for fn in calls:
+        real = getattr(triton_moe, fn)
+
+        def counted(*a, _real=real, _fn=fn, **kw):
+            calls[_fn] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(triton_moe, fn, counted)
+    check(spec, 5, torch.float32, seed=len(name) + 7)
+    assert tuple(calls.values()) == PATHS[path]
+
+
 def test_leading_dims_kept(cpu_backend):
     spec = STYLES["mixtral"]
     args = random_moe_args(spec, 10, seed=1)

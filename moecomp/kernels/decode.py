@@ -1,0 +1,86 @@
+"""Decode down projection with the combine fused: one program per (token, BLOCK_N output columns).
+
+    for slot j < k:   p = t * k + j,  e = ids[p]
+        r_j = h[p] . w2_e[n0:n0+BLOCK_N]  (+ b2_e)              h: [P, I] in pair order (gemm1, DIRECT)
+    out[t, n] = sum_j weight[p] * r_j  (+ sigmoid(gate[t]) * shared[t, n])      fp32 sum, one store
+
+At a few tokens the routed path is bound by the experts' weight bytes and its launches; this drops the [P, H]
+per-pair buffer and the combine launch (``moecomp.ops.triton_moe.decode_down``'s "fused" mode). Each slot's dot runs
+on a BLOCK_M tile whose row 0 is the pair (the other rows are masked to 0). A program walks the k slots in turn, so
+there are only T * H / BLOCK_N programs: at T = 1 and a small H that is under one per SM, and the "pairs" mode
+(gemm2 DIRECT + combine) can win; the tuner measures both.
+"""
+
+import triton
+import triton.language as tl
+
+from . import pdl
+
+
+@triton.jit
+def moe_down_combine_kernel(
+    h_ptr,  # [P, K] pair order
+    w_ptr,  # expert weights, element (e, row n, col k) at e*stride_we + n*stride_wn + k*stride_wk
+    b_ptr,  # [E, N] bias or None
+    ids_ptr,  # [P] int32 expert of each pair
+    topk_w_ptr,  # [P] fp32 routing weights
+    shared_ptr,  # [T, N] shared-expert output or None
+    gate_ptr,  # [T] shared-expert gate logits (strided) or None
+    out_ptr,  # [T, N]
+    N,  # H
+    K,  # I
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_s,
+    stride_g,
+    stride_o,
+    TOP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    pdl.enter(USE_PDL)
+    num_n = tl.cdiv(N, BLOCK_N)
+    t = (tl.program_id(0) // num_n).to(tl.int64)
+    offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    row0 = tl.arange(0, BLOCK_M) == 0
+
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(TOP_K):
+        p = t * TOP_K + j
+        expert = tl.load(ids_ptr + p).to(tl.int64)
+        b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        a_ptrs = h_ptr + p * stride_hm + tl.arange(0, BLOCK_M)[:, None] * 0 + offs_k[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row0[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_wk
+        r = tl.sum(acc, axis=0)  # [BLOCK_N]: rows other than 0 are zero
+        if HAS_BIAS:
+            r += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        total += tl.load(topk_w_ptr + p) * r
+
+    if HAS_SHARED:
+        s = tl.load(shared_ptr + t * stride_s + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            s = s * tl.sigmoid(tl.load(gate_ptr + t * stride_g).to(tl.float32))
+        total += s
+    tl.store(out_ptr + t * stride_o + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
