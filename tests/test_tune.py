@@ -224,3 +224,27 @@ def test_gpu_tune_small_shape(lookup_dir):
     assert tune.main(["--shape", "8,128,256,2", "--tokens", "1,64", "--out", str(out), "--rep", "5"]) == 0
     cfg = tuning.get_config(8, 128, 256, 100, 2, torch.bfloat16, torch.device("cuda"))
     assert cfg == _load(out)[tuning.shape_key(8, 128, 256, torch.bfloat16)]["64"]
+
+
+def test_decode_probes():
+    assert tune.decode_probes(1, [1, 16, 128]) == [1, 2, 4, 8]
+    assert tune.decode_probes(16, [1, 16, 128]) == [16, 32, 64]  # below the next bucket and up to 64
+    assert tune.decode_probes(4, [1, 4, 8]) == [4]
+    assert tune.decode_probes(64, [1, 64]) == [] and tune.decode_probes(128, [128]) == []
+
+
+def test_fp16_reads_the_bf16_table_and_decode_limits(lookup_dir, monkeypatch):
+    """fp16 has bf16's element size and tensor-core rate: without an fp16 entry it takes the bf16 tiles (an fp32 or
+    another shape does not). A decode entry decides the decode path up to its max_t, MOECOMP_DECODE_MAX_T overrides."""
+    dev = torch.device("cpu")
+    entry = {"BLOCK_M": 32, "g1": {"BLOCK_N": 64}, "g2": {"BLOCK_N": 128},
+             "decode": {"max_t": 3, "g1": {"BLOCK_N": 16}, "g2": {"BLOCK_N": 32, "mode": "pairs"}}}
+    (lookup_dir / "cpu.json").write_text(json.dumps({tuning.shape_key(8, 64, 32, torch.bfloat16): {"1": entry}}))
+    tuning._table.cache_clear()
+    assert tuning.get_config(8, 64, 32, 2, 2, torch.float16, dev) == entry
+    assert tuning.get_config(8, 64, 32, 2, 2, torch.float32, dev) != entry
+    assert tuning.get_config(8, 64, 64, 2, 2, torch.float16, dev) != entry
+    assert tuning.decode_config(entry, 3, dev) == entry["decode"] and tuning.decode_config(entry, 4, dev) is None
+    assert tuning.decode_config({"BLOCK_M": 16, "decode": {"max_t": 0}}, 1, dev) is None  # tuned: never
+    monkeypatch.setenv("MOECOMP_DECODE_MAX_T", "0")
+    assert tuning.decode_config(entry, 1, dev) is None

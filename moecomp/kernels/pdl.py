@@ -12,13 +12,3 @@ def enter(USE_PDL: tl.constexpr):
     if USE_PDL:
         tlcuda.gdc_wait()
         tlcuda.gdc_launch_dependents()
-
-
-def available() -> bool:
-    """This Triton exposes grid dependency control and the ``launch_pdl`` launch option."""
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
-    return hasattr(tlcuda, "gdc_wait") and hasattr(tlcuda, "gdc_launch_dependents") and "launch_pdl" in fields

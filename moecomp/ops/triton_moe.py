@@ -28,7 +28,6 @@ from ..kernels import align as align_k
 from ..kernels import combine as combine_k
 from ..kernels import decode as decode_k
 from ..kernels import grouped_gemm as gemm_k
-from ..kernels import pdl as pdl_k
 from ..kernels import routing as routing_k
 from .. import reference
 from ..spec import MoESpec
@@ -47,11 +46,23 @@ def _pdl(device: torch.device) -> dict:
         return {}
     on = _pdl_devices.get(device.index)
     if on is None:
-        on = _pdl_devices[device.index] = pdl_k.available() and torch.cuda.get_device_capability(device)[0] >= 9
+        on = _pdl_devices[device.index] = _pdl_supported() and torch.cuda.get_device_capability(device)[0] >= 9
     return dict(USE_PDL=True, launch_pdl=True) if on else {}
 
 
 _pdl_devices: dict = {}
+
+
+def _pdl_supported() -> bool:
+    """This Triton has grid dependency control (``kernels/pdl.py`` uses it) and the ``launch_pdl`` launch option."""
+    from triton.language.extra import cuda as tlcuda
+
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
+    return hasattr(tlcuda, "gdc_wait") and hasattr(tlcuda, "gdc_launch_dependents") and "launch_pdl" in fields
 
 
 def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:

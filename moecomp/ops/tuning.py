@@ -76,7 +76,10 @@ def get_config(E: int, N: int, K: int, T: int, top_k: int, dtype: torch.dtype, d
     override = os.environ.get("MOECOMP_CONFIG")
     if override:
         return json.loads(override)
-    table = _table(device_key(device)).get(shape_key(E, N, K, dtype))
+    tables = _table(device_key(device))
+    table = tables.get(shape_key(E, N, K, dtype))
+    if not table and dtype == torch.float16:  # same element size and tensor-core rate: bf16's tiles, if tuned
+        table = tables.get(shape_key(E, N, K, torch.bfloat16))
     if table:
         buckets = sorted(int(b) for b in table)
         best = buckets[0]
