@@ -217,10 +217,10 @@ def decode_probes(T: int, tokens: list[int]) -> list[int]:
 def tune_decode(spec: MoESpec, probes: list[int], dtype: torch.dtype, device: torch.device, aligned_cfg: dict,
                 tiles: dict, rep_ms: float = 25, status=None, note=None) -> dict:
     """The decode path for one bucket: its tiles at ``probes[0]`` tokens (DIRECT gemm1, then ``decode_down``; the
-    candidates of ``tiles`` and the aligned winner's tiles, each checked against the first candidate), then the whole routed step (``triton_moe.routed``) on the decode
-    path and on the aligned path (``aligned_cfg``) at every probe, both in CUDA graphs. ``max_t`` is the largest
-    probe up to which the decode path won at every probe (0: never). Returns ``{"decode": config, "ms": {T:
-    [decode, aligned]}, "rejected", "failed"}``."""
+    candidates of ``tiles`` and the aligned winner's tiles, each checked against the first candidate), then the
+    whole routed step (``triton_moe.routed``) on the decode path and on the aligned path (``aligned_cfg``) at every
+    probe, both in CUDA graphs. ``max_t`` is the largest probe up to which the decode path won at every probe (0:
+    never). Returns ``{"decode": config, "ms": {T: [decode, aligned]}, "rejected", "failed"}``."""
     from .ops import triton_moe
     from .testing import random_moe_args
 

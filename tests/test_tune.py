@@ -248,3 +248,11 @@ def test_fp16_reads_the_bf16_table_and_decode_limits(lookup_dir, monkeypatch):
     assert tuning.decode_config({"BLOCK_M": 16, "decode": {"max_t": 0}}, 1, dev) is None  # tuned: never
     monkeypatch.setenv("MOECOMP_DECODE_MAX_T", "0")
     assert tuning.decode_config(entry, 1, dev) is None
+
+
+def test_forced_decode_on_an_entry_without_tiles(monkeypatch):
+    """MOECOMP_DECODE_MAX_T forces the decode path on where the tuner said never ({"max_t": 0}, no tiles): the
+    heuristic's tiles are used, not a KeyError."""
+    monkeypatch.setenv("MOECOMP_DECODE_MAX_T", "4")
+    dec = tuning.decode_config({"BLOCK_M": 16, "decode": {"max_t": 0}}, 3, torch.device("cpu"))
+    assert dec is not None and {"g1", "g2"} <= set(dec) and dec["g2"]["mode"] in ("fused", "pairs")

@@ -9,7 +9,6 @@ import triton
 import triton.language as tl
 
 from . import pdl
-
 from .activations import gated
 
 

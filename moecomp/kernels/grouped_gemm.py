@@ -8,21 +8,20 @@
         y[p(s), n] = (h[s] . w2_e[n] + b2) * weight[p(s)]                              y: [P, H] in pair order
 
 A program owns one BLOCK_M block of sorted rows (one expert) and BLOCK_N output columns; blocks past the number
-of padded rows (read on the device) return at once, so the grid is static and capturable.
+of padded rows (read on the device) return at once, so the grid is static and capturable. Weight matrices are
+addressed through strides, so [out, in] and [in, out] layouts and concatenated or interleaved gate/up all run
+without copies. Offsets that can pass 2**31 (expert base, token row, pair row) are computed in int64.
 
 DIRECT (decode, a few tokens): no alignment. ``sorted_ptr`` is the flat top-k ids [P] and a program owns one pair p
 (row 0 of its BLOCK_M tile; the other rows are masked): expert = ids[p]; gemm1 writes h[p] ([P, I], pair order)
 and gemm2 reads it. The tile's spare rows cost tensor-core slots, not memory traffic, and decode is bound by the
-weight bytes. Weight matrices are
-addressed through strides, so [out, in] and [in, out] layouts and concatenated or interleaved gate/up all run
-without copies. Offsets that can pass 2**31 (expert base, token row, pair row) are computed in int64.
+weight bytes; but pairs that share an expert read its weights once each, so this pays only at a few tokens.
 """
 
 import triton
 import triton.language as tl
 
 from . import pdl
-
 from .activations import act as _act
 from .activations import gated as _gated
 

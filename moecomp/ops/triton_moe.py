@@ -265,8 +265,8 @@ def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=No
            join=None):
     """The routed experts and the combine: x [T, H] -> out [T, H] = sum_k weight * expert(x) (+ gated shared).
     Up to the config's ``decode.max_t`` tokens: the DIRECT gemm1 and ``decode_down`` (no alignment; the fused
-    down-combine or gemm2 DIRECT + combine); above, align + gemm1 + gemm2 + combine. ``join()`` (the shared experts' side stream) runs
-    just before the first kernel that reads ``shared``."""
+    down-combine or gemm2 DIRECT + combine); above, align + gemm1 + gemm2 + combine. ``join()`` (the shared
+    experts' side stream) runs just before the first kernel that reads ``shared``."""
     T, H = x.shape
     k = ids.shape[1]
     if cfg is None:

@@ -3,10 +3,11 @@
 Files live in ``moecomp/kernels/configs/<device>.json`` (device = ``torch.cuda.get_device_name()`` with spaces as
 ``_``). Each maps ``"E=<E>,N=<I>,K=<H>,dtype=<dtype>"`` to ``{"<M bucket>": config}`` where the bucket is the
 largest listed token count <= T; a config holds ``BLOCK_M`` (shared by alignment and both GEMMs) and per-GEMM
-``g1`` / ``g2`` dicts of ``BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages``, and optionally ``decode``: ``max_t``
-(the decode path up to this many tokens) with its own ``g1`` (DIRECT gemm1) and ``g2`` (``mode`` "fused": the
-down-combine kernel, or "pairs": gemm2 DIRECT + combine) tiles; without it, ``decode_config``'s heuristic. ``python -m moecomp tune``
-(:mod:`moecomp.tune`; ``benchmarks/tune_moe.py`` wraps it) writes them, and their measurements to ``<device>.meta.json``.
+``g1`` / ``g2`` dicts of ``BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages``, and optionally ``decode``:
+``max_t`` (the decode path up to this many tokens) with its own ``g1`` (DIRECT gemm1) and ``g2`` (``mode``
+"fused": the down-combine kernel, or "pairs": gemm2 DIRECT + combine) tiles; without it, ``decode_config``'s
+heuristic. ``python -m moecomp tune`` (:mod:`moecomp.tune`; ``benchmarks/tune_moe.py`` wraps it) writes them, and
+their measurements to ``<device>.meta.json``.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def get_config(E: int, N: int, K: int, T: int, top_k: int, dtype: torch.dtype, d
 
 
 # The decode path's token limit for shapes without a tuned entry (MOECOMP_DECODE_MAX_T overrides; 0 turns it off).
-# Tuned on an H200 (2026-11-30), it won at T = 1-2 on every preset but DeepSeek-V3 and lost from T = 4-8 on.
+# Tuned on an H200 (2026-11-30), it won up to T = 2 on every preset but DeepSeek-V3 (up to 4 on three of them) and
+# lost from T = 4-8 on.
 DECODE_MAX_T = 2
 
 
@@ -105,8 +107,11 @@ def _decode_heuristic(device: torch.device) -> dict:
 
 
 def decode_config(cfg: dict, T: int, device: torch.device) -> dict | None:
-    """The decode path's tiles when T is within its token limit, else None (the aligned path)."""
+    """The decode path's tiles when T is within its token limit, else None (the aligned path). An entry without
+    tiles (tuned: never) takes the heuristic's when MOECOMP_DECODE_MAX_T forces the path on."""
     dec = cfg.get("decode") or _decode_heuristic(device)
     override = os.environ.get("MOECOMP_DECODE_MAX_T")
     max_t = int(override) if override else dec["max_t"]
-    return dec if T <= max_t else None
+    if T > max_t:
+        return None
+    return dec if "g1" in dec else dict(_decode_heuristic(device), max_t=dec["max_t"])
