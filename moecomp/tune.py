@@ -207,7 +207,7 @@ def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, 
 
 def decode_probes(T: int, tokens: list[int]) -> list[int]:
     """Token counts at which a bucket's decode path is weighed against its aligned path: T, 2T, 4T, 8T below the
-    next bucket (and below DECODE_BUCKETS_BELOW); [] for buckets from DECODE_BUCKETS_BELOW up."""
+    next bucket and up to DECODE_BUCKETS_BELOW; [] for buckets from DECODE_BUCKETS_BELOW up."""
     if T >= DECODE_BUCKETS_BELOW:
         return []
     nxt = min([b for b in tokens if b > T] + [DECODE_BUCKETS_BELOW + 1])
