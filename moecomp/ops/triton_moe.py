@@ -37,6 +37,7 @@ from .common import _interpret, _precision, _upcast  # noqa: F401  (used here an
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "none": 3}
 _ACT = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu_oai": 4, "relu2": 5}
 SMALL_P = 256  # single-program alignment up to this many (token, expert) pairs (MOECOMP_ALIGN_SMALL_P overrides)
+ROUTE_ELEMS = 4096  # tokens x experts (padded) per routing program at most (MOECOMP_ROUTE_ELEMS overrides)
 
 
 def _pdl(device: torch.device) -> dict:
@@ -105,7 +106,10 @@ def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch
     if T == 0:
         return ids, weights
     block_e = triton.next_power_of_2(E)
-    block_t = max(1, min(16, 4096 // block_e, triton.next_power_of_2(T)))
+    # one program holds [block_t, block_e] fp32 tensors: MOECOMP_ROUTE_ELEMS caps their size (to measure spills:
+    # the DeepSeek-V3 T=16 breakdown has this kernel at 81 us against 4 us at T=1)
+    elems = int(os.environ.get("MOECOMP_ROUTE_ELEMS", ROUTE_ELEMS))
+    block_t = max(1, min(16, elems // block_e, triton.next_power_of_2(T)))
     round_to = 0
     if spec.round_weights:
         round_to = {torch.bfloat16: 1, torch.float16: 2}.get(out_dtype, 0)

@@ -80,3 +80,19 @@ def test_new_routing_fields_change_the_routing(field, value):
     assert torch.equal(ids1.long().sort(1).values, rids1.sort(1).values)
     changed = not torch.equal(ids0.sort(1).values, rids1.sort(1).values) or not torch.allclose(w0.sum(1), rw1.sum(1))
     assert changed, f"{field}={value} made no difference on this data"
+
+
+@pytest.mark.parametrize("elems", [32, 64, 4096])
+def test_routing_program_size_changes_nothing(monkeypatch, elems):
+    """MOECOMP_ROUTE_ELEMS sets how many tokens one routing program takes (1, 2 or 16 here at 32 experts): the ids
+    and weights are those of the reference whatever the tiling (grouped sigmoid routing, T=21: a partial last tile)."""
+    spec = MoESpec(hidden_size=8, intermediate_size=8, **CASES[4])
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(21, spec.num_experts, generator=g) * 3
+    bias = torch.randn(spec.num_experts, generator=g) * 0.1
+    monkeypatch.setenv("MOECOMP_ROUTE_ELEMS", str(elems))
+    ids, w = triton_moe.route(logits, bias, spec, torch.float32)
+    rw, rids = reference.route(logits, bias, spec)
+    assert torch.equal(ids.long().sort(1).values, rids.sort(1).values)
+    order_k, order_r = ids.long().argsort(1), rids.argsort(1)
+    torch.testing.assert_close(w.gather(1, order_k), rw.gather(1, order_r), rtol=1e-6, atol=1e-7)
