@@ -115,6 +115,25 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+def _run_checked(fn, ref_out, label: str, note, device: torch.device, rows=None):
+    """Run one candidate once: ("failed", None) when it does not compile or launch (out of shared memory or
+    registers for its tile), ("rejected", out) when its output (``rows`` of it, if given) is further than REL_TOL
+    from ``ref_out`` (the first candidate that ran), else ("ok", out)."""
+    try:
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    except Exception as e:
+        note(f"skip {label}: {type(e).__name__}")
+        return "failed", None
+    if rows is not None:
+        out = out[rows]
+    if ref_out is not None and _rel(out, ref_out) > REL_TOL:
+        note(f"REJECT {label}: rel err {_rel(out, ref_out):.2e}")
+        return "rejected", out
+    return "ok", out
+
+
 def _tile(c: dict) -> str:
     """A GEMM config in short: BLOCK_NxBLOCK_K/w<num_warps>s<num_stages> (GROUP_M follows BLOCK_M)."""
     return f"{c['BLOCK_N']}x{c['BLOCK_K']}/w{c['num_warps']}s{c['num_stages']}"
@@ -135,7 +154,6 @@ def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, 
 
     status = status or (lambda text: None)
     note = note or (lambda text: None)
-    cuda = device.type == "cuda"
     args = random_moe_args(spec, T, dtype, device, std=0.02, seed=T)
     x = args[0]
     named = dict(zip(("router_w", "router_b", "correction_bias", "w13", "b13", "w2", "b2"), args[1:8]))
@@ -147,6 +165,8 @@ def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, 
     for bm in block_ms(T, k, E):
         status(f"BM={bm} align")
         aligned = triton_moe.align(ids, E, bm)
+        # gemm1 never writes padding rows or rows past num_padded: its candidates are compared on the real rows
+        real_rows = (aligned[0] < P) & (torch.arange(aligned[0].numel(), device=device) < aligned[2])
         t_align = bench_graph(lambda: triton_moe.align(ids, E, bm), rep_ms, device)
         res = {}
         for which in ("g1", "g2"):
@@ -164,23 +184,14 @@ def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, 
                 else:
                     h = res["h"]
                     fn = lambda c=c: triton_moe.gemm2(h, w2, b2, weights, spec, aligned, P, bm, c)  # noqa: E731
-                try:
-                    out = fn()
-                    if cuda:
-                        torch.cuda.synchronize()
-                except Exception as e:  # out of shared memory / registers for this tile
-                    failed += 1
-                    note(f"skip T={T} BM={bm} {which} {_tile(c)}: {type(e).__name__}")
+                verdict, out = _run_checked(fn, ref_out, f"T={T} BM={bm} {which} {_tile(c)}", note, device,
+                                            real_rows if which == "g1" else None)
+                failed += verdict == "failed"
+                rejected += verdict == "rejected"
+                if verdict != "ok":
                     continue
-                if which == "g1":  # padding rows and rows past num_padded are never written: real rows only
-                    real = (aligned[0] < P) & (torch.arange(aligned[0].numel(), device=device) < aligned[2])
-                    out = out[real]
                 if ref_out is None:
                     ref_out = out.clone()
-                elif _rel(out, ref_out) > REL_TOL:
-                    rejected += 1
-                    note(f"REJECT T={T} BM={bm} {which} {_tile(c)}: rel err {_rel(out, ref_out):.2e}")
-                    continue
                 t = bench_graph(fn, rep_ms, device)
                 if t < best_t:
                     best_t, best_c = t, c
@@ -254,20 +265,13 @@ def tune_decode(spec: MoESpec, probes: list[int], dtype: torch.dtype, device: to
                 out = torch.empty(x.shape[0], H, dtype=dtype, device=device)
                 fn = lambda c=c, out=out: triton_moe.decode_down(  # noqa: E731
                     h, named["w2"], named["b2"], d[0], weights.reshape(-1), spec, out, None, None, c)
-            try:
-                got = fn()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-            except Exception as e:  # out of shared memory / registers for this tile
-                failed += 1
-                note(f"skip decode {which} {_tile(c)}: {type(e).__name__}")
+            verdict, got = _run_checked(fn, ref_out, f"decode {which} {_tile(c)}", note, device)
+            failed += verdict == "failed"
+            rejected += verdict == "rejected"
+            if verdict != "ok":
                 continue
             if ref_out is None:
                 ref_out = got.clone()
-            elif _rel(got, ref_out) > REL_TOL:
-                rejected += 1
-                note(f"REJECT decode {which} {_tile(c)}: rel err {_rel(got, ref_out):.2e}")
-                continue
             t = bench_graph(fn, rep_ms, device)
             note(f"decode T={probes[0]} {which} {_tile(c)}{' ' + c['mode'] if which == 'g2' else ''}: {t * 1e3:.1f} us")
             if t < best_t:
