@@ -72,7 +72,7 @@ def align_small_kernel(
     E_PAD: tl.constexpr,
     P_PAD: tl.constexpr,
     BLOCK_B: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = 0,
 ):
     pdl.enter(USE_PDL)
     offs_p = tl.arange(0, P_PAD)

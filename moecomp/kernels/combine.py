@@ -28,7 +28,7 @@ def combine_kernel(
     HAS_SHARED: tl.constexpr,
     HAS_GATE: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = 0,
 ):
     pdl.enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)

@@ -46,7 +46,7 @@ def moe_down_combine_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = 0,
 ):
     pdl.enter(USE_PDL)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -77,6 +77,7 @@ def moe_down_combine_kernel(
         if HAS_BIAS:
             r += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         total += tl.load(topk_w_ptr + p) * r
+    pdl.release(USE_PDL)
 
     if HAS_SHARED:
         s = tl.load(shared_ptr + t * stride_s + offs_n, mask=n_ok, other=0.0).to(tl.float32)

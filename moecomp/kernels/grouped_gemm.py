@@ -98,7 +98,7 @@ def moe_gemm1_kernel(
     GROUP_M: tl.constexpr,
     TILE_N: tl.constexpr,  # 2 * BLOCK_N when gated, else BLOCK_N
     DIRECT: tl.constexpr = False,  # one pair per program, expert = sorted_ptr[pair] (see the module docstring)
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = 0,
 ):
     pdl.enter(USE_PDL)
     pid_m, pid_n, expert, offs_m, pair, row_ok, dead = _rows(
@@ -131,6 +131,7 @@ def moe_gemm1_kernel(
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_wk
+    pdl.release(USE_PDL)
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert * stride_be + w_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -175,7 +176,7 @@ def moe_gemm2_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DIRECT: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = 0,
 ):
     pdl.enter(USE_PDL)
     pid_m, pid_n, expert, offs_m, pair, row_ok, dead = _rows(
@@ -200,6 +201,7 @@ def moe_gemm2_kernel(
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_wk
+    pdl.release(USE_PDL)
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]

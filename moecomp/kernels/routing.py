@@ -6,7 +6,8 @@ r"""Fused routing: scores -> (grouped) top-k -> renormalise -> scale, one launch
 
 One program owns BLOCK_T tokens and all E experts (padded to BLOCK_E). Top-k is k rounds of arg-max, ties going to
 the lower expert index (``moecomp.reference`` does the same). Group-limited selection keeps the TOPK_GROUP best of
-N_GROUP contiguous groups, a group scored by its top-2 sum (or its max).
+N_GROUP contiguous groups, a group scored by its top-2 sum (or its max): on a [BLOCK_T, N_GROUP, GROUP_SIZE] view of
+the tile when the experts fill it exactly (GROUP_3D), else by one masked pass per group.
 """
 
 import triton
@@ -52,8 +53,10 @@ def route_topk_kernel(
     G_PAD: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
     GROUP_BY_MAX: tl.constexpr,
+    GROUP_3D: tl.constexpr,  # E == BLOCK_E and GROUP_SIZE = E / N_GROUP: per-group reductions on a 3-D view
+    GROUP_SIZE: tl.constexpr,
     ROUND_TO: tl.constexpr,  # 0 keep fp32, 1 round weights through bf16, 2 through fp16
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = 0,
 ):
     pdl.enter(USE_PDL)
     pid = tl.program_id(0)
@@ -87,30 +90,44 @@ def route_topk_kernel(
     choice = tl.where(e_ok[None, :], choice, neg)
 
     if N_GROUP > 1:
-        gsize = E // N_GROUP
-        gid = offs_e // gsize  # [BE]
         offs_g = tl.arange(0, G_PAD)
-        gscore = tl.full([BLOCK_T, G_PAD], neg, tl.float32)
-        for g in tl.static_range(N_GROUP):
-            v = tl.where((gid == g)[None, :], choice, neg)
+        gid = offs_e // (E // N_GROUP)  # [BE] group of each expert
+        if GROUP_3D:
+            # E == BLOCK_E == N_GROUP * GROUP_SIZE (so G_PAD == N_GROUP): every group reduced at once on a 3-D view
+            v3 = tl.reshape(choice, [BLOCK_T, N_GROUP, GROUP_SIZE])
             if GROUP_BY_MAX:
-                s_g = tl.max(v, axis=1)
+                gscore = tl.max(v3, axis=2)  # [BT, G]
             else:
-                i1 = tl.argmax(v, axis=1, tie_break_left=True)
-                m1 = tl.max(v, axis=1)
-                m2 = tl.max(tl.where(offs_e[None, :] == i1[:, None], neg, v), axis=1)
-                s_g = m1 + m2
-            gscore = tl.where(offs_g[None, :] == g, s_g[:, None], gscore)
+                offs_s = tl.arange(0, GROUP_SIZE)
+                i1 = tl.argmax(v3, axis=2, tie_break_left=True)
+                m1 = tl.max(v3, axis=2)
+                gscore = m1 + tl.max(tl.where(offs_s[None, None, :] == i1[:, :, None], neg, v3), axis=2)
+        else:
+            # one masked pass over the whole [BT, BE] tile per group
+            gscore = tl.full([BLOCK_T, G_PAD], neg, tl.float32)
+            for g in tl.static_range(N_GROUP):
+                v = tl.where((gid == g)[None, :], choice, neg)
+                if GROUP_BY_MAX:
+                    s_g = tl.max(v, axis=1)
+                else:
+                    i1 = tl.argmax(v, axis=1, tie_break_left=True)
+                    m1 = tl.max(v, axis=1)
+                    s_g = m1 + tl.max(tl.where(offs_e[None, :] == i1[:, None], neg, v), axis=1)
+                gscore = tl.where(offs_g[None, :] == g, s_g[:, None], gscore)
         keep_g = tl.zeros([BLOCK_T, G_PAD], tl.int32)
         for _ in tl.static_range(TOPK_GROUP):
             gi = tl.argmax(gscore, axis=1, tie_break_left=True)
             hit = offs_g[None, :] == gi[:, None]
             keep_g = tl.where(hit, 1, keep_g)
             gscore = tl.where(hit, neg, gscore)
-        keep_e = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
-        for g in tl.static_range(N_GROUP):
-            kg = tl.sum(tl.where(offs_g[None, :] == g, keep_g, 0), axis=1)  # [BT]
-            keep_e = tl.where((gid == g)[None, :], kg[:, None], keep_e)
+        if GROUP_3D:
+            keep_e = tl.reshape(tl.broadcast_to(keep_g[:, :, None], [BLOCK_T, N_GROUP, GROUP_SIZE]),
+                                [BLOCK_T, BLOCK_E])
+        else:
+            keep_e = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
+            for g in tl.static_range(N_GROUP):
+                kg = tl.sum(tl.where(offs_g[None, :] == g, keep_g, 0), axis=1)  # [BT]
+                keep_e = tl.where((gid == g)[None, :], kg[:, None], keep_e)
         if MASK_ZERO:
             choice = tl.where(keep_e > 0, choice, tl.where(e_ok[None, :], 0.0, neg))
         else:

@@ -37,18 +37,23 @@ from .common import _interpret, _precision, _upcast  # noqa: F401  (used here an
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "none": 3}
 _ACT = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu_oai": 4, "relu2": 5}
 SMALL_P = 256  # single-program alignment up to this many (token, expert) pairs (MOECOMP_ALIGN_SMALL_P overrides)
-ROUTE_ELEMS = 4096  # tokens x experts (padded) per routing program at most (MOECOMP_ROUTE_ELEMS overrides)
+ROUTE_ONE_TOKEN_T = 1024  # up to this many tokens, one token per routing program (``route_tiles``)
+ROUTE_ELEMS = 2048  # above: tokens x experts (padded) per routing program at most (MOECOMP_ROUTE_ELEMS overrides)
 
 
-def _pdl(device: torch.device) -> dict:
+def _pdl(device: torch.device, gemm: bool = False) -> dict:
     """Launch options for programmatic dependent launch: on for CUDA devices of compute capability 9+ (Hopper) when
-    this Triton has grid dependency control, unless MOECOMP_PDL=0; {} (plain launches) otherwise."""
-    if device.type != "cuda" or _interpret() or os.environ.get("MOECOMP_PDL") == "0":
+    this Triton has grid dependency control, unless MOECOMP_PDL=0; {} (plain launches) otherwise. A GEMM lets the
+    next kernel launch after its main loop (USE_PDL 2, ``kernels/pdl.py``), or at its start under MOECOMP_PDL=early
+    (1, as every other kernel does). Signalling late was as fast or faster at T = 1, 2, 16 on all five presets
+    (H200; Mixtral T=1 191 us against 206 us; ``benchmarks/diag_kernels.py --parts pdl``, same JSON)."""
+    mode = os.environ.get("MOECOMP_PDL")
+    if device.type != "cuda" or _interpret() or mode == "0":
         return {}
     on = _pdl_devices.get(device.index)
     if on is None:
         on = _pdl_devices[device.index] = _pdl_supported() and torch.cuda.get_device_capability(device)[0] >= 9
-    return dict(USE_PDL=True, launch_pdl=True) if on else {}
+    return dict(USE_PDL=1 if mode == "early" or not gemm else 2, launch_pdl=True) if on else {}
 
 
 _pdl_devices: dict = {}
@@ -98,38 +103,55 @@ def router_logits(x: torch.Tensor, args: dict, spec: MoESpec) -> tuple[torch.Ten
     return logits, None
 
 
-def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch.dtype):
-    """logits [T, E] (any row stride) -> ids [T, k] int32, weights [T, k] fp32."""
+def route_tiles(T: int, E: int, n_group: int) -> dict:
+    """The routing kernel's launch shape for T tokens of E experts: ``block_t`` tokens per program, ``num_warps``, and
+    ``group_3d`` (per-group reductions on a 3-D view, when E fills its power of two and splits into equal groups).
+
+    Measured on an H200 (``benchmarks/diag_kernels.py --parts route``;
+    benchmarks/results/nvidia-h200-2026-11-30-47f803a-diag.json): one token per one-warp program is the fastest up to T=128 for 8 to 256 experts, and at every T for 256 experts
+    (DeepSeek-V3 at T=16: 7.0 us against 85 us for the 16-token, 4-warp program, whose [16, 256] fp32 tiles spill);
+    at T=8192 and E <= 128, 16-token 4-warp programs win (Mixtral 5.6 us against 14.2). Above 256 experts (not
+    measured) one token per program with a warp per 256 experts. MOECOMP_ROUTE_ELEMS caps block_t * next_pow2(E) of
+    the many-token programs (default ROUTE_ELEMS)."""
+    block_e = triton.next_power_of_2(E)
+    group_3d = n_group > 1 and E == block_e and E % n_group == 0
+    if T <= ROUTE_ONE_TOKEN_T or block_e > 128:
+        return dict(block_t=1, num_warps=max(1, block_e // 256), group_3d=group_3d)
+    elems = int(os.environ.get("MOECOMP_ROUTE_ELEMS", ROUTE_ELEMS))
+    return dict(block_t=max(1, min(16, elems // block_e)), num_warps=4, group_3d=group_3d)
+
+
+def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch.dtype, tiles: dict | None = None):
+    """logits [T, E] (any row stride) -> ids [T, k] int32, weights [T, k] fp32. ``tiles`` (``route_tiles``'s keys)
+    overrides the launch shape (the routing sweep in benchmarks/ uses it)."""
     T, E, k = logits.shape[0], spec.num_experts, spec.top_k
     ids = torch.empty(T, k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     if T == 0:
         return ids, weights
-    block_e = triton.next_power_of_2(E)
-    # one program holds [block_t, block_e] fp32 tensors: MOECOMP_ROUTE_ELEMS caps their size (to measure spills:
-    # the DeepSeek-V3 T=16 breakdown has this kernel at 81 us against 4 us at T=1)
-    elems = int(os.environ.get("MOECOMP_ROUTE_ELEMS", ROUTE_ELEMS))
-    block_t = max(1, min(16, elems // block_e, triton.next_power_of_2(T)))
-    round_to = 0
-    if spec.round_weights:
-        round_to = {torch.bfloat16: 1, torch.float16: 2}.get(out_dtype, 0)
-    grid = (triton.cdiv(T, block_t),)
-    correction_bias = _unit_stride(correction_bias)
     # "topk_then_score" is top-k of the raw logits, then softmax over the chosen (moecomp.reference): no correction
     # bias and no group-limited selection take part, whatever else the spec says (the kernel would apply both).
     plain_topk = spec.score_order == "topk_then_score"
     n_group = 1 if plain_topk else spec.n_group
+    tiles = {**route_tiles(T, E, n_group), **(tiles or {})}
+    block_e = triton.next_power_of_2(E)
+    group_3d = bool(tiles["group_3d"]) and n_group > 1 and E == block_e and E % n_group == 0
+    round_to = 0
+    if spec.round_weights:
+        round_to = {torch.bfloat16: 1, torch.float16: 2}.get(out_dtype, 0)
+    grid = (triton.cdiv(T, tiles["block_t"]),)
+    correction_bias = _unit_stride(correction_bias)
     routing_k.route_topk_kernel[grid](
         logits, correction_bias, ids, weights,
         T, E, logits.stride(0),
         float(spec.routed_scaling_factor), float(spec.renorm_eps), float(spec.renorm_min),
-        TOP_K=k, K_PAD=triton.next_power_of_2(k), BLOCK_T=block_t, BLOCK_E=block_e,
+        TOP_K=k, K_PAD=triton.next_power_of_2(k), BLOCK_T=tiles["block_t"], BLOCK_E=block_e,
         SCORING=_SCORING[spec.scoring], TOPK_THEN_SCORE=plain_topk,
         RENORM=spec.renormalize, HAS_BIAS=spec.has_correction_bias and not plain_topk,
         BIAS_ON_LOGITS=spec.bias_on_logits, MASK_ZERO=spec.group_mask_zero and not plain_topk,
         N_GROUP=n_group, G_PAD=triton.next_power_of_2(n_group), TOPK_GROUP=1 if plain_topk else spec.topk_group,
-        GROUP_BY_MAX=spec.group_score == "max", ROUND_TO=round_to,
-        num_warps=4 if block_e <= 256 else 8, **_pdl(logits.device),
+        GROUP_BY_MAX=spec.group_score == "max", GROUP_3D=group_3d, GROUP_SIZE=E // n_group if group_3d else 1,
+        ROUND_TO=round_to, num_warps=tiles["num_warps"], **_pdl(logits.device),
     )
     return ids, weights
 
@@ -204,7 +226,7 @@ def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict) -> tor
         HAS_BIAS=b13 is not None, UPCAST=_upcast(x), DOT_PRECISION=_precision(x),
         BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
         TILE_N=c1["BLOCK_N"] * (2 if spec.gated else 1), DIRECT=block_expert is None,
-        num_warps=c1["num_warps"], num_stages=c1["num_stages"], **_pdl(x.device),
+        num_warps=c1["num_warps"], num_stages=c1["num_stages"], **_pdl(x.device, gemm=True),
     )
     return h
 
@@ -222,7 +244,7 @@ def gemm2(h, w2, b2, weights, spec: MoESpec, aligned, P: int, bm: int, c2: dict)
         h.stride(0), se, sn, sk, 0 if b2 is None else b2.stride(0), y.stride(0),
         HAS_BIAS=b2 is not None, UPCAST=_upcast(h), DOT_PRECISION=_precision(h),
         BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"], DIRECT=block_expert is None,
-        num_warps=c2["num_warps"], num_stages=c2["num_stages"], **_pdl(h.device),
+        num_warps=c2["num_warps"], num_stages=c2["num_stages"], **_pdl(h.device, gemm=True),
     )
     return y
 
@@ -248,7 +270,7 @@ def decode_down(h, w2, b2, ids_flat, weights, spec: MoESpec, out, shared, gate, 
         TOP_K=P // T, HAS_BIAS=b2 is not None, HAS_SHARED=shared is not None,
         HAS_GATE=gate is not None, UPCAST=_upcast(h), DOT_PRECISION=_precision(h),
         BLOCK_M=16, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"],
-        num_warps=c2["num_warps"], num_stages=c2["num_stages"], **_pdl(h.device),
+        num_warps=c2["num_warps"], num_stages=c2["num_stages"], **_pdl(h.device, gemm=True),
     )
     return out
 

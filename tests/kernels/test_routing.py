@@ -82,17 +82,37 @@ def test_new_routing_fields_change_the_routing(field, value):
     assert changed, f"{field}={value} made no difference on this data"
 
 
-@pytest.mark.parametrize("elems", [32, 64, 4096])
-def test_routing_program_size_changes_nothing(monkeypatch, elems):
-    """MOECOMP_ROUTE_ELEMS sets how many tokens one routing program takes (1, 2 or 16 here at 32 experts): the ids
-    and weights are those of the reference whatever the tiling (grouped sigmoid routing, T=21: a partial last tile)."""
-    spec = MoESpec(hidden_size=8, intermediate_size=8, **CASES[4])
+GROUPED = [CASES[4], CASES[5], CASES[11], CASES[12], dict(num_experts=64, top_k=6, n_group=8, topk_group=3,
+                                                              group_score="max", scoring="sigmoid")]
+
+
+@pytest.mark.parametrize("case", GROUPED, ids=lambda c: MoESpec(hidden_size=8, intermediate_size=8, **c).describe())
+@pytest.mark.parametrize("block_t,group_3d", [(1, False), (4, True), (16, True), (16, False), (2, True)])
+def test_routing_tiles_change_nothing(case, block_t, group_3d):
+    """Tokens per program and the two group-selection forms (3-D view / one pass per group; the 3-D form only
+    where E fills its power of two, E=24 falls back): the reference's ids and weights whatever the launch shape
+    (T=21: a partial last tile)."""
+    spec = MoESpec(hidden_size=8, intermediate_size=8, **case)
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(21, spec.num_experts, generator=g) * 3
-    bias = torch.randn(spec.num_experts, generator=g) * 0.1
-    monkeypatch.setenv("MOECOMP_ROUTE_ELEMS", str(elems))
-    ids, w = triton_moe.route(logits, bias, spec, torch.float32)
+    bias = torch.randn(spec.num_experts, generator=g) * 0.1 if spec.has_correction_bias else None
+    tiles = dict(block_t=block_t, group_3d=group_3d, num_warps=2)
+    ids, w = triton_moe.route(logits, bias, spec, torch.float32, tiles=tiles)
     rw, rids = reference.route(logits, bias, spec)
     assert torch.equal(ids.long().sort(1).values, rids.sort(1).values)
     order_k, order_r = ids.long().argsort(1), rids.argsort(1)
     torch.testing.assert_close(w.gather(1, order_k), rw.gather(1, order_r), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("elems,block_t", [(32, 1), (64, 2), (4096, 16)])
+def test_route_tiles(monkeypatch, elems, block_t):
+    """One token per one-warp program up to ROUTE_ONE_TOKEN_T tokens, and at any T past 128 experts; above, many-token
+    programs whose tile MOECOMP_ROUTE_ELEMS caps (32 experts here). The 3-D group form only where E fills its power
+    of two."""
+    monkeypatch.setenv("MOECOMP_ROUTE_ELEMS", str(elems))
+    many = triton_moe.ROUTE_ONE_TOKEN_T + 1
+    assert triton_moe.route_tiles(many, 32, 8)["block_t"] == block_t
+    assert triton_moe.route_tiles(triton_moe.ROUTE_ONE_TOKEN_T, 32, 8) == dict(block_t=1, num_warps=1, group_3d=True)
+    assert triton_moe.route_tiles(many, 256, 8) == dict(block_t=1, num_warps=1, group_3d=True)
+    assert triton_moe.route_tiles(many, 24, 8)["group_3d"] is False
+    assert triton_moe.route_tiles(1, 512, 1) == dict(block_t=1, num_warps=2, group_3d=False)

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""Kernel-level diagnostics of the op on one GPU, on the layer presets (``moecomp.testing.LAYER_PRESETS``), one table
+per part. Times are CUDA-graph replays (``moecomp.tune.bench_graph``: ``do_bench`` medians, L2 flushed), in us.
+
+    route   the routing kernel alone: tokens per program x warps (x the 3-D group form on grouped routers), per T
+    pdl     the whole op (moe_forward) at small T with programmatic dependent launch off / signalled at each
+            kernel's start / signalled after the GEMMs' main loops (MOECOMP_PDL=0 / early / the default)
+    split   the op's kernels under torch.profiler at the given cells (per call, us), with the GEMMs' TFLOP/s
+
+    PYTHONPATH=. python3 benchmarks/diag_kernels.py --parts route,pdl,split --split mixtral_8x7b:8192,qwen3_30b_a3b:8192
+
+Prints the tables and writes them as JSON (``--out-json``). A diagnostic, not the benchmark: bench_moe.py is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from moecomp.ops import triton_moe
+from moecomp.ops.common import MOE_ARGS
+from moecomp.testing import LAYER_PRESETS, random_moe_args
+from moecomp.tune import bench_graph
+
+ROUTE_TILES = [(1, 1), (1, 2), (1, 4), (2, 2), (4, 4), (8, 4), (16, 4), (16, 8)]  # (block_t, num_warps)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _inputs(spec, T, dev, seed=0):
+    args = random_moe_args(spec, T, torch.bfloat16, dev, std=0.02, seed=seed)
+    return args[0], dict(zip(MOE_ARGS, args[1:]))
+
+
+def part_route(presets, tokens, dev, rep) -> list:
+    rows = []
+    for name in presets:
+        spec = LAYER_PRESETS[name]
+        forms = [True, False] if spec.n_group > 1 else [False]
+        for T in tokens:
+            x, args = _inputs(spec, T, dev)
+            logits, _ = triton_moe.router_logits(x, args, spec)
+            ref_ids, ref_w = triton_moe.route(logits, args["correction_bias"], spec, x.dtype,
+                                              tiles=dict(block_t=1, num_warps=4, group_3d=False))
+            default = triton_moe.route_tiles(T, spec.num_experts, spec.n_group)
+            cells = {}
+            for g3 in forms:
+                for bt, nw in ROUTE_TILES:
+                    if bt > 1 and bt > triton_moe.triton.next_power_of_2(T):
+                        continue
+                    tiles = dict(block_t=bt, num_warps=nw, group_3d=g3)
+                    ids, w = triton_moe.route(logits, args["correction_bias"], spec, x.dtype, tiles=tiles)
+                    # weights within bf16 rounding (round_weights: a last-bit fp32 difference can flip a bf16 ulp)
+                    same = torch.equal(ids, ref_ids) and torch.allclose(w, ref_w, rtol=1e-2, atol=1e-6)
+                    us = bench_graph(lambda: triton_moe.route(logits, args["correction_bias"], spec, x.dtype,
+                                                              tiles=tiles), rep, dev) * 1e3
+                    cells[f"{bt}x{nw}{'g3' if g3 else ''}"] = dict(us=us, same=same)
+            best = min(cells, key=lambda c: cells[c]["us"])
+            d = f"{default['block_t']}x{default['num_warps']}{'g3' if default['group_3d'] else ''}"
+            rows.append(dict(preset=name, T=T, cells=cells, best=best, default=d))
+            bad = [c for c, v in cells.items() if not v["same"]]
+            log(f"[route] {name:16s} T={T:5d} default {d:8s} {cells.get(d, {}).get('us', float('nan')):8.1f}  best "
+                f"{best:8s} {cells[best]['us']:8.1f}  | " + " ".join(f"{c}={v['us']:.1f}" for c, v in cells.items())
+                + (f"  MISMATCH {bad}" if bad else ""))
+    return rows
+
+
+def part_pdl(presets, tokens, dev, rep) -> list:
+    rows = []
+    for name in presets:
+        spec = LAYER_PRESETS[name]
+        for T in tokens:
+            x, args = _inputs(spec, T, dev)
+            rec = {}
+            for mode in ("0", "early", "late"):
+                os.environ["MOECOMP_PDL"] = mode  # "late" = the default (unset)
+                out = triton_moe.moe_forward(x, args, spec)
+                rec[mode] = dict(us=bench_graph(lambda: triton_moe.moe_forward(x, args, spec), rep, dev) * 1e3,
+                                 out=out)
+            os.environ.pop("MOECOMP_PDL", None)
+            ok = all(torch.allclose(rec[m]["out"], rec["0"]["out"], rtol=2e-2, atol=1e-3) for m in rec)
+            rows.append(dict(preset=name, T=T, us={m: v["us"] for m, v in rec.items()}, same=ok))
+            log(f"[pdl] {name:16s} T={T:4d} off {rec['0']['us']:7.1f}  early {rec['early']['us']:7.1f}  late "
+                f"{rec['late']['us']:7.1f}" + ("" if ok else "  OUTPUTS DIFFER"))
+    return rows
+
+
+def part_split(cells, dev, reps=20) -> list:
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = []
+    for cell in cells:
+        name, T = cell.split(":")
+        spec, T = LAYER_PRESETS[name], int(T)
+        x, args = _inputs(spec, T, dev)
+        fn = lambda: triton_moe.moe_forward(x, args, spec)  # noqa: E731
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e6 / reps
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        per = {}
+        for ev in prof.key_averages():
+            us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if us > 0 and ev.key != "ProfilerStep*":
+                per[ev.key] = per.get(ev.key, 0.0) + us / reps
+        P = T * spec.top_k
+        flops = {"moe_gemm1_kernel": 2 * P * spec.hidden_size * 2 * spec.intermediate_size,
+                 "moe_gemm2_kernel": 2 * P * spec.hidden_size * spec.intermediate_size}
+        top = sorted(per.items(), key=lambda kv: -kv[1])[:8]
+        rows.append(dict(cell=cell, wall_us=wall, kernels=dict(top),
+                         tflops={k: flops[k] / (per[k] * 1e-6) / 1e12 for k in flops if k in per}))
+        log(f"[split] {cell}: wall {wall:.0f} us; " + ", ".join(
+            f"{k[:28]} {v:.0f}" + (f" ({flops[k] / (v * 1e-6) / 1e12:.0f} TF/s)" if k in flops else "")
+            for k, v in top))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="route,pdl,split")
+    ap.add_argument("--presets", default=",".join(LAYER_PRESETS))
+    ap.add_argument("--route-tokens", default="1,16,128,8192")
+    ap.add_argument("--pdl-tokens", default="1,2,16")
+    ap.add_argument("--split", default="mixtral_8x7b:8192,qwen3_30b_a3b:8192,olmoe_1b_7b:1024")
+    ap.add_argument("--rep", type=float, default=10.0, help="do_bench rep (ms) per timing")
+    ap.add_argument("--out-json", default=None)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("diag_kernels: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    presets = [p for p in a.presets.split(",") if p]
+    parts = a.parts.split(",")
+    out = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton_moe.triton.__version__,
+               commit=os.environ.get("MOECOMP_COMMIT"), date=time.strftime("%Y-%m-%d"))
+    with torch.no_grad():
+        if "route" in parts:
+            out["route"] = part_route(presets, [int(t) for t in a.route_tokens.split(",")], dev, a.rep)
+        if "pdl" in parts:
+            out["pdl"] = part_pdl(presets, [int(t) for t in a.pdl_tokens.split(",")], dev, a.rep)
+        if "split" in parts:
+            out["split"] = part_split([c for c in a.split.split(",") if c], dev)
+    if a.out_json:
+        with open(a.out_json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

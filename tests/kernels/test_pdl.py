@@ -1,0 +1,35 @@
+"""Launch options of programmatic dependent launch (``triton_moe._pdl``): which kernels signal where, and the
+MOECOMP_PDL switch. The kernels' results under PDL are covered by the GPU tests (every kernel launches with it on
+Hopper)."""
+
+import pytest
+import torch
+
+from moecomp.ops import triton_moe
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    monkeypatch.setattr(triton_moe, "_interpret", lambda: False)
+    monkeypatch.setattr(triton_moe, "_pdl_devices", {0: True})
+    monkeypatch.delenv("MOECOMP_PDL", raising=False)
+    return torch.device("cuda", 0)
+
+
+def test_gemms_signal_after_their_main_loop(hopper):
+    assert triton_moe._pdl(hopper, gemm=True) == dict(USE_PDL=2, launch_pdl=True)
+    assert triton_moe._pdl(hopper) == dict(USE_PDL=1, launch_pdl=True)
+
+
+@pytest.mark.parametrize("mode,gemm,want", [("early", True, 1), ("early", False, 1), ("0", True, None),
+                                            ("0", False, None)])
+def test_pdl_switch(hopper, monkeypatch, mode, gemm, want):
+    monkeypatch.setenv("MOECOMP_PDL", mode)
+    assert triton_moe._pdl(hopper, gemm=gemm) == ({} if want is None else dict(USE_PDL=want, launch_pdl=True))
+
+
+def test_no_pdl_off_hopper(monkeypatch):
+    monkeypatch.setattr(triton_moe, "_pdl_devices", {0: False})
+    monkeypatch.setattr(triton_moe, "_interpret", lambda: False)
+    assert triton_moe._pdl(torch.device("cuda", 0), gemm=True) == {}
+    assert triton_moe._pdl(torch.device("cpu"), gemm=True) == {}
