@@ -214,8 +214,6 @@ def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict) -> tor
     T, H = x.shape
     I = spec.intermediate_size
     h = torch.empty(sorted_ids.numel(), I, dtype=x.dtype, device=x.device)
-    if c1.get("tma") and block_expert is not None and _tma_ok(spec, x, w13, h):
-        return _gemm1_tma(x, w13, b13, spec, aligned, k, bm, c1, h)
     se, sn, sk = _w_strides(w13, spec.w_layout)
     interleaved = spec.gated and spec.gate_up == "interleaved"
     grid = (max_blocks * triton.cdiv(I, c1["BLOCK_N"]),)  # DIRECT: max_blocks = P
@@ -254,17 +252,16 @@ def gemm2(h, w2, b2, weights, spec: MoESpec, aligned, P: int, bm: int, c2: dict)
     return y
 
 
-# --------------------------------------------------------------------------------------------- TMA GEMMs
-def _tma_ok(spec: MoESpec, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> bool:
-    """The TMA GEMMs (``kernels/grouped_gemm_tma.py``) can take these operands: this Triton has host tensor
-    descriptors; 16-bit; weights [E, out, in], contiguous (one 2-D [E * out, in] matrix), gate/up concatenated;
-    rows of whole 16-byte units and 16-byte aligned bases. Otherwise the pointer GEMMs run (same results)."""
-    if _TensorDescriptor() is None or a.dtype not in (torch.bfloat16, torch.float16) or w.dtype != a.dtype:
+# --------------------------------------------------------------------------------------------- TMA gemm2
+def _tma_ok(spec: MoESpec, h: torch.Tensor, w2: torch.Tensor) -> bool:
+    """The TMA gemm2 (``kernels/grouped_gemm_tma.py``) can take these operands: this Triton has host tensor
+    descriptors; 16-bit; w2 [E, H, I] and contiguous (one 2-D [E * H, I] matrix); rows of whole 16-byte units and
+    16-byte aligned bases. Otherwise the pointer gemm2 runs (same results)."""
+    if _TensorDescriptor() is None or h.dtype not in (torch.bfloat16, torch.float16) or w2.dtype != h.dtype:
         return False
-    if spec.w_layout != "out_in" or not w.is_contiguous() or (spec.gated and spec.gate_up != "concat"):
+    if spec.w_layout != "out_in" or not w2.is_contiguous():
         return False
-    ts = [a, w] + ([out] if out is not None else [])
-    return all(t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0 for t in ts)
+    return all(t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0 for t in (h, w2))
 
 
 def _TensorDescriptor():
@@ -291,33 +288,6 @@ def _programs(device: torch.device, tiles: int) -> int:
 
 
 _sm_counts: dict = {}
-
-
-def _gemm1_tma(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, h: torch.Tensor) -> torch.Tensor:
-    """gemm1 on the TMA kernel: gather x's rows into sorted order (xs [S, H]), then the persistent GEMM -> h."""
-    sorted_ids, block_expert, num_padded, max_blocks = aligned
-    T, H = x.shape
-    I, E = spec.intermediate_size, spec.num_experts
-    S = sorted_ids.numel()
-    xs = torch.empty(S, H, dtype=x.dtype, device=x.device)
-    block_k = min(512, triton.next_power_of_2(H))
-    tma_k.gather_rows_kernel[(S // 16,)](
-        x, sorted_ids, num_padded, xs, T * k, k, H, x.stride(0), xs.stride(0),
-        BLOCK_R=16, BLOCK_K=block_k, num_warps=4, **_pdl(x.device),
-    )
-    bn, bk = c1["BLOCK_N"], c1["BLOCK_K"]
-    w_rows = (2 if spec.gated else 1) * I
-    n_prog = _programs(x.device, max_blocks * triton.cdiv(I, bn))
-    tma_k.moe_gemm1_tma_kernel[(n_prog,)](
-        _desc(xs, S, [bm, bk]), _desc(w13, E * w_rows, [bn, bk]), b13, _desc(h, S, [bm, bn]),
-        block_expert, num_padded, I, H, 0 if b13 is None else b13.stride(0),
-        float(spec.activation_alpha), float(spec.activation_limit),
-        GATED=spec.gated, ACT=_ACT[spec.activation], CLAMP=spec.activation_clamp, HAS_BIAS=b13 is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=c1["GROUP_M"], NUM_PROGRAMS=n_prog,
-        WARP_SPECIALIZE=bool(c1.get("ws", True)), JOIN_B=bool(c1.get("join", False)), num_warps=c1["num_warps"],
-        num_stages=c1["num_stages"], **_pdl(x.device, gemm=True),
-    )
-    return h
 
 
 def _gemm2_tma(h, w2, b2, weights, aligned, P: int, bm: int, c2: dict, y: torch.Tensor) -> torch.Tensor:

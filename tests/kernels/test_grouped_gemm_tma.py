@@ -1,8 +1,8 @@
-"""The TMA grouped GEMMs (``kernels/grouped_gemm_tma.py``) against ``moecomp.reference``, under the interpreter in
-fp16 (CPU; the GPU tests run them in bf16 at real sizes). Configs force them on (``"tma": 1``), the launches are
-counted so a silent fall-back to the pointer GEMMs fails the test, and every torch.empty is NaN-poisoned.
+"""The TMA gemm2 (``kernels/grouped_gemm_tma.py``) against ``moecomp.reference``, under the interpreter in fp16 (CPU;
+the GPU tests run it in bf16 at real sizes). Configs force it on (``"tma": 1``), its launches are counted so a
+silent fall-back to the pointer GEMM fails the test, and every torch.empty is NaN-poisoned.
 
-Shapes: I=48 and H=72 against 32-wide tiles, so tiles straddle the end of an expert's rows and of K. Tolerance:
+Shapes: H=72 and I=48 against 32-wide tiles, so tiles straddle the end of an expert's rows and of K. Tolerance:
 relative Frobenius error below 5e-3 against the fp32 reference on the same fp16 tensors."""
 
 import pytest
@@ -17,17 +17,15 @@ from moecomp.testing import random_moe_args
 TILE = dict(BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
 
 
-def _cfg(tma: bool, join: bool = False) -> dict:
-    extra = dict(tma=1, join=join) if tma else {}
-    return dict(BLOCK_M=16, g1=dict(TILE, **extra), g2=dict(TILE, **extra), decode=dict(max_t=0))
+def _cfg() -> dict:
+    return dict(BLOCK_M=16, g1=TILE, g2=dict(TILE, tma=1), decode=dict(max_t=0))
 
 
 @pytest.fixture
 def tma_calls(monkeypatch):
     calls = []
-    for name in ("_gemm1_tma", "_gemm2_tma"):
-        real = getattr(triton_moe, name)
-        monkeypatch.setattr(triton_moe, name, lambda *a, _r=real, _n=name, **k: (calls.append(_n), _r(*a, **k))[1])
+    real = triton_moe._gemm2_tma
+    monkeypatch.setattr(triton_moe, "_gemm2_tma", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     return calls
 
 
@@ -52,30 +50,29 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("join", [False, True])
 @pytest.mark.parametrize("case", list(CASES))
-def test_tma_gemms_match_reference(poison, tma_calls, case, join):
+def test_tma_gemm2_matches_reference(poison, tma_calls, case):
     spec = MoESpec(num_experts=6, top_k=2, hidden_size=72, intermediate_size=48, **CASES[case])
-    out, ref = _run(spec, 37, torch.float16, _cfg(True, join))
-    assert tma_calls == ["_gemm1_tma", "_gemm2_tma"]
+    out, ref = _run(spec, 37, torch.float16, _cfg())
+    assert tma_calls == [1]
     assert torch.isfinite(out).all()
     assert _rel(out, ref) < 5e-3
 
 
-@pytest.mark.parametrize("why", ["fp32", "in_out", "interleaved", "strided"])
+@pytest.mark.parametrize("why", ["fp32", "in_out", "strided"])
 def test_tma_config_falls_back_where_tma_cannot_read(poison, tma_calls, why):
-    """A TMA config on operands TMA cannot take runs the pointer GEMMs: same results, no TMA launch."""
-    fields = dict(in_out=dict(w_layout="in_out"), interleaved=dict(gate_up="interleaved")).get(why, {})
+    """A TMA config on operands TMA cannot take runs the pointer GEMM: same results, no TMA launch."""
+    fields = dict(in_out=dict(w_layout="in_out")).get(why, {})
     spec = MoESpec(num_experts=6, top_k=2, hidden_size=72, intermediate_size=48, **fields)
     dtype = torch.float32 if why == "fp32" else torch.float16
     args = list(random_moe_args(spec, 21, dtype, "cpu", seed=3))
     if why == "strided":  # every other expert of a bigger tensor: not one 2-D matrix
-        i = MOE_ARGS.index("w13") + 1
+        i = MOE_ARGS.index("w2") + 1
         args[i] = torch.cat([args[i], args[i]], 0)[::2]
     x, named = args[0], dict(zip(MOE_ARGS, args[1:]))
     logits, _ = triton_moe.router_logits(x, named, spec)
     ids, w = triton_moe.route(logits, named["correction_bias"], spec, x.dtype)
-    out = triton_moe.routed(x, ids, w, named, spec, torch.empty_like(x), cfg=_cfg(True))
+    out = triton_moe.routed(x, ids, w, named, spec, torch.empty_like(x), cfg=_cfg())
     ref = reference.moe_forward(*(a.float() if a is not None and a.is_floating_point() else a for a in args), spec)
-    assert "_gemm1_tma" not in tma_calls
+    assert tma_calls == []
     assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 5e-3)
