@@ -256,3 +256,32 @@ def test_forced_decode_on_an_entry_without_tiles(monkeypatch):
     monkeypatch.setenv("MOECOMP_DECODE_MAX_T", "4")
     dec = tuning.decode_config({"BLOCK_M": 16, "decode": {"max_t": 0}}, 3, torch.device("cpu"))
     assert dec is not None and {"g1", "g2"} <= set(dec) and dec["g2"]["mode"] in ("fused", "pairs")
+
+
+def test_tma_tiles_only_where_they_apply():
+    """gemm2's TMA tiles are candidates from BLOCK_M 64 in 16-bit dtypes, and become ``"tma": 1`` configs."""
+    tma = [t for t in tune.TILES["g2"] if len(t) == 5]
+    assert tma and all(t[4] == "tma" for t in tma) and all(len(t) == 4 for t in tune.TILES["g1"])
+    assert set(tma) <= set(tune._tiles_for(tune.TILES["g2"], 64, torch.bfloat16))
+    assert not set(tma) & set(tune._tiles_for(tune.TILES["g2"], 32, torch.bfloat16))
+    assert not set(tma) & set(tune._tiles_for(tune.TILES["g2"], 128, torch.float32))
+    c = tune._config(tma[0], 128)
+    assert c["tma"] == 1 and tune._tile(c).endswith("/tma")
+    assert "tma" not in tune._config(tune.TILES["g2"][0], 128)
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in tuning.CONFIG_DIR.glob("*.json") if ".meta." not in p.name))
+def test_shipped_tables_are_well_formed(path):
+    """Every shipped table entry is a config the launchers take: the GEMM keys, BLOCK_M a power of two >= 16,
+    ``tma`` only on gemm2 (there is no TMA gemm1), decode entries with a token limit (and tiles, unless never)."""
+    table = json.loads((tuning.CONFIG_DIR / path).read_text())
+    keys = {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}
+    for shape, buckets in table.items():
+        for bucket, cfg in buckets.items():
+            where = f"{path} {shape} bucket {bucket}"
+            assert int(bucket) >= 1 and cfg["BLOCK_M"] in (16, 32, 64, 128), where
+            assert keys <= set(cfg["g1"]) and "tma" not in cfg["g1"], where
+            assert keys <= set(cfg["g2"]) and set(cfg["g2"]) <= keys | {"tma"}, where
+            dec = cfg.get("decode")
+            if dec is not None:
+                assert dec["max_t"] >= 0 and (dec["max_t"] == 0 or {"g1", "g2"} <= set(dec)), where

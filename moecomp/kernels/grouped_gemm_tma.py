@@ -1,7 +1,7 @@
 """The down-projection grouped GEMM for many tokens on Hopper: tensor-memory-accelerator (TMA) loads, persistent
 programs, and Triton's warp specialisation (a producer warp group issues the TMA loads while the others run the MMAs).
 
-    gemm2:  y[p(s), n] = (h[s] . w2_e[n] + b2) * weight[p(s)]          h: [S, I] in sorted order -> y: [P, H], pair order
+    gemm2:  y[p(s), n] = (h[s] . w2_e[n] + b2) * weight[p(s)]     h: [S, I] in sorted order -> y: [P, H] in pair order
 
 Same data and layout contract as ``grouped_gemm.py``'s moe_gemm2_kernel (sorted_ids, block_expert, num_padded from
 the alignment), with limits the launcher checks (``ops/triton_moe._tma_ok``): w2 in the [E, H, I] layout and

@@ -5,7 +5,7 @@ moe_forward, main stream                                   side stream (shared e
     route_topk_kernel      -> ids [T, k], w [T, k]          h = act(g) * u        (act_mul_kernel)
     align kernels          -> sorted_ids, block_expert      s = h @ w2.T
     moe_gemm1_kernel       -> h [S, I]   (act fused)
-    moe_gemm2_kernel       -> y [P, H]   (routing weight fused)
+    moe_gemm2_kernel       -> y [P, H]   (routing weight fused; moe_gemm2_tma_kernel where the config says "tma")
     combine_kernel         -> out [T, H] = sum_k y (+ sigmoid(gate) * s)   <- waits for the side stream
 
 Decode (T <= the config's ``decode.max_t``): no alignment; moe_gemm1_kernel(DIRECT) -> h [P, I] in pair order, then
@@ -109,11 +109,11 @@ def route_tiles(T: int, E: int, n_group: int) -> dict:
     ``group_3d`` (per-group reductions on a 3-D view, when E fills its power of two and splits into equal groups).
 
     Measured on an H200 (``benchmarks/diag_kernels.py --parts route``;
-    benchmarks/results/nvidia-h200-2026-11-30-47f803a-diag.json): one token per one-warp program is the fastest up to T=128 for 8 to 256 experts, and at every T for 256 experts
-    (DeepSeek-V3 at T=16: 7.0 us against 85 us for the 16-token, 4-warp program, whose [16, 256] fp32 tiles spill);
-    at T=8192 and E <= 128, 16-token 4-warp programs win (Mixtral 5.6 us against 14.2). Above 256 experts (not
-    measured) one token per program with a warp per 256 experts. MOECOMP_ROUTE_ELEMS caps block_t * next_pow2(E) of
-    the many-token programs (default ROUTE_ELEMS)."""
+    benchmarks/results/nvidia-h200-2026-11-30-47f803a-diag.json): one token per one-warp program is the fastest up
+    to T=128 for 8 to 256 experts, and at every T for 256 experts (DeepSeek-V3 at T=16: 7.0 us against 85 us for the
+    16-token, 4-warp program, whose [16, 256] fp32 tiles spill); at T=8192 and E <= 128, 16-token 4-warp programs
+    win (Mixtral 5.6 us against 14.2). Above 256 experts (not measured) one token per program with a warp per 256
+    experts. MOECOMP_ROUTE_ELEMS caps block_t * next_pow2(E) of the many-token programs (default ROUTE_ELEMS)."""
     block_e = triton.next_power_of_2(E)
     group_3d = n_group > 1 and E == block_e and E % n_group == 0
     if T <= ROUTE_ONE_TOKEN_T or block_e > 128:
