@@ -255,11 +255,11 @@ def gemm2(h, w2, b2, weights, spec: MoESpec, aligned, P: int, bm: int, c2: dict)
 # --------------------------------------------------------------------------------------------- TMA gemm2
 def _tma_ok(spec: MoESpec, h: torch.Tensor, w2: torch.Tensor) -> bool:
     """The TMA gemm2 (``kernels/grouped_gemm_tma.py``) can take these operands: this Triton has host tensor
-    descriptors; 16-bit; w2 [E, H, I] and contiguous (one 2-D [E * H, I] matrix); rows of whole 16-byte units and
-    16-byte aligned bases. Otherwise the pointer gemm2 runs (same results)."""
+    descriptors; 16-bit; h [S, I] and w2 [E, H, I] contiguous (w2 then reads as one 2-D [E * H, I] matrix); rows of
+    whole 16-byte units and 16-byte aligned bases. Otherwise the pointer gemm2 runs (same results)."""
     if _TensorDescriptor() is None or h.dtype not in (torch.bfloat16, torch.float16) or w2.dtype != h.dtype:
         return False
-    if spec.w_layout != "out_in" or not w2.is_contiguous():
+    if spec.w_layout != "out_in" or not w2.is_contiguous() or not h.is_contiguous():
         return False
     return all(t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0 for t in (h, w2))
 

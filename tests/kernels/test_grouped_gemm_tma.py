@@ -76,3 +76,17 @@ def test_tma_config_falls_back_where_tma_cannot_read(poison, tma_calls, why):
     ref = reference.moe_forward(*(a.float() if a is not None and a.is_floating_point() else a for a in args), spec)
     assert tma_calls == []
     assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 5e-3)
+
+
+def test_tma_operand_checks():
+    """``_tma_ok``: contiguous 16-bit operands with 16-byte rows only (a strided h, an odd row length, fp32 or an
+    [in, out] layout run the pointer GEMM)."""
+    spec = MoESpec(num_experts=6, top_k=2, hidden_size=72, intermediate_size=48)
+    h, w2 = torch.zeros(32, 48, dtype=torch.float16), torch.zeros(6, 72, 48, dtype=torch.float16)
+    assert triton_moe._tma_ok(spec, h, w2)
+    assert not triton_moe._tma_ok(spec, torch.zeros(32, 96, dtype=torch.float16)[:, :48], w2)
+    assert not triton_moe._tma_ok(spec, h.float(), w2.float())
+    assert not triton_moe._tma_ok(spec.replace(w_layout="in_out"), h, w2)
+    odd = MoESpec(num_experts=6, top_k=2, hidden_size=72, intermediate_size=44)
+    assert not triton_moe._tma_ok(odd, torch.zeros(32, 44, dtype=torch.float16),
+                                  torch.zeros(6, 72, 44, dtype=torch.float16))
