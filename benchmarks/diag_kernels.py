@@ -6,8 +6,8 @@ per part. Times are CUDA-graph replays (``moecomp.tune.bench_graph``: ``do_bench
     pdl     the whole op (moe_forward) at small T with programmatic dependent launch off / signalled at each
             kernel's start / signalled after the GEMMs' main loops (MOECOMP_PDL=0 / early / the default)
     split   the op's kernels under torch.profiler at the given cells (per call, us), with the GEMMs' TFLOP/s
-    tma     gemm2 of the table's config against TMA tiles (``kernels/grouped_gemm_tma.py``) and the pointer kernel,
-            at the table's BLOCK_M, per cell, checked against the table config's output
+    tma     gemm1 / gemm2 of the table's config against TMA tiles (``kernels/grouped_gemm_tma.py``) and the pointer
+            kernels, at the table's BLOCK_M, per cell, checked against the table config's output
 
     PYTHONPATH=. python3 benchmarks/diag_kernels.py --parts route,pdl,split --split mixtral_8x7b:8192,qwen3_30b_a3b:8192
     PYTHONPATH=. python3 benchmarks/diag_kernels.py --parts tma --tma mixtral_8x7b:8192
@@ -133,11 +133,15 @@ def part_split(cells, dev, reps=20) -> list:
     return rows
 
 
-TMA_TILES = [(256, 64, 8, 3, True), (128, 64, 8, 4, True), (128, 128, 8, 3, True), (256, 64, 8, 4, True),
-             (128, 64, 4, 4, True), (256, 64, 8, 3, False)]  # (BLOCK_N, BLOCK_K, warps, stages, warp specialisation)
+TMA_TILES = {  # (BLOCK_N, BLOCK_K, warps, stages, warp specialisation[, gemm1: "a" = x gathered and read by TMA])
+    "g1": [(128, 64, 8, 3, False), (128, 64, 8, 4, False), (64, 64, 4, 4, False), (128, 64, 8, 3, True, "a"),
+           (128, 64, 8, 4, True, "a"), (128, 64, 8, 3, False, "a")],
+    "g2": [(256, 64, 8, 3, True), (128, 64, 8, 4, True), (128, 128, 8, 3, True), (256, 64, 8, 4, True),
+           (128, 64, 4, 4, True), (256, 64, 8, 3, False)],
+}
 
 
-def part_tma(cells, dev, rep) -> list:
+def part_tma(cells, dev, rep, gemms=("g1", "g2")) -> list:
     from moecomp.ops import tuning
     from moecomp.tune import _rel
 
@@ -152,23 +156,29 @@ def part_tma(cells, dev, rep) -> list:
         cfg = tuning.get_config(spec.num_experts, spec.intermediate_size, spec.hidden_size, T, k, x.dtype, dev)
         bm = cfg["BLOCK_M"]
         aligned = triton_moe.align(ids, spec.num_experts, bm)
-        flops = dict(g2=2 * P * spec.hidden_size * spec.intermediate_size)
-        rec = dict(cell=cell, BLOCK_M=bm, g2={})
+        flops = dict(g1=2 * P * spec.hidden_size * 2 * spec.intermediate_size,
+                     g2=2 * P * spec.hidden_size * spec.intermediate_size)
+        rec = dict(cell=cell, BLOCK_M=bm, g1={}, g2={})
+        real = (aligned[0] < P) & (torch.arange(aligned[0].numel(), device=dev) < aligned[2])
         h = triton_moe.gemm1(x, args["w13"], args["b13"], spec, aligned, k, bm, cfg["g1"])
-        for which in ("g2",):
+        for which in gemms:
             def run(c):
+                if which == "g1":
+                    return triton_moe.gemm1(x, args["w13"], args["b13"], spec, aligned, k, bm, c)
                 return triton_moe.gemm2(h, args["w2"], args["b2"], w, spec, aligned, P, bm, c)
             ref = run(cfg[which])
-            pointer = {kk: v for kk, v in cfg[which].items() if kk != "tma"}
+            ref = ref[real] if which == "g1" else ref  # gemm1 writes real rows only: compare those
+            pointer = {kk: v for kk, v in cfg[which].items() if kk not in ("tma", "tma_a", "ws")}
             cands = [("table", cfg[which]), ("pointer", pointer)] + [
-                (f"tma {bn}x{bk}/w{nw}s{ns}{'' if ws else ' no-ws'}",
-                 dict(BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=nw, num_stages=ns, tma=1, ws=ws))
-                for bn, bk, nw, ns, ws in TMA_TILES]
+                (f"tma{'-a' if rest else ''} {bn}x{bk}/w{nw}s{ns}{' ws' if ws else ''}",
+                 dict(BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=nw, num_stages=ns, tma=1, ws=ws,
+                      tma_a=bool(rest)))
+                for bn, bk, nw, ns, ws, *rest in TMA_TILES[which]]
             for label, c in cands:
                 try:
                     out = run(c)
                     torch.cuda.synchronize()
-                    err = _rel(out, ref)
+                    err = _rel(out[real] if which == "g1" else out, ref)
                     us = bench_graph(lambda c=c: run(c), rep, dev) * 1e3
                 except Exception as e:  # out of shared memory / registers for this tile
                     rec[which][label] = dict(error=type(e).__name__)
@@ -195,6 +205,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tma", default="mixtral_8x7b:1024,mixtral_8x7b:8192,qwen3_30b_a3b:1024,qwen3_30b_a3b:8192,"
                     "olmoe_1b_7b:1024,olmoe_1b_7b:8192,qwen15_moe_a27b:1024,qwen15_moe_a27b:8192,deepseek_v3:1024,"
                     "deepseek_v3:8192")
+    ap.add_argument("--tma-gemms", default="g1,g2", help="which GEMMs the tma part times (g1,g2)")
     ap.add_argument("--rep", type=float, default=10.0, help="do_bench rep (ms) per timing")
     ap.add_argument("--out-json", default=None)
     a = ap.parse_args(argv)
@@ -214,7 +225,7 @@ def main(argv=None) -> int:
         if "split" in parts:
             out["split"] = part_split([c for c in a.split.split(",") if c], dev)
         if "tma" in parts:
-            out["tma"] = part_tma([c for c in a.tma.split(",") if c], dev, a.rep)
+            out["tma"] = part_tma([c for c in a.tma.split(",") if c], dev, a.rep, a.tma_gemms.split(","))
     if a.out_json:
         with open(a.out_json, "w") as f:
             json.dump(out, f, indent=1)

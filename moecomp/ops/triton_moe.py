@@ -214,6 +214,8 @@ def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict) -> tor
     T, H = x.shape
     I = spec.intermediate_size
     h = torch.empty(sorted_ids.numel(), I, dtype=x.dtype, device=x.device)
+    if c1.get("tma") and block_expert is not None and _tma1_ok(spec, x, w13):
+        return _gemm1_tma(x, w13, b13, spec, aligned, k, bm, c1, h)
     se, sn, sk = _w_strides(w13, spec.w_layout)
     interleaved = spec.gated and spec.gate_up == "interleaved"
     grid = (max_blocks * triton.cdiv(I, c1["BLOCK_N"]),)  # DIRECT: max_blocks = P
@@ -264,6 +266,16 @@ def _tma_ok(spec: MoESpec, h: torch.Tensor, w2: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0 for t in (h, w2))
 
 
+def _tma1_ok(spec: MoESpec, x: torch.Tensor, w13: torch.Tensor) -> bool:
+    """The TMA gemm1 can take these operands: as ``_tma_ok``, with w13 [E, 2I, H] contiguous and gate/up
+    concatenated (so that it reads as [E, 2, I, H]); x needs only unit-stride rows (it is gathered)."""
+    if _TensorDescriptor() is None or x.dtype not in (torch.bfloat16, torch.float16) or w13.dtype != x.dtype:
+        return False
+    if spec.w_layout != "out_in" or not w13.is_contiguous() or (spec.gated and spec.gate_up != "concat"):
+        return False
+    return x.stride(-1) == 1 and w13.data_ptr() % 16 == 0 and (w13.shape[-1] * w13.element_size()) % 16 == 0
+
+
 def _TensorDescriptor():
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -288,6 +300,40 @@ def _programs(device: torch.device, tiles: int) -> int:
 
 
 _sm_counts: dict = {}
+
+
+def _gemm1_tma(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, h: torch.Tensor) -> torch.Tensor:
+    """gemm1 on the TMA kernel. ``c1["tma_a"]``: x's rows gathered into sorted order first (xs [S, H]) and read by
+    TMA too; else read by pointer loads. Warp specialisation (``c1["ws"]``) defaults to on with tma_a, off without."""
+    sorted_ids, block_expert, num_padded, max_blocks = aligned
+    T, H = x.shape
+    I, E = spec.intermediate_size, spec.num_experts
+    S = sorted_ids.numel()
+    bn, bk = c1["BLOCK_N"], c1["BLOCK_K"]
+    a_tma = bool(c1.get("tma_a", False))
+    xs_desc = None
+    if a_tma:
+        xs = torch.empty(S, H, dtype=x.dtype, device=x.device)
+        tma_k.gather_rows_kernel[(S // 16,)](  # S is a multiple of BLOCK_M >= 16
+            x, sorted_ids, num_padded, xs, T * k, k, H, x.stride(0), xs.stride(0),
+            BLOCK_R=16, BLOCK_K=min(512, triton.next_power_of_2(H)), num_warps=4, **_pdl(x.device),
+        )
+        xs_desc = _desc(xs, S, [bm, bk])
+    if spec.gated:  # [E, 2I, H] read as [E, 2, I, H]: one box = the gate and the up rows of BLOCK_N columns
+        w_desc = _TensorDescriptor()(w13, [E, 2, I, H], [2 * I * H, I * H, H, 1], [1, 2, bn, bk])
+    else:
+        w_desc = _TensorDescriptor()(w13, [E, I, H], [I * H, H, 1], [1, bn, bk])
+    n_prog = _programs(x.device, max_blocks * triton.cdiv(I, bn))
+    tma_k.moe_gemm1_tma_kernel[(n_prog,)](
+        x, xs_desc, w_desc, b13, h, sorted_ids, block_expert, num_padded,
+        T * k, k, I, H, x.stride(0), 0 if b13 is None else b13.stride(0), h.stride(0),
+        float(spec.activation_alpha), float(spec.activation_limit),
+        GATED=spec.gated, ACT=_ACT[spec.activation], CLAMP=spec.activation_clamp, HAS_BIAS=b13 is not None,
+        A_TMA=a_tma, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=c1["GROUP_M"],
+        TILE_N=bn * (2 if spec.gated else 1), NUM_PROGRAMS=n_prog, WARP_SPECIALIZE=bool(c1.get("ws", a_tma)),
+        num_warps=c1["num_warps"], num_stages=c1["num_stages"], **_pdl(x.device, gemm=True),
+    )
+    return h
 
 
 def _gemm2_tma(h, w2, b2, weights, aligned, P: int, bm: int, c2: dict, y: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""The TMA gemm2 (``kernels/grouped_gemm_tma.py``) against ``moecomp.reference``, under the interpreter in fp16 (CPU;
-the GPU tests run it in bf16 at real sizes). Configs force it on (``"tma": 1``), its launches are counted so a
-silent fall-back to the pointer GEMM fails the test, and every torch.empty is NaN-poisoned.
+"""The TMA GEMMs (``kernels/grouped_gemm_tma.py``) against ``moecomp.reference``, under the interpreter in fp16 (CPU;
+the GPU tests run them in bf16 at real sizes). Configs force them on (``"tma": 1``; gemm1 with x's rows by pointer
+loads or gathered and read by TMA, ``"tma_a"``), their launches are counted so a silent fall-back to the pointer
+GEMMs fails the test, and every torch.empty is NaN-poisoned.
 
 Shapes: H=72 and I=48 against 32-wide tiles, so tiles straddle the end of an expert's rows and of K. Tolerance:
 relative Frobenius error below 5e-3 against the fp32 reference on the same fp16 tensors."""
@@ -17,15 +18,17 @@ from moecomp.testing import random_moe_args
 TILE = dict(BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
 
 
-def _cfg() -> dict:
-    return dict(BLOCK_M=16, g1=TILE, g2=dict(TILE, tma=1), decode=dict(max_t=0))
+def _cfg(g1_tma: str | None = None) -> dict:
+    g1 = dict(TILE, **({"tma": 1, "tma_a": g1_tma == "a"} if g1_tma else {}))
+    return dict(BLOCK_M=16, g1=g1, g2=dict(TILE, tma=1), decode=dict(max_t=0))
 
 
 @pytest.fixture
 def tma_calls(monkeypatch):
     calls = []
-    real = triton_moe._gemm2_tma
-    monkeypatch.setattr(triton_moe, "_gemm2_tma", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    for name in ("_gemm1_tma", "_gemm2_tma"):
+        real = getattr(triton_moe, name)
+        monkeypatch.setattr(triton_moe, name, lambda *a, _r=real, _n=name, **k: (calls.append(_n), _r(*a, **k))[1])
     return calls
 
 
@@ -50,31 +53,34 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("g1", [None, "ptr", "a"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_tma_gemm2_matches_reference(poison, tma_calls, case):
+def test_tma_gemms_match_reference(poison, tma_calls, case, g1):
     spec = MoESpec(num_experts=6, top_k=2, hidden_size=72, intermediate_size=48, **CASES[case])
-    out, ref = _run(spec, 37, torch.float16, _cfg())
-    assert tma_calls == [1]
+    out, ref = _run(spec, 37, torch.float16, _cfg(g1))
+    assert tma_calls == (["_gemm1_tma"] if g1 else []) + ["_gemm2_tma"]
     assert torch.isfinite(out).all()
     assert _rel(out, ref) < 5e-3
 
 
-@pytest.mark.parametrize("why", ["fp32", "in_out", "strided"])
+@pytest.mark.parametrize("why", ["fp32", "in_out", "strided", "interleaved"])
 def test_tma_config_falls_back_where_tma_cannot_read(poison, tma_calls, why):
-    """A TMA config on operands TMA cannot take runs the pointer GEMM: same results, no TMA launch."""
-    fields = dict(in_out=dict(w_layout="in_out")).get(why, {})
+    """A TMA config on operands TMA cannot take runs the pointer GEMMs: same results, no TMA launch (interleaved
+    gate/up: gemm1 only; gemm2's operands are the same as with concatenated ones)."""
+    fields = dict(in_out=dict(w_layout="in_out"), interleaved=dict(gate_up="interleaved")).get(why, {})
     spec = MoESpec(num_experts=6, top_k=2, hidden_size=72, intermediate_size=48, **fields)
     dtype = torch.float32 if why == "fp32" else torch.float16
     args = list(random_moe_args(spec, 21, dtype, "cpu", seed=3))
     if why == "strided":  # every other expert of a bigger tensor: not one 2-D matrix
-        i = MOE_ARGS.index("w2") + 1
-        args[i] = torch.cat([args[i], args[i]], 0)[::2]
+        for name in ("w13", "w2"):
+            i = MOE_ARGS.index(name) + 1
+            args[i] = torch.cat([args[i], args[i]], 0)[::2]
     x, named = args[0], dict(zip(MOE_ARGS, args[1:]))
     logits, _ = triton_moe.router_logits(x, named, spec)
     ids, w = triton_moe.route(logits, named["correction_bias"], spec, x.dtype)
-    out = triton_moe.routed(x, ids, w, named, spec, torch.empty_like(x), cfg=_cfg())
+    out = triton_moe.routed(x, ids, w, named, spec, torch.empty_like(x), cfg=_cfg("a"))
     ref = reference.moe_forward(*(a.float() if a is not None and a.is_floating_point() else a for a in args), spec)
-    assert tma_calls == []
+    assert tma_calls == (["_gemm2_tma"] if why == "interleaved" else [])
     assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 5e-3)
 
 
@@ -90,3 +96,7 @@ def test_tma_operand_checks():
     odd = MoESpec(num_experts=6, top_k=2, hidden_size=72, intermediate_size=44)
     assert not triton_moe._tma_ok(odd, torch.zeros(32, 44, dtype=torch.float16),
                                   torch.zeros(6, 72, 44, dtype=torch.float16))
+    x, w13 = torch.zeros(5, 72, dtype=torch.float16), torch.zeros(6, 96, 72, dtype=torch.float16)
+    assert triton_moe._tma1_ok(spec, x, w13)
+    assert not triton_moe._tma1_ok(spec.replace(gate_up="interleaved"), x, w13)
+    assert not triton_moe._tma1_ok(spec, x, torch.zeros(6, 96, 80, dtype=torch.float16)[..., :72])

@@ -230,10 +230,12 @@ def test_moe_experts_cuda(name, T):
     assert graphs.stats["replayed"] >= 1 if T <= graphs.max_tokens() else True
 
 
+@pytest.mark.parametrize("g1", [None, "ptr", "a"])
 @pytest.mark.parametrize("case", ["qwen3_30b_a3b", "straddle"])
-def test_tma_gemm2_bf16(case, monkeypatch):
-    """The TMA gemm2 forced on (``"tma": 1``) at Hopper tile sizes: a real layer at T=2048, and E=6, H=I=1000
-    (tiles straddle the ends of experts' rows and of K). Its launches are counted (no silent fall-back)."""
+def test_tma_gemms_bf16(case, g1, monkeypatch):
+    """The TMA GEMMs forced on (``"tma": 1``; gemm1 with x's rows by pointer loads or gathered, ``"tma_a"``) at Hopper
+    tile sizes: a real layer at T=2048, and E=6, H=I=1000 (tiles straddle the ends of experts' rows and of K).
+    Their launches are counted (no silent fall-back)."""
     from moecomp.ops import triton_moe
     from moecomp.ops.common import MOE_ARGS
 
@@ -241,11 +243,14 @@ def test_tma_gemm2_bf16(case, monkeypatch):
                                                            intermediate_size=1000)
     T = 2048 if case in FAMILIES else 700
     calls = []
-    real = triton_moe._gemm2_tma
-    monkeypatch.setattr(triton_moe, "_gemm2_tma", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    g1 = dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    for name in ("_gemm1_tma", "_gemm2_tma"):
+        real = getattr(triton_moe, name)
+        monkeypatch.setattr(triton_moe, name, lambda *a, _r=real, _n=name, **k: (calls.append(_n), _r(*a, **k))[1])
+    g1c = dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    if g1:
+        g1c.update(tma=1, tma_a=g1 == "a")
     g2 = dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, tma=1)
-    cfg = dict(BLOCK_M=128 if T == 2048 else 64, g1=g1, g2=g2, decode=dict(max_t=0))
+    cfg = dict(BLOCK_M=128 if T == 2048 else 64, g1=g1c, g2=g2, decode=dict(max_t=0))
     args = random_moe_args(spec, T, torch.bfloat16, "cuda", std=0.02, seed=7)
     x, named = args[0], dict(zip(MOE_ARGS, args[1:]))
     logits, _ = triton_moe.router_logits(x, named, spec)
@@ -253,7 +258,7 @@ def test_tma_gemm2_bf16(case, monkeypatch):
     poison_cache()
     out = triton_moe.routed(x, ids, w, named, spec, torch.empty_like(x), cfg=cfg)
     torch.cuda.synchronize()
-    assert calls == [1]
+    assert calls == (["_gemm1_tma"] if g1 else []) + ["_gemm2_tma"]
     ref = reference.moe_forward(*args, spec)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < 2e-2
