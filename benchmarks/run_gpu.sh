@@ -6,6 +6,7 @@
 #   benchmarks/run_gpu.sh mixtral   every GPU test, then Mixtral's rows;  compiled: the remaining rows
 #   benchmarks/run_gpu.sh layer     benchmarks/bench_moe.py --quick (the layer grid, JSON + log)
 #   benchmarks/run_gpu.sh tune      python -m moecomp tune (PRESETS, TOKENS; writes the package table, copied to $OUT)
+#   benchmarks/run_gpu.sh diag      benchmarks/diag_kernels.py (DIAG_ARGS; default: the TMA part, gemm1 and gemm2)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -67,6 +68,9 @@ layer)  # the layer benchmark: every family, every T, every peer in the same run
   timeout ${LAYER_TIMEOUT:-560} python3 benchmarks/bench_moe.py --quick --budget-s ${LAYER_BUDGET:-470} "${peer[@]}" \
       --routing ${ROUTING:-real} --out-json "$OUT/layer-${ROUTING:-real}.json" 2>&1 | grep -v "^DEBUG" \
       | tee "$OUT/layer-${ROUTING:-real}.log" | quiet | tail -60 ;;
+diag)  # kernel-level diagnostics (routing sweep, PDL placement, per-kernel split, TMA tiles), JSON to $OUT
+  timeout ${DIAG_TIMEOUT:-400} python3 benchmarks/diag_kernels.py ${DIAG_ARGS:---parts tma} \
+      --out-json "$OUT/diag.json" 2>&1 | grep -v "^DEBUG" | tee "$OUT/diag.log" | grep "^\[" | tail -60 ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
   timeout ${TUNE_TIMEOUT:-560} python3 -m moecomp tune --restart -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-480} \
       --presets ${PRESETS:-all} ${TOKENS:+--tokens $TOKENS} --copy-to "$OUT" 2>&1 | tee "$OUT/tune.log" \

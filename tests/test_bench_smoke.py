@@ -553,3 +553,13 @@ def test_breakdown_cuda_rows():
     text = report.render_breakdown("qwen3", 1, "moecomp", bd)
     assert "| `moe_gemm_kernel` | kernel | 1 | 5.0 | 62.5% |" in text
     assert "| (gaps: wall - kernels) | | | 2.8 | 34.4% |" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_diag_kernels_refuses_without_cuda(capsys):
+    """benchmarks/diag_kernels.py imports (its tile lists are well-formed) and refuses to run without a GPU."""
+    diag = _load("diag_kernels")
+    assert diag.main(["--parts", "route"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert all(len(t) in (5, 6) for tiles in diag.TMA_TILES.values() for t in tiles)
+    assert all(bt >= 1 and nw >= 1 for bt, nw in diag.ROUTE_TILES)
