@@ -19,6 +19,7 @@ memory on the host, so the whole op can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -256,27 +257,33 @@ def gemm2(h, w2, b2, weights, spec: MoESpec, aligned, P: int, bm: int, c2: dict)
 
 # --------------------------------------------------------------------------------------------- TMA gemm2
 def _tma_ok(spec: MoESpec, h: torch.Tensor, w2: torch.Tensor) -> bool:
-    """The TMA gemm2 (``kernels/grouped_gemm_tma.py``) can take these operands: this Triton has host tensor
-    descriptors; 16-bit; h [S, I] and w2 [E, H, I] contiguous (w2 then reads as one 2-D [E * H, I] matrix); rows of
-    whole 16-byte units and 16-byte aligned bases. Otherwise the pointer gemm2 runs (same results)."""
-    if _TensorDescriptor() is None or h.dtype not in (torch.bfloat16, torch.float16) or w2.dtype != h.dtype:
-        return False
-    if spec.w_layout != "out_in" or not w2.is_contiguous() or not h.is_contiguous():
-        return False
-    return all(t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0 for t in (h, w2))
+    """The TMA gemm2 (``kernels/grouped_gemm_tma.py``) can take these operands: ``_tma_weights_ok``, and h [S, I]
+    contiguous with 16-byte rows (w2 then reads as one 2-D [E * H, I] matrix). Otherwise the pointer gemm2 runs
+    (same results)."""
+    return _tma_weights_ok(spec, h, w2) and h.is_contiguous() and _tma_rows(h)
 
 
 def _tma1_ok(spec: MoESpec, x: torch.Tensor, w13: torch.Tensor) -> bool:
-    """The TMA gemm1 can take these operands: as ``_tma_ok``, with w13 [E, 2I, H] contiguous and gate/up
-    concatenated (so that it reads as [E, 2, I, H]); x needs only unit-stride rows (it is gathered)."""
-    if _TensorDescriptor() is None or x.dtype not in (torch.bfloat16, torch.float16) or w13.dtype != x.dtype:
-        return False
-    if spec.w_layout != "out_in" or not w13.is_contiguous() or (spec.gated and spec.gate_up != "concat"):
-        return False
-    return x.stride(-1) == 1 and w13.data_ptr() % 16 == 0 and (w13.shape[-1] * w13.element_size()) % 16 == 0
+    """The TMA gemm1 can take these operands: ``_tma_weights_ok``, gate/up concatenated (w13 [E, 2I, H] then reads
+    as [E, 2, I, H]); x needs only unit-stride rows (it is gathered)."""
+    return _tma_weights_ok(spec, x, w13) and (not spec.gated or spec.gate_up == "concat") and x.stride(-1) == 1
 
 
+def _tma_weights_ok(spec: MoESpec, a: torch.Tensor, w: torch.Tensor) -> bool:
+    """What both TMA GEMMs need: this Triton has host tensor descriptors; a and w 16-bit, of one dtype; w in the
+    [E, out, in] layout, contiguous, with 16-byte rows and base."""
+    return (_TensorDescriptor() is not None and a.dtype in (torch.bfloat16, torch.float16) and w.dtype == a.dtype
+            and spec.w_layout == "out_in" and w.is_contiguous() and _tma_rows(w))
+
+
+def _tma_rows(t: torch.Tensor) -> bool:
+    """TMA copies rows of whole 16-byte units from a 16-byte aligned base."""
+    return t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0
+
+
+@functools.lru_cache(maxsize=None)
 def _TensorDescriptor():
+    """Triton's host-side TMA descriptor class, or None where this Triton has none (looked up once)."""
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:
