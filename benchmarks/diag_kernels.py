@@ -4,7 +4,8 @@ per part. Times are CUDA-graph replays (``moecomp.tune.bench_graph``: ``do_bench
 
     route   the routing kernel alone: tokens per program x warps (x the 3-D group form on grouped routers), per T
     pdl     the whole op (moe_forward) at small T with programmatic dependent launch off / signalled at each
-            kernel's start / signalled after the GEMMs' main loops (MOECOMP_PDL=0 / early / the default)
+            kernel's start / signalled after the GEMMs' main loops (MOECOMP_PDL=0 / early / the default) / off
+            while the shared experts run on the side stream (noside); "/seq": shared experts in line
     split   the op's kernels under torch.profiler at the given cells (per call, us), with the GEMMs' TFLOP/s
     tma     gemm1 / gemm2 of the table's config against TMA tiles (``kernels/grouped_gemm_tma.py``) and the pointer
             kernels, at the table's BLOCK_M, per cell, checked against the table config's output
@@ -75,23 +76,32 @@ def part_route(presets, tokens, dev, rep) -> list:
     return rows
 
 
-def part_pdl(presets, tokens, dev, rep) -> list:
+def part_pdl(presets, tokens, dev, rep, modes=("0", "early", "late")) -> list:
+    """Each mode is a MOECOMP_PDL value ("late" = unset, the default; "noside" = off while the shared experts run on
+    the side stream); a "/seq" suffix also sets MOECOMP_NO_OVERLAP=1 (shared experts on the main stream)."""
     rows = []
     for name in presets:
         spec = LAYER_PRESETS[name]
         for T in tokens:
             x, args = _inputs(spec, T, dev)
             rec = {}
-            for mode in ("0", "early", "late"):
-                os.environ["MOECOMP_PDL"] = mode  # "late" = the default (unset)
+            for mode in modes:
+                pdl, _, seq = mode.partition("/")
+                if pdl == "late":
+                    os.environ.pop("MOECOMP_PDL", None)
+                else:
+                    os.environ["MOECOMP_PDL"] = pdl
+                if seq:
+                    os.environ["MOECOMP_NO_OVERLAP"] = "1"
                 out = triton_moe.moe_forward(x, args, spec)
                 rec[mode] = dict(us=bench_graph(lambda: triton_moe.moe_forward(x, args, spec), rep, dev) * 1e3,
                                  out=out)
-            os.environ.pop("MOECOMP_PDL", None)
-            ok = all(torch.allclose(rec[m]["out"], rec["0"]["out"], rtol=2e-2, atol=1e-3) for m in rec)
+                os.environ.pop("MOECOMP_PDL", None)
+                os.environ.pop("MOECOMP_NO_OVERLAP", None)
+            ok = all(torch.allclose(rec[m]["out"], rec[modes[0]]["out"], rtol=2e-2, atol=1e-3) for m in rec)
             rows.append(dict(preset=name, T=T, us={m: v["us"] for m, v in rec.items()}, same=ok))
-            log(f"[pdl] {name:16s} T={T:4d} off {rec['0']['us']:7.1f}  early {rec['early']['us']:7.1f}  late "
-                f"{rec['late']['us']:7.1f}" + ("" if ok else "  OUTPUTS DIFFER"))
+            log(f"[pdl] {name:16s} T={T:4d} " + "  ".join(f"{m} {v['us']:7.1f}" for m, v in rec.items())
+                + ("" if ok else "  OUTPUTS DIFFER"))
     return rows
 
 
@@ -201,6 +211,8 @@ def main(argv=None) -> int:
     ap.add_argument("--presets", default=",".join(LAYER_PRESETS))
     ap.add_argument("--route-tokens", default="1,16,128,8192")
     ap.add_argument("--pdl-tokens", default="1,2,16")
+    ap.add_argument("--pdl-modes", default="0,early,late",
+                    help="MOECOMP_PDL values (late = the default; noside; a /seq suffix: shared experts in line)")
     ap.add_argument("--split", default="mixtral_8x7b:8192,qwen3_30b_a3b:8192,olmoe_1b_7b:1024")
     ap.add_argument("--tma", default="mixtral_8x7b:1024,mixtral_8x7b:8192,qwen3_30b_a3b:1024,qwen3_30b_a3b:8192,"
                     "olmoe_1b_7b:1024,olmoe_1b_7b:8192,qwen15_moe_a27b:1024,qwen15_moe_a27b:8192,deepseek_v3:1024,"
@@ -221,7 +233,8 @@ def main(argv=None) -> int:
         if "route" in parts:
             out["route"] = part_route(presets, [int(t) for t in a.route_tokens.split(",")], dev, a.rep)
         if "pdl" in parts:
-            out["pdl"] = part_pdl(presets, [int(t) for t in a.pdl_tokens.split(",")], dev, a.rep)
+            out["pdl"] = part_pdl(presets, [int(t) for t in a.pdl_tokens.split(",")], dev, a.rep,
+                                  tuple(a.pdl_modes.split(",")))
         if "split" in parts:
             out["split"] = part_split([c for c in a.split.split(",") if c], dev)
         if "tma" in parts:

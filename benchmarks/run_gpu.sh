@@ -63,10 +63,11 @@ tests)  # every GPU test (not yet timed whole since the reliability suite joined
   timeout ${TEST_TIMEOUT:-585} python3 -m pytest -q -rfE --durations=8 -m gpu -p no:cacheprovider tests 2>&1 \
       | grep -v "^DEBUG" | tee "$OUT/tests.log" | tail -30 ;;
 layer)  # the layer benchmark: every family, every T, every peer in the same run (vLLM's kernel from the copy in
-        # .peers/, carried: cp -r ../shared/peers/vllm_fused_moe .peers/), ROUTING=real|uniform|zipf|one-hot
+        # .peers/, carried: cp -r ../shared/peers/vllm_fused_moe .peers/), ROUTING=real|uniform|zipf|one-hot,
+        # LAYER_ARGS: more bench_moe.py options (e.g. --breakdown mixtral:8192)
   peer=(); [ -d .peers/vllm_fused_moe ] && peer=(--vllm-peer .peers/vllm_fused_moe)
   timeout ${LAYER_TIMEOUT:-560} python3 benchmarks/bench_moe.py --quick --budget-s ${LAYER_BUDGET:-470} "${peer[@]}" \
-      --routing ${ROUTING:-real} --out-json "$OUT/layer-${ROUTING:-real}.json" 2>&1 | grep -v "^DEBUG" \
+      --routing ${ROUTING:-real} ${LAYER_ARGS:-} --out-json "$OUT/layer-${ROUTING:-real}.json" 2>&1 | grep -v "^DEBUG" \
       | tee "$OUT/layer-${ROUTING:-real}.log" | quiet | tail -60 ;;
 diag)  # kernel-level diagnostics (routing sweep, PDL placement, per-kernel split, TMA tiles), JSON to $OUT
   timeout ${DIAG_TIMEOUT:-400} python3 benchmarks/diag_kernels.py ${DIAG_ARGS:---parts tma} \

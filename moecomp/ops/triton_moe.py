@@ -50,7 +50,7 @@ def _pdl(device: torch.device, gemm: bool = False) -> dict:
     (1, as every other kernel does). Signalling late was as fast or faster at T = 1, 2, 16 on all five presets
     (H200; Mixtral T=1 191 us against 206 us; ``benchmarks/diag_kernels.py --parts pdl``, same JSON)."""
     mode = os.environ.get("MOECOMP_PDL")
-    if device.type != "cuda" or _interpret() or mode == "0":
+    if device.type != "cuda" or _interpret() or mode == "0" or (mode == "noside" and _side_busy):
         return {}
     on = _pdl_devices.get(device.index)
     if on is None:
@@ -59,6 +59,7 @@ def _pdl(device: torch.device, gemm: bool = False) -> dict:
 
 
 _pdl_devices: dict = {}
+_side_busy = False  # moe_forward sets it while the shared experts run on the side stream (MOECOMP_PDL=noside)
 
 
 def _pdl_supported() -> bool:
@@ -493,15 +494,20 @@ def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     elif spec.shared is not None:
         shared = shared_mlp(x2, args, spec)
 
-    logits, gate = router_logits(x2, args, spec)  # [T, E], [T] or None
-    ids, weights = route(logits, args["correction_bias"], spec, x2.dtype)
-
     def join():
         main.wait_stream(side)
         shared.record_stream(main)
         x2.record_stream(side)
 
-    return routed(x2, ids, weights, args, spec, out, shared, gate, join=join if overlap else None).reshape(shape)
+    global _side_busy
+    _side_busy = overlap
+    try:
+        logits, gate = router_logits(x2, args, spec)  # [T, E], [T] or None
+        ids, weights = route(logits, args["correction_bias"], spec, x2.dtype)
+        y = routed(x2, ids, weights, args, spec, out, shared, gate, join=join if overlap else None)
+    finally:
+        _side_busy = False
+    return y.reshape(shape)
 
 
 def moe_experts(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.Tensor:
