@@ -4,8 +4,9 @@ per part. Times are CUDA-graph replays (``moecomp.tune.bench_graph``: ``do_bench
 
     route   the routing kernel alone: tokens per program x warps (x the 3-D group form on grouped routers), per T
     pdl     the whole op (moe_forward) at small T with programmatic dependent launch off / signalled at each
-            kernel's start / signalled after the GEMMs' main loops (MOECOMP_PDL=0 / early / the default) / off
-            while the shared experts run on the side stream (noside); "/seq": shared experts in line
+            kernel's start / signalled after the GEMMs' main loops (MOECOMP_PDL=0 / early / the default) / as the
+            default, but the aligned path keeps PDL beside the shared experts' side stream (side); a "/seq" suffix
+            runs the shared experts in line
     split   the op's kernels under torch.profiler at the given cells (per call, us), with the GEMMs' TFLOP/s
     tma     gemm1 / gemm2 of the table's config against TMA tiles (``kernels/grouped_gemm_tma.py``) and the pointer
             kernels, at the table's BLOCK_M, per cell, checked against the table config's output
@@ -77,8 +78,8 @@ def part_route(presets, tokens, dev, rep) -> list:
 
 
 def part_pdl(presets, tokens, dev, rep, modes=("0", "early", "late")) -> list:
-    """Each mode is a MOECOMP_PDL value ("late" = unset, the default; "noside" = off while the shared experts run on
-    the side stream); a "/seq" suffix also sets MOECOMP_NO_OVERLAP=1 (shared experts on the main stream)."""
+    """Each mode is a MOECOMP_PDL value ("late" = unset, the default; "side" = PDL on the aligned path beside the
+    shared experts' side stream too); a "/seq" suffix also sets MOECOMP_NO_OVERLAP=1 (shared experts in line)."""
     rows = []
     for name in presets:
         spec = LAYER_PRESETS[name]
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
     ap.add_argument("--route-tokens", default="1,16,128,8192")
     ap.add_argument("--pdl-tokens", default="1,2,16")
     ap.add_argument("--pdl-modes", default="0,early,late",
-                    help="MOECOMP_PDL values (late = the default; noside; a /seq suffix: shared experts in line)")
+                    help="MOECOMP_PDL values (late = the default; side; a /seq suffix: shared experts in line)")
     ap.add_argument("--split", default="mixtral_8x7b:8192,qwen3_30b_a3b:8192,olmoe_1b_7b:1024")
     ap.add_argument("--tma", default="mixtral_8x7b:1024,mixtral_8x7b:8192,qwen3_30b_a3b:1024,qwen3_30b_a3b:8192,"
                     "olmoe_1b_7b:1024,olmoe_1b_7b:8192,qwen15_moe_a27b:1024,qwen15_moe_a27b:8192,deepseek_v3:1024,"

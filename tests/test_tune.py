@@ -258,17 +258,22 @@ def test_forced_decode_on_an_entry_without_tiles(monkeypatch):
     assert dec is not None and {"g1", "g2"} <= set(dec) and dec["g2"]["mode"] in ("fused", "pairs")
 
 
-def test_tma_tiles_only_where_they_apply():
-    """gemm2's TMA tiles are candidates from BLOCK_M 64 in 16-bit dtypes, and become ``"tma": 1`` configs. gemm1's
-    TMA kernel is not a candidate until measured on a GPU (``benchmarks/NOTES.md``)."""
-    tma = [t for t in tune.TILES["g2"] if len(t) == 5]
-    assert tma and all(t[4] == "tma" for t in tma) and all(len(t) == 4 for t in tune.TILES["g1"])
-    assert set(tma) <= set(tune._tiles_for(tune.TILES["g2"], 64, torch.bfloat16))
-    assert not set(tma) & set(tune._tiles_for(tune.TILES["g2"], 32, torch.bfloat16))
-    assert not set(tma) & set(tune._tiles_for(tune.TILES["g2"], 128, torch.float32))
-    c = tune._config(tma[0], 128)
-    assert c["tma"] == 1 and tune._tile(c).endswith("/tma")
-    assert "tma" not in tune._config(tune.TILES["g2"][0], 128)
+@pytest.mark.parametrize("which", ["g1", "g2"])
+def test_tma_tiles_only_where_they_apply(which):
+    """TMA tiles are candidates from BLOCK_M 64 in 16-bit dtypes, and become ``"tma": 1`` configs; gemm1's "tma_a"
+    tiles also set ``"tma_a": 1`` (x gathered and read by TMA). gemm2 has no "tma_a" form."""
+    tma = [t for t in tune.TILES[which] if len(t) == 5]
+    kinds = {"g1": {"tma", "tma_a"}, "g2": {"tma"}}[which]
+    assert tma and {t[4] for t in tma} == kinds
+    assert set(tma) <= set(tune._tiles_for(tune.TILES[which], 64, torch.bfloat16))
+    assert set(tma) <= set(tune._tiles_for(tune.TILES[which], 128, torch.float16))
+    assert not set(tma) & set(tune._tiles_for(tune.TILES[which], 32, torch.bfloat16))
+    assert not set(tma) & set(tune._tiles_for(tune.TILES[which], 128, torch.float32))
+    for t in tma:
+        c = tune._config(t, 128)
+        assert c["tma"] == 1 and tune._tile(c).endswith("/" + t[4])
+        assert c.get("tma_a", 0) == (t[4] == "tma_a")
+    assert "tma" not in tune._config(tune.TILES[which][0], 128)
 
 
 @pytest.mark.parametrize("path", sorted(p.name for p in tuning.CONFIG_DIR.glob("*.json") if ".meta." not in p.name))

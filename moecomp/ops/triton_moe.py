@@ -19,6 +19,7 @@ memory on the host, so the whole op can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -50,7 +51,7 @@ def _pdl(device: torch.device, gemm: bool = False) -> dict:
     (1, as every other kernel does). Signalling late was as fast or faster at T = 1, 2, 16 on all five presets
     (H200; Mixtral T=1 191 us against 206 us; ``benchmarks/diag_kernels.py --parts pdl``, same JSON)."""
     mode = os.environ.get("MOECOMP_PDL")
-    if device.type != "cuda" or _interpret() or mode == "0" or (mode == "noside" and _side_busy):
+    if device.type != "cuda" or _interpret() or mode == "0" or (_pdl_held and mode != "side"):
         return {}
     on = _pdl_devices.get(device.index)
     if on is None:
@@ -59,7 +60,22 @@ def _pdl(device: torch.device, gemm: bool = False) -> dict:
 
 
 _pdl_devices: dict = {}
-_side_busy = False  # moe_forward sets it while the shared experts run on the side stream (MOECOMP_PDL=noside)
+_pdl_held = False  # set by ``_hold_pdl`` while the aligned path runs beside the shared experts' side stream
+
+
+@contextlib.contextmanager
+def _hold_pdl(on: bool):
+    """Launch without PDL inside (when ``on``): the aligned path's kernels while the shared experts run on the side
+    stream. Launched early, their programs wait on the SMs the side stream's GEMMs want: DeepSeek-V3 at T=1 took
+    262 us with PDL against 225 us without (H200, ``diag_kernels.py --parts pdl``, e2dab59); at T=16 the two were
+    equal. The decode path keeps PDL (Qwen1.5-MoE T=1: 60.8 us with, 67.8 without). MOECOMP_PDL=side keeps PDL here
+    too."""
+    global _pdl_held
+    before, _pdl_held = _pdl_held, on or _pdl_held
+    try:
+        yield
+    finally:
+        _pdl_held = before
 
 
 def _pdl_supported() -> bool:
@@ -411,7 +427,8 @@ def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=No
         cfg = tuning.get_config(spec.num_experts, spec.intermediate_size, H, T, k, x.dtype, x.device)
     dec = tuning.decode_config(cfg, T, x.device)
     if dec is None:
-        y = experts(x, ids, weights, args, spec, cfg)
+        with _hold_pdl(join is not None):
+            y = experts(x, ids, weights, args, spec, cfg)
         if join is not None:
             join()
         return combine(y, T, k, out, shared, gate)
@@ -499,15 +516,9 @@ def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
         shared.record_stream(main)
         x2.record_stream(side)
 
-    global _side_busy
-    _side_busy = overlap
-    try:
-        logits, gate = router_logits(x2, args, spec)  # [T, E], [T] or None
-        ids, weights = route(logits, args["correction_bias"], spec, x2.dtype)
-        y = routed(x2, ids, weights, args, spec, out, shared, gate, join=join if overlap else None)
-    finally:
-        _side_busy = False
-    return y.reshape(shape)
+    logits, gate = router_logits(x2, args, spec)  # [T, E], [T] or None
+    ids, weights = route(logits, args["correction_bias"], spec, x2.dtype)
+    return routed(x2, ids, weights, args, spec, out, shared, gate, join=join if overlap else None).reshape(shape)
 
 
 def moe_experts(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.Tensor:
