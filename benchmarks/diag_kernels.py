@@ -8,6 +8,8 @@ per part. Times are CUDA-graph replays (``moecomp.tune.bench_graph``: ``do_bench
             default, but the aligned path keeps PDL beside the shared experts' side stream (side); a "/seq" suffix
             runs the shared experts in line
     split   the op's kernels under torch.profiler at the given cells (per call, us), with the GEMMs' TFLOP/s
+    router  the router GEMM at small T: our GEMV kernel (``kernels/router.py``) against linear (cuBLAS), alone and
+            as part of the whole op (moe_forward), per preset and T (MOECOMP_ROUTER_GEMV_MAX_T = 1 << 30 / 0)
     tma     gemm1 / gemm2 of the table's config against TMA tiles (``kernels/grouped_gemm_tma.py``) and the pointer
             kernels, at the table's BLOCK_M, per cell, checked against the table config's output
 
@@ -103,6 +105,30 @@ def part_pdl(presets, tokens, dev, rep, modes=("0", "early", "late")) -> list:
             rows.append(dict(preset=name, T=T, us={m: v["us"] for m, v in rec.items()}, same=ok))
             log(f"[pdl] {name:16s} T={T:4d} " + "  ".join(f"{m} {v['us']:7.1f}" for m, v in rec.items())
                 + ("" if ok else "  OUTPUTS DIFFER"))
+    return rows
+
+
+def part_router(presets, tokens, dev, rep) -> list:
+    rows = []
+    for name in presets:
+        spec = LAYER_PRESETS[name]
+        for T in tokens:
+            x, args = _inputs(spec, T, dev)
+            rec = {}
+            for label, limit in (("gemv", str(1 << 30)), ("linear", "0")):
+                os.environ["MOECOMP_ROUTER_GEMV_MAX_T"] = limit
+                logits = triton_moe.router_logits(x, args, spec)[0].float()
+                rec[label] = dict(
+                    logits=logits,
+                    router_us=bench_graph(lambda: triton_moe.router_logits(x, args, spec), rep, dev) * 1e3,
+                    op_us=bench_graph(lambda: triton_moe.moe_forward(x, args, spec), rep, dev) * 1e3)
+            os.environ.pop("MOECOMP_ROUTER_GEMV_MAX_T", None)
+            err = ((rec["gemv"]["logits"] - rec["linear"]["logits"]).abs().max()).item()
+            rows.append(dict(preset=name, T=T, max_abs_diff=err,
+                             **{f"{lb}_{k}": v[k] for lb, v in rec.items() for k in ("router_us", "op_us")}))
+            log(f"[router] {name:16s} T={T:4d} router: gemv {rec['gemv']['router_us']:6.1f} linear "
+                f"{rec['linear']['router_us']:6.1f} us | op: gemv {rec['gemv']['op_us']:7.1f} linear "
+                f"{rec['linear']['op_us']:7.1f} us | max |diff| {err:.1e}")
     return rows
 
 
@@ -214,6 +240,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pdl-tokens", default="1,2,16")
     ap.add_argument("--pdl-modes", default="0,early,late",
                     help="MOECOMP_PDL values (late = the default; side; a /seq suffix: shared experts in line)")
+    ap.add_argument("--router-tokens", default="1,2,4,8,16,32")
     ap.add_argument("--split", default="mixtral_8x7b:8192,qwen3_30b_a3b:8192,olmoe_1b_7b:1024")
     ap.add_argument("--tma", default="mixtral_8x7b:1024,mixtral_8x7b:8192,qwen3_30b_a3b:1024,qwen3_30b_a3b:8192,"
                     "olmoe_1b_7b:1024,olmoe_1b_7b:8192,qwen15_moe_a27b:1024,qwen15_moe_a27b:8192,deepseek_v3:1024,"
@@ -236,6 +263,8 @@ def main(argv=None) -> int:
         if "pdl" in parts:
             out["pdl"] = part_pdl(presets, [int(t) for t in a.pdl_tokens.split(",")], dev, a.rep,
                                   tuple(a.pdl_modes.split(",")))
+        if "router" in parts:
+            out["router"] = part_router(presets, [int(t) for t in a.router_tokens.split(",")], dev, a.rep)
         if "split" in parts:
             out["split"] = part_split([c for c in a.split.split(",") if c], dev)
         if "tma" in parts:

@@ -31,6 +31,7 @@ from ..kernels import combine as combine_k
 from ..kernels import decode as decode_k
 from ..kernels import grouped_gemm as gemm_k
 from ..kernels import grouped_gemm_tma as tma_k
+from ..kernels import router as router_k
 from ..kernels import routing as routing_k
 from .. import reference
 from ..spec import MoESpec
@@ -42,6 +43,7 @@ _ACT = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu_oai": 4, "relu2
 SMALL_P = 256  # single-program alignment up to this many (token, expert) pairs (MOECOMP_ALIGN_SMALL_P overrides)
 ROUTE_ONE_TOKEN_T = 1024  # up to this many tokens, one token per routing program (``route_tiles``)
 ROUTE_ELEMS = 2048  # above: tokens x experts (padded) per routing program at most (MOECOMP_ROUTE_ELEMS overrides)
+ROUTER_GEMV_MAX_T = 16  # up to this many tokens the router GEMM is our GEMV kernel (MOECOMP_ROUTER_GEMV_MAX_T)
 
 
 def _pdl(device: torch.device, gemm: bool = False) -> dict:
@@ -100,26 +102,54 @@ def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
 def router_logits(x: torch.Tensor, args: dict, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Router GEMM, fused with the shared-expert gate GEMM when there is one. Returns (logits [T, E], gate [T]).
 
-    Weights are used as given: an fp32 router (``spec.router_fp32``) over 16-bit weights converts them here on every
-    call, and a separate gate is concatenated here on every call. The op caches nothing derived from its inputs (a
-    cached tensor made while compiled code runs inside Inductor's CUDA-graph trees would live in the tree's pool,
-    untracked); callers that call often pass the fused / converted weights (the bound HF blocks keep them as
-    buffers, the FSE pass concatenates in the graph)."""
+    Up to ``ROUTER_GEMV_MAX_T`` tokens this is ``router_gemv`` (one launch, no converted or concatenated weight);
+    above, ``torch.nn.functional.linear``, where weights are used as given: an fp32 router (``spec.router_fp32``)
+    over 16-bit weights converts them here on every call, and a separate gate is concatenated here on every call.
+    The op caches nothing derived from its inputs (a cached tensor made while compiled code runs inside Inductor's
+    CUDA-graph trees would live in the tree's pool, untracked); callers that call often pass the fused / converted
+    weights (the bound HF blocks keep them as buffers, the FSE pass concatenates in the graph)."""
     rw, rb, gw = args["router_w"], args["router_b"], args["shared_gate_w"]
     E = spec.num_experts
     want = torch.float32 if spec.router_fp32 else x.dtype
-    xs = x if x.dtype == want else x.to(want)
-    if gw is not None:
-        rw = torch.cat([rw, gw.to(rw.dtype)], 0)  # [E + 1, H]
-        if rb is not None:
-            rb = torch.cat([rb, rb.new_zeros(1)])
-    rw = rw if rw.dtype == want else rw.to(want)
-    if rb is not None and rb.dtype != want:
-        rb = rb.to(want)
-    logits = torch.nn.functional.linear(xs, rw, rb)  # [T, E] or [T, E + 1]
+    if x.shape[0] <= int(os.environ.get("MOECOMP_ROUTER_GEMV_MAX_T", ROUTER_GEMV_MAX_T)):
+        logits = router_gemv(x, rw, rb, gw, want)
+    else:
+        xs = x if x.dtype == want else x.to(want)
+        if gw is not None:
+            rw = torch.cat([rw, gw.to(rw.dtype)], 0)  # [E + 1, H]
+            if rb is not None:
+                rb = torch.cat([rb, rb.new_zeros(1)])
+        rw = rw if rw.dtype == want else rw.to(want)
+        if rb is not None and rb.dtype != want:
+            rb = rb.to(want)
+        logits = torch.nn.functional.linear(xs, rw, rb)  # [T, E] or [T, E + 1]
     if spec.fused_shared_gate or gw is not None:
         return logits[:, :E], logits[:, E]
     return logits, None
+
+
+def router_gemv(x, rw, rb, gw, out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H] . [rw; gw]^T (+ [rb; 0]) -> logits [T, R] in ``out_dtype`` (R = rw's rows, + 1 with a gate row gw
+    [1, H]), as ``linear`` on the operands converted to out_dtype (``kernels/router.py``). One program per token and
+    BLOCK_R rows, BLOCK_R chosen for about two programs per SM."""
+    T, H = x.shape
+    E = rw.shape[0]
+    R = E + (gw is not None)
+    if out is None:
+        out = torch.empty(T, R, dtype=out_dtype, device=x.device)
+    if T == 0:
+        return out
+    x, rw, rb = _unit_stride(x), _unit_stride(rw), _unit_stride(rb)
+    gw = None if gw is None else gw.reshape(-1)
+    gw = _unit_stride(gw)
+    block_r = max(1, min(16, triton.next_power_of_2(triton.cdiv(T * R, 2 * _programs(x.device, 1 << 30)))))
+    block_h = min(1024 // block_r if block_r > 1 else 1024, triton.next_power_of_2(H))
+    router_k.router_gemv_kernel[(T * triton.cdiv(R, block_r),)](
+        x, rw, gw, rb, out, E, R, H, x.stride(0), rw.stride(0), out.stride(0),
+        HAS_GATE=gw is not None, HAS_BIAS=rb is not None, BLOCK_R=block_r, BLOCK_H=max(16, block_h), num_warps=4,
+        **_pdl(x.device),
+    )
+    return out
 
 
 def route_tiles(T: int, E: int, n_group: int) -> dict:
