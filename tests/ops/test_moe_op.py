@@ -213,8 +213,7 @@ def test_fused_shared_gate_argument_form(cpu_backend, poison):
     args[-1] = None
     fused = torch.ops.moecomp.moe_forward(*args, fused_spec.key)
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
-    # atol 1e-5 against the reference: at 13 tokens the Triton path's router GEMV sums in another order than linear
-    torch.testing.assert_close(fused, reference.moe_forward(*args, fused_spec), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused, reference.moe_forward(*args, fused_spec), rtol=1e-5, atol=1e-6)
     with pytest.raises(SpecError, match="router_w has shape"):
         torch.ops.moecomp.moe_forward(args[0], args[1][:8], *args[2:], fused_spec.key)
 
