@@ -10,8 +10,6 @@ per part. Times are CUDA-graph replays (``moecomp.tune.bench_graph``: ``do_bench
     split   the op's kernels under torch.profiler at the given cells (per call, us), with the GEMMs' TFLOP/s
     router  the router GEMM at small T: our GEMV kernel (``kernels/router.py``) against linear (cuBLAS), alone and
             as part of the whole op (moe_forward), per preset and T (MOECOMP_ROUTER_GEMV_MAX_T = 1 << 30 / 0)
-    router32  fp32 routers (DeepSeek-V3) above the GEMV's limit: the bf16 GEMM with an fp32 output against the fp32
-            GEMM of converted operands (MOECOMP_ROUTER_FP32_MM = 1 / 0), alone and in the whole op
     tma     gemm1 / gemm2 of the table's config against TMA tiles (``kernels/grouped_gemm_tma.py``) and the pointer
             kernels, at the table's BLOCK_M, per cell, checked against the table config's output
 
@@ -134,31 +132,6 @@ def part_router(presets, tokens, dev, rep) -> list:
     return rows
 
 
-def part_router32(presets, tokens, dev, rep) -> list:
-    rows = []
-    for name in presets:
-        spec = LAYER_PRESETS[name]
-        if not spec.router_fp32:
-            continue
-        for T in tokens:
-            x, args = _inputs(spec, T, dev)
-            rec = {}
-            for label, flag in (("mm16", "1"), ("fp32", "0")):
-                os.environ["MOECOMP_ROUTER_FP32_MM"] = flag
-                rec[label] = dict(
-                    logits=triton_moe.router_logits(x, args, spec)[0],
-                    router_us=bench_graph(lambda: triton_moe.router_logits(x, args, spec), rep, dev) * 1e3,
-                    op_us=bench_graph(lambda: triton_moe.moe_forward(x, args, spec), rep, dev) * 1e3)
-            os.environ.pop("MOECOMP_ROUTER_FP32_MM", None)
-            err = ((rec["mm16"]["logits"] - rec["fp32"]["logits"]).abs().max()).item()
-            rows.append(dict(preset=name, T=T, max_abs_diff=err,
-                             **{f"{lb}_{k}": v[k] for lb, v in rec.items() for k in ("router_us", "op_us")}))
-            log(f"[router32] {name:16s} T={T:5d} router: bf16->fp32 {rec['mm16']['router_us']:7.1f} fp32 "
-                f"{rec['fp32']['router_us']:7.1f} us | op: {rec['mm16']['op_us']:8.1f} / {rec['fp32']['op_us']:8.1f} us"
-                f" | max |diff| {err:.1e}")
-    return rows
-
-
 def part_split(cells, dev, reps=20) -> list:
     from torch.profiler import ProfilerActivity, profile
 
@@ -268,7 +241,6 @@ def main(argv=None) -> int:
     ap.add_argument("--pdl-modes", default="0,early,late",
                     help="MOECOMP_PDL values (late = the default; side; a /seq suffix: shared experts in line)")
     ap.add_argument("--router-tokens", default="1,2,4,8,16,32")
-    ap.add_argument("--router32-tokens", default="16,128,1024,8192")
     ap.add_argument("--split", default="mixtral_8x7b:8192,qwen3_30b_a3b:8192,olmoe_1b_7b:1024")
     ap.add_argument("--tma", default="mixtral_8x7b:1024,mixtral_8x7b:8192,qwen3_30b_a3b:1024,qwen3_30b_a3b:8192,"
                     "olmoe_1b_7b:1024,olmoe_1b_7b:8192,qwen15_moe_a27b:1024,qwen15_moe_a27b:8192,deepseek_v3:1024,"
@@ -293,8 +265,6 @@ def main(argv=None) -> int:
                                   tuple(a.pdl_modes.split(",")))
         if "router" in parts:
             out["router"] = part_router(presets, [int(t) for t in a.router_tokens.split(",")], dev, a.rep)
-        if "router32" in parts:
-            out["router32"] = part_router32(presets, [int(t) for t in a.router32_tokens.split(",")], dev, a.rep)
         if "split" in parts:
             out["split"] = part_split([c for c in a.split.split(",") if c], dev)
         if "tma" in parts:

@@ -103,10 +103,8 @@ def router_logits(x: torch.Tensor, args: dict, spec: MoESpec) -> tuple[torch.Ten
     """Router GEMM, fused with the shared-expert gate GEMM when there is one. Returns (logits [T, E], gate [T]).
 
     Up to ``ROUTER_GEMV_MAX_T`` tokens this is ``router_gemv`` (one launch, no converted or concatenated weight);
-    above, an fp32 router (``spec.router_fp32``) over 16-bit x and weights is a 16-bit GEMM with an fp32 output
-    (``_fp32_from_16bit``), anything else ``torch.nn.functional.linear`` on operands converted to the router's dtype
-    (an fp32 router over 16-bit weights converts them here on every call). A separate gate is concatenated here on
-    every call.
+    above, ``torch.nn.functional.linear``, where weights are used as given: an fp32 router (``spec.router_fp32``)
+    over 16-bit weights converts them here on every call, and a separate gate is concatenated here on every call.
     The op caches nothing derived from its inputs (a cached tensor made while compiled code runs inside Inductor's
     CUDA-graph trees would live in the tree's pool, untracked); callers that call often pass the fused / converted
     weights (the bound HF blocks keep them as buffers, the FSE pass concatenates in the graph)."""
@@ -115,14 +113,6 @@ def router_logits(x: torch.Tensor, args: dict, spec: MoESpec) -> tuple[torch.Ten
     want = torch.float32 if spec.router_fp32 else x.dtype
     if x.shape[0] <= int(os.environ.get("MOECOMP_ROUTER_GEMV_MAX_T", ROUTER_GEMV_MAX_T)):
         logits = router_gemv(x, rw, rb, gw, want)
-    elif _fp32_from_16bit(x, rw, want):
-        # an fp32 router over 16-bit x and weights: the 16-bit GEMM with an fp32 output computes the same exact
-        # products and sums them in fp32, without converting both operands to fp32 and running an fp32 GEMM
-        if gw is not None:
-            rw = torch.cat([rw, gw.to(rw.dtype)], 0)  # [E + 1, H]
-        logits = torch.mm(x, rw.t(), out_dtype=torch.float32)  # [T, E (+ 1)]
-        if rb is not None:
-            logits[:, : rb.shape[0]] += rb.float()  # a separate gate row has no bias
     else:
         xs = x if x.dtype == want else x.to(want)
         if gw is not None:
@@ -136,15 +126,6 @@ def router_logits(x: torch.Tensor, args: dict, spec: MoESpec) -> tuple[torch.Ten
     if spec.fused_shared_gate or gw is not None:
         return logits[:, :E], logits[:, E]
     return logits, None
-
-
-def _fp32_from_16bit(x: torch.Tensor, rw: torch.Tensor, want: torch.dtype) -> bool:
-    """An fp32 router (``want``) whose x and weights are both 16-bit of one dtype, on CUDA, where ``torch.mm`` has
-    ``out_dtype`` (fp16 / bf16 in, fp32 out): each product of two 16-bit values is exact in fp32 and the GEMM sums in
-    fp32, so this is the fp32 GEMM of the converted operands up to summation order. DeepSeek-V3 at T=8192: the fp32
-    GEMM took 907 us (SIMT) plus ~265 us of conversions. MOECOMP_ROUTER_FP32_MM=0 turns it off."""
-    return (want == torch.float32 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and rw.dtype == x.dtype
-            and os.environ.get("MOECOMP_ROUTER_FP32_MM") != "0")
 
 
 def router_gemv(x, rw, rb, gw, out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:

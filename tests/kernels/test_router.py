@@ -76,23 +76,3 @@ def test_router_gemv_reads_the_gate_row_not_past_the_router():
     got = triton_moe.router_gemv(x, big[:8], None, gw, torch.float32)
     torch.testing.assert_close(got[:, 8], (x @ gw.T)[:, 0], rtol=1e-5, atol=1e-5)
     assert not got.isnan().any()
-
-
-def test_fp32_router_gemm_only_from_16bit_cuda_operands(monkeypatch):
-    """``_fp32_from_16bit`` (the fp32-output 16-bit GEMM for fp32 routers) applies only to an fp32 router whose x and
-    weights are 16-bit of one dtype on CUDA, and MOECOMP_ROUTER_FP32_MM=0 turns it off. (On the GPU its results are
-    checked against the fp32 GEMM in tests/ops/test_gpu.py.)"""
-    class FakeCuda:
-        def __init__(self, dtype):
-            self.dtype, self.is_cuda = dtype, True
-
-    bf, f32 = FakeCuda(torch.bfloat16), FakeCuda(torch.float32)
-    assert triton_moe._fp32_from_16bit(bf, bf, torch.float32)
-    assert triton_moe._fp32_from_16bit(FakeCuda(torch.float16), FakeCuda(torch.float16), torch.float32)
-    assert not triton_moe._fp32_from_16bit(bf, bf, torch.bfloat16)  # not an fp32 router
-    assert not triton_moe._fp32_from_16bit(bf, f32, torch.float32)  # fp32 weights: their products are not exact
-    assert not triton_moe._fp32_from_16bit(bf, FakeCuda(torch.float16), torch.float32)
-    assert not triton_moe._fp32_from_16bit(torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.bfloat16),
-                                           torch.float32)  # CPU
-    monkeypatch.setenv("MOECOMP_ROUTER_FP32_MM", "0")
-    assert not triton_moe._fp32_from_16bit(bf, bf, torch.float32)
