@@ -46,36 +46,41 @@ def _inputs(spec, T, dev, seed=0):
     return args[0], dict(zip(MOE_ARGS, args[1:]))
 
 
-def part_route(presets, tokens, dev, rep) -> list:
-    rows = []
+def _cells(presets, tokens, dev):
+    """(name, spec, T, x, named args) for every preset x T, the inputs drawn per cell."""
     for name in presets:
         spec = LAYER_PRESETS[name]
-        forms = [True, False] if spec.n_group > 1 else [False]
         for T in tokens:
-            x, args = _inputs(spec, T, dev)
-            logits, _ = triton_moe.router_logits(x, args, spec)
-            ref_ids, ref_w = triton_moe.route(logits, args["correction_bias"], spec, x.dtype,
-                                              tiles=dict(block_t=1, num_warps=4, group_3d=False))
-            default = triton_moe.route_tiles(T, spec.num_experts, spec.n_group)
-            cells = {}
-            for g3 in forms:
-                for bt, nw in ROUTE_TILES:
-                    if bt > 1 and bt > triton_moe.triton.next_power_of_2(T):
-                        continue
-                    tiles = dict(block_t=bt, num_warps=nw, group_3d=g3)
-                    ids, w = triton_moe.route(logits, args["correction_bias"], spec, x.dtype, tiles=tiles)
-                    # weights within bf16 rounding (round_weights: a last-bit fp32 difference can flip a bf16 ulp)
-                    same = torch.equal(ids, ref_ids) and torch.allclose(w, ref_w, rtol=1e-2, atol=1e-6)
-                    us = bench_graph(lambda: triton_moe.route(logits, args["correction_bias"], spec, x.dtype,
-                                                              tiles=tiles), rep, dev) * 1e3
-                    cells[f"{bt}x{nw}{'g3' if g3 else ''}"] = dict(us=us, same=same)
-            best = min(cells, key=lambda c: cells[c]["us"])
-            d = f"{default['block_t']}x{default['num_warps']}{'g3' if default['group_3d'] else ''}"
-            rows.append(dict(preset=name, T=T, cells=cells, best=best, default=d))
-            bad = [c for c, v in cells.items() if not v["same"]]
-            log(f"[route] {name:16s} T={T:5d} default {d:8s} {cells.get(d, {}).get('us', float('nan')):8.1f}  best "
-                f"{best:8s} {cells[best]['us']:8.1f}  | " + " ".join(f"{c}={v['us']:.1f}" for c, v in cells.items())
-                + (f"  MISMATCH {bad}" if bad else ""))
+            yield (name, spec, T, *_inputs(spec, T, dev))
+
+
+def part_route(presets, tokens, dev, rep) -> list:
+    rows = []
+    for name, spec, T, x, args in _cells(presets, tokens, dev):
+        forms = [True, False] if spec.n_group > 1 else [False]
+        logits, _ = triton_moe.router_logits(x, args, spec)
+        ref_ids, ref_w = triton_moe.route(logits, args["correction_bias"], spec, x.dtype,
+                                          tiles=dict(block_t=1, num_warps=4, group_3d=False))
+        default = triton_moe.route_tiles(T, spec.num_experts, spec.n_group)
+        cells = {}
+        for g3 in forms:
+            for bt, nw in ROUTE_TILES:
+                if bt > 1 and bt > triton_moe.triton.next_power_of_2(T):
+                    continue
+                tiles = dict(block_t=bt, num_warps=nw, group_3d=g3)
+                ids, w = triton_moe.route(logits, args["correction_bias"], spec, x.dtype, tiles=tiles)
+                # weights within bf16 rounding (round_weights: a last-bit fp32 difference can flip a bf16 ulp)
+                same = torch.equal(ids, ref_ids) and torch.allclose(w, ref_w, rtol=1e-2, atol=1e-6)
+                us = bench_graph(lambda: triton_moe.route(logits, args["correction_bias"], spec, x.dtype,
+                                                          tiles=tiles), rep, dev) * 1e3
+                cells[f"{bt}x{nw}{'g3' if g3 else ''}"] = dict(us=us, same=same)
+        best = min(cells, key=lambda c: cells[c]["us"])
+        d = f"{default['block_t']}x{default['num_warps']}{'g3' if default['group_3d'] else ''}"
+        rows.append(dict(preset=name, T=T, cells=cells, best=best, default=d))
+        bad = [c for c, v in cells.items() if not v["same"]]
+        log(f"[route] {name:16s} T={T:5d} default {d:8s} {cells.get(d, {}).get('us', float('nan')):8.1f}  best "
+            f"{best:8s} {cells[best]['us']:8.1f}  | " + " ".join(f"{c}={v['us']:.1f}" for c, v in cells.items())
+            + (f"  MISMATCH {bad}" if bad else ""))
     return rows
 
 
@@ -83,52 +88,46 @@ def part_pdl(presets, tokens, dev, rep, modes=("0", "early", "late")) -> list:
     """Each mode is a MOECOMP_PDL value ("late" = unset, the default; "side" = PDL on the aligned path beside the
     shared experts' side stream too); a "/seq" suffix also sets MOECOMP_NO_OVERLAP=1 (shared experts in line)."""
     rows = []
-    for name in presets:
-        spec = LAYER_PRESETS[name]
-        for T in tokens:
-            x, args = _inputs(spec, T, dev)
-            rec = {}
-            for mode in modes:
-                pdl, _, seq = mode.partition("/")
-                if pdl == "late":
-                    os.environ.pop("MOECOMP_PDL", None)
-                else:
-                    os.environ["MOECOMP_PDL"] = pdl
-                if seq:
-                    os.environ["MOECOMP_NO_OVERLAP"] = "1"
-                out = triton_moe.moe_forward(x, args, spec)
-                rec[mode] = dict(us=bench_graph(lambda: triton_moe.moe_forward(x, args, spec), rep, dev) * 1e3,
-                                 out=out)
+    for name, spec, T, x, args in _cells(presets, tokens, dev):
+        rec = {}
+        for mode in modes:
+            pdl, _, seq = mode.partition("/")
+            if pdl == "late":
                 os.environ.pop("MOECOMP_PDL", None)
-                os.environ.pop("MOECOMP_NO_OVERLAP", None)
-            ok = all(torch.allclose(rec[m]["out"], rec[modes[0]]["out"], rtol=2e-2, atol=1e-3) for m in rec)
-            rows.append(dict(preset=name, T=T, us={m: v["us"] for m, v in rec.items()}, same=ok))
-            log(f"[pdl] {name:16s} T={T:4d} " + "  ".join(f"{m} {v['us']:7.1f}" for m, v in rec.items())
-                + ("" if ok else "  OUTPUTS DIFFER"))
+            else:
+                os.environ["MOECOMP_PDL"] = pdl
+            if seq:
+                os.environ["MOECOMP_NO_OVERLAP"] = "1"
+            out = triton_moe.moe_forward(x, args, spec)
+            rec[mode] = dict(us=bench_graph(lambda: triton_moe.moe_forward(x, args, spec), rep, dev) * 1e3,
+                             out=out)
+            os.environ.pop("MOECOMP_PDL", None)
+            os.environ.pop("MOECOMP_NO_OVERLAP", None)
+        ok = all(torch.allclose(rec[m]["out"], rec[modes[0]]["out"], rtol=2e-2, atol=1e-3) for m in rec)
+        rows.append(dict(preset=name, T=T, us={m: v["us"] for m, v in rec.items()}, same=ok))
+        log(f"[pdl] {name:16s} T={T:4d} " + "  ".join(f"{m} {v['us']:7.1f}" for m, v in rec.items())
+            + ("" if ok else "  OUTPUTS DIFFER"))
     return rows
 
 
 def part_router(presets, tokens, dev, rep) -> list:
     rows = []
-    for name in presets:
-        spec = LAYER_PRESETS[name]
-        for T in tokens:
-            x, args = _inputs(spec, T, dev)
-            rec = {}
-            for label, limit in (("gemv", str(1 << 30)), ("linear", "0")):
-                os.environ["MOECOMP_ROUTER_GEMV_MAX_T"] = limit
-                logits = triton_moe.router_logits(x, args, spec)[0].float()
-                rec[label] = dict(
-                    logits=logits,
-                    router_us=bench_graph(lambda: triton_moe.router_logits(x, args, spec), rep, dev) * 1e3,
-                    op_us=bench_graph(lambda: triton_moe.moe_forward(x, args, spec), rep, dev) * 1e3)
-            os.environ.pop("MOECOMP_ROUTER_GEMV_MAX_T", None)
-            err = ((rec["gemv"]["logits"] - rec["linear"]["logits"]).abs().max()).item()
-            rows.append(dict(preset=name, T=T, max_abs_diff=err,
-                             **{f"{lb}_{k}": v[k] for lb, v in rec.items() for k in ("router_us", "op_us")}))
-            log(f"[router] {name:16s} T={T:4d} router: gemv {rec['gemv']['router_us']:6.1f} linear "
-                f"{rec['linear']['router_us']:6.1f} us | op: gemv {rec['gemv']['op_us']:7.1f} linear "
-                f"{rec['linear']['op_us']:7.1f} us | max |diff| {err:.1e}")
+    for name, spec, T, x, args in _cells(presets, tokens, dev):
+        rec = {}
+        for label, limit in (("gemv", str(1 << 30)), ("linear", "0")):
+            os.environ["MOECOMP_ROUTER_GEMV_MAX_T"] = limit
+            logits = triton_moe.router_logits(x, args, spec)[0].float()
+            rec[label] = dict(
+                logits=logits,
+                router_us=bench_graph(lambda: triton_moe.router_logits(x, args, spec), rep, dev) * 1e3,
+                op_us=bench_graph(lambda: triton_moe.moe_forward(x, args, spec), rep, dev) * 1e3)
+        os.environ.pop("MOECOMP_ROUTER_GEMV_MAX_T", None)
+        err = ((rec["gemv"]["logits"] - rec["linear"]["logits"]).abs().max()).item()
+        rows.append(dict(preset=name, T=T, max_abs_diff=err,
+                         **{f"{lb}_{k}": v[k] for lb, v in rec.items() for k in ("router_us", "op_us")}))
+        log(f"[router] {name:16s} T={T:4d} router: gemv {rec['gemv']['router_us']:6.1f} linear "
+            f"{rec['linear']['router_us']:6.1f} us | op: gemv {rec['gemv']['op_us']:7.1f} linear "
+            f"{rec['linear']['op_us']:7.1f} us | max |diff| {err:.1e}")
     return rows
 
 

@@ -69,7 +69,7 @@ layer)  # the layer benchmark: every family, every T, every peer in the same run
   timeout ${LAYER_TIMEOUT:-560} python3 benchmarks/bench_moe.py --quick --budget-s ${LAYER_BUDGET:-470} "${peer[@]}" \
       --routing ${ROUTING:-real} ${LAYER_ARGS:-} --out-json "$OUT/layer-${ROUTING:-real}.json" 2>&1 | grep -v "^DEBUG" \
       | tee "$OUT/layer-${ROUTING:-real}.log" | quiet | tail -60 ;;
-diag)  # kernel-level diagnostics (routing sweep, PDL placement, per-kernel split, TMA tiles), JSON to $OUT
+diag)  # kernel-level diagnostics (routing sweep, PDL placement, router GEMV, per-kernel split, TMA tiles), JSON to $OUT
   timeout ${DIAG_TIMEOUT:-400} python3 benchmarks/diag_kernels.py ${DIAG_ARGS:---parts tma} \
       --out-json "$OUT/diag.json" 2>&1 | grep -v "^DEBUG" | tee "$OUT/diag.log" | grep "^\[" | tail -60 ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
