@@ -145,10 +145,9 @@ def router_gemv(x, rw, rb, gw, out_dtype: torch.dtype, out: torch.Tensor | None 
     if T == 0:
         return out
     x, rw, rb = _unit_stride(x), _unit_stride(rw), _unit_stride(rb)
-    gw = None if gw is None else gw.reshape(-1)
-    gw = _unit_stride(gw)
-    block_r = max(1, min(16, triton.next_power_of_2(triton.cdiv(T * R, 2 * _programs(x.device, 1 << 30)))))
-    block_h = min(1024 // block_r if block_r > 1 else 1024, triton.next_power_of_2(H))
+    gw = None if gw is None else _unit_stride(gw.reshape(-1))
+    block_r = max(1, min(16, triton.next_power_of_2(triton.cdiv(T * R, 2 * _sm_count(x.device)))))
+    block_h = min(1024 // block_r, triton.next_power_of_2(H))
     router_k.router_gemv_kernel[(T * triton.cdiv(R, block_r),)](
         x, rw, gw, rb, out, E, R, H, x.stride(0), rw.stride(0), out.stride(0),
         HAS_GATE=gw is not None, HAS_BIAS=rb is not None, BLOCK_R=block_r, BLOCK_H=max(16, block_h), num_warps=4,
@@ -213,9 +212,7 @@ def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch
 # --------------------------------------------------------------------------------------------- alignment
 def align(ids: torch.Tensor, E: int, block_m: int):
     """ids [T, k] -> (sorted_ids [S], block_expert [S / block_m], num_padded [1], max_blocks). No host sync."""
-    flat = ids.reshape(-1)
-    if flat.numel() > 1 and flat.stride(0) != 1:  # reshape keeps a view with a step (e.g. every other column)
-        flat = flat.contiguous()
+    flat = _flat_ids(ids)
     P = flat.numel()
     dev = ids.device
     max_blocks = triton.cdiv(P, block_m) + min(E, P)
@@ -254,10 +251,14 @@ def _w_strides(w: torch.Tensor, layout: str):
 def direct(ids: torch.Tensor):
     """ids [T, k] -> the ``aligned`` tuple of the DIRECT (unaligned, one pair per program) GEMMs: (flat ids [P],
     None, None, P). h is then [P, I] in pair order."""
-    flat = ids.reshape(-1)
-    if flat.numel() > 1 and flat.stride(0) != 1:
-        flat = flat.contiguous()
+    flat = _flat_ids(ids)
     return flat, None, None, flat.numel()
+
+
+def _flat_ids(ids: torch.Tensor) -> torch.Tensor:
+    """ids [T, k] -> [P] with unit stride (reshape keeps a view with a step, e.g. every other column: copied)."""
+    flat = ids.reshape(-1)
+    return flat.contiguous() if flat.numel() > 1 and flat.stride(0) != 1 else flat
 
 
 def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict) -> torch.Tensor:
@@ -350,12 +351,17 @@ def _desc(t: torch.Tensor, rows: int, block: list):
 
 def _programs(device: torch.device, tiles: int) -> int:
     """Persistent grid: one program per SM (4 under the interpreter), never more than the worst-case tile count."""
+    return max(1, min(_sm_count(device), tiles))
+
+
+def _sm_count(device: torch.device) -> int:
+    """The device's SM count, looked up once (4 off CUDA: the interpreter runs every program in turn)."""
     if device.type != "cuda":
-        return max(1, min(4, tiles))
+        return 4
     n = _sm_counts.get(device.index)
     if n is None:
         n = _sm_counts[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n, tiles))
+    return n
 
 
 _sm_counts: dict = {}
