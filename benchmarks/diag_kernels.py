@@ -10,6 +10,9 @@ per part. Times are CUDA-graph replays (``moecomp.tune.bench_graph``: ``do_bench
     split   the op's kernels under torch.profiler at the given cells (per call, us), with the GEMMs' TFLOP/s
     router  the router GEMM at small T: our GEMV kernel (``kernels/router.py``) against linear (cuBLAS), alone and
             as part of the whole op (moe_forward), per preset and T (MOECOMP_ROUTER_GEMV_MAX_T = 1 << 30 / 0)
+    route_ab  the routing kernel (default launch shape) against another version of ``kernels/routing.py``
+            (``--route-ab FILE``, e.g. the previous commit's), per preset and T, alone and inside the whole op; checks
+            that both give the same ids and weights bit for bit
     tma     gemm1 / gemm2 of the table's config against TMA tiles (``kernels/grouped_gemm_tma.py``) and the pointer
             kernels, at the table's BLOCK_M, per cell, checked against the table config's output
 
@@ -81,6 +84,49 @@ def part_route(presets, tokens, dev, rep) -> list:
         log(f"[route] {name:16s} T={T:5d} default {d:8s} {cells.get(d, {}).get('us', float('nan')):8.1f}  best "
             f"{best:8s} {cells[best]['us']:8.1f}  | " + " ".join(f"{c}={v['us']:.1f}" for c, v in cells.items())
             + (f"  MISMATCH {bad}" if bad else ""))
+    return rows
+
+
+def _load_routing(path: str):
+    """A routing module from a file (a copy of ``moecomp/kernels/routing.py``, its relative imports made absolute)."""
+    import importlib.util
+
+    src = open(path).read().replace("from . import pdl", "from moecomp.kernels import pdl")
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), "_route_ab_module.py")
+    with open(tmp, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location("_route_ab_module", tmp)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def part_route_ab(presets, tokens, dev, rep, other_path: str) -> list:
+    """The current routing kernel ("new") against ``other_path``'s ("old"), same launch shape, same logits."""
+    new_mod, old_mod = triton_moe.routing_k, _load_routing(other_path)
+    rows = []
+    for name, spec, T, x, args in _cells(presets, tokens, dev):
+        logits, _ = triton_moe.router_logits(x, args, spec)
+        rec = {}
+        for label, mod in (("old", old_mod), ("new", new_mod), ("old2", old_mod), ("new2", new_mod)):
+            triton_moe.routing_k = mod
+            try:
+                ids, w = triton_moe.route(logits, args["correction_bias"], spec, x.dtype)
+                rec[label] = dict(
+                    ids=ids, w=w,
+                    route_us=bench_graph(lambda: triton_moe.route(logits, args["correction_bias"], spec, x.dtype),
+                                         rep, dev) * 1e3,
+                    op_us=bench_graph(lambda: triton_moe.moe_forward(x, args, spec), rep, dev) * 1e3)
+            finally:
+                triton_moe.routing_k = new_mod
+        same = torch.equal(rec["old"]["ids"], rec["new"]["ids"]) and torch.equal(rec["old"]["w"], rec["new"]["w"])
+        row = dict(preset=name, T=T, same_bits=same,
+                   **{f"{lb}_{k}": v[k] for lb, v in rec.items() for k in ("route_us", "op_us")})
+        rows.append(row)
+        log(f"[route_ab] {name:16s} T={T:5d} route old {row['old_route_us']:6.1f}/{row['old2_route_us']:6.1f} "
+            f"new {row['new_route_us']:6.1f}/{row['new2_route_us']:6.1f} us | op old {row['old_op_us']:8.1f}/"
+            f"{row['old2_op_us']:8.1f} new {row['new_op_us']:8.1f}/{row['new2_op_us']:8.1f} us | "
+            + ("same bits" if same else "DIFFERENT ids/weights"))
     return rows
 
 
@@ -236,6 +282,8 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default="route,pdl,split")
     ap.add_argument("--presets", default=",".join(LAYER_PRESETS))
     ap.add_argument("--route-tokens", default="1,16,128,8192")
+    ap.add_argument("--route-ab", default=None, help="route_ab part: the other routing.py to time against")
+    ap.add_argument("--route-ab-tokens", default="1,16,1024,8192")
     ap.add_argument("--pdl-tokens", default="1,2,16")
     ap.add_argument("--pdl-modes", default="0,early,late",
                     help="MOECOMP_PDL values (late = the default; side; a /seq suffix: shared experts in line)")
@@ -259,6 +307,9 @@ def main(argv=None) -> int:
     with torch.no_grad():
         if "route" in parts:
             out["route"] = part_route(presets, [int(t) for t in a.route_tokens.split(",")], dev, a.rep)
+        if "route_ab" in parts:
+            out["route_ab"] = part_route_ab(presets, [int(t) for t in a.route_ab_tokens.split(",")], dev, a.rep,
+                                            a.route_ab)
         if "pdl" in parts:
             out["pdl"] = part_pdl(presets, [int(t) for t in a.pdl_tokens.split(",")], dev, a.rep,
                                   tuple(a.pdl_modes.split(",")))

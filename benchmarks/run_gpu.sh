@@ -7,6 +7,10 @@
 #   benchmarks/run_gpu.sh layer     benchmarks/bench_moe.py --quick (the layer grid, JSON + log)
 #   benchmarks/run_gpu.sh tune      python -m moecomp tune (PRESETS, TOKENS; writes the package table, copied to $OUT)
 #   benchmarks/run_gpu.sh diag      benchmarks/diag_kernels.py (DIAG_ARGS; default: the TMA part, gemm1 and gemm2)
+#   benchmarks/run_gpu.sh nan       the GPU tests of the op and the reliability suite, then the routing kernel timed
+#                                   against the version in .ab/routing_old.py (carried; e.g. git show HEAD~:...)
+#   benchmarks/run_gpu.sh sanitize  benchmarks/nan_routing_probe.py and the graph-replay NaN test under
+#                                   compute-sanitizer memcheck (with .ab/routing_old.py too, to show the probe fails)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -72,6 +76,25 @@ layer)  # the layer benchmark: every family, every T, every peer in the same run
 diag)  # kernel-level diagnostics (routing sweep, PDL placement, router GEMV, per-kernel split, TMA tiles), JSON to $OUT
   timeout ${DIAG_TIMEOUT:-400} python3 benchmarks/diag_kernels.py ${DIAG_ARGS:---parts tma} \
       --out-json "$OUT/diag.json" 2>&1 | grep -v "^DEBUG" | tee "$OUT/diag.log" | grep "^\[" | tail -60 ;;
+nan)  # issue 25: GPU tests that run the routing kernel, and the routing kernel against the previous version
+  timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -rfE --durations=5 -m gpu -p no:cacheprovider tests/reliability \
+      tests/ops/test_gpu.py tests/kernels 2>&1 | grep -v "^DEBUG" | tee "$OUT/tests-nan.log" | tail -15
+  [ -f .ab/routing_old.py ] && timeout 200 python3 benchmarks/diag_kernels.py --parts route_ab \
+      --route-ab .ab/routing_old.py --out-json "$OUT/diag-route-ab.json" 2>&1 | grep -v "^DEBUG" \
+      | tee "$OUT/diag-route-ab.log" | grep "^\[" | tail -30 ;;
+sanitize)  # memcheck: the probe with this routing kernel, then with the old one; the graph-replay NaN test
+  cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  echo "compute-sanitizer: ${cs:-not found}"
+  for r in "" ${ROUTING_OLD:-.ab/routing_old.py}; do
+    echo "== probe ${r:-(this tree)}"
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 "$cs" --tool memcheck --print-limit 5 --error-exitcode 3 \
+        python3 benchmarks/nan_routing_probe.py ${r:+--routing $r} 2>&1 | grep -v "^DEBUG" \
+        | tee -a "$OUT/sanitize.log" | grep -E "^\[probe\]|ERROR SUMMARY|Invalid|out of bounds" | head -30
+    echo "rc ${PIPESTATUS[0]}"
+  done
+  timeout 200 "$cs" --tool memcheck --error-exitcode 3 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/reliability/test_nonfinite_routing.py -k "graph_replay and sqrtsoftplus" 2>&1 | grep -v "^DEBUG" \
+      | tee -a "$OUT/sanitize.log" | grep -E "passed|failed|ERROR SUMMARY" | tail -5 ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
   timeout ${TUNE_TIMEOUT:-560} python3 -m moecomp tune --restart -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-480} \
       --presets ${PRESETS:-all} ${TOKENS:+--tokens $TOKENS} --copy-to "$OUT" 2>&1 | tee "$OUT/tune.log" \

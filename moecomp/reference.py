@@ -43,12 +43,36 @@ def _kept_experts(gs: torch.Tensor, spec: MoESpec) -> torch.Tensor:
     return mask[:, :, None].expand(T, G, E // G).reshape(T, E)
 
 
+# The routing contract on rows that hold NaN or +-inf (every path: this oracle, the CPU path, the Triton kernel):
+#  - a NaN logit is read as -inf, a +inf logit as the largest finite fp32 (so softmax splits a row's weight evenly
+#    over its +inf entries, sigmoid gives 1); a NaN choice value (a NaN correction bias, a softmax over a row with no
+#    finite logit) is read as -inf;
+#  - each token gets k distinct ids in [0, E): the k largest choice values, ties (-inf ones included) to the lower
+#    index, so a row with no candidate left (all NaN) takes the lowest ids its group selection leaves;
+#  - weights are finite: a selected raw score ("none" scoring) of -inf weighs 0, a NaN weight (0 / 0 in the
+#    renormalisation of an all-NaN row, a softmax over no finite logit) is 0, +-inf is clamped to +-FLT_MAX.
+#  Rows with only finite logits are unchanged by all of this.
+FLT_MAX = float(torch.finfo(torch.float32).max)
+
+
+def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf, +inf -> FLT_MAX (the routing contract above); finite values and -inf unchanged."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=FLT_MAX, neginf=float("-inf"))
+
+
+def finite_weights(w: torch.Tensor, limit: float = FLT_MAX) -> torch.Tensor:
+    """NaN -> 0, then clamped to [-limit, limit] (the routing contract's last step)."""
+    return torch.nan_to_num(w, nan=0.0, posinf=limit, neginf=-limit).clamp(-limit, limit)
+
+
 def route(
     logits: torch.Tensor, correction_bias: torch.Tensor | None, spec: MoESpec, acc=torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routing from router logits [T, E] -> (weights [T, k] in ``acc``, ids [T, k] int64)."""
-    logits = logits.to(acc)
+    """Routing from router logits [T, E] -> (weights [T, k] in ``acc``, ids [T, k] int64). Rows with NaN / inf
+    logits follow the contract above."""
+    logits = sanitize_logits(logits.to(acc))
     k = spec.top_k
+    neg = float("-inf")
     if spec.score_order == "topk_then_score":
         vals, ids = _topk_low_index_ties(logits, k)
         weights = torch.softmax(vals, dim=-1)
@@ -57,18 +81,28 @@ def route(
         choice = scores
         if spec.has_correction_bias:
             choice = (logits if spec.bias_on_logits else scores) + correction_bias.to(acc)
+        choice = choice.masked_fill(torch.isnan(choice), neg)
         if spec.n_group > 1:
             mask = _kept_experts(group_scores(choice, spec), spec)
-            choice = choice.masked_fill(~mask, 0.0 if spec.group_mask_zero else float("-inf"))
+            choice = choice.masked_fill(~mask, 0.0 if spec.group_mask_zero else neg)
         _, ids = _topk_low_index_ties(choice, k)
         weights = scores.gather(1, ids)
+        if spec.scoring == "none":
+            weights = weights.masked_fill(weights == neg, 0.0)
     if spec.renormalize:
         denom = weights.sum(-1, keepdim=True) + spec.renorm_eps
         if spec.renorm_min > 0:
             denom = denom.clamp(min=spec.renorm_min)
         weights = weights / denom
     weights = weights * spec.routed_scaling_factor
-    return weights, ids
+    return finite_weights(weights), ids
+
+
+def round_weights(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Routing weights rounded through ``dtype`` (``spec.round_weights``), clamped to its largest finite value first
+    so that a finite weight stays finite."""
+    limit = float(torch.finfo(dtype).max)
+    return weights.clamp(-limit, limit).to(dtype).to(weights.dtype)
 
 
 def near_tie_tokens(x2: torch.Tensor, router_w, router_b, correction_bias, spec: MoESpec, rel: float) -> torch.Tensor:
@@ -241,7 +275,7 @@ def moe_forward(
     logits = router_logits(x2, router_w, router_b, spec)  # [T, E]
     weights, ids = route(logits, correction_bias, spec, acc)
     if spec.round_weights:
-        weights = weights.to(x.dtype).to(acc)
+        weights = round_weights(weights, x.dtype)
     out = experts(x2, ids, weights, w13, b13, w2, b2, spec, acc)
     if spec.shared is not None:
         out = out + shared_experts(x2, shared_w1, shared_w3, shared_w2, shared_gate_w, spec, acc)

@@ -4,8 +4,11 @@ r"""Fused routing: scores -> (grouped) top-k -> renormalise -> scale, one launch
                                     \__________ s[ids] (renorm, *scale) ---------> weights [T, k] fp32
     (BIAS_ON_LOGITS: choice = logits + bias; MASK_ZERO: dropped groups get 0.0 in the choice, not -inf)
 
-One program owns BLOCK_T tokens and all E experts (padded to BLOCK_E). Top-k is k rounds of arg-max, ties going to
-the lower expert index (``moecomp.reference`` does the same). Group-limited selection keeps the TOPK_GROUP best of
+One program owns BLOCK_T tokens and all E experts (padded to BLOCK_E). Top-k is k rounds of picking the largest value
+among the experts not yet taken, ties going to the lower expert index (``moecomp.reference`` does the same).
+Rows with NaN / inf logits follow the routing contract stated in ``moecomp.reference``: NaN logits read as -inf,
++inf as FLT_MAX; k distinct ids in [0, E) whatever the values (``_pick`` never returns a taken or padding index);
+weights finite (NaN -> 0, clamped). Rows of finite logits route exactly as before. Group-limited selection keeps the TOPK_GROUP best of
 N_GROUP contiguous groups, a group scored by its top-2 sum (or its max): on a [BLOCK_T, N_GROUP, GROUP_SIZE] view of
 the tile when the experts fill it exactly (GROUP_3D), else by one masked pass per group.
 """
@@ -25,6 +28,27 @@ def _softplus(x):
     u = tl.exp(-tl.abs(x))
     lp = tl.where(u < 1e-3, u * (1.0 - u * (0.5 - u / 3.0)), tl.log(1.0 + u))
     return tl.maximum(x, 0.0) + lp
+
+
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+BF16_MAX = tl.constexpr(3.3895313892515355e38)
+FP16_MAX = tl.constexpr(65504.0)
+
+
+@triton.jit
+def _pick(v, free, offs, BLOCK: tl.constexpr, N):
+    """[BT, BLOCK] values (no NaN), ``free`` mask -> [BT]: the lowest free index holding the largest free value. Never
+    a taken or padding index, even when every free value is -inf (an argmax would give the lowest index overall
+    there: a duplicate, or one past the last expert); clamped to N - 1 besides."""
+    v = tl.where(free, v, float("-inf"))
+    m = tl.max(v, axis=1)
+    idx = tl.min(tl.where(free & (v == m[:, None]), offs[None, :], BLOCK), axis=1)
+    return tl.minimum(idx, N - 1)
+
+
+@triton.jit
+def _finite(w, limit):
+    return tl.where(w != w, 0.0, tl.minimum(tl.maximum(w, -limit), limit))
 
 
 @triton.jit
@@ -68,6 +92,7 @@ def route_topk_kernel(
 
     ptrs = logits_ptr + offs_t[:, None].to(tl.int64) * stride_lt + offs_e[None, :]
     logit = tl.load(ptrs, mask=t_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)  # [BT, BE]
+    logit = tl.where(logit != logit, neg, tl.minimum(logit, FLT_MAX))  # NaN -> -inf, +inf -> FLT_MAX
 
     if TOPK_THEN_SCORE:
         score = logit
@@ -87,7 +112,7 @@ def route_topk_kernel(
         if BIAS_ON_LOGITS:
             choice = logit
         choice = choice + tl.load(bias_ptr + offs_e, mask=e_ok, other=0.0).to(tl.float32)[None, :]
-    choice = tl.where(e_ok[None, :], choice, neg)
+    choice = tl.where(e_ok[None, :] & (choice == choice), choice, neg)  # padding and NaN (no finite logit) -> -inf
 
     if N_GROUP > 1:
         offs_g = tl.arange(0, G_PAD)
@@ -115,11 +140,12 @@ def route_topk_kernel(
                     s_g = m1 + tl.max(tl.where(offs_e[None, :] == i1[:, None], neg, v), axis=1)
                 gscore = tl.where(offs_g[None, :] == g, s_g[:, None], gscore)
         keep_g = tl.zeros([BLOCK_T, G_PAD], tl.int32)
+        g_free = tl.broadcast_to((offs_g < N_GROUP)[None, :], [BLOCK_T, G_PAD])
         for _ in tl.static_range(TOPK_GROUP):
-            gi = tl.argmax(gscore, axis=1, tie_break_left=True)
+            gi = _pick(gscore, g_free, offs_g, G_PAD, N_GROUP)
             hit = offs_g[None, :] == gi[:, None]
             keep_g = tl.where(hit, 1, keep_g)
-            gscore = tl.where(hit, neg, gscore)
+            g_free = g_free & (offs_g[None, :] != gi[:, None])
         if GROUP_3D:
             keep_e = tl.reshape(tl.broadcast_to(keep_g[:, :, None], [BLOCK_T, N_GROUP, GROUP_SIZE]),
                                 [BLOCK_T, BLOCK_E])
@@ -136,11 +162,14 @@ def route_topk_kernel(
     offs_k = tl.arange(0, K_PAD)
     top_ids = tl.zeros([BLOCK_T, K_PAD], tl.int32)
     top_w = tl.zeros([BLOCK_T, K_PAD], tl.float32)
+    free = tl.broadcast_to(e_ok[None, :], [BLOCK_T, BLOCK_E])  # not yet taken, and a real expert
     for j in tl.static_range(TOP_K):
-        idx = tl.argmax(choice, axis=1, tie_break_left=True)  # [BT]
+        idx = _pick(choice, free, offs_e, BLOCK_E, E)  # [BT]
         sel = offs_e[None, :] == idx[:, None]
         w = tl.sum(tl.where(sel, score, 0.0), axis=1)
-        choice = tl.where(sel, neg, choice)
+        if SCORING == 3 and not TOPK_THEN_SCORE:
+            w = tl.where(w == neg, 0.0, w)  # a raw -inf score, taken only because no candidate was left
+        free = free & ~sel
         top_ids = tl.where(offs_k[None, :] == j, idx[:, None], top_ids)
         top_w = tl.where(offs_k[None, :] == j, w[:, None], top_w)
 
@@ -154,10 +183,14 @@ def route_topk_kernel(
         denom = tl.where(renorm_min > 0, tl.maximum(denom, renorm_min), denom)
         top_w = top_w / denom[:, None]
     top_w = top_w * scaling
+    # finite weights: NaN (0 / 0, a softmax over no finite logit) -> 0, +-inf -> +-the largest value of the dtype
+    # the weights are rounded to (FLT_MAX, or bf16's / fp16's with ROUND_TO)
     if ROUND_TO == 1:
-        top_w = top_w.to(tl.bfloat16).to(tl.float32)
+        top_w = _finite(top_w, BF16_MAX).to(tl.bfloat16).to(tl.float32)
     elif ROUND_TO == 2:
-        top_w = top_w.to(tl.float16).to(tl.float32)
+        top_w = _finite(top_w, FP16_MAX).to(tl.float16).to(tl.float32)
+    else:
+        top_w = _finite(top_w, FLT_MAX)
 
     out = offs_t[:, None].to(tl.int64) * TOP_K + offs_k[None, :]
     m_out = t_ok[:, None] & k_ok[None, :]

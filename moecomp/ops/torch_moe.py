@@ -117,7 +117,7 @@ def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     logits = reference.router_logits(x2, args["router_w"], args["router_b"], spec)
     weights, ids = reference.route(logits, args["correction_bias"], spec)
     if spec.round_weights:
-        weights = weights.to(x.dtype).float()
+        weights = reference.round_weights(weights, x.dtype).float()
     out = experts_fp32(x2, ids, weights, args, spec)
     if spec.shared is not None:
         out += reference.shared_experts(

@@ -420,14 +420,20 @@ def test_save_pretrained_round_trip(tmp_path):
     n_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
     assert os.path.getsize(tmp_path / "model.safetensors") < n_bytes + 16384  # each weight once (+ header)
     loaded = TinyMoEModel.from_pretrained(tmp_path).eval()
-    assert torch.equal(out(loaded, inputs(2)), out(ref, inputs(2)))
+    sd_loaded, sd_ref = loaded.state_dict(), ref.state_dict()
+    assert set(sd_loaded) == set(sd_ref) and all(torch.equal(sd_loaded[k], v) for k, v in sd_ref.items())
+    # the same weights, bit for bit; the outputs of two plain models may still differ in the last fp32 bit (CPU GEMM
+    # kernels pick their path by operand alignment: 3e-7 seen on torch 2.13), so they are compared within 1e-6
+    torch.testing.assert_close(out(loaded, inputs(2)), out(ref, inputs(2)), rtol=1e-6, atol=1e-6)
     blk = model.layers[0]
     assert blk._moecomp.versions["_moecomp_w13"].current(blk._moecomp_w13)  # saving left the sharing alone
     moecomp.optimize(loaded)
     _check(loaded, ref, inputs, out, [3])
     loaded.save_pretrained(tmp_path / "again")  # an optimized, loaded model saves too
     again = TinyMoEModel.from_pretrained(tmp_path / "again").eval()
-    assert torch.equal(out(again, inputs(4)), out(ref, inputs(4)))
+    sd_again = again.state_dict()
+    assert set(sd_again) == set(sd_ref) and all(torch.equal(sd_again[k], v) for k, v in sd_ref.items())
+    torch.testing.assert_close(out(again, inputs(4)), out(ref, inputs(4)), rtol=1e-6, atol=1e-6)
 
 
 def test_expert_module_shared_by_two_blocks():
