@@ -87,12 +87,12 @@ sanitize)  # memcheck: the probe with this routing kernel, then with the old one
   echo "compute-sanitizer: ${cs:-not found}"
   for r in "" ${ROUTING_OLD:-.ab/routing_old.py}; do
     echo "== probe ${r:-(this tree)}"
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 "$cs" --tool memcheck --print-limit 5 --error-exitcode 3 \
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-150} "$cs" --tool memcheck --print-limit 5 --error-exitcode 3 \
         python3 benchmarks/nan_routing_probe.py ${r:+--routing $r} 2>&1 | grep -v "^DEBUG" \
         | tee -a "$OUT/sanitize.log" | grep -E "^\[probe\]|ERROR SUMMARY|Invalid|out of bounds" | head -30
     echo "rc ${PIPESTATUS[0]}"
   done
-  timeout 200 "$cs" --tool memcheck --error-exitcode 3 python3 -m pytest -q -m gpu -p no:cacheprovider \
+  timeout ${SAN_TEST_TIMEOUT:-200} "$cs" --tool memcheck --error-exitcode 3 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/reliability/test_nonfinite_routing.py -k "graph_replay and sqrtsoftplus" 2>&1 | grep -v "^DEBUG" \
       | tee -a "$OUT/sanitize.log" | grep -E "passed|failed|ERROR SUMMARY" | tail -5 ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
