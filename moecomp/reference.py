@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import quant as q8
 from .spec import MoESpec
 
 
@@ -203,9 +204,14 @@ def expert_mlp(x: torch.Tensor, w13, b13, w2, b2, spec: MoESpec) -> torch.Tensor
 
 
 def experts(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13, b13, w2, b2, spec: MoESpec, acc=torch.float32
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13, b13, w2, b2, spec: MoESpec, acc=torch.float32,
+    w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None,
 ) -> torch.Tensor:
-    """Routed experts: x [T, H], ids / weights [T, k] -> [T, H] in ``acc``."""
+    """Routed experts: x [T, H], ids / weights [T, k] -> [T, H] in ``acc``. Quantized (``spec.quant``): each expert's
+    weights dequantized, and its GEMM inputs quantized as the spec says (``moecomp.quant``)."""
+    qs = spec.quant
+    if qs is not None:
+        return _experts_quantized(x, ids, weights, w13, w2, spec, acc, w13_scale, w2_scale, a13_scale, a2_scale)
     x = x.to(acc)
     out = torch.zeros_like(x)
     for e in range(spec.num_experts):
@@ -224,8 +230,41 @@ def experts(
     return out
 
 
-def shared_experts(x: torch.Tensor, shared_w1, shared_w3, shared_w2, shared_gate_w, spec: MoESpec, acc=torch.float32):
+def _experts_quantized(x, ids, weights, w13, w2, spec: MoESpec, acc, w13_scale, w2_scale, a13_scale, a2_scale):
+    qs = spec.quant
+    halves = 2 if spec.gated else 1
+    out = torch.zeros(x.shape, dtype=acc, device=x.device)
+    for e in range(spec.num_experts):
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        a13 = None if a13_scale is None else a13_scale[e]
+        a2 = None if a2_scale is None else a2_scale[e]
+        xe = q8.fake_quant_act(x[tok], qs, a13).to(acc)
+        h = xe @ q8.dequantize(w13[e], w13_scale[e], qs, halves).to(acc).T
+        h = _gate_up(h, spec)
+        he = q8.fake_quant_act(h.to(x.dtype) if x.dtype != acc else h, qs, a2).to(acc)
+        y = he @ q8.dequantize(w2[e], w2_scale[e], qs).to(acc).T
+        out.index_add_(0, tok, y * weights[tok, slot, None].to(acc))
+    return out
+
+
+def _gate_up(h: torch.Tensor, spec: MoESpec) -> torch.Tensor:
+    """h [n, 2I] (or [n, I]) after the first GEMM -> the activation input of the second, [n, I]."""
+    I = spec.intermediate_size
+    if not spec.gated:
+        return activation(h, spec.activation)
+    gate, up = (h[:, :I], h[:, I:]) if spec.gate_up == "concat" else (h[:, 0::2], h[:, 1::2])
+    return gated_activation(gate, up, spec.activation, spec.activation_alpha, spec.activation_limit,
+                            spec.activation_clamp)
+
+
+def shared_experts(x: torch.Tensor, shared_w1, shared_w3, shared_w2, shared_gate_w, spec: MoESpec, acc=torch.float32,
+                   shared_w1_scale=None, shared_w3_scale=None, shared_w2_scale=None):
     sh = spec.shared
+    if sh.quant is not None:
+        return _shared_quantized(x, shared_w1, shared_w3, shared_w2, shared_gate_w, spec, acc, shared_w1_scale,
+                                 shared_w3_scale, shared_w2_scale)
     x = x.to(acc)
     if sh.gated:
         if sh.layout == "concat":
@@ -241,11 +280,40 @@ def shared_experts(x: torch.Tensor, shared_w1, shared_w3, shared_w2, shared_gate
     return y * sh.scale if sh.scale != 1.0 else y
 
 
+def quantized_linear(x: torch.Tensor, w, scale, quant, acc=torch.float32) -> torch.Tensor:
+    """x [n, in] @ dequantize(w [out, in], scale).T, x quantized as ``quant.activation`` says."""
+    return q8.fake_quant_act(x, quant).to(acc) @ q8.dequantize(w, scale, quant).to(acc).T
+
+
+def _shared_quantized(x, w1, w3, w2, gate_w, spec: MoESpec, acc, s1, s3, s2):
+    sh, qs = spec.shared, spec.shared.quant
+    if sh.gated:
+        h = gated_activation(quantized_linear(x, w1, s1, qs, acc), quantized_linear(x, w3, s3, qs, acc),
+                             sh.activation, sh.activation_alpha, sh.activation_limit, sh.activation_clamp)
+    else:
+        h = activation(quantized_linear(x, w3, s3, qs, acc), sh.activation)
+    y = quantized_linear(h.to(x.dtype) if x.dtype != acc else h, w2, s2, qs, acc)
+    if sh.gate == "sigmoid":
+        y = y * torch.sigmoid(x.to(acc) @ gate_w.to(acc).T)
+    return y * sh.scale if sh.scale != 1.0 else y
+
+
 def router_logits(x: torch.Tensor, router_w, router_b, spec: MoESpec) -> torch.Tensor:
     if spec.router_fp32:
         x, router_w = x.float(), router_w.float()
         router_b = None if router_b is None else router_b.float()
     return F.linear(x, router_w.to(x.dtype), None if router_b is None else router_b.to(x.dtype))
+
+
+def _pick(d: dict, *names) -> dict:
+    unknown = set(d) - set(_QUANT_NAMES)
+    if unknown:
+        raise TypeError(f"unknown quantization argument(s) {sorted(unknown)}; expected among {_QUANT_NAMES}")
+    return {n: d.get(n) for n in names}
+
+
+_QUANT_NAMES = ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "shared_w1_scale", "shared_w3_scale",
+                "shared_w2_scale")
 
 
 def moe_forward(
@@ -263,8 +331,10 @@ def moe_forward(
     shared_gate_w,
     spec: MoESpec | str,
     acc=torch.float32,
+    **quant,
 ) -> torch.Tensor:
-    """The whole block: x [..., H] -> [..., H] in x's dtype, math in ``acc``."""
+    """The whole block: x [..., H] -> [..., H] in x's dtype, math in ``acc``. ``quant``: the scale tensors of
+    quantized weights by their op argument names (``moecomp.ops.common.QUANT_ARGS``)."""
     if isinstance(spec, str):
         spec = MoESpec.from_key(spec)
     if spec.fused_shared_gate:  # router_w [E + 1, H]: the last row is the shared-expert gate
@@ -276,7 +346,9 @@ def moe_forward(
     weights, ids = route(logits, correction_bias, spec, acc)
     if spec.round_weights:
         weights = round_weights(weights, x.dtype)
-    out = experts(x2, ids, weights, w13, b13, w2, b2, spec, acc)
+    out = experts(x2, ids, weights, w13, b13, w2, b2, spec, acc, **_pick(quant, "w13_scale", "w2_scale", "a13_scale",
+                                                                         "a2_scale"))
     if spec.shared is not None:
-        out = out + shared_experts(x2, shared_w1, shared_w3, shared_w2, shared_gate_w, spec, acc)
+        out = out + shared_experts(x2, shared_w1, shared_w3, shared_w2, shared_gate_w, spec, acc,
+                                   **_pick(quant, "shared_w1_scale", "shared_w3_scale", "shared_w2_scale"))
     return out.to(x.dtype).reshape(shape)

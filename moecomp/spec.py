@@ -21,6 +21,15 @@ What a block computes, in terms of the spec (T tokens, H hidden, E experts, k = 
     out      = sum_k weights * y  (+ shared(x) * sigmoid(x @ shared_gate_w.T))
     FSE      : with fused_shared_gate, router_w is [E + 1, H] (gate row last): one GEMM gives logits and gate
 
+Quantized weights (``quant``, a ``QuantSpec``; ``SharedExpertSpec.quant`` for the shared experts): the op reads the
+quantized tensors and their scales as they are stored; what a GEMM computes is
+
+    w[n, k]  = q[n, k] * s_w                                   # s_w: scale[n // block_n, k // block_k] ("block"),
+                                                               #      scale[n] ("channel"), scale ("tensor"), per expert
+    x_q      = e4m3(clamp(x * (1 / s_a), +-448)) * s_a         # "dynamic": s_a = max|x| / 448 over each token's group of
+                                                               #   act_group columns (1e-10 at least); "static": s_a given
+    y        = x_q @ w.T                                       # activation "none": y = x @ w.T (weight-only)
+
 The op receives the spec as a string (``spec.key``) so that it is a plain schema argument; ``MoESpec.from_key``
 parses it back (cached).
 """
@@ -39,10 +48,72 @@ GROUP_SCORES = ("top2_sum", "max")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2", "swiglu_oai")  # relu2 = relu(x)**2
 W_LAYOUTS = ("out_in", "in_out")  # per-expert matrix stored [out, in] (nn.Linear style) or [in, out]
 GATE_UP = ("concat", "interleaved")
+QUANT_WEIGHTS = ("fp8_e4m3",)  # the 4-bit formats join here
+QUANT_SCALES = ("block", "channel", "tensor")
+SCALE_DTYPES = ("fp32", "ue8m0")  # ue8m0: powers of two stored as a biased exponent byte (torch.float8_e8m0fnu)
+QUANT_ACTIVATIONS = ("dynamic", "static", "none")
+FP8_MAX = 448.0  # largest finite e4m3 (float8_e4m3fn) value
 
 
 class SpecError(ValueError):
     """A MoESpec (or the tensors given with it) describes something moecomp cannot compute."""
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """Quantized weights and how a GEMM's activations are quantized (the formula in the module docstring).
+
+    ``weight``: the stored element type. ``scale``: weight-scale layout, per expert for the routed experts:
+    "block" ``[E, rows // block_n, cols // block_k]`` (rounded up; a gated w13 holds gate and up blocks apart, so
+    ``2 * ceil(I / block_n)`` rows: checkpoints quantize gate_proj and up_proj separately), "channel" ``[E, rows]``,
+    "tensor" ``[E]`` (for a shared expert's 2-D weights the same without E). ``scale_dtype``: the scales' storage.
+    ``activation``: "dynamic" (per token, per group of ``act_group`` columns, quantized on the fly), "static" (one
+    given scale per expert and GEMM: ``a13_scale`` / ``a2_scale`` ``[E]``), or "none" (weight-only: 16-bit
+    activations against dequantized weights). The op may run a "dynamic" spec weight-only where that is faster
+    (the kernel table decides per token bucket): its error against the dequantized reference is then smaller."""
+
+    weight: str = "fp8_e4m3"
+    scale: str = "block"
+    block_n: int = 128
+    block_k: int = 128
+    scale_dtype: str = "fp32"
+    activation: str = "dynamic"
+    act_group: int = 128
+
+    def validate(self, who: str = "") -> None:
+        for name, value, allowed in (("weight", self.weight, QUANT_WEIGHTS), ("scale", self.scale, QUANT_SCALES),
+                                     ("scale_dtype", self.scale_dtype, SCALE_DTYPES),
+                                     ("activation", self.activation, QUANT_ACTIVATIONS)):
+            if value not in allowed:
+                raise SpecError(f"{who}quant.{name}={value!r} is not one of {allowed}")
+        if self.block_n <= 0 or self.block_k <= 0 or self.act_group <= 0:
+            raise SpecError(f"{who}quant block sizes must be positive: block_n={self.block_n}, "
+                            f"block_k={self.block_k}, act_group={self.act_group}")
+        if self.activation == "dynamic" and self.act_group != 128:
+            raise SpecError(f"{who}quant.act_group={self.act_group}: dynamic activations are quantized in groups of "
+                            f"128 (the kernels' K step)")
+        if self.scale == "block" and (self.block_k % 16 or 128 % self.block_k and self.block_k % 128):
+            raise SpecError(f"{who}quant.block_k={self.block_k}: expected a multiple of 128 or a divisor of 128 "
+                            f"that is a multiple of 16")
+
+    @functools.cached_property
+    def key(self) -> str:
+        """A compact, canonical string (the ``fp8_linear`` op's ``quant`` argument)."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_key(key: str) -> "QuantSpec":
+        if not isinstance(key, str):
+            raise SpecError(f"quant must be a QuantSpec key string (QuantSpec.key), got {type(key).__name__}")
+        return _quant_from_key(key)
+
+    def scale_shape(self, rows: int, cols: int, halves: int = 1) -> tuple[int, ...]:
+        """The weight-scale shape of one [rows, cols] matrix (``halves`` = 2: gate and up blocked apart)."""
+        if self.scale == "block":
+            return (halves * -(-(rows // halves) // self.block_n), -(-cols // self.block_k))
+        if self.scale == "channel":
+            return (rows,)
+        return ()
 
 
 @dataclass(frozen=True)
@@ -67,8 +138,15 @@ class SharedExpertSpec:
     activation_limit: float = 7.0  # swiglu_oai, or with activation_clamp
     activation_clamp: bool = False
     scale: float = 1.0
+    quant: QuantSpec | None = None  # quantized shared-expert weights (layout "separate" or ungated)
 
     def validate(self) -> None:
+        if self.quant is not None:
+            self.quant.validate("shared expert ")
+            if self.gated and self.layout != "separate":
+                raise SpecError("quantized shared experts need layout 'separate' (gate_proj / up_proj apart)")
+            if self.quant.activation == "static":
+                raise SpecError("quantized shared experts with static activation scales are not supported")
         if not (math.isfinite(self.scale) and self.scale > 0):
             raise SpecError(f"shared expert scale must be finite and positive, got {self.scale}")
         if self.intermediate_size <= 0:
@@ -116,6 +194,8 @@ class MoESpec:
     has_expert_bias: bool = False
     # --- shared experts ---
     shared: SharedExpertSpec | None = None
+    # --- quantized routed experts (w13 / w2 and their scales; see QuantSpec) ---
+    quant: QuantSpec | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -162,6 +242,13 @@ class MoESpec:
             raise SpecError("fused_shared_gate needs a sigmoid-gated shared expert")
         if self.fused_shared_gate and self.has_router_bias:
             raise SpecError("fused_shared_gate with a router bias is not supported")
+        if self.quant is not None:
+            self.quant.validate()
+            if self.w_layout != "out_in" or (self.gated and self.gate_up != "concat"):
+                raise SpecError("quantized experts need w_layout 'out_in' and gate_up 'concat' (the checkpoints' "
+                                f"layout), got {self.w_layout!r} / {self.gate_up!r}")
+            if self.has_expert_bias:
+                raise SpecError("quantized experts with expert biases are not supported")
 
     # ------------------------------------------------------------ serialise
     @functools.cached_property
@@ -201,9 +288,36 @@ class MoESpec:
             shapes.update(b13=(E, N), b2=(E, H))
         return shapes
 
-    def bytes_per_expert(self, itemsize: int = 2) -> int:
-        E, H, I = 1, self.hidden_size, self.intermediate_size
-        return E * (self.w13_rows * H + H * I) * itemsize
+    def quant_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{argument: shape} of the routed experts' scale tensors (empty without ``quant``)."""
+        q = self.quant
+        if q is None:
+            return {}
+        E, H, I, N = self.num_experts, self.hidden_size, self.intermediate_size, self.w13_rows
+        shapes = {"w13_scale": (E, *q.scale_shape(N, H, 2 if self.gated else 1)),
+                  "w2_scale": (E, *q.scale_shape(H, I))}
+        if q.activation == "static":
+            shapes.update(a13_scale=(E,), a2_scale=(E,))
+        return shapes
+
+    def shared_quant_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{argument: shape} of the shared experts' scale tensors (empty unless ``shared.quant``)."""
+        sh = self.shared
+        if sh is None or sh.quant is None:
+            return {}
+        H, Is, q = self.hidden_size, sh.intermediate_size, sh.quant
+        shapes = {"shared_w2_scale": q.scale_shape(H, Is), "shared_w3_scale": q.scale_shape(Is, H)}
+        if sh.gated:
+            shapes["shared_w1_scale"] = q.scale_shape(Is, H)
+        return shapes
+
+    def bytes_per_expert(self, itemsize: int | None = None) -> int:
+        """Bytes of one expert's w13 + w2: ``itemsize`` per element (default 2, or 1 for fp8 weights), plus fp32
+        scales where quantized."""
+        if itemsize is None:
+            itemsize = 1 if self.quant is not None else 2
+        scales = sum(4 * math.prod(s[1:]) for s in self.quant_shapes().values() if len(s) > 1)
+        return (self.w13_rows * self.hidden_size + self.hidden_size * self.intermediate_size) * itemsize + scales
 
     def describe(self) -> str:
         route = self.scoring if self.score_order == "score_then_topk" else "topk->softmax"
@@ -222,6 +336,10 @@ class MoESpec:
             sh = f", shared I={self.shared.intermediate_size}" + (" gated" if self.shared.gate != "none" else "") + (
                 f" x{self.shared.scale:g}" if self.shared.scale != 1.0 else "")
         act = self.activation + ("*up" if self.gated and self.activation != "swiglu_oai" else "")
+        if self.quant is not None:
+            q = self.quant
+            lay = f"{q.block_n}x{q.block_k}" if q.scale == "block" else q.scale
+            act = f"fp8 {lay}{' ue8m0' if q.scale_dtype == 'ue8m0' else ''} a:{q.activation} " + act
         if self.activation_clamp:
             act = f"clamp{self.activation_limit:g} " + act
         return (
@@ -264,6 +382,17 @@ def _fields_from_key(d, cls, key: str, where: str) -> dict:
 
 
 @functools.lru_cache(maxsize=256)
+def _quant_from_key(key: str) -> QuantSpec:
+    try:
+        d = json.loads(key)
+    except json.JSONDecodeError as e:
+        raise SpecError(f"quant string {key[:80]!r} is not a QuantSpec key (JSON of the QuantSpec fields): {e}") from e
+    q = QuantSpec(**_fields_from_key(d, QuantSpec, key, "the quant spec"))
+    q.validate()
+    return q
+
+
+@functools.lru_cache(maxsize=256)
 def _spec_from_key(key: str) -> MoESpec:
     """Parse ``MoESpec.key``; anything that is not a valid key is a SpecError (never a TypeError / KeyError)."""
     try:
@@ -273,5 +402,11 @@ def _spec_from_key(key: str) -> MoESpec:
     d = dict(_fields_from_key(d, MoESpec, key, "the spec"))
     shared = d.pop("shared", None)
     if shared is not None:
-        shared = SharedExpertSpec(**_fields_from_key(shared, SharedExpertSpec, key, "'shared'"))
-    return MoESpec(**d, shared=shared)
+        shared = dict(_fields_from_key(shared, SharedExpertSpec, key, "'shared'"))
+        sq = shared.pop("quant", None)
+        sq = None if sq is None else QuantSpec(**_fields_from_key(sq, QuantSpec, key, "'shared.quant'"))
+        shared = SharedExpertSpec(**shared, quant=sq)
+    quant = d.pop("quant", None)
+    if quant is not None:
+        quant = QuantSpec(**_fields_from_key(quant, QuantSpec, key, "'quant'"))
+    return MoESpec(**d, shared=shared, quant=quant)

@@ -56,6 +56,38 @@ def random_moe_args(
     return (x,) + tuple(t[n] for n in MOE_ARGS)
 
 
+def quantize_moe_args(spec: MoESpec, args: tuple, seed: int = 0) -> tuple[tuple, dict]:
+    """The op's arguments of ``random_moe_args`` with the weights the spec quantizes replaced by their fp8 form:
+    (positional args, {scale argument: tensor}) to call ``moe_forward(*args, spec.key, **scales)``. Static
+    activation scales are calibrated on ``x``: each expert's max|x| and max|h| over every token (as if each token
+    went to every expert) over 448, times U(1, 1.5) (so nothing saturates)."""
+    from . import quant as q8
+
+    t = dict(zip(MOE_ARGS, args[1:]))
+    scales = {}
+    if spec.quant is not None:
+        qs = spec.quant
+        t["w13"], scales["w13_scale"] = q8.quantize(t["w13"], qs, 2 if spec.gated else 1)
+        t["w2"], scales["w2_scale"] = q8.quantize(t["w2"], qs)
+        if qs.activation == "static":
+            from . import reference
+
+            g = torch.Generator(device=args[0].device).manual_seed(seed)
+            E, dev = spec.num_experts, args[0].device
+            x = args[0].reshape(-1, spec.hidden_size).float()
+            w13 = q8.dequantize(t["w13"], scales["w13_scale"], qs, 2 if spec.gated else 1)  # [E, N, H]
+            h = reference._gate_up((x @ w13.transpose(1, 2)).reshape(-1, w13.shape[1]), spec)  # [E * T, I]
+            amax_h = h.reshape(E, -1).abs().amax(-1)
+            scales["a13_scale"] = (torch.rand(E, generator=g, device=dev) * 0.5 + 1) * x.abs().max() / q8.FP8_MAX
+            scales["a2_scale"] = (torch.rand(E, generator=g, device=dev) * 0.5 + 1) * amax_h / q8.FP8_MAX
+    sh = spec.shared
+    if sh is not None and sh.quant is not None:
+        for name in ("shared_w1", "shared_w3", "shared_w2"):
+            if t[name] is not None:
+                t[name], scales[f"{name}_scale"] = q8.quantize(t[name], sh.quant)
+    return (args[0],) + tuple(t[n] for n in MOE_ARGS), scales
+
+
 # Real layer sizes of the families the benchmarks and GPU tests use (bf16 on the GPU).
 LAYER_PRESETS = {
     "mixtral_8x7b": MoESpec(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336),

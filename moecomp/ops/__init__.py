@@ -1,6 +1,7 @@
 """Custom ops (``torch.ops.moecomp.*``) and their launch wrappers. Importing this registers the ops."""
 
 from .attention import decode_attention
-from .moe_op import EXPERT_ARGS, MOE_ARGS, check_args, moe_experts, moe_forward
+from .fp8_linear import fp8_linear
+from .moe_op import EXPERT_ARGS, MOE_ARGS, OP_ARGS, QUANT_ARGS, check_args, moe_experts, moe_forward
 
-__all__ = ["MOE_ARGS", "EXPERT_ARGS", "check_args", "moe_forward", "moe_experts", "decode_attention"]
+__all__ = ["MOE_ARGS", "EXPERT_ARGS", "QUANT_ARGS", "OP_ARGS", "check_args", "moe_forward", "moe_experts", "decode_attention", "fp8_linear"]

@@ -25,6 +25,12 @@ MOE_ARGS = (
     "shared_gate_w",
 )
 EXPERT_ARGS = ("w13", "b13", "w2", "b2")
+# Scales of quantized weights (MoESpec.quant / SharedExpertSpec.quant): the ops take them after ``spec``, each
+# defaulting to None, so unquantized callers pass nothing new. a13 / a2: static activation scales [E].
+QUANT_ARGS = ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "shared_w1_scale", "shared_w3_scale",
+              "shared_w2_scale")
+EXPERT_QUANT_ARGS = QUANT_ARGS[:4]
+OP_ARGS = MOE_ARGS + QUANT_ARGS  # every tensor a bound block may pass
 # What the op implements beyond the base spec; passes check this before relying on it.
 FEATURES = ("fused_shared_gate",)
 

@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _get_disp
 
 from ..spec import MoESpec, SpecError
 from . import graphs, torch_moe
-from .common import EXPERT_ARGS, FEATURES, MOE_ARGS, _backend, _on_device, split_fused_gate  # noqa: F401  (re-exported)
+from .common import (  # noqa: F401  (re-exported)
+    EXPERT_ARGS, EXPERT_QUANT_ARGS, FEATURES, MOE_ARGS, OP_ARGS, QUANT_ARGS, _backend, _on_device, split_fused_gate)
 
 # Floating dtypes the kernels compute in (x / hidden_states). float64 only on the vectorised torch path (CPU, or
 # MOECOMP_CUDA_BACKEND=torch), which computes the experts in fp32 and returns float64; the Triton GEMMs have no fp64.
@@ -33,6 +34,39 @@ _X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # shared_gate_w to its compute dtype (x's, or fp32 with router_fp32: an fp32 router over bf16 experts is the
 # DeepSeek-V3 style), and the correction bias and the expert biases are read as fp32.
 _SAME_DTYPE = frozenset({"w13", "w2", "shared_w1", "shared_w3", "shared_w2"})
+_FP8 = torch.float8_e4m3fn
+# scale argument -> the tensor it scales (a13 / a2: the activations of w13's and w2's GEMMs)
+_SCALE_OF = {"w13_scale": "w13", "w2_scale": "w2", "a13_scale": "w13", "a2_scale": "w2",
+             "shared_w1_scale": "shared_w1", "shared_w3_scale": "shared_w3", "shared_w2_scale": "shared_w2"}
+
+
+def _quant_of(name: str, spec: MoESpec):
+    return spec.shared.quant if name.startswith("shared") else spec.quant
+
+
+def _quantized(spec: MoESpec) -> frozenset:
+    """Weight arguments the spec stores quantized."""
+    names = set()
+    if spec.quant is not None:
+        names |= {"w13", "w2"}
+    if spec.shared is not None and spec.shared.quant is not None:
+        names |= {"shared_w1", "shared_w3", "shared_w2"}
+    return frozenset(names)
+
+
+def _scale_dtype(name: str, spec: MoESpec) -> torch.dtype:
+    from .. import quant as q8  # torch only
+
+    return q8.scale_dtype(_quant_of(name, spec))
+
+
+def _scale_layout(name: str, spec: MoESpec) -> str:
+    q = _quant_of(name, spec)
+    if name in ("a13_scale", "a2_scale"):
+        return "static activation"
+    return f"{q.block_n}x{q.block_k} block" if q.scale == "block" else f"per-{q.scale}"
+
+
 _ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _X = "x (hidden_states)"
 _expected: dict = {}  # (spec.key, with router) -> {argument name: shape}
@@ -46,7 +80,9 @@ def _expected_shapes(spec: MoESpec, routed: bool) -> dict:
         return expect
     E, H = spec.num_experts, spec.hidden_size
     expect = dict(spec.expert_weight_shapes())
+    expect.update(spec.quant_shapes())
     if routed:
+        expect.update(spec.shared_quant_shapes())
         expect["router_w"] = (E + 1, H) if spec.fused_shared_gate else (E, H)
         if spec.has_router_bias:
             expect["router_b"] = (E,)
@@ -105,13 +141,33 @@ def check_args(x: torch.Tensor, tensors: dict, spec: MoESpec, symbolic: bool = F
         if t.device != dev:
             raise SpecError(f"{name} is on {t.device}; expected {dev}, the device of {_X}")
         if _differs(t.shape, want, symbolic):
+            if name in _SCALE_OF:
+                w = tensors.get(_SCALE_OF[name])
+                raise SpecError(f"{name} has shape {tuple(t.shape)}; {_scale_layout(name, spec)} scales for "
+                                f"{_SCALE_OF[name]} {tuple(w.shape) if w is not None else ''} need {want}")
             raise SpecError(f"{name} has shape {tuple(t.shape)}, the spec needs {want}")
-        if name in _SAME_DTYPE:
+        if name in _quantized(spec):
+            if t.dtype != _FP8:
+                raise SpecError(f"{name} has dtype {t.dtype}; the spec's quantized weights ({spec.describe()}) "
+                                f"are {_FP8}")
+        elif name in _SCALE_OF and name.startswith(("w", "shared")):
+            want_dt = _scale_dtype(name, spec)
+            if t.dtype != want_dt:
+                raise SpecError(f"{name} has dtype {t.dtype}; {_SCALE_OF[name]}'s scales are {want_dt} "
+                                f"(scale_dtype {_quant_of(name, spec).scale_dtype!r})")
+        elif name in ("a13_scale", "a2_scale"):
+            if t.dtype != torch.float32:
+                raise SpecError(f"{name} has dtype {t.dtype}; static activation scales are torch.float32")
+        elif name in _SAME_DTYPE:
             if t.dtype != dt:
                 raise SpecError(f"{name} has dtype {t.dtype}; expected {dt}, the dtype of {_X} (expert and "
                                 f"shared-expert weights are GEMM operands of x)")
         elif not t.is_floating_point():
             raise SpecError(f"{name} has dtype {t.dtype}; expected a floating dtype")
+    for name, want in expect.items():  # scales are passed only where given: a missing one is named here
+        if name in _SCALE_OF and tensors.get(name) is None:
+            raise SpecError(f"{name} is required by the spec ({spec.describe()}) but was None; expected a tensor "
+                            f"of shape {want} (the scales of {_SCALE_OF[name]})")
 
 
 def check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, spec: MoESpec,
@@ -199,26 +255,45 @@ def plain_eager(tensors) -> bool:
 
 
 def call_moe_forward(x: torch.Tensor, tensors, spec: MoESpec) -> torch.Tensor:
-    """``torch.ops.moecomp.moe_forward(x, *tensors, spec.key)`` for eager callers (the bound HF blocks): the same
+    """``torch.ops.moecomp.moe_forward(x, *tensors, spec.key)`` for eager callers (the bound HF blocks; ``tensors``
+    in ``OP_ARGS`` order, the quantization scales optional at the end): the same
     computation, without the custom-op dispatcher's host cost (tens of microseconds a call) where that dispatcher
     would change nothing (``_plain_eager``); through the op otherwise."""
     tensors = tuple(tensors)
     if plain_eager((x,) + tensors):
-        args = dict(zip(MOE_ARGS, tensors))
+        args = dict(zip(OP_ARGS, tensors))
         check_args(x, args, spec)
         return _forward(x, args, spec, spec.key, eager=True)
-    return torch.ops.moecomp.moe_forward(x, *tensors, spec.key)
+    n = len(MOE_ARGS)
+    return torch.ops.moecomp.moe_forward(x, *tensors[:n], spec.key, *tensors[n:])
 
 
 def call_moe_experts(x, topk_ids, topk_weights, w13, b13, w2, b2, spec: MoESpec,
-                     ids_from_topk: bool = False) -> torch.Tensor:
+                     ids_from_topk: bool = False, **scales) -> torch.Tensor:
     """``torch.ops.moecomp.moe_experts(...)`` for eager callers, without the dispatcher where it changes nothing.
     ``ids_from_topk``: the caller's ids come from a top-k over ``num_experts`` scores (an HF experts module called by
     its own router), so they are in range by construction and CUDA skips the range check's host sync."""
-    if plain_eager((x, topk_ids, topk_weights, w13, b13, w2, b2)):
-        return _experts(x, topk_ids, topk_weights, dict(zip(EXPERT_ARGS, (w13, b13, w2, b2))), spec, spec.key,
+    q = tuple(scales.get(n) for n in EXPERT_QUANT_ARGS)
+    if set(scales) - set(EXPERT_QUANT_ARGS):
+        raise TypeError(f"unknown scale argument(s) {sorted(set(scales) - set(EXPERT_QUANT_ARGS))}")
+    if plain_eager((x, topk_ids, topk_weights, w13, b13, w2, b2) + q):
+        return _experts(x, topk_ids, topk_weights, _expert_args(w13, b13, w2, b2, *q), spec, spec.key,
                         eager=True, check_ids=not (ids_from_topk and topk_ids.is_cuda))
-    return torch.ops.moecomp.moe_experts(x, topk_ids, topk_weights, w13, b13, w2, b2, spec.key)
+    return torch.ops.moecomp.moe_experts(x, topk_ids, topk_weights, w13, b13, w2, b2, spec.key, *q)
+
+
+def _expert_args(w13, b13, w2, b2, *scales) -> dict:
+    """moe_experts' tensors by name; the scale names only where given (unquantized calls keep the old four)."""
+    args = dict(zip(EXPERT_ARGS, (w13, b13, w2, b2)))
+    args.update({n: t for n, t in zip(EXPERT_QUANT_ARGS, scales) if t is not None})
+    return args
+
+
+def _op_args(tensors, scales) -> dict:
+    """moe_forward's tensors by name; the scale names only where given."""
+    args = dict(zip(MOE_ARGS, tensors))
+    args.update({n: t for n, t in zip(QUANT_ARGS, scales) if t is not None})
+    return args
 
 
 @torch.library.custom_op("moecomp::moe_forward", mutates_args=())
@@ -236,21 +311,31 @@ def moe_forward(
     shared_w2: torch.Tensor | None,
     shared_gate_w: torch.Tensor | None,
     spec: str,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    a13_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
+    shared_w1_scale: torch.Tensor | None = None,
+    shared_w3_scale: torch.Tensor | None = None,
+    shared_w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     s = MoESpec.from_key(spec)
-    args = dict(zip(MOE_ARGS, (router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3,
-                               shared_w2, shared_gate_w)))
+    args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
+                     shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
+                                      shared_w2_scale))
     check_args(x, args, s)
     return _forward(x, args, s, spec)
 
 
 @moe_forward.register_fake
 def _(x, router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2, shared_gate_w,
-      spec):
+      spec, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, shared_w1_scale=None,
+      shared_w3_scale=None, shared_w2_scale=None):
     # Also the Meta-key kernel: real tensors with one of them on "meta" dispatch here, not to the implementation, so
     # the checks (devices above all) must run here too, or the call returns uninitialised memory.
-    args = dict(zip(MOE_ARGS, (router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3,
-                               shared_w2, shared_gate_w)))
+    args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
+                     shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
+                                      shared_w2_scale))
     check_args(x, args, MoESpec.from_key(spec), symbolic=True)
     return torch.empty_like(x)
 
@@ -265,10 +350,15 @@ def moe_experts(
     w2: torch.Tensor,
     b2: torch.Tensor | None,
     spec: str,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    a13_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts only: x [T, H], topk_ids / topk_weights [T, k] -> [T, H]."""
     s = MoESpec.from_key(spec)
-    return _experts(x, topk_ids, topk_weights, dict(zip(EXPERT_ARGS, (w13, b13, w2, b2))), s, spec)
+    return _experts(x, topk_ids, topk_weights, _expert_args(w13, b13, w2, b2, w13_scale, w2_scale, a13_scale,
+                                                            a2_scale), s, spec)
 
 
 def _experts(x, topk_ids, topk_weights, args: dict, s: MoESpec, spec: str, eager: bool = False,
@@ -286,8 +376,9 @@ def _experts(x, topk_ids, topk_weights, args: dict, s: MoESpec, spec: str, eager
 
 
 @moe_experts.register_fake
-def _(x, topk_ids, topk_weights, w13, b13, w2, b2, spec):
+def _(x, topk_ids, topk_weights, w13, b13, w2, b2, spec, w13_scale=None, w2_scale=None, a13_scale=None,
+      a2_scale=None):
     s = MoESpec.from_key(spec)  # the checks: see moe_forward's fake implementation
     check_routing(x, topk_ids, topk_weights, s, symbolic=True)
-    check_args(x, dict(zip(EXPERT_ARGS, (w13, b13, w2, b2))), s, symbolic=True)
+    check_args(x, _expert_args(w13, b13, w2, b2, w13_scale, w2_scale, a13_scale, a2_scale), s, symbolic=True)
     return torch.empty_like(x)

@@ -12,6 +12,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .. import quant as q8
 from .. import reference
 from ..spec import MoESpec
 from .common import split_fused_gate
@@ -83,8 +84,45 @@ def _gate(h: torch.Tensor, spec: MoESpec) -> torch.Tensor:
     )
 
 
+def _fake_quant_rows(xs: torch.Tensor, qs, static, sorted_ids) -> torch.Tensor:
+    """Rows of GEMM input [P, K] as the quantized GEMM sees them (fp32): per token group ("dynamic"), with each
+    row's expert's scale ("static"), or as they are ("none")."""
+    if qs.activation == "static":
+        s = static.float()[sorted_ids][:, None]  # [P, 1]
+        inv = torch.ones((), device=xs.device) / s
+        return (xs.float() * inv).clamp(-q8.FP8_MAX, q8.FP8_MAX).to(q8.FP8).float() * s
+    return q8.fake_quant_act(xs, qs)
+
+
+def _experts_quantized(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.Tensor:
+    """Quantized routed experts: each weight dequantized for the call (fp32, not kept), GEMM inputs quantized as
+    the spec says; the intermediate activation rounded to x's dtype first, as the CUDA kernels store it."""
+    T, H = x.shape
+    qs = spec.quant
+    k = topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1).long()
+    sorted_ids, order = torch.sort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=spec.num_experts)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    tok = order // k
+    w13 = q8.dequantize(args["w13"], args["w13_scale"], qs, 2 if spec.gated else 1)  # [E, N, H] fp32
+    h = grouped_linear(_fake_quant_rows(x[tok], qs, args.get("a13_scale"), sorted_ids), w13.transpose(-2, -1),
+                       offs, sorted_ids)
+    del w13
+    h = _gate(h, spec).to(x.dtype)
+    w2 = q8.dequantize(args["w2"], args["w2_scale"], qs)  # [E, H, I] fp32
+    y = grouped_linear(_fake_quant_rows(h, qs, args.get("a2_scale"), sorted_ids), w2.transpose(-2, -1), offs,
+                       sorted_ids)
+    y = y * topk_weights.reshape(-1)[order, None].float()
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    out.index_add_(0, tok, y)
+    return out
+
+
 def experts_fp32(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.Tensor:
     """Routed experts, x [T, H] -> fp32 [T, H]."""
+    if spec.quant is not None:
+        return _experts_quantized(x, topk_ids, topk_weights, args, spec)
     T, H = x.shape
     k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1).long()
@@ -121,6 +159,8 @@ def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     out = experts_fp32(x2, ids, weights, args, spec)
     if spec.shared is not None:
         out += reference.shared_experts(
-            x2, args["shared_w1"], args["shared_w3"], args["shared_w2"], args["shared_gate_w"], spec
+            x2, args["shared_w1"], args["shared_w3"], args["shared_w2"], args["shared_gate_w"], spec,
+            shared_w1_scale=args.get("shared_w1_scale"), shared_w3_scale=args.get("shared_w3_scale"),
+            shared_w2_scale=args.get("shared_w2_scale"),
         )
     return out.to(x.dtype).reshape(shape)
