@@ -346,18 +346,22 @@ def test_lower_layers_do_not_import_upper_ones():
     them; verify and bind no recogniser (verify: the binder, probes, activation probes; bind: its own helpers)."""
     allowed = {
         "moecomp.kernels": ("moecomp.kernels",),
-        "moecomp.ops": ("moecomp.ops", "moecomp.kernels", "moecomp.spec", "moecomp.reference", "moecomp.counters",
+        "moecomp.ops": ("moecomp.ops", "moecomp.kernels", "moecomp.spec", "moecomp.reference", "moecomp.quant",
+                        "moecomp.counters",
                         "moecomp.policy"),
-        "moecomp.passes": ("moecomp.passes", "moecomp.ops", "moecomp.spec", "moecomp.reference", "moecomp.counters",
+        "moecomp.passes": ("moecomp.passes", "moecomp.ops", "moecomp.spec", "moecomp.reference", "moecomp.quant",
+                           "moecomp.counters",
                            "moecomp.policy", "moecomp.reject"),
     }
     # optimize's parts: below optimize (never importing it, the backend or capture), above hf / ops
-    below_optimize = ("moecomp.hf", "moecomp.ops", "moecomp.spec", "moecomp.reference", "moecomp.counters",
+    below_optimize = ("moecomp.hf", "moecomp.ops", "moecomp.spec", "moecomp.reference", "moecomp.quant",
+                      "moecomp.counters",
                       "moecomp.policy", "moecomp.reject", "moecomp.report")
     allowed |= {m: below_optimize for m in ("moecomp.report", "moecomp.experts_only")}
     # the pipeline's data (match, derived tensors) and its lower stages: verify and bind never import a recogniser
     # (hf.fallback, recognise, capture, passes), bind not verify
-    data = ("moecomp.spec", "moecomp.reference", "moecomp.counters", "moecomp.policy", "moecomp.reject",
+    data = ("moecomp.spec", "moecomp.reference", "moecomp.quant", "moecomp.counters", "moecomp.policy",
+            "moecomp.reject",
             "moecomp.derived", "moecomp.match")
     binder = data + ("moecomp.ops", "moecomp.hf.bind", "moecomp.hf.snapshot", "moecomp.hf.names",
                      "moecomp.hf.structure", "moecomp.hf.experts_interface")
