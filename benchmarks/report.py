@@ -6,7 +6,9 @@ Pure stdlib (matplotlib only for ``--plot``, and only if importable), so it runs
     python benchmarks/report.py benchmarks/results/nvidia-h200-20261130-abc1234.json
     python benchmarks/report.py benchmarks/results/*.json --latest --update BENCHMARKS.md --plot docs/bench.png
 
-``bench_moe.py`` imports ``render_table`` from here to print its own table, so the two always agree.
+``bench_moe.py`` imports ``render_table`` from here to print its own table, so the two always agree. Results of
+``--dtype fp8`` runs are their own table kind (``report_fp8.py``: ``render_table`` dispatches to it, ``--update``
+writes them between their own markers, ``--plot-fp8`` draws their speed-up over bf16).
 """
 
 from __future__ import annotations
@@ -181,7 +183,12 @@ def routing_line(result: dict) -> str | None:
 
 
 def render_table(result: dict, heading: bool = True) -> str:
-    """Markdown table (PEERS.md style) + geometric means + loud correctness failures."""
+    """Markdown table (PEERS.md style) + geometric means + loud correctness failures. fp8 results (``--dtype fp8``)
+    have a table of their own (``report_fp8.render_fp8_table``)."""
+    if result_dtype(result) == "fp8":
+        import report_fp8
+
+        return report_fp8.render_fp8_table(result, heading)
     paths = paths_present(result)
     ours = "moecomp" if "moecomp" in paths else ("moecomp_opt" if "moecomp_opt" in paths else None)
     measured_vllm = vllm_measured(result)
@@ -348,6 +355,25 @@ def reproduction_line(result: dict) -> str | None:
     return "Reproduction of PEERS.md (measured / PEERS.md, geomean): " + "; ".join(out) + "."
 
 
+def fp8_cell_ratios(cell: dict) -> dict:
+    """An fp8 cell's ratios and targets (``report_fp8.cell_ratios``; bench_moe stores them in the JSON)."""
+    import report_fp8
+
+    return report_fp8.cell_ratios(cell)
+
+
+def fp8_summary(result: dict) -> dict:
+    """An fp8 run's targets met / missed and geometric means (``report_fp8.summary``)."""
+    import report_fp8
+
+    return report_fp8.summary(result)
+
+
+def table_kind(result: dict) -> str:
+    """"fp8" (the FP8 table, its own BENCHMARKS.md section) or "layer" (bf16 / fp16: the layer table)."""
+    return "fp8" if result_dtype(result) == "fp8" else "layer"
+
+
 # -------------------------------------------------------------------------------------------- breakdowns
 def _fmt_us(v) -> str:
     return "-" if v is None else (f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}")
@@ -398,13 +424,14 @@ def render_breakdowns(result: dict) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------- BENCHMARKS.md
-def update_markdown(path: str, body: str) -> None:
-    """Replace the text between the markers in ``path`` (append a marked section if there are none)."""
+def update_markdown(path: str, body: str, begin: str = BEGIN_MARK, end: str = END_MARK) -> None:
+    """Replace the text between the markers in ``path`` (append a marked section if there are none); the fp8 table
+    has markers of its own (``report_fp8.BEGIN_MARK`` / ``END_MARK``), so neither section touches the other."""
     text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    section = f"{BEGIN_MARK}\n{body.rstrip()}\n{END_MARK}"
-    b, e = text.find(BEGIN_MARK), text.find(END_MARK)
+    section = f"{begin}\n{body.rstrip()}\n{end}"
+    b, e = text.find(begin), text.find(end)
     if b >= 0 and e > b:
-        text = text[:b] + section + text[e + len(END_MARK):]
+        text = text[:b] + section + text[e + len(end):]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     with open(path, "w") as f:
@@ -485,22 +512,33 @@ def main(argv=None) -> int:
     ap.add_argument("--latest", action="store_true", help="only the newest result per GPU")
     ap.add_argument("--update", metavar="MD", help="rewrite the marked section of this markdown file")
     ap.add_argument("--plot", metavar="PNG", help="bar plot of time / floor per cell for moecomp and every peer "
-                                                    "(log y; newest file)")
+                                                    "(log y; newest bf16 / fp16 file; with fp8 files only: the fp8 "
+                                                    "plot)")
+    ap.add_argument("--plot-fp8", metavar="PNG", help="fp8 files: speed-up over moecomp bf16 per cell (newest)")
     a = ap.parse_args(argv)
+    import report_fp8
+
     results = load(a.json)
-    if a.latest:
+    if a.latest:  # the newest result per GPU and table kind (a bf16 and an fp8 run of one GPU both stay)
         by_gpu = {}
         for r in results:
-            by_gpu[r.get("gpu")] = r
+            by_gpu[(r.get("gpu"), table_kind(r))] = r
         results = list(by_gpu.values())
-    body = "\n\n".join(render_table(r) + f"\n\nSource: `{os.path.relpath(r['_file'])}`" for r in results)
+    kinds = {k: [r for r in results if table_kind(r) == k] for k in ("layer", "fp8")}
+    bodies = {k: "\n\n".join(render_table(r) + f"\n\nSource: `{os.path.relpath(r['_file'])}`" for r in rs)
+              for k, rs in kinds.items() if rs}
     bds = [b for b in (render_breakdowns(r) for r in results) if b]
-    print("\n\n".join([body] + bds))  # breakdowns: printed, not written to --update's section
+    print("\n\n".join(list(bodies.values()) + bds))  # breakdowns: printed, not written to --update's section
     if a.update:
-        update_markdown(a.update, body)
-        print(f"\n[report] updated {a.update}", file=sys.stderr)
-    if a.plot and plot(results, a.plot):
+        for k, body in bodies.items():  # each kind into its own marked section; the other is left as it is
+            marks = (report_fp8.BEGIN_MARK, report_fp8.END_MARK) if k == "fp8" else (BEGIN_MARK, END_MARK)
+            update_markdown(a.update, body, *marks)
+        print(f"\n[report] updated {a.update} ({', '.join(bodies)})", file=sys.stderr)
+    if a.plot and (plot(kinds["layer"], a.plot) if kinds["layer"] else
+                   bool(kinds["fp8"]) and report_fp8.plot(kinds["fp8"][-1], a.plot)):
         print(f"[report] wrote {a.plot}", file=sys.stderr)
+    if a.plot_fp8 and kinds["fp8"] and report_fp8.plot(kinds["fp8"][-1], a.plot_fp8):
+        print(f"[report] wrote {a.plot_fp8}", file=sys.stderr)
     return 0
 
 

@@ -5,6 +5,7 @@
 #   benchmarks/run_gpu.sh tests     pytest -m gpu (every GPU test)
 #   benchmarks/run_gpu.sh mixtral   every GPU test, then Mixtral's rows;  compiled: the remaining rows
 #   benchmarks/run_gpu.sh layer     benchmarks/bench_moe.py --quick (the layer grid, JSON + log)
+#   benchmarks/run_gpu.sh layer_fp8 benchmarks/bench_moe.py --dtype fp8 --quick (the FP8 grid, JSON + log + plot)
 #   benchmarks/run_gpu.sh tune      python -m moecomp tune (PRESETS, TOKENS; writes the package table, copied to $OUT)
 #   benchmarks/run_gpu.sh diag      benchmarks/diag_kernels.py (DIAG_ARGS; default: the TMA part, gemm1 and gemm2)
 #   benchmarks/run_gpu.sh nan       the GPU tests of the op and the reliability suite, then the routing kernel timed
@@ -73,6 +74,16 @@ layer)  # the layer benchmark: every family, every T, every peer in the same run
   timeout ${LAYER_TIMEOUT:-560} python3 benchmarks/bench_moe.py --quick --budget-s ${LAYER_BUDGET:-470} "${peer[@]}" \
       --routing ${ROUTING:-real} ${LAYER_ARGS:-} --out-json "$OUT/layer-${ROUTING:-real}.json" 2>&1 | grep -v "^DEBUG" \
       | tee "$OUT/layer-${ROUTING:-real}.log" | quiet | tail -60 ;;
+layer_fp8)  # issue 19: the FP8 layer benchmark (--dtype fp8): every family, every T; moecomp's op on FP8 block-quantized
+            # experts (the kernel table's mode, w8a8 and w8a16 forced), moecomp bf16, vLLM's fp8 block path (the copy
+            # in .peers/, carried as for `layer`), torch._scaled_grouped_mm; HF peers n/a. ~4-6 min on an H200: the
+            # budget stops new cells at LAYER_BUDGET s (default 400) so the table prints inside an 8-minute call
+  peer=(); [ -d .peers/vllm_fused_moe ] && peer=(--vllm-peer .peers/vllm_fused_moe)
+  timeout ${LAYER_TIMEOUT:-470} python3 benchmarks/bench_moe.py --dtype fp8 --quick --budget-s ${LAYER_BUDGET:-400} \
+      "${peer[@]}" --routing ${ROUTING:-real} ${LAYER_ARGS:-} --out-json "$OUT/layer-fp8-${ROUTING:-real}.json" 2>&1 \
+      | grep -v "^DEBUG" | tee "$OUT/layer-fp8-${ROUTING:-real}.log" | quiet | tail -${LAYER_TAIL:-70}
+  python3 benchmarks/report.py "$OUT/layer-fp8-${ROUTING:-real}.json" --plot-fp8 "$OUT/layer-fp8-${ROUTING:-real}.png" \
+      > /dev/null 2>> "$OUT/layer-fp8-${ROUTING:-real}.log" || true ;;
 diag)  # kernel-level diagnostics (routing sweep, PDL placement, router GEMV, per-kernel split, TMA tiles), JSON to $OUT
   timeout ${DIAG_TIMEOUT:-400} python3 benchmarks/diag_kernels.py ${DIAG_ARGS:---parts tma} \
       --out-json "$OUT/diag.json" 2>&1 | grep -v "^DEBUG" | tee "$OUT/diag.log" | grep "^\[" | tail -60 ;;
@@ -95,6 +106,19 @@ sanitize)  # memcheck: the probe with this routing kernel, then with the old one
   timeout ${SAN_TEST_TIMEOUT:-200} "$cs" --tool memcheck --error-exitcode 3 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/reliability/test_nonfinite_routing.py -k "graph_replay and sqrtsoftplus" 2>&1 | grep -v "^DEBUG" \
       | tee -a "$OUT/sanitize.log" | grep -E "passed|failed|ERROR SUMMARY" | tail -5 ;;
+fp8tests)  # issue 19: the FP8 GPU tests (op, kernels, fp8_linear; the real-format checkpoint round trip and generate),
+          # then a bf16 regression subset of the op's GPU tests (the kernels gained constexpr FP8 branches)
+  timeout ${FP8_TEST_TIMEOUT:-200} python3 -m pytest -q -rfE --durations=10 -m gpu -p no:cacheprovider \
+      tests/ops/test_fp8_gpu.py ${FP8_TEST_K:+-k "$FP8_TEST_K"} 2>&1 | grep -v "^DEBUG" | tee "$OUT/tests-fp8-op.log" \
+      | tail -25
+  timeout ${HF_TEST_TIMEOUT:-100} python3 -m pytest -q -rfE -s -m gpu -p no:cacheprovider tests/hf/test_fp8_gpu.py \
+      2>&1 | grep -v "^DEBUG" | tee "$OUT/tests-fp8-hf.log" | grep -E "on CUDA|passed|failed|Error" | tail -15
+  timeout ${BF16_TEST_TIMEOUT:-70} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/ops/test_gpu.py \
+      -k "real_layer_sizes or graph" 2>&1 | grep -v "^DEBUG" | tee "$OUT/tests-bf16-subset.log" | tail -6 ;;
+fp8gen)  # issue 19: generate() with FP8 weights against the same model in bf16 (benchmarks/bench_generate_fp8.py)
+  timeout ${GEN_TIMEOUT:-240} python3 benchmarks/bench_generate_fp8.py ${GEN_ARGS:---models qwen3,deepseek \
+      --batches 1,32} --budget-s ${GEN_BUDGET:-200} --out-json "$OUT/generate-fp8.json" 2>&1 | grep -v "^DEBUG" \
+      | tee "$OUT/generate-fp8.log" | grep -E "^\[|^\||error" | tail -24 ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
   timeout ${TUNE_TIMEOUT:-560} python3 -m moecomp tune --restart -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-480} \
       --presets ${PRESETS:-all} ${TOKENS:+--tokens $TOKENS} --copy-to "$OUT" 2>&1 | tee "$OUT/tune.log" \

@@ -36,6 +36,13 @@ HF ``eager`` experts: transformers' eager experts loop cannot be traced into one
 backend, HF experts configured as ``eager`` trace as transformers' equivalent ``grouped_mm`` path instead
 (``moecomp.capture.traceable_experts``), so those blocks are matched too; other backends and eager runs are
 unaffected.
+
+FP8 models (transformers' ``FP8Experts`` / ``FP8Linear``, whose own forwards need the hub's kernel): once
+transformers' FP8 integration is imported, every entry of its ``FP8ExpertsInterface`` (and "eager") and
+``FP8Linear.forward`` trace as moecomp's plain-PyTorch FP8 forwards while Dynamo traces for this backend
+(``moecomp.hf.fp8.install_trace_forwards``; transformers' own path otherwise). The blocks then become
+``moe_forward`` with their scales (``passes/moe_quant.py``), the other FP8 linears ``moecomp.fp8_linear``
+(``passes/fp8_linear.py``; ``counters["fp8_linear"]["replaced"]``).
 """
 
 from __future__ import annotations
@@ -47,8 +54,10 @@ import os
 import torch
 
 from . import capture as _capture
+from .hf import experts_interface as _experts_interface
 from .counters import counters
 from .passes.detect_moe import detect_moe
+from .passes.fp8_linear import rewrite_fp8_linears
 from .passes.fse import fuse_shared_gate
 from .passes.rewrite_moe import rewrite_moe
 from .reject import Reject, RejectCode
@@ -60,7 +69,8 @@ _KEEP = 16
 _HERE = os.path.dirname(__file__)
 # every file whose code decides what the pass rewrites: the pass package whole, and the modules it runs through
 _PASS_FILES = tuple(sorted(glob.glob(os.path.join(_HERE, "passes", "*.py")))) + tuple(
-    os.path.join(_HERE, p) for p in ("backend.py", "capture.py", "spec.py", "policy.py", "reject.py")
+    os.path.join(_HERE, p) for p in ("backend.py", "capture.py", "spec.py", "policy.py", "reject.py",
+                                     os.path.join("hf", "fp8.py"))
 )
 
 
@@ -158,6 +168,7 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs, *, verify: bool = True,
     res.matches = keep
     res.rejects = rejects
     res.replaced = rewrite_moe(gm, res.matches)
+    res.fp8_linears = rewrite_fp8_linears(gm)  # FP8 linears outside the blocks -> moecomp.fp8_linear
     res.fused = fuse_shared_gate(gm, count=False)
     if count:
         _count(gm, res)
@@ -168,6 +179,8 @@ def _count(gm, res) -> None:
     counters["detect_moe"]["matched"] += len(res.matches)
     counters["detect_moe"]["rejected"] += len(res.rejected)
     counters["rewrite_moe"]["replaced"] += res.replaced
+    if getattr(res, "fp8_linears", 0):
+        counters["fp8_linear"]["replaced"] += res.fp8_linears
     skipped = sum(1 for _, r in getattr(res, "rejects", ()) if r.code is RejectCode.GRAD_MODE)
     if skipped:
         counters["backend"]["skipped_autograd"] += skipped
@@ -240,6 +253,15 @@ def tracing_for_moecomp() -> bool:
 
 
 _capture.register_trace_predicate(tracing_for_moecomp)
+
+
+def _fp8_trace_forwards() -> None:
+    from .hf import fp8
+
+    fp8.install_trace_forwards(tracing_for_moecomp)
+
+
+_experts_interface.on_fp8_import(_fp8_trace_forwards)  # FP8Experts / FP8Linear trace as plain PyTorch for us
 
 
 def _register() -> None:

@@ -54,7 +54,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .ops.moe_op import MOE_ARGS
+from .hf.fp8 import plain_fp8
+from .ops.moe_op import MOE_ARGS, OP_ARGS
 from .passes import _fx
 from .derived import Derived
 from .reject import Refused, RejectCode
@@ -305,7 +306,9 @@ def capture_block(module: nn.Module, example_input: torch.Tensor, *, dynamic: bo
     entry = _fresh_entry()
     compiled = torch.compile(entry, backend=backend, fullgraph=True, dynamic=dynamic)
     try:
-        with traceable_experts(), torch.no_grad(), (_real_values() if real_values else contextlib.nullcontext()):
+        # FP8 modules trace as their plain-PyTorch forwards (hf/fp8.py: transformers' need the hub's kernel)
+        with traceable_experts(), plain_fp8(module), torch.no_grad(), (
+                _real_values() if real_values else contextlib.nullcontext()):
             compiled(module, example_input)
     except _Captured:
         pass
@@ -361,7 +364,7 @@ def _block_paths(cap: CapturedBlock, m) -> tuple[dict, list[Derived]]:
 
     bindings: dict[str, str | None] = {}
     derived: list[Derived] = []
-    for k in MOE_ARGS:
+    for k in OP_ARGS:
         ph = m.bindings.get(k)
         groups = getattr(m, "stacked", {}).get(k)
         if groups:  # per expert, the pieces of its slice: built as one [E, ...] tensor
@@ -369,6 +372,9 @@ def _block_paths(cap: CapturedBlock, m) -> tuple[dict, list[Derived]]:
             bindings[k] = derived[-1].name
         else:
             bindings[k] = None if ph is None else path_of(k, ph)
+    for k in OP_ARGS[len(MOE_ARGS):]:  # scale arguments: named only when the block has quantized weights
+        if bindings[k] is None:
+            del bindings[k]
     return bindings, derived
 
 

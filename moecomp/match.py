@@ -3,7 +3,7 @@
     block ──► recogniser (FX pass | attribute reader) ──► Match | Reject
                                                               │
           Match = spec          what the block computes (MoESpec)
-                  bindings      op argument (MOE_ARGS) -> block-relative tensor path | a Derived's name | None
+                  bindings      op argument (OP_ARGS) -> block-relative tensor path | a Derived's name | None
                   derived       tensors built from the block's (stacked ModuleList experts, cat of split gate/up)
                   parts         the block's named modules (router, experts, shared expert): hooks, extra outputs
                   evidence      which recogniser, how it checked, which spec fields came from which attribute
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .derived import Derived
-from .ops.common import MOE_ARGS
+from .ops.common import OP_ARGS
 from .spec import MoESpec
 
 
@@ -84,10 +84,10 @@ class Match:
     evidence: Evidence = field(default_factory=lambda: Evidence("fx"))
 
     def __post_init__(self):
-        unknown = set(self.bindings) - set(MOE_ARGS)
+        unknown = set(self.bindings) - set(OP_ARGS)
         if unknown:
-            raise ValueError(f"bindings: expected keys among moecomp.ops.MOE_ARGS, got {sorted(unknown)}")
-        self.bindings = {a: self.bindings.get(a) for a in MOE_ARGS}
+            raise ValueError(f"bindings: expected keys among moecomp.ops.OP_ARGS, got {sorted(unknown)}")
+        self.bindings = {a: self.bindings.get(a) for a in OP_ARGS}
         names = {d.name for d in self.derived}
         for a, p in self.bindings.items():
             if a in ("router_w", "w13", "w2") and p is None:

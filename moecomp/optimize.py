@@ -55,6 +55,7 @@ from .recognise import block_constants, fx_available, recognise, structure_key  
 from .reject import Refused, Reject
 from .verify import verify, verify_epilogue
 from .hf import bind as _bind
+from .hf import fp8 as _fp8
 from .hf.structure import BlockParts, get_path, iter_blocks
 
 # the verify check's rules live in moecomp.policy (re-exported here for callers that read them from optimize)
@@ -162,9 +163,10 @@ def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason
     if meta:
         _report_meta(block, parts, rep)
         return rep
-    epilogue = epilogue_of(block, parts)
     try:
-        verified = _recognise_and_verify(block, parts, epilogue, rep, use_fx, cache, trust_fallback)
+        with _fp8.plain_fp8(block):  # FP8 modules run in plain PyTorch while checked (hf/fp8.py); bound after
+            epilogue = epilogue_of(block, parts)
+            verified = _recognise_and_verify(block, parts, epilogue, rep, use_fx, cache, trust_fallback)
     except Refused as e:
         rep.refuse(e.code, e.reason)
         return rep
@@ -201,12 +203,31 @@ def _walk(model: nn.Module, bind_it: bool, use_capture: bool = True, trust_fallb
             reps.append(_process(name, mod, parts, reason, use_fx, bind_it, cache, trust_fallback, experts_only))
         finally:
             mod.train(was_training[name])
+    fp8_linear = _fp8_linears(model, bind_it)
     det = "detection: FX pass, attribute fallback where Dynamo cannot capture" if use_fx else (
         f"detection: attribute fallback only — {why}")
     if reps and all(r.method == "fallback (meta)" or r.status == "skipped" for r in reps) and any(
             r.method == "fallback (meta)" for r in reps):
         det = "detection: attribute fallback (meta tensors: Dynamo cannot run the blocks; nothing verified)"
-    return Report(type(model).__name__, reps, det, "optimize" if bind_it else "scan")
+    return Report(type(model).__name__, reps, det, "optimize" if bind_it else "scan", fp8_linear=fp8_linear)
+
+
+def _fp8_linears(model: nn.Module, bind_it: bool) -> dict:
+    """FP8Linear-like modules (attention, dense MLPs, shared experts): bound to ``moecomp.ops.fp8_linear`` by
+    ``optimize`` (their own forward needs the hub's kernel); counted by ``scan``."""
+    found = _fp8.fp8_linears(model)
+    out = {"modules": len(found), "bound": 0, "refused": {}}
+    for name, m in found:
+        if m.__dict__.get("_moecomp_fp8") is not None:
+            out["bound"] += 1
+            continue
+        try:
+            _fp8.linear_fp8(m, name)
+            if bind_it and _fp8.bind_linear(m, name) is not None:
+                out["bound"] += 1
+        except _fp8.FP8LayoutError as e:
+            out["refused"][name] = str(e)
+    return out
 
 
 def optimize(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool = False, report: bool = False,
@@ -243,7 +264,7 @@ def optimize(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool
             f"moecomp.optimize: {len(meta)} MoE block(s) ({shown}) hold meta tensors and were left as they are: "
             f"meta tensors cannot run, so the rewrite cannot be verified. Use moecomp.scan(model) to see what would "
             f"be rewritten, or call moecomp.optimize(model) after the weights are loaded.", UserWarning, stacklevel=2)
-    if fast_generate and (rep.rewritten or rep.experts_only):
+    if fast_generate and (rep.rewritten or rep.experts_only or rep.fp8_linear.get("bound")):
         from .generate import install
 
         if install(model):
@@ -270,6 +291,7 @@ def unoptimize(model: nn.Module):
     uninstall(model)
     for m in model.modules():
         _bind.unbind(m)
+        _fp8.unbind_linear(m)
     if "_moecomp_report" in model.__dict__:
         del model._moecomp_report
     return model

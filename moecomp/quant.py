@@ -14,6 +14,8 @@ reciprocal), the same product x * (1 / s), the same round-to-nearest-even cast. 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .spec import FP8_MAX, QuantSpec
@@ -95,7 +97,9 @@ def act_scales(x: torch.Tensor, quant: QuantSpec) -> torch.Tensor:
     g = quant.act_group
     G = -(-K // g)
     xf = torch.nn.functional.pad(x.float().abs(), (0, G * g - K)).view(T, G, g)
-    return xf.amax(-1).clamp(min=ACT_EPS) / FP8_MAX
+    amax = xf.amax(-1).clamp(min=ACT_EPS)
+    # an IEEE division, as the kernels do (on CUDA, dividing by a Python scalar multiplies by its fp32 reciprocal)
+    return amax / torch.full_like(amax, FP8_MAX)
 
 
 def quantize_act(x: torch.Tensor, quant: QuantSpec, static_scale: torch.Tensor | None = None):
@@ -124,4 +128,4 @@ def fake_quant_act(x: torch.Tensor, quant: QuantSpec, static_scale: torch.Tensor
 
 def weight_only(quant: QuantSpec | None) -> QuantSpec | None:
     """The spec's quantization with 16-bit activations (what the op's weight-only kernels compute)."""
-    return None if quant is None else QuantSpec(**{**quant.__dict__, "activation": "none"})
+    return None if quant is None else dataclasses.replace(quant, activation="none")

@@ -102,7 +102,7 @@ def route(
 def round_weights(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Routing weights rounded through ``dtype`` (``spec.round_weights``), clamped to its largest finite value first
     so that a finite weight stays finite."""
-    limit = float(torch.finfo(dtype).max)
+    limit = min(float(torch.finfo(dtype).max), float(torch.finfo(weights.dtype).max))
     return weights.clamp(-limit, limit).to(dtype).to(weights.dtype)
 
 

@@ -40,6 +40,7 @@ def router_style(spec: MoESpec) -> str:
 
 def expert_style(spec: MoESpec) -> str:
     a = spec.activation
+    q = spec.quant
     if spec.gated and a != "swiglu_oai":
         a = f"{a}·up"
     if spec.activation_clamp:
@@ -50,6 +51,9 @@ def expert_style(spec: MoESpec) -> str:
         a += " +b"
     if spec.w_layout == "in_out":
         a += " [in,out]"
+    if q is not None:
+        lay = f"{q.block_n}x{q.block_k}" if q.scale == "block" else q.scale
+        a = f"fp8 {lay} a:{q.activation} {a}"
     return a
 
 
@@ -153,6 +157,9 @@ class Report:
     detection: str = ""  # how blocks were detected (FX pass available or not)
     action: str = "scan"  # scan | optimize
     generate: str = ""  # what model.generate does after optimize ("" = transformers' own)
+    # FP8Linear-like modules (attention, dense MLPs, shared experts): {"modules": n, "bound": n (to
+    # moecomp.ops.fp8_linear), "refused": {name: why}}
+    fp8_linear: dict = field(default_factory=dict)
 
     @property
     def rewritten(self) -> list[BlockReport]:
@@ -175,7 +182,8 @@ class Report:
 
     def to_dict(self) -> dict:
         return {"model": self.model, "action": self.action, "detection": self.detection, "generate": self.generate,
-                "summary": self.summary(), "blocks": [b.to_dict() for b in self.blocks]}
+                "summary": self.summary(), "blocks": [b.to_dict() for b in self.blocks],
+                "fp8_linear": dict(self.fp8_linear)}
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **({"indent": 2} | kw))
@@ -208,6 +216,12 @@ class Report:
         if extra:
             out.append(f"weight copies (separate 3-D gate and up, fp32 router copies) use {_fmt_bytes(extra)} extra "
                        f"memory")
+        fl = self.fp8_linear
+        if fl.get("modules"):
+            out.append(f"FP8 linears (attention, dense MLPs, shared experts): {fl['modules']}, "
+                       f"{fl['bound']} bound to moecomp.fp8_linear" + (
+                           f", {len(fl['refused'])} refused: " + "; ".join(list(fl["refused"].values())[:2])
+                           if fl.get("refused") else ""))
         if self.generate:
             out.append(f"generate(): {self.generate}")
         return "\n".join(out)

@@ -67,17 +67,20 @@ def quantize_moe_args(spec: MoESpec, args: tuple, seed: int = 0) -> tuple[tuple,
     scales = {}
     if spec.quant is not None:
         qs = spec.quant
-        t["w13"], scales["w13_scale"] = q8.quantize(t["w13"], qs, 2 if spec.gated else 1)
-        t["w2"], scales["w2_scale"] = q8.quantize(t["w2"], qs)
+        halves = 2 if spec.gated else 1
+        t["w13"], scales["w13_scale"] = _quantize_experts(t["w13"], qs, halves)
+        t["w2"], scales["w2_scale"] = _quantize_experts(t["w2"], qs)
         if qs.activation == "static":
             from . import reference
 
             g = torch.Generator(device=args[0].device).manual_seed(seed)
             E, dev = spec.num_experts, args[0].device
             x = args[0].reshape(-1, spec.hidden_size).float()
-            w13 = q8.dequantize(t["w13"], scales["w13_scale"], qs, 2 if spec.gated else 1)  # [E, N, H]
-            h = reference._gate_up((x @ w13.transpose(1, 2)).reshape(-1, w13.shape[1]), spec)  # [E * T, I]
-            amax_h = h.reshape(E, -1).abs().amax(-1)
+            amax_h = torch.empty(E, device=dev)
+            for e0, e1 in _expert_chunks(t["w13"]):
+                w13 = q8.dequantize(t["w13"][e0:e1], scales["w13_scale"][e0:e1], qs, halves)  # [e, N, H]
+                h = reference._gate_up((x @ w13.transpose(1, 2)).reshape(-1, w13.shape[1]), spec)  # [e * T, I]
+                amax_h[e0:e1] = h.reshape(e1 - e0, -1).abs().amax(-1)
             scales["a13_scale"] = (torch.rand(E, generator=g, device=dev) * 0.5 + 1) * x.abs().max() / q8.FP8_MAX
             scales["a2_scale"] = (torch.rand(E, generator=g, device=dev) * 0.5 + 1) * amax_h / q8.FP8_MAX
     sh = spec.shared
@@ -86,6 +89,29 @@ def quantize_moe_args(spec: MoESpec, args: tuple, seed: int = 0) -> tuple[tuple,
             if t[name] is not None:
                 t[name], scales[f"{name}_scale"] = q8.quantize(t[name], sh.quant)
     return (args[0],) + tuple(t[n] for n in MOE_ARGS), scales
+
+
+def _expert_chunks(w: torch.Tensor, max_bytes: int = 1 << 30):
+    """[(e0, e1)] covering w's experts, each chunk at most ``max_bytes`` in fp32 (one expert at least)."""
+    per = max(1, max_bytes // max(1, w[0].numel() * 4))
+    return [(e0, min(e0 + per, w.shape[0])) for e0 in range(0, w.shape[0], per)]
+
+
+def _quantize_experts(w: torch.Tensor, qs, halves: int = 1):
+    """``quant.quantize`` of [E, rows, cols] a chunk of experts at a time (the same numbers: scales are per expert),
+    so that a DeepSeek-V3 w13 (7.5e9 elements) never has a whole fp32 copy."""
+    from . import quant as q8
+
+    chunks = _expert_chunks(w)
+    if len(chunks) == 1:
+        return q8.quantize(w, qs, halves)
+    q, s = torch.empty(w.shape, dtype=q8.FP8, device=w.device), None
+    for e0, e1 in chunks:
+        qc, sc = q8.quantize(w[e0:e1], qs, halves)
+        if s is None:
+            s = torch.empty((w.shape[0], *sc.shape[1:]), dtype=sc.dtype, device=w.device)
+        q[e0:e1], s[e0:e1] = qc, sc
+    return q, s
 
 
 # Real layer sizes of the families the benchmarks and GPU tests use (bf16 on the GPU).

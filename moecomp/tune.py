@@ -19,6 +19,9 @@ run time.
 * Exit status: 0 done, 1 an entry found no working candidate, 3 stopped by ``--budget-s`` (rerun to resume),
   130 interrupted (Ctrl-C), 2 refused (no CUDA and no ``--interpret``).
 
+``--fp8 both|w8a8|w8a16``: the FP8 experts' tables (``dtype=fp8``: each bucket's faster mode, its config's "fp8"
+key saying which; ``dtype=fp8_<mode>``: one mode), FP8 tiles (BLOCK_K 128), no TMA candidates.
+
 ``--interpret`` (tests only): CPU tensors through the Triton interpreter (``TRITON_INTERPRET=1``), a tiny shape,
 two candidates per GEMM and wall-clock timings that mean nothing; it exercises the plumbing, not the GPU.
 """
@@ -27,19 +30,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
 from .ops import tuning
-from .spec import MoESpec
+from .spec import MoESpec, QuantSpec
 from .testing import LAYER_PRESETS
+from .tune_io import (  # noqa: F401  (re-exported: tests and tools use them through this module)
+    Progress, _commit, _done, _fmt_s, meta_path, read_json, save_entry, write_json_atomic)
 
 TOKENS = [1, 16, 128, 1024, 8192]
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); gemm1's weight tile is 2 * BLOCK_N wide (gate and up columns)
@@ -70,6 +72,18 @@ INTERPRET_TOKENS = [1, 16]
 INTERPRET_TILES = {"g1": [(16, 32, 4, 1), (32, 32, 4, 1)], "g2": [(16, 32, 4, 1), (32, 32, 4, 1)]}
 INTERPRET_DECODE_TILES = {"g1": [(16, 32, 4, 1), (32, 32, 4, 1)],
                           "g2": [(16, 32, 4, 1, "fused"), (16, 32, 4, 1, "pairs")]}
+# FP8 (``--fp8``): 128x128 block scales, dynamic activations (the checkpoints' format); BLOCK_K 128 tiles (the
+# activation group), no TMA tiles (16-bit only). "--fp8 both" measures each bucket in
+# both modes (w8a8, w8a16) and keeps the faster, its mode in the config's "fp8" key (table key "dtype=fp8");
+# "--fp8 w8a8" / "--fp8 w8a16" one mode ("dtype=fp8_<mode>", read when MOECOMP_FP8_MODE forces that mode).
+FP8_TILES = {
+    "g1": [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3)],
+    "g2": [(32, 128, 4, 4), (64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (256, 128, 8, 3)],
+}
+FP8_DECODE_TILES = {"g1": [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3)],
+                    "g2": [(16, 128, 4, 4, "fused"), (32, 128, 4, 4, "fused"), (64, 128, 4, 3, "fused"),
+                           (32, 128, 4, 4, "pairs"), (64, 128, 4, 3, "pairs"), (128, 128, 4, 3, "pairs")]}
+FP8_CHOICES = {"both": ("w8a8", "w8a16"), "w8a8": ("w8a8",), "w8a16": ("w8a16",)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 REL_TOL = 1e-2  # a candidate further than this from the first one is rejected
 EXIT_BUDGET, EXIT_INTERRUPTED, EXIT_REFUSED = 3, 130, 2
@@ -157,27 +171,38 @@ def _config(tile, bm: int) -> dict:
     return c
 
 
-def _tiles_for(cands: list, bm: int, dtype: torch.dtype) -> list:
-    """The candidates that apply at this BLOCK_M and dtype: TMA tiles only from TMA_MIN_BLOCK_M, in 16 bits."""
-    tma_ok = bm >= TMA_MIN_BLOCK_M and dtype in (torch.bfloat16, torch.float16)
+def _tiles_for(cands: list, bm: int, dtype: torch.dtype, quantized: bool = False) -> list:
+    """The candidates that apply at this BLOCK_M and dtype: TMA tiles only from TMA_MIN_BLOCK_M, in 16 bits, not for
+    fp8 weights."""
+    tma_ok = bm >= TMA_MIN_BLOCK_M and dtype in (torch.bfloat16, torch.float16) and not quantized
     return [t for t in cands if len(t) == 4 or tma_ok]
 
 
+def _tune_args(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, seed: int):
+    """(x, {argument: tensor}) for a measurement: ``random_moe_args`` (std 0.02), the experts quantized (with their
+    scales) when the spec says; no shared-expert gate (the routed path is tuned)."""
+    from .testing import quantize_moe_args, random_moe_args
+
+    args = random_moe_args(spec, T, dtype, device, std=0.02, seed=seed)
+    args, scales = quantize_moe_args(spec, args) if spec.quant is not None else (args, {})
+    named = dict(zip(("router_w", "router_b", "correction_bias", "w13", "b13", "w2", "b2"), args[1:8]))
+    return args[0], dict(named, shared_gate_w=None, **scales)
+
+
 def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, tiles: dict, rep_ms: float = 25,
-               status=None, note=None) -> dict:
+               status=None, note=None, mode: str | None = None) -> dict:
     """Measure one (shape, bucket). Returns ``{"config", "ms", "align_ms", "g1_ms", "g2_ms", "block_m_ms",
     "rejected", "failed"}`` (ms: the winner's align + gemm1 + gemm2). ``status(text)`` is called before each
-    candidate, ``note(text)`` for every rejected or failing candidate and every BLOCK_M measured."""
+    candidate, ``note(text)`` for every rejected or failing candidate and every BLOCK_M measured. ``mode``: the FP8
+    mode of a quantized spec ("w8a8" | "w8a16"; the config gets it as its "fp8" key)."""
     from .ops import triton_moe
-    from .testing import random_moe_args
 
     status = status or (lambda text: None)
     note = note or (lambda text: None)
-    args = random_moe_args(spec, T, dtype, device, std=0.02, seed=T)
-    x = args[0]
-    named = dict(zip(("router_w", "router_b", "correction_bias", "w13", "b13", "w2", "b2"), args[1:8]))
+    x, named = _tune_args(spec, T, dtype, device, seed=T)
     w13, b13, w2, b2 = named["w13"], named["b13"], named["w2"], named["b2"]
-    logits, _ = triton_moe.router_logits(x, {**named, "shared_gate_w": None}, spec)
+    q1, q2 = triton_moe.expert_quant(named, spec, {"fp8": mode}, T)
+    logits, _ = triton_moe.router_logits(x, named, spec)
     ids, weights = triton_moe.route(logits, named["correction_bias"], spec, x.dtype)
     E, k, P = spec.num_experts, spec.top_k, T * spec.top_k
     best, per_bm, rejected, failed = None, {}, 0, 0
@@ -190,7 +215,7 @@ def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, 
         res = {}
         for which in ("g1", "g2"):
             ref_out, best_t, best_c = None, float("inf"), None
-            cands = _tiles_for(tiles[which], bm, dtype)
+            cands = _tiles_for(tiles[which], bm, dtype, spec.quant is not None)
             for i, tile in enumerate(cands):
                 c = _config(tile, bm)
                 if best:
@@ -199,10 +224,10 @@ def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, 
                     so_far = f"  best {which} so far {best_t * 1e3:.1f} us" if best_c else ""
                 status(f"BM={bm} {which} {i + 1}/{len(cands)}{so_far}")
                 if which == "g1":
-                    fn = lambda c=c: triton_moe.gemm1(x, w13, b13, spec, aligned, k, bm, c)  # noqa: E731
+                    fn = lambda c=c: triton_moe.gemm1(x, w13, b13, spec, aligned, k, bm, c, q1)  # noqa: E731
                 else:
                     h = res["h"]
-                    fn = lambda c=c: triton_moe.gemm2(h, w2, b2, weights, spec, aligned, P, bm, c)  # noqa: E731
+                    fn = lambda c=c: triton_moe.gemm2(h, w2, b2, weights, spec, aligned, P, bm, c, q2)  # noqa: E731
                 verdict, out = _run_checked(fn, ref_out, f"T={T} BM={bm} {which} {_tile(c)}", note, device,
                                             real_rows if which == "g1" else None)
                 failed += verdict == "failed"
@@ -218,7 +243,7 @@ def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, 
             if best_c is None:
                 break
             if which == "g1":
-                res["h"] = triton_moe.gemm1(x, w13, b13, spec, aligned, k, bm, best_c)
+                res["h"] = triton_moe.gemm1(x, w13, b13, spec, aligned, k, bm, best_c, q1)
         if res["g1"][1] is None or res.get("g2", (0, None))[1] is None:
             note(f"T={T} BM={bm}: no candidate ran for {'g1' if res['g1'][1] is None else 'g2'}")
             continue
@@ -227,12 +252,28 @@ def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, 
         note(f"T={T:5d} BM={bm:3d}: align {t_align * 1e3:7.1f} us  g1 {res['g1'][0] * 1e3:8.1f} us  "
              f"g2 {res['g2'][0] * 1e3:8.1f} us  {_tile(res['g1'][1])} / {_tile(res['g2'][1])}")
         if best is None or total < best["ms"]:
-            best = dict(config=dict(BLOCK_M=bm, g1=res["g1"][1], g2=res["g2"][1]), ms=total, align_ms=t_align,
-                        g1_ms=res["g1"][0], g2_ms=res["g2"][0])
-    del args
+            best = dict(config=dict(BLOCK_M=bm, g1=res["g1"][1], g2=res["g2"][1], **({"fp8": mode} if mode else {})),
+                        ms=total, align_ms=t_align, g1_ms=res["g1"][0], g2_ms=res["g2"][0])
+    del named
     if best is None:
         raise TuneError(f"T={T}: no BLOCK_M candidate ran ({failed} failed, {rejected} rejected)")
     return dict(best, block_m_ms=per_bm, rejected=rejected, failed=failed)
+
+
+def tune_modes(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, tiles: dict, rep_ms: float,
+               modes: tuple, status=None, note=None) -> dict:
+    """``tune_entry`` in each FP8 mode of ``modes`` ((None,): 16-bit), the fastest kept; with several modes its
+    record gains "mode_ms" ({mode: ms}). TuneError when no mode found a working candidate."""
+    runs, err = {}, None
+    for mode in modes:
+        try:
+            runs[mode] = tune_entry(spec, T, dtype, device, tiles, rep_ms, status=status, note=note, mode=mode)
+        except TuneError as e:
+            err = e
+    if not runs:
+        raise err
+    best = min(runs.values(), key=lambda r: r["ms"])
+    return dict(best, mode_ms={m: r["ms"] for m, r in runs.items()}) if len(modes) > 1 else best
 
 
 def decode_probes(T: int, tokens: list[int]) -> list[int]:
@@ -250,19 +291,19 @@ def tune_decode(spec: MoESpec, probes: list[int], dtype: torch.dtype, device: to
     candidates of ``tiles`` and the aligned winner's tiles, each checked against the first candidate), then the
     whole routed step (``triton_moe.routed``) on the decode path and on the aligned path (``aligned_cfg``) at every
     probe, both in CUDA graphs. ``max_t`` is the largest probe up to which the decode path won at every probe (0:
-    never). Returns ``{"decode": config, "ms": {T: [decode, aligned]}, "rejected", "failed"}``."""
+    never). Returns ``{"decode": config, "ms": {T: [decode, aligned]}, "rejected", "failed"}``. FP8 (a quantized
+    spec): in the mode of ``aligned_cfg["fp8"]``."""
     from .ops import triton_moe
-    from .testing import random_moe_args
 
     status = status or (lambda text: None)
     note = note or (lambda text: None)
-    args = random_moe_args(spec, max(probes), dtype, device, std=0.02, seed=max(probes) + 1)
-    named = dict(zip(("router_w", "router_b", "correction_bias", "w13", "b13", "w2", "b2"), args[1:8]))
+    x_all, named = _tune_args(spec, max(probes), dtype, device, seed=max(probes) + 1)
     k, H, rejected, failed = spec.top_k, spec.hidden_size, 0, 0
+    q1, q2 = triton_moe.expert_quant(named, spec, aligned_cfg, probes[0])
 
     def routing(T):
-        x = args[0][:T]
-        logits, _ = triton_moe.router_logits(x, {**named, "shared_gate_w": None}, spec)
+        x = x_all[:T]
+        logits, _ = triton_moe.router_logits(x, named, spec)
         return (x, *triton_moe.route(logits, named["correction_bias"], spec, x.dtype))
 
     x, ids, weights = routing(probes[0])
@@ -279,11 +320,11 @@ def tune_decode(spec: MoESpec, probes: list[int], dtype: torch.dtype, device: to
                 c["mode"] = tile[4]
             status(f"decode {which} {i + 1}/{len(cands)}")
             if which == "g1":
-                fn = lambda c=c: triton_moe.gemm1(x, named["w13"], named["b13"], spec, d, k, 16, c)  # noqa: E731
+                fn = lambda c=c: triton_moe.gemm1(x, named["w13"], named["b13"], spec, d, k, 16, c, q1)  # noqa: E731
             else:
                 out = torch.empty(x.shape[0], H, dtype=dtype, device=device)
                 fn = lambda c=c, out=out: triton_moe.decode_down(  # noqa: E731
-                    h, named["w2"], named["b2"], d[0], weights.reshape(-1), spec, out, None, None, c)
+                    h, named["w2"], named["b2"], d[0], weights.reshape(-1), spec, out, None, None, c, q=q2)
             verdict, got = _run_checked(fn, ref_out, f"decode {which} {_tile(c)}", note, device)
             failed += verdict == "failed"
             rejected += verdict == "rejected"
@@ -298,7 +339,7 @@ def tune_decode(spec: MoESpec, probes: list[int], dtype: torch.dtype, device: to
         if which not in best:
             raise TuneError(f"decode T={probes[0]}: no {which} candidate ran ({failed} failed, {rejected} rejected)")
         if which == "g1":
-            h = triton_moe.gemm1(x, named["w13"], named["b13"], spec, d, k, 16, best["g1"])
+            h = triton_moe.gemm1(x, named["w13"], named["b13"], spec, d, k, 16, best["g1"], q1)
 
     ms, max_t = {}, 0
     on = dict(aligned_cfg, decode=dict(max_t=1 << 30, g1=best["g1"], g2=best["g2"]))
@@ -319,146 +360,8 @@ def tune_decode(spec: MoESpec, probes: list[int], dtype: torch.dtype, device: to
         if ms[T][0] >= ms[T][1]:
             break
         max_t = T
-    del args
+    del named, x_all
     return dict(decode=dict(max_t=max_t, g1=best["g1"], g2=best["g2"]), ms=ms, rejected=rejected, failed=failed)
-
-
-# ------------------------------------------------------------------------------------------------------- files
-def read_json(path: str) -> dict:
-    """The table at ``path`` ({} when there is none); a file that does not parse is an error, never overwritten."""
-    if not os.path.exists(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        try:
-            d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"{path}: not valid JSON ({e}); move it away or fix it") from None
-    if not isinstance(d, dict):
-        raise SystemExit(f"{path}: not a JSON object")
-    return d
-
-
-def write_json_atomic(path: str, obj: dict) -> None:
-    """Write ``obj`` to a temporary file next to ``path``, then ``os.replace`` it: readers (and an interrupted
-    run) see the old file or the new one, never half of one."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def meta_path(path: str) -> str:
-    root = path[:-len(".json")] if path.endswith(".json") else path
-    return root + ".meta.json"
-
-
-def save_entry(path: str, key: str, bucket: int, config: dict, meta: dict) -> None:
-    """Merge one entry into the file as it is on disk now (other shapes and buckets stay), then its record into
-    the sidecar."""
-    for p, value in ((path, config), (meta_path(path), meta)):
-        table = read_json(p)
-        shape = table.get(key)
-        table[key] = dict(shape) if isinstance(shape, dict) else {}
-        table[key][str(bucket)] = value
-        write_json_atomic(p, table)
-
-
-def _done(table: dict, key: str, bucket: int) -> bool:
-    e = table.get(key, {}).get(str(bucket)) if isinstance(table.get(key), dict) else None
-    return isinstance(e, dict) and isinstance(e.get("BLOCK_M"), int) and isinstance(e.get("g1"), dict) \
-        and isinstance(e.get("g2"), dict)
-
-
-def _commit() -> tuple[str | None, bool | None]:
-    """(commit, dirty) of the source tree: MOECOMP_COMMIT when set (copies without .git), else git."""
-    env = os.environ.get("MOECOMP_COMMIT")
-    if env:
-        return env, None
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        sha = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10).stdout.strip() or None
-        if sha is None:
-            return None, None
-        dirty = subprocess.run(["git", "-C", root, "diff", "--quiet", "HEAD", "--"], capture_output=True,
-                               timeout=10).returncode != 0
-        return sha, dirty
-    except (OSError, subprocess.SubprocessError):
-        return None, None
-
-
-# ---------------------------------------------------------------------------------------------------- progress
-def _fmt_s(s: float) -> str:
-    s = int(round(s))
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
-class Progress:
-    """One status line on stderr redrawn with ``\\r`` (a terminal), or one line per finished bucket (not one)."""
-
-    def __init__(self, total: int, stream=None, tty: bool | None = None, verbose: bool = False):
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty() if tty is None else tty
-        self.total, self.done, self.verbose = total, 0, verbose
-        self.timed_s, self.timed_n = 0.0, 0
-        self.entry, self.entry_t0, self.last = "", time.time(), ""
-
-    def _eta(self) -> str:
-        if not self.timed_n:
-            return "ETA ?"
-        left = self.timed_s / self.timed_n * (self.total - self.done) - (time.time() - self.entry_t0)
-        return f"ETA {_fmt_s(max(0.0, left))}"
-
-    def _draw(self, text: str) -> None:
-        width = shutil.get_terminal_size((120, 20)).columns - 1
-        line = text[:width]
-        self.stream.write("\r" + line + " " * max(0, len(self.last) - len(line)))
-        self.stream.flush()
-        self.last = line
-
-    def _clear(self) -> None:
-        if self.tty and self.last:
-            self.stream.write("\r" + " " * len(self.last) + "\r")
-            self.last = ""
-
-    def start(self, entry: str) -> None:
-        self.entry, self.entry_t0 = entry, time.time()
-        self.status("")
-
-    def status(self, detail: str) -> None:
-        if self.tty:
-            self._draw(f"[tune] {self.done}/{self.total} shapes x buckets  {self._eta()}  {self.entry} {detail}")
-
-    def note(self, msg: str, always: bool = False) -> None:
-        """A line of its own: rejections and failures with --verbose, or whatever ``always`` says must show."""
-        if not (always or self.verbose):
-            return
-        self._clear()
-        self.stream.write(f"[tune] {msg}\n")
-        self.stream.flush()
-
-    def finished(self, msg: str, seconds: float | None) -> None:
-        self.done += 1
-        if seconds is not None:
-            self.timed_s, self.timed_n = self.timed_s + seconds, self.timed_n + 1
-        self._clear()
-        self.stream.write(f"[tune] {self.done}/{self.total} {msg}\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        self._clear()
 
 
 # -------------------------------------------------------------------------------------------------------- CLI
@@ -481,6 +384,10 @@ def _parser() -> argparse.ArgumentParser:
                         "lookup takes the largest bucket <= the call's token count")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="activation / weight dtype (default bf16; fp32 under --interpret)")
+    p.add_argument("--fp8", choices=sorted(FP8_CHOICES), default=None,
+                   help="tune FP8 experts (e4m3 weights, 128x128 block scales, dynamic activations; --dtype: x's): "
+                        "'both' measures w8a8 and w8a16 per bucket and keeps the faster (table key dtype=fp8), "
+                        "'w8a8' / 'w8a16' one mode (dtype=fp8_<mode>, read when MOECOMP_FP8_MODE forces it)")
     p.add_argument("--out", default=None, metavar="FILE|DIR",
                    help="the table to write (a DIR gets DIR/<gpu>.json); default: "
                         "moecomp/kernels/configs/<gpu>.json, the file the run-time lookup reads")
@@ -527,6 +434,23 @@ def _shapes(a, interpret: bool) -> list[tuple[str, MoESpec]]:
     return out
 
 
+def _jobs(a, dtype: torch.dtype, tokens: list[int]) -> list[tuple]:
+    """(shape key, label, spec, T) for every requested bucket, once per key: presets sharing E, I, H (and the dtype)
+    share a table. ``--fp8``: the spec quantized (128x128 blocks, dynamic), keyed by the FP8 table's dtype name."""
+    jobs, seen = [], {}
+    for label, spec in _shapes(a, a.interpret):
+        if a.fp8:
+            spec = spec.replace(quant=QuantSpec())
+        table_dtype = ("fp8" if a.fp8 == "both" else f"fp8_{a.fp8}") if a.fp8 else dtype
+        key = tuning.shape_key(spec.num_experts, spec.intermediate_size, spec.hidden_size, table_dtype)
+        if key in seen:
+            print(f"[tune] {label}: same table as {seen[key]} ({key}), tuned once", file=sys.stderr)
+            continue
+        seen[key] = label
+        jobs += [(key, label, spec, T) for T in dict.fromkeys(tokens)]
+    return jobs
+
+
 def _resolve_out(out: str | None, gpu: str, interpret: bool) -> str:
     if out is None:
         if interpret:
@@ -563,24 +487,19 @@ def main(argv=None) -> int:
     tokens = [int(t) for t in (a.tokens.split(",") if a.tokens else INTERPRET_TOKENS if a.interpret else TOKENS)]
     if not tokens or min(tokens) < 1:
         raise SystemExit("--tokens: positive token counts, comma-separated")
-    tiles = INTERPRET_TILES if a.interpret else TILES
-    dec_tiles = INTERPRET_DECODE_TILES if a.interpret else DECODE_TILES
-    if os.environ.pop("MOECOMP_DECODE_MAX_T", None) is not None:
-        print("[tune] MOECOMP_DECODE_MAX_T ignored while tuning (the tuner weighs both paths itself)", file=sys.stderr)
+    tiles = INTERPRET_TILES if a.interpret else FP8_TILES if a.fp8 else TILES
+    dec_tiles = INTERPRET_DECODE_TILES if a.interpret else FP8_DECODE_TILES if a.fp8 else DECODE_TILES
+    modes = FP8_CHOICES[a.fp8] if a.fp8 else (None,)
+    for var, why in (("MOECOMP_DECODE_MAX_T", "the tuner weighs both paths itself"),
+                     ("MOECOMP_FP8_MODE", "the tuner sets the mode it measures")):
+        if os.environ.pop(var, None) is not None:
+            print(f"[tune] {var} ignored while tuning ({why})", file=sys.stderr)
     gpu = tuning.device_key(device)
     path = _resolve_out(a.out, gpu, a.interpret)
     table = read_json(path)
     read_json(meta_path(path))  # fail now, not after the first entry, when the sidecar does not parse
 
-    # (shape key, label, spec) once per key: presets sharing E, I, H (and the dtype) share a table
-    jobs, seen = [], {}
-    for label, spec in _shapes(a, a.interpret):
-        key = tuning.shape_key(spec.num_experts, spec.intermediate_size, spec.hidden_size, dtype)
-        if key in seen:
-            print(f"[tune] {label}: same table as {seen[key]} ({key}), tuned once", file=sys.stderr)
-            continue
-        seen[key] = label
-        jobs += [(key, label, spec, T) for T in dict.fromkeys(tokens)]
+    jobs = _jobs(a, dtype, tokens)
     todo = [j for j in jobs if a.restart or not _done(table, j[0], j[3])]
     skipped = len(jobs) - len(todo)
     if skipped:
@@ -594,7 +513,8 @@ def main(argv=None) -> int:
 
     commit, dirty = _commit()
     stamp = dict(commit=commit, dirty=dirty, torch=torch.__version__, triton=triton.__version__, device=dev_name,
-                 dtype=str(dtype).replace("torch.", ""), rep_ms=a.rep, interpret=a.interpret)
+                 dtype=str(dtype).replace("torch.", ""), rep_ms=a.rep, interpret=a.interpret,
+                 **({"fp8": a.fp8} if a.fp8 else {}))
     prog = Progress(len(todo), verbose=a.verbose)
     print(f"[tune] {len(todo)} entries ({len({j[0] for j in todo})} shapes) on {dev_name} -> {path}",
           file=sys.stderr)
@@ -608,7 +528,7 @@ def main(argv=None) -> int:
             prog.start(f"{short} T={T}")
             t0 = time.time()
             try:
-                r = tune_entry(spec, T, dtype, device, tiles, a.rep, status=prog.status, note=prog.note)
+                r = tune_modes(spec, T, dtype, device, tiles, a.rep, modes, status=prog.status, note=prog.note)
             except TuneError as e:
                 prog.finished(f"{short} T={T}: FAILED, nothing saved: {e}", None)
                 status = 1
@@ -617,8 +537,8 @@ def main(argv=None) -> int:
             probes = decode_probes(T, tokens)
             if probes:
                 try:
-                    rd = tune_decode(spec, probes, dtype, device, r["config"], dec_tiles, a.rep, status=prog.status,
-                                     note=prog.note)
+                    rd = tune_decode(spec, probes, dtype, device, r["config"], dec_tiles, a.rep,
+                                     status=prog.status, note=prog.note)
                     r["config"]["decode"], decode_ms = rd["decode"], {str(t): v for t, v in rd["ms"].items()}
                 except TuneError as e:
                     prog.note(f"{short} T={T}: decode path not used: {e}", always=True)
@@ -626,6 +546,7 @@ def main(argv=None) -> int:
             meta = dict(stamp, ms=r["ms"], align_ms=r["align_ms"], g1_ms=r["g1_ms"], g2_ms=r["g2_ms"],
                         decode_ms=decode_ms,
                         block_m_ms=r["block_m_ms"], rejected=r["rejected"], failed=r["failed"], preset=label,
+                        **({"fp8_ms": r["mode_ms"]} if "mode_ms" in r else {}),
                         seconds=round(time.time() - t0, 2),
                         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
             save_entry(path, key, T, r["config"], meta)
@@ -644,7 +565,8 @@ def main(argv=None) -> int:
                 if decode_ms:
                     dec += " (" + ", ".join(f"T={t}: {v[0] * 1e3:.1f} vs {v[1] * 1e3:.1f} us" for t, v in
                                             decode_ms.items()) + ")"
-            prog.finished(f"{short} T={T}: {r['ms'] * 1e3:.1f} us BM={c['BLOCK_M']} g1 {_tile(c['g1'])} g2 "
+            prog.finished(f"{short} T={T}: {r['ms'] * 1e3:.1f} us{' ' + c['fp8'] if 'fp8' in c else ''} "
+                          f"BM={c['BLOCK_M']} g1 {_tile(c['g1'])} g2 "
                           f"{_tile(c['g2'])}{dec} ({time.time() - t0:.0f} s{extra})", time.time() - t0)
             if device.type == "cuda" and (i + 1 == len(todo) or todo[i + 1][0] != key):
                 torch.cuda.empty_cache()

@@ -23,7 +23,8 @@ from .derived import get_path
 from .hf.bind import bound_tensors, forward_params
 from .hf.activations import activation_mismatch
 from .match import Match, Verified
-from .ops.moe_op import MOE_ARGS
+from .hf.fp8 import plain_fp8
+from .ops.moe_op import MOE_ARGS, OP_ARGS
 from .probe import contract_of, primary, run_probe
 from .reject import Refused, RejectCode
 from .spec import MoESpec, SpecError
@@ -46,7 +47,7 @@ def err_with_ties(block, spec: MoESpec, bindings, derived, x, y, ref, notes: lis
     rounding of a tie (``reference.near_tie_tokens``) are left out; the count goes to ``notes``. When ties are
     excused (window per dtype, largest share of tokens) is :mod:`moecomp.policy`'s."""
     err = _rel_err(y, ref)
-    tol = policy.verify_tolerance(x.dtype)
+    tol = policy.verify_tolerance(x.dtype, spec)
     rel = policy.tie_window(x.dtype)
     if err <= tol or rel is None or not torch.isfinite(y).all():
         return err
@@ -70,8 +71,9 @@ def err_with_ties(block, spec: MoESpec, bindings, derived, x, y, ref, notes: lis
 
 def _run_op(block, spec: MoESpec, bindings, derived, x):
     tensors = bound_tensors(block, spec, bindings, derived)
+    n = len(MOE_ARGS)
     with torch.no_grad():
-        return torch.ops.moecomp.moe_forward(x, *tensors, spec.key)
+        return torch.ops.moecomp.moe_forward(x, *tensors[:n], spec.key, *tensors[n:])
 
 
 def _verify(block, spec, bindings, derived, run, consts, notes: list | None = None) -> tuple[MoESpec, float]:
@@ -80,12 +82,12 @@ def _verify(block, spec, bindings, derived, run, consts, notes: list | None = No
     ref = primary(run.output).reshape(x.shape)
     y = _run_op(block, spec, bindings, derived, x)
     err = err_with_ties(block, spec, bindings, derived, x, y, ref, notes)
-    tol = policy.verify_tolerance(x.dtype)
+    tol = policy.verify_tolerance(x.dtype, spec)
     if err <= tol:
         return spec, err
     # routed output scaled outside the router (e.g. `experts(...) * routed_scaling_factor` in the block)
     spec1 = spec.replace(routed_scaling_factor=1.0)
-    routed = _run_op(block, spec1.replace(shared=None), {**bindings, **{k: None for k in MOE_ARGS if
+    routed = _run_op(block, spec1.replace(shared=None), {**bindings, **{k: None for k in OP_ARGS if
                                                                         k.startswith("shared")}}, derived, x).float()
     shared = _run_op(block, spec1, bindings, derived, x).float() - routed if spec.shared is not None else 0.0
     num = ((ref.float() - shared) * routed).sum()
@@ -107,7 +109,7 @@ def _verify(block, spec, bindings, derived, run, consts, notes: list | None = No
 def _check_epilogue(block, match: Match, x, epilogue, notes: list) -> float:
     """The whole block against ``epilogue(op(x))`` on the check input and on a second, fresh input."""
     spec, bindings, derived = match.spec, match.bindings, match.derived
-    tol = policy.verify_tolerance(x.dtype)
+    tol = policy.verify_tolerance(x.dtype, spec)
     worst = 0.0
     for xx in (x, _example(x.shape[-1], x.device, x.dtype, seed=policy.EPILOGUE_PROBE_SEED)):
         with torch.no_grad():
@@ -144,8 +146,9 @@ def _ignored_params(block, x: torch.Tensor, ref, extra_params) -> frozenset:
 
 def fit_routed_scale(block, match: Match, x: torch.Tensor, consts) -> MoESpec:
     """``match.spec`` with the routed scale the probe run shows (for comparing recognisers; no tolerance check)."""
-    run = run_probe(block, match.parts, x)
-    spec, _ = _verify(block, match.spec, match.bindings, match.derived, run, consts)
+    with plain_fp8(block):
+        run = run_probe(block, match.parts, x)
+        spec, _ = _verify(block, match.spec, match.bindings, match.derived, run, consts)
     return spec
 
 
@@ -153,7 +156,15 @@ def verify(block, match: Match, x: torch.Tensor, consts, notes: list) -> Verifie
     """Prove ``match`` on the probe input ``x`` (see the module docstring). ``consts``: the numbers the block's
     attributes and source mention (a fitted routed scale snaps to one of them). Refuses with ``Refused``:
     VERIFICATION_FAILED (outputs or activations differ), SPEC_INVALID (the op refuses the block's tensors),
-    BIND_FAILED (the forward's outputs cannot be reproduced), CHECK_ERROR (the block or the op raised)."""
+    BIND_FAILED (the forward's outputs cannot be reproduced), CHECK_ERROR (the block or the op raised).
+
+    FP8 modules of the block run their plain-PyTorch forward (``hf/fp8.py``: the dequantized reference, activations
+    quantized as the module says) while it is checked: transformers' own needs the hub's kernel."""
+    with plain_fp8(block):
+        return _verify_match(block, match, x, consts, notes)
+
+
+def _verify_match(block, match: Match, x: torch.Tensor, consts, notes: list) -> Verified:
     parts, spec = match.parts, match.spec
     why = activation_mismatch(block, parts, spec)
     if why is not None:
@@ -165,7 +176,7 @@ def verify(block, match: Match, x: torch.Tensor, consts, notes: list) -> Verifie
                             list(consts) + [float(spec.top_k), 1.0 / spec.top_k], notes)
     except SpecError as e:
         raise Refused(f"op rejected the block's tensors: {e}", RejectCode.SPEC_INVALID) from None
-    tol = policy.verify_tolerance(x.dtype)
+    tol = policy.verify_tolerance(x.dtype, spec)
     if not err <= tol:
         extra = f" (block also has {', '.join(parts.extra_modules)})" if parts.extra_modules else ""
         raise Refused(f"op output differs from the block's: max rel. err {err:.2e} > {tol:g}{extra}",
@@ -180,5 +191,6 @@ def verify_epilogue(block, verified: Verified, x: torch.Tensor, epilogue, notes:
     ``epilogue(op(x))``; refused (VERIFICATION_FAILED) when they differ."""
     if not epilogue:
         return verified
-    err = _check_epilogue(block, verified.match, x, epilogue, notes)
+    with plain_fp8(block):
+        err = _check_epilogue(block, verified.match, x, epilogue, notes)
     return dataclasses.replace(verified, max_rel_err=max(verified.max_rel_err, err), epilogue=tuple(epilogue))

@@ -31,6 +31,14 @@ bench = _load("bench_moe")
 report = _load("report")
 
 
+def _layer_modules():
+    """bench_moe's parts (benchmarks/layer/*.py)."""
+    import pkgutil
+
+    pkg = importlib.import_module("layer")
+    return [importlib.import_module(f"layer.{m.name}") for m in pkgutil.iter_modules(pkg.__path__)]
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "result.json"
@@ -134,7 +142,7 @@ def test_no_spec_of_its_own():
     for gone in ("spec_mixtral", "spec_qwen_style", "spec_qwen2", "spec_deepseek_v3", "_experts", "_act", "_ACTS"):
         assert not hasattr(bench, gone), gone
     assert "spec_fn" not in {f.name for f in dataclasses.fields(bench.Family)}
-    src = inspect.getsource(bench)
+    src = inspect.getsource(bench) + "".join(inspect.getsource(m) for m in _layer_modules())  # bench_moe + its parts
     assert "MoESpec(" not in src and "SharedExpertSpec" not in src and "match_block(" in src
 
 
@@ -391,7 +399,7 @@ _VLLM_SCRIPT = textwrap.dedent("""
     assert fused is not None, info
     out = dict(info=info, direct={{}})
     # fp32 blocks: the peer path (HF router + vLLM's kernel + torch shared expert) against the HF block itself
-    bench.DTYPE = torch.float32
+    bench.set_dtype(torch.float32)
     for name in ("mixtral", "qwen2", "deepseek"):
         cfg, block = bench.build_block(bench.FAMILIES[name], True, dev, 3)
         rec = {{}}
@@ -406,22 +414,26 @@ _VLLM_SCRIPT = textwrap.dedent("""
             errs = [bench.rel_err(bench.make_vllm_fn(fused, spec, tensors, r, torch.float32)(x), ref)
                     for r in (router, None)]  # HF's router module, then moecomp.reference.route
         out["direct"][name] = dict(owner=owner, rel_err=errs)
-    bench.DTYPE = torch.bfloat16
+    bench.set_dtype(torch.bfloat16)
     res = bench.run(["--device", "cpu", "--tiny", "--families", "mixtral", "--tokens", "4", "--quick",
                      "--peers", "hf_eager,vllm,moecomp", "--vllm-peer", {peer!r}, "--routing", "zipf", "--no-save",
                      "--breakdown", "mixtral:4"])
     out["run"] = res
     out["table"] = report.render_table(res)
+    # --dtype fp8: vLLM's fp8 block path on the tiny fp8 Mixtral block (H = I = 128), next to moecomp's
+    res8 = bench.run(["--device", "cpu", "--tiny", "--families", "mixtral", "--tokens", "4", "--quick",
+                      "--dtype", "fp8", "--peers", "moecomp_fp8,vllm", "--vllm-peer", {peer!r},
+                      "--no-save"])
+    out["fp8"] = res8
+    out["fp8_table"] = report.render_table(res8)
     print("RESULT " + json.dumps(out, default=str))
 """)
 
 
-def test_vllm_peer_under_the_interpreter():
-    """The vLLM peer from ../shared/peers/vllm_fused_moe under TRITON_INTERPRET=1 (a subprocess: Triton reads the
-    variable at kernel creation and launch): on fp32 Mixtral / Qwen1.5-MoE (sigmoid-gated shared expert) /
-    DeepSeek-V3 (grouped routing, shared expert) tiny blocks it matches the HF block; in a tiny bench run (zipf
-    routing: the vLLM path takes the planted ids like the others) it is timed (fp32 on the interpreter), checked like
-    moecomp and shown as measured in the table."""
+@pytest.fixture(scope="module")
+def vllm_interp():
+    """The script above in a subprocess under TRITON_INTERPRET=1 (Triton reads the variable at kernel creation and
+    launch), once for the module: its parsed RESULT."""
     if not os.path.isfile(os.path.join(VLLM_PEER_DIR, "vllm_fused_moe.py")):
         pytest.skip(f"no vLLM peer at {VLLM_PEER_DIR}")
     pytest.importorskip("triton")
@@ -431,7 +443,15 @@ def test_vllm_peer_under_the_interpreter():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert r.returncode == 0 and line, (r.stdout[-3000:], r.stderr[-3000:])
-    out = json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT "):])
+
+
+def test_vllm_peer_under_the_interpreter(vllm_interp):
+    """The vLLM peer from ../shared/peers/vllm_fused_moe under TRITON_INTERPRET=1: on fp32 Mixtral / Qwen1.5-MoE
+    (sigmoid-gated shared expert) / DeepSeek-V3 (grouped routing, shared expert) tiny blocks it matches the HF block;
+    in a tiny bench run (zipf routing: the vLLM path takes the planted ids like the others) it is timed (fp32 on the
+    interpreter), checked like moecomp and shown as measured in the table."""
+    out = vllm_interp
     assert out["info"]["triton_interpret"] is True
     assert set(out["direct"]) == {"mixtral", "qwen2", "deepseek"}
     for name, d in out["direct"].items():
@@ -563,3 +583,153 @@ def test_diag_kernels_refuses_without_cuda(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert all(len(t) in (5, 6) for tiles in diag.TMA_TILES.values() for t in tiles)
     assert all(bt >= 1 and nw >= 1 for bt, nw in diag.ROUTE_TILES)
+
+
+# ------------------------------------------------------------------------------------------------- --dtype fp8
+def _fake_scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None,
+                            use_fast_accum=False):
+    """torch._scaled_grouped_mm's 2-D x 3-D contract in plain torch (the CPU has no kernel): rows [offs[g-1],
+    offs[g]) of a (e4m3, row scales) times b[g] (e4m3 [K, N] column-major, per-column scales), bf16 out."""
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and a.stride(-1) == 1 and b.stride(-2) == 1
+    assert scale_a.shape == (a.shape[0],) and scale_b.shape == (b.shape[0], b.shape[-1]) and offs.dtype == torch.int32
+    out = torch.empty(a.shape[0], b.shape[-1], dtype=out_dtype or torch.bfloat16)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        out[start:end] = ((a[start:end].float() * scale_a[start:end, None]) @ (b[g].float() * scale_b[g])).to(out.dtype)
+        start = end
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp8_run(tmp_path_factory):
+    """A tiny --dtype fp8 run of Qwen1.5-MoE (sigmoid-gated shared expert) and DeepSeek-V3 (grouped routing, shared
+    expert), every path; torch._scaled_grouped_mm stood in by its contract in torch (no CPU kernel), no vLLM peer."""
+    out = tmp_path_factory.mktemp("bench_fp8") / "fp8.json"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("OUT", raising=False)
+        mp.setattr(torch, "_scaled_grouped_mm", _fake_scaled_grouped_mm, raising=False)
+        res = bench.run(["--device", "cpu", "--tiny", "--dtype", "fp8", "--families", "qwen2,deepseek", "--tokens",
+                         "4", "--quick", "--out-json", str(out)])
+    return res, out
+
+
+def test_fp8_run_paths_checks_and_floor(fp8_run):
+    """--dtype fp8: the block's experts (routed and shared) in e4m3 with 128x128 block scales; moecomp's op in its
+    three modes, moecomp bf16 and _scaled_grouped_mm run and pass their checks (against the dequantized references,
+    the row-wise one, the HF block); the HF peers and the missing vLLM peer are n/a with a reason; the floor counts
+    fp8 bytes at the fp8 matmul rate; the quantization error is reported, the ratios and targets are in the JSON."""
+    res, out = fp8_run
+    assert res["fatal"] is None and res["dtype"] == "fp8" and res["init"]["dtype"] == "torch.bfloat16"
+    f8 = res["fp8"]
+    assert f8["tolerance"] == bench.fp8.FP8_TOLERANCE and f8["mode_env"] == "MOECOMP_FP8_MODE"
+    assert f8["quant"] == bench.fp8.quant_spec().key and f8["targets"]["small_speedup"] == 1.7
+    assert f8["matmul_rate"] == "fp8_matmul_flops_per_s" and res["ceilings"]["fp8_matmul_flops_per_s"] > 0
+    assert f8["scaled_grouped_mm"]["available"] and set(f8["summary"]) >= {"geomean", "speedup_met", "vllm_missed"}
+    assert os.environ.get("MOECOMP_FP8_MODE") is None  # set per path only
+    assert json.loads(out.read_text())["fp8"]["summary"]["geomean"]
+    assert [f["name"] for f in res["families"]] == ["qwen2", "deepseek"]
+    for fam in res["families"]:
+        assert not fam["errors"], fam["errors"]
+        assert fam["fp8"]["spec"].count('"fp8_e4m3"') == 2  # routed and shared quant
+        assert set(fam["fp8"]["weight_bytes"]) == {"w13", "w2", "shared_w1", "shared_w3", "shared_w2"}
+        (cell,) = fam["cells"]
+        assert list(cell["paths"]) == list(bench.FP8_PEERS)
+        for p in ("hf_eager", "hf_grouped_mm", "compile"):
+            assert cell["paths"][p]["skipped"] == bench.fp8.HF_NA
+        assert "vLLM" in cell["paths"]["vllm_fp8"]["skipped"]  # not found, not asked for by name: n/a, not an error
+        for p in bench.FP8_PATHS[:3] + ("scaled_grouped_mm", "moecomp"):
+            pr = cell["paths"][p]
+            assert pr.get("error") is None and pr["best_ms"] > 0 and pr["check_ok"], (fam["name"], p, pr)
+        cf = cell["check_fp8"]
+        assert set(cf) == {"moecomp_fp8", "moecomp_fp8_w8a8", "moecomp_fp8_w8a16", "scaled_grouped_mm"}
+        assert all(c["ok"] and c["rel_err"] < 1e-2 for c in cf.values()), cf
+        assert cf["moecomp_fp8"]["ran"] in ("w8a8", "w8a16") and "mode_honoured" in cf["moecomp_fp8_w8a16"]
+        assert "row-wise" in cf["scaled_grouped_mm"]["against"]
+        assert cell["check"]["ok"]  # moecomp bf16 vs the HF block, as in bf16 runs
+        qe = cell["quant_error"]
+        assert 5e-3 < qe["rel_err"] < 0.3 and 0 < qe["between_w8a8_and_w8a16"] < 0.3, qe
+        fl, fl16 = cell["floor"], cell["floor_bf16"]
+        assert fl["matmul_rate"] == "fp8_matmul_flops_per_s" and fl["distinct_experts"] == fl16["distinct_experts"]
+        assert fl["flops"] == fl16["flops"] and 0.4 * fl16["bytes"] < fl["bytes"] < 0.8 * fl16["bytes"]
+        assert math.isclose(cell["achieved"]["moecomp"]["tb_per_s"], fl16["bytes"] / cell["paths"]["moecomp"]["best_ms"]
+                            / 1e9)
+        r = cell["fp8_ratios"]
+        assert math.isclose(r["fp8_over_bf16"], cell["paths"]["moecomp_fp8"]["best_ms"]
+                            / cell["paths"]["moecomp"]["best_ms"])
+        assert r["target_speedup"] == 1.7 and r["target_met"] in (True, False) and r["fp8_over_vllm_fp8"] is None
+
+
+def test_fp8_table_and_markdown(fp8_run, tiny_run, tmp_path):
+    """The fp8 table (its own kind): the paths timed, the ratios, the checks and the n/a paths under it; --update
+    writes it between its own markers and leaves the bf16 section as it was (both orders, idempotent)."""
+    res, out = fp8_run
+    table = report.render_table(res)
+    assert table.startswith("### MoE block latency, fp8 (e4m3 experts, 128x128 fp32 block scales")
+    head = next(ln for ln in table.splitlines() if ln.startswith("| family"))
+    for col in ("floor (fp8)", "| moecomp fp8 |", "moecomp fp8 w8a8", "moecomp fp8 w8a16", "moecomp bf16",
+                "_scaled_grouped_mm (row-wise)", "moecomp fp8 / bf16 (target)", "moecomp fp8 / floor",
+                "check: moecomp fp8 (ran)", "quant err (vs bf16 block)", "check: bf16 vs HF"):
+        assert col in head, col
+    assert "vLLM fp8 |" not in head and "HF eager" not in head
+    assert "vLLM fp8: n/a in every cell (vLLM peer not loaded" in table
+    assert "HF eager: n/a in every cell (n/a in fp8: transformers' FP8 forward" in table
+    assert "Geometric means: moecomp fp8 / moecomp bf16:" in table and "Targets (issue 19" in table
+    assert "FAIL" not in table
+    assert len([ln for ln in table.splitlines() if ln.startswith("| ") and "family" not in ln]) == 2
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text("# Benchmarks\n\nintro\n")
+    _, bf16_json = tiny_run
+    assert report.main([str(bf16_json), "--update", str(md)]) == 0
+    bf16_section = md.read_text()
+    assert report.main([str(out), "--update", str(md)]) == 0
+    both = md.read_text()
+    fp8_mod = _load("report_fp8")
+    assert both.startswith(bf16_section.rstrip("\n")) and both.count(fp8_mod.BEGIN_MARK) == 1
+    assert both.count(report.BEGIN_MARK) == 1 and "MoE block latency, bf16" in both
+    assert report.main([str(out), str(bf16_json), "--update", str(md)]) == 0  # both at once: each in its section
+    assert md.read_text() == both
+
+
+def test_fp8_missing_peers_are_reasoned():
+    """Without torch._scaled_grouped_mm (or its kernel here), or without a vLLM peer, the fp8 paths are n/a with the
+    reason, not errors; fp8 names outside --dtype fp8 are refused."""
+    fp8_paths = bench.fp8_paths
+    why = fp8_paths.sgmm_probe(torch.device("cpu"))
+    assert why and ("_scaled_grouped_mm" in why)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delattr(torch, "_scaled_grouped_mm", raising=False)
+        assert "has no torch._scaled_grouped_mm" in fp8_paths.sgmm_probe(torch.device("cpu"))
+    paths = fp8_paths.family_paths(None, None, "refused", None, list(bench.FP8_PEERS), None, {}, False, why,
+                                   torch.device("cpu"))
+    by = {p.name: p for p in paths}
+    assert by["hf_eager"].skip == bench.fp8.HF_NA and by["vllm_fp8"].skip and by["scaled_grouped_mm"].skip
+    assert by["moecomp_fp8"].fn is None and "refused" in (by["moecomp_fp8"].error or by["moecomp_fp8"].skip)
+    with pytest.raises(SystemExit):
+        bench.resolve_peers("moecomp_fp8", is_fp8=False)
+    assert bench.resolve_peers("vllm,moecomp", is_fp8=True) == ["vllm_fp8", "moecomp"]
+
+
+def test_vllm_fp8_under_the_interpreter(vllm_interp):
+    """vLLM's fp8 block path (use_fp8_w8a8, 128x128 block scales) on the block's fp8 weights, under the interpreter:
+    timed, checked against the dequantized w8a8 reference (the interpreter's looser bound: its e4m3 cast), in the
+    table with its ratio."""
+    res = vllm_interp["fp8"]
+    assert res["vllm_peer"]["timed"] and res["vllm_peer"]["fp8_block"] is True
+    (fam,) = res["families"]
+    assert not fam["errors"] and fam["vllm_router"] == "HF router module 'gate'"
+    (cell,) = fam["cells"]
+    v = cell["paths"]["vllm_fp8"]
+    assert v["best_ms"] > 0 and v["compute_dtype"].startswith("float32") and "block_shape" in v["note"]
+    chk = cell["check_fp8"]["vllm_fp8"]
+    assert chk["ok"] and chk["tolerance"] == bench.fp8.FP8_INTERPRET_TOLERANCE and chk["rel_err"] < 0.2, chk
+    assert cell["check_fp8"]["moecomp_fp8"]["ok"] and cell["fp8_ratios"]["fp8_over_vllm_fp8"] > 0
+    head = next(ln for ln in vllm_interp["fp8_table"].splitlines() if ln.startswith("| family"))
+    assert "| vLLM fp8 |" in head and "moecomp fp8 / vLLM fp8" in head and "check: vLLM fp8" in head
+
+
+def test_fp8_plot(fp8_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    _, out = fp8_run
+    png = tmp_path / "fp8.png"
+    assert report.main([str(out), "--plot-fp8", str(png)]) == 0
+    assert png.stat().st_size > 5000

@@ -107,6 +107,26 @@ def test_experts_registration(order):
 
 
 @needs_transformers
+@pytest.mark.parametrize("order", ["moecomp first", "transformers first"])
+def test_fp8_experts_registration(order):
+    """"moecomp" lands in transformers' FP8ExpertsInterface too (FP8Experts dispatch there), lazily."""
+    first, second = ("import moecomp", "import transformers.integrations.finegrained_fp8") if order == \
+        "moecomp first" else ("import transformers.integrations.finegrained_fp8", "import moecomp")
+    out = run_fresh(f"""
+        import sys
+        {first}
+        {second}
+        from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+        from moecomp.hf import experts_interface as ei
+        assert ei.FP8_REGISTERED and ALL_FP8_EXPERTS_FUNCTIONS["moecomp"] is ei.moecomp_experts_forward
+        assert ei._fp8_finder not in sys.meta_path and ei._finder not in sys.meta_path
+        assert "eager" not in ALL_FP8_EXPERTS_FUNCTIONS._local_mapping   # (the compile backend is not imported)
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
+
+
+@needs_transformers
 def test_experts_implementation_moecomp_from_config():
     """A model built with ``experts_implementation="moecomp"`` after a plain ``import moecomp`` finds the name."""
     out = run_fresh("""
@@ -364,7 +384,7 @@ def test_lower_layers_do_not_import_upper_ones():
             "moecomp.reject",
             "moecomp.derived", "moecomp.match")
     binder = data + ("moecomp.ops", "moecomp.hf.bind", "moecomp.hf.snapshot", "moecomp.hf.names",
-                     "moecomp.hf.structure", "moecomp.hf.experts_interface")
+                     "moecomp.hf.structure", "moecomp.hf.experts_interface", "moecomp.hf.fp8")
     allowed |= {
         "moecomp.derived": ("moecomp.derived",),
         "moecomp.match": ("moecomp.derived", "moecomp.ops.common", "moecomp.spec"),

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import policy, reference
+from .. import quant as q8
 from ..spec import MoESpec
-from . import names
+from . import fp8, names
 from .names import read_attr
 from .structure import BlockParts, MLPParts, get_path
 
@@ -133,31 +134,57 @@ def describe_unknown_gate(experts: nn.Module) -> str:
     return ""
 
 
+def _quantized(block: nn.Module, p: str):
+    """(fp8 weight, its scale, QuantSpec) when the weight at ``p`` is an FP8 linear's (``hf/fp8.py``), else None."""
+    t = get_path(block, p)
+    if not fp8.is_fp8(t) or "." not in p:
+        return None
+    mod = get_path(block, p.rsplit(".", 1)[0])
+    lq = fp8.linear_fp8(mod)
+    return None if lq is None else (t.detach(), getattr(mod, lq.scale).detach(), lq.quant)
+
+
+def _weight(block: nn.Module, p: str) -> torch.Tensor:
+    """The fp32 weight at ``p`` (dequantized when it is an FP8 linear's)."""
+    qw = _quantized(block, p)
+    return get_path(block, p).detach().float() if qw is None else q8.dequantize(*qw)
+
+
+def _mlp_quantized(block: nn.Module, mp: MLPParts) -> bool:
+    return _quantized(block, mp.down) is not None
+
+
 def _mlp_ref(block: nn.Module, mp: MLPParts, x: torch.Tensor, act: str, clamp: bool, alpha: float,
              limit: float) -> torch.Tensor:
-    def t(p):
-        return None if p is None else get_path(block, p).detach().float()
+    def lin(h, p, bp):
+        qw = _quantized(block, p)
+        b = None if bp is None else get_path(block, bp).detach().float()
+        if qw is None:
+            return F.linear(h, get_path(block, p).detach().float(), b)
+        y = reference.quantized_linear(h, *qw)  # x quantized as the module does (FP8Linear)
+        return y if b is None else y + b
 
     if mp.gated:
         if mp.concat:
-            gate, up = F.linear(x, t(mp.gate), t(mp.gate_bias)).chunk(2, dim=-1)
+            gate, up = lin(x, mp.gate, mp.gate_bias).chunk(2, dim=-1)
         else:
-            gate, up = F.linear(x, t(mp.gate), t(mp.gate_bias)), F.linear(x, t(mp.up), t(mp.up_bias))
+            gate, up = lin(x, mp.gate, mp.gate_bias), lin(x, mp.up, mp.up_bias)
         h = reference.gated_activation(gate, up, act, alpha, limit, clamp)
     else:
-        h = reference.activation(F.linear(x, t(mp.up), t(mp.up_bias)), act)
-    return F.linear(h, t(mp.down), t(mp.down_bias))
+        h = reference.activation(lin(x, mp.up, mp.up_bias), act)
+    return lin(h, mp.down, mp.down_bias)
 
 
 def _mlp_probe_input(block: nn.Module, mp: MLPParts):
-    """A [MLP_PROBE_TOKENS, H] input (the MLP's dtype) whose first-layer outputs spread over about +-25 (clamps at
-    7-10 hit); see :mod:`moecomp.policy`."""
-    W = get_path(block, mp.gate if mp.gated else mp.up).detach()
+    """A [MLP_PROBE_TOKENS, H] input (the MLP's dtype; fp32 for FP8 linears) whose first-layer outputs spread over
+    about +-25 (clamps at 7-10 hit); see :mod:`moecomp.policy`."""
+    p = mp.gate if mp.gated else mp.up
+    W = get_path(block, p).detach()
     g = torch.Generator().manual_seed(policy.MLP_PROBE_SEED)
     x = torch.randn(policy.MLP_PROBE_TOKENS, W.shape[1], generator=g)
-    pre = x @ W.float().cpu().T
+    pre = x @ _weight(block, p).cpu().T
     x = x * (policy.CLAMP_REACH_STD / float(pre.std().clamp_min(1e-12)))
-    return x.to(device=W.device, dtype=W.dtype)
+    return x.to(device=W.device, dtype=torch.float32 if fp8.is_fp8(W) else W.dtype)
 
 
 def probe_mlp(block: nn.Module, mp: MLPParts, first: str | None = None) -> tuple[str, bool, float, float] | None:
@@ -185,7 +212,7 @@ def probe_mlp(block: nn.Module, mp: MLPParts, first: str | None = None) -> tuple
     cands = [(a, False) for a in acts]
     if mp.gated and limit is not None:
         cands += [(a, True) for a in acts] + ([("swiglu_oai", False)] if alpha is not None else [])
-    tol = policy.mlp_match_tolerance(x.dtype)
+    tol = policy.mlp_match_tolerance(x.dtype, _mlp_quantized(block, mp))
     xf = x.float()
     for act, clamp in cands:
         ref = _mlp_ref(block, mp, xf, act, clamp, a0, l0)
@@ -249,7 +276,7 @@ def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> s
         if not isinstance(y, torch.Tensor) or y.shape != x.shape:
             continue
         ref = _mlp_ref(block, mp, x.float(), act, clamp, alpha, limit)
-        tol = policy.mlp_match_tolerance(x.dtype)
+        tol = policy.mlp_match_tolerance(x.dtype, _mlp_quantized(block, mp))
         err = float((y.float() - ref).abs().max()) / max(float(ref.abs().max()), 1e-30)
         if not err <= tol:
             return (f"{where} ({type(mod).__name__}) differs from the spec's {'clamped ' if clamp else ''}{act} on "

@@ -62,7 +62,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..ops.moe_op import MOE_ARGS, call_moe_forward
+from ..ops.moe_op import OP_ARGS, call_moe_forward
 from ..spec import MoESpec
 from ..derived import Derived, SharedLayout
 from ..match import Contract, Verified, reshape_to
@@ -115,7 +115,7 @@ class BoundState:
     spec: MoESpec
     spec_key: str
     bindings: dict
-    paths: tuple  # per MOE_ARGS: tuple of attribute names, or None
+    paths: tuple  # per OP_ARGS: tuple of attribute names, or None
     derived: list
     contract: Contract
     watch: tuple  # submodule paths whose hooks force the original forward
@@ -454,7 +454,7 @@ def bind(block: nn.Module, name: str, verified: Verified) -> BoundState:
         if not stale(block):
             raise BindError("already bound")
         unbind(block)  # bound from attributes that have changed since: bind afresh
-    missing = [a for a in MOE_ARGS if a not in bindings]
+    missing = [a for a in OP_ARGS if a not in bindings]
     if missing:
         raise BindError(f"bindings lack {missing}")
     op_spec, op_bindings, derived = router_derived(block, spec, bindings, derived)
@@ -465,7 +465,7 @@ def bind(block: nn.Module, name: str, verified: Verified) -> BoundState:
             jitter.append((mpath, attr))
     st = BoundState(
         name=name, spec=spec, spec_key=spec.key, bindings=dict(bindings),
-        paths=tuple(_split(op_bindings[a]) for a in MOE_ARGS), derived=list(derived), contract=verified.contract,
+        paths=tuple(_split(op_bindings[a]) for a in OP_ARGS), derived=list(derived), contract=verified.contract,
         watch=tuple(parts.submodule_paths(block)), router_path=parts.router_module, jitter_attrs=tuple(jitter),
         hidden_name=hidden, extra_params=extra, ignored_params=frozenset(verified.ignored_params),
         original=block.__dict__.get("forward"), method=m.method,
@@ -507,7 +507,7 @@ def bound_tensors(block: nn.Module, spec: MoESpec, bindings: dict, derived: list
     """The op's tensors for a not-yet-bound block (derived tensors built on the fly)."""
     built = {d.name: d.build(block) for d in derived}
     out = []
-    for a in MOE_ARGS:
+    for a in OP_ARGS:
         p = bindings.get(a)
         if p is None:
             out.append(None)

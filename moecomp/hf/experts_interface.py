@@ -17,6 +17,11 @@ express are refused). Unsupported modules (post-expert norm, expert parallel, un
 gradients (the op has no backward: training with grad mode on, or grad mode on and the hidden states, routing
 weights or expert weights requiring grad) run transformers' ``grouped_mm`` path, or eager, with a one-time warning.
 
+FP8 experts (transformers' ``FP8Experts``, dispatching through ``FP8ExpertsInterface``, where ``"moecomp"`` is
+registered too when ``transformers.integrations.finegrained_fp8`` is imported): the quantization is read from the
+module (``hf/fp8.py``), the scales are passed to ``moe_experts``, and the module's plain-PyTorch FP8 forward is both
+what the probe checks against and the fallback (transformers' own FP8 paths need the hub's kernel).
+
 Checked specs are cached per module and top-k together with a snapshot of the module's attributes
 (``snapshot.take_snapshot``: scalars, callables such as ``act_fn`` / ``_apply_gate``, child modules). When the snapshot
 no longer matches (``experts.act_fn`` replaced, ``limit`` changed, ...), the cache is dropped and the spec derived
@@ -31,9 +36,11 @@ import warnings
 
 import torch
 
-from ..ops.moe_op import call_moe_experts
+from .. import quant as q8
+from ..ops.moe_op import EXPERT_QUANT_ARGS, call_moe_experts
 from ..reject import Refused, RejectCode
 from ..spec import MoESpec, SpecError
+from . import fp8
 from .activations import probe_activation, probe_gate
 from .snapshot import snapshot_changed, snapshot_changed_traced, take_snapshot
 
@@ -67,6 +74,26 @@ def _weights(m):
     return w13, b13, w2, b2
 
 
+def _fp8(m):
+    """The experts' FP8 layout (``hf/fp8.py``), None when not quantized; ``Unsupported`` when the scales do not fit
+    (the message names both tensors)."""
+    if fp8.fp8_kind(m) != "experts":
+        return None
+    try:
+        ex = fp8.experts_fp8(m)
+    except fp8.FP8LayoutError as e:
+        raise Unsupported(str(e), RejectCode.SPEC_INVALID) from None
+    if ex is None:
+        raise Unsupported("FP8 expert weights in a layout moecomp does not read", RejectCode.UNSUPPORTED_STRUCTURE)
+    return ex
+
+
+def scales(m) -> dict:
+    """``moe_experts``' scale arguments of a quantized experts module ({} when not quantized)."""
+    ex = _fp8(m)
+    return {} if ex is None else {k: getattr(m, n) for k, n in ex.names().items()}
+
+
 def experts_spec(m: torch.nn.Module, top_k: int, verify: bool = True) -> MoESpec:
     """The MoESpec (routing fields unused) of a ``@use_experts_implementation`` experts module.
 
@@ -97,11 +124,12 @@ def experts_spec(m: torch.nn.Module, top_k: int, verify: bool = True) -> MoESpec
         act = probe_activation(getattr(m, "act_fn", None))
         if act is None:
             raise Unsupported(f"activation {type(getattr(m, 'act_fn', None)).__name__} is not one the spec knows")
+    ex = _fp8(m)
     try:
         spec = MoESpec(num_experts=E, top_k=min(top_k, E), hidden_size=H, intermediate_size=I, activation=act,
                        gated=has_gate, activation_alpha=alpha, activation_limit=limit, activation_clamp=clamp,
                        w_layout="in_out" if transposed else "out_in", gate_up=gate_up,
-                       has_expert_bias=b13 is not None)
+                       has_expert_bias=b13 is not None, quant=None if ex is None else ex.quant)
     except SpecError as e:
         raise Unsupported(str(e), RejectCode.SPEC_INVALID) from None
     if verify and w13.device.type != "meta":
@@ -113,9 +141,19 @@ def experts_spec(m: torch.nn.Module, top_k: int, verify: bool = True) -> MoESpec
 
 
 def eager_forward(m):
-    """The experts module's own forward (what ``experts_implementation="eager"`` runs)."""
+    """The experts module's own forward (what ``experts_implementation="eager"`` runs); FP8 experts: their
+    plain-PyTorch forward (``hf/fp8.py``; transformers' needs the hub's kernel)."""
+    if fp8.fp8_kind(m) == "experts":
+        return fp8.plain_experts_forward
     fwd = type(m).forward
-    return getattr(fwd, "__wrapped__", fwd)
+    while is_hf_experts_forward(fwd) and getattr(fwd, "__wrapped__", None) is not None:
+        fwd = fwd.__wrapped__  # (transformers decorates FP8Experts once per load: wrappers nest)
+    return fwd
+
+
+def is_hf_experts_forward(fwd) -> bool:
+    co = getattr(fwd, "__code__", None)
+    return co is not None and co.co_filename.replace("\\", "/").endswith("integrations/moe.py")
 
 
 def verify_experts(m: torch.nn.Module, spec: MoESpec, tokens: int | None = None) -> tuple[float, float]:
@@ -130,15 +168,19 @@ def verify_experts(m: torch.nn.Module, spec: MoESpec, tokens: int | None = None)
     if tokens is None:
         tokens = policy.EXPERTS_PROBE_TOKENS
     w13, b13, w2, b2 = _weights(m)
+    sc = scales(m)
+    dt = torch.float32 if spec.quant is not None else w13.dtype  # (FP8 experts: probed in fp32)
     E, H, k = spec.num_experts, spec.hidden_size, min(spec.top_k, spec.num_experts)
     g = torch.Generator().manual_seed(policy.EXPERTS_PROBE_SEED)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).to(w13.device)
-    wts = (torch.rand(tokens, k, generator=g) + 0.1).to(device=w13.device, dtype=w13.dtype)
+    wts = (torch.rand(tokens, k, generator=g) + 0.1).to(device=w13.device, dtype=dt)
     x = torch.randn(tokens, H, generator=g)
-    pre = torch.einsum("th,enh->ten", x, w13.detach().float().cpu()) if spec.w_layout == "out_in" else \
-        torch.einsum("th,ehn->ten", x, w13.detach().float().cpu())
+    w13f = w13.detach().float() if spec.quant is None else q8.dequantize(
+        w13.detach(), sc["w13_scale"].detach(), spec.quant, 2 if spec.gated else 1)
+    pre = torch.einsum("th,enh->ten", x, w13f.cpu()) if spec.w_layout == "out_in" else \
+        torch.einsum("th,ehn->ten", x, w13f.cpu())
     big = policy.CLAMP_REACH_STD / float(pre.std().clamp_min(1e-12))
-    tol = policy.verify_tolerance(w13.dtype)
+    tol = policy.verify_tolerance(dt, spec)
     err = 0.0
     eager = eager_forward(m)
     from torch.utils._python_dispatch import _disable_current_modes
@@ -146,9 +188,10 @@ def verify_experts(m: torch.nn.Module, spec: MoESpec, tokens: int | None = None)
     # an internal check: invisible to dispatch modes that count or trace the model's own ops
     with torch.no_grad(), _disable_current_modes():
         for scale in (1.0, big):
-            xs = (x * scale).to(device=w13.device, dtype=w13.dtype)
+            xs = (x * scale).to(device=w13.device, dtype=dt)
             ref = eager(m, xs, ids, wts).float()
-            out = torch.ops.moecomp.moe_experts(xs, ids, wts, w13, b13, w2, b2, spec.key).float()
+            out = torch.ops.moecomp.moe_experts(xs, ids, wts, w13, b13, w2, b2, spec.key, *(
+                sc.get(n) for n in EXPERT_QUANT_ARGS)).float()
             if not torch.isfinite(out).all():
                 return float("inf"), tol
             err = max(err, float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
@@ -203,6 +246,8 @@ def _fallback(m, hidden_states, top_k_index, top_k_weights, why: str):
         _warned.add(key)
         warnings.warn(f"moecomp experts: {type(m).__name__} runs transformers' own experts path ({why})",
                       stacklevel=3)
+    if fp8.fp8_kind(m) == "experts":  # transformers' FP8 paths need the hub's kernel: the plain-PyTorch one
+        return fp8.plain_experts_forward(m, hidden_states, top_k_index, top_k_weights)
     try:
         from transformers.integrations.moe import grouped_mm_experts_forward
 
@@ -250,7 +295,8 @@ def moecomp_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
     except Unsupported as e:
         return _fallback(self, hidden_states, top_k_index, top_k_weights, str(e))
     w13, b13, w2, b2 = _weights(self)
-    return call_moe_experts(hidden_states, top_k_index, top_k_weights, w13, b13, w2, b2, spec, ids_from_topk=True)
+    return call_moe_experts(hidden_states, top_k_index, top_k_weights, w13, b13, w2, b2, spec, ids_from_topk=True,
+                            **(scales(self) if spec.quant is not None else {}))
 
 
 def register() -> bool:
@@ -262,7 +308,44 @@ def register() -> bool:
         from transformers.integrations import moe as hf_moe
     except Exception:
         return False
-    iface = getattr(hf_moe, "ALL_EXPERTS_FUNCTIONS", None)
+    if not _register_in(getattr(hf_moe, "ALL_EXPERTS_FUNCTIONS", None)):
+        return False
+    REGISTERED = True
+    return True
+
+
+def register_fp8() -> bool:
+    """Register ``"moecomp"`` with transformers' FP8 experts interface (``FP8ExpertsInterface``: ``FP8Experts``
+    modules dispatch there), the same function: it reads the scales of quantized experts. False when missing."""
+    global FP8_REGISTERED
+    try:
+        from transformers.integrations import finegrained_fp8 as hf_fp8
+    except Exception:
+        return False
+    if not _register_in(getattr(hf_fp8, "ALL_FP8_EXPERTS_FUNCTIONS", None)):
+        return False
+    FP8_REGISTERED = True
+    for fn in _ON_FP8:
+        fn()
+    return True
+
+
+_ON_FP8: list = []  # called once transformers' FP8 integration is loaded (the compile backend's trace forwards)
+
+
+def on_fp8_import(fn) -> None:
+    """Call ``fn()`` now if transformers' FP8 integration is loaded, else right after it is imported."""
+    import sys
+
+    _ON_FP8.append(fn)
+    if _fp8_finder.target in sys.modules:
+        if FP8_REGISTERED:
+            fn()
+        else:
+            register_fp8()
+
+
+def _register_in(iface) -> bool:
     if iface is None:
         return False
     reg = getattr(type(iface), "register", None)
@@ -270,26 +353,31 @@ def register() -> bool:
         reg(NAME, moecomp_experts_forward)
     else:  # pragma: no cover - older interface
         iface[NAME] = moecomp_experts_forward
-    REGISTERED = True
     return True
 
 
 class _RegisterOnImport:
-    """Meta-path finder: registers "moecomp" right after ``transformers.integrations.moe`` is imported.
+    """Meta-path finder: registers "moecomp" right after ``target`` is imported (``transformers.integrations.moe``,
+    or ``transformers.integrations.finegrained_fp8`` for the FP8 interface).
 
     Importing transformers' MoE integration costs ~2 s; ``import moecomp`` should not pay it when transformers is
     not in use. Every model class with ``@use_experts_implementation`` imports that module before
-    ``from_pretrained(..., experts_implementation=...)`` can look the name up, so registering then is in time.
-    The finder removes itself on first use; it never changes how the module is found or loaded, and any problem in
+    ``from_pretrained(..., experts_implementation=...)`` can look the name up, so registering then is in time (the
+    FP8 integration is imported by the FP8 quantizer before it builds ``FP8Experts``).
+    Each finder removes itself on first use; it never changes how the module is found or loaded, and any problem in
     it leaves the import to the other finders (the name then gets registered by ``ensure_registered``).
     """
 
     TARGET = "transformers.integrations.moe"
 
+    def __init__(self, target: str | None = None, fn=None):
+        self.target = target or self.TARGET
+        self.fn = fn or register
+
     def find_spec(self, name, path=None, target=None):
-        if name != self.TARGET:
+        if name != self.target:
             return None
-        _uninstall()
+        _uninstall(self)
         try:
             import importlib.util
 
@@ -299,9 +387,9 @@ class _RegisterOnImport:
                 return spec
             orig = loader.exec_module
 
-            def exec_module(module, _orig=orig):
+            def exec_module(module, _orig=orig, _fn=self.fn):
                 _orig(module)
-                register()
+                _fn()
 
             loader.exec_module = exec_module
             return spec
@@ -310,20 +398,28 @@ class _RegisterOnImport:
 
 
 _finder = _RegisterOnImport()
+_fp8_finder = _RegisterOnImport("transformers.integrations.finegrained_fp8", register_fp8)
 
 
-def _uninstall() -> None:
+def _uninstall(finder=None) -> None:
     import sys
 
-    if _finder in sys.meta_path:
-        sys.meta_path.remove(_finder)
+    finder = _finder if finder is None else finder
+    if finder in sys.meta_path:
+        sys.meta_path.remove(finder)
 
 
 def _install() -> bool:
-    """Register now if transformers' MoE integration is loaded, else when it is imported. True if registered now."""
+    """Register now if transformers' MoE integration is loaded, else when it is imported (the FP8 interface the
+    same way). True if registered now."""
     import sys
 
-    if _RegisterOnImport.TARGET in sys.modules:
+    if _fp8_finder.target in sys.modules:
+        _uninstall(_fp8_finder)
+        register_fp8()
+    elif _fp8_finder not in sys.meta_path and not FP8_REGISTERED:
+        sys.meta_path.insert(0, _fp8_finder)
+    if _finder.target in sys.modules:
         _uninstall()
         return register()
     if _finder not in sys.meta_path:
@@ -338,4 +434,5 @@ def ensure_registered() -> bool:
 
 
 REGISTERED = False  # set by register()
+FP8_REGISTERED = False  # set by register_fp8()
 _install()

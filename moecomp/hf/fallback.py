@@ -33,13 +33,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import policy, reference
-from ..ops.moe_op import MOE_ARGS
+from ..ops.moe_op import OP_ARGS
 from ..match import Evidence, Match
 from ..reject import Refused, Reject, RejectCode
 from ..spec import MoESpec, SharedExpertSpec, SpecError
 from ..derived import Derived
 from ..probe import ProbeRun, run_probe
-from . import names
+from . import fp8, names
 from .activations import describe_unknown_gate, probe_activation, probe_gate, probe_mlp
 from .names import read_attr
 from .structure import BlockParts, MLPParts, NotABlock, find_parts, get_path
@@ -310,13 +310,16 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
         notes.append(f"block has other parameterised children: {', '.join(parts.extra_modules)}")
     routing = _routing_guess(block, parts, sources)
     bindings, derived = _bindings(block, parts)
+    quant, shared_quant = _quant(block, parts, bindings)
+    if shared_quant is not None:
+        shared = dataclasses.replace(shared, quant=shared_quant)
     kw = dict(routing)
     try:
         spec = MoESpec(
             num_experts=E, top_k=int(top_k), hidden_size=H, intermediate_size=I,
             activation=act, gated=parts.gated, activation_alpha=alpha, activation_limit=limit,
             activation_clamp=clamp, w_layout=parts.w_layout, gate_up=gate_up, has_expert_bias=bindings.get("b13") is not None,
-            shared=shared, **kw,
+            shared=shared, quant=quant, **kw,
         )
     except SpecError as e:
         raise FallbackError(f"no valid spec: {e}", RejectCode.SPEC_INVALID) from None
@@ -324,8 +327,38 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
                                                          notes=notes))
 
 
+def _quant(block: nn.Module, parts: BlockParts, b: dict):
+    """(routed QuantSpec | None, shared QuantSpec | None) of FP8 weights (``hf/fp8.py``: e4m3 tensors with scales of
+    the blocked shape); their scales' paths go into the bindings ``b``."""
+    try:
+        ex = fp8.experts_fp8(get_path(block, parts.experts), parts.experts) if parts.kind == "fused" else None
+        quant = None
+        if ex is not None:
+            quant = ex.quant
+            b.update({k: f"{parts.experts}.{n}" for k, n in ex.names().items()})
+        elif any(fp8.is_fp8(t) for t in get_path(block, parts.experts).parameters()):
+            raise FallbackError("FP8 expert weights in a layout moecomp does not read", RejectCode.UNSUPPORTED_STRUCTURE)
+        sp, sq = parts.shared, None
+        if sp is not None:
+            found = {}
+            for k, w in (("shared_w1", sp.gate if sp.gated else None), ("shared_w3", sp.up), ("shared_w2", sp.down)):
+                if w is not None:
+                    mpath = w.rsplit(".", 1)[0]
+                    found[k] = (mpath, fp8.linear_fp8(get_path(block, mpath), mpath))
+            qs = {None if lq is None else lq.quant for _, lq in found.values()}
+            if len(qs) != 1:
+                raise FallbackError("shared expert linears quantized differently (or only some)",
+                                    RejectCode.UNSUPPORTED_STRUCTURE)
+            sq = qs.pop()
+            if sq is not None:
+                b.update({f"{k}_scale": f"{mpath}.{lq.scale}" for k, (mpath, lq) in found.items()})
+    except fp8.FP8LayoutError as e:
+        raise FallbackError(str(e), RejectCode.SPEC_INVALID) from None
+    return quant, sq
+
+
 def _bindings(block: nn.Module, parts: BlockParts) -> tuple[dict[str, str | None], list[Derived]]:
-    b: dict[str, str | None] = dict.fromkeys(MOE_ARGS)
+    b: dict[str, str | None] = dict.fromkeys(OP_ARGS)
     derived: list[Derived] = []
     b["router_w"] = parts.router_weight
     b["router_b"] = parts.router_bias
@@ -442,8 +475,9 @@ def _routing_candidates(guess: dict, E: int, k: int, has_corr: bool):
 
 
 def measure(block: nn.Module, x: torch.Tensor, ext: Match) -> tuple[Match, ProbeRun]:
-    """Run the block on ``x`` and replace the guessed routing / precision fields by measured ones."""
-    with torch.no_grad():
+    """Run the block on ``x`` and replace the guessed routing / precision fields by measured ones (FP8 modules run
+    their plain-PyTorch forward: ``hf/fp8.py``)."""
+    with torch.no_grad(), fp8.plain_fp8(block):
         return _measure(block, x, ext)
 
 
@@ -521,9 +555,10 @@ def recognise(block: nn.Module, parts: BlockParts, x: torch.Tensor | None = None
     """The attribute reader's answer for one block: a Match, measured by running the block on ``x`` when given
     (read from attributes only otherwise: the meta device), or a Reject."""
     try:
-        m = static_extract(block, parts)
-        if x is not None:
-            m, _ = measure(block, x, m)
+        with fp8.plain_fp8(block if x is not None else None):
+            m = static_extract(block, parts)
+            if x is not None:
+                m, _ = measure(block, x, m)
         return m
     except Refused as e:
         return e.reject

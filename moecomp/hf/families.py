@@ -175,13 +175,14 @@ def _randomize_biases(model: nn.Module, seed: int) -> None:
                     b.copy_(torch.randn(b.shape, generator=g) * 0.5)
 
 
-def build_tiny(family: str, seed: int = 0):
-    """(model, model class name) for ``family``; raises with the reason when it cannot be built tiny."""
+def build_tiny(family: str, seed: int = 0, sizes: dict | None = None):
+    """(model, model class name) for ``family``; raises with the reason when it cannot be built tiny. ``sizes``:
+    config fields over ``TINY`` (e.g. ``hidden_size``), for tests that need other shapes."""
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     experts = tuple(c for c in vars(mod).values() if is_experts_class(c))
     errors = []
     for mc in _model_candidates(mod):
-        extra = {}
+        extra = dict(sizes or {})
         for _attempt in range(3):
             try:
                 cfg = tiny_config(mc.config_class, family, extra)

@@ -9,12 +9,15 @@ per-pair buffer and the combine launch (``moecomp.ops.triton_moe.decode_down``'s
 on a BLOCK_M tile whose row 0 is the pair (the other rows are masked to 0). A program walks the k slots in turn, so
 there are only T * H / BLOCK_N programs: at T = 1 and a small H that is under one per SM, and the "pairs" mode
 (gemm2 DIRECT + combine) can win; the tuner measures both.
+
+FP8 w2 (W_SCALE > 0): each slot's K loop is ``fp8.dot_loop`` with that slot's expert's scales (weight-only, or h
+quantized per 128-column group in the A loads), as in ``moe_gemm2_kernel``; 16-bit launches compile as before.
 """
 
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import fp8, pdl
 
 
 @triton.jit
@@ -47,6 +50,9 @@ def moe_down_combine_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
+    ws_ptr=None, as_ptr=None, stride_se=0, stride_sn=0, stride_sk=0,  # FP8: as in grouped_gemm.moe_gemm2_kernel
+    W_SCALE: tl.constexpr = 0, A_QUANT: tl.constexpr = 0, Q_BLOCK_N: tl.constexpr = 1, Q_BLOCK_K: tl.constexpr = 1,
+    UE8M0: tl.constexpr = False, EXACT_CAST: tl.constexpr = False,
 ):
     pdl.enter(USE_PDL)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -61,18 +67,28 @@ def moe_down_combine_kernel(
         p = t * TOP_K + j
         expert = tl.load(ids_ptr + p).to(tl.int64)
         b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        a_ptrs = h_ptr + p * stride_hm + tl.arange(0, BLOCK_M)[:, None] * 0 + offs_k[None, :]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=row0[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K * stride_wk
+        if W_SCALE == 0:
+            a_ptrs = h_ptr + p * stride_hm + tl.arange(0, BLOCK_M)[:, None] * 0 + offs_k[None, :]
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k_ok = offs_k < K - k0
+                a = tl.load(a_ptrs, mask=row0[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K * stride_wk
+        else:
+            a_scale = 1.0
+            if A_QUANT == 2:
+                a_scale = tl.load(as_ptr + expert)
+            ws_ptrs = fp8.scale_ptrs(ws_ptr, expert * stride_se, offs_n.to(tl.int64), 0, N, stride_sn, W_SCALE,
+                                     Q_BLOCK_N)
+            acc = fp8.dot_loop(h_ptr + p * stride_hm + tl.arange(0, BLOCK_M) * 0, row0, b_ptrs, n_ok, K, stride_wk,
+                               ws_ptrs, stride_sk, a_scale, A_QUANT, W_SCALE, Q_BLOCK_K, UE8M0, EXACT_CAST, UPCAST,
+                               DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         r = tl.sum(acc, axis=0)  # [BLOCK_N]: rows other than 0 are zero
         if HAS_BIAS:
             r += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)

@@ -16,12 +16,24 @@ DIRECT (decode, a few tokens): no alignment. ``sorted_ptr`` is the flat top-k id
 (row 0 of its BLOCK_M tile; the other rows are masked): expert = ids[p]; gemm1 writes h[p] ([P, I], pair order)
 and gemm2 reads it. The tile's spare rows cost tensor-core slots, not memory traffic, and decode is bound by the
 weight bytes; but pairs that share an expert read its weights once each, so this pays only at a few tokens.
+
+FP8 (W_SCALE > 0: e4m3 weights, ``MoESpec.quant``): the same kernels, routing, alignment, DIRECT and epilogues; only
+the K loop differs (``fp8.dot_loop``), as constexpr branches, so 16-bit launches compile to what they did before:
+
+    w8a16 (A_QUANT 0):  h[s, n] = act(sum_k x[k] * q_w1[n, k] * s_w1[n, k]) * (...)      e4m3 -> x's dtype in registers
+    w8a8  (A_QUANT 1):  each K step quantizes its A tile per row (one 128-column group): x_q, s_a = quant_rows(x)
+                        acc += (x_q . q_w) * s_a[:, None] * s_w[None, :]                   fp8 x fp8 dot, fp32 sum
+          (A_QUANT 2):  x_q = e4m3(x / s_static[e]); acc = s_static[e] * sum_k (x_q . q_w) * s_w
+    s_w of tile column j (gemm1: col_n = n0 + j // 2, gate for even j, up for odd): block scales read row
+    col_n // block_n + (j % 2) * ceil(I / block_n) (gate and up blocked apart), column k0 // block_k; channel scales
+    row col_n + (j % 2) * I; tensor scales the expert's one value. h is stored in x's dtype and quantized again by
+    gemm2's A loads.
 """
 
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import fp8, pdl
 from .activations import act as _act
 from .activations import gated as _gated
 
@@ -99,6 +111,12 @@ def moe_gemm1_kernel(
     TILE_N: tl.constexpr,  # 2 * BLOCK_N when gated, else BLOCK_N
     DIRECT: tl.constexpr = False,  # one pair per program, expert = sorted_ptr[pair] (see the module docstring)
     USE_PDL: tl.constexpr = 0,
+    # FP8 (see the module docstring): weight scales [E, ...] (fp32, or uint8 ue8m0 exponents) and their strides,
+    # static activation scales [E] (A_QUANT 2); W_SCALE 0: 16-bit weights, 1 block, 2 channel, 3 tensor scales;
+    # A_QUANT 0 weight-only, 1 dynamic, 2 static; EXACT_CAST: the interpreter's e4m3 rounding (kernels/fp8.py)
+    ws_ptr=None, as_ptr=None, stride_se=0, stride_sn=0, stride_sk=0,
+    W_SCALE: tl.constexpr = 0, A_QUANT: tl.constexpr = 0, Q_BLOCK_N: tl.constexpr = 1, Q_BLOCK_K: tl.constexpr = 1,
+    UE8M0: tl.constexpr = False, EXACT_CAST: tl.constexpr = False,
 ):
     pdl.enter(USE_PDL)
     pid_m, pid_n, expert, offs_m, pair, row_ok, dead = _rows(
@@ -118,19 +136,30 @@ def moe_gemm1_kernel(
         w_rows = col_n.to(tl.int64)
     col_ok = col_n < N_OUT
 
-    a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
-    b_ptrs = w_ptr + expert * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    acc = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_wk
+    if W_SCALE == 0:
+        a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
+        b_ptrs = w_ptr + expert * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        acc = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_wk
+    else:  # fp8 weights (concat gate/up: a tile column's up row is w_rows = col_n + I)
+        a_scale = 1.0
+        if A_QUANT == 2:
+            a_scale = tl.load(as_ptr + expert)
+        b_ptrs = w_ptr + expert * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        half = (tl.arange(0, TILE_N) % 2) if GATED else 0
+        ws_ptrs = fp8.scale_ptrs(ws_ptr, expert * stride_se, w_rows, half, N_OUT, stride_sn, W_SCALE, Q_BLOCK_N)
+        acc = fp8.dot_loop(x_ptr + tok * stride_xm, row_ok, b_ptrs, col_ok, K, stride_wk, ws_ptrs, stride_sk, a_scale,
+                           A_QUANT, W_SCALE, Q_BLOCK_K, UE8M0, EXACT_CAST, UPCAST, DOT_PRECISION, BLOCK_M, TILE_N,
+                           BLOCK_K)
     pdl.release(USE_PDL)
 
     if HAS_BIAS:
@@ -177,6 +206,9 @@ def moe_gemm2_kernel(
     GROUP_M: tl.constexpr,
     DIRECT: tl.constexpr = False,
     USE_PDL: tl.constexpr = 0,
+    ws_ptr=None, as_ptr=None, stride_se=0, stride_sn=0, stride_sk=0,  # FP8: as in moe_gemm1_kernel
+    W_SCALE: tl.constexpr = 0, A_QUANT: tl.constexpr = 0, Q_BLOCK_N: tl.constexpr = 1, Q_BLOCK_K: tl.constexpr = 1,
+    UE8M0: tl.constexpr = False, EXACT_CAST: tl.constexpr = False,
 ):
     pdl.enter(USE_PDL)
     pid_m, pid_n, expert, offs_m, pair, row_ok, dead = _rows(
@@ -187,20 +219,30 @@ def moe_gemm2_kernel(
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
 
-    a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_k[None, :]
-    b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    if W_SCALE == 0:
+        a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_k[None, :]
+        b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
 
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_wk
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_wk
+    else:  # fp8 weights
+        b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        a_scale = 1.0
+        if A_QUANT == 2:
+            a_scale = tl.load(as_ptr + expert)
+        ws_ptrs = fp8.scale_ptrs(ws_ptr, expert * stride_se, offs_n.to(tl.int64), 0, N, stride_sn, W_SCALE, Q_BLOCK_N)
+        acc = fp8.dot_loop(h_ptr + offs_m.to(tl.int64) * stride_hm, row_ok, b_ptrs, n_ok, K, stride_wk, ws_ptrs,
+                           stride_sk, a_scale, A_QUANT, W_SCALE, Q_BLOCK_K, UE8M0, EXACT_CAST, UPCAST, DOT_PRECISION,
+                           BLOCK_M, BLOCK_N, BLOCK_K)
     pdl.release(USE_PDL)
 
     if HAS_BIAS:

@@ -71,3 +71,16 @@ def _upcast(t: torch.Tensor) -> bool:
 def _precision(t: torch.Tensor) -> str:
     # fp32 models get fp32 products (no tf32), like torch's default matmul; 16-bit dots ignore this.
     return "ieee" if t.dtype == torch.float32 or _upcast(t) else "tf32"
+
+
+def _sm_count(device: torch.device) -> int:
+    """The device's SM count, looked up once (4 off CUDA: the interpreter runs every program in turn)."""
+    if device.type != "cuda":
+        return 4
+    n = _sm_counts.get(device.index)
+    if n is None:
+        n = _sm_counts[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
+_sm_counts: dict = {}

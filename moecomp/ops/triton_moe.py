@@ -15,6 +15,12 @@ programmatic dependent launch (``_pdl``): the next launch overlaps the previous 
 
 Every size the kernels see on the device is static for a given T (worst-case block counts), nothing reads device
 memory on the host, so the whole op can be captured in a CUDA graph.
+
+FP8 experts (``spec.quant``; docs/FP8.md): the same launches with the scales (``expert_quant`` -> ``quant_kwargs``)
+and FP8 tiles (``tuning.get_config(..., quant)``, BLOCK_K 128), in the call's mode (``tuning.fp8_mode``: w8a8, fp8 x
+fp8 dots on activations quantized in the GEMMs' A loads, or w8a16, weight-only); both decode modes ("fused", "pairs")
+take fp8 w2; the TMA GEMMs are 16-bit only. FP8 shared experts (``spec.shared.quant``): ``fp8_linear`` for gate, up
+and down.
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ from ..kernels import routing as routing_k
 from .. import reference
 from ..spec import MoESpec
 from . import tuning
-from .common import _interpret, _precision, _upcast  # noqa: F401  (used here and by tests / benchmarks)
+from .common import _interpret, _precision, _sm_count, _upcast  # noqa: F401  (used here and by tests / benchmarks)
+from .triton_fp8 import fp8_linear, fp8_tile, quant_kwargs  # noqa: F401  (fp8_linear: the op's CUDA path)
 
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "none": 3}
 _ACT = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu_oai": 4, "relu2": 5}
@@ -261,15 +268,16 @@ def _flat_ids(ids: torch.Tensor) -> torch.Tensor:
     return flat.contiguous() if flat.numel() > 1 and flat.stride(0) != 1 else flat
 
 
-def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict) -> torch.Tensor:
+def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, q: dict | None = None) -> torch.Tensor:
     """x [T, H] x w13 [E, 2I, H] over expert-sorted rows -> h [S, I] (activation fused); DIRECT (``direct``):
-    h [P, I] in pair order."""
+    h [P, I] in pair order. ``q``: fp8 w13 (``quant_kwargs``; the pointer kernel, BLOCK_K per ``fp8_tile``)."""
     sorted_ids, block_expert, num_padded, max_blocks = aligned
     T, H = x.shape
     I = spec.intermediate_size
     h = torch.empty(sorted_ids.numel(), I, dtype=x.dtype, device=x.device)
-    if c1.get("tma") and block_expert is not None and _tma1_ok(spec, x, w13):
+    if q is None and c1.get("tma") and block_expert is not None and _tma1_ok(spec, x, w13):
         return _gemm1_tma(x, w13, b13, spec, aligned, k, bm, c1, h)
+    c1 = fp8_tile(c1, q)
     se, sn, sk = _w_strides(w13, spec.w_layout)
     interleaved = spec.gated and spec.gate_up == "interleaved"
     grid = (max_blocks * triton.cdiv(I, c1["BLOCK_N"]),)  # DIRECT: max_blocks = P
@@ -283,18 +291,20 @@ def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict) -> tor
         HAS_BIAS=b13 is not None, UPCAST=_upcast(x), DOT_PRECISION=_precision(x),
         BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
         TILE_N=c1["BLOCK_N"] * (2 if spec.gated else 1), DIRECT=block_expert is None,
-        num_warps=c1["num_warps"], num_stages=c1["num_stages"], **_pdl(x.device, gemm=True),
+        num_warps=c1["num_warps"], num_stages=c1["num_stages"], **_pdl(x.device, gemm=True), **(q or {}),
     )
     return h
 
 
-def gemm2(h, w2, b2, weights, spec: MoESpec, aligned, P: int, bm: int, c2: dict) -> torch.Tensor:
-    """h [S, I] x w2 [E, H, I] -> y [P, H] in pair order, each row times its routing weight (DIRECT: h [P, I])."""
+def gemm2(h, w2, b2, weights, spec: MoESpec, aligned, P: int, bm: int, c2: dict, q: dict | None = None):
+    """h [S, I] x w2 [E, H, I] -> y [P, H] in pair order, each row times its routing weight (DIRECT: h [P, I]).
+    ``q``: fp8 w2, as in ``gemm1``."""
     sorted_ids, block_expert, num_padded, max_blocks = aligned
     H, I = spec.hidden_size, spec.intermediate_size
     y = torch.empty(P, H, dtype=h.dtype, device=h.device)
-    if c2.get("tma") and block_expert is not None and _tma_ok(spec, h, w2):
+    if q is None and c2.get("tma") and block_expert is not None and _tma_ok(spec, h, w2):
         return _gemm2_tma(h, w2, b2, weights, aligned, P, bm, c2, y)
+    c2 = fp8_tile(c2, q)
     se, sn, sk = _w_strides(w2, spec.w_layout)
     grid = (max_blocks * triton.cdiv(H, c2["BLOCK_N"]),)
     gemm_k.moe_gemm2_kernel[grid](
@@ -303,7 +313,7 @@ def gemm2(h, w2, b2, weights, spec: MoESpec, aligned, P: int, bm: int, c2: dict)
         h.stride(0), se, sn, sk, 0 if b2 is None else b2.stride(0), y.stride(0),
         HAS_BIAS=b2 is not None, UPCAST=_upcast(h), DOT_PRECISION=_precision(h),
         BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"], DIRECT=block_expert is None,
-        num_warps=c2["num_warps"], num_stages=c2["num_stages"], **_pdl(h.device, gemm=True),
+        num_warps=c2["num_warps"], num_stages=c2["num_stages"], **_pdl(h.device, gemm=True), **(q or {}),
     )
     return y
 
@@ -323,8 +333,9 @@ def _tma1_ok(spec: MoESpec, x: torch.Tensor, w13: torch.Tensor) -> bool:
 
 
 def _tma_weights_ok(spec: MoESpec, a: torch.Tensor, w: torch.Tensor) -> bool:
-    """What both TMA GEMMs need: this Triton has host tensor descriptors; a and w 16-bit, of one dtype; w in the
-    [E, out, in] layout, contiguous, with 16-byte rows and base."""
+    """What both TMA GEMMs need: this Triton has host tensor descriptors; a and w 16-bit, of one dtype (so fp8
+    weights never take them: the quantized GEMMs are the pointer kernels'); w in the [E, out, in] layout, contiguous,
+    with 16-byte rows and base."""
     return (_TensorDescriptor() is not None and a.dtype in (torch.bfloat16, torch.float16) and w.dtype == a.dtype
             and spec.w_layout == "out_in" and w.is_contiguous() and _tma_rows(w))
 
@@ -352,19 +363,6 @@ def _desc(t: torch.Tensor, rows: int, block: list):
 def _programs(device: torch.device, tiles: int) -> int:
     """Persistent grid: one program per SM (4 under the interpreter), never more than the worst-case tile count."""
     return max(1, min(_sm_count(device), tiles))
-
-
-def _sm_count(device: torch.device) -> int:
-    """The device's SM count, looked up once (4 off CUDA: the interpreter runs every program in turn)."""
-    if device.type != "cuda":
-        return 4
-    n = _sm_counts.get(device.index)
-    if n is None:
-        n = _sm_counts[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return n
-
-
-_sm_counts: dict = {}
 
 
 def _gemm1_tma(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, h: torch.Tensor) -> torch.Tensor:
@@ -418,19 +416,21 @@ def _gemm2_tma(h, w2, b2, weights, aligned, P: int, bm: int, c2: dict, y: torch.
     return y
 
 
-def decode_down(h, w2, b2, ids_flat, weights, spec: MoESpec, out, shared, gate, c2: dict, join=None):
+def decode_down(h, w2, b2, ids_flat, weights, spec: MoESpec, out, shared, gate, c2: dict, join=None,
+                q: dict | None = None):
     """Decode: h [P, I] (pair order) x w2 -> out [T, H] = sum_k weight * (h . w2_e + b2) (+ gated shared).
     ``c2["mode"]``: "fused" (moe_down_combine_kernel, one launch) or "pairs" (gemm2 DIRECT -> y [P, H], then the
-    combine). ``join()`` runs before the first launch that reads ``shared``."""
+    combine); ``q``: fp8 w2 (``quant_kwargs``). ``join()`` runs before the first launch that reads ``shared``."""
     T, H = out.shape
     P = ids_flat.numel()
     if c2.get("mode", "fused") == "pairs":
-        y = gemm2(h, w2, b2, weights, spec, (ids_flat, None, None, P), P, 16, c2)
+        y = gemm2(h, w2, b2, weights, spec, (ids_flat, None, None, P), P, 16, c2, q)
         if join is not None:
             join()
         return combine(y, T, P // T, out, shared, gate)
     if join is not None:
         join()
+    c2 = fp8_tile(c2, q)
     se, sn, sk = _w_strides(w2, spec.w_layout)
     decode_k.moe_down_combine_kernel[(T * triton.cdiv(H, c2["BLOCK_N"]),)](
         h, w2, b2, ids_flat, weights, shared, gate, out, H, spec.intermediate_size,
@@ -439,7 +439,7 @@ def decode_down(h, w2, b2, ids_flat, weights, spec: MoESpec, out, shared, gate, 
         TOP_K=P // T, HAS_BIAS=b2 is not None, HAS_SHARED=shared is not None,
         HAS_GATE=gate is not None, UPCAST=_upcast(h), DOT_PRECISION=_precision(h),
         BLOCK_M=16, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"],
-        num_warps=c2["num_warps"], num_stages=c2["num_stages"], **_pdl(h.device, gemm=True),
+        num_warps=c2["num_warps"], num_stages=c2["num_stages"], **_pdl(h.device, gemm=True), **(q or {}),
     )
     return out
 
@@ -449,11 +449,23 @@ def experts(x, ids, weights, args: dict, spec: MoESpec, cfg: dict | None = None)
     T, H = x.shape
     k = ids.shape[1]
     if cfg is None:
-        cfg = tuning.get_config(spec.num_experts, spec.intermediate_size, H, T, k, x.dtype, x.device)
+        cfg = tuning.get_config(spec.num_experts, spec.intermediate_size, H, T, k, x.dtype, x.device, spec.quant)
     bm = cfg["BLOCK_M"]
+    q1, q2 = expert_quant(args, spec, cfg, T)
     aligned = align(ids, spec.num_experts, bm)
-    h = gemm1(x, args["w13"], _unit_stride(args["b13"]), spec, aligned, k, bm, cfg["g1"])
-    return gemm2(h, args["w2"], _unit_stride(args["b2"]), weights, spec, aligned, T * k, bm, cfg["g2"])
+    h = gemm1(x, args["w13"], _unit_stride(args["b13"]), spec, aligned, k, bm, cfg["g1"], q1)
+    return gemm2(h, args["w2"], _unit_stride(args["b2"]), weights, spec, aligned, T * k, bm, cfg["g2"], q2)
+
+
+def expert_quant(args: dict, spec: MoESpec, cfg: dict, T: int) -> tuple[dict | None, dict | None]:
+    """(gemm1's, gemm2's) fp8 kernel arguments (``quant_kwargs``) for a quantized spec, in the call's mode
+    (``tuning.fp8_mode``: MOECOMP_FP8_MODE, the config's "fp8" key, or the heuristic); (None, None) otherwise."""
+    qs = spec.quant
+    if qs is None:
+        return None, None
+    mode = tuning.fp8_mode(qs, T, cfg)
+    return (quant_kwargs(qs, args["w13_scale"], args.get("a13_scale"), mode),
+            quant_kwargs(qs, args["w2_scale"], args.get("a2_scale"), mode))
 
 
 def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=None, cfg: dict | None = None,
@@ -465,7 +477,7 @@ def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=No
     T, H = x.shape
     k = ids.shape[1]
     if cfg is None:
-        cfg = tuning.get_config(spec.num_experts, spec.intermediate_size, H, T, k, x.dtype, x.device)
+        cfg = tuning.get_config(spec.num_experts, spec.intermediate_size, H, T, k, x.dtype, x.device, spec.quant)
     dec = tuning.decode_config(cfg, T, x.device)
     if dec is None:
         with _hold_pdl(join is not None):
@@ -474,9 +486,10 @@ def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=No
             join()
         return combine(y, T, k, out, shared, gate)
     ids_direct = direct(ids)
-    h = gemm1(x, args["w13"], _unit_stride(args["b13"]), spec, ids_direct, k, 16, dec["g1"])
+    q1, q2 = expert_quant(args, spec, cfg, T)
+    h = gemm1(x, args["w13"], _unit_stride(args["b13"]), spec, ids_direct, k, 16, dec["g1"], q1)
     return decode_down(h, args["w2"], _unit_stride(args["b2"]), ids_direct[0], weights.reshape(-1), spec, out,
-                       shared, gate, dec["g2"], join)
+                       shared, gate, dec["g2"], join, q2)
 
 
 def combine(y: torch.Tensor, T: int, k: int, out: torch.Tensor, shared=None, gate=None) -> torch.Tensor:
@@ -495,27 +508,40 @@ def combine(y: torch.Tensor, T: int, k: int, out: torch.Tensor, shared=None, gat
 
 # --------------------------------------------------------------------------------------------- shared experts
 def shared_mlp(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
-    """Shared experts without their gate (the combine applies it): x [T, H] -> [T, H]."""
+    """Shared experts without their gate (the combine applies it): x [T, H] -> [T, H]. Quantized
+    (``spec.shared.quant``): each of the three GEMMs is the dense fp8 linear (``fp8_linear``)."""
     sh = spec.shared
-    w1, w3, w2 = args["shared_w1"], args["shared_w3"], args["shared_w2"]
     Is = sh.intermediate_size
     T = x.shape[0]
+    lin = _shared_linear(args, sh.quant)
     if not sh.gated:
-        up = torch.nn.functional.linear(x, w3)
-        return _scaled(torch.nn.functional.linear(reference.activation(up, sh.activation), w2), sh.scale)
+        up = lin(x, "shared_w3")
+        return _scaled(lin(reference.activation(up, sh.activation), "shared_w2"), sh.scale)
     if sh.layout == "concat":
-        gu = torch.nn.functional.linear(x, w1)  # [T, 2 Is]
+        gu = lin(x, "shared_w1")  # [T, 2 Is]
     else:
         gu = torch.empty(T, 2 * Is, dtype=x.dtype, device=x.device)
-        torch.mm(x, w1.t(), out=gu[:, :Is])
-        torch.mm(x, w3.t(), out=gu[:, Is:])
+        lin(x, "shared_w1", gu[:, :Is])
+        lin(x, "shared_w3", gu[:, Is:])
     hs = torch.empty(T, Is, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(Is))
     combine_k.act_mul_kernel[(T, triton.cdiv(Is, block))](
         gu, hs, Is, gu.stride(0), hs.stride(0), float(sh.activation_alpha), float(sh.activation_limit),
         ACT=_ACT[sh.activation], CLAMP=sh.activation_clamp, BLOCK=block,
     )
-    return _scaled(torch.nn.functional.linear(hs, w2), sh.scale)
+    return _scaled(lin(hs, "shared_w2"), sh.scale)
+
+
+def _shared_linear(args: dict, quant):
+    """lin(a, name, out=None) = a @ args[name].T: torch's GEMM, or the fp8 linear with the weight's scales."""
+    def lin(a, name, out=None):
+        if quant is not None:
+            return fp8_linear(a, args[name], args[f"{name}_scale"], None, None, quant, out)
+        if out is None:
+            return torch.nn.functional.linear(a, args[name])
+        return torch.mm(a, args[name].t(), out=out)
+
+    return lin
 
 
 def _scaled(y: torch.Tensor, scale: float) -> torch.Tensor:

@@ -33,7 +33,8 @@ def _cuda_name(index: int) -> str:  # a driver query: once per device, not once 
     return torch.cuda.get_device_name(index).replace(" ", "_")
 
 
-def shape_key(E: int, N: int, K: int, dtype: torch.dtype) -> str:
+def shape_key(E: int, N: int, K: int, dtype) -> str:
+    """``dtype``: a torch dtype, or a table's own name for one ("fp8", "fp8_w8a16": the FP8 tables below)."""
     return f"E={E},N={N},K={K},dtype={str(dtype).replace('torch.', '')}"
 
 
@@ -72,23 +73,105 @@ def _heuristic(E: int, N: int, K: int, T: int, top_k: int, device: torch.device)
     return dict(BLOCK_M=bm, g1=g1, g2=g2)
 
 
-def get_config(E: int, N: int, K: int, T: int, top_k: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """Config for the MoE GEMMs of one call (N = intermediate size, K = hidden size)."""
+def get_config(E: int, N: int, K: int, T: int, top_k: int, dtype: torch.dtype, device: torch.device,
+               quant=None) -> dict:
+    """Config for the MoE GEMMs of one call (N = intermediate size, K = hidden size). ``quant`` (a ``QuantSpec``):
+    the FP8 experts' config (``fp8_config``) instead."""
     override = os.environ.get("MOECOMP_CONFIG")
     if override:
         return json.loads(override)
+    if quant is not None:
+        return fp8_config(E, N, K, T, top_k, device)
     tables = _table(device_key(device))
     table = tables.get(shape_key(E, N, K, dtype))
     if not table and dtype == torch.float16:  # same element size and tensor-core rate: bf16's tiles, if tuned
         table = tables.get(shape_key(E, N, K, torch.bfloat16))
     if table:
-        buckets = sorted(int(b) for b in table)
-        best = buckets[0]
-        for b in buckets:
-            if b <= T:
-                best = b
-        return table[str(best)]
+        return _bucket(table, T)
     return _heuristic(E, N, K, T, top_k, device)
+
+
+def _bucket(table: dict, T: int) -> dict:
+    """The entry of the largest bucket <= T (the smallest bucket below every bucket)."""
+    buckets = sorted(int(b) for b in table)
+    best = buckets[0]
+    for b in buckets:
+        if b <= T:
+            best = b
+    return table[str(best)]
+
+
+# ------------------------------------------------------------------------------------------------------ FP8
+# Quantized experts (``MoESpec.quant``) have table entries of their own, whatever x's dtype: "dtype=fp8" in the shape
+# key holds each bucket's winner over both modes (its config's "fp8" key: "w8a8", fp8 x fp8 dots on activations
+# quantized in the kernel, or "w8a16", weight-only: e4m3 weights converted to x's dtype in registers);
+# "dtype=fp8_w8a8" / "dtype=fp8_w8a16" hold one mode's tiles, read when MOECOMP_FP8_MODE forces that mode. The
+# bf16 / fp16 / fp32 keys and their lookups are unchanged. Every FP8 tile has BLOCK_K = 128 (the activation group;
+# the launcher halves a BLOCK_K that does not divide the spec's block_k or the group).
+FP8_MODES = ("w8a8", "w8a16")
+FP8_W8A16_MAX_T = 16  # heuristic: a "dynamic" spec runs weight-only up to this many tokens, w8a8 above (untuned)
+
+
+def fp8_forced() -> str | None:
+    """MOECOMP_FP8_MODE ("w8a8" | "w8a16"): the mode every dynamic-activation FP8 GEMM runs in (benchmarks)."""
+    mode = os.environ.get("MOECOMP_FP8_MODE") or None
+    if mode is not None and mode not in FP8_MODES:
+        raise ValueError(f"MOECOMP_FP8_MODE={mode!r}: expected one of {FP8_MODES}")
+    return mode
+
+
+def fp8_mode(quant, T: int, cfg: dict | None = None) -> str:
+    """"w8a8" or "w8a16" for a call of T tokens. The spec's activation decides unless it is "dynamic" ("static":
+    w8a8, "none": w8a16); a dynamic one runs MOECOMP_FP8_MODE, else the config's "fp8" key, else weight-only up to
+    ``FP8_W8A16_MAX_T`` tokens (the op may run a dynamic spec weight-only: its error is then smaller)."""
+    if quant.activation != "dynamic":
+        return "w8a8" if quant.activation == "static" else "w8a16"
+    forced = fp8_forced()
+    if forced:
+        return forced
+    mode = (cfg or {}).get("fp8")
+    if mode in FP8_MODES:
+        return mode
+    return "w8a16" if T <= FP8_W8A16_MAX_T else "w8a8"
+
+
+def fp8_config(E: int, N: int, K: int, T: int, top_k: int, device: torch.device) -> dict:
+    """The FP8 experts' config: the forced mode's table (MOECOMP_FP8_MODE), else the "fp8" table, else the
+    heuristic."""
+    tables = _table(device_key(device))
+    forced = fp8_forced()
+    for dt in ([f"fp8_{forced}"] if forced else []) + ["fp8"]:
+        table = tables.get(shape_key(E, N, K, dt))
+        if table:
+            return _bucket(table, T)
+    return _fp8_heuristic(E, N, K, T, top_k, device)
+
+
+def _fp8_heuristic(E: int, N: int, K: int, T: int, top_k: int, device: torch.device) -> dict:
+    """bf16's heuristic tiles with BLOCK_K = 128 (narrower and fewer stages where an fp8 weight tile of 128 rows
+    and a 16-bit A tile would not fit shared memory), the decode path in "pairs" mode, and the mode by T."""
+    cfg = _heuristic(E, N, K, T, top_k, device)
+    g1, g2 = dict(cfg["g1"], BLOCK_K=128), dict(cfg["g2"], BLOCK_K=128)
+    if cfg["BLOCK_M"] >= 128:
+        g1["num_stages"] = g2["num_stages"] = 3
+        g2["BLOCK_N"] = min(g2["BLOCK_N"], 128)
+    dec = _decode_heuristic(device)
+    dec = dict(dec, g1=dict(dec["g1"], BLOCK_K=128), g2=dict(dec["g2"], BLOCK_K=128, mode="pairs"))
+    return dict(cfg, g1=g1, g2=g2, decode=dec, fp8="w8a16" if T <= FP8_W8A16_MAX_T else "w8a8")
+
+
+def fp8_linear_config(M: int, N: int, K: int, device: torch.device, sms: int) -> dict:
+    """Tiles of the dense FP8 linear (``kernels/fp8_linear.py``; ``sms``: the device's SM count): at up to 16 rows
+    BLOCK_M = 16 and BLOCK_N chosen so that there are about two programs per SM (memory-bound: every SM streams
+    weight tiles), larger tiles above. Untuned."""
+    if device.type != "cuda":  # the interpreter: small tiles
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=1)
+    if M <= 16:
+        bn = 64 if -(-N // 64) >= 2 * sms else 32
+        return dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    if M <= 64:
+        return dict(BLOCK_M=32 if M <= 32 else 64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
 
 
 # The decode path's token limit for shapes without a tuned entry (MOECOMP_DECODE_MAX_T overrides; 0 turns it off).

@@ -22,7 +22,8 @@ import torch
 import torch.fx as fx
 
 from .. import policy, reference
-from ..ops.common import MOE_ARGS
+from .. import quant as q8
+from ..ops.common import OP_ARGS
 from ..reject import RejectCode
 from . import _fx
 from ._context import Context as _Context
@@ -69,8 +70,9 @@ class _Sources:
             vals = [_fx.meta_val(p) for p in self.stacked[k][0]] if k in self.stacked else [
                 _fx.meta_val(self.single[k])]
             for v in vals:
-                if isinstance(v, torch.Tensor):
-                    total += (v.numel() // (1 if k in self.stacked else v.shape[0])) * v.element_size()
+                if isinstance(v, torch.Tensor):  # fp8 weights: the block gathers them dequantized (fp32)
+                    size = 4 if v.dtype == torch.float8_e4m3fn else v.element_size()
+                    total += (v.numel() // (1 if k in self.stacked else v.shape[0])) * size
         return total
 
 
@@ -99,7 +101,7 @@ def verify(ctx: _Context, candidates, blk: Block):
         gen = torch.Generator(device="cpu").manual_seed(policy.FX_CHECK_SEED)
         args, x_val = _make_inputs(ctx, inputs, blk.x_root, gen, vals)
         tensors = {k: src.tensor(k, lambda p: args[inputs.index(p)] if p in inputs else _value(ctx, p, gen))
-                   for k in MOE_ARGS}
+                   for k in OP_ARGS}
         with torch.no_grad():
             try:
                 got = _run_disabled(sub, args)
@@ -144,7 +146,7 @@ def _agree(got, xin, tensors, spec, arg_shapes, dtype):
     except Exception as e:  # noqa: BLE001
         return False, f"reference failed ({e})"
     got = got.float()
-    return _close(got.reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1]), dtype)
+    return _close(got.reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1]), dtype, policy.quantized(spec))
 
 
 def _stress(sub, args, inputs, src, tensors, spec, xin, arg_shapes):
@@ -153,18 +155,23 @@ def _stress(sub, args, inputs, src, tensors, spec, xin, arg_shapes):
     scaled = {}
     x2 = xin.reshape(-1, xin.shape[-1]).float()
     if spec.activation_clamp or spec.activation == "swiglu_oai":
-        w = tensors["w13"].float()
+        w = tensors["w13"].float() if spec.quant is None else q8.dequantize(
+            tensors["w13"], tensors["w13_scale"], spec.quant, 2 if spec.gated else 1)
         h = torch.einsum("th,enh->ten", x2, w) if spec.w_layout == "out_in" else torch.einsum("th,ehn->ten", x2, w)
         scaled["w13"] = _stress_factor(h, spec.activation_limit)
     sh = spec.shared
     if sh is not None and (sh.activation_clamp or sh.activation == "swiglu_oai"):
         for k in ("shared_w1", "shared_w3"):
             if tensors.get(k) is not None:
-                scaled[k] = _stress_factor(x2 @ tensors[k].float().T, sh.activation_limit)
+                w = tensors[k].float() if sh.quant is None else q8.dequantize(tensors[k], tensors[f"{k}_scale"],
+                                                                               sh.quant)
+                scaled[k] = _stress_factor(x2 @ w.T, sh.activation_limit)
     if not scaled:
         return None
     args2, tensors2 = list(args), dict(tensors)
     for k, f in scaled.items():
+        if tensors.get(f"{k}_scale") is not None:  # a quantized weight: scale its scales (w = q * s)
+            k = f"{k}_scale"
         tensors2[k] = tensors[k] * f
         for p in src.of(k):
             if p in inputs:
@@ -182,16 +189,16 @@ def _stress_factor(h: torch.Tensor, limit: float) -> float:
     return max(1.0, policy.FX_CLAMP_STRESS_OVERSHOOT * limit / max(q, policy.FX_CHECK_SCALE_FLOOR))
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, dtype) -> tuple[bool, str]:
+def _close(got: torch.Tensor, want: torch.Tensor, dtype, quantized: bool = False) -> tuple[bool, str]:
     if got.shape != want.shape:
         return False, f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
     scale = want.abs().max().clamp_min(policy.FX_CHECK_SCALE_FLOOR)
     err = ((got - want).abs().max() / scale).item()
-    if dtype in (torch.float32, torch.float64):
+    if dtype in (torch.float32, torch.float64) and not quantized:
         return err <= policy.FX_CHECK_TOL_FULL, f"max rel err {err:.2e}"
     tok_scale = want.abs().amax(-1).clamp_min(policy.FX_CHECK_TOKEN_SCALE_FLOOR * scale.item())
     tok_err = (got - want).abs().amax(-1) / tok_scale
-    tol = policy.FX_CHECK_TOL_TOKEN_LOW
+    tol = policy.FX_CHECK_TOL_TOKEN_FP8 if quantized else policy.FX_CHECK_TOL_TOKEN_LOW
     frac = (tok_err <= tol).float().mean().item()
     return frac >= policy.FX_CHECK_MIN_TOKEN_SHARE, f"{frac:.0%} tokens within {tol:g} (max rel err {err:.2e})"
 

@@ -108,7 +108,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..ops.common import MOE_ARGS
+from ..ops.common import OP_ARGS
 from ..reject import Reject as RejectRecord
 from ..reject import RejectCode
 from ..spec import MoESpec, SpecError
@@ -130,7 +130,7 @@ class MoEMatch:
     """One MoE block found in a graph."""
 
     spec: MoESpec
-    bindings: dict[str, str | None]  # MOE_ARGS name -> placeholder node name (None = absent, or in ``stacked``)
+    bindings: dict[str, str | None]  # OP_ARGS name -> placeholder node name (None = absent, or in ``stacked``)
     x: fx.Node  # the op's input: the block input (a view of it with the output's shape)
     output: fx.Node  # the node the op replaces
     nodes: frozenset  # every node of the block (DCE candidates; nodes also read elsewhere stay)
@@ -327,7 +327,7 @@ def _spec_fields(r: Routing, ex: Experts, sh: Shared | None) -> dict:
         has_correction_bias=r.correction_bias is not None, bias_on_logits=r.bias_on_logits,
         group_mask_zero=r.group_mask_zero, has_router_bias=r.router_b is not None, router_fp32=r.router_fp32,
         round_weights=r.round_weights, gated=ex.gated, activation_clamp=ex.act.clamp, has_expert_bias=ex.has_bias,
-        shared=sh.spec if sh else None,
+        shared=sh.spec if sh else None, quant=ex.quant,
     )
     if ex.act.alpha is not None:
         fields["activation_alpha"] = ex.act.alpha
@@ -353,12 +353,14 @@ def _spec_candidates(r: Routing, ex: Experts, sh: Shared | None) -> list[MoESpec
 
 
 def _bindings(r: Routing, ex: Experts, sh: Shared | None) -> dict[str, str | None]:
-    """MOE_ARGS name -> placeholder name (None: absent, or built from per-expert placeholders: ``ex.stacked``)."""
+    """OP_ARGS name -> placeholder name (None: absent, or built from per-expert placeholders: ``ex.stacked``); the
+    scales of quantized weights included (``moe_quant``)."""
     nodes = dict(router_w=r.router_w, router_b=r.router_b, correction_bias=r.correction_bias, w13=ex.w13,
                  w2=ex.w2, b13=ex.b13, b2=ex.b2)
     if sh:
         nodes.update(sh.bind)
-    bindings = {k: None for k in MOE_ARGS}
+    nodes.update(ex.scales)
+    bindings = {k: None for k in OP_ARGS}
     bindings.update({k: (v.name if v is not None else None) for k, v in nodes.items()})
     return bindings
 

@@ -22,6 +22,7 @@ from ._context import Context
 from ._fx import arg, op_name
 from ._reject import Reject
 from .moe_activation import Activation, activation
+from .moe_quant import DEQUANT, experts_quant, quant_inputs
 from .moe_region import Region
 from .moe_routing import Routing
 
@@ -49,6 +50,8 @@ class Experts:
     stacked: dict[str, list[list[fx.Node]]] = field(default_factory=dict)
     linears: frozenset = frozenset()  # per-expert linears (not a shared expert's)
     baked: dict = field(default_factory=dict)  # spec field -> placeholder its value was read from
+    quant: object = None  # QuantSpec of quantized w13 / w2 (moe_quant), or None
+    scales: dict = field(default_factory=dict)  # w13_scale / w2_scale (/ a13_scale / a2_scale) -> placeholder
 
     @property
     def has_bias(self) -> bool:
@@ -81,6 +84,9 @@ def stacked_experts(ctx: Context, R: Routing, region: Region) -> Experts | None:
                  g2_all=g2, g2=max(g2, key=ctx.order.get), w13=w13, w2=w2)
     ex.act = activation(ctx, between, gated, ex.baked, "expert")
     ex.b13, ex.b2 = _expert_biases(ctx, R, nodes, g2_anc, N)
+    ex.quant, ex.scales = experts_quant(ctx, R.E, w13, u13, w2, u2, gated, layouts)
+    if ex.quant is not None:
+        ex.layouts = ["out_in"]
     return ex
 
 
@@ -114,6 +120,9 @@ def _weight_uses(p: fx.Node, nodes: set):
                 out.append((u, tr, n))
             elif name in ("transpose", "t", "permute", "mT", "swapaxes"):
                 stack.append((u, not tr))
+            elif name == DEQUANT:  # a quantized weight (moe_quant): the fp8 tensor is its first input
+                if arg(u, 0) is n:
+                    stack.append((u, tr))
             elif name in _fx.CAST_OPS or name in ("getitem", "index_select", "contiguous", "view", "reshape",
                                                   "unsqueeze", "squeeze", "expand", "clone", "detach"):
                 if name == "getitem" and arg(u, 0) is not n:
@@ -197,9 +206,10 @@ def _gathered(p: fx.Node, nodes: set) -> bool:
 def _expert_biases(ctx: Context, R: Routing, nodes: set, g2_anc: set, N: int):
     """(b13, b2): 2-D [E, N] / [E, H] placeholders the block gathers by expert id; or (None, None)."""
     b13 = b2 = None
+    scales = quant_inputs(nodes)  # per-expert scales of quantized weights are not biases
     for p in ctx.static_ph:
         s = ctx.pshape(p)
-        if s is None or len(s) != 2 or s[0] != R.E or p is R.router_w or not _gathered(p, nodes):
+        if s is None or len(s) != 2 or s[0] != R.E or p is R.router_w or p in scales or not _gathered(p, nodes):
             continue
         feeds_g2 = any(a in g2_anc for a in _fx.descendants(p, nodes))
         if feeds_g2 and s[1] == N:

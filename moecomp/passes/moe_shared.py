@@ -22,6 +22,7 @@ from ._fx import arg, op_name
 from ._reject import Reject
 from .moe_activation import Activation, activation, strip_gate_clamp
 from .moe_experts import has_step2
+from .moe_quant import shared_quant, strip_act_quant
 from .moe_routing import Routing
 
 
@@ -46,8 +47,8 @@ def shared(ctx: Context, R: Routing, region: set, x_root: fx.Node, out: fx.Node,
         return None
     H = R.H
     x_like = (x_root, _fx.strip_views_casts(R.x_router))
-    first = [(n, w) for n, a, w, b in lins if _fx.strip_views_casts(a) in x_like]
-    rest = [(n, w) for n, a, w, b in lins if _fx.strip_views_casts(a) not in x_like]
+    first = [(n, w) for n, a, w, b in lins if strip_act_quant(a) in x_like]  # (x, or x quantized: moe_quant)
+    rest = [(n, w) for n, a, w, b in lins if strip_act_quant(a) not in x_like]
     if any(b is not None for *_, b in lins):
         raise Reject("shared expert with biases is not supported")
     gate_lin = [(n, w) for n, w in first if ctx.pshape(w) == (1, H)]
@@ -69,6 +70,10 @@ def shared(ctx: Context, R: Routing, region: set, x_root: fx.Node, out: fx.Node,
     fields["gate"], bind["shared_gate_w"] = _shared_gate(gate_lin)
     if out not in _fx.descendants(down, region) and out is not down:
         raise Reject("the shared expert does not reach the block output")
+    by_weight = {w: n for n, _, w, _ in lins}
+    fields["quant"], scales = shared_quant(ctx, {k: (by_weight[w], w) for k, w in bind.items()
+                                                 if w is not None and k != "shared_gate_w"})
+    bind.update(scales)
     return Shared(spec=SharedExpertSpec(**fields), bind=bind, down=down,
                   baked={f"shared.{k}": v for k, v in baked.items()})
 

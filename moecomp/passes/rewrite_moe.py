@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..ops.moe_op import MOE_ARGS
+from ..ops.moe_op import MOE_ARGS, OP_ARGS
 from . import _fx
 
 
@@ -61,12 +61,12 @@ def _fake_like(node: fx.Node):
 def _rewrite_one(gm: fx.GraphModule, m) -> None:
     g = gm.graph
     ph = {n.name: n for n in g.nodes if n.op == "placeholder"}
-    args = [ph[m.bindings[k]] if m.bindings.get(k) is not None else None for k in MOE_ARGS]
+    args = [ph[m.bindings[k]] if m.bindings.get(k) is not None else None for k in OP_ARGS]
     out = m.output
     with g.inserting_before(out):
         for k, per_expert in getattr(m, "stacked", {}).items():
-            args[MOE_ARGS.index(k)] = _stack(g, [[ph[n] for n in names] for names in per_expert])
-        for i, k in enumerate(MOE_ARGS):  # e.g. a [1, E] correction bias the op takes as [E]
+            args[OP_ARGS.index(k)] = _stack(g, [[ph[n] for n in names] for names in per_expert])
+        for i, k in enumerate(OP_ARGS):  # e.g. a [1, E] correction bias the op takes as [E]
             shape = getattr(m, "arg_shapes", {}).get(k)
             if shape is not None and args[i] is not None:
                 v = g.call_method("reshape", (args[i], *shape))
@@ -74,7 +74,9 @@ def _rewrite_one(gm: fx.GraphModule, m) -> None:
                 if isinstance(fake, torch.Tensor):
                     v.meta["example_value"] = fake.reshape(shape)
                 args[i] = v
-        new = g.call_function(torch.ops.moecomp.moe_forward.default, (m.x, *args, m.spec.key))
+        n = len(MOE_ARGS)
+        scales = tuple(args[n:]) if any(a is not None for a in args[n:]) else ()  # quantized weights' scales
+        new = g.call_function(torch.ops.moecomp.moe_forward.default, (m.x, *args[:n], m.spec.key, *scales))
         new.meta["example_value"] = _fake_like(m.x)
         for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
             if key in out.meta:

@@ -88,7 +88,8 @@ STYLES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("name", sorted(STYLES))
 def test_router_and_expert_styles(cpu_backend, poison, name, dtype):
-    check(STYLES[name], 300 if dtype == torch.float32 else 21, dtype, seed=len(name))
+    # fp32: 150 tokens, >= 300 pairs (the multi-program alignment); fp16: a few tokens
+    check(STYLES[name], 150 if dtype == torch.float32 else 21, dtype, seed=len(name))
 
 
 def test_alignment_large_path(cpu_backend, poison):
