@@ -122,6 +122,8 @@ def _chk(chk: dict | None, ran: bool = False) -> str:
     rel = chk.get("rel_err")
     if rel is None:
         return "**FAIL** (" + report._short(chk.get("error", "no output"), 30) + ")"
+    if ran and chk.get("ran") == "w8a16" and chk.get("rel_err_vs_ref_w8a16") is not None:
+        rel = chk["rel_err_vs_ref_w8a16"]  # the error against the reference of the mode that ran
     s = f"{rel:.1e}" if math.isfinite(rel) else "nan"
     if ran and chk.get("ran"):
         s += f" ({chk['ran']}{'!' if chk.get('mode_honoured') is False else ''})"
@@ -178,7 +180,7 @@ def _intro(result: dict, paths: list[str]) -> list[str]:
         f"{ce.get('copy_bytes_per_s', 0) / 1e12:.2f} TB/s; FLOPs over {rate_s}). Checks: each fp8 path against "
         f"the dequantized reference (`moecomp.reference.moe_forward` with the quantized spec and the scales; w8a8 "
         f"= activation quantization counted, w8a16 = weight-only; a moecomp path passes within the tolerance "
-        f"{f8.get('tolerance', '?')} of either, `(ran)` names the closer one, `!` = not the forced mode); vLLM fp8 "
+        f"{f8.get('tolerance', '?')} of either, `(ran)` names the closer one, whose error is shown, `!` = not the forced mode); vLLM fp8 "
         f"against w8a8; quant err = the w8a8 reference against the bf16 HF block (the format's own error); check "
         f"bf16 = moecomp bf16 against the HF block (tolerance {result.get('tolerance', '?')}). Ratios < 1 mean "
         f"moecomp fp8 is faster; targets: {TARGETS['source']}."]
