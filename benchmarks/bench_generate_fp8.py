@@ -73,6 +73,21 @@ def one_liner(model, ids, new: int, cuda: bool) -> tuple[dict, torch.Tensor]:
     return dict(decode_ms=dec * 1e3, prefill_ms=pre * 1e3, warmup_s=warm, graphs=last.get("graphs")), out
 
 
+def _profile(model, name: str, dtype: str, B: int, ids, args, cuda: bool, result: dict) -> None:
+    """``--profile B``: the decode steps' kernels at batch B (``bench_generate.profile_steps``), logged and kept."""
+    if not (cuda and args.profile == B):
+        return
+    try:
+        p = bg.profile_steps(model, "one_liner", ids, cuda)
+    except Exception as e:  # a profile is a diagnostic: its failure is reported, the run goes on
+        result["errors"].append(f"profile {name} {dtype} B={B}: {type(e).__name__}: {e}")
+        return
+    result.setdefault("profiles", []).append(dict(model=name, dtype=dtype, batch=B, **p))
+    top = "; ".join(f"{n[:60]} {c:g}x {t:.1f} us" for t, c, n in p["top_kernels_us_per_step"][:12])
+    log(f"[{name} B={B}] {dtype} profile: {p['kernels_per_step']:.0f} kernels, busy {p['gpu_busy_ms_per_step']:.3f} "
+        f"of {p['wall_ms_per_step']:.3f} ms/step: {top}")
+
+
 def run_model(name: str, args, device, cuda: bool, ceil: dict, result: dict, t_start: float) -> None:
     import moecomp
     from moecomp.hf.fp8_convert import to_fp8
@@ -97,6 +112,7 @@ def run_model(name: str, args, device, cuda: bool, ceil: dict, result: dict, t_s
             continue
         rec, out = one_liner(model, prompts[B], new, cuda)
         ref[B] = out
+        _profile(model, name, "bf16", B, prompts[B], args, cuda, result)
         rows[B]["bf16"] = dict(rec, floor=bg.floors(pb16, kv_tok, *counts[B], B, S, new, ceil, active))
         log(f"[{name} B={B}] bf16 decode {rec['decode_ms']:.3f} ms/step (floor "
             f"{rows[B]['bf16']['floor']['decode_ms']:.3f}), prefill {rec['prefill_ms']:.1f} ms, warm-up "
@@ -118,6 +134,7 @@ def run_model(name: str, args, device, cuda: bool, ceil: dict, result: dict, t_s
             rows[B].setdefault("skipped", "budget")
             continue
         rec, out = one_liner(model, prompts[B], new, cuda)
+        _profile(model, name, "fp8", B, prompts[B], args, cuda, result)
         fl = bg.floors(pb8, kv_tok, *counts[B], B, S, new, ceil, active)
         tf = teacher_forced_agreement(model, ref[B], S)
         cmp = bg.compare(out, ref[B], S)
@@ -172,6 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-json", default=None)
+    ap.add_argument("--profile", type=int, default=0, metavar="B",
+                    help="per-kernel split of the decode steps at batch B, bf16 and fp8, of every model (GPU)")
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     args.depth = {k: int(v) for k, v in (x.split("=") for x in args.layers.split(",") if x)}

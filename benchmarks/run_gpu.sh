@@ -119,6 +119,14 @@ fp8gen)  # issue 19: generate() with FP8 weights against the same model in bf16 
   timeout ${GEN_TIMEOUT:-240} python3 benchmarks/bench_generate_fp8.py ${GEN_ARGS:---models qwen3,deepseek \
       --batches 1,32} --budget-s ${GEN_BUDGET:-200} --out-json "$OUT/generate-fp8.json" 2>&1 | grep -v "^DEBUG" \
       | tee "$OUT/generate-fp8.log" | grep -E "^\[|^\||error" | tail -24 ;;
+fp8tune)  # issue 19: the speed candidates' GPU tests, then `tune --fp8 both` (w8a8 / w8a16 with their candidates per
+         # bucket; resumable: a second call goes on where the budget stopped the first), table copied to $OUT
+  timeout ${FP8_TEST_TIMEOUT:-170} python3 -m pytest -q -rfE --durations=5 -m gpu -p no:cacheprovider \
+      tests/ops/test_fp8_gpu.py -k "${FP8_TEST_K:-candidates or prequant or quantize_act}" 2>&1 | grep -v "^DEBUG" \
+      | tee "$OUT/tests-fp8-candidates.log" | tail -12
+  timeout ${TUNE_TIMEOUT:-450} python3 -m moecomp tune --fp8 both -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-360} \
+      --presets ${PRESETS:-all} ${TOKENS:+--tokens $TOKENS} --copy-to "$OUT" 2>&1 | tee "$OUT/tune-fp8.log" \
+      | grep -v "^DEBUG" | grep "T=\|tune\]" | grep -v "^\s*\(decode \)\?T=" | tail -${TUNE_TAIL:-60} ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
   timeout ${TUNE_TIMEOUT:-560} python3 -m moecomp tune --restart -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-480} \
       --presets ${PRESETS:-all} ${TOKENS:+--tokens $TOKENS} --copy-to "$OUT" 2>&1 | tee "$OUT/tune.log" \

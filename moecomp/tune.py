@@ -19,8 +19,9 @@ run time.
 * Exit status: 0 done, 1 an entry found no working candidate, 3 stopped by ``--budget-s`` (rerun to resume),
   130 interrupted (Ctrl-C), 2 refused (no CUDA and no ``--interpret``).
 
-``--fp8 both|w8a8|w8a16``: the FP8 experts' tables (``dtype=fp8``: each bucket's faster mode, its config's "fp8"
-key saying which; ``dtype=fp8_<mode>``: one mode), FP8 tiles (BLOCK_K 128), no TMA candidates.
+``--fp8 both|plain|w8a8|w8a16``: the FP8 experts' tables (``dtype=fp8``: each bucket's fastest mode, its config's
+"fp8" key saying which, with the speed candidates that won, "fp8_prequant" / "fp8_fold"; ``dtype=fp8_<mode>``: one
+mode), FP8 tiles (BLOCK_K 128), no TMA candidates.
 
 ``--interpret`` (tests only): CPU tensors through the Triton interpreter (``TRITON_INTERPRET=1``), a tiny shape,
 two candidates per GEMM and wall-clock timings that mean nothing; it exercises the plumbing, not the GPU.
@@ -83,7 +84,12 @@ FP8_TILES = {
 FP8_DECODE_TILES = {"g1": [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3)],
                     "g2": [(16, 128, 4, 4, "fused"), (32, 128, 4, 4, "fused"), (64, 128, 4, 3, "fused"),
                            (32, 128, 4, 4, "pairs"), (64, 128, 4, 3, "pairs"), (128, 128, 4, 3, "pairs")]}
-FP8_CHOICES = {"both": ("w8a8", "w8a16"), "w8a8": ("w8a8",), "w8a16": ("w8a16",)}
+# Each mode is measured with its speed candidates (docs/FP8.md): "w8a8+prequant" = the config's "fp8_prequant": 1,
+# "w8a16+fold1" / "+fold2" = "fp8_fold": 1 / 2. The winner's keys go into its config; "plain" skips the candidates.
+FP8_VARIANTS = {"w8a8": ("w8a8", "w8a8+prequant"), "w8a16": ("w8a16", "w8a16+fold1", "w8a16+fold2")}
+FP8_CHOICES = {"both": FP8_VARIANTS["w8a8"] + FP8_VARIANTS["w8a16"], "plain": ("w8a8", "w8a16"),
+               "w8a8": FP8_VARIANTS["w8a8"], "w8a16": FP8_VARIANTS["w8a16"]}
+FP8_VARIANT_KEYS = {"prequant": ("fp8_prequant", 1), "fold1": ("fp8_fold", 1), "fold2": ("fp8_fold", 2)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 REL_TOL = 1e-2  # a candidate further than this from the first one is rejected
 EXIT_BUDGET, EXIT_INTERRUPTED, EXIT_REFUSED = 3, 130, 2
@@ -91,6 +97,14 @@ EXIT_BUDGET, EXIT_INTERRUPTED, EXIT_REFUSED = 3, 130, 2
 
 class TuneError(RuntimeError):
     """No candidate ran for an entry (every tile out of resources, or rejected)."""
+
+
+def mode_keys(mode: str | None) -> dict:
+    """A measured FP8 mode -> its config keys: "w8a16+fold2" -> {"fp8": "w8a16", "fp8_fold": 2}; None -> {}."""
+    if mode is None:
+        return {}
+    base, *cands = mode.split("+")
+    return dict([("fp8", base)] + [FP8_VARIANT_KEYS[c] for c in cands])
 
 
 # --------------------------------------------------------------------------------------------------- measuring
@@ -194,14 +208,15 @@ def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, 
     """Measure one (shape, bucket). Returns ``{"config", "ms", "align_ms", "g1_ms", "g2_ms", "block_m_ms",
     "rejected", "failed"}`` (ms: the winner's align + gemm1 + gemm2). ``status(text)`` is called before each
     candidate, ``note(text)`` for every rejected or failing candidate and every BLOCK_M measured. ``mode``: the FP8
-    mode of a quantized spec ("w8a8" | "w8a16"; the config gets it as its "fp8" key)."""
+    mode of a quantized spec ("w8a8" | "w8a16", with "+<candidate>"s: ``mode_keys``, which the config gets)."""
     from .ops import triton_moe
 
     status = status or (lambda text: None)
     note = note or (lambda text: None)
     x, named = _tune_args(spec, T, dtype, device, seed=T)
     w13, b13, w2, b2 = named["w13"], named["b13"], named["w2"], named["b2"]
-    q1, q2 = triton_moe.expert_quant(named, spec, {"fp8": mode}, T)
+    keys = mode_keys(mode)
+    q1, q2 = triton_moe.expert_quant(named, spec, keys, T)
     logits, _ = triton_moe.router_logits(x, named, spec)
     ids, weights = triton_moe.route(logits, named["correction_bias"], spec, x.dtype)
     E, k, P = spec.num_experts, spec.top_k, T * spec.top_k
@@ -252,7 +267,7 @@ def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, 
         note(f"T={T:5d} BM={bm:3d}: align {t_align * 1e3:7.1f} us  g1 {res['g1'][0] * 1e3:8.1f} us  "
              f"g2 {res['g2'][0] * 1e3:8.1f} us  {_tile(res['g1'][1])} / {_tile(res['g2'][1])}")
         if best is None or total < best["ms"]:
-            best = dict(config=dict(BLOCK_M=bm, g1=res["g1"][1], g2=res["g2"][1], **({"fp8": mode} if mode else {})),
+            best = dict(config=dict(BLOCK_M=bm, g1=res["g1"][1], g2=res["g2"][1], **keys),
                         ms=total, align_ms=t_align, g1_ms=res["g1"][0], g2_ms=res["g2"][0])
     del named
     if best is None:
@@ -386,8 +401,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="activation / weight dtype (default bf16; fp32 under --interpret)")
     p.add_argument("--fp8", choices=sorted(FP8_CHOICES), default=None,
                    help="tune FP8 experts (e4m3 weights, 128x128 block scales, dynamic activations; --dtype: x's): "
-                        "'both' measures w8a8 and w8a16 per bucket and keeps the faster (table key dtype=fp8), "
-                        "'w8a8' / 'w8a16' one mode (dtype=fp8_<mode>, read when MOECOMP_FP8_MODE forces it)")
+                        "'both' measures w8a8 and w8a16, each with its speed candidates (prequant; fold 1, 2), per "
+                        "bucket and keeps the fastest (table key dtype=fp8); 'plain' the two modes without the "
+                        "candidates; 'w8a8' / 'w8a16' one mode (dtype=fp8_<mode>, read when MOECOMP_FP8_MODE forces it)")
     p.add_argument("--out", default=None, metavar="FILE|DIR",
                    help="the table to write (a DIR gets DIR/<gpu>.json); default: "
                         "moecomp/kernels/configs/<gpu>.json, the file the run-time lookup reads")
@@ -441,7 +457,7 @@ def _jobs(a, dtype: torch.dtype, tokens: list[int]) -> list[tuple]:
     for label, spec in _shapes(a, a.interpret):
         if a.fp8:
             spec = spec.replace(quant=QuantSpec())
-        table_dtype = ("fp8" if a.fp8 == "both" else f"fp8_{a.fp8}") if a.fp8 else dtype
+        table_dtype = ("fp8" if a.fp8 in ("both", "plain") else f"fp8_{a.fp8}") if a.fp8 else dtype
         key = tuning.shape_key(spec.num_experts, spec.intermediate_size, spec.hidden_size, table_dtype)
         if key in seen:
             print(f"[tune] {label}: same table as {seen[key]} ({key}), tuned once", file=sys.stderr)
@@ -491,7 +507,9 @@ def main(argv=None) -> int:
     dec_tiles = INTERPRET_DECODE_TILES if a.interpret else FP8_DECODE_TILES if a.fp8 else DECODE_TILES
     modes = FP8_CHOICES[a.fp8] if a.fp8 else (None,)
     for var, why in (("MOECOMP_DECODE_MAX_T", "the tuner weighs both paths itself"),
-                     ("MOECOMP_FP8_MODE", "the tuner sets the mode it measures")):
+                     ("MOECOMP_FP8_MODE", "the tuner sets the mode it measures"),
+                     ("MOECOMP_FP8_PREQUANT", "the tuner measures the candidates itself"),
+                     ("MOECOMP_FP8_FOLD", "the tuner measures the candidates itself")):
         if os.environ.pop(var, None) is not None:
             print(f"[tune] {var} ignored while tuning ({why})", file=sys.stderr)
     gpu = tuning.device_key(device)
@@ -565,7 +583,10 @@ def main(argv=None) -> int:
                 if decode_ms:
                     dec += " (" + ", ".join(f"T={t}: {v[0] * 1e3:.1f} vs {v[1] * 1e3:.1f} us" for t, v in
                                             decode_ms.items()) + ")"
-            prog.finished(f"{short} T={T}: {r['ms'] * 1e3:.1f} us{' ' + c['fp8'] if 'fp8' in c else ''} "
+            mode = "".join(f" {c[n]}" if n == "fp8" else f" {n[4:]}={c[n]}" for n in c if n.startswith("fp8"))
+            if "mode_ms" in r:  # every FP8 variant's best, in us
+                mode += " [" + ", ".join(f"{m} {v * 1e3:.1f}" for m, v in r["mode_ms"].items()) + "]"
+            prog.finished(f"{short} T={T}: {r['ms'] * 1e3:.1f} us{mode} "
                           f"BM={c['BLOCK_M']} g1 {_tile(c['g1'])} g2 "
                           f"{_tile(c['g2'])}{dec} ({time.time() - t0:.0f} s{extra})", time.time() - t0)
             if device.type == "cuda" and (i + 1 == len(todo) or todo[i + 1][0] != key):

@@ -53,6 +53,7 @@ def moe_down_combine_kernel(
     ws_ptr=None, as_ptr=None, stride_se=0, stride_sn=0, stride_sk=0,  # FP8: as in grouped_gemm.moe_gemm2_kernel
     W_SCALE: tl.constexpr = 0, A_QUANT: tl.constexpr = 0, Q_BLOCK_N: tl.constexpr = 1, Q_BLOCK_K: tl.constexpr = 1,
     UE8M0: tl.constexpr = False, EXACT_CAST: tl.constexpr = False,
+    stride_am=None, FOLD: tl.constexpr = 0,  # A_QUANT 3: h_ptr e4m3 h, as_ptr its group scales [P, cdiv(K, 128)]
 ):
     pdl.enter(USE_PDL)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -84,11 +85,13 @@ def moe_down_combine_kernel(
             a_scale = 1.0
             if A_QUANT == 2:
                 a_scale = tl.load(as_ptr + expert)
+            if A_QUANT == 3:
+                a_scale = as_ptr + p * stride_am + tl.arange(0, BLOCK_M) * 0
             ws_ptrs = fp8.scale_ptrs(ws_ptr, expert * stride_se, offs_n.to(tl.int64), 0, N, stride_sn, W_SCALE,
                                      Q_BLOCK_N)
             acc = fp8.dot_loop(h_ptr + p * stride_hm + tl.arange(0, BLOCK_M) * 0, row0, b_ptrs, n_ok, K, stride_wk,
                                ws_ptrs, stride_sk, a_scale, A_QUANT, W_SCALE, Q_BLOCK_K, UE8M0, EXACT_CAST, UPCAST,
-                               DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                               DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
         r = tl.sum(acc, axis=0)  # [BLOCK_N]: rows other than 0 are zero
         if HAS_BIAS:
             r += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)

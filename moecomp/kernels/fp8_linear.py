@@ -45,6 +45,8 @@ def fp8_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    stride_am=None,  # A_QUANT 3 (prequant): x_ptr e4m3 x, as_ptr its group scales [M, cdiv(K, 128)]
+    FOLD: tl.constexpr = 0,  # w8a16 block scales folded into the weight tile (fp8.dot_loop)
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -65,10 +67,12 @@ def fp8_linear_kernel(
     a_scale = 1.0
     if A_QUANT == 2:
         a_scale = tl.load(as_ptr)
+    if A_QUANT == 3:
+        a_scale = as_ptr + offs_m.to(tl.int64) * stride_am
     ws_ptrs = fp8.scale_ptrs(ws_ptr, 0, rows_n, 0, N, stride_sn, W_SCALE, Q_BLOCK_N)
     acc = fp8.dot_loop(x_ptr + offs_m.to(tl.int64) * stride_xm, row_ok, b_ptrs, n_ok, K, stride_wk, ws_ptrs, stride_sk,
                        a_scale, A_QUANT, W_SCALE, Q_BLOCK_K, UE8M0, EXACT_CAST, UPCAST, DOT_PRECISION, BLOCK_M,
-                       BLOCK_N, BLOCK_K)
+                       BLOCK_N, BLOCK_K, FOLD)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]

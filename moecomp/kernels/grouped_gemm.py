@@ -28,6 +28,9 @@ the K loop differs (``fp8.dot_loop``), as constexpr branches, so 16-bit launches
     col_n // block_n + (j % 2) * ceil(I / block_n) (gate and up blocked apart), column k0 // block_k; channel scales
     row col_n + (j % 2) * I; tensor scales the expert's one value. h is stored in x's dtype and quantized again by
     gemm2's A loads.
+
+    Speed candidates (opt-in, docs/FP8.md): A_QUANT 3 reads A already quantized (e4m3 codes + per-row group scales,
+    the same formula: "prequant"), gemm1's Q_OUT writes h that way itself, FOLD folds w8a16 block scales into B.
 """
 
 import triton
@@ -117,6 +120,10 @@ def moe_gemm1_kernel(
     ws_ptr=None, as_ptr=None, stride_se=0, stride_sn=0, stride_sk=0,
     W_SCALE: tl.constexpr = 0, A_QUANT: tl.constexpr = 0, Q_BLOCK_N: tl.constexpr = 1, Q_BLOCK_K: tl.constexpr = 1,
     UE8M0: tl.constexpr = False, EXACT_CAST: tl.constexpr = False,
+    # speed candidates (docs/FP8.md; None / off unless asked for): A_QUANT 3: x_ptr is e4m3 x, as_ptr its group
+    # scales [T, cdiv(K, 128)] (row stride stride_am); Q_OUT (BLOCK_N % 128 == 0): h_ptr is e4m3 h, hs_ptr its group
+    # scales [S, cdiv(N_OUT, 128)], h rounded to x's dtype first (Q_OUT 1 fp32, 2 bf16, 3 fp16); FOLD: fp8.dot_loop
+    stride_am=None, hs_ptr=None, stride_hsm=None, Q_OUT: tl.constexpr = 0, FOLD: tl.constexpr = 0,
 ):
     pdl.enter(USE_PDL)
     pid_m, pid_n, expert, offs_m, pair, row_ok, dead = _rows(
@@ -154,12 +161,14 @@ def moe_gemm1_kernel(
         a_scale = 1.0
         if A_QUANT == 2:
             a_scale = tl.load(as_ptr + expert)
+        if A_QUANT == 3:  # (a constexpr branch: a_scale is then the rows' scale pointers)
+            a_scale = as_ptr + tok * stride_am
         b_ptrs = w_ptr + expert * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk
         half = (tl.arange(0, TILE_N) % 2) if GATED else 0
         ws_ptrs = fp8.scale_ptrs(ws_ptr, expert * stride_se, w_rows, half, N_OUT, stride_sn, W_SCALE, Q_BLOCK_N)
         acc = fp8.dot_loop(x_ptr + tok * stride_xm, row_ok, b_ptrs, col_ok, K, stride_wk, ws_ptrs, stride_sk, a_scale,
                            A_QUANT, W_SCALE, Q_BLOCK_K, UE8M0, EXACT_CAST, UPCAST, DOT_PRECISION, BLOCK_M, TILE_N,
-                           BLOCK_K)
+                           BLOCK_K, FOLD)
     pdl.release(USE_PDL)
 
     if HAS_BIAS:
@@ -174,7 +183,14 @@ def moe_gemm1_kernel(
         h = _act(acc, ACT)
 
     h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    if Q_OUT:  # h as gemm2's A_QUANT 3 wants it: rounded to x's dtype, then quant_rows per 128-column group
+        hq, hs = fp8.quant_groups(tl.where(n_ok[None, :], fp8.round_to(h, Q_OUT), 0.0), BLOCK_M, BLOCK_N, EXACT_CAST)
+        tl.store(h_ptrs, hq, mask=row_ok[:, None] & n_ok[None, :])
+        offs_g = pid_n * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
+        tl.store(hs_ptr + offs_m.to(tl.int64)[:, None] * stride_hsm + offs_g[None, :], hs,
+                 mask=row_ok[:, None] & (offs_g < tl.cdiv(N_OUT, 128))[None, :])
+    else:
+        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -209,6 +225,7 @@ def moe_gemm2_kernel(
     ws_ptr=None, as_ptr=None, stride_se=0, stride_sn=0, stride_sk=0,  # FP8: as in moe_gemm1_kernel
     W_SCALE: tl.constexpr = 0, A_QUANT: tl.constexpr = 0, Q_BLOCK_N: tl.constexpr = 1, Q_BLOCK_K: tl.constexpr = 1,
     UE8M0: tl.constexpr = False, EXACT_CAST: tl.constexpr = False,
+    stride_am=None, FOLD: tl.constexpr = 0,  # A_QUANT 3: h_ptr e4m3 h, as_ptr its group scales [S, cdiv(K, 128)]
 ):
     pdl.enter(USE_PDL)
     pid_m, pid_n, expert, offs_m, pair, row_ok, dead = _rows(
@@ -239,10 +256,12 @@ def moe_gemm2_kernel(
         a_scale = 1.0
         if A_QUANT == 2:
             a_scale = tl.load(as_ptr + expert)
+        if A_QUANT == 3:
+            a_scale = as_ptr + offs_m.to(tl.int64) * stride_am
         ws_ptrs = fp8.scale_ptrs(ws_ptr, expert * stride_se, offs_n.to(tl.int64), 0, N, stride_sn, W_SCALE, Q_BLOCK_N)
         acc = fp8.dot_loop(h_ptr + offs_m.to(tl.int64) * stride_hm, row_ok, b_ptrs, n_ok, K, stride_wk, ws_ptrs,
                            stride_sk, a_scale, A_QUANT, W_SCALE, Q_BLOCK_K, UE8M0, EXACT_CAST, UPCAST, DOT_PRECISION,
-                           BLOCK_M, BLOCK_N, BLOCK_K)
+                           BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
     pdl.release(USE_PDL)
 
     if HAS_BIAS:

@@ -41,9 +41,9 @@ from ..kernels import router as router_k
 from ..kernels import routing as routing_k
 from .. import reference
 from ..spec import MoESpec
-from . import tuning
+from . import triton_fp8, tuning
 from .common import _interpret, _precision, _sm_count, _upcast  # noqa: F401  (used here and by tests / benchmarks)
-from .triton_fp8 import fp8_linear, fp8_tile, quant_kwargs  # noqa: F401  (fp8_linear: the op's CUDA path)
+from .triton_fp8 import expert_kwargs, fp8_a, fp8_linear, fp8_tile, gemm1_io, quant_kwargs  # noqa: F401
 
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "none": 3}
 _ACT = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu_oai": 4, "relu2": 5}
@@ -69,6 +69,7 @@ def _pdl(device: torch.device, gemm: bool = False) -> dict:
 
 
 _pdl_devices: dict = {}
+triton_fp8.launch_options = lambda device: _pdl(device)  # its launches take the same options (it cannot import us)
 _pdl_held = False  # set by ``_hold_pdl`` while the aligned path runs beside the shared experts' side stream
 
 
@@ -273,11 +274,11 @@ def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, q: dic
     h [P, I] in pair order. ``q``: fp8 w13 (``quant_kwargs``; the pointer kernel, BLOCK_K per ``fp8_tile``)."""
     sorted_ids, block_expert, num_padded, max_blocks = aligned
     T, H = x.shape
-    I = spec.intermediate_size
-    h = torch.empty(sorted_ids.numel(), I, dtype=x.dtype, device=x.device)
+    S, I = sorted_ids.numel(), spec.intermediate_size
     if q is None and c1.get("tma") and block_expert is not None and _tma1_ok(spec, x, w13):
-        return _gemm1_tma(x, w13, b13, spec, aligned, k, bm, c1, h)
+        return _gemm1_tma(x, w13, b13, spec, aligned, k, bm, c1, torch.empty(S, I, dtype=x.dtype, device=x.device))
     c1 = fp8_tile(c1, q)
+    x, h, out, q = gemm1_io(x, S, I, q, c1)  # (x, h, h, q) unless FP8 "prequant" (then out may be a QAct)
     se, sn, sk = _w_strides(w13, spec.w_layout)
     interleaved = spec.gated and spec.gate_up == "interleaved"
     grid = (max_blocks * triton.cdiv(I, c1["BLOCK_N"]),)  # DIRECT: max_blocks = P
@@ -293,7 +294,7 @@ def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, q: dic
         TILE_N=c1["BLOCK_N"] * (2 if spec.gated else 1), DIRECT=block_expert is None,
         num_warps=c1["num_warps"], num_stages=c1["num_stages"], **_pdl(x.device, gemm=True), **(q or {}),
     )
-    return h
+    return out
 
 
 def gemm2(h, w2, b2, weights, spec: MoESpec, aligned, P: int, bm: int, c2: dict, q: dict | None = None):
@@ -305,6 +306,7 @@ def gemm2(h, w2, b2, weights, spec: MoESpec, aligned, P: int, bm: int, c2: dict,
     if q is None and c2.get("tma") and block_expert is not None and _tma_ok(spec, h, w2):
         return _gemm2_tma(h, w2, b2, weights, aligned, P, bm, c2, y)
     c2 = fp8_tile(c2, q)
+    h, q = fp8_a(h, q, aligned, P)  # prequant: h (or gemm1's QAct) as e4m3 codes + scales
     se, sn, sk = _w_strides(w2, spec.w_layout)
     grid = (max_blocks * triton.cdiv(H, c2["BLOCK_N"]),)
     gemm_k.moe_gemm2_kernel[grid](
@@ -431,6 +433,7 @@ def decode_down(h, w2, b2, ids_flat, weights, spec: MoESpec, out, shared, gate, 
     if join is not None:
         join()
     c2 = fp8_tile(c2, q)
+    h, q = fp8_a(h, q)
     se, sn, sk = _w_strides(w2, spec.w_layout)
     decode_k.moe_down_combine_kernel[(T * triton.cdiv(H, c2["BLOCK_N"]),)](
         h, w2, b2, ids_flat, weights, shared, gate, out, H, spec.intermediate_size,
@@ -459,13 +462,12 @@ def experts(x, ids, weights, args: dict, spec: MoESpec, cfg: dict | None = None)
 
 def expert_quant(args: dict, spec: MoESpec, cfg: dict, T: int) -> tuple[dict | None, dict | None]:
     """(gemm1's, gemm2's) fp8 kernel arguments (``quant_kwargs``) for a quantized spec, in the call's mode
-    (``tuning.fp8_mode``: MOECOMP_FP8_MODE, the config's "fp8" key, or the heuristic); (None, None) otherwise."""
+    (``tuning.fp8_mode``: MOECOMP_FP8_MODE, the config's "fp8" key, or the heuristic) and with the speed candidates
+    asked for (``tuning.fp8_candidates``; docs/FP8.md); (None, None) otherwise."""
     qs = spec.quant
     if qs is None:
         return None, None
-    mode = tuning.fp8_mode(qs, T, cfg)
-    return (quant_kwargs(qs, args["w13_scale"], args.get("a13_scale"), mode),
-            quant_kwargs(qs, args["w2_scale"], args.get("a2_scale"), mode))
+    return expert_kwargs(qs, args, tuning.fp8_mode(qs, T, cfg), tuning.fp8_candidates(cfg))
 
 
 def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=None, cfg: dict | None = None,

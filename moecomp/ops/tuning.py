@@ -135,6 +135,25 @@ def fp8_mode(quant, T: int, cfg: dict | None = None) -> str:
     return "w8a16" if T <= FP8_W8A16_MAX_T else "w8a8"
 
 
+# Speed candidates (docs/FP8.md, "Speed candidates"), off unless asked for: config key -> environment variable.
+FP8_CANDIDATES = {"fp8_prequant": "MOECOMP_FP8_PREQUANT", "fp8_fold": "MOECOMP_FP8_FOLD"}
+
+
+def fp8_candidates(cfg: dict | None = None) -> dict:
+    """{"prequant": 0 | 1, "fold": 0 | 1 | 2} for one call: each candidate's environment variable when set (read at
+    call time: benchmarks; "0" turns a config's candidate off), else the config's key (``FP8_CANDIDATES``; a table
+    entry may carry it), else 0 (off). "prequant": a dynamic w8a8 GEMM reads activations quantized once (A_QUANT
+    3); "fold": a w8a16 GEMM over block scales folds them into the weight tile (2: with the operands swapped)."""
+    out = {}
+    for key, env in FP8_CANDIDATES.items():
+        allowed = ("0", "1", "2") if key == "fp8_fold" else ("0", "1")
+        v = os.environ.get(env) or None
+        if v is not None and v not in allowed:
+            raise ValueError(f"{env}={v!r}: expected one of {allowed}")
+        out[key[4:]] = int(v) if v is not None else int((cfg or {}).get(key) or 0)
+    return out
+
+
 def fp8_config(E: int, N: int, K: int, T: int, top_k: int, device: torch.device) -> dict:
     """The FP8 experts' config: the forced mode's table (MOECOMP_FP8_MODE), else the "fp8" table, else the
     heuristic."""

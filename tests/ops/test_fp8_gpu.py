@@ -291,3 +291,114 @@ def test_fp8_close_to_the_bf16_block(monkeypatch):
     args, scales = quantized_args(spec, 64, seed=9)
     out = torch.ops.moecomp.moe_forward(*args, spec.key, **scales)
     assert rel_err(out, reference.moe_forward(*bf, spec.replace(quant=None))) < 0.15
+
+
+# ------------------------------------------------------------------------------------------------ speed candidates
+# docs/FP8.md, "Speed candidates" (off by default): prequant (dynamic w8a8, activations quantized once, A_QUANT 3)
+# and fold (w8a16, block scales folded into the weight tile; 2: operands swapped). CPU tests:
+# tests/kernels/test_fp8_candidates.py. name: (environment variable, its value, the mode it applies to)
+CANDIDATE = {"prequant": ("MOECOMP_FP8_PREQUANT", "1", "w8a8"), "fold": ("MOECOMP_FP8_FOLD", "1", "w8a16"),
+             "fold2": ("MOECOMP_FP8_FOLD", "2", "w8a16")}
+# gemm1 BLOCK_N 128: prequant's h is then written quantized by gemm1's epilogue (Q_OUT); aligned path (T > 2)
+QOUT_CONFIG = dict(BLOCK_M=64, g1=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+                   g2=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3))
+
+
+def check_candidate(spec, T, monkeypatch, cand, seed=0, config=None):
+    """The op with the candidate on against the same mode with it off, on one set of tensors: each within TOL of
+    its reference (weight-only for fold), and the two within 5e-3 of each other (prequant computes the same codes
+    and scales: bit-identical on CPU; here only the tensor cores' order of sums may differ). Returns the errors."""
+    import json
+
+    env, value, mode = CANDIDATE[cand]
+    monkeypatch.setenv("MOECOMP_FP8_MODE", mode)
+    if config is not None:
+        monkeypatch.setenv("MOECOMP_CONFIG", json.dumps(dict(config, fp8=mode)))
+    args, scales = quantized_args(spec, T, seed)
+    ref = reference.moe_forward(*args, spec if mode == "w8a8" else weight_only(spec), **scales)
+    outs = {}
+    for on in ("0", value):
+        monkeypatch.setenv(env, on)
+        poison_cache()
+        outs[on] = torch.ops.moecomp.moe_forward(*args, spec.key, **scales)
+        torch.cuda.synchronize()
+        assert torch.isfinite(outs[on]).all(), f"{spec.describe()} T={T} {cand}={on}: non-finite output"
+    errs = dict(off=rel_err(outs["0"], ref), on=rel_err(outs[value], ref), vs_off=rel_err(outs[value], outs["0"]),
+                same_bits=torch.equal(outs[value], outs["0"]))
+    print(f"{spec.describe()} T={T} {cand}: {errs}")  # (-s shows them: same_bits is the GPU's answer)
+    assert errs["on"] < TOL and errs["vs_off"] < 5e-3, f"{spec.describe()} T={T} {cand}: {errs}"
+    del args, scales, outs, ref
+    torch.cuda.empty_cache()
+    return errs
+
+
+@pytest.mark.parametrize("T", [1, 128, 1024])
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "deepseek_v3"])
+@pytest.mark.parametrize("cand", sorted(CANDIDATE))
+def test_fp8_candidates_real_layer_sizes(cand, name, T, monkeypatch):
+    """Qwen3-30B-A3B and DeepSeek-V3 (T=1 and 128 only; its fp8 shared expert takes the candidate too, through
+    fp8_linear), 128x128 block scales: decode (T=1: DIRECT gemm1, pairs / fused down) and aligned paths, the
+    table's or the heuristic's tiles."""
+    if name == "deepseek_v3" and T not in (1, 128):
+        pytest.skip("DeepSeek-V3 at T=1 and 128 only")
+    check_candidate(quantized_spec(name), T, monkeypatch, cand, seed=T)
+
+
+@pytest.mark.parametrize("name,T", [("qwen3_30b_a3b", 1024), ("deepseek_v3", 128)])
+def test_fp8_prequant_gemm1_epilogue(name, T, monkeypatch):
+    """Prequant with gemm1 at BLOCK_N 128 (MOECOMP_CONFIG): h written as e4m3 + group scales by gemm1's epilogue
+    (Q_OUT: [BM, 256] gated accumulator, quantized per 128 columns) instead of the separate kernel."""
+    check_candidate(quantized_spec(name), T, monkeypatch, "prequant", seed=T + 3, config=QOUT_CONFIG)
+
+
+@pytest.mark.parametrize("cand", sorted(CANDIDATE))
+@pytest.mark.parametrize("T", [1, 64, 600])
+def test_fp8_candidates_cuda_graph_and_no_host_sync(cand, T, monkeypatch):
+    """Each candidate captured in the caller's CUDA graph (T=1: decode, 64 / 600: aligned; Qwen1.5-MoE with its
+    sigmoid-gated fp8 shared expert on the side stream) and replayed with new inputs; no host sync in a call."""
+    env, value, mode = CANDIDATE[cand]
+    monkeypatch.setenv("MOECOMP_FP8_MODE", mode)
+    monkeypatch.setenv(env, value)
+    spec = quantized_spec("qwen15_moe_a27b")
+    args, scales = quantized_args(spec, T, seed=4)
+    static_x = args[0].clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            torch.ops.moecomp.moe_forward(static_x, *args[1:], spec.key, **scales)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        torch.ops.moecomp.moe_forward(static_x, *args[1:], spec.key, **scales)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = torch.ops.moecomp.moe_forward(static_x, *args[1:], spec.key, **scales)
+    ref_spec = spec if mode == "w8a8" else weight_only(spec)
+    for seed in range(2):
+        x = torch.randn(T, spec.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        static_x.copy_(x.to(torch.bfloat16))
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(static_out).all()
+        assert rel_err(static_out, reference.moe_forward(static_x, *args[1:], ref_spec, **scales)) < TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_quantize_act_is_the_kernels_quantization(dtype):
+    """``quantize_act`` (prequant's one launch) gives the codes and scales the GEMMs' in-kernel quantization
+    (``fp8.quant_rows``, the hardware cast) gives, bit for bit."""
+    from moecomp.ops import triton_fp8
+
+    g = torch.Generator("cuda").manual_seed(0)
+    M, K = 1000, 7168
+    x = (torch.randn(M, K, device="cuda", generator=g) * torch.logspace(-4, 3, M, device="cuda")[:, None]).to(dtype)
+    G = triton.cdiv(K, 128)
+    q, s = torch.empty(M, K, dtype=q8.FP8, device="cuda"), torch.empty(M, G, device="cuda")
+    _quant_rows_kernel[(G, triton.cdiv(M, 16))](x, q, s, M, K, BM=16)
+    qa = triton_fp8.quantize_act(x)
+    assert torch.equal(qa.s, s) and torch.equal(qa.q.view(torch.uint8), q.view(torch.uint8))

@@ -186,22 +186,41 @@ def test_fp8_tile_rule():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--interpret runs where the kernels are interpreted (no CUDA)")
 def test_tune_fp8_both_modes(lookup_dir, monkeypatch):
-    """``python -m moecomp tune --interpret --fp8 both``: each bucket measured in both modes (fake timer: every
-    candidate still runs once, checked against the first), the table written under "dtype=fp8" with the winner's
-    mode, which the run-time lookup returns for a quantized spec; the meta records both modes' times."""
+    """``python -m moecomp tune --interpret --fp8 both``: each bucket measured in both modes and each mode's speed
+    candidates (fake timer, falling: the last variant measured, w8a16+fold2, is the fastest; every candidate still
+    runs once, checked against the first), the table written under "dtype=fp8" with the winner's mode and candidate
+    keys, which the run-time lookup returns for a quantized spec; the meta records every variant's time."""
     from moecomp import tune
 
-    times = iter(range(1, 10 ** 6))
-    monkeypatch.setattr(tune, "bench", lambda fn, rep_ms, device: 1.0 + 1e-3 * next(times))
+    times = iter(range(10 ** 6, 0, -1))
+    monkeypatch.setattr(tune, "bench", lambda fn, rep_ms, device: 1.0 + 1e-6 * next(times))
     E, I, H, K = tune.INTERPRET_SHAPE
     out = lookup_dir / "cpu.json"
     assert tune.main(["--interpret", "--fp8", "both", "--shape", f"{E},{I},{H},{K}", "--tokens", "1",
                       "--out", str(out)]) == 0
     key = tuning.shape_key(E, I, H, "fp8")
     table = json.loads(out.read_text())
-    assert set(table) == {key} and table[key]["1"]["fp8"] in tuning.FP8_MODES
+    assert set(table) == {key}
+    assert table[key]["1"]["fp8"] == "w8a16" and table[key]["1"]["fp8_fold"] == 2, table[key]["1"]
+    assert "fp8_prequant" not in table[key]["1"]
     assert table[key]["1"]["decode"]["g2"]["mode"] in ("fused", "pairs")
     meta = json.loads((lookup_dir / "cpu.meta.json").read_text())[key]["1"]
-    assert set(meta["fp8_ms"]) == {"w8a8", "w8a16"} and meta["ms"] == min(meta["fp8_ms"].values())
+    assert set(meta["fp8_ms"]) == set(tune.FP8_CHOICES["both"]) and meta["ms"] == min(meta["fp8_ms"].values())
+    assert min(meta["fp8_ms"], key=meta["fp8_ms"].get) == "w8a16+fold2"
     tuning._table.cache_clear()
-    assert tuning.get_config(E, I, H, 1, K, torch.float32, torch.device("cpu"), Q) == table[key]["1"]
+    cfg = tuning.get_config(E, I, H, 1, K, torch.float32, torch.device("cpu"), Q)
+    assert cfg == table[key]["1"] and tuning.fp8_candidates(cfg) == {"prequant": 0, "fold": 2}
+
+
+def test_tune_mode_keys():
+    """The tuner's FP8 variant names -> config keys, as ``tuning.fp8_candidates`` reads them."""
+    from moecomp import tune
+
+    assert tune.mode_keys(None) == {}
+    assert tune.mode_keys("w8a8") == {"fp8": "w8a8"}
+    assert tune.mode_keys("w8a8+prequant") == {"fp8": "w8a8", "fp8_prequant": 1}
+    assert tune.mode_keys("w8a16+fold1") == {"fp8": "w8a16", "fp8_fold": 1}
+    for mode in tune.FP8_CHOICES["both"]:
+        keys = tune.mode_keys(mode)
+        assert keys["fp8"] in tuning.FP8_MODES
+        assert tuning.fp8_candidates(keys) == {"prequant": keys.get("fp8_prequant", 0), "fold": keys.get("fp8_fold", 0)}
