@@ -85,6 +85,11 @@ class QAct(NamedTuple):
     def device(self) -> torch.device:
         return self.q.device
 
+    def dequantize(self) -> torch.Tensor:
+        """codes * their group's scale, fp32 [M, K] (for checks: the tuner compares candidates on it)."""
+        K = self.q.shape[1]
+        return self.q.float() * self.s.repeat_interleave(ACT_GROUP, dim=1)[:, :K]
+
 
 def launch_options(device: torch.device) -> dict:
     """The launch options of the op's kernels on ``device`` (programmatic dependent launch): ``triton_moe`` sets

@@ -306,8 +306,9 @@ QOUT_CONFIG = dict(BLOCK_M=64, g1=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_
 
 def check_candidate(spec, T, monkeypatch, cand, seed=0, config=None):
     """The op with the candidate on against the same mode with it off, on one set of tensors: each within TOL of
-    its reference (weight-only for fold), and the two within 5e-3 of each other (prequant computes the same codes
-    and scales: bit-identical on CPU; here only the tensor cores' order of sums may differ). Returns the errors."""
+    its reference (weight-only for fold), and the two within 5e-3 of each other for prequant (the same codes and
+    scales: bit-identical on CPU; here only the tensor cores' order of sums may differ), 1e-2 for fold (one more
+    rounding of each scaled weight). Returns the errors."""
     import json
 
     env, value, mode = CANDIDATE[cand]
@@ -326,7 +327,10 @@ def check_candidate(spec, T, monkeypatch, cand, seed=0, config=None):
     errs = dict(off=rel_err(outs["0"], ref), on=rel_err(outs[value], ref), vs_off=rel_err(outs[value], outs["0"]),
                 same_bits=torch.equal(outs[value], outs["0"]))
     print(f"{spec.describe()} T={T} {cand}: {errs}")  # (-s shows them: same_bits is the GPU's answer)
-    assert errs["on"] < TOL and errs["vs_off"] < 5e-3, f"{spec.describe()} T={T} {cand}: {errs}"
+    # fold rounds each scaled weight once to x's dtype (2^-9 relative in bf16): measured 5.0-5.1e-3 from the unfolded
+    # output at Qwen3 / DeepSeek-V3 sizes on an H200; prequant only sums in another order
+    bound = 1e-2 if cand.startswith("fold") else 5e-3
+    assert errs["on"] < TOL and errs["vs_off"] < bound, f"{spec.describe()} T={T} {cand}: {errs}"
     del args, scales, outs, ref
     torch.cuda.empty_cache()
     return errs

@@ -224,3 +224,25 @@ def test_tune_mode_keys():
         keys = tune.mode_keys(mode)
         assert keys["fp8"] in tuning.FP8_MODES
         assert tuning.fp8_candidates(keys) == {"prequant": keys.get("fp8_prequant", 0), "fold": keys.get("fp8_fold", 0)}
+
+
+def test_tune_checks_a_quantized_h():
+    """A gemm1 candidate whose epilogue writes h quantized (prequant's QAct) is checked on its dequantized values:
+    equal codes pass, other codes are rejected (the tuner crashed on it on the GPU before)."""
+    from moecomp import tune
+    from moecomp.ops.triton_fp8 import QAct
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(6, 200, generator=g).to(torch.float8_e4m3fn)
+    s = torch.rand(6, 2, generator=g) + 0.5
+    ref = QAct(q, s, torch.float32).dequantize()
+    assert torch.equal(ref[:, 130], q[:, 130].float() * s[:, 1])
+    rows = torch.tensor([True, False, True, True, False, True])
+    notes = []
+    verdict, out = tune._run_checked(lambda: QAct(q, s, torch.float32), ref[rows], "h", notes.append,
+                                     torch.device("cpu"), rows)
+    assert verdict == "ok" and torch.equal(out, ref[rows])
+    neg = (-q.float()).to(torch.float8_e4m3fn)
+    verdict, _ = tune._run_checked(lambda: QAct(neg, s, torch.float32), ref[rows], "h", notes.append,
+                                   torch.device("cpu"), rows)
+    assert verdict == "rejected" and "REJECT" in notes[-1]
