@@ -160,9 +160,11 @@ def fp8_tile(c: dict, kw: dict | None) -> dict:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias, act_scale, q,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, cfg: dict | None = None) -> torch.Tensor:
     """x [..., K] x weight [N, K] e4m3 -> [..., N] in x's dtype (``kernels/fp8_linear.py``). ``out``: a [M, N] view
-    with unit column stride to write into (the shared experts' gate / up halves), returned as is."""
+    with unit column stride to write into (the shared experts' gate / up halves), returned as is. ``cfg``: a config
+    whose mode and candidates the call takes (a block's shared experts run in its routed experts' mode, so that the
+    block has one mode, as its reference does); None: ``tuning.fp8_mode``'s rule by M."""
     N, K = weight.shape
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -170,8 +172,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
     if M:
-        kw = quant_kwargs(q, weight_scale, act_scale, tuning.fp8_mode(q, M), experts=False,
-                          cand=tuning.fp8_candidates())
+        kw = quant_kwargs(q, weight_scale, act_scale, tuning.fp8_mode(q, M, cfg), experts=False,
+                          cand=tuning.fp8_candidates(cfg))
         c = fp8_tile(tuning.fp8_linear_config(M, N, K, x.device, _sm_count(x.device)), kw)
         upcast, precision = _upcast(x2), _precision(x2)
         x2, kw = fp8_a(x2, kw)  # prequant: x2 is then e4m3 (kw: its scales)

@@ -515,7 +515,7 @@ def shared_mlp(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     sh = spec.shared
     Is = sh.intermediate_size
     T = x.shape[0]
-    lin = _shared_linear(args, sh.quant)
+    lin = _shared_linear(args, sh.quant, _block_cfg(x, spec))
     if not sh.gated:
         up = lin(x, "shared_w3")
         return _scaled(lin(reference.activation(up, sh.activation), "shared_w2"), sh.scale)
@@ -534,11 +534,20 @@ def shared_mlp(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     return _scaled(lin(hs, "shared_w2"), sh.scale)
 
 
-def _shared_linear(args: dict, quant):
-    """lin(a, name, out=None) = a @ args[name].T: torch's GEMM, or the fp8 linear with the weight's scales."""
+def _block_cfg(x, spec: MoESpec) -> dict | None:
+    """The routed experts' config when they are quantized (its FP8 mode is the block's: the shared experts take it)."""
+    if spec.quant is None or spec.shared.quant is None:
+        return None
+    T, H = x.shape
+    return tuning.get_config(spec.num_experts, spec.intermediate_size, H, T, spec.top_k, x.dtype, x.device, spec.quant)
+
+
+def _shared_linear(args: dict, quant, cfg: dict | None = None):
+    """lin(a, name, out=None) = a @ args[name].T: torch's GEMM, or the fp8 linear with the weight's scales (in the
+    mode of ``cfg``, the block's, if given)."""
     def lin(a, name, out=None):
         if quant is not None:
-            return fp8_linear(a, args[name], args[f"{name}_scale"], None, None, quant, out)
+            return fp8_linear(a, args[name], args[f"{name}_scale"], None, None, quant, out, cfg)
         if out is None:
             return torch.nn.functional.linear(a, args[name])
         return torch.mm(a, args[name].t(), out=out)

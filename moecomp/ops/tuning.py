@@ -109,7 +109,9 @@ def _bucket(table: dict, T: int) -> dict:
 # bf16 / fp16 / fp32 keys and their lookups are unchanged. Every FP8 tile has BLOCK_K = 128 (the activation group;
 # the launcher halves a BLOCK_K that does not divide the spec's block_k or the group).
 FP8_MODES = ("w8a8", "w8a16")
-FP8_W8A16_MAX_T = 16  # heuristic: a "dynamic" spec runs weight-only up to this many tokens, w8a8 above (untuned)
+# a config without an "fp8" key (the dense fp8_linear's): weight-only up to this many tokens, w8a8 above (untuned);
+# the experts' heuristic config says its mode (FP8_HEURISTIC_MODE)
+FP8_W8A16_MAX_T = 16
 
 
 def fp8_forced() -> str | None:
@@ -168,7 +170,7 @@ def fp8_config(E: int, N: int, K: int, T: int, top_k: int, device: torch.device)
 
 def _fp8_heuristic(E: int, N: int, K: int, T: int, top_k: int, device: torch.device) -> dict:
     """bf16's heuristic tiles with BLOCK_K = 128 (narrower and fewer stages where an fp8 weight tile of 128 rows
-    and a 16-bit A tile would not fit shared memory), the decode path in "pairs" mode, and the mode by T."""
+    and a 16-bit A tile would not fit shared memory), the decode path in "pairs" mode, and ``FP8_HEURISTIC_MODE``."""
     cfg = _heuristic(E, N, K, T, top_k, device)
     g1, g2 = dict(cfg["g1"], BLOCK_K=128), dict(cfg["g2"], BLOCK_K=128)
     if cfg["BLOCK_M"] >= 128:
@@ -176,7 +178,14 @@ def _fp8_heuristic(E: int, N: int, K: int, T: int, top_k: int, device: torch.dev
         g2["BLOCK_N"] = min(g2["BLOCK_N"], 128)
     dec = _decode_heuristic(device)
     dec = dict(dec, g1=dict(dec["g1"], BLOCK_K=128), g2=dict(dec["g2"], BLOCK_K=128, mode="pairs"))
-    return dict(cfg, g1=g1, g2=g2, decode=dec, fp8="w8a16" if T <= FP8_W8A16_MAX_T else "w8a8")
+    return dict(cfg, g1=g1, g2=g2, decode=dec, **FP8_HEURISTIC_MODE)
+
+
+# The experts' mode without a table entry: w8a8 on activations quantized once ("prequant") at every T. Measured by
+# ``tune --fp8 both`` on an H200 (2f93783, benchmarks/results/...-2f93783-tune-fp8.log): w8a8+prequant was the
+# fastest of the five variants in all 8 entries tuned (Qwen3-30B-A3B T = 1..8192, DeepSeek-V3 T = 1, 16, 128),
+# 1.05-1.73x ahead of w8a8 without it and 1.05-2.1x ahead of the best weight-only variant.
+FP8_HEURISTIC_MODE = {"fp8": "w8a8", "fp8_prequant": 1}
 
 
 def fp8_linear_config(M: int, N: int, K: int, device: torch.device, sms: int) -> dict:

@@ -216,7 +216,7 @@ def test_candidates_off_by_default_and_env_over_config(monkeypatch):
 def test_op_reads_the_env_var_per_call(poison, monkeypatch):
     """torch.ops.moecomp.moe_forward (Triton CPU backend, w8a8 forced, aligned path): MOECOMP_FP8_PREQUANT set
     between two calls takes effect on the second (quantize_act launched: x, and h at gemm1's BLOCK_N 32), same
-    bits."""
+    bits. "0" turns off the heuristic's prequant."""
     monkeypatch.setenv("MOECOMP_CPU_BACKEND", "triton")
     monkeypatch.setenv("MOECOMP_FP8_MODE", "w8a8")
     monkeypatch.setenv("MOECOMP_DECODE_MAX_T", "0")
@@ -225,6 +225,7 @@ def test_op_reads_the_env_var_per_call(poison, monkeypatch):
     monkeypatch.setattr(triton_fp8, "quantize_act", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     spec = MoESpec(num_experts=6, top_k=2, hidden_size=200, intermediate_size=72, quant=QuantSpec())
     args, scales = quantize_moe_args(spec, random_moe_args(spec, 9, torch.float32, seed=3))
+    monkeypatch.setenv("MOECOMP_FP8_PREQUANT", "0")
     want = torch.ops.moecomp.moe_forward(*args, spec.key, **scales)
     assert not calls
     monkeypatch.setenv("MOECOMP_FP8_PREQUANT", "1")

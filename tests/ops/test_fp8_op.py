@@ -63,7 +63,7 @@ SHARED = SharedExpertSpec(40, gate="sigmoid", quant=QuantSpec(block_n=32, block_
 # name: (T, x dtype, FSE, MOECOMP_FP8_MODE, the mode that runs, launches of (align, gemm2, combine))
 FORWARD = {
     "aligned-w8a8-fp32": (40, torch.float32, False, "w8a8", "w8a8", (1, 1, 1)),
-    "decode-heuristic-fse-fp16": (5, torch.float16, True, None, "w8a16", (0, 1, 1)),  # T <= 16: weight-only
+    "decode-heuristic-fse-fp16": (5, torch.float16, True, None, "w8a8", (0, 1, 1)),  # the heuristic: w8a8, prequant
 }
 
 
@@ -152,7 +152,7 @@ def test_fp8_configs(lookup_dir, monkeypatch):
         for T in (1, 16, 200, 8192):
             c = tuning._fp8_heuristic(128, 768, 2048, T, 8, dev)
             assert {c["g1"]["BLOCK_K"], c["g2"]["BLOCK_K"], c["decode"]["g1"]["BLOCK_K"]} == {128}
-            assert c["decode"]["g2"]["mode"] == "pairs" and c["fp8"] == ("w8a16" if T <= 16 else "w8a8")
+            assert c["decode"]["g2"]["mode"] == "pairs" and c["fp8"] == "w8a8" and c["fp8_prequant"] == 1
     plain = tuning.get_config(8, 72, 200, 40, 2, torch.bfloat16, cpu)
     assert plain == tuning._heuristic(8, 72, 200, 40, 2, cpu) and "fp8" not in plain
     tile = dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
