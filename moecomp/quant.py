@@ -64,9 +64,23 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, quant: QuantSpec, halves: i
     return q.float() * expand_scales(scale, rows, cols, quant, halves)
 
 
+QUANTIZE_CHUNK_BYTES = 1 << 30  # fp32 working set of one ``quantize`` step over stacked experts
+
+
 def quantize(w: torch.Tensor, quant: QuantSpec, halves: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """A float weight [..., rows, cols] -> (q e4m3, scale in the spec's layout and dtype): each block (row, matrix)
-    scaled so its largest magnitude maps to 448 (ue8m0: rounded up to a power of two, so nothing saturates)."""
+    scaled so its largest magnitude maps to 448 (ue8m0: rounded up to a power of two, so nothing saturates).
+    Stacked experts [E, rows, cols] go a few matrices at a time (``QUANTIZE_CHUNK_BYTES`` of fp32 working set): a
+    DeepSeek-V3 layer's w13 would otherwise take 30 GB of fp32 temporaries at once."""
+    per = w[0].numel() * 4 if w.dim() > 2 else 0
+    if per and w.numel() * 4 > QUANTIZE_CHUNK_BYTES:
+        n = max(1, QUANTIZE_CHUNK_BYTES // per)
+        parts = [_quantize(w[i:i + n], quant, halves) for i in range(0, w.shape[0], n)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return _quantize(w, quant, halves)
+
+
+def _quantize(w: torch.Tensor, quant: QuantSpec, halves: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = w.shape[-2:]
     w = w.float()
     lead = w.shape[:-2]

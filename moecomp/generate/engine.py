@@ -281,14 +281,19 @@ class Engine:
         return kind
 
     def _decode(self, s: Slot, sampler: Sampler, dtype, max_new: int, use_graphs: bool) -> tuple[str, int]:
-        """Steps 1 .. max_new - 1 (step 1 eager, then the graph); returns (what the graphs did, steps run)."""
+        """Steps 1 .. max_new - 1: the graph of an earlier call from step 1; else step 1 eager (the warm-up before
+        the capture), then the graph. Returns (what the graphs did, steps run). An eager step of a model with many
+        small launches costs tens of ms (measured: 27 ms for an FP8 Qwen3-30B-A3B of 6 layers, 12 ms in bf16)."""
         cuda = s.tok.is_cuda
         graph, want = None, use_graphs and cuda
         fp = fingerprint(self.model) if want else None
         steps = 0
         for t in range(1, max_new):
             steps += 1
-            if want and graph is None and t >= 2:  # step 1 ran eagerly: the warm-up before a capture
+            if want and graph is None and t == 1:  # a graph captured by an earlier call replays from step 1
+                hit = s.graphs.get((fp, sampler.signature))
+                graph = hit[0] if hit is not None else None
+            elif want and graph is None and t >= 2:  # step 1 ran eagerly: the warm-up before a capture
                 graph = self._graph(s, sampler, dtype, fp)
                 want = graph is not None
             if graph is not None:

@@ -197,3 +197,18 @@ def test_fp8_ops_opcheck():
     w13 = qargs[4].view(torch.uint8).clone()
     torch.library.opcheck(torch.ops.moecomp.moe_forward, (*qargs, spec.key), scales, test_utils=utils)
     assert torch.equal(qw.view(torch.uint8), before) and torch.equal(qargs[4].view(torch.uint8), w13)
+
+
+@pytest.mark.parametrize("scale,halves", [("block", 1), ("block", 2), ("channel", 1), ("tensor", 1)])
+def test_quantize_in_chunks_is_the_same(scale, halves, monkeypatch):
+    """Stacked experts quantized a few at a time (the bound on fp32 temporaries) give the same codes and scales as
+    all at once: 7 experts in chunks of 2 (the last one shorter)."""
+    from moecomp import quant as q8
+
+    q = QuantSpec(scale=scale, block_n=32, block_k=64)
+    w = torch.randn(7, 96, 200, generator=torch.Generator().manual_seed(1)) * 0.02
+    whole = q8.quantize(w, q, halves)
+    monkeypatch.setattr(q8, "QUANTIZE_CHUNK_BYTES", 2 * w[0].numel() * 4)
+    parts = q8.quantize(w, q, halves)
+    assert parts[0].shape == whole[0].shape and parts[1].shape == whole[1].shape
+    assert torch.equal(parts[0].view(torch.uint8), whole[0].view(torch.uint8)) and torch.equal(parts[1], whole[1])
