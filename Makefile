@@ -12,5 +12,6 @@ $(VENV)/.ready: pyproject.toml
 demo: $(VENV)/.ready
 	$(PY) -m moecomp demo
 
+# two workers (pytest-xdist; CI has 2 cores), a test file per worker at a time (files keep their fixtures and order)
 test: $(VENV)/.ready
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile

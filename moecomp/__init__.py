@@ -13,7 +13,8 @@ transformers nor ``torch._dynamo`` nor Triton.
   name is registered; transformers' own entries (``"eager"``, ...) are left as they are.
 * The ``"moecomp"`` torch.compile backend is found by torch through the ``torch_dynamo_backends`` entry point
   (``pyproject.toml``), which loads ``moecomp.backend`` on the first ``torch.compile(..., backend="moecomp")``;
-  importing ``moecomp.backend`` (or reading ``moecomp.backend``) registers it as well.
+  from a source tree without that entry point, ``import moecomp`` adds the same entry to torch's table when Dynamo
+  loads (``dynamo_name.py``); importing ``moecomp.backend`` (or reading ``moecomp.backend``) registers it as well.
 * Heavy submodules (``backend``, ``capture``, ``passes``, ``kernels``, ``generate``, ``testing``, ``demo``, ...) are
   imported on first attribute access (``moecomp.backend``) or by an explicit import.
 """
@@ -27,6 +28,9 @@ from . import ops  # noqa: F401  (registers torch.ops.moecomp.*; torch only)
 from .spec import MoESpec, SharedExpertSpec, SpecError
 from .optimize import Report, optimize, scan, unoptimize
 from .hf import experts_interface as _experts_interface  # noqa: F401  ("moecomp" experts, once transformers loads)
+from . import dynamo_name as _dynamo_name
+
+_dynamo_name.install()  # backend="moecomp" for torch.compile, also from a source tree (no entry point installed)
 
 __version__ = "0.1.0"
 

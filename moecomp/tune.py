@@ -150,10 +150,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def _run_checked(fn, ref_out, label: str, note, device: torch.device, rows=None):
+def _as_quantized(h) -> torch.Tensor:
+    """gemm1's h as gemm2 reads it under prequant: a QAct (written by gemm1's epilogue) dequantized, a 16-bit h
+    quantized the same way first (``triton_fp8.quantize_act``: the codes the epilogue writes), so the two kinds of
+    gemm1 candidate compare on equal terms."""
+    from .ops.triton_fp8 import QAct, quantize_act
+
+    return (h if isinstance(h, QAct) else quantize_act(h)).dequantize()
+
+
+def _run_checked(fn, ref_out, label: str, note, device: torch.device, rows=None, norm=None):
     """Run one candidate once: ("failed", None) when it does not compile or launch (out of shared memory or
-    registers for its tile), ("rejected", out) when its output (``rows`` of it, if given) is further than REL_TOL
-    from ``ref_out`` (the first candidate that ran), else ("ok", out)."""
+    registers for its tile), ("rejected", out) when its output (``norm(out)`` if given, ``rows`` of it if given) is
+    further than REL_TOL from ``ref_out`` (the first candidate that ran), else ("ok", out)."""
     try:
         out = fn()
         if device.type == "cuda":
@@ -161,7 +170,9 @@ def _run_checked(fn, ref_out, label: str, note, device: torch.device, rows=None)
     except Exception as e:
         note(f"skip {label}: {type(e).__name__}")
         return "failed", None
-    if hasattr(out, "dequantize") and not torch.is_tensor(out):  # gemm1's h quantized by its epilogue (a QAct)
+    if norm is not None:
+        out = norm(out)
+    elif hasattr(out, "dequantize") and not torch.is_tensor(out):  # gemm1's h quantized by its epilogue (a QAct)
         out = out.dequantize()
     if rows is not None:
         out = out[rows]
@@ -245,8 +256,9 @@ def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, 
                 else:
                     h = res["h"]
                     fn = lambda c=c: triton_moe.gemm2(h, w2, b2, weights, spec, aligned, P, bm, c, q2)  # noqa: E731
+                norm = _as_quantized if which == "g1" and keys.get("fp8_prequant") else None
                 verdict, out = _run_checked(fn, ref_out, f"T={T} BM={bm} {which} {_tile(c)}", note, device,
-                                            real_rows if which == "g1" else None)
+                                            real_rows if which == "g1" else None, norm)
                 failed += verdict == "failed"
                 rejected += verdict == "rejected"
                 if verdict != "ok":

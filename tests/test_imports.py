@@ -195,6 +195,55 @@ def test_backend_lookup(order):
     assert out.strip().endswith("ok")
 
 
+HIDE_ENTRY_POINT = """
+    import importlib.metadata as md
+    _real = md.entry_points
+    def _entry_points(**kw):  # as from a source tree on PYTHONPATH: no torch_dynamo_backends entry for moecomp
+        eps = _real(**kw)
+        if kw.get("group") == "torch_dynamo_backends":
+            return md.EntryPoints([e for e in eps if e.name != "moecomp"])
+        return eps
+    md.entry_points = _entry_points
+"""
+
+
+def test_backend_name_unknown_without_entry_point_or_moecomp():
+    """The control for the next test: with the entry point hidden and moecomp not imported, torch does not know
+    the name (what a source-tree user saw even after ``import moecomp``)."""
+    out = run_fresh(HIDE_ENTRY_POINT + """
+    import torch, torch._dynamo
+    from torch._dynamo.exc import InvalidBackend
+    try:
+        torch._dynamo.backends.registry.lookup_backend("moecomp")
+    except InvalidBackend:
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("order", ["moecomp first", "dynamo first"])
+def test_backend_name_from_a_source_tree(order):
+    """``import moecomp`` makes backend="moecomp" resolve without the installed entry point, still without
+    importing Dynamo itself; torch.compile runs with it; the name resolves to moecomp.backend.moecomp_backend."""
+    first, second = ("import moecomp", "import torch._dynamo") if order == "moecomp first" else (
+        "import torch._dynamo", "import moecomp")
+    out = run_fresh(HIDE_ENTRY_POINT + f"""
+    import sys, torch
+    {first}
+    if {order == "moecomp first"}:
+        assert "torch._dynamo" not in sys.modules
+    {second}
+    from torch._dynamo.backends.registry import lookup_backend
+    from moecomp.backend import moecomp_backend
+    assert lookup_backend("moecomp") is moecomp_backend
+    assert "moecomp" in torch._dynamo.list_backends(exclude_tags=())
+    m = torch.compile(torch.nn.Linear(4, 4), backend="moecomp")
+    assert m(torch.randn(2, 4)).shape == (2, 4)
+    print("ok")
+    """)
+    assert out.strip().endswith("ok")
+
+
 # ------------------------------------------------------------------------------------------------- import graph
 def _modules() -> dict:
     """moecomp module name -> (path, is_package)."""

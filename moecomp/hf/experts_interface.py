@@ -36,6 +36,7 @@ import warnings
 
 import torch
 
+from ..import_hooks import RegisterOnImport, uninstall
 from .. import quant as q8
 from ..ops.moe_op import EXPERT_QUANT_ARGS, call_moe_experts
 from ..reject import Refused, RejectCode
@@ -356,45 +357,22 @@ def _register_in(iface) -> bool:
     return True
 
 
-class _RegisterOnImport:
-    """Meta-path finder: registers "moecomp" right after ``target`` is imported (``transformers.integrations.moe``,
-    or ``transformers.integrations.finegrained_fp8`` for the FP8 interface).
+class _RegisterOnImport(RegisterOnImport):
+    """``import_hooks.RegisterOnImport`` for transformers' integrations: registers "moecomp" right after ``target``
+    is imported (``transformers.integrations.moe``, or ``transformers.integrations.finegrained_fp8`` for the FP8
+    interface).
 
     Importing transformers' MoE integration costs ~2 s; ``import moecomp`` should not pay it when transformers is
     not in use. Every model class with ``@use_experts_implementation`` imports that module before
     ``from_pretrained(..., experts_implementation=...)`` can look the name up, so registering then is in time (the
-    FP8 integration is imported by the FP8 quantizer before it builds ``FP8Experts``).
-    Each finder removes itself on first use; it never changes how the module is found or loaded, and any problem in
-    it leaves the import to the other finders (the name then gets registered by ``ensure_registered``).
+    FP8 integration is imported by the FP8 quantizer before it builds ``FP8Experts``). If the hook fails, the name
+    gets registered by ``ensure_registered``.
     """
 
     TARGET = "transformers.integrations.moe"
 
     def __init__(self, target: str | None = None, fn=None):
-        self.target = target or self.TARGET
-        self.fn = fn or register
-
-    def find_spec(self, name, path=None, target=None):
-        if name != self.target:
-            return None
-        _uninstall(self)
-        try:
-            import importlib.util
-
-            spec = importlib.util.find_spec(name)
-            loader = getattr(spec, "loader", None)
-            if loader is None or not hasattr(loader, "exec_module"):
-                return spec
-            orig = loader.exec_module
-
-            def exec_module(module, _orig=orig, _fn=self.fn):
-                _orig(module)
-                _fn()
-
-            loader.exec_module = exec_module
-            return spec
-        except Exception:  # pragma: no cover - let the regular finders import it
-            return None
+        super().__init__(target or self.TARGET, fn or register)
 
 
 _finder = _RegisterOnImport()
@@ -402,11 +380,7 @@ _fp8_finder = _RegisterOnImport("transformers.integrations.finegrained_fp8", reg
 
 
 def _uninstall(finder=None) -> None:
-    import sys
-
-    finder = _finder if finder is None else finder
-    if finder in sys.meta_path:
-        sys.meta_path.remove(finder)
+    uninstall(_finder if finder is None else finder)
 
 
 def _install() -> bool:

@@ -246,3 +246,19 @@ def test_tune_checks_a_quantized_h():
     verdict, _ = tune._run_checked(lambda: QAct(neg, s, torch.float32), ref[rows], "h", notes.append,
                                    torch.device("cpu"), rows)
     assert verdict == "rejected" and "REJECT" in notes[-1]
+
+
+def test_tune_compares_gemm1_candidates_as_gemm2_reads_them(triton_backend):
+    """Under prequant the tuner compares gemm1 candidates on h as gemm2 reads it: a 16-bit h is quantized the way
+    gemm1's epilogue would write it, so an epilogue-quantized candidate (a QAct of the same h) is equal to it, not
+    2e-2 away (the quantization itself, which the tuner rejected on the GPU)."""
+    from moecomp import tune
+    from moecomp.ops.triton_fp8 import quantize_act
+
+    h = torch.randn(24, 200, generator=torch.Generator().manual_seed(2))
+    as_epilogue = quantize_act(h)  # what a Q_OUT gemm1 returns for this h
+    assert torch.equal(tune._as_quantized(h), tune._as_quantized(as_epilogue))
+    assert tune._rel(as_epilogue.dequantize(), h) > tune.REL_TOL  # what the plain comparison saw
+    verdict, _ = tune._run_checked(lambda: as_epilogue, tune._as_quantized(h), "g1", lambda m: None,
+                                   torch.device("cpu"), None, tune._as_quantized)
+    assert verdict == "ok"
