@@ -88,6 +88,30 @@ def _profile(model, name: str, dtype: str, B: int, ids, args, cuda: bool, result
         f"of {p['wall_ms_per_step']:.3f} ms/step: {top}")
 
 
+def _reference_agreement(model, rows: dict, fp8_out: dict, S: int, args, result: dict) -> None:
+    """The FP8 model's own greedy tokens fed to its dequantized reference (``moecomp.unoptimize``, then every FP8
+    module's plain PyTorch forward: ``hf/fp8.plain_fp8``, activations quantized the same way): the share of
+    positions where the reference's argmax is the token moecomp chose. Near 1 means moecomp's kernels compute
+    what the format says, so the agreement with bf16 measures the format; well below 1 would be a kernel error.
+    The first batch size only (``--ref-batches`` to change)."""
+    import moecomp
+    from moecomp.hf.fp8 import plain_fp8
+
+    todo = [B for B in args.ref_batches if B in fp8_out]
+    if not todo:
+        return
+    moecomp.unoptimize(model)
+    for B in todo:
+        try:
+            with plain_fp8(model):
+                a = teacher_forced_agreement(model, fp8_out[B], S)
+        except Exception as e:  # e.g. out of memory: reported, the run goes on
+            result["errors"].append(f"reference agreement B={B}: {type(e).__name__}: {str(e)[:160]}")
+            continue
+        rows[B]["fp8"]["reference_agreement"] = a
+        log(f"[B={B}] fp8 tokens under its dequantized reference: teacher-forced agreement {a:.3f}")
+
+
 def run_model(name: str, args, device, cuda: bool, ceil: dict, result: dict, t_start: float) -> None:
     import moecomp
     from moecomp.hf.fp8_convert import to_fp8
@@ -128,6 +152,7 @@ def run_model(name: str, args, device, cuda: bool, ceil: dict, result: dict, t_s
     quant_s = time.perf_counter() - t
     pb8 = bg.param_bytes(model)
     report = moecomp.optimize(model)
+    fp8_out = {}
     result.setdefault("reports", {})[name] = str(report)[:2000]
     for B in args.batches:
         if B not in ref or time.perf_counter() - t_start > args.budget_s:
@@ -139,6 +164,7 @@ def run_model(name: str, args, device, cuda: bool, ceil: dict, result: dict, t_s
         tf = teacher_forced_agreement(model, ref[B], S)
         cmp = bg.compare(out, ref[B], S)
         rows[B]["fp8"] = dict(rec, floor=fl, quantize_s=quant_s, teacher_forced_agreement=tf, match_bf16=cmp)
+        fp8_out[B] = out
         r16 = rows[B]["bf16"]
         rows[B]["fp8_over_bf16"] = rec["decode_ms"] / r16["decode_ms"]
         rows[B]["fp8_over_floor"] = rec["decode_ms"] / fl["decode_ms"]
@@ -146,6 +172,7 @@ def run_model(name: str, args, device, cuda: bool, ceil: dict, result: dict, t_s
             f"{rows[B]['fp8_over_floor']:.2f}x), fp8 / bf16 {rows[B]['fp8_over_bf16']:.2f}x, prefill "
             f"{rec['prefill_ms']:.1f} ms, warm-up {rec['warmup_s']:.1f} s, teacher-forced agreement {tf:.3f}, "
             f"free-running match {cmp['match']:.3f}")
+    _reference_agreement(model, rows, fp8_out, S, args, result)
     result["params"][name] = dict(bf16=pb16, fp8=pb8)
     result["rows"] += [rows[B] for B in args.batches]
     moecomp.unoptimize(model)
@@ -162,18 +189,21 @@ def _num_experts(model) -> int:
 
 def table(result: dict) -> str:
     lines = ["| model | layers | B | bf16 ms/step | fp8 ms/step | fp8 / bf16 | fp8 floor | fp8 / floor | bf16 / its floor"
-             " | TTFT bf16 / fp8 ms | warm-up fp8 s | teacher-forced agreement | free-running match |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             " | TTFT bf16 / fp8 ms | warm-up fp8 s | teacher-forced agreement | free-running match |"
+             " agreement with its dequantized reference |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if "fp8" not in r:
             lines.append(f"| {r['model']} | {r['layers']} | {r['B']} | {r.get('skipped', 'not run')} |")
             continue
         a, b = r["bf16"], r["fp8"]
+        ref_a = f"{b['reference_agreement']:.3f}" if "reference_agreement" in b else "-"
         lines.append(
             f"| {r['model']} | {r['layers']} | {r['B']} | {a['decode_ms']:.3f} | {b['decode_ms']:.3f} | "
             f"{r['fp8_over_bf16']:.2f}x | {b['floor']['decode_ms']:.3f} | {r['fp8_over_floor']:.2f}x | "
             f"{a['decode_ms'] / a['floor']['decode_ms']:.2f}x | {a['prefill_ms']:.1f} / {b['prefill_ms']:.1f} | "
-            f"{b['warmup_s']:.1f} | {b['teacher_forced_agreement']:.3f} | {b['match_bf16']['match']:.3f} |")
+            f"{b['warmup_s']:.1f} | {b['teacher_forced_agreement']:.3f} | {b['match_bf16']['match']:.3f} | "
+            f"{ref_a} |")
     return "\n".join(lines)
 
 
@@ -191,7 +221,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out-json", default=None)
     ap.add_argument("--profile", type=int, default=0, metavar="B",
                     help="per-kernel split of the decode steps at batch B, bf16 and fp8, of every model (GPU)")
+    ap.add_argument("--ref-batches", default="1", help="batch sizes whose fp8 tokens are checked against the "
+                    "dequantized reference (comma-separated; empty: none)")
     args = ap.parse_args(argv)
+    args.ref_batches = [int(b) for b in args.ref_batches.split(",") if b]
     args.batches = [int(b) for b in args.batches.split(",")]
     args.depth = {k: int(v) for k, v in (x.split("=") for x in args.layers.split(",") if x)}
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

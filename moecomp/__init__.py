@@ -40,6 +40,14 @@ _LAZY_SUBMODULES = frozenset({
 })
 
 
+def warmup(model, batch_sizes=(1,), max_length: int = 1024, prompt_length: int = 8) -> dict:
+    """Compile and capture ``model.generate`` ahead of time for these batch sizes and cache length (after
+    ``optimize``): ``moecomp.generate.warmup``'s docstring."""
+    from .generate.warmup import warmup as _warmup
+
+    return _warmup(model, batch_sizes=batch_sizes, max_length=max_length, prompt_length=prompt_length)
+
+
 def __getattr__(name: str):
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")  # the import also sets the package attribute
@@ -51,4 +59,4 @@ def __dir__():
 
 
 __all__ = ["MoESpec", "SharedExpertSpec", "SpecError", "ops", "optimize", "scan", "unoptimize", "Report",
-           "counters", "__version__"]
+           "counters", "warmup", "__version__"]

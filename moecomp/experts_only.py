@@ -35,6 +35,8 @@ def _try_experts_only(name: str, block: nn.Module, parts: BlockParts | None, rep
             rep.notes.append(f"experts only: re-detected ({changed} since the last optimize)")
     if getattr(experts, "_moecomp_experts", None) is not None:
         st = experts._moecomp_experts
+        if bind_it:
+            _bind.claim(st, [experts])  # an experts implementation named since: moecomp's op again
         _fill_experts(rep, st.spec, full)
         rep.status, rep.method = "experts only", "experts interface"
         return

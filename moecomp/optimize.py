@@ -108,6 +108,7 @@ def _report_already(block: nn.Module, rep: BlockReport, changed: str, bind_it: b
                          f"moecomp.optimize(model) re-binds it")
     elif bind_it:
         _bind.refresh(block)  # rebuild weight copies (picks up .data writes to weights moecomp had to copy)
+        _bind.claim(st, st.watch_mods or ())  # an experts implementation named since: moecomp's op again
     rep.status, rep.method = "already", st.method
     rep.epilogue = [".".join(p) for p in st.epilogue]
     _fill_from_spec(rep, st.spec, block, st.bindings, st.derived)

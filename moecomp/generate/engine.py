@@ -37,6 +37,7 @@ from collections import OrderedDict
 import torch
 
 from . import attention
+from .progress import Progress
 from .sampling import Sampler, StepState, Unsupported, select
 
 MAX_SLOTS = 3
@@ -55,8 +56,11 @@ def length_bucket(n: int) -> int:
 
 
 def fingerprint(model: torch.nn.Module) -> tuple:
-    return tuple((id(t), t.data_ptr(), t._version, t.dtype) for t in
-                 list(model.parameters()) + list(model.buffers()))
+    """What a captured step depends on: every weight's identity, address and version, and the experts
+    implementation transformers would dispatch to (``set_experts_implementation`` switches bound blocks)."""
+    impl = getattr(getattr(model, "config", None), "_experts_implementation_internal", None)
+    return (str(impl),) + tuple((id(t), t.data_ptr(), t._version, t.dtype) for t in
+                                list(model.parameters()) + list(model.buffers()))
 
 
 class Slot:
@@ -94,6 +98,8 @@ class Engine:
         self.compile_backend = "inductor"  # tests compile on CPU with "eager" (cpu_compile = True)
         self.cpu_compile = False
         self._compiled = None
+        self.progress = Progress()
+        self._ran: set = set()  # (phase, batch) whose compiled layers have run: their first run compiles
         # attention of the decode step: moecomp's decode kernel where the model uses sdpa (generate/attention.py)
         use_attn = os.environ.get("MOECOMP_DECODE_ATTENTION", "1") != "0" and attention.register()
         self.attn_configs = attention.sdpa_configs(model) if use_attn else []
@@ -130,7 +136,11 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------- slots
     def _slot(self, batch: int, length: int, device, dtype) -> Slot:
-        key = (batch, length, device, dtype)
+        """The slot for (batch bucket, cache length): the shortest existing one of this batch bucket that is at least
+        ``length`` long (its graphs serve shorter calls: the decode attention reads only the positions written; a
+        slot made by ``moecomp.warmup`` for a longer ``max_length`` is reused so), else a new one of ``length``."""
+        fits = [k for k in self.slots if k[0] == batch and k[2] == device and k[3] == dtype and k[1] >= length]
+        key = min(fits, key=lambda k: k[1]) if fits else (batch, length, device, dtype)
         s = self.slots.get(key)
         if s is None:
             while len(self.slots) >= MAX_SLOTS:
@@ -180,13 +190,23 @@ class Engine:
     def _call(self, phase: str | None, **kw):
         """The model's forward, with the decoder layers swapped for their compiled wrappers when ``phase`` is set."""
         layers, wrapped = self._layers(phase) if phase else (None, None)
+        hooks = []
         if layers is not None:
             saved = list(layers)
             for i, c in enumerate(wrapped):
                 layers._modules[str(i)] = c
+            ids = kw.get("input_ids")
+            key = (phase, int(ids.shape[0]) if ids is not None else 0)
+            if key not in self._ran and not torch.compiler.is_compiling():
+                self._ran.add(key)
+                hooks = self.progress.layer_hooks(wrapped, f"compiling {phase} step, batch {key[1]}")
         try:
             return self.model(**kw, use_cache=True, logits_to_keep=1, return_dict=True)
         finally:
+            for h in hooks:
+                h.remove()
+            if hooks:
+                self.progress.clear()
             if layers is not None:
                 for i, m in enumerate(saved):
                     layers._modules[str(i)] = m
@@ -236,14 +256,17 @@ class Engine:
         if not s.graphs:  # a pool whose graphs are all gone is freed: capturing into its handle would fail
             s.pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
+        self.progress.say(f"capturing decode step, batch {s.tok.shape[0]}")
         try:
             with torch.cuda.graph(g, pool=s.pool):
                 self._step(s, sampler, dtype)
         except Exception as e:  # a host sync or an uncapturable op in the model: plain launches from now on
+            self.progress.clear()
             s.failed[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             self.stats["capture_failures"] += 1
             torch.cuda.synchronize()
             return None
+        self.progress.clear()
         s.graphs[key] = (g, sampler)
         self.stats["captures"] += 1
         return g
@@ -322,8 +345,9 @@ class Engine:
         dev = input_ids.device
         emb = m.get_input_embeddings()
         dtype = emb.weight.dtype if emb is not None else m.dtype
-        Bb, L = batch_bucket(B), length_bucket(S + max_new)
-        s = self._slot(Bb, L, dev, dtype)
+        Bb = batch_bucket(B)
+        s = self._slot(Bb, length_bucket(S + max_new), dev, dtype)
+        L = s.length
         if s.why_not is not None:
             raise Unsupported(s.why_not)
         self.stats["calls"] += 1

@@ -67,6 +67,7 @@ from ..spec import MoESpec
 from ..derived import Derived, SharedLayout
 from ..match import Contract, Verified, reshape_to
 from ..reject import Refused, RejectCode
+from . import impl_switch
 from .names import JITTER_NAMES
 from .snapshot import Snapshot, snapshot_changed, snapshot_changed_traced, snapshot_diff, take_snapshot
 from .structure import BlockParts, get_path
@@ -134,6 +135,8 @@ class BoundState:
     snapshot: Snapshot | None = None  # what the spec was derived from (attributes, child modules)
     watch_mods: tuple | None = None  # the modules at ``watch`` (valid while the snapshot is unchanged)
     warned_stale: bool = False  # (class-level defaults: states pickled before these fields load too)
+    impl_config: object = None  # the experts' config transformers dispatches on by name (hf/impl_switch.py)
+    impl_prev: str | None = None  # the name it had before binding marked it "moecomp"
 
 
 def _split(p: str | None):
@@ -291,6 +294,10 @@ def _attrs_stale(block: nn.Module, st: BoundState) -> bool:
 
 
 def _needs_original(block: nn.Module, st: BoundState, x, extra: dict) -> str | None:
+    impl = impl_switch.requested(getattr(st, "impl_config", None))
+    if impl is not None:
+        impl_switch.warn_once(impl)
+        return f"experts implementation {impl!r}"
     if _jitter_on(block, st):
         return "router jitter while training"
     if block.training and torch.is_grad_enabled():
@@ -313,6 +320,8 @@ def _needs_original(block: nn.Module, st: BoundState, x, extra: dict) -> str | N
 
 def _needs_original_traced(block: nn.Module, st: BoundState, x) -> str | None:
     """Under torch.compile: the checks Dynamo can trace and guard on (grad mode, requires_grad, attributes)."""
+    if impl_switch.requested(getattr(st, "impl_config", None)) is not None:
+        return "experts implementation"
     if block.training and torch.is_grad_enabled():
         return "training"
     if st.snapshot is not None and snapshot_changed_traced(block, st.snapshot):
@@ -477,8 +486,20 @@ def bind(block: nn.Module, name: str, verified: Verified) -> BoundState:
         _refresh_derived(block, st)
     st.snapshot = take_snapshot(block)
     st.watch_mods = tuple(get_path(block, p) for p in st.watch)
+    claim(st, st.watch_mods)
     block.forward = BoundForward(block)
     return st
+
+
+def claim(st, modules) -> None:
+    """Mark the experts' config "moecomp" (``impl_switch``), remembering the name it had; again on a re-optimize."""
+    if st.impl_config is None:
+        st.impl_config, fp8 = impl_switch.experts_config(modules)
+    else:
+        fp8 = impl_switch.experts_config(modules)[1]
+    prev = impl_switch.claim(st.impl_config, fp8)
+    if prev is not None:
+        st.impl_prev = prev
 
 
 def _restore_forward(module: nn.Module, original) -> None:
@@ -496,6 +517,7 @@ def unbind(block: nn.Module) -> bool:
     if st is None:
         return False
     _restore_forward(block, st.original)
+    impl_switch.release(getattr(st, "impl_config", None), getattr(st, "impl_prev", None))
     for d in st.derived:
         if d.name in block._buffers:
             del block._buffers[d.name]
@@ -533,6 +555,8 @@ class ExpertsState:
     calls: int = 0
     fallbacks: int = 0
     snapshot: Snapshot | None = None  # the module's attributes when ``spec`` was checked (for optimize's report)
+    impl_config: object = None  # as in BoundState
+    impl_prev: str | None = None
 
 
 def experts_block_forward(m: nn.Module, *args, **kwargs):
@@ -548,7 +572,10 @@ def experts_block_forward(m: nn.Module, *args, **kwargs):
     st: ExpertsState = m._moecomp_experts
     compiling = torch.compiler.is_compiling()
     a = list(args) + list(kwargs.values())
-    if len(a) == 3 and all(isinstance(t, torch.Tensor) for t in a) and a[0].dim() == 2 and a[1].dim() == 2 \
+    impl = impl_switch.requested(getattr(st, "impl_config", None))
+    if impl is not None and not compiling:
+        impl_switch.warn_once(impl)
+    if impl is None and len(a) == 3 and all(isinstance(t, torch.Tensor) for t in a) and a[0].dim() == 2 and a[1].dim() == 2 \
             and not a[1].is_floating_point() and a[2].shape == a[1].shape:
         grad = ""
         if torch.is_grad_enabled():
@@ -591,6 +618,7 @@ def bind_experts(experts: nn.Module, name: str, spec: MoESpec, reason: str) -> E
     st = ExpertsState(name=name, spec=spec, reason=reason, original=experts.__dict__.get("forward"))
     st.snapshot = take_snapshot(experts)
     experts._moecomp_experts = st
+    claim(st, [experts])
     experts.forward = ExpertsForward(experts)
     return st
 
@@ -611,6 +639,7 @@ def unbind_experts(experts: nn.Module) -> bool:
     if st is None:
         return False
     _restore_forward(experts, st.original)
+    impl_switch.release(getattr(st, "impl_config", None), getattr(st, "impl_prev", None))
     del experts._moecomp_experts
     experts.__dict__.pop("_moecomp_experts_specs", None)
     experts.__dict__.pop("_moecomp_experts_snap", None)

@@ -252,3 +252,49 @@ def test_compiled_decoder_layers_and_a_failed_compile(monkeypatch):
     eng.cpu_compile, eng.compile_backend = True, broken
     assert torch.equal(opt2.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False), want)
     assert "compile failed" in opt2.generate.last["layers"] and len(calls) >= 2
+
+
+def test_progress_line_while_layers_compile(monkeypatch, capsys):
+    """MOECOMP_PROGRESS=1: the first compiled call of a (phase, batch) says which layer compiles, one line each
+    (stderr not a terminal), and the next call at that batch says nothing; MOECOMP_PROGRESS=0 (and, by default, a
+    stderr that is not a terminal) keeps it quiet."""
+    ref, opt = _pair("qwen3_moe")
+    ids, mask = prompts(ref.config.vocab_size, 2, 7, seed=9, left_pad=(0, 2))
+    eng = opt.generate._engine()
+    eng.cpu_compile, eng.compile_backend = True, "eager"
+    n = ref.config.num_hidden_layers
+    monkeypatch.setenv("MOECOMP_PROGRESS", "1")
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    capsys.readouterr()
+    assert torch.equal(opt.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False), want)
+    err = capsys.readouterr().err.splitlines()
+    lines = [x for x in err if x.startswith("moecomp: compiling decode step, batch 2: layer")]
+    assert lines == [f"moecomp: compiling decode step, batch 2: layer {i}/{n}" for i in range(1, n + 1)], err
+    opt.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert not [x for x in capsys.readouterr().err.splitlines() if "compiling decode" in x]
+    monkeypatch.setenv("MOECOMP_PROGRESS", "0")
+    ids3, mask3 = prompts(ref.config.vocab_size, 3, 7, seed=3)
+    opt.generate(ids3, attention_mask=mask3, max_new_tokens=6, do_sample=False)  # a new batch: compiles, quietly
+    assert "moecomp:" not in capsys.readouterr().err
+
+
+def test_warmup_prepares_the_slot_later_calls_use(monkeypatch):
+    """moecomp.warmup: two short calls per batch size on a cache of max_length (rounded up); a later call of that
+    batch whose prompt + new tokens fit reuses the slot (same tokens as transformers'); bad arguments are
+    ValueErrors naming them."""
+    ref, opt = _pair("qwen3_moe")
+    eng = opt.generate._engine()
+    eng.cpu_compile, eng.compile_backend = True, "eager"
+    got = moecomp.warmup(opt, batch_sizes=[2], max_length=300, prompt_length=5)
+    assert got[2]["path"] == "moecomp" and got[2]["cache_length"] == 512, got
+    slots = list(eng.slots)
+    ids, mask = prompts(ref.config.vocab_size, 2, 7, seed=9, left_pad=(0, 2))
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(opt.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False), want)
+    assert opt.generate.last["cache_length"] == 512 and list(eng.slots) == slots  # no new slot
+    with pytest.raises(ValueError, match="batch_sizes"):
+        moecomp.warmup(opt, batch_sizes=[0])
+    with pytest.raises(ValueError, match="max_length"):
+        moecomp.warmup(opt, batch_sizes=[1], max_length=4, prompt_length=8)
+    with pytest.raises(ValueError, match="moecomp.optimize"):
+        moecomp.warmup(ref, batch_sizes=[1])

@@ -249,3 +249,19 @@ def _decode_both(ref, opt, compiled, ids, caches, kw):
             b = compiled(input_ids=tok, position_ids=pos, use_cache=True, **{kw: caches[1]}).logits.clone()
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
             tok = a[:, -1:].argmax(-1)
+
+
+def test_warmup_then_generate_replays_at_once():
+    """moecomp.warmup on the GPU: the later call of a warmed batch bucket that fits max_length compiles and
+    captures nothing (no eager step: the warm graph replays from step 1) and gives transformers' tokens."""
+    ref, opt = _pair("qwen3_moe")
+    got = moecomp.warmup(opt, batch_sizes=[3], max_length=600)
+    assert got[3]["path"] == "moecomp" and got[3]["graphs"] == "replayed" and got[3]["cache_length"] == 768, got
+    eng = opt.generate.engine
+    before = dict(eng.stats)
+    ids, mask = prompts(ref.config.vocab_size, 3, 9, seed=5, left_pad=(0, 3, 1))
+    ids, mask = ids.cuda(), mask.cuda()
+    want = _gen(ref, ids, mask, 20)
+    assert torch.equal(_gen(opt, ids, mask, 20), want)
+    assert eng.stats["captures"] == before["captures"] and eng.stats["eager_steps"] == before["eager_steps"]
+    assert opt.generate.last["cache_length"] == 768

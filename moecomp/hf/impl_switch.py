@@ -1,0 +1,88 @@
+"""``model.set_experts_implementation(name)`` after ``moecomp.optimize(model)``: the bound blocks run ``name``.
+
+transformers dispatches an ``@use_experts_implementation`` experts module by its config's
+``_experts_implementation`` (an internal field, not saved with the config). A bound block never reaches that
+dispatch: it runs moecomp's op. So binding marks the experts' config "moecomp" (``claim``), which is what then runs,
+and a bound block (whole, or experts only) runs its original forward whenever the config names anything else
+(``requested``): transformers' own forward, which dispatches to the implementation asked for.
+
+    optimize(model)                          config "moecomp"   bound blocks: moecomp's op
+    model.set_experts_implementation("eager")  config "eager"   bound blocks: transformers' forward -> "eager"
+                                                                (one warning per name, saying how to come back)
+    model.set_experts_implementation("moecomp") or optimize(model)   moecomp's op again
+    unoptimize(model)                        config back to the name it had before optimize
+
+Claiming happens only where "moecomp" is registered in the experts' interface (so the dispatch can resolve it if
+transformers' forward runs anyway, e.g. with gradients: it then reaches moecomp's experts-only forward, which is
+checked equal and falls back itself when gradients are needed). Models without such a config are untouched.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+NAME = "moecomp"
+_FIELD = "_experts_implementation_internal"  # the storage behind config._experts_implementation
+_warned: set = set()
+
+
+def experts_config(modules) -> tuple:
+    """(config, fp8) of the experts module among ``modules`` that transformers dispatches by name (an
+    ``@use_experts_implementation`` one, or ``FP8Experts``); (None, False) if there is none."""
+    from . import fp8 as _fp8
+    from .experts_interface import is_hf_experts
+
+    for m in modules:
+        cfg = getattr(m, "config", None)
+        if cfg is None or not hasattr(cfg, _FIELD):
+            continue
+        if is_hf_experts(m):
+            return cfg, False
+        if _fp8.fp8_kind(m) == "experts":
+            return cfg, True
+    return None, False
+
+
+def _registered(fp8: bool) -> bool:
+    from . import experts_interface as ei
+
+    if fp8:
+        return ei.FP8_REGISTERED or (ei.register_fp8() and ei.FP8_REGISTERED)
+    return ei.ensure_registered()
+
+
+def claim(config, fp8: bool = False) -> str | None:
+    """Mark ``config`` "moecomp"; returns the name it had (None: it said "moecomp" already, or nothing claimed)."""
+    if config is None or not _registered(fp8):
+        return None
+    prev = getattr(config, _FIELD, None)
+    if prev == NAME:
+        return None
+    setattr(config, _FIELD, NAME)
+    return prev
+
+
+def release(config, prev: str | None) -> None:
+    """Put back the name ``claim`` replaced, unless the user has named another implementation since."""
+    if config is not None and prev is not None and getattr(config, _FIELD, None) == NAME:
+        setattr(config, _FIELD, prev)
+
+
+def requested(config) -> str | None:
+    """The implementation the user asked transformers for, when it is not moecomp's; None to run moecomp's op.
+    Cheap and traceable (one attribute read: Dynamo guards on it)."""
+    if config is None:
+        return None
+    name = getattr(config, _FIELD, NAME)
+    return None if name == NAME or not isinstance(name, str) else name
+
+
+def warn_once(name: str) -> None:
+    if name in _warned:
+        return
+    _warned.add(name)
+    warnings.warn(
+        f"moecomp: the experts implementation is now {name!r} (set_experts_implementation): the MoE blocks that "
+        f"moecomp.optimize rewrote run transformers' forward with {name!r}. "
+        f"model.set_experts_implementation('moecomp') or moecomp.optimize(model) runs them on moecomp's op again. "
+        f"(Warned once per name.)", UserWarning, stacklevel=5)
