@@ -55,6 +55,22 @@ def length_bucket(n: int) -> int:
     return -(-n // LENGTH_ROUND) * LENGTH_ROUND
 
 
+LOW_MEMORY_FRACTION = 0.1  # free device memory under this share of the total: cached blocks released before capture
+_capture_warned: set = set()
+
+
+def _warn_capture(why: str) -> None:
+    """Once per reason: the decode step runs without CUDA graphs (several times slower at small batches)."""
+    if why in _capture_warned:
+        return
+    _capture_warned.add(why)
+    import warnings
+
+    warnings.warn(f"moecomp generate: the decode step could not be captured as a CUDA graph ({why}); it runs with "
+                  f"plain launches, several times slower at small batches. model.generate.last says so per call.",
+                  UserWarning, stacklevel=6)
+
+
 def fingerprint(model: torch.nn.Module) -> tuple:
     """What a captured step depends on: every weight's identity, address and version, and the experts
     implementation transformers would dispatch to (``set_experts_implementation`` switches bound blocks)."""
@@ -244,6 +260,28 @@ class Engine:
         s.pos.add_(1)
         s.slot.add_(1)
 
+    def _capture(self, s: Slot, sampler: Sampler, dtype) -> "torch.cuda.CUDAGraph":
+        """One decode step captured into the slot's pool. The graph's pool cannot use memory that the caching
+        allocator holds for other allocations (e.g. what a transformers ``generate`` before ``optimize`` left
+        cached): when the device is nearly full those blocks are released first, and a capture that runs out of
+        memory is retried once after releasing them."""
+        dev = s.tok.device
+        free, total = torch.cuda.mem_get_info(dev)
+        if free < LOW_MEMORY_FRACTION * total:
+            torch.cuda.empty_cache()
+        for attempt in (0, 1):
+            g = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(g, pool=s.pool):
+                    self._step(s, sampler, dtype)
+                return g
+            except torch.cuda.OutOfMemoryError:
+                if attempt:
+                    raise
+                torch.cuda.synchronize(dev)
+                torch.cuda.empty_cache()
+                self.stats["capture_retries"] = self.stats.get("capture_retries", 0) + 1
+
     def _graph(self, s: Slot, sampler: Sampler, dtype, fp: tuple):
         """The captured step for this slot, sampler and weights; None where graphs are off or capture failed."""
         key = (fp, sampler.signature)
@@ -255,16 +293,15 @@ class Engine:
         s.graphs = {k: v for k, v in s.graphs.items() if k[0] == fp}  # graphs of older weights are stale
         if not s.graphs:  # a pool whose graphs are all gone is freed: capturing into its handle would fail
             s.pool = torch.cuda.graph_pool_handle()
-        g = torch.cuda.CUDAGraph()
         self.progress.say(f"capturing decode step, batch {s.tok.shape[0]}")
         try:
-            with torch.cuda.graph(g, pool=s.pool):
-                self._step(s, sampler, dtype)
+            g = self._capture(s, sampler, dtype)
         except Exception as e:  # a host sync or an uncapturable op in the model: plain launches from now on
             self.progress.clear()
             s.failed[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             self.stats["capture_failures"] += 1
             torch.cuda.synchronize()
+            _warn_capture(s.failed[key])
             return None
         self.progress.clear()
         s.graphs[key] = (g, sampler)

@@ -298,3 +298,46 @@ def test_warmup_prepares_the_slot_later_calls_use(monkeypatch):
         moecomp.warmup(opt, batch_sizes=[1], max_length=4, prompt_length=8)
     with pytest.raises(ValueError, match="moecomp.optimize"):
         moecomp.warmup(ref, batch_sizes=[1])
+
+
+def test_capture_releases_cached_memory_and_retries_once(monkeypatch):
+    """The decode step's capture (CUDA calls mocked: this runs on CPU): with the device nearly full the caching
+    allocator's blocks are released first; a capture that runs out of memory is retried once after releasing them;
+    a second failure propagates (the engine then runs plain launches and warns once)."""
+    from moecomp.generate import engine as E
+
+    eng = E.Engine(build("qwen3_moe"))
+    calls = {"empty": 0, "enter": 0, "steps": 0}
+    fail = {"n": 1}
+
+    class FakeGraph:
+        pass
+
+    class FakeCapture:
+        def __init__(self, g, pool=None):
+            pass
+
+        def __enter__(self):
+            calls["enter"] += 1
+            if fail["n"] > 0:
+                fail["n"] -= 1
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (mocked)")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", FakeCapture)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.__setitem__("empty", calls["empty"] + 1))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(eng, "_step", lambda s, sampler, dtype: calls.__setitem__("steps", calls["steps"] + 1))
+    slot = type("S", (), {"tok": torch.zeros(1, 1, dtype=torch.long), "pool": None})()
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (50, 100))  # half free: nothing released first
+    assert isinstance(eng._capture(slot, None, torch.float32), FakeGraph)
+    assert calls == {"empty": 1, "enter": 2, "steps": 1} and eng.stats["capture_retries"] == 1
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (5, 100))  # nearly full: released first
+    assert isinstance(eng._capture(slot, None, torch.float32), FakeGraph)
+    assert calls == {"empty": 2, "enter": 3, "steps": 2}
+    fail["n"] = 2
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        eng._capture(slot, None, torch.float32)
