@@ -432,7 +432,8 @@ def test_lower_layers_do_not_import_upper_ones():
     data = ("moecomp.spec", "moecomp.reference", "moecomp.quant", "moecomp.counters", "moecomp.policy",
             "moecomp.reject",
             "moecomp.derived", "moecomp.match")
-    binder = data + ("moecomp.ops", "moecomp.hf.bind", "moecomp.hf.snapshot", "moecomp.hf.names",
+    binder = data + ("moecomp.ops", "moecomp.hf.bind", "moecomp.hf.bind_common", "moecomp.hf.bind_experts",
+                     "moecomp.hf.impl_switch", "moecomp.hf.snapshot", "moecomp.hf.names",
                      "moecomp.hf.structure", "moecomp.hf.experts_interface", "moecomp.hf.fp8")
     allowed |= {
         "moecomp.derived": ("moecomp.derived",),

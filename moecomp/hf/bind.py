@@ -66,17 +66,13 @@ from ..ops.moe_op import OP_ARGS, call_moe_forward
 from ..spec import MoESpec
 from ..derived import Derived, SharedLayout
 from ..match import Contract, Verified, reshape_to
-from ..reject import Refused, RejectCode
-from . import impl_switch
+from .bind_common import BindError, _restore_forward, _warn_grad, claim  # noqa: F401  (re-exported)
+from .bind_experts import (  # noqa: F401  (the experts-only rewrite; re-exported: optimize / experts_only use them)
+    ExpertsForward, ExpertsState, bind_experts, experts_block_forward, experts_stale, unbind_experts)
+from .impl_switch import release as _release_impl, requested as _requested_impl, warn_once as _warn_impl
 from .names import JITTER_NAMES
 from .snapshot import Snapshot, snapshot_changed, snapshot_changed_traced, snapshot_diff, take_snapshot
 from .structure import BlockParts, get_path
-
-
-class BindError(Refused):
-    """The block's forward cannot be bound (its outputs or arguments): code ``BIND_FAILED``."""
-
-    default_code = RejectCode.BIND_FAILED
 
 
 # ----------------------------------------------------------------------------------------------- return contract
@@ -242,21 +238,6 @@ def _jitter_on(block: nn.Module, st: BoundState) -> bool:
     return False
 
 
-_grad_warned = False
-
-
-def _warn_grad(what: str) -> None:
-    global _grad_warned
-    if _grad_warned:
-        return
-    _grad_warned = True
-    warnings.warn(
-        f"moecomp: gradients are needed ({what} requires grad with grad mode on): MoE modules rewritten by "
-        f"moecomp.optimize run their original forward, which gives exact gradients. Run inference under "
-        f"torch.no_grad() or torch.inference_mode() to use moecomp's op. (Warned once per process.)",
-        UserWarning, stacklevel=4)
-
-
 def _grad_needed(block: nn.Module, st: BoundState, x) -> str:
     """What requires grad among the op's inputs (the hidden states, its tensors, derived tensors' sources), or ""
     (only asked with grad mode on)."""
@@ -294,9 +275,9 @@ def _attrs_stale(block: nn.Module, st: BoundState) -> bool:
 
 
 def _needs_original(block: nn.Module, st: BoundState, x, extra: dict) -> str | None:
-    impl = impl_switch.requested(getattr(st, "impl_config", None))
+    impl = _requested_impl(getattr(st, "impl_config", None))
     if impl is not None:
-        impl_switch.warn_once(impl)
+        _warn_impl(impl)
         return f"experts implementation {impl!r}"
     if _jitter_on(block, st):
         return "router jitter while training"
@@ -320,7 +301,7 @@ def _needs_original(block: nn.Module, st: BoundState, x, extra: dict) -> str | N
 
 def _needs_original_traced(block: nn.Module, st: BoundState, x) -> str | None:
     """Under torch.compile: the checks Dynamo can trace and guard on (grad mode, requires_grad, attributes)."""
-    if impl_switch.requested(getattr(st, "impl_config", None)) is not None:
+    if _requested_impl(getattr(st, "impl_config", None)) is not None:
         return "experts implementation"
     if block.training and torch.is_grad_enabled():
         return "training"
@@ -491,25 +472,6 @@ def bind(block: nn.Module, name: str, verified: Verified) -> BoundState:
     return st
 
 
-def claim(st, modules) -> None:
-    """Mark the experts' config "moecomp" (``impl_switch``), remembering the name it had; again on a re-optimize."""
-    if st.impl_config is None:
-        st.impl_config, fp8 = impl_switch.experts_config(modules)
-    else:
-        fp8 = impl_switch.experts_config(modules)[1]
-    prev = impl_switch.claim(st.impl_config, fp8)
-    if prev is not None:
-        st.impl_prev = prev
-
-
-def _restore_forward(module: nn.Module, original) -> None:
-    """Undo our instance-level ``forward``: put back the instance forward we replaced, or fall back to the class's."""
-    if original is not None:
-        module.forward = original
-    else:
-        module.__dict__.pop("forward", None)
-
-
 def unbind(block: nn.Module) -> bool:
     if unbind_experts(block):
         return True
@@ -517,7 +479,7 @@ def unbind(block: nn.Module) -> bool:
     if st is None:
         return False
     _restore_forward(block, st.original)
-    impl_switch.release(getattr(st, "impl_config", None), getattr(st, "impl_prev", None))
+    _release_impl(getattr(st, "impl_config", None), getattr(st, "impl_prev", None))
     for d in st.derived:
         if d.name in block._buffers:
             del block._buffers[d.name]
@@ -541,107 +503,3 @@ def bound_tensors(block: nn.Module, spec: MoESpec, bindings: dict, derived: list
                 t = t.reshape(-1)
             out.append(t)
     return out
-
-
-# ----------------------------------------------------------------------------------------------- experts only
-@dataclass
-class ExpertsState:
-    """An experts module switched to ``moe_experts`` by ``optimize`` (its block's routing stays HF's)."""
-
-    name: str
-    spec: MoESpec
-    reason: str  # why the whole block was not rewritten
-    original: object  # the instance-level forward we replaced, or None (class forward)
-    calls: int = 0
-    fallbacks: int = 0
-    snapshot: Snapshot | None = None  # the module's attributes when ``spec`` was checked (for optimize's report)
-    impl_config: object = None  # as in BoundState
-    impl_prev: str | None = None
-
-
-def experts_block_forward(m: nn.Module, *args, **kwargs):
-    """Replacement forward of an experts module bound by :func:`bind_experts`.
-
-    The standard call ``(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])`` runs ``moe_experts``, except
-    with gradients to compute (grad mode on, and the module is training or an input / expert weight requires grad):
-    then, like anything else, the original forward (exact gradients; warned once per process in eval mode).
-    Attribute changes (``act_fn`` replaced, ...) are followed: the spec is re-derived and checked again
-    (``experts_interface._spec_cached``)."""
-    from .experts_interface import experts_grad_needed, moecomp_experts_forward
-
-    st: ExpertsState = m._moecomp_experts
-    compiling = torch.compiler.is_compiling()
-    a = list(args) + list(kwargs.values())
-    impl = impl_switch.requested(getattr(st, "impl_config", None))
-    if impl is not None and not compiling:
-        impl_switch.warn_once(impl)
-    if impl is None and len(a) == 3 and all(isinstance(t, torch.Tensor) for t in a) and a[0].dim() == 2 and a[1].dim() == 2 \
-            and not a[1].is_floating_point() and a[2].shape == a[1].shape:
-        grad = ""
-        if torch.is_grad_enabled():
-            grad = "training" if m.training else experts_grad_needed(m, a[0], a[2])
-        if not grad:
-            if not compiling:  # (compiled code must not mutate state Dynamo guards on)
-                st.calls += 1
-            return moecomp_experts_forward(m, *a)
-        if grad != "training" and not compiling:
-            _warn_grad(grad)
-    if not compiling:
-        st.fallbacks += 1
-    if st.original is not None:
-        return st.original(*args, **kwargs)
-    return type(m).forward(m, *args, **kwargs)
-
-
-class ExpertsForward:
-    """``experts.forward`` after an experts-only rewrite: ``moecomp_experts_forward`` for the standard call
-    ``(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``, the original forward for anything else."""
-
-    __slots__ = ("module",)
-
-    def __init__(self, module: nn.Module):
-        self.module = module
-
-    def __call__(self, *args, **kwargs):
-        return experts_block_forward(self.module, *args, **kwargs)
-
-    def __getstate__(self):
-        return {"module": self.module}
-
-    def __setstate__(self, state):
-        self.module = state["module"]
-
-
-def bind_experts(experts: nn.Module, name: str, spec: MoESpec, reason: str) -> ExpertsState:
-    if getattr(experts, "_moecomp_experts", None) is not None:
-        raise BindError("experts already bound")
-    st = ExpertsState(name=name, spec=spec, reason=reason, original=experts.__dict__.get("forward"))
-    st.snapshot = take_snapshot(experts)
-    experts._moecomp_experts = st
-    claim(st, [experts])
-    experts.forward = ExpertsForward(experts)
-    return st
-
-
-def experts_stale(experts: nn.Module) -> str:
-    """Why an experts-only binding's spec no longer fits the module ("" when it does). Calls follow such changes by
-    themselves (the spec is derived and checked again, ``experts_interface._spec_cached``); ``optimize`` asks this to
-    bind afresh, with a report of the new spec."""
-    st = experts.__dict__.get("_moecomp_experts")
-    snap = getattr(st, "snapshot", None)
-    if snap is None or not snapshot_changed(snap):
-        return ""
-    return snapshot_diff(snap) or "module tree changed"
-
-
-def unbind_experts(experts: nn.Module) -> bool:
-    st = experts.__dict__.get("_moecomp_experts")
-    if st is None:
-        return False
-    _restore_forward(experts, st.original)
-    impl_switch.release(getattr(st, "impl_config", None), getattr(st, "impl_prev", None))
-    del experts._moecomp_experts
-    experts.__dict__.pop("_moecomp_experts_specs", None)
-    experts.__dict__.pop("_moecomp_experts_snap", None)
-    return True
-
