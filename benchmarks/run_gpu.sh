@@ -124,14 +124,14 @@ fp8tune)  # issue 19: the speed candidates' GPU tests, then `tune --fp8 both` (w
   timeout ${FP8_TEST_TIMEOUT:-170} python3 -m pytest -q -rfE --durations=5 -m gpu -p no:cacheprovider \
       tests/ops/test_fp8_gpu.py -k "${FP8_TEST_K:-candidates or prequant or quantize_act}" 2>&1 | grep -v "^DEBUG" \
       | tee "$OUT/tests-fp8-candidates.log" | tail -12
-  timeout ${TUNE_TIMEOUT:-450} python3 -m moecomp tune --fp8 both -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-360} \
+  timeout ${TUNE_TIMEOUT:-450} python3 -m moecomp tune --fp8 ${FP8_CHOICE:-both} -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-360} \
       --presets ${PRESETS:-all} ${TOKENS:+--tokens $TOKENS} --copy-to "$OUT" 2>&1 | tee "$OUT/tune-fp8.log" \
       | grep -v "^DEBUG" | grep "T=\|tune\]" | grep -v "^\s*\(decode \)\?T=" | tail -${TUNE_TAIL:-60} ;;
 fp8next)  # issue 19, next session: the rest of `tune --fp8 both` (resumes: the 8 entries in the table are skipped),
           # then the FP8 grid and generate (Qwen3 B=1,8,32 with the kernel profile at B=1, DeepSeek-V3 B=1,8,32, both
           # with the fp8 tokens checked against the dequantized reference); three calls' worth: STEP=tune|grid|gen
   case "${STEP:-tune}" in
-  tune) "$0" fp8tune ;;
+  tune) FP8_CHOICE=${FP8_CHOICE:-lean} TUNE_BUDGET=${TUNE_BUDGET:-400} "$0" fp8tune ;;
   grid) "$0" layer_fp8 ;;
   gen) GEN_ARGS="${GEN_ARGS:---models qwen3,deepseek --batches 1,8,32 --profile 1 --ref-batches 1}" \
        GEN_BUDGET=${GEN_BUDGET:-420} GEN_TIMEOUT=${GEN_TIMEOUT:-540} "$0" fp8gen ;;
