@@ -30,6 +30,8 @@ from moecomp.ops.common import MOE_ARGS
 from moecomp.spec import MoESpec, QuantSpec
 from moecomp.testing import quantize_moe_args, random_moe_args
 
+from test_fp8_gemm import run_routed  # (tests/kernels is on sys.path: no package)
+
 TOL = {torch.float32: 3e-5, torch.float16: 2e-3}
 G1 = dict(BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=1)
 
@@ -52,24 +54,8 @@ def _routing(T, E, k, seed):
 
 
 def run(spec, T, dtype, path, cfg, seed=0):
-    """(output [T, H], the q kwargs of gemm1 and gemm2, the tensors) of the routed experts on the Triton path:
-    "aligned" (align + gemm1 + gemm2, top-k summed in torch), "direct" (DIRECT gemm1 + gemm2), "fused" (DIRECT
-    gemm1 + the fused down-combine)."""
-    args, scales = quantize_moe_args(spec, random_moe_args(spec, T, dtype, seed=seed))
-    x, named = args[0], {**dict(zip(MOE_ARGS, args[1:])), **scales}
-    E, k, H = spec.num_experts, spec.top_k, spec.hidden_size
-    ids, w = _routing(T, E, k, seed)
-    q1, q2 = triton_moe.expert_quant(named, spec, cfg, T)
-    aligned = triton_moe.align(ids, E, 16) if path == "aligned" else triton_moe.direct(ids)
-    h = triton_moe.gemm1(x, named["w13"], None, spec, aligned, k, 16, cfg["g1"], q1)
-    if path == "fused":
-        out = torch.empty(T, H, dtype=dtype)
-        triton_moe.decode_down(h, named["w2"], None, aligned[0], w.reshape(-1), spec, out, None, None,
-                               dict(cfg["g2"], mode="fused"), q=q2)
-    else:
-        y = triton_moe.gemm2(h, named["w2"], None, w.reshape(-1), spec, aligned, T * k, 16, cfg["g2"], q2)
-        out = y.float().view(T, k, H).sum(1)
-    return out, (q1, q2), (x, ids, w, named, scales), h
+    """``test_fp8_gemm.run_routed``: (output [T, H], gemm1's and gemm2's q kwargs, the tensors, h)."""
+    return run_routed(spec, T, dtype, path, cfg, seed)
 
 
 def _spec(H, I, gated=True, **quant):

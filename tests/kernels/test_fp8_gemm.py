@@ -145,20 +145,15 @@ def _routing(T, E, k, seed):
     return ids, torch.rand(T, k, generator=g)
 
 
-def run_gemms(case, E=5, k=2, seed=0, spec=None):
-    """(kernel output [T, H], fp32 reference [T, H]) of gemm1 + gemm2 (+ the top-k sum in torch), or on the decode
-    path's "fused" mode gemm1 DIRECT + moe_down_combine_kernel; T = 19 aligned (blocks of several rows and of one),
-    4 DIRECT / fused (a decode size: one program per pair)."""
-    fields, mode, H, I, gated, dtype, path = CASES[case]
-    T = 19 if path == "aligned" else 4
-    spec = spec or MoESpec(num_experts=E, top_k=k, hidden_size=H, intermediate_size=I, gated=gated,
-                           activation="silu" if gated else "relu", quant=QuantSpec(**fields))
+def run_routed(spec, T, dtype, path, cfg, seed=0):
+    """(output [T, H], the q kwargs of gemm1 and gemm2, (x, ids, w, named args, scales), h) of the routed experts on
+    the Triton path in ``cfg``: "aligned" (align + gemm1 + gemm2, top-k summed in torch), "direct" (DIRECT gemm1 +
+    gemm2), "fused" (DIRECT gemm1 + the fused down-combine)."""
+    E, k, H = spec.num_experts, spec.top_k, spec.hidden_size
     args, scales = quantize_moe_args(spec, random_moe_args(spec, T, dtype, seed=seed))
     x, named = args[0], {**dict(zip(MOE_ARGS, args[1:])), **scales}
     ids, w = _routing(T, E, k, seed)
-    cfg = dict(BLOCK_M=16, g1=TILE, g2=dict(TILE, BLOCK_N=64), fp8=mode)
     q1, q2 = triton_moe.expert_quant(named, spec, cfg, T)
-    assert q1["A_QUANT"] == (0 if mode == "w8a16" else 2 if spec.quant.activation == "static" else 1)
     aligned = triton_moe.align(ids, E, 16) if path == "aligned" else triton_moe.direct(ids)
     h = triton_moe.gemm1(x, named["w13"], None, spec, aligned, k, 16, cfg["g1"], q1)
     if path == "fused":
@@ -168,6 +163,20 @@ def run_gemms(case, E=5, k=2, seed=0, spec=None):
     else:
         y = triton_moe.gemm2(h, named["w2"], None, w.reshape(-1), spec, aligned, T * k, 16, cfg["g2"], q2)
         out = y.float().view(T, k, H).sum(1)
+    return out, (q1, q2), (x, ids, w, named, scales), h
+
+
+def run_gemms(case, E=5, k=2, seed=0, spec=None):
+    """(kernel output [T, H], fp32 reference [T, H]) of gemm1 + gemm2 (+ the top-k sum in torch), or on the decode
+    path's "fused" mode gemm1 DIRECT + moe_down_combine_kernel; T = 19 aligned (blocks of several rows and of one),
+    4 DIRECT / fused (a decode size: one program per pair)."""
+    fields, mode, H, I, gated, dtype, path = CASES[case]
+    T = 19 if path == "aligned" else 4
+    spec = spec or MoESpec(num_experts=E, top_k=k, hidden_size=H, intermediate_size=I, gated=gated,
+                           activation="silu" if gated else "relu", quant=QuantSpec(**fields))
+    cfg = dict(BLOCK_M=16, g1=TILE, g2=dict(TILE, BLOCK_N=64), fp8=mode)
+    out, (q1, q2), (x, ids, w, named, scales), _ = run_routed(spec, T, dtype, path, cfg, seed)
+    assert q1["A_QUANT"] == (0 if mode == "w8a16" else 2 if spec.quant.activation == "static" else 1)
     ref_spec = spec.replace(quant=weight_only(spec.quant)) if mode == "w8a16" else spec
     ref = reference.experts(x, ids.long(), w, named["w13"], None, named["w2"], None, ref_spec,
                             **{n: scales.get(n) for n in ("w13_scale", "w2_scale", "a13_scale", "a2_scale")})

@@ -109,6 +109,23 @@ def test_fp8_scale_layouts(variant, T, monkeypatch):
     check(quantized_spec("qwen3_30b_a3b", VARIANTS[variant]), T, monkeypatch, seed=T + 1)
 
 
+def capture_and_replay(spec, T, mode, args, scales, static_x, replays):
+    """The op captured in a CUDA graph (kernels already compiled), replayed on fresh inputs copied into
+    ``static_x``: the output, poisoned before each replay, within TOL of the reference of ``mode``."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = torch.ops.moecomp.moe_forward(static_x, *args[1:], spec.key, **scales)
+    ref_spec = spec if mode == "w8a8" else weight_only(spec)
+    for seed in range(replays):
+        x = torch.randn(T, spec.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        static_x.copy_(x.to(torch.bfloat16))
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(static_out).all()
+        assert rel_err(static_out, reference.moe_forward(static_x, *args[1:], ref_spec, **scales)) < TOL
+
+
 @pytest.mark.parametrize("mode", ["w8a8", "w8a16"])
 @pytest.mark.parametrize("T", [1, 64, 600])
 def test_fp8_cuda_graph_capture_and_replay(T, mode, monkeypatch):
@@ -124,18 +141,7 @@ def test_fp8_cuda_graph_capture_and_replay(T, mode, monkeypatch):
         for _ in range(2):
             torch.ops.moecomp.moe_forward(static_x, *args[1:], spec.key, **scales)
     torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = torch.ops.moecomp.moe_forward(static_x, *args[1:], spec.key, **scales)
-    ref_spec = spec if mode == "w8a8" else weight_only(spec)
-    for seed in range(3):
-        x = torch.randn(T, spec.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
-        static_x.copy_(x.to(torch.bfloat16))
-        static_out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.isfinite(static_out).all()
-        assert rel_err(static_out, reference.moe_forward(static_x, *args[1:], ref_spec, **scales)) < TOL
+    capture_and_replay(spec, T, mode, args, scales, static_x, replays=3)
 
 
 @pytest.mark.parametrize("T", [4, 300])  # 4: the op's own CUDA-graph replay (ops/graphs.py), 300: plain launches
@@ -378,18 +384,7 @@ def test_fp8_candidates_cuda_graph_and_no_host_sync(cand, T, monkeypatch):
         torch.ops.moecomp.moe_forward(static_x, *args[1:], spec.key, **scales)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = torch.ops.moecomp.moe_forward(static_x, *args[1:], spec.key, **scales)
-    ref_spec = spec if mode == "w8a8" else weight_only(spec)
-    for seed in range(2):
-        x = torch.randn(T, spec.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
-        static_x.copy_(x.to(torch.bfloat16))
-        static_out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.isfinite(static_out).all()
-        assert rel_err(static_out, reference.moe_forward(static_x, *args[1:], ref_spec, **scales)) < TOL
+    capture_and_replay(spec, T, mode, args, scales, static_x, replays=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
