@@ -38,6 +38,7 @@ import torch
 
 from . import attention
 from .progress import Progress
+from .shared_layers import SharedLayer, compiled_run, method_forwards
 from .sampling import Sampler, StepState, Unsupported, select
 
 MAX_SLOTS = 3
@@ -187,9 +188,8 @@ class Engine:
             else:
                 from torch._dynamo import config as dynamo_config
 
-                # Every decoder layer compiles its own entries (per phase and batch class): Dynamo specialises on
-                # the layer index the attention reads to pick its cache layer (a Python list index). Past the
-                # limits Dynamo would silently run the layers eagerly.
+                # Layers of one shape share a compiled entry per phase and batch class (shared_layers.py); layers
+                # that differ get their own. Past the limits Dynamo would silently run the layers eagerly.
                 for name, need in (("recompile_limit", 16 * len(layers)), ("cache_size_limit", 16 * len(layers)),
                                    ("accumulated_recompile_limit", 64 * len(layers)),
                                    ("accumulated_cache_size_limit", 64 * len(layers))):
@@ -198,9 +198,8 @@ class Engine:
                 self._compiled = (layers, {})
         layers, by_phase = self._compiled
         if layers is not None and phase not in by_phase:
-            by_phase[phase] = [torch.compile(m, dynamic=True if phase == "prefill" else None,
-                                             backend=self.compile_backend)
-                               for m in layers]
+            run = compiled_run(phase, self.compile_backend, True if phase == "prefill" else None)
+            by_phase[phase] = [SharedLayer(run, m, i, self.cache_kw) for i, m in enumerate(layers)]
         return layers, by_phase.get(phase)
 
     def _call(self, phase: str | None, **kw):
@@ -217,7 +216,8 @@ class Engine:
                 self._ran.add(key)
                 hooks = self.progress.layer_hooks(wrapped, f"compiling {phase} step, batch {key[1]}")
         try:
-            return self.model(**kw, use_cache=True, logits_to_keep=1, return_dict=True)
+            with method_forwards(saved if layers is not None else ()):
+                return self.model(**kw, use_cache=True, logits_to_keep=1, return_dict=True)
         finally:
             for h in hooks:
                 h.remove()

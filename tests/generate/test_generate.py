@@ -241,11 +241,14 @@ def test_compiled_decoder_layers_and_a_failed_compile(monkeypatch):
 
     calls = []
 
-    def broken(gm, example_inputs):
-        calls.append(1)
-        if len(calls) == 2:  # the second layer's compile fails, after the first layer ran
-            raise RuntimeError("backend failed")
-        return gm
+    def broken(gm, example_inputs):  # the compiled layer fails when the second layer runs it, after the first ran
+        def run(*args):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("backend failed")
+            return gm(*args)
+
+        return run
 
     _, opt2 = _pair("qwen3_moe")
     eng = opt2.generate._engine()
@@ -341,3 +344,30 @@ def test_capture_releases_cached_memory_and_retries_once(monkeypatch):
     fail["n"] = 2
     with pytest.raises(torch.cuda.OutOfMemoryError):
         eng._capture(slot, None, torch.float32)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_layers_share_one_compiled_entry(family):
+    """The engine's compiled steps trace one decoder layer per phase for all the layers of a 4-layer model (Dynamo
+    frames counted; "eager" backend on CPU), not one per layer, and give transformers' tokens; moecomp's instance
+    forwards are back in place after the call."""
+    from torch._dynamo.utils import counters
+
+    from moecomp.hf.bind import BoundForward
+    from moecomp.hf.bind_experts import ExpertsForward
+
+    ref, opt = _pair(family, layers=4)
+    eng = opt.generate._engine()
+    eng.cpu_compile, eng.compile_backend = True, "eager"
+    ids, mask = prompts(ref.config.vocab_size, 2, 7, seed=9, left_pad=(0, 2))
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    counters.clear()
+    assert torch.equal(opt.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False), want)
+    assert opt.generate.last["layers"] == "compiled" and eng.compile_error is None
+    assert counters["frames"]["ok"] == 1, dict(counters["frames"])  # the decode step: one frame for 4 layers
+    counters.clear()
+    assert torch.equal(opt.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False), want)
+    assert opt.generate.last["prefill_layers"] == "compiled"
+    assert counters["frames"]["ok"] == 1, dict(counters["frames"])  # the prefill: one frame too
+    fwd = [m.__dict__["forward"] for m in opt.modules() if "forward" in m.__dict__]
+    assert fwd and all(isinstance(f, (BoundForward, ExpertsForward)) for f in fwd)

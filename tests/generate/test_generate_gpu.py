@@ -285,3 +285,18 @@ def test_capture_after_memory_left_cached():
     assert torch.equal(got, want)
     assert opt.generate.last["graphs"] == "replayed", opt.generate.last
     assert opt.generate.engine.stats["capture_failures"] == 0
+
+
+def test_layers_share_one_compiled_entry_gpu():
+    """Inductor on the GPU: the decode step of a 4-layer model traces one decoder layer (one Dynamo frame), the
+    tokens are transformers', and the step is captured and replayed."""
+    from torch._dynamo.utils import counters
+
+    ref, opt = _pair("qwen3_moe", layers=4)
+    ids, mask = prompts(ref.config.vocab_size, 2, 9, seed=3)
+    ids, mask = ids.cuda(), mask.cuda()
+    want = _gen(ref, ids, mask, 12)
+    counters.clear()
+    assert torch.equal(_gen(opt, ids, mask, 12), want)
+    assert opt.generate.last["graphs"] == "replayed" and opt.generate.last["layers"] == "compiled"
+    assert counters["frames"]["ok"] == 1, dict(counters["frames"])
