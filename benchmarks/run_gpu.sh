@@ -136,6 +136,14 @@ fp8next)  # issue 19, next session: the rest of `tune --fp8 both` (resumes: the 
   gen) GEN_ARGS="${GEN_ARGS:---models qwen3,deepseek --batches 1,8,32 --profile 1 --ref-batches 1}" \
        GEN_BUDGET=${GEN_BUDGET:-420} GEN_TIMEOUT=${GEN_TIMEOUT:-540} "$0" fp8gen ;;
   esac ;;
+issue20)  # issue 20, next session: the generate GPU tests (eager-step-free replays, warmup, the memory-state capture,
+          # the shared compiled layer), then Qwen3 (12 layers) and Qwen1.5-MoE (24 layers) at B=1,32: one-liner and
+          # transformers, TTFT, warm-up of the first and second call, a kernel profile of one step at B=1
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -rfE -p no:cacheprovider tests/generate/test_generate_gpu.py \
+      2>&1 | grep -v "^DEBUG" | tee "$OUT/tests-generate.log" | tail -12
+  timeout ${GEN_TIMEOUT:-360} python3 benchmarks/bench_generate.py ${GEN_ARGS:---models qwen3,qwen2 --layers qwen3=12 \
+      --batches 1,32 --paths hf,one_liner --profile one_liner:1} --budget-s ${GEN_BUDGET:-320} \
+      --out-json "$OUT/generate-issue20.json" 2>&1 | tee "$OUT/generate-issue20.log" | quiet | tail -40 ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
   timeout ${TUNE_TIMEOUT:-560} python3 -m moecomp tune --restart -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-480} \
       --presets ${PRESETS:-all} ${TOKENS:+--tokens $TOKENS} --copy-to "$OUT" 2>&1 | tee "$OUT/tune.log" \
