@@ -76,7 +76,7 @@ def route(
     neg = float("-inf")
     if spec.score_order == "topk_then_score":
         vals, ids = _topk_low_index_ties(logits, k)
-        weights = torch.softmax(vals, dim=-1)
+        weights = score(vals, spec.scoring)  # softmax over the k chosen, or sigmoid of each
     else:
         scores = score(logits, spec.scoring)
         choice = scores
@@ -208,7 +208,8 @@ def experts(
     w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None,
 ) -> torch.Tensor:
     """Routed experts: x [T, H], ids / weights [T, k] -> [T, H] in ``acc``. Quantized (``spec.quant``): each expert's
-    weights dequantized, and its GEMM inputs quantized as the spec says (``moecomp.quant``)."""
+    weights dequantized, and its GEMM inputs quantized as the spec says (``moecomp.quant``).
+    ``spec.weight_on_input``: each pair's expert runs on ``weight * x`` (in ``acc``) and its output is summed as is."""
     qs = spec.quant
     if qs is not None:
         return _experts_quantized(x, ids, weights, w13, w2, spec, acc, w13_scale, w2_scale, a13_scale, a2_scale)
@@ -218,15 +219,16 @@ def experts(
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         if tok.numel() == 0:
             continue
+        w = weights[tok, slot, None].to(acc)
         y = expert_mlp(
-            x[tok],
+            x[tok] * w if spec.weight_on_input else x[tok],
             w13[e].to(acc),
             None if b13 is None else b13[e].to(acc),
             w2[e].to(acc),
             None if b2 is None else b2[e].to(acc),
             spec,
         )
-        out.index_add_(0, tok, y * weights[tok, slot, None].to(acc))
+        out.index_add_(0, tok, y if spec.weight_on_input else y * w)
     return out
 
 
@@ -240,13 +242,19 @@ def _experts_quantized(x, ids, weights, w13, w2, spec: MoESpec, acc, w13_scale, 
             continue
         a13 = None if a13_scale is None else a13_scale[e]
         a2 = None if a2_scale is None else a2_scale[e]
-        xe = q8.fake_quant_act(x[tok], qs, a13).to(acc)
+        w = weights[tok, slot, None].to(acc)
+        xe = q8.fake_quant_act(_on_input(x[tok], w, spec), qs, a13).to(acc)
         h = xe @ q8.dequantize(w13[e], w13_scale[e], qs, halves).to(acc).T
         h = _gate_up(h, spec)
         he = q8.fake_quant_act(h.to(x.dtype) if x.dtype != acc else h, qs, a2).to(acc)
         y = he @ q8.dequantize(w2[e], w2_scale[e], qs).to(acc).T
-        out.index_add_(0, tok, y * weights[tok, slot, None].to(acc))
+        out.index_add_(0, tok, y if spec.weight_on_input else y * w)
     return out
+
+
+def _on_input(xs: torch.Tensor, w: torch.Tensor, spec: MoESpec) -> torch.Tensor:
+    """A quantized GEMM's input rows: ``w * xs`` (in w's dtype, ``acc``) with ``spec.weight_on_input``, else ``xs``."""
+    return xs.to(w.dtype) * w if spec.weight_on_input else xs
 
 
 def _gate_up(h: torch.Tensor, spec: MoESpec) -> torch.Tensor:

@@ -18,7 +18,7 @@ from .hf.structure import get_path
 
 def router_style(spec: MoESpec) -> str:
     if spec.score_order == "topk_then_score":
-        s = "top-k→softmax"
+        s = f"top-k→{spec.scoring}"
     else:
         s = {"softmax": "softmax", "sigmoid": "sigmoid", "sqrtsoftplus": "sqrt-softplus", "none": "logits"}[
             spec.scoring]
@@ -35,6 +35,8 @@ def router_style(spec: MoESpec) -> str:
         s = "linear+b " + s
     if spec.routed_scaling_factor != 1.0:
         s += f" ×{spec.routed_scaling_factor:g}"
+    if spec.weight_on_input:
+        s += " on input"
     return s
 
 

@@ -13,12 +13,16 @@ What a block computes, in terms of the spec (T tokens, H hidden, E experts, k = 
                others set to -inf (group_mask_zero: to 0.0)
     ids      = topk(choice, k)                                 # [T, k]
     weights  = scores[ids]  (/ max(sum + renorm_eps, renorm_min))  * routed_scaling    # [T, k]
-      (score_order == "topk_then_score": ids = topk(logits), weights = softmax(logits[ids]))
+      (score_order == "topk_then_score": ids = topk(logits), weights = score_fn(logits[ids]): softmax over the k
+       chosen, or sigmoid of each (Llama 4))
     per pair : h = act(g) * u, g = x @ w1_e.T, u = x @ w3_e.T  (gated) | act(x @ w13_e.T) (not gated)
                activation_clamp: g = min(g, limit), u = clamp(u, -limit, limit) first (DeepSeek-V4 style)
                swiglu_oai: (clamp(u) + 1) * g * sigmoid(alpha * g), g = min(g, limit) (gpt-oss)
                y = h @ w2_e.T                                  # [H]
-    out      = sum_k weights * y  (+ shared(x) * sigmoid(x @ shared_gate_w.T))
+               weight_on_input: the pair's expert runs on weight * x instead (h from g, u of weight * x, biases
+               added after the GEMMs as usual), and y is not scaled again (Llama 4; vLLM's
+               apply_router_weight_on_input)
+    out      = sum_k weights * y  (+ shared(x) * sigmoid(x @ shared_gate_w.T))      (weight_on_input: sum_k y)
     FSE      : with fused_shared_gate, router_w is [E + 1, H] (gate row last): one GEMM gives logits and gate
 
 Quantized weights (``quant``, a ``QuantSpec``; ``SharedExpertSpec.quant`` for the shared experts): the op reads the
@@ -183,6 +187,7 @@ class MoESpec:
     router_fp32: bool = False  # router GEMM in fp32 (DeepSeek-V3 style) instead of the model dtype
     round_weights: bool = False  # routing weights rounded to the model dtype before use (Qwen/OLMoE style)
     fused_shared_gate: bool = False  # FSE: router_w is [E + 1, H], its last row the shared-expert gate
+    weight_on_input: bool = False  # each pair's expert runs on weight * x, the combine sums unweighted (Llama 4)
     # --- experts ---
     activation: str = "silu"
     gated: bool = True
@@ -225,8 +230,8 @@ class MoESpec:
             raise SpecError(f"top_k={k} exceeds the experts left by group selection")
         if self.n_group > 1 and self.group_score == "top2_sum" and E // self.n_group < 2:
             raise SpecError("group_score 'top2_sum' needs at least 2 experts per group")
-        if self.score_order == "topk_then_score" and self.scoring != "softmax":
-            raise SpecError("score_order 'topk_then_score' is defined for softmax only")
+        if self.score_order == "topk_then_score" and self.scoring not in ("softmax", "sigmoid"):
+            raise SpecError("score_order 'topk_then_score' is defined for softmax and sigmoid only")
         _check_activation(self.activation, self.gated, self.activation_clamp, self.activation_limit, "")
         if self.bias_on_logits and not self.has_correction_bias:
             raise SpecError("bias_on_logits needs a correction bias (has_correction_bias)")
@@ -249,6 +254,10 @@ class MoESpec:
                                 f"layout), got {self.w_layout!r} / {self.gate_up!r}")
             if self.has_expert_bias:
                 raise SpecError("quantized experts with expert biases are not supported")
+            if self.weight_on_input and self.quant.activation == "static":
+                raise SpecError("weight_on_input with static activation scales is not supported: the kernels scale "
+                                "the GEMM's result by the routing weight, which equals quantizing weight * x only "
+                                "when the activation scale follows x (\"dynamic\") or there is none (\"none\")")
 
     # ------------------------------------------------------------ serialise
     @functools.cached_property
@@ -320,7 +329,7 @@ class MoESpec:
         return (self.w13_rows * self.hidden_size + self.hidden_size * self.intermediate_size) * itemsize + scales
 
     def describe(self) -> str:
-        route = self.scoring if self.score_order == "score_then_topk" else "topk->softmax"
+        route = self.scoring if self.score_order == "score_then_topk" else f"topk->{self.scoring}"
         if self.n_group > 1:
             route += f" grouped {self.topk_group}/{self.n_group}"
         if self.has_correction_bias:
@@ -331,6 +340,8 @@ class MoESpec:
             route += " renorm"
         if self.routed_scaling_factor != 1.0:
             route += f" x{self.routed_scaling_factor:g}"
+        if self.weight_on_input:
+            route += " on-input"
         sh = ""
         if self.shared is not None:
             sh = f", shared I={self.shared.intermediate_size}" + (" gated" if self.shared.gate != "none" else "") + (

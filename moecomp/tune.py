@@ -41,6 +41,8 @@ import torch
 from .ops import tuning
 from .spec import MoESpec, QuantSpec
 from .testing import LAYER_PRESETS
+from .tune_fp8 import (  # noqa: F401  (re-exported: tests and tools use them through this module)
+    FP8_CHOICES, FP8_DECODE_TILES, FP8_TILES, FP8_VARIANT_KEYS, FP8_VARIANTS, _as_quantized, mode_keys)
 from .tune_io import (  # noqa: F401  (re-exported: tests and tools use them through this module)
     Progress, _commit, _done, _fmt_s, meta_path, read_json, save_entry, write_json_atomic)
 
@@ -73,26 +75,6 @@ INTERPRET_TOKENS = [1, 16]
 INTERPRET_TILES = {"g1": [(16, 32, 4, 1), (32, 32, 4, 1)], "g2": [(16, 32, 4, 1), (32, 32, 4, 1)]}
 INTERPRET_DECODE_TILES = {"g1": [(16, 32, 4, 1), (32, 32, 4, 1)],
                           "g2": [(16, 32, 4, 1, "fused"), (16, 32, 4, 1, "pairs")]}
-# FP8 (``--fp8``): 128x128 block scales, dynamic activations (the checkpoints' format); BLOCK_K 128 tiles (the
-# activation group), no TMA tiles (16-bit only). "--fp8 both" measures each bucket in
-# both modes (w8a8, w8a16) and keeps the faster, its mode in the config's "fp8" key (table key "dtype=fp8");
-# "--fp8 w8a8" / "--fp8 w8a16" one mode ("dtype=fp8_<mode>", read when MOECOMP_FP8_MODE forces that mode).
-FP8_TILES = {
-    "g1": [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3)],
-    "g2": [(32, 128, 4, 4), (64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (256, 128, 8, 3)],
-}
-FP8_DECODE_TILES = {"g1": [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3)],
-                    "g2": [(16, 128, 4, 4, "fused"), (32, 128, 4, 4, "fused"), (64, 128, 4, 3, "fused"),
-                           (32, 128, 4, 4, "pairs"), (64, 128, 4, 3, "pairs"), (128, 128, 4, 3, "pairs")]}
-# Each mode is measured with its speed candidates (docs/FP8.md): "w8a8+prequant" = the config's "fp8_prequant": 1,
-# "w8a16+fold1" / "+fold2" = "fp8_fold": 1 / 2. The winner's keys go into its config; "plain" skips the candidates.
-FP8_VARIANTS = {"w8a8": ("w8a8", "w8a8+prequant"), "w8a16": ("w8a16", "w8a16+fold1", "w8a16+fold2")}
-# "lean": w8a8+prequant (fastest in 7 of the 8 entries of the first full tune, H200, 2f93783) and w8a16+fold1 (the
-# eighth, and the fastest weight-only variant in all 8): two fifths of the measuring time of "both"
-FP8_CHOICES = {"both": FP8_VARIANTS["w8a8"] + FP8_VARIANTS["w8a16"], "plain": ("w8a8", "w8a16"),
-               "lean": ("w8a8+prequant", "w8a16+fold1"),
-               "w8a8": FP8_VARIANTS["w8a8"], "w8a16": FP8_VARIANTS["w8a16"]}
-FP8_VARIANT_KEYS = {"prequant": ("fp8_prequant", 1), "fold1": ("fp8_fold", 1), "fold2": ("fp8_fold", 2)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 REL_TOL = 1e-2  # a candidate further than this from the first one is rejected
 EXIT_BUDGET, EXIT_INTERRUPTED, EXIT_REFUSED = 3, 130, 2
@@ -100,14 +82,6 @@ EXIT_BUDGET, EXIT_INTERRUPTED, EXIT_REFUSED = 3, 130, 2
 
 class TuneError(RuntimeError):
     """No candidate ran for an entry (every tile out of resources, or rejected)."""
-
-
-def mode_keys(mode: str | None) -> dict:
-    """A measured FP8 mode -> its config keys: "w8a16+fold2" -> {"fp8": "w8a16", "fp8_fold": 2}; None -> {}."""
-    if mode is None:
-        return {}
-    base, *cands = mode.split("+")
-    return dict([("fp8", base)] + [FP8_VARIANT_KEYS[c] for c in cands])
 
 
 # --------------------------------------------------------------------------------------------------- measuring
@@ -151,15 +125,6 @@ def bench_graph(fn, rep_ms: float, device: torch.device) -> float:
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
-def _as_quantized(h) -> torch.Tensor:
-    """gemm1's h as gemm2 reads it under prequant: a QAct (written by gemm1's epilogue) dequantized, a 16-bit h
-    quantized the same way first (``triton_fp8.quantize_act``: the codes the epilogue writes), so the two kinds of
-    gemm1 candidate compare on equal terms."""
-    from .ops.triton_fp8 import QAct, quantize_act
-
-    return (h if isinstance(h, QAct) else quantize_act(h)).dequantize()
 
 
 def _run_checked(fn, ref_out, label: str, note, device: torch.device, rows=None, norm=None):
@@ -255,7 +220,8 @@ def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, 
                     so_far = f"  best {which} so far {best_t * 1e3:.1f} us" if best_c else ""
                 status(f"BM={bm} {which} {i + 1}/{len(cands)}{so_far}")
                 if which == "g1":
-                    fn = lambda c=c: triton_moe.gemm1(x, w13, b13, spec, aligned, k, bm, c, q1)  # noqa: E731
+                    fn = lambda c=c: triton_moe.gemm1(x, w13, b13, spec, aligned, k, bm, c, q1,  # noqa: E731
+                                                      weights=weights)
                 else:
                     h = res["h"]
                     fn = lambda c=c: triton_moe.gemm2(h, w2, b2, weights, spec, aligned, P, bm, c, q2)  # noqa: E731
@@ -275,7 +241,7 @@ def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, 
             if best_c is None:
                 break
             if which == "g1":
-                res["h"] = triton_moe.gemm1(x, w13, b13, spec, aligned, k, bm, best_c, q1)
+                res["h"] = triton_moe.gemm1(x, w13, b13, spec, aligned, k, bm, best_c, q1, weights=weights)
         if res["g1"][1] is None or res.get("g2", (0, None))[1] is None:
             note(f"T={T} BM={bm}: no candidate ran for {'g1' if res['g1'][1] is None else 'g2'}")
             continue
@@ -352,7 +318,8 @@ def tune_decode(spec: MoESpec, probes: list[int], dtype: torch.dtype, device: to
                 c["mode"] = tile[4]
             status(f"decode {which} {i + 1}/{len(cands)}")
             if which == "g1":
-                fn = lambda c=c: triton_moe.gemm1(x, named["w13"], named["b13"], spec, d, k, 16, c, q1)  # noqa: E731
+                fn = lambda c=c: triton_moe.gemm1(x, named["w13"], named["b13"], spec, d, k, 16, c, q1,  # noqa: E731
+                                                  weights=weights)
             else:
                 out = torch.empty(x.shape[0], H, dtype=dtype, device=device)
                 fn = lambda c=c, out=out: triton_moe.decode_down(  # noqa: E731
@@ -371,7 +338,7 @@ def tune_decode(spec: MoESpec, probes: list[int], dtype: torch.dtype, device: to
         if which not in best:
             raise TuneError(f"decode T={probes[0]}: no {which} candidate ran ({failed} failed, {rejected} rejected)")
         if which == "g1":
-            h = triton_moe.gemm1(x, named["w13"], named["b13"], spec, d, k, 16, best["g1"], q1)
+            h = triton_moe.gemm1(x, named["w13"], named["b13"], spec, d, k, 16, best["g1"], q1, weights=weights)
 
     ms, max_t = {}, 0
     on = dict(aligned_cfg, decode=dict(max_t=1 << 30, g1=best["g1"], g2=best["g2"]))

@@ -69,7 +69,8 @@ from ..match import Contract, Verified, reshape_to
 from .bind_common import BindError, _restore_forward, _warn_grad, claim  # noqa: F401  (re-exported)
 from .bind_experts import (  # noqa: F401  (the experts-only rewrite; re-exported: optimize / experts_only use them)
     ExpertsForward, ExpertsState, bind_experts, experts_block_forward, experts_stale, unbind_experts)
-from .impl_switch import release as _release_impl, requested as _requested_impl, warn_once as _warn_impl
+from .impl_switch import as_before as _as_before, release as _release_impl, requested as _requested_impl
+from .impl_switch import warn_once as _warn_impl
 from .names import JITTER_NAMES
 from .snapshot import Snapshot, snapshot_changed, snapshot_changed_traced, snapshot_diff, take_snapshot
 from .structure import BlockParts, get_path
@@ -385,9 +386,10 @@ class BoundForward:
 
 
 def _call_original(block, st: BoundState, x, rest, kwargs):
-    if st.original is not None:
-        return st.original(x, *rest, **kwargs)
-    return type(block).forward(block, x, *rest, **kwargs)
+    with _as_before(getattr(st, "impl_config", None), getattr(st, "impl_prev", None)):
+        if st.original is not None:
+            return st.original(x, *rest, **kwargs)
+        return type(block).forward(block, x, *rest, **kwargs)
 
 
 def original_forward(block: nn.Module):

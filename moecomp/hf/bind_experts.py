@@ -17,7 +17,8 @@ from torch import nn
 
 from ..spec import MoESpec
 from .bind_common import BindError, _restore_forward, _warn_grad, claim
-from .impl_switch import release as _release_impl, requested as _requested_impl, warn_once as _warn_impl
+from .impl_switch import as_before as _as_before, release as _release_impl, requested as _requested_impl
+from .impl_switch import warn_once as _warn_impl
 from .snapshot import Snapshot, snapshot_changed, snapshot_diff, take_snapshot
 
 
@@ -65,9 +66,10 @@ def experts_block_forward(m: nn.Module, *args, **kwargs):
             _warn_grad(grad)
     if not compiling:
         st.fallbacks += 1
-    if st.original is not None:
-        return st.original(*args, **kwargs)
-    return type(m).forward(m, *args, **kwargs)
+    with _as_before(getattr(st, "impl_config", None), getattr(st, "impl_prev", None)):
+        if st.original is not None:
+            return st.original(*args, **kwargs)
+        return type(m).forward(m, *args, **kwargs)
 
 
 class ExpertsForward:

@@ -19,7 +19,10 @@ checked equal and falls back itself when gradients are needed). Models without s
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+
+import torch
 
 NAME = "moecomp"
 _FIELD = "_experts_implementation_internal"  # the storage behind config._experts_implementation
@@ -66,6 +69,24 @@ def release(config, prev: str | None) -> None:
     """Put back the name ``claim`` replaced, unless the user has named another implementation since."""
     if config is not None and prev is not None and getattr(config, _FIELD, None) == NAME:
         setattr(config, _FIELD, prev)
+
+
+@contextlib.contextmanager
+def as_before(config, prev: str | None):
+    """While a bound block runs its original forward (gradients, hooks, ...): the config names the implementation
+    it had before binding, so that forward dispatches as it did before ``optimize`` (not to "moecomp"). Nothing
+    changes under torch.compile (no config writes in traced code), when the user named an implementation since, or
+    when the config said "moecomp" before binding."""
+    if (config is None or prev is None or getattr(config, _FIELD, None) != NAME
+            or torch.compiler.is_compiling()):
+        yield
+        return
+    setattr(config, _FIELD, prev)
+    try:
+        yield
+    finally:
+        if getattr(config, _FIELD, None) == prev:
+            setattr(config, _FIELD, NAME)
 
 
 def requested(config) -> str | None:

@@ -3,6 +3,7 @@
     for slot j < k:   p = t * k + j,  e = ids[p]
         r_j = h[p] . w2_e[n0:n0+BLOCK_N]  (+ b2_e)              h: [P, I] in pair order (gemm1, DIRECT)
     out[t, n] = sum_j weight[p] * r_j  (+ sigmoid(gate[t]) * shared[t, n])      fp32 sum, one store
+    (WEIGHTED off, ``MoESpec.weight_on_input``: sum_j r_j, gemm1 applied the weights to its input)
 
 At a few tokens the routed path is bound by the experts' weight bytes and its launches; this drops the [P, H]
 per-pair buffer and the combine launch (``moecomp.ops.triton_moe.decode_down``'s "fused" mode). Each slot's dot runs
@@ -54,6 +55,7 @@ def moe_down_combine_kernel(
     W_SCALE: tl.constexpr = 0, A_QUANT: tl.constexpr = 0, Q_BLOCK_N: tl.constexpr = 1, Q_BLOCK_K: tl.constexpr = 1,
     UE8M0: tl.constexpr = False, EXACT_CAST: tl.constexpr = False,
     stride_am=None, FOLD: tl.constexpr = 0,  # A_QUANT 3: h_ptr e4m3 h, as_ptr its group scales [P, cdiv(K, 128)]
+    WEIGHTED: tl.constexpr = True,
 ):
     pdl.enter(USE_PDL)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -95,7 +97,10 @@ def moe_down_combine_kernel(
         r = tl.sum(acc, axis=0)  # [BLOCK_N]: rows other than 0 are zero
         if HAS_BIAS:
             r += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        total += tl.load(topk_w_ptr + p) * r
+        if WEIGHTED:
+            total += tl.load(topk_w_ptr + p) * r
+        else:
+            total += r
     pdl.release(USE_PDL)
 
     if HAS_SHARED:

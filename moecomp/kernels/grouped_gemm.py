@@ -7,6 +7,11 @@
     gemm2 (down, routing weight fused):
         y[p(s), n] = (h[s] . w2_e[n] + b2) * weight[p(s)]                              y: [P, H] in pair order
 
+W_ON_INPUT (``MoESpec.weight_on_input``, Llama 4: each expert runs on weight * x): gemm1 multiplies its fp32
+accumulator rows by their pair's weight before the bias and the activation (x . w * weight = (weight * x) . w, one
+multiply per output element instead of one per loaded A element, and the same for the FP8 K loops), and gemm2 runs
+with WEIGHTED off (no weight multiply). Both default to the plain form, which compiles as before.
+
 A program owns one BLOCK_M block of sorted rows (one expert) and BLOCK_N output columns; blocks past the number
 of padded rows (read on the device) return at once, so the grid is static and capturable. Weight matrices are
 addressed through strides, so [out, in] and [in, out] layouts and concatenated or interleaved gate/up all run
@@ -124,6 +129,7 @@ def moe_gemm1_kernel(
     # scales [T, cdiv(K, 128)] (row stride stride_am); Q_OUT (BLOCK_N % 128 == 0): h_ptr is e4m3 h, hs_ptr its group
     # scales [S, cdiv(N_OUT, 128)], h rounded to x's dtype first (Q_OUT 1 fp32, 2 bf16, 3 fp16); FOLD: fp8.dot_loop
     stride_am=None, hs_ptr=None, stride_hsm=None, Q_OUT: tl.constexpr = 0, FOLD: tl.constexpr = 0,
+    topk_w_ptr=None, W_ON_INPUT: tl.constexpr = False,  # [P] fp32 routing weights (pair order), see the docstring
 ):
     pdl.enter(USE_PDL)
     pid_m, pid_n, expert, offs_m, pair, row_ok, dead = _rows(
@@ -171,6 +177,8 @@ def moe_gemm1_kernel(
                            BLOCK_K, FOLD)
     pdl.release(USE_PDL)
 
+    if W_ON_INPUT:  # (weight * x) . w: the rows scaled before the bias and the activation
+        acc = acc * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert * stride_be + w_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
 
@@ -226,6 +234,7 @@ def moe_gemm2_kernel(
     W_SCALE: tl.constexpr = 0, A_QUANT: tl.constexpr = 0, Q_BLOCK_N: tl.constexpr = 1, Q_BLOCK_K: tl.constexpr = 1,
     UE8M0: tl.constexpr = False, EXACT_CAST: tl.constexpr = False,
     stride_am=None, FOLD: tl.constexpr = 0,  # A_QUANT 3: h_ptr e4m3 h, as_ptr its group scales [S, cdiv(K, 128)]
+    WEIGHTED: tl.constexpr = True,  # off: the weight was applied to gemm1's input (W_ON_INPUT)
 ):
     pdl.enter(USE_PDL)
     pid_m, pid_n, expert, offs_m, pair, row_ok, dead = _rows(
@@ -266,7 +275,8 @@ def moe_gemm2_kernel(
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    w = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)
-    acc = acc * w[:, None]
+    if WEIGHTED:
+        w = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)
+        acc = acc * w[:, None]
     y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])

@@ -55,6 +55,7 @@ def moe_gemm2_tma_kernel(
     NUM_PROGRAMS: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
+    WEIGHTED: tl.constexpr = True,  # off: MoESpec.weight_on_input (gemm1 applied the weights), as in grouped_gemm
 ):
     pdl.enter(USE_PDL)
     n_m = tl.load(num_padded_ptr) // BLOCK_M
@@ -73,7 +74,8 @@ def moe_gemm2_tma_kernel(
             acc += tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         pair = tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M))
         row_ok = pair < P
-        acc = acc * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
+        if WEIGHTED:
+            acc = acc * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
         y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
     pdl.release(USE_PDL)
@@ -141,6 +143,7 @@ def moe_gemm1_tma_kernel(
     NUM_PROGRAMS: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
+    topk_w_ptr=None, W_ON_INPUT: tl.constexpr = False,  # MoESpec.weight_on_input, as in grouped_gemm
 ):
     """gemm1 on TMA weight boxes. Gated: one box holds the gate rows [n0, n0 + BLOCK_N) and the up rows of the same
     columns (the [E, 2, I, K] view of concatenated gate/up), read as one [2 BLOCK_N, BLOCK_K] operand: a single
@@ -170,6 +173,8 @@ def moe_gemm1_tma_kernel(
             else:
                 b = tl.reshape(w_desc.load([expert, pid_n * BLOCK_N, k0]), [TILE_N, BLOCK_K])
             acc = tl.dot(a, b.T, acc)  # [BM, TILE_N]: gated, gate columns then up columns
+        if W_ON_INPUT:  # (weight * x) . w, before the bias and the activation
+            acc = acc * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N_OUT
         if GATED:

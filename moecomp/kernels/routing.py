@@ -2,6 +2,7 @@ r"""Fused routing: scores -> (grouped) top-k -> renormalise -> scale, one launch
 
     logits [T, E] --score--> s [T, E] --(+bias)--> choice --group mask--> top-k ids [T, k]
                                     \__________ s[ids] (renorm, *scale) ---------> weights [T, k] fp32
+    (TOPK_THEN_SCORE: top-k of the logits, then softmax over the k chosen, or sigmoid of each (SCORING 1))
     (BIAS_ON_LOGITS: choice = logits + bias; MASK_ZERO: dropped groups get 0.0 in the choice, not -inf)
 
 One program owns BLOCK_T tokens and all E experts (padded to BLOCK_E). Top-k is k rounds of picking the largest value
@@ -175,9 +176,12 @@ def route_topk_kernel(
 
     k_ok = offs_k < TOP_K
     if TOPK_THEN_SCORE:
-        m = tl.max(tl.where(k_ok[None, :], top_w, neg), axis=1)
-        p = tl.where(k_ok[None, :], tl.exp(top_w - m[:, None]), 0.0)
-        top_w = p / tl.sum(p, axis=1)[:, None]
+        if SCORING == 1:  # sigmoid of each chosen logit (Llama 4)
+            top_w = tl.sigmoid(top_w)
+        else:  # softmax over the k chosen
+            m = tl.max(tl.where(k_ok[None, :], top_w, neg), axis=1)
+            p = tl.where(k_ok[None, :], tl.exp(top_w - m[:, None]), 0.0)
+            top_w = p / tl.sum(p, axis=1)[:, None]
     if RENORM:
         denom = tl.sum(tl.where(k_ok[None, :], top_w, 0.0), axis=1) + renorm_eps
         denom = tl.where(renorm_min > 0, tl.maximum(denom, renorm_min), denom)

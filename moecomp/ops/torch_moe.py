@@ -105,22 +105,26 @@ def _experts_quantized(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> 
     counts = torch.bincount(flat_ids, minlength=spec.num_experts)
     offs = torch.cumsum(counts, 0).to(torch.int32)
     tok = order // k
+    w = topk_weights.reshape(-1)[order, None].float()  # [P, 1] in sorted order
+    xs = x[tok].float() * w if spec.weight_on_input else x[tok]
     w13 = q8.dequantize(args["w13"], args["w13_scale"], qs, 2 if spec.gated else 1)  # [E, N, H] fp32
-    h = grouped_linear(_fake_quant_rows(x[tok], qs, args.get("a13_scale"), sorted_ids), w13.transpose(-2, -1),
+    h = grouped_linear(_fake_quant_rows(xs, qs, args.get("a13_scale"), sorted_ids), w13.transpose(-2, -1),
                        offs, sorted_ids)
     del w13
     h = _gate(h, spec).to(x.dtype)
     w2 = q8.dequantize(args["w2"], args["w2_scale"], qs)  # [E, H, I] fp32
     y = grouped_linear(_fake_quant_rows(h, qs, args.get("a2_scale"), sorted_ids), w2.transpose(-2, -1), offs,
                        sorted_ids)
-    y = y * topk_weights.reshape(-1)[order, None].float()
+    if not spec.weight_on_input:
+        y = y * w
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     out.index_add_(0, tok, y)
     return out
 
 
 def experts_fp32(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.Tensor:
-    """Routed experts, x [T, H] -> fp32 [T, H]."""
+    """Routed experts, x [T, H] -> fp32 [T, H]. ``spec.weight_on_input``: the gathered rows are scaled by their
+    pair's weight (fp32 product, rounded to x's dtype for the GEMM) and the outputs are summed unweighted."""
     if spec.quant is not None:
         return _experts_quantized(x, topk_ids, topk_weights, args, spec)
     T, H = x.shape
@@ -130,7 +134,8 @@ def experts_fp32(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.
     counts = torch.bincount(flat_ids, minlength=spec.num_experts)
     offs = torch.cumsum(counts, 0).to(torch.int32)  # [E]
     tok = order // k
-    xs = x[tok]  # [P, H]
+    w = topk_weights.reshape(-1)[order, None].float()  # [P, 1]
+    xs = (x[tok].float() * w).to(x.dtype) if spec.weight_on_input else x[tok]  # [P, H]
     h = grouped_linear(xs, _in_out(args["w13"], spec.w_layout), offs, sorted_ids)  # [P, N]
     if args.get("b13") is not None:
         h = h + args["b13"][sorted_ids]
@@ -138,7 +143,8 @@ def experts_fp32(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.
     y = grouped_linear(h, _in_out(args["w2"], spec.w_layout), offs, sorted_ids).float()  # [P, H]
     if args.get("b2") is not None:
         y = y + args["b2"][sorted_ids].float()
-    y = y * topk_weights.reshape(-1)[order, None].float()
+    if not spec.weight_on_input:
+        y = y * w
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     out.index_add_(0, tok, y)
     return out

@@ -25,6 +25,7 @@ import triton
 
 from ..kernels import fp8 as fp8_k
 from ..kernels import fp8_linear as fp8_linear_k
+from ..spec import MoESpec
 from . import tuning
 from .common import _interpret, _precision, _sm_count, _upcast
 
@@ -189,3 +190,21 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
             num_stages=c["num_stages"], **kw,
         )
     return y if out is not None else y.reshape(*x.shape[:-1], N)
+
+
+def expert_quant(args: dict, spec: MoESpec, cfg: dict, T: int) -> tuple[dict | None, dict | None]:
+    """(gemm1's, gemm2's) fp8 kernel arguments (``quant_kwargs``) for a quantized spec, in the call's mode
+    (``tuning.fp8_mode``: MOECOMP_FP8_MODE, the config's "fp8" key, or the heuristic) and with the speed candidates
+    asked for (``tuning.fp8_candidates``; docs/FP8.md); (None, None) otherwise."""
+    qs = spec.quant
+    if qs is None:
+        return None, None
+    return expert_kwargs(qs, args, tuning.fp8_mode(qs, T, cfg), tuning.fp8_candidates(cfg))
+
+
+def block_cfg(x, spec: MoESpec) -> dict | None:
+    """The routed experts' config when they are quantized (its FP8 mode is the block's: the shared experts take it)."""
+    if spec.quant is None or spec.shared.quant is None:
+        return None
+    T, H = x.shape
+    return tuning.get_config(spec.num_experts, spec.intermediate_size, H, T, spec.top_k, x.dtype, x.device, spec.quant)

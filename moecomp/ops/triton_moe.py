@@ -6,6 +6,7 @@ moe_forward, main stream                                   side stream (shared e
     align kernels          -> sorted_ids, block_expert      s = h @ w2.T
     moe_gemm1_kernel       -> h [S, I]   (act fused)
     moe_gemm2_kernel       -> y [P, H]   (routing weight fused; moe_gemm2_tma_kernel where the config says "tma")
+                                         (spec.weight_on_input: fused into gemm1 instead, ``ops/weight_on_input.py``)
     combine_kernel         -> out [T, H] = sum_k y (+ sigmoid(gate) * s)   <- waits for the side stream
 
 Decode (T <= the config's ``decode.max_t``): no alignment; moe_gemm1_kernel(DIRECT) -> h [P, I] in pair order, then
@@ -42,8 +43,10 @@ from ..kernels import routing as routing_k
 from .. import reference
 from ..spec import MoESpec
 from . import triton_fp8, tuning
+from . import weight_on_input as woi
 from .common import _interpret, _precision, _sm_count, _upcast  # noqa: F401  (used here and by tests / benchmarks)
-from .triton_fp8 import expert_kwargs, fp8_a, fp8_linear, fp8_tile, gemm1_io, quant_kwargs  # noqa: F401
+from .triton_fp8 import (  # noqa: F401  (expert_quant: also the tuner's and tests')
+    block_cfg as _block_cfg, expert_kwargs, expert_quant, fp8_a, fp8_linear, fp8_tile, gemm1_io, quant_kwargs)
 
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "none": 3}
 _ACT = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu_oai": 4, "relu2": 5}
@@ -190,7 +193,7 @@ def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     if T == 0:
         return ids, weights
-    # "topk_then_score" is top-k of the raw logits, then softmax over the chosen (moecomp.reference): no correction
+    # "topk_then_score" is top-k of the raw logits, then the score of the chosen (moecomp.reference): no correction
     # bias and no group-limited selection take part, whatever else the spec says (the kernel would apply both).
     plain_topk = spec.score_order == "topk_then_score"
     n_group = 1 if plain_topk else spec.n_group
@@ -269,14 +272,18 @@ def _flat_ids(ids: torch.Tensor) -> torch.Tensor:
     return flat.contiguous() if flat.numel() > 1 and flat.stride(0) != 1 else flat
 
 
-def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, q: dict | None = None) -> torch.Tensor:
+def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, q: dict | None = None,
+          weights: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H] x w13 [E, 2I, H] over expert-sorted rows -> h [S, I] (activation fused); DIRECT (``direct``):
-    h [P, I] in pair order. ``q``: fp8 w13 (``quant_kwargs``; the pointer kernel, BLOCK_K per ``fp8_tile``)."""
+    h [P, I] in pair order. ``q``: fp8 w13 (``quant_kwargs``; the pointer kernel, BLOCK_K per ``fp8_tile``).
+    ``weights`` (fp32 [T, k]): the routing weights, needed (and only read) with ``spec.weight_on_input``."""
+    wk = woi.gemm1_kwargs(spec, weights)
     sorted_ids, block_expert, num_padded, max_blocks = aligned
     T, H = x.shape
     S, I = sorted_ids.numel(), spec.intermediate_size
     if q is None and c1.get("tma") and block_expert is not None and _tma1_ok(spec, x, w13):
-        return _gemm1_tma(x, w13, b13, spec, aligned, k, bm, c1, torch.empty(S, I, dtype=x.dtype, device=x.device))
+        return _gemm1_tma(x, w13, b13, spec, aligned, k, bm, c1, torch.empty(S, I, dtype=x.dtype, device=x.device),
+                          wk)
     c1 = fp8_tile(c1, q)
     x, h, out, q = gemm1_io(x, S, I, q, c1)  # (x, h, h, q) unless FP8 "prequant" (then out may be a QAct)
     se, sn, sk = _w_strides(w13, spec.w_layout)
@@ -292,7 +299,7 @@ def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, q: dic
         HAS_BIAS=b13 is not None, UPCAST=_upcast(x), DOT_PRECISION=_precision(x),
         BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
         TILE_N=c1["BLOCK_N"] * (2 if spec.gated else 1), DIRECT=block_expert is None,
-        num_warps=c1["num_warps"], num_stages=c1["num_stages"], **_pdl(x.device, gemm=True), **(q or {}),
+        num_warps=c1["num_warps"], num_stages=c1["num_stages"], **_pdl(x.device, gemm=True), **(q or {}), **wk,
     )
     return out
 
@@ -304,7 +311,7 @@ def gemm2(h, w2, b2, weights, spec: MoESpec, aligned, P: int, bm: int, c2: dict,
     H, I = spec.hidden_size, spec.intermediate_size
     y = torch.empty(P, H, dtype=h.dtype, device=h.device)
     if q is None and c2.get("tma") and block_expert is not None and _tma_ok(spec, h, w2):
-        return _gemm2_tma(h, w2, b2, weights, aligned, P, bm, c2, y)
+        return _gemm2_tma(h, w2, b2, weights, aligned, P, bm, c2, y, woi.gemm2_kwargs(spec))
     c2 = fp8_tile(c2, q)
     h, q = fp8_a(h, q, aligned, P)  # prequant: h (or gemm1's QAct) as e4m3 codes + scales
     se, sn, sk = _w_strides(w2, spec.w_layout)
@@ -316,6 +323,7 @@ def gemm2(h, w2, b2, weights, spec: MoESpec, aligned, P: int, bm: int, c2: dict,
         HAS_BIAS=b2 is not None, UPCAST=_upcast(h), DOT_PRECISION=_precision(h),
         BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"], DIRECT=block_expert is None,
         num_warps=c2["num_warps"], num_stages=c2["num_stages"], **_pdl(h.device, gemm=True), **(q or {}),
+        **woi.gemm2_kwargs(spec),
     )
     return y
 
@@ -367,7 +375,8 @@ def _programs(device: torch.device, tiles: int) -> int:
     return max(1, min(_sm_count(device), tiles))
 
 
-def _gemm1_tma(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, h: torch.Tensor) -> torch.Tensor:
+def _gemm1_tma(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, h: torch.Tensor,
+               wk: dict | None = None) -> torch.Tensor:
     """gemm1 on the TMA kernel. ``c1["tma_a"]``: x's rows gathered into sorted order first (xs [S, H]) and read by
     TMA too; else read by pointer loads. Warp specialisation (``c1["ws"]``) defaults to on with tma_a, off without."""
     sorted_ids, block_expert, num_padded, max_blocks = aligned
@@ -396,12 +405,13 @@ def _gemm1_tma(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, h
         GATED=spec.gated, ACT=_ACT[spec.activation], CLAMP=spec.activation_clamp, HAS_BIAS=b13 is not None,
         A_TMA=a_tma, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=c1["GROUP_M"],
         TILE_N=bn * (2 if spec.gated else 1), NUM_PROGRAMS=n_prog, WARP_SPECIALIZE=bool(c1.get("ws", a_tma)),
-        num_warps=c1["num_warps"], num_stages=c1["num_stages"], **_pdl(x.device, gemm=True),
+        num_warps=c1["num_warps"], num_stages=c1["num_stages"], **_pdl(x.device, gemm=True), **(wk or {}),
     )
     return h
 
 
-def _gemm2_tma(h, w2, b2, weights, aligned, P: int, bm: int, c2: dict, y: torch.Tensor) -> torch.Tensor:
+def _gemm2_tma(h, w2, b2, weights, aligned, P: int, bm: int, c2: dict, y: torch.Tensor,
+               wk: dict | None = None) -> torch.Tensor:
     """gemm2 on the TMA kernel: h [S, I] (sorted order) x w2 -> y [P, H] in pair order, times the routing weights."""
     sorted_ids, block_expert, num_padded, max_blocks = aligned
     E, H, I = w2.shape
@@ -413,7 +423,7 @@ def _gemm2_tma(h, w2, b2, weights, aligned, P: int, bm: int, c2: dict, y: torch.
         P, H, I, 0 if b2 is None else b2.stride(0), y.stride(0),
         HAS_BIAS=b2 is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=c2["GROUP_M"], NUM_PROGRAMS=n_prog,
         WARP_SPECIALIZE=bool(c2.get("ws", True)), num_warps=c2["num_warps"], num_stages=c2["num_stages"],
-        **_pdl(h.device, gemm=True),
+        **_pdl(h.device, gemm=True), **(wk or {}),
     )
     return y
 
@@ -443,6 +453,7 @@ def decode_down(h, w2, b2, ids_flat, weights, spec: MoESpec, out, shared, gate, 
         HAS_GATE=gate is not None, UPCAST=_upcast(h), DOT_PRECISION=_precision(h),
         BLOCK_M=16, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"],
         num_warps=c2["num_warps"], num_stages=c2["num_stages"], **_pdl(h.device, gemm=True), **(q or {}),
+        **woi.gemm2_kwargs(spec),
     )
     return out
 
@@ -456,18 +467,8 @@ def experts(x, ids, weights, args: dict, spec: MoESpec, cfg: dict | None = None)
     bm = cfg["BLOCK_M"]
     q1, q2 = expert_quant(args, spec, cfg, T)
     aligned = align(ids, spec.num_experts, bm)
-    h = gemm1(x, args["w13"], _unit_stride(args["b13"]), spec, aligned, k, bm, cfg["g1"], q1)
+    h = gemm1(x, args["w13"], _unit_stride(args["b13"]), spec, aligned, k, bm, cfg["g1"], q1, weights)
     return gemm2(h, args["w2"], _unit_stride(args["b2"]), weights, spec, aligned, T * k, bm, cfg["g2"], q2)
-
-
-def expert_quant(args: dict, spec: MoESpec, cfg: dict, T: int) -> tuple[dict | None, dict | None]:
-    """(gemm1's, gemm2's) fp8 kernel arguments (``quant_kwargs``) for a quantized spec, in the call's mode
-    (``tuning.fp8_mode``: MOECOMP_FP8_MODE, the config's "fp8" key, or the heuristic) and with the speed candidates
-    asked for (``tuning.fp8_candidates``; docs/FP8.md); (None, None) otherwise."""
-    qs = spec.quant
-    if qs is None:
-        return None, None
-    return expert_kwargs(qs, args, tuning.fp8_mode(qs, T, cfg), tuning.fp8_candidates(cfg))
 
 
 def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=None, cfg: dict | None = None,
@@ -489,7 +490,7 @@ def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=No
         return combine(y, T, k, out, shared, gate)
     ids_direct = direct(ids)
     q1, q2 = expert_quant(args, spec, cfg, T)
-    h = gemm1(x, args["w13"], _unit_stride(args["b13"]), spec, ids_direct, k, 16, dec["g1"], q1)
+    h = gemm1(x, args["w13"], _unit_stride(args["b13"]), spec, ids_direct, k, 16, dec["g1"], q1, weights)
     return decode_down(h, args["w2"], _unit_stride(args["b2"]), ids_direct[0], weights.reshape(-1), spec, out,
                        shared, gate, dec["g2"], join, q2)
 
@@ -532,14 +533,6 @@ def shared_mlp(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
         ACT=_ACT[sh.activation], CLAMP=sh.activation_clamp, BLOCK=block,
     )
     return _scaled(lin(hs, "shared_w2"), sh.scale)
-
-
-def _block_cfg(x, spec: MoESpec) -> dict | None:
-    """The routed experts' config when they are quantized (its FP8 mode is the block's: the shared experts take it)."""
-    if spec.quant is None or spec.shared.quant is None:
-        return None
-    T, H = x.shape
-    return tuning.get_config(spec.num_experts, spec.intermediate_size, H, T, spec.top_k, x.dtype, x.device, spec.quant)
 
 
 def _shared_linear(args: dict, quant, cfg: dict | None = None):

@@ -19,12 +19,14 @@ The matched subgraph (names are roles, not node names; ``[..]`` optional, ``|`` 
             bias_on_logits:   topk(logits + correction_bias, k) ──► ids ;
                               weights = sigmoid(logits.gather(ids)) | scores.gather(ids)   (elementwise: same)
             topk_then_score:  topk(logits, k) ──► ids ; weights = softmax(values)
+                              | full(-inf).scatter(ids, values) ─► sigmoid | softmax   (dense [T, E]: Llama 4)
                                                      │
                   [weights /= max(weights.sum(-1) (+eps), renorm_min)] [* or / scalar] [.to(model dtype)]
                                                      │
         x ──► dispatch by ids ──► GEMM(w13 [E,2I,H] | [E,H,2I]) [+ b13[ids]]
                  ──► act(gate) * up | act(gate.clamp(max=L)) * up.clamp(-L, L) | swiglu_oai | act | relu(·)**2
                  ──► GEMM(w2 [E,H,I] | [E,I,H]) [+ b2[ids]] ──► * weights ──► combine over k
+                 (weight_on_input: the weights scale x before the first GEMM instead, combine unweighted: Llama 4)
                  ──► [* routed_scaling (scalar constant / attribute, folded into routed_scaling_factor)]
                                                      │
         x ──► [shared: down(act(gate_proj x) * up_proj x) | clamped | swiglu_oai(chunk(gate_up_proj x)) | act(up x)
@@ -117,7 +119,7 @@ from ._context import Context
 from ._fx import op_name  # noqa: F401  (read by tests as detect_moe.op_name)
 from ._numeric import Block, verify
 from ._reject import NotACandidate, Reject
-from .moe_experts import Experts, stacked_experts
+from .moe_experts import Experts, stacked_experts, weights_on_input
 from .moe_output import MAX_OUTPUT_CANDIDATES, block_output, common_scale, output_candidates, output_scale
 from .moe_per_expert import per_expert, selector_topks
 from .moe_region import Region, check_ops, find_region, pick_input
@@ -271,7 +273,9 @@ def _match_at(ctx: Context, t: fx.Node) -> MoEMatch:
 def _experts(ctx: Context, r: Routing, region: Region) -> Experts:
     """Stacked 3-D expert weights; else per-expert modules (``NotACandidate`` when neither is there)."""
     ex = stacked_experts(ctx, r, region)
-    return ex if ex is not None else per_expert(ctx, r, region)
+    ex = ex if ex is not None else per_expert(ctx, r, region)
+    ex.weight_on_input = weights_on_input(ctx, r, ex, region.all)
+    return ex
 
 
 def _match_output(ctx: Context, c: _Candidate, out: fx.Node) -> MoEMatch:
@@ -303,15 +307,22 @@ def _match_output(ctx: Context, c: _Candidate, out: fx.Node) -> MoEMatch:
 
 def _fold_output_scale(ctx: Context, r: Routing, core: set, ex: Experts, out: fx.Node, sh: Shared | None) -> None:
     """A scalar multiply of the routed output before the shared add is routed scaling (``r.scaling``); a constant
-    one after it, common to routed and shared, scales both (``r.scaling`` and the shared spec's ``scale``)."""
+    one after it, common to routed and shared, scales both (``r.scaling`` and the shared spec's ``scale``). Not with
+    the weights on the expert input: routed scaling scales the input then, and the experts are not linear."""
     if sh is not None:  # (routed + shared) * c: both scaled by c (Cohere2-MoE's "average", c = 1/2)
         c = common_scale(ctx, core, ex.g2_all, out, sh.down)
+        if c != 1.0 and ex.weight_on_input:
+            raise Reject(f"the MoE output is scaled by {c:g} while the routing weights scale the expert input: "
+                         "not a form MoESpec expresses", RejectCode.NOT_RECOGNISED)
         if c != 1.0:
             r.scaling *= c
             sh.spec = dataclasses.replace(sh.spec, scale=sh.spec.scale * c)
     scale, scale_baked = output_scale(ctx, core, ex.g2_all, out, sh.down if sh else None)
     if scale == 1.0:
         return
+    if ex.weight_on_input:
+        raise Reject(f"the routed output is scaled by {scale:g} while the routing weights scale the expert input: "
+                     "not a form MoESpec expresses", RejectCode.NOT_RECOGNISED)
     r.scaling *= scale
     if "routed_scaling_factor" in scale_baked and "routed_scaling_factor" in r.baked:
         raise Reject("routed scaling read from two scalar attributes (router and block output)")
@@ -327,7 +338,7 @@ def _spec_fields(r: Routing, ex: Experts, sh: Shared | None) -> dict:
         has_correction_bias=r.correction_bias is not None, bias_on_logits=r.bias_on_logits,
         group_mask_zero=r.group_mask_zero, has_router_bias=r.router_b is not None, router_fp32=r.router_fp32,
         round_weights=r.round_weights, gated=ex.gated, activation_clamp=ex.act.clamp, has_expert_bias=ex.has_bias,
-        shared=sh.spec if sh else None, quant=ex.quant,
+        shared=sh.spec if sh else None, quant=ex.quant, weight_on_input=ex.weight_on_input,
     )
     if ex.act.alpha is not None:
         fields["activation_alpha"] = ex.act.alpha

@@ -4,10 +4,12 @@
           ──► gate split: chunk / split / [:I] (concat) | [..., ::2] (interleaved)
           ──► activation (moe_activation) ──► GEMM(w2 [E,H,I] | [E,I,H]) [+ b2[ids] ([E,H])]          = g2
           ──► * weights ──► combine over k
+    or (weight_on_input, Llama 4): x * weights ──► dispatch ──► g1 ──► ... ──► g2 ──► combine (unweighted)
 
 The GEMM is ``grouped_mm``, ``bmm`` / ``matmul`` / ``einsum`` on gathered ``w[ids]``, or ``linear`` of ``w[e]`` in a
 per-expert loop. Which weight is w13 follows from which GEMM feeds the other; the layout from the shapes (and where
-every dim equals H, from how the GEMM reads the weight, else both are left to the numeric check). A block that reads
+every dim equals H, from how the GEMM reads the weight, else both are left to the numeric check). The routing weights
+scale the expert input when they are an ancestor of the first GEMM (:func:`weights_on_input`). A block that reads
 no [E, ., .] weight may keep its experts as per-expert modules of 2-D weights: ``moe_per_expert`` matches those.
 """
 
@@ -52,6 +54,7 @@ class Experts:
     baked: dict = field(default_factory=dict)  # spec field -> placeholder its value was read from
     quant: object = None  # QuantSpec of quantized w13 / w2 (moe_quant), or None
     scales: dict = field(default_factory=dict)  # w13_scale / w2_scale (/ a13_scale / a2_scale) -> placeholder
+    weight_on_input: bool = False  # the routing weights scale the first GEMM's input (``weights_on_input``)
 
     @property
     def has_bias(self) -> bool:
@@ -88,6 +91,15 @@ def stacked_experts(ctx: Context, R: Routing, region: Region) -> Experts | None:
     if ex.quant is not None:
         ex.layouts = ["out_in"]
     return ex
+
+
+def weights_on_input(ctx: Context, R: Routing, ex: Experts, nodes: set) -> bool:
+    """Do the routing weights reach the first expert GEMM(s), i.e. is each expert's input ``weight * x`` (Llama 4's
+    ``routed_in = x * router_scores``)? Otherwise they can only scale the experts' outputs. (Where they do both, the
+    spec's form does not agree with the block and the numeric check refuses it.)"""
+    if R.weights is None:
+        return False
+    return any(R.weights in _fx.ancestors(g, nodes, pos=ctx.order) for g in ex.g1)
 
 
 def _stacked_weights(ctx: Context, E: int, nodes: set) -> list:

@@ -4,11 +4,14 @@
           ─► [+ correction_bias] ─► [group view ─ topk(2).sum | amax ─ topk(topk_group) ─ masked_fill(-inf | 0.0)]
           ─► topk(·, k) ─┬─► ids
                          └─► values | scores.gather(ids) | softmax(values) (topk_then_score)   = weights
+                             | full(-inf).scatter(ids, values) ─► sigmoid | softmax  (topk_then_score, dense [T, E])
           weights ─► [/ max(sum(-1) (+ eps), renorm_min)] [* or / scalar] [.to(model dtype)] ─► the experts
 
 ``topk(logits + correction_bias)`` (bias on the logits) takes its weights as ``sigmoid(logits.gather(ids))`` or
-``sigmoid(logits).gather(ids)``. Blocks whose ids come from a table lookup of token ids (hash routing) have no top-k:
-:func:`hash_routed` reports them. Routings no spec expresses are refused with ``UNSUPPORTED_ROUTING``.
+``sigmoid(logits).gather(ids)``. Llama 4 scores the chosen logits densely: the top-k values scattered into a [T, E]
+tensor of -inf, then a sigmoid (0 off the chosen experts), i.e. ``topk_then_score`` with sigmoid scoring. Blocks
+whose ids come from a table lookup of token ids (hash routing) have no top-k: :func:`hash_routed` reports them.
+Routings no spec expresses are refused with ``UNSUPPORTED_ROUTING``.
 """
 
 from __future__ import annotations
@@ -175,7 +178,51 @@ def _weights_source(ctx: Context, R: Routing, t: fx.Node, walk: _Walk) -> fx.Nod
             raise unsupported_routing("softmax of the top-k values over an unexpected dim")
         R.scoring, R.score_order = "softmax", "topk_then_score"
         return sm[0]
-    return vals[0]
+    dense = _scored_scatter(ctx, R, vals[0]) if walk.scoring is None else None
+    return vals[0] if dense is None else dense
+
+
+_SCATTERS = ("scatter", "scatter_")
+_FILLS = {"full_like": 1, "full": 1, "new_full": 2}  # op -> position of the fill value
+
+
+def _scored_scatter(ctx: Context, R: Routing, vals: fx.Node) -> fx.Node | None:
+    """The top-k values of raw logits scattered by the ids into a [T, E] tensor of -inf, then (through casts) a
+    sigmoid or a softmax over the experts (Llama 4): the topk_then_score weights in dense form, exactly 0 off the
+    chosen experts. Sets ``R.scoring`` / ``R.score_order`` and returns the scoring node; None when ``vals`` is not
+    used so."""
+    for u in vals.users:
+        if op_name(u) not in _SCATTERS or arg(u, 3, "src") is not vals or arg(u, 2, "index") is not R.ids:
+            continue
+        base = arg(u, 0)
+        if arg(u, 1, "dim") not in (-1, 1) or not isinstance(base, fx.Node) or op_name(base) not in _FILLS:
+            continue
+        fill = arg(base, _FILLS[op_name(base)], "fill_value")
+        if not (isinstance(fill, float) and fill == -math.inf):
+            continue
+        # the scattered tensor: the scatter's result, or (in place) its base read after it
+        heads = [u] + ([base] if op_name(u) == "scatter_" else [])
+        found = []
+        for h in heads:
+            todo = [h]
+            while todo:
+                cur = todo.pop()
+                for v in cur.users:
+                    if ctx.order[v] <= ctx.order[u]:
+                        continue
+                    if op_name(v) in _fx.CAST_OPS:
+                        todo.append(v)
+                    elif op_name(v) == "sigmoid" or (
+                            op_name(v) == "softmax" and arg(v, 1, default=None) in (-1, 1)):
+                        found.append(v)
+        if not found:
+            continue
+        if len(found) > 1:
+            raise unsupported_routing("top-k values scattered into -inf: expected one sigmoid or softmax of them, "
+                                      f"found {len(found)}")
+        R.scoring, R.score_order = op_name(found[0]), "topk_then_score"
+        return found[0]
+    return None
 
 
 def _bias_ph(ctx: Context, n, E: int):

@@ -462,7 +462,9 @@ def test_expert_module_shared_by_two_blocks():
 @pytest.fixture
 def grad_warning_once(monkeypatch):
     """The gradient warning is once per process: start each test from a fresh state."""
-    monkeypatch.setattr(B, "_grad_warned", False, raising=False)
+    from moecomp.hf import bind_common
+
+    monkeypatch.setattr(bind_common, "_grad_warned", False)
 
 
 def _grads(model):
