@@ -12,6 +12,6 @@ $(VENV)/.ready: pyproject.toml
 demo: $(VENV)/.ready
 	$(PY) -m moecomp demo
 
-# two workers (pytest-xdist; CI has 2 cores), a test file per worker at a time (files keep their fixtures and order)
+# two workers (pytest-xdist; CI has 2 cores), each taking tests from the other when idle (8m53s here, 9m36s by files)
 test: $(VENV)/.ready
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist worksteal
