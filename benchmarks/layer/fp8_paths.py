@@ -78,19 +78,9 @@ def make_vllm_fp8_fn(fused, spec, fb: fp8.Fp8Block, router, compute_dtype: torch
     route = peers.routing_fn(spec, fb.tensors, router)
     shared = peers.torch_shared_expert(spec, fb.dequantized_shared(common.DTYPE))
 
-    def vllm_fp8_fn(x):
-        x2 = x.reshape(-1, H)
-        tw, ti = route(x2)
-        xin = x2 if x2.dtype == compute_dtype else x2.to(compute_dtype)
-        out = fused(xin.contiguous(), w13, w2, tw, ti, use_fp8_w8a8=True, w1_scale=s13, w2_scale=s2,
-                    block_shape=VLLM_BLOCK)
-        if out.dtype != x.dtype:
-            out = out.to(x.dtype)
-        if shared is not None:
-            out = out + shared(x2)
-        return out.view(x.shape)
-
-    return vllm_fp8_fn
+    return peers.vllm_block_fn(lambda xin, tw, ti: fused(xin, w13, w2, tw, ti, use_fp8_w8a8=True, w1_scale=s13,
+                                                         w2_scale=s2, block_shape=VLLM_BLOCK),
+                               H, route, shared, compute_dtype)
 
 
 # ------------------------------------------------------------------------------------- torch._scaled_grouped_mm

@@ -175,11 +175,19 @@ def make_vllm_fn(fused, spec, tensors: dict, router, compute_dtype: torch.dtype)
     route = routing_fn(spec, tensors, router)
     shared = torch_shared_expert(spec, tensors)
 
+    return vllm_block_fn(lambda xin, tw, ti: fused(xin, w13, w2, tw, ti), H, route, shared, compute_dtype)
+
+
+def vllm_block_fn(experts, H: int, route, shared, compute_dtype: torch.dtype):
+    """x [1, T, H] -> [1, T, H] around a vLLM experts call ``experts(x [T, H] in compute_dtype, topk weights, topk
+    ids)``: the router first, the output cast back to x's dtype, plus the shared expert in torch (bf16 and fp8
+    peers alike)."""
+
     def vllm_fn(x):
         x2 = x.reshape(-1, H)
         tw, ti = route(x2)
         xin = x2 if x2.dtype == compute_dtype else x2.to(compute_dtype)
-        out = fused(xin.contiguous(), w13, w2, tw, ti)
+        out = experts(xin.contiguous(), tw, ti)
         if out.dtype != x.dtype:
             out = out.to(x.dtype)
         if shared is not None:

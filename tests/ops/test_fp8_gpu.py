@@ -22,22 +22,12 @@ from moecomp.ops import tuning
 from moecomp.ops.common import MOE_ARGS, QUANT_ARGS
 from moecomp.spec import MoESpec, QuantSpec
 from moecomp.testing import LAYER_PRESETS, quantize_moe_args, random_moe_args
+from test_gpu import poison_cache, rel_err  # (tests/ops is on sys.path, no package: the bf16 GPU tests)
 
 pytestmark = pytest.mark.gpu
 
 TOL = 2e-2
 Q = QuantSpec()  # 128x128 blocks (DeepSeek-V3 / Qwen3-FP8 checkpoints), fp32 scales, dynamic activations
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
-def poison_cache():
-    """Leave NaNs in the caching allocator's free blocks so unwritten scratch would show."""
-    junk = torch.full((64 << 20,), float("nan"), device="cuda")
-    del junk
 
 
 def quantized_spec(name: str, quant: QuantSpec = Q, shared: bool = True) -> MoESpec:
