@@ -267,6 +267,7 @@ def test_warmup_then_generate_replays_at_once():
     assert opt.generate.last["cache_length"] == 768
 
 
+@pytest.mark.exclusive
 def test_capture_after_memory_left_cached():
     """issue 20: a model that ran transformers' generate before optimize decoded 3x slower at 32 layers (46.7B).
     The suspected mechanism, reproduced directly: nearly all free device memory held by the caching allocator
