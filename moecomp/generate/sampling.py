@@ -106,9 +106,24 @@ class Sampler:
             raise Unsupported("eos stopping without a pad token")
         pad = -1 if pad is None else int(torch.as_tensor(pad).reshape(-1)[0])
         do_sample = bool(generation_config.do_sample)
+        procs, sig = _canonical_min_length(procs, sig, eos)
         s = cls(do_sample, procs, eos, pad, max(0, min_new))
         s.signature = (do_sample, tuple(sig), eos, pad)
         return s, max_length
+
+
+def _canonical_min_length(procs: list, sig: list, eos: tuple) -> tuple[list, list]:
+    """With eos stopping, one MinLength on the stopping eos first, whether or not the call asked for a minimum
+    (``min_new`` 0 masks nothing): a call with ``min_new_tokens`` (``moecomp.warmup``'s) and one without then share
+    a captured step. Kept as transformers ordered them where a min-length processor names other tokens or comes
+    after a warper."""
+    if not eos:
+        return procs, sig
+    ml = [i for i, p in enumerate(procs) if isinstance(p, MinLength)]
+    if any(tuple(sorted(set(procs[i].eos))) != eos for i in ml) or ml != list(range(len(ml))):
+        return procs, sig
+    rest = [(p, g) for p, g in zip(procs, sig) if not isinstance(p, MinLength)]
+    return [MinLength(eos)] + [p for p, _ in rest], [("MinLength", eos)] + [g for _, g in rest]
 
 
 class StepState:

@@ -285,7 +285,19 @@ def test_warmup_prepares_the_slot_later_calls_use(monkeypatch):
     """moecomp.warmup: two short calls per batch size on a cache of max_length (rounded up); a later call of that
     batch whose prompt + new tokens fit reuses the slot (same tokens as transformers'); bad arguments are
     ValueErrors naming them."""
+    from moecomp.generate.sampling import Sampler
+
+    sigs = []
+    from_hf = Sampler.from_hf.__func__
+
+    def spy(cls, *a, **k):
+        s, n = from_hf(cls, *a, **k)
+        sigs.append(s.signature)
+        return s, n
+
+    monkeypatch.setattr(Sampler, "from_hf", classmethod(spy))
     ref, opt = _pair("qwen3_moe")
+    assert ref.generation_config.eos_token_id is not None  # the min-length mask is in play
     eng = opt.generate._engine()
     eng.cpu_compile, eng.compile_backend = True, "eager"
     got = moecomp.warmup(opt, batch_sizes=[2], max_length=300, prompt_length=5)
@@ -295,6 +307,8 @@ def test_warmup_prepares_the_slot_later_calls_use(monkeypatch):
     want = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     assert torch.equal(opt.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False), want)
     assert opt.generate.last["cache_length"] == 512 and list(eng.slots) == slots  # no new slot
+    # warmup's calls (min_new_tokens set) and the user's (none) share one sampler signature: one captured step
+    assert len(sigs) == 3 and sigs[0] == sigs[1] == sigs[2], sigs
     with pytest.raises(ValueError, match="batch_sizes"):
         moecomp.warmup(opt, batch_sizes=[0])
     with pytest.raises(ValueError, match="max_length"):
