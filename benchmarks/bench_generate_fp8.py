@@ -66,11 +66,12 @@ def teacher_forced_agreement(model, seq: torch.Tensor, S: int) -> float:
 
 def one_liner(model, ids, new: int, cuda: bool) -> tuple[dict, torch.Tensor]:
     t = time.perf_counter()
-    for n in (2, 2):  # the first call captures the decode graph and compiles the step, the second the prefill
-        bg.run_one_liner(model, ids, n, cuda)
+    for _ in range(2):  # the first call compiles the step and captures it, the second compiles the prefill
+        bg.run_one_liner(model, ids, bg.ONE_LINER_WARM, cuda)
     warm = time.perf_counter() - t
     out, pre, dec, last = bg.run_one_liner(model, ids, new, cuda)
-    return dict(decode_ms=dec * 1e3, prefill_ms=pre * 1e3, warmup_s=warm, graphs=last.get("graphs")), out
+    return dict(decode_ms=dec * 1e3, prefill_ms=pre * 1e3, warmup_s=warm, graphs=last.get("graphs"),
+                eager_steps=last.get("eager_steps"), captures=last.get("captures")), out
 
 
 def _profile(model, name: str, dtype: str, B: int, ids, args, cuda: bool, result: dict) -> None:
