@@ -29,7 +29,9 @@ sys.path.insert(0, HERE)
 
 import bench_generate as bg  # noqa: E402
 
-WATCH = re.compile(r"layers\.\d+(\.(self_attn|mlp)(\.[a-z_]+proj[a-z_]*|\.shared_experts(\.[a-z_]+)?)?)?$")
+# decoder layers, attention blocks and their projections, MLP blocks; nothing inside an MoE block (a hook on its
+# router, experts or shared experts makes the bound block run its original forward)
+WATCH = re.compile(r"layers\.\d+(\.self_attn(\.[a-z_]+proj[a-z_]*)?|\.mlp)?$")
 
 
 def _rel(a, b) -> float:
