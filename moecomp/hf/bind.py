@@ -386,7 +386,9 @@ class BoundForward:
 
 
 def _call_original(block, st: BoundState, x, rest, kwargs):
-    with _as_before(getattr(st, "impl_config", None), getattr(st, "impl_prev", None)):
+    from .fp8 import fallback_context
+
+    with _as_before(getattr(st, "impl_config", None), getattr(st, "impl_prev", None)), fallback_context(block):
         if st.original is not None:
             return st.original(x, *rest, **kwargs)
         return type(block).forward(block, x, *rest, **kwargs)

@@ -66,7 +66,12 @@ def experts_block_forward(m: nn.Module, *args, **kwargs):
             _warn_grad(grad)
     if not compiling:
         st.fallbacks += 1
+    from .fp8 import plain_experts_call
+
+    plain = plain_experts_call(m)
     with _as_before(getattr(st, "impl_config", None), getattr(st, "impl_prev", None)):
+        if plain is not None:  # FP8 experts: transformers' forward needs the hub's kernel
+            return plain(*args, **kwargs)
         if st.original is not None:
             return st.original(*args, **kwargs)
         return type(m).forward(m, *args, **kwargs)

@@ -388,15 +388,15 @@ def _plain_forward(kind: str, m: nn.Module):
 
 
 @contextlib.contextmanager
-def plain_fp8(root: nn.Module | None):
-    """While active, every FP8 module under ``root`` (``FP8Experts``-like, ``FP8Linear``-like: :func:`fp8_kind`)
-    runs its plain-PyTorch forward (an instance attribute, removed on exit; contexts nest). Nothing else changes:
-    modules without fp8 weights are left alone."""
+def plain_fp8(root: nn.Module | None, kinds: tuple = ("experts", "linear")):
+    """While active, every FP8 module under ``root`` (``FP8Experts``-like, ``FP8Linear``-like: :func:`fp8_kind`;
+    ``kinds`` which of them) runs its plain-PyTorch forward (an instance attribute, removed on exit; contexts nest).
+    Nothing else changes: modules without fp8 weights are left alone."""
     patched = []
     if root is not None:
         for m in root.modules():
             kind = fp8_kind(m)
-            if kind is None:
+            if kind is None or kind not in kinds:
                 continue
             cur = m.__dict__.get("forward", _MISSING)
             if getattr(cur, "_moecomp_plain", False):
@@ -536,3 +536,23 @@ def unbind_linear(m: nn.Module) -> bool:
 def fp8_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every FP8Linear-like module of ``model`` (a quantized 2-D ``weight``), bound or not."""
     return [(n, m) for n, m in model.named_modules() if fp8_kind(m) == "linear"]
+
+
+def fallback_context(root: nn.Module):
+    """The context a bound block's (or experts module's) original forward runs in: its FP8 experts in plain PyTorch
+    (transformers' FP8 experts forward needs the hub's kernel, which is never available here: without this a hook
+    or gradient fallback would raise ``ImportError: finegrained-fp8 kernel unavailable``). FP8 linears keep their
+    bound forward (moecomp's kernel). A no-op context for modules without FP8 experts, and under torch.compile (the
+    compile backend traces FP8 modules as plain forwards already: ``install_trace_forwards``)."""
+    if torch.compiler.is_compiling() or not any(fp8_kind(m) == "experts" for m in root.modules()):
+        return contextlib.nullcontext()
+    return plain_fp8(root, kinds=("experts",))
+
+
+def plain_experts_call(m: nn.Module):
+    """For an experts module bound on its own whose weights are FP8: its plain-PyTorch forward (what its fallback
+    runs instead of transformers' hub-kernel forward); None for other modules or under torch.compile."""
+    if torch.compiler.is_compiling() or fp8_kind(m) != "experts":
+        return None
+    return _plain_forward("experts", m)
+

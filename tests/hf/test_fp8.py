@@ -150,6 +150,38 @@ def test_static_activation_scales(ids):
     assert rel_err(logits(model, ids), want) <= TOL_PLAIN
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_fallback_of_fp8_block_needs_no_hub_kernel(family, ids):
+    """A hook on a bound FP8 block's router makes the block run its original forward (the hook must fire). That
+    forward's FP8 experts would call transformers' hub kernel (ImportError offline, found on the H200 by
+    benchmarks/diag_fp8_modules.py): they run their plain forward instead, so the logits are the dequantized
+    reference's, the hook fires once per block, and the FP8 linears keep moecomp's kernel."""
+    model = C.to_fp8(build(family))
+    with P.plain_fp8(model):
+        want = logits(model, ids)
+    _, rep = moecomp.optimize(model, report=True)
+    blocks = list(rewritten_blocks(model).values())
+    assert len(rep.rewritten) == len(blocks) == model.config.num_hidden_layers
+    fired = []
+    hs = [b.gate.register_forward_hook(lambda m, a, o: fired.append(1)) for b in blocks]
+    try:
+        with pytest.MonkeyPatch.context() as mp:  # transformers' FP8 forward, if reached, fails as offline
+            import transformers.integrations.finegrained_fp8 as hf8
+
+            def offline():
+                raise ImportError("finegrained-fp8 kernel unavailable (test)")
+
+            mp.setattr(hf8, "load_finegrained_fp8_kernel", offline, raising=False)
+            got = logits(model, ids)
+    finally:
+        for h in hs:
+            h.remove()
+    assert len(fired) == len(blocks)
+    assert sum(b._moecomp.fallbacks for b in blocks) == len(blocks)
+    assert not any("_moecomp_plain" in getattr(m.__dict__.get("forward"), "__dict__", {}) for m in model.modules())
+    assert rel_err(got, want) <= TOL_PLAIN
+
+
 # --------------------------------------------------------------------------------------------- other doors
 def test_experts_interface_fp8(ids):
     from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
