@@ -242,3 +242,43 @@ def test_fp8_linear_kernel_matches_reference(poison, monkeypatch, case):
     ref = op_mod.torch_fp8_linear(x.float(), wq, ws, b, a_s, ref_q)
     assert rel_err(y, ref) < TOL[dtype], f"{case}: rel err {rel_err(y, ref):.2e}"
     assert torch.ops.moecomp.fp8_linear(x[:0], wq, ws, b, a_s, q.key).shape == (0, 3, N)
+
+
+GEMV = {  # name: (QuantSpec fields, x dtype, bias, rows M)
+    "block-fp32-bias-m1": (dict(), torch.float32, True, 1),
+    "block-fp32-m3": (dict(), torch.float32, False, 3),
+    "block32x64-fp16-m2": (dict(block_n=32, block_k=64), torch.float16, True, 2),
+    "channel-ue8m0-fp32-m4": (dict(scale="channel", scale_dtype="ue8m0"), torch.float32, True, 4),
+    "tensor-bf16-m1": (dict(scale="tensor"), torch.bfloat16, False, 1),
+    "block-ue8m0-none-fp16-m1": (dict(scale_dtype="ue8m0", activation="none"), torch.float16, False, 1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GEMV))
+def test_fp8_gemv_form_matches_reference(poison, monkeypatch, case):
+    """fp8_linear's weight-only calls of up to FP8_GEMV_MAX_M rows run ``fp8_gemv_kernel`` (counted; two scale
+    groups a K step under the interpreter, K = 328 not a multiple of them, N = 70 not a multiple of BLOCK_N) and
+    match the weight-only reference; MOECOMP_FP8_GEMV=0 and 5 rows take the dot kernel, which agrees."""
+    op_mod = importlib.import_module("moecomp.ops.fp8_linear")
+    from moecomp.ops import triton_fp8
+
+    fields, dtype, bias, M = GEMV[case]
+    monkeypatch.setenv("MOECOMP_CPU_BACKEND", "triton")
+    monkeypatch.setenv("MOECOMP_FP8_MODE", "w8a16")
+    calls = []
+    real = triton_fp8._gemv
+    monkeypatch.setattr(triton_fp8, "_gemv", lambda *a: (calls.append(a[0].shape[0]), real(*a))[1])
+    q = QuantSpec(**fields)
+    g = torch.Generator().manual_seed(len(case) + M)
+    N, K = 70, 328
+    wq, ws = q8.quantize(torch.randn(N, K, generator=g) * 0.1, q)
+    x = torch.randn(5, K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g) if bias else None
+    y = torch.ops.moecomp.fp8_linear(x[:M], wq, ws, b, None, q.key)
+    assert calls == [M] and y.shape == (M, N) and y.dtype == dtype and torch.isfinite(y).all()
+    ref = op_mod.torch_fp8_linear(x[:M].float(), wq, ws, b, None, weight_only(q))
+    assert rel_err(y, ref) < TOL[dtype], f"{case}: rel err {rel_err(y, ref):.2e}"
+    y5 = torch.ops.moecomp.fp8_linear(x, wq, ws, b, None, q.key)  # 5 rows: the dot kernel
+    monkeypatch.setenv("MOECOMP_FP8_GEMV", "0")
+    y_dot = torch.ops.moecomp.fp8_linear(x[:M], wq, ws, b, None, q.key)
+    assert calls == [M] and rel_err(y_dot, ref) < TOL[dtype] and rel_err(y5[:M], ref) < TOL[dtype]
