@@ -147,6 +147,14 @@ issue20)  # issue 20, next session: the generate GPU tests (eager-step-free repl
   timeout ${GEN_TIMEOUT:-360} python3 benchmarks/bench_generate.py ${GEN_ARGS:---models qwen3,qwen2 --layers qwen3=12 \
       --batches 1,32 --paths hf,one_liner --profile one_liner:1} --budget-s ${GEN_BUDGET:-320} \
       --out-json "$OUT/generate-issue20.json" 2>&1 | tee "$OUT/generate-issue20.log" | quiet | tail -40 ;;
+fp8gemv)  # issue 19, next session: fp8_linear's GEMV form (MOECOMP_FP8_GEMV=1, off by default: unmeasured) against the
+         # dot form and cuBLAS on the attention shapes of Qwen3 / DeepSeek-V3; then Qwen3 B=1 generate with it on
+  timeout 120 python3 benchmarks/diag_fp8_gemv.py --rows 1,2,4 --out-json "$OUT/diag-fp8-gemv.json" 2>&1 \
+      | grep -v "^DEBUG" | tee "$OUT/diag-fp8-gemv.log" | grep "^|"
+  timeout 60 python3 -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_fp8_gemm.py -k gemv 2>&1 | tail -3
+  for g in 0 1; do MOECOMP_FP8_GEMV=$g timeout 150 python3 benchmarks/bench_generate_fp8.py --models qwen3 \
+      --batches 1 --ref-batches "" --budget-s 120 --out-json "$OUT/generate-fp8-gemv$g.json" 2>&1 | grep "fp8 decode"
+  done ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
   timeout ${TUNE_TIMEOUT:-560} python3 -m moecomp tune --restart -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-480} \
       --presets ${PRESETS:-all} ${TOKENS:+--tokens $TOKENS} --copy-to "$OUT" 2>&1 | tee "$OUT/tune.log" \

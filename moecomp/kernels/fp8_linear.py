@@ -7,6 +7,9 @@ One program per [BLOCK_M, BLOCK_N] output tile (grouped order: GROUP_M row block
 K loop is ``fp8.dot_loop`` (weight-only, dynamic or static activations; block, channel or tensor weight scales),
 accumulated in fp32. At a few rows (decode: BLOCK_M = 16) the kernel is bound by the weight bytes, so the launcher
 picks BLOCK_N for enough programs to keep every SM streaming.
+
+``fp8_gemv_kernel``: the weight-only form for up to 4 rows (``MOECOMP_FP8_GEMV=1``; not yet measured on a GPU, so
+off by default): BLOCK_N (4-64) weight rows a program, fp32 products reduced over K, no tensor cores.
 """
 
 import triton

@@ -197,8 +197,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 def _gemv_ok(q, kw: dict, M: int) -> bool:
-    """A weight-only call of a few rows (``tuning.FP8_GEMV_MAX_M``) whose scale blocks are a power of two wide."""
-    if os.environ.get("MOECOMP_FP8_GEMV", "1") == "0" or M > tuning.FP8_GEMV_MAX_M or kw["A_QUANT"] != 0:
+    """A weight-only call of a few rows (``tuning.FP8_GEMV_MAX_M``) whose scale blocks are a power of two wide, with
+    MOECOMP_FP8_GEMV=1: off by default until it is measured on the GPU (``benchmarks/diag_fp8_gemv.py``,
+    ``run_gpu.sh fp8gemv``)."""
+    if os.environ.get("MOECOMP_FP8_GEMV", "0") != "1" or M > tuning.FP8_GEMV_MAX_M or kw["A_QUANT"] != 0:
         return False
     return q.scale != "block" or q.block_k & (q.block_k - 1) == 0
 

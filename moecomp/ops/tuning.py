@@ -203,7 +203,7 @@ def fp8_linear_config(M: int, N: int, K: int, device: torch.device, sms: int) ->
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
 
 
-FP8_GEMV_MAX_M = 4  # fp8_linear's weight-only calls of up to this many rows take the GEMV form (MOECOMP_FP8_GEMV=0: off)
+FP8_GEMV_MAX_M = 4  # fp8_linear's weight-only calls of up to this many rows may take the GEMV form (MOECOMP_FP8_GEMV=1)
 
 
 def fp8_gemv_config(M: int, N: int, K: int, q_block_k: int, device: torch.device, sms: int) -> dict:

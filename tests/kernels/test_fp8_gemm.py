@@ -258,13 +258,15 @@ GEMV = {  # name: (QuantSpec fields, x dtype, bias, rows M)
 def test_fp8_gemv_form_matches_reference(poison, monkeypatch, case):
     """fp8_linear's weight-only calls of up to FP8_GEMV_MAX_M rows run ``fp8_gemv_kernel`` (counted; two scale
     groups a K step under the interpreter, K = 328 not a multiple of them, N = 70 not a multiple of BLOCK_N) and
-    match the weight-only reference; MOECOMP_FP8_GEMV=0 and 5 rows take the dot kernel, which agrees."""
+    match the weight-only reference with MOECOMP_FP8_GEMV=1; without it, and at 5 rows, the dot kernel runs and
+    agrees."""
     op_mod = importlib.import_module("moecomp.ops.fp8_linear")
     from moecomp.ops import triton_fp8
 
     fields, dtype, bias, M = GEMV[case]
     monkeypatch.setenv("MOECOMP_CPU_BACKEND", "triton")
     monkeypatch.setenv("MOECOMP_FP8_MODE", "w8a16")
+    monkeypatch.setenv("MOECOMP_FP8_GEMV", "1")  # (off by default until measured on the GPU)
     calls = []
     real = triton_fp8._gemv
     monkeypatch.setattr(triton_fp8, "_gemv", lambda *a: (calls.append(a[0].shape[0]), real(*a))[1])
