@@ -19,6 +19,7 @@ A family that cannot be built tiny is listed with its error, not hidden.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import os
@@ -29,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import discover
 
 TINY = dict(
     hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=32,
@@ -64,6 +67,14 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "glm4v_moe": {"rope_parameters": {**_MROPE, "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}},
     "hy_v4_vl": {"num_key_value_heads": 4, "rope_parameters": {**_MROPE, "mrope_section": [4, 2, 2]}},
     "ernie4_5_vl_moe": {"moe_intermediate_size": [32, 32], "rope_parameters": {**_MROPE, "mrope_section": [3, 3, 2]}},
+    # found by structure (hf/discover.py): T5 / BART-style size fields
+    "nllb_moe": {"d_model": 64, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "encoder_layers": 2,
+                 "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+                 "encoder_sparse_step": 1, "decoder_sparse_step": 1, "expert_capacity": 64},
+    "switch_transformers": {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_decoder_layers": 2,
+                            "num_heads": 4, "encoder_sparse_step": 1, "decoder_sparse_step": 1,
+                            "expert_capacity": 64},
+    "jetmoe": {"kv_channels": 16},
 }
 
 TOL = 1e-4
@@ -81,9 +92,14 @@ def transformers_dir() -> str | None:
 
 def experts_families() -> list[str]:
     """Model families whose modeling file uses ``@use_experts_implementation`` (source scan, no imports)."""
+    return list(_experts_families())
+
+
+@functools.lru_cache(maxsize=1)
+def _experts_families() -> tuple:
     root = transformers_dir()
     if root is None:
-        return []
+        return ()
     out = []
     mdir = os.path.join(root, "models")
     for fam in sorted(os.listdir(mdir)):
@@ -92,7 +108,46 @@ def experts_families() -> list[str]:
             with open(p, encoding="utf-8") as f:
                 if "@use_experts_implementation" in f.read():
                     out.append(fam)
-    return out
+    return tuple(out)
+
+
+def _meta_build(family: str):
+    """(model on the meta device, its config) from the first model class that builds tiny, or None."""
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    for mc in _model_candidates(mod)[:2]:
+        try:
+            cfg = tiny_config(mc.config_class, family)
+            with torch.device("meta"):
+                return mc(cfg), cfg
+        except Exception:  # the next candidate class
+            continue
+    return None
+
+
+def _hidden_of(cfg) -> int | None:
+    return getattr(cfg, "hidden_size", None) or getattr(getattr(cfg, "text_config", None), "hidden_size", None)
+
+
+def moe_families() -> list[str]:
+    """The families the coverage tool checks: those with ``@use_experts_implementation`` experts, and those whose
+    tiny model has routed-experts blocks by structure (``hf/discover.py``: a router [E, H] next to experts for it;
+    no class or attribute names read). A structural candidate is confirmed at run time by ``check_family``."""
+    import warnings
+
+    import transformers
+
+    root = transformers_dir()
+    if root is None:
+        return []
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            found = discover.structural_families(os.path.join(root, "models"), _meta_build, _hidden_of)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    return sorted(set(experts_families()) | set(found))
 
 
 def is_experts_class(c) -> bool:
@@ -200,7 +255,8 @@ def build_tiny(family: str, seed: int = 0, sizes: dict | None = None):
                     continue
                 errors.append(f"{mc.__name__}: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}")
                 break
-            if not any(isinstance(m, experts) for m in model.modules()):
+            if not any(isinstance(m, experts) for m in model.modules()) and not discover.routed_blocks(
+                    model, _hidden_of(cfg)):
                 errors.append(f"{mc.__name__}: tiny model has no experts module")
                 break
             _randomize_biases(model, seed)
@@ -337,15 +393,27 @@ def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: boo
                                                                  "vocab_size", 128)
     ids = torch.randint(3, min(int(vocab), 128), (batch, seq), generator=g)
     kwargs = {"input_ids": ids}
-    if "use_cache" in inspect.signature(model.forward).parameters:
+    params = inspect.signature(model.forward).parameters
+    if "use_cache" in params:
         kwargs["use_cache"] = False
+    if "decoder_input_ids" in params:  # encoder-decoder models: the same tokens into the decoder
+        kwargs["decoder_input_ids"] = ids
+    probe = discover.RoutingProbe()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), probe:
             ref = _logits(model(**kwargs)).clone()
     except Exception as e:
         r.status, r.reason = "build failed", f"forward: {type(e).__name__}: {str(e)[:300]}"
         r.seconds = time.perf_counter() - t0
         return r
+    if family not in experts_families():  # found by structure: a router's outputs must feed a top-k at run time
+        widths = discover.routed_blocks(model, _hidden_of(model.config))
+        if not set(widths.values()) & probe.widths:
+            r.status = "not routed"
+            r.reason = (f"structure only: router widths {sorted(set(widths.values()))} of {sorted(widths)[:3]} feed "
+                        f"no top-k / argmax at run time (widths seen: {sorted(probe.widths)[:8]})")
+            r.seconds = time.perf_counter() - t0
+            return r
     from .. import recognise as _recognise  # noqa: PLC0415
 
     compare, _recognise.COMPARE_FALLBACK = _recognise.COMPARE_FALLBACK, True  # the table's "fallback agrees" column
@@ -371,7 +439,10 @@ def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: boo
     r.experts = "; ".join(sorted({b.experts for b in rep.rewritten if b.experts} | {
         b.experts.split(" (")[0] + " (experts only)" for b in rep.experts_only if b.experts}))
     if r.blocks == 0:
-        r.status, r.reason = "no MoE block", "no candidate block found"
+        by_structure = sorted(discover.routed_blocks(model, _hidden_of(model.config)))
+        r.status, r.reason = "no MoE block", "no candidate block found" + (
+            f" (the block finder, hf/structure.py, reads part names; by structure, hf/discover.py: "
+            f"{', '.join(by_structure[:3])}{' ...' if len(by_structure) > 3 else ''})" if by_structure else "")
         r.seconds = time.perf_counter() - t0
         return r
     try:
@@ -417,7 +488,7 @@ def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: boo
 
 def run_coverage(families: list[str] | None = None, progress=None, fallback_too: bool = True) -> list[FamilyResult]:
     out = []
-    for fam in families or experts_families():
+    for fam in families or moe_families():
         res = check_family(fam, fallback_too=fallback_too)
         out.append(res)
         if progress:
@@ -432,10 +503,22 @@ def coverage_markdown(results: list[FamilyResult]) -> str:
 
     from collections import Counter
 
+    decorated = set(experts_families())
+    unconfirmed = [r for r in results if r.family not in decorated and r.status in ("build failed", "import failed",
+                                                                                   "not routed")]
+    results = [r for r in results if r not in unconfirmed]
     c = Counter(r.status for r in results)
     built = sum(r.status not in ("build failed", "import failed") for r in results)
+    found = sorted(r.family for r in results if r.family not in decorated)
     lines = [
-        "# Coverage: transformers model families with `@use_experts_implementation`",
+        "# Coverage: transformers model families with routed experts",
+        "",
+        f"Families: the {len(decorated)} whose experts carry `@use_experts_implementation`, and the "
+        f"{len(found)} more found by structure",
+        "(`moecomp/hf/discover.py`: a module owning a router [E, H] and experts for it, read from shapes on the",
+        "meta device, then a top-k / argmax over the router's E outputs seen at run time; no class or attribute",
+        f"names read): {', '.join(found) or '-'}. Structural candidates that could not be confirmed are listed",
+        "after the table.",
         "",
         "Generated by `python -m moecomp coverage` (do not edit by hand): every family is built tiny with random",
         "weights (hidden 64, 4 heads, 2 KV heads, 8 experts, top-2, 2 layers; routing biases random), run in fp32",
@@ -469,6 +552,9 @@ def coverage_markdown(results: list[FamilyResult]) -> str:
         lines.append(f"| {r.family} | {r.model_class or '-'} | {r.status} | "
                      f"{r.rewritten}/{r.blocks}{eo} | {r.router or '-'} | {r.experts or '-'} | {err} | {cell(r.reason)} | "
                      f"{cell(r.fallback, 160) or '-'} | {cell(r.fallback_agrees, 160)} |")
+    if unconfirmed:
+        lines += ["", "Structural candidates not confirmed (not MoE at run time, or not buildable tiny to check):", ""]
+        lines += [f"- {r.family}: {r.status}: {cell(r.reason, 200)}" for r in unconfirmed]
     lines.append("")
     return "\n".join(lines)
 

@@ -1,0 +1,138 @@
+"""Which transformers families have routed-experts MoE blocks, found by structure (issue 21): the coverage tool's
+list is no longer only the families whose experts carry ``@use_experts_implementation``.
+
+    source bound      the modeling file calls a top-k / argmax (what every router does; the cost bound: 530
+                      modeling files, about 190 pass), or its experts are decorated
+    meta build        the family's model built from the coverage tool's tiny config on the meta device (no
+                      weights, no forward)
+    routed experts    a module owning, apart from each other,
+                        a router:  one 2-D weight [E, H] (2 <= E <= 1024 outputs of the hidden width H; not an
+                           embedding table), and
+                        experts:   two or more 3-D weights [E', a, b] in the block's other children (a, b > 1,
+                                   one of them H), E' = E for one of them or E / 2 < E' <= E for all
+                                   (identity / zero-computation experts take the rest of the router's
+                                   outputs); or >= 2 children of one class, each an MLP (2-4 matrices, all
+                                   with H on one side), as many as the router has outputs or fewer; or two
+                                   or more 2-D weights [E * n, H] in one module without children (experts
+                                   flattened, E >= 4)
+
+No attribute or class name is read: only shapes and which module owns what. A family found here is then built
+tiny for real and optimized by ``families.check_family`` like any other; one whose model cannot be built tiny is
+listed with its error.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_ROUTER_CALL = re.compile(r"\btopk\(|\.topk\(|\bargmax\(|\.argmax\(")
+
+
+def source_candidates(models_dir: str) -> list[str]:
+    """Families whose modeling file calls a top-k or argmax, or uses ``@use_experts_implementation``."""
+    out = []
+    for fam in sorted(os.listdir(models_dir)):
+        p = os.path.join(models_dir, fam, f"modeling_{fam}.py")
+        if not os.path.exists(p):
+            continue
+        with open(p, encoding="utf-8") as f:
+            src = f.read()
+        if "@use_experts_implementation" in src or _ROUTER_CALL.search(src):
+            out.append(fam)
+    return out
+
+
+def _own(m: nn.Module) -> list[torch.Tensor]:
+    return [t for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)) if t is not None]
+
+
+def _stacked_ok(ts: list, E: int, H: int) -> bool:
+    """Two or more 3-D weights [E', a, b] (a, b > 1, one of them H) whose expert counts fit a router of E outputs:
+    one of them E, or all in (E / 2, E]."""
+    ts = [t for t in ts if t.dim() == 3 and 2 <= t.shape[0] <= E and min(t.shape[1:]) > 1]
+    if len(ts) < 2 or not any(H in t.shape[1:] for t in ts):
+        return False
+    lead = {t.shape[0] for t in ts}
+    return E in lead or min(lead) * 2 > E
+
+
+def _expert_tensors(ms: list, E: int, H: int) -> bool:
+    """The modules ``ms`` (a block's children other than the router) hold experts for a router of E outputs over
+    width H (module docstring)."""
+    if _stacked_ok([t for m in ms for sub in m.modules() for t in _own(sub)], E, H):
+        return True
+    for sub in (s for m in ms for s in m.modules()):
+        flat = [t for t in _own(sub) if t.dim() == 2 and t.shape[0] > E and t.shape[0] % E == 0 and t.shape[1] == H]
+        if E >= 4 and len(flat) >= 2 and len({t.shape[0] for t in flat}) == 1 and not list(sub.children()):
+            return True  # [E * n, H] matrices side by side in one parameter holder: experts flattened
+        kids = [c for c in sub.children() if any(True for _ in c.parameters())]
+        if len(kids) >= 2 and len({type(c) for c in kids}) == 1 and len(kids) <= E and _is_mlp(kids[0], H):
+            return True
+    return False
+
+
+def _is_mlp(m: nn.Module, H: int) -> bool:
+    """A per-expert MLP: 2-4 matrices, each with the hidden width on one side (a decoder layer has more)."""
+    mats = [p for p in m.parameters() if p.dim() == 2]
+    return 2 <= len(mats) <= 4 and all(H in p.shape for p in mats)
+
+
+def routed_blocks(model: nn.Module, hidden: int | None = None) -> dict[str, int]:
+    """{path: router width E} of the smallest modules that own a router [E, H] and, in their other children,
+    experts for it."""
+    H = hidden or getattr(getattr(model, "config", None), "hidden_size", None)
+    found = {}
+    for name, block in model.named_modules():
+        kids = dict(block.named_children())
+        if len(kids) < 2 or not name:
+            continue
+        for rname, r in kids.items():
+            if isinstance(r, nn.Embedding):
+                continue
+            ws = [t for t in _own(r) if t.dim() == 2] + [t for c in r.children() if not isinstance(c, nn.Embedding)
+                                                         for t in _own(c) if t.dim() == 2]
+            others = [c for n, c in kids.items() if n != rname]
+            E = next((w.shape[0] for w in ws if (H is None or w.shape[1] == H) and 2 <= w.shape[0] <= 1024
+                      and _expert_tensors(others, w.shape[0], w.shape[1])), None)
+            if E is not None:
+                found[name] = int(E)
+                break
+    # keep the innermost: a decoder layer that owns an MoE block also "owns" its router and experts
+    return {n: e for n, e in found.items() if not any(o != n and o.startswith(n + ".") for o in found)}
+
+
+class RoutingProbe(TorchDispatchMode):
+    """Records the widths (last dims) of every top-k / argmax / max-over-a-dim input while active: a router's E
+    outputs feed one of them."""
+
+    OPS = ("topk", "argmax", "max", "sort", "argsort")
+
+    def __init__(self):
+        super().__init__()
+        self.widths: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        op = func.overloadpacket.__name__
+        if op in self.OPS and args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 1 and \
+                (op != "max" or len(args) > 1 or kwargs):
+            self.widths.add(int(args[0].shape[-1]))
+        return func(*args, **(kwargs or {}))
+
+
+def structural_families(models_dir: str, build_meta, hidden_of) -> dict[str, str]:
+    """{family: model class} of the source candidates whose tiny model, built on the meta device by
+    ``build_meta(family) -> (model, config) | None``, has routed blocks (``routed_blocks``)."""
+    out = {}
+    for fam in source_candidates(models_dir):
+        try:
+            built = build_meta(fam)
+        except Exception:  # a family that cannot be built tiny is not discovered here (the decorated ones still are)
+            continue
+        if built is not None and routed_blocks(built[0], hidden_of(built[1])):
+            out[fam] = type(built[0]).__name__
+    return out
