@@ -301,7 +301,33 @@ def run_path(model, path: str, ids, new: int, cuda: bool) -> dict:
         rec["cudagraph_skips"] = sum(dcounters["inductor"].get(k, 0) for k in dcounters["inductor"]
                                      if "cudagraph_skips" in k) - skips0
     rec.update(prefill_ms=pre * 1e3, decode_ms=dec * 1e3, tok_s=ids.shape[0] / dec)
+    if path.startswith("one_liner"):  # prefill_ms is the device time of the prefill: TTFT is the call's wall time
+        rec.update(one_liner_ttft(model, ids, cuda))
+    else:  # transformers' loops: the wall time from the call to the first token (StepClock) is the TTFT
+        rec["ttft_ms"] = rec["prefill_ms"]
     return rec, out
+
+
+def one_liner_ttft(model, ids, cuda: bool, reps: int = 3) -> dict:
+    """TTFT of the one-liner as issue 20 defines it: the wall time of ``generate(..., max_new_tokens=1)`` after
+    warm-up (median of ``reps``), with its breakdown from ``model.generate.last``: transformers' generate setup
+    before the engine (host), the prefill's launches (host), the prefill on the device, and the rest of the call."""
+    walls, parts = [], []
+    model.generate.cpu = True
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, do_sample=False)
+        if cuda:
+            torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+        parts.append(dict(model.generate.last))
+    i = sorted(range(reps), key=walls.__getitem__)[reps // 2]
+    last = parts[i]
+    ms = lambda k: round(last[k] * 1e3, 3) if last.get(k) is not None else None  # noqa: E731
+    return dict(ttft_ms=walls[i] * 1e3, ttft_host_setup_ms=ms("host_setup_s"), ttft_prefill_host_ms=ms("prefill_host_s"),
+                ttft_prefill_device_ms=ms("prefill_s"), ttft_call_ms=ms("call_s"))
 
 
 # ================================================================================================ profile
@@ -517,11 +543,15 @@ def _row_line(r: dict) -> str:
     if "error" in r:
         return f"{r['model']:8s} B={r['batch']:<4d} {r['path']:18s} ERROR {r['error']}"
     tok = r.get("tokens", {})
+    ttft = f"  TTFT {r['ttft_ms']:.1f} ms" if r.get("ttft_ms") is not None else ""
+    if r.get("ttft_host_setup_ms") is not None:
+        ttft += (f" (setup {r['ttft_host_setup_ms']:.1f} + prefill launch {r['ttft_prefill_host_ms']:.1f} host; "
+                 f"prefill {r['ttft_prefill_device_ms']:.1f} device)")
     return (f"{r['model']:8s} B={r['batch']:<4d} {r['path']:18s} prefill {r['prefill_ms']:8.2f} ms  decode "
             f"{r['decode_ms']:7.3f} ms/step ({r.get('decode_vs_floor', float('nan')):.2f}x floor)  "
             f"{r['tok_s']:8.1f} tok/s  match {tok.get('match', float('nan')):.2f}"
             + (f"  graphs: {r['graphs']}" if r.get("graphs") else "")
-            + (f"  cudagraph skips {r['cudagraph_skips']}" if r.get("cudagraph_skips") else ""))
+            + (f"  cudagraph skips {r['cudagraph_skips']}" if r.get("cudagraph_skips") else "") + ttft)
 
 
 def _finish(result: dict, args) -> dict:
@@ -538,14 +568,15 @@ def _finish(result: dict, args) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = ["| model | B | path | prefill ms | decode ms/step | x floor | tok/s | tokens = hf |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | B | path | prefill ms | TTFT ms | decode ms/step | x floor | tok/s | tokens = hf |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['batch']} | {r['path']} | error: {r['error'][:80]} | | | | |")
+            lines.append(f"| {r['model']} | {r['batch']} | {r['path']} | error: {r['error'][:80]} | | | | | |")
             continue
         tok = r.get("tokens", {})
-        lines.append(f"| {r['model']} | {r['batch']} | {r['path']} | {r['prefill_ms']:.2f} | {r['decode_ms']:.3f} | "
+        ttft = f"{r['ttft_ms']:.2f}" if r.get("ttft_ms") is not None else "-"
+        lines.append(f"| {r['model']} | {r['batch']} | {r['path']} | {r['prefill_ms']:.2f} | {ttft} | {r['decode_ms']:.3f} | "
                      f"{r.get('decode_vs_floor', float('nan')):.2f} | {r['tok_s']:.0f} | "
                      f"{tok.get('match', float('nan')):.2f} |")
     for f in result.get("floors", []):

@@ -228,6 +228,10 @@ def test_bench_generate_tiny_cpu(tmp_path):
         (2, p) for p in gen.ALL_PATHS + ("one_liner_no_fse",)}
     for r in res["rows"]:
         assert r["decode_ms"] > 0 and r["floor_decode_ms"] > 0 and r["tokens"]["match"] == 1.0
+        assert r["ttft_ms"] > 0
+        if r["path"].startswith("one_liner"):  # the TTFT call's breakdown; the timed call replayed (warm)
+            assert 0 < r["ttft_host_setup_ms"] + r["ttft_prefill_host_ms"] <= r["ttft_call_ms"] <= r["ttft_ms"]
+            assert r["eager_steps"] is not None and r["captures"] == 0
     assert json.loads(out.read_text())["rows"]
 
 

@@ -408,5 +408,7 @@ class Engine:
                 "attention": "moecomp decode kernel" if self.attn_configs else "transformers",
                 "decode_steps": steps,  # forward passes after the prefill (the captured step's included)
                 "prefill_s": ev[0].elapsed_time(ev[1]) / 1e3 if cuda else clock[1] - clock[0],
-                "decode_s": ev[1].elapsed_time(ev[2]) / 1e3 if cuda else clock[2] - clock[1]}
+                "decode_s": ev[1].elapsed_time(ev[2]) / 1e3 if cuda else clock[2] - clock[1],
+                # host time: launching the prefill (no sync in it), then the decode loop up to the final sync
+                "prefill_host_s": clock[1] - clock[0], "decode_host_s": clock[2] - clock[1]}
         return torch.cat([input_ids, s.state.out[:B, :n]], dim=-1), info

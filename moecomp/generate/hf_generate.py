@@ -17,6 +17,8 @@ or stopping criteria, ``prefix_allowed_tokens_fn``, beam search or another decod
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .engine import Engine
@@ -39,7 +41,7 @@ class FastGenerate:
     static-cache step, so CPU models keep transformers' loop unless ``cpu = True`` (the tests run the engine's logic
     on CPU that way)."""
 
-    __slots__ = ("model", "engine", "enabled", "cpu", "last")
+    __slots__ = ("model", "engine", "enabled", "cpu", "last", "_t0")
 
     def __init__(self, model):
         self.model = model
@@ -47,6 +49,7 @@ class FastGenerate:
         self.enabled = True
         self.cpu = False
         self.last: dict = {}
+        self._t0 = None  # perf_counter at the call's start (the host-time breakdown of ``last``)
 
     def _engine(self) -> Engine:
         if self.engine is None:
@@ -91,14 +94,21 @@ class FastGenerate:
             self.last = {"path": "transformers", "reason": why}
             return type(m).generate(m, *args, **kwargs)
         self.last = {}
-        return type(m).generate(m, *args, custom_generate=decode, **kwargs)
+        self._t0 = time.perf_counter()
+        try:
+            out = type(m).generate(m, *args, custom_generate=decode, **kwargs)
+        finally:
+            t0, self._t0 = self._t0, None
+        if self.last.get("path") == "moecomp":  # host time of the whole call (the engine's run ends in a sync)
+            self.last["call_s"] = time.perf_counter() - t0
+        return out
 
     def __getstate__(self):
         return {"model": self.model, "enabled": self.enabled, "cpu": self.cpu}
 
     def __setstate__(self, state):
         self.model, self.enabled, self.cpu = state["model"], state["enabled"], state.get("cpu", False)
-        self.engine, self.last = None, {}
+        self.engine, self.last, self._t0 = None, {}, None
 
 
 def _fast_generate(model) -> FastGenerate | None:
@@ -137,6 +147,7 @@ def decode(self, input_ids, logits_processor=None, stopping_criteria=None, gener
            synced_gpus=False, streamer=None, **model_kwargs):
     """transformers' decoding-method contract (like ``GenerationMixin._sample``); ``self`` is the model."""
     fg = _fast_generate(self)
+    t_setup = time.perf_counter() - fg._t0 if fg is not None and fg._t0 is not None else None
     why = _why_not(self, input_ids, generation_config, streamer, synced_gpus, model_kwargs)
     eng = fg._engine() if fg is not None else None
     if why is None and eng is None:
@@ -162,7 +173,7 @@ def decode(self, input_ids, logits_processor=None, stopping_criteria=None, gener
             why = str(e)
         else:
             if fg is not None:
-                fg.last = {"path": "moecomp", **info}
+                fg.last = {"path": "moecomp", **info, "host_setup_s": t_setup}
             return out
     if fg is not None:
         fg.last = {"path": "transformers", "reason": why}

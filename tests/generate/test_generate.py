@@ -59,6 +59,10 @@ def test_greedy_tokens_equal_transformers(family):
     last = opt.generate.last
     assert last["path"] == "moecomp" and last["batch_bucket"] == 4 and last["graphs"] == "off (CPU)", last
     assert torch.equal(got, want)
+    # the time-to-first-token breakdown: transformers' setup before the engine, the engine's prefill and decode
+    # on the host, the whole call; each part positive and within the call
+    parts = [last[k] for k in ("host_setup_s", "prefill_host_s", "decode_host_s")]
+    assert all(p > 0 for p in parts) and sum(parts) <= last["call_s"], last
     got, want = _both(ref, opt, ids[:1], None, max_new_tokens=5, do_sample=False)  # no mask, batch 1
     assert torch.equal(got, want) and opt.generate.last["batch_bucket"] == 1
 
