@@ -155,6 +155,11 @@ fp8gemv)  # issue 19, next session: fp8_linear's GEMV form (MOECOMP_FP8_GEMV=1, 
   for g in 0 1; do MOECOMP_FP8_GEMV=$g timeout 150 python3 benchmarks/bench_generate_fp8.py --models qwen3 \
       --batches 1 --ref-batches "" --budget-s 120 --out-json "$OUT/generate-fp8-gemv$g.json" 2>&1 | grep "fp8 decode"
   done ;;
+decodefused)  # issue 20, next session: the one-launch decode path (MOECOMP_DECODE_FUSED=1, off by default: unmeasured)
+             # against the two-kernel decode path on the five presets at T = 1, 2, 4; its GPU-side equivalence
+  timeout 60 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_decode_fused.py 2>&1 | tail -3
+  timeout 200 python3 benchmarks/diag_decode_fused.py --out-json "$OUT/diag-decode-fused.json" 2>&1 \
+      | grep -v "^DEBUG" | tee "$OUT/diag-decode-fused.log" | grep "^|" ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
   timeout ${TUNE_TIMEOUT:-560} python3 -m moecomp tune --restart -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-480} \
       --presets ${PRESETS:-all} ${TOKENS:+--tokens $TOKENS} --copy-to "$OUT" 2>&1 | tee "$OUT/tune.log" \
