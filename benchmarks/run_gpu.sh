@@ -157,7 +157,7 @@ fp8gemv)  # issue 19, next session: fp8_linear's GEMV form (MOECOMP_FP8_GEMV=1, 
   done ;;
 decodefused)  # issue 20, next session: the one-launch decode path (MOECOMP_DECODE_FUSED=1, off by default: unmeasured)
              # against the two-kernel decode path on the five presets at T = 1, 2, 4; its GPU-side equivalence
-  timeout 60 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_decode_fused.py 2>&1 | tail -3
+  timeout 90 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/ops/test_decode_fused.py 2>&1 | tail -3
   timeout 200 python3 benchmarks/diag_decode_fused.py --out-json "$OUT/diag-decode-fused.json" 2>&1 \
       | grep -v "^DEBUG" | tee "$OUT/diag-decode-fused.log" | grep "^|" ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
