@@ -18,6 +18,7 @@ import triton
 from ..kernels import activations as act_k
 from ..kernels import decode_fused as fused_k
 from ..spec import MoESpec
+from .common import _sm_count
 
 DECODE_FUSED_MAX_T = 4
 
@@ -48,8 +49,7 @@ def block_i(T: int, k: int, I: int, sms: int) -> int:
     return bi
 
 
-def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=None, join=None,
-           sms: int = 132) -> torch.Tensor:
+def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=None, join=None) -> torch.Tensor:
     """out [T, H] = sum_k weight * expert(x) (+ sigmoid(gate) * shared): one memset and one launch. ``join()`` (the
     shared experts' side stream) runs before the launch when there is a shared expert."""
     T, H = x.shape
@@ -62,7 +62,7 @@ def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=No
         w13.stride(0), w13.stride(2), w13.stride(1))
     s2 = (w2.stride(0), w2.stride(1), w2.stride(2)) if spec.w_layout == "out_in" else (
         w2.stride(0), w2.stride(2), w2.stride(1))
-    bi = block_i(T, k, I, sms) if x.is_cuda else 16
+    bi = block_i(T, k, I, _sm_count(x.device)) if x.is_cuda else 16
     slices = triton.cdiv(I, bi)
     if join is not None:
         join()
