@@ -2,6 +2,8 @@
 
 Written for clarity, not speed: fp32 (or fp64) math, a loop over experts, nothing fused. It takes exactly the
 arguments of ``torch.ops.moecomp.moe_forward`` (see ``moecomp.ops.moe_op.MOE_ARGS``) plus a ``MoESpec``.
+Zero experts (``spec.zero_experts``): routing runs over the router's E + Z logits; ids >= E add ``weight * x``
+(:func:`zero_expert_term`).
 """
 
 from __future__ import annotations
@@ -209,12 +211,14 @@ def experts(
 ) -> torch.Tensor:
     """Routed experts: x [T, H], ids / weights [T, k] -> [T, H] in ``acc``. Quantized (``spec.quant``): each expert's
     weights dequantized, and its GEMM inputs quantized as the spec says (``moecomp.quant``).
-    ``spec.weight_on_input``: each pair's expert runs on ``weight * x`` (in ``acc``) and its output is summed as is."""
+    ``spec.weight_on_input``: each pair's expert runs on ``weight * x`` (in ``acc``) and its output is summed as is.
+    ``spec.zero_experts``: pairs whose id is >= E add ``weight * x`` (:func:`zero_expert_term`)."""
     qs = spec.quant
     if qs is not None:
-        return _experts_quantized(x, ids, weights, w13, w2, spec, acc, w13_scale, w2_scale, a13_scale, a2_scale)
+        out = _experts_quantized(x, ids, weights, w13, w2, spec, acc, w13_scale, w2_scale, a13_scale, a2_scale)
+        return out + zero_expert_term(x, ids, weights, spec, acc) if spec.zero_experts else out
     x = x.to(acc)
-    out = torch.zeros_like(x)
+    out = zero_expert_term(x, ids, weights, spec, acc) if spec.zero_experts else torch.zeros_like(x)
     for e in range(spec.num_experts):
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         if tok.numel() == 0:
@@ -250,6 +254,15 @@ def _experts_quantized(x, ids, weights, w13, w2, spec: MoESpec, acc, w13_scale, 
         y = he @ q8.dequantize(w2[e], w2_scale[e], qs).to(acc).T
         out.index_add_(0, tok, y if spec.weight_on_input else y * w)
     return out
+
+
+def zero_expert_term(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, spec: MoESpec,
+                     acc=torch.float32) -> torch.Tensor:
+    """What the zero-computation experts add: x [T, H], ids / weights [T, k] -> [T, H] in ``acc``,
+    ``sum_{j: ids[:, j] >= E} weights[:, j] * x`` (the same with ``weight_on_input``: the identity of weight * x).
+    Weights of the other pairs are never read (a NaN there does not leak in)."""
+    w = torch.where(ids >= spec.num_experts, weights.to(acc), 0.0)  # [T, k]
+    return w.sum(-1, keepdim=True) * x.to(acc)
 
 
 def _on_input(xs: torch.Tensor, w: torch.Tensor, spec: MoESpec) -> torch.Tensor:

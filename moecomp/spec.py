@@ -24,6 +24,11 @@ What a block computes, in terms of the spec (T tokens, H hidden, E experts, k = 
                apply_router_weight_on_input)
     out      = sum_k weights * y  (+ shared(x) * sigmoid(x @ shared_gate_w.T))      (weight_on_input: sum_k y)
     FSE      : with fused_shared_gate, router_w is [E + 1, H] (gate row last): one GEMM gives logits and gate
+    zero experts (zero_experts = Z > 0, LongCat-Flash): the router has E + Z outputs (router_w [E + Z, H], its bias
+               and the correction bias [E + Z]) and routes over all of them as above; an id e >= E is a
+               zero-computation expert whose y is the token itself, so its pair adds weights * x:
+               out = sum_{k: id < E} weights * y + sum_{k: id >= E} weights * x     (w13 / w2 hold the E real experts)
+               (the same with weight_on_input: the identity of weight * x, summed unweighted)
 
 Quantized weights (``quant``, a ``QuantSpec``; ``SharedExpertSpec.quant`` for the shared experts): the op reads the
 quantized tensors and their scales as they are stored; what a GEMM computes is
@@ -188,6 +193,7 @@ class MoESpec:
     round_weights: bool = False  # routing weights rounded to the model dtype before use (Qwen/OLMoE style)
     fused_shared_gate: bool = False  # FSE: router_w is [E + 1, H], its last row the shared-expert gate
     weight_on_input: bool = False  # each pair's expert runs on weight * x, the combine sums unweighted (Llama 4)
+    zero_experts: int = 0  # router outputs past the E experts: ids >= E add weight * x (identity experts, LongCat)
     # --- experts ---
     activation: str = "silu"
     gated: bool = True
@@ -210,8 +216,10 @@ class MoESpec:
         E, k = self.num_experts, self.top_k
         if E <= 0 or self.hidden_size <= 0 or self.intermediate_size <= 0:
             raise SpecError(f"sizes must be positive: E={E}, H={self.hidden_size}, I={self.intermediate_size}")
-        if not 1 <= k <= E:
-            raise SpecError(f"top_k must be in [1, num_experts={E}], got {k}")
+        _check_zero_experts(self)
+        if not 1 <= k <= self.router_width:
+            raise SpecError(f"top_k must be in [1, num_experts={E}"
+                            + (f" + zero_experts={self.zero_experts}" if self.zero_experts else "") + f"], got {k}")
         for name, value, allowed in (
             ("scoring", self.scoring, SCORINGS),
             ("score_order", self.score_order, SCORE_ORDERS),
@@ -280,7 +288,12 @@ class MoESpec:
     def can_fuse_shared_gate(self) -> bool:
         """FSE applies: a sigmoid-gated shared expert, no router bias, not fused yet (the checks in __post_init__)."""
         return (self.shared is not None and self.shared.gate == "sigmoid" and not self.has_router_bias
-                and not self.fused_shared_gate)
+                and not self.fused_shared_gate and not self.zero_experts)
+
+    @property
+    def router_width(self) -> int:
+        """The router's outputs (logits, ids' range): the E experts plus the zero-computation ones."""
+        return self.num_experts + self.zero_experts
 
     @property
     def w13_rows(self) -> int:
@@ -342,6 +355,8 @@ class MoESpec:
             route += f" x{self.routed_scaling_factor:g}"
         if self.weight_on_input:
             route += " on-input"
+        if self.zero_experts:
+            route += f" +{self.zero_experts} zero"
         sh = ""
         if self.shared is not None:
             sh = f", shared I={self.shared.intermediate_size}" + (" gated" if self.shared.gate != "none" else "") + (
@@ -357,6 +372,21 @@ class MoESpec:
             f"E={self.num_experts} k={self.top_k} H={self.hidden_size} I={self.intermediate_size} "
             f"[{route}] {act}{sh}"
         )
+
+
+def _check_zero_experts(spec: MoESpec) -> None:
+    """``zero_experts``: a non-negative int, and not with what would route over a width other than E + Z."""
+    Z = spec.zero_experts
+    if isinstance(Z, bool) or not isinstance(Z, int) or Z < 0:
+        raise SpecError(f"zero_experts must be an int >= 0, got {Z!r}")
+    if not Z:
+        return
+    if spec.n_group > 1:
+        raise SpecError("zero_experts with group-limited routing (n_group > 1) is not supported: the groups would "
+                        "split the E + zero_experts router outputs, which no block is known to do")
+    if spec.fused_shared_gate:
+        raise SpecError("zero_experts with fused_shared_gate is not supported: router_w would be "
+                        "[E + zero_experts + 1, H], a layout the op does not read")
 
 
 def _check_activation(activation: str, gated: bool, clamp: bool, limit: float, who: str) -> None:

@@ -29,7 +29,7 @@ def random_moe_args(
     def rnd(*shape, scale=std, dt=dtype):
         return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * scale).to(dt)
 
-    E, H = spec.num_experts, spec.hidden_size
+    E, H = spec.router_width, spec.hidden_size  # router outputs (the experts, + zero experts)
     shapes = spec.expert_weight_shapes()
     t = dict.fromkeys(MOE_ARGS)
     x = rnd(T, H, scale=1.0)

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 SILU, GELU, GELU_TANH, RELU, SWIGLU_OAI, RELU2 = 0, 1, 2, 3, 4, 5
+CODES = {"silu": SILU, "gelu": GELU, "gelu_tanh": GELU_TANH, "relu": RELU, "swiglu_oai": SWIGLU_OAI, "relu2": RELU2}
 
 
 @triton.jit

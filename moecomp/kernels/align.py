@@ -8,6 +8,10 @@
 Sizes: MAX_BLOCKS = cdiv(P, BLOCK_M) + min(E, P) bounds the number of non-empty BLOCK_M blocks (each expert with
 tokens adds at most one partial block), so experts with no tokens get no block and cost nothing.
 
+Pairs whose id is outside [0, E) are left out (in no block, counted nowhere, never written): the zero experts'
+pairs (``MoESpec.zero_experts``: ids E .. E + Z - 1, whose output the combine adds itself), so no GEMM reads an
+expert past the weights. Every id in range aligns as before.
+
 Two ways, chosen by the launcher:
 - ``align_small_kernel``: one program does everything (P <= SMALL_P): counts by one-hot sums, rank of each pair
   inside its expert by a [P, P] comparison; no atomics, deterministic, one launch (the decode path).
@@ -78,6 +82,8 @@ def align_small_kernel(
     offs_p = tl.arange(0, P_PAD)
     p_ok = offs_p < P
     ids = tl.load(ids_ptr + offs_p, mask=p_ok, other=-1).to(tl.int32)  # [P_PAD]
+    ids = tl.where((ids >= 0) & (ids < E), ids, -1)  # out of range (zero experts): in no expert
+    p_ok = p_ok & (ids >= 0)
     offs_e = tl.arange(0, E_PAD)
     counts = tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)  # [E_PAD]
     starts = _offsets_and_blocks(
@@ -93,13 +99,13 @@ def align_small_kernel(
 
 
 @triton.jit
-def count_kernel(ids_ptr, counts_ptr, P, E_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
+def count_kernel(ids_ptr, counts_ptr, P, E, E_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
     pid = tl.program_id(0)
     offs_p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
     ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-1).to(tl.int32)
     offs_e = tl.arange(0, E_PAD)
     local = tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
-    tl.atomic_add(counts_ptr + offs_e, local, mask=local > 0)
+    tl.atomic_add(counts_ptr + offs_e, local, mask=(local > 0) & (offs_e < E))  # counts: [E]
 
 
 @triton.jit
@@ -125,10 +131,11 @@ def offsets_kernel(
 
 
 @triton.jit
-def scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, P, BLOCK_P: tl.constexpr):
+def scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, P, E, BLOCK_P: tl.constexpr):
     pid = tl.program_id(0)
     offs_p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
     ok = offs_p < P
     ids = tl.load(ids_ptr + offs_p, mask=ok, other=0).to(tl.int32)
+    ok = ok & (ids >= 0) & (ids < E)  # out of range (zero experts): not placed
     slot = tl.atomic_add(cursor_ptr + ids, 1, mask=ok)
     tl.store(sorted_ptr + slot, offs_p, mask=ok)

@@ -1,6 +1,8 @@
 """Weighted combine over top-k, with the shared expert folded in.
 
     out[t] = sum_j y[t * k + j]  (+ shared[t] * sigmoid(gate_logit[t]))        y already carries routing weights
+    ZERO_EXPERTS (``MoESpec.zero_experts``): slots whose id is >= n_experts are zero experts: their y rows were
+    never written and are not read; they add weight * x[t] instead (fp32, in the same sum)
 
 fp32 sum, one store in the output dtype. One program per (token, BLOCK_H columns).
 """
@@ -29,6 +31,8 @@ def combine_kernel(
     HAS_GATE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
+    # ZERO_EXPERTS: x [T, H] (row stride stride_x), the flat ids and fp32 weights [T * TOP_K], the expert count
+    x_ptr=None, ids_ptr=None, w_ptr=None, stride_x=0, n_experts=0, ZERO_EXPERTS: tl.constexpr = False,
 ):
     pdl.enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -36,12 +40,18 @@ def combine_kernel(
     h_ok = offs_h < H
     offs_k = tl.arange(0, K_PAD)
     rows = t * TOP_K + offs_k
-    y = tl.load(
-        y_ptr + rows[:, None] * stride_y + offs_h[None, :],
-        mask=(offs_k < TOP_K)[:, None] & h_ok[None, :],
-        other=0.0,
-    ).to(tl.float32)
+    k_ok = offs_k < TOP_K
+    if ZERO_EXPERTS:
+        zero = k_ok & (tl.load(ids_ptr + rows, mask=k_ok, other=0) >= n_experts)  # [K_PAD]
+        y_ok = k_ok & ~zero
+    else:
+        y_ok = k_ok
+    y = tl.load(y_ptr + rows[:, None] * stride_y + offs_h[None, :], mask=y_ok[:, None] & h_ok[None, :],
+                other=0.0).to(tl.float32)
     acc = tl.sum(y, axis=0)  # [BLOCK_H]
+    if ZERO_EXPERTS:  # the zero experts' weight * x
+        wz = tl.sum(tl.where(zero, tl.load(w_ptr + rows, mask=zero, other=0.0), 0.0), axis=0)
+        acc += wz * tl.load(x_ptr + t * stride_x + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     if HAS_SHARED:
         s = tl.load(shared_ptr + t * stride_s + offs_h, mask=h_ok, other=0.0).to(tl.float32)
         if HAS_GATE:

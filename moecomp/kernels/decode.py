@@ -4,6 +4,8 @@
         r_j = h[p] . w2_e[n0:n0+BLOCK_N]  (+ b2_e)              h: [P, I] in pair order (gemm1, DIRECT)
     out[t, n] = sum_j weight[p] * r_j  (+ sigmoid(gate[t]) * shared[t, n])      fp32 sum, one store
     (WEIGHTED off, ``MoESpec.weight_on_input``: sum_j r_j, gemm1 applied the weights to its input)
+    (ZERO_EXPERTS, ``MoESpec.zero_experts``: a slot whose e >= n_experts is a zero expert, r_j = x[t] and weighted
+     whatever WEIGHTED says: no weights read, h[p] (never written by gemm1 DIRECT) not read)
 
 At a few tokens the routed path is bound by the experts' weight bytes and its launches; this drops the [P, H]
 per-pair buffer and the combine launch (``moecomp.ops.triton_moe.decode_down``'s "fused" mode). Each slot's dot runs
@@ -56,6 +58,7 @@ def moe_down_combine_kernel(
     UE8M0: tl.constexpr = False, EXACT_CAST: tl.constexpr = False,
     stride_am=None, FOLD: tl.constexpr = 0,  # A_QUANT 3: h_ptr e4m3 h, as_ptr its group scales [P, cdiv(K, 128)]
     WEIGHTED: tl.constexpr = True,
+    x_ptr=None, stride_xm=0, n_experts=0, ZERO_EXPERTS: tl.constexpr = False,  # x [T, N]: the zero experts' input
 ):
     pdl.enter(USE_PDL)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -69,38 +72,45 @@ def moe_down_combine_kernel(
     for j in range(TOP_K):
         p = t * TOP_K + j
         expert = tl.load(ids_ptr + p).to(tl.int64)
-        b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        if W_SCALE == 0:
-            a_ptrs = h_ptr + p * stride_hm + tl.arange(0, BLOCK_M)[:, None] * 0 + offs_k[None, :]
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k_ok = offs_k < K - k0
-                a = tl.load(a_ptrs, mask=row0[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-                a_ptrs += BLOCK_K
-                b_ptrs += BLOCK_K * stride_wk
+        zero = False
+        if ZERO_EXPERTS:
+            zero = expert >= n_experts
+        if zero:  # a zero expert: weight * x[t] (a uniform branch: one pair per slot)
+            xr = tl.load(x_ptr + t * stride_xm + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            total += tl.load(topk_w_ptr + p) * xr
         else:
-            a_scale = 1.0
-            if A_QUANT == 2:
-                a_scale = tl.load(as_ptr + expert)
-            if A_QUANT == 3:
-                a_scale = as_ptr + p * stride_am + tl.arange(0, BLOCK_M) * 0
-            ws_ptrs = fp8.scale_ptrs(ws_ptr, expert * stride_se, offs_n.to(tl.int64), 0, N, stride_sn, W_SCALE,
-                                     Q_BLOCK_N)
-            acc = fp8.dot_loop(h_ptr + p * stride_hm + tl.arange(0, BLOCK_M) * 0, row0, b_ptrs, n_ok, K, stride_wk,
-                               ws_ptrs, stride_sk, a_scale, A_QUANT, W_SCALE, Q_BLOCK_K, UE8M0, EXACT_CAST, UPCAST,
-                               DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
-        r = tl.sum(acc, axis=0)  # [BLOCK_N]: rows other than 0 are zero
-        if HAS_BIAS:
-            r += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        if WEIGHTED:
-            total += tl.load(topk_w_ptr + p) * r
-        else:
-            total += r
+            b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
+            if W_SCALE == 0:
+                a_ptrs = h_ptr + p * stride_hm + tl.arange(0, BLOCK_M)[:, None] * 0 + offs_k[None, :]
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    k_ok = offs_k < K - k0
+                    a = tl.load(a_ptrs, mask=row0[:, None] & k_ok[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    if UPCAST:
+                        a = a.to(tl.float32)
+                        b = b.to(tl.float32)
+                    acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                    a_ptrs += BLOCK_K
+                    b_ptrs += BLOCK_K * stride_wk
+            else:
+                a_scale = 1.0
+                if A_QUANT == 2:
+                    a_scale = tl.load(as_ptr + expert)
+                if A_QUANT == 3:
+                    a_scale = as_ptr + p * stride_am + tl.arange(0, BLOCK_M) * 0
+                ws_ptrs = fp8.scale_ptrs(ws_ptr, expert * stride_se, offs_n.to(tl.int64), 0, N, stride_sn, W_SCALE,
+                                         Q_BLOCK_N)
+                acc = fp8.dot_loop(h_ptr + p * stride_hm + tl.arange(0, BLOCK_M) * 0, row0, b_ptrs, n_ok, K, stride_wk,
+                                   ws_ptrs, stride_sk, a_scale, A_QUANT, W_SCALE, Q_BLOCK_K, UE8M0, EXACT_CAST, UPCAST,
+                                   DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
+            r = tl.sum(acc, axis=0)  # [BLOCK_N]: rows other than 0 are zero
+            if HAS_BIAS:
+                r += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            if WEIGHTED:
+                total += tl.load(topk_w_ptr + p) * r
+            else:
+                total += r
     pdl.release(USE_PDL)
 
     if HAS_SHARED:

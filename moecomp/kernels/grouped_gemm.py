@@ -19,7 +19,9 @@ without copies. Offsets that can pass 2**31 (expert base, token row, pair row) a
 
 DIRECT (decode, a few tokens): no alignment. ``sorted_ptr`` is the flat top-k ids [P] and a program owns one pair p
 (row 0 of its BLOCK_M tile; the other rows are masked): expert = ids[p]; gemm1 writes h[p] ([P, I], pair order)
-and gemm2 reads it. The tile's spare rows cost tensor-core slots, not memory traffic, and decode is bound by the
+and gemm2 reads it. ZERO_EXPERTS (``MoESpec.zero_experts``): a pair whose id is >= n_experts (a zero expert) has
+nothing to compute and returns at once; its h / y rows stay unwritten (the combine adds weight * x for it). The
+aligned form never sees such pairs (the alignment leaves them out). The tile's spare rows cost tensor-core slots, not memory traffic, and decode is bound by the
 weight bytes; but pairs that share an expert read its weights once each, so this pays only at a few tokens.
 
 FP8 (W_SCALE > 0: e4m3 weights, ``MoESpec.quant``): the same kernels, routing, alignment, DIRECT and epilogues; only
@@ -61,7 +63,7 @@ def _block_ids(pid, n_cols, MAX_BLOCKS, BLOCK_N: tl.constexpr, GROUP_M: tl.const
 
 @triton.jit
 def _rows(sorted_ptr, block_expert_ptr, num_padded_ptr, P, n_cols, MAX_BLOCKS, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, DIRECT: tl.constexpr):
+          BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, DIRECT: tl.constexpr, ZERO_EXPERTS: tl.constexpr, n_experts):
     """(pid_m, pid_n, expert, offs_m = the tile's rows of h, pair [BLOCK_M], row_ok, dead = nothing to do)."""
     if DIRECT:
         num_n = tl.cdiv(n_cols, BLOCK_N)
@@ -72,6 +74,8 @@ def _rows(sorted_ptr, block_expert_ptr, num_padded_ptr, P, n_cols, MAX_BLOCKS, B
         pair = offs_m
         row_ok = tl.arange(0, BLOCK_M) == 0
         dead = pid_m >= P
+        if ZERO_EXPERTS:  # a zero expert's pair: no weights to read (see the module docstring)
+            dead = dead | (expert >= n_experts)
     else:
         pid_m, pid_n = _block_ids(tl.program_id(0), n_cols, MAX_BLOCKS, BLOCK_N, GROUP_M)
         dead = pid_m * BLOCK_M >= tl.load(num_padded_ptr)
@@ -130,10 +134,12 @@ def moe_gemm1_kernel(
     # scales [S, cdiv(N_OUT, 128)], h rounded to x's dtype first (Q_OUT 1 fp32, 2 bf16, 3 fp16); FOLD: fp8.dot_loop
     stride_am=None, hs_ptr=None, stride_hsm=None, Q_OUT: tl.constexpr = 0, FOLD: tl.constexpr = 0,
     topk_w_ptr=None, W_ON_INPUT: tl.constexpr = False,  # [P] fp32 routing weights (pair order), see the docstring
+    ZERO_EXPERTS: tl.constexpr = False, n_experts=0,  # DIRECT: pairs of ids >= n_experts skipped (docstring)
 ):
     pdl.enter(USE_PDL)
     pid_m, pid_n, expert, offs_m, pair, row_ok, dead = _rows(
-        sorted_ptr, block_expert_ptr, num_padded_ptr, P, N_OUT, MAX_BLOCKS, BLOCK_M, BLOCK_N, GROUP_M, DIRECT)
+        sorted_ptr, block_expert_ptr, num_padded_ptr, P, N_OUT, MAX_BLOCKS, BLOCK_M, BLOCK_N, GROUP_M, DIRECT,
+        ZERO_EXPERTS, n_experts)
     if dead:
         return
     tok = (pair // TOP_K).to(tl.int64)
@@ -235,10 +241,12 @@ def moe_gemm2_kernel(
     UE8M0: tl.constexpr = False, EXACT_CAST: tl.constexpr = False,
     stride_am=None, FOLD: tl.constexpr = 0,  # A_QUANT 3: h_ptr e4m3 h, as_ptr its group scales [S, cdiv(K, 128)]
     WEIGHTED: tl.constexpr = True,  # off: the weight was applied to gemm1's input (W_ON_INPUT)
+    ZERO_EXPERTS: tl.constexpr = False, n_experts=0,  # as in moe_gemm1_kernel
 ):
     pdl.enter(USE_PDL)
     pid_m, pid_n, expert, offs_m, pair, row_ok, dead = _rows(
-        sorted_ptr, block_expert_ptr, num_padded_ptr, P, N, MAX_BLOCKS, BLOCK_M, BLOCK_N, GROUP_M, DIRECT)
+        sorted_ptr, block_expert_ptr, num_padded_ptr, P, N, MAX_BLOCKS, BLOCK_M, BLOCK_N, GROUP_M, DIRECT,
+        ZERO_EXPERTS, n_experts)
     if dead:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -78,16 +78,16 @@ def _expected_shapes(spec: MoESpec, routed: bool) -> dict:
     expect = _expected.get(key)
     if expect is not None:
         return expect
-    E, H = spec.num_experts, spec.hidden_size
+    R, H = spec.router_width, spec.hidden_size  # router outputs: E experts (+ zero experts)
     expect = dict(spec.expert_weight_shapes())
     expect.update(spec.quant_shapes())
     if routed:
         expect.update(spec.shared_quant_shapes())
-        expect["router_w"] = (E + 1, H) if spec.fused_shared_gate else (E, H)
+        expect["router_w"] = (R + 1, H) if spec.fused_shared_gate else (R, H)
         if spec.has_router_bias:
-            expect["router_b"] = (E,)
+            expect["router_b"] = (R,)
         if spec.has_correction_bias:
-            expect["correction_bias"] = (E,)
+            expect["correction_bias"] = (R,)
         sh = spec.shared
         if sh is not None:
             Is = sh.intermediate_size
@@ -173,8 +173,8 @@ def check_args(x: torch.Tensor, tensors: dict, spec: MoESpec, symbolic: bool = F
 def check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, spec: MoESpec,
                   symbolic: bool = False) -> None:
     """moe_experts' routing arguments: x [T, H], topk_ids (integer) and topk_weights (floating), both [T, k] with
-    1 <= k <= num_experts, all on x's device. The ids' values: ``check_ids_range``."""
-    E, H = spec.num_experts, spec.hidden_size
+    1 <= k <= num_experts (+ zero_experts), all on x's device. The ids' values: ``check_ids_range``."""
+    E, H = spec.router_width, spec.hidden_size
     if x.dim() != 2:
         raise SpecError(f"{_X} has shape {tuple(x.shape)}; moe_experts expects 2-D [T, hidden_size={H}] "
                         f"(flatten leading dims first)")
@@ -193,7 +193,7 @@ def check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
                         f"{tuple(topk_ids.shape)}")
     k = topk_ids.shape[1]
     if type(k) is int and not 1 <= k <= E:
-        raise SpecError(f"topk_ids has k={k} columns; expected 1 <= k <= num_experts={E}")
+        raise SpecError(f"topk_ids has k={k} columns; expected 1 <= k <= {_width(spec)}")
 
 
 def _check_ids_wanted(topk_ids: torch.Tensor) -> bool:
@@ -206,7 +206,8 @@ def _check_ids_wanted(topk_ids: torch.Tensor) -> bool:
 
 
 def check_ids_range(topk_ids: torch.Tensor, spec: MoESpec) -> None:
-    """SpecError unless every id is in [0, num_experts) (an id outside that range would index past the weights)."""
+    """SpecError unless every id is in [0, num_experts (+ zero_experts)) (an id outside that range would index past
+    the weights; ids >= num_experts are the zero experts')."""
     if topk_ids.numel() == 0 or not _check_ids_wanted(topk_ids):
         return
     if topk_ids.is_cuda:  # one device-to-host read
@@ -214,9 +215,14 @@ def check_ids_range(topk_ids: torch.Tensor, spec: MoESpec) -> None:
     else:
         lo, hi = torch.aminmax(topk_ids)
         lo, hi = lo.item(), hi.item()
-    E = spec.num_experts
-    if lo < 0 or hi >= E:
-        raise SpecError(f"topk_ids holds ids in [{lo}, {hi}]; expected every id in [0, num_experts={E})")
+    if lo < 0 or hi >= spec.router_width:
+        raise SpecError(f"topk_ids holds ids in [{lo}, {hi}]; expected every id in [0, {_width(spec)})")
+
+
+def _width(spec: MoESpec) -> str:
+    """The ids' range bound, in words."""
+    E, Z = spec.num_experts, spec.zero_experts
+    return f"num_experts={E}" + (f" + zero_experts={Z}" if Z else "")
 
 
 def _impl(device: torch.device):

@@ -2,7 +2,8 @@
 
 No Python loop over experts: token-expert pairs are sorted by expert once, both expert GEMMs run as grouped
 GEMMs over the sorted rows (``torch.nn.functional.grouped_mm`` where the stack has it for the dtype, else a
-batched GEMM over gathered weights in bounded chunks), and the weighted combine is one scatter-add.
+batched GEMM over gathered weights in bounded chunks), and the weighted combine is one scatter-add. Zero experts
+(``spec.zero_experts``): pairs with an id >= E are left out of the GEMMs and add ``weight * x`` (fp32) instead.
 """
 
 from __future__ import annotations
@@ -97,13 +98,9 @@ def _fake_quant_rows(xs: torch.Tensor, qs, static, sorted_ids) -> torch.Tensor:
 def _experts_quantized(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.Tensor:
     """Quantized routed experts: each weight dequantized for the call (fp32, not kept), GEMM inputs quantized as
     the spec says; the intermediate activation rounded to x's dtype first, as the CUDA kernels store it."""
-    T, H = x.shape
     qs = spec.quant
     k = topk_ids.shape[1]
-    flat_ids = topk_ids.reshape(-1).long()
-    sorted_ids, order = torch.sort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=spec.num_experts)
-    offs = torch.cumsum(counts, 0).to(torch.int32)
+    sorted_ids, order, offs = _sorted_pairs(topk_ids, spec)
     tok = order // k
     w = topk_weights.reshape(-1)[order, None].float()  # [P, 1] in sorted order
     xs = x[tok].float() * w if spec.weight_on_input else x[tok]
@@ -117,22 +114,40 @@ def _experts_quantized(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> 
                        sorted_ids)
     if not spec.weight_on_input:
         y = y * w
-    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    return _combine(x, topk_ids, topk_weights, tok, y, spec)
+
+
+def _sorted_pairs(topk_ids: torch.Tensor, spec: MoESpec):
+    """(expert of each sorted pair [P'], pair index of each [P'], cumulative rows per expert [E] int32): the pairs
+    sorted by expert, stable; without the zero experts' pairs (ids >= E, ``spec.zero_experts``: P' <= P)."""
+    flat_ids = topk_ids.reshape(-1).long()
+    real = torch.nonzero(flat_ids < spec.num_experts).squeeze(1) if spec.zero_experts else None  # [P']
+    sorted_ids, order = torch.sort(flat_ids if real is None else flat_ids[real], stable=True)
+    if real is not None:
+        order = real[order]
+    counts = torch.bincount(sorted_ids, minlength=spec.num_experts)
+    return sorted_ids, order, torch.cumsum(counts, 0).to(torch.int32)
+
+
+def _combine(x, topk_ids, topk_weights, tok, y, spec: MoESpec) -> torch.Tensor:
+    """fp32 [T, H]: the pairs' outputs y [P', H] summed into their tokens ``tok`` [P'], plus the zero experts'
+    ``weight * x``."""
+    if spec.zero_experts:
+        out = reference.zero_expert_term(x, topk_ids, topk_weights, spec)
+    else:
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, tok, y)
     return out
 
 
 def experts_fp32(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.Tensor:
     """Routed experts, x [T, H] -> fp32 [T, H]. ``spec.weight_on_input``: the gathered rows are scaled by their
-    pair's weight (fp32 product, rounded to x's dtype for the GEMM) and the outputs are summed unweighted."""
+    pair's weight (fp32 product, rounded to x's dtype for the GEMM) and the outputs are summed unweighted.
+    ``spec.zero_experts``: pairs of ids >= E skip the GEMMs and add weight * x."""
     if spec.quant is not None:
         return _experts_quantized(x, topk_ids, topk_weights, args, spec)
-    T, H = x.shape
     k = topk_ids.shape[1]
-    flat_ids = topk_ids.reshape(-1).long()
-    sorted_ids, order = torch.sort(flat_ids, stable=True)  # [P]
-    counts = torch.bincount(flat_ids, minlength=spec.num_experts)
-    offs = torch.cumsum(counts, 0).to(torch.int32)  # [E]
+    sorted_ids, order, offs = _sorted_pairs(topk_ids, spec)  # [P], [P], [E]
     tok = order // k
     w = topk_weights.reshape(-1)[order, None].float()  # [P, 1]
     xs = (x[tok].float() * w).to(x.dtype) if spec.weight_on_input else x[tok]  # [P, H]
@@ -145,9 +160,7 @@ def experts_fp32(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.
         y = y + args["b2"][sorted_ids].float()
     if not spec.weight_on_input:
         y = y * w
-    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
-    out.index_add_(0, tok, y)
-    return out
+    return _combine(x, topk_ids, topk_weights, tok, y, spec)
 
 
 def moe_experts(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.Tensor:

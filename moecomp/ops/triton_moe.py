@@ -8,6 +8,7 @@ moe_forward, main stream                                   side stream (shared e
     moe_gemm2_kernel       -> y [P, H]   (routing weight fused; moe_gemm2_tma_kernel where the config says "tma")
                                          (spec.weight_on_input: fused into gemm1 instead, ``ops/weight_on_input.py``)
     combine_kernel         -> out [T, H] = sum_k y (+ sigmoid(gate) * s)   <- waits for the side stream
+    (spec.zero_experts: routing over E + Z, ids >= E skip the GEMMs and the combine adds w * x, ``ops/zero_experts.py``)
 
 Decode (T <= the config's ``decode.max_t``): no alignment; moe_gemm1_kernel(DIRECT) -> h [P, I] in pair order, then
 moe_down_combine_kernel -> out [T, H] (down projection, routing weights, top-k sum and shared expert in one kernel),
@@ -33,6 +34,7 @@ import os
 import torch
 import triton
 
+from ..kernels import activations as act_k
 from ..kernels import align as align_k
 from ..kernels import combine as combine_k
 from ..kernels import decode as decode_k
@@ -40,16 +42,17 @@ from ..kernels import grouped_gemm as gemm_k
 from ..kernels import grouped_gemm_tma as tma_k
 from ..kernels import router as router_k
 from ..kernels import routing as routing_k
-from .. import reference
 from ..spec import MoESpec
 from . import triton_fp8, tuning
 from . import weight_on_input as woi
+from . import zero_experts as zx
+from .triton_shared import shared_mlp
 from .common import _interpret, _precision, _sm_count, _upcast  # noqa: F401  (used here and by tests / benchmarks)
 from .triton_fp8 import (  # noqa: F401  (expert_quant: also the tuner's and tests')
     block_cfg as _block_cfg, expert_kwargs, expert_quant, fp8_a, fp8_linear, fp8_tile, gemm1_io, quant_kwargs)
 
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "none": 3}
-_ACT = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu_oai": 4, "relu2": 5}
+_ACT = act_k.CODES  # activation name -> the kernels' ACT code
 SMALL_P = 256  # single-program alignment up to this many (token, expert) pairs (MOECOMP_ALIGN_SMALL_P overrides)
 ROUTE_ONE_TOKEN_T = 1024  # up to this many tokens, one token per routing program (``route_tiles``)
 ROUTE_ELEMS = 2048  # above: tokens x experts (padded) per routing program at most (MOECOMP_ROUTE_ELEMS overrides)
@@ -120,7 +123,7 @@ def router_logits(x: torch.Tensor, args: dict, spec: MoESpec) -> tuple[torch.Ten
     CUDA-graph trees would live in the tree's pool, untracked); callers that call often pass the fused / converted
     weights (the bound HF blocks keep them as buffers, the FSE pass concatenates in the graph)."""
     rw, rb, gw = args["router_w"], args["router_b"], args["shared_gate_w"]
-    E = spec.num_experts
+    E = spec.router_width  # the experts (+ zero experts)
     want = torch.float32 if spec.router_fp32 else x.dtype
     if x.shape[0] <= int(os.environ.get("MOECOMP_ROUTER_GEMV_MAX_T", ROUTER_GEMV_MAX_T)):
         logits = router_gemv(x, rw, rb, gw, want)
@@ -186,9 +189,9 @@ def route_tiles(T: int, E: int, n_group: int) -> dict:
 
 
 def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch.dtype, tiles: dict | None = None):
-    """logits [T, E] (any row stride) -> ids [T, k] int32, weights [T, k] fp32. ``tiles`` (``route_tiles``'s keys)
-    overrides the launch shape (the routing sweep in benchmarks/ uses it)."""
-    T, E, k = logits.shape[0], spec.num_experts, spec.top_k
+    """logits [T, E (+ Z)] (any row stride) -> ids [T, k] int32, weights [T, k] fp32. ``tiles`` (``route_tiles``'s
+    keys) overrides the launch shape (the routing sweep in benchmarks/ uses it)."""
+    T, E, k = logits.shape[0], spec.router_width, spec.top_k
     ids = torch.empty(T, k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     if T == 0:
@@ -222,7 +225,8 @@ def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch
 
 # --------------------------------------------------------------------------------------------- alignment
 def align(ids: torch.Tensor, E: int, block_m: int):
-    """ids [T, k] -> (sorted_ids [S], block_expert [S / block_m], num_padded [1], max_blocks). No host sync."""
+    """ids [T, k] -> (sorted_ids [S], block_expert [S / block_m], num_padded [1], max_blocks). No host sync. Pairs
+    whose id is outside [0, E) (zero experts) are in no block."""
     flat = _flat_ids(ids)
     P = flat.numel()
     dev = ids.device
@@ -242,12 +246,12 @@ def align(ids: torch.Tensor, E: int, block_m: int):
         cursor = torch.empty(E, dtype=torch.int32, device=dev)
         block_p = max(16, min(1024, 32768 // e_pad))
         grid = (triton.cdiv(P, block_p),)
-        align_k.count_kernel[grid](flat, counts, P, E_PAD=e_pad, BLOCK_P=block_p)
+        align_k.count_kernel[grid](flat, counts, P, E, E_PAD=e_pad, BLOCK_P=block_p)
         align_k.offsets_kernel[(1,)](
             counts, sorted_ids, block_expert, num_padded, cursor, P, E, max_blocks,
             BLOCK_M=block_m, E_PAD=e_pad, BLOCK_B=block_b,
         )
-        align_k.scatter_kernel[(triton.cdiv(P, 1024),)](flat, cursor, sorted_ids, P, BLOCK_P=1024)
+        align_k.scatter_kernel[(triton.cdiv(P, 1024),)](flat, cursor, sorted_ids, P, E, BLOCK_P=1024)
     return sorted_ids, block_expert, num_padded, max_blocks
 
 
@@ -300,6 +304,7 @@ def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, q: dic
         BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
         TILE_N=c1["BLOCK_N"] * (2 if spec.gated else 1), DIRECT=block_expert is None,
         num_warps=c1["num_warps"], num_stages=c1["num_stages"], **_pdl(x.device, gemm=True), **(q or {}), **wk,
+        **zx.gemm_kwargs(spec),
     )
     return out
 
@@ -323,7 +328,7 @@ def gemm2(h, w2, b2, weights, spec: MoESpec, aligned, P: int, bm: int, c2: dict,
         HAS_BIAS=b2 is not None, UPCAST=_upcast(h), DOT_PRECISION=_precision(h),
         BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"], DIRECT=block_expert is None,
         num_warps=c2["num_warps"], num_stages=c2["num_stages"], **_pdl(h.device, gemm=True), **(q or {}),
-        **woi.gemm2_kwargs(spec),
+        **woi.gemm2_kwargs(spec), **zx.gemm_kwargs(spec),
     )
     return y
 
@@ -429,17 +434,18 @@ def _gemm2_tma(h, w2, b2, weights, aligned, P: int, bm: int, c2: dict, y: torch.
 
 
 def decode_down(h, w2, b2, ids_flat, weights, spec: MoESpec, out, shared, gate, c2: dict, join=None,
-                q: dict | None = None):
+                q: dict | None = None, x=None):
     """Decode: h [P, I] (pair order) x w2 -> out [T, H] = sum_k weight * (h . w2_e + b2) (+ gated shared).
     ``c2["mode"]``: "fused" (moe_down_combine_kernel, one launch) or "pairs" (gemm2 DIRECT -> y [P, H], then the
-    combine); ``q``: fp8 w2 (``quant_kwargs``). ``join()`` runs before the first launch that reads ``shared``."""
+    combine); ``q``: fp8 w2 (``quant_kwargs``). ``join()`` runs before the first launch that reads ``shared``.
+    ``x`` [T, H]: the routed input, needed (and only read) with ``spec.zero_experts``."""
     T, H = out.shape
     P = ids_flat.numel()
     if c2.get("mode", "fused") == "pairs":
         y = gemm2(h, w2, b2, weights, spec, (ids_flat, None, None, P), P, 16, c2, q)
         if join is not None:
             join()
-        return combine(y, T, P // T, out, shared, gate)
+        return combine(y, T, P // T, out, shared, gate, zx.combine_kwargs(spec, x, ids_flat, weights))
     if join is not None:
         join()
     c2 = fp8_tile(c2, q)
@@ -453,13 +459,14 @@ def decode_down(h, w2, b2, ids_flat, weights, spec: MoESpec, out, shared, gate, 
         HAS_GATE=gate is not None, UPCAST=_upcast(h), DOT_PRECISION=_precision(h),
         BLOCK_M=16, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"],
         num_warps=c2["num_warps"], num_stages=c2["num_stages"], **_pdl(h.device, gemm=True), **(q or {}),
-        **woi.gemm2_kwargs(spec),
+        **woi.gemm2_kwargs(spec), **zx.down_kwargs(spec, x),
     )
     return out
 
 
 def experts(x, ids, weights, args: dict, spec: MoESpec, cfg: dict | None = None) -> torch.Tensor:
-    """Routed experts before the combine: x [T, H] -> y [T * k, H] (routing weights applied), x's dtype."""
+    """Routed experts before the combine: x [T, H] -> y [T * k, H] (routing weights applied), x's dtype (rows of
+    zero experts' pairs unwritten: the combine adds them)."""
     T, H = x.shape
     k = ids.shape[1]
     if cfg is None:
@@ -487,15 +494,17 @@ def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=No
             y = experts(x, ids, weights, args, spec, cfg)
         if join is not None:
             join()
-        return combine(y, T, k, out, shared, gate)
+        return combine(y, T, k, out, shared, gate, zx.combine_kwargs(spec, x, ids, weights))
     ids_direct = direct(ids)
     q1, q2 = expert_quant(args, spec, cfg, T)
     h = gemm1(x, args["w13"], _unit_stride(args["b13"]), spec, ids_direct, k, 16, dec["g1"], q1, weights)
     return decode_down(h, args["w2"], _unit_stride(args["b2"]), ids_direct[0], weights.reshape(-1), spec, out,
-                       shared, gate, dec["g2"], join, q2)
+                       shared, gate, dec["g2"], join, q2, x)
 
 
-def combine(y: torch.Tensor, T: int, k: int, out: torch.Tensor, shared=None, gate=None) -> torch.Tensor:
+def combine(y: torch.Tensor, T: int, k: int, out: torch.Tensor, shared=None, gate=None,
+            zero: dict | None = None) -> torch.Tensor:
+    """out [T, H] = sum_k y (+ gated shared); ``zero``: ``zero_experts.combine_kwargs`` (their slots: w * x)."""
     H = out.shape[1]
     if T == 0:
         return out
@@ -504,53 +513,9 @@ def combine(y: torch.Tensor, T: int, k: int, out: torch.Tensor, shared=None, gat
         y, shared, gate, out, H,
         y.stride(0), 0 if shared is None else shared.stride(0), 0 if gate is None else gate.stride(0), out.stride(0),
         TOP_K=k, K_PAD=triton.next_power_of_2(k), HAS_SHARED=shared is not None, HAS_GATE=gate is not None,
-        BLOCK_H=block_h, num_warps=4, **_pdl(out.device),
+        BLOCK_H=block_h, num_warps=4, **_pdl(out.device), **(zero or {}),
     )
     return out
-
-
-# --------------------------------------------------------------------------------------------- shared experts
-def shared_mlp(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
-    """Shared experts without their gate (the combine applies it): x [T, H] -> [T, H]. Quantized
-    (``spec.shared.quant``): each of the three GEMMs is the dense fp8 linear (``fp8_linear``)."""
-    sh = spec.shared
-    Is = sh.intermediate_size
-    T = x.shape[0]
-    lin = _shared_linear(args, sh.quant, _block_cfg(x, spec))
-    if not sh.gated:
-        up = lin(x, "shared_w3")
-        return _scaled(lin(reference.activation(up, sh.activation), "shared_w2"), sh.scale)
-    if sh.layout == "concat":
-        gu = lin(x, "shared_w1")  # [T, 2 Is]
-    else:
-        gu = torch.empty(T, 2 * Is, dtype=x.dtype, device=x.device)
-        lin(x, "shared_w1", gu[:, :Is])
-        lin(x, "shared_w3", gu[:, Is:])
-    hs = torch.empty(T, Is, dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(Is))
-    combine_k.act_mul_kernel[(T, triton.cdiv(Is, block))](
-        gu, hs, Is, gu.stride(0), hs.stride(0), float(sh.activation_alpha), float(sh.activation_limit),
-        ACT=_ACT[sh.activation], CLAMP=sh.activation_clamp, BLOCK=block,
-    )
-    return _scaled(lin(hs, "shared_w2"), sh.scale)
-
-
-def _shared_linear(args: dict, quant, cfg: dict | None = None):
-    """lin(a, name, out=None) = a @ args[name].T: torch's GEMM, or the fp8 linear with the weight's scales (in the
-    mode of ``cfg``, the block's, if given)."""
-    def lin(a, name, out=None):
-        if quant is not None:
-            return fp8_linear(a, args[name], args[f"{name}_scale"], None, None, quant, out, cfg)
-        if out is None:
-            return torch.nn.functional.linear(a, args[name])
-        return torch.mm(a, args[name].t(), out=out)
-
-    return lin
-
-
-def _scaled(y: torch.Tensor, scale: float) -> torch.Tensor:
-    """The shared experts' output times ``SharedExpertSpec.scale`` (in place; nothing to do at 1)."""
-    return y.mul_(scale) if scale != 1.0 else y
 
 
 _side_streams: dict = {}

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moecomp.ops import triton_moe
+from moecomp.spec import MoESpec
 
 
 @pytest.fixture
@@ -52,6 +53,7 @@ def test_aligned_path_beside_the_side_stream_launches_without_pdl(hopper, monkey
     monkeypatch.setattr(triton_moe.tuning, "decode_config", lambda cfg, T, dev: None)
     x = torch.zeros(3, 4)
     ids, w = torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
-    triton_moe.routed(x, ids, w, {}, None, torch.empty(3, 4), cfg={}, join=(lambda: None) if join else None)
+    spec = MoESpec(num_experts=4, top_k=2, hidden_size=4, intermediate_size=4)
+    triton_moe.routed(x, ids, w, {}, spec, torch.empty(3, 4), cfg={}, join=(lambda: None) if join else None)
     assert seen == [dict(USE_PDL=2, launch_pdl=True) if want_pdl else {}]
     assert triton_moe._pdl(hopper, gemm=True) == dict(USE_PDL=2, launch_pdl=True)  # the hold is over

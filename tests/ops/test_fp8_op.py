@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moecomp import reference
-from moecomp.ops import triton_moe, tuning
+from moecomp.ops import triton_moe, triton_shared, tuning
 from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec
 from moecomp.testing import quantize_moe_args, random_moe_args
 
@@ -48,14 +48,15 @@ def launches(monkeypatch):
     """Calls of the routed path's launch wrappers (align, gemm2, combine, the TMA GEMMs, fp8_linear)."""
     calls = {}
     for fn in ("align", "gemm2", "combine", "_gemm1_tma", "_gemm2_tma", "fp8_linear"):
-        real = getattr(triton_moe, fn)
+        mod = triton_shared if fn == "fp8_linear" else triton_moe  # the shared experts' linears: ops/triton_shared.py
+        real = getattr(mod, fn)
         calls[fn] = 0
 
         def counted(*a, _real=real, _fn=fn, **kw):
             calls[_fn] += 1
             return _real(*a, **kw)
 
-        monkeypatch.setattr(triton_moe, fn, counted)
+        monkeypatch.setattr(mod, fn, counted)
     return calls
 
 

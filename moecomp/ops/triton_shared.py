@@ -1,0 +1,61 @@
+"""The shared (always-on) experts on the Triton path, without their gate (the combine applies it, and the op runs
+them on a side stream beside the routed experts: ``ops/triton_moe.py``).
+
+    gu = x @ [w1; w3].T  (torch's GEMM, or ``fp8_linear`` for FP8 weights)  ->  h = act(g) * u  (act_mul_kernel)
+    ->  h @ w2.T  (* SharedExpertSpec.scale)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .. import reference
+from ..kernels import activations as act_k
+from ..kernels import combine as combine_k
+from ..spec import MoESpec
+from .triton_fp8 import block_cfg as _block_cfg
+from .triton_fp8 import fp8_linear
+
+
+def shared_mlp(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
+    """Shared experts without their gate (the combine applies it): x [T, H] -> [T, H]. Quantized
+    (``spec.shared.quant``): each of the three GEMMs is the dense fp8 linear (``fp8_linear``)."""
+    sh = spec.shared
+    Is = sh.intermediate_size
+    T = x.shape[0]
+    lin = _shared_linear(args, sh.quant, _block_cfg(x, spec))
+    if not sh.gated:
+        up = lin(x, "shared_w3")
+        return _scaled(lin(reference.activation(up, sh.activation), "shared_w2"), sh.scale)
+    if sh.layout == "concat":
+        gu = lin(x, "shared_w1")  # [T, 2 Is]
+    else:
+        gu = torch.empty(T, 2 * Is, dtype=x.dtype, device=x.device)
+        lin(x, "shared_w1", gu[:, :Is])
+        lin(x, "shared_w3", gu[:, Is:])
+    hs = torch.empty(T, Is, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(Is))
+    combine_k.act_mul_kernel[(T, triton.cdiv(Is, block))](
+        gu, hs, Is, gu.stride(0), hs.stride(0), float(sh.activation_alpha), float(sh.activation_limit),
+        ACT=act_k.CODES[sh.activation], CLAMP=sh.activation_clamp, BLOCK=block,
+    )
+    return _scaled(lin(hs, "shared_w2"), sh.scale)
+
+
+def _shared_linear(args: dict, quant, cfg: dict | None = None):
+    """lin(a, name, out=None) = a @ args[name].T: torch's GEMM, or the fp8 linear with the weight's scales (in the
+    mode of ``cfg``, the block's, if given)."""
+    def lin(a, name, out=None):
+        if quant is not None:
+            return fp8_linear(a, args[name], args[f"{name}_scale"], None, None, quant, out, cfg)
+        if out is None:
+            return torch.nn.functional.linear(a, args[name])
+        return torch.mm(a, args[name].t(), out=out)
+
+    return lin
+
+
+def _scaled(y: torch.Tensor, scale: float) -> torch.Tensor:
+    """The shared experts' output times ``SharedExpertSpec.scale`` (in place; nothing to do at 1)."""
+    return y.mul_(scale) if scale != 1.0 else y
