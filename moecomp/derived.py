@@ -31,8 +31,10 @@ class Derived:
 
     ``kind`` "stack": per expert, the listed paths are concatenated on dim 0, then stacked on a new dim 0 (a
     ModuleList of expert MLPs); "cat": the listed tensors are concatenated on ``dim`` (separate 3-D gate / up, or
-    router and shared-expert gate rows). ``fp32``: the result is converted to fp32 (an fp32 router over 16-bit
-    weights). ``inline``: small enough to build on every call inside a compiled graph (always fresh there).
+    router and shared-expert gate rows); "rows": a view of the first ``rows`` rows of the one source, no copy
+    (LongCat-Flash's gate_up_proj holds E + Z experts where the op reads E: ``MoESpec.zero_experts``).
+    ``fp32``: the result is converted to fp32 (an fp32 router over 16-bit weights). ``inline``: small enough to build
+    on every call inside a compiled graph (always fresh there).
 
     Sharing (:meth:`share_plan` / :meth:`build_shared`): where every source is a contiguous block of the result
     ("stack" of per-expert 1-D / 2-D tensors, "cat" on dim 0, same dtype, no fp32 conversion), the result is built
@@ -49,10 +51,14 @@ class Derived:
     dim: int = 1
     fp32: bool = False
     inline: bool = False
+    rows: int = 0  # kind "rows": how many leading rows of the source
 
     def build(self, block: nn.Module) -> torch.Tensor:
-        """A new tensor (a copy: the sources are left as they are)."""
+        """A new tensor (a copy, "rows" a view: the sources are left as they are)."""
         with torch.no_grad():
+            if self.kind == "rows":  # a view (it shares the source's storage: nothing is copied)
+                out = get_path(block, self.sources[0][0]).detach()[: self.rows]
+                return out.float() if self.fp32 else out
             if self.kind == "cat":
                 ts = [get_path(block, p).detach() for p in self.sources[0]]
                 out = torch.cat([t.to(ts[0].dtype) for t in ts], self.dim).contiguous()

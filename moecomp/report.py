@@ -37,6 +37,8 @@ def router_style(spec: MoESpec) -> str:
         s += f" ×{spec.routed_scaling_factor:g}"
     if spec.weight_on_input:
         s += " on input"
+    if spec.zero_experts:
+        s += f" +{spec.zero_experts} zero"
     return s
 
 
@@ -126,7 +128,7 @@ def _fill_from_spec(r: BlockReport, spec: MoESpec, block: nn.Module, bindings: d
     if spec.has_expert_bias:
         per_tok += spec.top_k * (spec.w13_rows + spec.hidden_size) * isz
     rw = t("router_w")
-    per_tok += spec.num_experts * spec.hidden_size * _itemsize(rw, isz)
+    per_tok += spec.router_width * spec.hidden_size * _itemsize(rw, isz)
     if spec.shared is not None:
         Is = spec.shared.intermediate_size
         n = (3 if spec.shared.gated else 2) * Is * spec.hidden_size
@@ -134,7 +136,8 @@ def _fill_from_spec(r: BlockReport, spec: MoESpec, block: nn.Module, bindings: d
             n += spec.hidden_size
         per_tok += n * _itemsize(t("shared_w2"), isz)
     r.bytes_per_token = int(per_tok)
-    copies = [d for d in derived if not _bind.is_shared(block, d)]  # shared stacks hold no second copy
+    # shared stacks hold no second copy, nor do views ("rows": the E experts of an [E + Z, ...] weight)
+    copies = [d for d in derived if not _bind.is_shared(block, d) and d.kind != "rows"]
     if copies:
         r.extra_bytes = int(sum(
             sum(get_path(block, p).numel() for p in d.source_paths()) * (4 if d.fp32 else isz) for d in copies))

@@ -4,8 +4,10 @@ A *block* is the module whose forward runs router + routed experts (+ shared exp
 output, e.g. ``MixtralSparseMoeBlock`` or ``DeepseekV3MoE``. It is recognised by what it owns:
 
 * an *experts* child: either a module holding 3-D expert weights (``gate_up_proj`` / ``up_proj`` / ``down_proj``
-  with the experts on dim 0, transformers 5 style) or an ``nn.ModuleList`` of identical per-expert MLPs
-  (``w1/w3/w2`` or ``gate_proj/up_proj/down_proj``, the older layout);
+  with the experts on dim 0, transformers 5 style; the first weight may hold more experts than ``down_proj``, as
+  LongCat-Flash's does for its zero experts: E is then the first weight's, the router's width) or an
+  ``nn.ModuleList`` of identical per-expert MLPs (``w1/w3/w2`` or ``gate_proj/up_proj/down_proj``, the older
+  layout);
 * a *router*: a 2-D weight ``[E, H]`` in the block (outside experts and shared experts), at most two levels deep
   (``gate.weight``, ``router.weight``, ``gate.wg.weight``, ``router.gate.weight``...);
 * optionally shared experts (a dense MLP child) and their sigmoid gate (a ``Linear(H, 1)``).
@@ -184,7 +186,7 @@ def _fused_experts(m: nn.Module):
         up, gated = "fc1", False
     else:
         return None
-    if three[up].shape[0] != three[down].shape[0]:
+    if three[up].shape[0] < three[down].shape[0]:  # more first weights than down ones: LongCat-Flash's zero experts
         return None
     b13 = next((b for b in (f"{up}_bias", "gate_up_bias", "b13") if b in t and t[b].dim() == 2), None)
     b2 = next((b for b in (f"{down}_bias", "down_bias", "b2") if b in t and t[b].dim() == 2), None)

@@ -42,6 +42,7 @@ class Block:
     bindings: dict  # op argument -> placeholder name | None
     stacked: dict = field(default_factory=dict)  # op argument -> per expert, placeholder names concatenated on dim 0
     arg_shapes: dict = field(default_factory=dict)  # op argument -> shape the op needs it viewed as
+    arg_rows: dict = field(default_factory=dict)  # op argument -> the op reads the first n rows (zero experts)
 
 
 class _Sources:
@@ -102,6 +103,7 @@ def verify(ctx: _Context, candidates, blk: Block):
         args, x_val = _make_inputs(ctx, inputs, blk.x_root, gen, vals)
         tensors = {k: src.tensor(k, lambda p: args[inputs.index(p)] if p in inputs else _value(ctx, p, gen))
                    for k in OP_ARGS}
+        tensors.update({k: tensors[k][:n] for k, n in blk.arg_rows.items() if tensors.get(k) is not None})
         with torch.no_grad():
             try:
                 got = _run_disabled(sub, args)
@@ -145,8 +147,18 @@ def _agree(got, xin, tensors, spec, arg_shapes, dtype):
         want = reference.moe_forward(xin, **t, spec=spec).float()
     except Exception as e:  # noqa: BLE001
         return False, f"reference failed ({e})"
+    if spec.zero_experts and not _zero_reached(xin, t, spec):
+        return False, "no check token was routed to a zero expert (what they compute would be unproven)"
     got = got.float()
     return _close(got.reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1]), dtype, policy.quantized(spec))
+
+
+def _zero_reached(xin, t: dict, spec) -> bool:
+    """Does the reference route some check token to a zero expert (``spec.zero_experts``)?"""
+    x2 = xin.reshape(-1, xin.shape[-1])
+    logits = reference.router_logits(x2, t["router_w"], t.get("router_b"), spec)
+    _, ids = reference.route(logits, t.get("correction_bias"), spec)
+    return bool((ids >= spec.num_experts).any())
 
 
 def _stress(sub, args, inputs, src, tensors, spec, xin, arg_shapes):

@@ -27,6 +27,8 @@ The matched subgraph (names are roles, not node names; ``[..]`` optional, ``|`` 
                  ──► act(gate) * up | act(gate.clamp(max=L)) * up.clamp(-L, L) | swiglu_oai | act | relu(·)**2
                  ──► GEMM(w2 [E,H,I] | [E,I,H]) [+ b2[ids]] ──► * weights ──► combine over k
                  (weight_on_input: the weights scale x before the first GEMM instead, combine unweighted: Llama 4)
+                 (zero experts: the stacked weights hold E < the router's E + Z experts; ids >= E add weights * x,
+                  LongCat-Flash: zero_experts = Z, proven by the numeric check on tokens some of which pick them)
                  ──► [* routed_scaling (scalar constant / attribute, folded into routed_scaling_factor)]
                                                      │
         x ──► [shared: down(act(gate_proj x) * up_proj x) | clamped | swiglu_oai(chunk(gate_up_proj x)) | act(up x)
@@ -147,6 +149,8 @@ class MoEMatch:
     block_output: fx.Node | None = None
     tail: frozenset = frozenset()  # the tail's nodes (not in ``nodes``: they stay)
     arg_shapes: dict[str, tuple] = field(default_factory=dict)  # MOE_ARGS name -> shape the op needs it viewed as
+    # MOE_ARGS name -> the op reads the first n rows of its placeholder (zero experts: w13 [E + Z, ...] read as [E])
+    arg_rows: dict[str, int] = field(default_factory=dict)
     # experts kept as per-expert modules: MOE_ARGS name (w13, w2, b13, b2) -> per expert 0..E-1, the placeholder
     # names whose tensors, concatenated on dim 0, are that expert's slice of the op's stacked tensor (the op
     # argument is ``torch.stack([torch.cat(expert, 0) for expert in stacked[k]])``; ``bindings[k]`` is None)
@@ -294,14 +298,14 @@ def _match_output(ctx: Context, c: _Candidate, out: fx.Node) -> MoEMatch:
     blk = Block(x_root=c.region.x_root, x_in=x_in, out=out, nodes=core | c.region.support,
                 bindings=_bindings(r, ex, sh), stacked={k: [[p.name for p in e] for e in per]
                                                          for k, per in ex.stacked.items()},
-                arg_shapes={"correction_bias": (r.E,)} if r.bias_shape is not None else {})
+                arg_shapes={"correction_bias": (r.E,)} if r.bias_shape is not None else {}, arg_rows=dict(ex.rows))
     spec, verified = _prove(ctx, candidates, blk, has_tail=out is not c.block_out)
     out_dtype = _fx.dtype_of(out)
     return MoEMatch(
         spec=spec, bindings=blk.bindings, x=x_in, output=out, nodes=frozenset(blk.nodes), region=frozenset(core),
         router=r.logits_linear, topk=c.topk, baked={**r.baked, **ex.baked, **(sh.baked if sh else {})},
         verified=verified, output_dtype=out_dtype if out_dtype != x_dtype else None, block_output=c.block_out,
-        tail=frozenset(tail), arg_shapes=blk.arg_shapes, stacked=blk.stacked,
+        tail=frozenset(tail), arg_shapes=blk.arg_shapes, stacked=blk.stacked, arg_rows=blk.arg_rows,
     )
 
 
@@ -332,7 +336,8 @@ def _fold_output_scale(ctx: Context, r: Routing, core: set, ex: Experts, out: fx
 def _spec_fields(r: Routing, ex: Experts, sh: Shared | None) -> dict:
     """Every MoESpec field the structure determines (layout, gate split and activation are the candidates')."""
     fields = dict(
-        num_experts=r.E, top_k=r.top_k, hidden_size=r.H, intermediate_size=ex.I, scoring=r.scoring,
+        num_experts=r.E - ex.zero_experts, zero_experts=ex.zero_experts, top_k=r.top_k, hidden_size=r.H,
+        intermediate_size=ex.I, scoring=r.scoring,
         score_order=r.score_order, renormalize=r.renormalize, renorm_eps=r.renorm_eps, renorm_min=r.renorm_min,
         routed_scaling_factor=r.scaling, n_group=r.n_group, topk_group=r.topk_group, group_score=r.group_score,
         has_correction_bias=r.correction_bias is not None, bias_on_logits=r.bias_on_logits,

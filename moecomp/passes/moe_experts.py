@@ -6,8 +6,14 @@
           ──► * weights ──► combine over k
     or (weight_on_input, Llama 4): x * weights ──► dispatch ──► g1 ──► ... ──► g2 ──► combine (unweighted)
 
-The GEMM is ``grouped_mm``, ``bmm`` / ``matmul`` / ``einsum`` on gathered ``w[ids]``, or ``linear`` of ``w[e]`` in a
-per-expert loop. Which weight is w13 follows from which GEMM feeds the other; the layout from the shapes (and where
+Zero experts (LongCat-Flash): the router scores E + Z experts but the stacked weights hold fewer, E (the smaller
+row count of the two; the other may have E + Z rows, its extra rows unused): ids >= E are zero-computation experts,
+``zero_experts = Z``, what they compute (weight * x) left to the numeric check, and the weight with E + Z rows bound
+as a view of its first E (``Experts.rows``).
+
+The GEMM is ``grouped_mm``, ``bmm`` / ``matmul`` / ``einsum`` on gathered ``w[ids]``, or ``linear`` of ``w[e]`` (or
+``select(w, 0, e)``, e read from the routing: LongCat-Flash's loop over the experts hit) in a per-expert loop. Which
+weight is w13 follows from which GEMM feeds the other; the layout from the shapes (and where
 every dim equals H, from how the GEMM reads the weight, else both are left to the numeric check). The routing weights
 scale the expert input when they are an ancestor of the first GEMM (:func:`weights_on_input`). A block that reads
 no [E, ., .] weight may keep its experts as per-expert modules of 2-D weights: ``moe_per_expert`` matches those.
@@ -55,6 +61,8 @@ class Experts:
     quant: object = None  # QuantSpec of quantized w13 / w2 (moe_quant), or None
     scales: dict = field(default_factory=dict)  # w13_scale / w2_scale (/ a13_scale / a2_scale) -> placeholder
     weight_on_input: bool = False  # the routing weights scale the first GEMM's input (``weights_on_input``)
+    zero_experts: int = 0  # router outputs past the stacked weights' experts (see the module docstring)
+    rows: dict = field(default_factory=dict)  # op argument -> the rows of its placeholder the op reads (w[:E])
 
     @property
     def has_bias(self) -> bool:
@@ -65,6 +73,10 @@ def stacked_experts(ctx: Context, R: Routing, region: Region) -> Experts | None:
     """The routed experts as two stacked 3-D weights; None when the block uses no [E, ., .] weight at all."""
     nodes = region.all
     cands = _stacked_weights(ctx, R.E, nodes)
+    if len(cands) < 2:  # zero experts: weights of fewer experts than the router scores
+        fewer = _stacked_weights(ctx, R.E, nodes, fewer=True)
+        if len(cands) + len(fewer) == 2:
+            cands = cands + fewer
     if not cands:
         return None
     if len(cands) < 2:
@@ -87,10 +99,28 @@ def stacked_experts(ctx: Context, R: Routing, region: Region) -> Experts | None:
                  g2_all=g2, g2=max(g2, key=ctx.order.get), w13=w13, w2=w2)
     ex.act = activation(ctx, between, gated, ex.baked, "expert")
     ex.b13, ex.b2 = _expert_biases(ctx, R, nodes, g2_anc, N)
+    _zero_experts(R, ex, s13[0], s2[0])
     ex.quant, ex.scales = experts_quant(ctx, R.E, w13, u13, w2, u2, gated, layouts)
+    if ex.quant is not None and ex.zero_experts:
+        raise Reject("FP8 experts with zero experts (fewer stacked experts than router outputs): not read by the "
+                     "pass yet")
     if ex.quant is not None:
         ex.layouts = ["out_in"]
     return ex
+
+
+def _zero_experts(R: Routing, ex: Experts, e13: int, e2: int) -> None:
+    """Stacked weights of fewer experts than the router's outputs: E = the smaller row count, the router's ids past
+    it are zero experts (``ex.zero_experts``), and a weight with more rows is read through its first E."""
+    E = min(e13, e2)
+    if E == R.E:
+        return
+    if max(e13, e2) not in (E, R.E):
+        raise Reject(f"stacked expert weights of {e13} and {e2} experts under a router of {R.E} outputs")
+    if ex.b13 is not None:
+        raise Reject("expert biases with zero experts (fewer stacked experts than router outputs): not read")
+    ex.zero_experts = R.E - E
+    ex.rows = {k: E for k, n in (("w13", e13), ("w2", e2)) if n != E}
 
 
 def weights_on_input(ctx: Context, R: Routing, ex: Experts, nodes: set) -> bool:
@@ -102,12 +132,13 @@ def weights_on_input(ctx: Context, R: Routing, ex: Experts, nodes: set) -> bool:
     return any(R.weights in _fx.ancestors(g, nodes, pos=ctx.order) for g in ex.g1)
 
 
-def _stacked_weights(ctx: Context, E: int, nodes: set) -> list:
-    """[(placeholder, its GEMM uses)] for every static [E, ., .] placeholder some GEMM of the block reads."""
+def _stacked_weights(ctx: Context, E: int, nodes: set, fewer: bool = False) -> list:
+    """[(placeholder, its GEMM uses)] for every static [E, ., .] placeholder some GEMM of the block reads (``fewer``:
+    [e, ., .] with 1 < e < E instead)."""
     cands = []
     for p in ctx.static_ph:
         s = ctx.pshape(p)
-        if s is None or len(s) != 3 or s[0] != E:
+        if s is None or len(s) != 3 or (not 1 < s[0] < E if fewer else s[0] != E):
             continue
         uses = _weight_uses(p, nodes)
         if uses:
@@ -135,9 +166,9 @@ def _weight_uses(p: fx.Node, nodes: set):
             elif name == DEQUANT:  # a quantized weight (moe_quant): the fp8 tensor is its first input
                 if arg(u, 0) is n:
                     stack.append((u, tr))
-            elif name in _fx.CAST_OPS or name in ("getitem", "index_select", "contiguous", "view", "reshape",
-                                                  "unsqueeze", "squeeze", "expand", "clone", "detach"):
-                if name == "getitem" and arg(u, 0) is not n:
+            elif name in _fx.CAST_OPS or name in ("getitem", "index_select", "select", "contiguous", "view",
+                                                  "reshape", "unsqueeze", "squeeze", "expand", "clone", "detach"):
+                if name in ("getitem", "select") and arg(u, 0) is not n:
                     continue  # p used as the index, not indexed
                 stack.append((u, tr))
     return out

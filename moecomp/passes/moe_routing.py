@@ -103,8 +103,9 @@ def _walk_to_router(ctx: Context, choice: fx.Node, E: int) -> _Walk:
     w, cur = _Walk(), choice
     while True:
         name = op_name(cur)
-        if name in _fx.CAST_OPS:
-            cur = arg(cur, 0)
+        if name in _fx.CAST_OPS or (name in ("view", "reshape") and isinstance(arg(cur, 0), fx.Node)
+                                    and _fx.same_shape(_fx.shape_of(cur), _fx.shape_of(arg(cur, 0)))):
+            cur = arg(cur, 0)  # a cast, or a view to the same shape (LongCat-Flash's scores.view(-1, E))
         elif name == "masked_fill" and w.mask_fill is None and w.scoring is None:
             v = arg(cur, 2)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0:

@@ -12,7 +12,8 @@ After::
                             shared_w1, shared_w3, shared_w2, shared_gate_w, spec.key) ─ [.to(out dtype)] ─► users
 
 The op reads the same parameter placeholders the block read (so weight updates stay visible and nothing is copied;
-a tensor the op needs in another shape, e.g. a ``[1, E]`` correction bias, is passed through a ``reshape`` node);
+a tensor the op needs in another shape, e.g. a ``[1, E]`` correction bias, is passed through a ``reshape`` node, and
+one of which it reads the first rows, LongCat-Flash's ``[E + Z, 2I, H]`` gate_up_proj, through a ``narrow``);
 scalar attributes (routed scaling, swiglu alpha / limit) are in ``spec.key``. Experts kept as per-expert modules
 (``MoEMatch.stacked``) have no stacked tensor to read: the graph builds it, ``torch.stack`` of each expert's
 ``torch.cat`` (a copy of every expert weight per call; ``moecomp.backend`` leaves such blocks alone, and
@@ -66,6 +67,14 @@ def _rewrite_one(gm: fx.GraphModule, m) -> None:
     with g.inserting_before(out):
         for k, per_expert in getattr(m, "stacked", {}).items():
             args[OP_ARGS.index(k)] = _stack(g, [[ph[n] for n in names] for names in per_expert])
+        for i, k in enumerate(OP_ARGS):  # the first rows of a weight (zero experts: w13 [E + Z, ...] read as [E])
+            rows = getattr(m, "arg_rows", {}).get(k)
+            if rows is not None and args[i] is not None:
+                v = g.call_method("narrow", (args[i], 0, 0, rows))
+                fake = _fx.meta_val(args[i])
+                if isinstance(fake, torch.Tensor):
+                    v.meta["example_value"] = fake.narrow(0, 0, rows)
+                args[i] = v
         for i, k in enumerate(OP_ARGS):  # e.g. a [1, E] correction bias the op takes as [E]
             shape = getattr(m, "arg_shapes", {}).get(k)
             if shape is not None and args[i] is not None:
