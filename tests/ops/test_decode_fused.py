@@ -121,3 +121,23 @@ def test_fused_decode_gpu_real_sizes(preset, T):
     for _ in range(2):
         got = decode_fused.routed(x, ids, weights, t, spec, torch.full_like(x, float("nan")))
         assert torch.isfinite(got).all() and rel_err(got, want) < 2e-2, rel_err(got, want)
+
+
+@pytest.mark.parametrize("spec", [SPECS["shared-gated"], dataclasses.replace(BASE, zero_experts=2)],
+                         ids=["shared", "zero-experts"])
+def test_op_takes_the_fused_path_when_asked(poison, monkeypatch, spec):
+    """torch.ops.moecomp.moe_forward on the Triton path (interpreter) with MOECOMP_DECODE_FUSED=1 at T=3: the fused
+    kernel runs (counted) and the whole block equals the reference (routing included, fp32 2e-6); a spec it does not
+    support (zero experts) takes the two-kernel path and is equal too."""
+    from moecomp.ops import triton_moe
+
+    monkeypatch.setenv("MOECOMP_CPU_BACKEND", "triton")
+    monkeypatch.setenv("MOECOMP_DECODE_FUSED", "1")
+    calls = []
+    real = decode_fused.routed
+    monkeypatch.setattr(decode_fused, "routed", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    args = random_moe_args(spec, 3, torch.float32, seed=5)
+    got = torch.ops.moecomp.moe_forward(*args, spec.key)
+    want = reference.moe_forward(*args, spec=spec)
+    assert calls == ([] if spec.zero_experts else [1]) and triton_moe.decode_fused is decode_fused
+    assert torch.isfinite(got).all() and rel_err(got, want) < TOL[torch.float32]
