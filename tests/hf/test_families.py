@@ -35,6 +35,7 @@ OUTCOME = {
     "muse_spark": ("not rewritten", "experts only not possible"),
     # found by structure (no @use_experts_implementation): hf/discover.py
     "llama4": ("equal", ""),
+    "longcat_flash": ("equal", ""),  # zero experts (MoESpec.zero_experts)
     "jetmoe": ("no MoE block", "no candidate block found"),  # the block finder reads part names
     "nllb_moe": ("no MoE block", "no candidate block found"),
     "switch_transformers": ("no MoE block", "no candidate block found"),
