@@ -10,6 +10,7 @@
 #   benchmarks/run_gpu.sh diag      benchmarks/diag_kernels.py (DIAG_ARGS; default: the TMA part, gemm1 and gemm2)
 #   benchmarks/run_gpu.sh nan       the GPU tests of the op and the reliability suite, then the routing kernel timed
 #                                   against the version in .ab/routing_old.py (carried; e.g. git show HEAD~:...)
+#   benchmarks/run_gpu.sh next      STEP=1|2|3: the next session's plan (tests; the opt-in candidates; generate rows)
 #   benchmarks/run_gpu.sh sanitize  benchmarks/nan_routing_probe.py and the graph-replay NaN test under
 #                                   compute-sanitizer memcheck (with .ab/routing_old.py too, to show the probe fails)
 set -uo pipefail
@@ -160,6 +161,14 @@ decodefused)  # issue 20, next session: the one-launch decode path (MOECOMP_DECO
   timeout 90 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/ops/test_decode_fused.py 2>&1 | tail -3
   timeout 200 python3 benchmarks/diag_decode_fused.py --out-json "$OUT/diag-decode-fused.json" 2>&1 \
       | grep -v "^DEBUG" | tee "$OUT/diag-decode-fused.log" | grep "^|" ;;
+next)  # the next session's first calls (STEP=1|2|3): 1 = every GPU test (the zero-experts, decode_fused, GEMV and
+       # warmup tests joined since the last full run) ; 2 = the two opt-in candidates measured (fp8gemv, decodefused);
+       # 3 = issue 20's rows with the TTFT breakdown (issue20) and the fixed FP8 generate rows (fp8next STEP=gen)
+  case "${STEP:-1}" in
+  1) "$0" tests ;;
+  2) "$0" fp8gemv; "$0" decodefused ;;
+  3) GEN_BUDGET=${GEN_BUDGET:-240} "$0" issue20; GEN_BUDGET=200 GEN_TIMEOUT=240 STEP=gen "$0" fp8next ;;
+  esac ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
   timeout ${TUNE_TIMEOUT:-560} python3 -m moecomp tune --restart -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-480} \
       --presets ${PRESETS:-all} ${TOKENS:+--tokens $TOKENS} --copy-to "$OUT" 2>&1 | tee "$OUT/tune.log" \
