@@ -20,7 +20,7 @@ quantized per 128-column group in the A loads), as in ``moe_gemm2_kernel``; 16-b
 import triton
 import triton.language as tl
 
-from . import fp8, pdl
+from . import fp8, kloop, pdl
 
 
 @triton.jit
@@ -82,17 +82,8 @@ def moe_down_combine_kernel(
             b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
             if W_SCALE == 0:
                 a_ptrs = h_ptr + p * stride_hm + tl.arange(0, BLOCK_M)[:, None] * 0 + offs_k[None, :]
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    k_ok = offs_k < K - k0
-                    a = tl.load(a_ptrs, mask=row0[:, None] & k_ok[None, :], other=0.0)
-                    b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                    if UPCAST:
-                        a = a.to(tl.float32)
-                        b = b.to(tl.float32)
-                    acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-                    a_ptrs += BLOCK_K
-                    b_ptrs += BLOCK_K * stride_wk
+                acc = kloop.dense_loop(a_ptrs, row0, b_ptrs, n_ok, K, stride_wk, UPCAST, DOT_PRECISION, BLOCK_M,
+                                       BLOCK_N, BLOCK_K)
             else:
                 a_scale = 1.0
                 if A_QUANT == 2:

@@ -43,7 +43,7 @@ the K loop differs (``fp8.dot_loop``), as constexpr branches, so 16-bit launches
 import triton
 import triton.language as tl
 
-from . import fp8, pdl
+from . import fp8, kloop, pdl
 from .activations import act as _act
 from .activations import gated as _gated
 
@@ -158,17 +158,8 @@ def moe_gemm1_kernel(
     if W_SCALE == 0:
         a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
         b_ptrs = w_ptr + expert * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        acc = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K * stride_wk
+        acc = kloop.dense_loop(a_ptrs, row_ok, b_ptrs, col_ok, K, stride_wk, UPCAST, DOT_PRECISION, BLOCK_M, TILE_N,
+                               BLOCK_K)
     else:  # fp8 weights (concat gate/up: a tile column's up row is w_rows = col_n + I)
         a_scale = 1.0
         if A_QUANT == 2:
@@ -256,18 +247,8 @@ def moe_gemm2_kernel(
     if W_SCALE == 0:
         a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_k[None, :]
         b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
-
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K * stride_wk
+        acc = kloop.dense_loop(a_ptrs, row_ok, b_ptrs, n_ok, K, stride_wk, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
+                               BLOCK_K)
     else:  # fp8 weights
         b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
         a_scale = 1.0
