@@ -114,6 +114,28 @@ def _quantize_experts(w: torch.Tensor, qs, halves: int = 1):
     return q, s
 
 
+def capture_moe_forward(static_x: torch.Tensor, args, spec: MoESpec, sync_check: bool = False):
+    """(graph, static_out): ``torch.ops.moecomp.moe_forward(static_x, *args, spec.key)`` warmed up twice on a side
+    stream (kernels compiled, derived weights built) and captured in a CUDA graph; replay after writing new inputs
+    into ``static_x``. ``sync_check``: a host sync on the captured path raises (``torch.cuda.set_sync_debug_mode``)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            torch.ops.moecomp.moe_forward(static_x, *args, spec.key)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    if sync_check:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            static_out = torch.ops.moecomp.moe_forward(static_x, *args, spec.key)
+    finally:
+        if sync_check:
+            torch.cuda.set_sync_debug_mode("default")
+    return graph, static_out
+
+
 # Real layer sizes of the families the benchmarks and GPU tests use (bf16 on the GPU).
 LAYER_PRESETS = {
     "mixtral_8x7b": MoESpec(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336),

@@ -10,7 +10,7 @@ import torch
 
 from moecomp import reference
 from moecomp.spec import MoESpec, SharedExpertSpec
-from moecomp.testing import LAYER_PRESETS, random_moe_args
+from moecomp.testing import LAYER_PRESETS, capture_moe_forward, random_moe_args
 
 pytestmark = pytest.mark.gpu
 
@@ -52,15 +52,7 @@ def test_cuda_graph_capture_and_replay(name, T):
     spec = FAMILIES[name]
     args = list(random_moe_args(spec, T, torch.bfloat16, "cuda", std=0.02, seed=1))
     static_x = args[0].clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up: compiles kernels, builds derived weights
-        for _ in range(2):
-            torch.ops.moecomp.moe_forward(static_x, *args[1:], spec.key)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = torch.ops.moecomp.moe_forward(static_x, *args[1:], spec.key)
+    graph, static_out = capture_moe_forward(static_x, args[1:], spec)  # after a warm-up: kernels, derived weights
     for seed in range(3):  # new inputs each replay
         x = torch.randn(T, spec.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
         static_x.copy_(x.to(torch.bfloat16))

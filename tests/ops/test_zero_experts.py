@@ -22,7 +22,7 @@ from moecomp import reference
 from moecomp.ops import triton_moe
 from moecomp.ops.common import MOE_ARGS
 from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
-from moecomp.testing import quantize_moe_args, random_moe_args
+from moecomp.testing import capture_moe_forward, quantize_moe_args, random_moe_args
 
 TOL = 1e-5
 
@@ -304,15 +304,7 @@ def test_gpu_cuda_graph_capture_and_replay(T):
     spec = LONGCAT_GPU
     args = list(random_moe_args(spec, T, torch.bfloat16, "cuda", std=0.02, seed=1))
     static_x = args[0].clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            torch.ops.moecomp.moe_forward(static_x, *args[1:], spec.key)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = torch.ops.moecomp.moe_forward(static_x, *args[1:], spec.key)
+    graph, static_out = capture_moe_forward(static_x, args[1:], spec)
     for seed in range(3):
         x = torch.randn(T, spec.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
         static_x.copy_(x.to(torch.bfloat16))

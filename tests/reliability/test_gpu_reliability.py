@@ -21,7 +21,7 @@ import torch
 
 from moecomp import reference
 from moecomp.spec import MoESpec
-from moecomp.testing import LAYER_PRESETS, random_moe_args
+from moecomp.testing import LAYER_PRESETS, capture_moe_forward, random_moe_args
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -67,19 +67,7 @@ def test_100_replays_with_new_inputs_equal_plain_launches(name, T):
     spec = LAYER_PRESETS[name]
     args = list(random_moe_args(spec, T, torch.bfloat16, "cuda", std=0.02, seed=T))
     static_x = args[0].clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            torch.ops.moecomp.moe_forward(static_x, *args[1:], spec.key)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")  # a host sync on the captured path raises
-    try:
-        with torch.cuda.graph(g):
-            static_out = torch.ops.moecomp.moe_forward(static_x, *args[1:], spec.key)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    g, static_out = capture_moe_forward(static_x, args[1:], spec, sync_check=True)  # a host sync there raises
     gen = torch.Generator("cuda").manual_seed(100 + T)
     worst_plain, worst_ref, same = 0.0, 0.0, 0
     for i in range(100):
