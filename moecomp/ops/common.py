@@ -84,3 +84,16 @@ def _sm_count(device: torch.device) -> int:
 
 
 _sm_counts: dict = {}
+
+
+def _w_strides(w: torch.Tensor, layout: str):
+    """(stride_e, stride_row_out, stride_col_in) of per-expert matrices in either layout."""
+    if layout == "out_in":
+        return w.stride(0), w.stride(1), w.stride(2)
+    return w.stride(0), w.stride(2), w.stride(1)
+
+
+def _flat_ids(ids: torch.Tensor) -> torch.Tensor:
+    """ids [T, k] -> [P] with unit stride (reshape keeps a view with a step, e.g. every other column: copied)."""
+    flat = ids.reshape(-1)
+    return flat.contiguous() if flat.numel() > 1 and flat.stride(0) != 1 else flat

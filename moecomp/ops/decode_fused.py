@@ -18,7 +18,7 @@ import triton
 from ..kernels import activations as act_k
 from ..kernels import decode_fused as fused_k
 from ..spec import MoESpec
-from .common import _sm_count
+from .common import _flat_ids, _sm_count, _w_strides
 
 DECODE_FUSED_MAX_T = 4
 
@@ -58,16 +58,12 @@ def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=No
     w13, w2, b13, b2 = args["w13"], args["w2"], args["b13"], args["b2"]
     ws = torch.zeros(T * H + T, dtype=torch.float32, device=x.device)
     acc, cnt = ws[: T * H].view(T, H), ws[T * H:].view(torch.int32)
-    s13 = (w13.stride(0), w13.stride(1), w13.stride(2)) if spec.w_layout == "out_in" else (
-        w13.stride(0), w13.stride(2), w13.stride(1))
-    s2 = (w2.stride(0), w2.stride(1), w2.stride(2)) if spec.w_layout == "out_in" else (
-        w2.stride(0), w2.stride(2), w2.stride(1))
+    s13, s2 = _w_strides(w13, spec.w_layout), _w_strides(w2, spec.w_layout)
     bi = block_i(T, k, I, _sm_count(x.device)) if x.is_cuda else 16
     slices = triton.cdiv(I, bi)
     if join is not None:
         join()
-    ids_flat = ids.reshape(-1).contiguous()
-    wts = weights.reshape(-1).contiguous()
+    ids_flat, wts = _flat_ids(ids), _flat_ids(weights)
     fused_k.moe_decode_fused_kernel[(T * k * slices,)](
         x, w13, w2, b13, b2, ids_flat, wts, acc, cnt, shared, gate, out, H, I,
         x.stride(0), *s13, *s2, 0 if b13 is None else b13.stride(0), 0 if b2 is None else b2.stride(0),

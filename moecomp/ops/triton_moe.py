@@ -48,7 +48,8 @@ from . import decode_fused
 from . import weight_on_input as woi
 from . import zero_experts as zx
 from .triton_shared import shared_mlp
-from .common import _interpret, _precision, _sm_count, _upcast  # noqa: F401  (used here and by tests / benchmarks)
+from .common import (  # noqa: F401  (used here and by tests / benchmarks)
+    _flat_ids, _interpret, _precision, _sm_count, _upcast, _w_strides)
 from .triton_fp8 import (  # noqa: F401  (expert_quant: also the tuner's and tests')
     block_cfg as _block_cfg, expert_kwargs, expert_quant, fp8_a, fp8_linear, fp8_tile, gemm1_io, quant_kwargs)
 
@@ -257,24 +258,11 @@ def align(ids: torch.Tensor, E: int, block_m: int):
 
 
 # --------------------------------------------------------------------------------------------- experts
-def _w_strides(w: torch.Tensor, layout: str):
-    """(stride_e, stride_row_out, stride_col_in) of per-expert matrices in either layout."""
-    if layout == "out_in":
-        return w.stride(0), w.stride(1), w.stride(2)
-    return w.stride(0), w.stride(2), w.stride(1)
-
-
 def direct(ids: torch.Tensor):
     """ids [T, k] -> the ``aligned`` tuple of the DIRECT (unaligned, one pair per program) GEMMs: (flat ids [P],
     None, None, P). h is then [P, I] in pair order."""
     flat = _flat_ids(ids)
     return flat, None, None, flat.numel()
-
-
-def _flat_ids(ids: torch.Tensor) -> torch.Tensor:
-    """ids [T, k] -> [P] with unit stride (reshape keeps a view with a step, e.g. every other column: copied)."""
-    flat = ids.reshape(-1)
-    return flat.contiguous() if flat.numel() > 1 and flat.stride(0) != 1 else flat
 
 
 def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, q: dict | None = None,
