@@ -3,7 +3,8 @@
 Written for clarity, not speed: fp32 (or fp64) math, a loop over experts, nothing fused. It takes exactly the
 arguments of ``torch.ops.moecomp.moe_forward`` (see ``moecomp.ops.moe_op.MOE_ARGS``) plus a ``MoESpec``.
 Zero experts (``spec.zero_experts``): routing runs over the router's E + Z logits; ids >= E add ``weight * x``
-(:func:`zero_expert_term`).
+(:func:`zero_expert_term`). Hash routing (``spec.hash_routing``): the ids are ``hash_table[token_ids]``
+(:func:`hash_ids`), the weights the scores at them (:func:`route` with ``ids`` given).
 """
 
 from __future__ import annotations
@@ -68,15 +69,30 @@ def finite_weights(w: torch.Tensor, limit: float = FLT_MAX) -> torch.Tensor:
     return torch.nan_to_num(w, nan=0.0, posinf=limit, neginf=-limit).clamp(-limit, limit)
 
 
+def hash_ids(hash_table: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Hash routing's ids: ``hash_table[token_ids]`` [T, k] int64 (one row per token id, flattened). Plain indexing:
+    the oracle assumes ids in range (the op checks them)."""
+    return hash_table[token_ids.reshape(-1).long()].long()
+
+
 def route(
-    logits: torch.Tensor, correction_bias: torch.Tensor | None, spec: MoESpec, acc=torch.float32
+    logits: torch.Tensor, correction_bias: torch.Tensor | None, spec: MoESpec, acc=torch.float32,
+    ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing from router logits [T, E] -> (weights [T, k] in ``acc``, ids [T, k] int64). Rows with NaN / inf
-    logits follow the contract above."""
+    logits follow the contract above. ``ids`` [T, k]: hash routing's ids (``spec.hash_routing``, :func:`hash_ids`):
+    no selection, the weights are the scores at them."""
     logits = sanitize_logits(logits.to(acc))
     k = spec.top_k
     neg = float("-inf")
-    if spec.score_order == "topk_then_score":
+    if spec.hash_routing:
+        if ids is None:
+            raise ValueError("route: a hash_routing spec needs the ids (hash_table[token_ids])")
+        ids = ids.long()
+        weights = score(logits, spec.scoring).gather(1, ids)
+        if spec.scoring == "none":
+            weights = weights.masked_fill(weights == neg, 0.0)
+    elif spec.score_order == "topk_then_score":
         vals, ids = _topk_low_index_ties(logits, k)
         weights = score(vals, spec.scoring)  # softmax over the k chosen, or sigmoid of each
     else:
@@ -327,14 +343,15 @@ def router_logits(x: torch.Tensor, router_w, router_b, spec: MoESpec) -> torch.T
 
 
 def _pick(d: dict, *names) -> dict:
-    unknown = set(d) - set(_QUANT_NAMES)
+    unknown = set(d) - set(_QUANT_NAMES) - set(_HASH_NAMES)
     if unknown:
-        raise TypeError(f"unknown quantization argument(s) {sorted(unknown)}; expected among {_QUANT_NAMES}")
+        raise TypeError(f"unknown argument(s) {sorted(unknown)}; expected among {_QUANT_NAMES + _HASH_NAMES}")
     return {n: d.get(n) for n in names}
 
 
 _QUANT_NAMES = ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "shared_w1_scale", "shared_w3_scale",
                 "shared_w2_scale")
+_HASH_NAMES = ("hash_table", "token_ids")
 
 
 def moe_forward(
@@ -355,7 +372,8 @@ def moe_forward(
     **quant,
 ) -> torch.Tensor:
     """The whole block: x [..., H] -> [..., H] in x's dtype, math in ``acc``. ``quant``: the scale tensors of
-    quantized weights by their op argument names (``moecomp.ops.common.QUANT_ARGS``)."""
+    quantized weights by their op argument names (``moecomp.ops.common.QUANT_ARGS``), and hash routing's
+    ``hash_table`` / ``token_ids`` (``HASH_ARGS``)."""
     if isinstance(spec, str):
         spec = MoESpec.from_key(spec)
     if spec.fused_shared_gate:  # router_w [E + 1, H]: the last row is the shared-expert gate
@@ -364,7 +382,9 @@ def moe_forward(
     x2 = x.reshape(-1, shape[-1])  # [T, H]
     # The router reads x in the model dtype (like HF), unless the spec says fp32.
     logits = router_logits(x2, router_w, router_b, spec)  # [T, E]
-    weights, ids = route(logits, correction_bias, spec, acc)
+    h = _pick(quant, *_HASH_NAMES)
+    given = hash_ids(h["hash_table"], h["token_ids"]) if spec.hash_routing else None
+    weights, ids = route(logits, correction_bias, spec, acc, ids=given)
     if spec.round_weights:
         weights = round_weights(weights, x.dtype)
     out = experts(x2, ids, weights, w13, b13, w2, b2, spec, acc, **_pick(quant, "w13_scale", "w2_scale", "a13_scale",

@@ -29,6 +29,19 @@ What a block computes, in terms of the spec (T tokens, H hidden, E experts, k = 
                zero-computation expert whose y is the token itself, so its pair adds weights * x:
                out = sum_{k: id < E} weights * y + sum_{k: id >= E} weights * x     (w13 / w2 hold the E real experts)
                (the same with weight_on_input: the identity of weight * x, summed unweighted)
+    hash routing (hash_routing, DeepSeek-V4's ``hash_moe`` layers): no selection; a frozen table hash_table [V, k]
+               (integer expert ids) indexed by each token's id token_ids [T] (integer, in [0, V)) gives the ids, and
+               the weights are the scores at those ids, as above:
+               ids      = hash_table[token_ids]                                    # [T, k]
+               weights  = scores[ids]  (/ max(sum + renorm_eps, renorm_min))  * routed_scaling
+               (no correction bias, groups or topk_then_score: there is no choice to steer; ids may repeat in a row,
+               each pair is its own term). The token ids reach the op as its ``token_ids`` argument: a bound block
+               passes the ``input_ids`` its forward receives (a forward argument, not a block tensor: the binding
+               names it, ``match.forward_arg``); a rewritten graph passes the graph input it read; under CUDA graphs
+               the kernels read the ids from that input's memory at every replay (the op's own eager graphs copy them
+               in like x). Ids outside [0, V) / table values outside [0, E) are a SpecError where the op can read
+               them (CPU always; CUDA outside capture and compilation); the kernels clamp both into range, so they
+               never read or write out of bounds (``ops/hash_routing.py``).
 
 Quantized weights (``quant``, a ``QuantSpec``; ``SharedExpertSpec.quant`` for the shared experts): the op reads the
 quantized tensors and their scales as they are stored; what a GEMM computes is
@@ -194,6 +207,7 @@ class MoESpec:
     fused_shared_gate: bool = False  # FSE: router_w is [E + 1, H], its last row the shared-expert gate
     weight_on_input: bool = False  # each pair's expert runs on weight * x, the combine sums unweighted (Llama 4)
     zero_experts: int = 0  # router outputs past the E experts: ids >= E add weight * x (identity experts, LongCat)
+    hash_routing: bool = False  # ids = hash_table[token_ids], weights = scores[ids] (DeepSeek-V4 hash_moe layers)
     # --- experts ---
     activation: str = "silu"
     gated: bool = True
@@ -217,6 +231,7 @@ class MoESpec:
         if E <= 0 or self.hidden_size <= 0 or self.intermediate_size <= 0:
             raise SpecError(f"sizes must be positive: E={E}, H={self.hidden_size}, I={self.intermediate_size}")
         _check_zero_experts(self)
+        _check_hash_routing(self)
         if not 1 <= k <= self.router_width:
             raise SpecError(f"top_k must be in [1, num_experts={E}"
                             + (f" + zero_experts={self.zero_experts}" if self.zero_experts else "") + f"], got {k}")
@@ -357,6 +372,8 @@ class MoESpec:
             route += " on-input"
         if self.zero_experts:
             route += f" +{self.zero_experts} zero"
+        if self.hash_routing:
+            route += " hash"
         sh = ""
         if self.shared is not None:
             sh = f", shared I={self.shared.intermediate_size}" + (" gated" if self.shared.gate != "none" else "") + (
@@ -387,6 +404,21 @@ def _check_zero_experts(spec: MoESpec) -> None:
     if spec.fused_shared_gate:
         raise SpecError("zero_experts with fused_shared_gate is not supported: router_w would be "
                         "[E + zero_experts + 1, H], a layout the op does not read")
+
+
+def _check_hash_routing(spec: MoESpec) -> None:
+    """``hash_routing``: a bool, and nothing that steers a selection (there is none: the table gives the ids)."""
+    if not isinstance(spec.hash_routing, bool):
+        raise SpecError(f"hash_routing must be a bool, got {spec.hash_routing!r}")
+    if not spec.hash_routing:
+        return
+    for name, bad in (("score_order 'topk_then_score'", spec.score_order != "score_then_topk"),
+                      ("a correction bias (has_correction_bias)", spec.has_correction_bias),
+                      ("group-limited routing (n_group > 1)", spec.n_group > 1),
+                      ("zero_experts", spec.zero_experts > 0)):
+        if bad:
+            raise SpecError(f"hash_routing with {name} is not supported: the ids come from the table "
+                            "hash_table[token_ids], there is no top-k for it to act on")
 
 
 def _check_activation(activation: str, gated: bool, clamp: bool, limit: float, who: str) -> None:

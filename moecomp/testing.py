@@ -56,6 +56,20 @@ def random_moe_args(
     return (x,) + tuple(t[n] for n in MOE_ARGS)
 
 
+def random_hash_args(spec: MoESpec, T: int, vocab: int = 37, device: str | torch.device = "cpu",
+                     seed: int = 0, distinct: bool = True) -> dict:
+    """Hash routing's op arguments (``spec.hash_routing``): {"hash_table": [vocab, k] int64 expert ids (each row k
+    distinct experts, or ``distinct=False`` drawn with repeats), "token_ids": [T] int64 in [0, vocab)}."""
+    g = torch.Generator().manual_seed(seed)
+    E, k = spec.num_experts, spec.top_k
+    if distinct:
+        table = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(vocab)])
+    else:
+        table = torch.randint(0, E, (vocab, k), generator=g)
+    tok = torch.randint(0, vocab, (T,), generator=g)
+    return {"hash_table": table.to(device), "token_ids": tok.to(device)}
+
+
 def quantize_moe_args(spec: MoESpec, args: tuple, seed: int = 0) -> tuple[tuple, dict]:
     """The op's arguments of ``random_moe_args`` with the weights the spec quantizes replaced by their fp8 form:
     (positional args, {scale argument: tensor}) to call ``moe_forward(*args, spec.key, **scales)``. Static

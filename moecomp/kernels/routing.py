@@ -12,6 +12,9 @@ Rows with NaN / inf logits follow the routing contract stated in ``moecomp.refer
 weights finite (NaN -> 0, clamped). Rows of finite logits route exactly as before. Group-limited selection keeps the TOPK_GROUP best of
 N_GROUP contiguous groups, a group scored by its top-2 sum (or its max): on a [BLOCK_T, N_GROUP, GROUP_SIZE] view of
 the tile when the experts fill it exactly (GROUP_3D), else by one masked pass per group.
+HASH (``MoESpec.hash_routing``, DeepSeek-V4): no selection; slot j's id is ``table[tok[t], j]`` and its weight the
+score there (then renorm / scale / rounding as above). Memory safety without a host check: the token id is clamped
+into [0, n_vocab - 1] and the table entry into [0, E - 1] before either indexes anything.
 """
 
 import triton
@@ -82,6 +85,11 @@ def route_topk_kernel(
     GROUP_SIZE: tl.constexpr,
     ROUND_TO: tl.constexpr,  # 0 keep fp32, 1 round weights through bf16, 2 through fp16
     USE_PDL: tl.constexpr = 0,
+    table_ptr=None,  # HASH: [n_vocab, TOP_K] integer expert ids, row stride stride_table
+    tok_ptr=None,  # HASH: [T] integer token ids
+    n_vocab=1,
+    stride_table=0,
+    HASH: tl.constexpr = False,
 ):
     pdl.enter(USE_PDL)
     pid = tl.program_id(0)
@@ -164,8 +172,15 @@ def route_topk_kernel(
     top_ids = tl.zeros([BLOCK_T, K_PAD], tl.int32)
     top_w = tl.zeros([BLOCK_T, K_PAD], tl.float32)
     free = tl.broadcast_to(e_ok[None, :], [BLOCK_T, BLOCK_E])  # not yet taken, and a real expert
+    if HASH:
+        tok = tl.load(tok_ptr + offs_t, mask=t_ok, other=0).to(tl.int64)  # [BT]
+        row = tl.minimum(tl.maximum(tok, 0), n_vocab - 1) * stride_table
     for j in tl.static_range(TOP_K):
-        idx = _pick(choice, free, offs_e, BLOCK_E, E)  # [BT]
+        if HASH:  # the table's entry, clamped to a real expert (never an index past the scores or the weights)
+            e = tl.load(table_ptr + row + j, mask=t_ok, other=0).to(tl.int64)
+            idx = tl.minimum(tl.maximum(e, 0), E - 1).to(tl.int32)
+        else:
+            idx = _pick(choice, free, offs_e, BLOCK_E, E)  # [BT]
         sel = offs_e[None, :] == idx[:, None]
         w = tl.sum(tl.where(sel, score, 0.0), axis=1)
         if SCORING == 3 and not TOPK_THEN_SCORE:

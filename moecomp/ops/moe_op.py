@@ -6,6 +6,9 @@ at small token counts (``ops/graphs.py``). CPU tensors run a vectorised PyTorch 
 (``ops/torch_moe.py``), or the same Triton kernels under ``TRITON_INTERPRET=1`` when ``MOECOMP_CPU_BACKEND=triton``
 (how the tests exercise the kernels without a GPU).
 
+Hash routing's table and token ids (``HASH_ARGS``): ``ops/hash_routing.py`` checks them (their values as the ids
+below) and the implementations clamp them (memory safety where the values cannot be read).
+
 Argument checks (``check_args``, ``check_routing``, ``check_ids_range``): every bad argument is a ``SpecError`` (a
 ValueError) naming it and what was expected, on every entry point: the implementations, the eager entry points, and
 the fake implementations, which are also the Meta-key kernels (a tensor on "meta" among real ones dispatches there).
@@ -22,9 +25,10 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _get_dispatch_mode
 
 from ..spec import MoESpec, SpecError
-from . import graphs, torch_moe
+from . import graphs, hash_routing, torch_moe
 from .common import (  # noqa: F401  (re-exported)
-    EXPERT_ARGS, EXPERT_QUANT_ARGS, FEATURES, MOE_ARGS, OP_ARGS, QUANT_ARGS, _backend, _on_device, split_fused_gate)
+    EXPERT_ARGS, EXPERT_QUANT_ARGS, FEATURES, HASH_ARGS, MOE_ARGS, OP_ARGS, QUANT_ARGS, _backend, _on_device,
+    split_fused_gate)
 
 # Floating dtypes the kernels compute in (x / hidden_states). float64 only on the vectorised torch path (CPU, or
 # MOECOMP_CUDA_BACKEND=torch), which computes the experts in fp32 and returns float64; the Triton GEMMs have no fp64.
@@ -129,7 +133,11 @@ def check_args(x: torch.Tensor, tensors: dict, spec: MoESpec, symbolic: bool = F
         allowed = "float32, float16 or bfloat16" + (" (float64 on the torch path only)" if dt == torch.float64 else "")
         raise SpecError(f"{_X} has dtype {dt}; expected {allowed}")
     expect = _expected_shapes(spec, "router_w" in tensors)
+    if "router_w" in tensors:
+        hash_routing.check_args(x, tensors.get("hash_table"), tensors.get("token_ids"), spec, symbolic)
     for name, t in tensors.items():
+        if name in HASH_ARGS:
+            continue
         want = expect.get(name)
         if want is None:
             if t is not None:
@@ -236,11 +244,21 @@ def _impl(device: torch.device):
 
 
 def _forward(x: torch.Tensor, args: dict, s: MoESpec, spec: str, eager: bool = False) -> torch.Tensor:
-    """``eager``: the caller has already established ``plain_eager`` for these tensors."""
+    """``eager``: the caller has already established ``plain_eager`` for these tensors. The token ids of hash
+    routing are per-call inputs like x (copied into the op's eager graphs on every replay, never keyed by identity);
+    the table is a weight."""
     impl = _impl(x.device)
+    tok = args.get("token_ids")
+    if s.hash_routing:
+        hash_routing.check_values(args["hash_table"], tok, s)
     if x.is_cuda:  # per-shape CUDA graphs in eager mode (ops/graphs.py)
+        if tok is None:
+            return _on_device(x, lambda: graphs.run(
+                "moe_forward", lambda xx: impl.moe_forward(xx, args, s), (x,), tuple(args.values()), spec, eager))
+        rest = {k: v for k, v in args.items() if k != "token_ids"}
         return _on_device(x, lambda: graphs.run(
-            "moe_forward", lambda xx: impl.moe_forward(xx, args, s), (x,), tuple(args.values()), spec, eager))
+            "moe_forward", lambda xx, tt: impl.moe_forward(xx, {**rest, "token_ids": tt}, s), (x, tok),
+            tuple(rest.values()), spec, eager))
     return impl.moe_forward(x, args, s)
 
 
@@ -295,10 +313,10 @@ def _expert_args(w13, b13, w2, b2, *scales) -> dict:
     return args
 
 
-def _op_args(tensors, scales) -> dict:
-    """moe_forward's tensors by name; the scale names only where given."""
+def _op_args(tensors, scales, hashed=(None, None)) -> dict:
+    """moe_forward's tensors by name; the scale and hash-routing names only where given."""
     args = dict(zip(MOE_ARGS, tensors))
-    args.update({n: t for n, t in zip(QUANT_ARGS, scales) if t is not None})
+    args.update({n: t for n, t in zip(QUANT_ARGS + HASH_ARGS, tuple(scales) + tuple(hashed)) if t is not None})
     return args
 
 
@@ -324,11 +342,13 @@ def moe_forward(
     shared_w1_scale: torch.Tensor | None = None,
     shared_w3_scale: torch.Tensor | None = None,
     shared_w2_scale: torch.Tensor | None = None,
+    hash_table: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     s = MoESpec.from_key(spec)
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
-                                      shared_w2_scale))
+                                      shared_w2_scale), (hash_table, token_ids))
     check_args(x, args, s)
     return _forward(x, args, s, spec)
 
@@ -336,12 +356,12 @@ def moe_forward(
 @moe_forward.register_fake
 def _(x, router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2, shared_gate_w,
       spec, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, shared_w1_scale=None,
-      shared_w3_scale=None, shared_w2_scale=None):
+      shared_w3_scale=None, shared_w2_scale=None, hash_table=None, token_ids=None):
     # Also the Meta-key kernel: real tensors with one of them on "meta" dispatch here, not to the implementation, so
     # the checks (devices above all) must run here too, or the call returns uninitialised memory.
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
-                                      shared_w2_scale))
+                                      shared_w2_scale), (hash_table, token_ids))
     check_args(x, args, MoESpec.from_key(spec), symbolic=True)
     return torch.empty_like(x)
 

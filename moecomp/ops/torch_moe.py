@@ -4,6 +4,8 @@ No Python loop over experts: token-expert pairs are sorted by expert once, both 
 GEMMs over the sorted rows (``torch.nn.functional.grouped_mm`` where the stack has it for the dtype, else a
 batched GEMM over gathered weights in bounded chunks), and the weighted combine is one scatter-add. Zero experts
 (``spec.zero_experts``): pairs with an id >= E are left out of the GEMMs and add ``weight * x`` (fp32) instead.
+Hash routing (``spec.hash_routing``): the ids are the table's rows of the token ids, clamped into range
+(``hash_routing.lookup``), the weights the scores at them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from .. import quant as q8
 from .. import reference
 from ..spec import MoESpec
 from .common import split_fused_gate
+from .hash_routing import lookup
 
 _CHUNK_BYTES = 256 << 20  # gathered-weight fallback: at most this much weight copy in flight
 
@@ -172,7 +175,8 @@ def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     logits = reference.router_logits(x2, args["router_w"], args["router_b"], spec)
-    weights, ids = reference.route(logits, args["correction_bias"], spec)
+    given = lookup(args["hash_table"], args["token_ids"], spec) if spec.hash_routing else None  # [T, k]
+    weights, ids = reference.route(logits, args["correction_bias"], spec, ids=given)
     if spec.round_weights:
         weights = reference.round_weights(weights, x.dtype).float()
     out = experts_fp32(x2, ids, weights, args, spec)

@@ -9,6 +9,8 @@ moe_forward, main stream                                   side stream (shared e
                                          (spec.weight_on_input: fused into gemm1 instead, ``ops/weight_on_input.py``)
     combine_kernel         -> out [T, H] = sum_k y (+ sigmoid(gate) * s)   <- waits for the side stream
     (spec.zero_experts: routing over E + Z, ids >= E skip the GEMMs and the combine adds w * x, ``ops/zero_experts.py``)
+    (spec.hash_routing: route_topk_kernel reads the ids from hash_table[token_ids] instead of a top-k,
+     ``ops/hash_routing.py``)
 
 Decode (T <= the config's ``decode.max_t``): no alignment; moe_gemm1_kernel(DIRECT) -> h [P, I] in pair order, then
 moe_down_combine_kernel -> out [T, H] (down projection, routing weights, top-k sum and shared expert in one kernel),
@@ -45,6 +47,7 @@ from ..kernels import routing as routing_k
 from ..spec import MoESpec
 from . import triton_fp8, tuning
 from . import decode_fused
+from . import hash_routing as hr
 from . import weight_on_input as woi
 from . import zero_experts as zx
 from .triton_shared import shared_mlp
@@ -190,9 +193,11 @@ def route_tiles(T: int, E: int, n_group: int) -> dict:
     return dict(block_t=max(1, min(16, elems // block_e)), num_warps=4, group_3d=group_3d)
 
 
-def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch.dtype, tiles: dict | None = None):
+def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch.dtype, tiles: dict | None = None,
+          hashed: dict | None = None):
     """logits [T, E (+ Z)] (any row stride) -> ids [T, k] int32, weights [T, k] fp32. ``tiles`` (``route_tiles``'s
-    keys) overrides the launch shape (the routing sweep in benchmarks/ uses it)."""
+    keys) overrides the launch shape (the routing sweep in benchmarks/ uses it). ``hashed``: the op's arguments
+    holding ``hash_table`` / ``token_ids``, needed (and only read) with ``spec.hash_routing``."""
     T, E, k = logits.shape[0], spec.router_width, spec.top_k
     ids = torch.empty(T, k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
@@ -221,6 +226,7 @@ def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch
         N_GROUP=n_group, G_PAD=triton.next_power_of_2(n_group), TOPK_GROUP=1 if plain_topk else spec.topk_group,
         GROUP_BY_MAX=spec.group_score == "max", GROUP_3D=group_3d, GROUP_SIZE=E // n_group if group_3d else 1,
         ROUND_TO=round_to, num_warps=tiles["num_warps"], **_pdl(logits.device),
+        **hr.route_kwargs(spec, hashed or {}),
     )
     return ids, weights
 
@@ -544,7 +550,7 @@ def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
         x2.record_stream(side)
 
     logits, gate = router_logits(x2, args, spec)  # [T, E], [T] or None
-    ids, weights = route(logits, args["correction_bias"], spec, x2.dtype)
+    ids, weights = route(logits, args["correction_bias"], spec, x2.dtype, hashed=args)
     return routed(x2, ids, weights, args, spec, out, shared, gate, join=join if overlap else None).reshape(shape)
 
 

@@ -32,3 +32,16 @@ def test_opcheck_moe_experts(cpu_backend, T):
     w = torch.rand(T, 2)
     torch.library.opcheck(torch.ops.moecomp.moe_experts.default, (args[0], ids, w, args[4], None, args[6], None,
                                                                   spec.key))
+
+
+@pytest.mark.parametrize("T", [0, 5])
+def test_opcheck_moe_forward_hash(cpu_backend, T):
+    """Hash routing's table and token ids, the op's last two arguments (``MoESpec.hash_routing``)."""
+    from moecomp.testing import random_hash_args
+
+    spec = MoESpec(num_experts=6, top_k=2, hidden_size=16, intermediate_size=8, scoring="sqrtsoftplus",
+                   routed_scaling_factor=1.5, hash_routing=True)
+    args = random_moe_args(spec, T, seed=T)
+    h = random_hash_args(spec, T, vocab=11, seed=T)
+    torch.library.opcheck(torch.ops.moecomp.moe_forward.default, (*args, spec.key, *[None] * 7, h["hash_table"],
+                                                                  h["token_ids"]))
