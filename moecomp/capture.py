@@ -58,6 +58,7 @@ from .hf.fp8 import plain_fp8
 from .ops.moe_op import MOE_ARGS, OP_ARGS
 from .passes import _fx
 from .derived import Derived
+from .match import arg_name, forward_arg
 from .reject import Refused, RejectCode
 from .spec import MoESpec
 
@@ -219,10 +220,11 @@ _ids = itertools.count()
 
 
 def _fresh_entry():
-    """``lambda mod, x: mod(x)`` with a code object of its own (its own Dynamo cache, no recompile limit)."""
+    """``lambda mod, x, kw: mod(x, **kw)`` with a code object of its own (its own Dynamo cache, no recompile
+    limit). ``kw``: further forward arguments (hash routing's token ids), usually empty."""
 
-    def entry(mod, x):
-        return mod(x)
+    def entry(mod, x, kw):
+        return mod(x, **kw)
 
     code = entry.__code__.replace(co_name=f"moecomp_capture_{next(_ids)}")
     return types.FunctionType(code, entry.__globals__, code.co_name)
@@ -312,11 +314,14 @@ def _unbacked_offset_patch() -> list:
 
 
 def capture_block(module: nn.Module, example_input: torch.Tensor, *, dynamic: bool = True,
-                  real_values: bool = False) -> CapturedBlock:
+                  real_values: bool = False, call_args: dict | None = None) -> CapturedBlock:
     """Dynamo's torch-level graph of ``module(example_input)``, with placeholders mapped to module paths.
 
     ``real_values``: trace with real values propagated (:func:`_real_values`): data-dependent branches follow the
-    example input. For per-expert loops that skip experts without tokens."""
+    example input. For per-expert loops that skip experts without tokens.
+    ``call_args``: further forward arguments by name (``module(example_input, **call_args)``), e.g. token ids for a
+    hash-routed block; their placeholders map to ``match.forward_arg(name)``."""
+    call_args = dict(call_args or {})
     box: dict = {}
 
     def backend(gm, example_inputs):
@@ -337,7 +342,7 @@ def capture_block(module: nn.Module, example_input: torch.Tensor, *, dynamic: bo
         # FP8 modules trace as their plain-PyTorch forwards (hf/fp8.py: transformers' need the hub's kernel)
         with traceable_experts(), plain_fp8(module), torch.no_grad(), (
                 _real_values() if real_values else contextlib.nullcontext()):
-            compiled(module, example_input)
+            compiled(module, example_input, call_args)
     except _Captured:
         pass
     except Exception as e:  # Dynamo raises many types (Unsupported, UserError, ...)
@@ -364,8 +369,11 @@ def capture_block(module: nn.Module, example_input: torch.Tensor, *, dynamic: bo
 
     paths: dict[str, str | None] = {}
     for n, v in zip(placeholders, inputs):
+        given = [k for k, t in call_args.items() if v is t]
         if v is example_input:
             paths[n.name] = "<input>"
+        elif given:
+            paths[n.name] = forward_arg(given[0])
         elif isinstance(v, torch.Tensor) and id(v) in by_id:
             paths[n.name] = by_id[id(v)]
         elif isinstance(v, torch.Tensor) and v.dim() == 0:
@@ -386,7 +394,9 @@ def _block_paths(cap: CapturedBlock, m) -> tuple[dict, list[Derived]]:
     ``Derived`` stacked tensor, bound by its name."""
     def path_of(k, ph):
         path = cap.paths.get(ph)
-        if path is None or path == "<input>":
+        if k == "token_ids" and arg_name(path) is not None:  # hash routing's token ids: a forward argument
+            return path
+        if path is None or path == "<input>" or arg_name(path) is not None:
             raise DetectError(f"{k} reads {ph}, which is not a parameter or buffer of the block", "detect")
         return path
 
@@ -426,17 +436,19 @@ def _output_position(cap: CapturedBlock, m) -> tuple[int, int, tuple]:
 
 
 def detect_block(module: nn.Module, example_input: torch.Tensor, *, verify: bool = True,
-                 allow_tail: bool = False, real_values: bool = False) -> BlockMatch:
+                 allow_tail: bool = False, real_values: bool = False, call_args: dict | None = None) -> BlockMatch:
     """MoESpec + module-relative bindings of one block, or ``DetectError`` (see the module docstring).
 
     A block that applies a tail to the MoE result before returning it (a post-MoE norm) raises unless
     ``allow_tail``; the error carries the match as ``e.match`` (``output_is_graph_output`` False, ``tail_ops``).
     A tail of views only (ERNIE-4.5-VL returns ``result.flatten()``) is returned like ``allow_tail`` (check
     ``output_is_graph_output``): the block's output is the op's, reshaped.
-    ``real_values``: trace with real values (``capture_block``), for per-expert loops that branch on the routing."""
+    ``real_values``: trace with real values (``capture_block``), for per-expert loops that branch on the routing.
+    ``call_args``: further forward arguments (``capture_block``): a hash-routed block's token ids, bound as
+    ``token_ids`` -> ``match.forward_arg(name)``."""
     from .passes.detect_moe import detect_moe
 
-    cap = capture_block(module, example_input, real_values=real_values)
+    cap = capture_block(module, example_input, real_values=real_values, call_args=call_args)
     res = detect_moe(cap.gm, cap.example_inputs, verify=verify)
     if not res.matches:
         why = "; ".join(f"{w}: {r}" for w, r in res.rejected) or "no top-k routing over stacked expert weights"

@@ -4,6 +4,8 @@
                                                               │
           Match = spec          what the block computes (MoESpec)
                   bindings      op argument (OP_ARGS) -> block-relative tensor path | a Derived's name | None
+                                | forward_arg(name): the block forward's argument ``name`` (hash routing's
+                                  token ids: ``token_ids`` -> ``forward_arg("input_ids")``)
                   derived       tensors built from the block's (stacked ModuleList experts, cat of split gate/up)
                   parts         the block's named modules (router, experts, shared expert): hooks, extra outputs
                   evidence      which recogniser, how it checked, which spec fields came from which attribute
@@ -26,6 +28,26 @@ import torch
 from .derived import Derived
 from .ops.common import OP_ARGS
 from .spec import MoESpec
+
+
+_ARG = ("<arg:", ">")
+
+
+def forward_arg(name: str) -> str:
+    """A binding to the block forward's argument ``name`` (read from each call, not from the block)."""
+    return f"{_ARG[0]}{name}{_ARG[1]}"
+
+
+def arg_name(binding) -> str | None:
+    """The forward argument a binding names (:func:`forward_arg`), or None for a tensor path / Derived / None."""
+    if isinstance(binding, str) and binding.startswith(_ARG[0]) and binding.endswith(_ARG[1]):
+        return binding[len(_ARG[0]):-len(_ARG[1])]
+    return None
+
+
+def call_params(bindings: dict) -> dict[str, str]:
+    """{op argument: forward argument name} of the bindings that name forward arguments."""
+    return {a: n for a, p in bindings.items() if (n := arg_name(p)) is not None}
 
 
 @dataclass
@@ -92,6 +114,8 @@ class Match:
         for a, p in self.bindings.items():
             if a in ("router_w", "w13", "w2") and p is None:
                 raise ValueError(f"bindings[{a!r}]: expected a tensor path or a derived tensor's name, got None")
+            if arg_name(p) is not None and a != "token_ids":
+                raise ValueError(f"bindings[{a!r}] = {p!r}: only token_ids may be a forward argument")
         dup = len(names) != len(self.derived)
         if dup:
             raise ValueError("derived: expected distinct names")

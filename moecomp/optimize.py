@@ -24,9 +24,10 @@ with router / input jitter, in training mode with gradients, in eval mode when g
 and the hidden states or weights require grad: the op has no backward; warned once per process), after an
 attribute it was derived from changed (warned once per block; ``optimize(model)`` again re-binds it), while a
 forward hook on its router / experts / shared experts is active (transformers records ``output_router_logits`` that
-way; its recording hooks only count while a recording is in progress), or when it gets an extra argument it was not
-checked with (e.g. ``input_ids``). Blocks that return extra outputs (gpt-oss: ``(hidden, router_scores)``) get them
-from their router module, called once more on the same input.
+way; its recording hooks only count while a recording is in progress), when it gets an extra argument it was not
+checked with (e.g. ``input_ids``), or without one the op reads (hash routing's token ids). Blocks that return extra
+outputs (gpt-oss: ``(hidden, router_scores)``) get them from their router module, called once more on the same
+input.
 
 ``optimize`` on an already optimized model re-binds blocks whose attributes changed, and rebuilds the weight copies
 moecomp keeps for the layouts it cannot share (separate 3-D gate / up, fp32 router copies): the way to pick up
@@ -39,7 +40,6 @@ This module holds the API and the walk over the blocks (detection included); the
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import warnings
 
 import torch
@@ -56,7 +56,7 @@ from .reject import Refused, Reject
 from .verify import verify, verify_epilogue
 from .hf import bind as _bind
 from .hf import fp8 as _fp8
-from .hf.structure import BlockParts, get_path, iter_blocks
+from .hf.structure import BlockParts, iter_blocks
 
 # the verify check's rules live in moecomp.policy (re-exported here for callers that read them from optimize)
 TOLERANCE = policy.VERIFY_TOLERANCE
@@ -116,21 +116,13 @@ def _report_already(block: nn.Module, rep: BlockReport, changed: str, bind_it: b
 
 def _refuse_structure(block: nn.Module, parts: BlockParts, rep: BlockReport) -> bool:
     """True (refusal recorded in ``rep``) for structures the op cannot stand in for, seen without running: router
-    and experts next to attention / mixer modules, a router that reads token ids."""
+    and experts next to attention / mixer modules. (A router that reads token ids is hash routing: the recognisers
+    read it, ``MoESpec.hash_routing``.)"""
     attn = [n for n in parts.extra_modules if any(k in n.lower() for k in ("attn", "attention", "mixer", "mamba"))]
     if attn:
         rep.refuse(RejectCode.UNSUPPORTED_STRUCTURE, f"router and experts sit in {type(block).__name__} next to "
                    f"{', '.join(attn)} (no separate MoE module to rewrite)")
         return True
-    if parts.router_module:
-        try:
-            rsig = inspect.signature(get_path(block, parts.router_module).forward).parameters
-        except (TypeError, ValueError):
-            rsig = {}
-        if any(n in rsig for n in ("input_ids", "token_ids")):
-            rep.refuse(RejectCode.UNSUPPORTED_ROUTING,
-                       "the router reads token ids (hash routing): not a routing MoESpec can express")
-            return True
     return False
 
 

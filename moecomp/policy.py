@@ -114,6 +114,21 @@ def probe_input(hidden: int, device, dtype, shape=PROBE_SHAPE, seed: int = PROBE
     return torch.randn(*shape, hidden, generator=g).to(device=device, dtype=dtype)
 
 
+# Hash routing (MoESpec.hash_routing): the token ids given with the probe / capture inputs, uniform in [0, V) (V the
+# table's rows) from their own seed, one per token: with 32 probe tokens and a random table most experts are reached;
+# any ids in range prove the lookup (the check compares with the block's own forward on the same ids).
+TOKEN_PROBE_SEED = 11
+# forward parameters tried for the token ids when capturing a block that holds a 2-D integer tensor (a table), in
+# signature order: the first few only (each try is one Dynamo capture)
+TOKEN_PARAM_TRIES = 3
+
+
+def probe_token_ids(shape, vocab: int, device, seed: int = TOKEN_PROBE_SEED) -> torch.Tensor:
+    """Token ids of ``shape`` (the probe's leading dims), uniform in [0, vocab), int64, drawn on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, max(1, int(vocab)), tuple(shape), generator=g).to(device)
+
+
 # Inputs that reach activation clamps. Clamped SwiGLU variants clamp at 7-10; N(0, 1) hidden states rarely reach
 # that, so the probes below are scaled so that the first GEMM's outputs have std 8 (reaching about +-25).
 CLAMP_REACH_STD = 8.0

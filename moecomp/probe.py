@@ -1,5 +1,9 @@
 """One recorded call of a block's original forward: the probe the attribute recogniser measures and the verify
-stage compares against (its input, output, and what the router and experts modules were called with)."""
+stage compares against (its input, output, and what the router and experts modules were called with).
+
+Hash-routed blocks (``MoESpec.hash_routing``) also take the tokens' ids: :func:`token_args` names the forward
+parameters that could carry them and the table size to draw them from (shapes and dtypes only: the recognisers
+prove which parameter it is); :func:`hash_call_args` gives a Match's probe ids."""
 
 from __future__ import annotations
 
@@ -8,9 +12,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import policy
 from .derived import get_path
-from .match import Contract, reshape_to, shape_mode
+from .match import Contract, arg_name, reshape_to, shape_mode
 from .reject import Refused, RejectCode
+from .hf.bind import forward_params
 from .hf.structure import BlockParts
 
 
@@ -24,10 +30,11 @@ class ProbeRun:
     router_args: tuple | None = None  # (args, kwargs) of the router module call
     router_out: object = None
     router_calls: int = 0
+    kwargs: dict = None  # further forward arguments the block was called with (hash routing's token ids)
 
 
 def run_probe(block: nn.Module, parts: BlockParts, x: torch.Tensor, **kwargs) -> ProbeRun:
-    rec = ProbeRun(x=x, output=None)
+    rec = ProbeRun(x=x, output=None, kwargs=dict(kwargs))
     handles = []
     experts = get_path(block, parts.experts)
     if parts.kind == "fused":
@@ -57,6 +64,35 @@ def run_probe(block: nn.Module, parts: BlockParts, x: torch.Tensor, **kwargs) ->
         for h in handles:
             h.remove()
     return rec
+
+
+def table_rows(block: nn.Module) -> int | None:
+    """The fewest rows among the block's 2-D integer tensors (hash tables [V, k] are such), or None when it has none:
+    token ids drawn below it index every such table."""
+    rows = [t.shape[0] for t in list(block.parameters()) + list(block.buffers())
+            if t.dim() == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+            and t.shape[0] > 0]
+    return min(rows) if rows else None
+
+
+def token_args(block: nn.Module, limit: int) -> tuple[list[str], int | None]:
+    """(forward parameters after the hidden states, at most ``limit``; V): the candidates for hash routing's token
+    ids, and the table rows to draw them from. ([], None) when the block holds no integer table."""
+    V = table_rows(block)
+    if V is None:
+        return [], None
+    return list(forward_params(block)[1][:limit]), V
+
+
+def hash_call_args(block: nn.Module, bindings: dict, x: torch.Tensor, seed: int | None = None) -> dict:
+    """{forward parameter: probe token ids} for a Match whose ``token_ids`` is a forward argument (hash routing),
+    drawn in [0, rows of its bound table); {} otherwise."""
+    name = arg_name(bindings.get("token_ids"))
+    if name is None or bindings.get("hash_table") is None:
+        return {}
+    V = get_path(block, bindings["hash_table"]).shape[0]
+    kw = {} if seed is None else {"seed": seed}
+    return {name: policy.probe_token_ids(x.shape[:-1], V, x.device, **kw)}
 
 
 def primary(out):

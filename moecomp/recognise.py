@@ -24,7 +24,8 @@ from torch import nn
 from . import policy
 from .hf import fallback
 from .hf.structure import BlockParts
-from .match import Evidence, Match, Verified
+from .match import Evidence, Match, Verified, forward_arg
+from .probe import token_args
 from .reject import Refused, Reject, RejectCode
 
 # When the FX pass recognises a block, also run the attribute reader and note any difference in the report
@@ -79,6 +80,9 @@ def _detect_fx(block: nn.Module, parts: BlockParts, device, dtype) -> Match | Re
         first = e
     except Exception as e:  # Dynamo errors surface as many types
         return Reject(RejectCode.CAPTURE_FAILED, f"FX pass failed ({type(e).__name__}: {str(e)[:120]})")
+    hashed = _detect_hash(block, parts, device, dtype)
+    if hashed is not None:  # a Match, or why the pass refused the block's table lookup
+        return hashed
     if first.code is not RejectCode.CAPTURE_FAILED or not _data_dependent(first):
         return first.reject
     # a per-expert loop branches on the routing (``if tok.numel():``): trace again following the example's branches
@@ -93,6 +97,34 @@ def _detect_fx(block: nn.Module, parts: BlockParts, device, dtype) -> Match | Re
     m.evidence.notes.append("traced with real values (data-dependent branches followed the example, which reached "
                             "every expert)")
     return m
+
+
+def _detect_hash(block: nn.Module, parts: BlockParts, device, dtype) -> Match | Reject | None:
+    """A block that holds an integer table and did not capture from the hidden states alone may route by token ids
+    (hash routing): captured again with probe token ids for each of its first forward parameters in turn; the first
+    capture whose graph the pass reads as a table lookup of exactly that argument is the answer. A Reject when a
+    capture showed such a lookup but the pass refused it (the reason says why); None when no capture showed one."""
+    from .capture import DetectError, detect_block  # noqa: PLC0415
+
+    names, V = token_args(block, policy.TOKEN_PARAM_TRIES)
+    x = policy.probe_input(parts.hidden_size, device, dtype, shape=policy.CAPTURE_PROBE_SHAPE)
+    refused = None
+    for name in names:
+        tok = policy.probe_token_ids(x.shape[:-1], V, device)
+        try:
+            bm = detect_block(block, x, call_args={name: tok})
+        except DetectError as e:  # not this parameter, or a lookup the pass refuses
+            why = [r for w, r in e.rejected if w.startswith("hash lookup")]
+            if refused is None and why:
+                refused = Reject(why[0].code, f"hash routing ({name!r} as token ids): {why[0]}")
+            continue
+        except Exception:  # noqa: BLE001 (Dynamo errors surface as many types)
+            continue
+        if bm.spec.hash_routing and bm.bindings.get("token_ids") == forward_arg(name):
+            m = _from_block_match(bm, parts)
+            m.evidence.notes.append(f"hash routing: captured with probe token ids as {name!r}, read from the graph")
+            return m
+    return refused
 
 
 def _data_dependent(e: Exception) -> bool:

@@ -28,7 +28,7 @@ def router_style(spec: MoESpec) -> str:
             s += f" group {spec.topk_group}/{spec.n_group}" + ("" if spec.group_score == "top2_sum" else " max")
             if spec.group_mask_zero:
                 s += " mask 0"
-        s += "→top-k"
+        s += "→hash table" if spec.hash_routing else "→top-k"
         if spec.renormalize:
             s += " renorm" + (f" (min {spec.renorm_min:g})" if spec.renorm_min > 0 else "")
     if spec.has_router_bias:

@@ -4,7 +4,8 @@
           ──► the block's original forward and ``torch.ops.moecomp.moe_forward`` on the same probe input
               (:mod:`moecomp.policy`: shape, tolerance per dtype, 16-bit routing near-ties excused); if only the
               routed part is off by one constant, the constant is fitted (snapped to the block's own numbers)
-          ──► extra forward arguments (``input_ids``) checked to make no difference
+          ──► extra forward arguments (``input_ids``) checked to make no difference (hash routing: the token ids are
+              an argument of both runs, drawn in [0, V): ``probe.hash_call_args``)
           ──► [an epilogue: ``epilogue(op(x))`` against the whole block, on two inputs: verify_epilogue]
           ──► Verified(match, contract, error, ignored arguments, epilogue)    (else ``Refused`` with a code)
 
@@ -25,7 +26,7 @@ from .hf.activations import activation_mismatch
 from .match import Match, Verified
 from .hf.fp8 import plain_fp8
 from .ops.moe_op import MOE_ARGS, OP_ARGS
-from .probe import contract_of, primary, run_probe
+from .probe import contract_of, hash_call_args, primary, run_probe
 from .reject import Refused, RejectCode
 from .spec import MoESpec, SpecError
 
@@ -42,7 +43,8 @@ def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).abs().max().item() / scale)
 
 
-def err_with_ties(block, spec: MoESpec, bindings, derived, x, y, ref, notes: list | None = None) -> float:
+def err_with_ties(block, spec: MoESpec, bindings, derived, x, y, ref, notes: list | None = None,
+                  call_args: dict | None = None) -> float:
     """``_rel_err(y, ref)``, except that in 16-bit a few tokens that differ because their routing is within a
     rounding of a tie (``reference.near_tie_tokens``) are left out; the count goes to ``notes``. When ties are
     excused (window per dtype, largest share of tokens) is :mod:`moecomp.policy`'s."""
@@ -58,7 +60,7 @@ def err_with_ties(block, spec: MoESpec, bindings, derived, x, y, ref, notes: lis
     bad = per_token > tol
     if int(bad.sum()) > policy.max_tie_tokens(bad.numel()):
         return err
-    t = bound_tensors(block, spec, bindings, derived)
+    t = bound_tensors(block, spec, bindings, derived, call_args)
     with torch.no_grad():
         near = reference.near_tie_tokens(x2, t[0], t[1], t[2], spec, rel)
     if bool((bad & ~near).any()):
@@ -69,8 +71,8 @@ def err_with_ties(block, spec: MoESpec, bindings, derived, x, y, ref, notes: lis
     return float(per_token[~bad].max()) if bool((~bad).any()) else 0.0
 
 
-def _run_op(block, spec: MoESpec, bindings, derived, x):
-    tensors = bound_tensors(block, spec, bindings, derived)
+def _run_op(block, spec: MoESpec, bindings, derived, x, call_args: dict | None = None):
+    tensors = bound_tensors(block, spec, bindings, derived, call_args)
     n = len(MOE_ARGS)
     with torch.no_grad():
         return torch.ops.moecomp.moe_forward(x, *tensors[:n], spec.key, *tensors[n:])
@@ -78,18 +80,19 @@ def _run_op(block, spec: MoESpec, bindings, derived, x):
 
 def _verify(block, spec, bindings, derived, run, consts, notes: list | None = None) -> tuple[MoESpec, float]:
     """Compare the op with the original output; fit one constant on the routed part if that alone is off."""
-    x = run.x
+    x, kw = run.x, run.kwargs
     ref = primary(run.output).reshape(x.shape)
-    y = _run_op(block, spec, bindings, derived, x)
-    err = err_with_ties(block, spec, bindings, derived, x, y, ref, notes)
+    y = _run_op(block, spec, bindings, derived, x, kw)
+    err = err_with_ties(block, spec, bindings, derived, x, y, ref, notes, kw)
     tol = policy.verify_tolerance(x.dtype, spec)
     if err <= tol or spec.weight_on_input:  # weights on the expert input: the routed output is not linear in them
         return spec, err
     # routed output scaled outside the router (e.g. `experts(...) * routed_scaling_factor` in the block)
     spec1 = spec.replace(routed_scaling_factor=1.0)
     routed = _run_op(block, spec1.replace(shared=None), {**bindings, **{k: None for k in OP_ARGS if
-                                                                        k.startswith("shared")}}, derived, x).float()
-    shared = _run_op(block, spec1, bindings, derived, x).float() - routed if spec.shared is not None else 0.0
+                                                                        k.startswith("shared")}}, derived, x,
+                     kw).float()
+    shared = _run_op(block, spec1, bindings, derived, x, kw).float() - routed if spec.shared is not None else 0.0
     num = ((ref.float() - shared) * routed).sum()
     den = (routed * routed).sum()
     if den > 0:
@@ -99,8 +102,8 @@ def _verify(block, spec, bindings, derived, run, consts, notes: list | None = No
                 spec2 = spec1.replace(routed_scaling_factor=c)
             except SpecError:
                 return spec, err
-            y2 = _run_op(block, spec2, bindings, derived, x)
-            err2 = err_with_ties(block, spec2, bindings, derived, x, y2, ref, notes)
+            y2 = _run_op(block, spec2, bindings, derived, x, kw)
+            err2 = err_with_ties(block, spec2, bindings, derived, x, y2, ref, notes, kw)
             if err2 <= tol:
                 return spec2, err2
     return spec, err
@@ -112,12 +115,13 @@ def _check_epilogue(block, match: Match, x, epilogue, notes: list) -> float:
     tol = policy.verify_tolerance(x.dtype, spec)
     worst = 0.0
     for xx in (x, _example(x.shape[-1], x.device, x.dtype, seed=policy.EPILOGUE_PROBE_SEED)):
+        kw = hash_call_args(block, bindings, xx)
         with torch.no_grad():
-            ref = primary(block(xx)).reshape(xx.shape)
-            y = _run_op(block, spec, bindings, derived, xx)
+            ref = primary(block(xx, **kw)).reshape(xx.shape)
+            y = _run_op(block, spec, bindings, derived, xx, kw)
             for n in epilogue:
                 y = get_path(block, n)(y)
-        worst = max(worst, err_with_ties(block, spec, bindings, derived, xx, y, ref, notes))
+        worst = max(worst, err_with_ties(block, spec, bindings, derived, xx, y, ref, notes, kw))
     if not worst <= tol:
         raise Refused(f"op followed by {', '.join(epilogue)} differs from the block: max rel. err "
                       f"{worst:.2e} > {tol:g}", RejectCode.VERIFICATION_FAILED)
@@ -126,16 +130,17 @@ def _check_epilogue(block, match: Match, x, epilogue, notes: list) -> float:
     return worst
 
 
-def _ignored_params(block, x: torch.Tensor, ref, extra_params) -> frozenset:
-    """Extra forward parameters (e.g. ``input_ids``) that leave this block's output unchanged."""
+def _ignored_params(block, x: torch.Tensor, ref, extra_params, kw: dict) -> frozenset:
+    """Extra forward parameters (e.g. ``input_ids``) that leave this block's output unchanged (``kw``: the arguments
+    the op reads, hash routing's token ids, given as in the probe run and not tried)."""
     ok = set()
     for p in extra_params:
-        if "ids" not in p:
+        if "ids" not in p or p in kw:
             continue
         val = torch.ones(x.shape[:-1], dtype=torch.long, device=x.device)
         try:
             with torch.no_grad():
-                out = block(x, **{p: val})
+                out = block(x, **kw, **{p: val})
         except Exception:
             continue
         o = primary(out)
@@ -147,7 +152,7 @@ def _ignored_params(block, x: torch.Tensor, ref, extra_params) -> frozenset:
 def fit_routed_scale(block, match: Match, x: torch.Tensor, consts) -> MoESpec:
     """``match.spec`` with the routed scale the probe run shows (for comparing recognisers; no tolerance check)."""
     with plain_fp8(block):
-        run = run_probe(block, match.parts, x)
+        run = run_probe(block, match.parts, x, **hash_call_args(block, match.bindings, x))
         spec, _ = _verify(block, match.spec, match.bindings, match.derived, run, consts)
     return spec
 
@@ -169,7 +174,7 @@ def _verify_match(block, match: Match, x: torch.Tensor, consts, notes: list) -> 
     why = activation_mismatch(block, parts, spec)
     if why is not None:
         raise Refused(f"activation check: {why}", RejectCode.VERIFICATION_FAILED)
-    run = run_probe(block, parts, x)
+    run = run_probe(block, parts, x, **hash_call_args(block, match.bindings, x))
     contract = contract_of(run)
     try:
         spec, err = _verify(block, spec, match.bindings, match.derived, run,
@@ -182,7 +187,7 @@ def _verify_match(block, match: Match, x: torch.Tensor, consts, notes: list) -> 
         raise Refused(f"op output differs from the block's: max rel. err {err:.2e} > {tol:g}{extra}",
                       RejectCode.VERIFICATION_FAILED)
     _, extra_params = forward_params(block)
-    ignored = _ignored_params(block, run.x, run.output, extra_params) if extra_params else frozenset()
+    ignored = _ignored_params(block, run.x, run.output, extra_params, run.kwargs) if extra_params else frozenset()
     return Verified(match.replace(spec=spec), contract, err, ignored)
 
 

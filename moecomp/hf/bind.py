@@ -16,7 +16,14 @@ It runs the original forward instead when the op cannot stand in for it:
 * a forward hook or pre-hook on the router, experts or shared-expert modules is active (this is how transformers
   records ``output_router_logits``; its recording hooks count only while a recording is in progress), or a
   global module hook is registered;
-* an extra forward argument the rewrite was not checked with is given (e.g. ``input_ids`` for hash routing).
+* an extra forward argument the rewrite was not checked with is given (e.g. ``input_ids`` of a block that ignores
+  them only when they are None); or an argument the op reads (hash routing's token ids, bound to a forward
+  argument: ``match.forward_arg``) is missing.
+
+Hash routing (``MoESpec.hash_routing``): the op's ``token_ids`` are the forward argument the binding names (a
+decoder layer passes ``input_ids`` to DeepSeek-V4's MoE block), read from every call, so eager calls, compiled code
+(the argument is a graph input) and CUDA-graph replays (the kernels read it from its memory) all route by the call's
+tokens; the table is a block buffer, checked once at bind time (every entry in [0, E): ``hash_routing.check_table``).
 
 State lives in ``block._moecomp`` (a plain attribute, not a Module / Parameter / buffer: ``state_dict()`` is
 unchanged).
@@ -62,10 +69,12 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..ops.hash_routing import check_table
+from ..reject import RejectCode
 from ..ops.moe_op import OP_ARGS, call_moe_forward
-from ..spec import MoESpec
+from ..spec import MoESpec, SpecError
 from ..derived import Derived, SharedLayout
-from ..match import Contract, Verified, reshape_to
+from ..match import Contract, Verified, arg_name, call_params, reshape_to
 from .bind_common import BindError, _restore_forward, _warn_grad, claim  # noqa: F401  (re-exported)
 from .bind_experts import (  # noqa: F401  (the experts-only rewrite; re-exported: optimize / experts_only use them)
     ExpertsForward, ExpertsState, bind_experts, experts_block_forward, experts_stale, unbind_experts)
@@ -134,10 +143,11 @@ class BoundState:
     warned_stale: bool = False  # (class-level defaults: states pickled before these fields load too)
     impl_config: object = None  # the experts' config transformers dispatches on by name (hf/impl_switch.py)
     impl_prev: str | None = None  # the name it had before binding marked it "moecomp"
+    inputs: tuple = ()  # (index in OP_ARGS, forward argument name): op arguments read from each call (token ids)
 
 
 def _split(p: str | None):
-    return None if p is None else tuple(p.split("."))
+    return None if p is None or arg_name(p) is not None else tuple(p.split("."))
 
 
 def _resolve(root, parts):
@@ -289,9 +299,13 @@ def _needs_original(block: nn.Module, st: BoundState, x, extra: dict) -> str | N
     mods = st.watch_mods if st.watch_mods is not None else [get_path(block, p) for p in st.watch]
     if hooks_active(mods):
         return "hooks on router / experts"
+    read = {n for _, n in getattr(st, "inputs", ())}
     for k, v in extra.items():
-        if v is not None and k not in st.ignored_params:
+        if v is not None and k not in st.ignored_params and k not in read:
             return f"argument {k!r}"
+    for k in read:
+        if extra.get(k) is None:
+            return f"argument {k!r} missing (the op reads it)"
     if torch.is_grad_enabled():
         what = _grad_needed(block, st, x)
         if what:
@@ -325,6 +339,8 @@ def moecomp_block_forward(self: nn.Module, *args, **kwargs):
     extra.update(kwargs)
     compiling = torch.compiler.is_compiling()
     why = _needs_original_traced(self, st, x) if compiling else _needs_original(self, st, x, extra)
+    if why is None and compiling and any(extra.get(n) is None for _, n in getattr(st, "inputs", ())):
+        why = "argument missing"
     if why is not None:
         if not compiling:
             st.fallbacks += 1
@@ -332,6 +348,8 @@ def moecomp_block_forward(self: nn.Module, *args, **kwargs):
     if st.derived and not compiling:
         _refresh_derived(self, st)
     tensors = [None if p is None else _resolve(self, p) for p in st.paths]
+    for i, n in getattr(st, "inputs", ()):
+        tensors[i] = extra[n]
     if compiling:  # small derived tensors are built in the graph (always fresh, nothing cached across calls)
         for d in st.derived:
             if d.inline:
@@ -452,6 +470,11 @@ def bind(block: nn.Module, name: str, verified: Verified) -> BoundState:
     if missing:
         raise BindError(f"bindings lack {missing}")
     op_spec, op_bindings, derived = router_derived(block, spec, bindings, derived)
+    if spec.hash_routing:
+        try:
+            check_table(get_path(block, bindings["hash_table"]), spec)
+        except SpecError as e:
+            raise BindError(str(e), RejectCode.SPEC_INVALID) from None
     hidden, extra = forward_params(block)
     jitter = []
     for mpath in dict.fromkeys(["", parts.router_module]):
@@ -464,7 +487,7 @@ def bind(block: nn.Module, name: str, verified: Verified) -> BoundState:
         hidden_name=hidden, extra_params=extra, ignored_params=frozenset(verified.ignored_params),
         original=block.__dict__.get("forward"), method=m.method,
         epilogue=tuple(_split(p) for p in verified.epilogue),
-        op_spec=op_spec,
+        op_spec=op_spec, inputs=tuple((OP_ARGS.index(a), n) for a, n in call_params(op_bindings).items()),
     )
     block._moecomp = st
     if st.derived:
@@ -491,14 +514,18 @@ def unbind(block: nn.Module) -> bool:
     return True
 
 
-def bound_tensors(block: nn.Module, spec: MoESpec, bindings: dict, derived: list[Derived]) -> list:
-    """The op's tensors for a not-yet-bound block (derived tensors built on the fly)."""
+def bound_tensors(block: nn.Module, spec: MoESpec, bindings: dict, derived: list[Derived],
+                  call_args: dict | None = None) -> list:
+    """The op's tensors for a not-yet-bound block (derived tensors built on the fly; forward arguments from
+    ``call_args``, {name: tensor})."""
     built = {d.name: d.build(block) for d in derived}
     out = []
     for a in OP_ARGS:
         p = bindings.get(a)
         if p is None:
             out.append(None)
+        elif arg_name(p) is not None:
+            out.append((call_args or {}).get(arg_name(p)))
         elif p in built:
             out.append(built[p])
         else:

@@ -15,7 +15,7 @@ expert settings from the module and its config; ``measure(block, x, extraction)`
 
 Without an input (meta tensors) only the static guesses are made and the result is marked unverified.
 The caller (``moecomp.optimize``) still checks the whole block's output against the op before rewriting.
-Probe inputs and match tolerances come from :mod:`moecomp.policy`.
+Probe inputs and match tolerances come from :mod:`moecomp.policy`. Hash routing: :mod:`moecomp.hf.hash_reader`.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from ..match import Evidence, Match
 from ..reject import Refused, Reject, RejectCode
 from ..spec import MoESpec, SharedExpertSpec, SpecError
 from ..derived import Derived
-from ..probe import ProbeRun, run_probe
-from . import fp8, names
+from ..probe import ProbeRun, hash_call_args, run_probe
+from . import fp8, hash_reader, names
 from .activations import describe_unknown_gate, probe_activation, probe_gate, probe_mlp
 from .names import read_attr
 from .structure import BlockParts, MLPParts, NotABlock, find_parts, get_path
@@ -108,8 +108,6 @@ def _mlp_activation(mod: nn.Module, sources) -> tuple[str | None, str]:
             return a, ("probed" if a else f"{n}={type(fn).__name__} is not an activation the spec knows")
     name = read_attr(sources, ("hidden_act", "hidden_activation", "mlp_hidden_act"), (str,))
     return names.ACT_NAMES.get(name), f"read hidden_act={name!r}"
-
-
 
 
 # ----------------------------------------------------------------------------------------------- static spec
@@ -314,6 +312,11 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
         notes.append(f"block has other parameterised children: {', '.join(parts.extra_modules)}")
     routing = _routing_guess(block, parts, sources)
     bindings, derived = _bindings(block, parts)
+    hashed = hash_reader.read(block, parts, int(top_k))  # a table of token ids' experts: hash routing
+    if hashed is not None:
+        routing.update(hashed[0])
+        bindings.update(hashed[1])
+        notes.append(f"hash routing: {bindings['hash_table']}[{bindings['token_ids']}]")
     quant, shared_quant = _quant(block, parts, bindings)
     if shared_quant is not None:
         shared = dataclasses.replace(shared, quant=shared_quant)
@@ -526,13 +529,15 @@ def _fit_routing(block: nn.Module, parts: BlockParts, spec: MoESpec, x2: torch.T
 
 def _measure(block: nn.Module, x: torch.Tensor, ext: Match) -> tuple[Match, ProbeRun]:
     parts, spec = ext.parts, ext.spec
-    run = run_probe(block, parts, x)
+    run = run_probe(block, parts, x, **hash_call_args(block, ext.bindings, x))
     notes = list(ext.evidence.notes)
     x2 = x.reshape(-1, x.shape[-1])
     changes = {}
     if run.experts_args is not None:
         ids, w = _routing_seen(run, x2.shape[0], parts.num_experts)
-        found = _fit_routing(block, parts, spec, x2, ids, w)
+        found = hash_reader.fit_routing(block, parts, spec, x2, ids, w, get_path(block, ext.bindings["hash_table"]),
+                                        *run.kwargs.values(), _match_routing) if spec.hash_routing else \
+            _fit_routing(block, parts, spec, x2, ids, w)  # hash: the table's rows of the probe tokens (hash_reader)
         consts = numeric_consts(attr_sources(block, parts), found["top_k"])
         found["routed_scaling_factor"] = policy.snap_constant(found["routed_scaling_factor"], consts)
         if not found["renormalize"] or found["score_order"] == "topk_then_score":

@@ -216,10 +216,19 @@ def _retry_fixes(msg: str) -> dict | None:
 
 
 def _randomize_biases(model: nn.Module, seed: int) -> None:
-    """Zero-initialised tensors (routing biases, some routers) would hide their handling: give them random values."""
+    """Zero-initialised tensors (routing biases, some routers) would hide their handling: give them random values.
+    An all-zero 2-D integer buffer [V, k] beside a router weight [E, H] (a hash-routing table, DeepSeek-V4's
+    ``tid2eid``: real values come from the checkpoint) gets k distinct random experts per row."""
     g = torch.Generator().manual_seed(seed + 17)
     names = ("e_score_correction_bias", "expert_bias", "correction_bias")
     with torch.no_grad():
+        for m in model.modules():
+            w = getattr(m, "weight", None)
+            for t in m.buffers(recurse=False):
+                if (isinstance(w, torch.Tensor) and w.dim() == 2 and t.dim() == 2 and not t.is_floating_point()
+                        and 0 < t.shape[1] <= w.shape[0] and t.shape[0] > t.shape[1] and not t.any()):
+                    t.copy_(torch.stack([torch.randperm(w.shape[0], generator=g)[: t.shape[1]]
+                                         for _ in range(t.shape[0])]))
         for p in model.parameters():
             if p.is_floating_point() and p.numel() > 1 and not p.any():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)

@@ -20,6 +20,8 @@ SCALE_NAMES = ("routed_scaling_factor", "route_scale", "router_scaling_factor", 
                "routed_scaling", "scaling_factor")
 # how routed and shared outputs combine: "average" halves both ((routed + shared) / 2, Cohere2-MoE), "sum" adds them
 SHARED_COMBINE_NAMES = ("shared_expert_combination_strategy",)
+# the block forward's argument carrying the tokens' ids (hash routing, DeepSeek-V4: ``tid2eid[input_ids]``)
+TOKEN_ID_NAMES = ("input_ids", "token_ids")
 JITTER_NAMES = ("jitter_noise", "router_jitter_noise", "input_jitter_noise")
 LIMIT_NAMES = ("limit", "swiglu_limit", "clamp_limit", "activation_limit")
 ALPHA_NAMES = ("alpha", "swiglu_alpha", "activation_alpha")

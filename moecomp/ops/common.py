@@ -62,6 +62,16 @@ def _on_device(x: torch.Tensor, fn):
         return fn()
 
 
+def _check_ids_wanted(ids: torch.Tensor) -> bool:
+    """Read ids on the host to range-check them? CPU (and other synchronous devices): always. CUDA: reading them is a
+    host sync, so only outside CUDA-graph capture and compilation, and not with MOECOMP_CHECK_IDS=0 (for callers that
+    vouch for their ids)."""
+    if not ids.is_cuda:
+        return True
+    return (os.environ.get("MOECOMP_CHECK_IDS", "1") != "0" and not torch.cuda.is_current_stream_capturing()
+            and not torch.compiler.is_compiling())
+
+
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..spec import MoESpec, SpecError
+from .common import _check_ids_wanted
 
 _INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -57,12 +58,6 @@ def check_args(x: torch.Tensor, table, token_ids, spec: MoESpec, symbolic: bool 
                             f"{tuple(x.shape)} ({T} tokens)")
 
 
-def _wanted(t: torch.Tensor) -> bool:
-    from .moe_op import _check_ids_wanted  # (moe_op imports this module: a late import, no cycle at load time)
-
-    return _check_ids_wanted(t)
-
-
 def check_table(table: torch.Tensor, spec: MoESpec) -> None:
     """SpecError unless every entry of ``hash_table`` is in [0, num_experts) (the whole table: a bind-time check)."""
     if table.numel() == 0:
@@ -76,7 +71,7 @@ def check_table(table: torch.Tensor, spec: MoESpec) -> None:
 def check_values(table: torch.Tensor, token_ids: torch.Tensor, spec: MoESpec) -> None:
     """SpecError unless every token id is in [0, V) and every table row they select holds ids in [0, E) (read where
     ``_check_ids_wanted`` allows: see the module docstring). One device-to-host read on CUDA."""
-    if token_ids.numel() == 0 or not _wanted(token_ids):
+    if token_ids.numel() == 0 or not _check_ids_wanted(token_ids):
         return
     V = table.shape[0]
     tok = token_ids.reshape(-1).long()

@@ -19,16 +19,14 @@ experts modules called by their own router (``call_moe_experts(..., ids_from_top
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _get_dispatch_mode
 
 from ..spec import MoESpec, SpecError
 from . import graphs, hash_routing, torch_moe
 from .common import (  # noqa: F401  (re-exported)
-    EXPERT_ARGS, EXPERT_QUANT_ARGS, FEATURES, HASH_ARGS, MOE_ARGS, OP_ARGS, QUANT_ARGS, _backend, _on_device,
-    split_fused_gate)
+    EXPERT_ARGS, EXPERT_QUANT_ARGS, FEATURES, HASH_ARGS, MOE_ARGS, OP_ARGS, QUANT_ARGS, _backend, _check_ids_wanted,
+    _on_device, split_fused_gate)
 
 # Floating dtypes the kernels compute in (x / hidden_states). float64 only on the vectorised torch path (CPU, or
 # MOECOMP_CUDA_BACKEND=torch), which computes the experts in fp32 and returns float64; the Triton GEMMs have no fp64.
@@ -202,15 +200,6 @@ def check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     k = topk_ids.shape[1]
     if type(k) is int and not 1 <= k <= E:
         raise SpecError(f"topk_ids has k={k} columns; expected 1 <= k <= {_width(spec)}")
-
-
-def _check_ids_wanted(topk_ids: torch.Tensor) -> bool:
-    """CPU (and other synchronous devices): always. CUDA: reading the ids is a host sync, so only outside CUDA-graph
-    capture and compilation, and not with MOECOMP_CHECK_IDS=0 (for callers that vouch for their ids)."""
-    if not topk_ids.is_cuda:
-        return True
-    return (os.environ.get("MOECOMP_CHECK_IDS", "1") != "0" and not torch.cuda.is_current_stream_capturing()
-            and not torch.compiler.is_compiling())
 
 
 def check_ids_range(topk_ids: torch.Tensor, spec: MoESpec) -> None:

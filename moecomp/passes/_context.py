@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..reject import Reject as RejectRecord
 from . import _fx
 from ._fx import arg, op_name
 
@@ -20,7 +19,6 @@ class Context:
         self.gm = gm
         self.graph = gm.graph
         self.verify = verify
-        self.early_rejects: list[tuple[str, RejectRecord]] = []  # found before any top-k (hash routing)
         self.order = {n: i for i, n in enumerate(self.graph.nodes)}
         self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         self.values: dict = {}

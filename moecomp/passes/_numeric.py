@@ -6,7 +6,9 @@
     policy.FX_CHECK_TOL_TOKEN_LOW)  -->  accepted (the first candidate that agrees)
 
 The op's tensors are the placeholders the match binds, or, for experts kept as per-expert modules, the per-expert
-placeholders concatenated on dim 0 and stacked over the experts (``Block.stacked``).
+placeholders concatenated on dim 0 and stacked over the experts (``Block.stacked``). Hash routing's token ids (a call
+input) are drawn in [0, V) for the check's tokens (the crowd's copies share their token's id); its table is the real
+one (random ids in [0, E) without example inputs).
 
 A spec that clamps (swiglu_oai, activation_clamp) is checked again with the clamped projections' weights scaled up
 until the clamps bind. Token counts follow the graph's symbolic sizes (about ``policy.FX_CHECK_TOKENS``), kept small
@@ -101,6 +103,7 @@ def verify(ctx: _Context, candidates, blk: Block):
     for vals in _sym_values(blk.x_root, target, per_expert * spec0.top_k if target < policy.FX_CHECK_TOKENS else 0):
         gen = torch.Generator(device="cpu").manual_seed(policy.FX_CHECK_SEED)
         args, x_val = _make_inputs(ctx, inputs, blk.x_root, gen, vals)
+        _hash_inputs(ctx, inputs, args, blk, spec0, gen, vals)
         tensors = {k: src.tensor(k, lambda p: args[inputs.index(p)] if p in inputs else _value(ctx, p, gen))
                    for k in OP_ARGS}
         tensors.update({k: tensors[k][:n] for k, n in blk.arg_rows.items() if tensors.get(k) is not None})
@@ -322,6 +325,34 @@ def _make_inputs(ctx: _Context, inputs, x_root, gen, vals):
         else:
             args.append(_value(ctx, p, gen))
     return args, x
+
+
+def _hash_inputs(ctx: _Context, inputs, args: list, blk: Block, spec, gen, vals) -> None:
+    """Hash routing's inputs in ``args``: token ids [0, V) shaped like the traced ones at these sizes (one per check
+    token; the crowd shares one id), and a table of random ids in [0, E) when its real value is unknown."""
+    tok_name, tab_name = blk.bindings.get("token_ids"), blk.bindings.get("hash_table")
+    if tok_name is None or tab_name is None:
+        return
+    by_name = {p.name: i for i, p in enumerate(inputs)}
+    tab_i, tok_i = by_name.get(tab_name), by_name.get(tok_name)
+    if tab_i is None or tok_i is None:
+        raise Reject("hash routing: the table or the token ids are not inputs of the block's region")
+    table, real = args[tab_i], ctx.values.get(inputs[tab_i])
+    if not isinstance(real, torch.Tensor) or _fx.is_fake(real):  # no real table: random expert ids
+        shape = tuple(int(d) for d in _fx.shape_of(inputs[tab_i]))
+        table = args[tab_i] = torch.randint(0, spec.num_experts, shape, generator=gen)
+    T = args[0].numel() // args[0].shape[-1]
+    try:
+        shape = [int(d.node.expr.xreplace(vals)) if isinstance(d, torch.SymInt) else int(d)
+                 for d in _fx.shape_of(inputs[tok_i])]
+    except (TypeError, ValueError):  # sizes not all from x's symbols: one id per token
+        shape = [T]
+    tok = torch.randint(0, table.shape[0], (T,), generator=gen)
+    crowd = T // policy.FX_CHECK_CROWD_DIVISOR
+    if crowd:
+        tok[:crowd] = tok[crowd]
+    dt = _fx.dtype_of(inputs[tok_i]) or torch.long
+    args[tok_i] = tok.reshape(shape).to(device=table.device, dtype=dt)
 
 
 def _value(ctx: _Context, p, gen):

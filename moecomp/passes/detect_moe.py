@@ -20,6 +20,8 @@ The matched subgraph (names are roles, not node names; ``[..]`` optional, ``|`` 
                               weights = sigmoid(logits.gather(ids)) | scores.gather(ids)   (elementwise: same)
             topk_then_score:  topk(logits, k) ──► ids ; weights = softmax(values)
                               | full(-inf).scatter(ids, values) ─► sigmoid | softmax   (dense [T, E]: Llama 4)
+            hash routing:     table[token_ids] (a static [V, k] integer table, the call's integer token ids)
+                              ──► ids ; weights = scores.gather(ids)            (DeepSeek-V4 hash_moe: moe_hash)
                                                      │
                   [weights /= max(weights.sum(-1) (+eps), renorm_min)] [* or / scalar] [.to(model dtype)]
                                                      │
@@ -95,8 +97,10 @@ How a match is proven (nothing is matched on class or module names):
    (swiglu_oai, ``activation_clamp``, in routed or shared experts) is checked again with the clamped projections'
    weights scaled up until the clamps bind (random weights seldom reach a limit such as 10).
 
-Blocks routed by a table lookup of token ids (hash routing, ``tid2eid[input_ids]``) have no top-k; they are reported
-in ``rejected`` with that reason (``UNSUPPORTED_ROUTING``).
+Blocks routed by a table lookup of token ids (hash routing, ``tid2eid[input_ids]``) have no top-k: each such lookup
+whose ids reach a 3-D weight is a candidate like a top-k (``moe_hash``); the spec gets ``hash_routing``, the
+bindings ``hash_table`` (the table placeholder) and ``token_ids`` (the call input it is indexed by), and the numeric
+check draws token ids in [0, V). Forms no spec expresses are refused with ``UNSUPPORTED_ROUTING``.
 
 Anything not recognised is left alone and reported in ``DetectResult.rejected`` as ``(where, moecomp.reject.Reject)``:
 ``NOT_RECOGNISED`` (the structure is not one the pass knows), ``UNSUPPORTED_ROUTING`` (a routing no spec expresses),
@@ -125,7 +129,8 @@ from .moe_experts import Experts, stacked_experts, weights_on_input
 from .moe_output import MAX_OUTPUT_CANDIDATES, block_output, common_scale, output_candidates, output_scale
 from .moe_per_expert import per_expert, selector_topks
 from .moe_region import Region, check_ops, find_region, pick_input
-from .moe_routing import Routing, hash_routed, routing
+from .moe_hash import hash_lookups, hash_routing
+from .moe_routing import Routing, routing
 from .moe_shared import Shared, shared
 
 
@@ -140,7 +145,7 @@ class MoEMatch:
     nodes: frozenset  # every node of the block (DCE candidates; nodes also read elsewhere stay)
     region: frozenset  # the nodes that descend from x (``nodes`` adds weight-only helpers, which blocks may share)
     router: fx.Node  # the router linear
-    topk: fx.Node  # the final top-k
+    topk: fx.Node  # the final top-k (hash routing: the looked-up ids)
     baked: dict[str, str] = field(default_factory=dict)  # spec field -> placeholder its value was read from
     verified: str = ""  # "numeric (max rel err ...)" or "skipped: why"
     output_dtype: torch.dtype | None = None  # dtype of ``output`` when it differs from x's
@@ -213,15 +218,15 @@ def detect_moe(
     ``verify``: run the numeric check (see the module docstring).
     """
     ctx = Context(gm, example_inputs, verify=verify)
-    hash_routed(ctx)
     result = DetectResult()
     claimed: set = set()
     stacked_topks = ctx.final_topks()
     by_selectors = [t for t in selector_topks(ctx) if t not in stacked_topks]  # per-expert modules only
-    for t in sorted(stacked_topks + by_selectors, key=ctx.order.get):
-        where = f"topk {t.name}"
+    hashed = dict(hash_lookups(ctx))  # ids node -> the lookup (hash routing)
+    for t in sorted(stacked_topks + by_selectors + list(hashed), key=ctx.order.get):
+        where = f"hash lookup {t.name}" if t in hashed else f"topk {t.name}"
         try:
-            m = _match_at(ctx, t)
+            m = _match_at(ctx, t, hashed.get(t))
         except Reject as e:
             if not (isinstance(e, NotACandidate) and t in by_selectors):  # else: no expert reads its ids, not a router
                 result.rejected.append((where, e.record()))
@@ -234,7 +239,6 @@ def detect_moe(
             continue
         claimed |= m.region
         result.matches.append(m)
-    result.rejected.extend(ctx.early_rejects)
     return result
 
 
@@ -250,9 +254,10 @@ class _Candidate:
     block_out: fx.Node  # the region's result
 
 
-def _match_at(ctx: Context, t: fx.Node) -> MoEMatch:
-    r = routing(ctx, t)
-    region = find_region(ctx, r.x_router)
+def _match_at(ctx: Context, t: fx.Node, hashed: dict | None = None) -> MoEMatch:
+    """The block whose routing ends in top-k ``t`` (or, ``hashed``: hash routing's looked-up ids ``t``)."""
+    r = hash_routing(ctx, t, hashed) if hashed else routing(ctx, t)
+    region = find_region(ctx, r.x_router, r.hash)
     if t not in region.nodes:
         raise Reject("the top-k is not computed from the router input alone")
     check_ops(region.all, region.x_root)
@@ -344,6 +349,7 @@ def _spec_fields(r: Routing, ex: Experts, sh: Shared | None) -> dict:
         group_mask_zero=r.group_mask_zero, has_router_bias=r.router_b is not None, router_fp32=r.router_fp32,
         round_weights=r.round_weights, gated=ex.gated, activation_clamp=ex.act.clamp, has_expert_bias=ex.has_bias,
         shared=sh.spec if sh else None, quant=ex.quant, weight_on_input=ex.weight_on_input,
+        hash_routing=r.hash is not None,
     )
     if ex.act.alpha is not None:
         fields["activation_alpha"] = ex.act.alpha
@@ -373,6 +379,8 @@ def _bindings(r: Routing, ex: Experts, sh: Shared | None) -> dict[str, str | Non
     scales of quantized weights included (``moe_quant``)."""
     nodes = dict(router_w=r.router_w, router_b=r.router_b, correction_bias=r.correction_bias, w13=ex.w13,
                  w2=ex.w2, b13=ex.b13, b2=ex.b2)
+    if r.hash is not None:
+        nodes.update(hash_table=r.hash["table"], token_ids=r.hash["tokens"])
     if sh:
         nodes.update(sh.bind)
     nodes.update(ex.scales)

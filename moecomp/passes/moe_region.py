@@ -5,7 +5,9 @@
     support = nodes computed from weights alone that the region reads (weight-only helpers, e.g. ``w.t()``)
 
 Weights are the static-shape placeholders that are state (``Context.static_ph``), never the compiled call's own
-arguments. The region may hold only deterministic ops and may mutate only tensors it created (:func:`check_ops`).
+arguments. Hash routing (``moe_hash``) adds the token-id lookup: its table lookup and casts are region nodes from the
+start (the block computes its ids from them), the views of the token ids before it support (several blocks may read
+one). The region may hold only deterministic ops and may mutate only tensors it created (:func:`check_ops`).
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ class Region:
         return self.nodes | self.support
 
 
-def find_region(ctx: Context, x_router: fx.Node) -> Region:
-    """The region around the router input ``x_router`` (its ops are checked apart: :func:`check_ops`)."""
+def find_region(ctx: Context, x_router: fx.Node, hashed: dict | None = None) -> Region:
+    """The region around the router input ``x_router`` (its ops are checked apart: :func:`check_ops`). ``hashed``:
+    a hash routing's nodes (``Routing.hash``), seeded as described in the module docstring."""
     x_root, chain = _x_root(x_router)
-    nodes, support = _region(ctx, x_root)
+    seed = (hashed["lookup_chain"], hashed["token_chain"]) if hashed else ((), ())
+    nodes, support = _region(ctx, x_root, *seed)
     return Region(x_root, chain, nodes, support)
 
 
@@ -63,11 +67,11 @@ def _x_root(x_router: fx.Node):
     return cur, chain
 
 
-def _region(ctx: Context, x_root: fx.Node):
+def _region(ctx: Context, x_root: fx.Node, seed_region=(), seed_support=()):
     """Nodes computable from x_root and weight-like placeholders: (descendants of x_root, weight-only helpers)."""
-    region, support = {x_root}, set()
+    region, support = {x_root, *seed_region}, set(seed_support)
     for n in ctx.graph.nodes:
-        if n.op in ("placeholder", "output", "get_attr") or n is x_root:
+        if n.op in ("placeholder", "output", "get_attr") or n in region or n in support:
             continue
         if ctx.order[n] < ctx.order[x_root] and not all(
             (a in ctx.static_ph or a in support) for a in n.all_input_nodes

@@ -10,8 +10,8 @@
 ``topk(logits + correction_bias)`` (bias on the logits) takes its weights as ``sigmoid(logits.gather(ids))`` or
 ``sigmoid(logits).gather(ids)``. Llama 4 scores the chosen logits densely: the top-k values scattered into a [T, E]
 tensor of -inf, then a sigmoid (0 off the chosen experts), i.e. ``topk_then_score`` with sigmoid scoring. Blocks
-whose ids come from a table lookup of token ids (hash routing) have no top-k: :func:`hash_routed` reports them.
-Routings no spec expresses are refused with ``UNSUPPORTED_ROUTING``.
+whose ids come from a table lookup of token ids (hash routing) have no top-k: ``moe_hash`` reads them, with this
+module's walks. Routings no spec expresses are refused with ``UNSUPPORTED_ROUTING``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..reject import Reject as RejectRecord
-from ..reject import RejectCode
 from . import _fx
 from ._context import Context
 from ._fx import arg, op_name
@@ -60,6 +58,8 @@ class Routing:
     router_fp32: bool = False
     weights: fx.Node | None = None
     baked: dict = field(default_factory=dict)
+    # hash routing (``moe_hash``): {"table", "tokens" (placeholders), "token_chain", "lookup_chain" (nodes)}
+    hash: dict | None = None
 
 
 @dataclass
@@ -407,26 +407,3 @@ def rowsums(cur: fx.Node) -> list[fx.Node]:
             ):
                 out.append(v)
     return out
-
-
-# ------------------------------------------------------------------------------------------------ hash routing
-def hash_routed(ctx: Context) -> None:
-    """Blocks whose expert ids are looked up in an integer table by token ids (DeepSeek-V4's ``tid2eid[input_ids]``
-    hash routing) have no top-k to start from: report them (``ctx.early_rejects``) instead of passing them by."""
-    ph3 = {p for p in ctx.static_ph if (s := ctx.pshape(p)) is not None and len(s) == 3}
-    for p in ctx.static_ph:
-        v = _fx.meta_val(p)
-        if not (isinstance(v, torch.Tensor) and v.dim() == 2 and not v.is_floating_point() and v.dtype != torch.bool):
-            continue
-        for u in p.users:
-            if op_name(u) not in ("getitem", "index_select", "embedding", "index"):
-                continue
-            idx = [a for a in u.all_input_nodes if a is not p]
-            if not idx or all(a in ctx.static_ph for a in idx):
-                continue
-            reach = _fx.descendants(u)
-            if any(_fx.weight_base(a) in ph3 for r in reach for a in r.all_input_nodes):
-                ctx.early_rejects.append((f"{u.name} ({p.name}[token ids])", RejectRecord(
-                    RejectCode.UNSUPPORTED_ROUTING, "expert ids are looked up in a table by token ids (hash "
-                    "routing), not chosen by a top-k: not a routing MoESpec can express")))
-                break

@@ -14,16 +14,17 @@ from moecomp.hf import families as F
 # 5.17 on the GPU machine) is not collected; one that a newer transformers adds is held only to the safety checks
 # until it is pinned here.
 EQUAL = (
-    "afmoe aria axk1 axk2 bailing_hybrid beam cohere2_moe deepseek_ocr2 deepseek_v2 deepseek_v3 deepseek_v32 dots1 "
+    "afmoe aria axk1 axk2 bailing_hybrid beam cohere2_moe deepseek_ocr2 deepseek_v2 deepseek_v3 deepseek_v32 "
+    "deepseek_v4 dots1 "
     "dots3_note ernie4_5_moe ernie4_5_vl_moe exaone_moe flex_olmo flint glm4_moe glm4_moe_lite glm4v_moe glm5_next "
     "glm_moe_dsa gpt_oss granitemoe granitemoe_swa granitemoehybrid granitemoeshared hunyuan_v1_moe hy_v3 hy_v4 "
     "hy_v4_vl jamba kimi_linear kolibri1 laguna lara_mini lfm2_moe mellum mimo_v2_flash minimax minimax_m2 "
     "minimax_m3_vl mistral4 mistral_large4 mixtral nemotron_h olmoe openai_privacy_filter qwen2_moe qwen3_5_moe "
     "qwen3_moe qwen3_next qwen3_omni_moe qwen3_vl_moe qwen4_exp solar_open unlimited_ocr").split()
+# (deepseek_v4: a hash-routed layer, MoESpec.hash_routing, and a top-k one, both rewritten)
 OUTCOME = {
     **{f: ("equal", "") for f in EQUAL},
     # the whole block is beyond the spec; its standard experts module runs moe_experts, routing stays HF's
-    "deepseek_v4": ("experts only", "hash routing"),
     "diffusion_gemma": ("experts only", "no separate MoE module"),
     "gemma4": ("experts only", "no separate MoE module"),
     "inkling": ("experts only", "no router weight"),
