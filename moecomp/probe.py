@@ -1,9 +1,8 @@
 """One recorded call of a block's original forward: the probe the attribute recogniser measures and the verify
 stage compares against (its input, output, and what the router and experts modules were called with).
 
-Hash-routed blocks (``MoESpec.hash_routing``) also take the tokens' ids: :func:`token_args` names the forward
-parameters that could carry them and the table size to draw them from (shapes and dtypes only: the recognisers
-prove which parameter it is); :func:`hash_call_args` gives a Match's probe ids."""
+Hash-routed blocks (``MoESpec.hash_routing``) also take the tokens' ids: :func:`hash_call_args` gives a Match's
+probe ids (the forward argument its ``token_ids`` binding names, drawn in [0, rows of its table))."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from . import policy
 from .derived import get_path
 from .match import Contract, arg_name, reshape_to, shape_mode
 from .reject import Refused, RejectCode
-from .hf.bind import forward_params
 from .hf.structure import BlockParts
 
 
@@ -64,24 +62,6 @@ def run_probe(block: nn.Module, parts: BlockParts, x: torch.Tensor, **kwargs) ->
         for h in handles:
             h.remove()
     return rec
-
-
-def table_rows(block: nn.Module) -> int | None:
-    """The fewest rows among the block's 2-D integer tensors (hash tables [V, k] are such), or None when it has none:
-    token ids drawn below it index every such table."""
-    rows = [t.shape[0] for t in list(block.parameters()) + list(block.buffers())
-            if t.dim() == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
-            and t.shape[0] > 0]
-    return min(rows) if rows else None
-
-
-def token_args(block: nn.Module, limit: int) -> tuple[list[str], int | None]:
-    """(forward parameters after the hidden states, at most ``limit``; V): the candidates for hash routing's token
-    ids, and the table rows to draw them from. ([], None) when the block holds no integer table."""
-    V = table_rows(block)
-    if V is None:
-        return [], None
-    return list(forward_params(block)[1][:limit]), V
 
 
 def hash_call_args(block: nn.Module, bindings: dict, x: torch.Tensor, seed: int | None = None) -> dict:

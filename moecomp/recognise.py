@@ -23,9 +23,9 @@ from torch import nn
 
 from . import policy
 from .hf import fallback
+from .hf.bind import forward_params
 from .hf.structure import BlockParts
 from .match import Evidence, Match, Verified, forward_arg
-from .probe import token_args
 from .reject import Refused, Reject, RejectCode
 
 # When the FX pass recognises a block, also run the attribute reader and note any difference in the report
@@ -99,6 +99,15 @@ def _detect_fx(block: nn.Module, parts: BlockParts, device, dtype) -> Match | Re
     return m
 
 
+def _table_rows(block: nn.Module) -> int | None:
+    """The fewest rows among the block's 2-D integer tensors (hash tables [V, k] are such), or None when it has none:
+    token ids drawn below it index every such table."""
+    rows = [t.shape[0] for t in list(block.parameters()) + list(block.buffers())
+            if t.dim() == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+            and t.shape[0] > 0]
+    return min(rows) if rows else None
+
+
 def _detect_hash(block: nn.Module, parts: BlockParts, device, dtype) -> Match | Reject | None:
     """A block that holds an integer table and did not capture from the hidden states alone may route by token ids
     (hash routing): captured again with probe token ids for each of its first forward parameters in turn; the first
@@ -106,7 +115,10 @@ def _detect_hash(block: nn.Module, parts: BlockParts, device, dtype) -> Match | 
     capture showed such a lookup but the pass refused it (the reason says why); None when no capture showed one."""
     from .capture import DetectError, detect_block  # noqa: PLC0415
 
-    names, V = token_args(block, policy.TOKEN_PARAM_TRIES)
+    V = _table_rows(block)
+    if V is None:
+        return None
+    names = forward_params(block)[1][: policy.TOKEN_PARAM_TRIES]  # which one carries the ids: the graph shows
     x = policy.probe_input(parts.hidden_size, device, dtype, shape=policy.CAPTURE_PROBE_SHAPE)
     refused = None
     for name in names:

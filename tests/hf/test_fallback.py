@@ -126,7 +126,8 @@ def test_meta_scan_reads_spec_without_weights():
 
 def test_sqrt_softplus_routing_measured():
     """DeepSeek-V4's top-k layers: sqrt(softplus) scores + correction bias, renormalised, scaled. Its experts use a
-    clamped SwiGLU the spec lacks, so the gate is swapped for transformers' plain one to reach the routing."""
+    clamped SwiGLU the spec lacks, so the gate is swapped for transformers' plain one to reach the routing. The
+    attribute reader alone rewrites the hash layer too (``MoESpec.hash_routing``)."""
     import types
 
     from transformers.integrations.moe import _default_apply_gate
@@ -142,5 +143,5 @@ def test_sqrt_softplus_routing_measured():
     assert (spec.scoring, spec.has_correction_bias, spec.renormalize, spec.n_group) == ("sqrtsoftplus", True, True, 1)
     assert spec.routed_scaling_factor == model.config.routed_scaling_factor
     _, rep = moecomp.optimize(model, report=True, use_capture=False)
-    assert [b.status for b in rep.blocks] == ["experts only", "rewritten"]
-    assert "hash routing" in rep.blocks[0].reason
+    assert [b.status for b in rep.blocks] == ["rewritten", "rewritten"], str(rep)  # the hash layer: hf/hash_reader
+    assert [b.spec.hash_routing for b in rep.blocks] == [True, False]
