@@ -59,7 +59,7 @@ from moecomp.spec import (
     SharedExpertSpec,
     SpecError,
 )
-from moecomp.testing import random_moe_args
+from moecomp.testing import random_hash_args, random_moe_args
 
 MIN_FORWARD = {"torch": 300, "triton": 130}  # moe_forward cases per CPU path at least (moe_experts: MIN_EXPERTS)
 FP32_TOL = 1e-5
@@ -78,6 +78,8 @@ EXAMPLES = {  # (moe_forward cases, moe_experts cases) per path
     "triton": (135, 100),  # the interpreter's budget (2-core CI): about 90 s for both; the GPU runs 3,200 a dtype
 }
 MIN_EXPERTS = {"torch": 300, "triton": 95}
+HASH_SHARE = 4  # hash_case: one eligible forward case in HASH_SHARE is hash-routed (MoESpec.hash_routing)
+VOCAB = 7  # its table's rows (token ids in [0, VOCAB))
 
 
 
@@ -256,7 +258,7 @@ def nan_padded(t: torch.Tensor | None, g: torch.Generator) -> torch.Tensor | Non
 
 
 # ----------------------------------------------------------------------------------------------------- comparison
-def ill_conditioned_renorm(x2, args, spec: MoESpec) -> torch.Tensor:
+def ill_conditioned_renorm(x2, args, spec: MoESpec, h: dict | None = None) -> torch.Tensor:
     """[T] bool: scoring "none" + renormalise without renorm_min, where the chosen raw weights sum to < 5% of their
     absolute sum (see the module docstring)."""
     T = x2.shape[0]
@@ -265,14 +267,31 @@ def ill_conditioned_renorm(x2, args, spec: MoESpec) -> torch.Tensor:
         return torch.zeros(T, dtype=torch.bool, device=x2.device)
     rw = args[1][: spec.num_experts]
     logits = reference.router_logits(x2, rw, args[2], spec)
-    raw, _ = reference.route(logits, args[3], spec.replace(renormalize=False, routed_scaling_factor=1.0))
+    raw, _ = reference.route(logits, args[3], spec.replace(renormalize=False, routed_scaling_factor=1.0),
+                             ids=hashed_ids(h))
     return (raw.sum(-1) + spec.renorm_eps).abs() < ILL_RENORM * raw.abs().sum(-1)
 
 
-def routing(x2, args, spec: MoESpec, acc=torch.float32):
+def hashed_ids(h: dict | None):
+    """Hash routing's ids (``h``: the op's hash_table / token_ids), or None."""
+    return reference.hash_ids(h["hash_table"], h["token_ids"]) if h else None
+
+
+def hash_case(spec: MoESpec, T: int, seed: int) -> tuple[MoESpec, dict]:
+    """(spec, hash arguments): one eligible case in HASH_SHARE becomes hash-routed (``MoESpec.hash_routing``), from
+    the case's seed (no draw of its own: the derandomized examples stay the same), a table of VOCAB rows, rows of
+    distinct experts or (odd seeds) with repeats."""
+    eligible = spec.score_order == "score_then_topk" and not spec.has_correction_bias and spec.n_group == 1
+    if not eligible or seed % HASH_SHARE:
+        return spec, {}
+    spec = spec.replace(hash_routing=True)
+    return spec, random_hash_args(spec, T, VOCAB, seed=seed, distinct=(seed // HASH_SHARE) % 2 == 0)
+
+
+def routing(x2, args, spec: MoESpec, acc=torch.float32, h: dict | None = None):
     """(weights, ids) as reference.moe_forward computes them (router in the model dtype or fp32, math in acc)."""
     logits = reference.router_logits(x2, args[1][: spec.num_experts], args[2], spec)
-    weights, ids = reference.route(logits, args[3], spec, acc)
+    weights, ids = reference.route(logits, args[3], spec, acc, ids=hashed_ids(h))
     if spec.round_weights:
         weights = weights.to(x2.dtype).to(acc)
     return weights, ids
@@ -351,24 +370,27 @@ def compare(out, ref, mag, excusable, Ts, tol: float, counts: Counts, what: str)
 
 
 def check_forward(case: dict, counts: Counts) -> None:
-    spec, T = case["spec"], case["T"]
+    T = case["T"]
+    spec, hargs = hash_case(case["spec"], T, case["seed"])  # (hash-routed: the spec says so in its describe())
     args = moe_inputs(spec, T, case["mode"], case["seed"])
     x2 = args[0]
-    ref = reference.moe_forward(*args, spec, acc=torch.float64)  # [T, H]: fp32 router, fp64 math
-    weights, ids = routing(x2, args, spec, torch.float64)
+    ref = reference.moe_forward(*args, spec, acc=torch.float64, **hargs)  # [T, H]: fp32 router, fp64 math
+    weights, ids = routing(x2, args, spec, torch.float64, hargs)
     mag = magnitude(x2, ids, weights, args, spec)
     g = torch.Generator().manual_seed(case["seed"] + 3)
     op_args = [nan_padded(t, g) for t in args] if case["pad"] else args
+    op_hash = {k: nan_padded(t, g) for k, t in hargs.items()} if case["pad"] else hargs
     x = op_args[0]
     if case["lead3"]:
         x = x.reshape(2, T // 2, spec.hidden_size)
-    out = torch.ops.moecomp.moe_forward(x, *op_args[1:], spec.key)
+        op_hash = {k: (t.reshape(2, T // 2) if k == "token_ids" else t) for k, t in op_hash.items()}
+    out = torch.ops.moecomp.moe_forward(x, *op_args[1:], spec.key, **op_hash)
     assert out.shape == x.shape and out.dtype == x.dtype
     excusable = reference.near_tie_tokens(x2, args[1], args[2], args[3], spec, TIE_REL[torch.float32])
-    excusable |= ill_conditioned_renorm(x2, args, spec)
+    excusable |= ill_conditioned_renorm(x2, args, spec, hargs)
     compare(out.reshape(T, spec.hidden_size), ref, mag, excusable, [T], FP32_TOL, counts,
             f"moe_forward {spec.describe()} T={T} {case}")
-    _count_coverage(spec, args, T, counts, "forward")
+    _count_coverage(spec, args, T, counts, "forward", hargs)
     _count_spec(spec, case["pad"], counts)
 
 
@@ -378,7 +400,7 @@ FEATURES = (
     "topk_then_score", "groups_top2_sum", "groups_max", "group_mask_zero", "router_bias", "correction_bias",
     "bias_on_logits", "renormalize", "renorm_min", "scaling", "round_weights", "router_fp32", "ungated",
     "gate_up_interleaved", "activation_clamp", "expert_bias", "shared_gated", "shared_ungated", "shared_concat",
-    "shared_sigmoid_gate", "fused_shared_gate", "padded_inputs",
+    "shared_sigmoid_gate", "fused_shared_gate", "padded_inputs", "hash_routing",
 )
 
 
@@ -397,20 +419,20 @@ def _count_spec(spec: MoESpec, pad: bool, counts: Counts) -> None:
         "shared_gated": sh is not None and sh.gated, "shared_ungated": sh is not None and not sh.gated,
         "shared_concat": sh is not None and sh.gated and sh.layout == "concat",
         "shared_sigmoid_gate": sh is not None and sh.gate == "sigmoid", "fused_shared_gate": spec.fused_shared_gate,
-        "padded_inputs": pad,
+        "padded_inputs": pad, "hash_routing": spec.hash_routing,
     }
     for key, on in flags.items():
         if on:
             counts.add(key)
 
 
-def _count_coverage(spec, args, T, counts, op):
+def _count_coverage(spec, args, T, counts, op, h: dict | None = None):
     counts.add(op)
     counts.add(f"{op}_T{min(T, 2)}")  # T0 / T1 / T2 (= T >= 2)
     if T == 0:
         return
     logits = reference.router_logits(args[0], args[1][: spec.num_experts], args[2], spec)
-    _, ids = reference.route(logits, args[3], spec)
+    _, ids = reference.route(logits, args[3], spec, ids=hashed_ids(h))
     used = torch.bincount(ids.reshape(-1), minlength=spec.num_experts)
     if spec.top_k == 1 and int((used > 0).sum()) == 1 and T > 1:
         counts.add(f"{op}_all_tokens_one_expert")
