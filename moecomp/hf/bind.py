@@ -70,8 +70,8 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops.hash_routing import check_table
-from ..reject import RejectCode
 from ..ops.moe_op import OP_ARGS, call_moe_forward
+from ..reject import RejectCode
 from ..spec import MoESpec, SpecError
 from ..derived import Derived, SharedLayout
 from ..match import Contract, Verified, arg_name, call_params, reshape_to

@@ -5,6 +5,7 @@ plain HF `generate()` (no torch.compile, no CUDA graphs of its own) is host-boun
 ``moe_forward`` / ``moe_experts`` go through ``run``:
 
     key = (op, spec, shapes and dtypes of the per-call tensors, identity of every weight tensor)
+    (per-call tensors: x, moe_experts' ids and weights, hash routing's token ids; the hash table is a weight)
     1st call of a key  -> plain launches (warm-up: Triton compiles, derived weights such as the FSE concat are built)
     2nd call           -> capture a CUDA graph over static copies of the per-call tensors, then replay it
     later calls        -> copy inputs into the static buffers, replay, return a copy of the static output

@@ -13,7 +13,8 @@ walk over renormalisation / scaling / casts). Whether the experts then compute w
 and weights, is the numeric check's question (``_numeric``: random token ids in [0, V) against the reference).
 
 Refused (``UNSUPPORTED_ROUTING``): a correction bias or group mask between the scores and the gather (no choice for
-them to steer), a lookup whose ids are not gathered from router scores, tables that are not [V, k].
+them to steer), a lookup whose ids are not gathered from router scores, tables that are not [V, k]. A table whose
+known values leave [0, E) is ``SPEC_INVALID`` (the op would refuse it; the block itself would index out of range).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.fx as fx
 from . import _fx
 from ._context import Context
 from ._fx import arg, op_name
+from ..reject import RejectCode
 from ._reject import Reject, unsupported_routing
 from .moe_routing import Routing, _from_router, _walk_to_router, _weight_chain
 
@@ -114,6 +116,12 @@ def hash_routing(ctx: Context, ids: fx.Node, found: dict) -> Routing:
     E = _fx.static_int((_fx.shape_of(scores) or (None,))[-1])
     if E is None:
         raise Reject("hash routing: the scores' expert count is not a constant")
+    table = ctx.values.get(found["table"])
+    if isinstance(table, torch.Tensor) and not _fx.is_fake(table) and table.numel():
+        lo, hi = int(table.min()), int(table.max())
+        if lo < 0 or hi >= E:
+            raise Reject(f"hash_table {found['table'].name} holds expert ids in [{lo}, {hi}]; expected every id in "
+                         f"[0, {E}) (the router's experts)", RejectCode.SPEC_INVALID)
     walk = _walk_to_router(ctx, scores, E)
     if walk.bias is not None or walk.mask_fill is not None:
         raise unsupported_routing("hash routing with a bias or a mask on the scores: there is no choice for them to "

@@ -190,3 +190,17 @@ def test_match_block_and_bind(poison):
         with pytest.raises(AttributeError):  # no token ids: the original forward, which reads them
             model.mlp(torch.randn(4, H))
     assert model.mlp._moecomp.fallbacks == 1
+
+
+def test_bad_table_is_refused_at_optimize():
+    """A table entry outside [0, E) is refused before binding (the verify stage's op call, or the binder's whole-table
+    check: ``SPEC_INVALID``, naming hash_table); the block keeps its own forward."""
+    from moecomp.reject import RejectCode
+
+    model = Model().eval()
+    with torch.no_grad():
+        model.mlp.table[:, 0] = E  # every row: whatever the probe tokens are
+    _, rep = moecomp.optimize(model, report=True)
+    (b,) = rep.blocks
+    assert b.status == "skipped" and RejectCode.SPEC_INVALID in b.codes and "hash_table" in b.reason, str(rep)
+    assert "forward" not in model.mlp.__dict__

@@ -1,4 +1,5 @@
-"""MoE styles the FX pass learned with the spec's newer fields: clamped SwiGLU (DeepSeek-V4, HY-V4, GLM-5-Next),
+"""MoE styles the FX pass learned with the spec's newer fields: clamped SwiGLU (DeepSeek-V4, HY-V4, GLM-5-Next; and
+DeepSeek-V4's hash routing, ``MoESpec.hash_routing``, whose token ids are the whole model's input_ids),
 relu² experts (Nemotron-H), gpt-oss-style concatenated experts and shared expert with the routed scaling applied to
 the experts' output (MiniMax-M3-VL, Beam), a correction bias on the logits (Kolibri-1), a [1, E] bias and
 clamp(sum, min) renormalisation (ERNIE-4.5), group masks of 0.0 (Mistral-4, AXK2), a post-MoE norm (AXK1).
@@ -24,7 +25,6 @@ from moecomp.ops.moe_op import MOE_ARGS
 from moecomp.passes import detect_moe as dm
 from moecomp.passes import moe_activation
 from moecomp.passes.rewrite_moe import rewrite_moe
-from moecomp.reject import RejectCode
 
 EAGER_INNER = {"moecomp.inner": "eager"}
 MOE_CALL = "torch.ops.moecomp.moe_forward.default("
@@ -39,7 +39,8 @@ CLAMP10 = dict(activation="silu", gated=True, activation_clamp=True, activation_
 # family -> (MoE blocks matched in the tiny model, spec fields of every match, shared-expert fields | None,
 #            config fields the spec must equal: spec field -> config attribute)
 FAMILIES = {
-    "deepseek_v4": (1, dict(CLAMP10, scoring="sqrtsoftplus", has_correction_bias=True, renorm_eps=1e-20),
+    # layer 0 hash-routed (MoESpec.hash_routing, no correction bias), layer 1 a biased top-k: checked apart below
+    "deepseek_v4": (2, dict(CLAMP10, scoring="sqrtsoftplus", renorm_eps=1e-20),
                     dict(activation="silu", activation_clamp=True, activation_limit=10.0, layout="separate"),
                     {"routed_scaling_factor": "routed_scaling_factor"}),
     "hy_v4": (1, dict(CLAMP10, n_group=4, topk_group=2), dict(activation="silu", activation_clamp=False), {}),
@@ -109,14 +110,14 @@ def test_family_compiled(family, recorded, poison):
     assert c["rewrite_moe"]["replaced"] == n_blocks
     assert backend.last_results[-1]["code"].count(MOE_CALL) == n_blocks
     rejected = backend.last_results[-1]["rejected"]
-    if family == "deepseek_v4":  # layer 0 is hash-routed: reported, left alone
-        assert len(rejected) == 1 and "hash routing" in rejected[0][1].message, rejected
-        assert rejected[0][1].code is RejectCode.UNSUPPORTED_ROUTING
-    else:
-        assert rejected == [], rejected
+    assert rejected == [], rejected
 
     matches = recorded[-1].matches
     assert len(matches) == n_blocks
+    if family == "deepseek_v4":  # the hash layer reads the model's input_ids (a graph input)
+        assert [(m.spec.hash_routing, m.spec.has_correction_bias) for m in matches] == [(True, False), (False, True)]
+        tok = matches[0].bindings["token_ids"]
+        assert tok is not None and "input_ids" in tok, matches[0].bindings
     for m in matches:
         sp = m.spec
         for k, v in fields.items():
