@@ -192,15 +192,16 @@ def test_match_block_and_bind(poison):
     assert model.mlp._moecomp.fallbacks == 1
 
 
-def test_bad_table_is_refused_at_optimize():
-    """A table entry outside [0, E) is refused before binding (the verify stage's op call, or the binder's whole-table
-    check: ``SPEC_INVALID``, naming hash_table); the block keeps its own forward."""
+def test_bad_table_is_refused():
+    """A table entry outside [0, E) is refused by the pass before any check runs (``SPEC_INVALID``, naming
+    hash_table; the block itself would index out of range). The binder checks the whole table too
+    (``hash_routing.check_table``, tests/ops/test_hash_routing.py)."""
     from moecomp.reject import RejectCode
 
-    model = Model().eval()
+    block = HashMoE().eval()
     with torch.no_grad():
-        model.mlp.table[:, 0] = E  # every row: whatever the probe tokens are
-    _, rep = moecomp.optimize(model, report=True)
-    (b,) = rep.blocks
-    assert b.status == "skipped" and RejectCode.SPEC_INVALID in b.codes and "hash_table" in b.reason, str(rep)
-    assert "forward" not in model.mlp.__dict__
+        block.table[3, 0] = E
+    with pytest.raises(DetectError) as e:
+        detect_block(block, torch.randn(2, 5, H), call_args={"tokens": _tok((2, 5), 0)})
+    (why,) = [r for w, r in e.value.rejected if w.startswith("hash lookup")]
+    assert why.code is RejectCode.SPEC_INVALID and "hash_table" in why.message and "[0, 6)" in why.message, why
