@@ -157,17 +157,11 @@ skinny)  # issues 19 / 20: the skinny linear (kernels/skinny.py, M <= 4) against
   for g in 1 0; do MOECOMP_SKINNY=$g timeout 150 python3 benchmarks/bench_generate_fp8.py --models qwen3 \
       --batches 1 --ref-batches "" --budget-s 120 --out-json "$OUT/generate-fp8-skinny$g.json" 2>&1 | grep "fp8 decode"
   done ;;
-decodefused)  # issue 20, next session: the one-launch decode path (MOECOMP_DECODE_FUSED=1, off by default: unmeasured)
-             # against the two-kernel decode path on the five presets at T = 1, 2, 4; its GPU-side equivalence
-  timeout 90 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/ops/test_decode_fused.py 2>&1 | tail -3
-  timeout 200 python3 benchmarks/diag_decode_fused.py --out-json "$OUT/diag-decode-fused.json" 2>&1 \
-      | grep -v "^DEBUG" | tee "$OUT/diag-decode-fused.log" | grep "^|" ;;
-next)  # the next session's first calls (STEP=1|2|3): 1 = every GPU test (the zero-experts, decode_fused, GEMV and
-       # warmup tests joined since the last full run) ; 2 = the two opt-in candidates measured (fp8gemv, decodefused);
+next)  # the next session's first calls (STEP=1|2|3): 1 = every GPU test ; 2 = the two opt-in candidates measured (the skinny linear);
        # 3 = issue 20's rows with the TTFT breakdown (issue20) and the fixed FP8 generate rows (fp8next STEP=gen)
   case "${STEP:-1}" in
   1) "$0" tests ;;
-  2) "$0" skinny; "$0" decodefused ;;
+  2) "$0" skinny ;;
   3) GEN_BUDGET=${GEN_BUDGET:-240} "$0" issue20; GEN_BUDGET=200 GEN_TIMEOUT=240 STEP=gen "$0" fp8next ;;
   esac ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT

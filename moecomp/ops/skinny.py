@@ -17,16 +17,46 @@ MAX_ROWS = 4
 _W_SCALE = {None: 0, "block": 1, "channel": 2, "tensor": 3}
 
 
+def use_skinny(M: int, N: int, K: int, quantized: bool) -> bool:
+    """Whether M rows against an [N, K] weight go faster through the skinny kernel than through the alternative
+    (cuBLAS for 16-bit weights, fp8_linear's MMA form for e4m3), by the H200 sweep of 2026-12-01
+    (``benchmarks/diag_skinny.py``, results ``nvidia-h200-2026-12-01-b3f2b14-diag-skinny.json``): one row always
+    (0.41-0.93x cuBLAS, 0.19-0.61x the MMA form); two rows up to 32M weight elements (16-bit: 0.47-0.96x; 1.02-1.05x
+    above) and always in e4m3 (0.26-0.95x); four rows only in e4m3 up to 8M elements (0.47-1.01x; 1.3-3x above)."""
+    if M <= 1:
+        return M == 1
+    if M == 2:
+        return quantized or N * K <= (32 << 20)
+    return quantized and M <= MAX_ROWS and N * K <= (8 << 20)
+
+
 def skinny_config(M: int, N: int, K: int, itemsize: int, device: torch.device, sms: int) -> dict:
-    """Tiles for M rows against an [N, K] weight of ``itemsize`` bytes an element. Heuristic until tuned."""
+    """Tiles for M rows against an [N, K] weight of ``itemsize`` bytes an element: the winners of the H200 sweep
+    (see ``use_skinny``) by shape class. Under 4096 rows 4-row tiles with long K steps (2048 columns at one row);
+    from 4096 rows 8-row tiles; from 7168 rows (one row) or 16384 (two) a reduction every K step, whose small
+    accumulators leave room for more programs in flight."""
     if device.type != "cuda":  # the interpreter: small tiles, two K steps on the tests' shapes
         return dict(BLOCK_N=8, BLOCK_K=64, REDUCE_END=1, num_warps=4, num_stages=1)
-    bn = 32
-    while bn > 4 and -(-N // bn) < 2 * sms:
+    kmax = max(64, triton.next_power_of_2(K))
+    if M == 1:
+        if N < 4096:
+            bn, bk, red = 4, 2048, 1
+        elif N < 7168:
+            bn, bk, red = 8, 1024, 1
+        else:
+            bn, bk, red = 8, 1024 if itemsize == 1 else 512, 0
+    elif M == 2:
+        if N < 4096:
+            bn, bk, red = 4, 1024, 1
+        elif N < 16384:
+            bn, bk, red = 8, 512, 1
+        else:
+            bn, bk, red = 16, 512 if itemsize == 1 else 256, 0
+    else:
+        bn, bk, red = 4, 1024, 1
+    if -(-N // bn) < sms and bn > 4:  # too few programs for the SMs: narrower tiles
         bn //= 2
-    budget = 8192 // max(1, M)  # fp32 products held per program: 64 registers a thread at 4 warps
-    bk = max(64, min(triton.next_power_of_2(K), budget // bn, 2048 // itemsize * 2))
-    return dict(BLOCK_N=bn, BLOCK_K=bk, REDUCE_END=1, num_warps=4, num_stages=3)
+    return dict(BLOCK_N=bn, BLOCK_K=min(bk, kmax), REDUCE_END=red, num_warps=4, num_stages=3)
 
 
 def skinny_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -176,7 +176,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if M:
         kw = quant_kwargs(q, weight_scale, act_scale, tuning.fp8_mode(q, M, cfg), experts=False,
                           cand=tuning.fp8_candidates(cfg))
-        if _skinny_ok(kw, M):
+        if _skinny_ok(kw, M, N, K):
             skinny.skinny_linear(x2, weight, bias, weight_scale, q, out=y)
             return y if out is not None else y.reshape(*x.shape[:-1], N)
         c = fp8_tile(tuning.fp8_linear_config(M, N, K, x.device, _sm_count(x.device)), kw)
@@ -196,10 +196,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return y if out is not None else y.reshape(*x.shape[:-1], N)
 
 
-def _skinny_ok(kw: dict, M: int) -> bool:
-    """A weight-only call of up to ``skinny.MAX_ROWS`` rows takes the skinny kernel (``kernels/skinny.py``) unless
-    MOECOMP_SKINNY=0."""
-    return M <= skinny.MAX_ROWS and kw["A_QUANT"] == 0 and os.environ.get("MOECOMP_SKINNY", "1") != "0"
+def _skinny_ok(kw: dict, M: int, N: int, K: int) -> bool:
+    """A weight-only call of a few rows takes the skinny kernel (``kernels/skinny.py``) where it was measured faster
+    (``skinny.use_skinny``), unless MOECOMP_SKINNY=0."""
+    return (kw["A_QUANT"] == 0 and skinny.use_skinny(M, N, K, True) and os.environ.get("MOECOMP_SKINNY", "1") != "0")
 
 
 def expert_quant(args: dict, spec: MoESpec, cfg: dict, T: int) -> tuple[dict | None, dict | None]:

@@ -44,7 +44,6 @@ from ..kernels import router as router_k
 from ..kernels import routing as routing_k
 from ..spec import MoESpec
 from . import triton_fp8, tuning
-from . import decode_fused
 from . import weight_on_input as woi
 from . import zero_experts as zx
 from .triton_shared import shared_mlp
@@ -475,8 +474,6 @@ def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=No
     experts' side stream) runs just before the first kernel that reads ``shared``."""
     T, H = x.shape
     k = ids.shape[1]
-    if decode_fused.enabled(T) and decode_fused.unsupported(spec, x, args) is None:  # opt-in, not yet measured
-        return decode_fused.routed(x, ids, weights, args, spec, out, shared, gate, join)
     if cfg is None:
         cfg = tuning.get_config(spec.num_experts, spec.intermediate_size, H, T, k, x.dtype, x.device, spec.quant)
     dec = tuning.decode_config(cfg, T, x.device)
