@@ -119,7 +119,11 @@ def routing(ctx: Context, ids: fx.Node) -> Routing:
         if not thresholds:
             errors.append(f"{w.name}: no constant a threshold could be")
         for c, src in thresholds:
-            why = _probe(ctx, lin, ids, w, after, R, c / 2)
+            try:
+                why = _probe(ctx, lin, ids, w, after, R, c / 2)
+            except Reject as e:  # this weights node cannot be cut out with the logits as its only input
+                errors.append(f"{w.name}: {e.message}")
+                break
             if why is None:
                 R.jitter_eps = c / 2
                 if src is not None:
@@ -215,9 +219,10 @@ def _probe(ctx: Context, lin, ids, w, after: set, R: Routing, eps: float) -> str
     dev = rw.device if isinstance(rw, torch.Tensor) and not _fx.is_fake(rw) else torch.device("cpu")
     logits = policy.sparsemixer_probe_logits(R.E, R.top_k, eps).to(device=dev, dtype=dtype)
     got, before = [], _fx.ancestors(lin, pos=ctx.order) | {lin}
+    last = max(ctx.order[ids], ctx.order[w])  # (nothing after the routing: in-place writes later in a model graph)
     for out in (ids, w):
         side = _fx.ancestors(out, pos=ctx.order) - before - after  # scalar / weight-only helpers (2 * eps.item())
-        sub, inputs = _extract(ctx, after | side, lin, out)
+        sub, inputs = _extract(ctx, {n for n in after | side if ctx.order[n] <= last}, lin, out)
         args = [logits]
         for p in inputs[1:]:
             if p not in ctx.static_ph or isinstance(_fx.meta_val(p), torch.SymInt):

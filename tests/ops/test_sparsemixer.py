@@ -223,11 +223,11 @@ def test_gpu_cuda_graph_capture_and_replay(T):
     args = list(random_moe_args(spec, T, torch.bfloat16, "cuda", std=0.02, seed=1))
     static_x = args[0].clone()
     graph, static_out = capture_moe_forward(static_x, args[1:], spec)
-    rw = args[1].double()
+    rw = args[1].double().cpu()  # (least squares on the CPU: an underdetermined system)
     for seed in range(2):
         g = torch.Generator().manual_seed(seed)
         target = torch.cat([policy.sparsemixer_probe_logits(16, 2, 0.01), torch.randn(T, 16, generator=g)])[:T]
-        x = torch.linalg.lstsq(rw, target.cuda().double().T).solution.T
+        x = torch.linalg.lstsq(rw, target.double().T).solution.T.cuda()
         static_x.copy_(x.to(torch.bfloat16))
         static_out.fill_(float("nan"))
         graph.replay()
