@@ -383,8 +383,8 @@ def check_forward(case: dict, counts: Counts) -> None:
 # spec features every CPU test must have covered (counted per case by _count_spec)
 FEATURES = (
     *(f"scoring_{v}" for v in SCORINGS), *(f"act_{v}" for v in ACTIVATIONS), *(f"layout_{v}" for v in W_LAYOUTS),
-    "topk_then_score", "sparsemixer", "groups_top2_sum", "groups_max", "group_mask_zero", "router_bias", "correction_bias",
-    "bias_on_logits", "renormalize", "renorm_min", "scaling", "round_weights", "router_fp32", "ungated",
+    "topk_then_score", "sparsemixer", "groups_top2_sum", "groups_max", "group_mask_zero", "router_bias",
+    "correction_bias", "bias_on_logits", "renormalize", "renorm_min", "scaling", "round_weights", "router_fp32", "ungated",
     "gate_up_interleaved", "activation_clamp", "expert_bias", "shared_gated", "shared_ungated", "shared_concat",
     "shared_sigmoid_gate", "fused_shared_gate", "padded_inputs",
 )
