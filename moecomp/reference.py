@@ -3,7 +3,7 @@
 Written for clarity, not speed: fp32 (or fp64) math, a loop over experts, nothing fused. It takes exactly the
 arguments of ``torch.ops.moecomp.moe_forward`` (see ``moecomp.ops.moe_op.MOE_ARGS``) plus a ``MoESpec``.
 Zero experts (``spec.zero_experts``): routing runs over the router's E + Z logits; ids >= E add ``weight * x``
-(:func:`zero_expert_term`).
+(:func:`zero_expert_term`). Sparsemixer routing (``score_order == "sparsemixer"``, PhiMoE): :func:`sparsemixer`.
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ def route(
     logits = sanitize_logits(logits.to(acc))
     k = spec.top_k
     neg = float("-inf")
-    if spec.score_order == "topk_then_score":
+    if spec.score_order == "sparsemixer":
+        weights, ids = sparsemixer(logits, k, spec.jitter_eps)
+    elif spec.score_order == "topk_then_score":
         vals, ids = _topk_low_index_ties(logits, k)
         weights = score(vals, spec.scoring)  # softmax over the k chosen, or sigmoid of each
     else:
@@ -101,6 +103,48 @@ def route(
     return finite_weights(weights), ids
 
 
+def sparsemixer(logits: torch.Tensor, k: int, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PhiMoE's eval-mode routing (the formula in ``moecomp.spec``): sanitised logits [T, E] -> (weights [T, k] in
+    the logits' dtype, ids [T, k] int64), k rounds over the experts not taken yet. Round j takes the largest free
+    logit m (lowest index on ties; a free one even when all are -inf) and weighs it by the softmax, at it, over the
+    free logits within the relative threshold: dropped where (m - s) / max(|s|, m) > 2 * jitter_eps (a 0 / 0 is NaN,
+    not greater: kept). A round with no finite free logit has a NaN weight (0 after ``finite_weights``)."""
+    T, E = logits.shape
+    thr = 2 * jitter_eps
+    neg = float("-inf")
+    free = torch.ones(T, E, dtype=torch.bool, device=logits.device)
+    ws, ids = [], []
+    for _ in range(k):
+        cand = logits.masked_fill(~free, neg)  # [T, E]
+        m = cand.amax(-1, keepdim=True)  # [T, 1]
+        i = (free & (cand == m)).to(torch.uint8).argmax(-1, keepdim=True)  # [T, 1]: the first free maximum
+        drop = (m - logits) / torch.maximum(logits.abs(), m) > thr  # [T, E]
+        ws.append(torch.softmax(cand.masked_fill(drop, neg), -1).gather(1, i))
+        ids.append(i)
+        free = free.scatter(1, i, False)
+    return torch.cat(ws, 1), torch.cat(ids, 1)
+
+
+def sparsemixer_contested(logits: torch.Tensor, spec: MoESpec, gap=0.0, rel: float = 0.0) -> torch.Tensor:
+    """[T] bool: tokens where some round's threshold test could flip: |(m - s) - t| <= gap + rel * t for a free
+    logit s other than the round's pick m, t = 2 * jitter_eps * max(|s|, m) (``gap``: how far the gap m - s may
+    move, a number or [T, 1]; ``rel``: how far the ratio may, relative to the threshold). Rounds as
+    :func:`sparsemixer` takes them, on sanitised logits."""
+    logits = sanitize_logits(logits.float())
+    T, E = logits.shape
+    _, ids = sparsemixer(logits, spec.top_k, spec.jitter_eps)
+    free = torch.ones(T, E, dtype=torch.bool, device=logits.device)
+    out = torch.zeros(T, dtype=torch.bool, device=logits.device)
+    for j in range(spec.top_k):
+        i = ids[:, j : j + 1]
+        m = logits.gather(1, i)  # [T, 1]
+        free = free.scatter(1, i, False)  # (the pick itself is always kept)
+        t = 2 * spec.jitter_eps * torch.maximum(logits.abs(), m)  # [T, E]
+        off = (m - logits - t).abs()
+        out |= (free & torch.isfinite(off) & (off <= gap + rel * t)).any(-1)
+    return out
+
+
 def round_weights(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Routing weights rounded through ``dtype`` (``spec.round_weights``), clamped to its largest finite value first
     so that a finite weight stays finite."""
@@ -123,7 +167,7 @@ def near_tie_tokens(x2: torch.Tensor, router_w, router_b, correction_bias, spec:
     T, k = logits.shape[0], spec.top_k
     d = rel * logits.abs().amax(-1, keepdim=True)  # [T, 1]
     bias = correction_bias.float().reshape(-1) if spec.has_correction_bias else None
-    if spec.score_order == "topk_then_score":
+    if spec.score_order in ("topk_then_score", "sparsemixer"):  # sparsemixer's ids: the top-k of the logits
         choice, lo, hi = logits, logits - d, logits + d
     elif spec.has_correction_bias and spec.bias_on_logits:
         choice, lo, hi = logits + bias, logits + bias - d, logits + bias + d
@@ -147,13 +191,15 @@ def near_tie_tokens(x2: torch.Tensor, router_w, router_b, correction_bias, spec:
         return worst_in <= best_out
 
     near = torch.zeros(T, dtype=torch.bool, device=logits.device)
-    if spec.n_group > 1 and spec.score_order != "topk_then_score":
+    if spec.n_group > 1 and spec.score_order == "score_then_topk":
         gs = group_scores(choice, spec)
         near |= contested(gs, group_scores(lo, spec), group_scores(hi, spec), spec.topk_group)
         mask = _kept_experts(gs, spec)
         fill = 0.0 if spec.group_mask_zero else float("-inf")
         choice, lo, hi = (v.masked_fill(~mask, fill) for v in (choice, lo, hi))
     near |= contested(choice, lo, hi, k)
+    if spec.score_order == "sparsemixer":  # the gap moves by 2d, its threshold 2 eps max(|s|, m) by 2 eps d
+        near |= sparsemixer_contested(logits, spec, gap=(2 + 2 * spec.jitter_eps) * d)
     return near
 
 

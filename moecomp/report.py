@@ -19,6 +19,8 @@ from .hf.structure import get_path
 def router_style(spec: MoESpec) -> str:
     if spec.score_order == "topk_then_score":
         s = f"top-k→{spec.scoring}"
+    elif spec.score_order == "sparsemixer":
+        s = f"sparsemixer ε={spec.jitter_eps:g}" + (" renorm" if spec.renormalize else "")
     else:
         s = {"softmax": "softmax", "sigmoid": "sigmoid", "sqrtsoftplus": "sqrt-softplus", "none": "logits"}[
             spec.scoring]

@@ -15,6 +15,12 @@ What a block computes, in terms of the spec (T tokens, H hidden, E experts, k = 
     weights  = scores[ids]  (/ max(sum + renorm_eps, renorm_min))  * routed_scaling    # [T, k]
       (score_order == "topk_then_score": ids = topk(logits), weights = score_fn(logits[ids]): softmax over the k
        chosen, or sigmoid of each (Llama 4))
+      (score_order == "sparsemixer", PhiMoE's eval-mode routing; scoring softmax, no bias / groups / zero experts:
+       k rounds j = 1..k over the experts not taken yet, F_j:  m_j = max(logits[F_j]), ids[j] = its lowest index;
+       kept_j = {e in F_j : (m_j - logits[e]) / max(|logits[e]|, m_j) <= 2 * jitter_eps}  (0 / 0 counts as kept);
+       weights[j] = softmax(logits[kept_j])[ids[j]] = 1 / sum_{e in kept_j} exp(logits[e] - m_j); then the
+       renormalisation / scaling steps above as the spec says (PhiMoE: neither). transformers runs two rounds
+       whatever top_k says; other k generalise the rounds as written)
     per pair : h = act(g) * u, g = x @ w1_e.T, u = x @ w3_e.T  (gated) | act(x @ w13_e.T) (not gated)
                activation_clamp: g = min(g, limit), u = clamp(u, -limit, limit) first (DeepSeek-V4 style)
                swiglu_oai: (clamp(u) + 1) * g * sigmoid(alpha * g), g = min(g, limit) (gpt-oss)
@@ -52,7 +58,7 @@ import math
 from dataclasses import dataclass
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus", "none")
-SCORE_ORDERS = ("score_then_topk", "topk_then_score")
+SCORE_ORDERS = ("score_then_topk", "topk_then_score", "sparsemixer")
 GROUP_SCORES = ("top2_sum", "max")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2", "swiglu_oai")  # relu2 = relu(x)**2
 W_LAYOUTS = ("out_in", "in_out")  # per-expert matrix stored [out, in] (nn.Linear style) or [in, out]
@@ -178,6 +184,7 @@ class MoESpec:
     # --- routing ---
     scoring: str = "softmax"
     score_order: str = "score_then_topk"
+    jitter_eps: float = 0.0  # sparsemixer only: an expert stays in a round's softmax within 2 * jitter_eps (relative)
     renormalize: bool = True
     renorm_eps: float = 0.0
     routed_scaling_factor: float = 1.0
@@ -240,6 +247,7 @@ class MoESpec:
             raise SpecError("group_score 'top2_sum' needs at least 2 experts per group")
         if self.score_order == "topk_then_score" and self.scoring not in ("softmax", "sigmoid"):
             raise SpecError("score_order 'topk_then_score' is defined for softmax and sigmoid only")
+        _check_sparsemixer(self)
         _check_activation(self.activation, self.gated, self.activation_clamp, self.activation_limit, "")
         if self.bias_on_logits and not self.has_correction_bias:
             raise SpecError("bias_on_logits needs a correction bias (has_correction_bias)")
@@ -343,6 +351,8 @@ class MoESpec:
 
     def describe(self) -> str:
         route = self.scoring if self.score_order == "score_then_topk" else f"topk->{self.scoring}"
+        if self.score_order == "sparsemixer":
+            route = f"sparsemixer eps={self.jitter_eps:g}"
         if self.n_group > 1:
             route += f" grouped {self.topk_group}/{self.n_group}"
         if self.has_correction_bias:
@@ -372,6 +382,24 @@ class MoESpec:
             f"E={self.num_experts} k={self.top_k} H={self.hidden_size} I={self.intermediate_size} "
             f"[{route}] {act}{sh}"
         )
+
+
+def _check_sparsemixer(spec: MoESpec) -> None:
+    """``jitter_eps``: finite and >= 0, and only with score_order "sparsemixer", which routes the plain logits (softmax
+    multipliers; no correction bias, groups or zero experts take part)."""
+    eps = spec.jitter_eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise SpecError(f"jitter_eps must be a finite number >= 0, got {eps!r}")
+    if spec.score_order != "sparsemixer":
+        if eps:
+            raise SpecError(f"jitter_eps={eps} is read by score_order 'sparsemixer' only (got {spec.score_order!r})")
+        return
+    if spec.scoring != "softmax":
+        raise SpecError(f"score_order 'sparsemixer' takes softmax multipliers: scoring must be 'softmax', got "
+                        f"{spec.scoring!r}")
+    if spec.has_correction_bias or spec.n_group > 1 or spec.zero_experts:
+        raise SpecError("score_order 'sparsemixer' routes the plain logits: no correction bias, group-limited "
+                        "routing (n_group > 1) or zero experts")
 
 
 def _check_zero_experts(spec: MoESpec) -> None:

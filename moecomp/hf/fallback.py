@@ -9,7 +9,7 @@ expert settings from the module and its config; ``measure(block, x, extraction)`
 2. the routing: the block runs once on a random input with a hook on the experts module that records the
    ``(top_k_index, top_k_weights)`` it receives; every routing the spec can express (scoring, order, renormalise,
    groups, group score) is evaluated on the same router logits and the one that picks the same experts with the
-   same weights (up to one constant, the routed scaling) is kept;
+   same weights (up to one constant, the routed scaling) is kept (sparsemixer routing: ``sparsemixer_fit``);
 3. precisions: router GEMM in fp32 or in the model dtype, routing weights rounded to the model dtype or not,
    from the dtypes the router returns when run in bf16.
 
@@ -39,7 +39,7 @@ from ..reject import Refused, Reject, RejectCode
 from ..spec import MoESpec, SharedExpertSpec, SpecError
 from ..derived import Derived
 from ..probe import ProbeRun, run_probe
-from . import fp8, names
+from . import fp8, names, sparsemixer_fit
 from .activations import describe_unknown_gate, probe_activation, probe_gate, probe_mlp
 from .names import read_attr
 from .structure import BlockParts, MLPParts, NotABlock, find_parts, get_path
@@ -108,8 +108,6 @@ def _mlp_activation(mod: nn.Module, sources) -> tuple[str | None, str]:
             return a, ("probed" if a else f"{n}={type(fn).__name__} is not an activation the spec knows")
     name = read_attr(sources, ("hidden_act", "hidden_activation", "mlp_hidden_act"), (str,))
     return names.ACT_NAMES.get(name), f"read hidden_act={name!r}"
-
-
 
 
 # ----------------------------------------------------------------------------------------------- static spec
@@ -519,9 +517,13 @@ def _fit_routing(block: nn.Module, parts: BlockParts, spec: MoESpec, x2: torch.T
             c = _match_routing(ids, w, ids_c, w_c, tol)
             if c is not None and not math.isnan(c):
                 return dict(cand, top_k=k, router_fp32=fp32, routed_scaling_factor=c)
+    found = sparsemixer_fit.fit(block, parts, spec, x2, ids, w, attr_sources(block, parts), _match_routing,
+                                fp32_variants)  # k thresholded argmax rounds (PhiMoE)
+    if found is not None:
+        return found
     raise FallbackError(
         "routing not recognised: no softmax / sigmoid / sqrt-softplus, top-k, renormalise, group-limited "
-        "routing the spec knows picks the experts this router picks", RejectCode.UNSUPPORTED_ROUTING)
+        "or sparsemixer routing the spec knows picks the experts this router picks", RejectCode.UNSUPPORTED_ROUTING)
 
 
 def _measure(block: nn.Module, x: torch.Tensor, ext: Match) -> tuple[Match, ProbeRun]:

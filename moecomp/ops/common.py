@@ -32,7 +32,7 @@ QUANT_ARGS = ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "shared_w1_scale
 EXPERT_QUANT_ARGS = QUANT_ARGS[:4]
 OP_ARGS = MOE_ARGS + QUANT_ARGS  # every tensor a bound block may pass
 # What the op implements beyond the base spec; passes check this before relying on it.
-FEATURES = ("fused_shared_gate", "weight_on_input", "zero_experts")
+FEATURES = ("fused_shared_gate", "weight_on_input", "zero_experts", "sparsemixer")
 
 
 def split_fused_gate(args: dict, spec) -> dict:

@@ -220,6 +220,7 @@ def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch
         N_GROUP=n_group, G_PAD=triton.next_power_of_2(n_group), TOPK_GROUP=1 if plain_topk else spec.topk_group,
         GROUP_BY_MAX=spec.group_score == "max", GROUP_3D=group_3d, GROUP_SIZE=E // n_group if group_3d else 1,
         ROUND_TO=round_to, num_warps=tiles["num_warps"], **_pdl(logits.device),
+        SPARSEMIXER=spec.score_order == "sparsemixer", sm_thr=2 * float(spec.jitter_eps),
     )
     return ids, weights
 

@@ -20,6 +20,8 @@ The matched subgraph (names are roles, not node names; ``[..]`` optional, ``|`` 
                               weights = sigmoid(logits.gather(ids)) | scores.gather(ids)   (elementwise: same)
             topk_then_score:  topk(logits, k) ──► ids ; weights = softmax(values)
                               | full(-inf).scatter(ids, values) ─► sigmoid | softmax   (dense [T, E]: Llama 4)
+            sparsemixer:      ids = cat(k argmax rounds), weights = cat(k thresholded softmaxes)   (PhiMoE;
+                              proven on probe logits: ``moe_sparsemixer``)
                                                      │
                   [weights /= max(weights.sum(-1) (+eps), renorm_min)] [* or / scalar] [.to(model dtype)]
                                                      │
@@ -126,6 +128,8 @@ from .moe_output import MAX_OUTPUT_CANDIDATES, block_output, common_scale, outpu
 from .moe_per_expert import per_expert, selector_topks
 from .moe_region import Region, check_ops, find_region, pick_input
 from .moe_routing import Routing, hash_routed, routing
+from .moe_sparsemixer import routing as sparsemixer_routing
+from .moe_sparsemixer import selectors as sparsemixer_selectors
 from .moe_shared import Shared, shared
 
 
@@ -218,8 +222,9 @@ def detect_moe(
     claimed: set = set()
     stacked_topks = ctx.final_topks()
     by_selectors = [t for t in selector_topks(ctx) if t not in stacked_topks]  # per-expert modules only
-    for t in sorted(stacked_topks + by_selectors, key=ctx.order.get):
-        where = f"topk {t.name}"
+    mixers = sparsemixer_selectors(ctx)  # ids = cat of k argmax rounds (sparsemixer), not a top-k
+    for t in sorted(stacked_topks + by_selectors + mixers, key=ctx.order.get):
+        where = f"{'topk' if op_name(t) == 'topk' else 'argmax rounds'} {t.name}"
         try:
             m = _match_at(ctx, t)
         except Reject as e:
@@ -251,7 +256,7 @@ class _Candidate:
 
 
 def _match_at(ctx: Context, t: fx.Node) -> MoEMatch:
-    r = routing(ctx, t)
+    r = routing(ctx, t) if op_name(t) == "topk" else sparsemixer_routing(ctx, t)
     region = find_region(ctx, r.x_router)
     if t not in region.nodes:
         raise Reject("the top-k is not computed from the router input alone")
@@ -338,7 +343,8 @@ def _spec_fields(r: Routing, ex: Experts, sh: Shared | None) -> dict:
     fields = dict(
         num_experts=r.E - ex.zero_experts, zero_experts=ex.zero_experts, top_k=r.top_k, hidden_size=r.H,
         intermediate_size=ex.I, scoring=r.scoring,
-        score_order=r.score_order, renormalize=r.renormalize, renorm_eps=r.renorm_eps, renorm_min=r.renorm_min,
+        score_order=r.score_order, jitter_eps=r.jitter_eps, renormalize=r.renormalize, renorm_eps=r.renorm_eps,
+        renorm_min=r.renorm_min,
         routed_scaling_factor=r.scaling, n_group=r.n_group, topk_group=r.topk_group, group_score=r.group_score,
         has_correction_bias=r.correction_bias is not None, bias_on_logits=r.bias_on_logits,
         group_mask_zero=r.group_mask_zero, has_router_bias=r.router_b is not None, router_fp32=r.router_fp32,

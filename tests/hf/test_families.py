@@ -18,7 +18,7 @@ EQUAL = (
     "dots3_note ernie4_5_moe ernie4_5_vl_moe exaone_moe flex_olmo flint glm4_moe glm4_moe_lite glm4v_moe glm5_next "
     "glm_moe_dsa gpt_oss granitemoe granitemoe_swa granitemoehybrid granitemoeshared hunyuan_v1_moe hy_v3 hy_v4 "
     "hy_v4_vl jamba kimi_linear kolibri1 laguna lara_mini lfm2_moe mellum mimo_v2_flash minimax minimax_m2 "
-    "minimax_m3_vl mistral4 mistral_large4 mixtral nemotron_h olmoe openai_privacy_filter qwen2_moe qwen3_5_moe "
+    "minimax_m3_vl mistral4 mistral_large4 mixtral nemotron_h olmoe openai_privacy_filter phimoe qwen2_moe qwen3_5_moe "
     "qwen3_moe qwen3_next qwen3_omni_moe qwen3_vl_moe qwen4_exp solar_open unlimited_ocr").split()
 OUTCOME = {
     **{f: ("equal", "") for f in EQUAL},
@@ -28,7 +28,6 @@ OUTCOME = {
     "gemma4": ("experts only", "no separate MoE module"),
     "inkling": ("experts only", "no router weight"),
     "zaya": ("experts only", "no router weight"),
-    "phimoe": ("experts only", "no top-k routing"),  # sparsemixer routing
     # left alone, and why
     "inkling2": ("not rewritten", "experts only not possible"),
     "inkling2_loop": ("not rewritten", "experts only not possible"),

@@ -1,9 +1,10 @@
 """Property tests: ``moe_forward`` and ``moe_experts`` against ``moecomp.reference`` on random specs and inputs.
 
-hypothesis draws a ``MoESpec`` over everything the spec supports (every scoring function and score order, groups with
-either group score and either mask, router bias, correction bias on scores or logits, renormalisation with eps / min,
-scaling, weight rounding, fp32 routers, every activation gated or not with the clamps, both weight layouts and gate/up
-orders, expert biases, shared experts gated / ungated / concat / sigmoid-gated / fused into the router) and the
+hypothesis draws a ``MoESpec`` over everything the spec supports (every scoring function and score order, sparsemixer
+rounds with their threshold, groups with either group score and either mask, router bias, correction bias on scores
+or logits, renormalisation with eps / min, scaling, weight rounding, fp32 routers, every activation gated or not with
+the clamps, both weight layouts and gate/up orders, expert biases, shared experts gated / ungated / concat /
+sigmoid-gated / fused into the router) and the
 inputs: T = 0, 1 and more, 2-D or 3-D hidden states, top-k up to E, odd H and I, E not a power of two, every token
 routed to one expert, experts with no tokens. Runs are derandomized (the same examples every run, no example
 database), so CI sees a fixed set.
@@ -138,23 +139,30 @@ def moe_specs(draw, sizes: dict):
     shared = draw(st.none() | shared_specs(sizes["Is"]))
     has_router_bias = draw(st.booleans())
     fse = (shared is not None and shared.gate == "sigmoid" and not has_router_bias) and draw(st.booleans())
+    fields = dict(
+        num_experts=E, top_k=top_k,
+        hidden_size=draw(sizes_in(1, sizes["H"])), intermediate_size=draw(sizes_in(1, sizes["I"])),
+        scoring=scoring, score_order=score_order,
+        renormalize=draw(st.booleans()), renorm_eps=draw(st.sampled_from((0.0, 1e-20, 1e-6))),
+        routed_scaling_factor=draw(st.sampled_from((1.0, 2.5, 0.5))),
+        n_group=n_group, topk_group=topk_group, group_score=group_score,
+        has_correction_bias=has_cb, bias_on_logits=bias_on_logits, group_mask_zero=mask_zero,
+        renorm_min=draw(st.sampled_from((0.0, 0.0, 0.3, 0.6))),
+        has_router_bias=has_router_bias, router_fp32=draw(st.booleans()), round_weights=draw(st.booleans()),
+        fused_shared_gate=fse,
+        activation=activation, gated=gated, activation_alpha=draw(st.sampled_from((1.702, 1.0))),
+        activation_limit=draw(st.sampled_from((0.5, 1.0, 7.0))), activation_clamp=clamp,
+        w_layout=draw(st.sampled_from(W_LAYOUTS)), gate_up=draw(st.sampled_from(GATE_UP)),
+        has_expert_bias=draw(st.booleans()), shared=shared,
+    )
+    # sparsemixer rounds (PhiMoE) in 3 of 4 of the softmax specs that allow them (no correction bias, no groups);
+    # drawn last, so that the other fields' draws stay what they were before sparsemixer existed (a fixed example
+    # set: moving them changed which features the 135 interpreter cases cover)
+    if (score_order, scoring, has_cb, n_group) == ("score_then_topk", "softmax", False, 1) and draw(
+            st.integers(0, 2**32 - 1)) % 4:
+        fields.update(score_order="sparsemixer", jitter_eps=draw(st.sampled_from((0.0, 0.01, 0.1, 0.5))))
     try:
-        return MoESpec(
-            num_experts=E, top_k=top_k,
-            hidden_size=draw(sizes_in(1, sizes["H"])), intermediate_size=draw(sizes_in(1, sizes["I"])),
-            scoring=scoring, score_order=score_order,
-            renormalize=draw(st.booleans()), renorm_eps=draw(st.sampled_from((0.0, 1e-20, 1e-6))),
-            routed_scaling_factor=draw(st.sampled_from((1.0, 2.5, 0.5))),
-            n_group=n_group, topk_group=topk_group, group_score=group_score,
-            has_correction_bias=has_cb, bias_on_logits=bias_on_logits, group_mask_zero=mask_zero,
-            renorm_min=draw(st.sampled_from((0.0, 0.0, 0.3, 0.6))),
-            has_router_bias=has_router_bias, router_fp32=draw(st.booleans()), round_weights=draw(st.booleans()),
-            fused_shared_gate=fse,
-            activation=activation, gated=gated, activation_alpha=draw(st.sampled_from((1.702, 1.0))),
-            activation_limit=draw(st.sampled_from((0.5, 1.0, 7.0))), activation_clamp=clamp,
-            w_layout=draw(st.sampled_from(W_LAYOUTS)), gate_up=draw(st.sampled_from(GATE_UP)),
-            has_expert_bias=draw(st.booleans()), shared=shared,
-        )
+        return MoESpec(**fields)
     except SpecError:  # pragma: no cover - the draws above only build valid specs
         assume(False)
 
@@ -375,8 +383,8 @@ def check_forward(case: dict, counts: Counts) -> None:
 # spec features every CPU test must have covered (counted per case by _count_spec)
 FEATURES = (
     *(f"scoring_{v}" for v in SCORINGS), *(f"act_{v}" for v in ACTIVATIONS), *(f"layout_{v}" for v in W_LAYOUTS),
-    "topk_then_score", "groups_top2_sum", "groups_max", "group_mask_zero", "router_bias", "correction_bias",
-    "bias_on_logits", "renormalize", "renorm_min", "scaling", "round_weights", "router_fp32", "ungated",
+    "topk_then_score", "sparsemixer", "groups_top2_sum", "groups_max", "group_mask_zero", "router_bias",
+    "correction_bias", "bias_on_logits", "renormalize", "renorm_min", "scaling", "round_weights", "router_fp32", "ungated",
     "gate_up_interleaved", "activation_clamp", "expert_bias", "shared_gated", "shared_ungated", "shared_concat",
     "shared_sigmoid_gate", "fused_shared_gate", "padded_inputs",
 )
@@ -387,6 +395,7 @@ def _count_spec(spec: MoESpec, pad: bool, counts: Counts) -> None:
     flags = {
         f"scoring_{spec.scoring}": spec.score_order == "score_then_topk", f"act_{spec.activation}": True,
         f"layout_{spec.w_layout}": True, "topk_then_score": spec.score_order == "topk_then_score",
+        "sparsemixer": spec.score_order == "sparsemixer",
         f"groups_{spec.group_score}": spec.n_group > 1, "group_mask_zero": spec.group_mask_zero,
         "router_bias": spec.has_router_bias, "correction_bias": spec.has_correction_bias,
         "bias_on_logits": spec.bias_on_logits, "renormalize": spec.renormalize, "renorm_min": spec.renorm_min > 0,
@@ -579,6 +588,9 @@ GPU_POOL = (
     MoESpec(num_experts=7, top_k=1, hidden_size=50, intermediate_size=30, activation="relu",
             fused_shared_gate=True, shared=SharedExpertSpec(20, gate="sigmoid", activation_clamp=True,
                                                             activation_limit=1.0)),
+    # PhiMoE style: sparsemixer rounds (a wide threshold: many weights below 1), weights rounded, silu * up
+    MoESpec(num_experts=8, top_k=2, hidden_size=40, intermediate_size=24, score_order="sparsemixer",
+            jitter_eps=0.1, renormalize=False, round_weights=True),
 )
 # T values chosen for few kernel specialisations: 1 (its own), 9 and 33 (same routing block, neither 1 nor a multiple
 # of 16); 0 launches nothing. Compiling the pool's kernels is most of this test's time (about 45 s of an H200 host).
