@@ -55,6 +55,8 @@ def expert_style(spec: MoESpec) -> str:
         a += " +b"
     if spec.w_layout == "in_out":
         a += " [in,out]"
+    if spec.latent_size:
+        a += f" latent L={spec.latent_size}"
     if q is not None:
         lay = f"{q.block_n}x{q.block_k}" if q.scale == "block" else q.scale
         a = f"fp8 {lay} a:{q.activation} {a}"
