@@ -23,7 +23,7 @@ import torch.fx as fx
 from . import _fx
 from ._context import Context
 from ._reject import Reject
-from .moe_output import _bypasses, _paths, common_scale, output_scale
+from .moe_output import _bypasses, _paths, _scalar_factor
 from .moe_routing import Routing
 
 
@@ -91,8 +91,10 @@ def check_scales(ctx: Context, lat: Latent, region: set, out: fx.Node, shared_do
     which the spec does not express). Without biases the projection is linear and scales pass through it."""
     if lat.b_out is None:
         return
-    after, _ = output_scale(ctx, region, {lat.lin_out}, out, shared_down)
-    common = common_scale(ctx, region, {lat.lin_out}, out, shared_down) if shared_down is not None else 1.0
-    if after != 1.0 or common != 1.0:
-        raise Reject(f"the latent output projection's result (bias included) is scaled by {after * common:g}: not "
-                     "a form MoESpec expresses (its routed scaling applies before the projection's bias)")
+    src = {lat.lin_out}
+    path = _paths(ctx, region, src, out) | src
+    for n in sorted(path - src, key=ctx.order.get):
+        sc = _scalar_factor(ctx, n, path)
+        if sc is not None and sc[0] != 1.0 and not _bypasses(src, path, out, n):
+            raise Reject(f"the latent output projection's result (bias included) is scaled by {sc[0]:g} ({n.name}): "
+                         "not a form MoESpec expresses (its routed scaling applies before the projection's bias)")
