@@ -232,8 +232,8 @@ def test_gpu_cuda_graph_capture_and_replay(T, bias):
     """bf16 on the GPU: the decode path (T = 1, 4) and the aligned one, with the shared experts on the side stream,
     captured once and replayed on new inputs. Tolerance 2e-2, as tests/ops/test_gpu.py."""
     spec = NEMOTRON_GPU.replace(latent_bias=bias)
-    args, lat = _args(spec, T, torch.bfloat16, "cuda", seed=1)
     args = list(random_moe_args(spec, T, torch.bfloat16, "cuda", std=0.02, seed=1))
+    lat = random_latent_args(spec, torch.bfloat16, "cuda", seed=101)
     static_x = args[0].clone()
     graph, static_out = capture_moe_forward(static_x, args[1:], spec, extra=lat)
     for seed in range(3):
