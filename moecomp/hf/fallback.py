@@ -313,8 +313,7 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
     if parts.extra_modules:
         notes.append(f"block has other parameterised children: {', '.join(parts.extra_modules)}")
     if parts.latent_size:
-        notes.append(f"experts of width {parts.latent_size} between latent projections {parts.latent_in} / "
-                     f"{parts.latent_out} (read from shapes)")
+        notes.append(f"experts of width {parts.latent_size} between {parts.latent_in} / {parts.latent_out} (shapes)")
     routing = _routing_guess(block, parts, sources)
     bindings, derived = _bindings(block, parts)
     quant, shared_quant = _quant(block, parts, bindings)
@@ -416,9 +415,7 @@ def _bindings(block: nn.Module, parts: BlockParts) -> tuple[dict[str, str | None
             b["shared_w3"] = sp.up
         b["shared_w2"] = sp.down
         b["shared_gate_w"] = parts.shared_gate
-    if parts.latent_size:
-        b.update(latent_in_w=parts.latent_in, latent_in_b=parts.latent_in_bias, latent_out_w=parts.latent_out,
-                 latent_out_b=parts.latent_out_bias)
+    b.update(parts.latent_bindings())
     return b, derived
 
 

@@ -106,6 +106,13 @@ class BlockParts:
             out = list(dict.fromkeys(full))
         return out
 
+    def latent_bindings(self) -> dict[str, str | None]:
+        """The latent projections' op arguments (``latent_in_w`` ...) -> paths; {} without them."""
+        if not self.latent_size:
+            return {}
+        return dict(latent_in_w=self.latent_in, latent_in_b=self.latent_in_bias, latent_out_w=self.latent_out,
+                    latent_out_b=self.latent_out_bias)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -12,11 +12,11 @@ row count of the two; the other may have E + Z rows, its extra rows unused): ids
 as a view of its first E (``Experts.rows``).
 
 The GEMM is ``grouped_mm``, ``bmm`` / ``matmul`` / ``einsum`` on gathered ``w[ids]``, or ``linear`` of ``w[e]`` (or
-``select(w, 0, e)``, e read from the routing: LongCat-Flash's loop over the experts hit) in a per-expert loop.
-Latent experts (NemotronH): the experts read a projection of x of width L (``moe_latent``), and their weights are
-then checked against L, not H. Which
+``select(w, 0, e)``, e read from the routing: LongCat-Flash's loop over the experts hit) in a per-expert loop. Which
 weight is w13 follows from which GEMM feeds the other; the layout from the shapes (and where
-every dim equals H, from how the GEMM reads the weight, else both are left to the numeric check). The routing weights
+every dim equals H, from how the GEMM reads the weight, else both are left to the numeric check). Latent experts
+(NemotronH): the experts read a projection of x of width L (``moe_latent``); their shapes are then read against L,
+not H. The routing weights
 scale the expert input when they are an ancestor of the first GEMM (:func:`weights_on_input`). A block that reads
 no [E, ., .] weight may keep its experts as per-expert modules of 2-D weights: ``moe_per_expert`` matches those.
 """

@@ -4,14 +4,15 @@
           ──► * weights ──► combine over k ──► linear(·, Wo [H, L], [bo]) ──► [+ shared(x)] ──► out
     x ──► router (on x, not xl)                x ──► shared expert (on x, not xl)
 
-Read by meaning, not by names: the input projection is the one linear of the block input (other than the router)
-that every first expert GEMM descends from, and the experts' weights have its output width L; the output
+Read by meaning, not by names: the input projection is the one linear of the block input that every first expert
+GEMM descends from and the routing does not (so neither the router nor a router MLP's first layer), and the experts'
+weights have its output width L; the output
 projection is a linear of an [H, L] weight that descends from the second expert GEMMs and through which every path
 from them to the MoE output passes (nothing routed reaches the output around it). The shared-expert reader is given
 both projections to leave out. What they compute, with the routed scaling before the output projection and its
 bias, is left to the numeric check (the reference runs them: ``moecomp.reference.latent_in`` / ``latent_out``).
-A scale of the routed output after a biased output projection is not what the spec expresses and is refused
-(``moe_output`` folds scales only where they commute with the rest: :func:`check_scales`).
+A scalar applied after a biased output projection would scale its bias too, which the spec does not express: such a
+block is refused (:func:`check_scales`). Without biases the projection is linear and such a scalar is routed scaling.
 """
 
 from __future__ import annotations
@@ -47,13 +48,17 @@ class Latent:
 
 
 def latent_in(ctx: Context, R: Routing, nodes: set, x_root: fx.Node, g1: set) -> Latent | None:
-    """The input projection of the routed experts: the one linear of the block input (not the router) that every
-    first expert GEMM in ``g1`` descends from; None when there is none (the experts read x itself)."""
+    """The input projection of the routed experts: the one linear of the block input that every first expert GEMM in
+    ``g1`` descends from and the routing (router logits, routing weights) does not; None when there is none (the
+    experts read x itself)."""
     x_like = {x_root, _fx.strip_views_casts(R.x_router)}
     g1_anc = [_fx.ancestors(g, nodes, pos=ctx.order) for g in g1]
+    routing = {R.logits_linear} | _fx.ancestors(R.logits_linear, nodes, pos=ctx.order)
+    if R.weights is not None:
+        routing |= _fx.ancestors(R.weights, nodes, pos=ctx.order)
     found = []
     for n in nodes:
-        lf = ctx.as_linear(n) if n is not R.logits_linear else None
+        lf = ctx.as_linear(n) if n not in routing else None
         if lf is None or _fx.strip_views_casts(lf[0]) not in x_like:
             continue
         s = ctx.pshape(lf[1])
