@@ -36,6 +36,9 @@ SPECS = {
     # zero experts (identity in the latent space: weight * xl), L wider than H, no shared expert
     "zero": MoESpec(num_experts=6, top_k=3, hidden_size=24, intermediate_size=16, latent_size=40, latent_bias=True,
                     zero_experts=2, renormalize=False),
+    # the routing weights on the experts' (latent) input, Llama 4 style: each expert runs on w * xl
+    "on_input": MoESpec(num_experts=6, top_k=2, hidden_size=28, intermediate_size=12, latent_size=20,
+                        scoring="sigmoid", score_order="topk_then_score", renormalize=False, weight_on_input=True),
 }
 
 
@@ -58,9 +61,13 @@ def _hand_loop(spec: MoESpec, args, lat) -> torch.Tensor:
     out = torch.zeros_like(x)
     for i in range(x.shape[0]):
         logits = t["router_w"] @ x[i] + (t["router_b"] if t["router_b"] is not None else 0)
-        s = torch.sigmoid(logits) if spec.scoring == "sigmoid" else torch.softmax(logits, -1)
-        ids = torch.topk(s + (t["correction_bias"] if t["correction_bias"] is not None else 0), spec.top_k).indices
-        w = s[ids]
+        if spec.score_order == "topk_then_score":  # (sigmoid of the chosen logits)
+            ids = torch.topk(logits, spec.top_k).indices
+            w = torch.sigmoid(logits[ids])
+        else:
+            s = torch.sigmoid(logits) if spec.scoring == "sigmoid" else torch.softmax(logits, -1)
+            ids = torch.topk(s + (t["correction_bias"] if t["correction_bias"] is not None else 0), spec.top_k).indices
+            w = s[ids]
         if spec.renormalize:
             w = w / (w.sum() + spec.renorm_eps)
         w = w * spec.routed_scaling_factor
@@ -71,9 +78,11 @@ def _hand_loop(spec: MoESpec, args, lat) -> torch.Tensor:
             if e >= E:  # a zero expert: its output is its (latent) input
                 routed += w[j] * xl
                 continue
-            h = t["w13"][e] @ xl + (t["b13"][e] if t["b13"] is not None else 0)
+            xin = w[j] * xl if spec.weight_on_input else xl
+            h = t["w13"][e] @ xin + (t["b13"][e] if t["b13"] is not None else 0)
             h = silu(h[:I]) * h[I:] if spec.gated else torch.relu(h) ** 2
-            routed += w[j] * (t["w2"][e] @ h + (t["b2"][e] if t["b2"] is not None else 0))
+            y = t["w2"][e] @ h + (t["b2"][e] if t["b2"] is not None else 0)
+            routed += y if spec.weight_on_input else w[j] * y
         out[i] = lat["latent_out_w"] @ routed + lat.get("latent_out_b", 0)
         sh = spec.shared
         if sh is not None:
@@ -145,7 +154,8 @@ def test_scaling_before_the_output_bias():
 
 # ------------------------------------------------------------------------------------------------- the op
 FORWARD = [("torch", n, T) for n in sorted(SPECS) for T in (3, 40)] + [
-    ("triton", "nemotron", 3), ("triton", "bias", 3), ("triton", "zero", 40)]  # the interpreter is slow: a few
+    ("triton", "nemotron", 3), ("triton", "bias", 3), ("triton", "zero", 40), ("triton", "on_input", 3)]
+# (the interpreter is slow: a few)
 
 
 @pytest.mark.parametrize("backend,name,T", FORWARD)

@@ -4,7 +4,8 @@ spelling and with other part names: a softmax top-2 router on x, the experts on 
 matrices, ``bmm``, a weighted ``view(T, k, L).sum(1)``), ``to_big`` after the combine, a sigmoid-gated shared expert
 on x. The pass reads the projections from what the graph computes and the numeric check proves them; the attribute
 reader finds them by their shapes ([L, H] and [H, L] linear children) and agrees. A routed scale after an unbiased
-output projection is routed scaling; after a biased one the spec cannot express it and the block is refused.
+output projection, or before a biased one, is routed scaling; after a biased one the spec cannot express it and the
+block is refused.
 
 Tolerances: fp32, max abs error / max |block output| <= 1e-5 (the op's GEMMs are the block's in another order)."""
 
@@ -55,7 +56,8 @@ class SharedMLP(nn.Module):
 
 
 class LatentMoE(nn.Module):
-    def __init__(self, bias: bool = True, shared: bool = True, scale_after: float | None = None, seed: int = 0):
+    def __init__(self, bias: bool = True, shared: bool = True, scale_after: float | None = None,
+                 scale_inside: float | None = None, seed: int = 0):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.top_k = K
@@ -66,7 +68,7 @@ class LatentMoE(nn.Module):
         if shared:
             self.shared_expert = SharedMLP()
             self.shared_expert_gate = nn.Linear(H, 1, bias=False)
-        self.scale_after = scale_after
+        self.scale_after, self.scale_inside = scale_after, scale_inside
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if not name.startswith("experts"):
@@ -77,7 +79,8 @@ class LatentMoE(nn.Module):
         x = x.reshape(-1, H)
         w, idx = torch.topk(torch.softmax(self.router(x), dim=-1), K, dim=-1)
         w = w / w.sum(-1, keepdim=True)
-        out = self.to_big(self.experts(self.to_small(x), idx, w))
+        routed = self.experts(self.to_small(x), idx, w)  # [T, L]
+        out = self.to_big(routed if self.scale_inside is None else routed * self.scale_inside)
         if self.scale_after is not None:
             out = out * self.scale_after
         if self.shared_expert is not None:
@@ -131,6 +134,15 @@ def test_scale_after_an_unbiased_projection_is_routed_scaling():
     x = torch.randn(9, H)
     with torch.no_grad():
         assert _rel(_op(block, m, x), block(x)) <= TOL
+
+
+def test_scale_before_a_biased_projection_is_routed_scaling():
+    """Wo (2 r) + bo: routed scaling. The FX pass folds the multiply; the attribute reader sees unscaled routing
+    weights and the verify stage fits the 2 on the routed part without the output bias (which it does not scale)."""
+    block = LatentMoE(bias=True, scale_inside=2.0).eval()
+    m = detect_block(block, torch.randn(2, 5, H))
+    assert (m.spec.latent_bias, m.spec.routed_scaling_factor) == (True, 2.0), m.spec.describe()
+    assert match_block(block, use_fx=False).match.spec == m.spec
 
 
 def test_scale_after_a_biased_projection_is_refused():
