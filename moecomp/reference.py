@@ -4,6 +4,9 @@ Written for clarity, not speed: fp32 (or fp64) math, a loop over experts, nothin
 arguments of ``torch.ops.moecomp.moe_forward`` (see ``moecomp.ops.moe_op.MOE_ARGS``) plus a ``MoESpec``.
 Zero experts (``spec.zero_experts``): routing runs over the router's E + Z logits; ids >= E add ``weight * x``
 (:func:`zero_expert_term`). Sparsemixer routing (``score_order == "sparsemixer"``, PhiMoE): :func:`sparsemixer`.
+Latent experts (``spec.latent_size``): the routed experts run on
+``latent_in(x)`` [T, L] and their combined output goes through ``latent_out`` [L -> H] before the shared experts
+(which read x) are added (:func:`latent_in` / :func:`latent_out`).
 """
 
 from __future__ import annotations
@@ -372,15 +375,29 @@ def router_logits(x: torch.Tensor, router_w, router_b, spec: MoESpec) -> torch.T
     return F.linear(x, router_w.to(x.dtype), None if router_b is None else router_b.to(x.dtype))
 
 
+def latent_in(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, acc=torch.float32) -> torch.Tensor:
+    """The experts' input of a latent block: x [T, H] @ w.T (+ b), w [L, H] -> [T, L] in ``acc``."""
+    y = x.to(acc) @ w.to(acc).T
+    return y if b is None else y + b.to(acc)
+
+
+def latent_out(routed: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, acc=torch.float32) -> torch.Tensor:
+    """The combined routed output of a latent block back to H: routed [T, L] @ w.T (+ b), w [H, L] -> [T, H]."""
+    y = routed.to(acc) @ w.to(acc).T
+    return y if b is None else y + b.to(acc)
+
+
 def _pick(d: dict, *names) -> dict:
-    unknown = set(d) - set(_QUANT_NAMES)
+    unknown = set(d) - set(_EXTRA_NAMES)
     if unknown:
-        raise TypeError(f"unknown quantization argument(s) {sorted(unknown)}; expected among {_QUANT_NAMES}")
+        raise TypeError(f"unknown argument(s) {sorted(unknown)}; expected among {_EXTRA_NAMES}")
     return {n: d.get(n) for n in names}
 
 
 _QUANT_NAMES = ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "shared_w1_scale", "shared_w3_scale",
                 "shared_w2_scale")
+_LATENT_NAMES = ("latent_in_w", "latent_in_b", "latent_out_w", "latent_out_b")
+_EXTRA_NAMES = _QUANT_NAMES + _LATENT_NAMES
 
 
 def moe_forward(
@@ -398,10 +415,11 @@ def moe_forward(
     shared_gate_w,
     spec: MoESpec | str,
     acc=torch.float32,
-    **quant,
+    **extra,
 ) -> torch.Tensor:
-    """The whole block: x [..., H] -> [..., H] in x's dtype, math in ``acc``. ``quant``: the scale tensors of
-    quantized weights by their op argument names (``moecomp.ops.common.QUANT_ARGS``)."""
+    """The whole block: x [..., H] -> [..., H] in x's dtype, math in ``acc``. ``extra``: the scale tensors of
+    quantized weights and the latent projections by their op argument names (``moecomp.ops.common.QUANT_ARGS``,
+    ``LATENT_ARGS``)."""
     if isinstance(spec, str):
         spec = MoESpec.from_key(spec)
     if spec.fused_shared_gate:  # router_w [E + 1, H]: the last row is the shared-expert gate
@@ -413,9 +431,14 @@ def moe_forward(
     weights, ids = route(logits, correction_bias, spec, acc)
     if spec.round_weights:
         weights = round_weights(weights, x.dtype)
-    out = experts(x2, ids, weights, w13, b13, w2, b2, spec, acc, **_pick(quant, "w13_scale", "w2_scale", "a13_scale",
-                                                                         "a2_scale"))
+    lat = _pick(extra, *_LATENT_NAMES)
+    # latent: the projections' inputs rounded to x's dtype, as the model's linears (and the op) see them
+    xe = latent_in(x2, lat["latent_in_w"], lat["latent_in_b"], acc).to(x.dtype) if spec.latent_size else x2
+    out = experts(xe, ids, weights, w13, b13, w2, b2, spec.experts_spec(), acc,
+                  **_pick(extra, "w13_scale", "w2_scale", "a13_scale", "a2_scale"))  # [T, L] or [T, H]
+    if spec.latent_size:
+        out = latent_out(out.to(x.dtype), lat["latent_out_w"], lat["latent_out_b"], acc)  # [T, H]
     if spec.shared is not None:
         out = out + shared_experts(x2, shared_w1, shared_w3, shared_w2, shared_gate_w, spec, acc,
-                                   **_pick(quant, "shared_w1_scale", "shared_w3_scale", "shared_w2_scale"))
+                                   **_pick(extra, "shared_w1_scale", "shared_w3_scale", "shared_w2_scale"))
     return out.to(x.dtype).reshape(shape)

@@ -35,6 +35,15 @@ What a block computes, in terms of the spec (T tokens, H hidden, E experts, k = 
                zero-computation expert whose y is the token itself, so its pair adds weights * x:
                out = sum_{k: id < E} weights * y + sum_{k: id >= E} weights * x     (w13 / w2 hold the E real experts)
                (the same with weight_on_input: the identity of weight * x, summed unweighted)
+    latent experts (latent_size = L > 0, NemotronH's moe_latent_size): the routed experts work in a projected
+               space of width L; the router and the shared experts read x as above:
+               xl     = x @ latent_in_w.T (+ latent_in_b)                     # [T, L]  latent_in_w [L, H]
+               routed = sum_k weights * y(xl)  (everything above, xl for x)  # [T, L]  w13 / w2 / b2 use L for H
+               out    = routed @ latent_out_w.T (+ latent_out_b) + shared(x) # [T, H]  latent_out_w [H, L]
+               (latent_bias: both projections have biases.) The routed scaling is in the weights, so it applies
+               before the output projection and its bias; zero experts add weights * xl, weight_on_input scales xl.
+               xl (the experts' input) and routed (the output projection's) are rounded to x's dtype, as the
+               model's linears return them.
 
 Quantized weights (``quant``, a ``QuantSpec``; ``SharedExpertSpec.quant`` for the shared experts): the op reads the
 quantized tensors and their scales as they are stored; what a GEMM computes is
@@ -201,6 +210,9 @@ class MoESpec:
     fused_shared_gate: bool = False  # FSE: router_w is [E + 1, H], its last row the shared-expert gate
     weight_on_input: bool = False  # each pair's expert runs on weight * x, the combine sums unweighted (Llama 4)
     zero_experts: int = 0  # router outputs past the E experts: ids >= E add weight * x (identity experts, LongCat)
+    # --- latent experts (NemotronH moe_latent_size): experts between latent_in [H -> L] and latent_out [L -> H] ---
+    latent_size: int = 0  # L; 0: the experts read x itself (no projections)
+    latent_bias: bool = False  # both projections have biases (latent_in_b [L], latent_out_b [H])
     # --- experts ---
     activation: str = "silu"
     gated: bool = True
@@ -224,6 +236,7 @@ class MoESpec:
         if E <= 0 or self.hidden_size <= 0 or self.intermediate_size <= 0:
             raise SpecError(f"sizes must be positive: E={E}, H={self.hidden_size}, I={self.intermediate_size}")
         _check_zero_experts(self)
+        _check_latent(self)
         if not 1 <= k <= self.router_width:
             raise SpecError(f"top_k must be in [1, num_experts={E}"
                             + (f" + zero_experts={self.zero_experts}" if self.zero_experts else "") + f"], got {k}")
@@ -304,12 +317,36 @@ class MoESpec:
         return self.num_experts + self.zero_experts
 
     @property
+    def expert_width(self) -> int:
+        """The width the routed experts read and write: latent_size with latent projections, else hidden_size."""
+        return self.latent_size or self.hidden_size
+
+    def latent_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{argument: shape} of the latent projections (empty without ``latent_size``)."""
+        L, H = self.latent_size, self.hidden_size
+        if not L:
+            return {}
+        shapes = {"latent_in_w": (L, H), "latent_out_w": (H, L)}
+        if self.latent_bias:
+            shapes.update(latent_in_b=(L,), latent_out_b=(H,))
+        return shapes
+
+    def experts_spec(self) -> "MoESpec":
+        """The routed experts alone, in their own width: what a latent block computes between its projections
+        (``hidden_size`` = L, no projections, no shared experts; routing fields kept). ``self`` without latent."""
+        if not self.latent_size:
+            return self
+        return self.replace(hidden_size=self.latent_size, latent_size=0, latent_bias=False, shared=None,
+                            fused_shared_gate=False)
+
+    @property
     def w13_rows(self) -> int:
         """Output features of the first expert GEMM: 2I when gated, else I."""
         return 2 * self.intermediate_size if self.gated else self.intermediate_size
 
     def expert_weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        E, H, I, N = self.num_experts, self.hidden_size, self.intermediate_size, self.w13_rows
+        """{argument: shape} of the routed experts' weights (and biases), in ``expert_width`` (H, or L when latent)."""
+        E, H, I, N = self.num_experts, self.expert_width, self.intermediate_size, self.w13_rows
         if self.w_layout == "out_in":
             shapes = {"w13": (E, N, H), "w2": (E, H, I)}
         else:
@@ -323,7 +360,7 @@ class MoESpec:
         q = self.quant
         if q is None:
             return {}
-        E, H, I, N = self.num_experts, self.hidden_size, self.intermediate_size, self.w13_rows
+        E, H, I, N = self.num_experts, self.expert_width, self.intermediate_size, self.w13_rows
         shapes = {"w13_scale": (E, *q.scale_shape(N, H, 2 if self.gated else 1)),
                   "w2_scale": (E, *q.scale_shape(H, I))}
         if q.activation == "static":
@@ -347,7 +384,7 @@ class MoESpec:
         if itemsize is None:
             itemsize = 1 if self.quant is not None else 2
         scales = sum(4 * math.prod(s[1:]) for s in self.quant_shapes().values() if len(s) > 1)
-        return (self.w13_rows * self.hidden_size + self.hidden_size * self.intermediate_size) * itemsize + scales
+        return (self.w13_rows * self.expert_width + self.expert_width * self.intermediate_size) * itemsize + scales
 
     def describe(self) -> str:
         route = self.scoring if self.score_order == "score_then_topk" else f"topk->{self.scoring}"
@@ -372,6 +409,8 @@ class MoESpec:
             sh = f", shared I={self.shared.intermediate_size}" + (" gated" if self.shared.gate != "none" else "") + (
                 f" x{self.shared.scale:g}" if self.shared.scale != 1.0 else "")
         act = self.activation + ("*up" if self.gated and self.activation != "swiglu_oai" else "")
+        if self.latent_size:
+            act = f"latent L={self.latent_size}{'+b' if self.latent_bias else ''} " + act
         if self.quant is not None:
             q = self.quant
             lay = f"{q.block_n}x{q.block_k}" if q.scale == "block" else q.scale
@@ -415,6 +454,15 @@ def _check_zero_experts(spec: MoESpec) -> None:
     if spec.fused_shared_gate:
         raise SpecError("zero_experts with fused_shared_gate is not supported: router_w would be "
                         "[E + zero_experts + 1, H], a layout the op does not read")
+
+
+def _check_latent(spec: MoESpec) -> None:
+    """``latent_size``: an int >= 0; ``latent_bias`` only with it."""
+    L = spec.latent_size
+    if isinstance(L, bool) or not isinstance(L, int) or L < 0:
+        raise SpecError(f"latent_size must be an int >= 0 (0: no latent projections), got {L!r}")
+    if spec.latent_bias and not L:
+        raise SpecError("latent_bias needs latent projections (latent_size > 0)")
 
 
 def _check_activation(activation: str, gated: bool, clamp: bool, limit: float, who: str) -> None:

@@ -310,6 +310,8 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
     notes += sh_notes
     if parts.extra_modules:
         notes.append(f"block has other parameterised children: {', '.join(parts.extra_modules)}")
+    if parts.latent_size:
+        notes.append(f"experts of width {parts.latent_size} between {parts.latent_in} / {parts.latent_out} (shapes)")
     routing = _routing_guess(block, parts, sources)
     bindings, derived = _bindings(block, parts)
     quant, shared_quant = _quant(block, parts, bindings)
@@ -321,7 +323,8 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
             num_experts=E, top_k=int(top_k), hidden_size=H, intermediate_size=I,
             activation=act, gated=parts.gated, activation_alpha=alpha, activation_limit=limit,
             activation_clamp=clamp, w_layout=parts.w_layout, gate_up=gate_up, has_expert_bias=bindings.get("b13") is not None,
-            shared=shared, quant=quant, **kw,
+            shared=shared, quant=quant, latent_size=parts.latent_size, latent_bias=parts.latent_in_bias is not None,
+            **kw,
         )
     except SpecError as e:
         raise FallbackError(f"no valid spec: {e}", RejectCode.SPEC_INVALID) from None
@@ -410,6 +413,7 @@ def _bindings(block: nn.Module, parts: BlockParts) -> tuple[dict[str, str | None
             b["shared_w3"] = sp.up
         b["shared_w2"] = sp.down
         b["shared_gate_w"] = parts.shared_gate
+    b.update(parts.latent_bindings())
     return b, derived
 
 

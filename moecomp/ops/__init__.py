@@ -3,6 +3,7 @@
 from .attention import decode_attention
 from .fp8_linear import fp8_linear
 from .linear16 import skinny_linear
-from .moe_op import EXPERT_ARGS, MOE_ARGS, OP_ARGS, QUANT_ARGS, check_args, moe_experts, moe_forward
+from .moe_op import EXPERT_ARGS, LATENT_ARGS, MOE_ARGS, OP_ARGS, QUANT_ARGS, check_args, moe_experts, moe_forward
 
-__all__ = ["MOE_ARGS", "EXPERT_ARGS", "QUANT_ARGS", "OP_ARGS", "check_args", "moe_forward", "moe_experts", "decode_attention", "fp8_linear", "skinny_linear"]
+__all__ = ["MOE_ARGS", "EXPERT_ARGS", "QUANT_ARGS", "LATENT_ARGS", "OP_ARGS", "check_args", "moe_forward", "moe_experts",
+           "decode_attention", "fp8_linear", "skinny_linear"]

@@ -30,9 +30,12 @@ EXPERT_ARGS = ("w13", "b13", "w2", "b2")
 QUANT_ARGS = ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "shared_w1_scale", "shared_w3_scale",
               "shared_w2_scale")
 EXPERT_QUANT_ARGS = QUANT_ARGS[:4]
-OP_ARGS = MOE_ARGS + QUANT_ARGS  # every tensor a bound block may pass
+# The latent projections around the routed experts (MoESpec.latent_size): after the scales, each defaulting to None.
+# latent_in_w [L, H] (+ latent_in_b [L]) before the experts, latent_out_w [H, L] (+ latent_out_b [H]) after the combine.
+LATENT_ARGS = ("latent_in_w", "latent_in_b", "latent_out_w", "latent_out_b")
+OP_ARGS = MOE_ARGS + QUANT_ARGS + LATENT_ARGS  # every tensor a bound block may pass
 # What the op implements beyond the base spec; passes check this before relying on it.
-FEATURES = ("fused_shared_gate", "weight_on_input", "zero_experts", "sparsemixer")
+FEATURES = ("fused_shared_gate", "weight_on_input", "zero_experts", "sparsemixer", "latent")
 
 
 def split_fused_gate(args: dict, spec) -> dict:

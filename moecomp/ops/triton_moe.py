@@ -9,6 +9,8 @@ moe_forward, main stream                                   side stream (shared e
                                          (spec.weight_on_input: fused into gemm1 instead, ``ops/weight_on_input.py``)
     combine_kernel         -> out [T, H] = sum_k y (+ sigmoid(gate) * s)   <- waits for the side stream
     (spec.zero_experts: routing over E + Z, ids >= E skip the GEMMs and the combine adds w * x, ``ops/zero_experts.py``)
+    (spec.latent_size: the experts' kernels run on latent_in(x) [T, L], their combine into [T, L], then latent_out
+     and a one-slot combine that adds the gated shared expert, ``ops/latent.py``)
 
 Decode (T <= the config's ``decode.max_t``): no alignment; moe_gemm1_kernel(DIRECT) -> h [P, I] in pair order, then
 moe_down_combine_kernel -> out [T, H] (down projection, routing weights, top-k sum and shared expert in one kernel),
@@ -44,6 +46,7 @@ from ..kernels import router as router_k
 from ..kernels import routing as routing_k
 from ..spec import MoESpec
 from . import triton_fp8, tuning
+from . import latent
 from . import weight_on_input as woi
 from . import zero_experts as zx
 from .triton_shared import shared_mlp
@@ -543,7 +546,23 @@ def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
 
     logits, gate = router_logits(x2, args, spec)  # [T, E], [T] or None
     ids, weights = route(logits, args["correction_bias"], spec, x2.dtype)
+    if spec.latent_size:
+        return _latent_routed(x2, ids, weights, args, spec, out, shared, gate, join if overlap else None).reshape(shape)
     return routed(x2, ids, weights, args, spec, out, shared, gate, join=join if overlap else None).reshape(shape)
+
+
+def _latent_routed(x2, ids, weights, args: dict, spec: MoESpec, out, shared, gate, join):
+    """``spec.latent_size``: the routed experts of ``spec.experts_spec()`` on latent_in(x) [T, L] (every routed path
+    as without projections, combined into [T, L]), then latent_out [T, H] and, with shared experts, a one-slot
+    combine into ``out`` that adds them (gated) after the projection."""
+    xl = latent.project_in(x2, args)  # [T, L]
+    rl = routed(xl, ids, weights, args, spec.experts_spec(), torch.empty_like(xl))  # [T, L]
+    y = latent.project_out(rl, args)  # [T, H]
+    if shared is None:
+        return y
+    if join is not None:
+        join()
+    return combine(y, x2.shape[0], 1, out, shared, gate)
 
 
 def moe_experts(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.Tensor:

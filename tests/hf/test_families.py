@@ -38,11 +38,14 @@ OUTCOME = {
     "jetmoe": ("no MoE block", "no candidate block found"),  # the block finder reads part names
     "nllb_moe": ("no MoE block", "no candidate block found"),
     "switch_transformers": ("no MoE block", "no candidate block found"),
+    # variants (families.VARIANTS): a family's tiny model with config changes that reach another block style
+    "nemotron_h:latent": ("equal", ""),  # experts between latent projections (MoESpec.latent_size)
 }
 # the families the structural scan adds to the decorated ones (transformers 5.24; test_structural_scan checks it)
 STRUCTURAL = ["jetmoe", "llama4", "longcat_flash", "nllb_moe", "switch_transformers"]
 ALL = sorted(set(F.experts_families()) | {f for f in STRUCTURAL if F.transformers_dir() and __import__("os").path.isdir(
     __import__("os").path.join(F.transformers_dir(), "models", f))})
+ALL = sorted(set(ALL) | set(F.variants_of(ALL)))
 
 
 def test_families_found():

@@ -4,7 +4,9 @@ hypothesis draws a ``MoESpec`` over everything the spec supports (every scoring 
 rounds with their threshold, groups with either group score and either mask, router bias, correction bias on scores
 or logits, renormalisation with eps / min, scaling, weight rounding, fp32 routers, every activation gated or not with
 the clamps, both weight layouts and gate/up orders, expert biases, shared experts gated / ungated / concat /
-sigmoid-gated / fused into the router) and the
+sigmoid-gated / fused into the router; latent
+projections around the experts, with or without biases, on a quarter of the moe_forward cases, chosen from the case's
+seed so that the drawn examples stay the same: ``with_latent``) and the
 inputs: T = 0, 1 and more, 2-D or 3-D hidden states, top-k up to E, odd H and I, E not a power of two, every token
 routed to one expert, experts with no tokens. Runs are derandomized (the same examples every run, no example
 database), so CI sees a fixed set.
@@ -60,7 +62,7 @@ from moecomp.spec import (
     SharedExpertSpec,
     SpecError,
 )
-from moecomp.testing import random_moe_args
+from moecomp.testing import random_latent_args, random_moe_args
 
 MIN_FORWARD = {"torch": 300, "triton": 130}  # moe_forward cases per CPU path at least (moe_experts: MIN_EXPERTS)
 FP32_TOL = 1e-5
@@ -165,6 +167,14 @@ def moe_specs(draw, sizes: dict):
         return MoESpec(**fields)
     except SpecError:  # pragma: no cover - the draws above only build valid specs
         assume(False)
+
+
+def with_latent(spec: MoESpec, seed: int) -> MoESpec:
+    """``spec`` with latent projections (``MoESpec.latent_size`` L in 1..H + 4, biases or not) for one seed in 4.
+    Read from the case's seed, not drawn: a new draw would change every derandomized example."""
+    if seed % 4 != 1:
+        return spec
+    return spec.replace(latent_size=1 + (seed >> 2) % (spec.hidden_size + 4), latent_bias=bool((seed >> 9) & 1))
 
 
 ROUTING_MODES = ("random", "random", "one_expert", "identical_tokens")
@@ -287,7 +297,7 @@ def routing(x2, args, spec: MoESpec, acc=torch.float32):
 
 
 def magnitude(x2, ids, weights, args, spec: MoESpec, acc=torch.float64, forward: bool = True,
-              terms: str = "all") -> torch.Tensor:
+              terms: str = "all", lat: dict | None = None) -> torch.Tensor:
     """[T, H]: the size of the terms the output is a sum of. Where they cancel (a routed part against a shared part,
     a bias against its GEMM, the products of a dot), a correct result in fp32 (or 16 bits) is accurate relative to
     this, not to itself.
@@ -295,7 +305,7 @@ def magnitude(x2, ids, weights, args, spec: MoESpec, acc=torch.float64, forward:
     terms="all": the block on |inputs| (|x|, |weights|, |biases|, the same routing with |routing weights|), every
     product and sum counted at full size (the classic forward-error bound; far above |out| for long dots).
     terms="parts": sum of |each routed (token, expert) term| + |shared part|, from the reference: cancellation in the
-    final sum only (close to |out| otherwise)."""
+    final sum only (close to |out| otherwise). ``lat``: the latent projections (terms="all" only)."""
     if terms == "parts":  # reference.experts' loop, summing |term| instead of term
         out = torch.zeros(x2.shape, dtype=acc, device=x2.device)
         w13, b13, w2, b2 = (None if t is None else t.to(acc) for t in args[4:8])
@@ -310,7 +320,12 @@ def magnitude(x2, ids, weights, args, spec: MoESpec, acc=torch.float64, forward:
             out += reference.shared_experts(x2, args[8], args[9], args[10], gate, spec, acc).abs()
         return out
     a = [None if t is None else t.abs() for t in args]
-    out = reference.experts(x2.abs(), ids, weights.abs(), a[4], a[5], a[6], a[7], spec, acc)
+    la = {k: v.abs() for k, v in (lat or {}).items()}
+    xe = x2.abs() if not spec.latent_size else reference.latent_in(x2.abs(), la["latent_in_w"],
+                                                                   la.get("latent_in_b"), acc)
+    out = reference.experts(xe, ids, weights.abs(), a[4], a[5], a[6], a[7], spec.experts_spec(), acc)
+    if spec.latent_size:
+        out = reference.latent_out(out, la["latent_out_w"], la.get("latent_out_b"), acc)
     if forward and spec.shared is not None:
         gate = a[1][spec.num_experts:] if spec.fused_shared_gate else a[11]
         out = out + reference.shared_experts(x2.abs(), a[8], a[9], a[10], gate, spec, acc)
@@ -359,18 +374,20 @@ def compare(out, ref, mag, excusable, Ts, tol: float, counts: Counts, what: str)
 
 
 def check_forward(case: dict, counts: Counts) -> None:
-    spec, T = case["spec"], case["T"]
+    spec, T = with_latent(case["spec"], case["seed"]), case["T"]
     args = moe_inputs(spec, T, case["mode"], case["seed"])
+    lat = random_latent_args(spec, seed=case["seed"] + 4)  # {} unless latent
     x2 = args[0]
-    ref = reference.moe_forward(*args, spec, acc=torch.float64)  # [T, H]: fp32 router, fp64 math
+    ref = reference.moe_forward(*args, spec, acc=torch.float64, **lat)  # [T, H]: fp32 router, fp64 math
     weights, ids = routing(x2, args, spec, torch.float64)
-    mag = magnitude(x2, ids, weights, args, spec)
+    mag = magnitude(x2, ids, weights, args, spec, lat=lat)
     g = torch.Generator().manual_seed(case["seed"] + 3)
     op_args = [nan_padded(t, g) for t in args] if case["pad"] else args
+    op_lat = {k: nan_padded(v, g) for k, v in lat.items()} if case["pad"] else lat
     x = op_args[0]
     if case["lead3"]:
         x = x.reshape(2, T // 2, spec.hidden_size)
-    out = torch.ops.moecomp.moe_forward(x, *op_args[1:], spec.key)
+    out = torch.ops.moecomp.moe_forward(x, *op_args[1:], spec.key, **op_lat)
     assert out.shape == x.shape and out.dtype == x.dtype
     excusable = reference.near_tie_tokens(x2, args[1], args[2], args[3], spec, TIE_REL[torch.float32])
     excusable |= ill_conditioned_renorm(x2, args, spec)
@@ -386,7 +403,7 @@ FEATURES = (
     "topk_then_score", "sparsemixer", "groups_top2_sum", "groups_max", "group_mask_zero", "router_bias",
     "correction_bias", "bias_on_logits", "renormalize", "renorm_min", "scaling", "round_weights", "router_fp32", "ungated",
     "gate_up_interleaved", "activation_clamp", "expert_bias", "shared_gated", "shared_ungated", "shared_concat",
-    "shared_sigmoid_gate", "fused_shared_gate", "padded_inputs",
+    "shared_sigmoid_gate", "fused_shared_gate", "padded_inputs", "latent", "latent_bias",
 )
 
 
@@ -406,7 +423,7 @@ def _count_spec(spec: MoESpec, pad: bool, counts: Counts) -> None:
         "shared_gated": sh is not None and sh.gated, "shared_ungated": sh is not None and not sh.gated,
         "shared_concat": sh is not None and sh.gated and sh.layout == "concat",
         "shared_sigmoid_gate": sh is not None and sh.gate == "sigmoid", "fused_shared_gate": spec.fused_shared_gate,
-        "padded_inputs": pad,
+        "padded_inputs": pad, "latent": spec.latent_size > 0, "latent_bias": spec.latent_bias,
     }
     for key, on in flags.items():
         if on:
