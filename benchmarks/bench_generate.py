@@ -383,9 +383,13 @@ def profile_steps(model, path: str, ids, cuda: bool, steps: int = 8) -> dict:
         c0, t0 = by1.get(name, (0, 0.0))
         top.append((round((t - t0) / steps, 2), round((c - c0) / steps, 2), name))
     top.sort(reverse=True)
+    # the first call (one new token) is the prefill with one sampling: its kernels against its wall time show
+    # whether the time to first token is the device's or the host's
+    pre_top = sorted(((round(t, 1), c, name) for name, (c, t) in by1.items()), reverse=True)
     return dict(path=path, kernels_per_step=per_k, gpu_busy_ms_per_step=per_busy, wall_ms_per_step=per_wall,
                 gpu_idle_frac=max(0.0, 1 - per_busy / per_wall) if per_wall > 0 else None,
-                decode_ms_per_step_unprofiled=dec * 1e3, top_kernels_us_per_step=top[:25])
+                decode_ms_per_step_unprofiled=dec * 1e3, top_kernels_us_per_step=top[:25],
+                prefill=dict(kernels=k1, gpu_busy_ms=b1, wall_ms=w1, top_kernels_us=pre_top[:20]))
 
 
 # ================================================================================================ main

@@ -148,25 +148,20 @@ issue20)  # issue 20, next session: the generate GPU tests (eager-step-free repl
   timeout ${GEN_TIMEOUT:-360} python3 benchmarks/bench_generate.py ${GEN_ARGS:---models qwen3,qwen2 --layers qwen3=12 \
       --batches 1,32 --paths hf,one_liner --profile one_liner:1} --budget-s ${GEN_BUDGET:-320} \
       --out-json "$OUT/generate-issue20.json" 2>&1 | tee "$OUT/generate-issue20.log" | quiet | tail -40 ;;
-fp8gemv)  # issue 19, next session: fp8_linear's GEMV form (MOECOMP_FP8_GEMV=1, off by default: unmeasured) against the
-         # dot form and cuBLAS on the attention shapes of Qwen3 / DeepSeek-V3; then Qwen3 B=1 generate with it on
-  timeout 120 python3 benchmarks/diag_fp8_gemv.py --rows 1,2,4 --out-json "$OUT/diag-fp8-gemv.json" 2>&1 \
-      | grep -v "^DEBUG" | tee "$OUT/diag-fp8-gemv.log" | grep "^|"
-  timeout 60 python3 -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_fp8_gemm.py -k gemv 2>&1 | tail -3
-  for g in 0 1; do MOECOMP_FP8_GEMV=$g timeout 150 python3 benchmarks/bench_generate_fp8.py --models qwen3 \
-      --batches 1 --ref-batches "" --budget-s 120 --out-json "$OUT/generate-fp8-gemv$g.json" 2>&1 | grep "fp8 decode"
+skinny)  # issues 19 / 20: the skinny linear (kernels/skinny.py, M <= 4) against cuBLAS bf16 and fp8_linear's dot form
+        # with a tile sweep; its GPU tests; then Qwen3 B=1 FP8 generate with it (default) and without (MOECOMP_SKINNY=0)
+  timeout ${SKINNY_TIMEOUT:-260} python3 benchmarks/diag_skinny.py --rows ${SKINNY_ROWS:-1,2,4} \
+      --sweep-budget-s ${SWEEP_BUDGET:-150} --out-json "$OUT/diag-skinny.json" 2>&1 | grep -v "^DEBUG" \
+      | tee "$OUT/diag-skinny.log" | grep "^|\|skipped"
+  timeout 60 python3 -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_skinny.py 2>&1 | tail -3
+  for g in 1 0; do MOECOMP_SKINNY=$g timeout 150 python3 benchmarks/bench_generate_fp8.py --models qwen3 \
+      --batches 1 --ref-batches "" --budget-s 120 --out-json "$OUT/generate-fp8-skinny$g.json" 2>&1 | grep "fp8 decode"
   done ;;
-decodefused)  # issue 20, next session: the one-launch decode path (MOECOMP_DECODE_FUSED=1, off by default: unmeasured)
-             # against the two-kernel decode path on the five presets at T = 1, 2, 4; its GPU-side equivalence
-  timeout 90 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/ops/test_decode_fused.py 2>&1 | tail -3
-  timeout 200 python3 benchmarks/diag_decode_fused.py --out-json "$OUT/diag-decode-fused.json" 2>&1 \
-      | grep -v "^DEBUG" | tee "$OUT/diag-decode-fused.log" | grep "^|" ;;
-next)  # the next session's first calls (STEP=1|2|3): 1 = every GPU test (the zero-experts, decode_fused, GEMV and
-       # warmup tests joined since the last full run) ; 2 = the two opt-in candidates measured (fp8gemv, decodefused);
+next)  # the next session's first calls (STEP=1|2|3): 1 = every GPU test ; 2 = the two opt-in candidates measured (the skinny linear);
        # 3 = issue 20's rows with the TTFT breakdown (issue20) and the fixed FP8 generate rows (fp8next STEP=gen)
   case "${STEP:-1}" in
   1) "$0" tests ;;
-  2) "$0" fp8gemv; "$0" decodefused ;;
+  2) "$0" skinny ;;
   3) GEN_BUDGET=${GEN_BUDGET:-240} "$0" issue20; GEN_BUDGET=200 GEN_TIMEOUT=240 STEP=gen "$0" fp8next ;;
   esac ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT

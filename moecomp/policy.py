@@ -207,6 +207,49 @@ def snap_constant(c: float, consts) -> float:
             return float(v)
     return c
 
+# ------------------------------------------------------------------------------------------- sparsemixer probes
+# Sparsemixer routing (PhiMoE) keeps an expert in a round's softmax while its logit is within 2 * jitter_eps
+# (relative) of the round's max. Random router inputs seldom put a logit near that line (jitter_eps 0.01: 2% of the
+# max; about 4% of the weights differ from 1), so both recognisers also probe rows built to straddle it: in each
+# round, for positive and negative maxima, one logit inside the threshold and one outside it by each of
+# SPARSEMIXER_PROBE_MARGINS (relative to the threshold: a quarter, beyond a bf16 rounding of the logits, 2^-9, at
+# thresholds of 0.02 and up; and 1/32, which tells a jitter_eps from one 3% away), beside exact ties, zeros and
+# random rows. A jitter_eps of 0 has no inside: ties, and SPARSEMIXER_PROBE_GAP0 times each margin outside.
+SPARSEMIXER_PROBE_MARGINS = (0.25, 1 / 32)
+SPARSEMIXER_PROBE_GAP0 = 0.1
+SPARSEMIXER_PROBE_SEED = 11
+# A 16-bit block computes the threshold test in its dtype: the gap, its ratio and 2 * jitter_eps each rounded once
+# (bf16: 2^-9 relative each), so rows whose ratio is within this share of the threshold may fall on either side
+# and are left out of the probe comparison (``reference.sparsemixer_contested``).
+SPARSEMIXER_MASK_REL = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-9}
+
+
+def sparsemixer_probe_logits(num_experts: int, top_k: int, jitter_eps: float) -> torch.Tensor:
+    """[P, num_experts] fp32 router logits that tell sparsemixer thresholds apart (see above): per round j < top_k,
+    maximum and side, a row whose j-th largest logit m has a free logit s at relative gap thr * (1 -+ margin) of it
+    (the j larger ones above it, the rest well below); plus ties, all-equal, zero and random rows."""
+    g = torch.Generator().manual_seed(SPARSEMIXER_PROBE_SEED)
+    E, thr = num_experts, 2 * jitter_eps
+    rows = [torch.randn(E, generator=g) * s for s in (0.3, 1.0, 3.0, 10.0)]
+    tie = torch.randn(E, generator=g)
+    tie[torch.randperm(E, generator=g)[:3]] = tie.max() + 1.0  # three equal maxima (ties to the lower index)
+    rows += [tie, torch.full((E,), 0.7), torch.zeros(E), -torch.rand(E, generator=g).round()]
+    sides = [thr * (1 + s * d) for d in SPARSEMIXER_PROBE_MARGINS for s in (-1, 1)] if thr else [
+        0.0] + [SPARSEMIXER_PROBE_GAP0 * d for d in SPARSEMIXER_PROBE_MARGINS]
+    for j in range(min(top_k, E - 1)):
+        for m in (1.5, -0.75, 4.0, -3.0):
+            for q in sides:
+                if (m > 0 and q >= 2) or (m < 0 and q >= 1):
+                    continue  # (m - s) / max(|s|, m) stays below 2 (m > 0) or 1 (m < 0): no such logit
+                s = m * (1 - q) if m > 0 else m / (1 - q)
+                r = m - abs(m) * (1.5 + torch.rand(E, generator=g))  # the rest, well below
+                order = torch.randperm(E, generator=g)
+                r[order[:j]] = m + abs(m) * torch.arange(j, 0, -1, dtype=torch.float32)  # earlier rounds' picks
+                r[order[j]], r[order[j + 1]] = m, s
+                rows.append(r)
+    return torch.stack(rows)
+
+
 # ------------------------------------------------------------------------------------------------ benchmarks
 # ``benchmarks/bench_moe.py``: moecomp vs the HF block in bf16 at real sizes, ||diff|| / ||ref|| over all tokens
 # that are not near a tie. Whole-tensor norms average the per-element bf16 roundings (~4e-3 each): 2e-2.

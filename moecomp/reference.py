@@ -3,8 +3,11 @@
 Written for clarity, not speed: fp32 (or fp64) math, a loop over experts, nothing fused. It takes exactly the
 arguments of ``torch.ops.moecomp.moe_forward`` (see ``moecomp.ops.moe_op.MOE_ARGS``) plus a ``MoESpec``.
 Zero experts (``spec.zero_experts``): routing runs over the router's E + Z logits; ids >= E add ``weight * x``
-(:func:`zero_expert_term`). Hash routing (``spec.hash_routing``): the ids are ``hash_table[token_ids]``
-(:func:`hash_ids`), the weights the scores at them (:func:`route` with ``ids`` given).
+(:func:`zero_expert_term`). Sparsemixer routing (``score_order == "sparsemixer"``, PhiMoE): :func:`sparsemixer`.
+Latent experts (``spec.latent_size``): the routed experts run on
+``latent_in(x)`` [T, L] and their combined output goes through ``latent_out`` [L -> H] before the shared experts
+(which read x) are added (:func:`latent_in` / :func:`latent_out`). Hash routing (``spec.hash_routing``): the ids are
+``hash_table[token_ids]`` (:func:`hash_ids`), the weights the scores at them (:func:`route` with ``ids`` given).
 """
 
 from __future__ import annotations
@@ -85,7 +88,9 @@ def route(
     logits = sanitize_logits(logits.to(acc))
     k = spec.top_k
     neg = float("-inf")
-    if spec.hash_routing:
+    if spec.score_order == "sparsemixer":
+        weights, ids = sparsemixer(logits, k, spec.jitter_eps)
+    elif spec.hash_routing:
         if ids is None:
             raise ValueError("route: a hash_routing spec needs the ids (hash_table[token_ids])")
         ids = ids.long()
@@ -117,6 +122,48 @@ def route(
     return finite_weights(weights), ids
 
 
+def sparsemixer(logits: torch.Tensor, k: int, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PhiMoE's eval-mode routing (the formula in ``moecomp.spec``): sanitised logits [T, E] -> (weights [T, k] in
+    the logits' dtype, ids [T, k] int64), k rounds over the experts not taken yet. Round j takes the largest free
+    logit m (lowest index on ties; a free one even when all are -inf) and weighs it by the softmax, at it, over the
+    free logits within the relative threshold: dropped where (m - s) / max(|s|, m) > 2 * jitter_eps (a 0 / 0 is NaN,
+    not greater: kept). A round with no finite free logit has a NaN weight (0 after ``finite_weights``)."""
+    T, E = logits.shape
+    thr = 2 * jitter_eps
+    neg = float("-inf")
+    free = torch.ones(T, E, dtype=torch.bool, device=logits.device)
+    ws, ids = [], []
+    for _ in range(k):
+        cand = logits.masked_fill(~free, neg)  # [T, E]
+        m = cand.amax(-1, keepdim=True)  # [T, 1]
+        i = (free & (cand == m)).to(torch.uint8).argmax(-1, keepdim=True)  # [T, 1]: the first free maximum
+        drop = (m - logits) / torch.maximum(logits.abs(), m) > thr  # [T, E]
+        ws.append(torch.softmax(cand.masked_fill(drop, neg), -1).gather(1, i))
+        ids.append(i)
+        free = free.scatter(1, i, False)
+    return torch.cat(ws, 1), torch.cat(ids, 1)
+
+
+def sparsemixer_contested(logits: torch.Tensor, spec: MoESpec, gap=0.0, rel: float = 0.0) -> torch.Tensor:
+    """[T] bool: tokens where some round's threshold test could flip: |(m - s) - t| <= gap + rel * t for a free
+    logit s other than the round's pick m, t = 2 * jitter_eps * max(|s|, m) (``gap``: how far the gap m - s may
+    move, a number or [T, 1]; ``rel``: how far the ratio may, relative to the threshold). Rounds as
+    :func:`sparsemixer` takes them, on sanitised logits."""
+    logits = sanitize_logits(logits.float())
+    T, E = logits.shape
+    _, ids = sparsemixer(logits, spec.top_k, spec.jitter_eps)
+    free = torch.ones(T, E, dtype=torch.bool, device=logits.device)
+    out = torch.zeros(T, dtype=torch.bool, device=logits.device)
+    for j in range(spec.top_k):
+        i = ids[:, j : j + 1]
+        m = logits.gather(1, i)  # [T, 1]
+        free = free.scatter(1, i, False)  # (the pick itself is always kept)
+        t = 2 * spec.jitter_eps * torch.maximum(logits.abs(), m)  # [T, E]
+        off = (m - logits - t).abs()
+        out |= (free & torch.isfinite(off) & (off <= gap + rel * t)).any(-1)
+    return out
+
+
 def round_weights(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Routing weights rounded through ``dtype`` (``spec.round_weights``), clamped to its largest finite value first
     so that a finite weight stays finite."""
@@ -139,7 +186,7 @@ def near_tie_tokens(x2: torch.Tensor, router_w, router_b, correction_bias, spec:
     T, k = logits.shape[0], spec.top_k
     d = rel * logits.abs().amax(-1, keepdim=True)  # [T, 1]
     bias = correction_bias.float().reshape(-1) if spec.has_correction_bias else None
-    if spec.score_order == "topk_then_score":
+    if spec.score_order in ("topk_then_score", "sparsemixer"):  # sparsemixer's ids: the top-k of the logits
         choice, lo, hi = logits, logits - d, logits + d
     elif spec.has_correction_bias and spec.bias_on_logits:
         choice, lo, hi = logits + bias, logits + bias - d, logits + bias + d
@@ -163,13 +210,15 @@ def near_tie_tokens(x2: torch.Tensor, router_w, router_b, correction_bias, spec:
         return worst_in <= best_out
 
     near = torch.zeros(T, dtype=torch.bool, device=logits.device)
-    if spec.n_group > 1 and spec.score_order != "topk_then_score":
+    if spec.n_group > 1 and spec.score_order == "score_then_topk":
         gs = group_scores(choice, spec)
         near |= contested(gs, group_scores(lo, spec), group_scores(hi, spec), spec.topk_group)
         mask = _kept_experts(gs, spec)
         fill = 0.0 if spec.group_mask_zero else float("-inf")
         choice, lo, hi = (v.masked_fill(~mask, fill) for v in (choice, lo, hi))
     near |= contested(choice, lo, hi, k)
+    if spec.score_order == "sparsemixer":  # the gap moves by 2d, its threshold 2 eps max(|s|, m) by 2 eps d
+        near |= sparsemixer_contested(logits, spec, gap=(2 + 2 * spec.jitter_eps) * d)
     return near
 
 
@@ -342,16 +391,30 @@ def router_logits(x: torch.Tensor, router_w, router_b, spec: MoESpec) -> torch.T
     return F.linear(x, router_w.to(x.dtype), None if router_b is None else router_b.to(x.dtype))
 
 
+def latent_in(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, acc=torch.float32) -> torch.Tensor:
+    """The experts' input of a latent block: x [T, H] @ w.T (+ b), w [L, H] -> [T, L] in ``acc``."""
+    y = x.to(acc) @ w.to(acc).T
+    return y if b is None else y + b.to(acc)
+
+
+def latent_out(routed: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, acc=torch.float32) -> torch.Tensor:
+    """The combined routed output of a latent block back to H: routed [T, L] @ w.T (+ b), w [H, L] -> [T, H]."""
+    y = routed.to(acc) @ w.to(acc).T
+    return y if b is None else y + b.to(acc)
+
+
 def _pick(d: dict, *names) -> dict:
-    unknown = set(d) - set(_QUANT_NAMES) - set(_HASH_NAMES)
+    unknown = set(d) - set(_EXTRA_NAMES)
     if unknown:
-        raise TypeError(f"unknown argument(s) {sorted(unknown)}; expected among {_QUANT_NAMES + _HASH_NAMES}")
+        raise TypeError(f"unknown argument(s) {sorted(unknown)}; expected among {_EXTRA_NAMES}")
     return {n: d.get(n) for n in names}
 
 
 _QUANT_NAMES = ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "shared_w1_scale", "shared_w3_scale",
                 "shared_w2_scale")
+_LATENT_NAMES = ("latent_in_w", "latent_in_b", "latent_out_w", "latent_out_b")
 _HASH_NAMES = ("hash_table", "token_ids")
+_EXTRA_NAMES = _QUANT_NAMES + _LATENT_NAMES + _HASH_NAMES
 
 
 def moe_forward(
@@ -369,11 +432,11 @@ def moe_forward(
     shared_gate_w,
     spec: MoESpec | str,
     acc=torch.float32,
-    **quant,
+    **extra,
 ) -> torch.Tensor:
-    """The whole block: x [..., H] -> [..., H] in x's dtype, math in ``acc``. ``quant``: the scale tensors of
-    quantized weights by their op argument names (``moecomp.ops.common.QUANT_ARGS``), and hash routing's
-    ``hash_table`` / ``token_ids`` (``HASH_ARGS``)."""
+    """The whole block: x [..., H] -> [..., H] in x's dtype, math in ``acc``. ``extra``: the scale tensors of
+    quantized weights, the latent projections and hash routing's table / token ids by their op argument names
+    (``moecomp.ops.common.QUANT_ARGS``, ``LATENT_ARGS``, ``HASH_ARGS``)."""
     if isinstance(spec, str):
         spec = MoESpec.from_key(spec)
     if spec.fused_shared_gate:  # router_w [E + 1, H]: the last row is the shared-expert gate
@@ -382,14 +445,19 @@ def moe_forward(
     x2 = x.reshape(-1, shape[-1])  # [T, H]
     # The router reads x in the model dtype (like HF), unless the spec says fp32.
     logits = router_logits(x2, router_w, router_b, spec)  # [T, E]
-    h = _pick(quant, *_HASH_NAMES)
+    h = _pick(extra, *_HASH_NAMES)
     given = hash_ids(h["hash_table"], h["token_ids"]) if spec.hash_routing else None
     weights, ids = route(logits, correction_bias, spec, acc, ids=given)
     if spec.round_weights:
         weights = round_weights(weights, x.dtype)
-    out = experts(x2, ids, weights, w13, b13, w2, b2, spec, acc, **_pick(quant, "w13_scale", "w2_scale", "a13_scale",
-                                                                         "a2_scale"))
+    lat = _pick(extra, *_LATENT_NAMES)
+    # latent: the projections' inputs rounded to x's dtype, as the model's linears (and the op) see them
+    xe = latent_in(x2, lat["latent_in_w"], lat["latent_in_b"], acc).to(x.dtype) if spec.latent_size else x2
+    out = experts(xe, ids, weights, w13, b13, w2, b2, spec.experts_spec(), acc,
+                  **_pick(extra, "w13_scale", "w2_scale", "a13_scale", "a2_scale"))  # [T, L] or [T, H]
+    if spec.latent_size:
+        out = latent_out(out.to(x.dtype), lat["latent_out_w"], lat["latent_out_b"], acc)  # [T, H]
     if spec.shared is not None:
         out = out + shared_experts(x2, shared_w1, shared_w3, shared_w2, shared_gate_w, spec, acc,
-                                   **_pick(quant, "shared_w1_scale", "shared_w3_scale", "shared_w2_scale"))
+                                   **_pick(extra, "shared_w1_scale", "shared_w3_scale", "shared_w2_scale"))
     return out.to(x.dtype).reshape(shape)

@@ -19,6 +19,8 @@ from .hf.structure import get_path
 def router_style(spec: MoESpec) -> str:
     if spec.score_order == "topk_then_score":
         s = f"top-k→{spec.scoring}"
+    elif spec.score_order == "sparsemixer":
+        s = f"sparsemixer ε={spec.jitter_eps:g}" + (" renorm" if spec.renormalize else "")
     else:
         s = {"softmax": "softmax", "sigmoid": "sigmoid", "sqrtsoftplus": "sqrt-softplus", "none": "logits"}[
             spec.scoring]
@@ -55,6 +57,8 @@ def expert_style(spec: MoESpec) -> str:
         a += " +b"
     if spec.w_layout == "in_out":
         a += " [in,out]"
+    if spec.latent_size:
+        a += f" latent L={spec.latent_size}"
     if q is not None:
         lay = f"{q.block_n}x{q.block_k}" if q.scale == "block" else q.scale
         a = f"fp8 {lay} a:{q.activation} {a}"
@@ -126,7 +130,9 @@ def _fill_from_spec(r: BlockReport, spec: MoESpec, block: nn.Module, bindings: d
         isz = _itemsize(w13)
     per_tok = spec.top_k * spec.bytes_per_expert(isz)
     if spec.has_expert_bias:
-        per_tok += spec.top_k * (spec.w13_rows + spec.hidden_size) * isz
+        per_tok += spec.top_k * (spec.w13_rows + spec.expert_width) * isz
+    if spec.latent_size:  # the two latent projections, [L, H] and [H, L]
+        per_tok += 2 * spec.latent_size * spec.hidden_size * _itemsize(t("latent_in_w"), isz)
     rw = t("router_w")
     per_tok += spec.router_width * spec.hidden_size * _itemsize(rw, isz)
     if spec.shared is not None:

@@ -15,6 +15,12 @@ What a block computes, in terms of the spec (T tokens, H hidden, E experts, k = 
     weights  = scores[ids]  (/ max(sum + renorm_eps, renorm_min))  * routed_scaling    # [T, k]
       (score_order == "topk_then_score": ids = topk(logits), weights = score_fn(logits[ids]): softmax over the k
        chosen, or sigmoid of each (Llama 4))
+      (score_order == "sparsemixer", PhiMoE's eval-mode routing; scoring softmax, no bias / groups / zero experts:
+       k rounds j = 1..k over the experts not taken yet, F_j:  m_j = max(logits[F_j]), ids[j] = its lowest index;
+       kept_j = {e in F_j : (m_j - logits[e]) / max(|logits[e]|, m_j) <= 2 * jitter_eps}  (0 / 0 counts as kept);
+       weights[j] = softmax(logits[kept_j])[ids[j]] = 1 / sum_{e in kept_j} exp(logits[e] - m_j); then the
+       renormalisation / scaling steps above as the spec says (PhiMoE: neither). transformers runs two rounds
+       whatever top_k says; other k generalise the rounds as written)
     per pair : h = act(g) * u, g = x @ w1_e.T, u = x @ w3_e.T  (gated) | act(x @ w13_e.T) (not gated)
                activation_clamp: g = min(g, limit), u = clamp(u, -limit, limit) first (DeepSeek-V4 style)
                swiglu_oai: (clamp(u) + 1) * g * sigmoid(alpha * g), g = min(g, limit) (gpt-oss)
@@ -34,7 +40,7 @@ What a block computes, in terms of the spec (T tokens, H hidden, E experts, k = 
                the weights are the scores at those ids, as above:
                ids      = hash_table[token_ids]                                    # [T, k]
                weights  = scores[ids]  (/ max(sum + renorm_eps, renorm_min))  * routed_scaling
-               (no correction bias, groups or topk_then_score: there is no choice to steer; ids may repeat in a row,
+               (score_then_topk only, no correction bias or groups: there is no choice to steer; ids may repeat in a row,
                each pair is its own term). The token ids reach the op as its ``token_ids`` argument: a bound block
                passes the ``input_ids`` its forward receives (a forward argument, not a block tensor: the binding
                names it, ``match.forward_arg``); a rewritten graph passes the graph input it read; under CUDA graphs
@@ -42,6 +48,15 @@ What a block computes, in terms of the spec (T tokens, H hidden, E experts, k = 
                in like x). Ids outside [0, V) / table values outside [0, E) are a SpecError where the op can read
                them (CPU always; CUDA outside capture and compilation); the kernels clamp both into range, so they
                never read or write out of bounds (``ops/hash_routing.py``).
+    latent experts (latent_size = L > 0, NemotronH's moe_latent_size): the routed experts work in a projected
+               space of width L; the router and the shared experts read x as above:
+               xl     = x @ latent_in_w.T (+ latent_in_b)                     # [T, L]  latent_in_w [L, H]
+               routed = sum_k weights * y(xl)  (everything above, xl for x)  # [T, L]  w13 / w2 / b2 use L for H
+               out    = routed @ latent_out_w.T (+ latent_out_b) + shared(x) # [T, H]  latent_out_w [H, L]
+               (latent_bias: both projections have biases.) The routed scaling is in the weights, so it applies
+               before the output projection and its bias; zero experts add weights * xl, weight_on_input scales xl.
+               xl (the experts' input) and routed (the output projection's) are rounded to x's dtype, as the
+               model's linears return them.
 
 Quantized weights (``quant``, a ``QuantSpec``; ``SharedExpertSpec.quant`` for the shared experts): the op reads the
 quantized tensors and their scales as they are stored; what a GEMM computes is
@@ -65,7 +80,7 @@ import math
 from dataclasses import dataclass
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus", "none")
-SCORE_ORDERS = ("score_then_topk", "topk_then_score")
+SCORE_ORDERS = ("score_then_topk", "topk_then_score", "sparsemixer")
 GROUP_SCORES = ("top2_sum", "max")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2", "swiglu_oai")  # relu2 = relu(x)**2
 W_LAYOUTS = ("out_in", "in_out")  # per-expert matrix stored [out, in] (nn.Linear style) or [in, out]
@@ -191,6 +206,7 @@ class MoESpec:
     # --- routing ---
     scoring: str = "softmax"
     score_order: str = "score_then_topk"
+    jitter_eps: float = 0.0  # sparsemixer only: an expert stays in a round's softmax within 2 * jitter_eps (relative)
     renormalize: bool = True
     renorm_eps: float = 0.0
     routed_scaling_factor: float = 1.0
@@ -208,6 +224,9 @@ class MoESpec:
     weight_on_input: bool = False  # each pair's expert runs on weight * x, the combine sums unweighted (Llama 4)
     zero_experts: int = 0  # router outputs past the E experts: ids >= E add weight * x (identity experts, LongCat)
     hash_routing: bool = False  # ids = hash_table[token_ids], weights = scores[ids] (DeepSeek-V4 hash_moe layers)
+    # --- latent experts (NemotronH moe_latent_size): experts between latent_in [H -> L] and latent_out [L -> H] ---
+    latent_size: int = 0  # L; 0: the experts read x itself (no projections)
+    latent_bias: bool = False  # both projections have biases (latent_in_b [L], latent_out_b [H])
     # --- experts ---
     activation: str = "silu"
     gated: bool = True
@@ -232,6 +251,7 @@ class MoESpec:
             raise SpecError(f"sizes must be positive: E={E}, H={self.hidden_size}, I={self.intermediate_size}")
         _check_zero_experts(self)
         _check_hash_routing(self)
+        _check_latent(self)
         if not 1 <= k <= self.router_width:
             raise SpecError(f"top_k must be in [1, num_experts={E}"
                             + (f" + zero_experts={self.zero_experts}" if self.zero_experts else "") + f"], got {k}")
@@ -255,6 +275,7 @@ class MoESpec:
             raise SpecError("group_score 'top2_sum' needs at least 2 experts per group")
         if self.score_order == "topk_then_score" and self.scoring not in ("softmax", "sigmoid"):
             raise SpecError("score_order 'topk_then_score' is defined for softmax and sigmoid only")
+        _check_sparsemixer(self)
         _check_activation(self.activation, self.gated, self.activation_clamp, self.activation_limit, "")
         if self.bias_on_logits and not self.has_correction_bias:
             raise SpecError("bias_on_logits needs a correction bias (has_correction_bias)")
@@ -311,12 +332,36 @@ class MoESpec:
         return self.num_experts + self.zero_experts
 
     @property
+    def expert_width(self) -> int:
+        """The width the routed experts read and write: latent_size with latent projections, else hidden_size."""
+        return self.latent_size or self.hidden_size
+
+    def latent_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{argument: shape} of the latent projections (empty without ``latent_size``)."""
+        L, H = self.latent_size, self.hidden_size
+        if not L:
+            return {}
+        shapes = {"latent_in_w": (L, H), "latent_out_w": (H, L)}
+        if self.latent_bias:
+            shapes.update(latent_in_b=(L,), latent_out_b=(H,))
+        return shapes
+
+    def experts_spec(self) -> "MoESpec":
+        """The routed experts alone, in their own width: what a latent block computes between its projections
+        (``hidden_size`` = L, no projections, no shared experts; routing fields kept). ``self`` without latent."""
+        if not self.latent_size:
+            return self
+        return self.replace(hidden_size=self.latent_size, latent_size=0, latent_bias=False, shared=None,
+                            fused_shared_gate=False)
+
+    @property
     def w13_rows(self) -> int:
         """Output features of the first expert GEMM: 2I when gated, else I."""
         return 2 * self.intermediate_size if self.gated else self.intermediate_size
 
     def expert_weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        E, H, I, N = self.num_experts, self.hidden_size, self.intermediate_size, self.w13_rows
+        """{argument: shape} of the routed experts' weights (and biases), in ``expert_width`` (H, or L when latent)."""
+        E, H, I, N = self.num_experts, self.expert_width, self.intermediate_size, self.w13_rows
         if self.w_layout == "out_in":
             shapes = {"w13": (E, N, H), "w2": (E, H, I)}
         else:
@@ -330,7 +375,7 @@ class MoESpec:
         q = self.quant
         if q is None:
             return {}
-        E, H, I, N = self.num_experts, self.hidden_size, self.intermediate_size, self.w13_rows
+        E, H, I, N = self.num_experts, self.expert_width, self.intermediate_size, self.w13_rows
         shapes = {"w13_scale": (E, *q.scale_shape(N, H, 2 if self.gated else 1)),
                   "w2_scale": (E, *q.scale_shape(H, I))}
         if q.activation == "static":
@@ -354,10 +399,12 @@ class MoESpec:
         if itemsize is None:
             itemsize = 1 if self.quant is not None else 2
         scales = sum(4 * math.prod(s[1:]) for s in self.quant_shapes().values() if len(s) > 1)
-        return (self.w13_rows * self.hidden_size + self.hidden_size * self.intermediate_size) * itemsize + scales
+        return (self.w13_rows * self.expert_width + self.expert_width * self.intermediate_size) * itemsize + scales
 
     def describe(self) -> str:
         route = self.scoring if self.score_order == "score_then_topk" else f"topk->{self.scoring}"
+        if self.score_order == "sparsemixer":
+            route = f"sparsemixer eps={self.jitter_eps:g}"
         if self.n_group > 1:
             route += f" grouped {self.topk_group}/{self.n_group}"
         if self.has_correction_bias:
@@ -379,6 +426,8 @@ class MoESpec:
             sh = f", shared I={self.shared.intermediate_size}" + (" gated" if self.shared.gate != "none" else "") + (
                 f" x{self.shared.scale:g}" if self.shared.scale != 1.0 else "")
         act = self.activation + ("*up" if self.gated and self.activation != "swiglu_oai" else "")
+        if self.latent_size:
+            act = f"latent L={self.latent_size}{'+b' if self.latent_bias else ''} " + act
         if self.quant is not None:
             q = self.quant
             lay = f"{q.block_n}x{q.block_k}" if q.scale == "block" else q.scale
@@ -389,6 +438,24 @@ class MoESpec:
             f"E={self.num_experts} k={self.top_k} H={self.hidden_size} I={self.intermediate_size} "
             f"[{route}] {act}{sh}"
         )
+
+
+def _check_sparsemixer(spec: MoESpec) -> None:
+    """``jitter_eps``: finite and >= 0, and only with score_order "sparsemixer", which routes the plain logits (softmax
+    multipliers; no correction bias, groups or zero experts take part)."""
+    eps = spec.jitter_eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise SpecError(f"jitter_eps must be a finite number >= 0, got {eps!r}")
+    if spec.score_order != "sparsemixer":
+        if eps:
+            raise SpecError(f"jitter_eps={eps} is read by score_order 'sparsemixer' only (got {spec.score_order!r})")
+        return
+    if spec.scoring != "softmax":
+        raise SpecError(f"score_order 'sparsemixer' takes softmax multipliers: scoring must be 'softmax', got "
+                        f"{spec.scoring!r}")
+    if spec.has_correction_bias or spec.n_group > 1 or spec.zero_experts:
+        raise SpecError("score_order 'sparsemixer' routes the plain logits: no correction bias, group-limited "
+                        "routing (n_group > 1) or zero experts")
 
 
 def _check_zero_experts(spec: MoESpec) -> None:
@@ -412,13 +479,22 @@ def _check_hash_routing(spec: MoESpec) -> None:
         raise SpecError(f"hash_routing must be a bool, got {spec.hash_routing!r}")
     if not spec.hash_routing:
         return
-    for name, bad in (("score_order 'topk_then_score'", spec.score_order != "score_then_topk"),
+    for name, bad in ((f"score_order {spec.score_order!r}", spec.score_order != "score_then_topk"),
                       ("a correction bias (has_correction_bias)", spec.has_correction_bias),
                       ("group-limited routing (n_group > 1)", spec.n_group > 1),
                       ("zero_experts", spec.zero_experts > 0)):
         if bad:
             raise SpecError(f"hash_routing with {name} is not supported: the ids come from the table "
                             "hash_table[token_ids], there is no top-k for it to act on")
+
+
+def _check_latent(spec: MoESpec) -> None:
+    """``latent_size``: an int >= 0; ``latent_bias`` only with it."""
+    L = spec.latent_size
+    if isinstance(L, bool) or not isinstance(L, int) or L < 0:
+        raise SpecError(f"latent_size must be an int >= 0 (0: no latent projections), got {L!r}")
+    if spec.latent_bias and not L:
+        raise SpecError("latent_bias needs latent projections (latent_size > 0)")
 
 
 def _check_activation(activation: str, gated: bool, clamp: bool, limit: float, who: str) -> None:

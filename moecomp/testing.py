@@ -56,6 +56,21 @@ def random_moe_args(
     return (x,) + tuple(t[n] for n in MOE_ARGS)
 
 
+def random_latent_args(spec: MoESpec, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                       seed: int | None = None) -> dict:
+    """The latent projections of ``spec`` (``spec.latent_shapes()``; {} without ``latent_size``), as keyword
+    arguments of the op and the reference: ``moe_forward(*random_moe_args(spec, T), spec.key, **latent)``. Weights
+    N(0, 1 / fan_in) (the projections keep the scale of what they read), biases N(0, 0.1)."""
+    device = torch.device(device)
+    g = torch.Generator(device=device)
+    g.manual_seed(torch.seed() if seed is None else seed)
+    out = {}
+    for name, shape in spec.latent_shapes().items():
+        scale = 1.0 / shape[1] ** 0.5 if len(shape) == 2 else 0.1
+        out[name] = (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+    return out
+
+
 def random_hash_args(spec: MoESpec, T: int, vocab: int = 37, device: str | torch.device = "cpu",
                      seed: int = 0, distinct: bool = True) -> dict:
     """Hash routing's op arguments (``spec.hash_routing``): {"hash_table": [vocab, k] int64 expert ids (each row k
@@ -128,22 +143,25 @@ def _quantize_experts(w: torch.Tensor, qs, halves: int = 1):
     return q, s
 
 
-def capture_moe_forward(static_x: torch.Tensor, args, spec: MoESpec, sync_check: bool = False):
-    """(graph, static_out): ``torch.ops.moecomp.moe_forward(static_x, *args, spec.key)`` warmed up twice on a side
-    stream (kernels compiled, derived weights built) and captured in a CUDA graph; replay after writing new inputs
-    into ``static_x``. ``sync_check``: a host sync on the captured path raises (``torch.cuda.set_sync_debug_mode``)."""
+def capture_moe_forward(static_x: torch.Tensor, args, spec: MoESpec, sync_check: bool = False,
+                        extra: dict | None = None):
+    """(graph, static_out): ``torch.ops.moecomp.moe_forward(static_x, *args, spec.key, **extra)`` warmed up twice on a
+    side stream (kernels compiled, derived weights built) and captured in a CUDA graph; replay after writing new
+    inputs into ``static_x``. ``sync_check``: a host sync on the captured path raises
+    (``torch.cuda.set_sync_debug_mode``). ``extra``: keyword tensors (scales, latent projections)."""
+    extra = extra or {}
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
-            torch.ops.moecomp.moe_forward(static_x, *args, spec.key)
+            torch.ops.moecomp.moe_forward(static_x, *args, spec.key, **extra)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     if sync_check:
         torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.cuda.graph(graph):
-            static_out = torch.ops.moecomp.moe_forward(static_x, *args, spec.key)
+            static_out = torch.ops.moecomp.moe_forward(static_x, *args, spec.key, **extra)
     finally:
         if sync_check:
             torch.cuda.set_sync_debug_mode("default")

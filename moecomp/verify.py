@@ -93,6 +93,9 @@ def _verify(block, spec, bindings, derived, run, consts, notes: list | None = No
                                                                         k.startswith("shared")}}, derived, x,
                      kw).float()
     shared = _run_op(block, spec1, bindings, derived, x, kw).float() - routed if spec.shared is not None else 0.0
+    if spec.latent_bias:  # the output projection's bias is not scaled with the routed part: fit c on the rest
+        b_out = bound_tensors(block, spec, bindings, derived)[OP_ARGS.index("latent_out_b")].float()
+        routed, shared = routed - b_out, shared + b_out
     num = ((ref.float() - shared) * routed).sum()
     den = (routed * routed).sum()
     if den > 0:

@@ -216,7 +216,7 @@ class Engine:
                 self._ran.add(key)
                 hooks = self.progress.layer_hooks(wrapped, f"compiling {phase} step, batch {key[1]}")
         try:
-            with method_forwards(saved if layers is not None else ()):
+            with method_forwards(saved if layers is not None else (), skinny=phase == "decode"):
                 return self.model(**kw, use_cache=True, logits_to_keep=1, return_dict=True)
         finally:
             for h in hooks:

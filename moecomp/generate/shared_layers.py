@@ -95,19 +95,28 @@ def _method_of(f):
 
 
 @contextlib.contextmanager
-def method_forwards(layers):
+def method_forwards(layers, skinny: bool = False):
     """While active, moecomp's instance-level forwards under ``layers`` are bound methods of their functions (put
-    back on exit, also after an error)."""
+    back on exit, also after an error). ``skinny``: plain ``nn.Linear`` modules under them run
+    ``ops.linear16.linear_forward`` too (the skinny kernel at one or two rows: the decode steps)."""
+    from ..ops import linear16
+
     swapped = []
+    skinny = skinny and linear16.enabled()
     try:
         for layer in layers:
             for m in layer.modules():
                 f = m.__dict__.get("forward")
                 fn = _method_of(f) if f is not None else None
+                if fn is None and f is None and skinny and type(m) is torch.nn.Linear:
+                    fn = linear16.linear_forward
                 if fn is not None:
                     m.__dict__["forward"] = types.MethodType(fn, m)
                     swapped.append((m, f))
         yield
     finally:
         for m, f in reversed(swapped):
-            m.__dict__["forward"] = f
+            if f is None:
+                del m.__dict__["forward"]
+            else:
+                m.__dict__["forward"] = f

@@ -6,7 +6,8 @@ once, and shapes the result like the original forward did (same shape, or flatte
 elements, which are recomputed by calling the router module when the original returned router outputs).
 
 It runs the original forward instead when the op cannot stand in for it:
-* training with router / input jitter (``self.training`` and a jitter attribute > 0);
+* training with router / input jitter (``self.training`` and a jitter attribute > 0), and any training-mode call
+  of a sparsemixer block (``score_order == "sparsemixer"``: it samples its experts while training);
 * training with gradients (the op has no backward);
 * gradients needed in eval mode: grad mode is on and the hidden states or a tensor the op would read (or one a
   stacked weight is built from) requires grad, e.g. ``model(ids, labels=ids).loss.backward()`` after
@@ -49,8 +50,9 @@ float, bool, str, None, dtype; public names) and the callables (functions, metho
 of the block and of every module under it, and the identity of every child module (``experts.act_fn``,
 ``gate``, each expert). ``training``, moecomp's own attributes, the jitter attributes (read at call time) and
 ``nn.Linear`` / ``nn.Identity`` scalars (their forwards read none) are left out; so are other objects (configs,
-lists, tensors that are plain attributes). Each eager call compares the snapshot (C-level tuple compares, about
-1-2 us for a transformers-5 block); on a change the block runs its original forward, warns once naming the
+lists, tensors that are plain attributes). A sparsemixer block's jitter attributes are watched all the same,
+wherever they are (one of them is its threshold). Each eager call compares the snapshot (C-level tuple compares,
+about 1-2 us for a transformers-5 block); on a change the block runs its original forward, warns once naming the
 attribute, and ``moecomp.optimize(model)`` re-binds it. Under ``torch.compile`` the same comparison is traced:
 Dynamo guards on those attributes and recompiles when one changes, and the recompiled graph runs the original
 forward.
@@ -236,6 +238,12 @@ def stale(block: nn.Module) -> str:
     return snapshot_diff(snap) or "module tree changed"
 
 
+def _sparsemixer(spec: MoESpec) -> bool:
+    """Sparsemixer routing (PhiMoE): in training mode the block draws its experts by Gumbel sampling (the op does
+    not), and its eval-mode threshold is a jitter attribute."""
+    return spec.score_order == "sparsemixer"
+
+
 def _jitter_on(block: nn.Module, st: BoundState) -> bool:
     if not block.training:
         return False
@@ -292,6 +300,8 @@ def _needs_original(block: nn.Module, st: BoundState, x, extra: dict) -> str | N
         return f"experts implementation {impl!r}"
     if _jitter_on(block, st):
         return "router jitter while training"
+    if block.training and _sparsemixer(st.spec):
+        return "sparsemixer routing samples its experts while training"
     if block.training and torch.is_grad_enabled():
         return "training with gradients"
     if _attrs_stale(block, st):
@@ -318,7 +328,7 @@ def _needs_original_traced(block: nn.Module, st: BoundState, x) -> str | None:
     """Under torch.compile: the checks Dynamo can trace and guard on (grad mode, requires_grad, attributes)."""
     if _requested_impl(getattr(st, "impl_config", None)) is not None:
         return "experts implementation"
-    if block.training and torch.is_grad_enabled():
+    if block.training and (torch.is_grad_enabled() or _sparsemixer(st.spec)):
         return "training"
     if st.snapshot is not None and snapshot_changed_traced(block, st.snapshot):
         return "attributes changed"
@@ -492,7 +502,8 @@ def bind(block: nn.Module, name: str, verified: Verified) -> BoundState:
     block._moecomp = st
     if st.derived:
         _refresh_derived(block, st)
-    st.snapshot = take_snapshot(block)
+    # a sparsemixer block's threshold is a jitter attribute (PhiMoE's router_jitter_noise): watched like any other
+    st.snapshot = take_snapshot(block, keep=frozenset(JITTER_NAMES) if _sparsemixer(spec) else frozenset())
     st.watch_mods = tuple(get_path(block, p) for p in st.watch)
     claim(st, st.watch_mods)
     block.forward = BoundForward(block)

@@ -9,7 +9,7 @@ expert settings from the module and its config; ``measure(block, x, extraction)`
 2. the routing: the block runs once on a random input with a hook on the experts module that records the
    ``(top_k_index, top_k_weights)`` it receives; every routing the spec can express (scoring, order, renormalise,
    groups, group score) is evaluated on the same router logits and the one that picks the same experts with the
-   same weights (up to one constant, the routed scaling) is kept;
+   same weights (up to one constant, the routed scaling) is kept (sparsemixer routing: ``sparsemixer_fit``);
 3. precisions: router GEMM in fp32 or in the model dtype, routing weights rounded to the model dtype or not,
    from the dtypes the router returns when run in bf16.
 
@@ -39,7 +39,7 @@ from ..reject import Refused, Reject, RejectCode
 from ..spec import MoESpec, SharedExpertSpec, SpecError
 from ..derived import Derived
 from ..probe import ProbeRun, hash_call_args, run_probe
-from . import fp8, hash_reader, names
+from . import fp8, hash_reader, names, sparsemixer_fit
 from .activations import describe_unknown_gate, probe_activation, probe_gate, probe_mlp
 from .names import read_attr
 from .structure import BlockParts, MLPParts, NotABlock, find_parts, get_path
@@ -310,13 +310,11 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
     notes += sh_notes
     if parts.extra_modules:
         notes.append(f"block has other parameterised children: {', '.join(parts.extra_modules)}")
+    if parts.latent_size:
+        notes.append(f"experts of width {parts.latent_size} between {parts.latent_in} / {parts.latent_out} (shapes)")
     routing = _routing_guess(block, parts, sources)
     bindings, derived = _bindings(block, parts)
-    hashed = hash_reader.read(block, parts, int(top_k))  # a table of token ids' experts: hash routing
-    if hashed is not None:
-        routing.update(hashed[0])
-        bindings.update(hashed[1])
-        notes.append(f"hash routing: {bindings['hash_table']}[{bindings['token_ids']}]")
+    hash_reader.apply(block, parts, int(top_k), routing, bindings, notes)  # a token-id table: hash routing
     quant, shared_quant = _quant(block, parts, bindings)
     if shared_quant is not None:
         shared = dataclasses.replace(shared, quant=shared_quant)
@@ -326,7 +324,8 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
             num_experts=E, top_k=int(top_k), hidden_size=H, intermediate_size=I,
             activation=act, gated=parts.gated, activation_alpha=alpha, activation_limit=limit,
             activation_clamp=clamp, w_layout=parts.w_layout, gate_up=gate_up, has_expert_bias=bindings.get("b13") is not None,
-            shared=shared, quant=quant, **kw,
+            shared=shared, quant=quant, latent_size=parts.latent_size, latent_bias=parts.latent_in_bias is not None,
+            **kw,
         )
     except SpecError as e:
         raise FallbackError(f"no valid spec: {e}", RejectCode.SPEC_INVALID) from None
@@ -415,6 +414,7 @@ def _bindings(block: nn.Module, parts: BlockParts) -> tuple[dict[str, str | None
             b["shared_w3"] = sp.up
         b["shared_w2"] = sp.down
         b["shared_gate_w"] = parts.shared_gate
+    b.update(parts.latent_bindings())
     return b, derived
 
 
@@ -522,9 +522,13 @@ def _fit_routing(block: nn.Module, parts: BlockParts, spec: MoESpec, x2: torch.T
             c = _match_routing(ids, w, ids_c, w_c, tol)
             if c is not None and not math.isnan(c):
                 return dict(cand, top_k=k, router_fp32=fp32, routed_scaling_factor=c)
+    found = sparsemixer_fit.fit(block, parts, spec, x2, ids, w, attr_sources(block, parts), _match_routing,
+                                fp32_variants)  # k thresholded argmax rounds (PhiMoE)
+    if found is not None:
+        return found
     raise FallbackError(
         "routing not recognised: no softmax / sigmoid / sqrt-softplus, top-k, renormalise, group-limited "
-        "routing the spec knows picks the experts this router picks", RejectCode.UNSUPPORTED_ROUTING)
+        "or sparsemixer routing the spec knows picks the experts this router picks", RejectCode.UNSUPPORTED_ROUTING)
 
 
 def _measure(block: nn.Module, x: torch.Tensor, ext: Match) -> tuple[Match, ProbeRun]:
@@ -535,9 +539,8 @@ def _measure(block: nn.Module, x: torch.Tensor, ext: Match) -> tuple[Match, Prob
     changes = {}
     if run.experts_args is not None:
         ids, w = _routing_seen(run, x2.shape[0], parts.num_experts)
-        found = hash_reader.fit_routing(block, parts, spec, x2, ids, w, get_path(block, ext.bindings["hash_table"]),
-                                        *run.kwargs.values(), _match_routing) if spec.hash_routing else \
-            _fit_routing(block, parts, spec, x2, ids, w)  # hash: the table's rows of the probe tokens (hash_reader)
+        found = (hash_reader.fit(block, ext, x2, ids, w, run.kwargs, _match_routing) if spec.hash_routing
+                 else _fit_routing(block, parts, spec, x2, ids, w))
         consts = numeric_consts(attr_sources(block, parts), found["top_k"])
         found["routed_scaling_factor"] = policy.snap_constant(found["routed_scaling_factor"], consts)
         if not found["renormalize"] or found["score_order"] == "topk_then_score":

@@ -4,7 +4,8 @@
     python -m moecomp coverage            # regenerates docs/coverage.md
 
 Per family: build a tiny model from its config (hidden 64, 4 heads, 2 KV heads, 8 experts, top-2, 2 layers; a few
-families need their own sizes, see ``FAMILY_OVERRIDES``), give routing biases random values (zeros would hide
+families need their own sizes, see ``FAMILY_OVERRIDES``; a *variant* ``family:name`` is the family's tiny model with
+config changes that reach a style its default does not, see ``VARIANTS``), give routing biases random values (zeros would hide
 bias handling), run it (fp32, CPU, batch 2 x 5 tokens), ``moecomp.optimize`` it, run it again and check
 
 * the logits (or last hidden state) within 1e-4 relative (max abs difference / max abs value),
@@ -80,8 +81,27 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "longcat_flash": {"zero_expert_num": 4},
 }
 
+# Variants: ``family:name`` -> (family, config changes on top of its tiny config), checked and pinned like a family.
+# Each reaches a block style the family's default tiny config does not (its own entry keeps its outcome).
+VARIANTS: dict[str, tuple[str, dict]] = {
+    # NemotronH with moe_latent_size: the routed experts between fc1_latent_proj [H -> L] and fc2_latent_proj
+    # (MoESpec.latent_size); L = 48, neither H = 64 nor moe_intermediate_size = 32
+    "nemotron_h:latent": ("nemotron_h", {"moe_latent_size": 48}),
+}
+
 TOL = 1e-4
 MAX_PARAMS = 20_000_000
+
+
+def base_family(family: str) -> str:
+    """The transformers family of ``family`` (itself, or a variant's family)."""
+    return VARIANTS[family][0] if family in VARIANTS else family
+
+
+def variants_of(families) -> list[str]:
+    """The variants (``VARIANTS``) of the given families."""
+    fams = set(families)
+    return sorted(v for v, (base, _) in VARIANTS.items() if base in fams)
 
 
 # ----------------------------------------------------------------------------------------------- families
@@ -243,8 +263,11 @@ def _randomize_biases(model: nn.Module, seed: int) -> None:
 
 
 def build_tiny(family: str, seed: int = 0, sizes: dict | None = None):
-    """(model, model class name) for ``family``; raises with the reason when it cannot be built tiny. ``sizes``:
-    config fields over ``TINY`` (e.g. ``hidden_size``), for tests that need other shapes."""
+    """(model, model class name) for ``family`` (or a variant, ``VARIANTS``); raises with the reason when it cannot
+    be built tiny. ``sizes``: config fields over ``TINY`` (e.g. ``hidden_size``), for tests that need other shapes."""
+    if family in VARIANTS:
+        family, changes = VARIANTS[family]
+        sizes = {**changes, **(sizes or {})}
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     experts = tuple(c for c in vars(mod).values() if is_experts_class(c))
     errors = []
@@ -418,7 +441,7 @@ def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: boo
         r.status, r.reason = "build failed", f"forward: {type(e).__name__}: {str(e)[:300]}"
         r.seconds = time.perf_counter() - t0
         return r
-    if family not in experts_families():  # found by structure: a router's outputs must feed a top-k at run time
+    if base_family(family) not in experts_families():  # found by structure: a router must feed a top-k at run time
         widths = discover.routed_blocks(model, _hidden_of(model.config))
         if not set(widths.values()) & probe.widths:
             r.status = "not routed"
@@ -500,7 +523,8 @@ def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: boo
 
 def run_coverage(families: list[str] | None = None, progress=None, fallback_too: bool = True) -> list[FamilyResult]:
     out = []
-    for fam in families or moe_families():
+    families = families or moe_families()
+    for fam in sorted(set(families) | set(variants_of(families))):
         res = check_family(fam, fallback_too=fallback_too)
         out.append(res)
         if progress:
@@ -516,12 +540,13 @@ def coverage_markdown(results: list[FamilyResult]) -> str:
     from collections import Counter
 
     decorated = set(experts_families())
-    unconfirmed = [r for r in results if r.family not in decorated and r.status in ("build failed", "import failed",
-                                                                                   "not routed")]
+    unconfirmed = [r for r in results if base_family(r.family) not in decorated and r.status in (
+        "build failed", "import failed", "not routed")]
     results = [r for r in results if r not in unconfirmed]
     c = Counter(r.status for r in results)
     built = sum(r.status not in ("build failed", "import failed") for r in results)
-    found = sorted(r.family for r in results if r.family not in decorated)
+    found = sorted(r.family for r in results if base_family(r.family) not in decorated)
+    variants = sorted(r.family for r in results if r.family in VARIANTS)
     lines = [
         "# Coverage: transformers model families with routed experts",
         "",
@@ -530,7 +555,8 @@ def coverage_markdown(results: list[FamilyResult]) -> str:
         "(`moecomp/hf/discover.py`: a module owning a router [E, H] and experts for it, read from shapes on the",
         "meta device, then a top-k / argmax over the router's E outputs seen at run time; no class or attribute",
         f"names read): {', '.join(found) or '-'}. Structural candidates that could not be confirmed are listed",
-        "after the table.",
+        "after the table. Variants (`family:name`: the family's tiny model with config changes that reach a style",
+        f"its default does not; `hf/families.py: VARIANTS`): {', '.join(variants) or '-'}.",
         "",
         "Generated by `python -m moecomp coverage` (do not edit by hand): every family is built tiny with random",
         "weights (hidden 64, 4 heads, 2 KV heads, 8 experts, top-2, 2 layers; routing biases random), run in fp32",

@@ -6,7 +6,7 @@ the block's forward takes a token-id argument (one of ``names.TOKEN_ID_NAMES``).
 ``hash_routing`` (no correction bias, no groups: nothing to steer) and binds ``hash_table`` to the table's path and
 ``token_ids`` to that forward argument (``match.forward_arg``).
 
-Measured (:func:`fit_routing`, on the probe run with probe token ids): the ids the experts module received must be
+Measured (:func:`fit`, on the probe run with probe token ids): the ids the experts module received must be
 the table's rows of the probe tokens on every token (as multisets: the order of a row does not matter to the sum);
 the weights are then fitted over the scorings and renormalisation the spec knows, with those ids, up to one
 constant (the routed scaling), as the top-k reader does. Anything else is refused with ``UNSUPPORTED_ROUTING``.
@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from .. import policy, reference
-from ..match import forward_arg
+from ..match import arg_name, forward_arg
 from ..reject import Refused, RejectCode
-from ..spec import MoESpec, SpecError
+from ..spec import SpecError
 from . import names
 from .bind import forward_params
 from .structure import BlockParts, get_path
@@ -55,15 +55,27 @@ def read(block: nn.Module, parts: BlockParts, top_k: int) -> tuple[dict, dict] |
     return fields, {"hash_table": table, "token_ids": forward_arg(tok), "correction_bias": None}
 
 
+def apply(block: nn.Module, parts: BlockParts, top_k: int, routing: dict, bindings: dict, notes: list) -> None:
+    """The attribute reader's static guess, made hash-routed in place when :func:`read` says so."""
+    found = read(block, parts, top_k)
+    if found is not None:
+        routing.update(found[0])
+        bindings.update(found[1])
+        notes.append(f"hash routing: {bindings['hash_table']}[{bindings['token_ids']}]")
+
+
 def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.sort(-1).values, b.to(a.dtype).sort(-1).values)
 
 
-def fit_routing(block: nn.Module, parts: BlockParts, spec: MoESpec, x2: torch.Tensor, ids: torch.Tensor,
-                w: torch.Tensor, table: torch.Tensor, token_ids: torch.Tensor, match_routing) -> dict:
-    """The routing fields (and the routed scale, unsnapped) that reproduce what the experts received: ids = the
-    table's rows of ``token_ids``, weights = scores at them (``match_routing``: the top-k reader's weight match).
-    Raises ``Refused`` (UNSUPPORTED_ROUTING) when no candidate fits."""
+def fit(block: nn.Module, m, x2: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, call_args: dict,
+        match_routing) -> dict:
+    """The routing fields of Match ``m`` (and the routed scale, unsnapped) that reproduce what the experts received
+    on the probe run called with ``call_args`` (the token ids): ids = the table's rows of the tokens, weights = scores
+    at them (``match_routing``: the top-k reader's weight match). ``Refused`` (UNSUPPORTED_ROUTING) when none fits."""
+    parts, spec = m.parts, m.spec
+    table = get_path(block, m.bindings["hash_table"])
+    token_ids = call_args[arg_name(m.bindings["token_ids"])]
     if not _same_rows(ids.long(), reference.hash_ids(table, token_ids)):
         raise Refused("the router's expert ids are not the table's rows of the token ids (hash routing expected)",
                       RejectCode.UNSUPPORTED_ROUTING)

@@ -22,7 +22,9 @@ _call = getattr(operator, "call", None) or (lambda f, *a: f(*a))  # operator.cal
 _MISSING = object()
 
 
-def _watched(key: str, v, scalars: bool) -> bool:
+def _watched(key: str, v, scalars: bool, keep: frozenset = frozenset()) -> bool:
+    if key in keep and isinstance(v, _SCALAR_TYPES):
+        return True
     if key in _SKIP_ATTRS or key.startswith("_moecomp") or isinstance(v, (nn.Module, torch.Tensor)):
         return False
     if isinstance(v, _SCALAR_TYPES):
@@ -50,14 +52,15 @@ class Snapshot:
     kids: tuple  # per module with children: dict(m._modules) at snapshot time
 
 
-def take_snapshot(root: nn.Module, skip_root_forward: bool = True) -> Snapshot:
+def take_snapshot(root: nn.Module, skip_root_forward: bool = True, keep: frozenset = frozenset()) -> Snapshot:
     """The snapshot of ``root`` and every module under it. ``skip_root_forward``: the root's instance ``forward``
-    is ours (the binder's), not a watched callable."""
+    is ours (the binder's), not a watched callable. ``keep``: scalar names watched in every module all the same
+    (the jitter attributes of a sparsemixer block, whose eval-mode threshold is one of them)."""
     paths, mods, keys, getters, values, kpaths, kmods, kids = [], [], [], [], [], [], [], []
     for path, m in root.named_modules():
         scalars = not isinstance(m, _NO_SCALARS)
         ks = tuple(k for k, v in m.__dict__.items()
-                   if _watched(k, v, scalars) and not (skip_root_forward and m is root and k == "forward"))
+                   if _watched(k, v, scalars, keep) and not (skip_root_forward and m is root and k == "forward"))
         if ks:
             g = operator.itemgetter(*ks)
             paths.append(path)

@@ -10,7 +10,10 @@ output, e.g. ``MixtralSparseMoeBlock`` or ``DeepseekV3MoE``. It is recognised by
   layout);
 * a *router*: a 2-D weight ``[E, H]`` in the block (outside experts and shared experts), at most two levels deep
   (``gate.weight``, ``router.weight``, ``gate.wg.weight``, ``router.gate.weight``...);
-* optionally shared experts (a dense MLP child) and their sigmoid gate (a ``Linear(H, 1)``).
+* optionally shared experts (a dense MLP child) and their sigmoid gate (a ``Linear(H, 1)``);
+* where the 3-D expert weights work on a width L other than the router's H: latent projections, one linear child
+  of weight [L, H] (into the experts) and one of [H, L] (out of them), found by their shapes (NemotronH's
+  ``moe_latent_size``: ``MoESpec.latent_size``).
 
 Nothing here runs the model: :mod:`moecomp.hf.fallback` turns the parts into a ``MoESpec`` and checks it by running.
 """
@@ -78,6 +81,12 @@ class BlockParts:
     # shared experts
     shared: MLPParts | None = None
     shared_gate: str | None = None
+    # latent projections around the experts (weights [L, H] in, [H, L] out; biases [L] / [H] or None)
+    latent_size: int = 0
+    latent_in: str | None = None
+    latent_in_bias: str | None = None
+    latent_out: str | None = None
+    latent_out_bias: str | None = None
     extra_modules: list[str] = field(default_factory=list)  # parameterised children nothing above explains
 
     def submodule_paths(self, block: nn.Module | None = None) -> list[str]:
@@ -88,6 +97,7 @@ class BlockParts:
             out.append(self.shared.path)
         if self.shared_gate is not None:
             out.append(self.shared_gate.rsplit(".", 1)[0])
+        out += [w.rsplit(".", 1)[0] for w in (self.latent_in, self.latent_out) if w is not None]
         out = [p for p in dict.fromkeys(out) if p]
         if block is not None:
             full = []
@@ -95,6 +105,13 @@ class BlockParts:
                 full += [f"{p}.{n}" if n else p for n, _ in get_path(block, p).named_modules()]
             out = list(dict.fromkeys(full))
         return out
+
+    def latent_bindings(self) -> dict[str, str | None]:
+        """The latent projections' op arguments (``latent_in_w`` ...) -> paths; {} without them."""
+        if not self.latent_size:
+            return {}
+        return dict(latent_in_w=self.latent_in, latent_in_b=self.latent_in_bias, latent_out_w=self.latent_out,
+                    latent_out_b=self.latent_out_bias)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -230,11 +247,11 @@ def _experts_of(block: nn.Module):
     raise NotABlock("no experts child")
 
 
-def _fill_fused(parts: BlockParts, experts: nn.Module, fused) -> None:
-    """Weights, layout and sizes of 3-D experts (``fused``: ``_fused_experts``'s answer), checked against H."""
+def _fill_fused(parts: BlockParts, experts: nn.Module, fused, block: nn.Module) -> None:
+    """Weights, layout and sizes of 3-D experts (``fused``: ``_fused_experts``'s answer), checked against H, or
+    against the width L of latent projections around them (``_fill_latent``)."""
     up, down, b13, b2, gated, split = fused
     W13, W2 = getattr(experts, up), getattr(experts, down)
-    H = parts.hidden_size
     transposed = getattr(experts, "is_transposed", None)
     if split is not None:
         g, u = getattr(experts, split[0]), getattr(experts, split[1])
@@ -243,13 +260,16 @@ def _fill_fused(parts: BlockParts, experts: nn.Module, fused) -> None:
     a, b = W13.shape[1:]
     c, d = W2.shape[1:]
     n_mult = 1 if (split is not None or not gated) else 2
+    # out_in: w13 [E, N, W], w2 [E, W, I];  in_out: w13 [E, W, N], w2 [E, I, W]  (W: the experts' width)
+    fits = {False: (b, c) if b == c and a == n_mult * d else None, True: (a, d) if a == d and b == n_mult * c else None}
+    H = parts.hidden_size
     if transposed is None:
-        # out_in: w13 [E, N, H], w2 [E, H, I];  in_out: w13 [E, H, N], w2 [E, I, H]
-        transposed = not (b == H and c == H and a == n_mult * d) and (a == H and d == H and b == n_mult * c)
-    ok, I = (a == H and d == H and b == n_mult * c, c) if transposed else (b == H and c == H and a == n_mult * d, d)
-    if not ok:
+        transposed = fits[False] is None or fits[False][0] != H and fits[True] is not None and fits[True][0] == H
+    width = fits[transposed][0] if fits[transposed] is not None else None
+    if width != H and not (width is not None and _fill_latent(parts, block, width)):
         raise NotABlock(f"expert weights {tuple(W13.shape)} / {tuple(W2.shape)} do not work on the router's "
-                        f"width H={H} (projections around the experts?)")
+                        f"width H={H}, and no linear children [L, H] / [H, L] project to their width")
+    I = c if transposed else d
     pre = f"{parts.experts}."
     parts.w13, parts.w2 = pre + up, pre + down
     parts.b13 = pre + b13 if b13 else None
@@ -259,6 +279,37 @@ def _fill_fused(parts: BlockParts, experts: nn.Module, fused) -> None:
     parts.intermediate_size = I
     if split is not None:
         parts.split_gate_up = (pre + split[0], pre + split[1])
+
+
+def _fill_latent(parts: BlockParts, block: nn.Module, L: int) -> bool:
+    """Latent projections for experts of width ``L``: exactly one linear child of the block with a weight [L, H] (into
+    the experts) and one with [H, L] (out of them), biases on both or neither. Fills ``parts`` and returns True when
+    found; False when there are none; NotABlock when they are ambiguous."""
+    H = parts.hidden_size
+    skip = {parts.experts, parts.router_module.split(".")[0], *SHARED_NAMES, *SHARED_GATE_NAMES}
+    found: dict = {"in": [], "out": []}
+    for name in block._modules:
+        lin = _linear_w(block, name) if name not in skip else None
+        if lin is None:
+            continue
+        shape = tuple(lin.weight.shape)
+        b = getattr(lin, "bias", None)
+        b = f"{name}.bias" if isinstance(b, torch.Tensor) else None
+        if shape == (L, H):
+            found["in"].append((f"{name}.weight", b))
+        elif shape == (H, L):
+            found["out"].append((f"{name}.weight", b))
+    if not found["in"] and not found["out"]:
+        return False
+    if len(found["in"]) != 1 or len(found["out"]) != 1:
+        raise NotABlock(f"experts of width {L} under a router of width {H}, and {len(found['in'])} [L, H] / "
+                        f"{len(found['out'])} [H, L] linear children: not one projection each way")
+    (w_in, b_in), (w_out, b_out) = found["in"][0], found["out"][0]
+    if (b_in is None) != (b_out is None):
+        raise NotABlock("latent projections with a bias on only one of them")
+    parts.latent_size, parts.latent_in, parts.latent_in_bias = L, w_in, b_in
+    parts.latent_out, parts.latent_out_bias = w_out, b_out
+    return True
 
 
 def _fill_shared(block: nn.Module, parts: BlockParts, taken: set) -> None:
@@ -295,13 +346,14 @@ def find_parts(block: nn.Module) -> BlockParts:
     if isinstance(rb, torch.Tensor) and tuple(rb.shape) == (E,):
         parts.router_bias = f"{router_mod_path}.bias" if router_mod_path else "bias"
     if fused is not None:
-        _fill_fused(parts, experts, fused)
+        _fill_fused(parts, experts, fused, block)
     else:
         parts.expert_mlps = mlps
         parts.gated = mlps[0].gated
         parts.intermediate_size = mlps[0].intermediate_size
         parts.w_layout = "out_in"
     taken = {experts_name, router_mod_path.split(".")[0] if router_mod_path else None}
+    taken |= {w.split(".")[0] for w in (parts.latent_in, parts.latent_out) if w is not None}
     _fill_shared(block, parts, taken)
     # correction bias: a float [E] (or [1, E]) tensor of the block or router, not the router's own bias
     parts.correction_bias = _find_correction_bias(block, router_mod_path, E, parts.router_bias)

@@ -8,8 +8,7 @@ K loop is ``fp8.dot_loop`` (weight-only, dynamic or static activations; block, c
 accumulated in fp32. At a few rows (decode: BLOCK_M = 16) the kernel is bound by the weight bytes, so the launcher
 picks BLOCK_N for enough programs to keep every SM streaming.
 
-``fp8_gemv_kernel``: the weight-only form for up to 4 rows (``MOECOMP_FP8_GEMV=1``; not yet measured on a GPU, so
-off by default): BLOCK_N (4-64) weight rows a program, fp32 products reduced over K, no tensor cores.
+Up to 4 rows, weight-only calls take the skinny kernel instead (``kernels/skinny.py``).
 """
 
 import triton
@@ -80,70 +79,3 @@ def fp8_linear_kernel(
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def fp8_gemv_kernel(
-    x_ptr,  # [M, K] 16-bit or fp32, rows of unit stride (M <= BLOCK_M)
-    w_ptr,  # [N, K] e4m3, rows of unit stride
-    ws_ptr,  # weight scales as for fp8_linear_kernel
-    b_ptr,  # [N] bias or None
-    y_ptr,  # [M, N] out
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_sn,
-    stride_sk,
-    stride_ym,
-    HAS_BIAS: tl.constexpr,
-    W_SCALE: tl.constexpr,  # 1 block, 2 channel, 3 tensor
-    Q_BLOCK_N: tl.constexpr,
-    Q_BLOCK_K: tl.constexpr,  # a power of two (block scales); BLOCK_K = GROUPS * Q_BLOCK_K
-    UE8M0: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUPS: tl.constexpr,
-):
-    """Weight-only GEMV form for a few rows (decode: M <= 4): one program per BLOCK_N weight rows, all M rows of x,
-    no tensor cores. Each K step loads a [BLOCK_N, BLOCK_K] e4m3 tile, multiplies it with the x rows in fp32 and
-    reduces over K; block scales multiply each 128-column group's partial sum (one scale per (row, group)), channel
-    / tensor scales the final sum. Narrow tiles give N / BLOCK_N programs, enough to keep every SM streaming where
-    the dot form's 16 x BLOCK_N tiles leave most SMs idle (a 512-column projection: 8 programs)."""
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    rows_n = offs_n.to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    if W_SCALE == 1:
-        s_row = ws_ptr + (rows_n // Q_BLOCK_N) * stride_sn  # [BLOCK_N]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BN, BK]
-        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BM, BK]
-        p = w[None, :, :] * x[:, None, :]  # [BM, BN, BK]
-        if W_SCALE == 1:
-            g = tl.sum(tl.reshape(p, [BLOCK_M, BLOCK_N, GROUPS, Q_BLOCK_K]), axis=3)  # [BM, BN, G]
-            cols = k0 // Q_BLOCK_K + tl.arange(0, GROUPS)
-            s = fp8.load_scale(s_row[:, None] + cols[None, :] * stride_sk,
-                               n_ok[:, None] & (cols * Q_BLOCK_K < K)[None, :], UE8M0)  # [BN, G]
-            acc += tl.sum(g * s[None, :, :], axis=2)
-        else:
-            acc += tl.sum(p, axis=2)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    if W_SCALE == 2:
-        acc = acc * fp8.load_scale(ws_ptr + rows_n * stride_sn, n_ok, UE8M0)[None, :]
-    elif W_SCALE == 3:
-        acc = acc * fp8.load_scale(ws_ptr + rows_n * 0, n_ok, UE8M0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

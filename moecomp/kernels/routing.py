@@ -4,6 +4,8 @@ r"""Fused routing: scores -> (grouped) top-k -> renormalise -> scale, one launch
                                     \__________ s[ids] (renorm, *scale) ---------> weights [T, k] fp32
     (TOPK_THEN_SCORE: top-k of the logits, then softmax over the k chosen, or sigmoid of each (SCORING 1))
     (BIAS_ON_LOGITS: choice = logits + bias; MASK_ZERO: dropped groups get 0.0 in the choice, not -inf)
+    (SPARSEMIXER, PhiMoE: ids = top-k of the logits; round j's weight = 1 / sum exp(logit - m_j) over the free
+     logits with (m_j - logit) / max(|logit|, m_j) <= sm_thr, the ``moecomp.reference.sparsemixer`` formula)
 
 One program owns BLOCK_T tokens and all E experts (padded to BLOCK_E). Top-k is k rounds of picking the largest value
 among the experts not yet taken, ties going to the lower expert index (``moecomp.reference`` does the same).
@@ -51,6 +53,17 @@ def _pick(v, free, offs, BLOCK: tl.constexpr, N):
 
 
 @triton.jit
+def _sparsemixer_weight(logit, free, sel, thr):
+    """[BT]: one sparsemixer round's weight, the softmax at the picked logit m (``sel``, the largest ``free`` one)
+    over the free logits not dropped by (m - logit) / max(|logit|, m) > thr, in IEEE division like torch's (0 / 0 is
+    NaN: kept). No finite free logit (m = -inf): NaN, made 0 by ``_finite``."""
+    m = tl.max(tl.where(sel, logit, float("-inf")), axis=1)[:, None]  # [BT, 1]
+    drop = tl.div_rn(m - logit, tl.maximum(tl.abs(logit), m)) > thr
+    p = tl.where(free & ~drop, tl.exp(logit - m), 0.0)
+    return 1.0 / tl.sum(p, axis=1)
+
+
+@triton.jit
 def _finite(w, limit):
     return tl.where(w != w, 0.0, tl.minimum(tl.maximum(w, -limit), limit))
 
@@ -85,6 +98,8 @@ def route_topk_kernel(
     GROUP_SIZE: tl.constexpr,
     ROUND_TO: tl.constexpr,  # 0 keep fp32, 1 round weights through bf16, 2 through fp16
     USE_PDL: tl.constexpr = 0,
+    SPARSEMIXER: tl.constexpr = 0,  # PhiMoE's routing (module docstring); the scoring / bias / group flags unused
+    sm_thr=0.0,  # SPARSEMIXER: 2 * jitter_eps
     table_ptr=None,  # HASH: [n_vocab, TOP_K] integer expert ids, row stride stride_table
     tok_ptr=None,  # HASH: [T] integer token ids
     n_vocab=1,
@@ -103,7 +118,7 @@ def route_topk_kernel(
     logit = tl.load(ptrs, mask=t_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)  # [BT, BE]
     logit = tl.where(logit != logit, neg, tl.minimum(logit, FLT_MAX))  # NaN -> -inf, +inf -> FLT_MAX
 
-    if TOPK_THEN_SCORE:
+    if SPARSEMIXER or TOPK_THEN_SCORE:
         score = logit
     elif SCORING == 0:
         m = tl.max(tl.where(e_ok[None, :], logit, neg), axis=1)
@@ -183,6 +198,8 @@ def route_topk_kernel(
             idx = _pick(choice, free, offs_e, BLOCK_E, E)  # [BT]
         sel = offs_e[None, :] == idx[:, None]
         w = tl.sum(tl.where(sel, score, 0.0), axis=1)
+        if SPARSEMIXER:
+            w = _sparsemixer_weight(logit, free, sel, sm_thr)
         if SCORING == 3 and not TOPK_THEN_SCORE:
             w = tl.where(w == neg, 0.0, w)  # a raw -inf score, taken only because no candidate was left
         free = free & ~sel

@@ -30,12 +30,15 @@ EXPERT_ARGS = ("w13", "b13", "w2", "b2")
 QUANT_ARGS = ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "shared_w1_scale", "shared_w3_scale",
               "shared_w2_scale")
 EXPERT_QUANT_ARGS = QUANT_ARGS[:4]
+# The latent projections around the routed experts (MoESpec.latent_size): after the scales, each defaulting to None.
+# latent_in_w [L, H] (+ latent_in_b [L]) before the experts, latent_out_w [H, L] (+ latent_out_b [H]) after the combine.
+LATENT_ARGS = ("latent_in_w", "latent_in_b", "latent_out_w", "latent_out_b")
 # Hash routing (MoESpec.hash_routing): the [V, k] table of expert ids and the tokens' ids [T]; moe_forward takes them
-# after the scales, each defaulting to None.
+# after the latent projections, each defaulting to None.
 HASH_ARGS = ("hash_table", "token_ids")
-OP_ARGS = MOE_ARGS + QUANT_ARGS + HASH_ARGS  # every tensor a bound block may pass, in the op's argument order
+OP_ARGS = MOE_ARGS + QUANT_ARGS + LATENT_ARGS + HASH_ARGS  # every tensor a bound block may pass, in the op's order
 # What the op implements beyond the base spec; passes check this before relying on it.
-FEATURES = ("fused_shared_gate", "weight_on_input", "zero_experts", "hash_routing")
+FEATURES = ("fused_shared_gate", "weight_on_input", "zero_experts", "sparsemixer", "latent", "hash_routing")
 
 
 def split_fused_gate(args: dict, spec) -> dict:

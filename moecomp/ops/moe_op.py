@@ -25,8 +25,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _get_disp
 from ..spec import MoESpec, SpecError
 from . import graphs, hash_routing, torch_moe
 from .common import (  # noqa: F401  (re-exported)
-    EXPERT_ARGS, EXPERT_QUANT_ARGS, FEATURES, HASH_ARGS, MOE_ARGS, OP_ARGS, QUANT_ARGS, _backend, _check_ids_wanted,
-    _on_device, split_fused_gate)
+    EXPERT_ARGS, EXPERT_QUANT_ARGS, FEATURES, HASH_ARGS, LATENT_ARGS, MOE_ARGS, OP_ARGS, QUANT_ARGS, _backend,
+    _check_ids_wanted, _on_device, split_fused_gate)
 
 # Floating dtypes the kernels compute in (x / hidden_states). float64 only on the vectorised torch path (CPU, or
 # MOECOMP_CUDA_BACKEND=torch), which computes the experts in fp32 and returns float64; the Triton GEMMs have no fp64.
@@ -34,8 +34,9 @@ _X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # GEMM operands of the routed and shared experts: tl.dot, grouped_mm and mm take both operands in one dtype, so these
 # must have x's dtype. Every other tensor may be any floating dtype: the router GEMM converts router_w / router_b /
 # shared_gate_w to its compute dtype (x's, or fp32 with router_fp32: an fp32 router over bf16 experts is the
-# DeepSeek-V3 style), and the correction bias and the expert biases are read as fp32.
-_SAME_DTYPE = frozenset({"w13", "w2", "shared_w1", "shared_w3", "shared_w2"})
+# DeepSeek-V3 style), and the correction bias and the expert biases are read as fp32. The latent projections'
+# weights are GEMM operands of x too (their biases are converted).
+_SAME_DTYPE = frozenset({"w13", "w2", "shared_w1", "shared_w3", "shared_w2", "latent_in_w", "latent_out_w"})
 _FP8 = torch.float8_e4m3fn
 # scale argument -> the tensor it scales (a13 / a2: the activations of w13's and w2's GEMMs)
 _SCALE_OF = {"w13_scale": "w13", "w2_scale": "w2", "a13_scale": "w13", "a2_scale": "w2",
@@ -84,6 +85,7 @@ def _expected_shapes(spec: MoESpec, routed: bool) -> dict:
     expect = dict(spec.expert_weight_shapes())
     expect.update(spec.quant_shapes())
     if routed:
+        expect.update(spec.latent_shapes())
         expect.update(spec.shared_quant_shapes())
         expect["router_w"] = (R + 1, H) if spec.fused_shared_gate else (R, H)
         if spec.has_router_bias:
@@ -170,10 +172,11 @@ def check_args(x: torch.Tensor, tensors: dict, spec: MoESpec, symbolic: bool = F
                                 f"shared-expert weights are GEMM operands of x)")
         elif not t.is_floating_point():
             raise SpecError(f"{name} has dtype {t.dtype}; expected a floating dtype")
-    for name, want in expect.items():  # scales are passed only where given: a missing one is named here
-        if name in _SCALE_OF and tensors.get(name) is None:
+    for name, want in expect.items():  # scales and latent tensors are passed only where given: a missing one here
+        if (name in _SCALE_OF or name in LATENT_ARGS) and tensors.get(name) is None:
+            what = f"the scales of {_SCALE_OF[name]}" if name in _SCALE_OF else "a latent projection of the experts"
             raise SpecError(f"{name} is required by the spec ({spec.describe()}) but was None; expected a tensor "
-                            f"of shape {want} (the scales of {_SCALE_OF[name]})")
+                            f"of shape {want} ({what})")
 
 
 def check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, spec: MoESpec,
@@ -181,6 +184,10 @@ def check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     """moe_experts' routing arguments: x [T, H], topk_ids (integer) and topk_weights (floating), both [T, k] with
     1 <= k <= num_experts (+ zero_experts), all on x's device. The ids' values: ``check_ids_range``."""
     E, H = spec.router_width, spec.hidden_size
+    if spec.latent_size:
+        raise SpecError(f"moe_experts runs routed experts on their own input; this spec has latent projections "
+                        f"(latent_size={spec.latent_size}): pass its experts_spec() (hidden_size={spec.latent_size}, "
+                        f"no projections) and x [T, {spec.latent_size}]")
     if x.dim() != 2:
         raise SpecError(f"{_X} has shape {tuple(x.shape)}; moe_experts expects 2-D [T, hidden_size={H}] "
                         f"(flatten leading dims first)")
@@ -269,7 +276,7 @@ def plain_eager(tensors) -> bool:
 
 def call_moe_forward(x: torch.Tensor, tensors, spec: MoESpec) -> torch.Tensor:
     """``torch.ops.moecomp.moe_forward(x, *tensors, spec.key)`` for eager callers (the bound HF blocks; ``tensors``
-    in ``OP_ARGS`` order, the quantization scales optional at the end): the same
+    in ``OP_ARGS`` order, the quantization scales and latent projections optional at the end): the same
     computation, without the custom-op dispatcher's host cost (tens of microseconds a call) where that dispatcher
     would change nothing (``_plain_eager``); through the op otherwise."""
     tensors = tuple(tensors)
@@ -302,10 +309,12 @@ def _expert_args(w13, b13, w2, b2, *scales) -> dict:
     return args
 
 
-def _op_args(tensors, scales, hashed=(None, None)) -> dict:
-    """moe_forward's tensors by name; the scale and hash-routing names only where given."""
+def _op_args(tensors, scales, latent=(), hashed=()) -> dict:
+    """moe_forward's tensors by name; the scale, latent and hash-routing names only where given."""
     args = dict(zip(MOE_ARGS, tensors))
-    args.update({n: t for n, t in zip(QUANT_ARGS + HASH_ARGS, tuple(scales) + tuple(hashed)) if t is not None})
+    args.update({n: t for n, t in zip(QUANT_ARGS, scales) if t is not None})
+    args.update({n: t for n, t in zip(LATENT_ARGS, latent) if t is not None})
+    args.update({n: t for n, t in zip(HASH_ARGS, hashed) if t is not None})
     return args
 
 
@@ -331,13 +340,18 @@ def moe_forward(
     shared_w1_scale: torch.Tensor | None = None,
     shared_w3_scale: torch.Tensor | None = None,
     shared_w2_scale: torch.Tensor | None = None,
+    latent_in_w: torch.Tensor | None = None,
+    latent_in_b: torch.Tensor | None = None,
+    latent_out_w: torch.Tensor | None = None,
+    latent_out_b: torch.Tensor | None = None,
     hash_table: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     s = MoESpec.from_key(spec)
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
-                                      shared_w2_scale), (hash_table, token_ids))
+                                      shared_w2_scale), (latent_in_w, latent_in_b, latent_out_w, latent_out_b),
+                    (hash_table, token_ids))
     check_args(x, args, s)
     return _forward(x, args, s, spec)
 
@@ -345,12 +359,14 @@ def moe_forward(
 @moe_forward.register_fake
 def _(x, router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2, shared_gate_w,
       spec, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, shared_w1_scale=None,
-      shared_w3_scale=None, shared_w2_scale=None, hash_table=None, token_ids=None):
+      shared_w3_scale=None, shared_w2_scale=None, latent_in_w=None, latent_in_b=None, latent_out_w=None,
+      latent_out_b=None, hash_table=None, token_ids=None):
     # Also the Meta-key kernel: real tensors with one of them on "meta" dispatch here, not to the implementation, so
     # the checks (devices above all) must run here too, or the call returns uninitialised memory.
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
-                                      shared_w2_scale), (hash_table, token_ids))
+                                      shared_w2_scale), (latent_in_w, latent_in_b, latent_out_w, latent_out_b),
+                    (hash_table, token_ids))
     check_args(x, args, MoESpec.from_key(spec), symbolic=True)
     return torch.empty_like(x)
 

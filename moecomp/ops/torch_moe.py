@@ -6,6 +6,8 @@ batched GEMM over gathered weights in bounded chunks), and the weighted combine 
 (``spec.zero_experts``): pairs with an id >= E are left out of the GEMMs and add ``weight * x`` (fp32) instead.
 Hash routing (``spec.hash_routing``): the ids are the table's rows of the token ids, clamped into range
 (``hash_routing.lookup``), the weights the scores at them.
+Latent experts (``spec.latent_size``): the experts run on ``latent_in(x)`` and their combined output, rounded to x's
+dtype, goes through ``latent_out`` before the shared experts are added (``ops/latent.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from .. import quant as q8
 from .. import reference
 from ..spec import MoESpec
+from . import latent
 from .common import split_fused_gate
 from .hash_routing import lookup
 
@@ -179,7 +182,12 @@ def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     weights, ids = reference.route(logits, args["correction_bias"], spec, ids=given)
     if spec.round_weights:
         weights = reference.round_weights(weights, x.dtype).float()
-    out = experts_fp32(x2, ids, weights, args, spec)
+    if spec.latent_size:  # the experts between the two projections, in x's dtype at each projection
+        xl = latent.project_in(x2, args)  # [T, L]
+        routed = experts_fp32(xl, ids, weights, args, spec.experts_spec()).to(x.dtype)  # [T, L]
+        out = latent.project_out(routed, args).float()  # [T, H]
+    else:
+        out = experts_fp32(x2, ids, weights, args, spec)  # [T, H] fp32
     if spec.shared is not None:
         out += reference.shared_experts(
             x2, args["shared_w1"], args["shared_w3"], args["shared_w2"], args["shared_gate_w"], spec,

@@ -27,7 +27,7 @@ import triton
 from ..kernels import fp8 as fp8_k
 from ..kernels import fp8_linear as fp8_linear_k
 from ..spec import MoESpec
-from . import tuning
+from . import skinny, tuning
 from .common import _interpret, _precision, _sm_count, _upcast
 
 W_SCALE = {"block": 1, "channel": 2, "tensor": 3}
@@ -176,8 +176,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if M:
         kw = quant_kwargs(q, weight_scale, act_scale, tuning.fp8_mode(q, M, cfg), experts=False,
                           cand=tuning.fp8_candidates(cfg))
-        if _gemv_ok(q, kw, M):
-            _gemv(x2, weight, bias, y, q, kw)
+        if _skinny_ok(kw, M, N, K):
+            skinny.skinny_linear(x2, weight, bias, weight_scale, q, out=y)
             return y if out is not None else y.reshape(*x.shape[:-1], N)
         c = fp8_tile(tuning.fp8_linear_config(M, N, K, x.device, _sm_count(x.device)), kw)
         upcast, precision = _upcast(x2), _precision(x2)
@@ -196,29 +196,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return y if out is not None else y.reshape(*x.shape[:-1], N)
 
 
-def _gemv_ok(q, kw: dict, M: int) -> bool:
-    """A weight-only call of a few rows (``tuning.FP8_GEMV_MAX_M``) whose scale blocks are a power of two wide, with
-    MOECOMP_FP8_GEMV=1: off by default until it is measured on the GPU (``benchmarks/diag_fp8_gemv.py``,
-    ``run_gpu.sh fp8gemv``)."""
-    if os.environ.get("MOECOMP_FP8_GEMV", "0") != "1" or M > tuning.FP8_GEMV_MAX_M or kw["A_QUANT"] != 0:
-        return False
-    return q.scale != "block" or q.block_k & (q.block_k - 1) == 0
-
-
-def _gemv(x2, weight, bias, y, q, kw: dict) -> None:
-    """``fp8_gemv_kernel`` over x2 [M, K] (M <= FP8_GEMV_MAX_M) into y [M, N]."""
-    (M, K), N = x2.shape, weight.shape[0]
-    qk = q.block_k if q.scale == "block" else 128
-    c = tuning.fp8_gemv_config(M, N, K, qk, x2.device, _sm_count(x2.device))
-    if bias is not None and bias.stride(-1) != 1:
-        bias = bias.contiguous()
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    fp8_linear_k.fp8_gemv_kernel[(triton.cdiv(N, c["BLOCK_N"]),)](
-        x2, weight, kw["ws_ptr"], bias, y, M, N, K, x2.stride(0), weight.stride(0), kw["stride_sn"],
-        kw["stride_sk"], y.stride(0), HAS_BIAS=bias is not None, W_SCALE=kw["W_SCALE"], Q_BLOCK_N=kw["Q_BLOCK_N"],
-        Q_BLOCK_K=qk, UE8M0=kw["UE8M0"], BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-        GROUPS=c["BLOCK_K"] // qk, num_warps=c["num_warps"], num_stages=c["num_stages"])
+def _skinny_ok(kw: dict, M: int, N: int, K: int) -> bool:
+    """A weight-only call of a few rows takes the skinny kernel (``kernels/skinny.py``) where it was measured faster
+    (``skinny.use_skinny``), unless MOECOMP_SKINNY=0."""
+    return (kw["A_QUANT"] == 0 and skinny.use_skinny(M, N, K, True) and os.environ.get("MOECOMP_SKINNY", "1") != "0")
 
 
 def expert_quant(args: dict, spec: MoESpec, cfg: dict, T: int) -> tuple[dict | None, dict | None]:

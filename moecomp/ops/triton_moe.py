@@ -11,6 +11,8 @@ moe_forward, main stream                                   side stream (shared e
     (spec.zero_experts: routing over E + Z, ids >= E skip the GEMMs and the combine adds w * x, ``ops/zero_experts.py``)
     (spec.hash_routing: route_topk_kernel reads the ids from hash_table[token_ids] instead of a top-k,
      ``ops/hash_routing.py``)
+    (spec.latent_size: the experts' kernels run on latent_in(x) [T, L], their combine into [T, L], then latent_out
+     and a one-slot combine that adds the gated shared expert, ``ops/latent.py``)
 
 Decode (T <= the config's ``decode.max_t``): no alignment; moe_gemm1_kernel(DIRECT) -> h [P, I] in pair order, then
 moe_down_combine_kernel -> out [T, H] (down projection, routing weights, top-k sum and shared expert in one kernel),
@@ -46,8 +48,8 @@ from ..kernels import router as router_k
 from ..kernels import routing as routing_k
 from ..spec import MoESpec
 from . import triton_fp8, tuning
-from . import decode_fused
 from . import hash_routing as hr
+from . import latent
 from . import weight_on_input as woi
 from . import zero_experts as zx
 from .triton_shared import shared_mlp
@@ -226,6 +228,7 @@ def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch
         N_GROUP=n_group, G_PAD=triton.next_power_of_2(n_group), TOPK_GROUP=1 if plain_topk else spec.topk_group,
         GROUP_BY_MAX=spec.group_score == "max", GROUP_3D=group_3d, GROUP_SIZE=E // n_group if group_3d else 1,
         ROUND_TO=round_to, num_warps=tiles["num_warps"], **_pdl(logits.device),
+        SPARSEMIXER=spec.score_order == "sparsemixer", sm_thr=2 * float(spec.jitter_eps),
         **hr.route_kwargs(spec, hashed or {}),
     )
     return ids, weights
@@ -481,8 +484,6 @@ def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=No
     experts' side stream) runs just before the first kernel that reads ``shared``."""
     T, H = x.shape
     k = ids.shape[1]
-    if decode_fused.enabled(T) and decode_fused.unsupported(spec, x, args) is None:  # opt-in, not yet measured
-        return decode_fused.routed(x, ids, weights, args, spec, out, shared, gate, join)
     if cfg is None:
         cfg = tuning.get_config(spec.num_experts, spec.intermediate_size, H, T, k, x.dtype, x.device, spec.quant)
     dec = tuning.decode_config(cfg, T, x.device)
@@ -551,7 +552,23 @@ def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
 
     logits, gate = router_logits(x2, args, spec)  # [T, E], [T] or None
     ids, weights = route(logits, args["correction_bias"], spec, x2.dtype, hashed=args)
+    if spec.latent_size:
+        return _latent_routed(x2, ids, weights, args, spec, out, shared, gate, join if overlap else None).reshape(shape)
     return routed(x2, ids, weights, args, spec, out, shared, gate, join=join if overlap else None).reshape(shape)
+
+
+def _latent_routed(x2, ids, weights, args: dict, spec: MoESpec, out, shared, gate, join):
+    """``spec.latent_size``: the routed experts of ``spec.experts_spec()`` on latent_in(x) [T, L] (every routed path
+    as without projections, combined into [T, L]), then latent_out [T, H] and, with shared experts, a one-slot
+    combine into ``out`` that adds them (gated) after the projection."""
+    xl = latent.project_in(x2, args)  # [T, L]
+    rl = routed(xl, ids, weights, args, spec.experts_spec(), torch.empty_like(xl))  # [T, L]
+    y = latent.project_out(rl, args)  # [T, H]
+    if shared is None:
+        return y
+    if join is not None:
+        join()
+    return combine(y, x2.shape[0], 1, out, shared, gate)
 
 
 def moe_experts(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.Tensor:

@@ -203,23 +203,6 @@ def fp8_linear_config(M: int, N: int, K: int, device: torch.device, sms: int) ->
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
 
 
-FP8_GEMV_MAX_M = 4  # fp8_linear's weight-only calls of up to this many rows may take the GEMV form (MOECOMP_FP8_GEMV=1)
-
-
-def fp8_gemv_config(M: int, N: int, K: int, q_block_k: int, device: torch.device, sms: int) -> dict:
-    """Tiles of ``fp8_gemv_kernel``: BLOCK_M the rows rounded up to a power of two; BLOCK_N the widest power of two
-    in [4, 64] that still gives about two programs per SM; BLOCK_K a multiple of the scale block, with
-    BLOCK_M * BLOCK_N * BLOCK_K <= 4096 products a step (32 a thread at 4 warps). Untuned."""
-    bm = 1 if M <= 1 else 2 if M <= 2 else 4
-    if device.type != "cuda":  # the interpreter: two groups a step, so the tests cover GROUPS > 1
-        return dict(BLOCK_M=bm, BLOCK_N=8, BLOCK_K=2 * q_block_k, num_warps=4, num_stages=1)
-    bn = 4
-    while bn < 64 and -(-N // (2 * bn)) >= 2 * sms:
-        bn *= 2
-    bk = max(q_block_k, 4096 // (bm * bn) // q_block_k * q_block_k)
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3)
-
-
 # The decode path's token limit for shapes without a tuned entry (MOECOMP_DECODE_MAX_T overrides; 0 turns it off).
 # Tuned on an H200 (2026-11-30), it won up to T = 2 on every preset but DeepSeek-V3 (up to 4 on three of them) and
 # lost from T = 4-8 on.

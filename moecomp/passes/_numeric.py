@@ -170,9 +170,10 @@ def _stress(sub, args, inputs, src, tensors, spec, xin, arg_shapes):
     scaled = {}
     x2 = xin.reshape(-1, xin.shape[-1]).float()
     if spec.activation_clamp or spec.activation == "swiglu_oai":
+        xe = x2 if not spec.latent_size else reference.latent_in(x2, tensors["latent_in_w"], tensors["latent_in_b"])
         w = tensors["w13"].float() if spec.quant is None else q8.dequantize(
             tensors["w13"], tensors["w13_scale"], spec.quant, 2 if spec.gated else 1)
-        h = torch.einsum("th,enh->ten", x2, w) if spec.w_layout == "out_in" else torch.einsum("th,ehn->ten", x2, w)
+        h = torch.einsum("th,enh->ten", xe, w) if spec.w_layout == "out_in" else torch.einsum("th,ehn->ten", xe, w)
         scaled["w13"] = _stress_factor(h, spec.activation_limit)
     sh = spec.shared
     if sh is not None and (sh.activation_clamp or sh.activation == "swiglu_oai"):

@@ -20,6 +20,8 @@ The matched subgraph (names are roles, not node names; ``[..]`` optional, ``|`` 
                               weights = sigmoid(logits.gather(ids)) | scores.gather(ids)   (elementwise: same)
             topk_then_score:  topk(logits, k) ──► ids ; weights = softmax(values)
                               | full(-inf).scatter(ids, values) ─► sigmoid | softmax   (dense [T, E]: Llama 4)
+            sparsemixer:      ids = cat(k argmax rounds), weights = cat(k thresholded softmaxes)   (PhiMoE;
+                              proven on probe logits: ``moe_sparsemixer``)
             hash routing:     table[token_ids] (a static [V, k] integer table, the call's integer token ids)
                               ──► ids ; weights = scores.gather(ids)            (DeepSeek-V4 hash_moe: moe_hash)
                                                      │
@@ -32,6 +34,8 @@ The matched subgraph (names are roles, not node names; ``[..]`` optional, ``|`` 
                  (zero experts: the stacked weights hold E < the router's E + Z experts; ids >= E add weights * x,
                   LongCat-Flash: zero_experts = Z, proven by the numeric check on tokens some of which pick them)
                  ──► [* routed_scaling (scalar constant / attribute, folded into routed_scaling_factor)]
+                 (latent, NemotronH: the experts read linear(x, Wi [L, H]) and work on L; their combined output
+                  goes through linear(·, Wo [H, L]) here, before the shared add: ``moe_latent``)
                                                      │
         x ──► [shared: down(act(gate_proj x) * up_proj x) | clamped | swiglu_oai(chunk(gate_up_proj x)) | act(up x)
                [* sigmoid(shared_gate x)]] ──(+)──► [* c | / c: constant, scales routed and shared (shared.scale)]
@@ -126,11 +130,14 @@ from ._fx import op_name  # noqa: F401  (read by tests as detect_moe.op_name)
 from ._numeric import Block, verify
 from ._reject import NotACandidate, Reject
 from .moe_experts import Experts, stacked_experts, weights_on_input
+from .moe_latent import Latent, check_scales, latent_out
 from .moe_output import MAX_OUTPUT_CANDIDATES, block_output, common_scale, output_candidates, output_scale
 from .moe_per_expert import per_expert, selector_topks
 from .moe_region import Region, check_ops, find_region, pick_input
 from .moe_hash import hash_lookups, hash_routing
 from .moe_routing import Routing, routing
+from .moe_sparsemixer import routing as sparsemixer_routing
+from .moe_sparsemixer import selectors as sparsemixer_selectors
 from .moe_shared import Shared, shared
 
 
@@ -222,9 +229,11 @@ def detect_moe(
     claimed: set = set()
     stacked_topks = ctx.final_topks()
     by_selectors = [t for t in selector_topks(ctx) if t not in stacked_topks]  # per-expert modules only
+    mixers = sparsemixer_selectors(ctx)  # ids = cat of k argmax rounds (sparsemixer), not a top-k
     hashed = dict(hash_lookups(ctx))  # ids node -> the lookup (hash routing)
-    for t in sorted(stacked_topks + by_selectors + list(hashed), key=ctx.order.get):
-        where = f"hash lookup {t.name}" if t in hashed else f"topk {t.name}"
+    for t in sorted(stacked_topks + by_selectors + mixers + list(hashed), key=ctx.order.get):
+        where = (f"hash lookup {t.name}" if t in hashed else
+                 f"{'topk' if op_name(t) == 'topk' else 'argmax rounds'} {t.name}")
         try:
             m = _match_at(ctx, t, hashed.get(t))
         except Reject as e:
@@ -255,8 +264,12 @@ class _Candidate:
 
 
 def _match_at(ctx: Context, t: fx.Node, hashed: dict | None = None) -> MoEMatch:
-    """The block whose routing ends in top-k ``t`` (or, ``hashed``: hash routing's looked-up ids ``t``)."""
-    r = hash_routing(ctx, t, hashed) if hashed else routing(ctx, t)
+    """The block whose routing ends in top-k ``t`` (argmax rounds: sparsemixer; ``hashed``: hash routing's
+    looked-up ids ``t``)."""
+    if hashed:
+        r = hash_routing(ctx, t, hashed)
+    else:
+        r = routing(ctx, t) if op_name(t) == "topk" else sparsemixer_routing(ctx, t)
     region = find_region(ctx, r.x_router, r.hash)
     if t not in region.nodes:
         raise Reject("the top-k is not computed from the router input alone")
@@ -293,15 +306,18 @@ def _match_output(ctx: Context, c: _Candidate, out: fx.Node) -> MoEMatch:
     ex = c.experts
     tail = _fx.descendants(out, c.region.nodes) if out is not c.block_out else set()
     core = c.region.nodes - tail
-    sh = shared(ctx, r, core, c.region.x_root, out, ex.linears)
+    lat = latent_out(ctx, r, ex.latent, core, ex.g2_all, out) if ex.latent is not None else None
+    sh = shared(ctx, r, core, c.region.x_root, out, ex.linears | (lat.linears if lat else frozenset()))
     x_in = pick_input(c.region, out)
     _fold_output_scale(ctx, r, core, ex, out, sh)
+    if lat is not None:
+        check_scales(ctx, lat, core, out, sh.down if sh else None)
     x_dtype = _fx.dtype_of(x_in)
     if x_dtype in (torch.bfloat16, torch.float16) and _fx.dtype_of(r.weights) == x_dtype:
         r.round_weights = True  # the weights reach the experts in the model dtype (e.g. a softmax with dtype=bf16)
-    candidates = _spec_candidates(r, ex, sh)
+    candidates = _spec_candidates(r, ex, sh, lat)
     blk = Block(x_root=c.region.x_root, x_in=x_in, out=out, nodes=core | c.region.support,
-                bindings=_bindings(r, ex, sh), stacked={k: [[p.name for p in e] for e in per]
+                bindings=_bindings(r, ex, sh, lat), stacked={k: [[p.name for p in e] for e in per]
                                                          for k, per in ex.stacked.items()},
                 arg_shapes={"correction_bias": (r.E,)} if r.bias_shape is not None else {}, arg_rows=dict(ex.rows))
     spec, verified = _prove(ctx, candidates, blk, has_tail=out is not c.block_out)
@@ -338,17 +354,19 @@ def _fold_output_scale(ctx: Context, r: Routing, core: set, ex: Experts, out: fx
     r.baked.update(scale_baked)
 
 
-def _spec_fields(r: Routing, ex: Experts, sh: Shared | None) -> dict:
+def _spec_fields(r: Routing, ex: Experts, sh: Shared | None, lat: Latent | None = None) -> dict:
     """Every MoESpec field the structure determines (layout, gate split and activation are the candidates')."""
     fields = dict(
         num_experts=r.E - ex.zero_experts, zero_experts=ex.zero_experts, top_k=r.top_k, hidden_size=r.H,
         intermediate_size=ex.I, scoring=r.scoring,
-        score_order=r.score_order, renormalize=r.renormalize, renorm_eps=r.renorm_eps, renorm_min=r.renorm_min,
+        score_order=r.score_order, jitter_eps=r.jitter_eps, renormalize=r.renormalize, renorm_eps=r.renorm_eps,
+        renorm_min=r.renorm_min,
         routed_scaling_factor=r.scaling, n_group=r.n_group, topk_group=r.topk_group, group_score=r.group_score,
         has_correction_bias=r.correction_bias is not None, bias_on_logits=r.bias_on_logits,
         group_mask_zero=r.group_mask_zero, has_router_bias=r.router_b is not None, router_fp32=r.router_fp32,
         round_weights=r.round_weights, gated=ex.gated, activation_clamp=ex.act.clamp, has_expert_bias=ex.has_bias,
         shared=sh.spec if sh else None, quant=ex.quant, weight_on_input=ex.weight_on_input,
+        latent_size=lat.L if lat else 0, latent_bias=lat is not None and lat.b_in is not None,
         hash_routing=r.hash is not None,
     )
     if ex.act.alpha is not None:
@@ -358,9 +376,9 @@ def _spec_fields(r: Routing, ex: Experts, sh: Shared | None) -> dict:
     return fields
 
 
-def _spec_candidates(r: Routing, ex: Experts, sh: Shared | None) -> list[MoESpec]:
+def _spec_candidates(r: Routing, ex: Experts, sh: Shared | None, lat: Latent | None = None) -> list[MoESpec]:
     """One MoESpec per choice the graph leaves open (weight layout x gate split x activation), valid ones only."""
-    base = _spec_fields(r, ex, sh)
+    base = _spec_fields(r, ex, sh, lat)
     candidates, last_err = [], None
     for layout in ex.layouts:
         for gate_up in ex.gate_ups:
@@ -374,15 +392,17 @@ def _spec_candidates(r: Routing, ex: Experts, sh: Shared | None) -> list[MoESpec
     return candidates
 
 
-def _bindings(r: Routing, ex: Experts, sh: Shared | None) -> dict[str, str | None]:
+def _bindings(r: Routing, ex: Experts, sh: Shared | None, lat: Latent | None = None) -> dict[str, str | None]:
     """OP_ARGS name -> placeholder name (None: absent, or built from per-expert placeholders: ``ex.stacked``); the
-    scales of quantized weights included (``moe_quant``)."""
+    scales of quantized weights and the latent projections included (``moe_quant``, ``moe_latent``)."""
     nodes = dict(router_w=r.router_w, router_b=r.router_b, correction_bias=r.correction_bias, w13=ex.w13,
                  w2=ex.w2, b13=ex.b13, b2=ex.b2)
     if r.hash is not None:
         nodes.update(hash_table=r.hash["table"], token_ids=r.hash["tokens"])
     if sh:
         nodes.update(sh.bind)
+    if lat:
+        nodes.update(lat.bindings)
     nodes.update(ex.scales)
     bindings = {k: None for k in OP_ARGS}
     bindings.update({k: (v.name if v is not None else None) for k, v in nodes.items()})

@@ -14,7 +14,9 @@ as a view of its first E (``Experts.rows``).
 The GEMM is ``grouped_mm``, ``bmm`` / ``matmul`` / ``einsum`` on gathered ``w[ids]``, or ``linear`` of ``w[e]`` (or
 ``select(w, 0, e)``, e read from the routing: LongCat-Flash's loop over the experts hit) in a per-expert loop. Which
 weight is w13 follows from which GEMM feeds the other; the layout from the shapes (and where
-every dim equals H, from how the GEMM reads the weight, else both are left to the numeric check). The routing weights
+every dim equals H, from how the GEMM reads the weight, else both are left to the numeric check). Latent experts
+(NemotronH): the experts read a projection of x of width L (``moe_latent``); their shapes are then read against L,
+not H. The routing weights
 scale the expert input when they are an ancestor of the first GEMM (:func:`weights_on_input`). A block that reads
 no [E, ., .] weight may keep its experts as per-expert modules of 2-D weights: ``moe_per_expert`` matches those.
 """
@@ -30,6 +32,7 @@ from ._context import Context
 from ._fx import arg, op_name
 from ._reject import Reject
 from .moe_activation import Activation, activation
+from .moe_latent import Latent, latent_in
 from .moe_quant import DEQUANT, experts_quant, quant_inputs
 from .moe_region import Region
 from .moe_routing import Routing
@@ -63,6 +66,7 @@ class Experts:
     weight_on_input: bool = False  # the routing weights scale the first GEMM's input (``weights_on_input``)
     zero_experts: int = 0  # router outputs past the stacked weights' experts (see the module docstring)
     rows: dict = field(default_factory=dict)  # op argument -> the rows of its placeholder the op reads (w[:E])
+    latent: Latent | None = None  # the input projection the experts read (its output one: per MoE output)
 
     @property
     def has_bias(self) -> bool:
@@ -86,7 +90,9 @@ def stacked_experts(ctx: Context, R: Routing, region: Region) -> Experts | None:
                      "the op needs them concatenated)")
     (w13, u13), (w2, u2) = _ordered_pair(ctx, cands, nodes)
     s13, s2 = ctx.pshape(w13), ctx.pshape(w2)
-    layouts = _layouts(s13, s2, R.H, u13)
+    lat = latent_in(ctx, R, nodes, region.x_root, {u for u, _, _ in u13})  # the experts' input: a projection of x?
+    width = R.H if lat is None else lat.L  # what the experts read and write
+    layouts = _layouts(s13, s2, width, u13)
     N = s13[1] if layouts[0] == "out_in" else s13[2]
     I = s2[2] if layouts[0] == "out_in" else s2[1]
     gated = gated_width(N, I)
@@ -96,9 +102,9 @@ def stacked_experts(ctx: Context, R: Routing, region: Region) -> Experts | None:
     for g in g1:
         between |= _fx.descendants(g, nodes) & g2_anc
     ex = Experts(I=I, gated=gated, layouts=layouts, gate_ups=gate_ups(between, gated), act=Activation([]), g1=g1,
-                 g2_all=g2, g2=max(g2, key=ctx.order.get), w13=w13, w2=w2)
+                 g2_all=g2, g2=max(g2, key=ctx.order.get), w13=w13, w2=w2, latent=lat)
     ex.act = activation(ctx, between, gated, ex.baked, "expert")
-    ex.b13, ex.b2 = _expert_biases(ctx, R, nodes, g2_anc, N)
+    ex.b13, ex.b2 = _expert_biases(ctx, R, nodes, g2_anc, N, width)
     _zero_experts(R, ex, s13[0], s2[0])
     ex.quant, ex.scales = experts_quant(ctx, R.E, w13, u13, w2, u2, gated, layouts)
     if ex.quant is not None and ex.zero_experts:
@@ -199,7 +205,8 @@ def _layouts(s13: tuple, s2: tuple, H: int, u13) -> list[str]:
         layouts = [structural] + [x for x in ("out_in", "in_out") if x != structural] if structural else [
             "out_in", "in_out"]
     else:
-        raise Reject(f"expert weights {tuple(s13)} / {tuple(s2)} do not fit hidden size {H}")
+        raise Reject(f"expert weights {tuple(s13)} / {tuple(s2)} do not fit the width {H} they read (the hidden size, "
+                     "or a latent projection's)")
     if structural is not None and len(layouts) == 1 and structural != layouts[0]:
         raise Reject(f"expert weight shapes say {layouts[0]} but the GEMM reads them as {structural}")
     return layouts
@@ -246,8 +253,9 @@ def _gathered(p: fx.Node, nodes: set) -> bool:
     return False
 
 
-def _expert_biases(ctx: Context, R: Routing, nodes: set, g2_anc: set, N: int):
-    """(b13, b2): 2-D [E, N] / [E, H] placeholders the block gathers by expert id; or (None, None)."""
+def _expert_biases(ctx: Context, R: Routing, nodes: set, g2_anc: set, N: int, width: int):
+    """(b13, b2): 2-D [E, N] / [E, width] placeholders the block gathers by expert id (width: H, or L between latent
+    projections); or (None, None)."""
     b13 = b2 = None
     scales = quant_inputs(nodes)  # per-expert scales of quantized weights are not biases
     for p in ctx.static_ph:
@@ -257,7 +265,7 @@ def _expert_biases(ctx: Context, R: Routing, nodes: set, g2_anc: set, N: int):
         feeds_g2 = any(a in g2_anc for a in _fx.descendants(p, nodes))
         if feeds_g2 and s[1] == N:
             b13 = p
-        elif not feeds_g2 and s[1] == R.H:
+        elif not feeds_g2 and s[1] == width:
             b2 = p
         else:
             raise Reject(f"unexplained per-expert 2-D tensor {p.name} {tuple(s)}")

@@ -51,6 +51,7 @@ class Routing:
     renorm_eps: float = 0.0
     renorm_min: float = 0.0
     scaling: float = 1.0
+    jitter_eps: float = 0.0  # sparsemixer routing (moe_sparsemixer)
     bias_on_logits: bool = False
     group_mask_zero: bool = False
     bias_shape: tuple | None = None  # the correction bias placeholder's shape when it is not (E,) (e.g. [1, E])

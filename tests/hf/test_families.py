@@ -19,7 +19,7 @@ EQUAL = (
     "dots3_note ernie4_5_moe ernie4_5_vl_moe exaone_moe flex_olmo flint glm4_moe glm4_moe_lite glm4v_moe glm5_next "
     "glm_moe_dsa gpt_oss granitemoe granitemoe_swa granitemoehybrid granitemoeshared hunyuan_v1_moe hy_v3 hy_v4 "
     "hy_v4_vl jamba kimi_linear kolibri1 laguna lara_mini lfm2_moe mellum mimo_v2_flash minimax minimax_m2 "
-    "minimax_m3_vl mistral4 mistral_large4 mixtral nemotron_h olmoe openai_privacy_filter qwen2_moe qwen3_5_moe "
+    "minimax_m3_vl mistral4 mistral_large4 mixtral nemotron_h olmoe openai_privacy_filter phimoe qwen2_moe qwen3_5_moe "
     "qwen3_moe qwen3_next qwen3_omni_moe qwen3_vl_moe qwen4_exp solar_open unlimited_ocr").split()
 # (deepseek_v4: a hash-routed layer, MoESpec.hash_routing, and a top-k one, both rewritten)
 OUTCOME = {
@@ -29,7 +29,6 @@ OUTCOME = {
     "gemma4": ("experts only", "no separate MoE module"),
     "inkling": ("experts only", "no router weight"),
     "zaya": ("experts only", "no router weight"),
-    "phimoe": ("experts only", "no top-k routing"),  # sparsemixer routing
     # left alone, and why
     "inkling2": ("not rewritten", "experts only not possible"),
     "inkling2_loop": ("not rewritten", "experts only not possible"),
@@ -40,11 +39,14 @@ OUTCOME = {
     "jetmoe": ("no MoE block", "no candidate block found"),  # the block finder reads part names
     "nllb_moe": ("no MoE block", "no candidate block found"),
     "switch_transformers": ("no MoE block", "no candidate block found"),
+    # variants (families.VARIANTS): a family's tiny model with config changes that reach another block style
+    "nemotron_h:latent": ("equal", ""),  # experts between latent projections (MoESpec.latent_size)
 }
 # the families the structural scan adds to the decorated ones (transformers 5.24; test_structural_scan checks it)
 STRUCTURAL = ["jetmoe", "llama4", "longcat_flash", "nllb_moe", "switch_transformers"]
 ALL = sorted(set(F.experts_families()) | {f for f in STRUCTURAL if F.transformers_dir() and __import__("os").path.isdir(
     __import__("os").path.join(F.transformers_dir(), "models", f))})
+ALL = sorted(set(ALL) | set(F.variants_of(ALL)))
 
 
 def test_families_found():

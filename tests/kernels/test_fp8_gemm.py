@@ -244,7 +244,7 @@ def test_fp8_linear_kernel_matches_reference(poison, monkeypatch, case):
     assert torch.ops.moecomp.fp8_linear(x[:0], wq, ws, b, a_s, q.key).shape == (0, 3, N)
 
 
-GEMV = {  # name: (QuantSpec fields, x dtype, bias, rows M)
+SKINNY = {  # name: (QuantSpec fields, x dtype, bias, rows M)
     "block-fp32-bias-m1": (dict(), torch.float32, True, 1),
     "block-fp32-m3": (dict(), torch.float32, False, 3),
     "block32x64-fp16-m2": (dict(block_n=32, block_k=64), torch.float16, True, 2),
@@ -254,22 +254,23 @@ GEMV = {  # name: (QuantSpec fields, x dtype, bias, rows M)
 }
 
 
-@pytest.mark.parametrize("case", sorted(GEMV))
-def test_fp8_gemv_form_matches_reference(poison, monkeypatch, case):
-    """fp8_linear's weight-only calls of up to FP8_GEMV_MAX_M rows run ``fp8_gemv_kernel`` (counted; two scale
-    groups a K step under the interpreter, K = 328 not a multiple of them, N = 70 not a multiple of BLOCK_N) and
-    match the weight-only reference with MOECOMP_FP8_GEMV=1; without it, and at 5 rows, the dot kernel runs and
-    agrees."""
+@pytest.mark.parametrize("case", sorted(SKINNY))
+def test_fp8_skinny_form_matches_reference(poison, monkeypatch, case):
+    """fp8_linear's weight-only calls of up to ``skinny.MAX_ROWS`` rows run the skinny kernel (counted; K = 328 not
+    a multiple of its K step, N = 70 not a multiple of BLOCK_N) and match the weight-only reference; with
+    MOECOMP_SKINNY=0, and at 5 rows, the dot kernel runs and agrees. (CPU tensors under the interpreter: skipped on
+    a machine with CUDA, where tests/kernels/test_skinny.py runs the kernel on the GPU.)"""
+    if torch.cuda.is_available():
+        pytest.skip("CPU tensors through the interpreter")
     op_mod = importlib.import_module("moecomp.ops.fp8_linear")
-    from moecomp.ops import triton_fp8
+    from moecomp.ops import skinny
 
-    fields, dtype, bias, M = GEMV[case]
+    fields, dtype, bias, M = SKINNY[case]
     monkeypatch.setenv("MOECOMP_CPU_BACKEND", "triton")
     monkeypatch.setenv("MOECOMP_FP8_MODE", "w8a16")
-    monkeypatch.setenv("MOECOMP_FP8_GEMV", "1")  # (off by default until measured on the GPU)
     calls = []
-    real = triton_fp8._gemv
-    monkeypatch.setattr(triton_fp8, "_gemv", lambda *a: (calls.append(a[0].shape[0]), real(*a))[1])
+    real = skinny.skinny_linear
+    monkeypatch.setattr(skinny, "skinny_linear", lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k))[1])
     q = QuantSpec(**fields)
     g = torch.Generator().manual_seed(len(case) + M)
     N, K = 70, 328
@@ -281,6 +282,6 @@ def test_fp8_gemv_form_matches_reference(poison, monkeypatch, case):
     ref = op_mod.torch_fp8_linear(x[:M].float(), wq, ws, b, None, weight_only(q))
     assert rel_err(y, ref) < TOL[dtype], f"{case}: rel err {rel_err(y, ref):.2e}"
     y5 = torch.ops.moecomp.fp8_linear(x, wq, ws, b, None, q.key)  # 5 rows: the dot kernel
-    monkeypatch.setenv("MOECOMP_FP8_GEMV", "0")
+    monkeypatch.setenv("MOECOMP_SKINNY", "0")
     y_dot = torch.ops.moecomp.fp8_linear(x[:M], wq, ws, b, None, q.key)
     assert calls == [M] and rel_err(y_dot, ref) < TOL[dtype] and rel_err(y5[:M], ref) < TOL[dtype]

@@ -17,7 +17,7 @@ import torch
 
 from moecomp import reference
 from moecomp.ops import hash_routing, torch_moe
-from moecomp.ops.common import MOE_ARGS
+from moecomp.ops.common import MOE_ARGS, OP_ARGS
 from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
 from moecomp.testing import random_hash_args, random_moe_args
 
@@ -120,11 +120,14 @@ def test_forward(cpu_backend, poison, name, T):
 
 
 def test_forward_3d_tokens(poison):
-    """x [B, S, H] with token ids [B, S] (how a decoder layer passes them), positional after the scales."""
+    """x [B, S, H] with token ids [B, S] (how a decoder layer passes them), positional: the op's last two
+    arguments."""
     spec, args, h = make("dsv4", 6, seed=5)
     x = args[0].reshape(2, 3, -1)
     tok = h["token_ids"].reshape(2, 3)
-    out = torch.ops.moecomp.moe_forward(x, *args[1:], spec.key, *[None] * 7, h["hash_table"], tok)
+    between = [None] * (OP_ARGS.index("hash_table") - len(MOE_ARGS))  # the scales and latent projections
+    assert OP_ARGS[-2:] == ("hash_table", "token_ids")
+    out = torch.ops.moecomp.moe_forward(x, *args[1:], spec.key, *between, h["hash_table"], tok)
     assert out.shape == x.shape
     assert rel_err(out.reshape(6, -1), reference.moe_forward(*args, spec, **h)) < TOL
 

@@ -43,5 +43,8 @@ def test_opcheck_moe_forward_hash(cpu_backend, T):
                    routed_scaling_factor=1.5, hash_routing=True)
     args = random_moe_args(spec, T, seed=T)
     h = random_hash_args(spec, T, vocab=11, seed=T)
-    torch.library.opcheck(torch.ops.moecomp.moe_forward.default, (*args, spec.key, *[None] * 7, h["hash_table"],
+    from moecomp.ops.common import MOE_ARGS, OP_ARGS
+
+    between = [None] * (OP_ARGS.index("hash_table") - len(MOE_ARGS))  # the scales and latent projections
+    torch.library.opcheck(torch.ops.moecomp.moe_forward.default, (*args, spec.key, *between, h["hash_table"],
                                                                   h["token_ids"]))

@@ -26,7 +26,7 @@ from moecomp.hf import bind as B  # noqa: E402
 from moecomp.hf import families as F  # noqa: E402
 from moecomp.optimize import experts_only_modules, rewritten_blocks  # noqa: E402
 
-from .test_weights import TinyMoEConfig, TinyMoEModel  # noqa: E402
+from .test_weights import TinyMoEConfig, TinyMoEModel, experts_only_tiny  # noqa: E402
 
 TOL = 1e-4
 
@@ -188,7 +188,7 @@ def test_callable_attribute_change():
 
 def test_experts_only_follows_act_fn():
     """An experts-only module re-derives and re-checks its spec when its attributes change (here: ``act_fn``)."""
-    model = F.build_tiny("phimoe", seed=0)[0]
+    model = experts_only_tiny()
     ref = copy.deepcopy(model)
     _, rep = moecomp.optimize(model, report=True)
     assert [b.status for b in rep.blocks] == ["experts only"] * 2, str(rep)
@@ -212,7 +212,7 @@ def test_experts_only_follows_act_fn():
 
 
 def test_experts_only_stale_binding_is_rebound():
-    model = F.build_tiny("phimoe", seed=0)[0]
+    model = experts_only_tiny()
     moecomp.optimize(model)
     for layer in model.model.layers:
         layer.mlp.experts.act_fn = nn.GELU()
@@ -257,7 +257,7 @@ def test_compiled_model_follows_attribute_change(what):
 
 
 def test_compiled_experts_only_follows_act_fn():
-    model = F.build_tiny("phimoe", seed=0)[0]
+    model = experts_only_tiny()
     with _compiled_pair(model) as (compiled, ref):
         assert rel_err(compiled(_ids(1)).logits, _logits(ref, _ids(1))) <= TOL
         for m in (model, ref):

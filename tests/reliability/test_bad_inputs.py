@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from moecomp import reference
-from moecomp.ops.moe_op import EXPERT_ARGS, MOE_ARGS, call_moe_experts, call_moe_forward
+from moecomp.ops.moe_op import EXPERT_ARGS, LATENT_ARGS, MOE_ARGS, OP_ARGS, call_moe_experts, call_moe_forward
 from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
-from moecomp.testing import random_moe_args
+from moecomp.testing import random_latent_args, random_moe_args
 
 # Every optional tensor present: router bias, correction bias, expert biases, a gated shared expert with its gate.
 SPEC = MoESpec(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, scoring="sigmoid",
@@ -35,6 +35,7 @@ SPEC = MoESpec(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, scor
 T = 5
 X = r"x \(hidden_states\)"
 NAMES = ("x",) + MOE_ARGS
+LATENT = SPEC.replace(latent_size=12, latent_bias=True)  # experts of width 12 between latent projections
 
 
 
@@ -83,6 +84,16 @@ def _shape(name, fn):
     return _set(**{name: lambda d: fn(d[name])})
 
 
+def _latent(**kv):
+    """The arguments of ``LATENT`` (its experts, its four projection tensors), then ``kv``'s changes."""
+    def change(d):
+        d.update(zip(NAMES, random_moe_args(LATENT, T, seed=0)))
+        d["correction_bias"] = d["correction_bias"].float()
+        d.update(random_latent_args(LATENT, seed=1))
+        _set(**kv)(d)
+    return change
+
+
 GOOD_KEY = SPEC.key
 ROWS = [
     # ---------------------------------------------------------------- moe_forward: hidden states
@@ -126,6 +137,29 @@ ROWS = [
       for n in ("w13", "w2", "shared_w1", "shared_w3", "shared_w2")],
     *[Row(f"{n}_int", "forward", _dtype(n, torch.int32), n, r"dtype torch.int32; expected a floating dtype")
       for n in ("router_w", "router_b", "correction_bias", "b13", "b2", "shared_gate_w")],
+    # ---------------------------------------------------------------- moe_forward: latent projections (LATENT)
+    Row("latent_good", "forward", _latent(), "-", "-", spec=LATENT),  # (runs: checked apart, see the test)
+    *[Row(f"{n}_meta", "forward", _latent(**{n: lambda d, n=n: d[n].to("meta")}), n,
+          r"is on meta; expected cpu, the device of x", spec=LATENT) for n in LATENT_ARGS],
+    Row("latent_in_w_shape", "forward", _latent(latent_in_w=lambda d: d["latent_in_w"].t()), "latent_in_w",
+        r"shape \(16, 12\), the spec needs \(12, 16\)", spec=LATENT),
+    Row("latent_in_b_shape", "forward", _latent(latent_in_b=lambda d: d["latent_in_b"][:-1]), "latent_in_b",
+        r"the spec needs \(12,\)", spec=LATENT),
+    Row("latent_out_w_shape", "forward", _latent(latent_out_w=lambda d: d["latent_out_w"][:, :-1]), "latent_out_w",
+        r"the spec needs \(16, 12\)", spec=LATENT),
+    Row("latent_out_b_missing", "forward", _latent(latent_out_b=None), "latent_out_b",
+        r"required by the spec.*expected a tensor of shape \(16,\)", spec=LATENT),
+    *[Row(f"{n}_bf16", "forward", _latent(**{n: lambda d, n=n: d[n].bfloat16()}), n,
+          r"dtype torch.bfloat16; expected torch.float32, the dtype of x \(hidden_states\)", spec=LATENT)
+      for n in ("latent_in_w", "latent_out_w")],
+    *[Row(f"{n}_int", "forward", _latent(**{n: lambda d, n=n: d[n].int()}), n,
+          r"dtype torch.int32; expected a floating dtype", spec=LATENT) for n in ("latent_in_b", "latent_out_b")],
+    Row("latent_in_w_unused", "forward", _set(latent_in_w=lambda d: torch.zeros(12, 16)), "latent_in_w",
+        r"no use for it; expected None"),
+    Row("latent_experts_width", "forward", _latent(w13=lambda d: torch.zeros(4, 16, 16)), "w13",
+        r"shape \(4, 16, 16\), the spec needs \(4, 16, 12\)", spec=LATENT),
+    Row("latent_spec", "experts", lambda d: None, "moe_experts", r"latent projections \(latent_size=12\).*experts_spec",
+        spec=LATENT),
     # ---------------------------------------------------------------- spec strings (the op; the eager entry points
     # take a MoESpec, whose constructor raises the same errors)
     Row("spec_missing_fields", "forward", lambda d: None, r"MoESpec field\(s\) \['top_k', 'hidden_size'",
@@ -194,7 +228,8 @@ def _entry_points(op: str):
     """(name, fn(args dict, spec) -> tensor, grad) for each way in."""
     def op_forward(d, spec):
         key = spec if isinstance(spec, str) else spec.key
-        return torch.ops.moecomp.moe_forward(*(d[n] for n in NAMES), key)
+        return torch.ops.moecomp.moe_forward(*(d[n] for n in NAMES), key,
+                                             **{n: d[n] for n in LATENT_ARGS if n in d})
 
     def op_experts(d, spec):
         key = spec if isinstance(spec, str) else spec.key
@@ -202,7 +237,7 @@ def _entry_points(op: str):
                                              *(d[n] for n in EXPERT_ARGS), key)
 
     def eager_forward(d, spec):
-        return call_moe_forward(d["x"], [d[n] for n in MOE_ARGS], spec)
+        return call_moe_forward(d["x"], [d.get(n) for n in OP_ARGS], spec)
 
     def eager_experts(d, spec):
         return call_moe_experts(d["x"], d["topk_ids"], d["topk_weights"], *(d[n] for n in EXPERT_ARGS), spec)
@@ -229,7 +264,18 @@ def _call(fn, d, spec, grad):
         return fn(d, spec)
 
 
-CASES = [(row, entry) for row in ROWS for entry in _entry_points(row.op) if row.eager or entry[0].startswith("op")]
+CASES = [(row, entry) for row in ROWS for entry in _entry_points(row.op) if (row.eager or entry[0].startswith("op"))
+         and row.id != "latent_good"]
+
+
+@pytest.mark.parametrize("entry", _entry_points("forward"), ids=lambda e: e[0])
+def test_latent_rows_start_from_a_good_call(entry):
+    """The latent rows' unchanged arguments run (so each row's error comes from its change)."""
+    _, fn, grad = entry
+    d = forward_args()
+    next(r for r in ROWS if r.id == "latent_good").change(d)
+    out = _call(fn, _prepare(d, grad), LATENT, grad)
+    assert out.shape == (T, 16) and torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("row,entry", CASES, ids=[f"{r.op}-{r.id}-{e[0]}" for r, e in CASES])
@@ -267,7 +313,7 @@ def test_every_argument_has_a_row():
     """The table covers each tensor argument of both ops for device and shape (or presence) and, where it has one,
     dtype: a new argument without rows fails here."""
     ids = {r.id for r in ROWS}
-    for n in MOE_ARGS:
+    for n in MOE_ARGS + LATENT_ARGS:
         assert f"{n}_meta" in ids, n
         assert any(r.id.startswith(n) and r.op == "forward" and ("shape" in r.id or "rank" in r.id or "rows" in
                    r.id or "missing" in r.id or "unused" in r.id) for r in ROWS), n

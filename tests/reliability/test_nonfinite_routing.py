@@ -46,6 +46,8 @@ SPECS = [
     # large E: the case (sqrtsoftplus + bias, E=384, top-6), and grouped selection at E=384
     dict(num_experts=384, top_k=6, scoring="sqrtsoftplus", has_correction_bias=True),
     dict(num_experts=384, top_k=8, scoring="sigmoid", has_correction_bias=True, n_group=8, topk_group=4),
+    # PhiMoE's sparsemixer rounds (a -inf / FLT_MAX gap: its ratio is NaN or 1, whatever the threshold)
+    dict(num_experts=8, top_k=2, score_order="sparsemixer", jitter_eps=0.01, renormalize=False),
 ]
 
 
@@ -197,6 +199,8 @@ GPU_SPECS = [SPECS[i] for i in (0, 2, 3, 4, 5, 6, 8, 11, 12)] + [
     dict(num_experts=256, top_k=8, scoring="sigmoid", has_correction_bias=True, n_group=8, topk_group=4,
          routed_scaling_factor=2.5, renorm_eps=1e-20),  # DeepSeek-V3
     dict(num_experts=128, top_k=8, round_weights=True),  # Qwen3
+    dict(num_experts=16, top_k=2, score_order="sparsemixer", jitter_eps=0.01, renormalize=False,
+         round_weights=True),  # PhiMoE
 ]
 
 

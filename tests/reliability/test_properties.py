@@ -1,9 +1,12 @@
 """Property tests: ``moe_forward`` and ``moe_experts`` against ``moecomp.reference`` on random specs and inputs.
 
-hypothesis draws a ``MoESpec`` over everything the spec supports (every scoring function and score order, groups with
-either group score and either mask, router bias, correction bias on scores or logits, renormalisation with eps / min,
-scaling, weight rounding, fp32 routers, every activation gated or not with the clamps, both weight layouts and gate/up
-orders, expert biases, shared experts gated / ungated / concat / sigmoid-gated / fused into the router) and the
+hypothesis draws a ``MoESpec`` over everything the spec supports (every scoring function and score order, sparsemixer
+rounds with their threshold, groups with either group score and either mask, router bias, correction bias on scores
+or logits, renormalisation with eps / min, scaling, weight rounding, fp32 routers, every activation gated or not with
+the clamps, both weight layouts and gate/up orders, expert biases, shared experts gated / ungated / concat /
+sigmoid-gated / fused into the router; latent
+projections around the experts, with or without biases, on a quarter of the moe_forward cases, chosen from the case's
+seed so that the drawn examples stay the same: ``with_latent``) and the
 inputs: T = 0, 1 and more, 2-D or 3-D hidden states, top-k up to E, odd H and I, E not a power of two, every token
 routed to one expert, experts with no tokens. Runs are derandomized (the same examples every run, no example
 database), so CI sees a fixed set.
@@ -59,7 +62,7 @@ from moecomp.spec import (
     SharedExpertSpec,
     SpecError,
 )
-from moecomp.testing import random_hash_args, random_moe_args
+from moecomp.testing import random_hash_args, random_latent_args, random_moe_args
 
 MIN_FORWARD = {"torch": 300, "triton": 130}  # moe_forward cases per CPU path at least (moe_experts: MIN_EXPERTS)
 FP32_TOL = 1e-5
@@ -140,25 +143,40 @@ def moe_specs(draw, sizes: dict):
     shared = draw(st.none() | shared_specs(sizes["Is"]))
     has_router_bias = draw(st.booleans())
     fse = (shared is not None and shared.gate == "sigmoid" and not has_router_bias) and draw(st.booleans())
+    fields = dict(
+        num_experts=E, top_k=top_k,
+        hidden_size=draw(sizes_in(1, sizes["H"])), intermediate_size=draw(sizes_in(1, sizes["I"])),
+        scoring=scoring, score_order=score_order,
+        renormalize=draw(st.booleans()), renorm_eps=draw(st.sampled_from((0.0, 1e-20, 1e-6))),
+        routed_scaling_factor=draw(st.sampled_from((1.0, 2.5, 0.5))),
+        n_group=n_group, topk_group=topk_group, group_score=group_score,
+        has_correction_bias=has_cb, bias_on_logits=bias_on_logits, group_mask_zero=mask_zero,
+        renorm_min=draw(st.sampled_from((0.0, 0.0, 0.3, 0.6))),
+        has_router_bias=has_router_bias, router_fp32=draw(st.booleans()), round_weights=draw(st.booleans()),
+        fused_shared_gate=fse,
+        activation=activation, gated=gated, activation_alpha=draw(st.sampled_from((1.702, 1.0))),
+        activation_limit=draw(st.sampled_from((0.5, 1.0, 7.0))), activation_clamp=clamp,
+        w_layout=draw(st.sampled_from(W_LAYOUTS)), gate_up=draw(st.sampled_from(GATE_UP)),
+        has_expert_bias=draw(st.booleans()), shared=shared,
+    )
+    # sparsemixer rounds (PhiMoE) in 3 of 4 of the softmax specs that allow them (no correction bias, no groups);
+    # drawn last, so that the other fields' draws stay what they were before sparsemixer existed (a fixed example
+    # set: moving them changed which features the 135 interpreter cases cover)
+    if (score_order, scoring, has_cb, n_group) == ("score_then_topk", "softmax", False, 1) and draw(
+            st.integers(0, 2**32 - 1)) % 4:
+        fields.update(score_order="sparsemixer", jitter_eps=draw(st.sampled_from((0.0, 0.01, 0.1, 0.5))))
     try:
-        return MoESpec(
-            num_experts=E, top_k=top_k,
-            hidden_size=draw(sizes_in(1, sizes["H"])), intermediate_size=draw(sizes_in(1, sizes["I"])),
-            scoring=scoring, score_order=score_order,
-            renormalize=draw(st.booleans()), renorm_eps=draw(st.sampled_from((0.0, 1e-20, 1e-6))),
-            routed_scaling_factor=draw(st.sampled_from((1.0, 2.5, 0.5))),
-            n_group=n_group, topk_group=topk_group, group_score=group_score,
-            has_correction_bias=has_cb, bias_on_logits=bias_on_logits, group_mask_zero=mask_zero,
-            renorm_min=draw(st.sampled_from((0.0, 0.0, 0.3, 0.6))),
-            has_router_bias=has_router_bias, router_fp32=draw(st.booleans()), round_weights=draw(st.booleans()),
-            fused_shared_gate=fse,
-            activation=activation, gated=gated, activation_alpha=draw(st.sampled_from((1.702, 1.0))),
-            activation_limit=draw(st.sampled_from((0.5, 1.0, 7.0))), activation_clamp=clamp,
-            w_layout=draw(st.sampled_from(W_LAYOUTS)), gate_up=draw(st.sampled_from(GATE_UP)),
-            has_expert_bias=draw(st.booleans()), shared=shared,
-        )
+        return MoESpec(**fields)
     except SpecError:  # pragma: no cover - the draws above only build valid specs
         assume(False)
+
+
+def with_latent(spec: MoESpec, seed: int) -> MoESpec:
+    """``spec`` with latent projections (``MoESpec.latent_size`` L in 1..H + 4, biases or not) for one seed in 4.
+    Read from the case's seed, not drawn: a new draw would change every derandomized example."""
+    if seed % 4 != 1:
+        return spec
+    return spec.replace(latent_size=1 + (seed >> 2) % (spec.hidden_size + 4), latent_bias=bool((seed >> 9) & 1))
 
 
 ROUTING_MODES = ("random", "random", "one_expert", "identical_tokens")
@@ -298,7 +316,7 @@ def routing(x2, args, spec: MoESpec, acc=torch.float32, h: dict | None = None):
 
 
 def magnitude(x2, ids, weights, args, spec: MoESpec, acc=torch.float64, forward: bool = True,
-              terms: str = "all") -> torch.Tensor:
+              terms: str = "all", lat: dict | None = None) -> torch.Tensor:
     """[T, H]: the size of the terms the output is a sum of. Where they cancel (a routed part against a shared part,
     a bias against its GEMM, the products of a dot), a correct result in fp32 (or 16 bits) is accurate relative to
     this, not to itself.
@@ -306,7 +324,7 @@ def magnitude(x2, ids, weights, args, spec: MoESpec, acc=torch.float64, forward:
     terms="all": the block on |inputs| (|x|, |weights|, |biases|, the same routing with |routing weights|), every
     product and sum counted at full size (the classic forward-error bound; far above |out| for long dots).
     terms="parts": sum of |each routed (token, expert) term| + |shared part|, from the reference: cancellation in the
-    final sum only (close to |out| otherwise)."""
+    final sum only (close to |out| otherwise). ``lat``: the latent projections (terms="all" only)."""
     if terms == "parts":  # reference.experts' loop, summing |term| instead of term
         out = torch.zeros(x2.shape, dtype=acc, device=x2.device)
         w13, b13, w2, b2 = (None if t is None else t.to(acc) for t in args[4:8])
@@ -321,7 +339,12 @@ def magnitude(x2, ids, weights, args, spec: MoESpec, acc=torch.float64, forward:
             out += reference.shared_experts(x2, args[8], args[9], args[10], gate, spec, acc).abs()
         return out
     a = [None if t is None else t.abs() for t in args]
-    out = reference.experts(x2.abs(), ids, weights.abs(), a[4], a[5], a[6], a[7], spec, acc)
+    la = {k: v.abs() for k, v in (lat or {}).items()}
+    xe = x2.abs() if not spec.latent_size else reference.latent_in(x2.abs(), la["latent_in_w"],
+                                                                   la.get("latent_in_b"), acc)
+    out = reference.experts(xe, ids, weights.abs(), a[4], a[5], a[6], a[7], spec.experts_spec(), acc)
+    if spec.latent_size:
+        out = reference.latent_out(out, la["latent_out_w"], la.get("latent_out_b"), acc)
     if forward and spec.shared is not None:
         gate = a[1][spec.num_experts:] if spec.fused_shared_gate else a[11]
         out = out + reference.shared_experts(x2.abs(), a[8], a[9], a[10], gate, spec, acc)
@@ -371,20 +394,22 @@ def compare(out, ref, mag, excusable, Ts, tol: float, counts: Counts, what: str)
 
 def check_forward(case: dict, counts: Counts) -> None:
     T = case["T"]
-    spec, hargs = hash_case(case["spec"], T, case["seed"])  # (hash-routed: the spec says so in its describe())
+    spec, hargs = hash_case(with_latent(case["spec"], case["seed"]), T, case["seed"])  # (one or neither)
     args = moe_inputs(spec, T, case["mode"], case["seed"])
+    lat = random_latent_args(spec, seed=case["seed"] + 4)  # {} unless latent
     x2 = args[0]
-    ref = reference.moe_forward(*args, spec, acc=torch.float64, **hargs)  # [T, H]: fp32 router, fp64 math
+    ref = reference.moe_forward(*args, spec, acc=torch.float64, **lat, **hargs)  # [T, H]: fp32 router, fp64 math
     weights, ids = routing(x2, args, spec, torch.float64, hargs)
-    mag = magnitude(x2, ids, weights, args, spec)
+    mag = magnitude(x2, ids, weights, args, spec, lat=lat)
     g = torch.Generator().manual_seed(case["seed"] + 3)
     op_args = [nan_padded(t, g) for t in args] if case["pad"] else args
+    op_lat = {k: nan_padded(v, g) for k, v in lat.items()} if case["pad"] else lat
     op_hash = {k: nan_padded(t, g) for k, t in hargs.items()} if case["pad"] else hargs
     x = op_args[0]
     if case["lead3"]:
         x = x.reshape(2, T // 2, spec.hidden_size)
         op_hash = {k: (t.reshape(2, T // 2) if k == "token_ids" else t) for k, t in op_hash.items()}
-    out = torch.ops.moecomp.moe_forward(x, *op_args[1:], spec.key, **op_hash)
+    out = torch.ops.moecomp.moe_forward(x, *op_args[1:], spec.key, **op_lat, **op_hash)
     assert out.shape == x.shape and out.dtype == x.dtype
     excusable = reference.near_tie_tokens(x2, args[1], args[2], args[3], spec, TIE_REL[torch.float32])
     excusable |= ill_conditioned_renorm(x2, args, spec, hargs)
@@ -397,10 +422,10 @@ def check_forward(case: dict, counts: Counts) -> None:
 # spec features every CPU test must have covered (counted per case by _count_spec)
 FEATURES = (
     *(f"scoring_{v}" for v in SCORINGS), *(f"act_{v}" for v in ACTIVATIONS), *(f"layout_{v}" for v in W_LAYOUTS),
-    "topk_then_score", "groups_top2_sum", "groups_max", "group_mask_zero", "router_bias", "correction_bias",
-    "bias_on_logits", "renormalize", "renorm_min", "scaling", "round_weights", "router_fp32", "ungated",
+    "topk_then_score", "sparsemixer", "groups_top2_sum", "groups_max", "group_mask_zero", "router_bias",
+    "correction_bias", "bias_on_logits", "renormalize", "renorm_min", "scaling", "round_weights", "router_fp32", "ungated",
     "gate_up_interleaved", "activation_clamp", "expert_bias", "shared_gated", "shared_ungated", "shared_concat",
-    "shared_sigmoid_gate", "fused_shared_gate", "padded_inputs", "hash_routing",
+    "shared_sigmoid_gate", "fused_shared_gate", "padded_inputs", "latent", "latent_bias", "hash_routing",
 )
 
 
@@ -409,6 +434,7 @@ def _count_spec(spec: MoESpec, pad: bool, counts: Counts) -> None:
     flags = {
         f"scoring_{spec.scoring}": spec.score_order == "score_then_topk", f"act_{spec.activation}": True,
         f"layout_{spec.w_layout}": True, "topk_then_score": spec.score_order == "topk_then_score",
+        "sparsemixer": spec.score_order == "sparsemixer",
         f"groups_{spec.group_score}": spec.n_group > 1, "group_mask_zero": spec.group_mask_zero,
         "router_bias": spec.has_router_bias, "correction_bias": spec.has_correction_bias,
         "bias_on_logits": spec.bias_on_logits, "renormalize": spec.renormalize, "renorm_min": spec.renorm_min > 0,
@@ -419,7 +445,8 @@ def _count_spec(spec: MoESpec, pad: bool, counts: Counts) -> None:
         "shared_gated": sh is not None and sh.gated, "shared_ungated": sh is not None and not sh.gated,
         "shared_concat": sh is not None and sh.gated and sh.layout == "concat",
         "shared_sigmoid_gate": sh is not None and sh.gate == "sigmoid", "fused_shared_gate": spec.fused_shared_gate,
-        "padded_inputs": pad, "hash_routing": spec.hash_routing,
+        "padded_inputs": pad, "latent": spec.latent_size > 0, "latent_bias": spec.latent_bias,
+        "hash_routing": spec.hash_routing,
     }
     for key, on in flags.items():
         if on:
@@ -601,6 +628,9 @@ GPU_POOL = (
     MoESpec(num_experts=7, top_k=1, hidden_size=50, intermediate_size=30, activation="relu",
             fused_shared_gate=True, shared=SharedExpertSpec(20, gate="sigmoid", activation_clamp=True,
                                                             activation_limit=1.0)),
+    # PhiMoE style: sparsemixer rounds (a wide threshold: many weights below 1), weights rounded, silu * up
+    MoESpec(num_experts=8, top_k=2, hidden_size=40, intermediate_size=24, score_order="sparsemixer",
+            jitter_eps=0.1, renormalize=False, round_weights=True),
 )
 # T values chosen for few kernel specialisations: 1 (its own), 9 and 33 (same routing block, neither 1 nor a multiple
 # of 16); 0 launches nothing. Compiling the pool's kernels is most of this test's time (about 45 s of an H200 host).

@@ -132,6 +132,20 @@ def _tiny(family):
     return make
 
 
+def experts_only_tiny():
+    """A tiny model whose blocks are experts only (zaya: no router weight the recognisers read), its
+    experts' weights scaled up (gate_up x 10, down x 10 / 3) so that their activation works off its linear part and
+    the experts matter in the logits: a change of either shows (PhiMoE served here until its routing was in the
+    spec)."""
+    model = F.build_tiny("zaya", seed=0)[0]
+    with torch.no_grad():
+        for m in model.modules():
+            if F.is_experts_class(type(m)):
+                m.gate_up_proj.mul_(10.0)
+                m.down_proj.mul_(10.0 / 3)
+    return model
+
+
 # name -> (make, inputs, output, expert weights to change as (owner path, tensor name), expected status)
 LAYOUTS = {
     "modulelist": (_modulelist, _x, _plain_out,
@@ -146,7 +160,7 @@ LAYOUTS = {
               [(f"{i}.experts", n) for i in (0, 1) for n in ("gate_proj", "up_proj", "down_proj")] +
               [("0.gate", "weight")], "rewritten"),
     # routing stays transformers'; the experts module runs moe_experts
-    "experts_only": (_tiny("phimoe"), _ids, _hf_out,
+    "experts_only": (experts_only_tiny, _ids, _hf_out,
                      [(f"model.layers.{i}.mlp.experts", n) for i in (0, 1) for n in ("gate_up_proj", "down_proj")],
                      "experts only"),
 }

@@ -1,0 +1,111 @@
+"""The skinny linear (``kernels/skinny.py``): y = x @ w.T (+ bias) for a few rows of x (decode, M <= 4), with w in
+16 bits or e4m3 with its scales (weight-only: x stays 16-bit).
+
+``skinny_linear`` launches the kernel on CUDA tensors (the interpreter runs it on CPU under ``TRITON_INTERPRET=1``);
+``skinny_config`` chooses its tiles: narrow BLOCK_N for enough programs to keep every SM streaming weight rows, and
+BLOCK_K so that each program has a few KiB of weight in flight per step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..kernels import skinny as skinny_k
+
+MAX_ROWS = 4
+_W_SCALE = {None: 0, "block": 1, "channel": 2, "tensor": 3}
+
+
+def use_skinny(M: int, N: int, K: int, quantized: bool) -> bool:
+    """Whether M rows against an [N, K] weight go faster through the skinny kernel than through the alternative
+    (cuBLAS for 16-bit weights, fp8_linear's MMA form for e4m3), by the H200 sweep of 2026-12-01
+    (``benchmarks/diag_skinny.py``, results ``nvidia-h200-2026-12-01-b3f2b14-diag-skinny.json``): one row always
+    (0.41-0.93x cuBLAS, 0.19-0.61x the MMA form); two rows up to 32M weight elements (16-bit: 0.47-0.96x; 1.02-1.05x
+    above) and always in e4m3 (0.26-0.95x); four rows only in e4m3 up to 8M elements (0.47-1.01x; 1.3-3x above)."""
+    if M <= 1:
+        return M == 1
+    if M == 2:
+        return quantized or N * K <= (32 << 20)
+    return quantized and M <= MAX_ROWS and N * K <= (8 << 20)
+
+
+def skinny_config(M: int, N: int, K: int, itemsize: int, device: torch.device, sms: int) -> dict:
+    """Tiles for M rows against an [N, K] weight of ``itemsize`` bytes an element: the winners of the H200 sweep
+    (see ``use_skinny``) by shape class. Under 4096 rows 4-row tiles with long K steps (2048 columns at one row);
+    from 4096 rows 8-row tiles; from 7168 rows (one row) or 16384 (two) a reduction every K step, whose small
+    accumulators leave room for more programs in flight."""
+    if device.type != "cuda":  # the interpreter: small tiles, two K steps on the tests' shapes
+        return dict(BLOCK_N=8, BLOCK_K=64, REDUCE_END=1, num_warps=4, num_stages=1)
+    kmax = max(64, triton.next_power_of_2(K))
+    if M == 1:
+        if N < 4096:
+            bn, bk, red = 4, 2048, 1
+        elif N < 7168:
+            bn, bk, red = 8, 1024, 1
+        else:
+            bn, bk, red = 8, 1024 if itemsize == 1 else 512, 0
+    elif M == 2:
+        if N < 4096:
+            bn, bk, red = 4, 1024, 1
+        elif N < 16384:
+            bn, bk, red = 8, 512, 1
+        else:
+            bn, bk, red = 16, 512 if itemsize == 1 else 256, 0
+    else:
+        bn, bk, red = 4, 1024, 1
+    if -(-N // bn) < sms and bn > 4:  # too few programs for the SMs: narrower tiles
+        bn //= 2
+    return dict(BLOCK_N=bn, BLOCK_K=min(bk, kmax), REDUCE_END=red, num_warps=4, num_stages=3)
+
+
+def skinny_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  weight_scale: torch.Tensor | None = None, q=None, out: torch.Tensor | None = None,
+                  cfg: dict | None = None) -> torch.Tensor:
+    """x2 [M, K] (M <= MAX_ROWS, unit stride along K) x weight [N, K] -> [M, N] in x2's dtype. ``q``: the weight's
+    QuantSpec when it is e4m3 (``weight_scale`` its scales); ``out``: an [M, N] buffer of unit column stride;
+    ``cfg``: explicit tiles (the benchmark's sweep), else ``skinny_config``."""
+    M, K = x2.shape
+    N = weight.shape[0]
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"skinny_linear: x2 must have 1..{MAX_ROWS} rows, got {M}")
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        raise ValueError(f"skinny_linear: weight must have unit stride along K, got strides {weight.stride()}")
+    y = torch.empty(M, N, dtype=x2.dtype, device=x2.device) if out is None else out
+    mode = _W_SCALE[None if q is None else q.scale]
+    if cfg is None:
+        cfg = skinny_config(M, N, K, weight.element_size(), x2.device, _sms(x2.device))
+    qbn, qbk = (q.block_n, q.block_k) if mode == 1 else (128, 128)
+    bk = cfg["BLOCK_K"]
+    if mode == 1 and (bk % qbk and qbk % bk):  # a scale block of 384: steps of its largest power-of-two divisor
+        bk = min(bk, qbk & -qbk)
+    if bias is not None and bias.stride(-1) != 1:
+        bias = bias.contiguous()
+    ws = weight_scale if mode else None
+    if ws is not None and mode == 1 and ws.dim() != 2:
+        raise ValueError(f"skinny_linear: block scales must be 2-D, got {tuple(ws.shape)}")
+    ue8m0 = ws is not None and ws.dtype == torch.float8_e8m0fnu
+    if ue8m0:
+        ws = ws.view(torch.uint8)
+    s_n = ws.stride(0) if ws is not None and ws.dim() >= 1 else 0
+    s_k = ws.stride(1) if ws is not None and ws.dim() == 2 else 0
+    skinny_k.skinny_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
+        x2, weight, ws, bias, y, N, K, x2.stride(0), weight.stride(0), s_n, s_k, y.stride(0),
+        ROWS=M, HAS_BIAS=bias is not None, W_SCALE=mode, Q_BLOCK_N=qbn, Q_BLOCK_K=qbk, UE8M0=ue8m0,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, REDUCE_END=cfg["REDUCE_END"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    return y
+
+
+_SMS: dict = {}
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
