@@ -157,6 +157,16 @@ skinny)  # issues 19 / 20: the skinny linear (kernels/skinny.py, M <= 4) against
   for g in 1 0; do MOECOMP_SKINNY=$g timeout 150 python3 benchmarks/bench_generate_fp8.py --models qwen3 \
       --batches 1 --ref-batches "" --budget-s 120 --out-json "$OUT/generate-fp8-skinny$g.json" 2>&1 | grep "fp8 decode"
   done ;;
+wrap)  # the tenth session's last call: the GPU tests of what joined (the skinny linear in fp8_linear and in the decode
+      # steps, sparsemixer / hash routing branches of the routing kernel, latent projections) and of the paths they
+      # touch (routing on non-finite rows, generate), then Qwen3 (12 layers) B=1 one-liner with its step profile
+  timeout ${TEST_TIMEOUT:-170} python3 -m pytest -q -rfE --durations=6 -m gpu -n 4 -p no:cacheprovider \
+      tests/kernels/test_skinny.py tests/ops/test_sparsemixer.py tests/ops/test_latent.py tests/ops/test_hash_routing.py \
+      tests/reliability/test_nonfinite_routing.py tests/generate/test_generate_gpu.py tests/hf/test_fp8_gpu.py 2>&1 \
+      | grep -v "^DEBUG" | tee "$OUT/tests-wrap.log" | tail -16
+  timeout ${GEN_TIMEOUT:-120} python3 benchmarks/bench_generate.py --models qwen3 --layers qwen3=12 --batches 1 \
+      --paths one_liner --profile one_liner:1 --budget-s ${GEN_BUDGET:-95} --out-json "$OUT/generate-b1.json" 2>&1 \
+      | tee "$OUT/generate-b1.log" | quiet | tail -24 ;;
 next)  # the next session's first calls (STEP=1|2|3): 1 = every GPU test ; 2 = the two opt-in candidates measured (the skinny linear);
        # 3 = issue 20's rows with the TTFT breakdown (issue20) and the fixed FP8 generate rows (fp8next STEP=gen)
   case "${STEP:-1}" in
