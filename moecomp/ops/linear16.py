@@ -61,6 +61,26 @@ def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+def _setup(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad):
+    """The linear's gradients (the op is a linear; the kernel only changes how the forward is summed)."""
+    x, weight = ctx.saved_tensors
+    N, K = weight.shape
+    g2 = grad.reshape(-1, N)  # [M, N]
+    gx = (g2 @ weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
+    gw = g2.T @ x.reshape(-1, K) if ctx.needs_input_grad[1] else None
+    gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return gx, gw, gb
+
+
+skinny_linear.register_autograd(_backward, setup_context=_setup)
+
+
 def linear_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A plain ``nn.Linear``'s forward through the op where the kernel takes the call, ``F.linear`` otherwise (the
     choice is made on shapes, so a compiled step holds one or the other)."""

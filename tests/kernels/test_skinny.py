@@ -85,6 +85,14 @@ def test_skinny_linear_op_checks_and_falls_back():
     y = torch.ops.moecomp.skinny_linear(x, w, b)
     assert torch.equal(y, torch.nn.functional.linear(x, w, b))
     torch.library.opcheck(torch.ops.moecomp.skinny_linear.default, (x, w, b))
+    # with parameters that require grad (an nn.Linear's): the gradients are the linear's
+    xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
+    torch.library.opcheck(torch.ops.moecomp.skinny_linear.default, (xg, wg, bg))
+    torch.ops.moecomp.skinny_linear(xg, wg, bg).square().sum().backward()
+    x2, w2, b2 = (t.clone().requires_grad_() for t in (x, w, b))
+    torch.nn.functional.linear(x2, w2, b2).square().sum().backward()
+    for a, r in ((xg, x2), (wg, w2), (bg, b2)):
+        torch.testing.assert_close(a.grad, r.grad)
 
 
 @pytest.mark.gpu
