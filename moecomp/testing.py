@@ -250,3 +250,43 @@ class SplitBlock(torch.nn.Module):
         w, ids = torch.topk(w, self.top_k, dim=-1)
         w = w / w.sum(dim=-1, keepdim=True)
         return self.experts(x, ids, w).view(b, s, h)
+
+
+def rewrite_block_graph(block: torch.nn.Module, example: torch.Tensor, blocks: int = 1):
+    """A block captured by Dynamo, detected and rewritten in place (the compile backend's steps, inner compiler
+    left out): asserts exactly ``blocks`` rewrites and returns ``(gm, before, after)``, the graph's first output
+    before and after the rewrite on the captured inputs (no grad)."""
+    import copy
+
+    from .capture import capture_block
+    from .passes import detect_moe as dm
+    from .passes.rewrite_moe import rewrite_moe
+
+    cap = capture_block(block, example)
+    res = dm.detect_moe(cap.gm, cap.example_inputs)
+    gm, inputs = cap.gm, cap.concrete_inputs()
+    with torch.no_grad():
+        before = copy.deepcopy(gm)(*inputs)
+        n = rewrite_moe(gm, res.matches)
+        assert n == blocks, f"rewrote {n} blocks, expected {blocks}"
+        after = gm(*inputs)
+    first = lambda y: y[0] if isinstance(y, (tuple, list)) else y  # noqa: E731
+    return gm, first(before), first(after)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative Frobenius error of ``a`` against ``b`` (in float64)."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check_replays(graph, static_x: torch.Tensor, static_out: torch.Tensor, inputs, reference_fn, tol: float) -> None:
+    """Replay a captured moe_forward (``capture_moe_forward``) on each of ``inputs`` (copied into ``static_x``; the
+    output NaN-poisoned first) and assert a finite result within ``tol`` of ``reference_fn(static_x)``."""
+    for x in inputs:
+        static_x.copy_(x.to(static_x.dtype))
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        err = rel_err(static_out, reference_fn(static_x))
+        assert torch.isfinite(static_out).all() and err < tol, err

@@ -30,6 +30,15 @@ def use_skinny(M: int, N: int, K: int, quantized: bool) -> bool:
     return quantized and M <= MAX_ROWS and N * K <= (8 << 20)
 
 
+# rows -> ((N below which, (BLOCK_N, BLOCK_K for 16-bit weights, BLOCK_K for e4m3, REDUCE_END)), ...): the sweep's
+# winners by shape class (the last entry: every N above)
+_TILES = {
+    1: ((4096, (4, 2048, 2048, 1)), (7168, (8, 1024, 1024, 1)), (None, (8, 512, 1024, 0))),
+    2: ((4096, (4, 1024, 1024, 1)), (16384, (8, 512, 512, 1)), (None, (16, 256, 512, 0))),
+    4: ((None, (4, 1024, 1024, 1)),),
+}
+
+
 def skinny_config(M: int, N: int, K: int, itemsize: int, device: torch.device, sms: int) -> dict:
     """Tiles for M rows against an [N, K] weight of ``itemsize`` bytes an element: the winners of the H200 sweep
     (see ``use_skinny``) by shape class. Under 4096 rows 4-row tiles with long K steps (2048 columns at one row);
@@ -38,22 +47,8 @@ def skinny_config(M: int, N: int, K: int, itemsize: int, device: torch.device, s
     if device.type != "cuda":  # the interpreter: small tiles, two K steps on the tests' shapes
         return dict(BLOCK_N=8, BLOCK_K=64, REDUCE_END=1, num_warps=4, num_stages=1)
     kmax = max(64, triton.next_power_of_2(K))
-    if M == 1:
-        if N < 4096:
-            bn, bk, red = 4, 2048, 1
-        elif N < 7168:
-            bn, bk, red = 8, 1024, 1
-        else:
-            bn, bk, red = 8, 1024 if itemsize == 1 else 512, 0
-    elif M == 2:
-        if N < 4096:
-            bn, bk, red = 4, 1024, 1
-        elif N < 16384:
-            bn, bk, red = 8, 512, 1
-        else:
-            bn, bk, red = 16, 512 if itemsize == 1 else 256, 0
-    else:
-        bn, bk, red = 4, 1024, 1
+    bn, bk16, bk8, red = next(t for below, t in _TILES.get(M, _TILES[4]) if below is None or N < below)
+    bk = bk8 if itemsize == 1 else bk16
     if -(-N // bn) < sms and bn > 4:  # too few programs for the SMs: narrower tiles
         bn //= 2
     return dict(BLOCK_N=bn, BLOCK_K=min(bk, kmax), REDUCE_END=red, num_warps=4, num_stages=3)

@@ -11,17 +11,16 @@ Tolerances: fp32, max abs error / max |block output| <= 1e-5 (the op's GEMMs are
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 from torch import nn
 
-from moecomp.capture import DetectError, capture_block, detect_block
+from moecomp.capture import DetectError, detect_block
 from moecomp.ops.common import OP_ARGS
 from moecomp.passes import detect_moe as dm
-from moecomp.passes.rewrite_moe import rewrite_moe
 from moecomp.recognise import match_block
+from moecomp.testing import rewrite_block_graph
 
 H, L, I, E, K, IS = 32, 24, 16, 6, 2, 12
 TOL = 1e-5
@@ -111,15 +110,7 @@ def test_latent_block_is_read_and_proven(poison):
     with torch.no_grad():
         assert _rel(_op(block, m, x), block(x)) <= TOL
     # the compile backend's rewrite of the captured graph: one moe_forward, the same result
-    cap = capture_block(block, torch.randn(2, 5, H))
-    res = dm.detect_moe(cap.gm, cap.example_inputs)
-    gm, inputs = cap.gm, cap.concrete_inputs()
-    with torch.no_grad():
-        before = copy.deepcopy(gm)(*inputs)
-        assert rewrite_moe(gm, res.matches) == 1
-        after = gm(*inputs)
-    before = before[0] if isinstance(before, (tuple, list)) else before
-    after = after[0] if isinstance(after, (tuple, list)) else after
+    gm, before, after = rewrite_block_graph(block, torch.randn(2, 5, H))
     assert [dm.op_name(n) for n in gm.graph.nodes].count("moe_forward") == 1
     assert _rel(after, before) <= TOL
     # the attribute reader (projections found by shape) and the verify stage give the same spec

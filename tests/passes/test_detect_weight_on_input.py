@@ -7,7 +7,6 @@ is refused, and a scale of the routed output is not folded into the routing (it 
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -15,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import tiny_models as tm
-from moecomp.capture import DetectError, capture_block, detect_block
+from moecomp.capture import DetectError, detect_block
 from moecomp.ops.moe_op import MOE_ARGS
 from moecomp.passes import detect_moe as dm
-from moecomp.passes.rewrite_moe import rewrite_moe
+from moecomp.testing import rewrite_block_graph
 
 H, I, E, K = 32, 24, 6, 2
 
@@ -118,15 +117,7 @@ def test_weight_on_input_is_read_and_proven(poison):
         got, want = torch.ops.moecomp.moe_forward(x, *args, s.key), block(x)
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
     # the rewritten graph computes the same
-    cap = capture_block(block, torch.randn(2, 5, H))
-    res = dm.detect_moe(cap.gm, cap.example_inputs)
-    gm, inputs = cap.gm, cap.concrete_inputs()
-    with torch.no_grad():
-        before = copy.deepcopy(gm)(*inputs)
-        assert rewrite_moe(gm, res.matches) == 1
-        after = gm(*inputs)
-    before = before[0] if isinstance(before, (tuple, list)) else before
-    after = after[0] if isinstance(after, (tuple, list)) else after
+    gm, before, after = rewrite_block_graph(block, torch.randn(2, 5, H))
     assert [dm.op_name(n) for n in gm.graph.nodes].count("moe_forward") == 1
     assert ((after - before).abs().max() / before.abs().max()).item() <= 1e-5
 

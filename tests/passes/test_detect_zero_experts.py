@@ -8,7 +8,6 @@ what the zero experts compute: a block that drops their pairs instead is refused
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -16,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moecomp.capture import DetectError, capture_block, detect_block
+from moecomp.capture import DetectError, detect_block
 from moecomp.passes import detect_moe as dm
-from moecomp.passes.rewrite_moe import rewrite_moe
+from moecomp.testing import rewrite_block_graph
 
 H, I, E, Z, K = 32, 24, 6, 3, 2
 
@@ -110,15 +109,7 @@ def test_zero_experts_are_read_and_proven(poison, form):
 def test_rewritten_graph_reads_the_first_rows():
     """The rewrite passes w13 through a ``narrow`` to E rows and computes what the block computed."""
     block = ZeroMoE().eval()
-    cap = capture_block(block, torch.randn(2, 5, H))
-    res = dm.detect_moe(cap.gm, cap.example_inputs)
-    gm, inputs = cap.gm, cap.concrete_inputs()
-    with torch.no_grad():
-        before = copy.deepcopy(gm)(*inputs)
-        assert rewrite_moe(gm, res.matches) == 1
-        after = gm(*inputs)
-    before = before[0] if isinstance(before, (tuple, list)) else before
-    after = after[0] if isinstance(after, (tuple, list)) else after
+    gm, before, after = rewrite_block_graph(block, torch.randn(2, 5, H))
     names = [dm.op_name(n) for n in gm.graph.nodes]
     assert names.count("moe_forward") == 1 and "narrow" in names
     assert ((after - before).abs().max() / before.abs().max()).item() <= 1e-5
