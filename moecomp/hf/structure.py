@@ -244,28 +244,7 @@ def _experts_of(block: nn.Module):
         lst = _expert_list_parts(child, name)
         if lst is not None:
             return name, child, None, lst
-    _refuse_unnamed_experts(block)
     raise NotABlock("no experts child")
-
-
-def _refuse_unnamed_experts(block: nn.Module) -> None:
-    """A container child (``nn.ModuleList`` / ``ModuleDict`` / ``Sequential``) of E >= 2 modules of one type and
-    identical weight shapes, each with 2-D weights, next to a router weight [E, H]: per-expert modules whose
-    projections are not named as ``mlp_parts`` reads them. Refused by name (NotABlock) rather than not reported."""
-    for name, child in block.named_children():
-        if not isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) or len(child) < 2:
-            continue
-        mods = list(child.children())
-        shapes = {tuple(tuple(p.shape) for p in m.parameters()) for m in mods}
-        if len({type(m) for m in mods}) != 1 or len(shapes) != 1 or len(mods) != len(child):
-            continue
-        if sum(len(s) == 2 for s in next(iter(shapes))) < 2 or _find_router(block, name, len(mods)) is None:
-            continue
-        raise NotABlock(f"{name!r} holds {len(mods)} {type(mods[0]).__name__} modules of identical 2-D weights next "
-                        f"to a router [{len(mods)}, H], but not as an nn.ModuleList of MLPs whose projections are "
-                        f"named gate_proj / up_proj / down_proj, w1 / w3 / w2, up_proj / down_proj or fc1 / fc2: "
-                        f"the block is left alone (optimize finds per-expert modules by those names; the FX pass, "
-                        f"detect_moe, reads them by structure)")
 
 
 def _fill_fused(parts: BlockParts, experts: nn.Module, fused, block: nn.Module) -> None:

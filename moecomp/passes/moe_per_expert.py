@@ -67,18 +67,27 @@ class _Expert:
 
 
 # ------------------------------------------------------------------------------------------------- selectors
-def selector_topks(ctx: Context) -> list[fx.Node]:
-    """Top-k nodes over a static expert count whose indices are compared with constants / one-hot encoded, or that
-    rank the outputs of a router-shaped linear (a 2-D weight [E, H], E the top-k's width): the latter, with no
-    selector, are refused by :func:`per_expert` when per-expert linears are there (not skipped unnamed)."""
-    out = []
+class Unselected(Reject):
+    """A top-k that ranks a router-shaped linear selects no expert, but per-expert linears are there."""
+
+
+def selector_topks(ctx: Context) -> dict[fx.Node, bool]:
+    """Top-k nodes over a static expert count whose indices are compared with constants / one-hot encoded (-> True),
+    or that rank the outputs of a router-shaped linear (a 2-D weight [E, H], E the top-k's width) (-> False): the
+    latter, with no selector, are refused (:class:`Unselected`) by :func:`per_expert` when per-expert linears are
+    there; any other refusal of theirs is not reported (they may be no router)."""
+    out = {}
     for n in ctx.graph.nodes:
         if op_name(n) != "topk" or not _fx.shape_of(arg(n, 0)):
             continue
         ids = [u for u in n.users if op_name(u) == "getitem" and u.args[1] == 1]
         width = _fx.static_int(_fx.shape_of(arg(n, 0))[-1])
-        if width is not None and ids and (expert_selectors(ids[0]) or _ranks_router(ctx, arg(n, 0), width)):
-            out.append(n)
+        if width is None or not ids:
+            continue
+        if expert_selectors(ids[0]):
+            out[n] = True
+        elif _ranks_router(ctx, arg(n, 0), width):
+            out[n] = False
     return out
 
 
@@ -185,9 +194,10 @@ def _index_at(idx, axis: int) -> int | None:
 def per_expert(ctx: Context, R: Routing, region: Region) -> Experts:
     """The routed experts as per-expert modules, one per expert 0..E-1 (see the module docstring)."""
     nodes = region.all
-    sels = {s: e for s, e in expert_selectors(R.ids).items() if s in nodes}
+    all_sels = expert_selectors(R.ids)
+    sels = {s: e for s, e in all_sels.items() if s in nodes}
     groups = _group_linears(ctx, R, region.nodes, sels)
-    if not sels:
+    if not all_sels:
         _refuse_unselected(ctx, R, region.nodes)
     if not groups:
         raise NotACandidate("no stacked 3-D expert weights [E, ., .] and no per-expert linears selected by the "
@@ -209,7 +219,7 @@ def _refuse_unselected(ctx: Context, R: Routing, region: set) -> None:
     at least one per expert), say that the tie of the ids to the experts is what was not understood."""
     lins = [n for n in region if n is not R.logits_linear and ctx.as_linear(n) is not None]
     if len(lins) >= R.E:
-        raise Reject(f"{len(lins)} linears of 2-D weights (per-expert modules?) read the block input, but the top-k "
+        raise Unselected(f"{len(lins)} linears of 2-D weights (per-expert modules?) read the block input, but the top-k "
                      "ids select no expert by a constant index (ids == e, one_hot(ids)[.., e], a dense "
                      "scatter(·, 1, ids, weights)[:, e]): which expert each output is weighted for is not understood")
 
