@@ -50,7 +50,7 @@ The matched subgraph (names are roles, not node names; ``[..]`` optional, ``|`` 
     [E, ., .] weight in the block), the loop over the experts unrolled (``capture_block(..., real_values=True)``
     follows the example's ``if tok.numel():`` branches)::
 
-        ids ─► ids == e | one_hot(ids)[e]  (for e = 0 .. E-1, constants)
+        ids ─► ids == e | one_hot(ids)[e] | scatter(zeros, 1, ids, weights)[:, e]  (for e = 0 .. E-1, constants)
           sparse: ─► tok, slot = where(·) ─► x[tok] ─► expert_e ─► * weights[tok, slot] ─► out.index_add_(0, tok, ·)
           dense:  x ─► expert_e ─► * (weights * (ids == e)).sum(-1, keepdim=True) ─► out += ·
           expert_e: down_e(act(gate_e x) * up_e x) | down_e(act(gate_up_e x)) | down_e(act(up_e x)) [+ biases],

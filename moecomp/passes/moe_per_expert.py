@@ -1,7 +1,9 @@
 """Routed experts kept as per-expert modules (``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential`` of 2-D
 weights), in a loop over the experts that Dynamo unrolled::
 
-    ids ─► selector_e:  ids == e  |  one_hot(ids, E)[.. e ..] (through permute / transpose)      (e: a constant)
+    ids ─► selector_e:  ids == e  (also of slices ids[:, j], views, casts)                       (e: a constant)
+                      |  one_hot(ids, E)[.. e ..] (through permute / transpose / casts / sum over another axis)
+                      |  scatter(zeros [T, E], 1, ids, weights)[:, e] | [tok, e] | [:, e:e+1]  (a dense weight)
     sparse:  tok, slot = where(selector_e) ─► x[tok] ─► expert_e ─► * weights[tok, slot] ─► index_add_(out, tok, ·)
     dense:   x ─► expert_e ─► * (weights * selector_e).sum(-1, keepdim=True) ─► out += ·
     expert_e: down(act(gate x) * up x)  |  down(act(gate_up x))  |  down(act(up x))     (act: moe_activation)
@@ -12,9 +14,12 @@ Experts are told apart by the graph alone: a linear belongs to expert e when sel
 (dispatch) or, for a linear computed on every token, when the routing weight its value is first multiplied by is
 computed from selector_e (the combine weight); where both exist they must agree (expert e's output is weighted by
 the routing weight of id e, not another's). Each e in 0..E-1 must have exactly one expert, all of the same
-structure and shapes. A graph traced with real values (``capture_block(..., real_values=True)``) holds only the
-experts the example input reached: the others are named in the rejection (``NOT_RECOGNISED``), so that the caller
-can trace again with more tokens.
+structure and shapes; an expert applied more than once on the same weights (a loop over the top-k slots, then the
+experts) is read from its first application. A top-k of a router-shaped linear whose ids select no expert, where
+per-expert linears are there, is refused by name (``Unselected``: e.g. ``stack([expert(x) ...])`` weighted by a
+dense [T, E] matrix; a data-dependent ``ids.unique()`` loop). A graph traced with real values
+(``capture_block(..., real_values=True)``) holds only the experts the example input reached: the others are named in
+the rejection (``NOT_RECOGNISED``), so that the caller can trace again with more tokens.
 
 The op's tensors are built from the experts' placeholders (``Experts.stacked``): per expert, w13 = [gate; up] (gate
 rows first, ``gate_up="concat"``) or the fused / plain first weight, w2 = down, b13 / b2 likewise; layout
@@ -219,9 +224,10 @@ def _refuse_unselected(ctx: Context, R: Routing, region: set) -> None:
     at least one per expert), say that the tie of the ids to the experts is what was not understood."""
     lins = [n for n in region if n is not R.logits_linear and ctx.as_linear(n) is not None]
     if len(lins) >= R.E:
-        raise Unselected(f"{len(lins)} linears of 2-D weights (per-expert modules?) read the block input, but the top-k "
-                     "ids select no expert by a constant index (ids == e, one_hot(ids)[.., e], a dense "
-                     "scatter(·, 1, ids, weights)[:, e]): which expert each output is weighted for is not understood")
+        raise Unselected(f"{len(lins)} linears of 2-D weights (per-expert modules?) read the block input, but the "
+                         "top-k ids select no expert by a constant index (ids == e, one_hot(ids)[.., e], a dense "
+                         "scatter(·, 1, ids, weights)[:, e]): which expert each output is weighted for is not "
+                         "understood")
 
 
 def _group_linears(ctx: Context, R: Routing, region: set, sels: dict) -> dict[int, list]:

@@ -28,7 +28,7 @@ from moecomp.reject import RejectCode
 TOL = 1e-5
 NR, VF = RejectCode.NOT_RECOGNISED, RejectCode.VERIFICATION_FAILED
 UNSELECTED = "select no expert by a constant index"
-NOT_FOUND = "not found"  # optimize's block finder (hf/structure.py) names per-expert parts: no candidate, no report entry
+NOT_FOUND = "not found"  # optimize's block finder names per-expert parts: no candidate, no report entry
 # name -> (FX: None = 1 match, else (code, message part)); optimize: None = rewritten, else (code, message part))
 OUTCOMES = {
     "nonzero": (None, None),
