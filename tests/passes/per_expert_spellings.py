@@ -274,6 +274,51 @@ class ThreeDInput(_Base):
         return out.reshape(b, s, h)
 
 
+class SigmoidFloatMask(_Base):
+    """Sigmoid scores, top-k, renormalised; every expert on every token, weighted by
+    ``(w * ids.eq(e).float()).sum(-1, keepdim=True)``; ``out = out + ...``."""
+
+    def mix(self, x):
+        w, ids = torch.sigmoid(self.gate(x)).topk(self.top_k, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            out = out + self.experts[e](x) * (w * ids.eq(e).float()).sum(-1, keepdim=True)
+        return out
+
+
+class SkipEmpty(_Base):
+    """``counts = bincount(ids)``, ``if counts[e] == 0: continue`` (a data-dependent branch: Dynamo cannot capture)."""
+
+    def mix(self, x):
+        w, ids = self.route(x)
+        counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            if counts[e] == 0:
+                continue
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])
+        return out
+
+
+class GatherWeight(_Base):
+    """Weights ``scores.gather(1, ids)``, not renormalised; flat (token, slot) pairs: ``sel = ids.reshape(-1) == e``,
+    the token of each pair from ``arange(T).repeat_interleave(k)``."""
+
+    def mix(self, x):
+        scores = self.gate(x).softmax(-1)
+        ids = scores.topk(self.top_k, dim=-1).indices
+        flat_ids, flat_w = ids.reshape(-1), scores.gather(1, ids).reshape(-1)
+        tok_of = torch.arange(x.shape[0]).repeat_interleave(self.top_k)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            sel = flat_ids == e
+            t = tok_of[sel]
+            out.index_add_(0, t, self.experts[e](x[t]) * flat_w[sel, None])
+        return out
+
+
 SPELLINGS = {
     "nonzero": Nonzero,
     "mask_any": MaskAny,
@@ -291,4 +336,7 @@ SPELLINGS = {
     "repeat_interleave": RepeatInterleave,
     "unique_ids": UniqueIds,
     "three_d_input": ThreeDInput,
+    "sigmoid_float_mask": SigmoidFloatMask,
+    "skip_empty": SkipEmpty,
+    "gather_weight": GatherWeight,
 }
