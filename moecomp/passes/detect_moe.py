@@ -50,7 +50,7 @@ The matched subgraph (names are roles, not node names; ``[..]`` optional, ``|`` 
     [E, ., .] weight in the block), the loop over the experts unrolled (``capture_block(..., real_values=True)``
     follows the example's ``if tok.numel():`` branches)::
 
-        ids ─► ids == e | one_hot(ids)[e]  (for e = 0 .. E-1, constants)
+        ids ─► ids == e | one_hot(ids)[e] | scatter(zeros, 1, ids, weights)[:, e]  (for e = 0 .. E-1, constants)
           sparse: ─► tok, slot = where(·) ─► x[tok] ─► expert_e ─► * weights[tok, slot] ─► out.index_add_(0, tok, ·)
           dense:  x ─► expert_e ─► * (weights * (ids == e)).sum(-1, keepdim=True) ─► out += ·
           expert_e: down_e(act(gate_e x) * up_e x) | down_e(act(gate_up_e x)) | down_e(act(up_e x)) [+ biases],
@@ -132,7 +132,7 @@ from ._reject import NotACandidate, Reject
 from .moe_experts import Experts, stacked_experts, weights_on_input
 from .moe_latent import Latent, check_scales, latent_out
 from .moe_output import MAX_OUTPUT_CANDIDATES, block_output, common_scale, output_candidates, output_scale
-from .moe_per_expert import per_expert, selector_topks
+from .moe_per_expert import Unselected, per_expert, selector_topks
 from .moe_region import Region, check_ops, find_region, pick_input
 from .moe_hash import hash_lookups, hash_routing
 from .moe_routing import Routing, routing
@@ -228,7 +228,8 @@ def detect_moe(
     result = DetectResult()
     claimed: set = set()
     stacked_topks = ctx.final_topks()
-    by_selectors = [t for t in selector_topks(ctx) if t not in stacked_topks]  # per-expert modules only
+    selecting = {t: v for t, v in selector_topks(ctx).items() if t not in stacked_topks}  # per-expert modules only
+    by_selectors = list(selecting)
     mixers = sparsemixer_selectors(ctx)  # ids = cat of k argmax rounds (sparsemixer), not a top-k
     hashed = dict(hash_lookups(ctx))  # ids node -> the lookup (hash routing)
     for t in sorted(stacked_topks + by_selectors + mixers + list(hashed), key=ctx.order.get):
@@ -237,7 +238,10 @@ def detect_moe(
         try:
             m = _match_at(ctx, t, hashed.get(t))
         except Reject as e:
-            if not (isinstance(e, NotACandidate) and t in by_selectors):  # else: no expert reads its ids, not a router
+            # else: no expert reads its ids, not a router; a top-k of a router-shaped linear without selectors is
+            # reported only when per-expert linears are there (Unselected)
+            quiet = t in selecting and (isinstance(e, NotACandidate) or not selecting[t])
+            if not quiet or isinstance(e, Unselected):
                 result.rejected.append((where, e.record()))
             continue
         except SpecError as e:

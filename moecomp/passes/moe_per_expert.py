@@ -1,7 +1,9 @@
 """Routed experts kept as per-expert modules (``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential`` of 2-D
 weights), in a loop over the experts that Dynamo unrolled::
 
-    ids ─► selector_e:  ids == e  |  one_hot(ids, E)[.. e ..] (through permute / transpose)      (e: a constant)
+    ids ─► selector_e:  ids == e  (also of slices ids[:, j], views, casts)                       (e: a constant)
+                      |  one_hot(ids, E)[.. e ..] (through permute / transpose / casts / sum over another axis)
+                      |  scatter(zeros [T, E], 1, ids, weights)[:, e] | [tok, e] | [:, e:e+1]  (a dense weight)
     sparse:  tok, slot = where(selector_e) ─► x[tok] ─► expert_e ─► * weights[tok, slot] ─► index_add_(out, tok, ·)
     dense:   x ─► expert_e ─► * (weights * selector_e).sum(-1, keepdim=True) ─► out += ·
     expert_e: down(act(gate x) * up x)  |  down(act(gate_up x))  |  down(act(up x))     (act: moe_activation)
@@ -12,9 +14,12 @@ Experts are told apart by the graph alone: a linear belongs to expert e when sel
 (dispatch) or, for a linear computed on every token, when the routing weight its value is first multiplied by is
 computed from selector_e (the combine weight); where both exist they must agree (expert e's output is weighted by
 the routing weight of id e, not another's). Each e in 0..E-1 must have exactly one expert, all of the same
-structure and shapes. A graph traced with real values (``capture_block(..., real_values=True)``) holds only the
-experts the example input reached: the others are named in the rejection (``NOT_RECOGNISED``), so that the caller
-can trace again with more tokens.
+structure and shapes; an expert applied more than once on the same weights (a loop over the top-k slots, then the
+experts) is read from its first application. A top-k of a router-shaped linear whose ids select no expert, where
+per-expert linears are there, is refused by name (``Unselected``: e.g. ``stack([expert(x) ...])`` weighted by a
+dense [T, E] matrix; a data-dependent ``ids.unique()`` loop). A graph traced with real values
+(``capture_block(..., real_values=True)``) holds only the experts the example input reached: the others are named in
+the rejection (``NOT_RECOGNISED``), so that the caller can trace again with more tokens.
 
 The op's tensors are built from the experts' placeholders (``Experts.stacked``): per expert, w13 = [gate; up] (gate
 rows first, ``gate_up="concat"``) or the fused / plain first weight, w2 = down, b13 / b2 likewise; layout
@@ -63,24 +68,54 @@ class _Expert:
     between: set  # the nodes between the first linears and the down linear
     gated: bool = False
     act: Activation | None = None
+    copies: list = dataclasses.field(default_factory=list)  # further applications: their linears, down last
 
 
 # ------------------------------------------------------------------------------------------------- selectors
-def selector_topks(ctx: Context) -> list[fx.Node]:
-    """Top-k nodes over a static expert count whose indices are compared with constants / one-hot encoded."""
-    out = []
+class Unselected(Reject):
+    """A top-k that ranks a router-shaped linear selects no expert, but per-expert linears are there."""
+
+
+def selector_topks(ctx: Context) -> dict[fx.Node, bool]:
+    """Top-k nodes over a static expert count whose indices are compared with constants / one-hot encoded (-> True),
+    or that rank the outputs of a router-shaped linear (a 2-D weight [E, H], E the top-k's width) (-> False): the
+    latter, with no selector, are refused (:class:`Unselected`) by :func:`per_expert` when per-expert linears are
+    there; any other refusal of theirs is not reported (they may be no router)."""
+    out = {}
     for n in ctx.graph.nodes:
         if op_name(n) != "topk" or not _fx.shape_of(arg(n, 0)):
             continue
         ids = [u for u in n.users if op_name(u) == "getitem" and u.args[1] == 1]
-        if _fx.static_int(_fx.shape_of(arg(n, 0))[-1]) is not None and ids and expert_selectors(ids[0]):
-            out.append(n)
+        width = _fx.static_int(_fx.shape_of(arg(n, 0))[-1])
+        if width is None or not ids:
+            continue
+        if expert_selectors(ids[0]):
+            out[n] = True
+        elif _ranks_router(ctx, arg(n, 0), width):
+            out[n] = False
     return out
+
+
+def _ranks_router(ctx: Context, n, width: int) -> bool:
+    """Is ``n`` a linear of a 2-D weight [width, .] through single-tensor elementwise ops (softmax, casts, ...)?"""
+    for _ in range(8):
+        if not isinstance(n, fx.Node):
+            return False
+        lin = ctx.as_linear(n)
+        if lin is not None:
+            s = ctx.pshape(ctx.weight_ph(lin[1], 2))
+            return s is not None and s[0] == width
+        if op_name(n) not in ("softmax", "sigmoid", "log_softmax", "float", "to", "type_as", "contiguous") \
+                or len(n.all_input_nodes) != 1:
+            return False
+        n = arg(n, 0)
+    return False
 
 
 def expert_selectors(ids: fx.Node) -> dict[fx.Node, int]:
     """Nodes that select the (token, slot) pairs routed to one expert, with the expert: ``ids == e`` (``torch.eq``)
-    and slices ``[e]`` of ``one_hot(ids)`` on its expert axis; through views and casts of ids."""
+    and slices ``[e]`` on the expert axis of ``one_hot(ids)`` or of a dense [T, E] tensor ``scatter(·, d, ids, ·)``;
+    through views, casts and row / slot slices (``ids[:, j]``) of ids."""
     out, stack, seen = {}, [ids], set()
     while stack:
         n = stack.pop()
@@ -89,24 +124,40 @@ def expert_selectors(ids: fx.Node) -> dict[fx.Node, int]:
                 continue
             seen.add(u)
             nm = op_name(u)
-            if (nm in _ID_VIEWS or nm in _fx.CAST_OPS) and arg(u, 0) is n:
-                stack.append(u)
+            if (nm in _ID_VIEWS or nm in _fx.CAST_OPS or nm in ("getitem", "select", "index_select")) \
+                    and arg(u, 0) is n:
+                stack.append(u)  # still expert ids, of some (token, slot) pairs
             elif nm == "eq":
                 c = arg(u, 1) if arg(u, 0) is n else arg(u, 0)
                 if isinstance(c, int) and not isinstance(c, bool):
                     out[u] = c
             elif nm == "one_hot" and _fx.shape_of(u):
                 out.update(_one_hot_slices(u, len(_fx.shape_of(u)) - 1))
+            elif nm in ("scatter", "scatter_") and _fx.shape_of(u) and _scatter_index(u) is n:
+                d = u.kwargs.get("dim", u.args[1] if len(u.args) > 1 else None)
+                if isinstance(d, int) and not isinstance(d, bool):
+                    out.update(_one_hot_slices(u, d % len(_fx.shape_of(u))))
     return out
 
 
+def _scatter_index(u: fx.Node):
+    return u.kwargs.get("index", u.args[2] if len(u.args) > 2 else None)
+
+
+def _is_int(a) -> bool:
+    return isinstance(a, int) and not isinstance(a, bool)
+
+
 def _one_hot_slices(n: fx.Node, axis: int) -> dict[fx.Node, int]:
-    """Slices of a one-hot tensor ``n`` (expert axis ``axis``) at one expert, through permutes / transposes."""
+    """Slices at one expert of a tensor ``n`` whose axis ``axis`` is the expert axis (one-hot of the ids, or a dense
+    [T, E] scatter of them), through permutes / transposes, casts and reductions over other axes."""
     out = {}
     ndim = len(_fx.shape_of(n) or ())
     for u in n.users:
         nm = op_name(u)
-        ints = [a for a in u.args[1:] if isinstance(a, int) and not isinstance(a, bool)]
+        ints = [a for a in u.args[1:] if _is_int(a)]
+        if arg(u, 0) is not n:
+            continue
         if nm == "permute":
             dims = u.args[1] if len(u.args) == 2 and isinstance(u.args[1], (list, tuple)) else u.args[1:]
             if len(dims) == ndim and all(isinstance(d, int) for d in dims):
@@ -114,22 +165,45 @@ def _one_hot_slices(n: fx.Node, axis: int) -> dict[fx.Node, int]:
         elif nm == "transpose" and len(ints) == 2 == len(u.args) - 1:
             d0, d1 = (d % ndim for d in ints)
             out.update(_one_hot_slices(u, d1 if axis == d0 else d0 if axis == d1 else axis))
+        elif nm in _fx.CAST_OPS or nm in ("contiguous", "clone", "detach"):
+            out.update(_one_hot_slices(u, axis))
+        elif nm in ("sum", "any", "amax") and _fx.shape_of(u) is not None:
+            d = u.kwargs.get("dim", u.args[1] if len(u.args) > 1 else None)
+            keep = u.kwargs.get("keepdim", u.args[2] if len(u.args) > 2 else False)
+            if _is_int(d) and d % ndim != axis:
+                out.update(_one_hot_slices(u, axis if keep or d % ndim > axis else axis - 1))
         elif nm == "select" and len(ints) == 2 == len(u.args) - 1 and ints[0] % ndim == axis:
             out[u] = ints[1]
-        elif nm == "getitem" and arg(u, 0) is n:
-            idx = u.args[1] if isinstance(u.args[1], tuple) else (u.args[1],)
-            if (len(idx) > axis and isinstance(idx[axis], int) and not isinstance(idx[axis], bool)
-                    and all(s == slice(None) for s in idx[:axis])):
-                out[u] = idx[axis]
+        elif nm == "getitem":
+            e = _index_at(u.args[1], axis)
+            if e is not None:
+                out[u] = e
     return out
+
+
+def _index_at(idx, axis: int) -> int | None:
+    """The expert an index ``[.., e, ..]`` / ``[.., e:e+1, ..]`` takes on ``axis`` (entries before it: full slices
+    or tensor indices, one dimension each), or None."""
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if len(idx) <= axis or not all(s == slice(None) or isinstance(s, fx.Node) for s in idx[:axis]):
+        return None
+    a = idx[axis]
+    if _is_int(a):
+        return a
+    if isinstance(a, slice) and _is_int(a.start) and a.stop == a.start + 1 and a.step in (None, 1) and a.start >= 0:
+        return a.start
+    return None
 
 
 # ------------------------------------------------------------------------------------------------- the experts
 def per_expert(ctx: Context, R: Routing, region: Region) -> Experts:
     """The routed experts as per-expert modules, one per expert 0..E-1 (see the module docstring)."""
     nodes = region.all
-    sels = {s: e for s, e in expert_selectors(R.ids).items() if s in nodes}
+    all_sels = expert_selectors(R.ids)
+    sels = {s: e for s, e in all_sels.items() if s in nodes}
     groups = _group_linears(ctx, R, region.nodes, sels)
+    if not all_sels:
+        _refuse_unselected(ctx, R, region.nodes)
     if not groups:
         raise NotACandidate("no stacked 3-D expert weights [E, ., .] and no per-expert linears selected by the "
                             "expert ids")
@@ -143,6 +217,17 @@ def per_expert(ctx: Context, R: Routing, region: Region) -> Experts:
                      f"(only {sorted(groups)} were reached; trace with more tokens)")
     experts = [_expert(ctx, e, groups[e], nodes) for e in range(R.E)]
     return _experts_of(ctx, R, experts)
+
+
+def _refuse_unselected(ctx: Context, R: Routing, region: set) -> None:
+    """No selector of one expert: where the region still holds per-expert linears (2-D weights besides the router,
+    at least one per expert), say that the tie of the ids to the experts is what was not understood."""
+    lins = [n for n in region if n is not R.logits_linear and ctx.as_linear(n) is not None]
+    if len(lins) >= R.E:
+        raise Unselected(f"{len(lins)} linears of 2-D weights (per-expert modules?) read the block input, but the "
+                         "top-k ids select no expert by a constant index (ids == e, one_hot(ids)[.., e], a dense "
+                         "scatter(·, 1, ids, weights)[:, e]): which expert each output is weighted for is not "
+                         "understood")
 
 
 def _group_linears(ctx: Context, R: Routing, region: set, sels: dict) -> dict[int, list]:
@@ -208,10 +293,17 @@ def _check_gemms(ctx: Context, region: set) -> None:
 
 
 def _expert(ctx: Context, e: int, lins: list, nodes: set) -> _Expert:
-    """Expert ``e`` from its linears: the first linear(s) read no other linear of the expert, the down one does."""
+    """Expert ``e`` from its linears: the first linear(s) read no other linear of the expert, the down one does.
+    An expert applied more than once (a loop over the top-k slots, then the experts) is read from its first
+    application; the others must read the same weights (``copies``)."""
     anc = {n: _fx.ancestors(n, nodes, pos=ctx.order) for n in lins}
     first = [n for n in lins if not any(m in anc[n] for m in lins)]
     down = [n for n in lins if n not in first]
+    apps = _applications(ctx, lins, down, anc)
+    if apps is not None:
+        x = _expert(ctx, e, apps[0], nodes)
+        x.copies = apps[1:]
+        return x
     if len(down) != 1 or len(first) not in (1, 2) or any(m not in anc[down[0]] for m in first):
         raise Reject(f"expert {e}: linears {[n.name for n in lins]} are not one gate / up / down MLP")
     between = set()
@@ -221,6 +313,20 @@ def _expert(ctx: Context, e: int, lins: list, nodes: set) -> _Expert:
     if len(first) == 2:
         ex.first = _gate_first(e, first, between)
     return ex
+
+
+def _applications(ctx: Context, lins: list, down: list, anc: dict) -> list | None:
+    """Where several down linears read one weight: the linears of each application (a down linear and the linears
+    it reads), when every application reads the same weights once each; else None."""
+    weight = {n: ctx.as_linear(n)[1] for n in lins}
+    if len(down) < 2 or len({weight[d] for d in down}) != 1:
+        return None
+    apps = [[n for n in lins if n is d or n in anc[d]] for d in down]
+    names = [sorted(weight[n].name for n in app) for app in apps]
+    if any(nm != names[0] for nm in names) or len(set(names[0])) != len(names[0]) or \
+            sum(map(len, apps)) != len(lins):
+        return None
+    return [sorted(app, key=ctx.order.get) for app in apps]
 
 
 def _gate_first(e: int, first: list, between: set) -> list:
@@ -256,11 +362,11 @@ def _experts_of(ctx: Context, R: Routing, experts: list) -> Experts:
     stacked = {"w13": per_expert_arg(1, "first"), "w2": per_expert_arg(1, "down")}
     if f0.biased:
         stacked.update(b13=per_expert_arg(2, "first"), b2=per_expert_arg(2, "down"))
-    downs = {x.down for x in experts}
+    downs = {x.down for x in experts} | {app[-1] for x in experts for app in x.copies}
     return Experts(
         I=f0.sizes[1], gated=x0.gated, layouts=["out_in"], gate_ups=list(f0.gate_ups), act=x0.act,
         g1={n for x in experts for n in x.first}, g2_all=downs, g2=max(downs, key=ctx.order.get), stacked=stacked,
-        linears=frozenset(n for x in experts for n in x.first + [x.down]), baked=baked,
+        linears=frozenset(n for x in experts for n in x.first + [x.down] + sum(x.copies, [])), baked=baked,
     )
 
 
