@@ -167,12 +167,13 @@ wrap)  # the tenth session's last call: the GPU tests of what joined (the skinny
   timeout ${GEN_TIMEOUT:-120} python3 benchmarks/bench_generate.py --models qwen3 --layers qwen3=12 --batches 1 \
       --paths one_liner --profile one_liner:1 --budget-s ${GEN_BUDGET:-95} --out-json "$OUT/generate-b1.json" 2>&1 \
       | tee "$OUT/generate-b1.log" | quiet | tail -24 ;;
-next)  # the next session's first calls (STEP=1|2|3): 1 = every GPU test ; 2 = the two opt-in candidates measured (the skinny linear);
-       # 3 = issue 20's rows with the TTFT breakdown (issue20) and the fixed FP8 generate rows (fp8next STEP=gen)
+next)  # the eleventh session's first calls (STEP=1|2): 1 = every GPU test at the final commit (the skinny op's opcheck
+       # with autograd, the refactored replay tests, the spellings recogniser); 2 = FP8 generate rows (bf16 now also
+       # with the skinny kernel in its decode step) and issue 20's rows at B=1 and 32 with the profile
   case "${STEP:-1}" in
   1) "$0" tests ;;
-  2) "$0" skinny ;;
-  3) GEN_BUDGET=${GEN_BUDGET:-240} "$0" issue20; GEN_BUDGET=200 GEN_TIMEOUT=240 STEP=gen "$0" fp8next ;;
+  2) GEN_BUDGET=200 GEN_TIMEOUT=240 STEP=gen "$0" fp8next
+     GEN_BUDGET=${GEN_BUDGET2:-240} TEST_TIMEOUT=1 "$0" issue20 ;;
   esac ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
   timeout ${TUNE_TIMEOUT:-560} python3 -m moecomp tune --restart -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-480} \
