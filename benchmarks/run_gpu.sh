@@ -173,7 +173,7 @@ next)  # the eleventh session's first calls (STEP=1|2): 1 = every GPU test at th
   case "${STEP:-1}" in
   1) "$0" tests ;;
   2) GEN_BUDGET=200 GEN_TIMEOUT=240 STEP=gen "$0" fp8next
-     GEN_BUDGET=${GEN_BUDGET2:-240} TEST_TIMEOUT=1 "$0" issue20 ;;
+     GEN_BUDGET=${GEN_BUDGET2:-250} GEN_TIMEOUT=300 TEST_TIMEOUT=1 "$0" issue20 ;;
   esac ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
   timeout ${TUNE_TIMEOUT:-560} python3 -m moecomp tune --restart -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-480} \
