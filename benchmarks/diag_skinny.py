@@ -40,6 +40,7 @@ def main(argv=None) -> int:
 
     from moecomp import quant as q8
     from moecomp.ops import skinny
+    from moecomp.ops.common import _sm_count
     from moecomp.spec import QuantSpec
 
     ap = argparse.ArgumentParser(description=__doc__)
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
             peer, peer_fn = "fp8 dot", lambda: torch.ops.moecomp.fp8_linear(x, w, ws, None, None, q.key)
             nbytes = N * K + ws.numel() * 4
         t_peer = bench(peer_fn)
-        heur = skinny.skinny_config(M, N, K, w.element_size(), dev, skinny._sms(dev))
+        heur = skinny.skinny_config(M, N, K, w.element_size(), dev, _sm_count(dev))
         y = skinny.skinny_linear(x, w, None, ws, qq)
         errs = [_err(y, ref)]
         t_heur = bench(lambda: skinny.skinny_linear(x, w, None, ws, qq))

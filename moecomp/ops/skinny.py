@@ -12,6 +12,7 @@ import torch
 import triton
 
 from ..kernels import skinny as skinny_k
+from .common import _sm_count
 
 MAX_ROWS = 4
 _W_SCALE = {None: 0, "block": 1, "channel": 2, "tensor": 3}
@@ -71,7 +72,7 @@ def skinny_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device) if out is None else out
     mode = _W_SCALE[None if q is None else q.scale]
     if cfg is None:
-        cfg = skinny_config(M, N, K, weight.element_size(), x2.device, _sms(x2.device))
+        cfg = skinny_config(M, N, K, weight.element_size(), x2.device, _sm_count(x2.device))
     qbn, qbk = (q.block_n, q.block_k) if mode == 1 else (128, 128)
     bk = cfg["BLOCK_K"]
     if mode == 1 and (bk % qbk and qbk % bk):  # a scale block of 384: steps of its largest power-of-two divisor
@@ -92,15 +93,3 @@ def skinny_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, REDUCE_END=cfg["REDUCE_END"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     return y
-
-
-_SMS: dict = {}
-
-
-def _sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SMS:
-        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SMS[i]

@@ -19,7 +19,7 @@ from moecomp import reference
 from moecomp.ops import triton_moe
 from moecomp.ops.common import MOE_ARGS
 from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
-from moecomp.testing import capture_moe_forward, check_replays, random_latent_args, random_moe_args
+from moecomp.testing import capture_moe_forward, check_replays, random_latent_args, random_moe_args, rel_err
 
 TOL = 1e-5
 
@@ -40,11 +40,6 @@ SPECS = {
     "on_input": MoESpec(num_experts=6, top_k=2, hidden_size=28, intermediate_size=12, latent_size=20,
                         scoring="sigmoid", score_order="topk_then_score", renormalize=False, weight_on_input=True),
 }
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _args(spec: MoESpec, T: int, dtype=torch.float32, device="cpu", seed: int = 0):

@@ -25,7 +25,7 @@ from moecomp import policy, reference
 from moecomp.ops import triton_moe
 from moecomp.ops.common import MOE_ARGS
 from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
-from moecomp.testing import capture_moe_forward, check_replays, random_moe_args
+from moecomp.testing import capture_moe_forward, check_replays, random_moe_args, rel_err
 
 TOL = 1e-5
 
@@ -38,11 +38,6 @@ SPECS = {
                        jitter_eps=0.3, routed_scaling_factor=2.0, has_router_bias=True,
                        shared=SharedExpertSpec(16, gate="sigmoid")),
 }
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _hand_route(row: list, k: int, eps: float):

@@ -22,7 +22,7 @@ from moecomp import reference
 from moecomp.ops import triton_moe
 from moecomp.ops.common import MOE_ARGS
 from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
-from moecomp.testing import capture_moe_forward, check_replays, quantize_moe_args, random_moe_args
+from moecomp.testing import capture_moe_forward, check_replays, quantize_moe_args, random_moe_args, rel_err
 
 TOL = 1e-5
 
@@ -37,11 +37,6 @@ SPECS = {
     "on_input": MoESpec(num_experts=6, top_k=2, hidden_size=40, intermediate_size=24, zero_experts=3,
                         scoring="sigmoid", score_order="topk_then_score", renormalize=False, weight_on_input=True),
 }
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _routing(spec: MoESpec, t: dict, xi: torch.Tensor):
