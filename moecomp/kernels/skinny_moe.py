@@ -139,6 +139,37 @@ def skinny_gemm1_kernel(
 
 
 @triton.jit
+def _slot(h_row, w_e, b_ptr, b_off, ws_ptr, s_base, w_p, rows, n_ok, N, K, stride_wn, stride_sn, stride_sk,
+          HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr, Q_BLOCK_N: tl.constexpr, Q_BLOCK_K: tl.constexpr,
+          UE8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_END: tl.constexpr,
+          WEIGHTED: tl.constexpr):
+    """One slot's [BN] contribution: weight[p] * (h[p] . w2_e[rows] (+ b2_e)) (unweighted when not WEIGHTED)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_e + rows[:, None] * stride_wn + offs_k[None, :]
+    if W_SCALE == 0:
+        ws = rows
+    else:
+        ws = fp8.scale_ptrs(ws_ptr, s_base, rows, 0, N, stride_sn, W_SCALE, Q_BLOCK_N)
+    if REDUCE_END:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        hk = tl.load(h_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        wf = dequant(tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0), ws, n_ok, k0, K, stride_sk,
+                     W_SCALE, Q_BLOCK_K, UE8M0, BLOCK_N, BLOCK_K)
+        acc = accumulate(acc, wf, hk, REDUCE_END)
+        w_ptrs += BLOCK_K
+    r = _final_scale(reduce(acc, REDUCE_END), ws, n_ok, W_SCALE, UE8M0)
+    if HAS_BIAS:
+        r += tl.load(b_ptr + b_off + rows, mask=n_ok, other=0.0).to(tl.float32)
+    if WEIGHTED:
+        r = r * tl.load(w_p)
+    return r
+
+
+@triton.jit
 def skinny_down_kernel(
     h_ptr,  # [P, K] pair order (unit stride along K)
     w_ptr,  # [E, N, K] (unit stride along K)
@@ -182,41 +213,23 @@ def skinny_down_kernel(
     offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows = offs_n.to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j in range(TOP_K):
         p = t * TOP_K + j
         expert = tl.load(ids_ptr + p).to(tl.int64)
-        zero = False
-        if ZERO_EXPERTS:
-            zero = expert >= n_experts
-        if zero:  # weight * x[t]
-            total += tl.load(topk_w_ptr + p) * tl.load(x_ptr + t * stride_xm + offs_n, mask=n_ok,
-                                                       other=0.0).to(tl.float32)
+        if ZERO_EXPERTS:  # (nested: the runtime branch only where zero experts exist)
+            if expert >= n_experts:  # weight * x[t]
+                total += tl.load(topk_w_ptr + p) * tl.load(x_ptr + t * stride_xm + offs_n, mask=n_ok,
+                                                           other=0.0).to(tl.float32)
+            else:
+                total += _slot(h_ptr + p * stride_hm, w_ptr + expert * stride_we, b_ptr, expert * stride_be,
+                               ws_ptr, expert * stride_se, topk_w_ptr + p, rows, n_ok, N, K, stride_wn, stride_sn,
+                               stride_sk, HAS_BIAS, W_SCALE, Q_BLOCK_N, Q_BLOCK_K, UE8M0, BLOCK_N, BLOCK_K,
+                               REDUCE_END, WEIGHTED)
         else:
-            w_ptrs = w_ptr + expert * stride_we + rows[:, None] * stride_wn + offs_k[None, :]
-            if W_SCALE == 0:
-                ws = rows
-            else:
-                ws = fp8.scale_ptrs(ws_ptr, expert * stride_se, rows, 0, N, stride_sn, W_SCALE, Q_BLOCK_N)
-            if REDUCE_END:
-                acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            else:
-                acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k_ok = offs_k < K - k0
-                hk = tl.load(h_ptr + p * stride_hm + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                wf = dequant(tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0), ws, n_ok, k0, K,
-                             stride_sk, W_SCALE, Q_BLOCK_K, UE8M0, BLOCK_N, BLOCK_K)
-                acc = accumulate(acc, wf, hk, REDUCE_END)
-                w_ptrs += BLOCK_K
-            r = _final_scale(reduce(acc, REDUCE_END), ws, n_ok, W_SCALE, UE8M0)
-            if HAS_BIAS:
-                r += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            if WEIGHTED:
-                total += tl.load(topk_w_ptr + p) * r
-            else:
-                total += r
+            total += _slot(h_ptr + p * stride_hm, w_ptr + expert * stride_we, b_ptr, expert * stride_be, ws_ptr,
+                           expert * stride_se, topk_w_ptr + p, rows, n_ok, N, K, stride_wn, stride_sn, stride_sk,
+                           HAS_BIAS, W_SCALE, Q_BLOCK_N, Q_BLOCK_K, UE8M0, BLOCK_N, BLOCK_K, REDUCE_END, WEIGHTED)
     pdl.release(USE_PDL)
     if HAS_SHARED:
         s = tl.load(shared_ptr + t * stride_s + offs_n, mask=n_ok, other=0.0).to(tl.float32)
