@@ -185,14 +185,6 @@ s11)  # the eleventh session's first call: the GPU tests the tenth session did n
       | tee "$OUT/tests-s11.log" | tail -12
   GEN_ARGS="--models qwen3 --layers qwen3=${QWEN3_LAYERS:-48} --batches ${GEN_BATCHES:-1,8} --profile 1 --ref-batches 0" \
       GEN_BUDGET=${GEN_BUDGET:-330} GEN_TIMEOUT=${GEN_TIMEOUT:-420} "$0" fp8gen ;;
-s11b)  # issue 19 / 20: the skinny routed experts (ops/skinny_moe.py): their GPU tests, the sweep against the MMA decode
-      # path on the five presets (bf16, fp8), then Qwen3 at full depth B=1 with them forced on in both models
-  timeout 90 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/ops/test_skinny_moe.py 2>&1 \
-      | grep -v "^DEBUG" | tee "$OUT/tests-skinny-moe.log" | tail -6
-  timeout ${SWEEP_TIMEOUT:-280} python3 benchmarks/diag_skinny_moe.py --tokens ${SWEEP_TOKENS:-1,2,4,8} \
-      --budget-s ${SWEEP_BUDGET:-230} --out-json "$OUT/diag-skinny-moe.json" 2>&1 | grep -v "^DEBUG" \
-      | tee "$OUT/diag-skinny-moe.log" | grep "^|\|Error\|error"
-  MOECOMP_SKINNY_MOE=1 GEN_BATCHES=1 GEN_BUDGET=140 GEN_TIMEOUT=190 "$0" s11 2>&1 | grep -v "passed\|skipped" ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
   timeout ${TUNE_TIMEOUT:-560} python3 -m moecomp tune --restart -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-480} \
       --presets ${PRESETS:-all} ${TOKENS:+--tokens $TOKENS} --copy-to "$OUT" 2>&1 | tee "$OUT/tune.log" \

@@ -24,6 +24,37 @@ from . import fp8, kloop, pdl
 
 
 @triton.jit
+def _slot(h_ptr, w_ptr, b_ptr, ws_ptr, as_ptr, topk_w_ptr, p, expert, offs_n, n_ok, offs_k, row0, N, K,
+          stride_hm, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn, stride_sk, stride_am,
+          HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_SCALE: tl.constexpr, A_QUANT: tl.constexpr,
+          Q_BLOCK_N: tl.constexpr, Q_BLOCK_K: tl.constexpr, UE8M0: tl.constexpr, EXACT_CAST: tl.constexpr,
+          FOLD: tl.constexpr, WEIGHTED: tl.constexpr):
+    """One slot's [BLOCK_N] term: weight[p] * (h[p] . w2_e[offs_n] (+ b2_e)), unweighted when not WEIGHTED."""
+    b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    if W_SCALE == 0:
+        a_ptrs = h_ptr + p * stride_hm + tl.arange(0, BLOCK_M)[:, None] * 0 + offs_k[None, :]
+        acc = kloop.dense_loop(a_ptrs, row0, b_ptrs, n_ok, K, stride_wk, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
+                               BLOCK_K)
+    else:
+        a_scale = 1.0
+        if A_QUANT == 2:
+            a_scale = tl.load(as_ptr + expert)
+        if A_QUANT == 3:
+            a_scale = as_ptr + p * stride_am + tl.arange(0, BLOCK_M) * 0
+        ws_ptrs = fp8.scale_ptrs(ws_ptr, expert * stride_se, offs_n.to(tl.int64), 0, N, stride_sn, W_SCALE, Q_BLOCK_N)
+        acc = fp8.dot_loop(h_ptr + p * stride_hm + tl.arange(0, BLOCK_M) * 0, row0, b_ptrs, n_ok, K, stride_wk,
+                           ws_ptrs, stride_sk, a_scale, A_QUANT, W_SCALE, Q_BLOCK_K, UE8M0, EXACT_CAST, UPCAST,
+                           DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
+    r = tl.sum(acc, axis=0)  # [BLOCK_N]: rows other than 0 are zero
+    if HAS_BIAS:
+        r += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    if WEIGHTED:
+        r = r * tl.load(topk_w_ptr + p)
+    return r
+
+
+@triton.jit
 def moe_down_combine_kernel(
     h_ptr,  # [P, K] pair order
     w_ptr,  # expert weights, element (e, row n, col k) at e*stride_we + n*stride_wn + k*stride_wk
@@ -72,36 +103,20 @@ def moe_down_combine_kernel(
     for j in range(TOP_K):
         p = t * TOP_K + j
         expert = tl.load(ids_ptr + p).to(tl.int64)
-        zero = False
-        if ZERO_EXPERTS:
-            zero = expert >= n_experts
-        if zero:  # a zero expert: weight * x[t] (a uniform branch: one pair per slot)
-            xr = tl.load(x_ptr + t * stride_xm + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            total += tl.load(topk_w_ptr + p) * xr
+        if ZERO_EXPERTS:  # nested under the constexpr: a zero expert adds weight * x[t] (one pair per slot)
+            if expert >= n_experts:
+                xr = tl.load(x_ptr + t * stride_xm + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+                total += tl.load(topk_w_ptr + p) * xr
+            else:
+                total += _slot(h_ptr, w_ptr, b_ptr, ws_ptr, as_ptr, topk_w_ptr, p, expert, offs_n, n_ok, offs_k, row0,
+                               N, K, stride_hm, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn,
+                               stride_sk, stride_am, HAS_BIAS, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                               W_SCALE, A_QUANT, Q_BLOCK_N, Q_BLOCK_K, UE8M0, EXACT_CAST, FOLD, WEIGHTED)
         else:
-            b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
-            if W_SCALE == 0:
-                a_ptrs = h_ptr + p * stride_hm + tl.arange(0, BLOCK_M)[:, None] * 0 + offs_k[None, :]
-                acc = kloop.dense_loop(a_ptrs, row0, b_ptrs, n_ok, K, stride_wk, UPCAST, DOT_PRECISION, BLOCK_M,
-                                       BLOCK_N, BLOCK_K)
-            else:
-                a_scale = 1.0
-                if A_QUANT == 2:
-                    a_scale = tl.load(as_ptr + expert)
-                if A_QUANT == 3:
-                    a_scale = as_ptr + p * stride_am + tl.arange(0, BLOCK_M) * 0
-                ws_ptrs = fp8.scale_ptrs(ws_ptr, expert * stride_se, offs_n.to(tl.int64), 0, N, stride_sn, W_SCALE,
-                                         Q_BLOCK_N)
-                acc = fp8.dot_loop(h_ptr + p * stride_hm + tl.arange(0, BLOCK_M) * 0, row0, b_ptrs, n_ok, K, stride_wk,
-                                   ws_ptrs, stride_sk, a_scale, A_QUANT, W_SCALE, Q_BLOCK_K, UE8M0, EXACT_CAST, UPCAST,
-                                   DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
-            r = tl.sum(acc, axis=0)  # [BLOCK_N]: rows other than 0 are zero
-            if HAS_BIAS:
-                r += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            if WEIGHTED:
-                total += tl.load(topk_w_ptr + p) * r
-            else:
-                total += r
+            total += _slot(h_ptr, w_ptr, b_ptr, ws_ptr, as_ptr, topk_w_ptr, p, expert, offs_n, n_ok, offs_k, row0, N,
+                           K, stride_hm, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn, stride_sk,
+                           stride_am, HAS_BIAS, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, W_SCALE, A_QUANT,
+                           Q_BLOCK_N, Q_BLOCK_K, UE8M0, EXACT_CAST, FOLD, WEIGHTED)
     pdl.release(USE_PDL)
 
     if HAS_SHARED:

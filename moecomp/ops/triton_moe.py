@@ -50,7 +50,6 @@ from ..spec import MoESpec
 from . import triton_fp8, tuning
 from . import hash_routing as hr
 from . import latent
-from . import skinny_moe
 from . import weight_on_input as woi
 from . import zero_experts as zx
 from .triton_shared import shared_mlp
@@ -487,8 +486,6 @@ def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=No
     k = ids.shape[1]
     if cfg is None:
         cfg = tuning.get_config(spec.num_experts, spec.intermediate_size, H, T, k, x.dtype, x.device, spec.quant)
-    if skinny_moe.applies(spec, args, x, T):  # GEMVs at a few tokens (measured rule)
-        return skinny_moe.routed(x, ids, weights, args, spec, out, shared, gate, join, _pdl(x.device, gemm=True))
     dec = tuning.decode_config(cfg, T, x.device)
     if dec is None:
         with _hold_pdl(join is not None):
