@@ -19,7 +19,13 @@ from .probe import primary
 def block_device_dtype(block: nn.Module, parts: BlockParts):
     """Device and dtype of the block's expert weights (its probes are made there). FP8 expert weights: the dtype of
     the router weight, the block's compute dtype (activations are never fp8 between layers)."""
-    t = get_path(block, parts.w13) if parts.w13 else get_path(block, parts.expert_mlps[0].down)
+    if parts.w13:
+        t = get_path(block, parts.w13)
+    elif parts.expert_mlps:
+        t = get_path(block, parts.expert_mlps[0].down)
+    else:  # structural parts: the experts child's first floating tensor
+        ex = get_path(block, parts.experts)
+        t = next(p for p in list(ex.parameters()) + list(ex.buffers()) if p.is_floating_point())
     if t.dtype == torch.float8_e4m3fn:
         r = get_path(block, parts.router_weight)
         return t.device, r.dtype if r.is_floating_point() and r.element_size() > 1 else torch.bfloat16

@@ -183,6 +183,9 @@ def recognise(block: nn.Module, parts: BlockParts, x: torch.Tensor | None, *, us
             if COMPARE_FALLBACK:
                 notes.append(_compare_note(block, parts, x, got, cache))
             return got, notes
+        if parts.kind == "structural":  # found by shapes: the attribute reader has no part names to read
+            return Reject(got.code, f"FX pass: {got.message} (block found by its shapes; the attribute reader "
+                                    "cannot read it)"), notes
         if got.code is RejectCode.CAPTURE_FAILED:
             notes.append(f"FX pass could not capture the block ({got.message}); attribute fallback used")
         elif trust_fallback:

@@ -7,7 +7,7 @@ list is no longer only the families whose experts carry ``@use_experts_implement
                       weights, no forward)
     routed experts    a module owning, apart from each other,
                         a router:  one 2-D weight [E, H] (2 <= E <= 1024 outputs of the hidden width H; not an
-                           embedding table), and
+                           embedding table), in a child or the module's own parameter, and
                         experts:   two or more 3-D weights [E', a, b] in the block's other children (a, b > 1,
                                    one of them H), E' = E for one of them or E / 2 < E' <= E for all
                                    (identity / zero-computation experts take the rest of the router's
@@ -82,26 +82,60 @@ def _is_mlp(m: nn.Module, H: int) -> bool:
     return 2 <= len(mats) <= 4 and all(H in p.shape for p in mats)
 
 
+def block_router(block: nn.Module, H: int | None) -> tuple[str, str, int] | None:
+    """(router child name, its [E, H] weight's path, E) when ``block`` owns a router and, in its other children,
+    experts for it (module docstring); None otherwise."""
+    kids = dict(block.named_children())
+    if not kids:
+        return None
+    own = [(n, t) for n, t in _own_named(block) if t.dim() == 2]  # a bare router Parameter of the block itself
+    cands = [("", own, list(kids.values()))] if own else []
+    for rname, r in kids.items():
+        if isinstance(r, nn.Embedding) or len(kids) < 2:
+            continue
+        ws = [(n, t) for n, t in _own_named(r) if t.dim() == 2]
+        ws += [(f"{c}.{n}", t) for c, m in r.named_children() if not isinstance(m, nn.Embedding)
+               for n, t in _own_named(m) if t.dim() == 2]
+        cands.append((rname, ws, [c for n, c in kids.items() if n != rname]))
+    for rname, ws, others in cands:
+        for wname, w in ws:
+            if (H is None or w.shape[1] == H) and 2 <= w.shape[0] <= 1024 and _expert_tensors(others, w.shape[0],
+                                                                                                 w.shape[1]):
+                return rname, f"{rname}.{wname}" if rname else wname, int(w.shape[0])
+    return None
+
+
+def experts_holder(block: nn.Module, router: str, E: int, H: int) -> str | None:
+    """The child (other than the router) that holds the experts of a ``block_router`` block; "" when they are
+    spread over several children (JetMoE's ``input_linear`` / ``output_linear``: 3-D weights one per child)."""
+    kids = [(n, c) for n, c in block.named_children() if n != router]
+    one = next((n for n, c in kids if _expert_tensors([c], E, H)), None)
+    if one is not None:
+        return one
+    return "" if _expert_tensors([c for _, c in kids], E, H) else None
+
+
+def holds_expert_weights(m: nn.Module) -> bool:
+    """``m`` or a module below it owns a 3-D tensor (stacked expert weights)."""
+    return any(t.dim() == 3 for sub in m.modules() for t in _own(sub))
+
+
+def _own_named(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t) for n, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False))
+            if t is not None]
+
+
 def routed_blocks(model: nn.Module, hidden: int | None = None) -> dict[str, int]:
     """{path: router width E} of the smallest modules that own a router [E, H] and, in their other children,
     experts for it."""
     H = hidden or getattr(getattr(model, "config", None), "hidden_size", None)
     found = {}
     for name, block in model.named_modules():
-        kids = dict(block.named_children())
-        if len(kids) < 2 or not name:
+        if not name:
             continue
-        for rname, r in kids.items():
-            if isinstance(r, nn.Embedding):
-                continue
-            ws = [t for t in _own(r) if t.dim() == 2] + [t for c in r.children() if not isinstance(c, nn.Embedding)
-                                                         for t in _own(c) if t.dim() == 2]
-            others = [c for n, c in kids.items() if n != rname]
-            E = next((w.shape[0] for w in ws if (H is None or w.shape[1] == H) and 2 <= w.shape[0] <= 1024
-                      and _expert_tensors(others, w.shape[0], w.shape[1])), None)
-            if E is not None:
-                found[name] = int(E)
-                break
+        r = block_router(block, H)
+        if r is not None:
+            found[name] = r[2]
     # keep the innermost: a decoder layer that owns an MoE block also "owns" its router and experts
     return {n: e for n, e in found.items() if not any(o != n and o.startswith(n + ".") for o in found)}
 

@@ -294,6 +294,9 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
             parts = find_parts(block)
         except NotABlock as e:
             raise FallbackError(str(e)) from None
+    if parts.kind == "structural":
+        raise FallbackError(f"the attribute reader names per-expert parts and knows none of {parts.experts!r}'s "
+                            "(found by shapes: only the FX pass reads such a block)", RejectCode.NOT_RECOGNISED)
     sources = attr_sources(block, parts)
     notes = []
     E, H, I = parts.num_experts, parts.hidden_size, parts.intermediate_size

@@ -15,6 +15,11 @@ output, e.g. ``MixtralSparseMoeBlock`` or ``DeepseekV3MoE``. It is recognised by
   of weight [L, H] (into the experts) and one of [H, L] (out of them), found by their shapes (NemotronH's
   ``moe_latent_size``: ``MoESpec.latent_size``).
 
+A module none of those names describe is still a candidate when its shapes say it routes (``hf/discover.py``: a
+router [E, H] child next to experts for it, stacked or one module per expert in a ModuleList / ModuleDict /
+Sequential, under any names): its parts are then ``kind="structural"`` (router and experts child only), which only
+the FX pass can read; the attribute reader refuses them with a reason.
+
 Nothing here runs the model: :mod:`moecomp.hf.fallback` turns the parts into a ``MoESpec`` and checks it by running.
 """
 
@@ -60,7 +65,7 @@ class BlockParts:
     """What a candidate MoE block owns; every path is relative to the block module."""
 
     experts: str  # path of the experts module / ModuleList
-    kind: str  # "fused" (3-D weights) or "modulelist"
+    kind: str  # "fused" (3-D weights), "modulelist", or "structural" (found by shapes: router and experts only)
     num_experts: int
     hidden_size: int
     intermediate_size: int
@@ -408,11 +413,37 @@ def _find_correction_bias(block: nn.Module, router_mod: str, E: int, router_bias
     return cands[0] if cands else None
 
 
+def structural_parts(block: nn.Module) -> BlockParts | None:
+    """Router and experts of a block that ``find_parts``' names do not describe but whose shapes say it routes
+    (``discover.block_router``), as ``kind="structural"`` parts; None when its shapes do not."""
+    from . import discover
+
+    r = discover.block_router(block, None)
+    if r is None:
+        return None
+    rname, w_path, E = r
+    H = int(get_path(block, w_path).shape[1])
+    experts = discover.experts_holder(block, rname, E, H)  # "": spread over several children
+    if experts is None:
+        return None
+    parts = BlockParts(experts=experts, kind="structural", num_experts=E, hidden_size=H, intermediate_size=0,
+                       router_weight=w_path, router_module=rname)
+    rb = getattr(get_path(block, rname), "bias", None) if rname else None
+    if isinstance(rb, torch.Tensor) and tuple(rb.shape) == (E,):
+        parts.router_bias = f"{rname}.bias"
+    parts.correction_bias = _find_correction_bias(block, rname, E, parts.router_bias)
+    parts.extra_modules = [n for n, c in block.named_children()
+                           if n not in (experts, rname) and c is not None and any(True for _ in c.parameters())
+                           and not (experts == "" and discover.holds_expert_weights(c))]
+    return parts
+
+
 def iter_blocks(model: nn.Module):
     """Yield (name, module, BlockParts | None, reason) for every candidate MoE block, innermost wins.
 
-    A module is a candidate if it has an experts child (3-D expert weights or a ModuleList of expert MLPs). Those
-    without a router are still yielded (parts None) so that the report can say why they were skipped.
+    A module is a candidate if it has an experts child (3-D expert weights or a ModuleList of expert MLPs), or if
+    its shapes say it routes (``structural_parts``). Those without a router are still yielded (parts None) so that
+    the report can say why they were skipped.
     """
     claimed: list[str] = []
     found = []
@@ -425,7 +456,10 @@ def iter_blocks(model: nn.Module):
             if str(e) != "no experts child":  # an experts module, but not a block we can describe
                 found.append((name, mod, None, str(e)))
                 claimed.append(name)
-            continue
+                continue
+            parts = structural_parts(mod) if name else None
+            if parts is None:
+                continue
         found.append((name, mod, parts, ""))
         claimed.append(name)
     found.reverse()

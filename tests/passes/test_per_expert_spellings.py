@@ -3,10 +3,10 @@ capture, and ``moecomp.optimize`` on a model holding it as ``mlp``.
 
 Recognised: exactly 1 match; optimize rewrites exactly the one block, which then calls the op once per forward and
 gives the block's output on fresh [3, 7, H] tokens within fp32 max |diff| / max |block| <= 1e-5. Refused: no match,
-the block untouched (0 op calls), with the reason code and a message naming the part not understood. Known gap
-(``NOT_FOUND``): optimize's block finder (``hf/structure.iter_blocks``) reads per-expert parts by their names, so a
-block whose experts the FX pass recognises but whose names it does not know is not a candidate: untouched, and not
-in the report.
+the block untouched (0 op calls), with the reason code and a message naming the part not understood. A block whose part names optimize's block
+finder (``hf/structure.iter_blocks``) does not know is still a candidate when its shapes say it routes
+(``structural_parts``: the FX pass reads it; ``NOT_FOUND`` would mark one that is not a candidate, untouched and not
+in the report: none is left).
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ NOT_FOUND = "not found"  # optimize's block finder names per-expert parts: no ca
 OUTCOMES = {
     "nonzero": (None, None),
     "mask_any": (None, None),
-    "index_add_out_of_place": (None, NOT_FOUND),  # Sequential experts
+    "index_add_out_of_place": (None, None),  # Sequential experts: found by shapes (hf/structure.structural_parts)
     "scatter_add": (None, None),
     "index_put_add": (None, None),
     "weight_on_hidden": (None, None),
     "weight_on_input": (None, None),
-    "one_hot_token_major": (None, NOT_FOUND),  # ModuleDict experts
+    "one_hot_token_major": (None, None),  # ModuleDict experts: found by shapes
     "one_hot_summed": (None, None),
-    "fused_gate_up": (None, NOT_FOUND),  # gate_up / down names
+    "fused_gate_up": (None, None),  # gate_up / down names, a bare router Parameter: found by shapes
     "dense_scattered": (None, None),
     "dense_stacked": ((NR, UNSELECTED), (NR, UNSELECTED)),
     "slot_loop": (None, None),

@@ -1,0 +1,126 @@
+"""Blocks found by their shapes (``hf/structure.structural_parts``, ``hf/discover.block_router``): a router [E, H]
+(a child's weight, or the block's own Parameter) next to experts for it, under names the block finder does not
+know. Their parts name only the router and the experts child (``kind="structural"``); the FX pass reads such a
+block, the attribute reader refuses it with a reason; models without a router give no candidate.
+
+Equivalence of the rewritten blocks (ModuleDict / Sequential experts, a bare router Parameter) is in
+``tests/passes/test_per_expert_spellings.py``; here: the parts, the refusal without the FX pass, the rewrite of a
+block whose every name is unusual (fresh [2, 5, H] inputs, NaN-poisoned outputs, fp32 max |diff| / max |block|
+<= 1e-5), and no candidates in dense models.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import moecomp
+from moecomp.hf.structure import iter_blocks, structural_parts
+from moecomp.reject import RejectCode
+
+H, I, E, K = 24, 12, 6, 2
+
+
+class Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(H, I, bias=False)
+        self.b = nn.Linear(H, I, bias=False)
+        self.c = nn.Linear(I, H, bias=False)
+
+    def forward(self, x):
+        return self.c(F.silu(self.a(x)) * self.b(x))
+
+
+class OddNames(nn.Module):
+    """Router ``chooser`` (a Linear), experts a ModuleDict ``pool`` with string keys, a bare scale Parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.chooser = nn.Linear(H, E, bias=False)
+        self.pool = nn.ModuleDict({f"e{i}": Expert() for i in range(E)})
+
+    def forward(self, x):
+        flat = x.reshape(-1, H)
+        w, ids = torch.topk(self.chooser(flat).softmax(-1), K, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for i, (name, ex) in enumerate(self.pool.items()):
+            tok, slot = torch.where(ids == i)
+            out.index_add_(0, tok, ex(flat[tok]) * w[tok, slot, None])
+        return out.reshape(x.shape)
+
+
+class Layer(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.norm = nn.LayerNorm(H)
+        self.ffn = block
+
+    def forward(self, x):
+        return x + self.ffn(self.norm(x))
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    m = nn.Sequential(Layer(OddNames()), Layer(OddNames()))
+    for p in m.parameters():
+        if p.dim() >= 2:
+            nn.init.normal_(p, std=0.2)
+    return m.eval()
+
+
+def test_parts_name_router_and_experts():
+    m = _model()
+    found = [(n, p) for n, _, p, _ in iter_blocks(m)]
+    assert [n for n, _ in found] == ["0.ffn", "1.ffn"]
+    p = found[0][1]
+    assert (p.kind, p.experts, p.router_module, p.router_weight, p.num_experts, p.hidden_size) == (
+        "structural", "pool", "chooser", "chooser.weight", E, H)
+    assert p.extra_modules == []
+
+
+def test_bare_router_parameter():
+    class Bare(OddNames):
+        def __init__(self):
+            super().__init__()
+            del self.chooser
+            self.route_w = nn.Parameter(torch.randn(E, H))
+
+    p = structural_parts(Bare())
+    assert (p.router_module, p.router_weight, p.experts) == ("", "route_w", "pool")
+
+
+def test_rewritten_whole_and_equal(poison):
+    m = _model(1)
+    x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = m(x)
+    _, rep = moecomp.optimize(m, report=True)
+    assert [b.name for b in rep.rewritten] == ["0.ffn", "1.ffn"], str(rep)
+    assert all(b.method == "fx" for b in rep.rewritten)
+    x2 = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got, ref = m(x2), None
+    moecomp.unoptimize(m)
+    with torch.no_grad():
+        ref = m(x2)
+        assert torch.equal(m(x), want)
+    assert torch.isfinite(got).all()
+    assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+
+
+def test_attribute_reader_refuses_with_a_reason():
+    rep = moecomp.scan(_model(), use_capture=False)
+    assert len(rep.blocks) == 2 and all(b.status == "skipped" for b in rep.blocks)
+    for b in rep.blocks:
+        assert RejectCode.NOT_RECOGNISED in b.codes and "only the FX pass reads such a block" in b.reason, b.reason
+
+
+def test_dense_models_have_no_candidate():
+    dense = nn.Sequential(nn.Linear(H, 4 * H), nn.GELU(), nn.Linear(4 * H, H))
+    two_mlps = nn.ModuleDict({"proj": nn.Linear(H, 4, bias=False),
+                              "mlps": nn.ModuleList([nn.Sequential(nn.Linear(H, H), nn.Linear(H, H))] * 1)})
+    for m in (dense, Layer(nn.Sequential(nn.Linear(H, H), nn.ReLU())), two_mlps):
+        assert iter_blocks(m) == [], iter_blocks(m)
