@@ -347,7 +347,8 @@ def capture_block(module: nn.Module, example_input: torch.Tensor, *, dynamic: bo
         pass
     except Exception as e:  # Dynamo raises many types (Unsupported, UserError, ...)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DetectError(f"Dynamo could not capture the block: {type(e).__name__}: {msg[:300]}", "capture") from e
+        raise DetectError(f"Dynamo could not capture the block: {type(e).__name__}: {msg[:300]}{_root(e)}",
+                          "capture") from e
     finally:
         del compiled
     if "gm" not in box:
@@ -433,6 +434,19 @@ def _output_position(cap: CapturedBlock, m) -> tuple[int, int, tuple]:
     if len(idx) != 1:
         raise DetectError("the block post-processes the MoE result before returning it", "detect")
     return idx[0], len(outs), tuple(_fx.op_name(n) or n.op for n in cap.gm.graph.nodes if n in m.tail)
+
+
+def _root(e: BaseException) -> str:
+    """" (from <type>: <first line>)" of the innermost cause Dynamo chained to ``e`` (an "Observed exception" is
+    the block's own error as Dynamo saw it: a KeyError from a ModuleDict key built from a tensor, say); "" if none."""
+    c, seen = e.__cause__ or e.__context__, 0
+    last = None
+    while c is not None and seen < 16:
+        last, c, seen = c, c.__cause__ or c.__context__, seen + 1
+    if last is None:
+        return ""
+    text = str(last).strip().splitlines()[0][:160] if str(last).strip() else ""
+    return f" (from {type(last).__name__}{': ' + text if text else ''})"
 
 
 def detect_block(module: nn.Module, example_input: torch.Tensor, *, verify: bool = True,
