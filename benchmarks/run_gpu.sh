@@ -10,7 +10,7 @@
 #   benchmarks/run_gpu.sh diag      benchmarks/diag_kernels.py (DIAG_ARGS; default: the TMA part, gemm1 and gemm2)
 #   benchmarks/run_gpu.sh nan       the GPU tests of the op and the reliability suite, then the routing kernel timed
 #                                   against the version in .ab/routing_old.py (carried; e.g. git show HEAD~:...)
-#   benchmarks/run_gpu.sh next      STEP=1|2|3: the next session's plan (tests; the opt-in candidates; generate rows)
+#   benchmarks/run_gpu.sh next      STEP=1|2: the next session's plan (every GPU test; FP8 generate at full depth)
 #   benchmarks/run_gpu.sh sanitize  benchmarks/nan_routing_probe.py and the graph-replay NaN test under
 #                                   compute-sanitizer memcheck (with .ab/routing_old.py too, to show the probe fails)
 set -uo pipefail
@@ -167,13 +167,15 @@ wrap)  # the tenth session's last call: the GPU tests of what joined (the skinny
   timeout ${GEN_TIMEOUT:-120} python3 benchmarks/bench_generate.py --models qwen3 --layers qwen3=12 --batches 1 \
       --paths one_liner --profile one_liner:1 --budget-s ${GEN_BUDGET:-95} --out-json "$OUT/generate-b1.json" 2>&1 \
       | tee "$OUT/generate-b1.log" | quiet | tail -24 ;;
-next)  # the eleventh session's first calls (STEP=1|2): 1 = every GPU test at the final commit (the skinny op's opcheck
-       # with autograd, the refactored replay tests, the spellings recogniser); 2 = FP8 generate rows (bf16 now also
-       # with the skinny kernel in its decode step) and issue 20's rows at B=1 and 32 with the profile
+next)  # the twelfth session's first calls (STEP=1|2): 1 = every GPU test at the final commit (the down-combine's
+       # zero-expert slot as a nested constexpr branch, 5d5128d; 9 DeepSeek-sized tests ran out of memory in 4 workers
+       # of a subset at 5d5128d and passed alone); 2 = FP8 generate at Qwen3's full depth, B=1 profiled and 8 (the
+       # rows to beat: 2.976 / 8.931 ms/step, bf16 3.202 / 9.259), then the prefill's host profile
   case "${STEP:-1}" in
   1) "$0" tests ;;
-  2) GEN_BUDGET=200 GEN_TIMEOUT=240 STEP=gen "$0" fp8next
-     GEN_BUDGET=${GEN_BUDGET2:-250} GEN_TIMEOUT=300 TEST_TIMEOUT=1 "$0" issue20 ;;
+  2) GEN_BATCHES=1,8 GEN_BUDGET=300 GEN_TIMEOUT=380 "$0" s11
+     timeout 180 python3 benchmarks/diag_prefill_host.py --layers 6 --top 30 > "$OUT/prefill-host.txt" 2>&1
+     grep "=====" "$OUT/prefill-host.txt" ;;
   esac ;;
 s11)  # the eleventh session's first call: the GPU tests the tenth session did not run on the GPU (the skinny op's
      # opcheck with autograd, the refactored replay tests, the spellings recogniser), then FP8 generate on Qwen3-30B-A3B
