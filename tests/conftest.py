@@ -9,6 +9,25 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Tiny sizes for the token mixers that ``moecomp.hf.families.TINY`` does not shrink (linear attention heads, Mamba
+# heads / state / chunk): their defaults made one eager forward of a tiny model take seconds (glm5_next: 64 linear
+# heads of 128, a [2, 64, 64, 64, 128] decay mask per layer) and a Dynamo trace of it tens of seconds. The MoE blocks
+# (hidden 64, 8 experts, ...) and so everything the tests check are unchanged; only the attention / SSM layers
+# between them shrink. Merged into FAMILY_OVERRIDES for every test (pytest_configure below).
+TEST_MIXER_SIZES = {
+    "glm5_next": {"linear_num_heads": 4, "linear_head_dim": 16},
+    "kimi_linear": {"linear_num_heads": 4, "linear_head_dim": 16},
+    "granitemoehybrid": {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 16},
+    "nemotron_h": {"mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "chunk_size": 16},
+}
+
+
+def pytest_configure(config):
+    from moecomp.hf import families
+
+    for family, sizes in TEST_MIXER_SIZES.items():
+        families.FAMILY_OVERRIDES[family] = {**families.FAMILY_OVERRIDES.get(family, {}), **sizes}
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
