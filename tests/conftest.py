@@ -9,6 +9,92 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Tiny sizes for the token mixers that ``moecomp.hf.families.TINY`` does not shrink (linear attention heads, Mamba
+# heads / state / chunk): their defaults made one eager forward of a tiny model take seconds (glm5_next: 64 linear
+# heads of 128, a [2, 64, 64, 64, 128] decay mask per layer) and a Dynamo trace of it tens of seconds. The MoE blocks
+# (hidden 64, 8 experts, ...) and so everything the tests check are unchanged; only the attention / SSM layers
+# between them shrink. Merged into FAMILY_OVERRIDES for every test (pytest_configure below).
+TEST_MIXER_SIZES = {
+    "glm5_next": {"linear_num_heads": 4, "linear_head_dim": 16},
+    "kimi_linear": {"linear_num_heads": 4, "linear_head_dim": 16},
+    "granitemoehybrid": {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 16},
+    "nemotron_h": {"mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "chunk_size": 16},
+}
+
+
+def pytest_configure(config):
+    from moecomp.hf import families
+
+    for family, sizes in TEST_MIXER_SIZES.items():
+        families.FAMILY_OVERRIDES[family] = {**families.FAMILY_OVERRIDES.get(family, {}), **sizes}
+    if os.environ.get("TRITON_INTERPRET") == "1" and not os.environ.get("MOECOMP_TEST_PLAIN_INTERPRETER"):
+        skip_repatching_nested_calls()
+
+
+# The body of triton.runtime.interpreter.InterpretedFunction.__call__ (a @triton.jit function called from a kernel)
+# that skip_repatching_nested_calls replaces; any other body (another Triton) is left alone.
+_NESTED_CALL_SOURCE = """
+def __call__(self, *args, **kwargs):
+    # This is a device function call
+    _patch_lang(self.fn)
+    fn = self.rewrite()
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        raise InterpreterError(repr(e)) from e
+"""
+
+
+def skip_repatching_nested_calls() -> bool:
+    """Under TRITON_INTERPRET=1, a @triton.jit helper called from a kernel (``dense_loop``, ``_rows``, activations,
+    ...) runs ``_patch_lang`` again on every call of every program: an ``inspect.getmembers`` scan of triton.language,
+    tl.core, tl.tensor, tl.math and the descriptor class that re-sets, to equivalent closures, what the kernel's launch
+    (``GridExecutor``) has already patched and restores at its end. That scan was about a third of all interpreter
+    time (tune --interpret: 24 s of 66 s). Here the helper call patches only the triton.language modules of its globals
+    that are not patched yet (a module is patched when its ``load`` is no longer the builtin, which ``_patch_lang``
+    replaces together with everything else of that module): the same state, the same kernels, the same numbers.
+    tests/test_interpreter_patch.py checks the outputs are bit-identical to the plain interpreter's. Set
+    MOECOMP_TEST_PLAIN_INTERPRETER=1 to run the plain one. Returns whether the method was replaced."""
+    import inspect
+    import textwrap
+
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as ti
+    except ImportError:  # pragma: no cover - no triton
+        return False
+    cls = getattr(ti, "InterpretedFunction", None)
+    try:
+        src = textwrap.dedent(inspect.getsource(cls.__call__))
+    except (AttributeError, OSError, TypeError):  # pragma: no cover
+        return False
+    if src.strip() != _NESTED_CALL_SOURCE.strip() or getattr(cls.__call__, "_moecomp_fast", False):
+        return False
+    is_builtin, langs_of = tl.core.is_builtin, {}
+
+    def patched(lang) -> bool:
+        load = getattr(lang, "load", None)
+        return load is not None and not is_builtin(load)
+
+    def __call__(self, *args, **kwargs):
+        # This is a device function call
+        langs = langs_of.get(self.fn)
+        if langs is None:
+            langs = langs_of[self.fn] = [v for v in self.fn.__globals__.values()
+                                         if inspect.ismodule(v) and v in (tl, tl.core)]
+        if not langs or not all(patched(lang) for lang in langs):
+            ti._patch_lang(self.fn)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise ti.InterpreterError(repr(e)) from e
+
+    __call__._moecomp_fast = True
+    __call__._moecomp_plain = cls.__call__
+    cls.__call__ = __call__
+    return True
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

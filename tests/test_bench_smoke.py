@@ -394,6 +394,11 @@ def test_routing_run_zipf(tmp_path):
 _VLLM_SCRIPT = textwrap.dedent("""
     import json, os, sys
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    if not os.environ.get("MOECOMP_TEST_PLAIN_INTERPRETER"):  # tests/conftest.py's interpreter speed-up, here too
+        sys.path.insert(0, {tests_dir!r})
+        from conftest import skip_repatching_nested_calls
+        skip_repatching_nested_calls()
+        sys.path.pop(0)
     sys.path.insert(0, {bench_dir!r})
     import torch
     import bench_moe as bench
@@ -441,7 +446,7 @@ def vllm_interp():
     if not os.path.isfile(os.path.join(VLLM_PEER_DIR, "vllm_fused_moe.py")):
         pytest.skip(f"no vLLM peer at {VLLM_PEER_DIR}")
     pytest.importorskip("triton")
-    code = _VLLM_SCRIPT.format(bench_dir=BENCH_DIR, peer=VLLM_PEER_DIR)
+    code = _VLLM_SCRIPT.format(bench_dir=BENCH_DIR, peer=VLLM_PEER_DIR, tests_dir=os.path.join(ROOT, "tests"))
     env = dict(os.environ, TRITON_INTERPRET="1")
     env.pop("OUT", None)
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
