@@ -179,6 +179,11 @@ LAYER_PRESETS = {
     "deepseek_v3": MoESpec(num_experts=256, top_k=8, hidden_size=7168, intermediate_size=2048, scoring="sigmoid",
                            has_correction_bias=True, n_group=8, topk_group=4, routed_scaling_factor=2.5,
                            renorm_eps=1e-20, router_fp32=True, shared=SharedExpertSpec(2048)),
+    # Llama 4 Scout (issue 21): top-1 sigmoid of the chosen logit applied to the expert's input, [E, H, 2I] experts,
+    # an ungated-by-router shared expert of the same width (the spec the FX pass reads from Llama4TextMoe)
+    "llama4_scout": MoESpec(num_experts=16, top_k=1, hidden_size=5120, intermediate_size=8192, scoring="sigmoid",
+                            score_order="topk_then_score", renormalize=False, weight_on_input=True, round_weights=True,
+                            w_layout="in_out", shared=SharedExpertSpec(8192, layout="separate")),
 }
 
 
