@@ -10,7 +10,8 @@
 #   benchmarks/run_gpu.sh diag      benchmarks/diag_kernels.py (DIAG_ARGS; default: the TMA part, gemm1 and gemm2)
 #   benchmarks/run_gpu.sh nan       the GPU tests of the op and the reliability suite, then the routing kernel timed
 #                                   against the version in .ab/routing_old.py (carried; e.g. git show HEAD~:...)
-#   benchmarks/run_gpu.sh next      STEP=1|2: the next session's plan (every GPU test; FP8 generate at full depth)
+#   benchmarks/run_gpu.sh next      STEP=1|2|3: the next session's plan (every GPU test; FP8 generate at full depth;
+#                                   the dense FP8 linear at prefill sizes)
 #   benchmarks/run_gpu.sh sanitize  benchmarks/nan_routing_probe.py and the graph-replay NaN test under
 #                                   compute-sanitizer memcheck (with .ab/routing_old.py too, to show the probe fails)
 set -uo pipefail
@@ -176,7 +177,13 @@ next)  # the twelfth session's first calls (STEP=1|2): 1 = every GPU test at the
   2) GEN_BATCHES=1,8 GEN_BUDGET=300 GEN_TIMEOUT=380 "$0" s11
      timeout 180 python3 benchmarks/diag_prefill_host.py --layers 6 --top 30 > "$OUT/prefill-host.txt" 2>&1
      grep "=====" "$OUT/prefill-host.txt" ;;
+  3) "$0" fp8lin ;;
   esac ;;
+fp8lin)  # issue 19, prefill: the dense FP8 linear at M = 64 / 512 / 2048 against cuBLAS bf16, with prequant and a
+         # tile sweep (benchmarks/diag_fp8_linear.py); the winners go into tuning.fp8_linear_config
+  timeout ${FP8LIN_TIMEOUT:-420} python3 benchmarks/diag_fp8_linear.py --rows ${FP8LIN_ROWS:-64,512,2048} \
+      --budget-s ${FP8LIN_BUDGET:-360} --out-json "$OUT/diag-fp8-linear.json" 2>&1 | grep -v "^DEBUG" \
+      | tee "$OUT/diag-fp8-linear.log" | grep "^|\|FAILED\|rror" ;;
 s11)  # the eleventh session's first call: the GPU tests the tenth session did not run on the GPU (the skinny op's
      # opcheck with autograd, the refactored replay tests, the spellings recogniser), then FP8 generate on Qwen3-30B-A3B
      # at its full depth (48 layers: the bf16 lm_head no longer weighs a fifth of the step), B = 1 (profiled) and 8

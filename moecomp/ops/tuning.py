@@ -192,7 +192,12 @@ FP8_HEURISTIC_MODE = {"fp8": "w8a8", "fp8_prequant": 1}
 def fp8_linear_config(M: int, N: int, K: int, device: torch.device, sms: int) -> dict:
     """Tiles of the dense FP8 linear (``kernels/fp8_linear.py``; ``sms``: the device's SM count): at up to 16 rows
     BLOCK_M = 16 and BLOCK_N chosen so that there are about two programs per SM (memory-bound: every SM streams
-    weight tiles), larger tiles above. Untuned."""
+    weight tiles), larger tiles above. Untuned. MOECOMP_FP8_LINEAR_TILES="BLOCK_M,BLOCK_N,GROUP_M,num_warps,num_stages"
+    (BLOCK_K 128) overrides every call (benchmarks/diag_fp8_linear.py's sweep)."""
+    env = os.environ.get("MOECOMP_FP8_LINEAR_TILES")
+    if env:
+        bm, bn, gm, nw, ns = (int(v) for v in env.split(","))
+        return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=gm, num_warps=nw, num_stages=ns)
     if device.type != "cuda":  # the interpreter: small tiles
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=1)
     if M <= 16:
