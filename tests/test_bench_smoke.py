@@ -90,11 +90,14 @@ def test_new_json_fields(tiny_run):
         assert r["vllm_peer"]["timed"] is False  # not among --peers here
     ce = res["ceilings"]
     for fam in res["families"]:
-        assert fam["hf_router"] == "gate"  # the block's own router module (owner of the recognised router weight)
+        # the block's own router module (owner of the recognised router weight), where it returns transformers'
+        # (logits, weights, ids); Llama 4's returns (scores, logits): routed from the spec instead
+        assert fam["hf_router"] == (None if fam["name"] == "llama4" else "gate"), (fam["name"], fam["hf_router"])
         for cell in fam["cells"]:
             rt = cell["routing"]
             assert rt["mode"] == "real" and rt["distinct_experts"] == cell["floor"]["distinct_experts"]
-            assert rt["hf_router_match"] > 0.5 and 0 < rt["busiest_expert_token_frac"] <= 1
+            assert 0 < rt["busiest_expert_token_frac"] <= 1
+            assert fam["hf_router"] is None or rt["hf_router_match"] > 0.5  # (no HF router to compare with: Llama 4)
             assert "planned_match" not in rt
             for p in ("hf_grouped_mm", "moecomp"):
                 a = cell["achieved"][p]
@@ -131,7 +134,7 @@ def test_spec_is_the_recognisers(tiny_run):
                 assert t.data_ptr() == w.data_ptr() and t.shape == w.shape and t.data_ptr() in own, (fam.name, name)
         assert all(tensors[n] is not None for n in ("router_w", "w13", "w2"))
         assert (tensors["correction_bias"] is not None) == spec.has_correction_bias == (fam.name == "deepseek")
-        assert (spec.shared is not None) == (tensors["shared_w1"] is not None) == (fam.name in ("qwen2", "deepseek"))
+        assert (spec.shared is not None) == (tensors["shared_w1"] is not None) == (fam.name in ("qwen2", "deepseek", "llama4"))
         assert (tensors["shared_gate_w"] is not None) == (fam.name == "qwen2")
 
 

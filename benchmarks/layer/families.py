@@ -1,4 +1,4 @@
-"""The five families: their configs (real and tiny sizes), the HF block built from transformers' own class, and the
+"""The families (five, and Llama 4 Scout since issue 21): their configs (real and tiny sizes), the HF block built from transformers' own class, and the
 ``MoESpec`` moecomp's recogniser gives for it (the benchmark has no spec of its own)."""
 
 from __future__ import annotations
@@ -73,7 +73,30 @@ FAMILIES = {
                ("deepseek_v3", "deepseek-v3", "dsv3"), tiny_fp8=dict(_FP8_TINY, moe_intermediate_size=128)),
     )
 }
+FAMILIES["llama4"] = Family(
+    # transformers' Llama4TextMoe returns (out [T, H], router logits); the benchmark runs it through ``Llama4Block``
+    # (below: its output only, in x's shape), which moecomp recognises like the model's own layer
+    "llama4", "Llama 4 Scout", "transformers.models.llama4", "Llama4TextConfig", "Llama4Block",
+    dict(hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384, num_local_experts=16,
+         num_experts_per_tok=1, **_attn(40, 8, head_dim=128)),
+    dict(hidden_size=64, intermediate_size=48, intermediate_size_mlp=96, num_local_experts=8, num_experts_per_tok=1,
+         **_attn(4, 2, head_dim=16)),
+    ("llama4_scout", "llama-4-scout"), tiny_fp8=dict(_FP8_TINY, intermediate_size=128))
 FAMILY_ALIASES = {a: f.name for f in FAMILIES.values() for a in f.aliases}
+
+
+def _llama4_block():
+    """transformers' Llama4TextMoe with the benchmark's block contract: x [1, T, H] -> [1, T, H] (no logits)."""
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+    class Llama4Block(Llama4TextMoe):
+        def forward(self, hidden_states):
+            return super().forward(hidden_states)[0].view(hidden_states.shape)
+
+    return Llama4Block
+
+
+LOCAL_BLOCKS = {"Llama4Block": _llama4_block}
 
 
 def family_config(fam: Family, tiny: bool, fp8: bool = False) -> dict:
@@ -88,7 +111,7 @@ def build_block(fam: Family, tiny: bool, device: torch.device, seed: int, fp8: b
     every floating parameter and the correction bias drawn in place (never zeros)."""
     mod = importlib.import_module(fam.module)
     cfg = getattr(mod, fam.config_cls)(**family_config(fam, tiny, fp8))
-    block_cls = getattr(mod, fam.block_cls, None)
+    block_cls = LOCAL_BLOCKS[fam.block_cls]() if fam.block_cls in LOCAL_BLOCKS else getattr(mod, fam.block_cls, None)
     if block_cls is None:  # older layouts export the block from modeling_* only
         block_cls = getattr(importlib.import_module(f"{fam.module}.modeling_{fam.module.rsplit('.', 1)[1]}"),
                             fam.block_cls)

@@ -77,16 +77,17 @@ def vllm_unsupported(spec, tensors: dict) -> str | None:
                    f"{'' if spec.gated else ' (not gated)'}, the kernel does silu(gate) * up")
     if spec.gate_up != "concat":
         why.append(f"gate/up {spec.gate_up}, the kernel wants gate rows then up rows")
-    if spec.w_layout != "out_in":
-        why.append(f"weights {spec.w_layout}, the kernel wants [E, 2I, H] / [E, H, I]")
     if spec.has_expert_bias or tensors.get("b13") is not None or tensors.get("b2") is not None:
         why.append("expert biases")
+    if spec.weight_on_input and spec.top_k != 1:
+        why.append("router weights on the expert input at top-k > 1 (vLLM applies them on the input at top-1 only)")
     if not why:
         E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
         w13, w2 = tensors["w13"], tensors["w2"]
-        if tuple(w13.shape) != (E, 2 * I, H) or tuple(w2.shape) != (E, H, I):
-            why.append(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)}, not [E, 2I, H] / [E, H, I]")
-        elif not (w13.is_contiguous() and w2.is_contiguous()):
+        want = ((E, 2 * I, H), (E, H, I)) if spec.w_layout == "out_in" else ((E, H, 2 * I), (E, I, H))
+        if (tuple(w13.shape), tuple(w2.shape)) != want:
+            why.append(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)}, not {want[0]} / {want[1]} ({spec.w_layout})")
+        elif spec.w_layout == "out_in" and not (w13.is_contiguous() and w2.is_contiguous()):
             why.append("expert weights not contiguous")
     return "; ".join(why) or None
 
@@ -170,10 +171,19 @@ def make_vllm_fn(fused, spec, tensors: dict, router, compute_dtype: torch.dtype)
     CPU interpreter) runs the kernel on copies of x / w13 / w2 in that dtype and casts its output back."""
     H = spec.hidden_size
     w13, w2 = tensors["w13"], tensors["w2"]
+    if spec.w_layout == "in_out":  # vLLM's layout, made once (as its checkpoint loader does): [E, 2I, H] / [E, H, I]
+        w13, w2 = w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
     if w13.dtype != compute_dtype:
         w13, w2 = w13.to(compute_dtype).contiguous(), w2.to(compute_dtype).contiguous()
     route = routing_fn(spec, tensors, router)
     shared = torch_shared_expert(spec, tensors)
+    if spec.weight_on_input:  # Llama 4: vLLM's own flag for it, on the implementation its fused_moe calls
+        impl = getattr(sys.modules.get(getattr(fused, "__module__", "")), "fused_experts_impl", None)
+        if impl is None:
+            raise RuntimeError("the vLLM peer has no fused_experts_impl (needed for apply_router_weight_on_input)")
+        return vllm_block_fn(lambda xin, tw, ti: impl(xin, w13, w2, tw, ti, activation="silu",
+                                                      apply_router_weight_on_input=True), H, route, shared,
+                             compute_dtype)
 
     return vllm_block_fn(lambda xin, tw, ti: fused(xin, w13, w2, tw, ti), H, route, shared, compute_dtype)
 
