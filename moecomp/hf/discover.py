@@ -48,7 +48,7 @@ def source_candidates(models_dir: str) -> list[str]:
 
 
 def _own(m: nn.Module) -> list[torch.Tensor]:
-    return [t for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)) if t is not None]
+    return [t for _, t in _own_named(m)]
 
 
 def _stacked_ok(ts: list, E: int, H: int) -> bool:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..derived import get_path  # noqa: F401 (re-exported)
+from . import discover
 
 # (gate, up, down) names of a per-expert / shared MLP, gated first.
 MLP_NAMES = (
@@ -416,8 +417,6 @@ def _find_correction_bias(block: nn.Module, router_mod: str, E: int, router_bias
 def structural_parts(block: nn.Module) -> BlockParts | None:
     """Router and experts of a block that ``find_parts``' names do not describe but whose shapes say it routes
     (``discover.block_router``), as ``kind="structural"`` parts; None when its shapes do not."""
-    from . import discover
-
     r = discover.block_router(block, None)
     if r is None:
         return None

@@ -24,7 +24,7 @@ from . import fp8
 
 
 @triton.jit
-def dequant(w, ws_row, n_ok, k0, K, stride_sk, W_SCALE: tl.constexpr, Q_BLOCK_K: tl.constexpr,
+def _dequant(w, ws_row, n_ok, k0, K, stride_sk, W_SCALE: tl.constexpr, Q_BLOCK_K: tl.constexpr,
              UE8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The [BN, BK] weight tile of K step k0 in fp32, its block scales applied (W_SCALE 1)."""
     wf = w.to(tl.float32)
@@ -42,9 +42,9 @@ def dequant(w, ws_row, n_ok, k0, K, stride_sk, W_SCALE: tl.constexpr, Q_BLOCK_K:
 
 
 @triton.jit
-def accumulate(acc, wf, x, REDUCE_END: tl.constexpr):
-    """acc after one K step: wf [BN, BK] fp32 weights times x [BK] fp32 (REDUCE_END: acc [BN, BK], summed at the
-    end; else acc [BN], the step's BK columns summed now)."""
+def _row_step(acc, wf, x_row, k0, offs_k, k_ok, REDUCE_END: tl.constexpr):
+    """One row's accumulator after K step k0: x_row points at the row's first element."""
+    x = tl.load(x_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
     if REDUCE_END:
         acc += wf * x[None, :]
     else:
@@ -53,26 +53,12 @@ def accumulate(acc, wf, x, REDUCE_END: tl.constexpr):
 
 
 @triton.jit
-def reduce(acc, REDUCE_END: tl.constexpr):
-    """The [BN] sums of an ``accumulate`` accumulator."""
+def _row_store(acc, y_row, offs_n, n_ok, s_fin, bias, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr,
+               REDUCE_END: tl.constexpr):
     if REDUCE_END:
         r = tl.sum(acc, axis=1)
     else:
         r = acc
-    return r
-
-
-@triton.jit
-def _row_step(acc, wf, x_row, k0, offs_k, k_ok, REDUCE_END: tl.constexpr):
-    """One row's accumulator after K step k0: x_row points at the row's first element."""
-    x = tl.load(x_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
-    return accumulate(acc, wf, x, REDUCE_END)
-
-
-@triton.jit
-def _row_store(acc, y_row, offs_n, n_ok, s_fin, bias, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr,
-               REDUCE_END: tl.constexpr):
-    r = reduce(acc, REDUCE_END)
     if W_SCALE >= 2:
         r = r * s_fin
     if HAS_BIAS:
@@ -123,7 +109,7 @@ def skinny_kernel(
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
-        wf = dequant(w, ws_row, n_ok, k0, K, stride_sk, W_SCALE, Q_BLOCK_K, UE8M0, BLOCK_N, BLOCK_K)
+        wf = _dequant(w, ws_row, n_ok, k0, K, stride_sk, W_SCALE, Q_BLOCK_K, UE8M0, BLOCK_N, BLOCK_K)
         acc0 = _row_step(acc0, wf, x_ptr, k0, offs_k, k_ok, REDUCE_END)
         if ROWS > 1:
             acc1 = _row_step(acc1, wf, x_ptr + stride_xm, k0, offs_k, k_ok, REDUCE_END)
