@@ -135,6 +135,7 @@ def moe_gemm1_kernel(
     stride_am=None, hs_ptr=None, stride_hsm=None, Q_OUT: tl.constexpr = 0, FOLD: tl.constexpr = 0,
     topk_w_ptr=None, W_ON_INPUT: tl.constexpr = False,  # [P] fp32 routing weights (pair order), see the docstring
     ZERO_EXPERTS: tl.constexpr = False, n_experts=0,  # DIRECT: pairs of ids >= n_experts skipped (docstring)
+    PAIR_LOAD: tl.constexpr = False,  # gated concat, columns of unit stride (in_out): kloop.pair_loop
 ):
     pdl.enter(USE_PDL)
     pid_m, pid_n, expert, offs_m, pair, row_ok, dead = _rows(
@@ -149,13 +150,24 @@ def moe_gemm1_kernel(
     if GATED:
         offs_j = tl.arange(0, TILE_N)
         col_n = pid_n * BLOCK_N + offs_j // 2
-        w_rows = col_n.to(tl.int64) * GATE_STRIDE + (offs_j % 2) * UP_OFFSET
+        if GATE_STRIDE == 2:  # interleaved (up row = gate row + 1): the same rows and mask, written so that the
+            w_rows = (pid_n * TILE_N + offs_j).to(tl.int64)  # compiler sees them contiguous (vector loads when
+            col_ok = w_rows < 2 * N_OUT  # the rows have unit stride, the in_out layout)
+        else:
+            w_rows = col_n.to(tl.int64) * GATE_STRIDE + (offs_j % 2) * UP_OFFSET
+            col_ok = col_n < N_OUT
     else:
         col_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = col_n.to(tl.int64)
-    col_ok = col_n < N_OUT
+        col_ok = col_n < N_OUT
 
-    if W_SCALE == 0:
+    if W_SCALE == 0 and PAIR_LOAD:
+        a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
+        gate_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] gate rows (up: UP_OFFSET rows on)
+        g_ptrs = w_ptr + expert * stride_we + gate_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        acc = kloop.pair_loop(a_ptrs, row_ok, g_ptrs, UP_OFFSET * stride_wn, gate_n < N_OUT, K, stride_wk, UPCAST,
+                              DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif W_SCALE == 0:
         a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
         b_ptrs = w_ptr + expert * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk
         acc = kloop.dense_loop(a_ptrs, row_ok, b_ptrs, col_ok, K, stride_wk, UPCAST, DOT_PRECISION, BLOCK_M, TILE_N,

@@ -302,9 +302,15 @@ def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, q: dic
         BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
         TILE_N=c1["BLOCK_N"] * (2 if spec.gated else 1), DIRECT=block_expert is None,
         num_warps=c1["num_warps"], num_stages=c1["num_stages"], **_pdl(x.device, gemm=True), **(q or {}), **wk,
-        **zx.gemm_kwargs(spec),
+        **zx.gemm_kwargs(spec), **({"PAIR_LOAD": True} if _pair_load(spec, w13, q) else {}),
     )
     return out
+
+
+def _pair_load(spec: MoESpec, w13: torch.Tensor, q) -> bool:
+    """gemm1 loads gate and up tiles apart (``kloop.pair_loop``) when they are concatenated halves whose rows have
+    unit stride (the in_out layout, [E, H, 2I]): one tile over both would gather across the halves."""
+    return q is None and spec.gated and spec.gate_up == "concat" and _w_strides(w13, spec.w_layout)[1] == 1
 
 
 def gemm2(h, w2, b2, weights, spec: MoESpec, aligned, P: int, bm: int, c2: dict, q: dict | None = None):

@@ -2,7 +2,9 @@
 catches what the interpreter lets through (a ``None`` pointer in arithmetic on a branch the compiler keeps: the
 first GPU run of the skinny experts of 58ebe4d failed so, and this test, written against them, failed on it). One
 case per shape of the constexpr branches the op launches: the skinny linear (16-bit, e4m3 block / channel scales)
-and the fused decode down-combine (16-bit; e4m3 weight-only with zero experts, unweighted, a gated shared expert).
+the fused decode down-combine (16-bit; e4m3 weight-only with zero experts, unweighted, a gated shared expert), and
+gemm1 on weight rows of unit stride (the in_out layout: concatenated gate / up halves loaded apart, interleaved
+ones), whose weight tiles must load as vectors (the gathered form ran Llama 4 Scout's layer at 0.5 TB/s).
 All compiled in one child process (the tests run under TRITON_INTERPRET=1, whose jit functions do not compile)."""
 
 import json
@@ -18,20 +20,25 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from moecomp.kernels import decode as dk
+from moecomp.kernels import grouped_gemm as gk
 from moecomp.kernels import skinny as sk
 
 W = {"bf16": "*bf16", "fp8": "*fp8e4nv"}
 
-def compile_sm90(fn, pointers, constexprs):
+def compile_sm90(fn, pointers, constexprs, div16=()):
+    """PTX of fn; ``div16``: arguments declared divisible by 16, as Triton specializes aligned pointers and
+    strides at run time (what lets it vectorize loads)."""
     params = list(inspect.signature(fn.fn).parameters)
-    sig, const = {}, {}
+    sig, const, attrs = {}, {}, {}
     for i, p in enumerate(params):
         if p in constexprs:
             sig[p] = "constexpr"
             const[(i,)] = constexprs[p]
         else:
             sig[p] = pointers.get(p, "i32")
-    return triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+            if p in div16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
 def skinny(case):
     w = "fp8" if "fp8" in case else "bf16"
@@ -61,19 +68,39 @@ def down(case):
             c[name] = None
     return compile_sm90(dk.moe_down_combine_kernel, ptr, c), "moe_down_combine_kernel"
 
+def gemm1(case):
+    ptr = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", h_ptr="*bf16", sorted_ptr="*i32",
+               block_expert_ptr="*i32", num_padded_ptr="*i32", alpha="fp32", limit="fp32")
+    c = dict(GATE_STRIDE=2 if "interleaved" in case else 1, GATED=True, ACT=0, CLAMP=False, HAS_BIAS="bias" in case,
+             UPCAST=False, DOT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, TILE_N=128,
+             DIRECT="direct" in case, USE_PDL=0, ws_ptr=None, as_ptr=None, W_SCALE=0, A_QUANT=0, Q_BLOCK_N=1,
+             Q_BLOCK_K=1, UE8M0=False, EXACT_CAST=False, stride_am=None, hs_ptr=None, stride_hsm=None, Q_OUT=0, FOLD=0,
+             topk_w_ptr=None, W_ON_INPUT=False, ZERO_EXPERTS=False, PAIR_LOAD="pair" in case, stride_wn=1)
+    if "bias" not in case:
+        c["b_ptr"] = None
+    if "direct" in case:
+        c["block_expert_ptr"] = None
+    div16 = ("x_ptr", "w_ptr", "h_ptr", "sorted_ptr", "stride_xm", "stride_we", "stride_wk", "stride_hm", "K", "N_OUT",
+             "UP_OFFSET")
+    ptx = compile_sm90(gk.moe_gemm1_kernel, ptr, c, div16)
+    scalar = ptx.count("ld.global.b16")  # a weight tile gathered element by element (no bias in these cases)
+    return (ptx if not scalar else f"{scalar} scalar 16-bit loads"), "moe_gemm1_kernel"
+
 out = {}
-for kind, fn in (("skinny", skinny), ("down", down)):
+for kind, fn in (("skinny", skinny), ("down", down), ("gemm1", gemm1)):
     for case in json.loads(sys.argv[1])[kind]:
         try:
             ptx, name = fn(case)
-            out[f"{kind}: {case}"] = "ok" if f".entry {name}" in ptx else "no entry in the PTX"
+            out[f"{kind}: {case}"] = ("ok" if f".entry {name}" in ptx else
+                                      ptx if " loads" in ptx else "no entry in the PTX")
         except Exception as e:
             out[f"{kind}: {case}"] = f"{type(e).__name__}: {str(e)[:600]}"
 print(json.dumps(out))
 '''
 
 CASES = {"skinny": ["bf16 bias", "fp8 block rows4 reduce_step", "fp8 channel ue8m0"],
-         "down": ["bf16 plain", "bf16 shared bias zero unweighted", "fp8 block fold shared zero"]}
+         "down": ["bf16 plain", "bf16 shared bias zero unweighted", "fp8 block fold shared zero"],
+         "gemm1": ["pair in_out", "pair in_out direct", "interleaved in_out"]}
 
 
 def test_decode_kernels_compile_for_sm90():

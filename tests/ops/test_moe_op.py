@@ -58,6 +58,11 @@ STYLES = {
     "gpt_oss": MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40, score_order="topk_then_score",
                        renormalize=False, has_router_bias=True, activation="swiglu_oai", w_layout="in_out",
                        gate_up="interleaved", has_expert_bias=True, activation_alpha=1.702, activation_limit=0.5),
+    # Llama 4: concatenated gate / up halves in the in_out layout (gemm1's pair_loop), weights on the input
+    "llama4_in_out_concat": MoESpec(num_experts=8, top_k=1, hidden_size=48, intermediate_size=40, scoring="sigmoid",
+                                    score_order="topk_then_score", renormalize=False, weight_on_input=True,
+                                    w_layout="in_out", shared=SharedExpertSpec(24, layout="separate")),
+    "in_out_concat_top2": MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40, w_layout="in_out"),
     "not_gated_gelu": MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40, gated=False,
                               activation="gelu"),
     "gelu_tanh_shared_concat": MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40,
