@@ -10,6 +10,10 @@ dequantized reference (``reference.quantized_linear``, activation quantization c
     fp8 heuristic      the op as it runs today (``tuning.fp8_linear_config``, A quantized in every program's K loop)
     fp8 prequant       the same with MOECOMP_FP8_PREQUANT=1 (A quantized once, ``quantize_act``)
     fp8 best           the best of a tile sweep (MOECOMP_FP8_LINEAR_TILES), with or without prequant
+    torch blockwise    torch's own block-scaled FP8 GEMM (``F.scaled_mm``, BlockWise1x128 activations x BlockWise128x128
+                       weights; cuBLAS on CUDA >= 12.9) on the same codes and scales, activations quantized by our
+                       ``quantize_act`` (its scales then made column-major): a candidate backend for prefill rows,
+                       "-" with the reason printed where the stack refuses it
 
     PYTHONPATH=. python3 benchmarks/diag_fp8_linear.py --rows 64,512,2048 --out-json /tmp/fp8_linear.json
     PYTHONPATH=. python3 benchmarks/diag_fp8_linear.py --tiny      (CPU smoke run: the interpreter, small shapes)
@@ -35,11 +39,37 @@ SHAPES = {  # name: (N, K)
 }
 TINY_SHAPES = {"tiny a": (256, 256), "tiny b": (128, 384)}
 SWEEP = dict(BLOCK_M=(64, 128), BLOCK_N=(64, 128), GROUP_M=(8,), num_warps=(4, 8), num_stages=(3, 4))
+if os.environ.get("FP8LIN_SHAPES"):  # a subset by name prefix, e.g. "qwen3"
+    SHAPES = {n: s for n, s in SHAPES.items() if n.startswith(os.environ["FP8LIN_SHAPES"])}
 TINY_SWEEP = dict(BLOCK_M=(16, 32), BLOCK_N=(32,), GROUP_M=(1,), num_warps=(4,), num_stages=(1,))
 
 
 def _err(y, ref) -> float:
     return float((y.float() - ref).norm() / ref.norm())
+
+
+def _host_us(fn, n: int = 100) -> float:
+    """Host time of one call: n back-to-back calls without a sync, over n."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return dt / n * 1e6
+
+
+def torch_blockwise(x, w, ws):
+    """y = x @ dequant(w).T through torch's block-scaled GEMM, or raise what the stack says."""
+    import torch.nn.functional as F
+
+    from moecomp.ops import triton_fp8
+
+    qa = triton_fp8.quantize_act(x)
+    sa = qa.s.t().contiguous().t()  # [M, K / 128], column-major: the layout BlockWise1x128 takes
+    return F.scaled_mm(qa.q, w.t(), sa, F.ScalingType.BlockWise1x128, ws.t(), F.ScalingType.BlockWise128x128,
+                       output_dtype=x.dtype)
 
 
 def main(argv=None) -> int:
@@ -73,8 +103,8 @@ def main(argv=None) -> int:
     q = QuantSpec()  # e4m3, 128x128 fp32 block scales, dynamic activations
     rows, out, t_end = [int(r) for r in a.rows.split(",")], [], time.time() + a.budget_s
     print("| shape | M | cuBLAS bf16 us | fp8 heuristic us | fp8 prequant us | fp8 best us | best tiles | "
-          "best / cuBLAS | best TFLOP/s | max err |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "best / cuBLAS | best TFLOP/s | torch blockwise us | op host us | max err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (name, (N, K)), M in itertools.product(shapes.items(), rows):
         if time.time() > t_end:
             out.append(dict(shape=name, M=M, skipped="budget"))
@@ -97,7 +127,16 @@ def main(argv=None) -> int:
             return bench(fn)
 
         t_blas = bench(lambda: torch.nn.functional.linear(x, w16))
+        t_torch, torch_err = None, None
+        if dev.type == "cuda":
+            try:
+                torch_err = _err(torch_blockwise(x, w, ws), ref)
+                t_torch = bench(lambda: torch_blockwise(x, w, ws))
+            except Exception as e:  # the stack's refusal, said once per shape
+                print(f"  torch blockwise refused at {name} M={M}: {type(e).__name__}: {str(e)[:160]}")
         times["heuristic"] = run(None, False)
+        host = _host_us(lambda: torch.ops.moecomp.fp8_linear(x, w, ws, None, None, q.key)) if dev.type == "cuda" \
+            else None
         times["prequant"] = run(None, True)
         for vals in itertools.product(*sweep.values()):
             if time.time() > t_end:
@@ -114,9 +153,12 @@ def main(argv=None) -> int:
         best = min(times, key=times.get)
         tflops = 2 * M * N * K / (times[best] * 1e-6) / 1e12
         out.append(dict(shape=name, N=N, K=K, M=M, cublas_bf16_us=t_blas, times=times, best=best,
-                        best_us=times[best], max_err=max(errs)))
+                        best_us=times[best], max_err=max(errs), torch_blockwise_us=t_torch,
+                        torch_blockwise_err=torch_err, op_host_us=host))
         print(f"| {name} | {M} | {t_blas:.1f} | {times['heuristic']:.1f} | {times['prequant']:.1f} | "
-              f"{times[best]:.1f} | {best} | {times[best] / t_blas:.2f}x | {tflops:.0f} | {max(errs):.1e} |",
+              f"{times[best]:.1f} | {best} | {times[best] / t_blas:.2f}x | {tflops:.0f} | "
+              f"{'-' if t_torch is None else f'{t_torch:.1f} ({torch_err:.1e})'} | "
+              f"{'-' if host is None else f'{host:.0f}'} | {max(errs):.1e} |",
               flush=True)
     bad = [r for r in out if r.get("max_err", 0) > 2e-2]
     if a.out_json:

@@ -243,6 +243,7 @@ def quant_act_kernel(
     EXACT_CAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
+    stride_sg=1,  # the scales' group stride (M: column-major scales, as torch's BlockWise1x128 GEMM reads them)
 ):
     """Dynamic activation quantization once per (row, 128-column group): q, s = quant_rows(x[rows, group]), the
     formula dot_loop's A_QUANT 1 applies in every GEMM program ("prequant"). One program per BLOCK_M rows and group.
@@ -260,5 +261,5 @@ def quant_act_kernel(
     x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
     q, s = quant_rows(x, EXACT_CAST)
     tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q, mask=m)
-    tl.store(s_ptr + rows * stride_sm + tl.program_id(1), s, mask=row_ok)
+    tl.store(s_ptr + rows * stride_sm + tl.program_id(1) * stride_sg, s, mask=row_ok)
     pdl.release(USE_PDL)

@@ -27,7 +27,7 @@ import triton
 from ..kernels import fp8 as fp8_k
 from ..kernels import fp8_linear as fp8_linear_k
 from ..spec import MoESpec
-from . import skinny, tuning
+from . import fp8_blas, skinny, tuning
 from .common import _interpret, _precision, _sm_count, _upcast
 
 W_SCALE = {"block": 1, "channel": 2, "tensor": 3}
@@ -99,20 +99,23 @@ def launch_options(device: torch.device) -> dict:
     return {}
 
 
-def quantize_act(a: torch.Tensor, aligned=None, P: int = 0) -> QAct:
+def quantize_act(a: torch.Tensor, aligned=None, P: int = 0, col_major: bool = False) -> QAct:
     """a [M, K] (unit column stride) -> QAct, ``quant.quantize_act``'s formula (dynamic, groups of 128) in one
     launch (``kernels/fp8.quant_act_kernel``). ``aligned``: a is h [S, I] in the sorted order of this ``align``
-    tuple (sentinel P): padding rows are skipped. Scratch is torch.empty; no host sync (CUDA-graph capturable)."""
+    tuple (sentinel P): padding rows are skipped. ``col_major``: the scales [M, G] with strides (1, M) (torch's
+    block-scaled GEMM takes them so). Scratch is torch.empty; no host sync (CUDA-graph capturable)."""
     M, K = a.shape
     G = triton.cdiv(K, ACT_GROUP)
     q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=a.device)
-    s = torch.empty(M, G, dtype=torch.float32, device=a.device)
+    s = torch.empty(G, M, dtype=torch.float32, device=a.device).t() if col_major else \
+        torch.empty(M, G, dtype=torch.float32, device=a.device)
     if M:
         sorted_ids, num_padded = (None, None) if aligned is None or aligned[1] is None else aligned[0:3:2]
         bm = 16 if M <= 1024 else 32
         fp8_k.quant_act_kernel[(triton.cdiv(M, bm), G)](
             a, q, s, sorted_ids, num_padded, M, K, P, a.stride(0), q.stride(0), s.stride(0),
-            ROWS_SORTED=sorted_ids is not None, EXACT_CAST=_interpret(), BLOCK_M=bm, num_warps=4, **launch_options(a.device),
+            ROWS_SORTED=sorted_ids is not None, EXACT_CAST=_interpret(), BLOCK_M=bm, num_warps=4,
+            **({"stride_sg": s.stride(1)} if col_major else {}), **launch_options(a.device),
         )
     return QAct(q, s, a.dtype)
 
@@ -172,13 +175,19 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
+    y = out
     if M:
         kw = quant_kwargs(q, weight_scale, act_scale, tuning.fp8_mode(q, M, cfg), experts=False,
-                          cand=tuning.fp8_candidates(cfg))
+                          cand=tuning.fp8_candidates(_linear_cfg(cfg, M)))
         if _skinny_ok(kw, M, N, K):
-            skinny.skinny_linear(x2, weight, bias, weight_scale, q, out=y)
+            y = skinny.skinny_linear(x2, weight, bias, weight_scale, q, out=out)
             return y if out is not None else y.reshape(*x.shape[:-1], N)
+        if out is None and kw["A_QUANT"] in (1, 3) and fp8_blas.takes(x2, weight, weight_scale, q):
+            y = fp8_blas.linear(x2, weight, weight_scale, bias)  # None: the stack refused it (remembered)
+            if y is not None:
+                return y.reshape(*x.shape[:-1], N)
+        if y is None:
+            y = torch.empty(M, N, dtype=x.dtype, device=x.device)
         c = fp8_tile(tuning.fp8_linear_config(M, N, K, x.device, _sm_count(x.device)), kw)
         upcast, precision = _upcast(x2), _precision(x2)
         x2, kw = fp8_a(x2, kw)  # prequant: x2 is then e4m3 (kw: its scales)
@@ -193,7 +202,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
             BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"], num_warps=c["num_warps"],
             num_stages=c["num_stages"], **kw,
         )
+    if y is None:  # no rows
+        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     return y if out is not None else y.reshape(*x.shape[:-1], N)
+
+
+def _linear_cfg(cfg: dict | None, M: int) -> dict | None:
+    """The config whose speed candidates a call takes: the block's, else above 64 rows the standalone linear's
+    measured defaults (``tuning.FP8_LINEAR_DEFAULTS``; decode sizes were not measured with them)."""
+    return cfg if cfg is not None or M <= 64 else tuning.FP8_LINEAR_DEFAULTS
 
 
 def _skinny_ok(kw: dict, M: int, N: int, K: int) -> bool:

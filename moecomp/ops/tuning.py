@@ -189,11 +189,21 @@ def _fp8_heuristic(E: int, N: int, K: int, T: int, top_k: int, device: torch.dev
 FP8_HEURISTIC_MODE = {"fp8": "w8a8", "fp8_prequant": 1}
 
 
+# The dense FP8 linear's speed candidates when no block config is given (a standalone FP8Linear) and it has more
+# than 64 rows: its w8a8 calls read activations quantized once. Measured on an H200 (diag_fp8_linear.py,
+# 2026-12-02, ...-fd6dfe0-diag-fp8-linear.json): 2.3-6.4x faster than quantizing in every program at 512 and 2048
+# rows on the 7 Qwen3-30B-A3B / DeepSeek-V3 projection shapes (with the tiles below).
+FP8_LINEAR_DEFAULTS = {"fp8_prequant": 1}
+
+
 def fp8_linear_config(M: int, N: int, K: int, device: torch.device, sms: int) -> dict:
     """Tiles of the dense FP8 linear (``kernels/fp8_linear.py``; ``sms``: the device's SM count): at up to 16 rows
     BLOCK_M = 16 and BLOCK_N chosen so that there are about two programs per SM (memory-bound: every SM streams
-    weight tiles), larger tiles above. Untuned. MOECOMP_FP8_LINEAR_TILES="BLOCK_M,BLOCK_N,GROUP_M,num_warps,num_stages"
-    (BLOCK_K 128) overrides every call (benchmarks/diag_fp8_linear.py's sweep)."""
+    weight tiles). Above 64 rows the winners of the H200 sweep (diag_fp8_linear.py, 2026-12-02; activations
+    quantized once): 64 x 64 tiles up to 1024 columns (k / v projections: 0.75x the 64 x 128 time at 512 rows),
+    128 x 128 with 8 warps from 24M weight elements (0.95x), 64 x 128 between.
+    MOECOMP_FP8_LINEAR_TILES="BLOCK_M,BLOCK_N,GROUP_M,num_warps,num_stages" (BLOCK_K 128) overrides every call
+    (benchmarks/diag_fp8_linear.py's sweep)."""
     env = os.environ.get("MOECOMP_FP8_LINEAR_TILES")
     if env:
         bm, bn, gm, nw, ns = (int(v) for v in env.split(","))
@@ -205,7 +215,11 @@ def fp8_linear_config(M: int, N: int, K: int, device: torch.device, sms: int) ->
         return dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
     if M <= 64:
         return dict(BLOCK_M=32 if M <= 32 else 64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+    if N <= 1024:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
+    if N * K >= 24 << 20:
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
 
 
 # The decode path's token limit for shapes without a tuned entry (MOECOMP_DECODE_MAX_T overrides; 0 turns it off).
