@@ -9,6 +9,10 @@ Columns (bf16, real layer sizes, random data):
   graphs     do_bench of eager calls with the op's graphs on (default)
   direct     the same through `moe_op.call_moe_forward` (what bound HF blocks call: no custom-op dispatcher)
   host       host time per call (200 back-to-back calls, no sync, divided by 200) for plain / graphs / direct
+
+EAGER_CASES="qwen3_30b_a3b:512,qwen3_30b_a3b:2048" picks the cases; EAGER_PROFILE=1 also prints, per case, the top
+functions by own time of 50 plain calls through the dispatcher under cProfile (where a prefill-sized call's host time
+goes: issue 19 / 20's host-bound prefill).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from moecomp.ops import graphs
 from moecomp.ops.moe_op import call_moe_forward
 from moecomp.testing import LAYER_PRESETS, random_moe_args
 
-CASES = [("qwen3_30b_a3b", 1), ("qwen3_30b_a3b", 8), ("qwen3_30b_a3b", 64), ("qwen15_moe_a27b", 1),
+CASES = [(c.split(":")[0], int(c.split(":")[1])) for c in os.environ["EAGER_CASES"].split(",")] \
+    if os.environ.get("EAGER_CASES") else [("qwen3_30b_a3b", 1), ("qwen3_30b_a3b", 8), ("qwen3_30b_a3b", 64), ("qwen15_moe_a27b", 1),
          ("qwen15_moe_a27b", 8), ("olmoe_1b_7b", 1), ("deepseek_v3", 1), ("mixtral_8x7b", 1)]
 
 
@@ -37,6 +42,23 @@ def host_us(fn, n=200) -> float:
     dt = time.perf_counter() - t
     torch.cuda.synchronize()
     return dt / n * 1e6
+
+
+def _profile(fn, label: str, n: int = 50) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(14)
+    print(f"===== {label}: {n} plain calls under cProfile =====\n{buf.getvalue()}", flush=True)
 
 
 def main():
@@ -53,6 +75,8 @@ def main():
             call()
             plain = do_bench(call, return_mode="median")
             plain_host = host_us(call)
+            if os.environ.get("EAGER_PROFILE"):
+                _profile(call, f"{name} T={T}")
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):

@@ -96,13 +96,52 @@ def skip_repatching_nested_calls() -> bool:
     return True
 
 
+# GPU tests on layers whose 16-bit experts take more than this hold tens of GiB each (DeepSeek-V3's 256 experts:
+# 22.5 GB of weights, plus the fp32 reference's copies); in xdist workers sharing one GPU they run one at a time.
+BIG_LAYER_BYTES = 8 << 30
+
+
+def _big_layer(item) -> bool:
+    from moecomp.testing import LAYER_PRESETS
+
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    for value in params.values():
+        spec = LAYER_PRESETS.get(value) if isinstance(value, str) else None
+        if spec is not None:
+            numel = sum(torch.Size(s).numel() for s in spec.expert_weight_shapes().values())
+            if 2 * numel > BIG_LAYER_BYTES:
+                return True
+    return False
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
+        for item in items:
+            if "gpu" in item.keywords and _big_layer(item):
+                item.add_marker(pytest.mark.bigmem)
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _one_big_layer_at_a_time(request):
+    """A ``bigmem`` test holds a file lock shared by the xdist workers for as long as it runs."""
+    if request.node.get_closest_marker("bigmem") is None:
+        yield
+        return
+    import fcntl
+    import tempfile
+
+    with open(os.path.join(tempfile.gettempdir(), "moecomp-bigmem-tests.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture
