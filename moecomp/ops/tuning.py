@@ -191,7 +191,7 @@ FP8_HEURISTIC_MODE = {"fp8": "w8a8", "fp8_prequant": 1}
 
 # The dense FP8 linear's speed candidates when no block config is given (a standalone FP8Linear) and it has more
 # than 64 rows: its w8a8 calls read activations quantized once. Measured on an H200 (diag_fp8_linear.py,
-# 2026-12-02, ...-fd6dfe0-diag-fp8-linear.json): 2.3-6.4x faster than quantizing in every program at 512 and 2048
+# 2026-12-02, ...-fd6dfe0-diag-fp8-linear.json): 2.4-6.4x faster than quantizing in every program at 512 and 2048
 # rows on the 7 Qwen3-30B-A3B / DeepSeek-V3 projection shapes (with the tiles below).
 FP8_LINEAR_DEFAULTS = {"fp8_prequant": 1}
 
@@ -201,7 +201,7 @@ def fp8_linear_config(M: int, N: int, K: int, device: torch.device, sms: int) ->
     BLOCK_M = 16 and BLOCK_N chosen so that there are about two programs per SM (memory-bound: every SM streams
     weight tiles). Above 64 rows the winners of the H200 sweep (diag_fp8_linear.py, 2026-12-02; activations
     quantized once): 64 x 64 tiles up to 1024 columns (k / v projections: 0.75x the 64 x 128 time at 512 rows),
-    128 x 128 with 8 warps from 24M weight elements (0.95x), 64 x 128 between.
+    128 x 128 with 8 warps from 24M weight elements (0.94-1.00x), 64 x 128 between.
     MOECOMP_FP8_LINEAR_TILES="BLOCK_M,BLOCK_N,GROUP_M,num_warps,num_stages" (BLOCK_K 128) overrides every call
     (benchmarks/diag_fp8_linear.py's sweep)."""
     env = os.environ.get("MOECOMP_FP8_LINEAR_TILES")
