@@ -48,18 +48,6 @@ def _err(y, ref) -> float:
     return float((y.float() - ref).norm() / ref.norm())
 
 
-def _host_us(fn, n: int = 100) -> float:
-    """Host time of one call: n back-to-back calls without a sync, over n."""
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    dt = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return dt / n * 1e6
-
-
 def torch_blockwise(x, w, ws):
     """y = x @ dequant(w).T through torch's block-scaled GEMM, or raise what the stack says."""
     import torch.nn.functional as F
@@ -78,6 +66,7 @@ def main(argv=None) -> int:
     from moecomp import quant as q8
     from moecomp import reference
     from moecomp.spec import QuantSpec
+    from moecomp.testing import host_us
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", default="64,512,2048")
@@ -135,7 +124,7 @@ def main(argv=None) -> int:
             except Exception as e:  # the stack's refusal, said once per shape
                 print(f"  torch blockwise refused at {name} M={M}: {type(e).__name__}: {str(e)[:160]}")
         times["heuristic"] = run(None, False)
-        host = _host_us(lambda: torch.ops.moecomp.fp8_linear(x, w, ws, None, None, q.key)) if dev.type == "cuda" \
+        host = host_us(lambda: torch.ops.moecomp.fp8_linear(x, w, ws, None, None, q.key)) if dev.type == "cuda" \
             else None
         times["prequant"] = run(None, True)
         for vals in itertools.product(*sweep.values()):

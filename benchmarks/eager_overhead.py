@@ -19,29 +19,17 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import torch
 from triton.testing import do_bench
 
 from moecomp.ops import graphs
 from moecomp.ops.moe_op import call_moe_forward
-from moecomp.testing import LAYER_PRESETS, random_moe_args
+from moecomp.testing import LAYER_PRESETS, host_us, random_moe_args
 
 CASES = [(c.split(":")[0], int(c.split(":")[1])) for c in os.environ["EAGER_CASES"].split(",")] \
     if os.environ.get("EAGER_CASES") else [("qwen3_30b_a3b", 1), ("qwen3_30b_a3b", 8), ("qwen3_30b_a3b", 64), ("qwen15_moe_a27b", 1),
          ("qwen15_moe_a27b", 8), ("olmoe_1b_7b", 1), ("deepseek_v3", 1), ("mixtral_8x7b", 1)]
-
-
-def host_us(fn, n=200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    dt = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return dt / n * 1e6
 
 
 def _profile(fn, label: str, n: int = 50) -> None:

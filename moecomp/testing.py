@@ -188,6 +188,18 @@ LAYER_PRESETS = {
 
 
 # ----------------------------------------------------------------------------------------------- timing
+def host_us(fn, n: int = 200) -> float:
+    """Host time of one CUDA call in us: n back-to-back calls without a sync, over n (after one warm call)."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return dt / n * 1e6
+
+
 class StepClock:
     """A transformers stopping criterion that stops nothing: it synchronizes (on CUDA) and reads the clock after
     every generated token, so decode steps are timed inside one ``generate()`` call."""

@@ -48,19 +48,17 @@ def takes(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, q)
     return ok
 
 
-def linear(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias) -> torch.Tensor | None:
-    """y [M, N] in x2's dtype; on a first refusal of this shape class, our kernel's answer instead (the caller's
-    fallback ``triton_fp8.fp8_linear`` with the path off for the class)."""
+def linear(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias,
+           dtype: torch.dtype) -> torch.Tensor | None:
+    """xq [M, K] e4m3 and xs [M, K / 128] fp32 column-major (``triton_fp8.quantize_act(x2, col_major=True)``) ->
+    y [M, N] in ``dtype``; None on a first refusal of this shape class (remembered: the caller runs our kernel)."""
     global last_error
-    from .triton_fp8 import quantize_act  # (triton_fp8 imports this module at its top)
-
     F = torch.nn.functional
-    M, K = x2.shape
-    key = (x2.device.index, weight.shape[0], K, M % 16 == 0)
-    qa = quantize_act(x2, col_major=True)
+    M, K = xq.shape
+    key = (xq.device.index, weight.shape[0], K, M % 16 == 0)
     try:
-        y = F.scaled_mm(qa.q, weight.t(), qa.s, F.ScalingType.BlockWise1x128, weight_scale.t(),
-                        F.ScalingType.BlockWise128x128, output_dtype=x2.dtype)
+        y = F.scaled_mm(xq, weight.t(), xs, F.ScalingType.BlockWise1x128, weight_scale.t(),
+                        F.ScalingType.BlockWise128x128, output_dtype=dtype)
     except (RuntimeError, NotImplementedError, ValueError, TypeError) as e:
         if key in _proven:  # a class that ran before: not the stack's refusal
             raise

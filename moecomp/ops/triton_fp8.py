@@ -183,7 +183,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
             y = skinny.skinny_linear(x2, weight, bias, weight_scale, q, out=out)
             return y if out is not None else y.reshape(*x.shape[:-1], N)
         if out is None and kw["A_QUANT"] in (1, 3) and fp8_blas.takes(x2, weight, weight_scale, q):
-            y = fp8_blas.linear(x2, weight, weight_scale, bias)  # None: the stack refused it (remembered)
+            qa = quantize_act(x2, col_major=True)
+            y = fp8_blas.linear(qa.q, qa.s, weight, weight_scale, bias, x.dtype)  # None: refused (remembered)
             if y is not None:
                 return y.reshape(*x.shape[:-1], N)
         if y is None:

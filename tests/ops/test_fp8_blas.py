@@ -76,3 +76,35 @@ def test_gpu_blockwise_path_in_a_cuda_graph():
     g.replay()
     assert torch.equal(out, eager)
     assert rel_err(eager, reference.quantized_linear(x, w, ws, Q) + b.float()) < 1e-2
+
+
+def test_call_plumbing_with_torchs_layout_rules(monkeypatch, poison):
+    """Interpreter, fp32: the op's call of torch's GEMM, with ``F.scaled_mm`` replaced by a stand-in that checks the
+    layouts torch's BlockWise1x128 / BlockWise128x128 checks demand (ScaledBlas.cpp: A's scales [M, K / 128] with
+    strides (1, M); B = weight.T column-major, its scales' transpose [N / 128, K / 128] row-major) and computes the
+    product on the dequantized operands: the op's answer is then the reference's (1e-5)."""
+    import torch.nn.functional as F
+
+    seen = {}
+
+    def scaled_mm(a, b, sa, ra, sb, rb, output_dtype=None):
+        (M, K), N = a.shape, b.shape[1]
+        assert a.dtype == b.dtype == q8.FP8 and b.stride() == (1, K)  # B column-major
+        assert sa.shape == (M, -(-K // 128)) and sa.stride() == (1, M) and sa.dtype == torch.float32
+        assert sb.t().shape == (-(-N // 128), -(-K // 128)) and sb.t().is_contiguous()
+        assert (ra, rb) == (F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128)
+        seen["calls"] = seen.get("calls", 0) + 1
+        a_f = a.float() * sa.repeat_interleave(128, dim=1)[:, :K]
+        b_f = b.float() * sb.repeat_interleave(128, dim=0)[:K].repeat_interleave(128, dim=1)[:, :N]
+        return (a_f @ b_f).to(output_dtype)
+
+    monkeypatch.setenv("MOECOMP_CPU_BACKEND", "triton")
+    monkeypatch.setattr(fp8_blas, "takes", lambda *a: True)
+    monkeypatch.setattr(F, "scaled_mm", scaled_mm)
+    g = torch.Generator().manual_seed(1)
+    w, ws = q8.quantize(torch.randn(256, 384, generator=g) * 0.02, Q)
+    x = torch.randn(80, 384, generator=g)
+    b = torch.randn(256, generator=g)
+    y = torch.ops.moecomp.fp8_linear(x, w, ws, b, None, Q.key)
+    assert seen.get("calls") == 1
+    assert rel_err(y, reference.quantized_linear(x, w, ws, Q) + b) < 1e-5
