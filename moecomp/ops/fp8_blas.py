@@ -6,9 +6,10 @@ kernel (``kernels/fp8_linear.py``).
     y = scaled_mm(x_q, w.T, s_x, s_w.T)  (+ bias)          w [N, K] e4m3 row-major, s_w [N / 128, K / 128] fp32
 
 The same codes and scales as our kernel's w8a8 path with activations quantized once, so the same numbers up to the
-order of the fp32 sums. Measured on an H200 (``benchmarks/diag_fp8_linear.py``, 2026-12-02): 0.55-0.78x our best
-tile's time where M * N * K >= 2^32 (Qwen3-30B-A3B q / o projections at 2048 rows, DeepSeek-V3's at 512 and 2048),
-slower below (a 512-column projection at 512 rows: 12.8 against 9.2 us). Hence ``MIN_MNK``.
+order of the fp32 sums. Measured on an H200 (``benchmarks/diag_fp8_linear.py``, 2026-12-02; its timings include a
+column-major copy of the scales that the quantizer now writes directly): 0.58-0.78x our best tile's time where
+M * N * K >= 2^32, 0.99x at the threshold itself (Qwen3-30B-A3B's o_proj at 512 rows), slower below (a 512-column
+projection at 512 rows: 12.8 against 9.2 us). Hence ``MIN_MNK``.
 
 A shape class (N, K, whether M is a multiple of 16) is tried once outside CUDA-graph capture; a refusal of the stack
 (an older torch, an older CUDA, a layout it does not take) is remembered and that class keeps our kernel. Under
