@@ -175,20 +175,18 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    y = out
-    if M:
-        kw = quant_kwargs(q, weight_scale, act_scale, tuning.fp8_mode(q, M, cfg), experts=False,
-                          cand=tuning.fp8_candidates(_linear_cfg(cfg, M)))
-        if _skinny_ok(kw, M, N, K):
-            y = skinny.skinny_linear(x2, weight, bias, weight_scale, q, out=out)
-            return y if out is not None else y.reshape(*x.shape[:-1], N)
-        if out is None and kw["A_QUANT"] in (1, 3) and fp8_blas.takes(x2, weight, weight_scale, q):
-            qa = quantize_act(x2, col_major=True)
-            y = fp8_blas.linear(qa.q, qa.s, weight, weight_scale, bias, x.dtype)  # None: refused (remembered)
-            if y is not None:
-                return y.reshape(*x.shape[:-1], N)
-        if y is None:
-            y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out if out is not None else x.new_empty(*x.shape[:-1], N)
+    kw = quant_kwargs(q, weight_scale, act_scale, tuning.fp8_mode(q, M, cfg), experts=False,
+                      cand=tuning.fp8_candidates(_linear_cfg(cfg, M)))
+    y = None
+    if _skinny_ok(kw, M, N, K):
+        y = skinny.skinny_linear(x2, weight, bias, weight_scale, q, out=out)
+    elif out is None and kw["A_QUANT"] in (1, 3) and fp8_blas.takes(x2, weight, weight_scale, q):
+        qa = quantize_act(x2, col_major=True)
+        y = fp8_blas.linear(qa.q, qa.s, weight, weight_scale, bias, x.dtype)  # None: refused (remembered)
+    if y is None:
+        y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
         c = fp8_tile(tuning.fp8_linear_config(M, N, K, x.device, _sm_count(x.device)), kw)
         upcast, precision = _upcast(x2), _precision(x2)
         x2, kw = fp8_a(x2, kw)  # prequant: x2 is then e4m3 (kw: its scales)
@@ -203,8 +201,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
             BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"], num_warps=c["num_warps"],
             num_stages=c["num_stages"], **kw,
         )
-    if y is None:  # no rows
-        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     return y if out is not None else y.reshape(*x.shape[:-1], N)
 
 
