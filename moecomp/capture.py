@@ -433,7 +433,30 @@ def _output_position(cap: CapturedBlock, m) -> tuple[int, int, tuple]:
     idx = [i for i, o in enumerate(outs) if o is m.block_output] if not m.output_is_final else []
     if len(idx) != 1:
         raise DetectError("the block post-processes the MoE result before returning it", "detect")
-    return idx[0], len(outs), tuple(_fx.op_name(n) or n.op for n in cap.gm.graph.nodes if n in m.tail)
+    return idx[0], len(outs), tuple(_fx.op_name(n) or n.op for n in cap.gm.graph.nodes
+                                    if n in m.tail and not _adds_zero(cap, n))
+
+
+def _adds_zero(cap: CapturedBlock, node) -> bool:
+    """``node`` adds (or subtracts) a block tensor that is all zeros in this capture: an identity. A peeled output
+    bias (``epilogue.Peeled`` zeroes it while the MoE part is recognised) leaves such a node in the tail."""
+    name = _fx.op_name(node)
+    if name not in ("add", "sub", "add_", "sub_") or len(node.args) != 2:
+        return False
+    inputs = dict(zip((n for n in cap.gm.graph.nodes if n.op == "placeholder"), cap.example_inputs))
+    operands = node.args[1:] if name.startswith("sub") else node.args
+    for ph in operands:
+        t = inputs.get(ph) if isinstance(ph, fx.Node) else None
+        other = node.args[0] if ph is node.args[1] else node.args[1]
+        if (isinstance(t, torch.Tensor) and cap.paths.get(ph.name) not in (None, "<input>") and t.numel()
+                and not bool(t.count_nonzero()) and _shape(other) is not None and _shape(other) == _shape(node)):
+            return True  # (the sum has the other operand's shape: the zeros only broadcast into it)
+    return False
+
+
+def _shape(node):
+    v = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
 def _root(e: BaseException) -> str:

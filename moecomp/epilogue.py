@@ -1,8 +1,13 @@
-"""Epilogues: a child module a block applies last to the MoE output (AXK1's ``return self.post_mlp_layernorm(h)``).
+"""Epilogues: what a block applies last to the MoE output, found by running it.
 
-Found by running the block (:func:`find_epilogue`), peeled off while the MoE part is recognised and verified
-(:class:`Peeled` puts ``nn.Identity`` in its place), then bound as ``epilogue(moe_forward(x))`` and checked whole
-(:func:`moecomp.verify.verify` with ``epilogue``).
+    a child module     AXK1's ``return self.post_mlp_layernorm(h)``             bound as  child(moe_forward(x))
+    an output bias     JetMoE's ``return layer_output + self.bias`` ([H], the   bound as  moe_forward(x) + bias
+                       block's own tensor)
+
+Found by running the block (:func:`find_epilogue`, :func:`find_output_bias`), peeled off while the MoE part is
+recognised and verified (:class:`Peeled` puts ``nn.Identity`` in a child's place, zeroes a bias: the FX pass sees
+the add of zeros as the identity it then is), then bound as above (``match.apply_epilogue``) and checked whole
+(:func:`moecomp.verify.verify_epilogue`).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from torch import nn
 
 from . import policy
 from .derived import get_path
+from .match import is_tensor_entry
 from .hf.structure import BlockParts
 from .probe import primary
 
@@ -70,31 +76,75 @@ def find_epilogue(block: nn.Module, parts: BlockParts, x: torch.Tensor) -> list[
     return []
 
 
+def find_output_bias(block: nn.Module, parts: BlockParts, x: torch.Tensor) -> list[str]:
+    """[name] of the block's own [H] tensor (parameter or buffer) that nothing in ``parts`` names and that the block
+    adds to its output: raising it by d raises the output by d (on a random d, within the verify tolerance), [] if
+    none."""
+    H = x.shape[-1]
+    named = {v for v in vars(parts).values() if isinstance(v, str)}
+    cands = [n for n, t in list(block._parameters.items()) + list(block._buffers.items())
+             if t is not None and t.is_floating_point() and tuple(t.shape) == (H,) and n not in named]
+    if not cands:
+        return []
+    g = torch.Generator(device=x.device).manual_seed(policy.EPILOGUE_PROBE_SEED)
+    with torch.no_grad():
+        base = primary(block(x))
+        if not isinstance(base, torch.Tensor) or base.shape[-1] != H:
+            return []
+        for n in cands:
+            t = getattr(block, n)
+            d = torch.randn(H, generator=g, device=x.device).to(t.dtype)
+            saved = t.detach().clone()
+            try:
+                t.add_(d)
+                moved = primary(block(x)) - base
+            finally:
+                t.copy_(saved)
+            want = d.to(moved.dtype).expand_as(moved)
+            if float((moved - want).norm() / want.norm()) <= policy.verify_tolerance(x.dtype, None):
+                return [n]
+    return []
+
+
 class Peeled:
-    """Context manager: the named children of ``block`` are ``nn.Identity`` inside it."""
+    """Context manager: the named children of ``block`` are ``nn.Identity`` inside it, the named tensors (output
+    biases) are zeros (their values restored on exit, also after an error)."""
 
     def __init__(self, block: nn.Module, names):
-        self.block, self.names, self.saved = block, list(names), {}
+        self.block, self.names, self.saved, self.values = block, list(names), {}, {}
 
     def __enter__(self):
         for n in self.names:
-            self.saved[n] = self.block._modules[n]
-            self.block._modules[n] = nn.Identity()
+            if is_tensor_entry(self.block, n):
+                t = getattr(self.block, n)
+                with torch.no_grad():
+                    self.values[n] = t.detach().clone()
+                    t.zero_()
+            else:
+                self.saved[n] = self.block._modules[n]
+                self.block._modules[n] = nn.Identity()
         return self
 
     def __exit__(self, *exc):
         for n, m in self.saved.items():
             self.block._modules[n] = m
+        with torch.no_grad():
+            for n, v in self.values.items():
+                getattr(self.block, n).copy_(v)
         return False
 
 
 def epilogue_of(block: nn.Module, parts: BlockParts) -> list[str]:
-    """``_find_epilogue`` on the check input; [] when the block has no unexplained children or running it fails."""
-    epilogue = []
-    if parts.extra_modules:
-        device, dtype = block_device_dtype(block, parts)
-        try:
-            epilogue = find_epilogue(block, parts, policy.probe_input(parts.hidden_size, device, dtype))
-        except Exception:
-            epilogue = []
-    return epilogue
+    """``find_epilogue``, else ``find_output_bias``, on the check input; [] when there is neither or running the
+    block fails."""
+    has_tensors = any(t is not None and t.dim() == 1 for t in list(block._parameters.values())
+                      + list(block._buffers.values()))
+    if not (parts.extra_modules or has_tensors):
+        return []
+    device, dtype = block_device_dtype(block, parts)
+    x = policy.probe_input(parts.hidden_size, device, dtype)
+    try:
+        return (find_epilogue(block, parts, x) if parts.extra_modules else []) or \
+            (find_output_bias(block, parts, x) if has_tensors else [])
+    except Exception:
+        return []

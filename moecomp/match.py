@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .derived import Derived
+from .derived import Derived, get_path
 from .ops.common import OP_ARGS
 from .spec import MoESpec
 
@@ -140,4 +140,17 @@ class Verified:
     contract: Contract
     max_rel_err: float
     ignored_params: frozenset = frozenset()  # extra forward arguments checked to make no difference
-    epilogue: tuple = ()  # child module paths the block applies to the MoE output, in order
+    epilogue: tuple = ()  # what the block applies to the MoE output, in order: child module paths (called), its own
+    # [H] tensors (added: an output bias); ``apply_epilogue``
+
+
+def is_tensor_entry(block, name: str) -> bool:
+    """Whether ``Verified.epilogue`` entry ``name`` is an output bias (a tensor of the block), not a child module."""
+    return name in block._parameters or name in block._buffers
+
+
+def apply_epilogue(block, names, y):
+    """``y`` with a ``Verified.epilogue`` applied: children called in order, an output bias added."""
+    for n in names:
+        y = y + getattr(block, n) if is_tensor_entry(block, n) else get_path(block, n)(y)
+    return y

@@ -20,10 +20,9 @@ import math
 import torch
 
 from . import policy, reference
-from .derived import get_path
 from .hf.bind import bound_tensors, forward_params
 from .hf.activations import activation_mismatch
-from .match import Match, Verified
+from .match import Match, Verified, apply_epilogue, is_tensor_entry
 from .hf.fp8 import plain_fp8
 from .ops.moe_op import MOE_ARGS, OP_ARGS
 from .probe import contract_of, hash_call_args, primary, run_probe
@@ -121,15 +120,16 @@ def _check_epilogue(block, match: Match, x, epilogue, notes: list) -> float:
         kw = hash_call_args(block, bindings, xx)
         with torch.no_grad():
             ref = primary(block(xx, **kw)).reshape(xx.shape)
-            y = _run_op(block, spec, bindings, derived, xx, kw)
-            for n in epilogue:
-                y = get_path(block, n)(y)
+            y = apply_epilogue(block, epilogue, _run_op(block, spec, bindings, derived, xx, kw))
         worst = max(worst, err_with_ties(block, spec, bindings, derived, xx, y, ref, notes, kw))
     if not worst <= tol:
         raise Refused(f"op followed by {', '.join(epilogue)} differs from the block: max rel. err "
                       f"{worst:.2e} > {tol:g}", RejectCode.VERIFICATION_FAILED)
-    notes.append(f"epilogue: the block applies {', '.join(epilogue)} to the MoE output; bound as "
-                 f"{epilogue[0]}(moe_forward(x)) (checked: max rel. err {worst:.1e})")
+    bound = "moe_forward(x)"
+    for n in epilogue:
+        bound = f"{bound} + {n}" if is_tensor_entry(block, n) else f"{n}({bound})"
+    notes.append(f"epilogue: the block applies {', '.join(epilogue)} to the MoE output; bound as {bound} (checked: "
+                 f"max rel. err {worst:.1e})")
     return worst
 
 

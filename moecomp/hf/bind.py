@@ -135,7 +135,8 @@ class BoundState:
     ignored_params: frozenset  # extra parameters checked to make no difference
     original: object  # the instance-level forward we replaced, or None (class forward)
     method: str = "fallback"
-    epilogue: tuple = ()  # child module paths applied, in order, to the op's output (AXK1's post_mlp_layernorm)
+    epilogue: tuple = ()  # applied in order to the op's output: child modules called (AXK1's post_mlp_layernorm),
+    # the block's own [H] tensors added (JetMoE's output bias)
     versions: dict = field(default_factory=dict)  # per derived: SharedLayout (shared) or the sources' versions
     op_spec: MoESpec | None = None  # the spec the op is called with (FSE form when the router buffer fuses the gate)
     calls: int = 0  # eager calls only: compiled code must not mutate state Dynamo guards on
@@ -371,8 +372,9 @@ def moecomp_block_forward(self: nn.Module, *args, **kwargs):
     c = st.contract
     # the op (through the dispatcher where a mode, tracing or autograd needs it; see call_moe_forward)
     y = call_moe_forward(x if c.primary == "same" else x.reshape(-1, x.shape[-1]), tensors, st.op_spec or st.spec)
-    for p in st.epilogue:
-        y = _resolve(self, p)(y)
+    for p in st.epilogue:  # a child module called, or an output bias added (moecomp.epilogue)
+        e = _resolve(self, p)
+        y = y + e if isinstance(e, torch.Tensor) else e(y)
     if c.primary == "flat1d":
         y = y.reshape(-1)
     if not c.is_tuple:
