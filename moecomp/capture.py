@@ -58,7 +58,7 @@ from .hf.fp8 import plain_fp8
 from .ops.moe_op import MOE_ARGS, OP_ARGS
 from .passes import _fx
 from .derived import Derived
-from .match import arg_name, forward_arg
+from .match import PEELED, arg_name, forward_arg
 from .reject import Refused, RejectCode
 from .spec import MoESpec
 
@@ -438,8 +438,9 @@ def _output_position(cap: CapturedBlock, m) -> tuple[int, int, tuple]:
 
 
 def _adds_zero(cap: CapturedBlock, node) -> bool:
-    """``node`` adds (or subtracts) a block tensor that is all zeros in this capture: an identity. A peeled output
-    bias (``epilogue.Peeled`` zeroes it while the MoE part is recognised) leaves such a node in the tail."""
+    """``node`` adds (or subtracts) a block tensor that ``epilogue.Peeled`` zeroed for this capture (an output bias
+    bound after the op): an identity here. Only such tensors: an add of a tensor that merely happens to be zero now
+    stays a tail (binding without it would go wrong once it is not)."""
     name = _fx.op_name(node)
     if name not in ("add", "sub", "add_", "sub_") or len(node.args) != 2:
         return False
@@ -448,7 +449,7 @@ def _adds_zero(cap: CapturedBlock, node) -> bool:
     for ph in operands:
         t = inputs.get(ph) if isinstance(ph, fx.Node) else None
         other = node.args[0] if ph is node.args[1] else node.args[1]
-        if (isinstance(t, torch.Tensor) and cap.paths.get(ph.name) not in (None, "<input>") and t.numel()
+        if (isinstance(t, torch.Tensor) and getattr(t, PEELED, False) and cap.paths.get(ph.name) not in (None, "<input>")
                 and not bool(t.count_nonzero()) and _shape(other) is not None and _shape(other) == _shape(node)):
             return True  # (the sum has the other operand's shape: the zeros only broadcast into it)
     return False

@@ -17,7 +17,7 @@ from torch import nn
 
 from . import policy
 from .derived import get_path
-from .match import is_tensor_entry
+from .match import PEELED, is_tensor_entry
 from .hf.structure import BlockParts
 from .probe import primary
 
@@ -120,6 +120,7 @@ class Peeled:
                 with torch.no_grad():
                     self.values[n] = t.detach().clone()
                     t.zero_()
+                setattr(t, PEELED, True)  # the capture's tail check takes its add as the identity
             else:
                 self.saved[n] = self.block._modules[n]
                 self.block._modules[n] = nn.Identity()
@@ -130,7 +131,9 @@ class Peeled:
             self.block._modules[n] = m
         with torch.no_grad():
             for n, v in self.values.items():
-                getattr(self.block, n).copy_(v)
+                t = getattr(self.block, n)
+                t.copy_(v)
+                delattr(t, PEELED)
         return False
 
 

@@ -144,6 +144,11 @@ class Verified:
     # [H] tensors (added: an output bias); ``apply_epilogue``
 
 
+# The attribute ``epilogue.Peeled`` sets on a block tensor it zeroed for a capture (an output bias bound after the op):
+# the capture's tail check (``capture._adds_zero``) takes the add of such a tensor as the identity it then is.
+PEELED = "_moecomp_peeled"
+
+
 def is_tensor_entry(block, name: str) -> bool:
     """Whether ``Verified.epilogue`` entry ``name`` is an output bias (a tensor of the block), not a child module."""
     return name in block._parameters or name in block._buffers

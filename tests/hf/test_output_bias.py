@@ -94,3 +94,23 @@ def test_a_scale_is_not_a_bias():
     assert all("post-processes the MoE result" in b.reason for b in rep.blocks), [b.reason for b in rep.blocks]
     with torch.no_grad():
         assert torch.equal(m(x), want)  # left untouched
+
+
+
+def test_a_bias_that_is_zero_now_is_still_bound(poison):
+    """A zero bias (a model not loaded yet) adds nothing on the probes, but it is found by what a change of it does:
+    bound as an output bias, so values loaded later reach the output."""
+    m = _model(5)
+    with torch.no_grad():
+        for b in (m[0], m[2]):
+            b.bias.zero_()
+    _, rep = moecomp.optimize(m, report=True)
+    assert [b.epilogue for b in rep.rewritten] == [["bias"], ["bias"]], str(rep)
+    x = _x(6)
+    with torch.no_grad():
+        m[0].bias.normal_()
+        m[2].bias.normal_()
+        got = m(x)
+        moecomp.unoptimize(m)
+        ref = m(x)
+    assert torch.isfinite(got).all() and ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-5
