@@ -12,6 +12,7 @@
 #                                   against the version in .ab/routing_old.py (carried; e.g. git show HEAD~:...)
 #   benchmarks/run_gpu.sh next      STEP=1|2|3: the next session's plan (every GPU test; FP8 generate at full depth;
 #                                   the dense FP8 linear at prefill sizes)
+#   benchmarks/run_gpu.sh fp8tma    the FP8 TMA GEMMs' GPU tests, then `tune --fp8 prequant` at T = 1024, 8192
 #   benchmarks/run_gpu.sh sanitize  benchmarks/nan_routing_probe.py and the graph-replay NaN test under
 #                                   compute-sanitizer memcheck (with .ab/routing_old.py too, to show the probe fails)
 set -uo pipefail
@@ -141,6 +142,15 @@ fp8next)  # issue 19, next session: the rest of `tune --fp8 both` (resumes: the 
   gen) GEN_ARGS="${GEN_ARGS:---models qwen3,deepseek --batches 1,8,32 --profile 1 --ref-batches 1}" \
        GEN_BUDGET=${GEN_BUDGET:-420} GEN_TIMEOUT=${GEN_TIMEOUT:-540} "$0" fp8gen ;;
   esac ;;
+fp8tma)  # issue 19: the FP8 TMA GEMMs (kernels/grouped_gemm_tma_fp8.py): their GPU tests, then `tune --fp8 prequant
+        # --restart` at the many-token buckets (TMA tiles among the candidates), table copied to $OUT
+  timeout ${FP8_TEST_TIMEOUT:-170} python3 -m pytest -q -rfE -s --durations=5 -m gpu -p no:cacheprovider \
+      tests/ops/test_fp8_tma_gpu.py 2>&1 | grep -v "^DEBUG" | tee "$OUT/tests-fp8-tma.log" \
+      | grep -E "passed|failed|rror|: \{" | tail -24
+  timeout ${TUNE_TIMEOUT:-420} python3 -m moecomp tune --fp8 prequant --restart -v --rep ${TUNE_REP:-10} \
+      --budget-s ${TUNE_BUDGET:-340} --presets ${PRESETS:-qwen3_30b_a3b,deepseek_v3,mixtral_8x7b,olmoe_1b_7b,qwen15_moe_a27b} \
+      --tokens ${TOKENS:-1024,8192} --copy-to "$OUT" 2>&1 | tee "$OUT/tune-fp8-tma.log" | grep -v "^DEBUG" \
+      | grep "T=\|tune\]" | grep -v "^\s*\(decode \)\?T=" | tail -40 ;;
 issue20)  # issue 20, next session: the generate GPU tests (eager-step-free replays, warmup, the memory-state capture,
           # the shared compiled layer), then Qwen3 (12 layers) and Qwen1.5-MoE (24 layers) at B=1,32: one-liner and
           # transformers, TTFT, warm-up of the first and second call, a kernel profile of one step at B=1

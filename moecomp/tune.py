@@ -19,9 +19,10 @@ run time.
 * Exit status: 0 done, 1 an entry found no working candidate, 3 stopped by ``--budget-s`` (rerun to resume),
   130 interrupted (Ctrl-C), 2 refused (no CUDA and no ``--interpret``).
 
-``--fp8 both|plain|lean|w8a8|w8a16``: the FP8 experts' tables (``dtype=fp8``: each bucket's fastest mode, its config's
-"fp8" key saying which, with the speed candidates that won, "fp8_prequant" / "fp8_fold"; ``dtype=fp8_<mode>``: one
-mode), FP8 tiles (BLOCK_K 128), no TMA candidates.
+``--fp8 both|plain|lean|prequant|w8a8|w8a16``: the FP8 experts' tables (``dtype=fp8``: each bucket's fastest mode,
+its config's "fp8" key saying which, with the speed candidates that won, "fp8_prequant" / "fp8_fold"; "prequant":
+w8a8+prequant alone, into ``dtype=fp8``; ``dtype=fp8_<mode>``: one mode), FP8 tiles (BLOCK_K 128), TMA tiles under
+prequant (``tune_fp8.FP8_TILES``).
 
 ``--interpret`` (tests only): CPU tensors through the Triton interpreter (``TRITON_INTERPRET=1``), a tiny shape,
 two candidates per GEMM and wall-clock timings that mean nothing; it exercises the plumbing, not the GPU.
@@ -166,10 +167,10 @@ def _config(tile, bm: int) -> dict:
     return c
 
 
-def _tiles_for(cands: list, bm: int, dtype: torch.dtype, quantized: bool = False) -> list:
-    """The candidates that apply at this BLOCK_M and dtype: TMA tiles only from TMA_MIN_BLOCK_M, in 16 bits, not for
-    fp8 weights."""
-    tma_ok = bm >= TMA_MIN_BLOCK_M and dtype in (torch.bfloat16, torch.float16) and not quantized
+def _tiles_for(cands: list, bm: int, dtype: torch.dtype, quantized: bool = False, prequant: bool = False) -> list:
+    """The candidates that apply at this BLOCK_M and dtype: TMA tiles only from TMA_MIN_BLOCK_M, with 16-bit
+    activations, and for fp8 weights only under prequant (the FP8 TMA kernels read activations quantized once)."""
+    tma_ok = bm >= TMA_MIN_BLOCK_M and dtype in (torch.bfloat16, torch.float16) and (not quantized or prequant)
     return [t for t in cands if len(t) == 4 or tma_ok]
 
 
@@ -211,7 +212,7 @@ def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, 
         res = {}
         for which in ("g1", "g2"):
             ref_out, best_t, best_c = None, float("inf"), None
-            cands = _tiles_for(tiles[which], bm, dtype, spec.quant is not None)
+            cands = _tiles_for(tiles[which], bm, dtype, spec.quant is not None, bool(keys.get("fp8_prequant")))
             for i, tile in enumerate(cands):
                 c = _config(tile, bm)
                 if best:
@@ -387,8 +388,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="tune FP8 experts (e4m3 weights, 128x128 block scales, dynamic activations; --dtype: x's): "
                         "'both' measures w8a8 and w8a16, each with its speed candidates (prequant; fold 1, 2), per "
                         "bucket and keeps the fastest (table key dtype=fp8); 'plain' the two modes without the "
-                        "candidates; 'lean' w8a8+prequant and w8a16+fold1 only (dtype=fp8); 'w8a8' / 'w8a16' one "
-                        "mode (dtype=fp8_<mode>, read when MOECOMP_FP8_MODE forces it)")
+                        "candidates; 'lean' w8a8+prequant and w8a16+fold1 only (dtype=fp8); 'prequant' "
+                        "w8a8+prequant only (dtype=fp8; with its TMA tiles, as every prequant run); 'w8a8' / "
+                        "'w8a16' one mode (dtype=fp8_<mode>, read when MOECOMP_FP8_MODE forces it)")
     p.add_argument("--out", default=None, metavar="FILE|DIR",
                    help="the table to write (a DIR gets DIR/<gpu>.json); default: "
                         "moecomp/kernels/configs/<gpu>.json, the file the run-time lookup reads")
@@ -442,7 +444,7 @@ def _jobs(a, dtype: torch.dtype, tokens: list[int]) -> list[tuple]:
     for label, spec in _shapes(a, a.interpret):
         if a.fp8:
             spec = spec.replace(quant=QuantSpec())
-        table_dtype = ("fp8" if a.fp8 in ("both", "plain", "lean") else f"fp8_{a.fp8}") if a.fp8 else dtype
+        table_dtype = ("fp8" if a.fp8 in ("both", "plain", "lean", "prequant") else f"fp8_{a.fp8}") if a.fp8 else dtype
         key = tuning.shape_key(spec.num_experts, spec.intermediate_size, spec.hidden_size, table_dtype)
         if key in seen:
             print(f"[tune] {label}: same table as {seen[key]} ({key}), tuned once", file=sys.stderr)

@@ -6,12 +6,21 @@ from __future__ import annotations
 import torch
 
 # FP8 (``--fp8``): 128x128 block scales, dynamic activations (the checkpoints' format); BLOCK_K 128 tiles (the
-# activation group), no TMA tiles (16-bit only). "--fp8 both" measures each bucket in both modes (w8a8, w8a16), each
-# with its speed candidates, and keeps the fastest, its keys in the config ("fp8", "fp8_prequant", "fp8_fold"; table
-# key "dtype=fp8"); "--fp8 w8a8" / "--fp8 w8a16" one mode ("dtype=fp8_<mode>", read when MOECOMP_FP8_MODE forces it).
+# activation group). "--fp8 both" measures each bucket in both modes (w8a8, w8a16), each with its speed candidates,
+# and keeps the fastest, its keys in the config ("fp8", "fp8_prequant", "fp8_fold"; table key "dtype=fp8");
+# "--fp8 w8a8" / "--fp8 w8a16" one mode ("dtype=fp8_<mode>", read when MOECOMP_FP8_MODE forces it); "--fp8 prequant"
+# w8a8+prequant alone (dtype=fp8: the many-token buckets, where it has won every entry tuned so far).
+# TMA tiles (fifth field, as in ``tune.TILES``: ``kernels/grouped_gemm_tma_fp8.py``) are tried only with prequant (the
+# FP8 TMA kernels read activations quantized once) and from ``tune.TMA_MIN_BLOCK_M`` rows. Their accumulator and each
+# K step's product are both live (the step's scales are applied to the product), so 128 x 128 fp32 per 8 warps is the
+# widest tile that compiles without spills for sm_90 (cuobjdump: 227 registers for gemm1 128 x 2*64, 194 for gemm2
+# 128 x 128; 128 x 256 spills).
 FP8_TILES = {
-    "g1": [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3)],
-    "g2": [(32, 128, 4, 4), (64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (256, 128, 8, 3)],
+    "g1": [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3),
+           (64, 128, 8, 4, "tma"), (64, 128, 8, 4, "tma_a"), (64, 128, 8, 3, "tma_a"), (64, 128, 4, 4, "tma_a"),
+           (128, 128, 8, 3, "tma_a")],
+    "g2": [(32, 128, 4, 4), (64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (256, 128, 8, 3),
+           (128, 128, 8, 4, "tma"), (128, 128, 8, 3, "tma"), (128, 128, 4, 4, "tma"), (64, 128, 4, 4, "tma")],
 }
 FP8_DECODE_TILES = {"g1": [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3)],
                     "g2": [(16, 128, 4, 4, "fused"), (32, 128, 4, 4, "fused"), (64, 128, 4, 3, "fused"),
@@ -22,7 +31,7 @@ FP8_VARIANTS = {"w8a8": ("w8a8", "w8a8+prequant"), "w8a16": ("w8a16", "w8a16+fol
 # "lean": w8a8+prequant (fastest in 7 of the 8 entries of the first full tune, H200, 2f93783) and w8a16+fold1 (the
 # eighth, and the fastest weight-only variant in all 8): two fifths of the measuring time of "both"
 FP8_CHOICES = {"both": FP8_VARIANTS["w8a8"] + FP8_VARIANTS["w8a16"], "plain": ("w8a8", "w8a16"),
-               "lean": ("w8a8+prequant", "w8a16+fold1"),
+               "lean": ("w8a8+prequant", "w8a16+fold1"), "prequant": ("w8a8+prequant",),
                "w8a8": FP8_VARIANTS["w8a8"], "w8a16": FP8_VARIANTS["w8a16"]}
 FP8_VARIANT_KEYS = {"prequant": ("fp8_prequant", 1), "fold1": ("fp8_fold", 1), "fold2": ("fp8_fold", 2)}
 

@@ -315,6 +315,9 @@ def test_tma_tiles_only_where_they_apply(which):
         assert c["tma"] == 1 and tune._tile(c).endswith("/" + t[4])
         assert c.get("tma_a", 0) == (t[4] == "tma_a")
     assert "tma" not in tune._config(tune.TILES[which][0], 128)
+    fp8_tma = [t for t in tune.FP8_TILES[which] if len(t) == 5]  # fp8 weights: only under prequant
+    assert fp8_tma and set(fp8_tma) <= set(tune._tiles_for(tune.FP8_TILES[which], 64, torch.bfloat16, True, True))
+    assert not set(fp8_tma) & set(tune._tiles_for(tune.FP8_TILES[which], 128, torch.bfloat16, True, False))
 
 
 @pytest.mark.parametrize("path", sorted(p.name for p in tuning.CONFIG_DIR.glob("*.json") if ".meta." not in p.name))

@@ -244,11 +244,13 @@ def quant_act_kernel(
     BLOCK_M: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
     stride_sg=1,  # the scales' group stride (M: column-major scales, as torch's BlockWise1x128 GEMM reads them)
+    GATHER: tl.constexpr = 0,  # top-k: row r of q / s is x's row sorted[r] // GATHER (ROWS_SORTED; the FP8 TMA gemm1)
 ):
     """Dynamic activation quantization once per (row, 128-column group): q, s = quant_rows(x[rows, group]), the
     formula dot_loop's A_QUANT 1 applies in every GEMM program ("prequant"). One program per BLOCK_M rows and group.
     ROWS_SORTED (h of the aligned path, [S, I] in sorted order): padding rows are neither read nor written (the
-    GEMMs mask them)."""
+    GEMMs mask them). GATHER (with ROWS_SORTED): x [T, K] is read at each sorted row's token (pair // GATHER), so
+    q / s are x's rows gathered into sorted order and quantized in one pass."""
     pdl.enter(USE_PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.program_id(1) * 128 + tl.arange(0, 128)
@@ -257,8 +259,11 @@ def quant_act_kernel(
         row_ok = row_ok & (offs_m < tl.load(num_padded_ptr))
         row_ok = row_ok & (tl.load(sorted_ptr + offs_m, mask=row_ok, other=P) < P)
     rows = offs_m.to(tl.int64)
+    src = rows
+    if GATHER:
+        src = (tl.load(sorted_ptr + offs_m, mask=row_ok, other=0) // GATHER).to(tl.int64)
     m = row_ok[:, None] & (offs_k < K)[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
     q, s = quant_rows(x, EXACT_CAST)
     tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q, mask=m)
     tl.store(s_ptr + rows * stride_sm + tl.program_id(1) * stride_sg, s, mask=row_ok)

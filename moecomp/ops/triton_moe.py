@@ -25,14 +25,13 @@ memory on the host, so the whole op can be captured in a CUDA graph.
 FP8 experts (``spec.quant``; docs/FP8.md): the same launches with the scales (``expert_quant`` -> ``quant_kwargs``)
 and FP8 tiles (``tuning.get_config(..., quant)``, BLOCK_K 128), in the call's mode (``tuning.fp8_mode``: w8a8, fp8 x
 fp8 dots on activations quantized in the GEMMs' A loads, or w8a16, weight-only); both decode modes ("fused", "pairs")
-take fp8 w2; the TMA GEMMs are 16-bit only. FP8 shared experts (``spec.shared.quant``): ``fp8_linear`` for gate, up
-and down.
+take fp8 w2; a config's "tma" runs the FP8 TMA GEMMs (``triton_fp8_tma``) on w8a8 prequant calls. FP8 shared
+experts (``spec.shared.quant``): ``fp8_linear`` for gate, up and down.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 
 import torch
@@ -48,11 +47,13 @@ from ..kernels import router as router_k
 from ..kernels import routing as routing_k
 from ..spec import MoESpec
 from . import triton_fp8, tuning
+from . import triton_fp8_tma as fp8_tma
 from . import hash_routing as hr
 from . import latent
 from . import weight_on_input as woi
 from . import zero_experts as zx
 from .triton_shared import shared_mlp
+from .tma import _desc, _programs, _TensorDescriptor, _tma_rows, _w13_desc  # noqa: F401  (tests read them here)
 from .common import (  # noqa: F401  (used here and by tests / benchmarks)
     _flat_ids, _interpret, _precision, _sm_count, _upcast, _w_strides)
 from .triton_fp8 import (  # noqa: F401  (expert_quant: also the tuner's and tests')
@@ -287,6 +288,8 @@ def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, q: dic
         return _gemm1_tma(x, w13, b13, spec, aligned, k, bm, c1, torch.empty(S, I, dtype=x.dtype, device=x.device),
                           wk)
     c1 = fp8_tile(c1, q)
+    if c1.get("tma") and block_expert is not None and fp8_tma.gemm1_ok(spec, x, w13, q, c1):
+        return fp8_tma.gemm1(x, w13, b13, spec, aligned, k, bm, c1, q, wk, _pdl(x.device, gemm=True))
     x, h, out, q = gemm1_io(x, S, I, q, c1)  # (x, h, h, q) unless FP8 "prequant" (then out may be a QAct)
     se, sn, sk = _w_strides(w13, spec.w_layout)
     interleaved = spec.gated and spec.gate_up == "interleaved"
@@ -322,6 +325,9 @@ def gemm2(h, w2, b2, weights, spec: MoESpec, aligned, P: int, bm: int, c2: dict,
     if q is None and c2.get("tma") and block_expert is not None and _tma_ok(spec, h, w2):
         return _gemm2_tma(h, w2, b2, weights, aligned, P, bm, c2, y, woi.gemm2_kwargs(spec))
     c2 = fp8_tile(c2, q)
+    if c2.get("tma") and block_expert is not None and fp8_tma.gemm2_ok(spec, h, w2, q, c2):
+        return fp8_tma.gemm2(h, w2, b2, weights, aligned, P, bm, c2, q, y, woi.gemm2_kwargs(spec),
+                             _pdl(h.device, gemm=True))
     h, q = fp8_a(h, q, aligned, P)  # prequant: h (or gemm1's QAct) as e4m3 codes + scales
     se, sn, sk = _w_strides(w2, spec.w_layout)
     grid = (max_blocks * triton.cdiv(H, c2["BLOCK_N"]),)
@@ -359,38 +365,13 @@ def _tma_weights_ok(spec: MoESpec, a: torch.Tensor, w: torch.Tensor) -> bool:
             and spec.w_layout == "out_in" and w.is_contiguous() and _tma_rows(w))
 
 
-def _tma_rows(t: torch.Tensor) -> bool:
-    """TMA copies rows of whole 16-byte units from a 16-byte aligned base."""
-    return t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0
-
-
-@functools.lru_cache(maxsize=None)
-def _TensorDescriptor():
-    """Triton's host-side TMA descriptor class, or None where this Triton has none (looked up once)."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:
-        return None
-    return TensorDescriptor
-
-
-def _desc(t: torch.Tensor, rows: int, block: list):
-    """A TMA descriptor of t read as a [rows, t.shape[-1]] row-major matrix, with tiles of ``block``."""
-    return _TensorDescriptor()(t, [rows, t.shape[-1]], [t.shape[-1], 1], block)
-
-
-def _programs(device: torch.device, tiles: int) -> int:
-    """Persistent grid: one program per SM (4 under the interpreter), never more than the worst-case tile count."""
-    return max(1, min(_sm_count(device), tiles))
-
-
 def _gemm1_tma(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, h: torch.Tensor,
                wk: dict | None = None) -> torch.Tensor:
     """gemm1 on the TMA kernel. ``c1["tma_a"]``: x's rows gathered into sorted order first (xs [S, H]) and read by
     TMA too; else read by pointer loads. Warp specialisation (``c1["ws"]``) defaults to on with tma_a, off without."""
     sorted_ids, block_expert, num_padded, max_blocks = aligned
     T, H = x.shape
-    I, E = spec.intermediate_size, spec.num_experts
+    I = spec.intermediate_size
     S = sorted_ids.numel()
     bn, bk = c1["BLOCK_N"], c1["BLOCK_K"]
     a_tma = bool(c1.get("tma_a", False))
@@ -402,10 +383,7 @@ def _gemm1_tma(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, h
             BLOCK_R=16, BLOCK_K=min(512, triton.next_power_of_2(H)), num_warps=4, **_pdl(x.device),
         )
         xs_desc = _desc(xs, S, [bm, bk])
-    if spec.gated:  # [E, 2I, H] read as [E, 2, I, H]: one box = the gate and the up rows of BLOCK_N columns
-        w_desc = _TensorDescriptor()(w13, [E, 2, I, H], [2 * I * H, I * H, H, 1], [1, 2, bn, bk])
-    else:
-        w_desc = _TensorDescriptor()(w13, [E, I, H], [I * H, H, 1], [1, bn, bk])
+    w_desc = _w13_desc(w13, spec.gated, bn, bk)
     n_prog = _programs(x.device, max_blocks * triton.cdiv(I, bn))
     tma_k.moe_gemm1_tma_kernel[(n_prog,)](
         x, xs_desc, w_desc, b13, h, sorted_ids, block_expert, num_padded,
