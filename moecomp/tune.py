@@ -152,18 +152,25 @@ def _run_checked(fn, ref_out, label: str, note, device: torch.device, rows=None,
 
 
 def _tile(c: dict) -> str:
-    """A GEMM config in short: BLOCK_NxBLOCK_K/w<num_warps>s<num_stages>[/tma|/tma_a] (GROUP_M follows BLOCK_M)."""
+    """A GEMM config in short: BLOCK_NxBLOCK_K/w<num_warps>s<num_stages>[/tma|/tma_a][@<programs per SM>] (GROUP_M
+    follows BLOCK_M)."""
     kind = "/tma_a" if c.get("tma_a") else "/tma" if c.get("tma") else ""
-    return f"{c['BLOCK_N']}x{c['BLOCK_K']}/w{c['num_warps']}s{c['num_stages']}{kind}"
+    per_sm = f"@{c['per_sm']}" if c.get("per_sm", 1) != 1 else ""
+    return f"{c['BLOCK_N']}x{c['BLOCK_K']}/w{c['num_warps']}s{c['num_stages']}{kind}{per_sm}"
 
 
 def _config(tile, bm: int) -> dict:
+    """A tile tuple as a GEMM config; a fifth field "tma" / "tma_a", optionally "@<n>" (n persistent programs per SM:
+    the FP8 TMA kernels' "per_sm")."""
     bn, bk, nw, ns, *kind = tile
     c = dict(BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8 if bm >= 64 else 1, num_warps=nw, num_stages=ns)
-    if kind in (["tma"], ["tma_a"]):
+    name, _, per_sm = (kind[0] if kind else "").partition("@")
+    if name in ("tma", "tma_a"):
         c["tma"] = 1
-    if kind == ["tma_a"]:
+    if name == "tma_a":
         c["tma_a"] = 1
+    if per_sm:
+        c["per_sm"] = int(per_sm)
     return c
 
 

@@ -318,6 +318,10 @@ def test_tma_tiles_only_where_they_apply(which):
     fp8_tma = [t for t in tune.FP8_TILES[which] if len(t) == 5]  # fp8 weights: only under prequant
     assert fp8_tma and set(fp8_tma) <= set(tune._tiles_for(tune.FP8_TILES[which], 64, torch.bfloat16, True, True))
     assert not set(fp8_tma) & set(tune._tiles_for(tune.FP8_TILES[which], 128, torch.bfloat16, True, False))
+    two = [t for t in fp8_tma if t[4].endswith("@2")]  # two persistent programs per SM
+    assert two and all(tune._config(t, 64)["per_sm"] == 2 and tune._tile(tune._config(t, 64)).endswith("@2")
+                       for t in two)
+    assert all("per_sm" not in tune._config(t, 64) for t in fp8_tma if "@" not in t[4])
 
 
 @pytest.mark.parametrize("path", sorted(p.name for p in tuning.CONFIG_DIR.glob("*.json") if ".meta." not in p.name))

@@ -41,6 +41,8 @@ def _w13_desc(w13: torch.Tensor, gated: bool, bn: int, bk: int):
     return _TensorDescriptor()(w13, [E, n_rows, H], [n_rows * H, H, 1], [1, bn, bk])
 
 
-def _programs(device: torch.device, tiles: int) -> int:
-    """Persistent grid: one program per SM (4 under the interpreter), never more than the worst-case tile count."""
-    return max(1, min(_sm_count(device), tiles))
+def _programs(device: torch.device, tiles: int, per_sm: int = 1) -> int:
+    """Persistent grid: ``per_sm`` programs per SM (4 SMs under the interpreter), never more than the worst-case tile
+    count. Two per SM let one program's register work (the FP8 kernels' per-step scaling) run while the other's
+    tensor-core steps do, where registers and shared memory hold both (a config's "per_sm")."""
+    return max(1, min(per_sm * _sm_count(device), tiles))

@@ -79,7 +79,7 @@ def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, q: dic
         hs = torch.empty(S, triton.cdiv(I, ACT_GROUP), dtype=torch.float32, device=x.device)
     else:
         h, hs = torch.empty(S, I, dtype=x.dtype, device=x.device), None
-    n_prog = _programs(x.device, max_blocks * triton.cdiv(I, bn))
+    n_prog = _programs(x.device, max_blocks * triton.cdiv(I, bn), c1.get("per_sm", 1))
     k8.moe_gemm1_tma_fp8_kernel[(n_prog,)](
         xa.q, _desc(xa.q, S, [bm, bk]) if a_tma else None, xa.s, _w13_desc(w13, spec.gated, bn, bk), b_ptr=b13, h_ptr=h,
         hs_ptr=hs, sorted_ptr=sorted_ids, block_expert_ptr=block_expert, num_padded_ptr=num_padded, P=T * k, TOP_K=k,
@@ -104,7 +104,7 @@ def gemm2(h, w2, b2, weights, aligned, P: int, bm: int, c2: dict, q: dict, y: to
     if not isinstance(h, QAct):
         h = quantize_act(h if h.stride(-1) == 1 else h.contiguous(), aligned, P)
     bn, bk = c2["BLOCK_N"], c2["BLOCK_K"]
-    n_prog = _programs(y.device, max_blocks * triton.cdiv(H, bn))
+    n_prog = _programs(y.device, max_blocks * triton.cdiv(H, bn), c2.get("per_sm", 1))
     k8.moe_gemm2_tma_fp8_kernel[(n_prog,)](
         _desc(h.q, S, [bm, bk]), h.s, _desc(w2, E * H, [bn, bk]), b_ptr=b2, topk_w_ptr=weights, y_ptr=y,
         sorted_ptr=sorted_ids, block_expert_ptr=block_expert, num_padded_ptr=num_padded, P=P, N=H, K=I,

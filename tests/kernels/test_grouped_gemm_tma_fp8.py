@@ -47,7 +47,7 @@ CASES = {
     "block-gated-a_ptr": (dict(), dict(), 48, 32, dict(), torch.float32),
     "block-gated-a_tma": (dict(), dict(), 48, 32, dict(tma_a=1), torch.float32),
     "block16-per-column": (dict(), dict(block_n=16), 48, 32, dict(tma_a=1), torch.float32),
-    "block-q_out-a_tma-fp16": (dict(), dict(), 144, 128, dict(tma_a=1), torch.float16),
+    "block-q_out-a_tma-fp16": (dict(), dict(), 144, 128, dict(tma_a=1, per_sm=2), torch.float16),
     "block64-ue8m0": (dict(), dict(block_n=32, block_k=64, scale_dtype="ue8m0"), 48, 32, dict(tma_a=1),
                       torch.float32),
     "channel-relu2-plain": (dict(gated=False, activation="relu2"), dict(scale="channel"), 48, 32, dict(),
