@@ -147,10 +147,16 @@ fp8tma)  # issue 19: the FP8 TMA GEMMs (kernels/grouped_gemm_tma_fp8.py): their 
   timeout ${FP8_TEST_TIMEOUT:-170} python3 -m pytest -q -rfE -s --durations=5 -m gpu -p no:cacheprovider \
       tests/ops/test_fp8_tma_gpu.py 2>&1 | grep -v "^DEBUG" | tee "$OUT/tests-fp8-tma.log" \
       | grep -E "passed|failed|rror|: \{" | tail -24
+  "$0" fp8tmatune ;;
+fp8tmatune)  # `tune --fp8 prequant --restart` (T = 1024, 8192 by default; the TMA tiles among the candidates)
   timeout ${TUNE_TIMEOUT:-420} python3 -m moecomp tune --fp8 prequant --restart -v --rep ${TUNE_REP:-10} \
       --budget-s ${TUNE_BUDGET:-340} --presets ${PRESETS:-qwen3_30b_a3b,deepseek_v3,mixtral_8x7b,olmoe_1b_7b,qwen15_moe_a27b} \
       --tokens ${TOKENS:-1024,8192} --copy-to "$OUT" 2>&1 | tee "$OUT/tune-fp8-tma.log" | grep -v "^DEBUG" \
-      | grep "T=\|tune\]" | grep -v "^\s*\(decode \)\?T=" | tail -40 ;;
+      | grep "T=\|tune\]" | grep -v "^\s*\(decode \)\?T=" | tail -${TUNE_TAIL:-40} ;;
+fp8grid)  # issue 19: the FP8 TMA tune again (the "@2" tiles joined: two programs per SM), then the FP8 grid on the table
+          # it wrote (vLLM's kernel from .peers/, carried)
+  TUNE_TIMEOUT=${TUNE_TIMEOUT:-200} TUNE_BUDGET=${TUNE_BUDGET:-150} TUNE_TAIL=12 "$0" fp8tmatune
+  LAYER_TIMEOUT=${LAYER_TIMEOUT:-350} LAYER_BUDGET=${LAYER_BUDGET:-290} LAYER_TAIL=40 "$0" layer_fp8 ;;
 issue20)  # issue 20, next session: the generate GPU tests (eager-step-free replays, warmup, the memory-state capture,
           # the shared compiled layer), then Qwen3 (12 layers) and Qwen1.5-MoE (24 layers) at B=1,32: one-liner and
           # transformers, TTFT, warm-up of the first and second call, a kernel profile of one step at B=1
