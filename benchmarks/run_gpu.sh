@@ -13,6 +13,7 @@
 #   benchmarks/run_gpu.sh next      STEP=1|2|3: the next session's plan (every GPU test; FP8 generate at full depth;
 #                                   the dense FP8 linear at prefill sizes)
 #   benchmarks/run_gpu.sh fp8tma    the FP8 TMA GEMMs' GPU tests, then `tune --fp8 prequant` at T = 1024, 8192
+#   benchmarks/run_gpu.sh warmup    benchmarks/bench_warmup.py: the one-liner's warm-up in fresh processes (issue 20)
 #   benchmarks/run_gpu.sh sanitize  benchmarks/nan_routing_probe.py and the graph-replay NaN test under
 #                                   compute-sanitizer memcheck (with .ab/routing_old.py too, to show the probe fails)
 set -uo pipefail
@@ -157,6 +158,11 @@ fp8grid)  # issue 19: the FP8 TMA tune again (the "@2" tiles joined: two program
           # it wrote (vLLM's kernel from .peers/, carried)
   TUNE_TIMEOUT=${TUNE_TIMEOUT:-200} TUNE_BUDGET=${TUNE_BUDGET:-150} TUNE_TAIL=12 "$0" fp8tmatune
   LAYER_TIMEOUT=${LAYER_TIMEOUT:-350} LAYER_BUDGET=${LAYER_BUDGET:-290} LAYER_TAIL=40 "$0" layer_fp8 ;;
+warmup)  # issue 20: the one-liner's warm-up in fresh processes, cold then warm on-disk compile caches
+         # (benchmarks/bench_warmup.py; Qwen3-30B-A3B at its 48 layers, Qwen1.5-MoE at its 24, B = 1 then 32)
+  timeout ${WARMUP_TIMEOUT:-540} python3 benchmarks/bench_warmup.py --models ${WARMUP_MODELS:-qwen3=48,qwen2=24} \
+      --batches ${WARMUP_BATCHES:-1,32} --timeout-s ${WARMUP_CHILD_S:-200} --out-json "$OUT/warmup.json" 2>&1 \
+      | grep -v "^DEBUG" | tee "$OUT/warmup.log" | grep "^\[warmup\]\|^|" ;;
 issue20)  # issue 20, next session: the generate GPU tests (eager-step-free replays, warmup, the memory-state capture,
           # the shared compiled layer), then Qwen3 (12 layers) and Qwen1.5-MoE (24 layers) at B=1,32: one-liner and
           # transformers, TTFT, warm-up of the first and second call, a kernel profile of one step at B=1

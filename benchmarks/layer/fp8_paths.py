@@ -196,7 +196,10 @@ def family_paths(spec, fb: fp8.Fp8Block | None, fb_err: str | None, router, peer
     paths = [Path(n, None, skip=fp8.HF_NA) for n in ("hf_eager", "hf_grouped_mm", "compile") if n in peer_names]
     if fb is None:  # moecomp's modes: an error (as a refused bf16 block is); the peers have nothing to run on
         why = f"no fp8 block ({fb_err})"
-        return paths + [Path(n, None, error=why) if n in fp8.MODES else Path(n, None, skip=why)
+        layout = fp8.unquantizable(spec)  # a block no FP8 checkpoint format we read stores: n/a, not a failure
+        if layout:
+            why = f"n/a: no FP8 checkpoint layout for this block ({layout})"
+        return paths + [Path(n, None, error=why) if n in fp8.MODES and not layout else Path(n, None, skip=why)
                         for n in common.FP8_PATHS if n in peer_names]
     paths += moecomp_paths(fb, peer_names)
     if "vllm_fp8" in peer_names:
