@@ -56,6 +56,7 @@ from .reject import Refused, Reject
 from .verify import verify, verify_epilogue
 from .hf import bind as _bind
 from .hf import fp8 as _fp8
+from .hf.impl_switch import unclaimed
 from .hf.structure import BlockParts, iter_blocks
 
 # the verify check's rules live in moecomp.policy (re-exported here for callers that read them from optimize)
@@ -88,9 +89,10 @@ def _recognise_and_verify(block: nn.Module, parts: BlockParts, epilogue, rep: Bl
 
 def _process(name: str, block: nn.Module, parts: BlockParts | None, reason: str, use_fx: bool, bind_it: bool,
              cache=None, trust_fallback: bool = False, experts_only: bool = True) -> BlockReport:
-    rep = _process_block(name, block, parts, reason, use_fx, bind_it, cache, trust_fallback)
-    if rep.status == "skipped" and experts_only:
-        _try_experts_only(name, block, parts, rep, bind_it)
+    with unclaimed(block.modules()):  # layers bound before this one marked the shared config "moecomp"
+        rep = _process_block(name, block, parts, reason, use_fx, bind_it, cache, trust_fallback)
+        if rep.status == "skipped" and experts_only:
+            _try_experts_only(name, block, parts, rep, bind_it)
     if rep.status not in ("already", "experts only") and any(p.device.type == "meta" for p in block.parameters()):
         rep.notes.append(META_NOTE)
         rep.codes.append(RejectCode.META_TENSORS)

@@ -21,12 +21,17 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 
 import torch
 
 NAME = "moecomp"
 _FIELD = "_experts_implementation_internal"  # the storage behind config._experts_implementation
 _warned: set = set()
+# config -> the name ``claim`` replaced: one model config is shared by every layer's experts, so once the first block
+# is bound, the blocks optimize has not reached yet would dispatch their experts to moecomp too (``as_claimed``)
+# (configs are unhashable: keyed by id, each entry holding a weak reference to its config, dropped with it)
+_claimed: dict = {}
 
 
 def experts_config(modules) -> tuple:
@@ -62,7 +67,18 @@ def claim(config, fp8: bool = False) -> str | None:
     if prev == NAME:
         return None
     setattr(config, _FIELD, NAME)
+    try:
+        key = id(config)
+        _claimed[key] = (weakref.ref(config, lambda _, k=key: _claimed.pop(k, None)), prev)
+    except TypeError:  # a config that takes no weak reference: ``unclaimed`` then changes nothing for it
+        pass
     return prev
+
+
+def _claimed_prev(config) -> str | None:
+    """The name ``claim`` replaced in ``config`` (None: never claimed)."""
+    entry = _claimed.get(id(config))
+    return entry[1] if entry is not None and entry[0]() is config else None
 
 
 def release(config, prev: str | None) -> None:
@@ -79,6 +95,26 @@ def as_before(config, prev: str | None):
     when the config said "moecomp" before binding."""
     if (config is None or prev is None or getattr(config, _FIELD, None) != NAME
             or torch.compiler.is_compiling()):
+        yield
+        return
+    setattr(config, _FIELD, prev)
+    try:
+        yield
+    finally:
+        if getattr(config, _FIELD, None) == prev:
+            setattr(config, _FIELD, NAME)
+
+
+@contextlib.contextmanager
+def unclaimed(modules):
+    """While a block that is not bound yet is recognised and verified: if its experts' config was marked "moecomp"
+    by the binding of another block (layers share one config), it names the implementation it had before, so the
+    block's original forward runs transformers' experts path, not moecomp's (an independent reference, and no
+    experts-only check of every layer's experts on the way: 54-68 s of ``optimize`` on a 48-layer Qwen3-30B-A3B on
+    an H200). Nothing changes when nothing was claimed or the user named an implementation since."""
+    config, _ = experts_config(modules)
+    prev = _claimed_prev(config) if config is not None else None
+    if prev is None or getattr(config, _FIELD, None) != NAME or torch.compiler.is_compiling():
         yield
         return
     setattr(config, _FIELD, prev)

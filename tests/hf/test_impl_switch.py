@@ -98,3 +98,29 @@ def test_saved_config_does_not_carry_moecomp(tmp_path):
     moecomp.optimize(model)
     model.config.save_pretrained(tmp_path)
     assert "moecomp" not in (tmp_path / "config.json").read_text()
+
+
+def test_later_layers_are_verified_against_transformers_experts(monkeypatch):
+    """Layers share one config: once optimize binds the first block it names "moecomp", and the blocks after it
+    would run moecomp's experts (with that path's own check of every layer's experts) as their "original" forward.
+    optimize verifies each block against transformers' own experts path instead (``impl_switch.unclaimed``): the
+    experts-only check never runs, every block is rewritten, and the config names "moecomp" afterwards. (Before
+    the fix: one experts-only check per layer after the first; 54-68 s of optimize on a 48-layer Qwen3-30B-A3B on
+    an H200.)"""
+    from moecomp.hf import experts_interface as ei
+
+    checks, impls = [], []
+    real = ei.verify_experts
+    monkeypatch.setattr(ei, "verify_experts", lambda *a, **k: (checks.append(1), real(*a, **k))[1])
+    model, _ = F.build_tiny("qwen3_moe")  # 2 layers: the second is verified after the first was bound
+    before = model.config._experts_implementation
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    fn = ALL_EXPERTS_FUNCTIONS[before]
+    with mock.patch.dict(ALL_EXPERTS_FUNCTIONS._global_mapping,
+                         {before: lambda *a, **k: (impls.append(before), fn(*a, **k))[1]}):
+        rep = moecomp.optimize(model, report=True)[1]
+    n = sum(b.status == "rewritten" for b in rep.blocks)
+    assert n == model.config.num_hidden_layers >= 2, rep
+    assert checks == [] and impls, (checks, impls)  # every probe ran transformers' implementation, none moecomp's
+    assert model.config._experts_implementation == "moecomp"
