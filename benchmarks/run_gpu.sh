@@ -163,6 +163,10 @@ warmup)  # issue 20: the one-liner's warm-up in fresh processes, cold then warm 
   timeout ${WARMUP_TIMEOUT:-540} python3 benchmarks/bench_warmup.py --models ${WARMUP_MODELS:-qwen3=48,qwen2=24} \
       --batches ${WARMUP_BATCHES:-1,32} --timeout-s ${WARMUP_CHILD_S:-200} --out-json "$OUT/warmup.json" 2>&1 \
       | grep -v "^DEBUG" | tee "$OUT/warmup.log" | grep "^\[warmup\]\|^|" ;;
+final13)  # the thirteenth session's last call: every GPU test at the final commit, then Qwen3-30B-A3B's warm-up (48
+          # layers, B=1, fresh processes) after optimize stopped checking every later layer's experts on the way
+  TEST_TIMEOUT=${TEST_TIMEOUT:-400} EXCL_TIMEOUT=${EXCL_TIMEOUT:-80} "$0" tests
+  WARMUP_MODELS=qwen3=48 WARMUP_BATCHES=1 WARMUP_TIMEOUT=${WARMUP_TIMEOUT:-100} WARMUP_CHILD_S=90 "$0" warmup ;;
 issue20)  # issue 20, next session: the generate GPU tests (eager-step-free replays, warmup, the memory-state capture,
           # the shared compiled layer), then Qwen3 (12 layers) and Qwen1.5-MoE (24 layers) at B=1,32: one-liner and
           # transformers, TTFT, warm-up of the first and second call, a kernel profile of one step at B=1
