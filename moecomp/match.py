@@ -55,6 +55,7 @@ class Evidence:
     """How a Match was found and what backs it (for the report; control flow reads none of it)."""
 
     method: str  # "fx" (the FX pass over Dynamo's graph) | "fallback" (attribute reader) | "fallback (meta)"
+    # | "dispatch" (the dispatch reader: the block run with its experts observed)
     checked: str = ""  # the recogniser's own check: the FX pass's numeric check, "routing measured", "read only"
     constants: dict[str, str] = field(default_factory=dict)  # spec field -> attribute path its value was read from
     notes: list[str] = field(default_factory=list)  # for the report
@@ -104,6 +105,8 @@ class Match:
     derived: list[Derived] = field(default_factory=list)
     parts: object = None  # moecomp.hf.structure.BlockParts (router / experts / shared module paths), or None
     evidence: Evidence = field(default_factory=lambda: Evidence("fx"))
+    max_tokens: int = 0  # > 0: the recogniser proved the op for calls of up to this many tokens only (longer calls
+    # run the block's original forward: the dispatch reader saw no capacity drop up to it, one beyond is possible)
 
     def __post_init__(self):
         unknown = set(self.bindings) - set(OP_ARGS)

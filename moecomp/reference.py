@@ -90,18 +90,22 @@ def group_size(shape, spec: MoESpec) -> int:
     return math.prod(shape[:-1])
 
 
-def capacity_kept(ids: torch.Tensor, spec: MoESpec, group: int) -> torch.Tensor:
-    """[T, k] bool: the pairs an expert capacity keeps (the rule in ``moecomp.spec``). Per group of ``group``
-    consecutive tokens, each pair's rank is the number of pairs to its expert before it in slot-major order (a
-    cumulative sum over the one-hot of the ids); kept where rank < ``spec.capacity_for(group)``."""
+def capacity_ranks(ids: torch.Tensor, width: int, group: int) -> torch.Tensor:
+    """[T, k] int64: each pair's rank in its expert (ids in [0, width)), per group of ``group`` consecutive tokens:
+    the number of pairs to the same expert before it in slot-major order (a cumulative sum over the one-hot)."""
     T, k = ids.shape
     if T == 0:
-        return torch.ones_like(ids, dtype=torch.bool)
-    G, R = T // group, spec.router_width
-    pairs = F.one_hot(ids.long(), R).reshape(G, group, k, R).transpose(1, 2).reshape(G, k * group, R)
+        return torch.zeros_like(ids, dtype=torch.long)
+    G = T // group
+    pairs = F.one_hot(ids.long(), width).reshape(G, group, k, width).transpose(1, 2).reshape(G, k * group, width)
     rank = ((pairs.cumsum(1) - pairs) * pairs).sum(-1)  # [G, k * group]
-    keep = rank < spec.capacity_for(group)
-    return keep.reshape(G, k, group).transpose(1, 2).reshape(T, k)
+    return rank.reshape(G, k, group).transpose(1, 2).reshape(T, k)
+
+
+def capacity_kept(ids: torch.Tensor, spec: MoESpec, group: int) -> torch.Tensor:
+    """[T, k] bool: the pairs an expert capacity keeps (the rule in ``moecomp.spec``): rank (:func:`capacity_ranks`)
+    below ``spec.capacity_for(group)``."""
+    return capacity_ranks(ids, spec.router_width, group) < spec.capacity_for(group)
 
 
 def route(

@@ -39,9 +39,12 @@ OUTCOME = {
     # its MoE MLPs rewritten (an output bias: epilogue.find_output_bias); its attention experts (JetMoeMoA: a
     # map / reduce module whose forward raises) left alone
     "jetmoe": ("partial", "This module doesn't support call and forward"),
-    # candidates by their shapes (hf/structure.structural_parts); Dynamo cannot capture their routing
-    "nllb_moe": ("not rewritten", "block found by its shapes"),
-    "switch_transformers": ("not rewritten", "block found by its shapes"),
+    # Dynamo cannot capture these; the dispatch reader reads them (hf/dispatch_reader.py). Switch: a fixed expert
+    # capacity per sequence (MoESpec.capacity). NLLB-MoE (5.24): its experts module one-hot-encodes the router's
+    # one-hot mask, so expert module 0 computes every token's second-choice slots and module 1 every first choice,
+    # whatever the router picked: not a routed MoE
+    "nllb_moe": ("not rewritten", "took one token"),
+    "switch_transformers": ("equal", ""),
     # variants (families.VARIANTS): a family's tiny model with config changes that reach another block style
     "nemotron_h:latent": ("equal", ""),  # experts between latent projections (MoESpec.latent_size)
 }
