@@ -144,7 +144,7 @@ class Verified:
     max_rel_err: float
     ignored_params: frozenset = frozenset()  # extra forward arguments checked to make no difference
     epilogue: tuple = ()  # what the block applies to the MoE output, in order: child module paths (called), its own
-    # [H] tensors (added: an output bias); ``apply_epilogue``
+    # [H] (or [1, .., 1, H]) tensors (added: an output bias); ``apply_epilogue``
 
 
 # The attribute ``epilogue.Peeled`` sets on a block tensor it zeroed for a capture (an output bias bound after the op):
