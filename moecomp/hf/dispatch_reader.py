@@ -103,7 +103,7 @@ def read_experts(block: nn.Module, parts: BlockParts) -> tuple[list[MLPParts], t
             break
     else:
         raise DispatchError(f"expert {mods[0][0]!r} computes no activation the spec knows (or its gate / up are "
-                            "not the linears its shapes suggest)", RejectCode.UNSUPPORTED_ACTIVATION)
+                            "not the linears its shapes suggest)", RejectCode.NOT_RECOGNISED)
     names = [p.rsplit(".", 2)[-2] if p else None for p in (cand.gate, cand.up, cand.down)]
     mlps = []
     for path, m in mods:

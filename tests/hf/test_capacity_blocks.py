@@ -204,3 +204,36 @@ def test_capacity_beyond_the_probes_is_bound_with_a_token_limit(poison):
             h = m[1](x + Top2Capacity.forward(m[0].block, x))
             ref = h + Top2Capacity.forward(m[2].block, h)
         assert rel_err(got, ref) <= TOL
+
+
+# -------------------------------------------------------------------------------------- what the reader refuses
+class NormedFFN(FFN):
+    """An expert with a norm after its down projection: not a dense MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(H)
+
+    def forward(self, x):
+        return self.norm(super().forward(x))
+
+
+class CappedFFN(FFN):
+    """gelu then a tanh softcap: an activation the spec does not know."""
+
+    def forward(self, x):
+        return self.outer(torch.tanh(torch.nn.functional.gelu(self.inner(x)) / 2.0) * 2.0)
+
+
+@pytest.mark.parametrize("expert,why", [(NormedFFN, "is not a dense MLP by its shapes"),
+                                        (CappedFFN, "computes no activation the spec knows")])
+def test_dispatch_reader_refuses_with_a_reason(expert, why):
+    from moecomp import policy
+    from moecomp.hf import dispatch_reader
+    from moecomp.hf.structure import structural_parts
+    from moecomp.reject import Reject
+
+    b = _top2_model(3)[0].block
+    b.pool = nn.ModuleDict({f"ffn{i}": expert() for i in range(E)})
+    got = dispatch_reader.recognise(b, structural_parts(b), policy.probe_input(H, torch.device("cpu"), torch.float32))
+    assert isinstance(got, Reject) and why in got.message, got

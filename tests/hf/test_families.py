@@ -29,10 +29,12 @@ OUTCOME = {
     "gemma4": ("experts only", "no separate MoE module"),
     "inkling": ("experts only", "no router weight"),
     "zaya": ("experts only", "no router weight"),
-    # left alone, and why
-    "inkling2": ("not rewritten", "experts only not possible"),
-    "inkling2_loop": ("not rewritten", "experts only not possible"),
-    "muse_spark": ("not rewritten", "experts only not possible"),
+    # left alone, and why: Inkling2's experts compute a softcapped SwiGLU (tanh(x / c) * c on the gate's linear factor
+    # and on up), no spec activation; MuseSpark scales its router logits before the sigmoid, normalises the latent
+    # projection of x before the experts and each expert's output after it (the pass names the first it meets)
+    "inkling2": ("not rewritten", "['div', 'tanh'] between the GEMMs belong to no activation"),
+    "inkling2_loop": ("not rewritten", "['div', 'tanh'] between the GEMMs belong to no activation"),
+    "muse_spark": ("not rewritten", "router logits are scaled"),
     # found by structure (no @use_experts_implementation): hf/discover.py
     "llama4": ("equal", ""),
     "longcat_flash": ("equal", ""),  # zero experts (MoESpec.zero_experts)
