@@ -199,18 +199,19 @@ def _verify_match(block, match: Match, x: torch.Tensor, consts, notes: list) -> 
 
 def _check_crowded(block, match: Match, contract, x: torch.Tensor, notes: list) -> float:
     """An expert capacity checked where it drops pairs: the block against the op on two crowd probes
-    (``policy.crowd_probe``: half of every sequence sent to expert 0 first), sequences long enough to overflow any
-    capacity below a quarter of them, the second of another length (a capacity factor's rounding)."""
+    (``policy.crowd_probe``: half of every sequence sent to expert 0 first, then all of one longer sequence of another
+    length, for a capacity factor's rounding), long enough to overflow a fixed capacity and any factor below 1."""
     spec, bindings, derived = match.spec, match.bindings, match.derived
     if spec.capacity_per == "sequence" and contract.primary != "same":
         raise Refused("the expert capacity counts per sequence, but the block returns its output flattened (the "
                       "op would not see the sequences)", RejectCode.BIND_FAILED)
     tol = policy.verify_tolerance(x.dtype, spec)
     rw, rb, cb = bound_tensors(block, spec, bindings, derived)[:3]
-    S = max(16, 4 * spec.capacity)
+    S = max(16, 2 * spec.capacity)
     worst, dropped = 0.0, 0
-    for shape in ((policy.CAPACITY_PROBE_BATCH, S), (1, 2 * S + 3)):
-        xx = policy.crowd_probe(rw, rb, shape, 0, x.dtype)
+    for shape, share in (((policy.CAPACITY_PROBE_BATCH, S), policy.CROWD_SHARE),
+                         ((1, 2 * S + 3), policy.CAPACITY_CROWD_SHARE)):
+        xx = policy.crowd_probe(rw, rb, shape, 0, x.dtype, share=share)
         with torch.no_grad():
             ref = primary(block(xx)).reshape(xx.shape)
             logits = reference.router_logits(xx.reshape(-1, xx.shape[-1]), rw, rb, spec)

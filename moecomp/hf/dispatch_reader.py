@@ -14,12 +14,13 @@ tensor). It reads what the block computes by running it with every expert module
             pairs include every observed one and whose weights are the observed ones up to one routed scale
   capacity  a pair the routing picks that no expert computed is a drop: a capacity explains the drops when, per
             group (the call, or each sequence), exactly the pairs ranked past C in their expert are missing. The
-            probes crowd one expert (``policy.crowd_probe``) in sequences of growing length until pairs are dropped,
-            then once more at twice the length: the same C is a fixed capacity, a C that follows the tokens a
+            probes crowd one expert (``policy.crowd_probe``: half of every sequence for the routing fit, then whole
+            sequences of growing length) until pairs are dropped, then once more at twice the length: the same C is a fixed capacity, a C that follows the tokens a
             capacity factor (snapped to a number the block holds, else the simplest fraction that fits). The
             weights then tell whether the renormalisation follows the drop (and its floor, on far-crowded tokens).
-            No drops up to the longest probe: no capacity, and the Match holds ``max_tokens`` (longer calls run the
-            block's original forward: a capacity beyond the probes cannot be ruled out)
+            No drops where expert 0 was every token's first choice in sequences up to the longest probe: no capacity,
+            and the Match holds ``max_tokens`` (that length: longer calls run the block's original forward, a
+            capacity beyond the probes cannot be ruled out)
 
 The verify stage then checks the Match on its own probes, crowd probes included (``verify.py``).
 """
@@ -272,14 +273,22 @@ def fit_routing(obs: Observed, r: _Router, base: MoESpec, k: int) -> tuple[dict,
                 if c is not None:
                     return dict(fields, routed_scaling_factor=c), [], []
                 continue
-            caps = _capacities(obs, ids)
-            variants = [v for v in _drop_variants(spec, obs.x.dtype)
-                        if any(_drop_scale(obs, r, spec, v, cap) is not None for cap in caps)]
-            if variants:
-                return fields, caps, variants
+            found = _drops(obs, r, spec)
+            if found is not None:
+                return fields, *found
     raise DispatchError("routing not recognised: no routing the spec knows (softmax / sigmoid / sqrt-softplus, top-k, "
                         "renormalised, group-limited, with an expert capacity) picks the pairs the experts computed "
                         "with their weights", RejectCode.UNSUPPORTED_ROUTING)
+
+
+def _drops(obs: Observed, r: _Router, spec: MoESpec) -> tuple[list, list] | None:
+    """(capacity hypotheses, drop variants whose weights match) for a routing ``spec`` some of whose pairs the probe
+    dropped; None when no capacity explains them."""
+    w, ids = _route(obs, r, spec)
+    caps = _capacities(obs, ids)
+    variants = [v for v in _drop_variants(spec, obs.x.dtype)
+                if any(_drop_scale(obs, r, spec, v, cap) is not None for cap in caps)]
+    return (caps, variants) if variants else None
 
 
 def _drop_variants(spec: MoESpec, dtype) -> list[dict]:
@@ -334,7 +343,8 @@ def _capacity(obs1: Observed, obs2: Observed, r: _Router, spec: MoESpec, caps1: 
             capacity=0, capacity_factor=f, capacity_per=per)
         for v in variants:  # the first that fits both probes
             c1, c2 = (_drop_scale(o, r, spec, v, (per, g, fields)) for o, g in ((obs1, g1), (obs2, g2)))
-            if c1 is not None and c2 is not None and abs(c1 - c2) <= policy.SNAP_REL * abs(c1):
+            if c1 is not None and c2 is not None and abs(c1 - c2) <= policy.routing_match_tolerance(
+                    obs1.x.dtype) * abs(c1):
                 return dict(fields, **v, routed_scaling_factor=c1)
     raise DispatchError(f"pairs are dropped, but no capacity (fixed, or a factor of the tokens, per call or per "
                         f"sequence) explains the drops and weights of two probes ({caps1} at "
@@ -356,34 +366,40 @@ def _read(block: nn.Module, parts: BlockParts, dtype) -> Match:
                    has_expert_bias=m0.down_bias is not None, has_router_bias=r.b is not None,
                    has_correction_bias=r.corr is not None)
 
-    def probe(B, S):
-        return observe(block, experts, policy.crowd_probe(W, r.b, (B, S), 0, dtype))
+    def probe(B, S, share):
+        return observe(block, experts, policy.crowd_probe(W, r.b, (B, S), 0, dtype, share=share))
 
-    B = policy.CAPACITY_PROBE_BATCH
-    notes, caps, fields, k = [], [], None, 1
-    for S in policy.CAPACITY_PROBE_SEQS:
-        obs = probe(B, S)
-        k = max(k, int(obs.took.sum(1).max()))
-        if fields is None:
-            fields, caps, variants = fit_routing(obs, r, base, k)
-        else:  # the routing is known: are pairs dropped at this length?
-            s = base.replace(**{f: v for f, v in fields.items() if f != "routed_scaling_factor"})
-            w, ids = _route(obs, r, s)
-            if not torch.equal(_dense(ids, w, parts.num_experts)[0], obs.took):
-                fields, caps, variants = fit_routing(obs, r, base, k)
-        if caps:
-            break
+    B, seqs = policy.CAPACITY_PROBE_BATCH, policy.CAPACITY_PROBE_SEQS
+    S, share = seqs[0], policy.CROWD_SHARE
+    obs = probe(B, S, share)  # half crowded: the routing is fitted on the others
+    k = int(obs.took.sum(1).max()) or 1
+    fields, caps, variants = fit_routing(obs, r, base, k)
+    plain = base.replace(**{f: v for f, v in fields.items() if f != "routed_scaling_factor"})
+    share = policy.CAPACITY_CROWD_SHARE
+    for S in seqs if not caps else ():  # whole sequences crowded, longer and longer: are pairs dropped?
+        obs = probe(B, S, share)
+        w, ids = _route(obs, r, plain)
+        took = _dense(ids, w, parts.num_experts)[0]
+        if torch.equal(took, obs.took):
+            continue
+        found = _drops(obs, r, plain) if not bool((obs.took & ~took).any()) else None
+        if found is None:
+            raise DispatchError(f"on a crowd probe of {S} tokens a sequence the experts computed other pairs than "
+                                "the routing fitted picks, and no capacity explains it", RejectCode.UNSUPPORTED_ROUTING)
+        caps, variants = found
+        break
     consts = numeric_consts(attr_sources(block, parts), k)
-    max_tokens = 0
+    notes, max_tokens = [], 0
     if caps:
-        plain = base.replace(**{f: v for f, v in fields.items() if f != "routed_scaling_factor"})
-        fields.update(_capacity(obs, probe(B, 2 * S), r, plain, caps, variants, consts))
+        fields.update(_capacity(obs, probe(B, 2 * S, share), r, plain, caps, variants, consts))
         notes.append(f"expert capacity measured: pairs dropped on crowd probes of {S} and {2 * S} tokens a sequence")
-    else:
-        max_tokens = B * policy.CAPACITY_PROBE_SEQS[-1]
-        notes.append(f"no pair dropped on crowd probes of up to {max_tokens} tokens: bound for calls of at most "
-                     f"{max_tokens} tokens (longer ones run the original forward)")
-    fields["routed_scaling_factor"] = policy.snap_constant(fields["routed_scaling_factor"], consts)
+    else:  # expert 0 took every token of sequences of seqs[-1] tokens: any call of at most that many is safe
+        max_tokens = seqs[-1]
+        notes.append(f"no pair dropped where expert 0 was every token's first choice, in sequences of up to "
+                     f"{max_tokens} tokens: bound for calls of at most {max_tokens} tokens (longer ones run the "
+                     "original forward)")
+    fields["routed_scaling_factor"] = policy.snap_constant(fields["routed_scaling_factor"], consts,
+                                                           policy.TIE_REL.get(dtype, policy.SNAP_REL))
     try:
         spec = base.replace(**fields)
     except SpecError as e:

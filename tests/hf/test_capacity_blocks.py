@@ -186,13 +186,14 @@ def test_top2_capacity_factor_renormalised_after_drop(poison):
 
 
 def test_capacity_beyond_the_probes_is_bound_with_a_token_limit(poison):
-    """A capacity no probe reaches: nothing dropped up to the probed size, so the block is bound for calls up to it
-    (``Match.max_tokens``); a longer call runs the original forward (counted), equal as well."""
-    m = _top2_model(2, capacity=1500)
+    """A capacity (2500 a call) no probe reaches (two sequences of 1024 tokens, every one sent to expert 0 first):
+    nothing dropped, so the block is bound for calls of at most 1024 tokens (``Match.max_tokens``: any such call is
+    within what the probes showed); a longer call runs the original forward (counted), equal as well."""
+    m = _top2_model(2, capacity=2500)
     _, rep = moecomp.optimize(m, report=True)
     assert [b.name for b in rep.rewritten] == ["0.block", "2.block"], str(rep)
     st = m[0].block._moecomp
-    assert not st.spec.has_capacity and st.max_tokens == 2 * max(moecomp.policy.CAPACITY_PROBE_SEQS)
+    assert not st.spec.has_capacity and st.max_tokens == max(moecomp.policy.CAPACITY_PROBE_SEQS)
     assert any("bound for calls of at most" in n for n in rep.rewritten[0].notes)
     for T, op_calls in ((40, 2), (st.max_tokens + 1, 0)):
         x = torch.randn(1, T, H, generator=torch.Generator().manual_seed(T))
@@ -237,3 +238,21 @@ def test_dispatch_reader_refuses_with_a_reason(expert, why):
     b.pool = nn.ModuleDict({f"ffn{i}": expert() for i in range(E)})
     got = dispatch_reader.recognise(b, structural_parts(b), policy.probe_input(H, torch.device("cpu"), torch.float32))
     assert isinstance(got, Reject) and why in got.message, got
+
+
+@pytest.mark.gpu
+def test_switch_transformers_bf16_cuda():
+    """Switch Transformers in bf16 on the GPU (the Triton path's ranks and drops, ``ops/capacity.py``): rewritten by
+    the dispatch reader, a capacity of 3 per sequence, equal to the original within bf16's verify tolerance (3e-2 of
+    the output's max) on fresh tokens that drop pairs."""
+    model, _ = F.build_tiny("switch_transformers", sizes={"expert_capacity": 3})
+    model = model.to("cuda", torch.bfloat16)
+    ids = torch.randint(3, 100, (4, 33), generator=torch.Generator().manual_seed(3)).cuda()
+    with torch.no_grad():
+        ref = model(input_ids=ids).last_hidden_state.float()
+    _, rep = moecomp.optimize(model, report=True)
+    assert len(rep.rewritten) == len(rep.blocks) == 2 and all(b.method == "dispatch" for b in rep.rewritten), str(rep)
+    assert all(b.spec.capacity == 3 and b.spec.capacity_per == "sequence" for b in rep.rewritten)
+    with OpCounter() as c, torch.no_grad():
+        got = model(input_ids=ids).last_hidden_state.float()
+    assert c.calls == 2 and torch.isfinite(got).all() and rel_err(got, ref) <= 3e-2

@@ -39,14 +39,17 @@ class BiasedMoE(nn.Module):
         self.bias = nn.Parameter(torch.randn(H) * 0.5)
         self.scale_instead = scale_instead
 
-    def forward(self, x):
+    def moe(self, x):
         flat = x.reshape(-1, H)
         w, ids = torch.topk(self.gate(flat).softmax(-1), K, dim=-1)
         out = torch.zeros_like(flat)
         for i, ex in enumerate(self.experts):
             tok, slot = torch.where(ids == i)
             out.index_add_(0, tok, ex(flat[tok]) * w[tok, slot, None])
-        out = out.reshape(x.shape)
+        return out.reshape(x.shape)
+
+    def forward(self, x):
+        out = self.moe(x)
         return out * self.bias if self.scale_instead else out + self.bias
 
 
@@ -128,17 +131,8 @@ class ZeroTensorMoE(BiasedMoE):
         self.use = use
 
     def forward(self, x):
-        out = self._moe(x)
+        out = self.moe(x)
         return out + self.extra if self.use == "add" else out * (1 + self.extra)
-
-    def _moe(self, x):
-        flat = x.reshape(-1, H)
-        w, ids = torch.topk(self.gate(flat).softmax(-1), K, dim=-1)
-        out = torch.zeros_like(flat)
-        for i, ex in enumerate(self.experts):
-            tok, slot = torch.where(ids == i)
-            out.index_add_(0, tok, ex(flat[tok]) * w[tok, slot, None])
-        return out.reshape(x.shape)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, H), (1, H)])

@@ -195,7 +195,7 @@ def test_gpu_cuda_graph_capture_and_replay(B, S):
                    capacity_per="sequence", renorm_after_drop=True)
     args = list(random_moe_args(spec, B * S, torch.bfloat16, "cuda", std=0.02, seed=1))
     static_x = args[0].reshape(B, S, -1).clone()
-    graph, static_out = capture_moe_forward(static_x, args[1:], spec)
+    graph, static_out = capture_moe_forward(static_x, args[1:], spec, sync_check=True)  # a host sync raises
     gen = torch.Generator("cuda").manual_seed(0)
     xs = [torch.randn(B, S, spec.hidden_size, device="cuda", generator=gen) for _ in range(3)]
     check_replays(graph, static_x, static_out, xs, lambda x: reference.moe_forward(x, *args[1:], spec), 2e-2)
