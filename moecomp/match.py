@@ -27,6 +27,7 @@ import torch
 
 from .derived import Derived, get_path
 from .ops.common import OP_ARGS
+from .ops.common import PEELED as _PEELED
 from .spec import MoESpec
 
 
@@ -148,8 +149,9 @@ class Verified:
 
 
 # The attribute ``epilogue.Peeled`` sets on a block tensor it zeroed for a capture (an output bias bound after the op):
-# the capture's tail check (``capture._adds_zero``) takes the add of such a tensor as the identity it then is.
-PEELED = "_moecomp_peeled"
+# the capture's tail check (``capture._adds_zero``) takes the add of such a tensor as the identity it then is, and
+# the FX numeric check leaves it zero. Defined in ``ops.common`` (the passes read it; they sit below this module).
+PEELED = _PEELED
 
 
 def is_tensor_entry(block, name: str) -> bool:

@@ -28,8 +28,7 @@ import torch.fx as fx
 
 from .. import policy, reference
 from .. import quant as q8
-from ..match import PEELED
-from ..ops.common import OP_ARGS
+from ..ops.common import OP_ARGS, PEELED
 from ..reject import RejectCode
 from . import _fx
 from ._context import Context as _Context
