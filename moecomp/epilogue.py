@@ -1,8 +1,8 @@
 """Epilogues: what a block applies last to the MoE output, found by running it.
 
     a child module     AXK1's ``return self.post_mlp_layernorm(h)``             bound as  child(moe_forward(x))
-    an output bias     JetMoE's ``return layer_output + self.bias`` ([H], the   bound as  moe_forward(x) + bias
-                       block's own tensor)
+    an output bias     JetMoE's ``return layer_output + self.bias`` ([H], or   bound as  moe_forward(x) + bias
+                       [1, .., 1, H]: the block's own tensor)
 
 Found by running the block (:func:`find_epilogue`, :func:`find_output_bias`), peeled off while the MoE part is
 recognised and verified (:class:`Peeled` puts ``nn.Identity`` in a child's place, zeroes a bias: the FX pass sees
@@ -76,14 +76,21 @@ def find_epilogue(block: nn.Module, parts: BlockParts, x: torch.Tensor) -> list[
     return []
 
 
+def _bias_shaped(t, H: int, dims: int) -> bool:
+    """A floating tensor that broadcasts to an output of ``dims`` dims as one value per feature: [H], [1, H],
+    [1, 1, H], ... (no more dims than the output)."""
+    return (t is not None and t.is_floating_point() and 1 <= t.dim() <= dims and t.shape[-1] == H
+            and all(d == 1 for d in t.shape[:-1]))
+
+
 def find_output_bias(block: nn.Module, parts: BlockParts, x: torch.Tensor) -> list[str]:
-    """[name] of the block's own [H] tensor (parameter or buffer) that nothing in ``parts`` names and that the block
-    adds to its output: raising it by d raises the output by d (on a random d, within the verify tolerance), [] if
-    none."""
+    """[name] of the block's own tensor of one value per feature ([H], or [1, ..., 1, H]; parameter or buffer) that
+    nothing in ``parts`` names and that the block adds to its output: raising it by d raises the output by d (on a
+    random d, within the verify tolerance), [] if none."""
     H = x.shape[-1]
     named = {v for v in vars(parts).values() if isinstance(v, str)}
     cands = [n for n, t in list(block._parameters.items()) + list(block._buffers.items())
-             if t is not None and t.is_floating_point() and tuple(t.shape) == (H,) and n not in named]
+             if _bias_shaped(t, H, x.dim()) and n not in named]
     if not cands:
         return []
     g = torch.Generator(device=x.device).manual_seed(policy.EPILOGUE_PROBE_SEED)
@@ -93,7 +100,7 @@ def find_output_bias(block: nn.Module, parts: BlockParts, x: torch.Tensor) -> li
             return []
         for n in cands:
             t = getattr(block, n)
-            d = torch.randn(H, generator=g, device=x.device).to(t.dtype)
+            d = torch.randn(H, generator=g, device=x.device).to(t.dtype).reshape(t.shape)
             saved = t.detach().clone()
             try:
                 t.add_(d)
@@ -140,7 +147,7 @@ class Peeled:
 def epilogue_of(block: nn.Module, parts: BlockParts) -> list[str]:
     """``find_epilogue``, else ``find_output_bias``, on the check input; [] when there is neither or running the
     block fails."""
-    has_tensors = any(t is not None and t.dim() == 1 for t in list(block._parameters.values())
+    has_tensors = any(_bias_shaped(t, parts.hidden_size, 8) for t in list(block._parameters.values())
                       + list(block._buffers.values()))
     if not (parts.extra_modules or has_tensors):
         return []

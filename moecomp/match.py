@@ -27,6 +27,7 @@ import torch
 
 from .derived import Derived, get_path
 from .ops.common import OP_ARGS
+from .ops.common import PEELED as _PEELED
 from .spec import MoESpec
 
 
@@ -55,6 +56,7 @@ class Evidence:
     """How a Match was found and what backs it (for the report; control flow reads none of it)."""
 
     method: str  # "fx" (the FX pass over Dynamo's graph) | "fallback" (attribute reader) | "fallback (meta)"
+    # | "dispatch" (the dispatch reader: the block run with its experts observed)
     checked: str = ""  # the recogniser's own check: the FX pass's numeric check, "routing measured", "read only"
     constants: dict[str, str] = field(default_factory=dict)  # spec field -> attribute path its value was read from
     notes: list[str] = field(default_factory=list)  # for the report
@@ -104,6 +106,8 @@ class Match:
     derived: list[Derived] = field(default_factory=list)
     parts: object = None  # moecomp.hf.structure.BlockParts (router / experts / shared module paths), or None
     evidence: Evidence = field(default_factory=lambda: Evidence("fx"))
+    max_tokens: int = 0  # > 0: the recogniser proved the op for calls of up to this many tokens only (longer calls
+    # run the block's original forward: the dispatch reader saw no capacity drop up to it, one beyond is possible)
 
     def __post_init__(self):
         unknown = set(self.bindings) - set(OP_ARGS)
@@ -141,12 +145,13 @@ class Verified:
     max_rel_err: float
     ignored_params: frozenset = frozenset()  # extra forward arguments checked to make no difference
     epilogue: tuple = ()  # what the block applies to the MoE output, in order: child module paths (called), its own
-    # [H] tensors (added: an output bias); ``apply_epilogue``
+    # [H] (or [1, .., 1, H]) tensors (added: an output bias); ``apply_epilogue``
 
 
 # The attribute ``epilogue.Peeled`` sets on a block tensor it zeroed for a capture (an output bias bound after the op):
-# the capture's tail check (``capture._adds_zero``) takes the add of such a tensor as the identity it then is.
-PEELED = "_moecomp_peeled"
+# the capture's tail check (``capture._adds_zero``) takes the add of such a tensor as the identity it then is, and
+# the FX numeric check leaves it zero. Defined in ``ops.common`` (the passes read it; they sit below this module).
+PEELED = _PEELED
 
 
 def is_tensor_entry(block, name: str) -> bool:

@@ -198,12 +198,13 @@ def routing_match_tolerance(dtype: torch.dtype) -> float:
 SNAP_REL = 1e-4
 
 
-def snap_constant(c: float, consts) -> float:
-    """``c`` snapped to 1 or to the first of ``consts`` within ``SNAP_REL`` of it (else ``c`` as fitted)."""
-    if abs(c - 1.0) < SNAP_REL:
+def snap_constant(c: float, consts, rel: float = SNAP_REL) -> float:
+    """``c`` snapped to 1 or to the first of ``consts`` within ``rel`` (default ``SNAP_REL``) of it (else ``c`` as
+    fitted). The dispatch reader fits its scale from a 16-bit block's outputs: ``TIE_REL`` of the dtype there."""
+    if abs(c - 1.0) < rel:
         return 1.0
     for v in consts:
-        if v and abs(c - v) <= SNAP_REL * abs(v):
+        if v and abs(c - v) <= rel * abs(v):
             return float(v)
     return c
 
@@ -315,3 +316,53 @@ FX_CHECK_SEED = 0x6D6F65
 FX_CLAMP_STRESS_QUANTILE = 0.7
 FX_CLAMP_STRESS_OVERSHOOT = 1.5
 FX_CLAMP_STRESS_SAMPLE = 100_000
+
+# ----------------------------------------------------------------------------------------------- capacity probes
+# Expert capacity (MoESpec.capacity / capacity_factor: Switch Transformers, NLLB-MoE) shows only when an expert gets
+# more pairs than its capacity. The dispatch reader (hf/dispatch_reader.py) and the verify stage use *crowd probes*:
+# [batch, seq] hidden states whose first CROWD_SHARE of every sequence has one expert's router logit raised to
+# CROWD_LOGIT above the token's largest other logit (through the router's pseudo-inverse: the other logits stay),
+# every CROWD_FAR_EVERY-th of them to CROWD_LOGIT_FAR above, its second choice lifted first (the other experts in
+# turn, so that it is seldom dropped too; its score falls below fp32's epsilon: a floor on the renormalisation,
+# NLLB-MoE's clamp to eps, shows when its first pair is dropped); the rest are N(0, 1).
+# The reader tries sequences of CAPACITY_PROBE_SEQS tokens (CAPACITY_PROBE_BATCH of them) until pairs are dropped:
+# a block that drops none up to the last is bound for calls of at most that many tokens; longer calls run its
+# original forward.
+CROWD_SHARE = 0.5
+# ... and the share of every sequence crowded where the reader looks for a capacity: all of it, so that a capacity
+# below the sequence's (or the call's) tokens always drops pairs, a factor below 1 included; no drop then proves the
+# op for calls of at most that many tokens
+CAPACITY_CROWD_SHARE = 1.0
+CROWD_LOGIT = 4.0
+CROWD_LOGIT_FAR = 20.0
+CROWD_FAR_EVERY = 4
+CAPACITY_PROBE_SEQS = (16, 128, 1024)
+CAPACITY_PROBE_BATCH = 2
+CAPACITY_PROBE_SEED = 99
+
+
+def crowd_probe(router_w: torch.Tensor, router_b, shape, expert: int, dtype, seed: int = CAPACITY_PROBE_SEED,
+                share: float = CROWD_SHARE):
+    """Hidden states of ``shape + (H,)`` (``router_w``: [E, H]; ``dtype``, router_w's device) whose first ``share``
+    of every sequence (the second-to-last dim) pick ``expert`` first (see above)."""
+    W = router_w.detach().float().cpu()
+    E, H = W.shape
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, H, generator=g)
+    S = shape[-1]
+    n = int(S * share)
+    crowd = x[..., :n, :]
+    logits = crowd @ W.T + (0 if router_b is None else router_b.detach().float().cpu())
+    delta = torch.zeros_like(logits)
+    far = torch.zeros(n, dtype=torch.bool)
+    far[::CROWD_FAR_EVERY] = True
+    if E > 2:  # a far token's second choice: the others in turn (spread, so that it is seldom dropped too)
+        second = torch.tensor([e for e in range(E) if e != expert])[torch.arange(n) % (E - 1)]
+        lift = logits.amax(-1) + 1.0 - logits.gather(-1, second.expand(logits.shape[:-1])[..., None])[..., 0]
+        delta.scatter_(-1, second.expand(logits.shape[:-1])[..., None], (lift * far)[..., None])
+    others = (logits + delta).clone()
+    others[..., expert] = float("-inf")
+    gap = torch.where(far, CROWD_LOGIT_FAR, CROWD_LOGIT)
+    delta[..., expert] = others.amax(-1) + gap - logits[..., expert]
+    x[..., :n, :] = crowd + delta @ torch.linalg.pinv(W).T
+    return x.to(device=router_w.device, dtype=dtype)

@@ -4,6 +4,7 @@
                │ capture failed on a data-dependent branch (a per-expert loop)
                ├─► FX pass again, tracing with real values (the loop unrolled) ──► Match
                │ Dynamo cannot capture the block at all / meta tensors / FX pass not used
+               ├─► found by its shapes only: dispatch reader (the block run, its experts observed) ─► Match
                └─► attribute reader (names, source, one measured run) ─────────────► Match
              any other refusal of the FX pass ─────────────────────────────────────► Reject
              (``trust_fallback=True``: the attribute reader tries those too, and the report says so)
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from . import policy
-from .hf import fallback
+from .hf import dispatch_reader, fallback
 from .hf.bind import forward_params
 from .hf.structure import BlockParts
 from .match import Evidence, Match, Verified, forward_arg
@@ -184,15 +185,31 @@ def recognise(block: nn.Module, parts: BlockParts, x: torch.Tensor | None, *, us
                 notes.append(_compare_note(block, parts, x, got, cache))
             return got, notes
         if parts.kind == "structural":  # found by shapes: the attribute reader has no part names to read
-            return Reject(got.code, f"FX pass: {got.message} (block found by its shapes; the attribute reader "
-                                    "cannot read it)"), notes
+            return _structural(block, parts, x, got, notes)
         if got.code is RejectCode.CAPTURE_FAILED:
             notes.append(f"FX pass could not capture the block ({got.message}); attribute fallback used")
         elif trust_fallback:
             notes.append(f"FX pass rejected the block ({got.message}); attribute fallback used (trust_fallback)")
         else:
             return Reject(got.code, f"FX pass: {got.message}"), notes
+    if parts.kind == "structural":
+        return _structural(block, parts, x, None, notes)
     return fallback.recognise(block, parts, x), notes
+
+
+def _structural(block: nn.Module, parts: BlockParts, x: torch.Tensor, fx: Reject | None, notes: list):
+    """A block found by its shapes that the FX pass did not read (``fx``: its refusal; None: not used): the
+    dispatch reader reads it when Dynamo could not capture it; the attribute reader has no part names to read."""
+    if fx is not None and fx.code is not RejectCode.CAPTURE_FAILED:
+        return Reject(fx.code, f"FX pass: {fx.message} (block found by its shapes; the attribute reader cannot read "
+                               "it)"), notes
+    got = dispatch_reader.recognise(block, parts, x)
+    if isinstance(got, Match):
+        if fx is not None:
+            notes.append(f"FX pass could not capture the block ({fx.message[:160]}); read by the dispatch reader")
+        return got, notes
+    fx_why = f"; FX pass: {fx.message}" if fx is not None else ""
+    return Reject(got.code, f"dispatch reader: {got.message}{fx_why} (block found by its shapes)"), notes
 
 
 def _compare_note(block, parts, x, fx: Match, cache) -> str:

@@ -8,9 +8,13 @@ Latent experts (``spec.latent_size``): the routed experts run on
 ``latent_in(x)`` [T, L] and their combined output goes through ``latent_out`` [L -> H] before the shared experts
 (which read x) are added (:func:`latent_in` / :func:`latent_out`). Hash routing (``spec.hash_routing``): the ids are
 ``hash_table[token_ids]`` (:func:`hash_ids`), the weights the scores at them (:func:`route` with ``ids`` given).
+Expert capacity (``spec.capacity`` / ``capacity_factor``): :func:`capacity_kept` ranks each group's pairs; a dropped
+pair leaves :func:`route` with id -1 and weight 0, and the experts loop never meets it.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -78,13 +82,40 @@ def hash_ids(hash_table: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     return hash_table[token_ids.reshape(-1).long()].long()
 
 
+def group_size(shape, spec: MoESpec) -> int:
+    """Tokens per capacity group of an input x of ``shape`` [..., H] (``spec.capacity_per``): x's second-to-last dim
+    for "sequence" (a 2-D x is one sequence), every token for "call"."""
+    if spec.capacity_per == "sequence" and len(shape) >= 3:
+        return int(shape[-2])
+    return math.prod(shape[:-1])
+
+
+def capacity_ranks(ids: torch.Tensor, width: int, group: int) -> torch.Tensor:
+    """[T, k] int64: each pair's rank in its expert (ids in [0, width)), per group of ``group`` consecutive tokens:
+    the number of pairs to the same expert before it in slot-major order (a cumulative sum over the one-hot)."""
+    T, k = ids.shape
+    if T == 0:
+        return torch.zeros_like(ids, dtype=torch.long)
+    G = T // group
+    pairs = F.one_hot(ids.long(), width).reshape(G, group, k, width).transpose(1, 2).reshape(G, k * group, width)
+    rank = ((pairs.cumsum(1) - pairs) * pairs).sum(-1)  # [G, k * group]
+    return rank.reshape(G, k, group).transpose(1, 2).reshape(T, k)
+
+
+def capacity_kept(ids: torch.Tensor, spec: MoESpec, group: int) -> torch.Tensor:
+    """[T, k] bool: the pairs an expert capacity keeps (the rule in ``moecomp.spec``): rank (:func:`capacity_ranks`)
+    below ``spec.capacity_for(group)``."""
+    return capacity_ranks(ids, spec.router_width, group) < spec.capacity_for(group)
+
+
 def route(
     logits: torch.Tensor, correction_bias: torch.Tensor | None, spec: MoESpec, acc=torch.float32,
-    ids: torch.Tensor | None = None,
+    ids: torch.Tensor | None = None, group: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing from router logits [T, E] -> (weights [T, k] in ``acc``, ids [T, k] int64). Rows with NaN / inf
     logits follow the contract above. ``ids`` [T, k]: hash routing's ids (``spec.hash_routing``, :func:`hash_ids`):
-    no selection, the weights are the scores at them."""
+    no selection, the weights are the scores at them. An expert capacity (``spec.has_capacity``; ``group``: tokens
+    per group, :func:`group_size`, default all T) drops pairs: their id is -1 and their weight 0."""
     logits = sanitize_logits(logits.to(acc))
     k = spec.top_k
     neg = float("-inf")
@@ -113,12 +144,17 @@ def route(
         weights = scores.gather(1, ids)
         if spec.scoring == "none":
             weights = weights.masked_fill(weights == neg, 0.0)
+    keep = capacity_kept(ids, spec, logits.shape[0] if group is None else group) if spec.has_capacity else None
+    if keep is not None and spec.renorm_after_drop:
+        weights = weights.masked_fill(~keep, 0.0)
     if spec.renormalize:
         denom = weights.sum(-1, keepdim=True) + spec.renorm_eps
         if spec.renorm_min > 0:
             denom = denom.clamp(min=spec.renorm_min)
         weights = weights / denom
     weights = weights * spec.routed_scaling_factor
+    if keep is not None:
+        weights, ids = weights.masked_fill(~keep, 0.0), ids.masked_fill(~keep, -1)
     return finite_weights(weights), ids
 
 
@@ -447,7 +483,7 @@ def moe_forward(
     logits = router_logits(x2, router_w, router_b, spec)  # [T, E]
     h = _pick(extra, *_HASH_NAMES)
     given = hash_ids(h["hash_table"], h["token_ids"]) if spec.hash_routing else None
-    weights, ids = route(logits, correction_bias, spec, acc, ids=given)
+    weights, ids = route(logits, correction_bias, spec, acc, ids=given, group=group_size(shape, spec))
     if spec.round_weights:
         weights = round_weights(weights, x.dtype)
     lat = _pick(extra, *_LATENT_NAMES)

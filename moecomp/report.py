@@ -41,6 +41,9 @@ def router_style(spec: MoESpec) -> str:
         s += " on input"
     if spec.zero_experts:
         s += f" +{spec.zero_experts} zero"
+    if spec.has_capacity:
+        s += f" capacity {spec.capacity or f'{spec.capacity_factor:g}·tokens'} per {spec.capacity_per}" + (
+            " (renorm after drop)" if spec.renorm_after_drop else "")
     return s
 
 

@@ -48,6 +48,16 @@ What a block computes, in terms of the spec (T tokens, H hidden, E experts, k = 
                in like x). Ids outside [0, V) / table values outside [0, E) are a SpecError where the op can read
                them (CPU always; CUDA outside capture and compilation); the kernels clamp both into range, so they
                never read or write out of bounds (``ops/hash_routing.py``).
+    expert capacity (capacity = C > 0, or capacity_factor = f > 0: C = ceil(f * n); Switch Transformers, NLLB-MoE):
+               the tokens are counted in groups of n: the whole call (capacity_per "call", n = T) or each sequence
+               (capacity_per "sequence": x [..., S, H], n = S; a 2-D x is one sequence). In a group the pairs are
+               ranked per expert in slot-major order (every token's first choice in token order, then every
+               token's second, ...); a pair whose rank is >= C is dropped: it adds nothing (no expert runs for it).
+               weights  as above, then  weights[dropped] = 0                        (the renormalisation sees all k)
+               renorm_after_drop: weights[dropped] = 0 before the renormalisation, so the kept pairs are
+               renormalised among themselves (NLLB-MoE's default); a token with every pair dropped outputs 0
+               (+ shared experts). Plain top-k routing only: no zero experts, hash routing, weight_on_input or
+               latent projections with it.
     latent experts (latent_size = L > 0, NemotronH's moe_latent_size): the routed experts work in a projected
                space of width L; the router and the shared experts read x as above:
                xl     = x @ latent_in_w.T (+ latent_in_b)                     # [T, L]  latent_in_w [L, H]
@@ -89,6 +99,7 @@ QUANT_WEIGHTS = ("fp8_e4m3",)  # the 4-bit formats join here
 QUANT_SCALES = ("block", "channel", "tensor")
 SCALE_DTYPES = ("fp32", "ue8m0")  # ue8m0: powers of two stored as a biased exponent byte (torch.float8_e8m0fnu)
 QUANT_ACTIVATIONS = ("dynamic", "static", "none")
+CAPACITY_PER = ("call", "sequence")
 FP8_MAX = 448.0  # largest finite e4m3 (float8_e4m3fn) value
 
 
@@ -224,6 +235,11 @@ class MoESpec:
     weight_on_input: bool = False  # each pair's expert runs on weight * x, the combine sums unweighted (Llama 4)
     zero_experts: int = 0  # router outputs past the E experts: ids >= E add weight * x (identity experts, LongCat)
     hash_routing: bool = False  # ids = hash_table[token_ids], weights = scores[ids] (DeepSeek-V4 hash_moe layers)
+    # --- expert capacity (Switch / NLLB-MoE): pairs past an expert's capacity are dropped (the module docstring) ---
+    capacity: int = 0  # a fixed capacity per expert and group of tokens; 0: none
+    capacity_factor: float = 0.0  # capacity = ceil(capacity_factor * the group's tokens); 0: none
+    capacity_per: str = "call"  # the group: "call" (every token of the call) | "sequence" (x [..., S, H]: each S)
+    renorm_after_drop: bool = False  # the renormalisation runs over the pairs kept (NLLB-MoE), not before the drop
     # --- latent experts (NemotronH moe_latent_size): experts between latent_in [H -> L] and latent_out [L -> H] ---
     latent_size: int = 0  # L; 0: the experts read x itself (no projections)
     latent_bias: bool = False  # both projections have biases (latent_in_b [L], latent_out_b [H])
@@ -251,6 +267,7 @@ class MoESpec:
             raise SpecError(f"sizes must be positive: E={E}, H={self.hidden_size}, I={self.intermediate_size}")
         _check_zero_experts(self)
         _check_hash_routing(self)
+        _check_capacity(self)
         _check_latent(self)
         if not 1 <= k <= self.router_width:
             raise SpecError(f"top_k must be in [1, num_experts={E}"
@@ -325,6 +342,15 @@ class MoESpec:
         """FSE applies: a sigmoid-gated shared expert, no router bias, not fused yet (the checks in __post_init__)."""
         return (self.shared is not None and self.shared.gate == "sigmoid" and not self.has_router_bias
                 and not self.fused_shared_gate and not self.zero_experts)
+
+    @property
+    def has_capacity(self) -> bool:
+        """Pairs may be dropped past an expert's capacity (``capacity`` or ``capacity_factor`` set)."""
+        return bool(self.capacity or self.capacity_factor)
+
+    def capacity_for(self, tokens: int) -> int:
+        """The capacity of each expert in a group of ``tokens`` tokens (``has_capacity`` only)."""
+        return self.capacity if self.capacity else math.ceil(self.capacity_factor * tokens)
 
     @property
     def router_width(self) -> int:
@@ -421,6 +447,9 @@ class MoESpec:
             route += f" +{self.zero_experts} zero"
         if self.hash_routing:
             route += " hash"
+        if self.has_capacity:
+            route += f" cap {self.capacity or f'{self.capacity_factor:g}T'}/{self.capacity_per}" + (
+                " renorm-kept" if self.renorm_after_drop else "")
         sh = ""
         if self.shared is not None:
             sh = f", shared I={self.shared.intermediate_size}" + (" gated" if self.shared.gate != "none" else "") + (
@@ -486,6 +515,31 @@ def _check_hash_routing(spec: MoESpec) -> None:
         if bad:
             raise SpecError(f"hash_routing with {name} is not supported: the ids come from the table "
                             "hash_table[token_ids], there is no top-k for it to act on")
+
+
+def _check_capacity(spec: MoESpec) -> None:
+    """``capacity`` (int >= 0) or ``capacity_factor`` (finite, >= 0), not both; ``capacity_per`` / ``renorm_after_drop``
+    only with one of them; nothing whose pairs are not plain top-k picks of the E experts."""
+    C, f = spec.capacity, spec.capacity_factor
+    if isinstance(C, bool) or not isinstance(C, int) or C < 0:
+        raise SpecError(f"capacity must be an int >= 0 (0: no capacity), got {C!r}")
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f < 0:
+        raise SpecError(f"capacity_factor must be a finite number >= 0 (0: no capacity), got {f!r}")
+    if C and f:
+        raise SpecError(f"capacity={C} and capacity_factor={f}: give one (a fixed capacity or one proportional to "
+                        "the group's tokens)")
+    if spec.capacity_per not in CAPACITY_PER:
+        raise SpecError(f"capacity_per={spec.capacity_per!r} is not one of {CAPACITY_PER}")
+    if not spec.has_capacity:
+        if spec.capacity_per != "call" or spec.renorm_after_drop:
+            raise SpecError("capacity_per / renorm_after_drop need an expert capacity (capacity or capacity_factor)")
+        return
+    if spec.renorm_after_drop and not spec.renormalize:
+        raise SpecError("renorm_after_drop needs renormalize (it moves the renormalisation after the drop)")
+    for name, bad in (("zero_experts", spec.zero_experts > 0), ("hash_routing", spec.hash_routing),
+                      ("weight_on_input", spec.weight_on_input), ("latent experts (latent_size)", spec.latent_size)):
+        if bad:
+            raise SpecError(f"an expert capacity with {name} is not supported (no block is known to have both)")
 
 
 def _check_latent(spec: MoESpec) -> None:

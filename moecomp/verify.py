@@ -4,6 +4,7 @@
           ──► the block's original forward and ``torch.ops.moecomp.moe_forward`` on the same probe input
               (:mod:`moecomp.policy`: shape, tolerance per dtype, 16-bit routing near-ties excused); if only the
               routed part is off by one constant, the constant is fitted (snapped to the block's own numbers)
+          ──► an expert capacity: again on crowd probes, where it drops pairs (``_check_crowded``)
           ──► extra forward arguments (``input_ids``) checked to make no difference (hash routing: the token ids are
               an argument of both runs, drawn in [0, V): ``probe.hash_call_args``)
           ──► [an epilogue: ``epilogue(op(x))`` against the whole block, on two inputs: verify_epilogue]
@@ -189,9 +190,40 @@ def _verify_match(block, match: Match, x: torch.Tensor, consts, notes: list) -> 
         extra = f" (block also has {', '.join(parts.extra_modules)})" if parts.extra_modules else ""
         raise Refused(f"op output differs from the block's: max rel. err {err:.2e} > {tol:g}{extra}",
                       RejectCode.VERIFICATION_FAILED)
+    if spec.has_capacity:
+        err = max(err, _check_crowded(block, match.replace(spec=spec), contract, x, notes))
     _, extra_params = forward_params(block)
     ignored = _ignored_params(block, run.x, run.output, extra_params, run.kwargs) if extra_params else frozenset()
     return Verified(match.replace(spec=spec), contract, err, ignored)
+
+
+def _check_crowded(block, match: Match, contract, x: torch.Tensor, notes: list) -> float:
+    """An expert capacity checked where it drops pairs: the block against the op on two crowd probes
+    (``policy.crowd_probe``: half of every sequence sent to expert 0 first, then all of one longer sequence of another
+    length, for a capacity factor's rounding), long enough to overflow a fixed capacity and any factor below 1."""
+    spec, bindings, derived = match.spec, match.bindings, match.derived
+    if spec.capacity_per == "sequence" and contract.primary != "same":
+        raise Refused("the expert capacity counts per sequence, but the block returns its output flattened (the "
+                      "op would not see the sequences)", RejectCode.BIND_FAILED)
+    tol = policy.verify_tolerance(x.dtype, spec)
+    rw, rb, cb = bound_tensors(block, spec, bindings, derived)[:3]
+    S = max(16, 2 * spec.capacity)
+    worst, dropped = 0.0, 0
+    for shape, share in (((policy.CAPACITY_PROBE_BATCH, S), policy.CROWD_SHARE),
+                         ((1, 2 * S + 3), policy.CAPACITY_CROWD_SHARE)):
+        xx = policy.crowd_probe(rw, rb, shape, 0, x.dtype, share=share)
+        with torch.no_grad():
+            ref = primary(block(xx)).reshape(xx.shape)
+            logits = reference.router_logits(xx.reshape(-1, xx.shape[-1]), rw, rb, spec)
+            dropped += int((reference.route(logits, cb, spec, group=reference.group_size(xx.shape, spec))[1]
+                            < 0).sum())
+        y = _run_op(block, spec, bindings, derived, xx)
+        worst = max(worst, err_with_ties(block, spec, bindings, derived, xx, y, ref, notes))
+    if not worst <= tol:
+        raise Refused(f"op output differs from the block's where its expert capacity drops pairs: max rel. err "
+                      f"{worst:.2e} > {tol:g}", RejectCode.VERIFICATION_FAILED)
+    notes.append(f"expert capacity checked on crowd probes ({dropped} pairs dropped): max rel. err {worst:.1e}")
+    return worst
 
 
 def verify_epilogue(block, verified: Verified, x: torch.Tensor, epilogue, notes: list) -> Verified:

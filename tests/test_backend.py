@@ -266,3 +266,34 @@ def test_counters_module_is_subscriptable():
     assert moecomp.counters.snapshot()["x"] == {"y": 2}
     moecomp.counters.clear()
     assert moecomp.counters["x"]["y"] == 0
+
+
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_jetmoe_output_bias_in_whole_model_graph(dynamic, poison):
+    """JetMoE's MoE MLP returns ``layer_output + self.bias``: in the backend's whole-model graph the add stays as a
+    tail reading the op's result (one moe_forward per MoE MLP; its attention experts, JetMoeMoA, are refused with a
+    reason). Its router calls ``.tolist()``, so Dynamo gives the backend the block in one graph only with
+    ``fullgraph=True`` (or ``torch._dynamo.config.capture_scalar_outputs``). The biases are zero when compiling
+    (a model not loaded yet) and set afterwards: the compiled graph must still add them (a zero add folded into the
+    op would drop them)."""
+    from moecomp.hf import families as F
+
+    model, _ = F.build_tiny("jetmoe")
+    mlps = [m for m in model.modules() if type(m).__name__ == "JetMoeMoE"]
+    with torch.no_grad():
+        for m in mlps:
+            m.bias.zero_()
+    ids = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="moecomp", dynamic=dynamic, fullgraph=True, options=EAGER_INNER)
+        compiled(ids)
+        for m in mlps:
+            m.bias.normal_()
+        ids2 = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(2))
+        got, want = compiled(ids2).logits, model(ids2).logits
+    assert rel_err(got, want) <= 1e-4
+    c = moecomp.counters
+    assert c["backend"]["graphs"] == 1 and c["rewrite_moe"]["replaced"] == len(mlps) == 2
+    (res,) = backend.last_results
+    assert res["code"].count(MOE_CALL) == len(mlps)
+    assert len(res["rejected"]) == 2 and all("expert activation not recognised" in str(r) for _, r in res["rejected"])

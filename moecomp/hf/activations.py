@@ -191,8 +191,9 @@ def probe_mlp(block: nn.Module, mp: MLPParts, first: str | None = None) -> tuple
     """(activation, clamp, alpha, limit) that the dense MLP module at ``mp`` computes, measured by calling it.
 
     Candidates: every elementwise activation the spec knows, the same with the clamped-SwiGLU clamps (gated, limit
-    read from the module), and gpt-oss's ``swiglu_oai`` (gated, alpha / limit read from the module). ``first`` is
-    tried first (the activation its ``act_fn`` probes as). None when nothing matches or the module cannot run.
+    read from the module), and gpt-oss's ``swiglu_oai`` (gated, alpha / limit read from the module); the closest one
+    within the tolerance is taken (``first``, the activation its ``act_fn`` probes as, on a tie). None when nothing
+    matches or the module cannot run.
     """
     mod = get_path(block, mp.path)
     if any(p.device.type == "meta" for p in mod.parameters()):
@@ -214,11 +215,13 @@ def probe_mlp(block: nn.Module, mp: MLPParts, first: str | None = None) -> tuple
         cands += [(a, True) for a in acts] + ([("swiglu_oai", False)] if alpha is not None else [])
     tol = policy.mlp_match_tolerance(x.dtype, _mlp_quantized(block, mp))
     xf = x.float()
+    best = None  # the closest within the tolerance: in 16-bit, silu can pass for relu within it
     for act, clamp in cands:
         ref = _mlp_ref(block, mp, xf, act, clamp, a0, l0)
-        if float((y - ref).abs().max()) <= tol * max(float(ref.abs().max()), 1e-30):
-            return (act, clamp, *_canonical(act, clamp, a0, l0))
-    return None
+        err = float((y - ref).abs().max()) / max(float(ref.abs().max()), 1e-30)
+        if err <= tol and (best is None or err < best[0]):
+            best = (err, act, clamp)
+    return None if best is None else (best[1], best[2], *_canonical(best[1], best[2], a0, l0))
 
 
 def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> str | None:

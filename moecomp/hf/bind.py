@@ -17,6 +17,8 @@ It runs the original forward instead when the op cannot stand in for it:
 * a forward hook or pre-hook on the router, experts or shared-expert modules is active (this is how transformers
   records ``output_router_logits``; its recording hooks count only while a recording is in progress), or a
   global module hook is registered;
+* more tokens than the recogniser proved the op for (``Match.max_tokens``: the dispatch reader saw no expert
+  capacity drop up to that many, so one beyond cannot be ruled out);
 * an extra forward argument the rewrite was not checked with is given (e.g. ``input_ids`` of a block that ignores
   them only when they are None); or an argument the op reads (hash routing's token ids, bound to a forward
   argument: ``match.forward_arg``) is missing.
@@ -147,6 +149,7 @@ class BoundState:
     impl_config: object = None  # the experts' config transformers dispatches on by name (hf/impl_switch.py)
     impl_prev: str | None = None  # the name it had before binding marked it "moecomp"
     inputs: tuple = ()  # (index in OP_ARGS, forward argument name): op arguments read from each call (token ids)
+    max_tokens: int = 0  # > 0: calls of more tokens run the original forward (``Match.max_tokens``)
 
 
 def _split(p: str | None):
@@ -294,6 +297,12 @@ def _attrs_stale(block: nn.Module, st: BoundState) -> bool:
     return True
 
 
+def _too_long(st: BoundState, x) -> bool:
+    """More tokens than the recogniser proved the op for (``max_tokens``; a shape check: guarded when compiled)."""
+    limit = getattr(st, "max_tokens", 0)
+    return bool(limit) and isinstance(x, torch.Tensor) and x.dim() > 0 and x.numel() // x.shape[-1] > limit
+
+
 def _needs_original(block: nn.Module, st: BoundState, x, extra: dict) -> str | None:
     impl = _requested_impl(getattr(st, "impl_config", None))
     if impl is not None:
@@ -305,6 +314,8 @@ def _needs_original(block: nn.Module, st: BoundState, x, extra: dict) -> str | N
         return "sparsemixer routing samples its experts while training"
     if block.training and torch.is_grad_enabled():
         return "training with gradients"
+    if _too_long(st, x):
+        return f"more than {st.max_tokens} tokens (the op was proven up to that many)"
     if _attrs_stale(block, st):
         return "attributes changed"
     mods = st.watch_mods if st.watch_mods is not None else [get_path(block, p) for p in st.watch]
@@ -331,6 +342,8 @@ def _needs_original_traced(block: nn.Module, st: BoundState, x) -> str | None:
         return "experts implementation"
     if block.training and (torch.is_grad_enabled() or _sparsemixer(st.spec)):
         return "training"
+    if _too_long(st, x):
+        return "more tokens than proven"
     if st.snapshot is not None and snapshot_changed_traced(block, st.snapshot):
         return "attributes changed"
     if torch.is_grad_enabled() and _grad_needed(block, st, x):
@@ -500,6 +513,7 @@ def bind(block: nn.Module, name: str, verified: Verified) -> BoundState:
         original=block.__dict__.get("forward"), method=m.method,
         epilogue=tuple(_split(p) for p in verified.epilogue),
         op_spec=op_spec, inputs=tuple((OP_ARGS.index(a), n) for a, n in call_params(op_bindings).items()),
+        max_tokens=m.max_tokens,
     )
     block._moecomp = st
     if st.derived:

@@ -572,9 +572,9 @@ def coverage_markdown(results: list[FamilyResult]) -> str:
         f"{c.get('no MoE block', 0)} found by structure but not by the block finder; "
         f"{c.get('not equal', 0)} not equal; {c.get('build failed', 0) + c.get('import failed', 0)} not built.**",
         "",
-        "Columns: *status* of `moecomp.optimize(model)` (FX pass first, attribute fallback where Dynamo cannot",
-        "capture); *fallback alone*: the same with `use_capture=False` (the attribute fallback on every block);",
-        "*fallback = FX*: where the FX pass detected the blocks, whether the fallback derives the same MoESpec.",
+        "Columns: *status* of `moecomp.optimize(model)` (FX pass first; where Dynamo cannot capture, the attribute",
+        "fallback, or the dispatch reader for blocks found by shapes); *fallback alone*: the same with `use_capture=False`",
+        "(those two on every block); *fallback = FX*: where the FX pass read the blocks, whether the fallback agrees.",
         "",
         "| family | model | status | blocks rewritten | router | experts | max rel. err | reason | fallback alone "
         "| fallback = FX |",

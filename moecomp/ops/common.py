@@ -37,6 +37,9 @@ LATENT_ARGS = ("latent_in_w", "latent_in_b", "latent_out_w", "latent_out_b")
 # after the latent projections, each defaulting to None.
 HASH_ARGS = ("hash_table", "token_ids")
 OP_ARGS = MOE_ARGS + QUANT_ARGS + LATENT_ARGS + HASH_ARGS  # every tensor a bound block may pass, in the op's order
+# The attribute a block tensor carries while ``epilogue.Peeled`` has zeroed it (an output bias bound after the op;
+# ``match.PEELED``): here, below the passes and the match module that both read it.
+PEELED = "_moecomp_peeled"
 # What the op implements beyond the base spec; passes check this before relying on it.
 FEATURES = ("fused_shared_gate", "weight_on_input", "zero_experts", "sparsemixer", "latent", "hash_routing")
 

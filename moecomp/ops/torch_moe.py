@@ -5,7 +5,8 @@ GEMMs over the sorted rows (``torch.nn.functional.grouped_mm`` where the stack h
 batched GEMM over gathered weights in bounded chunks), and the weighted combine is one scatter-add. Zero experts
 (``spec.zero_experts``): pairs with an id >= E are left out of the GEMMs and add ``weight * x`` (fp32) instead.
 Hash routing (``spec.hash_routing``): the ids are the table's rows of the token ids, clamped into range
-(``hash_routing.lookup``), the weights the scores at them.
+(``hash_routing.lookup``), the weights the scores at them. Expert capacity (``spec.has_capacity``): the oracle's
+routing drops the pairs past capacity (id -1), and no GEMM sees them.
 Latent experts (``spec.latent_size``): the experts run on ``latent_in(x)`` and their combined output, rounded to x's
 dtype, goes through ``latent_out`` before the shared experts are added (``ops/latent.py``).
 """
@@ -125,9 +126,14 @@ def _experts_quantized(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> 
 
 def _sorted_pairs(topk_ids: torch.Tensor, spec: MoESpec):
     """(expert of each sorted pair [P'], pair index of each [P'], cumulative rows per expert [E] int32): the pairs
-    sorted by expert, stable; without the zero experts' pairs (ids >= E, ``spec.zero_experts``: P' <= P)."""
+    sorted by expert, stable; without the zero experts' pairs (ids >= E, ``spec.zero_experts``) and the pairs an
+    expert capacity dropped (id -1): P' <= P."""
     flat_ids = topk_ids.reshape(-1).long()
-    real = torch.nonzero(flat_ids < spec.num_experts).squeeze(1) if spec.zero_experts else None  # [P']
+    real = None  # [P']: the pairs an expert computes
+    if spec.zero_experts:
+        real = torch.nonzero(flat_ids < spec.num_experts).squeeze(1)
+    elif spec.has_capacity:
+        real = torch.nonzero(flat_ids >= 0).squeeze(1)
     sorted_ids, order = torch.sort(flat_ids if real is None else flat_ids[real], stable=True)
     if real is not None:
         order = real[order]
@@ -179,7 +185,8 @@ def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     x2 = x.reshape(-1, shape[-1])
     logits = reference.router_logits(x2, args["router_w"], args["router_b"], spec)
     given = lookup(args["hash_table"], args["token_ids"], spec) if spec.hash_routing else None  # [T, k]
-    weights, ids = reference.route(logits, args["correction_bias"], spec, ids=given)
+    weights, ids = reference.route(logits, args["correction_bias"], spec, ids=given,
+                                   group=reference.group_size(shape, spec))  # capacity: dropped pairs' ids are -1
     if spec.round_weights:
         weights = reference.round_weights(weights, x.dtype).float()
     if spec.latent_size:  # the experts between the two projections, in x's dtype at each projection

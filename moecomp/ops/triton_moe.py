@@ -11,6 +11,8 @@ moe_forward, main stream                                   side stream (shared e
     (spec.zero_experts: routing over E + Z, ids >= E skip the GEMMs and the combine adds w * x, ``ops/zero_experts.py``)
     (spec.hash_routing: route_topk_kernel reads the ids from hash_table[token_ids] instead of a top-k,
      ``ops/hash_routing.py``)
+    (spec capacity: pairs past an expert's capacity get id E and weight 0 after the routing kernel and are left out
+     as zero experts' pairs are, ``ops/capacity.py``)
     (spec.latent_size: the experts' kernels run on latent_in(x) [T, L], their combine into [T, L], then latent_out
      and a one-slot combine that adds the gated shared expert, ``ops/latent.py``)
 
@@ -45,7 +47,9 @@ from ..kernels import grouped_gemm as gemm_k
 from ..kernels import grouped_gemm_tma as tma_k
 from ..kernels import router as router_k
 from ..kernels import routing as routing_k
+from .. import reference
 from ..spec import MoESpec
+from . import capacity as cap
 from . import triton_fp8, tuning
 from . import triton_fp8_tma as fp8_tma
 from . import hash_routing as hr
@@ -535,7 +539,11 @@ def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
         x2.record_stream(side)
 
     logits, gate = router_logits(x2, args, spec)  # [T, E], [T] or None
-    ids, weights = route(logits, args["correction_bias"], spec, x2.dtype, hashed=args)
+    if spec.has_capacity:  # pairs past an expert's capacity: ids E, weights 0 (``ops/capacity.py``)
+        ids, weights = route(logits, args["correction_bias"], cap.kernel_spec(spec), x2.dtype)
+        ids, weights = cap.apply(ids, weights, spec, reference.group_size(shape, spec), x2.dtype)
+    else:
+        ids, weights = route(logits, args["correction_bias"], spec, x2.dtype, hashed=args)
     if spec.latent_size:
         return _latent_routed(x2, ids, weights, args, spec, out, shared, gate, join if overlap else None).reshape(shape)
     return routed(x2, ids, weights, args, spec, out, shared, gate, join=join if overlap else None).reshape(shape)

@@ -10,6 +10,7 @@ pair whose id is >= E is a zero-computation expert: it adds ``weight * x`` to it
                                       joins the same fp32 sum (one store)
     moe_down_combine_kernel           ZERO_EXPERTS: such a slot adds w_j * x[t] instead of its dot (a uniform branch)
 
+Pairs an expert capacity dropped take the same way (``ops/capacity.py``: id E, weight 0).
 Nothing reads the ids on the host and every buffer keeps its worst-case size (as if no pair were a zero expert's),
 so the op stays capturable in a CUDA graph. With ``weight_on_input`` the term is the same (identity of w * x,
 summed unweighted). The flags default off, so launches of other specs compile as before.
@@ -22,16 +23,22 @@ import torch
 from ..spec import MoESpec
 
 
+def _skips(spec: MoESpec) -> bool:
+    """Some pairs have ids outside [0, E): zero experts', or those an expert capacity dropped (``ops/capacity.py``
+    gives them id E and weight 0: the combine adds 0 * x)."""
+    return bool(spec.zero_experts) or spec.has_capacity
+
+
 def gemm_kwargs(spec: MoESpec) -> dict:
     """Extra launch arguments of moe_gemm1_kernel / moe_gemm2_kernel: {} unless ``spec.zero_experts`` (read in
     DIRECT mode only; the aligned mode never sees such pairs)."""
-    return dict(ZERO_EXPERTS=True, n_experts=spec.num_experts) if spec.zero_experts else {}
+    return dict(ZERO_EXPERTS=True, n_experts=spec.num_experts) if _skips(spec) else {}
 
 
 def combine_kwargs(spec: MoESpec, x: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor) -> dict:
     """Extra launch arguments of combine_kernel: {} unless ``spec.zero_experts``; then x [T, H] (unit column
     stride), the flat ids [T * k] and their fp32 weights."""
-    if not spec.zero_experts:
+    if not _skips(spec):
         return {}
     x = _need_x(x, "the combine")
     ids, weights = _flat(ids), _flat(weights.float())
@@ -41,7 +48,7 @@ def combine_kwargs(spec: MoESpec, x: torch.Tensor | None, ids: torch.Tensor, wei
 
 def down_kwargs(spec: MoESpec, x: torch.Tensor | None) -> dict:
     """Extra launch arguments of moe_down_combine_kernel: {} unless ``spec.zero_experts``."""
-    if not spec.zero_experts:
+    if not _skips(spec):
         return {}
     x = _need_x(x, "the decode down-combine")
     return dict(x_ptr=x, stride_xm=x.stride(0), n_experts=spec.num_experts, ZERO_EXPERTS=True)

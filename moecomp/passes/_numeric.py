@@ -10,6 +10,9 @@ placeholders concatenated on dim 0 and stacked over the experts (``Block.stacked
 input) are drawn in [0, V) for the check's tokens (the crowd's copies share their token's id); its table is the real
 one (random ids in [0, E) without example inputs).
 
+Block tensors the region reads but no binding names, all zeros at check time, are given random values (their effect
+would vanish from the check, and the op never reads them); an output bias the epilogue peeled stays zero.
+
 A spec that clamps (swiglu_oai, activation_clamp) is checked again with the clamped projections' weights scaled up
 until the clamps bind. Token counts follow the graph's symbolic sizes (about ``policy.FX_CHECK_TOKENS``), kept small
 enough that blocks which gather whole expert matrices per token stay under ``policy.FX_CHECK_GATHER_BYTES``.
@@ -25,7 +28,7 @@ import torch.fx as fx
 
 from .. import policy, reference
 from .. import quant as q8
-from ..ops.common import OP_ARGS
+from ..ops.common import OP_ARGS, PEELED
 from ..reject import RejectCode
 from . import _fx
 from ._context import Context as _Context
@@ -104,6 +107,7 @@ def verify(ctx: _Context, candidates, blk: Block):
         gen = torch.Generator(device="cpu").manual_seed(policy.FX_CHECK_SEED)
         args, x_val = _make_inputs(ctx, inputs, blk.x_root, gen, vals)
         _hash_inputs(ctx, inputs, args, blk, spec0, gen, vals)
+        _unzero_unbound(ctx, inputs, args, src, gen)
         tensors = {k: src.tensor(k, lambda p: args[inputs.index(p)] if p in inputs else _value(ctx, p, gen))
                    for k in OP_ARGS}
         tensors.update({k: tensors[k][:n] for k, n in blk.arg_rows.items() if tensors.get(k) is not None})
@@ -326,6 +330,20 @@ def _make_inputs(ctx: _Context, inputs, x_root, gen, vals):
         else:
             args.append(_value(ctx, p, gen))
     return args, x
+
+
+def _unzero_unbound(ctx: _Context, inputs, args: list, src: _Sources, gen) -> None:
+    """Block tensors the region reads but the op does not (no binding names them) that are all zeros now get random
+    values for the check: an add of zeros (a [1, 1, H] offset buffer) or a multiply by them would otherwise vanish
+    from the check, and the op, which never reads them, would go wrong once they are not zero. An output bias the
+    epilogue peeled for the capture (``match.PEELED``) stays zero: it is bound after the op."""
+    bound = {p for k in OP_ARGS for p in src.of(k)}
+    for i, p in enumerate(inputs[1:], 1):
+        v = ctx.values.get(p)
+        if (p in bound or p not in ctx.static_ph or not isinstance(v, torch.Tensor) or _fx.is_fake(v)
+                or v.dim() == 0 or not v.is_floating_point() or getattr(v, PEELED, False) or bool(v.count_nonzero())):
+            continue
+        args[i] = torch.randn(tuple(v.shape), generator=gen).to(device=v.device, dtype=v.dtype)
 
 
 def _hash_inputs(ctx: _Context, inputs, args: list, blk: Block, spec, gen, vals) -> None:

@@ -33,9 +33,21 @@ class Activation:
     limit: float | None = None  # swiglu_oai's or the clamped SwiGLU's limit
 
 
+# Ops that belong to no activation the spec knows (as the recogniser reads them: ``silu`` / ``sigmoid``, ``gelu``,
+# ``relu``, clamps, products): found between the GEMMs they refuse the block, whatever else is there. A softcap
+# ``tanh(x / c) * c`` (Inkling2's gate and up) beside a sigmoid once passed for silu: only the numeric check stood
+# between it and a wrong match, and a cap large enough to stay out of reach of the check's values would have passed.
+FOREIGN = frozenset({"tanh", "div", "exp", "log", "softplus", "erf", "sqrt", "rsqrt", "abs", "sign", "where",
+                     "maximum", "minimum", "sin", "cos", "mean", "var", "norm", "softmax", "log_softmax"})
+
+
 def activation(ctx: Context, between: set, gated: bool, baked: dict, who: str) -> Activation:
     """The activation computed by the nodes ``between`` the first GEMM(s) and the down GEMM."""
     names = {op_name(n) for n in between}
+    foreign = sorted(names & FOREIGN)
+    if foreign:
+        raise Reject(f"{who} activation not recognised: {foreign} between the GEMMs belong to no activation the spec "
+                     f"knows (e.g. a softcap tanh(x / c) * c; ops there: {sorted(names)})")
     clamps = [n for n in between if op_name(n) in CLAMPS]
     if clamps and "sigmoid" in names and gated:
         alpha, limit = _swiglu_consts(ctx, between, baked)

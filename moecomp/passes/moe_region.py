@@ -52,10 +52,12 @@ def find_region(ctx: Context, x_router: fx.Node, hashed: dict | None = None) -> 
 
 
 def _x_root(x_router: fx.Node):
-    """The block input: the router input followed back through views that keep the hidden dim."""
+    """The block input: the router input followed back through views that keep the hidden dim, and through a
+    floating cast whose input something else reads too (Inkling2's router reads ``x.float().reshape(-1, H)``, its
+    experts ``x``; a norm's closing ``.type_as(x)`` is not crossed: what it casts feeds nothing else)."""
     chain = [x_router]
     cur = x_router
-    while op_name(cur) in ("view", "reshape", "flatten", "contiguous", "view_as", "reshape_as"):
+    while op_name(cur) in ("view", "reshape", "flatten", "contiguous", "view_as", "reshape_as") or _read_uncast(cur):
         prev = arg(cur, 0)
         if not isinstance(prev, fx.Node):
             break
@@ -65,6 +67,13 @@ def _x_root(x_router: fx.Node):
         cur = prev
         chain.append(cur)
     return cur, chain
+
+
+def _read_uncast(cur: fx.Node) -> bool:
+    """``cur`` is a floating cast of a tensor that other nodes read as it is."""
+    dt = _fx.cast_dtype(cur) if op_name(cur) in _fx.CAST_OPS else None
+    prev = arg(cur, 0)
+    return dt is not None and dt.is_floating_point and isinstance(prev, fx.Node) and len(prev.users) > 1
 
 
 def _region(ctx: Context, x_root: fx.Node, seed_region=(), seed_support=()):

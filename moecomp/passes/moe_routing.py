@@ -98,6 +98,18 @@ def routing(ctx: Context, t: fx.Node) -> Routing:
     return R
 
 
+def _scaled_linear(ctx: Context, n: fx.Node) -> bool:
+    """``n`` multiplies (divides) a linear's output by a scalar constant or scalar attribute."""
+    a, b = arg(n, 0), arg(n, 1)
+    if op_name(n) == "mul" and not (isinstance(a, fx.Node) and ctx.as_linear(a) is not None):
+        a, b = b, a
+    if not (isinstance(a, fx.Node) and ctx.as_linear(a) is not None):
+        return False
+    if _fx.scalar_value(b, ctx.values) is not None:
+        return True
+    return isinstance(b, fx.Node) and b in ctx.static_ph and (_fx.shape_of(b) or ()) == ()
+
+
 def _walk_to_router(ctx: Context, choice: fx.Node, E: int) -> _Walk:
     """Walk back from the top-k input to the router linear through casts, a group mask, a correction-bias add and
     the scoring function."""
@@ -132,6 +144,9 @@ def _walk_to_router(ctx: Context, choice: fx.Node, E: int) -> _Walk:
         elif ctx.as_linear(cur) is not None:
             w.lin = cur
             return w
+        elif name in ("mul", "div") and w.scoring is not None and _scaled_linear(ctx, cur):
+            raise unsupported_routing(f"the router logits are scaled ({name} {cur.name}) before the "
+                                      f"{w.scoring} scoring: no spec routing scales its logits")
         else:
             raise unsupported_routing(f"unrecognised op '{name or cur.op}' between the router logits and the top-k")
 

@@ -29,19 +29,24 @@ OUTCOME = {
     "gemma4": ("experts only", "no separate MoE module"),
     "inkling": ("experts only", "no router weight"),
     "zaya": ("experts only", "no router weight"),
-    # left alone, and why
-    "inkling2": ("not rewritten", "experts only not possible"),
-    "inkling2_loop": ("not rewritten", "experts only not possible"),
-    "muse_spark": ("not rewritten", "experts only not possible"),
+    # left alone, and why: Inkling2's experts compute a softcapped SwiGLU (tanh(x / c) * c on the gate's linear factor
+    # and on up), no spec activation; MuseSpark scales its router logits before the sigmoid, normalises the latent
+    # projection of x before the experts and each expert's output after it (the pass names the first it meets)
+    "inkling2": ("not rewritten", "['div', 'tanh'] between the GEMMs belong to no activation"),
+    "inkling2_loop": ("not rewritten", "['div', 'tanh'] between the GEMMs belong to no activation"),
+    "muse_spark": ("not rewritten", "router logits are scaled"),
     # found by structure (no @use_experts_implementation): hf/discover.py
     "llama4": ("equal", ""),
     "longcat_flash": ("equal", ""),  # zero experts (MoESpec.zero_experts)
     # its MoE MLPs rewritten (an output bias: epilogue.find_output_bias); its attention experts (JetMoeMoA: a
     # map / reduce module whose forward raises) left alone
     "jetmoe": ("partial", "This module doesn't support call and forward"),
-    # candidates by their shapes (hf/structure.structural_parts); Dynamo cannot capture their routing
-    "nllb_moe": ("not rewritten", "block found by its shapes"),
-    "switch_transformers": ("not rewritten", "block found by its shapes"),
+    # Dynamo cannot capture these; the dispatch reader reads them (hf/dispatch_reader.py). Switch: a fixed expert
+    # capacity per sequence (MoESpec.capacity). NLLB-MoE (5.24): its experts module one-hot-encodes the router's
+    # one-hot mask, so expert module 0 computes every token's second-choice slots and module 1 every first choice,
+    # whatever the router picked: not a routed MoE
+    "nllb_moe": ("not rewritten", "took one token"),
+    "switch_transformers": ("equal", ""),
     # variants (families.VARIANTS): a family's tiny model with config changes that reach another block style
     "nemotron_h:latent": ("equal", ""),  # experts between latent projections (MoESpec.latent_size)
 }

@@ -9,11 +9,13 @@ read live (a changed bias changes the bound block's output the same way) and its
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import moecomp
+from moecomp.reject import RejectCode
 
 H, I, E, K = 24, 12, 6, 2
 
@@ -37,14 +39,17 @@ class BiasedMoE(nn.Module):
         self.bias = nn.Parameter(torch.randn(H) * 0.5)
         self.scale_instead = scale_instead
 
-    def forward(self, x):
+    def moe(self, x):
         flat = x.reshape(-1, H)
         w, ids = torch.topk(self.gate(flat).softmax(-1), K, dim=-1)
         out = torch.zeros_like(flat)
         for i, ex in enumerate(self.experts):
             tok, slot = torch.where(ids == i)
             out.index_add_(0, tok, ex(flat[tok]) * w[tok, slot, None])
-        out = out.reshape(x.shape)
+        return out.reshape(x.shape)
+
+    def forward(self, x):
+        out = self.moe(x)
         return out * self.bias if self.scale_instead else out + self.bias
 
 
@@ -96,7 +101,6 @@ def test_a_scale_is_not_a_bias():
         assert torch.equal(m(x), want)  # left untouched
 
 
-
 def test_a_bias_that_is_zero_now_is_still_bound(poison):
     """A zero bias (a model not loaded yet) adds nothing on the probes, but it is found by what a change of it does:
     bound as an output bias, so values loaded later reach the output."""
@@ -114,3 +118,46 @@ def test_a_bias_that_is_zero_now_is_still_bound(poison):
         moecomp.unoptimize(m)
         ref = m(x)
     assert torch.isfinite(got).all() and ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+
+
+class ZeroTensorMoE(BiasedMoE):
+    """The MoE result with a zero block tensor of ``shape`` (a buffer) added (``use="add"``) or applied as a gain
+    ``out * (1 + t)`` (``use="gain"``): zero at optimize time, it changes nothing on any probe."""
+
+    def __init__(self, shape, use: str):
+        super().__init__()
+        del self.bias
+        self.register_buffer("extra", torch.zeros(*shape))
+        self.use = use
+
+    def forward(self, x):
+        out = self.moe(x)
+        return out + self.extra if self.use == "add" else out * (1 + self.extra)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, H), (1, H)])
+def test_a_zero_broadcast_tensor_added_is_bound_as_a_bias(poison, shape):
+    """A zero [1, 1, H] / [1, H] buffer added to the MoE result: the FX pass's numeric check once folded the add of
+    zeros into the MoE and bound the block without it (wrong as soon as the buffer is not zero). It is an output bias
+    (one value per feature): bound as ``moe_forward(x) + extra`` and read live."""
+    torch.manual_seed(7)
+    m = nn.Sequential(ZeroTensorMoE(shape, "add")).eval()
+    _, rep = moecomp.optimize(m, report=True)
+    assert [b.epilogue for b in rep.rewritten] == [["extra"]], str(rep)
+    x = _x(8)
+    with torch.no_grad():
+        m[0].extra.normal_()
+        got = m(x)
+        moecomp.unoptimize(m)
+        ref = m(x)
+    assert torch.isfinite(got).all() and ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+
+
+def test_a_zero_tensor_used_otherwise_is_refused():
+    """A zero [1, 1, H] buffer used as a gain ``out * (1 + t)``: no bias, and the numeric check gives it random
+    values (the op would never read it), so the multiply is a tail the block applies: refused with the reason."""
+    torch.manual_seed(7)
+    m = nn.Sequential(ZeroTensorMoE((1, 1, H), "gain")).eval()
+    _, rep = moecomp.optimize(m, report=True)
+    assert rep.rewritten == [] and "post-processes the MoE result" in rep.blocks[0].reason, str(rep)
+    assert RejectCode.NOT_RECOGNISED in rep.blocks[0].codes

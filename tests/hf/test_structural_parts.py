@@ -1,10 +1,11 @@
 """Blocks found by their shapes (``hf/structure.structural_parts``, ``hf/discover.block_router``): a router [E, H]
 (a child's weight, or the block's own Parameter) next to experts for it, under names the block finder does not
 know. Their parts name only the router and the experts child (``kind="structural"``); the FX pass reads such a
-block, the attribute reader refuses it with a reason; models without a router give no candidate.
+block, and without it the dispatch reader (the attribute reader has no part names to read); models without a router
+give no candidate.
 
 Equivalence of the rewritten blocks (ModuleDict / Sequential experts, a bare router Parameter) is in
-``tests/passes/test_per_expert_spellings.py``; here: the parts, the refusal without the FX pass, the rewrite of a
+``tests/passes/test_per_expert_spellings.py``; here: the parts, the reading without the FX pass, the rewrite of a
 block whose every name is unusual (fresh [2, 5, H] inputs, NaN-poisoned outputs, fp32 max |diff| / max |block|
 <= 1e-5), and no candidates in dense models.
 """
@@ -17,7 +18,6 @@ import torch.nn.functional as F
 
 import moecomp
 from moecomp.hf.structure import iter_blocks, structural_parts
-from moecomp.reject import RejectCode
 
 H, I, E, K = 24, 12, 6, 2
 
@@ -111,11 +111,16 @@ def test_rewritten_whole_and_equal(poison):
     assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-5
 
 
-def test_attribute_reader_refuses_with_a_reason():
-    rep = moecomp.scan(_model(), use_capture=False)
-    assert len(rep.blocks) == 2 and all(b.status == "skipped" for b in rep.blocks)
-    for b in rep.blocks:
-        assert RejectCode.NOT_RECOGNISED in b.codes and "only the FX pass reads such a block" in b.reason, b.reason
+def test_without_the_fx_pass_the_dispatch_reader_reads_it():
+    """Without the FX pass (``use_capture=False``) the attribute reader has no part names to read; the dispatch
+    reader (the block run with its experts observed) reads it, to the FX pass's spec. Seeing no capacity drop on its
+    probes, it bounds the calls the op serves (``max_tokens``)."""
+    m = _model()
+    fx = moecomp.scan(m)
+    rep = moecomp.scan(m, use_capture=False)
+    assert [b.status for b in rep.blocks] == ["supported"] * 2 and all(b.method == "dispatch" for b in rep.blocks)
+    assert [b.spec for b in rep.blocks] == [b.spec for b in fx.blocks] and fx.blocks[0].method == "fx"
+    assert all(any("bound for calls of at most" in n for n in b.notes) for b in rep.blocks)
 
 
 def test_dense_models_have_no_candidate():

@@ -1,0 +1,76 @@
+"""What the FX pass refuses, and says why, where the block computes more than any spec does (issue 21: Inkling2's
+softcapped SwiGLU, MuseSpark's scaled router logits).
+
+A softcap ``tanh(x / c) * c`` between the expert GEMMs beside a sigmoid once passed for silu * up: the numeric check
+alone stood in the way, and with a cap far beyond the check's values (here 1000: the check's error would be ~1e-7)
+the block was bound, wrong wherever activations reach the cap. Now ops that belong to no activation the spec knows
+refuse the block, whatever the check says. Router logits scaled before the scoring are refused with that reason.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from moecomp.capture import DetectError, detect_block
+from moecomp.reject import RejectCode
+
+H, I, E, K = 16, 8, 4, 2
+
+
+class Block(nn.Module):
+    def __init__(self, cap: float | None = None, logit_scale: float | None = None):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.router = nn.Parameter(torch.randn(E, H, generator=g) * 0.5)
+        self.gate_up = nn.Parameter(torch.randn(E, 2 * I, H, generator=g) * 0.3)
+        self.down = nn.Parameter(torch.randn(E, H, I, generator=g) * 0.3)
+        self.cap, self.logit_scale = cap, logit_scale
+
+    def forward(self, x):
+        flat = x.reshape(-1, H)
+        logits = flat @ self.router.T
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
+        w, ids = torch.topk(logits.sigmoid(), K, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        h = torch.einsum("th,tknh->tkn", flat, self.gate_up[ids])
+        g, u = h.chunk(2, dim=-1)
+        if self.cap is not None:  # tanh softcaps on the gate's linear factor and on up (Inkling2's SwiGLU)
+            act = torch.tanh(g / self.cap) * self.cap * torch.sigmoid(g) * (torch.tanh(u / self.cap) * self.cap)
+        else:
+            act = F.silu(g) * u
+        y = torch.einsum("tki,tkhi->tkh", act, self.down[ids])
+        return (y * w[..., None]).sum(1).reshape(x.shape)
+
+
+def _x():
+    return torch.randn(1, 3, H, generator=torch.Generator().manual_seed(1))
+
+
+def test_plain_block_is_read():
+    assert detect_block(Block(), _x()).spec.activation == "silu"
+
+
+def test_a_softcap_is_refused_whatever_the_numeric_check_says():
+    b = Block(cap=1000.0)
+    x = _x()
+    with torch.no_grad():  # the premise: on ordinary values the cap changes nothing the check could see
+        assert (b(x) - Block()(x)).abs().max() / Block()(x).abs().max() < 1e-5
+    try:
+        detect_block(b, x)
+    except DetectError as e:
+        assert e.code is RejectCode.NOT_RECOGNISED and "['div', 'tanh'] between the GEMMs" in e.reason, e.reason
+    else:
+        raise AssertionError("a softcapped SwiGLU was read as a spec activation")
+
+
+def test_scaled_router_logits_say_so():
+    try:
+        detect_block(Block(logit_scale=2.0), _x())
+    except DetectError as e:
+        assert e.code is RejectCode.NOT_RECOGNISED and "router logits are scaled" in e.reason, e.reason
+        assert any(r.code is RejectCode.UNSUPPORTED_ROUTING for _, r in e.rejected)
+    else:
+        raise AssertionError("scaled router logits were read as a spec routing")
