@@ -716,6 +716,12 @@ def test_fp8_missing_peers_are_reasoned():
     by = {p.name: p for p in paths}
     assert by["hf_eager"].skip == bench.fp8.HF_NA and by["vllm_fp8"].skip and by["scaled_grouped_mm"].skip
     assert by["moecomp_fp8"].fn is None and "refused" in (by["moecomp_fp8"].error or by["moecomp_fp8"].skip)
+    from moecomp.spec import MoESpec
+
+    in_out = MoESpec(num_experts=4, top_k=1, hidden_size=64, intermediate_size=32, w_layout="in_out")  # Llama 4's
+    by = {p.name: p for p in fp8_paths.family_paths(in_out, None, "cannot quantize", None, list(bench.FP8_PEERS),
+                                                    None, {}, False, why, torch.device("cpu"))}
+    assert by["moecomp_fp8"].error is None and by["moecomp_fp8"].skip.startswith("n/a: no FP8 checkpoint layout")
     with pytest.raises(SystemExit):
         bench.resolve_peers("moecomp_fp8", is_fp8=False)
     assert bench.resolve_peers("vllm,moecomp", is_fp8=True) == ["vllm_fp8", "moecomp"]

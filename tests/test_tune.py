@@ -334,8 +334,10 @@ def test_shipped_tables_are_well_formed(path):
         for bucket, cfg in buckets.items():
             where = f"{path} {shape} bucket {bucket}"
             assert int(bucket) >= 1 and cfg["BLOCK_M"] in (16, 32, 64, 128), where
-            assert keys <= set(cfg["g1"]) and set(cfg["g1"]) <= keys | {"tma", "tma_a", "ws"}, where
-            assert keys <= set(cfg["g2"]) and set(cfg["g2"]) <= keys | {"tma", "ws"}, where
+            assert keys <= set(cfg["g1"]) and set(cfg["g1"]) <= keys | {"tma", "tma_a", "ws", "per_sm"}, where
+            assert keys <= set(cfg["g2"]) and set(cfg["g2"]) <= keys | {"tma", "ws", "per_sm"}, where
+            for g in ("g1", "g2"):  # programs per SM: the persistent (TMA) kernels only
+                assert cfg[g].get("per_sm", 1) in (1, 2) and ("per_sm" not in cfg[g] or cfg[g].get("tma")), where
             dec = cfg.get("decode")
             if dec is not None:
                 assert dec["max_t"] >= 0 and (dec["max_t"] == 0 or {"g1", "g2"} <= set(dec)), where

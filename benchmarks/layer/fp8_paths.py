@@ -196,7 +196,7 @@ def family_paths(spec, fb: fp8.Fp8Block | None, fb_err: str | None, router, peer
     paths = [Path(n, None, skip=fp8.HF_NA) for n in ("hf_eager", "hf_grouped_mm", "compile") if n in peer_names]
     if fb is None:  # moecomp's modes: an error (as a refused bf16 block is); the peers have nothing to run on
         why = f"no fp8 block ({fb_err})"
-        layout = fp8.unquantizable(spec)  # a block no FP8 checkpoint format we read stores: n/a, not a failure
+        layout = spec is not None and fp8.unquantizable(spec)  # no FP8 checkpoint layout stores it: n/a, no failure
         if layout:
             why = f"n/a: no FP8 checkpoint layout for this block ({layout})"
         return paths + [Path(n, None, error=why) if n in fp8.MODES and not layout else Path(n, None, skip=why)
