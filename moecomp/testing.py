@@ -215,6 +215,16 @@ class StepClock:
 
 
 # ----------------------------------------------------------------------------------------------- toy blocks
+def count_calls(monkeypatch, module, names) -> list:
+    """Wrap each function ``names`` of ``module`` (pytest's ``monkeypatch``) so that every call appends its name to
+    the returned list, then runs it: tests that a path (a launcher) really ran, in order."""
+    calls = []
+    for name in names:
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _r=real, _n=name, **k: (calls.append(_n), _r(*a, **k))[1])
+    return calls
+
+
 # Plain-PyTorch MoE blocks in layouts transformers' families do not use, for tests of detection and binding.
 class LinearExpert(torch.nn.Module):
     """One expert MLP of ``nn.Linear``s (the transformers-4 / remote-code layout of a ModuleList of experts)."""

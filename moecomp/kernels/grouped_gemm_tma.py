@@ -163,32 +163,55 @@ def moe_gemm1_tma_kernel(
         a_ptrs = x_ptr + (pair // TOP_K).to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
         acc = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if A_TMA:
-                a = xs_desc.load([pid_m * BLOCK_M, k0])
-            else:
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+            a, b = gemm1_tiles(xs_desc, a_ptrs, w_desc, row_ok, offs_k, expert, pid_m * BLOCK_M, pid_n * BLOCK_N, k0,
+                               K, A_TMA, GATED, TILE_N, BLOCK_K)
+            if not A_TMA:
                 a_ptrs += BLOCK_K
-            if GATED:
-                b = tl.reshape(w_desc.load([expert, 0, pid_n * BLOCK_N, k0]), [TILE_N, BLOCK_K])
-            else:
-                b = tl.reshape(w_desc.load([expert, pid_n * BLOCK_N, k0]), [TILE_N, BLOCK_K])
             acc = tl.dot(a, b.T, acc)  # [BM, TILE_N]: gated, gate columns then up columns
         if W_ON_INPUT:  # (weight * x) . w, before the bias and the activation
             acc = acc * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N_OUT
-        if GATED:
-            g, u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
-            if HAS_BIAS:
-                bias = b_ptr + expert.to(tl.int64) * stride_be + offs_n
-                g += tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                u += tl.load(bias + N_OUT, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            h = _gated(g, u, alpha, limit, ACT, CLAMP)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[
-                    None, :]
-            h = _act(acc, ACT)
+        h = act_epilogue(acc, b_ptr, expert, stride_be, offs_n, n_ok, N_OUT, alpha, limit, GATED, ACT, CLAMP, HAS_BIAS,
+                         BLOCK_M, BLOCK_N)
         h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
     pdl.release(USE_PDL)
+
+
+@triton.jit
+def gemm1_tiles(xs_desc, a_ptrs, w_desc, row_ok, offs_k, expert, row0, n0, k0, K, A_TMA: tl.constexpr,
+                GATED: tl.constexpr, TILE_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step's tiles of a TMA gemm1: A [BM, BK] (a TMA box of x gathered into sorted order, or x's rows by
+    pointer loads at ``a_ptrs``) and the weights [TILE_N, BK] (gated: the box of gate and up rows of columns n0..)."""
+    if A_TMA:
+        a = xs_desc.load([row0, k0])
+    else:
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+    if GATED:
+        b = tl.reshape(w_desc.load([expert, 0, n0, k0]), [TILE_N, BLOCK_K])
+    else:
+        b = tl.reshape(w_desc.load([expert, n0, k0]), [TILE_N, BLOCK_K])
+    return a, b
+
+
+@triton.jit
+def act_epilogue(acc, b_ptr, expert, stride_be, offs_n, n_ok, N_OUT, alpha, limit, GATED: tl.constexpr,
+                 ACT: tl.constexpr, CLAMP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """A TMA gemm1 tile's fp32 accumulator [BM, TILE_N] -> h [BM, BN] (fp32): gated, the gate columns then the up
+    columns of output columns ``offs_n`` split apart, their biases added (b [E, 2 * N_OUT]: gate then up), then
+    act(gate) * up; else bias and act. Shared by the 16-bit and FP8 TMA gemm1s."""
+    if GATED:
+        g, u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
+        if HAS_BIAS:
+            bias = b_ptr + expert.to(tl.int64) * stride_be + offs_n
+            g += tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            u += tl.load(bias + N_OUT, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        h = _gated(g, u, alpha, limit, ACT, CLAMP)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[
+                None, :]
+        h = _act(acc, ACT)
+    return h

@@ -28,9 +28,8 @@ import triton
 import triton.language as tl
 
 from . import fp8, pdl
-from .activations import act as _act
-from .activations import gated as _gated
 from .grouped_gemm import _block_ids
+from .grouped_gemm_tma import act_epilogue, gemm1_tiles
 
 
 @triton.jit
@@ -213,15 +212,10 @@ def moe_gemm1_tma_fp8_kernel(
             a_scale = as_ptr + tok * stride_am
         acc = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if A_TMA:
-                a = xs_desc.load([pid_m * BLOCK_M, k0])
-            else:
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+            a, b = gemm1_tiles(xs_desc, a_ptrs, w_desc, row_ok, offs_k, expert, pid_m * BLOCK_M, pid_n * BLOCK_N, k0,
+                               K, A_TMA, GATED, TILE_N, BLOCK_K)
+            if not A_TMA:
                 a_ptrs += BLOCK_K
-            if GATED:
-                b = tl.reshape(w_desc.load([expert, 0, pid_n * BLOCK_N, k0]), [TILE_N, BLOCK_K])
-            else:
-                b = tl.reshape(w_desc.load([expert, pid_n * BLOCK_N, k0]), [TILE_N, BLOCK_K])
             s_a = tl.load(a_scale + k0 // 128, mask=row_ok, other=0.0)
             acc = _scaled_step(acc, a, b, s_a, ws, ws_hi, col_ok, k0, stride_sk, W_SCALE, Q_BLOCK_K, UE8M0, WS_SCALAR,
                                BLOCK_N if GATED else 0)
@@ -231,18 +225,8 @@ def moe_gemm1_tma_fp8_kernel(
             acc = acc * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N_OUT
-        if GATED:
-            g, u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
-            if HAS_BIAS:
-                bias = b_ptr + expert.to(tl.int64) * stride_be + offs_n
-                g += tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                u += tl.load(bias + N_OUT, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            h = _gated(g, u, alpha, limit, ACT, CLAMP)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[
-                    None, :]
-            h = _act(acc, ACT)
+        h = act_epilogue(acc, b_ptr, expert, stride_be, offs_n, n_ok, N_OUT, alpha, limit, GATED, ACT, CLAMP, HAS_BIAS,
+                         BLOCK_M, BLOCK_N)
         h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
         if Q_OUT:  # h as gemm2 reads it: rounded to x's dtype, then quantized per 128-column group
             hq, hsc = fp8.quant_groups(tl.where(n_ok[None, :], fp8.round_to(h, Q_OUT), 0.0), BLOCK_M, BLOCK_N,

@@ -18,7 +18,7 @@ import torch
 from moecomp import reference
 from moecomp.ops import triton_fp8_tma, triton_moe
 from moecomp.spec import MoESpec, QuantSpec
-from moecomp.testing import quantize_moe_args, random_moe_args
+from moecomp.testing import count_calls, quantize_moe_args, random_moe_args
 
 TOL = {torch.float32: 3e-5, torch.float16: 2e-3}
 
@@ -30,11 +30,7 @@ def rel_err(a, b):
 
 @pytest.fixture
 def fp8_tma_calls(monkeypatch):
-    calls = []
-    for name in ("gemm1", "gemm2"):
-        real = getattr(triton_fp8_tma, name)
-        monkeypatch.setattr(triton_fp8_tma, name, lambda *a, _r=real, _n=name, **k: (calls.append(_n), _r(*a, **k))[1])
-    return calls
+    return count_calls(monkeypatch, triton_fp8_tma, ("gemm1", "gemm2"))
 
 
 def _cfg(bn: int, g1: dict) -> dict:

@@ -12,6 +12,7 @@ import torch
 
 from moecomp import reference
 from moecomp.ops import triton_fp8_tma
+from moecomp.testing import capture_moe_forward, check_replays, count_calls
 from test_fp8_gpu import TOL, Q, quantized_args, quantized_spec  # (tests/ops is on sys.path: the FP8 GPU tests)
 from test_gpu import poison_cache, rel_err
 
@@ -32,11 +33,7 @@ POINTER = dict(BLOCK_M=64, fp8="w8a8", fp8_prequant=1, decode=dict(max_t=0),
 
 @pytest.fixture
 def fp8_tma_calls(monkeypatch):
-    calls = []
-    for name in ("gemm1", "gemm2"):
-        real = getattr(triton_fp8_tma, name)
-        monkeypatch.setattr(triton_fp8_tma, name, lambda *a, _r=real, _n=name, **k: (calls.append(_n), _r(*a, **k))[1])
-    return calls
+    return count_calls(monkeypatch, triton_fp8_tma, ("gemm1", "gemm2"))
 
 
 def _run(args, scales, spec, monkeypatch, cfg):
@@ -93,36 +90,17 @@ def test_fp8_tma_scale_layouts(quant, monkeypatch, fp8_tma_calls):
 
 
 def test_fp8_tma_cuda_graph_and_no_host_sync(monkeypatch, fp8_tma_calls):
-    """Captured in the caller's CUDA graph (Qwen1.5-MoE: its fp8 shared expert on the side stream) and replayed
-    with new inputs; no host sync in a call."""
+    """Captured in the caller's CUDA graph with a host sync on the captured path raising (Qwen1.5-MoE: its fp8 shared
+    expert on the side stream) and replayed with new inputs (``testing.capture_moe_forward`` / ``check_replays``)."""
     monkeypatch.delenv("MOECOMP_FP8_MODE", raising=False)
     monkeypatch.setenv("MOECOMP_CONFIG", json.dumps(tma_config(64, 128, True, 4)))
     spec = quantized_spec("qwen15_moe_a27b")
     T = 700
     args, scales = quantized_args(spec, T, seed=5)
     static_x = args[0].clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            torch.ops.moecomp.moe_forward(static_x, *args[1:], spec.key, **scales)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        torch.ops.moecomp.moe_forward(static_x, *args[1:], spec.key, **scales)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        static_out = torch.ops.moecomp.moe_forward(static_x, *args[1:], spec.key, **scales)
-    for seed in (1, 2):
-        x = torch.randn(T, spec.hidden_size, generator=torch.Generator("cuda").manual_seed(seed), device="cuda",
-                        dtype=torch.bfloat16) * 0.5
-        static_x.copy_(x)
-        static_out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        ref = reference.moe_forward(static_x, *args[1:], spec, **scales)
-        assert rel_err(static_out, ref) < TOL
+    graph, static_out = capture_moe_forward(static_x, args[1:], spec, sync_check=True, extra=scales)
+    inputs = [torch.randn(T, spec.hidden_size, generator=torch.Generator("cuda").manual_seed(seed), device="cuda")
+              * 0.5 for seed in (1, 2)]
+    check_replays(graph, static_x, static_out, inputs, lambda x: reference.moe_forward(x, *args[1:], spec, **scales),
+                  TOL)
     assert set(fp8_tma_calls) == {"gemm1", "gemm2"}
