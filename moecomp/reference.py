@@ -108,6 +108,17 @@ def capacity_kept(ids: torch.Tensor, spec: MoESpec, group: int) -> torch.Tensor:
     return capacity_ranks(ids, spec.router_width, group) < spec.capacity_for(group)
 
 
+def renorm_and_scale(weights: torch.Tensor, spec: MoESpec) -> torch.Tensor:
+    """The routing weights [T, k] renormalised (``spec.renormalize``: over the k, denominator ``max(sum +
+    renorm_eps, renorm_min)``) and times ``routed_scaling_factor``."""
+    if spec.renormalize:
+        denom = weights.sum(-1, keepdim=True) + spec.renorm_eps
+        if spec.renorm_min > 0:
+            denom = denom.clamp(min=spec.renorm_min)
+        weights = weights / denom
+    return weights * spec.routed_scaling_factor
+
+
 def route(
     logits: torch.Tensor, correction_bias: torch.Tensor | None, spec: MoESpec, acc=torch.float32,
     ids: torch.Tensor | None = None, group: int | None = None,
@@ -147,12 +158,7 @@ def route(
     keep = capacity_kept(ids, spec, logits.shape[0] if group is None else group) if spec.has_capacity else None
     if keep is not None and spec.renorm_after_drop:
         weights = weights.masked_fill(~keep, 0.0)
-    if spec.renormalize:
-        denom = weights.sum(-1, keepdim=True) + spec.renorm_eps
-        if spec.renorm_min > 0:
-            denom = denom.clamp(min=spec.renorm_min)
-        weights = weights / denom
-    weights = weights * spec.routed_scaling_factor
+    weights = renorm_and_scale(weights, spec)
     if keep is not None:
         weights, ids = weights.masked_fill(~keep, 0.0), ids.masked_fill(~keep, -1)
     return finite_weights(weights), ids

@@ -56,10 +56,7 @@ def apply(ids: torch.Tensor, weights: torch.Tensor, spec: MoESpec, group: int, o
     keep = kept(ids, spec, group)
     w = weights.masked_fill(~keep, 0.0)
     if spec.renorm_after_drop:
-        denom = w.sum(-1, keepdim=True) + spec.renorm_eps
-        if spec.renorm_min > 0:
-            denom = denom.clamp(min=spec.renorm_min)
-        w = reference.finite_weights(w / denom * spec.routed_scaling_factor)
+        w = reference.finite_weights(reference.renorm_and_scale(w, spec))
         if spec.round_weights and out_dtype in (torch.bfloat16, torch.float16):
             w = reference.round_weights(w, out_dtype)
     return ids.masked_fill(~keep, spec.num_experts), w

@@ -24,7 +24,7 @@ from ..spec import MoESpec
 from .common import _interpret
 from .tma import _desc, _programs, _TensorDescriptor, _tma_rows, _w13_desc
 from . import triton_fp8
-from .triton_fp8 import ACT_GROUP, H_DTYPE, QAct, quantize_act
+from .triton_fp8 import ACT_GROUP, H_DTYPE, QAct, fp8_a, quantize_act
 
 
 
@@ -101,14 +101,13 @@ def gemm2(h, w2, b2, weights, aligned, P: int, bm: int, c2: dict, q: dict, y: to
     sorted_ids, block_expert, num_padded, max_blocks = aligned
     E, H, I = w2.shape
     S = sorted_ids.numel()
-    if not isinstance(h, QAct):
-        h = quantize_act(h if h.stride(-1) == 1 else h.contiguous(), aligned, P)
+    hq, hk = fp8_a(h, q, aligned, P)  # h's codes (gemm1's QAct, or quantized here, padding rows skipped), its scales
     bn, bk = c2["BLOCK_N"], c2["BLOCK_K"]
     n_prog = _programs(y.device, max_blocks * triton.cdiv(H, bn), c2.get("per_sm", 1))
     k8.moe_gemm2_tma_fp8_kernel[(n_prog,)](
-        _desc(h.q, S, [bm, bk]), h.s, _desc(w2, E * H, [bn, bk]), b_ptr=b2, topk_w_ptr=weights, y_ptr=y,
+        _desc(hq, S, [bm, bk]), hk["as_ptr"], _desc(w2, E * H, [bn, bk]), b_ptr=b2, topk_w_ptr=weights, y_ptr=y,
         sorted_ptr=sorted_ids, block_expert_ptr=block_expert, num_padded_ptr=num_padded, P=P, N=H, K=I,
-        stride_hsm=h.s.stride(0), stride_be=0 if b2 is None else b2.stride(0), stride_ym=y.stride(0),
+        stride_hsm=hk["stride_am"], stride_be=0 if b2 is None else b2.stride(0), stride_ym=y.stride(0),
         **_scale_args(q, bn), HAS_BIAS=b2 is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=c2["GROUP_M"],
         NUM_PROGRAMS=n_prog,
         WARP_SPECIALIZE=bool(c2.get("ws", True)), num_warps=c2["num_warps"], num_stages=c2["num_stages"],
