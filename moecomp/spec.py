@@ -89,22 +89,10 @@ import json
 import math
 from dataclasses import dataclass
 
-SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus", "none")
-SCORE_ORDERS = ("score_then_topk", "topk_then_score", "sparsemixer")
-GROUP_SCORES = ("top2_sum", "max")
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2", "swiglu_oai")  # relu2 = relu(x)**2
-W_LAYOUTS = ("out_in", "in_out")  # per-expert matrix stored [out, in] (nn.Linear style) or [in, out]
-GATE_UP = ("concat", "interleaved")
-QUANT_WEIGHTS = ("fp8_e4m3",)  # the 4-bit formats join here
-QUANT_SCALES = ("block", "channel", "tensor")
-SCALE_DTYPES = ("fp32", "ue8m0")  # ue8m0: powers of two stored as a biased exponent byte (torch.float8_e8m0fnu)
-QUANT_ACTIVATIONS = ("dynamic", "static", "none")
-CAPACITY_PER = ("call", "sequence")
-FP8_MAX = 448.0  # largest finite e4m3 (float8_e4m3fn) value
-
-
-class SpecError(ValueError):
-    """A MoESpec (or the tensors given with it) describes something moecomp cannot compute."""
+from moecomp.spec_checks import (  # noqa: F401  (re-exported: the allowed values and SpecError)
+    SCORINGS, SCORE_ORDERS, GROUP_SCORES, ACTIVATIONS, W_LAYOUTS, GATE_UP, QUANT_WEIGHTS, QUANT_SCALES, SCALE_DTYPES,
+    QUANT_ACTIVATIONS, CAPACITY_PER, FP8_MAX, SpecError, _check_activation, validate_moe,
+)
 
 
 @dataclass(frozen=True)
@@ -262,63 +250,7 @@ class MoESpec:
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
-        E, k = self.num_experts, self.top_k
-        if E <= 0 or self.hidden_size <= 0 or self.intermediate_size <= 0:
-            raise SpecError(f"sizes must be positive: E={E}, H={self.hidden_size}, I={self.intermediate_size}")
-        _check_zero_experts(self)
-        _check_hash_routing(self)
-        _check_capacity(self)
-        _check_latent(self)
-        if not 1 <= k <= self.router_width:
-            raise SpecError(f"top_k must be in [1, num_experts={E}"
-                            + (f" + zero_experts={self.zero_experts}" if self.zero_experts else "") + f"], got {k}")
-        for name, value, allowed in (
-            ("scoring", self.scoring, SCORINGS),
-            ("score_order", self.score_order, SCORE_ORDERS),
-            ("group_score", self.group_score, GROUP_SCORES),
-            ("activation", self.activation, ACTIVATIONS),
-            ("w_layout", self.w_layout, W_LAYOUTS),
-            ("gate_up", self.gate_up, GATE_UP),
-        ):
-            if value not in allowed:
-                raise SpecError(f"{name}={value!r} is not one of {allowed}")
-        if self.n_group < 1 or E % self.n_group:
-            raise SpecError(f"num_experts={E} is not divisible by n_group={self.n_group}")
-        if not 1 <= self.topk_group <= self.n_group:
-            raise SpecError(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
-        if self.n_group > 1 and k > self.topk_group * (E // self.n_group):
-            raise SpecError(f"top_k={k} exceeds the experts left by group selection")
-        if self.n_group > 1 and self.group_score == "top2_sum" and E // self.n_group < 2:
-            raise SpecError("group_score 'top2_sum' needs at least 2 experts per group")
-        if self.score_order == "topk_then_score" and self.scoring not in ("softmax", "sigmoid"):
-            raise SpecError("score_order 'topk_then_score' is defined for softmax and sigmoid only")
-        _check_sparsemixer(self)
-        _check_activation(self.activation, self.gated, self.activation_clamp, self.activation_limit, "")
-        if self.bias_on_logits and not self.has_correction_bias:
-            raise SpecError("bias_on_logits needs a correction bias (has_correction_bias)")
-        if self.bias_on_logits and self.score_order != "score_then_topk":
-            raise SpecError("bias_on_logits is defined for score_order 'score_then_topk' only")
-        if self.group_mask_zero and self.n_group == 1:
-            raise SpecError("group_mask_zero needs group-limited routing (n_group > 1)")
-        if self.renorm_min < 0 or self.renorm_eps < 0:
-            raise SpecError(f"renorm_eps={self.renorm_eps} and renorm_min={self.renorm_min} must be >= 0")
-        if self.shared is not None:
-            self.shared.validate()
-        if self.fused_shared_gate and (self.shared is None or self.shared.gate != "sigmoid"):
-            raise SpecError("fused_shared_gate needs a sigmoid-gated shared expert")
-        if self.fused_shared_gate and self.has_router_bias:
-            raise SpecError("fused_shared_gate with a router bias is not supported")
-        if self.quant is not None:
-            self.quant.validate()
-            if self.w_layout != "out_in" or (self.gated and self.gate_up != "concat"):
-                raise SpecError("quantized experts need w_layout 'out_in' and gate_up 'concat' (the checkpoints' "
-                                f"layout), got {self.w_layout!r} / {self.gate_up!r}")
-            if self.has_expert_bias:
-                raise SpecError("quantized experts with expert biases are not supported")
-            if self.weight_on_input and self.quant.activation == "static":
-                raise SpecError("weight_on_input with static activation scales is not supported: the kernels scale "
-                                "the GEMM's result by the routing weight, which equals quantizing weight * x only "
-                                "when the activation scale follows x (\"dynamic\") or there is none (\"none\")")
+        validate_moe(self)
 
     # ------------------------------------------------------------ serialise
     @functools.cached_property
@@ -467,97 +399,6 @@ class MoESpec:
             f"E={self.num_experts} k={self.top_k} H={self.hidden_size} I={self.intermediate_size} "
             f"[{route}] {act}{sh}"
         )
-
-
-def _check_sparsemixer(spec: MoESpec) -> None:
-    """``jitter_eps``: finite and >= 0, and only with score_order "sparsemixer", which routes the plain logits (softmax
-    multipliers; no correction bias, groups or zero experts take part)."""
-    eps = spec.jitter_eps
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-        raise SpecError(f"jitter_eps must be a finite number >= 0, got {eps!r}")
-    if spec.score_order != "sparsemixer":
-        if eps:
-            raise SpecError(f"jitter_eps={eps} is read by score_order 'sparsemixer' only (got {spec.score_order!r})")
-        return
-    if spec.scoring != "softmax":
-        raise SpecError(f"score_order 'sparsemixer' takes softmax multipliers: scoring must be 'softmax', got "
-                        f"{spec.scoring!r}")
-    if spec.has_correction_bias or spec.n_group > 1 or spec.zero_experts:
-        raise SpecError("score_order 'sparsemixer' routes the plain logits: no correction bias, group-limited "
-                        "routing (n_group > 1) or zero experts")
-
-
-def _check_zero_experts(spec: MoESpec) -> None:
-    """``zero_experts``: a non-negative int, and not with what would route over a width other than E + Z."""
-    Z = spec.zero_experts
-    if isinstance(Z, bool) or not isinstance(Z, int) or Z < 0:
-        raise SpecError(f"zero_experts must be an int >= 0, got {Z!r}")
-    if not Z:
-        return
-    if spec.n_group > 1:
-        raise SpecError("zero_experts with group-limited routing (n_group > 1) is not supported: the groups would "
-                        "split the E + zero_experts router outputs, which no block is known to do")
-    if spec.fused_shared_gate:
-        raise SpecError("zero_experts with fused_shared_gate is not supported: router_w would be "
-                        "[E + zero_experts + 1, H], a layout the op does not read")
-
-
-def _check_hash_routing(spec: MoESpec) -> None:
-    """``hash_routing``: a bool, and nothing that steers a selection (there is none: the table gives the ids)."""
-    if not isinstance(spec.hash_routing, bool):
-        raise SpecError(f"hash_routing must be a bool, got {spec.hash_routing!r}")
-    if not spec.hash_routing:
-        return
-    for name, bad in ((f"score_order {spec.score_order!r}", spec.score_order != "score_then_topk"),
-                      ("a correction bias (has_correction_bias)", spec.has_correction_bias),
-                      ("group-limited routing (n_group > 1)", spec.n_group > 1),
-                      ("zero_experts", spec.zero_experts > 0)):
-        if bad:
-            raise SpecError(f"hash_routing with {name} is not supported: the ids come from the table "
-                            "hash_table[token_ids], there is no top-k for it to act on")
-
-
-def _check_capacity(spec: MoESpec) -> None:
-    """``capacity`` (int >= 0) or ``capacity_factor`` (finite, >= 0), not both; ``capacity_per`` / ``renorm_after_drop``
-    only with one of them; nothing whose pairs are not plain top-k picks of the E experts."""
-    C, f = spec.capacity, spec.capacity_factor
-    if isinstance(C, bool) or not isinstance(C, int) or C < 0:
-        raise SpecError(f"capacity must be an int >= 0 (0: no capacity), got {C!r}")
-    if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f < 0:
-        raise SpecError(f"capacity_factor must be a finite number >= 0 (0: no capacity), got {f!r}")
-    if C and f:
-        raise SpecError(f"capacity={C} and capacity_factor={f}: give one (a fixed capacity or one proportional to "
-                        "the group's tokens)")
-    if spec.capacity_per not in CAPACITY_PER:
-        raise SpecError(f"capacity_per={spec.capacity_per!r} is not one of {CAPACITY_PER}")
-    if not spec.has_capacity:
-        if spec.capacity_per != "call" or spec.renorm_after_drop:
-            raise SpecError("capacity_per / renorm_after_drop need an expert capacity (capacity or capacity_factor)")
-        return
-    if spec.renorm_after_drop and not spec.renormalize:
-        raise SpecError("renorm_after_drop needs renormalize (it moves the renormalisation after the drop)")
-    for name, bad in (("zero_experts", spec.zero_experts > 0), ("hash_routing", spec.hash_routing),
-                      ("weight_on_input", spec.weight_on_input), ("latent experts (latent_size)", spec.latent_size)):
-        if bad:
-            raise SpecError(f"an expert capacity with {name} is not supported (no block is known to have both)")
-
-
-def _check_latent(spec: MoESpec) -> None:
-    """``latent_size``: an int >= 0; ``latent_bias`` only with it."""
-    L = spec.latent_size
-    if isinstance(L, bool) or not isinstance(L, int) or L < 0:
-        raise SpecError(f"latent_size must be an int >= 0 (0: no latent projections), got {L!r}")
-    if spec.latent_bias and not L:
-        raise SpecError("latent_bias needs latent projections (latent_size > 0)")
-
-
-def _check_activation(activation: str, gated: bool, clamp: bool, limit: float, who: str) -> None:
-    if activation == "swiglu_oai" and not gated:
-        raise SpecError(f"{who}activation 'swiglu_oai' needs gated experts")
-    if clamp and (not gated or activation == "swiglu_oai"):
-        raise SpecError(f"{who}activation_clamp is for gated act(gate) * up experts (swiglu_oai clamps anyway)")
-    if (clamp or activation == "swiglu_oai") and not limit > 0:
-        raise SpecError(f"{who}activation_limit must be positive, got {limit}")
 
 
 _FIELD_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
