@@ -200,6 +200,9 @@ def recognise(block: nn.Module, parts: BlockParts, x: torch.Tensor | None, *, us
 def _structural(block: nn.Module, parts: BlockParts, x: torch.Tensor, fx: Reject | None, notes: list):
     """A block found by its shapes that the FX pass did not read (``fx``: its refusal; None: not used): the
     dispatch reader reads it when Dynamo could not capture it; the attribute reader has no part names to read."""
+    abstract = _abstract_forward(block, x)
+    if abstract is not None:
+        return Reject(RejectCode.NOT_A_BLOCK, abstract), notes
     if fx is not None and fx.code is not RejectCode.CAPTURE_FAILED:
         return Reject(fx.code, f"FX pass: {fx.message} (block found by its shapes; the attribute reader cannot read "
                                "it)"), notes
@@ -210,6 +213,22 @@ def _structural(block: nn.Module, parts: BlockParts, x: torch.Tensor, fx: Reject
         return got, notes
     fx_why = f"; FX pass: {fx.message}" if fx is not None else ""
     return Reject(got.code, f"dispatch reader: {got.message}{fx_why} (block found by its shapes)"), notes
+
+
+def _abstract_forward(block: nn.Module, x: torch.Tensor) -> str | None:
+    """Why a block found by its shapes is no block at all, when its own forward raises NotImplementedError on the
+    probe: its parent runs its parts through other methods, around other computation (JetMoE's mixture of attention
+    heads: ``map`` before attention, ``reduce`` after), so nothing stands where one op call could. None otherwise."""
+    try:
+        with torch.no_grad():
+            block(x)
+    except NotImplementedError as e:
+        return (f"{type(block).__name__}'s forward is not callable ({str(e)[:120]!r}): its parent runs its parts "
+                "through other methods around other computation (e.g. the two halves of a mixture of attention heads "
+                "on either side of attention), so no call of the module can be replaced")
+    except Exception:  # noqa: BLE001 - any other failure is the readers' to explain
+        return None
+    return None
 
 
 def _compare_note(block, parts, x, fx: Match, cache) -> str:

@@ -129,3 +129,40 @@ def test_dense_models_have_no_candidate():
                               "mlps": nn.ModuleList([nn.Sequential(nn.Linear(H, H), nn.Linear(H, H))] * 1)})
     for m in (dense, Layer(nn.Sequential(nn.Linear(H, H), nn.ReLU())), two_mlps):
         assert iter_blocks(m) == [], iter_blocks(m)
+
+
+class SplitHalves(OddNames):
+    """A module with a router and experts whose own forward is abstract: its parent calls ``first`` and ``second``
+    around other work (as JetMoE's mixture of attention heads calls ``map`` / ``reduce`` around attention)."""
+
+    def forward(self, x):
+        raise NotImplementedError("call first / second")
+
+    def first(self, x):
+        return OddNames.forward(self, x)
+
+
+class HalvesLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.heads = SplitHalves()
+
+    def forward(self, x):
+        return x + self.heads.first(x)
+
+
+def test_abstract_forward_is_left_alone_with_the_reason():
+    """Found by its shapes, but its forward raises NotImplementedError: no call of it can be replaced, so the block
+    is skipped with NOT_A_BLOCK and a reason saying so, and the model still runs as before (bitwise)."""
+    from moecomp.reject import RejectCode
+
+    m = nn.Sequential(HalvesLayer()).eval()
+    x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = m(x)
+    _, rep = moecomp.optimize(m, report=True)
+    assert len(rep.blocks) == 1 and not rep.rewritten, str(rep)
+    b = rep.blocks[0]
+    assert RejectCode.NOT_A_BLOCK in b.codes and "forward is not callable" in b.reason, (b.codes, b.reason)
+    with torch.no_grad():
+        assert torch.equal(m(x), want)
