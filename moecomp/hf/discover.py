@@ -1,8 +1,8 @@
 """Which transformers families have routed-experts MoE blocks, found by structure (issue 21): the coverage tool's
 list is no longer only the families whose experts carry ``@use_experts_implementation``.
 
-    source bound      the modeling file calls a top-k / argmax (what every router does; the cost bound: 530
-                      modeling files, about 190 pass), or its experts are decorated
+    source bound      the modeling file calls a top-k / argmax / max over a dim (what every router does; the cost
+                      bound: 530 modeling files, about 205 pass), or its experts are decorated
     meta build        the family's model built from the coverage tool's tiny config on the meta device (no
                       weights, no forward)
     routed experts    a module owning, apart from each other,
@@ -30,11 +30,14 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_ROUTER_CALL = re.compile(r"\btopk\(|\.topk\(|\bargmax\(|\.argmax\(")
+# top-k, argmax, or a max over the last / a named dim (a top-1 router spelled ``torch.max(probs, dim=-1)``, as
+# Switch Transformers' is in transformers 5.17)
+_ROUTER_CALL = re.compile(r"\btopk\(|\.topk\(|\bargmax\(|\.argmax\(|\bmax\([^()\n]*\bdim\s*=|"
+                          r"\bmax\([^()\n]*,\s*-1\s*[,)]|\.max\(\s*-1\s*[,)]")
 
 
 def source_candidates(models_dir: str) -> list[str]:
-    """Families whose modeling file calls a top-k or argmax, or uses ``@use_experts_implementation``."""
+    """Families whose modeling file calls a top-k, argmax or max over a dim, or uses ``@use_experts_implementation``."""
     out = []
     for fam in sorted(os.listdir(models_dir)):
         p = os.path.join(models_dir, fam, f"modeling_{fam}.py")

@@ -166,3 +166,17 @@ def test_abstract_forward_is_left_alone_with_the_reason():
     assert RejectCode.NOT_A_BLOCK in b.codes and "forward is not callable" in b.reason, (b.codes, b.reason)
     with torch.no_grad():
         assert torch.equal(m(x), want)
+
+
+def test_source_bound_takes_every_router_spelling(tmp_path):
+    """The coverage tool's source bound (``discover.source_candidates``) keeps a modeling file whose router is a
+    top-k, an argmax or a max over a dim (Switch Transformers' top-1 in transformers 5.17 is
+    ``torch.max(probs, dim=-1)``), and drops one with none of them."""
+    from moecomp.hf.discover import source_candidates
+
+    bodies = {"a": "w, i = torch.topk(p, 2, dim=-1)", "b": "i = p.argmax(-1)", "c": "v, i = torch.max(p, dim=-1)",
+              "d": "v, i = p.max(-1)", "e": "m = torch.maximum(a, b)\ny = x.max()", "f": "z = torch.max(x)"}
+    for fam, body in bodies.items():
+        (tmp_path / fam).mkdir()
+        (tmp_path / fam / f"modeling_{fam}.py").write_text(f"def route(p, x, a, b):\n    {body}\n")
+    assert source_candidates(str(tmp_path)) == ["a", "b", "c", "d"]
