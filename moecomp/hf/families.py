@@ -78,7 +78,7 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "jetmoe": {"kv_channels": 16},
     # LongCat-Flash has 256 zero experts per 512 routed ones; the default 256 beside the tiny 8 routed experts would
     # leave the routed ones nearly unreached
-    "longcat_flash": {"zero_expert_num": 4},
+    "longcat_flash": {"zero_expert_num": 4, "expert_ffn_hidden_size": 32},  # 5.17 maps no TINY key onto the latter
 }
 
 # Variants: ``family:name`` -> (family, config changes on top of its tiny config), checked and pinned like a family.
