@@ -37,8 +37,8 @@ def shared_mlp(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     hs = torch.empty(T, Is, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(Is))
     combine_k.act_mul_kernel[(T, triton.cdiv(Is, block))](
-        gu, hs, Is, gu.stride(0), hs.stride(0), float(sh.activation_alpha), float(sh.activation_limit),
-        ACT=act_k.CODES[sh.activation], CLAMP=sh.activation_clamp, BLOCK=block,
+        gu, hs, Is, gu.stride(0), hs.stride(0), *act_k.act_args(sh)[1:3],
+        ACT=act_k.act_args(sh)[0], CLAMP=act_k.act_args(sh)[3], BLOCK=block,
     )
     return _scaled(lin(hs, "shared_w2"), sh.scale)
 
