@@ -49,13 +49,13 @@ def probe_activation(fn) -> str | None:
 
 
 def _gate_ref(h: torch.Tensor, activation: str, gate_up: str, alpha: float, limit: float,
-              clamp: bool = False) -> torch.Tensor:
+              clamp: bool = False, gate_softcap: float = 0.0, up_softcap: float = 0.0) -> torch.Tensor:
     I = h.shape[-1] // 2
     if gate_up == "concat":
         gate, up = h[..., :I], h[..., I:]
     else:
         gate, up = h[..., 0::2], h[..., 1::2]
-    return reference.gated_activation(gate, up, activation, alpha, limit, clamp)
+    return reference.gated_activation(gate, up, activation, alpha, limit, clamp, gate_softcap, up_softcap)
 
 
 def _limits(objs) -> tuple[float | None, float | None]:
@@ -241,7 +241,7 @@ def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> s
             y = None
         if isinstance(y, torch.Tensor) and y.shape == (h.shape[0], h.shape[1] // 2):
             ref = _gate_ref(h, spec.activation, spec.gate_up, spec.activation_alpha, spec.activation_limit,
-                            spec.activation_clamp)
+                            spec.activation_clamp, spec.gate_softcap, spec.up_softcap)
             if not torch.allclose(y.float(), ref, rtol=policy.ACT_MATCH_RTOL, atol=policy.ACT_MATCH_ATOL):
                 return (f"{type(experts).__name__}._apply_gate differs from the spec's "
                         f"{'clamped ' if spec.activation_clamp else ''}{spec.activation}/{spec.gate_up} gate on "

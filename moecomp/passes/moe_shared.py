@@ -123,6 +123,7 @@ def _act_fields(act: Activation) -> dict:
         fields["activation_alpha"] = act.alpha
     if act.limit is not None:
         fields["activation_limit"] = act.limit
+    fields.update(act.fields())
     return fields
 
 
