@@ -184,9 +184,10 @@ def _swiglu_consts(ctx: Context, between: set, baked: dict):
 def softcaps(ctx: Context, between: set, baked: dict, who: str) -> tuple[float, float, set] | None:
     """(gate cap, up cap, the nodes computing them) of a softcapped silu, or None without a ``tanh`` between the
     GEMMs. A softcap is ``tanh(v / c) * c`` (or ``tanh(v * (1 / c)) * c``, either order, casts between), c a readable
-    positive scalar; it caps the gate when v is what the sigmoid / silu reads (the raw gate), else up. Rejects a tanh
-    that is no softcap, two caps on one side, and a sigmoid of a capped value (the sigmoid must see the raw gate):
-    the numeric check then confirms which projection is the gate."""
+    positive scalar; it caps the gate when v is what the sigmoid / silu reads (the raw gate), else up (``between``
+    may hold an unrolled loop's experts: one cap per expert and side, all equal). Rejects a tanh that is no softcap,
+    different caps on one side, and a sigmoid of a capped value (the sigmoid must see the raw gate): the numeric
+    check then confirms which projection is the gate and that each side is capped once."""
     tanhs = [n for n in between if op_name(n) == "tanh"]
     if not tanhs:
         return None
@@ -201,8 +202,8 @@ def softcaps(ctx: Context, between: set, baked: dict, who: str) -> tuple[float, 
             raise Reject(f"{who}: a sigmoid of a softcapped value (the spec's softcapped silu applies the sigmoid to "
                          "the raw gate)")
         side = "gate_softcap" if src in sig_src else "up_softcap"
-        if side in found:
-            raise Reject(f"{who}: two softcaps on the {side[:-8]} side")
+        if side in found and not math.isclose(found[side], c, rel_tol=1e-6):  # (an unrolled loop: one per expert)
+            raise Reject(f"{who}: softcaps {found[side]:g} and {c:g} on the {side[:-8]} side")
         found[side] = c
         used |= {inner, t, outer[0]}
         for k in (inner, outer[0]):  # a cap read from a scalar placeholder: record where it came from
