@@ -34,6 +34,19 @@ def tiny(family: str, seed: int = 0):
     return model
 
 
+def to_bf16(model):
+    """``model`` in bf16 as ``from_pretrained(dtype=torch.bfloat16)`` gives it: its ``_keep_in_fp32_modules_strict``
+    (the router weight and correction bias, the short convolutions, ...) stay fp32."""
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    model.to(torch.bfloat16)
+    for name, mod in model.named_modules():
+        for pname, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
+            full = f"{name}.{pname}" if name else pname
+            if t.is_floating_point() and any(k in full for k in keep):
+                t.data = t.data.float()
+    return model
+
+
 def _expert_inputs(model, ids):
     """(max |gate|, max |up|) the experts' activation sees on ``ids`` (the original forward)."""
     seen = []
@@ -99,3 +112,23 @@ def test_fit_softcaps_refuses_what_is_no_softcap():
     assert softcap_probe.fit_softcaps(lambda h: -h[:, :1].abs()) is None
     assert softcap_probe.fit_softcaps(lambda h: h[:, :1] * h[:, 1:] * 2) is None
     assert softcap_probe.fit_softcaps(lambda h: (_ for _ in ()).throw(RuntimeError("no"))) is None
+
+
+@pytest.mark.gpu
+def test_inkling2_bf16_cuda():
+    """Inkling2 in bf16 on the GPU (where the installed transformers has it): rewritten whole by the FX pass, the
+    Triton kernels' softcap epilogue on the experts; logits equal the original's within 3e-2 of their max (bf16, the
+    verify tolerance of tests/hf/test_capacity_blocks.py's bf16 test); caps that bend, as above."""
+    pytest.importorskip("transformers.models.inkling2")
+    model = to_bf16(tiny("inkling2").to("cuda"))
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(6)).to("cuda")
+    g_max, u_max = _expert_inputs(model, ids)
+    assert g_max > 8 and u_max > 30, (g_max, u_max)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits.float()
+    _, rep = moecomp.optimize(model, report=True, fast_generate=False)
+    assert len(rep.rewritten) == len(rep.blocks) >= 2 and all(b.method == "fx" for b in rep.rewritten), str(rep)
+    assert all((b.spec.gate_softcap, b.spec.up_softcap) == (4.0, 25.0) for b in rep.rewritten), str(rep)
+    with torch.no_grad():
+        got, per, total = F.count_calls_per_block(model, lambda: model(input_ids=ids).logits.float())
+    assert total == len(rep.rewritten) and torch.isfinite(got).all() and rel_err(got, ref) <= 3e-2, rel_err(got, ref)
