@@ -75,7 +75,8 @@ def _limits(objs) -> tuple[float | None, float | None]:
     return alpha, limit
 
 
-def probe_gate(experts: nn.Module, concat_hint: bool | None) -> tuple[str, str, float, float, bool, float, float] | None:
+def probe_gate(experts: nn.Module,
+               concat_hint: bool | None) -> tuple[str, str, float, float, bool, float, float] | None:
     """(activation, gate_up, alpha, limit, clamp, gate_softcap, up_softcap) that ``experts._apply_gate`` computes,
     or None.
 

@@ -87,8 +87,8 @@ def verify(ctx: _Context, candidates, blk: Block):
     that agrees, how it was verified). Raises ``Reject`` (VERIFICATION_FAILED) when none agrees.
 
     A spec that clamps (swiglu_oai, activation_clamp) or softcaps (gate_softcap / up_softcap) is checked a second
-    time with the clamped projections' weights scaled up so that the clamps bind (the caps bend): random weights rarely reach a limit like 10, and a clamp that never
-    binds proves nothing about it."""
+    time with the clamped projections' weights scaled up so that the clamps bind (the caps bend): random weights
+    rarely reach a limit like 10, and a clamp that never binds proves nothing about it."""
     spec0 = candidates[0]
     src = _Sources(ctx, blk)
     # token budget: a block that gathers whole expert matrices per (token, slot) (batched_mm style) materialises

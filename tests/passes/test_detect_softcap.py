@@ -61,7 +61,8 @@ class SoftcapMoE(nn.Module):
             self.gate.weight.copy_(torch.randn(E, H, generator=g) / math.sqrt(H) * 2)
         self.shared = None
         if shared:
-            self.shared = nn.ModuleDict(dict(gate_proj=nn.Linear(H, IS, bias=False), up_proj=nn.Linear(H, IS, bias=False),
+            self.shared = nn.ModuleDict(dict(gate_proj=nn.Linear(H, IS, bias=False),
+                                             up_proj=nn.Linear(H, IS, bias=False),
                                              down_proj=nn.Linear(IS, H, bias=False)))
 
     def forward(self, x):
