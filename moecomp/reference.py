@@ -278,8 +278,19 @@ def activation(h: torch.Tensor, spec_activation: str, alpha: float = 1.702, limi
     raise ValueError(f"not an elementwise activation: {spec_activation}")
 
 
-def gated_activation(gate, up, activation_name: str, alpha: float, limit: float, clamp: bool) -> torch.Tensor:
-    """act(gate) * up, with the clamps of clamped SwiGLU (``clamp``) or gpt-oss's ``swiglu_oai``."""
+def softcap(v: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(v / cap); v itself for cap 0 (no cap)."""
+    return v if not cap else torch.tanh(v / cap) * cap
+
+
+def gated_activation(gate, up, activation_name: str, alpha: float, limit: float, clamp: bool,
+                     gate_softcap: float = 0.0, up_softcap: float = 0.0) -> torch.Tensor:
+    """act(gate) * up, with the clamps of clamped SwiGLU (``clamp``) or gpt-oss's ``swiglu_oai``; with softcaps
+    (gated silu): softcap(gate, gate_softcap) * sigmoid(gate) * softcap(up, up_softcap), the sigmoid on the raw gate."""
+    if gate_softcap or up_softcap:
+        if activation_name != "silu" or clamp:
+            raise ValueError(f"softcaps apply to an unclamped gated silu, not {activation_name!r} (clamp={clamp})")
+        return softcap(gate, gate_softcap) * torch.sigmoid(gate) * softcap(up, up_softcap)
     if activation_name == "swiglu_oai":
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
@@ -288,6 +299,12 @@ def gated_activation(gate, up, activation_name: str, alpha: float, limit: float,
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
     return activation(gate, activation_name) * up
+
+
+def spec_gated(gate: torch.Tensor, up: torch.Tensor, s) -> torch.Tensor:
+    """``gated_activation`` as ``s`` (a MoESpec or a SharedExpertSpec) says."""
+    return gated_activation(gate, up, s.activation, s.activation_alpha, s.activation_limit, s.activation_clamp,
+                            s.gate_softcap, s.up_softcap)
 
 
 def _expert_in(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, layout: str) -> torch.Tensor:
@@ -304,9 +321,7 @@ def expert_mlp(x: torch.Tensor, w13, b13, w2, b2, spec: MoESpec) -> torch.Tensor
             gate, up = h[:, :I], h[:, I:]
         else:
             gate, up = h[:, 0::2], h[:, 1::2]
-        h = gated_activation(
-            gate, up, spec.activation, spec.activation_alpha, spec.activation_limit, spec.activation_clamp
-        )
+        h = spec_gated(gate, up, spec)
     else:
         h = activation(h, spec.activation)
     return _expert_in(h, w2, b2, spec.w_layout)
@@ -383,8 +398,7 @@ def _gate_up(h: torch.Tensor, spec: MoESpec) -> torch.Tensor:
     if not spec.gated:
         return activation(h, spec.activation)
     gate, up = (h[:, :I], h[:, I:]) if spec.gate_up == "concat" else (h[:, 0::2], h[:, 1::2])
-    return gated_activation(gate, up, spec.activation, spec.activation_alpha, spec.activation_limit,
-                            spec.activation_clamp)
+    return spec_gated(gate, up, spec)
 
 
 def shared_experts(x: torch.Tensor, shared_w1, shared_w3, shared_w2, shared_gate_w, spec: MoESpec, acc=torch.float32,
@@ -399,7 +413,7 @@ def shared_experts(x: torch.Tensor, shared_w1, shared_w3, shared_w2, shared_gate
             g, u = (x @ shared_w1.to(acc).T).chunk(2, dim=-1)
         else:
             g, u = x @ shared_w1.to(acc).T, x @ shared_w3.to(acc).T
-        h = gated_activation(g, u, sh.activation, sh.activation_alpha, sh.activation_limit, sh.activation_clamp)
+        h = spec_gated(g, u, sh)
     else:
         h = activation(x @ shared_w3.to(acc).T, sh.activation)
     y = h @ shared_w2.to(acc).T
@@ -416,8 +430,7 @@ def quantized_linear(x: torch.Tensor, w, scale, quant, acc=torch.float32) -> tor
 def _shared_quantized(x, w1, w3, w2, gate_w, spec: MoESpec, acc, s1, s3, s2):
     sh, qs = spec.shared, spec.shared.quant
     if sh.gated:
-        h = gated_activation(quantized_linear(x, w1, s1, qs, acc), quantized_linear(x, w3, s3, qs, acc),
-                             sh.activation, sh.activation_alpha, sh.activation_limit, sh.activation_clamp)
+        h = spec_gated(quantized_linear(x, w1, s1, qs, acc), quantized_linear(x, w3, s3, qs, acc), sh)
     else:
         h = activation(quantized_linear(x, w3, s3, qs, acc), sh.activation)
     y = quantized_linear(h.to(x.dtype) if x.dtype != acc else h, w2, s2, qs, acc)

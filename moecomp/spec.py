@@ -24,6 +24,10 @@ What a block computes, in terms of the spec (T tokens, H hidden, E experts, k = 
     per pair : h = act(g) * u, g = x @ w1_e.T, u = x @ w3_e.T  (gated) | act(x @ w13_e.T) (not gated)
                activation_clamp: g = min(g, limit), u = clamp(u, -limit, limit) first (DeepSeek-V4 style)
                swiglu_oai: (clamp(u) + 1) * g * sigmoid(alpha * g), g = min(g, limit) (gpt-oss)
+               softcaps (gate_softcap = cg, up_softcap = cu; 0: that factor uncapped; gated silu only):
+                 h = cap(g, cg) * sigmoid(g) * cap(u, cu),  cap(v, c) = c * tanh(v / c)
+                 the sigmoid sees the raw gate; only silu's linear gate factor and up are capped (Inkling2's
+                 softcapped SwiGLU, computed in fp32); with both 0 this is silu(g) * u
                y = h @ w2_e.T                                  # [H]
                weight_on_input: the pair's expert runs on weight * x instead (h from g, u of weight * x, biases
                added after the GEMMs as usual), and y is not scaled again (Llama 4; vLLM's
@@ -91,7 +95,7 @@ from dataclasses import dataclass
 
 from moecomp.spec_checks import (  # noqa: F401  (re-exported: the allowed values and SpecError)
     SCORINGS, SCORE_ORDERS, GROUP_SCORES, ACTIVATIONS, W_LAYOUTS, GATE_UP, QUANT_WEIGHTS, QUANT_SCALES, SCALE_DTYPES,
-    QUANT_ACTIVATIONS, CAPACITY_PER, FP8_MAX, SpecError, _check_activation, validate_moe,
+    QUANT_ACTIVATIONS, CAPACITY_PER, FP8_MAX, SpecError, _check_activation, _check_softcaps, validate_moe,
 )
 
 
@@ -175,6 +179,8 @@ class SharedExpertSpec:
     activation_clamp: bool = False
     scale: float = 1.0
     quant: QuantSpec | None = None  # quantized shared-expert weights (layout "separate" or ungated)
+    gate_softcap: float = 0.0  # gated silu: its linear gate factor capped, cg * tanh(g / cg) (MoESpec); 0: none
+    up_softcap: float = 0.0  # gated silu: up capped, cu * tanh(u / cu); 0: none
 
     def validate(self) -> None:
         if self.quant is not None:
@@ -190,6 +196,7 @@ class SharedExpertSpec:
         if self.activation not in ACTIVATIONS:
             raise SpecError(f"unsupported shared-expert activation {self.activation!r}")
         _check_activation(self.activation, self.gated, self.activation_clamp, self.activation_limit, "shared expert ")
+        _check_softcaps(self, "shared expert ")
         if self.layout not in ("separate", "concat"):
             raise SpecError(f"unknown shared-expert layout {self.layout!r}")
         if self.gate not in ("none", "sigmoid"):
@@ -244,6 +251,9 @@ class MoESpec:
     shared: SharedExpertSpec | None = None
     # --- quantized routed experts (w13 / w2 and their scales; see QuantSpec) ---
     quant: QuantSpec | None = None
+    # --- softcapped gated silu (the module docstring): h = cap(g, cg) * sigmoid(g) * cap(u, cu) ---
+    gate_softcap: float = 0.0  # cg: silu's linear gate factor -> cg * tanh(g / cg); 0: uncapped
+    up_softcap: float = 0.0  # cu: up -> cu * tanh(u / cu); 0: uncapped
 
     def __post_init__(self) -> None:
         self.validate()
@@ -395,6 +405,8 @@ class MoESpec:
             act = f"fp8 {lay}{' ue8m0' if q.scale_dtype == 'ue8m0' else ''} a:{q.activation} " + act
         if self.activation_clamp:
             act = f"clamp{self.activation_limit:g} " + act
+        if self.gate_softcap or self.up_softcap:
+            act = f"softcap g{self.gate_softcap:g}/u{self.up_softcap:g} " + act
         return (
             f"E={self.num_experts} k={self.top_k} H={self.hidden_size} I={self.intermediate_size} "
             f"[{route}] {act}{sh}"

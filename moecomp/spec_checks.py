@@ -63,6 +63,7 @@ def validate_moe(spec: MoESpec) -> None:
         raise SpecError("score_order 'topk_then_score' is defined for softmax and sigmoid only")
     _check_sparsemixer(spec)
     _check_activation(spec.activation, spec.gated, spec.activation_clamp, spec.activation_limit, "")
+    _check_softcaps(spec, "")
     if spec.bias_on_logits and not spec.has_correction_bias:
         raise SpecError("bias_on_logits needs a correction bias (has_correction_bias)")
     if spec.bias_on_logits and spec.score_order != "score_then_topk":
@@ -180,3 +181,16 @@ def _check_activation(activation: str, gated: bool, clamp: bool, limit: float, w
         raise SpecError(f"{who}activation_clamp is for gated act(gate) * up experts (swiglu_oai clamps anyway)")
     if (clamp or activation == "swiglu_oai") and not limit > 0:
         raise SpecError(f"{who}activation_limit must be positive, got {limit}")
+
+
+def _check_softcaps(s, who: str) -> None:
+    """``gate_softcap`` / ``up_softcap`` (MoESpec or SharedExpertSpec): finite floats >= 0 (0: none), for gated silu
+    without activation_clamp (h = cap(g, cg) * sigmoid(g) * cap(u, cu); the spec docstring)."""
+    caps = (("gate_softcap", s.gate_softcap), ("up_softcap", s.up_softcap))
+    for name, c in caps:
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
+            raise SpecError(f"{who}{name} must be a finite float >= 0 (0: no cap), got {c!r}")
+    if any(c for _, c in caps) and (not s.gated or s.activation != "silu" or s.activation_clamp):
+        raise SpecError(f"{who}gate_softcap / up_softcap cap a gated silu's linear gate factor and up: they need "
+                        f"gated experts with activation 'silu' and no activation_clamp (got activation="
+                        f"{s.activation!r}, gated={s.gated}, activation_clamp={s.activation_clamp})")

@@ -199,11 +199,12 @@ def test_skipped_block_has_a_code():
 
 
 def test_experts_only_refusal_carries_its_code():
-    """inkling2's soft-capped SwiGLU gate is not in the spec: the block is left alone, and besides the whole block's
-    code its report carries the experts-only path's (read by code, not from the text)."""
+    """muse_spark's norm after each expert is not in the spec: the block is left alone, and besides the whole block's
+    code its report carries the experts-only path's (read by code, not from the text). (inkling2 was the example
+    before its soft-capped SwiGLU joined the spec.)"""
     from moecomp.hf import families as F
 
-    model, _ = F.build_tiny("inkling2")
+    model, _ = F.build_tiny("muse_spark")
     _, rep = moecomp.optimize(model, report=True)
     assert rep.blocks and all(b.status == "skipped" for b in rep.blocks)
     assert all(RejectCode.UNSUPPORTED_STRUCTURE in b.codes[1:] for b in rep.blocks), [b.codes for b in rep.blocks]

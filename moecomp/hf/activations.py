@@ -16,7 +16,7 @@ from torch import nn
 from .. import policy, reference
 from .. import quant as q8
 from ..spec import MoESpec
-from . import fp8, names
+from . import fp8, names, softcap_probe
 from .names import read_attr
 from .structure import BlockParts, MLPParts, get_path
 
@@ -49,13 +49,13 @@ def probe_activation(fn) -> str | None:
 
 
 def _gate_ref(h: torch.Tensor, activation: str, gate_up: str, alpha: float, limit: float,
-              clamp: bool = False) -> torch.Tensor:
+              clamp: bool = False, gate_softcap: float = 0.0, up_softcap: float = 0.0) -> torch.Tensor:
     I = h.shape[-1] // 2
     if gate_up == "concat":
         gate, up = h[..., :I], h[..., I:]
     else:
         gate, up = h[..., 0::2], h[..., 1::2]
-    return reference.gated_activation(gate, up, activation, alpha, limit, clamp)
+    return reference.gated_activation(gate, up, activation, alpha, limit, clamp, gate_softcap, up_softcap)
 
 
 def _limits(objs) -> tuple[float | None, float | None]:
@@ -75,12 +75,15 @@ def _limits(objs) -> tuple[float | None, float | None]:
     return alpha, limit
 
 
-def probe_gate(experts: nn.Module, concat_hint: bool | None) -> tuple[str, str, float, float, bool] | None:
-    """(activation, gate_up, alpha, limit, clamp) that ``experts._apply_gate`` computes, or None.
+def probe_gate(experts: nn.Module,
+               concat_hint: bool | None) -> tuple[str, str, float, float, bool, float, float] | None:
+    """(activation, gate_up, alpha, limit, clamp, gate_softcap, up_softcap) that ``experts._apply_gate`` computes,
+    or None.
 
     Checked on gate / up values spread over about +-20, so that clamps at 7-10 are reached: plain act(gate) * up,
     clamped SwiGLU (``clamp``: gate <= limit, |up| <= limit; limit from ``limit`` / ``swiglu_limit``) and gpt-oss's
-    ``swiglu_oai`` (alpha, limit) are told apart.
+    ``swiglu_oai`` (alpha, limit) are told apart. Failing those, a softcapped silu: its caps fitted from the
+    function's values (``softcap_probe``), then checked on the same wide probe.
     """
     fn = getattr(experts, "_apply_gate", None)
     if fn is None:
@@ -104,7 +107,14 @@ def probe_gate(experts: nn.Module, concat_hint: bool | None) -> tuple[str, str, 
         for act, clamp in cands:
             ref = _gate_ref(h, act, lay, a0, l0, clamp)
             if torch.allclose(y.float(), ref, rtol=policy.ACT_MATCH_RTOL, atol=policy.ACT_MATCH_ATOL):
-                return (act, lay, *_canonical(act, clamp, a0, l0), clamp)
+                return (act, lay, *_canonical(act, clamp, a0, l0), clamp, 0.0, 0.0)
+    caps = softcap_probe.fit_softcaps(fn)
+    if caps is None or not any(caps):
+        return None
+    for lay in layouts:
+        ref = _gate_ref(h, "silu", lay, 1.702, 7.0, False, *caps)
+        if torch.allclose(y.float(), ref, rtol=policy.ACT_MATCH_RTOL, atol=policy.ACT_MATCH_ATOL):
+            return ("silu", lay, 1.702, 7.0, False, *caps)
     return None
 
 
@@ -155,7 +165,7 @@ def _mlp_quantized(block: nn.Module, mp: MLPParts) -> bool:
 
 
 def _mlp_ref(block: nn.Module, mp: MLPParts, x: torch.Tensor, act: str, clamp: bool, alpha: float,
-             limit: float) -> torch.Tensor:
+             limit: float, caps: tuple[float, float] = (0.0, 0.0)) -> torch.Tensor:
     def lin(h, p, bp):
         qw = _quantized(block, p)
         b = None if bp is None else get_path(block, bp).detach().float()
@@ -169,7 +179,7 @@ def _mlp_ref(block: nn.Module, mp: MLPParts, x: torch.Tensor, act: str, clamp: b
             gate, up = lin(x, mp.gate, mp.gate_bias).chunk(2, dim=-1)
         else:
             gate, up = lin(x, mp.gate, mp.gate_bias), lin(x, mp.up, mp.up_bias)
-        h = reference.gated_activation(gate, up, act, alpha, limit, clamp)
+        h = reference.gated_activation(gate, up, act, alpha, limit, clamp, *caps)
     else:
         h = reference.activation(lin(x, mp.up, mp.up_bias), act)
     return lin(h, mp.down, mp.down_bias)
@@ -241,7 +251,7 @@ def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> s
             y = None
         if isinstance(y, torch.Tensor) and y.shape == (h.shape[0], h.shape[1] // 2):
             ref = _gate_ref(h, spec.activation, spec.gate_up, spec.activation_alpha, spec.activation_limit,
-                            spec.activation_clamp)
+                            spec.activation_clamp, spec.gate_softcap, spec.up_softcap)
             if not torch.allclose(y.float(), ref, rtol=policy.ACT_MATCH_RTOL, atol=policy.ACT_MATCH_ATOL):
                 return (f"{type(experts).__name__}._apply_gate differs from the spec's "
                         f"{'clamped ' if spec.activation_clamp else ''}{spec.activation}/{spec.gate_up} gate on "
@@ -261,12 +271,12 @@ def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> s
     mlps = []
     if parts.kind == "modulelist" and spec.activation != "swiglu_oai":
         mlps.append((parts.expert_mlps[0], spec.activation, spec.activation_clamp, spec.activation_alpha,
-                     spec.activation_limit, "expert 0"))
+                     spec.activation_limit, (spec.gate_softcap, spec.up_softcap), "expert 0"))
     if parts.shared is not None and spec.shared is not None:
         sh = spec.shared
         mlps.append((parts.shared, sh.activation, sh.activation_clamp, sh.activation_alpha, sh.activation_limit,
-                     "shared expert"))
-    for mp, act, clamp, alpha, limit, where in mlps:
+                     (sh.gate_softcap, sh.up_softcap), "shared expert"))
+    for mp, act, clamp, alpha, limit, caps, where in mlps:
         mod = get_path(block, mp.path)
         if any(p.device.type == "meta" for p in mod.parameters()):
             continue
@@ -278,10 +288,11 @@ def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> s
             continue
         if not isinstance(y, torch.Tensor) or y.shape != x.shape:
             continue
-        ref = _mlp_ref(block, mp, x.float(), act, clamp, alpha, limit)
+        ref = _mlp_ref(block, mp, x.float(), act, clamp, alpha, limit, caps)
         tol = policy.mlp_match_tolerance(x.dtype, _mlp_quantized(block, mp))
         err = float((y.float() - ref).abs().max()) / max(float(ref.abs().max()), 1e-30)
         if not err <= tol:
-            return (f"{where} ({type(mod).__name__}) differs from the spec's {'clamped ' if clamp else ''}{act} on "
+            return (f"{where} ({type(mod).__name__}) differs from the spec's {'clamped ' if clamp else ''}"
+                    f"{'softcapped ' if any(caps) else ''}{act} on "
                     f"inputs whose pre-activations reach +-25 (rel. err {err:.1e})")
     return None

@@ -249,7 +249,7 @@ def _shared_spec(block: nn.Module, parts: BlockParts, sources) -> tuple[SharedEx
 
 
 def _expert_activation(block: nn.Module, parts: BlockParts, sources):
-    """(activation, gate_up, alpha, limit, clamp, note) of the routed experts."""
+    """(activation, gate_up, alpha, limit, clamp, note, (gate_softcap, up_softcap)) of the routed experts."""
     experts = get_path(block, parts.experts)
     if parts.kind == "modulelist":
         mp = parts.expert_mlps[0]
@@ -260,22 +260,24 @@ def _expert_activation(block: nn.Module, parts: BlockParts, sources):
             if r is None:
                 raise FallbackError(f"expert MLP {type(mod).__name__} computes no activation the spec knows ({how})")
             act, clamp, alpha, limit = r
-            return act, "concat", alpha, limit, clamp, f"measured on expert 0: {act}" + (" clamped" if clamp else "")
+            return (act, "concat", alpha, limit, clamp, f"measured on expert 0: {act}" + (" clamped" if clamp else ""),
+                    (0.0, 0.0))
         if act is None:
             raise FallbackError(f"expert activation not supported ({how})")
-        return act, "concat", 1.702, 7.0, False, how
+        return act, "concat", 1.702, 7.0, False, how, (0.0, 0.0)
     if getattr(experts, "has_post_expert_norm", False):
         raise FallbackError("experts apply a norm after each expert (has_post_expert_norm)")
     if not parts.gated:
         act, how = _mlp_activation(experts, sources)
         if act is None:
             raise FallbackError(f"expert activation not supported ({how})")
-        return act, "concat", 1.702, 7.0, False, how
+        return act, "concat", 1.702, 7.0, False, how, (0.0, 0.0)
     concat = getattr(experts, "is_concatenated", None)
     if parts.split_gate_up is None:
         r = probe_gate(experts, concat)
         if r is not None:
-            return (*r, "probed _apply_gate")
+            return (*r[:5], "probed _apply_gate" + (f" (softcaps gate {r[5]:g}, up {r[6]:g} fitted)" if any(r[5:])
+                                                    else ""), tuple(r[5:]))
         if getattr(experts, "_apply_gate", None) is not None:
             what = describe_unknown_gate(experts)
             raise FallbackError(f"the experts' gate ({type(experts).__name__}._apply_gate) is not one the spec "
@@ -283,7 +285,7 @@ def _expert_activation(block: nn.Module, parts: BlockParts, sources):
     act, how = _mlp_activation(experts, sources)
     if act is None:
         raise FallbackError(f"expert activation not supported ({how})")
-    return act, "concat" if concat in (None, True) else "interleaved", 1.702, 7.0, False, how
+    return act, "concat" if concat in (None, True) else "interleaved", 1.702, 7.0, False, how, (0.0, 0.0)
 
 
 def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
@@ -307,7 +309,7 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
     top_k = read_attr(sources, names.TOPK_NAMES, (int,))
     if top_k is None or isinstance(top_k, bool):
         raise FallbackError("top-k not found among the block's / router's / config's attributes")
-    act, gate_up, alpha, limit, clamp, how = _expert_activation(block, parts, sources)
+    act, gate_up, alpha, limit, clamp, how, caps = _expert_activation(block, parts, sources)
     notes.append(f"expert activation: {how}")
     shared, sh_notes = _shared_spec(block, parts, sources)
     notes += sh_notes
@@ -328,7 +330,7 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
             activation=act, gated=parts.gated, activation_alpha=alpha, activation_limit=limit,
             activation_clamp=clamp, w_layout=parts.w_layout, gate_up=gate_up, has_expert_bias=bindings.get("b13") is not None,
             shared=shared, quant=quant, latent_size=parts.latent_size, latent_bias=parts.latent_in_bias is not None,
-            **kw,
+            gate_softcap=caps[0], up_softcap=caps[1], **kw,
         )
     except SpecError as e:
         raise FallbackError(f"no valid spec: {e}", RejectCode.SPEC_INVALID) from None

@@ -1,13 +1,52 @@
 """Elementwise activations shared by the kernels.
 
-Codes: 0 silu, 1 gelu, 2 gelu_tanh, 3 relu, 4 swiglu_oai (gated only, see ``gated``), 5 relu2 (relu(x)**2).
+Codes: 0 silu, 1 gelu, 2 gelu_tanh, 3 relu, 4 swiglu_oai (gated only, see ``gated``), 5 relu2 (relu(x)**2),
+6 softcapped silu (gated only: ``gated``'s alpha / limit carry the gate / up softcaps, see ``act_args``).
 """
+
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
 
-SILU, GELU, GELU_TANH, RELU, SWIGLU_OAI, RELU2 = 0, 1, 2, 3, 4, 5
+SILU, GELU, GELU_TANH, RELU, SWIGLU_OAI, RELU2, SILU_SOFTCAP = 0, 1, 2, 3, 4, 5, 6
 CODES = {"silu": SILU, "gelu": GELU, "gelu_tanh": GELU_TANH, "relu": RELU, "swiglu_oai": SWIGLU_OAI, "relu2": RELU2}
+
+
+class ActArgs(NamedTuple):
+    ACT: int
+    alpha: float
+    limit: float
+    CLAMP: bool
+
+
+def act_args(s) -> ActArgs:
+    """(ACT, alpha, limit, CLAMP) for ``gated`` / ``act`` from a MoESpec or SharedExpertSpec: a softcapped silu
+    (gate_softcap / up_softcap) is ACT 6 with alpha = the gate's cap and limit = up's (0: uncapped)."""
+    if s.gated and (s.gate_softcap or s.up_softcap):
+        return ActArgs(SILU_SOFTCAP, float(s.gate_softcap), float(s.up_softcap), False)
+    return ActArgs(CODES[s.activation], float(s.activation_alpha), float(s.activation_limit),
+                   bool(s.activation_clamp))
+
+
+@triton.jit
+def tanh(x):
+    """tanh in fp32 without cancellation near 0: odd Taylor terms for |x| < 1/16, else (1 - e) / (1 + e) with
+    e = exp(-2|x|) (relative error about 1e-7 either way)."""
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    a2 = a * a
+    small = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333 + a2 * -0.05396825396825397)))
+    t = tl.where(a < 0.0625, small, big)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def softcap(v, cap):
+    """cap * tanh(v / cap); v where cap is 0 (no cap)."""
+    c = tl.where(cap > 0, cap, 1.0)
+    return tl.where(cap > 0, c * tanh(v / c), v)
 
 
 @triton.jit
@@ -29,7 +68,10 @@ def act(g, ACT: tl.constexpr):
 @triton.jit
 def gated(g, u, alpha, limit, ACT: tl.constexpr, CLAMP: tl.constexpr):
     """act(g) * u in fp32. CLAMP (clamped SwiGLU): g <= limit and |u| <= limit first.
-    ACT 4 (gpt-oss): (clamp(u) + 1) * g * sigmoid(alpha * g) with g <= limit."""
+    ACT 4 (gpt-oss): (clamp(u) + 1) * g * sigmoid(alpha * g) with g <= limit.
+    ACT 6 (softcapped silu): softcap(g, alpha) * sigmoid(g) * softcap(u, limit), the sigmoid on the raw g."""
+    if ACT == 6:
+        return softcap(g, alpha) * tl.sigmoid(g) * softcap(u, limit)
     if ACT == 4 or CLAMP:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)

@@ -87,9 +87,7 @@ def _gate(h: torch.Tensor, spec: MoESpec) -> torch.Tensor:
         gate, up = h[:, :I], h[:, I:]
     else:
         gate, up = h[:, 0::2], h[:, 1::2]
-    return reference.gated_activation(
-        gate, up, spec.activation, spec.activation_alpha, spec.activation_limit, spec.activation_clamp
-    )
+    return reference.spec_gated(gate, up, spec)
 
 
 def _fake_quant_rows(xs: torch.Tensor, qs, static, sorted_ids) -> torch.Tensor:

@@ -80,13 +80,13 @@ def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, q: dic
     else:
         h, hs = torch.empty(S, I, dtype=x.dtype, device=x.device), None
     n_prog = _programs(x.device, max_blocks * triton.cdiv(I, bn), c1.get("per_sm", 1))
+    act = act_k.act_args(spec)
     k8.moe_gemm1_tma_fp8_kernel[(n_prog,)](
         xa.q, _desc(xa.q, S, [bm, bk]) if a_tma else None, xa.s, _w13_desc(w13, spec.gated, bn, bk), b_ptr=b13, h_ptr=h,
         hs_ptr=hs, sorted_ptr=sorted_ids, block_expert_ptr=block_expert, num_padded_ptr=num_padded, P=T * k, TOP_K=k,
         N_OUT=I, K=H, stride_xm=xa.q.stride(0), stride_am=xa.s.stride(0), stride_be=0 if b13 is None else b13.stride(0),
-        stride_hm=h.stride(0), stride_hsm=0 if hs is None else hs.stride(0), alpha=float(spec.activation_alpha),
-        limit=float(spec.activation_limit),
-        GATED=spec.gated, ACT=act_k.CODES[spec.activation], CLAMP=spec.activation_clamp, HAS_BIAS=b13 is not None,
+        stride_hm=h.stride(0), stride_hsm=0 if hs is None else hs.stride(0), alpha=act.alpha,
+        limit=act.limit, GATED=spec.gated, ACT=act.ACT, CLAMP=act.CLAMP, HAS_BIAS=b13 is not None,
         A_TMA=a_tma, Q_OUT=H_DTYPE[x.dtype] if h_quant else 0, EXACT_CAST=_interpret(),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=c1["GROUP_M"], TILE_N=bn * (2 if spec.gated else 1),
         NUM_PROGRAMS=n_prog, WARP_SPECIALIZE=bool(c1.get("ws", a_tma)), num_warps=c1["num_warps"],

@@ -298,13 +298,13 @@ def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, q: dic
     se, sn, sk = _w_strides(w13, spec.w_layout)
     interleaved = spec.gated and spec.gate_up == "interleaved"
     grid = (max_blocks * triton.cdiv(I, c1["BLOCK_N"]),)  # DIRECT: max_blocks = P
+    act = act_k.act_args(spec)
     gemm_k.moe_gemm1_kernel[grid](
         x, w13, b13, h, sorted_ids, block_expert, num_padded,
         T * k, k, I, H, max_blocks,
         x.stride(0), se, sn, sk, 0 if b13 is None else b13.stride(0), h.stride(0),
-        1 if interleaved else I, float(spec.activation_alpha), float(spec.activation_limit),
-        GATE_STRIDE=2 if interleaved else 1, GATED=spec.gated, ACT=_ACT[spec.activation],
-        CLAMP=spec.activation_clamp,
+        1 if interleaved else I, act.alpha, act.limit,
+        GATE_STRIDE=2 if interleaved else 1, GATED=spec.gated, ACT=act.ACT, CLAMP=act.CLAMP,
         HAS_BIAS=b13 is not None, UPCAST=_upcast(x), DOT_PRECISION=_precision(x),
         BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
         TILE_N=c1["BLOCK_N"] * (2 if spec.gated else 1), DIRECT=block_expert is None,
@@ -389,11 +389,12 @@ def _gemm1_tma(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, h
         xs_desc = _desc(xs, S, [bm, bk])
     w_desc = _w13_desc(w13, spec.gated, bn, bk)
     n_prog = _programs(x.device, max_blocks * triton.cdiv(I, bn))
+    act = act_k.act_args(spec)
     tma_k.moe_gemm1_tma_kernel[(n_prog,)](
         x, xs_desc, w_desc, b13, h, sorted_ids, block_expert, num_padded,
         T * k, k, I, H, x.stride(0), 0 if b13 is None else b13.stride(0), h.stride(0),
-        float(spec.activation_alpha), float(spec.activation_limit),
-        GATED=spec.gated, ACT=_ACT[spec.activation], CLAMP=spec.activation_clamp, HAS_BIAS=b13 is not None,
+        act.alpha, act.limit,
+        GATED=spec.gated, ACT=act.ACT, CLAMP=act.CLAMP, HAS_BIAS=b13 is not None,
         A_TMA=a_tma, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=c1["GROUP_M"],
         TILE_N=bn * (2 if spec.gated else 1), NUM_PROGRAMS=n_prog, WARP_SPECIALIZE=bool(c1.get("ws", a_tma)),
         num_warps=c1["num_warps"], num_stages=c1["num_stages"], **_pdl(x.device, gemm=True), **(wk or {}),

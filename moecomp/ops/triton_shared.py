@@ -36,9 +36,9 @@ def shared_mlp(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
         lin(x, "shared_w3", gu[:, Is:])
     hs = torch.empty(T, Is, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(Is))
+    act = act_k.act_args(sh)
     combine_k.act_mul_kernel[(T, triton.cdiv(Is, block))](
-        gu, hs, Is, gu.stride(0), hs.stride(0), float(sh.activation_alpha), float(sh.activation_limit),
-        ACT=act_k.CODES[sh.activation], CLAMP=sh.activation_clamp, BLOCK=block,
+        gu, hs, Is, gu.stride(0), hs.stride(0), act.alpha, act.limit, ACT=act.ACT, CLAMP=act.CLAMP, BLOCK=block,
     )
     return _scaled(lin(hs, "shared_w2"), sh.scale)
 

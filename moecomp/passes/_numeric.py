@@ -86,9 +86,9 @@ def verify(ctx: _Context, candidates, blk: Block):
     """Cut the block into a GraphModule and compare it with the reference for each candidate spec: (the first spec
     that agrees, how it was verified). Raises ``Reject`` (VERIFICATION_FAILED) when none agrees.
 
-    A spec that clamps (swiglu_oai, activation_clamp) is checked a second time with the clamped projections'
-    weights scaled up so that the clamps bind: random weights rarely reach a limit like 10, and a clamp that never
-    binds proves nothing about it."""
+    A spec that clamps (swiglu_oai, activation_clamp) or softcaps (gate_softcap / up_softcap) is checked a second
+    time with the clamped projections' weights scaled up so that the clamps bind (the caps bend): random weights
+    rarely reach a limit like 10, and a clamp that never binds proves nothing about it."""
     spec0 = candidates[0]
     src = _Sources(ctx, blk)
     # token budget: a block that gathers whole expert matrices per (token, slot) (batched_mm style) materialises
@@ -173,19 +173,19 @@ def _stress(sub, args, inputs, src, tensors, spec, xin, arg_shapes):
     pre-activations exceed the limit. None when the spec clamps nothing."""
     scaled = {}
     x2 = xin.reshape(-1, xin.shape[-1]).float()
-    if spec.activation_clamp or spec.activation == "swiglu_oai":
+    if spec.activation_clamp or spec.activation == "swiglu_oai" or _cap(spec):
         xe = x2 if not spec.latent_size else reference.latent_in(x2, tensors["latent_in_w"], tensors["latent_in_b"])
         w = tensors["w13"].float() if spec.quant is None else q8.dequantize(
             tensors["w13"], tensors["w13_scale"], spec.quant, 2 if spec.gated else 1)
         h = torch.einsum("th,enh->ten", xe, w) if spec.w_layout == "out_in" else torch.einsum("th,ehn->ten", xe, w)
-        scaled["w13"] = _stress_factor(h, spec.activation_limit)
+        scaled["w13"] = _stress_factor(h, _cap(spec) or spec.activation_limit)
     sh = spec.shared
-    if sh is not None and (sh.activation_clamp or sh.activation == "swiglu_oai"):
+    if sh is not None and (sh.activation_clamp or sh.activation == "swiglu_oai" or _cap(sh)):
         for k in ("shared_w1", "shared_w3"):
             if tensors.get(k) is not None:
                 w = tensors[k].float() if sh.quant is None else q8.dequantize(tensors[k], tensors[f"{k}_scale"],
                                                                                sh.quant)
-                scaled[k] = _stress_factor(x2 @ w.T, sh.activation_limit)
+                scaled[k] = _stress_factor(x2 @ w.T, _cap(sh) or sh.activation_limit)
     if not scaled:
         return None
     args2, tensors2 = list(args), dict(tensors)
@@ -201,6 +201,12 @@ def _stress(sub, args, inputs, src, tensors, spec, xin, arg_shapes):
     except Exception as e:  # noqa: BLE001
         return False, f"the block's own graph failed to run ({type(e).__name__})"
     return _agree(got, xin, tensors2, spec, arg_shapes, xin.dtype)
+
+
+def _cap(s) -> float:
+    """The largest softcap of a MoESpec / SharedExpertSpec (0: none): the stress check drives the pre-activations
+    past it, where tanh(v / c) * c bends (a cap out of reach of random weights would otherwise go unchecked)."""
+    return max(s.gate_softcap, s.up_softcap)
 
 
 def _stress_factor(h: torch.Tensor, limit: float) -> float:

@@ -377,6 +377,7 @@ def _spec_fields(r: Routing, ex: Experts, sh: Shared | None, lat: Latent | None 
         fields["activation_alpha"] = ex.act.alpha
     if ex.act.limit is not None:
         fields["activation_limit"] = ex.act.limit
+    fields.update(ex.act.fields())
     return fields
 
 

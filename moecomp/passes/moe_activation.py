@@ -5,6 +5,8 @@ in between::
     clamped:   act(gate.clamp(max=L)) * up.clamp(-L, L)                         (DeepSeek-V4: activation_clamp)
     oai:       (up.clamp(-L, L) + 1) * g * sigmoid(alpha * g),  g = gate.clamp(max=L)        (gpt-oss: swiglu_oai)
     plain:     act(up)                                      relu2: relu(up) ** 2 | square(relu(up)) | r * r
+    softcaps:  cap(gate, cg) * sigmoid(gate) * cap(up, cu),  cap(v, c) = tanh(v / c) * c   (Inkling2: gate_softcap,
+               up_softcap; either cap may be absent; the sigmoid (or silu) must see the raw gate)
 
 Any other clamp is refused. Bounds, alpha and limit are read as constants or from scalar attributes (the
 placeholder a value came from is recorded in ``baked``, spec field -> placeholder name).
@@ -31,6 +33,13 @@ class Activation:
     clamp: bool = False  # activation_clamp (clamped SwiGLU)
     alpha: float | None = None  # swiglu_oai's alpha
     limit: float | None = None  # swiglu_oai's or the clamped SwiGLU's limit
+    gate_softcap: float = 0.0  # softcapped silu: the cap on the linear gate factor (0: none)
+    up_softcap: float = 0.0  # softcapped silu: the cap on up (0: none)
+
+    def fields(self) -> dict:
+        """The spec fields besides ``activation`` that this activation sets (the softcaps, where it has them)."""
+        return dict(gate_softcap=self.gate_softcap, up_softcap=self.up_softcap) if (
+            self.gate_softcap or self.up_softcap) else {}
 
 
 # Ops that belong to no activation the spec knows (as the recogniser reads them: ``silu`` / ``sigmoid``, ``gelu``,
@@ -43,6 +52,9 @@ FOREIGN = frozenset({"tanh", "div", "exp", "log", "softplus", "erf", "sqrt", "rs
 
 def activation(ctx: Context, between: set, gated: bool, baked: dict, who: str) -> Activation:
     """The activation computed by the nodes ``between`` the first GEMM(s) and the down GEMM."""
+    caps = softcaps(ctx, between, baked, who)
+    if caps is not None:
+        between = between - caps[2]
     names = {op_name(n) for n in between}
     foreign = sorted(names & FOREIGN)
     if foreign:
@@ -56,6 +68,12 @@ def activation(ctx: Context, between: set, gated: bool, baked: dict, who: str) -
     if len(acts) != 1:
         raise Reject(f"{who} activation not recognised (ops between the GEMMs: {sorted(names)})")
     res = Activation(acts)
+    if caps is not None:
+        if not gated or clamps or acts != ["silu"]:
+            raise Reject(f"{who}: softcaps tanh(v / c) * c around a {'clamped ' if clamps else ''}{acts} "
+                         f"{'gated' if gated else 'ungated'} activation (only a gated silu's gate / up are capped)")
+        res.gate_softcap, res.up_softcap = caps[0], caps[1]
+        return res
     if clamps:
         if not gated:
             raise Reject(f"{who}: clamp in an ungated activation (not a clamped SwiGLU)")
@@ -161,3 +179,76 @@ def _swiglu_consts(ctx: Context, between: set, baked: dict):
     if alpha is None or limit is None:
         raise Reject("clamp + sigmoid gate without a readable alpha / limit")
     return alpha, limit
+
+
+def softcaps(ctx: Context, between: set, baked: dict, who: str) -> tuple[float, float, set] | None:
+    """(gate cap, up cap, the nodes computing them) of a softcapped silu, or None without a ``tanh`` between the
+    GEMMs. A softcap is ``tanh(v / c) * c`` (or ``tanh(v * (1 / c)) * c``, either order, casts between), c a readable
+    positive scalar; it caps the gate when v is what the sigmoid / silu reads (the raw gate), else up (``between``
+    may hold an unrolled loop's experts: one cap per expert and side, all equal). Rejects a tanh that is no softcap,
+    different caps on one side, and a sigmoid of a capped value (the sigmoid must see the raw gate): the numeric
+    check then confirms which projection is the gate and that each side is capped once."""
+    tanhs = [n for n in between if op_name(n) == "tanh"]
+    if not tanhs:
+        return None
+    sig_src = {_fx.strip_views_casts(arg(n, 0), views=False) for n in between if op_name(n) in ("sigmoid", "silu")}
+    found, used = {}, set()
+    for t in tanhs:
+        src, c, inner = _cap_input(ctx, arg(t, 0), between)
+        outer = [u for u in _users_through_casts(t, between) if op_name(u) == "mul" and _times(ctx, u, t) is not None]
+        if src is None or len(outer) != 1 or not math.isclose(_times(ctx, outer[0], t), c, rel_tol=1e-6):
+            raise Reject(f"{who}: {t.name} (tanh) between the GEMMs is not a softcap tanh(v / c) * c")
+        if outer[0] in sig_src:
+            raise Reject(f"{who}: a sigmoid of a softcapped value (the spec's softcapped silu applies the sigmoid to "
+                         "the raw gate)")
+        side = "gate_softcap" if src in sig_src else "up_softcap"
+        if side in found and not math.isclose(found[side], c, rel_tol=1e-6):  # (an unrolled loop: one per expert)
+            raise Reject(f"{who}: softcaps {found[side]:g} and {c:g} on the {side[:-8]} side")
+        found[side] = c
+        used |= {inner, t, outer[0]}
+        for k in (inner, outer[0]):  # a cap read from a scalar placeholder: record where it came from
+            for a in (arg(k, 0), arg(k, 1)):
+                if isinstance(a, fx.Node) and op_name(a) == "item" and arg(a, 0).op == "placeholder":
+                    baked[side] = arg(a, 0).name
+    return found.get("gate_softcap", 0.0), found.get("up_softcap", 0.0), used
+
+
+def _times(ctx: Context, m: fx.Node, t: fx.Node) -> float | None:
+    """The scalar multiplying ``t`` (through casts) in the product ``m``, or None."""
+    a, b = arg(m, 0), arg(m, 1)
+    for x, y in ((a, b), (b, a)):
+        if _fx.strip_views_casts(x, views=False) is t:
+            v = _fx.scalar_value(y, ctx.values)
+            if v is not None:
+                return v
+    return None
+
+
+def _cap_input(ctx: Context, n, between: set):
+    """(v, c, the division node) when ``n`` (through casts) is ``v / c`` or ``v * (1 / c)``, c > 0; else Nones."""
+    n = _fx.strip_views_casts(n, views=False)
+    if not isinstance(n, fx.Node) or n not in between or op_name(n) not in ("div", "mul"):
+        return None, None, None
+    a, b = arg(n, 0), arg(n, 1)
+    v = _fx.scalar_value(b, ctx.values)
+    if op_name(n) == "mul" and v is None:
+        a, b = b, a
+        v = _fx.scalar_value(b, ctx.values)
+    if v is None or not isinstance(a, fx.Node) or not v > 0:
+        return None, None, None
+    c = v if op_name(n) == "div" else 1.0 / v
+    return _fx.strip_views_casts(a, views=False), c, n
+
+
+def _users_through_casts(n: fx.Node, between: set) -> list:
+    """The users of ``n`` in ``between``, looking through cast nodes."""
+    out, todo = [], [n]
+    while todo:
+        for u in todo.pop().users:
+            if u not in between:
+                continue
+            if op_name(u) in _fx.CAST_OPS:
+                todo.append(u)
+            else:
+                out.append(u)
+    return out

@@ -156,7 +156,8 @@ def _from_router(ctx: Context, walk: _Walk, k: int, E: int) -> Routing:
     ws = ctx.pshape(w)
     if ws[0] != E:
         raise Reject(f"router weight {tuple(ws)} does not produce the {E} logits the top-k reads")
-    router_fp32 = _fx.cast_dtype(a) == torch.float32 if op_name(a) in _fx.CAST_OPS else False
+    cast = _fx.strip_views_casts(a, casts=False)  # x.float().reshape(-1, H) (Inkling2) casts before the view
+    router_fp32 = _fx.cast_dtype(cast) == torch.float32 if op_name(cast) in _fx.CAST_OPS else False
     R = Routing(
         logits_linear=walk.lin, x_router=_fx.strip_views_casts(a, views=False), router_w=w, router_b=b,
         correction_bias=walk.bias, scoring=walk.scoring or "none", score_order="score_then_topk", top_k=k, E=E,

@@ -80,10 +80,11 @@ def shared(ctx: Context, R: Routing, region: set, x_root: fx.Node, out: fx.Node,
 
 def _projections(ctx: Context, mlp_in: list, between: set, Is: int, H: int, bind: dict, baked: dict):
     """The input projections: (spec fields, Activation); fills ``bind``'s shared_w1 / shared_w3."""
-    act_of = {}  # which input projection feeds an activation (through views / casts and a gate clamp(max=L))
+    act_of = {}  # which input projection feeds an activation (through views / casts and a gate clamp(max=L); a
+    # sigmoid: x * sigmoid(x), or a softcapped silu whose sigmoid reads the raw gate)
     for n, _ in mlp_in:
         for u in between:
-            if op_name(u) in ("silu", "relu", "gelu") and strip_gate_clamp(arg(u, 0)) is n:
+            if op_name(u) in ("silu", "sigmoid", "relu", "gelu") and strip_gate_clamp(arg(u, 0)) is n:
                 act_of[n] = op_name(u)
     if len(mlp_in) == 2:
         gated_ones = [(n, w) for n, w in mlp_in if n in act_of]
@@ -123,6 +124,7 @@ def _act_fields(act: Activation) -> dict:
         fields["activation_alpha"] = act.alpha
     if act.limit is not None:
         fields["activation_limit"] = act.limit
+    fields.update(act.fields())
     return fields
 
 

@@ -74,10 +74,10 @@ def test_spec_from_gpt_oss_experts():
     assert (spec.activation_alpha, spec.activation_limit) == (cfg.swiglu_alpha, cfg.swiglu_limit)
 
 
-@pytest.mark.parametrize("family", ["inkling2", "muse_spark"])
+@pytest.mark.parametrize("family", ["muse_spark"])
 def test_unsupported_experts_fall_back_with_one_warning(family, ids):
-    """A soft-capped SwiGLU (inkling2) and a norm after each expert (muse_spark) are not in MoESpec: transformers'
-    own path runs."""
+    """A norm after each expert (muse_spark) is not in MoESpec: transformers' own path runs. (inkling2's soft-capped
+    SwiGLU was here too: it is MoESpec.gate_softcap / up_softcap now, test_softcapped_experts_run_moecomp.)"""
     model, _ = F.build_tiny(family)
     ref, _ = run(model, ids)
     model.set_experts_implementation("moecomp")
@@ -89,6 +89,24 @@ def test_unsupported_experts_fall_back_with_one_warning(family, ids):
     msgs = [str(x.message) for x in w if "moecomp experts" in str(x.message)]
     assert len(msgs) == 1, msgs
     assert c.experts_calls == 0
+    assert rel_err(out, ref) <= TOL
+
+
+def test_softcapped_experts_run_moecomp(ids):
+    """inkling2's experts (a soft-capped SwiGLU, caps 4 / 25 fitted by the gate probe) run moecomp's experts op with no
+    fallback warning, equal to transformers' path."""
+    pytest.importorskip("transformers.models.inkling2.modeling_inkling2")  # (not in transformers 5.17)
+    model, _ = F.build_tiny("inkling2")
+    ref, _ = run(model, ids)
+    spec = ei.experts_spec(model.model.layers[0].mlp.experts, top_k=2)
+    assert (spec.activation, spec.gate_softcap, spec.up_softcap) == ("silu", 4.0, 25.0), spec.describe()
+    model.set_experts_implementation("moecomp")
+    ei._warned.clear()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out, c = run(model, ids)
+    assert not [str(x.message) for x in w if "moecomp experts" in str(x.message)]
+    assert c.experts_calls > 0
     assert rel_err(out, ref) <= TOL
 
 

@@ -18,7 +18,7 @@ EQUAL = (
     "deepseek_v4 dots1 "
     "dots3_note ernie4_5_moe ernie4_5_vl_moe exaone_moe flex_olmo flint glm4_moe glm4_moe_lite glm4v_moe glm5_next "
     "glm_moe_dsa gpt_oss granitemoe granitemoe_swa granitemoehybrid granitemoeshared hunyuan_v1_moe hy_v3 hy_v4 "
-    "hy_v4_vl jamba kimi_linear kolibri1 laguna lara_mini lfm2_moe mellum mimo_v2_flash minimax minimax_m2 "
+    "hy_v4_vl inkling2 inkling2_loop jamba kimi_linear kolibri1 laguna lara_mini lfm2_moe mellum mimo_v2_flash minimax minimax_m2 "
     "minimax_m3_vl mistral4 mistral_large4 mixtral nemotron_h olmoe openai_privacy_filter phimoe qwen2_moe qwen3_5_moe "
     "qwen3_moe qwen3_next qwen3_omni_moe qwen3_vl_moe qwen4_exp solar_open unlimited_ocr").split()
 # (deepseek_v4: a hash-routed layer, MoESpec.hash_routing, and a top-k one, both rewritten)
@@ -29,11 +29,9 @@ OUTCOME = {
     "gemma4": ("experts only", "no separate MoE module"),
     "inkling": ("experts only", "no router weight"),
     "zaya": ("experts only", "no router weight"),
-    # left alone, and why: Inkling2's experts compute a softcapped SwiGLU (tanh(x / c) * c on the gate's linear factor
-    # and on up), no spec activation; MuseSpark scales its router logits before the sigmoid, normalises the latent
+    # (inkling2 / inkling2_loop: a softcapped SwiGLU, MoESpec.gate_softcap / up_softcap)
+    # left alone, and why: MuseSpark scales its router logits before the sigmoid, normalises the latent
     # projection of x before the experts and each expert's output after it (the pass names the first it meets)
-    "inkling2": ("not rewritten", "['div', 'tanh'] between the GEMMs belong to no activation"),
-    "inkling2_loop": ("not rewritten", "['div', 'tanh'] between the GEMMs belong to no activation"),
     "muse_spark": ("not rewritten", "router logits are scaled"),
     # found by structure (no @use_experts_implementation): hf/discover.py
     "llama4": ("equal", ""),

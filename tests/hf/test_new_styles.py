@@ -131,9 +131,10 @@ def test_experts_only(family, n):
 
 
 def test_experts_only_refused_with_reason():
-    """inkling2's soft-capped SwiGLU is not in the spec: left alone, the reason says both why not."""
-    pytest.importorskip("transformers.models.inkling2.modeling_inkling2")  # (not in transformers 5.17)
-    model, _ = F.build_tiny("inkling2")
+    """muse_spark's scaled router logits and norm after each expert are not in the spec: left alone, the reason says
+    both why not. (inkling2 was the example here before its soft-capped SwiGLU joined the spec.)"""
+    pytest.importorskip("transformers.models.muse_spark.modeling_muse_spark")  # (not in transformers 5.17)
+    model, _ = F.build_tiny("muse_spark")
     _, rep = moecomp.optimize(model, report=True)
     assert rep.blocks and all(b.status == "skipped" and "experts only not possible" in b.reason for b in rep.blocks)
     assert not experts_only_modules(model)
