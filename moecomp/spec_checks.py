@@ -5,10 +5,6 @@ re-exports them."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from moecomp.spec import MoESpec
 
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus", "none")
