@@ -89,10 +89,8 @@ def read_pair(parent: nn.Module, parts: BlockParts, call: tuple) -> _pr.PairMatc
     E, H = parts.num_experts, parts.hidden_size
     obs = _pr.observe(parent, fresh_call(call, parent), router, experts)
     lay, k = _pr.layout_of(obs, E, H)
-    w13 = get_path(parent, parts.w13) if parts.w13 else None
-    if w13 is None:
-        raise _pr.PairError("the experts hold no 3-D expert weights")
-    dtype, device = w13.dtype, w13.device
+    W = get_path(parent, parts.router_weight)
+    dtype, device = obs.x_args[lay.x_h].dtype, W.device
     efields, ebinds, eerr = _pr.fit_experts(experts, lay, parts, xpath, E, H, k, dtype, device)
     spec, rbinds, perturb, notes = _pr.fit_router(router, rpath, lay, parts, efields, E, H, k, dtype, device)
     bindings = {a: None for a in _bp.OP_ARGS}
@@ -109,10 +107,10 @@ def try_pair(name: str, block: nn.Module, parts: BlockParts | None, rep: BlockRe
     if parts is None or calls is None or not parts.router_module or any(
             p.device.type == "meta" for p in block.parameters()):
         return
-    w13 = get_path(block, parts.w13) if parts.w13 else None
-    if w13 is None:
+    w = next((p for p in get_path(block, parts.experts).parameters()), None) if parts.experts else None
+    if w is None:
         return
-    call = calls.of(block, parts.hidden_size, w13.device, w13.dtype)
+    call = calls.of(block, parts.hidden_size, w.device, w.dtype)
     try:
         m = read_pair(block, parts, call)
         err = verify_pair(block, m, call, name)

@@ -148,15 +148,41 @@ def _constant(t: torch.Tensor) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------ experts
+def _layouts(experts: nn.Module, parts: BlockParts, prefix: str, E: int, H: int) -> list[dict]:
+    """Candidate weight layouts of the experts module: what ``structure`` read (3-D weights by name), else every
+    reading of its two 3-D [E, ., .] tensors by shape: w13 [E, N, H] / w2 [E, H, I] ("out_in") or [E, H, N] /
+    [E, I, H] ("in_out"), N = 2I gated or I not; an [E, N] and an [E, H] tensor beside them: their biases."""
+    strip = (lambda p: p[len(prefix) + 1:] if p and p.startswith(prefix + ".") else None)
+    if parts.kind == "fused" and parts.w13 and parts.w2 and not parts.split_gate_up:
+        return [dict(w13=strip(parts.w13), w2=strip(parts.w2), b13=strip(parts.b13), b2=strip(parts.b2),
+                     gated=parts.gated, w_layout=parts.w_layout, I=parts.intermediate_size)]
+    named = list(experts.named_parameters()) + list(experts.named_buffers())
+    three = [(n, t) for n, t in named if t.dim() == 3 and t.shape[0] == E and t.is_floating_point()]
+    two = [(n, t) for n, t in named if t.dim() == 2 and t.shape[0] == E and t.is_floating_point()]
+    out = []
+    for (na, a), (nb, b) in ((x, y) for x in three for y in three if x[0] != y[0]):
+        for lay, N, I, hw in (("out_in", a.shape[1], b.shape[2], (a.shape[2], b.shape[1])),
+                              ("in_out", a.shape[2], b.shape[1], (a.shape[1], b.shape[2]))):
+            if hw != (H, H):
+                continue
+            for gated in (True, False):
+                if N != (2 * I if gated else I):
+                    continue
+                b13 = [n for n, t in two if t.shape[1] == N]
+                b2 = [n for n, t in two if t.shape[1] == H and n not in b13]
+                bias = len(b13) == 1 and len(b2) == 1
+                out.append(dict(w13=na, w2=nb, b13=b13[0] if bias else None, b2=b2[0] if bias else None,
+                                gated=gated, w_layout=lay, I=int(I)))
+    return out
+
+
 def fit_experts(experts: nn.Module, lay: PairLayout, parts: BlockParts, prefix: str, E: int, H: int, k: int,
                 dtype, device) -> tuple[dict, dict, float]:
-    """(the spec's expert fields, their bindings, error): the activation (and gate / up order) that makes
-    ``reference.experts`` on the module's weights give the module's output on two probes."""
-    strip = (lambda p: p[len(prefix) + 1:] if p and p.startswith(prefix + ".") else None)
-    paths = {"w13": strip(parts.w13), "w2": strip(parts.w2), "b13": strip(parts.b13), "b2": strip(parts.b2)}
-    if paths["w13"] is None or paths["w2"] is None or parts.kind not in ("fused", "structural"):
+    """(the spec's expert fields, their bindings, error): the weight layout and activation (and gate / up order)
+    that make ``reference.experts`` on the module's weights give the module's output on two probes."""
+    layouts = _layouts(experts, parts, prefix, E, H)
+    if not layouts:
         raise PairError("the experts hold no 3-D gate-up / down weights the op can read as they are")
-    w = {n: None if p is None else get_path(experts, p) for n, p in paths.items()}
     g = torch.Generator().manual_seed(policy.PROBE_SEED)
     T = 64
     probes = []
@@ -168,28 +194,29 @@ def fit_experts(experts: nn.Module, lay: PairLayout, parts: BlockParts, prefix: 
         a[lay.x_h], a[lay.x_ids], a[lay.x_w] = h, ids, wt
         with torch.no_grad():
             probes.append((h, ids, wt, experts(*a).float()))
-    I = parts.intermediate_size
     tol = policy.verify_tolerance(dtype)
-    best = (math.inf, None)
-    for act in ACTIVATIONS:
-        for gate_up in (("concat", "interleaved") if parts.gated else ("concat",)):
-            try:
-                s = MoESpec(E, k, H, I, activation=act, gated=parts.gated, w_layout=parts.w_layout, gate_up=gate_up,
-                            has_expert_bias=w["b13"] is not None)
-            except SpecError:
-                continue
-            err = 0.0
-            for h, ids, wt, y in probes:
-                with torch.no_grad():
-                    ref = reference.experts(h, ids, wt, w["w13"], w["b13"], w["w2"], w["b2"], s)
-                err = max(err, float((ref - y).abs().max() / y.abs().max().clamp_min(1e-30)))
-            if err < best[0]:
-                best = (err, dict(activation=act, gated=parts.gated, w_layout=parts.w_layout, gate_up=gate_up,
-                                  has_expert_bias=w["b13"] is not None, intermediate_size=I))
+    best = (math.inf, None, None)
+    for L in layouts:
+        w = {n: None if L[n] is None else get_path(experts, L[n]) for n in ("w13", "w2", "b13", "b2")}
+        for act in ACTIVATIONS:
+            for gate_up in (("concat", "interleaved") if L["gated"] else ("concat",)):
+                fields = dict(activation=act, gated=L["gated"], w_layout=L["w_layout"], gate_up=gate_up,
+                              has_expert_bias=w["b13"] is not None, intermediate_size=L["I"])
+                try:
+                    s = MoESpec(E, k, H, **fields)
+                except SpecError:
+                    continue
+                err = 0.0
+                for h, ids, wt, y in probes:
+                    with torch.no_grad():
+                        ref = reference.experts(h, ids, wt, w["w13"], w["b13"], w["w2"], w["b2"], s)
+                    err = max(err, float((ref - y).abs().max() / y.abs().max().clamp_min(1e-30)))
+                if err < best[0]:
+                    best = (err, fields, L)
     if best[1] is None or not best[0] <= tol:
         raise PairError(f"no spec activation gives the experts' output (best rel. err {best[0]:.1e} > {tol:g})",
                         RejectCode.VERIFICATION_FAILED)
-    binds = {n: (f"{prefix}.{p}" if p else None) for n, p in paths.items()}
+    binds = {n: (f"{prefix}.{best[2][n]}" if best[2][n] else None) for n in ("w13", "w2", "b13", "b2")}
     return best[1], binds, best[0]
 
 
@@ -249,7 +276,9 @@ def _log_ratio_const(u: torch.Tensor, b, w: torch.Tensor, ids: torch.Tensor) -> 
 
 
 def _snap(c: float, H: int) -> float:
-    for n in (1.0, H ** -0.5, H ** 0.5, 1.0 / H, float(H)):
+    """A fitted constant snapped (within ``policy.SNAP_REL``) to 1, H ** +-0.5, H ** +-1, or its value to four
+    significant digits (a config's 0.25); else as fitted."""
+    for n in (1.0, H ** -0.5, H ** 0.5, 1.0 / H, float(H), float(f"{c:.4g}")):
         if abs(c / n - 1) <= policy.SNAP_REL:
             return n
     return c
