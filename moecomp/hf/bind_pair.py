@@ -97,12 +97,14 @@ def _tensors(parent: nn.Module, st: PairState) -> list:
 
 
 def _can_fuse(parent: nn.Module, st: PairState, x: torch.Tensor) -> bool:
-    if hooks_active(st.watch_mods):
-        return False
+    """May the op stand in for this call? Hooks and attribute changes are checked in eager mode only (under
+    torch.compile, as for bound blocks: Dynamo guards on what it traced); gradients always."""
     if torch.is_grad_enabled():
         if x.requires_grad or any(isinstance(t, torch.Tensor) and t.requires_grad for t in _tensors(parent, st)):
             return False
     if not torch.compiler.is_compiling():
+        if hooks_active(st.watch_mods):
+            return False
         if snapshot_changed(st.snapshot) or snapshot_changed(st.experts_snapshot):
             return False
     return True
