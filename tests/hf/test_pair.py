@@ -224,21 +224,32 @@ def test_compiled_parent_runs_the_op():
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["gemma4", "diffusion_gemma"])
 def test_families_bf16_cuda(family):
-    """bf16 on the GPU: the tiny model optimized on CUDA (pairs verified there), one moe_forward per layer call, the
-    logits against the untouched model's within 3e-2 of their largest value (the bf16 verify tolerance)."""
+    """bf16 on the GPU: the tiny model optimized on CUDA (pairs verified there), one moe_forward per layer call, and
+    its logits as close to the fp32 model's as the untouched bf16 model's are (relative Frobenius error at most
+    2x theirs + 2e-2: on a tiny random model bf16 alone moves the logits by several percent, and exact bf16 routing
+    ties are broken by index here, in no set order by torch.topk)."""
+    import copy
+
     from moecomp.hf import families as F
 
     try:
         model, _ = F.build_tiny(family)
     except ImportError:
         pytest.skip(f"{family} not in this transformers")
+    truth_model = copy.deepcopy(model).to("cuda").eval()
     model = model.to("cuda", torch.bfloat16).eval()
     ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(4)).cuda()
+
+    def frob(a, b):
+        return float((a - b).norm() / b.norm())
+
     with torch.no_grad():
+        truth = F._logits(truth_model(input_ids=ids)).float()
         ref = F._logits(model(input_ids=ids)).float().clone()
     _, rep = moecomp.optimize(model, report=True, fast_generate=False)
     assert rep.blocks and all((b.status, b.method) == ("rewritten", "pair") for b in rep.blocks), str(rep)
     (out, per, total, runs) = F.count_calls_per_block(model, lambda: F._logits(model(input_ids=ids)).float(),
                                                       with_forwards=True)
     assert all(per[n] == runs[n] >= 1 for n in per) and total == sum(per.values())
-    assert torch.isfinite(out).all() and rel_err(out, ref) < 3e-2
+    assert torch.isfinite(out).all()
+    assert frob(out, truth) <= 2 * frob(ref, truth) + 2e-2, (frob(out, truth), frob(ref, truth))

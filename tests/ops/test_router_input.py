@@ -192,13 +192,15 @@ GEMMA_GPU = MoESpec(num_experts=128, top_k=8, hidden_size=1024, intermediate_siz
 def test_gpu_bf16(T):
     """bf16 on the GPU (Triton path: the prefix in torch, the multiplier in the routing kernel) against the oracle
     on the same tensors; output poisoned with NaN first (the op writes a fresh tensor: a NaN-filled caching
-    allocator block is reused). Tolerance 2e-2 relative to the output's largest value, as tests/ops/test_gpu.py."""
+    allocator block is reused). Tolerance: relative Frobenius error 2e-2, as tests/ops/test_gpu.py (a bf16 routing
+    near-tie may send a token elsewhere)."""
     spec = GEMMA_GPU
     args = random_moe_args(spec, T, torch.bfloat16, "cuda", std=0.02, seed=1)
     ex = extra_args(spec, T, seed=1, dtype=torch.bfloat16, device="cuda")
-    torch.full((T, spec.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison the allocator
+    junk = torch.full((64 << 20,), float("nan"), device="cuda")  # NaNs left in the caching allocator's free blocks
+    del junk
     out = torch.ops.moecomp.moe_forward(*args, spec.key, **ex)
     torch.cuda.synchronize()
     want = reference.moe_forward(*args, spec, **ex)
     assert torch.isfinite(out).all()
-    assert rel_err(out, want) < 2e-2
+    assert float((out.double() - want.double()).norm() / want.double().norm()) < 2e-2
