@@ -88,9 +88,16 @@ def _recognise_and_verify(block: nn.Module, parts: BlockParts, epilogue, rep: Bl
 
 
 def _process(name: str, block: nn.Module, parts: BlockParts | None, reason: str, use_fx: bool, bind_it: bool,
-             cache=None, trust_fallback: bool = False, experts_only: bool = True) -> BlockReport:
+             cache=None, trust_fallback: bool = False, experts_only: bool = True, calls=None) -> BlockReport:
+    from . import pair as _pair
+
     with unclaimed(block.modules()):  # layers bound before this one marked the shared config "moecomp"
+        rep = BlockReport(name=name, cls=type(block).__name__, status="skipped", reason=reason)
+        if _pair.report_bound(block, rep, bind_it):
+            return rep
         rep = _process_block(name, block, parts, reason, use_fx, bind_it, cache, trust_fallback)
+        if rep.status == "skipped" and parts is not None:  # router and experts beside other things: the pair
+            _pair.try_pair(name, block, parts, rep, bind_it, calls)
         if rep.status == "skipped" and experts_only:
             _try_experts_only(name, block, parts, rep, bind_it)
     if rep.status not in ("already", "experts only") and any(p.device.type == "meta" for p in block.parameters()):
@@ -191,11 +198,15 @@ def _walk(model: nn.Module, bind_it: bool, use_capture: bool = True, trust_fallb
     reps = []
     cache = {}  # FX results per block structure: one Dynamo capture per distinct block, not per layer
     was_training = {}
+    from .pair import ParentCalls
+
+    calls = ParentCalls(model, [mod for _, mod, parts, _ in blocks if parts is not None and parts.router_module])
     for name, mod, parts, reason in blocks:
         was_training[name] = mod.training
         mod.eval()  # checks run in eval mode (no jitter / dropout); restored below
         try:
-            reps.append(_process(name, mod, parts, reason, use_fx, bind_it, cache, trust_fallback, experts_only))
+            reps.append(_process(name, mod, parts, reason, use_fx, bind_it, cache, trust_fallback, experts_only,
+                                 calls))
         finally:
             mod.train(was_training[name])
     fp8_linear = _fp8_linears(model, bind_it)

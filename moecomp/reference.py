@@ -10,6 +10,8 @@ Latent experts (``spec.latent_size``): the routed experts run on
 ``hash_table[token_ids]`` (:func:`hash_ids`), the weights the scores at them (:func:`route` with ``ids`` given).
 Expert capacity (``spec.capacity`` / ``capacity_factor``): :func:`capacity_kept` ranks each group's pairs; a dropped
 pair leaves :func:`route` with id -1 and weight 0, and the experts loop never meets it.
+The router's own input (``spec.router_input`` / ``router_norm`` / ``router_in_scale`` / ``router_in_const``):
+:func:`router_input`; per-expert weight multipliers (``spec.expert_scale``): :func:`expert_scaled`, in :func:`route`.
 """
 
 from __future__ import annotations
@@ -121,12 +123,13 @@ def renorm_and_scale(weights: torch.Tensor, spec: MoESpec) -> torch.Tensor:
 
 def route(
     logits: torch.Tensor, correction_bias: torch.Tensor | None, spec: MoESpec, acc=torch.float32,
-    ids: torch.Tensor | None = None, group: int | None = None,
+    ids: torch.Tensor | None = None, group: int | None = None, expert_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing from router logits [T, E] -> (weights [T, k] in ``acc``, ids [T, k] int64). Rows with NaN / inf
     logits follow the contract above. ``ids`` [T, k]: hash routing's ids (``spec.hash_routing``, :func:`hash_ids`):
     no selection, the weights are the scores at them. An expert capacity (``spec.has_capacity``; ``group``: tokens
-    per group, :func:`group_size`, default all T) drops pairs: their id is -1 and their weight 0."""
+    per group, :func:`group_size`, default all T) drops pairs: their id is -1 and their weight 0. ``expert_scale``
+    [E (+ Z)] (``spec.expert_scale``): each weight times it at its id, after the renormalisation and scaling."""
     logits = sanitize_logits(logits.to(acc))
     k = spec.top_k
     neg = float("-inf")
@@ -158,7 +161,7 @@ def route(
     keep = capacity_kept(ids, spec, logits.shape[0] if group is None else group) if spec.has_capacity else None
     if keep is not None and spec.renorm_after_drop:
         weights = weights.masked_fill(~keep, 0.0)
-    weights = renorm_and_scale(weights, spec)
+    weights = expert_scaled(renorm_and_scale(weights, spec), ids, expert_scale, spec)
     if keep is not None:
         weights, ids = weights.masked_fill(~keep, 0.0), ids.masked_fill(~keep, -1)
     return finite_weights(weights), ids
@@ -446,6 +449,32 @@ def router_logits(x: torch.Tensor, router_w, router_b, spec: MoESpec) -> torch.T
     return F.linear(x, router_w.to(x.dtype), None if router_b is None else router_b.to(x.dtype))
 
 
+def router_input(x2: torch.Tensor, router_x, router_in_scale, spec: MoESpec) -> torch.Tensor:
+    """What the router's GEMM reads, [T, H] in x's dtype (``moecomp.spec``: the router's own input): ``router_x``
+    (``spec.router_input``; any [..., H] with T rows) or x, RMS-normalised without weight (``router_norm``: in fp32,
+    rounded back), times ``router_in_scale`` [H] and ``router_in_const``. x itself when the spec has no prefix."""
+    if not spec.router_prefix:
+        return x2
+    r = router_x.reshape(-1, router_x.shape[-1]).to(x2.dtype) if spec.router_input else x2
+    if spec.router_norm:
+        rf = r.float()
+        r = (rf * torch.pow(rf.pow(2).mean(-1, keepdim=True) + spec.router_norm_eps, -0.5)).to(x2.dtype)
+    if spec.router_in_scale:
+        r = r * router_in_scale.to(r.dtype)
+    if spec.router_in_const != 1.0:
+        r = r * spec.router_in_const
+    return r
+
+
+def expert_scaled(weights: torch.Tensor, ids: torch.Tensor, expert_scale, spec: MoESpec) -> torch.Tensor:
+    """``spec.expert_scale``: weights [T, k] times ``expert_scale`` [E (+ Z)] at their ids (pairs an expert capacity
+    dropped, id -1, keep weight 0), in the weights' dtype; the weights themselves otherwise."""
+    if not spec.expert_scale:
+        return weights
+    s = expert_scale.to(weights.dtype)[ids.clamp(min=0).long()]
+    return weights * s
+
+
 def latent_in(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, acc=torch.float32) -> torch.Tensor:
     """The experts' input of a latent block: x [T, H] @ w.T (+ b), w [L, H] -> [T, L] in ``acc``."""
     y = x.to(acc) @ w.to(acc).T
@@ -469,7 +498,8 @@ _QUANT_NAMES = ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "shared_w1_sca
                 "shared_w2_scale")
 _LATENT_NAMES = ("latent_in_w", "latent_in_b", "latent_out_w", "latent_out_b")
 _HASH_NAMES = ("hash_table", "token_ids")
-_EXTRA_NAMES = _QUANT_NAMES + _LATENT_NAMES + _HASH_NAMES
+_ROUTER_IN_NAMES = ("router_x", "router_in_scale", "expert_scale")
+_EXTRA_NAMES = _QUANT_NAMES + _LATENT_NAMES + _HASH_NAMES + _ROUTER_IN_NAMES
 
 
 def moe_forward(
@@ -498,11 +528,14 @@ def moe_forward(
         router_w, shared_gate_w = router_w[: spec.num_experts], router_w[spec.num_experts :]
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])  # [T, H]
-    # The router reads x in the model dtype (like HF), unless the spec says fp32.
-    logits = router_logits(x2, router_w, router_b, spec)  # [T, E]
+    # The router reads x in the model dtype (like HF), unless the spec says fp32; or its own input (router_x).
+    ri = _pick(extra, *_ROUTER_IN_NAMES)
+    r2 = router_input(x2, ri["router_x"], ri["router_in_scale"], spec)
+    logits = router_logits(r2, router_w, router_b, spec)  # [T, E]
     h = _pick(extra, *_HASH_NAMES)
     given = hash_ids(h["hash_table"], h["token_ids"]) if spec.hash_routing else None
-    weights, ids = route(logits, correction_bias, spec, acc, ids=given, group=group_size(shape, spec))
+    weights, ids = route(logits, correction_bias, spec, acc, ids=given, group=group_size(shape, spec),
+                         expert_scale=ri["expert_scale"])
     if spec.round_weights:
         weights = round_weights(weights, x.dtype)
     lat = _pick(extra, *_LATENT_NAMES)

@@ -44,6 +44,13 @@ def router_style(spec: MoESpec) -> str:
     if spec.has_capacity:
         s += f" capacity {spec.capacity or f'{spec.capacity_factor:g}·tokens'} per {spec.capacity_per}" + (
             " (renorm after drop)" if spec.renorm_after_drop else "")
+    if spec.router_prefix:  # the router's own input, normalised / scaled before its GEMM
+        pre = ("own input" if spec.router_input else "x") + (" rms" if spec.router_norm else "") + (
+            " ×s[H]" if spec.router_in_scale else "") + (
+            f" ×{spec.router_in_const:.4g}" if spec.router_in_const != 1.0 else "")
+        s = f"({pre}) " + s
+    if spec.expert_scale:
+        s += " ×s[e]"
     return s
 
 

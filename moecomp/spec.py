@@ -81,6 +81,18 @@ quantized tensors and their scales as they are stored; what a GEMM computes is
                                                                #   act_group columns (1e-10 at least); "static": s_a given
     y        = x_q @ w.T                                       # activation "none": y = x @ w.T (weight-only)
 
+The router's own input (``router_input``, ``router_norm``, ``router_in_scale``, ``router_in_const``) and per-expert
+weight multipliers (``expert_scale``; a Gemma-4 decoder layer's router and experts, which read different inputs):
+
+    r        = router_x if router_input else x                 # [T, H], x's dtype (router_x: the op argument)
+    r        = (r.float() * (mean(r.float()^2) + router_norm_eps) ** -0.5).to(x.dtype)     (router_norm)
+    r        = r * router_in_scale  (router_in_scale, [H], in x's dtype)  * router_in_const  (in x's dtype)
+    logits   = r @ router_w.T (+ router_b)                      # then the routing above
+    weights  = weights * expert_scale[ids]                      (expert_scale [E (+ Z)]: after the renormalisation
+                                                                 and routed scaling, before round_weights)
+    The experts (and shared experts) read x. Not with a sigmoid-gated shared expert (its gate reads x, the fused
+    router GEMM would read r) nor with hash routing's / sparsemixer's routing (no block known).
+
 The op receives the spec as a string (``spec.key``) so that it is a plain schema argument; ``MoESpec.from_key``
 parses it back (cached).
 """
@@ -254,6 +266,13 @@ class MoESpec:
     # --- softcapped gated silu (the module docstring): h = cap(g, cg) * sigmoid(g) * cap(u, cu) ---
     gate_softcap: float = 0.0  # cg: silu's linear gate factor -> cg * tanh(g / cg); 0: uncapped
     up_softcap: float = 0.0  # cu: up -> cu * tanh(u / cu); 0: uncapped
+    # --- the router's own input and per-expert weight multipliers (Gemma-4 style decoder layers; module docstring) ---
+    router_input: bool = False  # the router reads the op's router_x [..., H] (same leading dims as x), not x
+    router_norm: bool = False  # the router's input is RMS-normalised first (no weight; fp32, rounded back)
+    router_norm_eps: float = 1e-6  # router_norm's epsilon: r * (mean(r^2) + eps) ** -0.5
+    router_in_scale: bool = False  # the router's input is multiplied by the op's router_in_scale [H]
+    router_in_const: float = 1.0  # ... and by this constant (after the norm and the scale vector)
+    expert_scale: bool = False  # routing weights times the op's expert_scale [E (+ Z)] at their ids
 
     def __post_init__(self) -> None:
         self.validate()
@@ -284,6 +303,12 @@ class MoESpec:
         """FSE applies: a sigmoid-gated shared expert, no router bias, not fused yet (the checks in __post_init__)."""
         return (self.shared is not None and self.shared.gate == "sigmoid" and not self.has_router_bias
                 and not self.fused_shared_gate and not self.zero_experts)
+
+    @property
+    def router_prefix(self) -> bool:
+        """The router reads something other than x itself: its own input (``router_input``) and / or a prefix
+        (norm, scale vector, constant) before its GEMM."""
+        return (self.router_input or self.router_norm or self.router_in_scale or self.router_in_const != 1.0)
 
     @property
     def has_capacity(self) -> bool:
@@ -389,6 +414,12 @@ class MoESpec:
             route += f" +{self.zero_experts} zero"
         if self.hash_routing:
             route += " hash"
+        if self.router_prefix:
+            route = ("r:" + ("own " if self.router_input else "") + ("rms " if self.router_norm else "")
+                     + ("*s " if self.router_in_scale else "")
+                     + (f"*{self.router_in_const:.4g} " if self.router_in_const != 1.0 else "")) + route
+        if self.expert_scale:
+            route += " *s[e]"
         if self.has_capacity:
             route += f" cap {self.capacity or f'{self.capacity_factor:g}T'}/{self.capacity_per}" + (
                 " renorm-kept" if self.renorm_after_drop else "")

@@ -34,6 +34,7 @@ def validate_moe(spec: MoESpec) -> None:
     _check_hash_routing(spec)
     _check_capacity(spec)
     _check_latent(spec)
+    _check_router_input(spec)
     if not 1 <= k <= spec.router_width:
         raise SpecError(f"top_k must be in [1, num_experts={E}"
                         + (f" + zero_experts={spec.zero_experts}" if spec.zero_experts else "") + f"], got {k}")
@@ -168,6 +169,26 @@ def _check_latent(spec: MoESpec) -> None:
         raise SpecError(f"latent_size must be an int >= 0 (0: no latent projections), got {L!r}")
     if spec.latent_bias and not L:
         raise SpecError("latent_bias needs latent projections (latent_size > 0)")
+
+
+def _check_router_input(spec: MoESpec) -> None:
+    """The router's own input / input prefix and the per-expert weight multipliers (``moecomp.spec``)."""
+    prefix = spec.router_input or spec.router_norm or spec.router_in_scale or spec.router_in_const != 1.0
+    c, eps = spec.router_in_const, spec.router_norm_eps
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not (math.isfinite(c) and c > 0):
+        raise SpecError(f"router_in_const must be finite and positive, got {c!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps >= 0):
+        raise SpecError(f"router_norm_eps must be finite and >= 0, got {eps!r}")
+    if not (prefix or spec.expert_scale):
+        return
+    if prefix and (spec.fused_shared_gate or (spec.shared is not None and spec.shared.gate == "sigmoid")):
+        raise SpecError("a router reading its own input (router_input / router_norm / router_in_scale / "
+                        "router_in_const) with a sigmoid-gated shared expert is not supported: the gate reads x")
+    for name, bad in (("hash_routing", spec.hash_routing), ("sparsemixer routing", spec.score_order == "sparsemixer"),
+                      ("an expert capacity", spec.has_capacity)):
+        if bad:
+            raise SpecError(f"the router input prefix / expert_scale with {name} is not supported (no block is known "
+                            f"to have both)")
 
 
 def _check_activation(activation: str, gated: bool, clamp: bool, limit: float, who: str) -> None:

@@ -532,6 +532,10 @@ def unbind(block: nn.Module) -> bool:
     st = getattr(block, "_moecomp", None)
     if st is None:
         return False
+    if callable(getattr(st, "unbind", None)):  # a binding of its own kind (hf/bind_pair.PairState)
+        st.unbind(block)
+        del block._moecomp
+        return True
     _restore_forward(block, st.original)
     _release_impl(getattr(st, "impl_config", None), getattr(st, "impl_prev", None))
     for d in st.derived:

@@ -15,7 +15,8 @@ weights finite (NaN -> 0, clamped). Rows of finite logits route exactly as befor
 N_GROUP contiguous groups, a group scored by its top-2 sum (or its max): on a [BLOCK_T, N_GROUP, GROUP_SIZE] view of
 the tile when the experts fill it exactly (GROUP_3D), else by one masked pass per group.
 HASH (``MoESpec.hash_routing``, DeepSeek-V4): no selection; slot j's id is ``table[tok[t], j]`` and its weight the
-score there (then renorm / scale / rounding as above). Memory safety without a host check: the token id is clamped
+score there (then renorm / scale / rounding as above). HAS_ESCALE (``MoESpec.expert_scale``): each weight times
+``escale[id]`` after the scaling, before the rounding. Memory safety without a host check: the token id is clamped
 into [0, n_vocab - 1] and the table entry into [0, E - 1] before either indexes anything.
 """
 
@@ -105,6 +106,8 @@ def route_topk_kernel(
     n_vocab=1,
     stride_table=0,
     HASH: tl.constexpr = False,
+    escale_ptr=None,  # HAS_ESCALE: [E] per-expert multipliers of the weights (MoESpec.expert_scale)
+    HAS_ESCALE: tl.constexpr = False,
 ):
     pdl.enter(USE_PDL)
     pid = tl.program_id(0)
@@ -219,6 +222,8 @@ def route_topk_kernel(
         denom = tl.where(renorm_min > 0, tl.maximum(denom, renorm_min), denom)
         top_w = top_w / denom[:, None]
     top_w = top_w * scaling
+    if HAS_ESCALE:  # weights times the per-expert multiplier at their ids (padding slots read expert 0, unused)
+        top_w = top_w * tl.load(escale_ptr + top_ids, mask=k_ok[None, :], other=0.0).to(tl.float32)
     # finite weights: NaN (0 / 0, a softmax over no finite logit) -> 0, +-inf -> +-the largest value of the dtype
     # the weights are rounded to (FLT_MAX, or bf16's / fp16's with ROUND_TO)
     if ROUND_TO == 1:

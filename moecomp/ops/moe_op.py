@@ -25,7 +25,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _get_disp
 from ..spec import MoESpec, SpecError
 from . import graphs, hash_routing, torch_moe
 from .common import (  # noqa: F401  (re-exported)
-    EXPERT_ARGS, EXPERT_QUANT_ARGS, FEATURES, HASH_ARGS, LATENT_ARGS, MOE_ARGS, OP_ARGS, QUANT_ARGS, _backend,
+    EXPERT_ARGS, EXPERT_QUANT_ARGS, FEATURES, HASH_ARGS, LATENT_ARGS, MOE_ARGS, OP_ARGS, QUANT_ARGS, ROUTER_IN_ARGS,
+    _backend,
     _check_ids_wanted, _on_device, split_fused_gate)
 
 # Floating dtypes the kernels compute in (x / hidden_states). float64 only on the vectorised torch path (CPU, or
@@ -104,6 +105,10 @@ def _expected_shapes(spec: MoESpec, routed: bool) -> dict:
             expect["shared_w2"] = (H, Is)
             if sh.gate == "sigmoid" and not spec.fused_shared_gate:
                 expect["shared_gate_w"] = (1, H)
+        if spec.router_in_scale:
+            expect["router_in_scale"] = (H,)
+        if spec.expert_scale:
+            expect["expert_scale"] = (R,)
     if len(_expected) > 1024:
         _expected.clear()
     _expected[key] = expect
@@ -135,8 +140,10 @@ def check_args(x: torch.Tensor, tensors: dict, spec: MoESpec, symbolic: bool = F
     expect = _expected_shapes(spec, "router_w" in tensors)
     if "router_w" in tensors:
         hash_routing.check_args(x, tensors.get("hash_table"), tensors.get("token_ids"), spec, symbolic)
+    if "router_w" in tensors:
+        _check_router_x(x, tensors.get("router_x"), spec, symbolic)
     for name, t in tensors.items():
-        if name in HASH_ARGS:
+        if name in HASH_ARGS or name == "router_x":
             continue
         want = expect.get(name)
         if want is None:
@@ -173,10 +180,29 @@ def check_args(x: torch.Tensor, tensors: dict, spec: MoESpec, symbolic: bool = F
         elif not t.is_floating_point():
             raise SpecError(f"{name} has dtype {t.dtype}; expected a floating dtype")
     for name, want in expect.items():  # scales and latent tensors are passed only where given: a missing one here
-        if (name in _SCALE_OF or name in LATENT_ARGS) and tensors.get(name) is None:
-            what = f"the scales of {_SCALE_OF[name]}" if name in _SCALE_OF else "a latent projection of the experts"
+        if (name in _SCALE_OF or name in LATENT_ARGS or name in ROUTER_IN_ARGS) and tensors.get(name) is None:
+            what = (f"the scales of {_SCALE_OF[name]}" if name in _SCALE_OF else "a latent projection of the experts"
+                    if name in LATENT_ARGS else "the router's input scale / per-expert weight scale")
             raise SpecError(f"{name} is required by the spec ({spec.describe()}) but was None; expected a tensor "
                             f"of shape {want} ({what})")
+
+
+def _check_router_x(x: torch.Tensor, r: torch.Tensor | None, spec: MoESpec, symbolic: bool) -> None:
+    """``router_x`` (``spec.router_input``): the router's own input, x's shape, dtype and device; None otherwise."""
+    if not spec.router_input:
+        if r is not None:
+            raise SpecError(f"router_x was given but the spec's router reads x (router_input=False); expected None "
+                            f"({spec.describe()})")
+        return
+    if r is None:
+        raise SpecError(f"router_x is required by the spec (router_input=True: the router reads its own input) but "
+                        f"was None; expected a tensor of the shape of {_X} {tuple(x.shape)}")
+    if r.device != x.device:
+        raise SpecError(f"router_x is on {r.device}; expected {x.device}, the device of {_X}")
+    if _differs(r.shape, x.shape, symbolic):
+        raise SpecError(f"router_x has shape {tuple(r.shape)}; expected the shape of {_X} {tuple(x.shape)}")
+    if r.dtype != x.dtype:
+        raise SpecError(f"router_x has dtype {r.dtype}; expected {x.dtype}, the dtype of {_X}")
 
 
 def check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, spec: MoESpec,
@@ -247,14 +273,15 @@ def _forward(x: torch.Tensor, args: dict, s: MoESpec, spec: str, eager: bool = F
     tok = args.get("token_ids")
     if s.hash_routing:
         hash_routing.check_values(args["hash_table"], tok, s)
-    if x.is_cuda:  # per-shape CUDA graphs in eager mode (ops/graphs.py)
-        if tok is None:
+    if x.is_cuda:  # per-shape CUDA graphs in eager mode (ops/graphs.py); per-call inputs copied in like x
+        per_call = [n for n in ("token_ids", "router_x") if args.get(n) is not None]
+        if not per_call:
             return _on_device(x, lambda: graphs.run(
                 "moe_forward", lambda xx: impl.moe_forward(xx, args, s), (x,), tuple(args.values()), spec, eager))
-        rest = {k: v for k, v in args.items() if k != "token_ids"}
+        rest = {k: v for k, v in args.items() if k not in per_call}
         return _on_device(x, lambda: graphs.run(
-            "moe_forward", lambda xx, tt: impl.moe_forward(xx, {**rest, "token_ids": tt}, s), (x, tok),
-            tuple(rest.values()), spec, eager))
+            "moe_forward", lambda xx, *pc: impl.moe_forward(xx, {**rest, **dict(zip(per_call, pc))}, s),
+            (x, *(args[n] for n in per_call)), tuple(rest.values()), spec, eager))
     return impl.moe_forward(x, args, s)
 
 
@@ -309,12 +336,13 @@ def _expert_args(w13, b13, w2, b2, *scales) -> dict:
     return args
 
 
-def _op_args(tensors, scales, latent=(), hashed=()) -> dict:
-    """moe_forward's tensors by name; the scale, latent and hash-routing names only where given."""
+def _op_args(tensors, scales, latent=(), hashed=(), router_in=()) -> dict:
+    """moe_forward's tensors by name; the scale, latent, hash-routing and router-input names only where given."""
     args = dict(zip(MOE_ARGS, tensors))
     args.update({n: t for n, t in zip(QUANT_ARGS, scales) if t is not None})
     args.update({n: t for n, t in zip(LATENT_ARGS, latent) if t is not None})
     args.update({n: t for n, t in zip(HASH_ARGS, hashed) if t is not None})
+    args.update({n: t for n, t in zip(ROUTER_IN_ARGS, router_in) if t is not None})
     return args
 
 
@@ -346,12 +374,15 @@ def moe_forward(
     latent_out_b: torch.Tensor | None = None,
     hash_table: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
+    router_x: torch.Tensor | None = None,
+    router_in_scale: torch.Tensor | None = None,
+    expert_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     s = MoESpec.from_key(spec)
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
                                       shared_w2_scale), (latent_in_w, latent_in_b, latent_out_w, latent_out_b),
-                    (hash_table, token_ids))
+                    (hash_table, token_ids), (router_x, router_in_scale, expert_scale))
     check_args(x, args, s)
     return _forward(x, args, s, spec)
 
@@ -360,13 +391,13 @@ def moe_forward(
 def _(x, router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2, shared_gate_w,
       spec, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, shared_w1_scale=None,
       shared_w3_scale=None, shared_w2_scale=None, latent_in_w=None, latent_in_b=None, latent_out_w=None,
-      latent_out_b=None, hash_table=None, token_ids=None):
+      latent_out_b=None, hash_table=None, token_ids=None, router_x=None, router_in_scale=None, expert_scale=None):
     # Also the Meta-key kernel: real tensors with one of them on "meta" dispatch here, not to the implementation, so
     # the checks (devices above all) must run here too, or the call returns uninitialised memory.
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
                                       shared_w2_scale), (latent_in_w, latent_in_b, latent_out_w, latent_out_b),
-                    (hash_table, token_ids))
+                    (hash_table, token_ids), (router_x, router_in_scale, expert_scale))
     check_args(x, args, MoESpec.from_key(spec), symbolic=True)
     return torch.empty_like(x)
 

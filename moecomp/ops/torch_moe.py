@@ -9,6 +9,8 @@ Hash routing (``spec.hash_routing``): the ids are the table's rows of the token 
 routing drops the pairs past capacity (id -1), and no GEMM sees them.
 Latent experts (``spec.latent_size``): the experts run on ``latent_in(x)`` and their combined output, rounded to x's
 dtype, goes through ``latent_out`` before the shared experts are added (``ops/latent.py``).
+The router's own input / prefix and per-expert weight multipliers (``spec.router_prefix``, ``spec.expert_scale``): the
+oracle's ``router_input`` and ``route``.
 """
 
 from __future__ import annotations
@@ -181,10 +183,12 @@ def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     args = split_fused_gate(args, spec)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    logits = reference.router_logits(x2, args["router_w"], args["router_b"], spec)
+    r2 = reference.router_input(x2, args.get("router_x"), args.get("router_in_scale"), spec)  # x2 without a prefix
+    logits = reference.router_logits(r2, args["router_w"], args["router_b"], spec)
     given = lookup(args["hash_table"], args["token_ids"], spec) if spec.hash_routing else None  # [T, k]
     weights, ids = reference.route(logits, args["correction_bias"], spec, ids=given,
-                                   group=reference.group_size(shape, spec))  # capacity: dropped pairs' ids are -1
+                                   group=reference.group_size(shape, spec),
+                                   expert_scale=args.get("expert_scale"))  # capacity: dropped pairs' ids are -1
     if spec.round_weights:
         weights = reference.round_weights(weights, x.dtype).float()
     if spec.latent_size:  # the experts between the two projections, in x's dtype at each projection

@@ -201,10 +201,11 @@ def route_tiles(T: int, E: int, n_group: int) -> dict:
 
 
 def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch.dtype, tiles: dict | None = None,
-          hashed: dict | None = None):
+          hashed: dict | None = None, expert_scale: torch.Tensor | None = None):
     """logits [T, E (+ Z)] (any row stride) -> ids [T, k] int32, weights [T, k] fp32. ``tiles`` (``route_tiles``'s
     keys) overrides the launch shape (the routing sweep in benchmarks/ uses it). ``hashed``: the op's arguments
-    holding ``hash_table`` / ``token_ids``, needed (and only read) with ``spec.hash_routing``."""
+    holding ``hash_table`` / ``token_ids``, needed (and only read) with ``spec.hash_routing``. ``expert_scale``
+    [E (+ Z)] (``spec.expert_scale``): each weight times it at its id, in the kernel after the scaling."""
     T, E, k = logits.shape[0], spec.router_width, spec.top_k
     ids = torch.empty(T, k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
@@ -235,6 +236,7 @@ def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch
         ROUND_TO=round_to, num_warps=tiles["num_warps"], **_pdl(logits.device),
         SPARSEMIXER=spec.score_order == "sparsemixer", sm_thr=2 * float(spec.jitter_eps),
         **hr.route_kwargs(spec, hashed or {}),
+        **({} if expert_scale is None else dict(escale_ptr=_unit_stride(expert_scale), HAS_ESCALE=True)),
     )
     return ids, weights
 
@@ -539,12 +541,15 @@ def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
         shared.record_stream(main)
         x2.record_stream(side)
 
-    logits, gate = router_logits(x2, args, spec)  # [T, E], [T] or None
+    # the router's own input / prefix (spec.router_prefix): in torch (a norm over [T, H]), then the same router GEMM
+    r2 = reference.router_input(x2, args.get("router_x"), args.get("router_in_scale"), spec).contiguous()
+    logits, gate = router_logits(r2, args, spec)  # [T, E], [T] or None
+    escale = args.get("expert_scale") if spec.expert_scale else None  # applied in the routing kernel
     if spec.has_capacity:  # pairs past an expert's capacity: ids E, weights 0 (``ops/capacity.py``)
-        ids, weights = route(logits, args["correction_bias"], cap.kernel_spec(spec), x2.dtype)
+        ids, weights = route(logits, args["correction_bias"], cap.kernel_spec(spec), x2.dtype, expert_scale=escale)
         ids, weights = cap.apply(ids, weights, spec, reference.group_size(shape, spec), x2.dtype)
     else:
-        ids, weights = route(logits, args["correction_bias"], spec, x2.dtype, hashed=args)
+        ids, weights = route(logits, args["correction_bias"], spec, x2.dtype, hashed=args, expert_scale=escale)
     if spec.latent_size:
         return _latent_routed(x2, ids, weights, args, spec, out, shared, gate, join if overlap else None).reshape(shape)
     return routed(x2, ids, weights, args, spec, out, shared, gate, join=join if overlap else None).reshape(shape)

@@ -24,9 +24,11 @@ EQUAL = (
 # (deepseek_v4: a hash-routed layer, MoESpec.hash_routing, and a top-k one, both rewritten)
 OUTCOME = {
     **{f: ("equal", "") for f in EQUAL},
+    # router and experts siblings in a decoder layer (moecomp.pair): rewritten together, the router reading its own
+    # input (RMS norm, a scale vector, H ** -0.5) and per-expert weight multipliers (MoESpec.router_input, ...)
+    "diffusion_gemma": ("equal", ""),
+    "gemma4": ("equal", ""),
     # the whole block is beyond the spec; its standard experts module runs moe_experts, routing stays HF's
-    "diffusion_gemma": ("experts only", "no separate MoE module"),
-    "gemma4": ("experts only", "no separate MoE module"),
     "inkling": ("experts only", "no router weight"),
     "zaya": ("experts only", "no router weight"),
     # (inkling2 / inkling2_loop: a softcapped SwiGLU, MoESpec.gate_softcap / up_softcap)

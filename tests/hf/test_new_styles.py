@@ -105,10 +105,10 @@ def test_axk1_epilogue():
     assert torch.equal(_run(model, ids), ref)
 
 
-@pytest.mark.parametrize("family,n", [("gemma4", 2), ("zaya", 2), ("inkling", 2),
-                                      ("diffusion_gemma", 2)])
+@pytest.mark.parametrize("family,n", [("zaya", 2), ("inkling", 2)])
 def test_experts_only(family, n):
-    """Routing moecomp cannot express / router in a decoder layer: only the experts module runs moe_experts."""
+    """Routing moecomp cannot express: only the experts module runs moe_experts. (gemma4 / diffusion_gemma, router
+    and experts in a decoder layer, were here until the pair rewrite took them whole: tests/hf/test_pair.py.)"""
     model, _ = F.build_tiny(family)
     ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(9))
     ref = _run(model, ids)
