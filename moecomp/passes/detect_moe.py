@@ -372,6 +372,7 @@ def _spec_fields(r: Routing, ex: Experts, sh: Shared | None, lat: Latent | None 
         shared=sh.spec if sh else None, quant=ex.quant, weight_on_input=ex.weight_on_input,
         latent_size=lat.L if lat else 0, latent_bias=lat is not None and lat.b_in is not None,
         hash_routing=r.hash is not None,
+        shared_gamma="joint_renorm" if r.gamma_rows else "none", has_weight_scale=r.weight_scale is not None,
     )
     if ex.act.alpha is not None:
         fields["activation_alpha"] = ex.act.alpha
@@ -403,6 +404,8 @@ def _bindings(r: Routing, ex: Experts, sh: Shared | None, lat: Latent | None = N
                  w2=ex.w2, b13=ex.b13, b2=ex.b2)
     if r.hash is not None:
         nodes.update(hash_table=r.hash["table"], token_ids=r.hash["tokens"])
+    if r.weight_scale is not None:
+        nodes["weight_scale"] = r.weight_scale
     if sh:
         nodes.update(sh.bind)
     if lat:
