@@ -156,8 +156,11 @@ def stacked_shared(ctx: Context, R, region: set, exclude: frozenset) -> tuple | 
     if not bmms:
         return None
     H = R.H
-    ins = [(n, p) for n, p in bmms if ctx.pshape(p)[2] == H]
+    x_like = {_fx.strip_views_casts(R.x_router)}
+    ins = [(n, p) for n, p in bmms if ctx.pshape(p)[2] == H and _root(arg(n, 0)) in x_like]
     outs = [(n, p) for n, p in bmms if ctx.pshape(p)[1] == H and ctx.pshape(p)[2] != H]
+    if not ins:
+        return None  # no bmm of the block input by stacked weights: not stacked shared experts
     if len(outs) != 1 or len(ins) not in (1, 2):
         raise Reject(f"stacked shared experts: expected one down bmm and one or two input bmms, found "
                      f"{[n.name for n, _ in bmms]}")
@@ -188,3 +191,14 @@ def stacked_shared(ctx: Context, R, region: set, exclude: frozenset) -> tuple | 
     if len(act.names) != 1 or act.clamp:
         raise Reject(f"stacked shared experts: activation {act.names} (clamped: {act.clamp}) not supported")
     return SharedExpertSpec(Is, activation=act.names[0], gated=gated, stacked=S), bind, down
+
+
+def _root(n):
+    """``n`` back through views, casts and ``expand`` (x.reshape(1, T, H).expand(S, T, H))."""
+    while isinstance(n, fx.Node):
+        b = _fx.strip_views_casts(n)
+        if isinstance(b, fx.Node) and op_name(b) in ("expand", "expand_as", "unsqueeze"):
+            n = arg(b, 0)
+            continue
+        return b
+    return n
