@@ -65,11 +65,8 @@ def joint_source(ctx: Context, R, lin: fx.Node, scored: fx.Node | None) -> fx.No
     for g in R.ids.users:
         if op_name(g) != "gather" or arg(g, 1) not in (1, -1):
             continue
-        cs = column_slice(_fx.strip_views_casts(arg(g, 0), views=False))
-        if cs is None or cs[1:] != (0, E):
-            continue
-        base = _fx.strip_views_casts(cs[0], views=False)
-        if base is not lin and base is not scored:
+        head = _columns(arg(g, 0), lin, scored, R.scoring)
+        if head is None or head[1:] != (0, E):
             continue
         for c in g.users:
             if op_name(c) != "cat" or arg(c, 1, "dim", 0) not in (-1, 1):
@@ -77,14 +74,34 @@ def joint_source(ctx: Context, R, lin: fx.Node, scored: fx.Node | None) -> fx.No
             parts = list(arg(c, 0))
             if len(parts) != 2 or parts[0] is not g:
                 continue
-            tail = column_slice(_fx.strip_views_casts(parts[1], views=False))
-            if tail is None or tail[1:] != (E, E + G) or _fx.strip_views_casts(tail[0], views=False) is not base:
+            tail = _columns(parts[1], lin, scored, R.scoring)
+            if tail != (head[0], E, E + G):
                 continue
-            if base is scored:
+            if head[0] == "scores":
                 return c  # scores of both: the renormalisation follows (``_weight_chain``)
             return _scored_joint(c, R)
     raise unsupported_routing(f"the router has {G} rows past the {E} experts the top-k reads, and they are not "
                               "renormalised together with the chosen ones as shared-expert gammas")
+
+
+def _columns(v, lin: fx.Node, scored: fx.Node | None, scoring: str) -> tuple | None:
+    """``v`` (through views / casts) as columns [a, b) of the router's logits or scores: ("logits" | "scores", a, b)
+    for logits[..., a:b], scores[..., a:b] (``scored``: the scoring of the whole output), or score(logits[..., a:b])
+    (the scoring applied to the slice, the same function as the routing's); None otherwise."""
+    v = _fx.strip_views_casts(v, views=False)
+    kind = None
+    if isinstance(v, fx.Node) and op_name(v) == scoring == "sigmoid":
+        kind, v = "scores", _fx.strip_views_casts(arg(v, 0), views=False)
+    cs = column_slice(v)
+    if cs is None:
+        return None
+    base = _fx.strip_views_casts(cs[0], views=False)
+    if base is lin:
+        return (kind or "logits", cs[1], cs[2])
+    if base is scored and scored is not None and kind is None and op_name(scored) == "sigmoid" and \
+            _fx.strip_views_casts(arg(scored, 0), views=False) is lin:
+        return ("scores", cs[1], cs[2])
+    return None
 
 
 def _scored_joint(c: fx.Node, R) -> fx.Node:
@@ -151,7 +168,7 @@ def stacked_shared(ctx: Context, R, region: set, exclude: frozenset) -> tuple | 
         if not (isinstance(w, fx.Node) and op_name(w) in ("transpose", "permute", "mT")):
             continue
         ph = ctx.weight_ph(arg(w, 0), 3)
-        if ph is not None and ph not in (R.router_w,):
+        if ph is not None and ph is not R.router_w and ph not in exclude:
             bmms.append((n, ph))
     if not bmms:
         return None

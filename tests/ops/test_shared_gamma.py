@@ -153,10 +153,15 @@ def test_the_joint_denominator_matters():
 
 
 # ------------------------------------------------------------------------------------------------- the op
+# a learned weight scale alone (no shared gammas): softmax routing, a sigmoid-gated shared expert
+SCALE_ONLY = MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, has_weight_scale=True,
+                     shared=SharedExpertSpec(12, gate="sigmoid"))
+
+
 @pytest.mark.parametrize("T", [1, 3, 40])
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("name", list(SPECS) + ["scale_only"])
 def test_op_matches_reference(cpu_backend, poison, name, T):
-    spec = SPECS[name]
+    spec = SPECS.get(name, SCALE_ONLY)
     args = random_moe_args(spec, T, seed=T)
     ws = _extra(spec, T)
     out = torch.ops.moecomp.moe_forward(*args, spec.key, **ws)

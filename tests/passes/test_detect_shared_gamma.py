@@ -2,9 +2,9 @@
 "joint_renorm", ``SharedExpertSpec.stacked``, ``has_weight_scale``; Inkling's HF form is tests/hf/test_inkling.py),
 spelled differently from Inkling and with other part names: the router a plain ``nn.Linear`` [E + S, H] named
 ``scorer`` in the model dtype; sigmoid scores sliced ``[:, :E]`` (not ``[..., :-S]``); the chosen *scores* gathered and
-concatenated with the shared *scores*, renormalised by ``w / w.sum(-1, keepdim=True)`` (not logsumexp), times a
+concatenated with the shared *scores* (or each part scored on its own slice of the logits, ``narrow``), renormalised by ``w / w.sum(-1, keepdim=True)`` (not logsumexp), times a
 constant and a learned [1] Parameter; the experts in a per-expert gathered ``bmm``; the shared experts stacked in
-three bare Parameters, their gammas applied after the down bmm (Inkling: before it). The pass reads every field from
+three bare Parameters, their gammas applied after the down bmm (or before it, as Inkling). The pass reads every field from
 the graph, the numeric check proves it; the op equals the block. A router whose extra rows are not renormalised
 with the chosen ones is refused.
 
@@ -27,10 +27,10 @@ TOL = 1e-5
 
 
 class GammaMoE(nn.Module):
-    def __init__(self, joint: bool = True, seed: int = 0):
+    def __init__(self, joint: bool = True, seed: int = 0, sliced: bool = False):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        self.joint = joint
+        self.joint, self.sliced = joint, sliced
         self.scorer = nn.Linear(H, E + S, bias=False)
         with torch.no_grad():
             self.scorer.weight.copy_(torch.randn(E + S, H, generator=g) * 0.3)
@@ -45,16 +45,21 @@ class GammaMoE(nn.Module):
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, H)
-        scores = torch.sigmoid(self.scorer(x))
-        ids = torch.topk(scores[:, :E] + self.steer, K, dim=-1).indices
-        chosen = scores[:, :E].gather(1, ids)
+        if self.sliced:  # each part scored on its own slice of the logits
+            logits = self.scorer(x)
+            routed_scores, shared_scores = torch.sigmoid(logits[:, :E]), torch.sigmoid(logits.narrow(-1, E, S))
+        else:
+            scores = torch.sigmoid(self.scorer(x))
+            routed_scores, shared_scores = scores[:, :E], scores[:, E:]
+        ids = torch.topk(routed_scores + self.steer, K, dim=-1).indices
+        chosen = routed_scores.gather(1, ids)
         if self.joint:
-            w = torch.cat([chosen, scores[:, E:]], dim=1)
+            w = torch.cat([chosen, shared_scores], dim=1)
             w = w / w.sum(-1, keepdim=True) * 2.0 * self.gscale
             routed_w, gam = w[:, :K], w[:, K:]
         else:  # the extra rows scored apart: not the joint renormalisation
             routed_w = chosen / chosen.sum(-1, keepdim=True)
-            gam = scores[:, E:]
+            gam = shared_scores
         flat = ids.reshape(-1)
         h = torch.bmm(x.repeat_interleave(K, 0).unsqueeze(1), self.w_in[flat].transpose(1, 2)).squeeze(1)
         gate, up = h.chunk(2, dim=-1)
@@ -62,8 +67,10 @@ class GammaMoE(nn.Module):
         routed = (y.view(-1, K, H) * routed_w.unsqueeze(-1)).sum(1)
         xs = x.unsqueeze(0).expand(S, -1, -1)
         a = F.silu(torch.bmm(xs, self.sh_gate.transpose(1, 2))) * torch.bmm(xs, self.sh_up.transpose(1, 2))
-        ys = torch.bmm(a, self.sh_down.transpose(1, 2))  # [S, T, H]
-        shared = (ys * gam.t().unsqueeze(-1)).sum(0)
+        if self.sliced:  # the gammas before the down bmm (as Inkling)
+            shared = torch.bmm(a * gam.t().unsqueeze(-1), self.sh_down.transpose(1, 2)).sum(0)
+        else:  # after it
+            shared = (torch.bmm(a, self.sh_down.transpose(1, 2)) * gam.t().unsqueeze(-1)).sum(0)
         return (routed + shared).reshape(shape)
 
 
@@ -76,8 +83,9 @@ def _op(block, m, x):
     return torch.ops.moecomp.moe_forward(x, *args[:11], m.spec.key, *args[11:])
 
 
-def test_gamma_block_is_read_and_proven(poison):
-    block = GammaMoE().eval()
+@pytest.mark.parametrize("sliced", [False, True])
+def test_gamma_block_is_read_and_proven(poison, sliced):
+    block = GammaMoE(sliced=sliced).eval()
     m = detect_block(block, torch.randn(2, 5, H))
     s = m.spec
     assert (s.num_experts, s.top_k, s.scoring, s.shared_gamma, s.has_weight_scale, s.routed_scaling_factor) == (
