@@ -72,3 +72,25 @@ def test_optimize_rewrites_inkling_whole(monkeypatch, backend):
         blk.gate.global_scale.div_(1.7)
     assert torch.equal(_logits(model, ids), ref)
 
+
+
+def test_compile_backend_rewrites_inkling(poison):
+    """torch.compile(backend="moecomp") on the whole model: the FX pass rewrites every MoE block in the model's graph
+    (one moe_forward each, nothing rejected), the logits equal the original's."""
+    import torch._dynamo
+
+    model = tiny_inkling(1)
+    n_blocks = sum(type(m).__name__ == "InklingMoE" for m in model.modules())
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(7))
+    torch._dynamo.reset()
+    moecomp.counters.clear()
+    try:
+        with torch.no_grad():
+            want = model(input_ids=ids, use_cache=False).logits
+            got = torch.compile(model, backend="moecomp")(input_ids=ids, use_cache=False).logits
+        c = moecomp.counters
+        assert (c["detect_moe"]["matched"], c["detect_moe"]["rejected"], c["rewrite_moe"]["replaced"]) == (
+            n_blocks, 0, n_blocks), dict(c)
+        assert torch.isfinite(got).all() and rel_err(got, want) <= TOL
+    finally:
+        torch._dynamo.reset()
