@@ -15,6 +15,7 @@ pair leaves :func:`route` with id -1 and weight 0, and the experts loop never me
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -182,14 +183,25 @@ def route_with_gammas(
         return (w if ws is None else finite_weights(w * ws)), ids, None
     R = spec.router_width
     lg = sanitize_logits(logits.to(acc))
-    raw = spec.replace(shared_gamma="none", renormalize=False, routed_scaling_factor=1.0, has_weight_scale=False)
-    w, ids = route(lg[:, :R], correction_bias, raw, acc, ids=ids, group=group)  # the chosen scores, as they are
+    w, ids = route(lg[:, :R], correction_bias, _unscaled(spec), acc, ids=ids, group=group)  # the chosen scores
     both = torch.cat([w, score(lg[:, R:R + G], spec.scoring)], dim=-1)  # [T, k + G]
     both = renorm_and_scale(both, spec)
     if ws is not None:
         both = both * ws
     both = finite_weights(both)
     return both[:, : spec.top_k], ids, both[:, spec.top_k:]
+
+
+@functools.lru_cache(maxsize=64)
+def _unscaled(spec: MoESpec) -> MoESpec:
+    """``spec``'s routing without the renormalisation, scaling and gammas: the chosen experts' scores as they are."""
+    return spec.replace(shared_gamma="none", renormalize=False, routed_scaling_factor=1.0, has_weight_scale=False)
+
+
+@functools.lru_cache(maxsize=64)
+def _one_shared(spec: MoESpec) -> MoESpec:
+    """``spec`` with one 2-D shared expert and no gammas: what each of its stacked shared experts computes."""
+    return spec.replace(shared=dataclasses.replace(spec.shared, stacked=0), shared_gamma="none")
 
 
 def sparsemixer(logits: torch.Tensor, k: int, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -422,7 +434,7 @@ def shared_experts(x: torch.Tensor, shared_w1, shared_w3, shared_w2, shared_gate
     sh = spec.shared
     if sh.stacked or gammas is not None:
         out = torch.zeros(x.shape, dtype=acc, device=x.device)
-        one = spec.replace(shared=dataclasses.replace(sh, stacked=0), shared_gamma="none")
+        one = _one_shared(spec)
         for s in range(sh.count):
             pick = (lambda t: None if t is None else t[s]) if sh.stacked else (lambda t: t)
             y = shared_experts(x, pick(shared_w1), pick(shared_w3), pick(shared_w2), None, one, acc)
