@@ -10,7 +10,9 @@ output, e.g. ``MixtralSparseMoeBlock`` or ``DeepseekV3MoE``. It is recognised by
   layout);
 * a *router*: a 2-D weight ``[E, H]`` in the block (outside experts and shared experts), at most two levels deep
   (``gate.weight``, ``router.weight``, ``gate.wg.weight``, ``router.gate.weight``...);
-* optionally shared experts (a dense MLP child) and their sigmoid gate (a ``Linear(H, 1)``);
+* optionally shared experts (a dense MLP child, or S MLPs stacked in one module's 3-D [S, I, H] / [S, H, I]
+  Parameters) and their sigmoid gate (a ``Linear(H, 1)``); a router of ``[E + G, H]`` when there are G shared
+  experts (its last G rows their gammas, ``MoESpec.shared_gamma``: ``BlockParts.gamma_rows``);
 * where the 3-D expert weights work on a width L other than the router's H: latent projections, one linear child
   of weight [L, H] (into the experts) and one of [H, L] (out of them), found by their shapes (NemotronH's
   ``moe_latent_size``: ``MoESpec.latent_size``).
