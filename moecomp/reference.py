@@ -16,6 +16,8 @@ The router's own input (``spec.router_input`` / ``router_norm`` / ``router_in_sc
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import torch
@@ -167,6 +169,46 @@ def route(
     return finite_weights(weights), ids
 
 
+def route_with_gammas(
+    logits: torch.Tensor, correction_bias: torch.Tensor | None, spec: MoESpec, acc=torch.float32,
+    weight_scale: torch.Tensor | None = None, ids: torch.Tensor | None = None, group: int | None = None,
+    expert_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`route`, plus what ``shared_gamma`` and ``has_weight_scale`` add: (weights [T, k], ids [T, k], gammas
+    [T, G] or None), in ``acc``. logits [T, R (+ G)]: with ``shared_gamma`` "joint_renorm" the last G
+    (``spec.gamma_rows``) columns are the shared experts' logits, scored like the routed ones; the k chosen scores
+    and the G shared ones are renormalised together (one denominator, ``max(sum + renorm_eps, renorm_min)``) and
+    all times ``routed_scaling_factor``; then everything times ``weight_scale`` (a [1] tensor) where the spec has
+    one. Rows with NaN / inf logits follow the routing contract (NaN -> -inf, so a NaN shared logit weighs 0).
+    ``expert_scale``: as in :func:`route` (the spec checks refuse it together with gammas)."""
+    G = spec.gamma_rows
+    ws = None if not spec.has_weight_scale else weight_scale.to(acc).reshape(())
+    if not G:
+        w, ids = route(logits, correction_bias, spec, acc, ids=ids, group=group, expert_scale=expert_scale)
+        return (w if ws is None else finite_weights(w * ws)), ids, None
+    R = spec.router_width
+    lg = sanitize_logits(logits.to(acc))
+    w, ids = route(lg[:, :R], correction_bias, _unscaled(spec), acc, ids=ids, group=group)  # the chosen scores
+    both = torch.cat([w, score(lg[:, R:R + G], spec.scoring)], dim=-1)  # [T, k + G]
+    both = renorm_and_scale(both, spec)
+    if ws is not None:
+        both = both * ws
+    both = finite_weights(both)
+    return both[:, : spec.top_k], ids, both[:, spec.top_k:]
+
+
+@functools.lru_cache(maxsize=64)
+def _unscaled(spec: MoESpec) -> MoESpec:
+    """``spec``'s routing without the renormalisation, scaling and gammas: the chosen experts' scores as they are."""
+    return spec.replace(shared_gamma="none", renormalize=False, routed_scaling_factor=1.0, has_weight_scale=False)
+
+
+@functools.lru_cache(maxsize=64)
+def _one_shared(spec: MoESpec) -> MoESpec:
+    """``spec`` with one 2-D shared expert and no gammas: what each of its stacked shared experts computes."""
+    return spec.replace(shared=dataclasses.replace(spec.shared, stacked=0), shared_gamma="none")
+
+
 def sparsemixer(logits: torch.Tensor, k: int, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """PhiMoE's eval-mode routing (the formula in ``moecomp.spec``): sanitised logits [T, E] -> (weights [T, k] in
     the logits' dtype, ids [T, k] int64), k rounds over the experts not taken yet. Round j takes the largest free
@@ -225,8 +267,8 @@ def near_tie_tokens(x2: torch.Tensor, router_w, router_b, correction_bias, spec:
     Each expert's choice value gets an interval [lo, hi] over that logit range (scores are monotone in their logit;
     softmax moves by at most a factor e^(+-2 delta)); a selection is near a tie when the worst chosen lower bound does
     not clear the best unchosen upper bound."""
-    if spec.fused_shared_gate:
-        router_w = router_w[: spec.num_experts]
+    if spec.fused_shared_gate or spec.gamma_rows:  # the gate / gamma rows take no part in the selection
+        router_w = router_w[: spec.router_width]
     logits = router_logits(x2, router_w, router_b, spec).float()  # [T, E], rounded like the block's own router
     T, k = logits.shape[0], spec.top_k
     d = rel * logits.abs().amax(-1, keepdim=True)  # [T, 1]
@@ -405,8 +447,18 @@ def _gate_up(h: torch.Tensor, spec: MoESpec) -> torch.Tensor:
 
 
 def shared_experts(x: torch.Tensor, shared_w1, shared_w3, shared_w2, shared_gate_w, spec: MoESpec, acc=torch.float32,
-                   shared_w1_scale=None, shared_w3_scale=None, shared_w2_scale=None):
+                   shared_w1_scale=None, shared_w3_scale=None, shared_w2_scale=None, gammas=None):
+    """The shared experts' sum: x [T, H] -> [T, H] in ``acc``. Stacked (``shared.stacked`` = S): expert s reads
+    the s-th matrices, and its output is times ``gammas[:, s]`` where given ([T, S], ``shared_gamma``)."""
     sh = spec.shared
+    if sh.stacked or gammas is not None:
+        out = torch.zeros(x.shape, dtype=acc, device=x.device)
+        one = _one_shared(spec)
+        for s in range(sh.count):
+            pick = (lambda t: None if t is None else t[s]) if sh.stacked else (lambda t: t)
+            y = shared_experts(x, pick(shared_w1), pick(shared_w3), pick(shared_w2), None, one, acc)
+            out += y if gammas is None else y * gammas[:, s : s + 1].to(acc)
+        return out
     if sh.quant is not None:
         return _shared_quantized(x, shared_w1, shared_w3, shared_w2, shared_gate_w, spec, acc, shared_w1_scale,
                                  shared_w3_scale, shared_w2_scale)
@@ -499,7 +551,7 @@ _QUANT_NAMES = ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "shared_w1_sca
 _LATENT_NAMES = ("latent_in_w", "latent_in_b", "latent_out_w", "latent_out_b")
 _HASH_NAMES = ("hash_table", "token_ids")
 _ROUTER_IN_NAMES = ("router_x", "router_in_scale", "expert_scale")
-_EXTRA_NAMES = _QUANT_NAMES + _LATENT_NAMES + _HASH_NAMES + _ROUTER_IN_NAMES
+_EXTRA_NAMES = _QUANT_NAMES + _LATENT_NAMES + _HASH_NAMES + _ROUTER_IN_NAMES + ("weight_scale",)
 
 
 def moe_forward(
@@ -534,10 +586,11 @@ def moe_forward(
     logits = router_logits(r2, router_w, router_b, spec)  # [T, E]
     h = _pick(extra, *_HASH_NAMES)
     given = hash_ids(h["hash_table"], h["token_ids"]) if spec.hash_routing else None
-    weights, ids = route(logits, correction_bias, spec, acc, ids=given, group=group_size(shape, spec),
-                         expert_scale=ri["expert_scale"])
+    weights, ids, gammas = route_with_gammas(logits, correction_bias, spec, acc, extra.get("weight_scale"), ids=given,
+                                             group=group_size(shape, spec), expert_scale=ri["expert_scale"])
     if spec.round_weights:
         weights = round_weights(weights, x.dtype)
+        gammas = None if gammas is None else round_weights(gammas, x.dtype)
     lat = _pick(extra, *_LATENT_NAMES)
     # latent: the projections' inputs rounded to x's dtype, as the model's linears (and the op) see them
     xe = latent_in(x2, lat["latent_in_w"], lat["latent_in_b"], acc).to(x.dtype) if spec.latent_size else x2
@@ -547,5 +600,6 @@ def moe_forward(
         out = latent_out(out.to(x.dtype), lat["latent_out_w"], lat["latent_out_b"], acc)  # [T, H]
     if spec.shared is not None:
         out = out + shared_experts(x2, shared_w1, shared_w3, shared_w2, shared_gate_w, spec, acc,
-                                   **_pick(extra, "shared_w1_scale", "shared_w3_scale", "shared_w2_scale"))
+                                   **_pick(extra, "shared_w1_scale", "shared_w3_scale", "shared_w2_scale"),
+                                   gammas=gammas)
     return out.to(x.dtype).reshape(shape)

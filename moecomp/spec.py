@@ -71,6 +71,19 @@ What a block computes, in terms of the spec (T tokens, H hidden, E experts, k = 
                before the output projection and its bias; zero experts add weights * xl, weight_on_input scales xl.
                xl (the experts' input) and routed (the output projection's) are rounded to x's dtype, as the
                model's linears return them.
+    stacked shared experts (shared.stacked = S > 0, Inkling): S shared experts whose weights are stacked
+               [S, ...] (shared_w1 [S, Is, H] ..., read in place); shared(x) = sum_s gamma_s * shared_s(x), gamma 1
+               unless the router gives them:
+    shared gammas (shared_gamma = "joint_renorm", Inkling): router_w is [E + G, H] (G = shared.count: S, or 1 with
+               one 2-D shared expert), its last G rows the shared experts' logits, scored like the routed ones
+               (sigmoid / sqrtsoftplus); the top-k runs over the E routed ones as above, then the k chosen scores and
+               the G shared ones are renormalised TOGETHER:
+               d        = max(sum_k scores[ids] + sum_g score(l_g) + renorm_eps, renorm_min)
+               weights  = scores[ids] / d * routed_scaling       gamma_g = score(l_g) / d * routed_scaling
+               out      = sum_k weights * y + sum_g gamma_g * shared_g(x)     (no sigmoid shared gate with it)
+               (round_weights rounds the gammas too.)
+    weight scale (has_weight_scale): the op's ``weight_scale`` tensor [1] (a learned scalar, read at every call)
+               multiplies the routing weights (and gammas) after routed_scaling: weights * routed_scaling * ws.
 
 Quantized weights (``quant``, a ``QuantSpec``; ``SharedExpertSpec.quant`` for the shared experts): the op reads the
 quantized tensors and their scales as they are stored; what a GEMM computes is
@@ -193,8 +206,33 @@ class SharedExpertSpec:
     quant: QuantSpec | None = None  # quantized shared-expert weights (layout "separate" or ungated)
     gate_softcap: float = 0.0  # gated silu: its linear gate factor capped, cg * tanh(g / cg) (MoESpec); 0: none
     up_softcap: float = 0.0  # gated silu: up capped, cu * tanh(u / cu); 0: none
+    stacked: int = 0  # S > 0: S shared experts stored stacked [S, ...] (Inkling), their outputs summed; 0: one, 2-D
+
+    @property
+    def count(self) -> int:
+        """How many shared experts: ``stacked`` (S), or 1 with 2-D weights."""
+        return self.stacked or 1
+
+    def weight_shapes(self, H: int) -> dict[str, tuple[int, ...]]:
+        """{argument: shape} of the shared experts' weights (a leading [S] with ``stacked``)."""
+        Is = self.intermediate_size
+        if self.gated and self.layout == "concat":
+            shapes = {"shared_w1": (2 * Is, H)}
+        elif self.gated:
+            shapes = {"shared_w1": (Is, H), "shared_w3": (Is, H)}
+        else:
+            shapes = {"shared_w3": (Is, H)}
+        shapes["shared_w2"] = (H, Is)
+        lead = (self.stacked,) if self.stacked else ()
+        return {n: lead + s for n, s in shapes.items()}
 
     def validate(self) -> None:
+        S = self.stacked
+        if isinstance(S, bool) or not isinstance(S, int) or S < 0:
+            raise SpecError(f"shared expert stacked must be an int >= 0 (0: one expert, 2-D weights), got {S!r}")
+        if S and (self.quant is not None or self.gate != "none"):
+            raise SpecError(f"stacked shared experts (stacked={S}) are not supported quantized or with a sigmoid "
+                            "gate (no block is known to have them)")
         if self.quant is not None:
             self.quant.validate("shared expert ")
             if self.gated and self.layout != "separate":
@@ -273,6 +311,9 @@ class MoESpec:
     router_in_scale: bool = False  # the router's input is multiplied by the op's router_in_scale [H]
     router_in_const: float = 1.0  # ... and by this constant (after the norm and the scale vector)
     expert_scale: bool = False  # routing weights times the op's expert_scale [E (+ Z)] at their ids
+    # --- shared-expert gammas from the router (Inkling); a learned scale of the routing weights ---
+    shared_gamma: str = "none"  # "joint_renorm": router_w has G = shared.count more rows, renormalised with the k
+    has_weight_scale: bool = False  # routing weights (and gammas) times the op's weight_scale tensor [1]
 
     def __post_init__(self) -> None:
         self.validate()
@@ -318,6 +359,11 @@ class MoESpec:
     def capacity_for(self, tokens: int) -> int:
         """The capacity of each expert in a group of ``tokens`` tokens (``has_capacity`` only)."""
         return self.capacity if self.capacity else math.ceil(self.capacity_factor * tokens)
+
+    @property
+    def gamma_rows(self) -> int:
+        """Router rows past the routed ones that give the shared experts' gammas (``shared_gamma``): G or 0."""
+        return self.shared.count if self.shared_gamma != "none" and self.shared is not None else 0
 
     @property
     def router_width(self) -> int:
@@ -420,12 +466,17 @@ class MoESpec:
                      + (f"*{self.router_in_const:.4g} " if self.router_in_const != 1.0 else "")) + route
         if self.expert_scale:
             route += " *s[e]"
+        if self.shared_gamma != "none":
+            route += f" +{self.gamma_rows} shared gammas ({self.shared_gamma})"
+        if self.has_weight_scale:
+            route += " x weight_scale"
         if self.has_capacity:
             route += f" cap {self.capacity or f'{self.capacity_factor:g}T'}/{self.capacity_per}" + (
                 " renorm-kept" if self.renorm_after_drop else "")
         sh = ""
         if self.shared is not None:
-            sh = f", shared I={self.shared.intermediate_size}" + (" gated" if self.shared.gate != "none" else "") + (
+            sh = f", shared I={self.shared.intermediate_size}" + (
+                f" x{self.shared.stacked} stacked" if self.shared.stacked else "") + (" gated" if self.shared.gate != "none" else "") + (
                 f" x{self.shared.scale:g}" if self.shared.scale != 1.0 else "")
         act = self.activation + ("*up" if self.gated and self.activation != "swiglu_oai" else "")
         if self.latent_size:

@@ -18,6 +18,7 @@ QUANT_SCALES = ("block", "channel", "tensor")
 SCALE_DTYPES = ("fp32", "ue8m0")  # ue8m0: powers of two stored as a biased exponent byte (torch.float8_e8m0fnu)
 QUANT_ACTIVATIONS = ("dynamic", "static", "none")
 CAPACITY_PER = ("call", "sequence")
+SHARED_GAMMAS = ("none", "joint_renorm")  # where the shared experts' output scales come from (MoESpec.shared_gamma)
 FP8_MAX = 448.0  # largest finite e4m3 (float8_e4m3fn) value
 
 
@@ -35,6 +36,7 @@ def validate_moe(spec: MoESpec) -> None:
     _check_capacity(spec)
     _check_latent(spec)
     _check_router_input(spec)
+    _check_shared_gamma(spec)
     if not 1 <= k <= spec.router_width:
         raise SpecError(f"top_k must be in [1, num_experts={E}"
                         + (f" + zero_experts={spec.zero_experts}" if spec.zero_experts else "") + f"], got {k}")
@@ -160,6 +162,38 @@ def _check_capacity(spec: MoESpec) -> None:
                       ("weight_on_input", spec.weight_on_input), ("latent experts (latent_size)", spec.latent_size)):
         if bad:
             raise SpecError(f"an expert capacity with {name} is not supported (no block is known to have both)")
+
+
+def _check_shared_gamma(spec: MoESpec) -> None:
+    """``shared_gamma`` "joint_renorm" (Inkling): G = shared.count router rows after the routed ones, scored like
+    them (an elementwise scoring), renormalised together with the k chosen; only with plain renormalised top-k
+    routing and ungated shared experts. ``has_weight_scale``: a bool, not with an expert capacity (its drop
+    renormalises apart)."""
+    if not isinstance(spec.has_weight_scale, bool):
+        raise SpecError(f"has_weight_scale must be a bool, got {spec.has_weight_scale!r}")
+    if spec.has_weight_scale and spec.has_capacity:
+        raise SpecError("has_weight_scale with an expert capacity is not supported (no block is known to have both)")
+    g = spec.shared_gamma
+    if g not in SHARED_GAMMAS:
+        raise SpecError(f"shared_gamma={g!r} is not one of {SHARED_GAMMAS}")
+    if g == "none":
+        return
+    if spec.shared is None or spec.shared.gate != "none":
+        raise SpecError(f"shared_gamma={g!r} needs shared experts without a sigmoid gate (the gammas scale them)")
+    if spec.scoring not in ("sigmoid", "sqrtsoftplus") or spec.score_order != "score_then_topk":
+        raise SpecError(f"shared_gamma={g!r} needs an elementwise scoring (sigmoid, sqrtsoftplus) with "
+                        f"score_order 'score_then_topk', got {spec.scoring!r} / {spec.score_order!r}")
+    if not spec.renormalize:
+        raise SpecError(f"shared_gamma={g!r} renormalises the gammas with the routing weights: needs renormalize")
+    for name, bad in (("fused_shared_gate", spec.fused_shared_gate), ("a router bias", spec.has_router_bias),
+                      ("zero_experts", spec.zero_experts > 0), ("hash_routing", spec.hash_routing),
+                      ("an expert capacity", spec.has_capacity), ("latent experts", spec.latent_size > 0),
+                      ("weight_on_input", spec.weight_on_input), ("per-expert weight scales (expert_scale)",
+                                                                  spec.expert_scale),
+                      ("a router prefix (router_input / router_norm / router_in_scale / router_in_const)",
+                       spec.router_prefix)):
+        if bad:
+            raise SpecError(f"shared_gamma={g!r} with {name} is not supported (no block is known to have both)")
 
 
 def _check_latent(spec: MoESpec) -> None:

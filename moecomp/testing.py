@@ -33,7 +33,7 @@ def random_moe_args(
     shapes = spec.expert_weight_shapes()
     t = dict.fromkeys(MOE_ARGS)
     x = rnd(T, H, scale=1.0)
-    t["router_w"] = rnd(E, H, scale=1.0 / H**0.5 * 2)
+    t["router_w"] = rnd(E + spec.gamma_rows, H, scale=1.0 / H**0.5 * 2)  # + the shared experts' gamma rows
     if spec.has_router_bias:
         t["router_b"] = rnd(E, scale=0.5)
     if spec.has_correction_bias:
@@ -43,17 +43,19 @@ def random_moe_args(
             t[name] = rnd(*shapes[name], scale=std if name.startswith("w") else 0.5)
     sh = spec.shared
     if sh is not None:
-        Is = sh.intermediate_size
-        if sh.gated and sh.layout == "concat":
-            t["shared_w1"] = rnd(2 * Is, H)
-        elif sh.gated:
-            t["shared_w1"], t["shared_w3"] = rnd(Is, H), rnd(Is, H)
-        else:
-            t["shared_w3"] = rnd(Is, H)
-        t["shared_w2"] = rnd(H, Is)
+        for name, shape in sh.weight_shapes(H).items():  # [S, ...] when stacked
+            t[name] = rnd(*shape)
         if sh.gate == "sigmoid":
             t["shared_gate_w"] = rnd(1, H, scale=1.0 / H**0.5)
     return (x,) + tuple(t[n] for n in MOE_ARGS)
+
+
+def random_weight_scale(spec: MoESpec, device: str | torch.device = "cpu", seed: int = 0) -> dict:
+    """{"weight_scale": a [1] fp32 tensor in [0.5, 1.5)} with ``spec.has_weight_scale``, else {} (an op keyword)."""
+    if not spec.has_weight_scale:
+        return {}
+    g = torch.Generator().manual_seed(seed)
+    return {"weight_scale": (torch.rand(1, generator=g) + 0.5).to(device)}
 
 
 def random_latent_args(spec: MoESpec, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

@@ -85,8 +85,8 @@ def _verify(block, spec, bindings, derived, run, consts, notes: list | None = No
     y = _run_op(block, spec, bindings, derived, x, kw)
     err = err_with_ties(block, spec, bindings, derived, x, y, ref, notes, kw)
     tol = policy.verify_tolerance(x.dtype, spec)
-    if err <= tol or spec.weight_on_input:  # weights on the expert input: the routed output is not linear in them
-        return spec, err
+    if err <= tol or spec.weight_on_input or spec.gamma_rows:  # weights on the expert input: the routed output is
+        return spec, err  # not linear in them; shared gammas: the routed scale scales the shared experts too
     # routed output scaled outside the router (e.g. `experts(...) * routed_scaling_factor` in the block)
     spec1 = spec.replace(routed_scaling_factor=1.0)
     routed = _run_op(block, spec1.replace(shared=None), {**bindings, **{k: None for k in OP_ARGS if

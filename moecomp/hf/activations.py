@@ -278,8 +278,8 @@ def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> s
                      (sh.gate_softcap, sh.up_softcap), "shared expert"))
     for mp, act, clamp, alpha, limit, caps, where in mlps:
         mod = get_path(block, mp.path)
-        if any(p.device.type == "meta" for p in mod.parameters()):
-            continue
+        if any(p.device.type == "meta" for p in mod.parameters()) or getattr(mp, "stacked", 0):
+            continue  # (stacked shared experts take their gammas as an argument: the block-level check covers them)
         x = _mlp_probe_input(block, mp)
         try:
             with torch.no_grad():

@@ -56,12 +56,16 @@ def _own(m: nn.Module) -> list[torch.Tensor]:
 
 def _stacked_ok(ts: list, E: int, H: int) -> bool:
     """Two or more 3-D weights [E', a, b] (a, b > 1, one of them H) whose expert counts fit a router of E outputs:
-    one of them E, or all in (E / 2, E]."""
-    ts = [t for t in ts if t.dim() == 3 and 2 <= t.shape[0] <= E and min(t.shape[1:]) > 1]
-    if len(ts) < 2 or not any(H in t.shape[1:] for t in ts):
+    one of them E, or all in (E / 2, E], or two different counts that add up to E (E' routed experts and S stacked
+    shared experts whose gammas the router's last S rows give: ``MoESpec.shared_gamma``)."""
+    ts = [t for t in ts if t.dim() == 3 and 1 <= t.shape[0] <= E and min(t.shape[1:]) > 1]
+    many = [t for t in ts if t.shape[0] >= 2]
+    if len(many) < 2 or not any(H in t.shape[1:] for t in many):
         return False
-    lead = {t.shape[0] for t in ts}
-    return E in lead or min(lead) * 2 > E
+    lead = {t.shape[0] for t in many}
+    if E in lead or min(lead) * 2 > E:
+        return True
+    return any(a + t.shape[0] == E and a != t.shape[0] for a in lead for t in ts)  # routed + stacked shared
 
 
 def _expert_tensors(ms: list, E: int, H: int) -> bool:

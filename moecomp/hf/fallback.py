@@ -299,6 +299,10 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
     if parts.kind == "structural":
         raise FallbackError(f"the attribute reader names per-expert parts and knows none of {parts.experts!r}'s "
                             "(found by shapes: only the FX pass reads such a block)", RejectCode.NOT_RECOGNISED)
+    if parts.gamma_rows or (parts.shared is not None and parts.shared.stacked):
+        raise FallbackError(f"router {parts.router_weight!r} has {parts.gamma_rows} rows past the {parts.num_experts} "
+                            "experts (shared-expert gammas) or the shared experts are stacked: what those rows "
+                            "compute is read from the graph (the FX pass), not from names", RejectCode.NOT_RECOGNISED)
     sources = attr_sources(block, parts)
     notes = []
     E, H, I = parts.num_experts, parts.hidden_size, parts.intermediate_size

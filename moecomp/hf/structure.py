@@ -10,7 +10,9 @@ output, e.g. ``MixtralSparseMoeBlock`` or ``DeepseekV3MoE``. It is recognised by
   layout);
 * a *router*: a 2-D weight ``[E, H]`` in the block (outside experts and shared experts), at most two levels deep
   (``gate.weight``, ``router.weight``, ``gate.wg.weight``, ``router.gate.weight``...);
-* optionally shared experts (a dense MLP child) and their sigmoid gate (a ``Linear(H, 1)``);
+* optionally shared experts (a dense MLP child, or S MLPs stacked in one module's 3-D [S, I, H] / [S, H, I]
+  Parameters) and their sigmoid gate (a ``Linear(H, 1)``); a router of ``[E + G, H]`` when there are G shared
+  experts (its last G rows their gammas, ``MoESpec.shared_gamma``: ``BlockParts.gamma_rows``);
 * where the 3-D expert weights work on a width L other than the router's H: latent projections, one linear child
   of weight [L, H] (into the experts) and one of [H, L] (out of them), found by their shapes (NemotronH's
   ``moe_latent_size``: ``MoESpec.latent_size``).
@@ -59,6 +61,7 @@ class MLPParts:
     up_bias: str | None = None
     down_bias: str | None = None
     intermediate_size: int = 0
+    stacked: int = 0  # S > 0: S experts' weights stacked [S, out, in] (3-D Parameters of one module, Inkling)
 
 
 @dataclass
@@ -94,6 +97,7 @@ class BlockParts:
     latent_out: str | None = None
     latent_out_bias: str | None = None
     extra_modules: list[str] = field(default_factory=list)  # parameterised children nothing above explains
+    gamma_rows: int = 0  # router rows past the E experts: the shared experts' gammas (router [E + G, H], Inkling)
 
     def submodule_paths(self, block: nn.Module | None = None) -> list[str]:
         """Modules the original forward calls and whose hooks must keep firing: router, experts, shared experts
@@ -318,12 +322,42 @@ def _fill_latent(parts: BlockParts, block: nn.Module, L: int) -> bool:
     return True
 
 
+def stacked_mlp_parts(m: nn.Module, path: str, hidden: int | None) -> MLPParts | None:
+    """S dense MLPs stacked in one module: 3-D gate / up [S, I, H] and down [S, H, I] Parameters (Inkling's shared
+    experts), by the MLP names; None otherwise."""
+    if not isinstance(m, nn.Module) or isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+        return None
+    t = _owned_tensors(m)
+    pre = f"{path}." if path else ""
+    for g, u, d in MLP_NAMES:
+        G, U, D = t.get(g), t.get(u), t.get(d)
+        if G is None or U is None or D is None or G.dim() != 3:
+            continue
+        S, I, H = G.shape
+        if U.shape != (S, I, H) or tuple(D.shape) != (S, H, I) or (hidden is not None and H != hidden):
+            return None
+        return MLPParts(path, True, False, f"{pre}{g}", f"{pre}{u}", f"{pre}{d}", intermediate_size=I, stacked=S)
+    return None
+
+
+def _shared_count(block: nn.Module, experts_name: str) -> int:
+    """How many shared experts a shared-expert child holds (S stacked, or 1), 0 without one."""
+    for name in SHARED_NAMES:
+        child = block._modules.get(name)
+        if child is None or name == experts_name:
+            continue
+        sp = stacked_mlp_parts(child, name, None) or mlp_parts(child, name, None)
+        if sp is not None:
+            return sp.stacked or 1
+    return 0
+
+
 def _fill_shared(block: nn.Module, parts: BlockParts, taken: set) -> None:
     """The shared expert MLP and its sigmoid gate, found by name among the block's children (added to ``taken``)."""
     H = parts.hidden_size
     for name in SHARED_NAMES:
         child = block._modules.get(name)
-        sp = mlp_parts(child, name, H) if child is not None else None
+        sp = (stacked_mlp_parts(child, name, H) or mlp_parts(child, name, H)) if child is not None else None
         if sp is not None:
             parts.shared = sp
             taken.add(name)
@@ -341,13 +375,17 @@ def find_parts(block: nn.Module) -> BlockParts:
     experts_name, experts, fused, mlps = _experts_of(block)
     E = getattr(experts, fused[0]).shape[0] if fused is not None else len(mlps)
     router = _find_router(block, experts_name, E)  # the router pins H
+    gamma_rows = 0
+    if router is None:  # a router with one more row per shared expert (their gammas): [E + G, H]
+        gamma_rows = _shared_count(block, experts_name)
+        router = _find_router(block, experts_name, E + gamma_rows) if gamma_rows else None
     if router is None:
         raise NotABlock(f"experts {experts_name!r} ({E} experts) but no router weight [{E}, H] next to them (the "
                         f"router is not one linear map of the hidden states)")
     router_w_path, router_mod_path, H = router
     parts = BlockParts(experts=experts_name, kind="fused" if fused else "modulelist", num_experts=E,
                        hidden_size=H, intermediate_size=0, router_weight=router_w_path,
-                       router_module=router_mod_path)
+                       router_module=router_mod_path, gamma_rows=gamma_rows)
     rb = getattr(get_path(block, router_mod_path), "bias", None)
     if isinstance(rb, torch.Tensor) and tuple(rb.shape) == (E,):
         parts.router_bias = f"{router_mod_path}.bias" if router_mod_path else "bias"

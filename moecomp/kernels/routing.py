@@ -14,6 +14,9 @@ Rows with NaN / inf logits follow the routing contract stated in ``moecomp.refer
 weights finite (NaN -> 0, clamped). Rows of finite logits route exactly as before. Group-limited selection keeps the TOPK_GROUP best of
 N_GROUP contiguous groups, a group scored by its top-2 sum (or its max): on a [BLOCK_T, N_GROUP, GROUP_SIZE] view of
 the tile when the experts fill it exactly (GROUP_3D), else by one masked pass per group.
+N_GAMMA (``MoESpec.shared_gamma``, Inkling): the row holds N_GAMMA shared experts' logits after the E routed ones;
+scored alike, they join the renormalisation's sum and are written, scaled and rounded like the weights, to
+``gammas_ptr`` [T, N_GAMMA]. HAS_WSCALE: both times the [1] tensor at ``wscale_ptr`` after ``scaling``.
 HASH (``MoESpec.hash_routing``, DeepSeek-V4): no selection; slot j's id is ``table[tok[t], j]`` and its weight the
 score there (then renorm / scale / rounding as above). HAS_ESCALE (``MoESpec.expert_scale``): each weight times
 ``escale[id]`` after the scaling, before the rounding. Memory safety without a host check: the token id is clamped
@@ -108,6 +111,11 @@ def route_topk_kernel(
     HASH: tl.constexpr = False,
     escale_ptr=None,  # HAS_ESCALE: [E] per-expert multipliers of the weights (MoESpec.expert_scale)
     HAS_ESCALE: tl.constexpr = False,
+    gammas_ptr=None,  # N_GAMMA > 0: [T, N_GAMMA] fp32 out, the shared experts' gammas
+    wscale_ptr=None,  # HAS_WSCALE: [1] the routing weights' learned scale (any float dtype)
+    N_GAMMA: tl.constexpr = 0,  # shared_gamma "joint_renorm": the logits row holds N_GAMMA more after the E
+    GAM_PAD: tl.constexpr = 1,
+    HAS_WSCALE: tl.constexpr = False,
 ):
     pdl.enter(USE_PDL)
     pid = tl.program_id(0)
@@ -217,13 +225,36 @@ def route_topk_kernel(
             m = tl.max(tl.where(k_ok[None, :], top_w, neg), axis=1)
             p = tl.where(k_ok[None, :], tl.exp(top_w - m[:, None]), 0.0)
             top_w = p / tl.sum(p, axis=1)[:, None]
+    if N_GAMMA > 0:  # the shared experts' logits after the E routed ones, scored alike (elementwise scorings)
+        offs_s = tl.arange(0, GAM_PAD)
+        s_ok = offs_s < N_GAMMA
+        g_ptrs = logits_ptr + offs_t[:, None].to(tl.int64) * stride_lt + E + offs_s[None, :]
+        gl = tl.load(g_ptrs, mask=t_ok[:, None] & s_ok[None, :], other=0.0).to(tl.float32)
+        gl = tl.where(gl != gl, neg, tl.minimum(gl, FLT_MAX))
+        if SCORING == 1:
+            gam = tl.sigmoid(gl)
+        else:
+            gam = tl.sqrt(_softplus(gl))
+        gam = tl.where(s_ok[None, :], gam, 0.0)
     if RENORM:
-        denom = tl.sum(tl.where(k_ok[None, :], top_w, 0.0), axis=1) + renorm_eps
+        denom = tl.sum(tl.where(k_ok[None, :], top_w, 0.0), axis=1)
+        if N_GAMMA > 0:  # renormalised together with the k chosen (MoESpec.shared_gamma)
+            denom = denom + tl.sum(gam, axis=1)
+        denom = denom + renorm_eps
         denom = tl.where(renorm_min > 0, tl.maximum(denom, renorm_min), denom)
         top_w = top_w / denom[:, None]
+        if N_GAMMA > 0:
+            gam = gam / denom[:, None]
     top_w = top_w * scaling
     if HAS_ESCALE:  # weights times the per-expert multiplier at their ids (padding slots read expert 0, unused)
         top_w = top_w * tl.load(escale_ptr + top_ids, mask=k_ok[None, :], other=0.0).to(tl.float32)
+    if N_GAMMA > 0:
+        gam = gam * scaling
+    if HAS_WSCALE:
+        wsc = tl.load(wscale_ptr).to(tl.float32)
+        top_w = top_w * wsc
+        if N_GAMMA > 0:
+            gam = gam * wsc
     # finite weights: NaN (0 / 0, a softmax over no finite logit) -> 0, +-inf -> +-the largest value of the dtype
     # the weights are rounded to (FLT_MAX, or bf16's / fp16's with ROUND_TO)
     if ROUND_TO == 1:
@@ -232,6 +263,16 @@ def route_topk_kernel(
         top_w = _finite(top_w, FP16_MAX).to(tl.float16).to(tl.float32)
     else:
         top_w = _finite(top_w, FLT_MAX)
+
+    if N_GAMMA > 0:
+        if ROUND_TO == 1:
+            gam = _finite(gam, BF16_MAX).to(tl.bfloat16).to(tl.float32)
+        elif ROUND_TO == 2:
+            gam = _finite(gam, FP16_MAX).to(tl.float16).to(tl.float32)
+        else:
+            gam = _finite(gam, FLT_MAX)
+        g_out = offs_t[:, None].to(tl.int64) * N_GAMMA + offs_s[None, :]
+        tl.store(gammas_ptr + g_out, gam, mask=t_ok[:, None] & s_ok[None, :])
 
     out = offs_t[:, None].to(tl.int64) * TOP_K + offs_k[None, :]
     m_out = t_ok[:, None] & k_ok[None, :]

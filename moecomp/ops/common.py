@@ -40,13 +40,17 @@ HASH_ARGS = ("hash_table", "token_ids")
 # router_x [..., H] (a per-call input like x), router_in_scale [H], expert_scale [E (+ Z)]; after the hash-routing
 # arguments, each defaulting to None.
 ROUTER_IN_ARGS = ("router_x", "router_in_scale", "expert_scale")
-OP_ARGS = MOE_ARGS + QUANT_ARGS + LATENT_ARGS + HASH_ARGS + ROUTER_IN_ARGS  # every tensor a bound block may pass
+# A learned scale of the routing weights (MoESpec.has_weight_scale, Inkling's global_scale): a [1] tensor after the
+# router-input arguments, default None.
+SCALE_ARGS = ("weight_scale",)
+OP_ARGS = MOE_ARGS + QUANT_ARGS + LATENT_ARGS + HASH_ARGS + ROUTER_IN_ARGS + SCALE_ARGS  # every tensor a bound block
+# may pass, in order
 # The attribute a block tensor carries while ``epilogue.Peeled`` has zeroed it (an output bias bound after the op;
 # ``match.PEELED``): here, below the passes and the match module that both read it.
 PEELED = "_moecomp_peeled"
 # What the op implements beyond the base spec; passes check this before relying on it.
 FEATURES = ("fused_shared_gate", "weight_on_input", "zero_experts", "sparsemixer", "latent", "hash_routing",
-            "router_input")
+            "router_input", "shared_gamma", "weight_scale")
 
 
 def split_fused_gate(args: dict, spec) -> dict:

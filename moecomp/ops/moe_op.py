@@ -26,7 +26,7 @@ from ..spec import MoESpec, SpecError
 from . import graphs, hash_routing, torch_moe
 from .common import (  # noqa: F401  (re-exported)
     EXPERT_ARGS, EXPERT_QUANT_ARGS, FEATURES, HASH_ARGS, LATENT_ARGS, MOE_ARGS, OP_ARGS, QUANT_ARGS, ROUTER_IN_ARGS,
-    _backend,
+    SCALE_ARGS, _backend,
     _check_ids_wanted, _on_device, split_fused_gate)
 
 # Floating dtypes the kernels compute in (x / hidden_states). float64 only on the vectorised torch path (CPU, or
@@ -88,21 +88,16 @@ def _expected_shapes(spec: MoESpec, routed: bool) -> dict:
     if routed:
         expect.update(spec.latent_shapes())
         expect.update(spec.shared_quant_shapes())
-        expect["router_w"] = (R + 1, H) if spec.fused_shared_gate else (R, H)
+        expect["router_w"] = (R + int(spec.fused_shared_gate) + spec.gamma_rows, H)  # + gate / gamma rows
         if spec.has_router_bias:
             expect["router_b"] = (R,)
         if spec.has_correction_bias:
             expect["correction_bias"] = (R,)
+        if spec.has_weight_scale:
+            expect["weight_scale"] = (1,)
         sh = spec.shared
         if sh is not None:
-            Is = sh.intermediate_size
-            if sh.gated and sh.layout == "concat":
-                expect["shared_w1"] = (2 * Is, H)
-            elif sh.gated:
-                expect.update(shared_w1=(Is, H), shared_w3=(Is, H))
-            else:
-                expect["shared_w3"] = (Is, H)
-            expect["shared_w2"] = (H, Is)
+            expect.update(sh.weight_shapes(H))  # [S, ...] when stacked
             if sh.gate == "sigmoid" and not spec.fused_shared_gate:
                 expect["shared_gate_w"] = (1, H)
         if spec.router_in_scale:
@@ -180,9 +175,11 @@ def check_args(x: torch.Tensor, tensors: dict, spec: MoESpec, symbolic: bool = F
         elif not t.is_floating_point():
             raise SpecError(f"{name} has dtype {t.dtype}; expected a floating dtype")
     for name, want in expect.items():  # scales and latent tensors are passed only where given: a missing one here
-        if (name in _SCALE_OF or name in LATENT_ARGS or name in ROUTER_IN_ARGS) and tensors.get(name) is None:
+        if (name in _SCALE_OF or name in LATENT_ARGS or name in ROUTER_IN_ARGS or name in SCALE_ARGS) \
+                and tensors.get(name) is None:
             what = (f"the scales of {_SCALE_OF[name]}" if name in _SCALE_OF else "a latent projection of the experts"
-                    if name in LATENT_ARGS else "the router's input scale / per-expert weight scale")
+                    if name in LATENT_ARGS else "the routing weights' learned scale" if name in SCALE_ARGS
+                    else "the router's input scale / per-expert weight scale")
             raise SpecError(f"{name} is required by the spec ({spec.describe()}) but was None; expected a tensor "
                             f"of shape {want} ({what})")
 
@@ -336,13 +333,15 @@ def _expert_args(w13, b13, w2, b2, *scales) -> dict:
     return args
 
 
-def _op_args(tensors, scales, latent=(), hashed=(), router_in=()) -> dict:
-    """moe_forward's tensors by name; the scale, latent, hash-routing and router-input names only where given."""
+def _op_args(tensors, scales, latent=(), hashed=(), router_in=(), wscale=()) -> dict:
+    """moe_forward's tensors by name; the scale, latent, hash-routing, router-input and weight-scale names only where
+    given."""
     args = dict(zip(MOE_ARGS, tensors))
     args.update({n: t for n, t in zip(QUANT_ARGS, scales) if t is not None})
     args.update({n: t for n, t in zip(LATENT_ARGS, latent) if t is not None})
     args.update({n: t for n, t in zip(HASH_ARGS, hashed) if t is not None})
     args.update({n: t for n, t in zip(ROUTER_IN_ARGS, router_in) if t is not None})
+    args.update({n: t for n, t in zip(SCALE_ARGS, wscale) if t is not None})
     return args
 
 
@@ -377,12 +376,13 @@ def moe_forward(
     router_x: torch.Tensor | None = None,
     router_in_scale: torch.Tensor | None = None,
     expert_scale: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     s = MoESpec.from_key(spec)
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
                                       shared_w2_scale), (latent_in_w, latent_in_b, latent_out_w, latent_out_b),
-                    (hash_table, token_ids), (router_x, router_in_scale, expert_scale))
+                    (hash_table, token_ids), (router_x, router_in_scale, expert_scale), (weight_scale,))
     check_args(x, args, s)
     return _forward(x, args, s, spec)
 
@@ -391,13 +391,14 @@ def moe_forward(
 def _(x, router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2, shared_gate_w,
       spec, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, shared_w1_scale=None,
       shared_w3_scale=None, shared_w2_scale=None, latent_in_w=None, latent_in_b=None, latent_out_w=None,
-      latent_out_b=None, hash_table=None, token_ids=None, router_x=None, router_in_scale=None, expert_scale=None):
+      latent_out_b=None, hash_table=None, token_ids=None, router_x=None, router_in_scale=None, expert_scale=None,
+      weight_scale=None):
     # Also the Meta-key kernel: real tensors with one of them on "meta" dispatch here, not to the implementation, so
     # the checks (devices above all) must run here too, or the call returns uninitialised memory.
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
                                       shared_w2_scale), (latent_in_w, latent_in_b, latent_out_w, latent_out_b),
-                    (hash_table, token_ids), (router_x, router_in_scale, expert_scale))
+                    (hash_table, token_ids), (router_x, router_in_scale, expert_scale), (weight_scale,))
     check_args(x, args, MoESpec.from_key(spec), symbolic=True)
     return torch.empty_like(x)
 

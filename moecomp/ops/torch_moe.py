@@ -186,11 +186,12 @@ def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     r2 = reference.router_input(x2, args.get("router_x"), args.get("router_in_scale"), spec)  # x2 without a prefix
     logits = reference.router_logits(r2, args["router_w"], args["router_b"], spec)
     given = lookup(args["hash_table"], args["token_ids"], spec) if spec.hash_routing else None  # [T, k]
-    weights, ids = reference.route(logits, args["correction_bias"], spec, ids=given,
-                                   group=reference.group_size(shape, spec),
-                                   expert_scale=args.get("expert_scale"))  # capacity: dropped pairs' ids are -1
+    weights, ids, gammas = reference.route_with_gammas(  # capacity: dropped pairs' ids are -1
+        logits, args["correction_bias"], spec, weight_scale=args.get("weight_scale"), ids=given,
+        group=reference.group_size(shape, spec), expert_scale=args.get("expert_scale"))  # gammas [T, G]: shared_gamma
     if spec.round_weights:
         weights = reference.round_weights(weights, x.dtype).float()
+        gammas = None if gammas is None else reference.round_weights(gammas, x.dtype).float()
     if spec.latent_size:  # the experts between the two projections, in x's dtype at each projection
         xl = latent.project_in(x2, args)  # [T, L]
         routed = experts_fp32(xl, ids, weights, args, spec.experts_spec()).to(x.dtype)  # [T, L]
@@ -201,6 +202,6 @@ def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
         out += reference.shared_experts(
             x2, args["shared_w1"], args["shared_w3"], args["shared_w2"], args["shared_gate_w"], spec,
             shared_w1_scale=args.get("shared_w1_scale"), shared_w3_scale=args.get("shared_w3_scale"),
-            shared_w2_scale=args.get("shared_w2_scale"),
+            shared_w2_scale=args.get("shared_w2_scale"), gammas=gammas,
         )
     return out.to(x.dtype).reshape(shape)

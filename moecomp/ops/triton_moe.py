@@ -53,6 +53,7 @@ from . import capacity as cap
 from . import triton_fp8, tuning
 from . import triton_fp8_tma as fp8_tma
 from . import hash_routing as hr
+from . import shared_gamma as sg
 from . import latent
 from . import weight_on_input as woi
 from . import zero_experts as zx
@@ -201,11 +202,14 @@ def route_tiles(T: int, E: int, n_group: int) -> dict:
 
 
 def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch.dtype, tiles: dict | None = None,
-          hashed: dict | None = None, expert_scale: torch.Tensor | None = None):
-    """logits [T, E (+ Z)] (any row stride) -> ids [T, k] int32, weights [T, k] fp32. ``tiles`` (``route_tiles``'s
-    keys) overrides the launch shape (the routing sweep in benchmarks/ uses it). ``hashed``: the op's arguments
-    holding ``hash_table`` / ``token_ids``, needed (and only read) with ``spec.hash_routing``. ``expert_scale``
-    [E (+ Z)] (``spec.expert_scale``): each weight times it at its id, in the kernel after the scaling."""
+          hashed: dict | None = None, expert_scale: torch.Tensor | None = None, gammas: torch.Tensor | None = None,
+          weight_scale: torch.Tensor | None = None):
+    """logits [T, E (+ Z) (+ G)] (any row stride) -> ids [T, k] int32, weights [T, k] fp32. ``tiles``
+    (``route_tiles``'s keys) overrides the launch shape (the routing sweep in benchmarks/ uses it). ``hashed``: the
+    op's arguments holding ``hash_table`` / ``token_ids``, needed (and only read) with ``spec.hash_routing``.
+    ``expert_scale`` [E (+ Z)] (``spec.expert_scale``): each weight times it at its id, in the kernel after the
+    scaling. ``gammas`` [T, G] fp32 (written; ``spec.shared_gamma``) and ``weight_scale`` [1]
+    (``spec.has_weight_scale``): ``ops/shared_gamma.py``."""
     T, E, k = logits.shape[0], spec.router_width, spec.top_k
     ids = torch.empty(T, k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
@@ -235,7 +239,7 @@ def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch
         GROUP_BY_MAX=spec.group_score == "max", GROUP_3D=group_3d, GROUP_SIZE=E // n_group if group_3d else 1,
         ROUND_TO=round_to, num_warps=tiles["num_warps"], **_pdl(logits.device),
         SPARSEMIXER=spec.score_order == "sparsemixer", sm_thr=2 * float(spec.jitter_eps),
-        **hr.route_kwargs(spec, hashed or {}),
+        **hr.route_kwargs(spec, hashed or {}), **sg.route_kwargs(spec, gammas, _unit_stride(weight_scale)),
         **({} if expert_scale is None else dict(escale_ptr=_unit_stride(expert_scale), HAS_ESCALE=True)),
     )
     return ids, weights
@@ -525,34 +529,44 @@ def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     out = torch.empty_like(x2)
     if T == 0:
         return out.reshape(shape)
-    shared, side = None, None
+    side_out, side = None, None
+    many = sg.stacked(spec)  # stacked shared experts / router gammas: ys [S, T, H], summed before the combine
+    shared_fn = sg.shared_outputs if many else shared_mlp
     overlap = spec.shared is not None and x2.is_cuda and os.environ.get("MOECOMP_NO_OVERLAP") != "1"
     if overlap:
         main = torch.cuda.current_stream(x2.device)
         side = _side_stream(x2.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            shared = shared_mlp(x2, args, spec)
+            side_out = shared_fn(x2, args, spec)
     elif spec.shared is not None:
-        shared = shared_mlp(x2, args, spec)
+        side_out = shared_fn(x2, args, spec)
 
     def join():
-        main.wait_stream(side)
-        shared.record_stream(main)
-        x2.record_stream(side)
+        if overlap:
+            main.wait_stream(side)
+            side_out.record_stream(main)
+            x2.record_stream(side)
+        if many:  # after the routing (the gammas) and the side stream (ys)
+            sg.weighted_sum(side_out, gammas, spec, shared)
 
     # the router's own input / prefix (spec.router_prefix): in torch (a norm over [T, H]), then the same router GEMM
     r2 = reference.router_input(x2, args.get("router_x"), args.get("router_in_scale"), spec).contiguous()
-    logits, gate = router_logits(r2, args, spec)  # [T, E], [T] or None
+    logits, gate = router_logits(r2, args, spec)  # [T, E (+ G)], [T] or None
     escale = args.get("expert_scale") if spec.expert_scale else None  # applied in the routing kernel
+    gammas = sg.gamma_buffer(spec, T, x2.device)
     if spec.has_capacity:  # pairs past an expert's capacity: ids E, weights 0 (``ops/capacity.py``)
         ids, weights = route(logits, args["correction_bias"], cap.kernel_spec(spec), x2.dtype, expert_scale=escale)
         ids, weights = cap.apply(ids, weights, spec, reference.group_size(shape, spec), x2.dtype)
     else:
-        ids, weights = route(logits, args["correction_bias"], spec, x2.dtype, hashed=args, expert_scale=escale)
+        ids, weights = route(logits, args["correction_bias"], spec, x2.dtype, hashed=args, expert_scale=escale,
+                             gammas=gammas, weight_scale=args.get("weight_scale"))
+    shared = torch.empty_like(x2) if many else side_out
+    if not (overlap or many):
+        join = None  # noqa: F811  (nothing to wait for)
     if spec.latent_size:
-        return _latent_routed(x2, ids, weights, args, spec, out, shared, gate, join if overlap else None).reshape(shape)
-    return routed(x2, ids, weights, args, spec, out, shared, gate, join=join if overlap else None).reshape(shape)
+        return _latent_routed(x2, ids, weights, args, spec, out, shared, gate, join).reshape(shape)
+    return routed(x2, ids, weights, args, spec, out, shared, gate, join=join).reshape(shape)
 
 
 def _latent_routed(x2, ids, weights, args: dict, spec: MoESpec, out, shared, gate, join):

@@ -56,6 +56,7 @@ _SIGNATURES = {
     "softmax": ("input", "dim", "_stacklevel", "dtype"),
     "log_softmax": ("input", "dim", "_stacklevel", "dtype"),
     "sum": ("input", "dim", "keepdim", "dtype"),
+    "logsumexp": ("input", "dim", "keepdim"),
     "amax": ("input", "dim", "keepdim"),
     "max": ("input", "dim", "keepdim"),
     "chunk": ("input", "chunks", "dim"),

@@ -311,7 +311,11 @@ def _match_output(ctx: Context, c: _Candidate, out: fx.Node) -> MoEMatch:
     tail = _fx.descendants(out, c.region.nodes) if out is not c.block_out else set()
     core = c.region.nodes - tail
     lat = latent_out(ctx, r, ex.latent, core, ex.g2_all, out) if ex.latent is not None else None
-    sh = shared(ctx, r, core, c.region.x_root, out, ex.linears | (lat.linears if lat else frozenset()))
+    routed_w = frozenset(p for p in (ex.w13, ex.w2) if p is not None)  # never a stacked shared expert's weight
+    sh = shared(ctx, r, core, c.region.x_root, out, ex.linears | (lat.linears if lat else frozenset()) | routed_w)
+    if r.gamma_rows and (sh is None or sh.spec.count != r.gamma_rows):
+        raise Reject(f"the router has {r.gamma_rows} shared-expert gamma rows but the block has "
+                     f"{0 if sh is None else sh.spec.count} shared experts", RejectCode.NOT_RECOGNISED)
     x_in = pick_input(c.region, out)
     _fold_output_scale(ctx, r, core, ex, out, sh)
     if lat is not None:
@@ -372,6 +376,7 @@ def _spec_fields(r: Routing, ex: Experts, sh: Shared | None, lat: Latent | None 
         shared=sh.spec if sh else None, quant=ex.quant, weight_on_input=ex.weight_on_input,
         latent_size=lat.L if lat else 0, latent_bias=lat is not None and lat.b_in is not None,
         hash_routing=r.hash is not None,
+        shared_gamma="joint_renorm" if r.gamma_rows else "none", has_weight_scale=r.weight_scale is not None,
     )
     if ex.act.alpha is not None:
         fields["activation_alpha"] = ex.act.alpha
@@ -404,6 +409,8 @@ def _bindings(r: Routing, ex: Experts, sh: Shared | None, lat: Latent | None = N
                  w2=ex.w2, b13=ex.b13, b2=ex.b2)
     if r.hash is not None:
         nodes.update(hash_table=r.hash["table"], token_ids=r.hash["tokens"])
+    if r.weight_scale is not None:
+        nodes["weight_scale"] = r.weight_scale
     if sh:
         nodes.update(sh.bind)
     if lat:

@@ -26,6 +26,7 @@ from . import _fx
 from ._context import Context
 from ._fx import arg, op_name
 from ._reject import Reject, unsupported_routing
+from . import moe_gammas
 from .moe_activation import CLAMPS, clamp_bounds
 
 _SCORE_OPS = {"softmax": "softmax", "sigmoid": "sigmoid"}
@@ -61,6 +62,10 @@ class Routing:
     baked: dict = field(default_factory=dict)
     # hash routing (``moe_hash``): {"table", "tokens" (placeholders), "token_chain", "lookup_chain" (nodes)}
     hash: dict | None = None
+    # shared-expert gammas (``moe_gammas``): router rows past the E, their [T, G] node; the weights' [1] scale
+    gamma_rows: int = 0
+    gammas: fx.Node | None = None
+    weight_scale: fx.Node | None = None
 
 
 @dataclass
@@ -73,6 +78,7 @@ class _Walk:
     bias: fx.Node | None = None
     mask_fill: fx.Node | None = None
     mask_zero: bool = False
+    lead_slice: fx.Node | None = None  # [..., :E] of a wider router output (the rest: shared-expert gammas)
 
 
 # ------------------------------------------------------------------------------------------------------ routing
@@ -94,6 +100,10 @@ def routing(ctx: Context, t: fx.Node) -> Routing:
         _groups(ctx, R, walk.mask_fill, walk.lin)
         R.group_mask_zero = walk.mask_zero
     R.ids = [u for u in t.users if op_name(u) == "getitem" and u.args[1] == 1][0]
+    if R.gamma_rows:  # the rows past E: gammas renormalised with the chosen weights (``moe_gammas``)
+        _weight_chain(ctx, R, moe_gammas.joint_source(ctx, R, walk.lin, walk.scoring_node))
+        moe_gammas.split_gammas(R)
+        return R
     _weight_chain(ctx, R, _weights_source(ctx, R, t, walk))
     return R
 
@@ -119,6 +129,9 @@ def _walk_to_router(ctx: Context, choice: fx.Node, E: int) -> _Walk:
         if name in _fx.CAST_OPS or (name in ("view", "reshape") and isinstance(arg(cur, 0), fx.Node)
                                     and _fx.same_shape(_fx.shape_of(cur), _fx.shape_of(arg(cur, 0)))):
             cur = arg(cur, 0)  # a cast, or a view to the same shape (LongCat-Flash's scores.view(-1, E))
+        elif (name in ("getitem", "narrow") and w.lead_slice is None
+              and (cs := moe_gammas.column_slice(cur)) is not None and cs[1] == 0 and cs[2] == E):
+            w.lead_slice, cur = cur, cs[0]  # the first E columns of a wider router output
         elif name == "masked_fill" and w.mask_fill is None and w.scoring is None:
             v = arg(cur, 2)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0:
@@ -154,7 +167,7 @@ def _walk_to_router(ctx: Context, choice: fx.Node, E: int) -> _Walk:
 def _from_router(ctx: Context, walk: _Walk, k: int, E: int) -> Routing:
     a, w, b = ctx.as_linear(walk.lin)
     ws = ctx.pshape(w)
-    if ws[0] != E:
+    if ws[0] != E and not (walk.lead_slice is not None and ws[0] > E):
         raise Reject(f"router weight {tuple(ws)} does not produce the {E} logits the top-k reads")
     cast = _fx.strip_views_casts(a, casts=False)  # x.float().reshape(-1, H) (Inkling2) casts before the view
     router_fp32 = _fx.cast_dtype(cast) == torch.float32 if op_name(cast) in _fx.CAST_OPS else False
@@ -166,6 +179,7 @@ def _from_router(ctx: Context, walk: _Walk, k: int, E: int) -> Routing:
     )
     if walk.bias is not None and ctx.pshape(walk.bias) != (E,):
         R.bias_shape = ctx.pshape(walk.bias)
+    R.gamma_rows = ws[0] - E
     return R
 
 
@@ -334,6 +348,8 @@ def _weight_chain(ctx: Context, R: Routing, w0: fx.Node) -> None:
             nxt = _renorm_step(ctx, R, cur, u, sums)
             if nxt is None:
                 nxt = _scale_step(ctx, R, cur, u)
+            if nxt is None:
+                nxt = moe_gammas.weight_scale_step(ctx, R, cur, u)
             if nxt is None and not seen_cast:
                 nxt = _cast_step(R, u)
                 seen_cast = nxt is not None

@@ -22,6 +22,7 @@ from ._fx import arg, op_name
 from ._reject import Reject
 from .moe_activation import Activation, activation, strip_gate_clamp
 from .moe_experts import has_step2
+from .moe_gammas import stacked_shared
 from .moe_quant import shared_quant, strip_act_quant
 from .moe_routing import Routing
 
@@ -43,6 +44,14 @@ def shared(ctx: Context, R: Routing, region: set, x_root: fx.Node, out: fx.Node,
         lf = ctx.as_linear(n) if n is not R.logits_linear and n not in exclude else None
         if lf is not None:
             lins.append((n, *lf))
+    st = stacked_shared(ctx, R, region, exclude)  # S experts stacked [S, ., .], read by bmm (Inkling)
+    if st is not None:
+        if lins:
+            raise Reject(f"stacked shared experts and dense linears {[n.name for n, *_ in lins]} in one block")
+        spec, bind, down = st
+        if out not in _fx.descendants(down, region) and out is not down:
+            raise Reject("the stacked shared experts do not reach the block output")
+        return Shared(spec=spec, bind=bind, down=down, baked={})
     if not lins:
         return None
     H = R.H

@@ -29,7 +29,6 @@ OUTCOME = {
     "diffusion_gemma": ("equal", ""),
     "gemma4": ("equal", ""),
     # the whole block is beyond the spec; its standard experts module runs moe_experts, routing stays HF's
-    "inkling": ("experts only", "no router weight"),
     "zaya": ("experts only", "no router weight"),
     # (inkling2 / inkling2_loop: a softcapped SwiGLU, MoESpec.gate_softcap / up_softcap)
     # left alone, and why: MuseSpark scales its router logits before the sigmoid, normalises the latent
@@ -37,6 +36,9 @@ OUTCOME = {
     "muse_spark": ("not rewritten", "router logits are scaled"),
     # found by structure (no @use_experts_implementation): hf/discover.py
     "llama4": ("equal", ""),
+    # a router [E + S, H] whose last S rows give the S stacked shared experts' gammas, renormalised with the chosen
+    # weights (MoESpec.shared_gamma, SharedExpertSpec.stacked, has_weight_scale)
+    "inkling": ("equal", ""),
     "longcat_flash": ("equal", ""),  # zero experts (MoESpec.zero_experts)
     # its MoE MLPs rewritten (an output bias: epilogue.find_output_bias); its attention experts (JetMoeMoA: a
     # map / reduce module whose forward raises) left alone
