@@ -36,12 +36,16 @@ LATENT_ARGS = ("latent_in_w", "latent_in_b", "latent_out_w", "latent_out_b")
 # Hash routing (MoESpec.hash_routing): the [V, k] table of expert ids and the tokens' ids [T]; moe_forward takes them
 # after the latent projections, each defaulting to None.
 HASH_ARGS = ("hash_table", "token_ids")
-OP_ARGS = MOE_ARGS + QUANT_ARGS + LATENT_ARGS + HASH_ARGS  # every tensor a bound block may pass, in the op's order
+# The norms' weights (MoESpec.latent_norm: latent_norm_w [L]; MoESpec.expert_norm: expert_norm_w [expert width]);
+# moe_forward takes them after hash routing's, each defaulting to None.
+NORM_ARGS = ("latent_norm_w", "expert_norm_w")
+OP_ARGS = MOE_ARGS + QUANT_ARGS + LATENT_ARGS + HASH_ARGS + NORM_ARGS  # every tensor a bound block may pass, in order
 # The attribute a block tensor carries while ``epilogue.Peeled`` has zeroed it (an output bias bound after the op;
 # ``match.PEELED``): here, below the passes and the match module that both read it.
 PEELED = "_moecomp_peeled"
 # What the op implements beyond the base spec; passes check this before relying on it.
-FEATURES = ("fused_shared_gate", "weight_on_input", "zero_experts", "sparsemixer", "latent", "hash_routing")
+FEATURES = ("fused_shared_gate", "weight_on_input", "zero_experts", "sparsemixer", "latent", "hash_routing",
+            "norms")
 
 
 def split_fused_gate(args: dict, spec) -> dict:

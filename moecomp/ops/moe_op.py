@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _get_disp
 from ..spec import MoESpec, SpecError
 from . import graphs, hash_routing, torch_moe
 from .common import (  # noqa: F401  (re-exported)
-    EXPERT_ARGS, EXPERT_QUANT_ARGS, FEATURES, HASH_ARGS, LATENT_ARGS, MOE_ARGS, OP_ARGS, QUANT_ARGS, _backend,
+    EXPERT_ARGS, EXPERT_QUANT_ARGS, FEATURES, HASH_ARGS, LATENT_ARGS, MOE_ARGS, NORM_ARGS, OP_ARGS, QUANT_ARGS, _backend,
     _check_ids_wanted, _on_device, split_fused_gate)
 
 # Floating dtypes the kernels compute in (x / hidden_states). float64 only on the vectorised torch path (CPU, or
@@ -86,6 +86,7 @@ def _expected_shapes(spec: MoESpec, routed: bool) -> dict:
     expect.update(spec.quant_shapes())
     if routed:
         expect.update(spec.latent_shapes())
+        expect.update(spec.norm_shapes())
         expect.update(spec.shared_quant_shapes())
         expect["router_w"] = (R + 1, H) if spec.fused_shared_gate else (R, H)
         if spec.has_router_bias:
@@ -172,9 +173,10 @@ def check_args(x: torch.Tensor, tensors: dict, spec: MoESpec, symbolic: bool = F
                                 f"shared-expert weights are GEMM operands of x)")
         elif not t.is_floating_point():
             raise SpecError(f"{name} has dtype {t.dtype}; expected a floating dtype")
-    for name, want in expect.items():  # scales and latent tensors are passed only where given: a missing one here
-        if (name in _SCALE_OF or name in LATENT_ARGS) and tensors.get(name) is None:
-            what = f"the scales of {_SCALE_OF[name]}" if name in _SCALE_OF else "a latent projection of the experts"
+    for name, want in expect.items():  # scales, latent and norm tensors are passed only where given: a missing one
+        if (name in _SCALE_OF or name in LATENT_ARGS or name in NORM_ARGS) and tensors.get(name) is None:
+            what = (f"the scales of {_SCALE_OF[name]}" if name in _SCALE_OF else "a latent projection of the experts"
+                    if name in LATENT_ARGS else "a norm's weight")
             raise SpecError(f"{name} is required by the spec ({spec.describe()}) but was None; expected a tensor "
                             f"of shape {want} ({what})")
 
@@ -184,6 +186,9 @@ def check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     """moe_experts' routing arguments: x [T, H], topk_ids (integer) and topk_weights (floating), both [T, k] with
     1 <= k <= num_experts (+ zero_experts), all on x's device. The ids' values: ``check_ids_range``."""
     E, H = spec.router_width, spec.hidden_size
+    if spec.expert_norm != "none":
+        raise SpecError(f"moe_experts has no expert_norm_w argument; this spec normalises each expert's output "
+                        f"(expert_norm={spec.expert_norm!r}): call moe_forward")
     if spec.latent_size:
         raise SpecError(f"moe_experts runs routed experts on their own input; this spec has latent projections "
                         f"(latent_size={spec.latent_size}): pass its experts_spec() (hidden_size={spec.latent_size}, "
@@ -309,12 +314,13 @@ def _expert_args(w13, b13, w2, b2, *scales) -> dict:
     return args
 
 
-def _op_args(tensors, scales, latent=(), hashed=()) -> dict:
-    """moe_forward's tensors by name; the scale, latent and hash-routing names only where given."""
+def _op_args(tensors, scales, latent=(), hashed=(), norms=()) -> dict:
+    """moe_forward's tensors by name; the scale, latent, hash-routing and norm names only where given."""
     args = dict(zip(MOE_ARGS, tensors))
     args.update({n: t for n, t in zip(QUANT_ARGS, scales) if t is not None})
     args.update({n: t for n, t in zip(LATENT_ARGS, latent) if t is not None})
     args.update({n: t for n, t in zip(HASH_ARGS, hashed) if t is not None})
+    args.update({n: t for n, t in zip(NORM_ARGS, norms) if t is not None})
     return args
 
 
@@ -346,12 +352,14 @@ def moe_forward(
     latent_out_b: torch.Tensor | None = None,
     hash_table: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
+    latent_norm_w: torch.Tensor | None = None,
+    expert_norm_w: torch.Tensor | None = None,
 ) -> torch.Tensor:
     s = MoESpec.from_key(spec)
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
                                       shared_w2_scale), (latent_in_w, latent_in_b, latent_out_w, latent_out_b),
-                    (hash_table, token_ids))
+                    (hash_table, token_ids), (latent_norm_w, expert_norm_w))
     check_args(x, args, s)
     return _forward(x, args, s, spec)
 
@@ -360,13 +368,13 @@ def moe_forward(
 def _(x, router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2, shared_gate_w,
       spec, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, shared_w1_scale=None,
       shared_w3_scale=None, shared_w2_scale=None, latent_in_w=None, latent_in_b=None, latent_out_w=None,
-      latent_out_b=None, hash_table=None, token_ids=None):
+      latent_out_b=None, hash_table=None, token_ids=None, latent_norm_w=None, expert_norm_w=None):
     # Also the Meta-key kernel: real tensors with one of them on "meta" dispatch here, not to the implementation, so
     # the checks (devices above all) must run here too, or the call returns uninitialised memory.
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
                                       shared_w2_scale), (latent_in_w, latent_in_b, latent_out_w, latent_out_b),
-                    (hash_table, token_ids))
+                    (hash_table, token_ids), (latent_norm_w, expert_norm_w))
     check_args(x, args, MoESpec.from_key(spec), symbolic=True)
     return torch.empty_like(x)
 

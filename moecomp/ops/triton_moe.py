@@ -553,7 +553,7 @@ def _latent_routed(x2, ids, weights, args: dict, spec: MoESpec, out, shared, gat
     """``spec.latent_size``: the routed experts of ``spec.experts_spec()`` on latent_in(x) [T, L] (every routed path
     as without projections, combined into [T, L]), then latent_out [T, H] and, with shared experts, a one-slot
     combine into ``out`` that adds them (gated) after the projection."""
-    xl = latent.project_in(x2, args)  # [T, L]
+    xl = latent.project_in(x2, args, spec)  # [T, L] (normalised: spec.latent_norm)
     rl = routed(xl, ids, weights, args, spec.experts_spec(), torch.empty_like(xl))  # [T, L]
     y = latent.project_out(rl, args)  # [T, H]
     if shared is None:
