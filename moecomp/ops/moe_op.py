@@ -289,8 +289,10 @@ def call_moe_forward(x: torch.Tensor, tensors, spec: MoESpec) -> torch.Tensor:
         args = dict(zip(OP_ARGS, tensors))
         check_args(x, args, spec)
         return _forward(x, args, spec, spec.key, eager=True)
-    n = len(MOE_ARGS)
-    return torch.ops.moecomp.moe_forward(x, *tensors[:n], spec.key, *tensors[n:])
+    n, last = len(MOE_ARGS), len(tensors)
+    while last > n and tensors[last - 1] is None:  # the optional tail up to the last tensor given
+        last -= 1
+    return torch.ops.moecomp.moe_forward(x, *tensors[:n], spec.key, *tensors[n:last])
 
 
 def call_moe_experts(x, topk_ids, topk_weights, w13, b13, w2, b2, spec: MoESpec,
