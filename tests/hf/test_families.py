@@ -30,11 +30,9 @@ OUTCOME = {
     "inkling": ("experts only", "no router weight"),
     "zaya": ("experts only", "no router weight"),
     # left alone, and why: Inkling2's experts compute a softcapped SwiGLU (tanh(x / c) * c on the gate's linear factor
-    # and on up), no spec activation; MuseSpark scales its router logits before the sigmoid, normalises the latent
-    # projection of x before the experts and each expert's output after it (the pass names the first it meets)
+    # and on up), no spec activation
     "inkling2": ("not rewritten", "['div', 'tanh'] between the GEMMs belong to no activation"),
     "inkling2_loop": ("not rewritten", "['div', 'tanh'] between the GEMMs belong to no activation"),
-    "muse_spark": ("not rewritten", "router logits are scaled"),
     # found by structure (no @use_experts_implementation): hf/discover.py
     "llama4": ("equal", ""),
     "longcat_flash": ("equal", ""),  # zero experts (MoESpec.zero_experts)
@@ -49,6 +47,9 @@ OUTCOME = {
     "switch_transformers": ("equal", ""),
     # variants (families.VARIANTS): a family's tiny model with config changes that reach another block style
     "nemotron_h:latent": ("equal", ""),  # experts between latent projections (MoESpec.latent_size)
+    # logits scaled before the sigmoid, a norm on the latent input and on each expert's output (MoESpec.router_scale,
+    # latent_norm, expert_norm)
+    "muse_spark": ("equal", ""),
 }
 # the families the structural scan adds to the decorated ones (transformers 5.24; test_structural_scan checks it)
 STRUCTURAL = ["jetmoe", "llama4", "longcat_flash", "nllb_moe", "switch_transformers"]
