@@ -165,12 +165,13 @@ def test_rms_norm_forms():
 
 # ------------------------------------------------------------------------------------------------- the op
 FORWARD = [("torch", n, T) for n in sorted(SPECS) for T in (3, 40)] + [
-    ("triton", "muse", 3), ("triton", "muse", 40), ("triton", "latent_rms", 3), ("triton", "out_norm", 40)]
+    ("triton", "muse", 3), ("triton", "muse", 24), ("triton", "latent_rms", 3), ("triton", "out_norm", 24)]
+# (the interpreter is slow: a few; T=24 > max_t: aligned)
 
 
 @pytest.mark.parametrize("backend,name,T", FORWARD)
 def test_forward(poison, monkeypatch, backend, name, T):
-    """T=3 (a decode size: the expert-norm specs take the aligned path anyway), T=40 aligned."""
+    """T=3 (a decode size: the expert-norm specs take the aligned path anyway), T=24 / 40 aligned."""
     monkeypatch.setenv("MOECOMP_CPU_BACKEND", backend)
     tile = dict(BLOCK_N=16, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=1)
     dec = dict(max_t=8, g1=tile, g2=dict(tile, mode="fused")) if T <= 4 else dict(max_t=0)
@@ -212,7 +213,7 @@ def test_bad_arguments():
                                       w13, None, w2, None, spec.experts_spec().key)
 
 
-@pytest.mark.parametrize("backend,T", [("torch", 0), ("torch", 5), ("triton", 0), ("triton", 4)])
+@pytest.mark.parametrize("backend,T", [("torch", 0), ("torch", 5), ("triton", 0)])  # triton T > 0: test_forward
 def test_opcheck(monkeypatch, backend, T):
     monkeypatch.setenv("MOECOMP_CPU_BACKEND", backend)
     spec = SPECS["muse"]
