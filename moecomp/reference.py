@@ -12,6 +12,8 @@ Expert capacity (``spec.capacity`` / ``capacity_factor``): :func:`capacity_kept`
 pair leaves :func:`route` with id -1 and weight 0, and the experts loop never meets it.
 The router's own input (``spec.router_input`` / ``router_norm`` / ``router_in_scale`` / ``router_in_const``):
 :func:`router_input`; per-expert weight multipliers (``spec.expert_scale``): :func:`expert_scaled`, in :func:`route`.
+Router logit scale (``spec.router_scale``): in :func:`router_logits`. Norms (``spec.latent_norm`` on the latent
+input, ``spec.expert_norm`` on each pair's expert output before its weight): :func:`rms_norm`.
 """
 
 from __future__ import annotations
@@ -374,9 +376,11 @@ def expert_mlp(x: torch.Tensor, w13, b13, w2, b2, spec: MoESpec) -> torch.Tensor
 
 def experts(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13, b13, w2, b2, spec: MoESpec, acc=torch.float32,
-    w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None,
+    w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, expert_norm_w=None,
 ) -> torch.Tensor:
-    """Routed experts: x [T, H], ids / weights [T, k] -> [T, H] in ``acc``. Quantized (``spec.quant``): each expert's
+    """Routed experts: x [T, H], ids / weights [T, k] -> [T, H] in ``acc``. ``spec.expert_norm``: each pair's output,
+    rounded to x's dtype, normalised (:func:`rms_norm`, weight ``expert_norm_w``) before its routing weight.
+    Quantized (``spec.quant``): each expert's
     weights dequantized, and its GEMM inputs quantized as the spec says (``moecomp.quant``).
     ``spec.weight_on_input``: each pair's expert runs on ``weight * x`` (in ``acc``) and its output is summed as is.
     ``spec.zero_experts``: pairs whose id is >= E add ``weight * x`` (:func:`zero_expert_term`)."""
@@ -384,6 +388,7 @@ def experts(
     if qs is not None:
         out = _experts_quantized(x, ids, weights, w13, w2, spec, acc, w13_scale, w2_scale, a13_scale, a2_scale)
         return out + zero_expert_term(x, ids, weights, spec, acc) if spec.zero_experts else out
+    dtype = x.dtype
     x = x.to(acc)
     out = zero_expert_term(x, ids, weights, spec, acc) if spec.zero_experts else torch.zeros_like(x)
     for e in range(spec.num_experts):
@@ -399,6 +404,8 @@ def experts(
             None if b2 is None else b2[e].to(acc),
             spec,
         )
+        if spec.expert_norm != "none":
+            y = rms_norm(y.to(dtype), expert_norm_w, spec.expert_norm, spec.expert_norm_eps, dtype, acc).to(acc)
         out.index_add_(0, tok, y if spec.weight_on_input else y * w)
     return out
 
@@ -495,10 +502,28 @@ def _shared_quantized(x, w1, w3, w2, gate_w, spec: MoESpec, acc, s1, s3, s2):
 
 
 def router_logits(x: torch.Tensor, router_w, router_b, spec: MoESpec) -> torch.Tensor:
+    """x @ router_w.T (+ router_b) in x's dtype (fp32 with ``router_fp32``), times ``router_scale`` in that dtype."""
     if spec.router_fp32:
         x, router_w = x.float(), router_w.float()
         router_b = None if router_b is None else router_b.float()
-    return F.linear(x, router_w.to(x.dtype), None if router_b is None else router_b.to(x.dtype))
+    logits = F.linear(x, router_w.to(x.dtype), None if router_b is None else router_b.to(x.dtype))
+    return logits * spec.router_scale if spec.router_scale != 1.0 else logits
+
+
+def rms_norm(v: torch.Tensor, w: torch.Tensor, form: str, eps: float, dtype: torch.dtype,
+             acc=torch.float32) -> torch.Tensor:
+    """The norms of ``moecomp.spec`` on rows v [n, d] (any dtype), weight w [d] -> [n, d] in ``dtype``: "rms_1p"
+    round(rms(v) * (1 + w)), "rms" round(rms(v) * w), "scaled_rms_1p" round(rms(round(v * (1 + w)))); rms and the
+    products in ``acc``, 1 + w formed in w's dtype, round = a cast to ``dtype``."""
+    def rms(t):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)
+
+    scale = w.to(acc) if form == "rms" else (1 + w).to(acc)
+    if form == "scaled_rms_1p":
+        return rms((v.to(acc) * scale).to(dtype).to(acc)).to(dtype)
+    if form not in ("rms", "rms_1p"):
+        raise ValueError(f"unknown norm form {form!r}")
+    return (rms(v.to(acc)) * scale).to(dtype)
 
 
 def router_input(x2: torch.Tensor, router_x, router_in_scale, spec: MoESpec) -> torch.Tensor:
@@ -551,7 +576,8 @@ _QUANT_NAMES = ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "shared_w1_sca
 _LATENT_NAMES = ("latent_in_w", "latent_in_b", "latent_out_w", "latent_out_b")
 _HASH_NAMES = ("hash_table", "token_ids")
 _ROUTER_IN_NAMES = ("router_x", "router_in_scale", "expert_scale")
-_EXTRA_NAMES = _QUANT_NAMES + _LATENT_NAMES + _HASH_NAMES + _ROUTER_IN_NAMES + ("weight_scale",)
+_NORM_NAMES = ("latent_norm_w", "expert_norm_w")
+_EXTRA_NAMES = _QUANT_NAMES + _LATENT_NAMES + _HASH_NAMES + _ROUTER_IN_NAMES + ("weight_scale",) + _NORM_NAMES
 
 
 def moe_forward(
@@ -572,8 +598,8 @@ def moe_forward(
     **extra,
 ) -> torch.Tensor:
     """The whole block: x [..., H] -> [..., H] in x's dtype, math in ``acc``. ``extra``: the scale tensors of
-    quantized weights, the latent projections and hash routing's table / token ids by their op argument names
-    (``moecomp.ops.common.QUANT_ARGS``, ``LATENT_ARGS``, ``HASH_ARGS``)."""
+    quantized weights, the latent projections, hash routing's table / token ids and the norms' weights by their op
+    argument names (``moecomp.ops.common.QUANT_ARGS``, ``LATENT_ARGS``, ``HASH_ARGS``, ``NORM_ARGS``)."""
     if isinstance(spec, str):
         spec = MoESpec.from_key(spec)
     if spec.fused_shared_gate:  # router_w [E + 1, H]: the last row is the shared-expert gate
@@ -594,8 +620,12 @@ def moe_forward(
     lat = _pick(extra, *_LATENT_NAMES)
     # latent: the projections' inputs rounded to x's dtype, as the model's linears (and the op) see them
     xe = latent_in(x2, lat["latent_in_w"], lat["latent_in_b"], acc).to(x.dtype) if spec.latent_size else x2
+    nw = _pick(extra, *_NORM_NAMES)
+    if spec.latent_norm != "none":  # the latent input normalised (rounded to x's dtype) before the experts
+        xe = rms_norm(xe, nw["latent_norm_w"], spec.latent_norm, spec.latent_norm_eps, x.dtype, acc)
     out = experts(xe, ids, weights, w13, b13, w2, b2, spec.experts_spec(), acc,
-                  **_pick(extra, "w13_scale", "w2_scale", "a13_scale", "a2_scale"))  # [T, L] or [T, H]
+                  **_pick(extra, "w13_scale", "w2_scale", "a13_scale", "a2_scale"),
+                  expert_norm_w=nw["expert_norm_w"])  # [T, L] or [T, H]
     if spec.latent_size:
         out = latent_out(out.to(x.dtype), lat["latent_out_w"], lat["latent_out_b"], acc)  # [T, H]
     if spec.shared is not None:

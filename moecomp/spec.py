@@ -85,6 +85,21 @@ What a block computes, in terms of the spec (T tokens, H hidden, E experts, k = 
     weight scale (has_weight_scale): the op's ``weight_scale`` tensor [1] (a learned scalar, read at every call)
                multiplies the routing weights (and gammas) after routed_scaling: weights * routed_scaling * ws.
 
+    router logit scale (router_scale = c != 1, MuseSpark's output_multiplier): logits = c * (x @ router_w.T (+ b)),
+               in the logits' dtype, before everything above (scoring, bias on logits, top-k); the FSE gate row is
+               not scaled.
+    norms (MuseSpark): rms(v) = v * rsqrt(mean(v ** 2, -1) + eps) over the last dim, in fp32; "1 + w" is formed in
+               w's own dtype, then fp32 (as the models do), and "round" is a cast to x's dtype:
+               latent_norm (latent_size only; weight latent_norm_w [L], eps latent_norm_eps), on xl after the input
+               projection, before the experts:
+                   "rms_1p":  xl = round(rms(xl) * (1 + w))      (Gemma / MuseSpark's CenteredRMSNorm)
+                   "rms":     xl = round(rms(xl) * w)            (the plain-weight form, multiplied in fp32)
+               expert_norm (weight expert_norm_w [expert_width], eps expert_norm_eps), on each pair's expert output
+               y (rounded to x's dtype, as the model's down projection returns it), before its routing weight:
+                   "scaled_rms_1p":  y = round(rms(round(y * (1 + w))))   (MuseSpark's InputScaledRMSNorm: the
+                                     scale FIRST, rounded, then the normalisation), then out = sum_k weights * y
+               (not with quant, weight_on_input, zero_experts or a capacity: no block has both)
+
 Quantized weights (``quant``, a ``QuantSpec``; ``SharedExpertSpec.quant`` for the shared experts): the op reads the
 quantized tensors and their scales as they are stored; what a GEMM computes is
 
@@ -314,6 +329,12 @@ class MoESpec:
     # --- shared-expert gammas from the router (Inkling); a learned scale of the routing weights ---
     shared_gamma: str = "none"  # "joint_renorm": router_w has G = shared.count more rows, renormalised with the k
     has_weight_scale: bool = False  # routing weights (and gammas) times the op's weight_scale tensor [1]
+    # --- router logit scale and norms around the experts (MuseSpark; the module docstring, "norms") ---
+    router_scale: float = 1.0  # logits *= router_scale before the scoring (MuseSpark's output_multiplier)
+    latent_norm: str = "none"  # RMSNorm of xl after the latent input projection: "none" | "rms" | "rms_1p"
+    latent_norm_eps: float = 1e-6
+    expert_norm: str = "none"  # RMSNorm of each pair's expert output before its weight: "none" | "scaled_rms_1p"
+    expert_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
         self.validate()
@@ -385,13 +406,23 @@ class MoESpec:
             shapes.update(latent_in_b=(L,), latent_out_b=(H,))
         return shapes
 
+    def norm_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{argument: shape} of the norms' weights (``latent_norm_w`` [L], ``expert_norm_w`` [expert_width]); empty
+        without ``latent_norm`` / ``expert_norm``."""
+        shapes = {}
+        if self.latent_norm != "none":
+            shapes["latent_norm_w"] = (self.latent_size,)
+        if self.expert_norm != "none":
+            shapes["expert_norm_w"] = (self.expert_width,)
+        return shapes
+
     def experts_spec(self) -> "MoESpec":
         """The routed experts alone, in their own width: what a latent block computes between its projections
         (``hidden_size`` = L, no projections, no shared experts; routing fields kept). ``self`` without latent."""
         if not self.latent_size:
             return self
         return self.replace(hidden_size=self.latent_size, latent_size=0, latent_bias=False, shared=None,
-                            fused_shared_gate=False)
+                            fused_shared_gate=False, latent_norm="none", latent_norm_eps=1e-6)
 
     @property
     def w13_rows(self) -> int:
@@ -481,6 +512,12 @@ class MoESpec:
         act = self.activation + ("*up" if self.gated and self.activation != "swiglu_oai" else "")
         if self.latent_size:
             act = f"latent L={self.latent_size}{'+b' if self.latent_bias else ''} " + act
+        if self.latent_norm != "none":
+            act = f"latent-norm {self.latent_norm} " + act
+        if self.expert_norm != "none":
+            act += f" out-norm {self.expert_norm}"
+        if self.router_scale != 1.0:
+            route = f"logits x{self.router_scale:g} " + route
         if self.quant is not None:
             q = self.quant
             lay = f"{q.block_n}x{q.block_k}" if q.scale == "block" else q.scale

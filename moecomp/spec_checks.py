@@ -19,6 +19,8 @@ SCALE_DTYPES = ("fp32", "ue8m0")  # ue8m0: powers of two stored as a biased expo
 QUANT_ACTIVATIONS = ("dynamic", "static", "none")
 CAPACITY_PER = ("call", "sequence")
 SHARED_GAMMAS = ("none", "joint_renorm")  # where the shared experts' output scales come from (MoESpec.shared_gamma)
+LATENT_NORMS = ("none", "rms", "rms_1p")  # MoESpec.latent_norm: none, rms(v) * w, rms(v) * (1 + w)
+EXPERT_NORMS = ("none", "scaled_rms_1p")  # MoESpec.expert_norm: none, rms(round(v * (1 + w)))
 FP8_MAX = 448.0  # largest finite e4m3 (float8_e4m3fn) value
 
 
@@ -37,6 +39,7 @@ def validate_moe(spec: MoESpec) -> None:
     _check_latent(spec)
     _check_router_input(spec)
     _check_shared_gamma(spec)
+    _check_norms(spec)
     if not 1 <= k <= spec.router_width:
         raise SpecError(f"top_k must be in [1, num_experts={E}"
                         + (f" + zero_experts={spec.zero_experts}" if spec.zero_experts else "") + f"], got {k}")
@@ -223,6 +226,36 @@ def _check_router_input(spec: MoESpec) -> None:
         if bad:
             raise SpecError(f"the router input prefix / expert_scale with {name} is not supported (no block is known "
                             f"to have both)")
+def _finite(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _check_norms(spec: MoESpec) -> None:
+    """``router_scale``: finite and > 0 (it keeps the logits' order); ``latent_norm`` only with latent projections;
+    ``expert_norm`` not with what changes what an expert's output is (no block has both); eps finite and >= 0."""
+    if not _finite(spec.router_scale) or spec.router_scale <= 0:
+        raise SpecError(f"router_scale must be a finite number > 0, got {spec.router_scale!r}")
+    for name, value, allowed in (("latent_norm", spec.latent_norm, LATENT_NORMS),
+                                 ("expert_norm", spec.expert_norm, EXPERT_NORMS)):
+        if value not in allowed:
+            raise SpecError(f"{name}={value!r} is not one of {allowed}")
+    for name in ("latent_norm_eps", "expert_norm_eps"):
+        v = getattr(spec, name)
+        if not _finite(v) or v < 0:
+            raise SpecError(f"{name} must be a finite number >= 0, got {v!r}")
+    if spec.router_scale != 1.0 and spec.shared_gamma != "none":
+        raise SpecError("router_scale with shared-expert gammas (shared_gamma) is not supported (no block is known "
+                        "to have both)")
+    if spec.latent_norm != "none" and not spec.latent_size:
+        raise SpecError(f"latent_norm={spec.latent_norm!r} needs latent projections (latent_size > 0)")
+    if spec.expert_norm != "none":
+        for name, bad in (("quantized experts (quant)", spec.quant is not None),
+                          ("weight_on_input", spec.weight_on_input), ("zero_experts", spec.zero_experts > 0),
+                          ("an expert capacity", spec.has_capacity),
+                          ("shared-expert gammas (shared_gamma)", spec.shared_gamma != "none")):
+            if bad:
+                raise SpecError(f"expert_norm={spec.expert_norm!r} with {name} is not supported (no block is "
+                                "known to have both)")
 
 
 def _check_activation(activation: str, gated: bool, clamp: bool, limit: float, who: str) -> None:

@@ -319,3 +319,12 @@ def check_replays(graph, static_x: torch.Tensor, static_out: torch.Tensor, input
         torch.cuda.synchronize()
         err = rel_err(static_out, reference_fn(static_x))
         assert torch.isfinite(static_out).all() and err < tol, err
+
+
+def random_norm_args(spec: MoESpec, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                     seed: int | None = None) -> dict:
+    """The norms' weights of ``spec`` (``spec.norm_shapes()``: ``latent_norm_w`` / ``expert_norm_w``; {} without
+    norms), as keyword arguments of the op and the reference. N(0, 0.3): (1 + w) forms stay well away from 0."""
+    g = torch.Generator(device=torch.device(device))
+    g.manual_seed(1234 if seed is None else seed)
+    return {n: (0.3 * torch.randn(s, generator=g, device=device)).to(dtype) for n, s in spec.norm_shapes().items()}

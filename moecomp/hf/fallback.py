@@ -39,7 +39,7 @@ from ..reject import Refused, Reject, RejectCode
 from ..spec import MoESpec, SharedExpertSpec, SpecError
 from ..derived import Derived
 from ..probe import ProbeRun, hash_call_args, run_probe
-from . import fp8, hash_reader, names, sparsemixer_fit
+from . import fp8, hash_reader, names, norm_fit, router_scale, sparsemixer_fit
 from .activations import describe_unknown_gate, probe_activation, probe_gate, probe_mlp
 from .names import read_attr
 from .structure import BlockParts, MLPParts, NotABlock, find_parts, get_path
@@ -154,6 +154,11 @@ def _routing_guess(block: nn.Module, parts: BlockParts, sources) -> dict:
             g["renorm_eps"] = float(m.group(1))
         except ValueError:
             pass
+    m = re.search(r"\.sum\(dim=-1, keepdim=True\)\s*\+\s*self\.(\w+)", src)  # + self.<eps attribute>
+    if m and g["renormalize"] and "renorm_eps" not in g:
+        v = read_attr(sources, (m.group(1),), (float,))
+        if v is not None and 0 <= v < 1e-3:
+            g["renorm_eps"] = float(v)
     ng = read_attr(sources, names.GROUP_NAMES, (int,))
     tg = read_attr(sources, names.TOPK_GROUP_NAMES, (int,))
     method = read_attr(sources, ("topk_method",), (str,))
@@ -265,8 +270,9 @@ def _expert_activation(block: nn.Module, parts: BlockParts, sources):
         if act is None:
             raise FallbackError(f"expert activation not supported ({how})")
         return act, "concat", 1.702, 7.0, False, how, (0.0, 0.0)
-    if getattr(experts, "has_post_expert_norm", False):
-        raise FallbackError("experts apply a norm after each expert (has_post_expert_norm)")
+    if getattr(experts, "has_post_expert_norm", False) and parts.expert_norm is None:
+        raise FallbackError("experts apply a norm after each expert (has_post_expert_norm) and no child of them "
+                            "holds one vector of their width")
     if not parts.gated:
         act, how = _mlp_activation(experts, sources)
         if act is None:
@@ -323,11 +329,17 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
         notes.append(f"experts of width {parts.latent_size} between {parts.latent_in} / {parts.latent_out} (shapes)")
     routing = _routing_guess(block, parts, sources)
     bindings, derived = _bindings(block, parts)
+    try:
+        norm_fields, norm_bind, norm_notes = norm_fit.read_norms(block, parts)
+    except norm_fit.NormUnread as e:
+        raise FallbackError(str(e), RejectCode.NOT_RECOGNISED) from None
+    bindings.update(norm_bind)
+    notes += norm_notes
     hash_reader.apply(block, parts, int(top_k), routing, bindings, notes)  # a token-id table: hash routing
     quant, shared_quant = _quant(block, parts, bindings)
     if shared_quant is not None:
         shared = dataclasses.replace(shared, quant=shared_quant)
-    kw = dict(routing)
+    kw = dict(routing, **norm_fields)
     try:
         spec = MoESpec(
             num_experts=E, top_k=int(top_k), hidden_size=H, intermediate_size=I,
@@ -509,18 +521,21 @@ def _routing_seen(run: ProbeRun, T: int, E: int) -> tuple[torch.Tensor, torch.Te
     return ids, w
 
 
-def _fit_routing(block: nn.Module, parts: BlockParts, spec: MoESpec, x2: torch.Tensor, ids, w) -> dict:
+def _fit_routing(block: nn.Module, parts: BlockParts, spec: MoESpec, x2: torch.Tensor, ids, w, rout=None) -> dict:
     """The routing fields (and the routed scale, unsnapped) of the first routing the spec knows that picks the
-    experts this router picked, with the same weights up to one constant."""
+    experts this router picked, with the same weights up to one constant. ``rout``: what the router module returned
+    (its logits give the logit scale, ``hf/router_scale.py``)."""
     E, k = parts.num_experts, ids.shape[1]
     W = get_path(block, parts.router_weight)
     Rb = get_path(block, parts.router_bias) if parts.router_bias else None
+    scale = router_scale.measure_scale(rout, x2, W, Rb, numeric_consts(attr_sources(block, parts), k))
     corr = get_path(block, parts.correction_bias).reshape(E) if parts.correction_bias else None
     tol = policy.routing_match_tolerance(x2.dtype)
     guess = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
     fp32_variants = [spec.router_fp32, not spec.router_fp32] if x2.dtype != torch.float32 else [spec.router_fp32]
     for fp32 in fp32_variants:
-        probe_spec = spec.replace(top_k=k, router_fp32=fp32, routed_scaling_factor=1.0, renorm_eps=0.0)
+        probe_spec = spec.replace(top_k=k, router_fp32=fp32, routed_scaling_factor=1.0, renorm_eps=0.0,
+                                  router_scale=scale)
         logits = reference.router_logits(x2, W, Rb, probe_spec).float()
         for cand in _routing_candidates(guess, E, k, corr is not None):
             try:
@@ -530,7 +545,7 @@ def _fit_routing(block: nn.Module, parts: BlockParts, spec: MoESpec, x2: torch.T
             w_c, ids_c = reference.route(logits, corr, cs)
             c = _match_routing(ids, w, ids_c, w_c, tol)
             if c is not None and not math.isnan(c):
-                return dict(cand, top_k=k, router_fp32=fp32, routed_scaling_factor=c)
+                return dict(cand, top_k=k, router_fp32=fp32, routed_scaling_factor=c, router_scale=scale)
     found = sparsemixer_fit.fit(block, parts, spec, x2, ids, w, attr_sources(block, parts), _match_routing,
                                 fp32_variants)  # k thresholded argmax rounds (PhiMoE)
     if found is not None:
@@ -549,7 +564,7 @@ def _measure(block: nn.Module, x: torch.Tensor, ext: Match) -> tuple[Match, Prob
     if run.experts_args is not None:
         ids, w = _routing_seen(run, x2.shape[0], parts.num_experts)
         found = (hash_reader.fit(block, ext, x2, ids, w, run.kwargs, _match_routing) if spec.hash_routing
-                 else _fit_routing(block, parts, spec, x2, ids, w))
+                 else _fit_routing(block, parts, spec, x2, ids, w, run.router_out))
         consts = numeric_consts(attr_sources(block, parts), found["top_k"])
         found["routed_scaling_factor"] = policy.snap_constant(found["routed_scaling_factor"], consts)
         if not found["renormalize"] or found["score_order"] == "topk_then_score":

@@ -96,6 +96,9 @@ class BlockParts:
     latent_in_bias: str | None = None
     latent_out: str | None = None
     latent_out_bias: str | None = None
+    # norms around the experts (MoESpec.latent_norm / expert_norm): module paths, each module's one 1-D weight
+    latent_norm: str | None = None  # a child of the block normalising the latent projection's output [L]
+    expert_norm: str | None = None  # a child of the experts module normalising each expert's output [width]
     extra_modules: list[str] = field(default_factory=list)  # parameterised children nothing above explains
     gamma_rows: int = 0  # router rows past the E experts: the shared experts' gammas (router [E + G, H], Inkling)
 
@@ -108,6 +111,7 @@ class BlockParts:
         if self.shared_gate is not None:
             out.append(self.shared_gate.rsplit(".", 1)[0])
         out += [w.rsplit(".", 1)[0] for w in (self.latent_in, self.latent_out) if w is not None]
+        out += [p for p in (self.latent_norm,) if p is not None]
         out = [p for p in dict.fromkeys(out) if p]
         if block is not None:
             full = []
@@ -350,6 +354,29 @@ def _shared_count(block: nn.Module, experts_name: str) -> int:
         if sp is not None:
             return sp.stacked or 1
     return 0
+def _one_vector(m: nn.Module, width: int) -> bool:
+    """``m`` owns exactly one tensor (parameters and buffers, recursively), 1-D of ``width``: a norm's weight."""
+    ts = list(m.parameters()) + list(m.buffers())
+    return len(ts) == 1 and tuple(ts[0].shape) == (width,) and ts[0].is_floating_point()
+
+
+def _fill_norms(block: nn.Module, parts: BlockParts, experts: nn.Module, taken: set) -> None:
+    """Norm modules around the experts, by shape: with latent projections, the one child of the block left whose only
+    tensor is [L] (the latent input's norm); a child of the experts module whose only tensor is the experts' width
+    (each expert's output norm). What they compute is measured (``hf/norm_fit.py``)."""
+    width = parts.latent_size or parts.hidden_size
+    if parts.latent_size:
+        cands = [n for n, c in block.named_children() if n not in taken and c is not None and _one_vector(c, width)]
+        if len(cands) > 1:
+            raise NotABlock(f"{len(cands)} children of the block hold one [{width}] vector: not one latent norm")
+        if cands:
+            parts.latent_norm = cands[0]
+            taken.add(cands[0])
+    cands = [n for n, c in experts.named_children() if c is not None and _one_vector(c, width)]
+    if len(cands) > 1:
+        raise NotABlock(f"{len(cands)} children of the experts hold one [{width}] vector: not one output norm")
+    if cands:
+        parts.expert_norm = f"{parts.experts}.{cands[0]}"
 
 
 def _fill_shared(block: nn.Module, parts: BlockParts, taken: set) -> None:
@@ -399,6 +426,8 @@ def find_parts(block: nn.Module) -> BlockParts:
     taken = {experts_name, router_mod_path.split(".")[0] if router_mod_path else None}
     taken |= {w.split(".")[0] for w in (parts.latent_in, parts.latent_out) if w is not None}
     _fill_shared(block, parts, taken)
+    if fused is not None:
+        _fill_norms(block, parts, experts, taken)
     # correction bias: a float [E] (or [1, E]) tensor of the block or router, not the router's own bias
     parts.correction_bias = _find_correction_bias(block, router_mod_path, E, parts.router_bias)
     parts.extra_modules += [name for name, child in block.named_children()

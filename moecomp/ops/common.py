@@ -43,14 +43,17 @@ ROUTER_IN_ARGS = ("router_x", "router_in_scale", "expert_scale")
 # A learned scale of the routing weights (MoESpec.has_weight_scale, Inkling's global_scale): a [1] tensor after the
 # router-input arguments, default None.
 SCALE_ARGS = ("weight_scale",)
-OP_ARGS = MOE_ARGS + QUANT_ARGS + LATENT_ARGS + HASH_ARGS + ROUTER_IN_ARGS + SCALE_ARGS  # every tensor a bound block
-# may pass, in order
+# The norms' weights (MoESpec.latent_norm: latent_norm_w [L]; MoESpec.expert_norm: expert_norm_w [expert width]);
+# after weight_scale, each defaulting to None.
+NORM_ARGS = ("latent_norm_w", "expert_norm_w")
+OP_ARGS = (MOE_ARGS + QUANT_ARGS + LATENT_ARGS + HASH_ARGS + ROUTER_IN_ARGS + SCALE_ARGS
+           + NORM_ARGS)  # every tensor a bound block may pass, in order
 # The attribute a block tensor carries while ``epilogue.Peeled`` has zeroed it (an output bias bound after the op;
 # ``match.PEELED``): here, below the passes and the match module that both read it.
 PEELED = "_moecomp_peeled"
 # What the op implements beyond the base spec; passes check this before relying on it.
 FEATURES = ("fused_shared_gate", "weight_on_input", "zero_experts", "sparsemixer", "latent", "hash_routing",
-            "router_input", "shared_gamma", "weight_scale")
+            "router_input", "shared_gamma", "weight_scale", "norms")
 
 
 def split_fused_gate(args: dict, spec) -> dict:

@@ -17,15 +17,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import norms
+
 
 def _bias(b: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """A projection's bias in the GEMM's dtype (the op takes biases of any floating dtype)."""
     return b if b is None or b.dtype == dtype else b.to(dtype)
 
 
-def project_in(x2: torch.Tensor, args: dict) -> torch.Tensor:
-    """The experts' input: x [T, H] -> [T, L] in x's dtype."""
-    return F.linear(x2, args["latent_in_w"], _bias(args.get("latent_in_b"), x2.dtype))
+def project_in(x2: torch.Tensor, args: dict, spec=None) -> torch.Tensor:
+    """The experts' input: x [T, H] -> [T, L] in x's dtype; normalised as ``spec.latent_norm`` says when given
+    (``ops/norms.py``)."""
+    xl = F.linear(x2, args["latent_in_w"], _bias(args.get("latent_in_b"), x2.dtype))
+    return xl if spec is None else norms.latent_norm(xl, args, spec)
 
 
 def project_out(routed: torch.Tensor, args: dict) -> torch.Tensor:

@@ -25,8 +25,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _get_disp
 from ..spec import MoESpec, SpecError
 from . import graphs, hash_routing, torch_moe
 from .common import (  # noqa: F401  (re-exported)
-    EXPERT_ARGS, EXPERT_QUANT_ARGS, FEATURES, HASH_ARGS, LATENT_ARGS, MOE_ARGS, OP_ARGS, QUANT_ARGS, ROUTER_IN_ARGS,
-    SCALE_ARGS, _backend,
+    EXPERT_ARGS, EXPERT_QUANT_ARGS, FEATURES, HASH_ARGS, LATENT_ARGS, MOE_ARGS, NORM_ARGS, OP_ARGS, QUANT_ARGS,
+    ROUTER_IN_ARGS, SCALE_ARGS, _backend,
     _check_ids_wanted, _on_device, split_fused_gate)
 
 # Floating dtypes the kernels compute in (x / hidden_states). float64 only on the vectorised torch path (CPU, or
@@ -87,6 +87,7 @@ def _expected_shapes(spec: MoESpec, routed: bool) -> dict:
     expect.update(spec.quant_shapes())
     if routed:
         expect.update(spec.latent_shapes())
+        expect.update(spec.norm_shapes())
         expect.update(spec.shared_quant_shapes())
         expect["router_w"] = (R + int(spec.fused_shared_gate) + spec.gamma_rows, H)  # + gate / gamma rows
         if spec.has_router_bias:
@@ -174,11 +175,12 @@ def check_args(x: torch.Tensor, tensors: dict, spec: MoESpec, symbolic: bool = F
                                 f"shared-expert weights are GEMM operands of x)")
         elif not t.is_floating_point():
             raise SpecError(f"{name} has dtype {t.dtype}; expected a floating dtype")
-    for name, want in expect.items():  # scales and latent tensors are passed only where given: a missing one here
-        if (name in _SCALE_OF or name in LATENT_ARGS or name in ROUTER_IN_ARGS or name in SCALE_ARGS) \
-                and tensors.get(name) is None:
+    for name, want in expect.items():  # scales, latent and norm tensors are passed only where given: a missing one
+        if (name in _SCALE_OF or name in LATENT_ARGS or name in ROUTER_IN_ARGS or name in SCALE_ARGS
+                or name in NORM_ARGS) and tensors.get(name) is None:
             what = (f"the scales of {_SCALE_OF[name]}" if name in _SCALE_OF else "a latent projection of the experts"
                     if name in LATENT_ARGS else "the routing weights' learned scale" if name in SCALE_ARGS
+                    else "a norm's weight" if name in NORM_ARGS
                     else "the router's input scale / per-expert weight scale")
             raise SpecError(f"{name} is required by the spec ({spec.describe()}) but was None; expected a tensor "
                             f"of shape {want} ({what})")
@@ -207,6 +209,9 @@ def check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     """moe_experts' routing arguments: x [T, H], topk_ids (integer) and topk_weights (floating), both [T, k] with
     1 <= k <= num_experts (+ zero_experts), all on x's device. The ids' values: ``check_ids_range``."""
     E, H = spec.router_width, spec.hidden_size
+    if spec.expert_norm != "none":
+        raise SpecError(f"moe_experts has no expert_norm_w argument; this spec normalises each expert's output "
+                        f"(expert_norm={spec.expert_norm!r}): call moe_forward")
     if spec.latent_size:
         raise SpecError(f"moe_experts runs routed experts on their own input; this spec has latent projections "
                         f"(latent_size={spec.latent_size}): pass its experts_spec() (hidden_size={spec.latent_size}, "
@@ -308,8 +313,10 @@ def call_moe_forward(x: torch.Tensor, tensors, spec: MoESpec) -> torch.Tensor:
         args = dict(zip(OP_ARGS, tensors))
         check_args(x, args, spec)
         return _forward(x, args, spec, spec.key, eager=True)
-    n = len(MOE_ARGS)
-    return torch.ops.moecomp.moe_forward(x, *tensors[:n], spec.key, *tensors[n:])
+    n, last = len(MOE_ARGS), len(tensors)
+    while last > n and tensors[last - 1] is None:  # the optional tail up to the last tensor given
+        last -= 1
+    return torch.ops.moecomp.moe_forward(x, *tensors[:n], spec.key, *tensors[n:last])
 
 
 def call_moe_experts(x, topk_ids, topk_weights, w13, b13, w2, b2, spec: MoESpec,
@@ -333,15 +340,16 @@ def _expert_args(w13, b13, w2, b2, *scales) -> dict:
     return args
 
 
-def _op_args(tensors, scales, latent=(), hashed=(), router_in=(), wscale=()) -> dict:
-    """moe_forward's tensors by name; the scale, latent, hash-routing, router-input and weight-scale names only where
-    given."""
+def _op_args(tensors, scales, latent=(), hashed=(), router_in=(), wscale=(), norms=()) -> dict:
+    """moe_forward's tensors by name; the scale, latent, hash-routing, router-input, weight-scale and norm names only
+    where given."""
     args = dict(zip(MOE_ARGS, tensors))
     args.update({n: t for n, t in zip(QUANT_ARGS, scales) if t is not None})
     args.update({n: t for n, t in zip(LATENT_ARGS, latent) if t is not None})
     args.update({n: t for n, t in zip(HASH_ARGS, hashed) if t is not None})
     args.update({n: t for n, t in zip(ROUTER_IN_ARGS, router_in) if t is not None})
     args.update({n: t for n, t in zip(SCALE_ARGS, wscale) if t is not None})
+    args.update({n: t for n, t in zip(NORM_ARGS, norms) if t is not None})
     return args
 
 
@@ -377,12 +385,15 @@ def moe_forward(
     router_in_scale: torch.Tensor | None = None,
     expert_scale: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
+    latent_norm_w: torch.Tensor | None = None,
+    expert_norm_w: torch.Tensor | None = None,
 ) -> torch.Tensor:
     s = MoESpec.from_key(spec)
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
                                       shared_w2_scale), (latent_in_w, latent_in_b, latent_out_w, latent_out_b),
-                    (hash_table, token_ids), (router_x, router_in_scale, expert_scale), (weight_scale,))
+                    (hash_table, token_ids), (router_x, router_in_scale, expert_scale), (weight_scale,),
+                    (latent_norm_w, expert_norm_w))
     check_args(x, args, s)
     return _forward(x, args, s, spec)
 
@@ -392,13 +403,14 @@ def _(x, router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, share
       spec, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, shared_w1_scale=None,
       shared_w3_scale=None, shared_w2_scale=None, latent_in_w=None, latent_in_b=None, latent_out_w=None,
       latent_out_b=None, hash_table=None, token_ids=None, router_x=None, router_in_scale=None, expert_scale=None,
-      weight_scale=None):
+      weight_scale=None, latent_norm_w=None, expert_norm_w=None):
     # Also the Meta-key kernel: real tensors with one of them on "meta" dispatch here, not to the implementation, so
     # the checks (devices above all) must run here too, or the call returns uninitialised memory.
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
                                       shared_w2_scale), (latent_in_w, latent_in_b, latent_out_w, latent_out_b),
-                    (hash_table, token_ids), (router_x, router_in_scale, expert_scale), (weight_scale,))
+                    (hash_table, token_ids), (router_x, router_in_scale, expert_scale), (weight_scale,),
+                    (latent_norm_w, expert_norm_w))
     check_args(x, args, MoESpec.from_key(spec), symbolic=True)
     return torch.empty_like(x)
 

@@ -11,6 +11,8 @@ Latent experts (``spec.latent_size``): the experts run on ``latent_in(x)`` and t
 dtype, goes through ``latent_out`` before the shared experts are added (``ops/latent.py``).
 The router's own input / prefix and per-expert weight multipliers (``spec.router_prefix``, ``spec.expert_scale``): the
 oracle's ``router_input`` and ``route``.
+dtype, goes through ``latent_out`` before the shared experts are added (``ops/latent.py``). Norms
+(``spec.latent_norm`` / ``expert_norm``): ``ops/norms.py``, on the latent input and on each pair's output row.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from .. import quant as q8
 from .. import reference
 from ..spec import MoESpec
-from . import latent
+from . import latent, norms
 from .common import split_fused_gate
 from .hash_routing import lookup
 
@@ -170,6 +172,7 @@ def experts_fp32(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.
     y = grouped_linear(h, _in_out(args["w2"], spec.w_layout), offs, sorted_ids).float()  # [P, H]
     if args.get("b2") is not None:
         y = y + args["b2"][sorted_ids].float()
+    y = norms.expert_norm(y, args, spec, x.dtype)  # spec.expert_norm: each pair's row, before its weight
     if not spec.weight_on_input:
         y = y * w
     return _combine(x, topk_ids, topk_weights, tok, y, spec)
@@ -193,7 +196,7 @@ def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
         weights = reference.round_weights(weights, x.dtype).float()
         gammas = None if gammas is None else reference.round_weights(gammas, x.dtype).float()
     if spec.latent_size:  # the experts between the two projections, in x's dtype at each projection
-        xl = latent.project_in(x2, args)  # [T, L]
+        xl = latent.project_in(x2, args, spec)  # [T, L] (normalised: spec.latent_norm)
         routed = experts_fp32(xl, ids, weights, args, spec.experts_spec()).to(x.dtype)  # [T, L]
         out = latent.project_out(routed, args).float()  # [T, H]
     else:

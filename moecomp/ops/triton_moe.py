@@ -14,7 +14,9 @@ moe_forward, main stream                                   side stream (shared e
     (spec capacity: pairs past an expert's capacity get id E and weight 0 after the routing kernel and are left out
      as zero experts' pairs are, ``ops/capacity.py``)
     (spec.latent_size: the experts' kernels run on latent_in(x) [T, L], their combine into [T, L], then latent_out
-     and a one-slot combine that adds the gated shared expert, ``ops/latent.py``)
+     and a one-slot combine that adds the gated shared expert, ``ops/latent.py``; spec.latent_norm: in torch)
+    (spec.expert_norm: gemm2 unweighted, then norm + weight + combine per token, ``ops/triton_norm.py``;
+     spec.router_scale: the logits scaled in torch after the router GEMM)
 
 Decode (T <= the config's ``decode.max_t``): no alignment; moe_gemm1_kernel(DIRECT) -> h [P, I] in pair order, then
 moe_down_combine_kernel -> out [T, H] (down projection, routing weights, top-k sum and shared expert in one kernel),
@@ -54,7 +56,7 @@ from . import triton_fp8, tuning
 from . import triton_fp8_tma as fp8_tma
 from . import hash_routing as hr
 from . import shared_gamma as sg
-from . import latent
+from . import latent, triton_norm
 from . import weight_on_input as woi
 from . import zero_experts as zx
 from .triton_shared import shared_mlp
@@ -151,8 +153,13 @@ def router_logits(x: torch.Tensor, args: dict, spec: MoESpec) -> tuple[torch.Ten
             rb = rb.to(want)
         logits = torch.nn.functional.linear(xs, rw, rb)  # [T, E] or [T, E + 1]
     if spec.fused_shared_gate or gw is not None:
-        return logits[:, :E], logits[:, E]
-    return logits, None
+        return _scaled(logits[:, :E], spec), logits[:, E]
+    return _scaled(logits, spec), None
+
+
+def _scaled(logits: torch.Tensor, spec: MoESpec) -> torch.Tensor:
+    """``spec.router_scale`` times the logits, in their dtype (the gate's logit is not scaled)."""
+    return logits * spec.router_scale if spec.router_scale != 1.0 else logits
 
 
 def router_gemv(x, rw, rb, gw, out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -482,6 +489,12 @@ def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=No
     if cfg is None:
         cfg = tuning.get_config(spec.num_experts, spec.intermediate_size, H, T, k, x.dtype, x.device, spec.quant)
     dec = tuning.decode_config(cfg, T, x.device)
+    if spec.expert_norm != "none":  # unweighted pair rows, then norm + weight + combine (``ops/triton_norm.py``)
+        with _hold_pdl(join is not None):
+            y = experts(x, ids, weights, args, spec, cfg)
+        if join is not None:
+            join()
+        return triton_norm.norm_combine(y, weights, args["expert_norm_w"], spec, T, k, out, shared, gate)
     if dec is None:
         with _hold_pdl(join is not None):
             y = experts(x, ids, weights, args, spec, cfg)
@@ -573,7 +586,7 @@ def _latent_routed(x2, ids, weights, args: dict, spec: MoESpec, out, shared, gat
     """``spec.latent_size``: the routed experts of ``spec.experts_spec()`` on latent_in(x) [T, L] (every routed path
     as without projections, combined into [T, L]), then latent_out [T, H] and, with shared experts, a one-slot
     combine into ``out`` that adds them (gated) after the projection."""
-    xl = latent.project_in(x2, args)  # [T, L]
+    xl = latent.project_in(x2, args, spec)  # [T, L] (normalised: spec.latent_norm)
     rl = routed(xl, ids, weights, args, spec.experts_spec(), torch.empty_like(xl))  # [T, L]
     y = latent.project_out(rl, args)  # [T, H]
     if shared is None:

@@ -38,5 +38,6 @@ def gemm1_kwargs(spec: MoESpec, weights: torch.Tensor | None) -> dict:
 
 
 def gemm2_kwargs(spec: MoESpec) -> dict:
-    """Extra launch arguments of a gemm2 / decode down-combine kernel: WEIGHTED off for ``spec.weight_on_input``."""
-    return dict(WEIGHTED=False) if spec.weight_on_input else {}
+    """Extra launch arguments of a gemm2 / decode down-combine kernel: WEIGHTED off for ``spec.weight_on_input``, and
+    for ``spec.expert_norm`` (the norm-combine applies the weights after the norm, ``ops/triton_norm.py``)."""
+    return dict(WEIGHTED=False) if spec.weight_on_input or spec.expert_norm != "none" else {}

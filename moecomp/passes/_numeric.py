@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from .. import policy, reference
 from .. import quant as q8
-from ..ops.common import OP_ARGS, PEELED
+from ..ops.common import NORM_ARGS, OP_ARGS, PEELED
 from ..reject import RejectCode
 from . import _fx
 from ._context import Context as _Context
@@ -108,6 +108,7 @@ def verify(ctx: _Context, candidates, blk: Block):
         args, x_val = _make_inputs(ctx, inputs, blk.x_root, gen, vals)
         _hash_inputs(ctx, inputs, args, blk, spec0, gen, vals)
         _unzero_unbound(ctx, inputs, args, src, gen)
+        _unzero_norms(inputs, args, src, gen)
         tensors = {k: src.tensor(k, lambda p: args[inputs.index(p)] if p in inputs else _value(ctx, p, gen))
                    for k in OP_ARGS}
         tensors.update({k: tensors[k][:n] for k, n in blk.arg_rows.items() if tensors.get(k) is not None})
@@ -350,6 +351,16 @@ def _unzero_unbound(ctx: _Context, inputs, args: list, src: _Sources, gen) -> No
                 or v.dim() == 0 or not v.is_floating_point() or getattr(v, PEELED, False) or bool(v.count_nonzero())):
             continue
         args[i] = torch.randn(tuple(v.shape), generator=gen).to(device=v.device, dtype=v.dtype)
+
+
+def _unzero_norms(inputs, args: list, src: _Sources, gen) -> None:
+    """The norms' weights (``NORM_ARGS``) drawn at random (about 0.5 in size) when all zeros: a zero weight makes the
+    forms rms * (1 + w) and rms alike (MuseSpark's norms start at zero), and the check would prove neither."""
+    for k in NORM_ARGS:
+        for p in src.of(k):
+            i = inputs.index(p) if p in inputs else None
+            if i is not None and isinstance(args[i], torch.Tensor) and not bool(args[i].count_nonzero()):
+                args[i] = (0.5 * torch.randn(tuple(args[i].shape), generator=gen)).to(args[i].dtype)
 
 
 def _hash_inputs(ctx: _Context, inputs, args: list, blk: Block, spec, gen, vals) -> None:

@@ -131,6 +131,7 @@ from ._numeric import Block, verify
 from ._reject import NotACandidate, Reject
 from .moe_experts import Experts, stacked_experts, weights_on_input
 from .moe_latent import Latent, check_scales, latent_out
+from .moe_norms import expert_norm, latent_norm, with_norms
 from .moe_output import MAX_OUTPUT_CANDIDATES, block_output, common_scale, output_candidates, output_scale
 from .moe_per_expert import Unselected, per_expert, selector_topks
 from .moe_region import Region, check_ops, find_region, pick_input
@@ -323,9 +324,13 @@ def _match_output(ctx: Context, c: _Candidate, out: fx.Node) -> MoEMatch:
     x_dtype = _fx.dtype_of(x_in)
     if x_dtype in (torch.bfloat16, torch.float16) and _fx.dtype_of(r.weights) == x_dtype:
         r.round_weights = True  # the weights reach the experts in the model dtype (e.g. a softmax with dtype=bf16)
-    candidates = _spec_candidates(r, ex, sh, lat)
+    lnorm = latent_norm(ctx, core, lat.lin_in, ex.g1, lat.L) if lat is not None else None
+    enorm = expert_norm(ctx, core, ex.g2_all, out, lat.L if lat else r.H, {lat.lin_out} if lat else set())
+    candidates = with_norms(_spec_candidates(r, ex, sh, lat), lnorm, enorm)
+    bindings = _bindings(r, ex, sh, lat)
+    bindings.update(latent_norm_w=lnorm.w.name if lnorm else None, expert_norm_w=enorm.w.name if enorm else None)
     blk = Block(x_root=c.region.x_root, x_in=x_in, out=out, nodes=core | c.region.support,
-                bindings=_bindings(r, ex, sh, lat), stacked={k: [[p.name for p in e] for e in per]
+                bindings=bindings, stacked={k: [[p.name for p in e] for e in per]
                                                          for k, per in ex.stacked.items()},
                 arg_shapes={"correction_bias": (r.E,)} if r.bias_shape is not None else {}, arg_rows=dict(ex.rows))
     spec, verified = _prove(ctx, candidates, blk, has_tail=out is not c.block_out)
@@ -375,7 +380,7 @@ def _spec_fields(r: Routing, ex: Experts, sh: Shared | None, lat: Latent | None 
         round_weights=r.round_weights, gated=ex.gated, activation_clamp=ex.act.clamp, has_expert_bias=ex.has_bias,
         shared=sh.spec if sh else None, quant=ex.quant, weight_on_input=ex.weight_on_input,
         latent_size=lat.L if lat else 0, latent_bias=lat is not None and lat.b_in is not None,
-        hash_routing=r.hash is not None,
+        hash_routing=r.hash is not None, router_scale=r.logit_scale,
         shared_gamma="joint_renorm" if r.gamma_rows else "none", has_weight_scale=r.weight_scale is not None,
     )
     if ex.act.alpha is not None:

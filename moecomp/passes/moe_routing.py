@@ -66,6 +66,7 @@ class Routing:
     gamma_rows: int = 0
     gammas: fx.Node | None = None
     weight_scale: fx.Node | None = None
+    logit_scale: float = 1.0  # the router logits times a scalar before the scoring (MoESpec.router_scale)
 
 
 @dataclass
@@ -79,6 +80,8 @@ class _Walk:
     mask_fill: fx.Node | None = None
     mask_zero: bool = False
     lead_slice: fx.Node | None = None  # [..., :E] of a wider router output (the rest: shared-expert gammas)
+    logit_scale: float = 1.0
+    logit_scale_src: str | None = None  # the scalar attribute (placeholder) it was read from
 
 
 # ------------------------------------------------------------------------------------------------------ routing
@@ -120,6 +123,29 @@ def _scaled_linear(ctx: Context, n: fx.Node) -> bool:
     return isinstance(b, fx.Node) and b in ctx.static_ph and (_fx.shape_of(b) or ()) == ()
 
 
+def _logit_scale(ctx: Context, n: fx.Node, w: _Walk) -> fx.Node:
+    """``n`` = linear * c | c * linear | linear / c (``_scaled_linear``): records c (> 0, finite) in ``w``; returns the
+    linear. A scale no spec expresses (zero, negative: the order of the logits flips) is refused."""
+    a, b = arg(n, 0), arg(n, 1)
+    if op_name(n) == "mul" and not (isinstance(a, fx.Node) and ctx.as_linear(a) is not None):
+        a, b = b, a
+    v = _fx.scalar_value(b, ctx.values)
+    src = None
+    if v is None:  # a 0-d static placeholder (a scalar attribute)
+        t = ctx.values.get(b)
+        if not isinstance(t, torch.Tensor) or _fx.is_fake(t):
+            raise unsupported_routing(f"the router logits are scaled ({n.name}) by a value unknown at capture")
+        v, src = float(t), b.name
+    v = float(v)
+    if op_name(n) == "div":
+        v = 1.0 / v if v else math.inf
+    if not (math.isfinite(v) and v > 0):
+        raise unsupported_routing(f"the router logits are scaled by {v:g} ({n.name}): MoESpec.router_scale must be "
+                                  "finite and > 0")
+    w.logit_scale, w.logit_scale_src = v, src
+    return a
+
+
 def _walk_to_router(ctx: Context, choice: fx.Node, E: int) -> _Walk:
     """Walk back from the top-k input to the router linear through casts, a group mask, a correction-bias add and
     the scoring function."""
@@ -157,9 +183,8 @@ def _walk_to_router(ctx: Context, choice: fx.Node, E: int) -> _Walk:
         elif ctx.as_linear(cur) is not None:
             w.lin = cur
             return w
-        elif name in ("mul", "div") and w.scoring is not None and _scaled_linear(ctx, cur):
-            raise unsupported_routing(f"the router logits are scaled ({name} {cur.name}) before the "
-                                      f"{w.scoring} scoring: no spec routing scales its logits")
+        elif name in ("mul", "div") and w.scoring is not None and w.logit_scale == 1.0 and _scaled_linear(ctx, cur):
+            cur = _logit_scale(ctx, cur, w)  # logits * c before the scoring: MoESpec.router_scale
         else:
             raise unsupported_routing(f"unrecognised op '{name or cur.op}' between the router logits and the top-k")
 
@@ -176,7 +201,10 @@ def _from_router(ctx: Context, walk: _Walk, k: int, E: int) -> Routing:
         correction_bias=walk.bias, scoring=walk.scoring or "none", score_order="score_then_topk", top_k=k, E=E,
         H=ws[1], router_fp32=router_fp32,
         bias_on_logits=walk.scoring is None and walk.bias is not None,  # topk(logits + bias): scores after gather
+        logit_scale=walk.logit_scale,
     )
+    if walk.logit_scale_src is not None:
+        R.baked["router_scale"] = walk.logit_scale_src
     if walk.bias is not None and ctx.pshape(walk.bias) != (E,):
         R.bias_shape = ctx.pshape(walk.bias)
     R.gamma_rows = ws[0] - E

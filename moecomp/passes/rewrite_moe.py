@@ -84,7 +84,9 @@ def _rewrite_one(gm: fx.GraphModule, m) -> None:
                     v.meta["example_value"] = fake.reshape(shape)
                 args[i] = v
         n = len(MOE_ARGS)
-        scales = tuple(args[n:]) if any(a is not None for a in args[n:]) else ()  # quantized weights' scales
+        scales = list(args[n:])  # scales, latent, hash and norm tensors: up to the last one given
+        while scales and scales[-1] is None:
+            scales.pop()
         new = g.call_function(torch.ops.moecomp.moe_forward.default, (m.x, *args[:n], m.spec.key, *scales))
         new.meta["example_value"] = _fake_like(m.x)
         for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):

@@ -30,10 +30,6 @@ OUTCOME = {
     "gemma4": ("equal", ""),
     # the whole block is beyond the spec; its standard experts module runs moe_experts, routing stays HF's
     "zaya": ("experts only", "no router weight"),
-    # (inkling2 / inkling2_loop: a softcapped SwiGLU, MoESpec.gate_softcap / up_softcap)
-    # left alone, and why: MuseSpark scales its router logits before the sigmoid, normalises the latent
-    # projection of x before the experts and each expert's output after it (the pass names the first it meets)
-    "muse_spark": ("not rewritten", "router logits are scaled"),
     # found by structure (no @use_experts_implementation): hf/discover.py
     "llama4": ("equal", ""),
     # a router [E + S, H] whose last S rows give the S stacked shared experts' gammas, renormalised with the chosen
@@ -51,6 +47,9 @@ OUTCOME = {
     "switch_transformers": ("equal", ""),
     # variants (families.VARIANTS): a family's tiny model with config changes that reach another block style
     "nemotron_h:latent": ("equal", ""),  # experts between latent projections (MoESpec.latent_size)
+    # logits scaled before the sigmoid, a norm on the latent input and on each expert's output (MoESpec.router_scale,
+    # latent_norm, expert_norm)
+    "muse_spark": ("equal", ""),
 }
 # the families the structural scan adds to the decorated ones (transformers 5.24; test_structural_scan checks it)
 STRUCTURAL = ["jetmoe", "llama4", "longcat_flash", "nllb_moe", "switch_transformers"]

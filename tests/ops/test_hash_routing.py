@@ -120,13 +120,14 @@ def test_forward(cpu_backend, poison, name, T):
 
 
 def test_forward_3d_tokens(poison):
-    """x [B, S, H] with token ids [B, S] (how a decoder layer passes them), positional: the op's last two
-    arguments."""
+    """x [B, S, H] with token ids [B, S] (how a decoder layer passes them), positional: the two arguments after the
+    latent projections (only the norms' weights follow)."""
     spec, args, h = make("dsv4", 6, seed=5)
     x = args[0].reshape(2, 3, -1)
     tok = h["token_ids"].reshape(2, 3)
     between = [None] * (OP_ARGS.index("hash_table") - len(MOE_ARGS))  # the scales and latent projections
-    assert OP_ARGS[-2:] == ("hash_table", "token_ids")
+    i = OP_ARGS.index("hash_table")
+    assert OP_ARGS[i:i + 2] == ("hash_table", "token_ids") and OP_ARGS[i + 2:] == ("latent_norm_w", "expert_norm_w")
     out = torch.ops.moecomp.moe_forward(x, *args[1:], spec.key, *between, h["hash_table"], tok)
     assert out.shape == x.shape
     assert rel_err(out.reshape(6, -1), reference.moe_forward(*args, spec, **h)) < TOL

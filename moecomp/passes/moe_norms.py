@@ -1,0 +1,117 @@
+"""Norms around the routed experts (``MoESpec.latent_norm`` / ``expert_norm``; MuseSpark)::
+
+    x ──► linear(x, Wi [L, H]) ──► [rms norm, weight g [L], eps] ──► the experts' input     (latent_norm)
+    GEMM(w2 [E, width, I]) ──► [rms norm, weight g [width], eps] ──► * routing weights ──► combine   (expert_norm)
+
+Read by meaning, not by names: a norm is a 1-D static weight of the experts' width read by the nodes between the input
+projection and every first expert GEMM (latent), or between the second expert GEMMs and the MoE output (expert
+output), with an ``add(mean(·), eps)`` among those nodes (its eps: the constant added to a mean). Which form it is
+(``rms_1p``: rms(v) * (1 + g); ``rms``: rms(v) * g; ``scaled_rms_1p``: rms(round(v * (1 + g)))) is left to the
+numeric check, which runs the candidates with the weight drawn at random when it is all zeros (``_numeric``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from ..reject import RejectCode
+from ..spec_checks import EXPERT_NORMS, LATENT_NORMS, SpecError
+from . import _fx
+from ._context import Context
+from ._fx import arg, op_name
+from ._reject import Reject
+
+
+@dataclass
+class Norm:
+    w: fx.Node  # the [width] weight placeholder
+    eps: float
+    forms: tuple  # the forms the numeric check tries
+
+
+def _between(ctx: Context, nodes: set, srcs: set, dsts: set) -> set:
+    """Nodes (within ``nodes``) that descend from some node of ``srcs`` and are ancestors of every node of ``dsts``."""
+    down = set().union(*[_fx.descendants(s, nodes) for s in srcs])
+    for d in dsts:
+        down &= _fx.ancestors(d, nodes, pos=ctx.order) | {d}
+    return down - dsts
+
+
+def _find(ctx: Context, between: set, width: int, what: str, forms: tuple) -> Norm | None:
+    """The norm among ``between``: its [width] weight (None when no such weight is read there) and eps."""
+    ws = sorted({p for n in between for p in _weights_read(ctx, n, between) if ctx.pshape(p) == (width,)},
+                key=lambda p: p.name)
+    if not ws:
+        return None
+    if len(ws) > 1:
+        raise Reject(f"{len(ws)} weights of width {width} read {what}: {[p.name for p in ws]}")
+    eps = [_eps(ctx, n) for n in sorted(between, key=ctx.order.get) if op_name(n) == "add"]
+    eps = [e for e in eps if e is not None]
+    if len(eps) != 1:
+        raise Reject(f"a weight of width {width} ({ws[0].name}) read {what}, but {len(eps)} add(mean(·), eps) "
+                     "there: not one RMS norm")
+    return Norm(w=ws[0], eps=eps[0], forms=forms)
+
+
+def _weights_read(ctx: Context, n: fx.Node, between: set, depth: int = 4) -> set:
+    """The 1-D static placeholders ``n`` reads from outside ``between``: directly, or through a few nodes computed
+    from static placeholders alone (``(1.0 + w).float()``)."""
+    found = set()
+    for a in n.all_input_nodes:
+        if a in between:
+            continue
+        anc = _fx.ancestors(a, pos=ctx.order) | {a}
+        phs = [p for p in anc if p.op == "placeholder"]
+        if len(anc) - len(phs) > depth or not all(p in ctx.static_ph for p in phs):
+            continue
+        found |= {p for p in phs if ctx.weight_ph(p, 1) is not None}
+    return found
+
+
+def _eps(ctx: Context, n: fx.Node) -> float | None:
+    """``n`` = add(mean(·), c) (either order, casts allowed around the mean) -> c, else None."""
+    a, b = arg(n, 0), arg(n, 1)
+    for m, c in ((a, b), (b, a)):
+        if isinstance(m, fx.Node) and op_name(_fx.strip_views_casts(m)) == "mean":
+            v = _fx.scalar_value(c, ctx.values)
+            if v is not None:
+                return float(v)
+    return None
+
+
+def latent_norm(ctx: Context, nodes: set, lin_in: fx.Node, g1s: set, L: int) -> Norm | None:
+    """The norm between the latent input projection ``lin_in`` and the first expert GEMMs ``g1s``, or None."""
+    return _find(ctx, _between(ctx, nodes, {lin_in}, g1s), L, "between the latent projection and the experts",
+                 tuple(f for f in LATENT_NORMS if f != "none"))
+
+
+def expert_norm(ctx: Context, core: set, g2s: set, out: fx.Node, width: int, skip) -> Norm | None:
+    """The norm between the second expert GEMMs ``g2s`` and the MoE output ``out`` (the nodes ``skip``, e.g. the
+    latent output projection, and what follows them left out), or None."""
+    between = set().union(*[_fx.descendants(g, core) for g in g2s]) & (_fx.ancestors(out, core, pos=ctx.order)
+                                                                       | {out})
+    for s in skip:
+        between -= _fx.descendants(s, core) | {s}
+    return _find(ctx, between, width, "between the expert GEMMs and the MoE output",
+                 tuple(f for f in EXPERT_NORMS if f != "none"))
+
+
+def with_norms(candidates: list, lnorm: Norm | None, enorm: Norm | None) -> list:
+    """Each candidate spec once per combination of the norms' forms (eps read from the graph); unchanged without
+    norms."""
+    if lnorm is None and enorm is None:
+        return candidates
+    out, err = [], None
+    for spec in candidates:
+        for lf in (lnorm.forms if lnorm else ("none",)):
+            for ef in (enorm.forms if enorm else ("none",)):
+                try:
+                    out.append(spec.replace(latent_norm=lf, latent_norm_eps=lnorm.eps if lnorm else 1e-6,
+                                            expert_norm=ef, expert_norm_eps=enorm.eps if enorm else 1e-6))
+                except SpecError as e:
+                    err = e
+    if not out:
+        raise Reject(f"no valid spec with the norms: {err}", RejectCode.SPEC_INVALID)
+    return out
