@@ -235,7 +235,7 @@ def _observed(block: nn.Module, parts: BlockParts, x: torch.Tensor, fx: Reject, 
     the caller goes on as before."""
     got = dispatch_reader.recognise(block, parts, x)
     if isinstance(got, Match):
-        notes.append(f"FX pass: {fx.message[:160]}; read by the dispatch reader (the expert modules observed)")
+        notes.append(f"FX pass: {fx.message[:300]}; read by the dispatch reader (the expert modules observed)")
         return got
     notes.append(f"dispatch reader: {got.message[:200]}")
     return None
