@@ -18,19 +18,20 @@ from torch import nn
 
 from .. import policy
 from ..match import Evidence, Match
+from ..reject import Refused
 from ..spec import SpecError
 from ..spec_checks import ACTIVATIONS
 
 _NO_FIT = ("swiglu_oai",)  # needs its alpha / limit, which no attribute named here
 
 
-def _layouts(parts, E: int, H: int, I: int, w13: torch.Tensor) -> list[str]:
-    """The weight layouts w13's shape allows: [E, N, H] out_in, [E, H, N] in_out (both when N == H)."""
-    s = tuple(w13.shape[1:])
+def _layouts(parts, H: int, I: int, w13: torch.Tensor, w2: torch.Tensor) -> list[str]:
+    """The weight layouts the shapes allow: w13 [E, N, H] / w2 [E, H, I] out_in, [E, H, N] / [E, I, H] in_out."""
+    s, s2 = tuple(w13.shape[1:]), tuple(w2.shape[1:])
     out = []
-    if s[1] == H:
+    if s[1] == H and s2 == (H, I):
         out.append("out_in")
-    if s[0] == H:
+    if s[0] == H and s2 == (I, H):
         out.append("in_out")
     return sorted(out, key=lambda v: v != parts.w_layout)
 
@@ -47,9 +48,10 @@ def fit(block: nn.Module, m: Match, x: torch.Tensor, candidates) -> Match | None
     out = out[0] if isinstance(out, (tuple, list)) else out
     run = types.SimpleNamespace(x=x, kwargs={}, output=out)
     w13 = block.get_parameter(parts.w13) if parts.w13 else None
-    if w13 is None or w13.dim() != 3:
+    w2 = block.get_parameter(parts.w2) if parts.w2 else None
+    if w13 is None or w2 is None or w13.dim() != 3 or w2.dim() != 3:
         return None
-    layouts = _layouts(parts, spec.num_experts, spec.hidden_size, spec.intermediate_size, w13)
+    layouts = _layouts(parts, spec.hidden_size, spec.intermediate_size, w13, w2)
     acts = [a for a in dict.fromkeys([spec.activation, *ACTIVATIONS]) if a not in _NO_FIT]
     splits = ["concat", "interleaved"] if spec.gated else ["concat"]
     guess = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
@@ -60,7 +62,10 @@ def fit(block: nn.Module, m: Match, x: torch.Tensor, candidates) -> Match | None
             cand = spec.replace(w_layout=layout, activation=act, gate_up=split, **route)
         except SpecError:
             continue
-        got, err = _verify(block, cand, m.bindings, m.derived, run, [])
+        try:
+            got, err = _verify(block, cand, m.bindings, m.derived, run, [])
+        except (Refused, SpecError, ValueError, RuntimeError):  # a candidate the op's checks refuse: not this one
+            continue
         if err <= tol:
             ev = Evidence("fallback", "activation, layout and routing fitted on the block's output",
                           notes=list(m.evidence.notes) + [

@@ -150,6 +150,15 @@ class StackedSortedSlices(_Stacked):
         return out
 
 
+class StackedUpFirst(StackedSortedSlices):
+    """``StackedSortedSlices`` with the up rows first in w13 (``u, g = ...chunk(2)``): a gate / up order the spec has
+    no value for (it knows gate rows first, or interleaved)."""
+
+    def ffn(self, xs, e):
+        u, g = F.linear(xs, self.w13[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(g) * u, self.w2[e])
+
+
 class StackedGatherEinsum(_Stacked):
     """No loop: every pair's expert weights gathered ``w13[ids]`` ([T, k, 2I, H]), ``einsum``, then the weighted
     sum over k."""
@@ -220,6 +229,7 @@ SPELLINGS = {
     "sorted_scatter_reduce": SortedScatterReduce,
     "skip_empty_continue": SkipEmptyContinue,
     "stacked_sorted_slices": StackedSortedSlices,
+    "stacked_up_first": StackedUpFirst,
     "stacked_gather_einsum": StackedGatherEinsum,
     "stacked_gather_bmm": StackedGatherBmm,
     "grouped_gemm_sorted": GroupedGemmSorted,

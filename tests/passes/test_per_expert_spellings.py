@@ -65,6 +65,7 @@ OUTCOMES = {
     "sorted_scatter_reduce": (CF, DISPATCH),
     "skip_empty_continue": (None, None),  # traced again with real values (recognise._detect_fx)
     "stacked_sorted_slices": (CF, ATTR),  # stacked weights, no module to observe: fitted on the block's output
+    "stacked_up_first": (CF, (NR, "no activation / gate split / layout / routing the spec knows reproduces")),
     "stacked_gather_einsum": (None, None),
     "stacked_gather_bmm": (None, None),
     "grouped_gemm_sorted": (None, None),  # in-place writes into slices of a fresh tensor (moe_region)
