@@ -53,7 +53,7 @@ def fit(block: nn.Module, m: Match, x: torch.Tensor, candidates) -> Match | None
         return None
     layouts = _layouts(parts, spec.hidden_size, spec.intermediate_size, w13, w2)
     acts = [a for a in dict.fromkeys([spec.activation, *ACTIVATIONS]) if a not in _NO_FIT]
-    splits = ["concat", "interleaved"] if spec.gated else ["concat"]
+    splits = list(dict.fromkeys([spec.gate_up, "concat", "interleaved"])) if spec.gated else [spec.gate_up]
     guess = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
     tol = policy.verify_tolerance(x.dtype, spec)
     routings = list(candidates(guess, spec.num_experts, spec.top_k, spec.has_correction_bias))
