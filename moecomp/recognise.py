@@ -232,7 +232,14 @@ def _observed(block: nn.Module, parts: BlockParts, x: torch.Tensor, fx: Reject, 
     dispatch by ``split(counts.tolist())``), or it did but the ids select no expert by a constant index (sorted
     dispatch over slices, every expert on every token ``stack``ed). What each expert module computed on which
     tokens is observed instead; the verify stage proves it. None (a note says why) when it cannot read the block:
-    the caller goes on as before."""
+    the caller goes on as before. Where Dynamo could not capture the block and the attribute reader measured the
+    routing from an experts module called with it, that reader's Match is the answer (as before this reader was
+    tried: the dispatch reader binds calls of at most the tokens its probes ran)."""
+    if fx.code is RejectCode.CAPTURE_FAILED:
+        fb = fallback.recognise(block, parts, x)
+        if isinstance(fb, Match) and fallback.ROUTING_MEASURED in fb.evidence.notes:
+            notes.append(f"FX pass could not capture the block ({fx.message}); attribute fallback used")
+            return fb
     got = dispatch_reader.recognise(block, parts, x)
     if isinstance(got, Match):
         notes.append(f"FX pass: {fx.message[:300]}; read by the dispatch reader (the expert modules observed)")

@@ -45,6 +45,7 @@ from .names import read_attr
 from .structure import BlockParts, MLPParts, NotABlock, find_parts, get_path
 
 
+ROUTING_MEASURED = "routing measured from the experts' inputs"  # an evidence note (recognise._observed reads it)
 _TO_FIT = "to be fitted on the output"  # an activation the attribute reader could not name (stacked experts)
 
 
@@ -560,7 +561,7 @@ def _measure(block: nn.Module, x: torch.Tensor, ext: Match) -> tuple[Match, Prob
         if prec is not None:
             changes.update(prec)
             notes.append(f"router precision measured: {prec}")
-        notes.append("routing measured from the experts' inputs")
+        notes.append(ROUTING_MEASURED)
     else:
         notes.append("routing read from attributes (experts not called as one module); checked on the output")
     try:
