@@ -186,6 +186,10 @@ def recognise(block: nn.Module, parts: BlockParts, x: torch.Tensor | None, *, us
             return got, notes
         if parts.kind == "structural":  # found by shapes: the attribute reader has no part names to read
             return _structural(block, parts, x, got, notes)
+        if got.code is RejectCode.CAPTURE_FAILED or _unselected(got):
+            seen = _observed(block, parts, x, got, notes)
+            if seen is not None:
+                return seen, notes
         if got.code is RejectCode.CAPTURE_FAILED:
             notes.append(f"FX pass could not capture the block ({got.message}); attribute fallback used")
         elif trust_fallback:
@@ -213,6 +217,35 @@ def _structural(block: nn.Module, parts: BlockParts, x: torch.Tensor, fx: Reject
         return got, notes
     fx_why = f"; FX pass: {fx.message}" if fx is not None else ""
     return Reject(got.code, f"dispatch reader: {got.message}{fx_why} (block found by its shapes)"), notes
+
+
+def _unselected(r: Reject) -> bool:
+    """Did the FX pass refuse the block because its ids select no expert by a constant index?"""
+    from .passes.moe_per_expert import UNSELECTED  # noqa: PLC0415 (the passes import Dynamo)
+
+    return UNSELECTED in r.message
+
+
+def _observed(block: nn.Module, parts: BlockParts, x: torch.Tensor, fx: Reject, notes: list) -> Match | None:
+    """The dispatch reader's Match for a block of per-expert modules whose loop the FX pass could not read: Dynamo
+    could not capture it (a data-dependent loop or branch: ``ids.unique().tolist()``, ``if counts[e] == 0``, sorted
+    dispatch by ``split(counts.tolist())``), or it did but the ids select no expert by a constant index (sorted
+    dispatch over slices, every expert on every token ``stack``ed). What each expert module computed on which
+    tokens is observed instead; the verify stage proves it. None (a note says why) when it cannot read the block:
+    the caller goes on as before. Where Dynamo could not capture the block and the attribute reader measured the
+    routing from an experts module called with it, that reader's Match is the answer (as before this reader was
+    tried: the dispatch reader binds calls of at most the tokens its probes ran)."""
+    if fx.code is RejectCode.CAPTURE_FAILED:
+        fb = fallback.recognise(block, parts, x)
+        if isinstance(fb, Match) and fallback.ROUTING_MEASURED in fb.evidence.notes:
+            notes.append(f"FX pass could not capture the block ({fx.message}); attribute fallback used")
+            return fb
+    got = dispatch_reader.recognise(block, parts, x)
+    if isinstance(got, Match):
+        notes.append(f"FX pass: {fx.message[:300]}; read by the dispatch reader (the expert modules observed)")
+        return got
+    notes.append(f"dispatch reader: {got.message[:200]}")
+    return None
 
 
 def _abstract_forward(block: nn.Module, x: torch.Tensor) -> str | None:

@@ -124,6 +124,9 @@ class Observed:
     x: torch.Tensor  # [..., H] the probe input
     took: torch.Tensor  # [T, E] bool
     weight: torch.Tensor  # [T, E] float64, 0 off ``took``
+    # every expert ran on every token (a dense loop): ``took`` holds the pairs clearly weighted; a routing may pick
+    # more (weights too small to tell from 0), never fewer, and nothing can have been dropped
+    dense: bool = False
 
 
 def observe(block: nn.Module, experts: list[nn.Module], x: torch.Tensor) -> Observed:
@@ -164,7 +167,12 @@ def observe(block: nn.Module, experts: list[nn.Module], x: torch.Tensor) -> Obse
                             f"{int((times.sum(0) > 0).sum())} of {E} experts computed anything): the experts are not "
                             "chosen by a top-k of the router (that gives a token at most one pair per expert)",
                             RejectCode.UNSUPPORTED_ROUTING)
-    return Observed(x, took, _solve_weights(out.cpu(), took, ys, x.dtype))
+    w = _solve_weights(out.cpu(), took, ys, x.dtype)
+    dense = E > 1 and T > 0 and bool(took.all())
+    if dense:  # every expert ran on every token: the pairs taken are the ones weighted, the others got weight 0
+        took = w.abs() > policy.verify_tolerance(x.dtype) * w.abs().amax(1, keepdim=True)
+        w = w * took
+    return Observed(x, took, w, dense)
 
 
 def _solve_weights(out: torch.Tensor, took: torch.Tensor, ys: dict, dtype) -> torch.Tensor:
@@ -268,7 +276,7 @@ def fit_routing(obs: Observed, r: _Router, base: MoESpec, k: int) -> tuple[dict,
             if bool((obs.took & ~took).any()):
                 continue  # an observed pair this routing does not pick
             fields = dict(cand, top_k=k, router_fp32=fp32)
-            if torch.equal(obs.took, took):
+            if obs.dense or torch.equal(obs.took, took):
                 c = _scale(obs, weight, tol)
                 if c is not None:
                     return dict(fields, routed_scaling_factor=c), [], []
@@ -380,7 +388,7 @@ def _read(block: nn.Module, parts: BlockParts, dtype) -> Match:
         obs = probe(B, S, share)
         w, ids = _route(obs, r, plain)
         took = _dense(ids, w, parts.num_experts)[0]
-        if torch.equal(took, obs.took):
+        if obs.dense or torch.equal(took, obs.took):
             continue
         found = _drops(obs, r, plain) if not bool((obs.took & ~took).any()) else None
         if found is None:
@@ -393,6 +401,8 @@ def _read(block: nn.Module, parts: BlockParts, dtype) -> Match:
     if caps:
         fields.update(_capacity(obs, probe(B, 2 * S, share), r, plain, caps, variants, consts))
         notes.append(f"expert capacity measured: pairs dropped on crowd probes of {S} and {2 * S} tokens a sequence")
+    elif obs.dense:  # every expert computed every token: nothing is ever dropped, whatever the length
+        notes.append("every expert computed every token (weighted 0 off its top-k): no capacity")
     else:  # expert 0 took every token of sequences of seqs[-1] tokens: any call of at most that many is safe
         max_tokens = seqs[-1]
         notes.append(f"no pair dropped where expert 0 was every token's first choice, in sequences of up to "

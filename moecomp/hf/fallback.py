@@ -39,10 +39,14 @@ from ..reject import Refused, Reject, RejectCode
 from ..spec import MoESpec, SharedExpertSpec, SpecError
 from ..derived import Derived
 from ..probe import ProbeRun, hash_call_args, run_probe
-from . import fp8, hash_reader, names, norm_fit, router_scale, sparsemixer_fit
+from . import fp8, hash_reader, names, norm_fit, output_fit, router_scale, sparsemixer_fit
 from .activations import describe_unknown_gate, probe_activation, probe_gate, probe_mlp
 from .names import read_attr
 from .structure import BlockParts, MLPParts, NotABlock, find_parts, get_path
+
+
+ROUTING_MEASURED = "routing measured from the experts' inputs"  # an evidence note (recognise._observed reads it)
+_TO_FIT = "to be fitted on the output"  # an activation the attribute reader could not name (stacked experts)
 
 
 class FallbackError(Refused):
@@ -289,6 +293,8 @@ def _expert_activation(block: nn.Module, parts: BlockParts, sources):
             raise FallbackError(f"the experts' gate ({type(experts).__name__}._apply_gate) is not one the spec "
                                 f"knows{': ' + what if what else ''}")
     act, how = _mlp_activation(experts, sources)
+    if act is None and not any(p.device.type == "meta" for p in experts.parameters()):
+        return "silu", "concat", 1.702, 7.0, False, f"{how}: {_TO_FIT}"  # stacked weights: output_fit finds it
     if act is None:
         raise FallbackError(f"expert activation not supported ({how})")
     return act, "concat" if concat in (None, True) else "interleaved", 1.702, 7.0, False, how, (0.0, 0.0)
@@ -576,7 +582,7 @@ def _measure(block: nn.Module, x: torch.Tensor, ext: Match) -> tuple[Match, Prob
         if prec is not None:
             changes.update(prec)
             notes.append(f"router precision measured: {prec}")
-        notes.append("routing measured from the experts' inputs")
+        notes.append(ROUTING_MEASURED)
     else:
         notes.append("routing read from attributes (experts not called as one module); checked on the output")
     try:
@@ -594,10 +600,27 @@ def recognise(block: nn.Module, parts: BlockParts, x: torch.Tensor | None = None
         with fp8.plain_fp8(block if x is not None else None):
             m = static_extract(block, parts)
             if x is not None:
-                m, _ = measure(block, x, m)
+                m, run = measure(block, x, m)
+                m = _fit_output(block, m, run, x)
         return m
     except Refused as e:
         return e.reject
+
+
+def _fit_output(block: nn.Module, m: Match, run: ProbeRun, x: torch.Tensor) -> Match:
+    """Stacked expert weights the block runs with its own code (its experts module, if any, never called with the
+    routing): activation, layout and routing fitted on the block's output (``output_fit``) when the guess read from
+    attributes does not give it; FallbackError when the activation was not named and no fit is found."""
+    if run.experts_args is not None or m.parts.kind != "fused":
+        return m
+    got = output_fit.fit(block, m, x, _routing_candidates)
+    if got is not None:
+        return got
+    if any(_TO_FIT in n for n in m.evidence.notes):
+        raise FallbackError("the experts' activation is not named, and no activation / gate split / layout / routing "
+                            "the spec knows reproduces the block's output from its stacked expert weights",
+                            RejectCode.NOT_RECOGNISED)
+    return m
 
 
 def _measure_precision(block, parts: BlockParts, run: ProbeRun, x: torch.Tensor) -> dict | None:

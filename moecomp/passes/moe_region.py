@@ -79,6 +79,34 @@ def _read_uncast(cur: fx.Node) -> bool:
 def _region(ctx: Context, x_root: fx.Node, seed_region=(), seed_support=()):
     """Nodes computable from x_root and weight-like placeholders: (descendants of x_root, weight-only helpers)."""
     region, support = {x_root, *seed_region}, set(seed_support)
+    for _ in range(4):  # a fresh tensor the region writes into is the region's: then what reads it is too
+        _grow(ctx, x_root, region, support)
+        written = {b for n in region if (b := _fx._mut_base(n)) is not None and b in support}
+        if not written:
+            break
+        support -= _users_within(written, support) | written
+        region |= written
+    # support nodes needed by the region only
+    needed = set()
+    for n in region:
+        needed |= _fx.ancestors(n, support, pos=ctx.order)
+    return region, needed
+
+
+def _users_within(nodes: set, within: set) -> set:
+    """The nodes of ``within`` that read ``nodes``, directly or through other nodes of ``within``."""
+    seen, stack = set(), list(nodes)
+    while stack:
+        for u in stack.pop().users:
+            if u in within and u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return seen
+
+
+def _grow(ctx: Context, x_root: fx.Node, region: set, support: set) -> None:
+    """One pass in graph order: nodes whose inputs are all region / support / weights join the region when they
+    read a region node, the support otherwise."""
     for n in ctx.graph.nodes:
         if n.op in ("placeholder", "output", "get_attr") or n in region or n in support:
             continue
@@ -95,11 +123,6 @@ def _region(ctx: Context, x_root: fx.Node, seed_region=(), seed_support=()):
                 region.add(n)
             else:
                 support.add(n)
-    # support nodes needed by the region only
-    needed = set()
-    for n in region:
-        needed |= _fx.ancestors(n, support, pos=ctx.order)
-    return region, needed
 
 
 def check_ops(nodes: set, x_root: fx.Node) -> None:

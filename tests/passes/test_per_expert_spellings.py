@@ -1,8 +1,11 @@
-"""Each block of ``per_expert_spellings`` through the two public entry points: ``detect_moe`` on its real-values
-capture, and ``moecomp.optimize`` on a model holding it as ``mlp``.
+"""Each block of ``per_expert_spellings`` and ``sorted_spellings`` through the two public entry points:
+``detect_moe`` on its real-values capture, and ``moecomp.optimize`` on a model holding it as ``mlp``.
 
 Recognised: exactly 1 match; optimize rewrites exactly the one block, which then calls the op once per forward and
-gives the block's output on fresh [3, 7, H] tokens within fp32 max |diff| / max |block| <= 1e-5. Refused: no match,
+gives the block's output on fresh [3, 7, H] tokens within fp32 max |diff| / max |block| <= 1e-5. Blocks the FX pass
+cannot read (not captured, or ids that select no expert by a constant index) are rewritten by the dispatch reader
+(the expert modules observed) or, for stacked weights the block runs itself, by the attribute reader's fit on the
+output; the report's notes then give the FX outcome. Refused: no match,
 the block untouched (0 op calls), with the reason code and a message naming the part not understood. A block whose part names optimize's block
 finder (``hf/structure.iter_blocks``) does not know is still a candidate when its shapes say it routes
 (``structural_parts``: the FX pass reads it; ``NOT_FOUND`` would mark one that is not a candidate, untouched and not
@@ -20,6 +23,7 @@ import torch._subclasses.meta_utils as meta_utils
 import moecomp
 import per_expert_blocks as pb
 import per_expert_spellings as ps
+import sorted_spellings as ss
 from moecomp.capture import capture_block
 from moecomp.hf import families as fam
 from moecomp.passes.detect_moe import detect_moe
@@ -30,7 +34,10 @@ NR, VF = RejectCode.NOT_RECOGNISED, RejectCode.VERIFICATION_FAILED
 CF = "capture failed"
 UNSELECTED = "select no expert by a constant index"
 NOT_FOUND = "not found"  # optimize's block finder names per-expert parts: no candidate, no report entry
-# name -> (FX: None = 1 match, else (code, message part)); optimize: None = rewritten, else (code, message part))
+DISPATCH, ATTR = "dispatch", "fallback"  # rewritten by the dispatch reader / the attribute reader (its output fit)
+# name -> (FX: None = 1 match, else (code, message part); optimize: None = rewritten by the FX pass, DISPATCH / ATTR =
+# rewritten by that reader after the FX pass gave the FX outcome (said in the report's notes), else (code, message
+# part))
 OUTCOMES = {
     "nonzero": (None, None),
     "mask_any": (None, None),
@@ -43,15 +50,27 @@ OUTCOMES = {
     "one_hot_summed": (None, None),
     "fused_gate_up": (None, None),  # gate_up / down names, a bare router Parameter: found by shapes
     "dense_scattered": (None, None),
-    "dense_stacked": ((NR, UNSELECTED), (NR, UNSELECTED)),
+    "dense_stacked": ((NR, UNSELECTED), DISPATCH),  # every expert on every token: weighted 0 off the top-k
     "slot_loop": (None, None),
     "repeat_interleave": (None, None),
-    "unique_ids": ((NR, UNSELECTED), (VF, "op output differs")),  # FX refuses; the attribute fallback's check too
+    "unique_ids": (CF, DISPATCH),  # data-dependent loop: the expert modules observed
     "three_d_input": (None, None),
     "sigmoid_float_mask": (None, None),
-    "skip_empty": (CF, (VF, "op output differs")),  # not captured; the attribute fallback's check refuses it
+    "skip_empty": (CF, DISPATCH),  # data-dependent branch
     "gather_weight": (None, None),
+    # sorted dispatch (sorted_spellings)
+    "sorted_split": (CF, DISPATCH),  # split(counts.tolist()): sizes Dynamo cannot capture
+    "sorted_cumsum_index_copy": ((NR, UNSELECTED), DISPATCH),  # captured; slices select the experts, no ids == e
+    "sorted_inverse_perm": (CF, DISPATCH),
+    "sorted_scatter_reduce": (CF, DISPATCH),
+    "skip_empty_continue": (None, None),  # traced again with real values (recognise._detect_fx)
+    "stacked_sorted_slices": (CF, ATTR),  # stacked weights, no module to observe: fitted on the block's output
+    "stacked_up_first": (CF, (NR, "no activation / gate split / layout / routing the spec knows reproduces")),
+    "stacked_gather_einsum": (None, None),
+    "stacked_gather_bmm": (None, None),
+    "grouped_gemm_sorted": (None, None),  # in-place writes into slices of a fresh tensor (moe_region)
 }
+SPELLINGS = {**ps.SPELLINGS, **ss.SPELLINGS}
 
 
 @pytest.fixture(autouse=True)
@@ -72,26 +91,29 @@ class Model(torch.nn.Module):
 
 
 def test_every_spelling_has_an_outcome():
-    assert set(OUTCOMES) == set(ps.SPELLINGS)
+    assert set(OUTCOMES) == set(SPELLINGS)
 
 
-@pytest.mark.parametrize("name", sorted(ps.SPELLINGS))
+@pytest.mark.parametrize("name", sorted(SPELLINGS))
 def test_per_expert_spelling_outcome(name):
     """optimize first; detect_moe on its own capture only where optimize's report does not show the FX outcome
     (a block optimize does not hand to the FX pass, or one the attribute fallback refused after it)."""
     fx_want, opt_want = OUTCOMES[name]
-    block = pb._redraw(ps.SPELLINGS[name](), 0)
+    block = pb._redraw(SPELLINGS[name](), 0)
     model = Model(copy.deepcopy(block)).eval()
     _, rep = moecomp.optimize(model, report=True)
     xt = torch.randn(3, 7, pb.H)
     with torch.no_grad():
         got, _, calls = fam.count_calls_per_block(model, lambda: model(xt))
         want = block(xt)
-    if opt_want is None:  # rewritten by the FX pass: it matched exactly this one block
+    if opt_want in (None, DISPATCH, ATTR):  # rewritten: by the FX pass (it matched exactly this one block) or a reader
         [b] = rep.blocks
-        assert b.status == "rewritten" and b.method == "fx" and [r.name for r in rep.rewritten] == ["mlp"], str(rep)
-        assert calls == 1
+        assert b.status == "rewritten" and b.method == (opt_want or "fx"), str(rep)
+        assert [r.name for r in rep.rewritten] == ["mlp"] and calls == 1, str(rep)
         assert ((got - want).abs().max() / want.abs().max()).item() <= TOL
+        if opt_want is not None:  # the FX pass's outcome, as the report's notes give it
+            fx_note = "could not capture" if fx_want is CF else fx_want[1]
+            assert any(fx_note in n for n in b.notes), b.notes
         return
     assert calls == 0 and torch.equal(got, want)
     if opt_want is NOT_FOUND:
