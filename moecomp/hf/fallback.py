@@ -294,7 +294,7 @@ def _expert_activation(block: nn.Module, parts: BlockParts, sources):
                                 f"knows{': ' + what if what else ''}")
     act, how = _mlp_activation(experts, sources)
     if act is None and not any(p.device.type == "meta" for p in experts.parameters()):
-        return "silu", "concat", 1.702, 7.0, False, f"{how}: {_TO_FIT}"  # stacked weights: output_fit finds it
+        return "silu", "concat", 1.702, 7.0, False, f"{how}: {_TO_FIT}", (0.0, 0.0)  # stacked: output_fit finds it
     if act is None:
         raise FallbackError(f"expert activation not supported ({how})")
     return act, "concat" if concat in (None, True) else "interleaved", 1.702, 7.0, False, how, (0.0, 0.0)

@@ -4,29 +4,12 @@ Codes: 0 silu, 1 gelu, 2 gelu_tanh, 3 relu, 4 swiglu_oai (gated only, see ``gate
 6 softcapped silu (gated only: ``gated``'s alpha / limit carry the gate / up softcaps, see ``act_args``).
 """
 
-from typing import NamedTuple
 
 import triton
 import triton.language as tl
 
 SILU, GELU, GELU_TANH, RELU, SWIGLU_OAI, RELU2, SILU_SOFTCAP = 0, 1, 2, 3, 4, 5, 6
 CODES = {"silu": SILU, "gelu": GELU, "gelu_tanh": GELU_TANH, "relu": RELU, "swiglu_oai": SWIGLU_OAI, "relu2": RELU2}
-
-
-class ActArgs(NamedTuple):
-    ACT: int
-    alpha: float
-    limit: float
-    CLAMP: bool
-
-
-def act_args(s) -> ActArgs:
-    """(ACT, alpha, limit, CLAMP) for ``gated`` / ``act`` from a MoESpec or SharedExpertSpec: a softcapped silu
-    (gate_softcap / up_softcap) is ACT 6 with alpha = the gate's cap and limit = up's (0: uncapped)."""
-    if s.gated and (s.gate_softcap or s.up_softcap):
-        return ActArgs(SILU_SOFTCAP, float(s.gate_softcap), float(s.up_softcap), False)
-    return ActArgs(CODES[s.activation], float(s.activation_alpha), float(s.activation_limit),
-                   bool(s.activation_clamp))
 
 
 @triton.jit

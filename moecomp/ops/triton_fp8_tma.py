@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..kernels import activations as act_k
+from .act_args import act_args
 from ..kernels import fp8 as fp8_k
 from ..kernels import grouped_gemm_tma_fp8 as k8
 from ..spec import MoESpec
@@ -80,7 +80,7 @@ def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, q: dic
     else:
         h, hs = torch.empty(S, I, dtype=x.dtype, device=x.device), None
     n_prog = _programs(x.device, max_blocks * triton.cdiv(I, bn), c1.get("per_sm", 1))
-    act = act_k.act_args(spec)
+    act = act_args(spec)
     k8.moe_gemm1_tma_fp8_kernel[(n_prog,)](
         xa.q, _desc(xa.q, S, [bm, bk]) if a_tma else None, xa.s, _w13_desc(w13, spec.gated, bn, bk), b_ptr=b13, h_ptr=h,
         hs_ptr=hs, sorted_ptr=sorted_ids, block_expert_ptr=block_expert, num_padded_ptr=num_padded, P=T * k, TOP_K=k,

@@ -42,6 +42,7 @@ import torch
 import triton
 
 from ..kernels import activations as act_k
+from .act_args import act_args
 from ..kernels import align as align_k
 from ..kernels import combine as combine_k
 from ..kernels import decode as decode_k
@@ -311,7 +312,7 @@ def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, q: dic
     se, sn, sk = _w_strides(w13, spec.w_layout)
     interleaved = spec.gated and spec.gate_up == "interleaved"
     grid = (max_blocks * triton.cdiv(I, c1["BLOCK_N"]),)  # DIRECT: max_blocks = P
-    act = act_k.act_args(spec)
+    act = act_args(spec)
     gemm_k.moe_gemm1_kernel[grid](
         x, w13, b13, h, sorted_ids, block_expert, num_padded,
         T * k, k, I, H, max_blocks,
@@ -402,7 +403,7 @@ def _gemm1_tma(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, h
         xs_desc = _desc(xs, S, [bm, bk])
     w_desc = _w13_desc(w13, spec.gated, bn, bk)
     n_prog = _programs(x.device, max_blocks * triton.cdiv(I, bn))
-    act = act_k.act_args(spec)
+    act = act_args(spec)
     tma_k.moe_gemm1_tma_kernel[(n_prog,)](
         x, xs_desc, w_desc, b13, h, sorted_ids, block_expert, num_padded,
         T * k, k, I, H, x.stride(0), 0 if b13 is None else b13.stride(0), h.stride(0),

@@ -11,7 +11,7 @@ import torch
 import triton
 
 from .. import reference
-from ..kernels import activations as act_k
+from .act_args import act_args
 from ..kernels import combine as combine_k
 from ..spec import MoESpec
 from .triton_fp8 import block_cfg as _block_cfg
@@ -36,7 +36,7 @@ def shared_mlp(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
         lin(x, "shared_w3", gu[:, Is:])
     hs = torch.empty(T, Is, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(Is))
-    act = act_k.act_args(sh)
+    act = act_args(sh)
     combine_k.act_mul_kernel[(T, triton.cdiv(Is, block))](
         gu, hs, Is, gu.stride(0), hs.stride(0), act.alpha, act.limit, ACT=act.ACT, CLAMP=act.CLAMP, BLOCK=block,
     )

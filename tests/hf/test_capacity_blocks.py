@@ -245,15 +245,23 @@ def _switch_bf16(device: str):
     block does on the test's tokens (counted with hooks on its experts): transformers 5.24 drops the pairs past 3 per
     sequence; 5.17 (the GPU stack) routes the flattened [T, H] and ranks each token over a singleton axis, so its
     capacity never applies and the reader binds none (seen on the H200 at d37e73b, where this test first asserted
-    5.24's capacity). Equal to the original within bf16's verify tolerance (3e-2 of the output's max)."""
+    5.24's capacity). Each rewritten block equals the original block on the inputs the original model gave it, within
+    bf16's verify tolerance (3e-2 of the output's max); the whole model only stays finite: over its encoder and
+    decoder, bf16 differences flip top-1 choices downstream (on the H200 at bc7db36 each block was within 2.7e-3 of
+    the original and gave the CPU op's output within 2.6e-3, while the last hidden state moved by 0.06-0.36)."""
     model, _ = F.build_tiny("switch_transformers", sizes={"expert_capacity": 3})
     model = model.to(device, torch.bfloat16)
     blocks = [m for m in model.modules() if type(m).__name__ == "SwitchTransformersSparseMLP"]
     experts = [e for b in blocks for e in b.experts.values()]
     ids = torch.randint(3, 100, (4, 33), generator=torch.Generator().manual_seed(3)).to(device)
     drops = _computed_pairs(model, experts, lambda: model(input_ids=ids)) < ids.numel() * len(blocks)
+    seen = []
+    hooks = [b.register_forward_hook(lambda m, a, o: seen.append((m, a[0].detach().clone(), o.detach().clone())))
+             for b in blocks]
     with torch.no_grad():
-        ref = model(input_ids=ids).last_hidden_state.float()
+        model(input_ids=ids)
+    for h in hooks:
+        h.remove()
     _, rep = moecomp.optimize(model, report=True)
     assert len(rep.rewritten) == len(rep.blocks) == 2 and all(b.method == "dispatch" for b in rep.rewritten), str(rep)
     want = (3, "sequence") if drops else (0, "call")
@@ -261,7 +269,10 @@ def _switch_bf16(device: str):
         [b.spec.describe() for b in rep.rewritten]
     with OpCounter() as c, torch.no_grad():
         got = model(input_ids=ids).last_hidden_state.float()
-    assert c.calls == 2 and torch.isfinite(got).all() and rel_err(got, ref) <= 3e-2
+    assert c.calls == 2 and torch.isfinite(got).all()
+    with OpCounter() as c, torch.no_grad():
+        errs = [rel_err(m(x).float(), y.float()) for m, x, y in seen]
+    assert c.calls == len(seen) == len(blocks) and max(errs) <= 3e-2, errs
     return drops
 
 

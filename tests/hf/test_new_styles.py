@@ -131,11 +131,29 @@ def test_experts_only(family, n):
     assert [b.status for b in rep2.blocks] == ["skipped"] * n
 
 
+class _OddGate(nn.Module):
+    """exp(-g^2) * up: a gate no spec activation computes."""
+
+    def forward(self, gate, up):
+        return torch.exp(-gate * gate) * up
+
+
+def odd_gate_model():
+    """inkling2 tiny, each experts module's gate swapped for ``_OddGate`` (neither the whole block nor its experts
+    can be described)."""
+    model, _ = F.build_tiny("inkling2")
+    for m in model.modules():
+        if hasattr(m, "act_fn") and hasattr(m, "_apply_gate"):
+            m.act_fn = _OddGate()
+    return model
+
+
 def test_experts_only_refused_with_reason():
-    """muse_spark's scaled router logits and norm after each expert are not in the spec: left alone, the reason says
-    both why not. (inkling2 was the example here before its soft-capped SwiGLU joined the spec.)"""
-    pytest.importorskip("transformers.models.muse_spark.modeling_muse_spark")  # (not in transformers 5.17)
-    model, _ = F.build_tiny("muse_spark")
+    """Experts whose gate is no activation the spec knows (inkling2's experts with their softcapped SwiGLU swapped
+    for exp(-g^2) * up): left alone, the reason says both why not. (muse_spark and inkling2 were the examples
+    before their features joined the spec.)"""
+    pytest.importorskip("transformers.models.inkling2.modeling_inkling2")  # (not in transformers 5.17)
+    model = odd_gate_model()
     _, rep = moecomp.optimize(model, report=True)
     assert rep.blocks and all(b.status == "skipped" and "experts only not possible" in b.reason for b in rep.blocks)
     assert not experts_only_modules(model)
