@@ -328,3 +328,16 @@ def random_norm_args(spec: MoESpec, dtype: torch.dtype = torch.float32, device: 
     g = torch.Generator(device=torch.device(device))
     g.manual_seed(1234 if seed is None else seed)
     return {n: (0.3 * torch.randn(s, generator=g, device=device)).to(dtype) for n, s in spec.norm_shapes().items()}
+
+
+def check_op(args, extra: dict, spec: MoESpec, tol: float) -> torch.Tensor:
+    """``moe_forward`` on ``args`` (x and MOE_ARGS' tensors) plus the named ``extra`` tensors against
+    ``reference.moe_forward``: same shape, finite, max |diff| / max |ref| below ``tol``. Returns the op's output."""
+    from . import reference  # noqa: PLC0415
+
+    out = torch.ops.moecomp.moe_forward(*args, spec.key, **extra)
+    ref = reference.moe_forward(*args, spec, **extra)
+    assert out.shape == args[0].shape and torch.isfinite(out).all()
+    err = rel_err(out, ref)
+    assert err < tol, f"{spec.describe()}: rel err {err:.2e}"
+    return out

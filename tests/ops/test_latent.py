@@ -19,7 +19,7 @@ from moecomp import reference
 from moecomp.ops import triton_moe
 from moecomp.ops.common import MOE_ARGS
 from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
-from moecomp.testing import capture_moe_forward, check_replays, random_latent_args, random_moe_args, rel_err
+from moecomp.testing import check_op, capture_moe_forward, check_replays, random_latent_args, random_moe_args, rel_err
 
 TOL = 1e-5
 
@@ -89,12 +89,7 @@ def _hand_loop(spec: MoESpec, args, lat) -> torch.Tensor:
 
 
 def check(args, lat, spec: MoESpec) -> torch.Tensor:
-    out = torch.ops.moecomp.moe_forward(*args, spec.key, **lat)
-    ref = reference.moe_forward(*args, spec, **lat)
-    assert out.shape == args[0].shape and torch.isfinite(out).all()
-    err = rel_err(out, ref)
-    assert err < TOL, f"{spec.describe()}: rel err {err:.2e}"
-    return out
+    return check_op(args, lat, spec, TOL)
 
 
 # ------------------------------------------------------------------------------------------------- spec

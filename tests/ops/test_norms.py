@@ -16,7 +16,7 @@ import torch
 from moecomp import reference
 from moecomp.ops.common import MOE_ARGS
 from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
-from moecomp.testing import (capture_moe_forward, check_replays, random_latent_args, random_moe_args,
+from moecomp.testing import (check_op, capture_moe_forward, check_replays, random_latent_args, random_moe_args,
                              random_norm_args, rel_err)
 
 TOL = 1e-5
@@ -82,12 +82,7 @@ def _hand_loop(spec: MoESpec, args, extra) -> torch.Tensor:
 
 
 def check(args, extra, spec: MoESpec) -> torch.Tensor:
-    out = torch.ops.moecomp.moe_forward(*args, spec.key, **extra)
-    ref = reference.moe_forward(*args, spec, **extra)
-    assert out.shape == args[0].shape and torch.isfinite(out).all()
-    err = rel_err(out, ref)
-    assert err < TOL, f"{spec.describe()}: rel err {err:.2e}"
-    return out
+    return check_op(args, extra, spec, TOL)
 
 
 # ------------------------------------------------------------------------------------------------- spec
