@@ -248,9 +248,11 @@ def test_families_bf16_cuda(family):
         ref = F._logits(model(input_ids=ids)).float().clone()
     _, rep = moecomp.optimize(model, report=True, fast_generate=False)
     pairs = [b for b in rep.blocks if (b.status, b.method) == ("rewritten", "pair")]
-    # gemma4: every layer; diffusion_gemma: on the H200 at bc7db36 its layer 0 was refused by the pair verify in bf16
-    # (the parent's output 0.24 off, an open defect) and left experts only, the refusal naming the check
-    assert pairs and all(b in pairs or "parent's output differs" in " ".join(b.notes) for b in rep.blocks), str(rep)
+    # gemma4: every layer; diffusion_gemma: its layer 0 is refused by the pair verify in bf16 (on the H200 at bc7db36
+    # and on CPU: every probe of it has more routing near-ties than the check may excuse; an open defect) and left
+    # experts only, the refusal naming the check
+    why = ("parent's output differs", "near-ties")
+    assert pairs and all(b in pairs or any(w in " ".join(b.notes) for w in why) for b in rep.blocks), str(rep)
     if family == "gemma4":
         assert len(pairs) == len(rep.blocks), str(rep)
     # counted without forward hooks: hooks on the layers make the stand-ins run the originals (by design)
