@@ -74,10 +74,7 @@ def _near_ties(parent: nn.Module, m: PairMatch, r) -> torch.Tensor | None:
     return near if int(near.sum()) <= policy.max_tie_tokens(near.numel()) else TOO_MANY_TIES
 
 
-# A 16-bit probe with more near-tie tokens than ``policy.max_tie_tokens`` proves nothing either way: another is drawn
-# (``PROBE_SEEDS``), and two usable probes are needed.
-TOO_MANY_TIES = object()
-PROBE_SEEDS = (11, 12, 13, 14, 15, 16)
+TOO_MANY_TIES = object()  # a 16-bit probe with more near-ties than the check may excuse (``policy.PAIR_PROBE_SEEDS``)
 
 
 def _tensors_of(out) -> list:
@@ -92,7 +89,7 @@ def _tensors_of(out) -> list:
 
 def verify_pair(parent: nn.Module, m: PairMatch, call: tuple, name: str = "") -> float:
     """The largest relative error of the parent's outputs, stand-ins against originals, over two probes (16-bit: two
-    whose near-tie tokens the check may excuse, of ``PROBE_SEEDS``); raises
+    whose near-tie tokens the check may excuse, of ``policy.PAIR_PROBE_SEEDS``); raises
     ``Refused`` (VERIFICATION_FAILED) when over the tolerance or when the op's path was not taken."""
     slot = hidden_slot(call, m.spec.hidden_size)
     if slot is None:
@@ -100,8 +97,8 @@ def verify_pair(parent: nn.Module, m: PairMatch, call: tuple, name: str = "") ->
     err, used = 0.0, 0
     router = get_path(parent, m.router)
     with randomised(parent, m.perturb), torch.no_grad():
-        for seed in PROBE_SEEDS:
-            if used == 2:
+        for seed in policy.PAIR_PROBE_SEEDS:
+            if used == policy.PAIR_PROBES_NEEDED:
                 break
             c = probe_call(call, slot, seed)
             c1 = fresh_call(c, parent)
@@ -127,7 +124,8 @@ def verify_pair(parent: nn.Module, m: PairMatch, call: tuple, name: str = "") ->
                               f"times in one call of the parent (expected once and never)",
                               RejectCode.VERIFICATION_FAILED)
             if len(got) != len(ref) or any(a.shape != b.shape for a, b in zip(got, ref)):
-                raise Refused("the parent's outputs changed shape with the pair rewritten", RejectCode.VERIFICATION_FAILED)
+                raise Refused("the parent's outputs changed shape with the pair rewritten",
+                              RejectCode.VERIFICATION_FAILED)
             for a, b in zip(got, ref):
                 if not a.is_floating_point():
                     if not torch.equal(a, b):
@@ -142,8 +140,9 @@ def verify_pair(parent: nn.Module, m: PairMatch, call: tuple, name: str = "") ->
                     raise Refused(f"the parent's output differs with the pair rewritten: max rel. err {e:.2e} > "
                                   f"{policy.verify_tolerance(b.dtype):g}", RejectCode.VERIFICATION_FAILED)
                 err = max(err, e)
-    if used < 2:
-        raise Refused(f"{len(PROBE_SEEDS) - used} of {len(PROBE_SEEDS)} probes of the parent had more 16-bit routing "
+    if used < policy.PAIR_PROBES_NEEDED:
+        n = len(policy.PAIR_PROBE_SEEDS)
+        raise Refused(f"{n - used} of {n} probes of the parent had more 16-bit routing "
                       "near-ties than the check may excuse: too few probes to verify the pair on",
                       RejectCode.VERIFICATION_FAILED)
     return err

@@ -77,6 +77,12 @@ def tie_window(dtype: torch.dtype) -> float | None:
     return TIE_REL.get(dtype)
 
 
+# The pair verify (pair_verify.py) draws its probes of a parent layer from these seeds; a 16-bit probe with more
+# near-tie tokens than max_tie_tokens proves nothing either way and is skipped; this many usable probes are needed.
+PAIR_PROBE_SEEDS = (11, 12, 13, 14, 15, 16)
+PAIR_PROBES_NEEDED = 2
+
+
 def max_tie_tokens(n_tokens: int) -> int:
     """How many of ``n_tokens`` probe tokens may be excused as near ties (at least one)."""
     return max(1, int(MAX_TIE_FRACTION * n_tokens))
