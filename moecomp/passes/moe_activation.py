@@ -203,7 +203,8 @@ def softcaps(ctx: Context, between: set, baked: dict, who: str) -> tuple[float, 
                          "the raw gate)")
         side = "gate_softcap" if src in sig_src else "up_softcap"
         if side in found and not math.isclose(found[side], c, rel_tol=1e-6):  # (an unrolled loop: one per expert)
-            raise Reject(f"{who}: softcaps {found[side]:g} and {c:g} on the {side[:-8]} side")
+            lo, hi = sorted((found[side], c))  # (the tanhs come in no set order)
+            raise Reject(f"{who}: softcaps {lo:g} and {hi:g} on the {side[:-8]} side")
         found[side] = c
         used |= {inner, t, outer[0]}
         for k in (inner, outer[0]):  # a cap read from a scalar placeholder: record where it came from
