@@ -6,6 +6,13 @@
                               or the given static scale; x_q = e4m3(clamp(x * (1 / s_a), +-448))
     fake_quant_act(x)         x_q * s_a in fp32: what a w8a8 GEMM multiplies
 
+4-bit weights (weight-only, "group" scales: one per row and ``block_k`` input columns; docs/QUANT4.md):
+
+    packed [..., rows, cols / 2] uint8     code of column 2j in the low nibble of byte j, column 2j + 1 in the high
+    mxfp4:  w = E2M1[code] * 2 ** (scale_byte - 127)        E2M1 = 0, .5, 1, 1.5, 2, 3, 4, 6 and their negatives
+    int4:   w = (code - zero) * scale                       zero: w13_zero / w2_zero (zero_point), else 8
+    quantize_4bit(w)          (packed, scale, zero or None) from a float weight (tests, benchmarks, checkpoint writers)
+
 The kernels (``kernels/fp8.py``) compute the same numbers: the same scale (an IEEE division by 448, then a
 reciprocal), the same product x * (1 / s), the same round-to-nearest-even cast. Weights are [..., rows, cols]
 (a leading expert dim or none); a gated w13 [E, 2I, H] holds gate and up blocks apart (``halves=2``: rows
@@ -25,12 +32,18 @@ E8M0 = getattr(torch, "float8_e8m0fnu", None)
 ACT_EPS = 1e-10  # the smallest activation amax a dynamic scale is taken from (an all-zero group)
 
 
+_SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# e2m1 values by code (bit 3 the sign, bits 2..1 the exponent, bit 0 the mantissa)
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+INT4_ZERO = 8  # the zero of symmetric int4 (GPTQ's sym=True stores codes with zero 8)
+
+
 def scale_dtype(quant: QuantSpec) -> torch.dtype:
     if quant.scale_dtype == "ue8m0":
         if E8M0 is None:
             raise ValueError("quant.scale_dtype='ue8m0' needs torch.float8_e8m0fnu (torch >= 2.7)")
         return E8M0
-    return torch.float32
+    return _SCALE_DTYPES[quant.scale_dtype]
 
 
 def scales_float(scale: torch.Tensor) -> torch.Tensor:
@@ -53,15 +66,76 @@ def expand_scales(scale: torch.Tensor, rows: int, cols: int, quant: QuantSpec, h
         return s[..., None, None]
     if quant.scale == "channel":
         return s[..., :, None]
+    if quant.scale == "group":
+        return s[..., torch.arange(cols, device=s.device) // quant.block_k]
     rb = _row_blocks(rows, quant, halves, s.device)
     cb = torch.arange(cols, device=s.device) // quant.block_k
     return s[..., rb, :][..., :, cb]
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, quant: QuantSpec, halves: int = 1) -> torch.Tensor:
-    """[..., rows, cols] fp8 + scales -> fp32 weights."""
+def dequantize(q: torch.Tensor, scale: torch.Tensor, quant: QuantSpec, halves: int = 1,
+               zero: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., rows, cols] fp8 (or [..., rows, cols / 2] packed 4-bit) + scales (+ int4 zeros) -> fp32 weights
+    [..., rows, cols]: exact (each weight a code times a power of two, or a small integer times the stored scale)."""
+    if quant.packed:
+        return _dequantize_4bit(q, scale, quant, zero)
     rows, cols = q.shape[-2:]
     return q.float() * expand_scales(scale, rows, cols, quant, halves)
+
+
+def unpack_4bit(packed: torch.Tensor) -> torch.Tensor:
+    """[..., n] uint8 -> [..., 2n] uint8 codes (low nibble first)."""
+    return torch.stack((packed & 15, packed >> 4), -1).flatten(-2)
+
+
+def pack_4bit(codes: torch.Tensor) -> torch.Tensor:
+    """[..., 2n] codes 0..15 -> [..., n] uint8, column 2j in the low nibble of byte j."""
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def _dequantize_4bit(packed, scale, quant: QuantSpec, zero) -> torch.Tensor:
+    codes = unpack_4bit(packed)  # [..., rows, cols]
+    rows, cols = codes.shape[-2:]
+    if quant.weight == "mxfp4":
+        v = torch.tensor(E2M1, device=codes.device)[codes.long()]
+    else:
+        z = INT4_ZERO if zero is None else zero[..., torch.arange(cols, device=codes.device) // quant.block_k].float()
+        v = codes.float() - z
+    return v * expand_scales(scale, rows, cols, quant)
+
+
+def quantize_4bit(w: torch.Tensor, quant: QuantSpec):
+    """A float weight [..., rows, cols] (cols even) -> (packed uint8 [..., rows, cols / 2], scale [..., rows, groups]
+    in the spec's dtype, zero uint8 [..., rows, groups] or None). mxfp4: each group's scale the power of two
+    2 ** ceil(log2(amax / 6)) (nothing saturates), codes the nearest e2m1 value (ties to the smaller magnitude).
+    int4: symmetric s = amax / 7, code = round(w / s) + 8; with zero points s = (max - min) / 15, zero =
+    round(-min / s), code = round(w / s) + zero; codes clamped to 0..15, taken with the stored (rounded) scale."""
+    rows, cols = w.shape[-2:]
+    g = quant.block_k
+    G = -(-cols // g)
+    wf = torch.nn.functional.pad(w.float(), (0, G * g - cols)).reshape(*w.shape[:-1], G, g)  # [..., rows, G, g]
+    zero = None
+    if quant.weight == "mxfp4":
+        amax = wf.abs().amax(-1).clamp(min=2.0 ** -126)
+        e = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+        s = torch.exp2(e)
+        mag = torch.tensor(E2M1[:8], device=w.device)
+        v = wf / s[..., None]
+        code = (v.abs()[..., None] - mag).abs().argmin(-1) + 8 * (v < 0)
+        scale = s.to(scale_dtype(quant))
+    else:
+        if quant.zero_point:
+            lo, hi = wf.amin(-1).clamp(max=0), wf.amax(-1).clamp(min=0)
+            scale = ((hi - lo) / 15).clamp(min=1e-8).to(scale_dtype(quant))
+            z = torch.round(-lo / scale.float()).clamp(0, 15)
+            zero = z.to(torch.uint8)
+        else:
+            scale = (wf.abs().amax(-1) / 7).clamp(min=1e-8).to(scale_dtype(quant))
+            z = torch.full_like(scale, INT4_ZERO, dtype=torch.float32)
+        code = torch.round(wf / scale.float()[..., None] + z[..., None]).clamp(0, 15)
+    code = code.reshape(*w.shape[:-1], G * g)[..., :cols]
+    return pack_4bit(code), scale, zero
 
 
 QUANTIZE_CHUNK_BYTES = 1 << 30  # fp32 working set of one ``quantize`` step over stacked experts
@@ -71,7 +145,12 @@ def quantize(w: torch.Tensor, quant: QuantSpec, halves: int = 1) -> tuple[torch.
     """A float weight [..., rows, cols] -> (q e4m3, scale in the spec's layout and dtype): each block (row, matrix)
     scaled so its largest magnitude maps to 448 (ue8m0: rounded up to a power of two, so nothing saturates).
     Stacked experts [E, rows, cols] go a few matrices at a time (``QUANTIZE_CHUNK_BYTES`` of fp32 working set): a
-    DeepSeek-V3 layer's w13 would otherwise take 30 GB of fp32 temporaries at once."""
+    DeepSeek-V3 layer's w13 would otherwise take 30 GB of fp32 temporaries at once. 4-bit formats: ``quantize_4bit``
+    (a symmetric spec's (packed, scale) here too)."""
+    if quant.packed:
+        if quant.zero_point:
+            raise ValueError("quant.zero_point: use quantize_4bit, which returns the zeros too")
+        return quantize_4bit(w, quant)[:2]
     per = w[0].numel() * 4 if w.dim() > 2 else 0
     if per and w.numel() * 4 > QUANTIZE_CHUNK_BYTES:
         n = max(1, QUANTIZE_CHUNK_BYTES // per)

@@ -376,17 +376,19 @@ def expert_mlp(x: torch.Tensor, w13, b13, w2, b2, spec: MoESpec) -> torch.Tensor
 
 def experts(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13, b13, w2, b2, spec: MoESpec, acc=torch.float32,
-    w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, expert_norm_w=None,
+    w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, expert_norm_w=None, w13_zero=None, w2_zero=None,
 ) -> torch.Tensor:
     """Routed experts: x [T, H], ids / weights [T, k] -> [T, H] in ``acc``. ``spec.expert_norm``: each pair's output,
     rounded to x's dtype, normalised (:func:`rms_norm`, weight ``expert_norm_w``) before its routing weight.
     Quantized (``spec.quant``): each expert's
-    weights dequantized, and its GEMM inputs quantized as the spec says (``moecomp.quant``).
+    weights dequantized (4-bit: with the int4 zeros ``w13_zero`` / ``w2_zero``; expert biases added in fp32), and
+    its GEMM inputs quantized as the spec says (``moecomp.quant``).
     ``spec.weight_on_input``: each pair's expert runs on ``weight * x`` (in ``acc``) and its output is summed as is.
     ``spec.zero_experts``: pairs whose id is >= E add ``weight * x`` (:func:`zero_expert_term`)."""
     qs = spec.quant
     if qs is not None:
-        out = _experts_quantized(x, ids, weights, w13, w2, spec, acc, w13_scale, w2_scale, a13_scale, a2_scale)
+        out = _experts_quantized(x, ids, weights, (w13, b13, w2, b2), spec, acc, (w13_scale, w2_scale, a13_scale,
+                                                                                    a2_scale, w13_zero, w2_zero))
         return out + zero_expert_term(x, ids, weights, spec, acc) if spec.zero_experts else out
     dtype = x.dtype
     x = x.to(acc)
@@ -410,7 +412,9 @@ def experts(
     return out
 
 
-def _experts_quantized(x, ids, weights, w13, w2, spec: MoESpec, acc, w13_scale, w2_scale, a13_scale, a2_scale):
+def _experts_quantized(x, ids, weights, tensors, spec: MoESpec, acc, scales):
+    w13, b13, w2, b2 = tensors
+    w13_scale, w2_scale, a13_scale, a2_scale, w13_zero, w2_zero = scales
     qs = spec.quant
     halves = 2 if spec.gated else 1
     out = torch.zeros(x.shape, dtype=acc, device=x.device)
@@ -422,10 +426,11 @@ def _experts_quantized(x, ids, weights, w13, w2, spec: MoESpec, acc, w13_scale, 
         a2 = None if a2_scale is None else a2_scale[e]
         w = weights[tok, slot, None].to(acc)
         xe = q8.fake_quant_act(_on_input(x[tok], w, spec), qs, a13).to(acc)
-        h = xe @ q8.dequantize(w13[e], w13_scale[e], qs, halves).to(acc).T
-        h = _gate_up(h, spec)
+        h = xe @ q8.dequantize(w13[e], w13_scale[e], qs, halves, _at(w13_zero, e)).to(acc).T
+        h = _gate_up(h if b13 is None else h + b13[e].to(acc), spec)
         he = q8.fake_quant_act(h.to(x.dtype) if x.dtype != acc else h, qs, a2).to(acc)
-        y = he @ q8.dequantize(w2[e], w2_scale[e], qs).to(acc).T
+        y = he @ q8.dequantize(w2[e], w2_scale[e], qs, zero=_at(w2_zero, e)).to(acc).T
+        y = y if b2 is None else y + b2[e].to(acc)
         out.index_add_(0, tok, y if spec.weight_on_input else y * w)
     return out
 
@@ -437,6 +442,10 @@ def zero_expert_term(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     Weights of the other pairs are never read (a NaN there does not leak in)."""
     w = torch.where(ids >= spec.num_experts, weights.to(acc), 0.0)  # [T, k]
     return w.sum(-1, keepdim=True) * x.to(acc)
+
+
+def _at(t: torch.Tensor | None, e: int):
+    return None if t is None else t[e]
 
 
 def _on_input(xs: torch.Tensor, w: torch.Tensor, spec: MoESpec) -> torch.Tensor:
@@ -577,7 +586,9 @@ _LATENT_NAMES = ("latent_in_w", "latent_in_b", "latent_out_w", "latent_out_b")
 _HASH_NAMES = ("hash_table", "token_ids")
 _ROUTER_IN_NAMES = ("router_x", "router_in_scale", "expert_scale")
 _NORM_NAMES = ("latent_norm_w", "expert_norm_w")
-_EXTRA_NAMES = _QUANT_NAMES + _LATENT_NAMES + _HASH_NAMES + _ROUTER_IN_NAMES + ("weight_scale",) + _NORM_NAMES
+_ZERO_NAMES = ("w13_zero", "w2_zero")
+_EXTRA_NAMES = (_QUANT_NAMES + _LATENT_NAMES + _HASH_NAMES + _ROUTER_IN_NAMES + ("weight_scale",) + _NORM_NAMES
+                + _ZERO_NAMES)
 
 
 def moe_forward(
@@ -624,7 +635,7 @@ def moe_forward(
     if spec.latent_norm != "none":  # the latent input normalised (rounded to x's dtype) before the experts
         xe = rms_norm(xe, nw["latent_norm_w"], spec.latent_norm, spec.latent_norm_eps, x.dtype, acc)
     out = experts(xe, ids, weights, w13, b13, w2, b2, spec.experts_spec(), acc,
-                  **_pick(extra, "w13_scale", "w2_scale", "a13_scale", "a2_scale"),
+                  **_pick(extra, "w13_scale", "w2_scale", "a13_scale", "a2_scale", *_ZERO_NAMES),
                   expert_norm_w=nw["expert_norm_w"])  # [T, L] or [T, H]
     if spec.latent_size:
         out = latent_out(out.to(x.dtype), lat["latent_out_w"], lat["latent_out_b"], acc)  # [T, H]

@@ -134,8 +134,10 @@ import math
 from dataclasses import dataclass
 
 from moecomp.spec_checks import (  # noqa: F401  (re-exported: the allowed values and SpecError)
-    SCORINGS, SCORE_ORDERS, GROUP_SCORES, ACTIVATIONS, W_LAYOUTS, GATE_UP, QUANT_WEIGHTS, QUANT_SCALES, SCALE_DTYPES,
-    QUANT_ACTIVATIONS, CAPACITY_PER, FP8_MAX, SpecError, _check_activation, _check_softcaps, validate_moe,
+    SCORINGS, SCORE_ORDERS, GROUP_SCORES, ACTIVATIONS, W_LAYOUTS, GATE_UP, QUANT_WEIGHTS, PACKED_WEIGHTS, QUANT_SCALES,
+    SCALE_DTYPES,
+    QUANT_ACTIVATIONS, CAPACITY_PER, FP8_MAX, SpecError, _check_activation, _check_softcaps, check_quant,
+    validate_moe,
 )
 
 
@@ -159,22 +161,30 @@ class QuantSpec:
     scale_dtype: str = "fp32"
     activation: str = "dynamic"
     act_group: int = 128
+    zero_point: bool = False  # int4: w = (u - zero) * s with a zero per row and group (w13_zero / w2_zero); else u - 8
+
+    @property
+    def packed(self) -> bool:
+        """Two 4-bit codes a byte (mxfp4, int4)."""
+        return self.weight in PACKED_WEIGHTS
+
+    @staticmethod
+    def mxfp4() -> "QuantSpec":
+        """gpt-oss's MXFP4: e2m1 codes, one ue8m0 scale per 32 input columns, weight-only."""
+        return QuantSpec(weight="mxfp4", scale="group", block_n=1, block_k=32, scale_dtype="ue8m0", activation="none")
+
+    @staticmethod
+    def int4(group: int = 128, zero_point: bool = False, scale_dtype: str = "fp16") -> "QuantSpec":
+        """GPTQ / AWQ-style int4: one scale (and zero, ``zero_point``) per row and ``group`` input columns."""
+        return QuantSpec(weight="int4", scale="group", block_n=1, block_k=group, scale_dtype=scale_dtype,
+                         activation="none", zero_point=zero_point)
+
+    def weight_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        """The stored shape of one [rows, cols] matrix: packed formats hold two columns a byte."""
+        return (rows, cols // 2) if self.packed else (rows, cols)
 
     def validate(self, who: str = "") -> None:
-        for name, value, allowed in (("weight", self.weight, QUANT_WEIGHTS), ("scale", self.scale, QUANT_SCALES),
-                                     ("scale_dtype", self.scale_dtype, SCALE_DTYPES),
-                                     ("activation", self.activation, QUANT_ACTIVATIONS)):
-            if value not in allowed:
-                raise SpecError(f"{who}quant.{name}={value!r} is not one of {allowed}")
-        if self.block_n <= 0 or self.block_k <= 0 or self.act_group <= 0:
-            raise SpecError(f"{who}quant block sizes must be positive: block_n={self.block_n}, "
-                            f"block_k={self.block_k}, act_group={self.act_group}")
-        if self.activation == "dynamic" and self.act_group != 128:
-            raise SpecError(f"{who}quant.act_group={self.act_group}: dynamic activations are quantized in groups of "
-                            f"128 (the kernels' K step)")
-        if self.scale == "block" and (self.block_k % 16 or 128 % self.block_k and self.block_k % 128):
-            raise SpecError(f"{who}quant.block_k={self.block_k}: expected a multiple of 128 or a divisor of 128 "
-                            f"that is a multiple of 16")
+        check_quant(self, who)
 
     @functools.cached_property
     def key(self) -> str:
@@ -193,6 +203,8 @@ class QuantSpec:
             return (halves * -(-(rows // halves) // self.block_n), -(-cols // self.block_k))
         if self.scale == "channel":
             return (rows,)
+        if self.scale == "group":
+            return (rows, -(-cols // self.block_k))
         return ()
 
 
@@ -250,6 +262,9 @@ class SharedExpertSpec:
                             "gate (no block is known to have them)")
         if self.quant is not None:
             self.quant.validate("shared expert ")
+            if self.quant.packed:
+                raise SpecError(f"4-bit shared experts ({self.quant.weight}) are not supported: 4-bit formats are for "
+                                "the routed experts (quant)")
             if self.gated and self.layout != "separate":
                 raise SpecError("quantized shared experts need layout 'separate' (gate_proj / up_proj apart)")
             if self.quant.activation == "static":
@@ -432,7 +447,9 @@ class MoESpec:
     def expert_weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """{argument: shape} of the routed experts' weights (and biases), in ``expert_width`` (H, or L when latent)."""
         E, H, I, N = self.num_experts, self.expert_width, self.intermediate_size, self.w13_rows
-        if self.w_layout == "out_in":
+        if self.quant is not None and self.quant.packed:  # out_in, two columns a byte
+            shapes = {"w13": (E, N, H // 2), "w2": (E, H, I // 2)}
+        elif self.w_layout == "out_in":
             shapes = {"w13": (E, N, H), "w2": (E, H, I)}
         else:
             shapes = {"w13": (E, H, N), "w2": (E, I, H)}
@@ -448,6 +465,8 @@ class MoESpec:
         E, H, I, N = self.num_experts, self.expert_width, self.intermediate_size, self.w13_rows
         shapes = {"w13_scale": (E, *q.scale_shape(N, H, 2 if self.gated else 1)),
                   "w2_scale": (E, *q.scale_shape(H, I))}
+        if q.zero_point:
+            shapes.update(w13_zero=shapes["w13_scale"], w2_zero=shapes["w2_scale"])
         if q.activation == "static":
             shapes.update(a13_scale=(E,), a2_scale=(E,))
         return shapes
@@ -463,13 +482,16 @@ class MoESpec:
             shapes["shared_w1_scale"] = q.scale_shape(Is, H)
         return shapes
 
-    def bytes_per_expert(self, itemsize: int | None = None) -> int:
-        """Bytes of one expert's w13 + w2: ``itemsize`` per element (default 2, or 1 for fp8 weights), plus fp32
-        scales where quantized."""
+    def bytes_per_expert(self, itemsize: float | None = None) -> int:
+        """Bytes of one expert's w13 + w2: ``itemsize`` per element (default 2, 1 for fp8 weights, 0.5 for 4-bit),
+        plus the scales (and zeros) where quantized, at their stored size."""
+        q = self.quant
         if itemsize is None:
-            itemsize = 1 if self.quant is not None else 2
-        scales = sum(4 * math.prod(s[1:]) for s in self.quant_shapes().values() if len(s) > 1)
-        return (self.w13_rows * self.expert_width + self.expert_width * self.intermediate_size) * itemsize + scales
+            itemsize = 2 if q is None else 0.5 if q.packed else 1
+        scale_bytes = 0 if q is None else {"fp32": 4, "ue8m0": 1, "fp16": 2, "bf16": 2}[q.scale_dtype]
+        scales = sum((1 if n.endswith("_zero") else scale_bytes) * math.prod(s[1:])
+                     for n, s in self.quant_shapes().items() if len(s) > 1)
+        return int((self.w13_rows * self.expert_width + self.expert_width * self.intermediate_size) * itemsize) + scales
 
     def describe(self) -> str:
         route = self.scoring if self.score_order == "score_then_topk" else f"topk->{self.scoring}"
@@ -520,8 +542,9 @@ class MoESpec:
             route = f"logits x{self.router_scale:g} " + route
         if self.quant is not None:
             q = self.quant
-            lay = f"{q.block_n}x{q.block_k}" if q.scale == "block" else q.scale
-            act = f"fp8 {lay}{' ue8m0' if q.scale_dtype == 'ue8m0' else ''} a:{q.activation} " + act
+            lay = f"{q.block_n}x{q.block_k}" if q.scale == "block" else f"g{q.block_k}" if q.scale == "group" else q.scale
+            fmt = {"fp8_e4m3": "fp8"}.get(q.weight, q.weight) + ("+zp" if q.zero_point else "")
+            act = f"{fmt} {lay}{' ue8m0' if q.scale_dtype == 'ue8m0' else ''} a:{q.activation} " + act
         if self.activation_clamp:
             act = f"clamp{self.activation_limit:g} " + act
         if self.gate_softcap or self.up_softcap:

@@ -13,9 +13,13 @@ GROUP_SCORES = ("top2_sum", "max")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2", "swiglu_oai")  # relu2 = relu(x)**2
 W_LAYOUTS = ("out_in", "in_out")  # per-expert matrix stored [out, in] (nn.Linear style) or [in, out]
 GATE_UP = ("concat", "interleaved")
-QUANT_WEIGHTS = ("fp8_e4m3",)  # the 4-bit formats join here
-QUANT_SCALES = ("block", "channel", "tensor")
-SCALE_DTYPES = ("fp32", "ue8m0")  # ue8m0: powers of two stored as a biased exponent byte (torch.float8_e8m0fnu)
+# fp8_e4m3: one byte a weight. mxfp4 (OCP microscaling, gpt-oss): e2m1 codes, int4: unsigned 4-bit integers, both
+# packed two a byte along the input dim (low nibble first) with "group" scales (one per row and block_k columns).
+QUANT_WEIGHTS = ("fp8_e4m3", "mxfp4", "int4")
+PACKED_WEIGHTS = ("mxfp4", "int4")  # two codes a byte
+QUANT_SCALES = ("block", "channel", "tensor", "group")
+# ue8m0: powers of two stored as a biased exponent byte (torch.float8_e8m0fnu); fp16 / bf16: int4 checkpoints' scales
+SCALE_DTYPES = ("fp32", "ue8m0", "fp16", "bf16")
 QUANT_ACTIVATIONS = ("dynamic", "static", "none")
 CAPACITY_PER = ("call", "sequence")
 SHARED_GAMMAS = ("none", "joint_renorm")  # where the shared experts' output scales come from (MoESpec.shared_gamma)
@@ -26,6 +30,60 @@ FP8_MAX = 448.0  # largest finite e4m3 (float8_e4m3fn) value
 
 class SpecError(ValueError):
     """A MoESpec (or the tensors given with it) describes something moecomp cannot compute."""
+
+
+def check_quant(q, who: str = "") -> None:
+    """QuantSpec's rules (``QuantSpec.validate``)."""
+    for name, value, allowed in (("weight", q.weight, QUANT_WEIGHTS), ("scale", q.scale, QUANT_SCALES),
+                                 ("scale_dtype", q.scale_dtype, SCALE_DTYPES),
+                                 ("activation", q.activation, QUANT_ACTIVATIONS)):
+        if value not in allowed:
+            raise SpecError(f"{who}quant.{name}={value!r} is not one of {allowed}")
+    if not isinstance(q.zero_point, bool):
+        raise SpecError(f"{who}quant.zero_point must be a bool, got {q.zero_point!r}")
+    if q.block_n <= 0 or q.block_k <= 0 or q.act_group <= 0:
+        raise SpecError(f"{who}quant block sizes must be positive: block_n={q.block_n}, "
+                        f"block_k={q.block_k}, act_group={q.act_group}")
+    if q.weight in PACKED_WEIGHTS:
+        _check_4bit(q, who)
+        return
+    if q.scale == "group" or q.zero_point or q.scale_dtype not in ("fp32", "ue8m0"):
+        raise SpecError(f"{who}quant: fp8 weights take block / channel / tensor scales in fp32 or ue8m0 and no zero "
+                        f"points, got scale={q.scale!r}, scale_dtype={q.scale_dtype!r}, zero_point={q.zero_point}")
+    if q.activation == "dynamic" and q.act_group != 128:
+        raise SpecError(f"{who}quant.act_group={q.act_group}: dynamic activations are quantized in groups of "
+                        f"128 (the kernels' K step)")
+    if q.scale == "block" and (q.block_k % 16 or 128 % q.block_k and q.block_k % 128):
+        raise SpecError(f"{who}quant.block_k={q.block_k}: expected a multiple of 128 or a divisor of 128 "
+                        f"that is a multiple of 16")
+
+
+def _check_4bit(q, who: str) -> None:
+    """mxfp4: e2m1 codes, one ue8m0 scale per 32 columns; int4: unsigned codes, one fp32 / fp16 / bf16 scale (and a
+    zero with ``zero_point``; else 8) per row and group of ``block_k`` columns (a multiple of 32: the kernels' K
+    step divides it). Both weight-only."""
+    if q.scale != "group" or q.activation != "none":
+        raise SpecError(f"{who}quant.weight={q.weight!r} takes scale 'group' and activation 'none' (weight-only), "
+                        f"got scale={q.scale!r}, activation={q.activation!r}")
+    if q.weight == "mxfp4" and (q.block_k != 32 or q.scale_dtype != "ue8m0" or q.zero_point):
+        raise SpecError(f"{who}quant.weight='mxfp4' takes block_k=32, scale_dtype='ue8m0' and no zero points, got "
+                        f"block_k={q.block_k}, scale_dtype={q.scale_dtype!r}, zero_point={q.zero_point}")
+    if q.weight == "int4" and (q.block_k % 32 or q.scale_dtype == "ue8m0"):
+        raise SpecError(f"{who}quant.weight='int4' takes a group (block_k) that is a multiple of 32 and fp32 / fp16 / "
+                        f"bf16 scales, got block_k={q.block_k}, scale_dtype={q.scale_dtype!r}")
+
+
+def _check_packed(spec) -> None:
+    """4-bit routed experts: [out, in] matrices packed along the input dim, so both widths must be even; gate / up
+    concatenated or interleaved (gpt-oss), expert biases allowed; weight_on_input alone of the routing variants that
+    change the experts' input (no block with 4-bit experts is known to have the others)."""
+    spec.quant.validate()
+    if spec.w_layout != "out_in":
+        raise SpecError(f"4-bit experts ({spec.quant.weight}) need w_layout 'out_in' ([out, in] packed along in), "
+                        f"got {spec.w_layout!r}")
+    if spec.expert_width % 2 or spec.intermediate_size % 2:
+        raise SpecError(f"4-bit experts pack two input columns a byte: expert width {spec.expert_width} and "
+                        f"intermediate_size {spec.intermediate_size} must be even")
 
 
 def validate_moe(spec: MoESpec) -> None:
@@ -80,7 +138,9 @@ def validate_moe(spec: MoESpec) -> None:
         raise SpecError("fused_shared_gate needs a sigmoid-gated shared expert")
     if spec.fused_shared_gate and spec.has_router_bias:
         raise SpecError("fused_shared_gate with a router bias is not supported")
-    if spec.quant is not None:
+    if spec.quant is not None and spec.quant.packed:
+        _check_packed(spec)
+    elif spec.quant is not None:
         spec.quant.validate()
         if spec.w_layout != "out_in" or (spec.gated and spec.gate_up != "concat"):
             raise SpecError("quantized experts need w_layout 'out_in' and gate_up 'concat' (the checkpoints' "

@@ -6,6 +6,7 @@ N(0, std) so that nothing is zero and routing is not degenerate.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -30,7 +31,9 @@ def random_moe_args(
         return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * scale).to(dt)
 
     E, H = spec.router_width, spec.hidden_size  # router outputs (the experts, + zero experts)
-    shapes = spec.expert_weight_shapes()
+    # float weights of the spec's shapes (4-bit specs: the unpacked shapes; quantize_moe_args packs them)
+    shapes = (dataclasses.replace(spec, quant=None) if spec.quant is not None and spec.quant.packed
+              else spec).expert_weight_shapes()
     t = dict.fromkeys(MOE_ARGS)
     x = rnd(T, H, scale=1.0)
     t["router_w"] = rnd(E + spec.gamma_rows, H, scale=1.0 / H**0.5 * 2)  # + the shared experts' gamma rows
@@ -88,15 +91,20 @@ def random_hash_args(spec: MoESpec, T: int, vocab: int = 37, device: str | torch
 
 
 def quantize_moe_args(spec: MoESpec, args: tuple, seed: int = 0) -> tuple[tuple, dict]:
-    """The op's arguments of ``random_moe_args`` with the weights the spec quantizes replaced by their fp8 form:
-    (positional args, {scale argument: tensor}) to call ``moe_forward(*args, spec.key, **scales)``. Static
+    """The op's arguments of ``random_moe_args`` with the weights the spec quantizes replaced by their fp8 (or packed
+    4-bit) form: (positional args, {scale / zero argument: tensor}) to call ``moe_forward(*args, spec.key, **scales)``. Static
     activation scales are calibrated on ``x``: each expert's max|x| and max|h| over every token (as if each token
     went to every expert) over 448, times U(1, 1.5) (so nothing saturates)."""
     from . import quant as q8
 
     t = dict(zip(MOE_ARGS, args[1:]))
     scales = {}
-    if spec.quant is not None:
+    if spec.quant is not None and spec.quant.packed:  # 4-bit: packed codes, group scales (and zeros)
+        for name in ("w13", "w2"):
+            t[name], scales[f"{name}_scale"], zero = q8.quantize_4bit(t[name], spec.quant)
+            if zero is not None:
+                scales[f"{name}_zero"] = zero
+    elif spec.quant is not None:
         qs = spec.quant
         halves = 2 if spec.gated else 1
         t["w13"], scales["w13_scale"] = _quantize_experts(t["w13"], qs, halves)

@@ -30,6 +30,7 @@ forward at all offline; ``unbind_linear`` restores it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 from dataclasses import dataclass
 
@@ -130,7 +131,7 @@ _CANON: dict = {}  # QuantSpec fields -> one instance whose ``key`` is computed 
 def _canonical(q: QuantSpec) -> QuantSpec:
     """One instance per QuantSpec value, its ``key`` computed outside any trace: Dynamo cannot trace the first read
     of a cached property (Python 3.11's takes a lock), and the plain forwards read ``key`` while it traces."""
-    k = (q.weight, q.scale, q.block_n, q.block_k, q.scale_dtype, q.activation, q.act_group)
+    k = dataclasses.astuple(q)
     hit = _CANON.get(k)
     if hit is None:
         q.key  # noqa: B018  (computed now)

@@ -29,7 +29,10 @@ EXPERT_ARGS = ("w13", "b13", "w2", "b2")
 # defaulting to None, so unquantized callers pass nothing new. a13 / a2: static activation scales [E].
 QUANT_ARGS = ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "shared_w1_scale", "shared_w3_scale",
               "shared_w2_scale")
-EXPERT_QUANT_ARGS = QUANT_ARGS[:4]
+# int4 zero points (QuantSpec.zero_point): uint8 [E, rows, groups], the shape of the weight's scales; moe_forward takes
+# them last (after the norms' weights), moe_experts after a2_scale.
+ZERO_ARGS = ("w13_zero", "w2_zero")
+EXPERT_QUANT_ARGS = QUANT_ARGS[:4] + ZERO_ARGS
 # The latent projections around the routed experts (MoESpec.latent_size): after the scales, each defaulting to None.
 # latent_in_w [L, H] (+ latent_in_b [L]) before the experts, latent_out_w [H, L] (+ latent_out_b [H]) after the combine.
 LATENT_ARGS = ("latent_in_w", "latent_in_b", "latent_out_w", "latent_out_b")
@@ -47,7 +50,7 @@ SCALE_ARGS = ("weight_scale",)
 # after weight_scale, each defaulting to None.
 NORM_ARGS = ("latent_norm_w", "expert_norm_w")
 OP_ARGS = (MOE_ARGS + QUANT_ARGS + LATENT_ARGS + HASH_ARGS + ROUTER_IN_ARGS + SCALE_ARGS
-           + NORM_ARGS)  # every tensor a bound block may pass, in order
+           + NORM_ARGS + ZERO_ARGS)  # every tensor a bound block may pass, in order
 # The attribute a block tensor carries while ``epilogue.Peeled`` has zeroed it (an output bias bound after the op;
 # ``match.PEELED``): here, below the passes and the match module that both read it.
 PEELED = "_moecomp_peeled"

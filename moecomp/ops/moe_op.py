@@ -26,7 +26,7 @@ from ..spec import MoESpec, SpecError
 from . import graphs, hash_routing, torch_moe
 from .common import (  # noqa: F401  (re-exported)
     EXPERT_ARGS, EXPERT_QUANT_ARGS, FEATURES, HASH_ARGS, LATENT_ARGS, MOE_ARGS, NORM_ARGS, OP_ARGS, QUANT_ARGS,
-    ROUTER_IN_ARGS, SCALE_ARGS, _backend,
+    ROUTER_IN_ARGS, SCALE_ARGS, ZERO_ARGS, _backend,
     _check_ids_wanted, _on_device, split_fused_gate)
 
 # Floating dtypes the kernels compute in (x / hidden_states). float64 only on the vectorised torch path (CPU, or
@@ -39,8 +39,9 @@ _X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # weights are GEMM operands of x too (their biases are converted).
 _SAME_DTYPE = frozenset({"w13", "w2", "shared_w1", "shared_w3", "shared_w2", "latent_in_w", "latent_out_w"})
 _FP8 = torch.float8_e4m3fn
-# scale argument -> the tensor it scales (a13 / a2: the activations of w13's and w2's GEMMs)
+# scale argument -> the tensor it scales (a13 / a2: the activations of w13's and w2's GEMMs; zeros: int4's zero points)
 _SCALE_OF = {"w13_scale": "w13", "w2_scale": "w2", "a13_scale": "w13", "a2_scale": "w2",
+             "w13_zero": "w13", "w2_zero": "w2",
              "shared_w1_scale": "shared_w1", "shared_w3_scale": "shared_w3", "shared_w2_scale": "shared_w2"}
 
 
@@ -68,7 +69,14 @@ def _scale_layout(name: str, spec: MoESpec) -> str:
     q = _quant_of(name, spec)
     if name in ("a13_scale", "a2_scale"):
         return "static activation"
+    if q.scale == "group":
+        return f"{q.weight} per-row group-{q.block_k}" + (" zero-point" if name.endswith("_zero") else "")
     return f"{q.block_n}x{q.block_k} block" if q.scale == "block" else f"per-{q.scale}"
+
+
+def _weight_dtype(name: str, spec: MoESpec) -> torch.dtype:
+    """The stored dtype of a quantized weight: e4m3, or uint8 bytes of two 4-bit codes."""
+    return torch.uint8 if _quant_of(name, spec).packed else _FP8
 
 
 _ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -158,9 +166,14 @@ def check_args(x: torch.Tensor, tensors: dict, spec: MoESpec, symbolic: bool = F
                                 f"{_SCALE_OF[name]} {tuple(w.shape) if w is not None else ''} need {want}")
             raise SpecError(f"{name} has shape {tuple(t.shape)}, the spec needs {want}")
         if name in _quantized(spec):
-            if t.dtype != _FP8:
+            want_dt = _weight_dtype(name, spec)
+            if t.dtype != want_dt:
+                packed = " (two 4-bit codes a byte)" if want_dt == torch.uint8 else ""
                 raise SpecError(f"{name} has dtype {t.dtype}; the spec's quantized weights ({spec.describe()}) "
-                                f"are {_FP8}")
+                                f"are {want_dt}{packed}")
+        elif name in ZERO_ARGS:
+            if t.dtype != torch.uint8:
+                raise SpecError(f"{name} has dtype {t.dtype}; int4 zero points are torch.uint8 (one per byte, 0..15)")
         elif name in _SCALE_OF and name.startswith(("w", "shared")):
             want_dt = _scale_dtype(name, spec)
             if t.dtype != want_dt:
@@ -178,7 +191,8 @@ def check_args(x: torch.Tensor, tensors: dict, spec: MoESpec, symbolic: bool = F
     for name, want in expect.items():  # scales, latent and norm tensors are passed only where given: a missing one
         if (name in _SCALE_OF or name in LATENT_ARGS or name in ROUTER_IN_ARGS or name in SCALE_ARGS
                 or name in NORM_ARGS) and tensors.get(name) is None:
-            what = (f"the scales of {_SCALE_OF[name]}" if name in _SCALE_OF else "a latent projection of the experts"
+            what = (f"the zero points of {_SCALE_OF[name]}" if name in ZERO_ARGS else
+                    f"the scales of {_SCALE_OF[name]}" if name in _SCALE_OF else "a latent projection of the experts"
                     if name in LATENT_ARGS else "the routing weights' learned scale" if name in SCALE_ARGS
                     else "a norm's weight" if name in NORM_ARGS
                     else "the router's input scale / per-expert weight scale")
@@ -340,7 +354,7 @@ def _expert_args(w13, b13, w2, b2, *scales) -> dict:
     return args
 
 
-def _op_args(tensors, scales, latent=(), hashed=(), router_in=(), wscale=(), norms=()) -> dict:
+def _op_args(tensors, scales, latent=(), hashed=(), router_in=(), wscale=(), norms=(), zeros=()) -> dict:
     """moe_forward's tensors by name; the scale, latent, hash-routing, router-input, weight-scale and norm names only
     where given."""
     args = dict(zip(MOE_ARGS, tensors))
@@ -350,6 +364,7 @@ def _op_args(tensors, scales, latent=(), hashed=(), router_in=(), wscale=(), nor
     args.update({n: t for n, t in zip(ROUTER_IN_ARGS, router_in) if t is not None})
     args.update({n: t for n, t in zip(SCALE_ARGS, wscale) if t is not None})
     args.update({n: t for n, t in zip(NORM_ARGS, norms) if t is not None})
+    args.update({n: t for n, t in zip(ZERO_ARGS, zeros) if t is not None})
     return args
 
 
@@ -387,13 +402,15 @@ def moe_forward(
     weight_scale: torch.Tensor | None = None,
     latent_norm_w: torch.Tensor | None = None,
     expert_norm_w: torch.Tensor | None = None,
+    w13_zero: torch.Tensor | None = None,
+    w2_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     s = MoESpec.from_key(spec)
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
                                       shared_w2_scale), (latent_in_w, latent_in_b, latent_out_w, latent_out_b),
                     (hash_table, token_ids), (router_x, router_in_scale, expert_scale), (weight_scale,),
-                    (latent_norm_w, expert_norm_w))
+                    (latent_norm_w, expert_norm_w), (w13_zero, w2_zero))
     check_args(x, args, s)
     return _forward(x, args, s, spec)
 
@@ -403,14 +420,14 @@ def _(x, router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, share
       spec, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, shared_w1_scale=None,
       shared_w3_scale=None, shared_w2_scale=None, latent_in_w=None, latent_in_b=None, latent_out_w=None,
       latent_out_b=None, hash_table=None, token_ids=None, router_x=None, router_in_scale=None, expert_scale=None,
-      weight_scale=None, latent_norm_w=None, expert_norm_w=None):
+      weight_scale=None, latent_norm_w=None, expert_norm_w=None, w13_zero=None, w2_zero=None):
     # Also the Meta-key kernel: real tensors with one of them on "meta" dispatch here, not to the implementation, so
     # the checks (devices above all) must run here too, or the call returns uninitialised memory.
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
                                       shared_w2_scale), (latent_in_w, latent_in_b, latent_out_w, latent_out_b),
                     (hash_table, token_ids), (router_x, router_in_scale, expert_scale), (weight_scale,),
-                    (latent_norm_w, expert_norm_w))
+                    (latent_norm_w, expert_norm_w), (w13_zero, w2_zero))
     check_args(x, args, MoESpec.from_key(spec), symbolic=True)
     return torch.empty_like(x)
 
@@ -429,11 +446,13 @@ def moe_experts(
     w2_scale: torch.Tensor | None = None,
     a13_scale: torch.Tensor | None = None,
     a2_scale: torch.Tensor | None = None,
+    w13_zero: torch.Tensor | None = None,
+    w2_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts only: x [T, H], topk_ids / topk_weights [T, k] -> [T, H]."""
     s = MoESpec.from_key(spec)
     return _experts(x, topk_ids, topk_weights, _expert_args(w13, b13, w2, b2, w13_scale, w2_scale, a13_scale,
-                                                            a2_scale), s, spec)
+                                                            a2_scale, w13_zero, w2_zero), s, spec)
 
 
 def _experts(x, topk_ids, topk_weights, args: dict, s: MoESpec, spec: str, eager: bool = False,
@@ -452,8 +471,9 @@ def _experts(x, topk_ids, topk_weights, args: dict, s: MoESpec, spec: str, eager
 
 @moe_experts.register_fake
 def _(x, topk_ids, topk_weights, w13, b13, w2, b2, spec, w13_scale=None, w2_scale=None, a13_scale=None,
-      a2_scale=None):
+      a2_scale=None, w13_zero=None, w2_zero=None):
     s = MoESpec.from_key(spec)  # the checks: see moe_forward's fake implementation
     check_routing(x, topk_ids, topk_weights, s, symbolic=True)
-    check_args(x, _expert_args(w13, b13, w2, b2, w13_scale, w2_scale, a13_scale, a2_scale), s, symbolic=True)
+    check_args(x, _expert_args(w13, b13, w2, b2, w13_scale, w2_scale, a13_scale, a2_scale, w13_zero, w2_zero), s,
+               symbolic=True)
     return torch.empty_like(x)

@@ -113,14 +113,19 @@ def _experts_quantized(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> 
     tok = order // k
     w = topk_weights.reshape(-1)[order, None].float()  # [P, 1] in sorted order
     xs = x[tok].float() * w if spec.weight_on_input else x[tok]
-    w13 = q8.dequantize(args["w13"], args["w13_scale"], qs, 2 if spec.gated else 1)  # [E, N, H] fp32
+    w13 = q8.dequantize(args["w13"], args["w13_scale"], qs, 2 if spec.gated else 1,
+                        args.get("w13_zero"))  # [E, N, H] fp32
     h = grouped_linear(_fake_quant_rows(xs, qs, args.get("a13_scale"), sorted_ids), w13.transpose(-2, -1),
                        offs, sorted_ids)
     del w13
+    if args.get("b13") is not None:
+        h = h + args["b13"][sorted_ids].float()
     h = _gate(h, spec).to(x.dtype)
-    w2 = q8.dequantize(args["w2"], args["w2_scale"], qs)  # [E, H, I] fp32
+    w2 = q8.dequantize(args["w2"], args["w2_scale"], qs, zero=args.get("w2_zero"))  # [E, H, I] fp32
     y = grouped_linear(_fake_quant_rows(h, qs, args.get("a2_scale"), sorted_ids), w2.transpose(-2, -1), offs,
                        sorted_ids)
+    if args.get("b2") is not None:
+        y = y + args["b2"][sorted_ids].float()
     if not spec.weight_on_input:
         y = y * w
     return _combine(x, topk_ids, topk_weights, tok, y, spec)

@@ -223,6 +223,9 @@ def expert_quant(args: dict, spec: MoESpec, cfg: dict, T: int) -> tuple[dict | N
     qs = spec.quant
     if qs is None:
         return None, None
+    if qs.packed:  # the w4a16 kernels are not built yet (issue 22): never run 4-bit codes as e4m3
+        raise NotImplementedError(f"4-bit experts ({qs.weight}) have no Triton kernels yet; run them on the torch "
+                                  "path (MOECOMP_CUDA_BACKEND=torch)")
     return expert_kwargs(qs, args, tuning.fp8_mode(qs, T, cfg), tuning.fp8_candidates(cfg))
 
 

@@ -1,0 +1,112 @@
+"""Routed experts stored in a 4-bit format (``QuantSpec.packed``: mxfp4, int4), as a module of moecomp's own.
+
+transformers has no 4-bit experts module that runs without the hub (gpt-oss's ``Mxfp4GptOssExperts`` needs the
+hub's Triton kernels; without them transformers dequantizes to bf16 at load time), so the loaders (``hf/mxfp4.py``,
+``hf/gptq.py``) put this module where a block's experts were. It holds the packed tensors as stored (nothing
+dequantized is kept) and computes, in plain PyTorch, the dequantized reference of ``moecomp.reference.experts``:
+
+    experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H] in hidden_states' dtype
+        per expert e hit:  h = x @ deq(w13[e]).T (+ b13[e]);  h = act(gate, up);  y = h @ deq(w2[e]).T (+ b2[e])
+        out[t] += top_k_weights[t, j] * y          (fp32 accumulation, as the reference)
+
+    w13 [E, N, H / 2] uint8 (N = 2I gated: gate / up "concat" or "interleaved" rows), w2 [E, H, I / 2] uint8,
+    w13_scale [E, N, H / g], w2_scale [E, H, I / g] (ue8m0 for mxfp4; fp32 / fp16 / bf16 for int4),
+    w13_zero / w2_zero uint8 of the scales' shapes (int4 with zero points), b13 [E, N] / b2 [E, H] optional.
+
+A weight goes through ``torch.ops.moecomp.dequant_4bit(q, scale, zero, quant)`` (fp32), moecomp's tracing
+vocabulary for 4-bit weights (as ``dequant_fp8`` is for FP8): one node whose inputs are the packed tensors.
+``optimize`` binds a block holding this module to ``moe_forward`` with ``spec.quant`` set, reading the packed
+tensors in place.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import quant as q8
+from .. import reference
+from ..spec import QuantSpec, SpecError
+
+
+@torch.library.custom_op("moecomp::dequant_4bit", mutates_args=())
+def dequant_4bit(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, quant: str) -> torch.Tensor:
+    """[..., rows, cols / 2] packed 4-bit + group scales (+ int4 zeros) -> fp32 [..., rows, cols]."""
+    return q8.dequantize(q, scale, QuantSpec.from_key(quant), zero=zero)
+
+
+@dequant_4bit.register_fake
+def _(q, scale, zero, quant):
+    return q.new_empty((*q.shape[:-1], 2 * q.shape[-1]), dtype=torch.float32)
+
+
+def _frozen(t: torch.Tensor | None) -> nn.Parameter | None:
+    return None if t is None else nn.Parameter(t, requires_grad=False)
+
+
+class PackedExperts(nn.Module):
+    """Routed experts in a 4-bit format (module docstring). ``activation`` / ``activation_alpha`` /
+    ``activation_limit`` / ``activation_clamp`` / ``gate_up`` mean what they mean on ``MoESpec``."""
+
+    def __init__(self, quant: QuantSpec, w13, w13_scale, w2, w2_scale, w13_zero=None, w2_zero=None, b13=None,
+                 b2=None, *, gate_up: str = "concat", activation: str = "silu", gated: bool = True,
+                 activation_alpha: float = 1.702, activation_limit: float = 7.0, activation_clamp: bool = False):
+        super().__init__()
+        if not isinstance(quant, QuantSpec) or not quant.packed:
+            raise SpecError(f"quant must be a 4-bit QuantSpec (mxfp4 or int4), got {quant!r}")
+        self.quant = quant
+        self.num_experts = int(w13.shape[0])
+        self.hidden_size = int(w2.shape[1])
+        self.intermediate_size = int(w2.shape[2]) * 2
+        self.gate_up, self.activation, self.gated = gate_up, activation, gated
+        self.activation_alpha, self.activation_limit = activation_alpha, activation_limit
+        self.activation_clamp = activation_clamp
+        for name, t in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale),
+                        ("w13_zero", w13_zero), ("w2_zero", w2_zero), ("b13", b13), ("b2", b2)):
+            setattr(self, name, _frozen(t))
+        self.spec().validate()
+        from ..ops.moe_op import check_args
+
+        x = torch.empty(0, self.hidden_size, dtype=torch.bfloat16, device=w13.device)
+        check_args(x, self.tensors(), self.spec())  # shapes and dtypes: a ValueError naming the tensor
+
+    def spec(self, top_k: int = 1):
+        """The experts' part of a MoESpec (routing left at its defaults; ``top_k`` as given)."""
+        from ..spec import MoESpec
+
+        return MoESpec(num_experts=self.num_experts, top_k=top_k, hidden_size=self.hidden_size,
+                       intermediate_size=self.intermediate_size, activation=self.activation, gated=self.gated,
+                       gate_up=self.gate_up, activation_alpha=self.activation_alpha,
+                       activation_limit=self.activation_limit, activation_clamp=self.activation_clamp,
+                       has_expert_bias=self.b13 is not None, quant=self.quant)
+
+    def tensors(self) -> dict:
+        """The op's expert arguments by name (``EXPERT_ARGS`` + scales / zeros where held)."""
+        names = ("w13", "b13", "w2", "b2", "w13_scale", "w2_scale", "w13_zero", "w2_zero")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None or n in ("b13", "b2")}
+
+    def dequantized(self, name: str, e) -> torch.Tensor:
+        """fp32 weight ``name`` ("w13" / "w2") of expert(s) ``e``."""
+        zero = getattr(self, f"{name}_zero")
+        return dequant_4bit(getattr(self, name)[e], getattr(self, f"{name}_scale")[e],
+                            None if zero is None else zero[e], self.quant.key)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        x = hidden_states.reshape(-1, self.hidden_size)
+        spec = self.spec(top_k_index.shape[-1])
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        ids = top_k_index.reshape(x.shape[0], -1)
+        weights = top_k_weights.reshape(x.shape[0], -1)
+        for e in torch.unique(ids).tolist():
+            if not 0 <= e < self.num_experts:
+                continue
+            tok, slot = torch.nonzero(ids == e, as_tuple=True)
+            h = x[tok].float() @ self.dequantized("w13", e).T
+            if self.b13 is not None:
+                h = h + self.b13[e].float()
+            h = reference._gate_up(h, spec).to(x.dtype).float()  # h rounded to x's dtype, as the kernels store it
+            y = h @ self.dequantized("w2", e).T
+            if self.b2 is not None:
+                y = y + self.b2[e].float()
+            out.index_add_(0, tok, y * weights[tok, slot, None].float())
+        return out.to(hidden_states.dtype).reshape(hidden_states.shape)
