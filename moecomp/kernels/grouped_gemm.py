@@ -145,7 +145,7 @@ def moe_gemm1_kernel(
     PAIR_LOAD: tl.constexpr = False,  # gated concat, columns of unit stride (in_out): kloop.pair_loop
     # 4-bit weights (W4 1 mxfp4, 2 int4, 3 int4 with zero points zp_ptr; w_ptr: packed bytes, stride_wk their
     # stride; ws_ptr / stride_s*: group scales; Q_BLOCK_K, UE8M0 as for FP8): quant4.dot_loop4 (module docstring)
-    zp_ptr=None, W4: tl.constexpr = 0, W4_FOLD: tl.constexpr = 0, W4_INTERLEAVE: tl.constexpr = 0,
+    zp_ptr=None, W4: tl.constexpr = 0, W4_FOLD: tl.constexpr = 0, W4_FORM: tl.constexpr = 0,
 ):
     pdl.enter(USE_PDL)
     pid_m, pid_n, expert, offs_m, pair, row_ok, dead = _rows(
@@ -178,7 +178,7 @@ def moe_gemm1_kernel(
         zp_ptrs = (zp_ptr + expert * stride_se + w_rows * stride_sn) if W4 == 3 else ws_ptrs
         acc = quant4.dot_loop4(x_ptr + tok * stride_xm, row_ok, b_ptrs, col_ok, K, stride_wk, ws_ptrs, zp_ptrs,
                                stride_sk, W4, Q_BLOCK_K, UE8M0, UPCAST, DOT_PRECISION, BLOCK_M, TILE_N, BLOCK_K,
-                               W4_FOLD, W4_INTERLEAVE)
+                               W4_FOLD, W4_FORM)
     elif W_SCALE == 0 and PAIR_LOAD:
         a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
         gate_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] gate rows (up: UP_OFFSET rows on)
@@ -263,7 +263,7 @@ def moe_gemm2_kernel(
     stride_am=None, FOLD: tl.constexpr = 0,  # A_QUANT 3: h_ptr e4m3 h, as_ptr its group scales [S, cdiv(K, 128)]
     WEIGHTED: tl.constexpr = True,  # off: the weight was applied to gemm1's input (W_ON_INPUT)
     ZERO_EXPERTS: tl.constexpr = False, n_experts=0,  # as in moe_gemm1_kernel
-    zp_ptr=None, W4: tl.constexpr = 0, W4_FOLD: tl.constexpr = 0, W4_INTERLEAVE: tl.constexpr = 0,  # 4-bit: gemm1's
+    zp_ptr=None, W4: tl.constexpr = 0, W4_FOLD: tl.constexpr = 0, W4_FORM: tl.constexpr = 0,  # 4-bit: gemm1's
 ):
     pdl.enter(USE_PDL)
     pid_m, pid_n, expert, offs_m, pair, row_ok, dead = _rows(
@@ -283,7 +283,7 @@ def moe_gemm2_kernel(
         zp_ptrs = (zp_ptr + expert * stride_se + rows * stride_sn) if W4 == 3 else ws_ptrs
         acc = quant4.dot_loop4(h_ptr + offs_m.to(tl.int64) * stride_hm, row_ok, b_ptrs, n_ok, K, stride_wk, ws_ptrs,
                                zp_ptrs, stride_sk, W4, Q_BLOCK_K, UE8M0, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
-                               BLOCK_K, W4_FOLD, W4_INTERLEAVE)
+                               BLOCK_K, W4_FOLD, W4_FORM)
     elif W_SCALE == 0:
         a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_k[None, :]
         b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk

@@ -20,11 +20,16 @@ BLOCK_K columns loads a [BLOCK_K / 2, N] uint8 tile.
                              accumulator chain; one rounding of each scaled weight to x's dtype (2^-9 relative in
                              bf16, 2^-11 in fp16, none in fp32). Off by default (a speed candidate).
 
-    A tile and nibbles: by default A's step is loaded as its even and odd columns ([BM, BLOCK_K / 2] each, stride 2)
-    and multiplied with the low and high nibbles' tiles in two dots of K = BLOCK_K / 2 (no data movement between
-    the unpack and the MMA). W4_INTERLEAVE 1: the two decoded tiles are interleaved back into one [BLOCK_K, N] tile
-    (join, permute, reshape: row 2j low nibble j, row 2j + 1 high nibble j) and one dot with A's contiguous tile
-    (a speed candidate). Both compute the same sums.
+    The K step's form (FORM, a speed candidate; all compute the same sums):
+        0 split:       A's step is loaded as its even and odd columns ([BM, BLOCK_K / 2] each, stride 2) and
+                       multiplied with the low and high nibbles' tiles in two dots of K = BLOCK_K / 2 (no data
+                       movement between the unpack and the MMA; the default)
+        1 interleave:  the two decoded tiles interleaved back into one [BLOCK_K, N] tile (join, permute, reshape:
+                       row 2j low nibble j, row 2j + 1 high nibble j), one dot with A's contiguous tile
+        2 dot_scaled:  mxfp4 with 16-bit A only (else the split form): ``tl.dot_scaled(a, None, "bf16" | "fp16",
+                       bytes, scale bytes [N, BLOCK_K / 32], "e2m1")``, Triton's own microscaled dot (on Hopper it
+                       upcasts the codes to bf16 itself: no fp4 MMA there; fp16 A: the product is then fp16, exact
+                       in the range the module docstring names)
 
     Scales: ue8m0 bytes decode through ``fp8.ue8m0``; fp16 / bf16 / fp32 scales load as fp32. ``ws_ptrs`` [N]: each
     output column's scale row (group scales are per weight row, so a gated w13's gate / up columns read their own
@@ -96,50 +101,80 @@ def _decode(c, s, z, W4: tl.constexpr, FOLDED: tl.constexpr, UPCAST: tl.constexp
 def dot_loop4(a_rows, row_ok, b_ptrs, col_ok, K, stride_bk, ws_ptrs, zp_ptrs, stride_sk,
               W4: tl.constexpr, Q_BLOCK_K: tl.constexpr, UE8M0: tl.constexpr, UPCAST: tl.constexpr,
               DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              FOLD: tl.constexpr = 0, INTERLEAVE: tl.constexpr = 0):
+              FOLD: tl.constexpr = 0, FORM: tl.constexpr = 0):
     """acc [BM, TILE_N] fp32 = (A rows) x (4-bit weight columns), scales applied (see the module docstring).
     ``a_rows`` [BM]: pointers to the A rows (unit stride along K; x's dtype); ``b_ptrs`` [BK / 2, TILE_N]: the
     first step's packed bytes (``stride_bk``: the bytes' stride along K); ``ws_ptrs`` / ``zp_ptrs`` [TILE_N]: each
     column's scale / zero row (group 0); ``stride_sk``: the group stride of both. K: unpacked columns (even)."""
     HALF: tl.constexpr = BLOCK_K // 2
     FOLDED: tl.constexpr = W4 == 1 or FOLD != 0
+    A_DT: tl.constexpr = a_rows.dtype.element_ty
+    SCALED: tl.constexpr = FORM == 2 and W4 == 1 and A_DT != tl.float32
+    INTERLEAVE: tl.constexpr = FORM == 1
     offs_j = tl.arange(0, HALF)
     acc = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         j_ok = offs_j < (K - k0) // 2
-        if INTERLEAVE:
-            offs_k = tl.arange(0, BLOCK_K)
-            a = tl.load(a_rows[:, None] + k0 + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K - k0)[None, :],
-                        other=0.0)
+        if SCALED:
+            acc = _scaled_step(a_rows, row_ok, b_ptrs, j_ok, col_ok, ws_ptrs, k0, K, stride_sk, acc,
+                               "fp16" if A_DT == tl.float16 else "bf16", BLOCK_K)
         else:
-            a_ev = a_rows[:, None] + k0 + 2 * offs_j[None, :]
-            a_ok = row_ok[:, None] & j_ok[None, :]
-            a = tl.load(a_ev, mask=a_ok, other=0.0)  # even columns 2j
-            a_odd = tl.load(a_ev + 1, mask=a_ok, other=0.0)  # odd columns 2j + 1
-        p = tl.load(b_ptrs, mask=j_ok[:, None] & col_ok[None, :], other=0).to(tl.int32)  # [BK / 2, N] bytes
-        s, z = _scales(ws_ptrs, zp_ptrs, k0, K, stride_sk, col_ok, W4, Q_BLOCK_K, UE8M0, BLOCK_K, TILE_N)
-        lo = _decode(p & 15, s, z, W4, FOLDED, UPCAST)  # columns 2j
-        hi = _decode(p >> 4, s, z, W4, FOLDED, UPCAST)  # columns 2j + 1
-        if UPCAST:  # the interpreter's bf16 dot workaround: both operands fp32
-            a = a.to(tl.float32)
-        else:
-            lo = lo.to(a.dtype)
-            hi = hi.to(a.dtype)
-        if INTERLEAVE:
-            b = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [BLOCK_K, TILE_N])  # row 2j lo[j], 2j + 1 hi[j]
-            if FOLDED:
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            else:
-                part = tl.dot(a, b, input_precision=DOT_PRECISION)
-        else:
-            if UPCAST:
-                a_odd = a_odd.to(tl.float32)
-            if FOLDED:
-                acc = tl.dot(a, lo, acc, input_precision=DOT_PRECISION)
-                acc = tl.dot(a_odd, hi, acc, input_precision=DOT_PRECISION)
-            else:
-                part = tl.dot(a_odd, hi, tl.dot(a, lo, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
-        if not FOLDED:
-            acc += part * s
+            acc = _step(a_rows, row_ok, b_ptrs, j_ok, col_ok, ws_ptrs, zp_ptrs, k0, K, stride_sk, acc, offs_j, W4,
+                        Q_BLOCK_K, UE8M0, UPCAST, DOT_PRECISION, TILE_N, BLOCK_K, FOLDED, INTERLEAVE)
         b_ptrs += HALF * stride_bk
+    return acc
+
+
+@triton.jit
+def _scaled_step(a_rows, row_ok, b_ptrs, j_ok, col_ok, ws_ptrs, k0, K, stride_sk, acc, A_FMT: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """One K step of FORM 2: ``tl.dot_scaled`` on the packed bytes and their ue8m0 bytes (mxfp4 groups of 32)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a = tl.load(a_rows[:, None] + k0 + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+    p = tl.load(b_ptrs, mask=j_ok[:, None] & col_ok[None, :], other=0)  # [BK / 2, N] uint8
+    offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    s = tl.load(ws_ptrs[:, None] + offs_g[None, :] * stride_sk, mask=col_ok[:, None] & (offs_g * 32 < K)[None, :],
+                other=127)  # [N, BK / 32] scale bytes (127: 1.0 where masked; those codes are 0)
+    return tl.dot_scaled(a, None, A_FMT, p, s, "e2m1", acc)
+
+
+@triton.jit
+def _step(a_rows, row_ok, b_ptrs, j_ok, col_ok, ws_ptrs, zp_ptrs, k0, K, stride_sk, acc, offs_j, W4: tl.constexpr,
+          Q_BLOCK_K: tl.constexpr, UE8M0: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+          TILE_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLDED: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """One K step of FORM 0 (split) or 1 (interleave): unpack, decode, dot(s), scale (see the module docstring)."""
+    if INTERLEAVE:
+        offs_k = tl.arange(0, BLOCK_K)
+        a = tl.load(a_rows[:, None] + k0 + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K - k0)[None, :],
+                    other=0.0)
+    else:
+        a_ev = a_rows[:, None] + k0 + 2 * offs_j[None, :]
+        a_ok = row_ok[:, None] & j_ok[None, :]
+        a = tl.load(a_ev, mask=a_ok, other=0.0)  # even columns 2j
+        a_odd = tl.load(a_ev + 1, mask=a_ok, other=0.0)  # odd columns 2j + 1
+    p = tl.load(b_ptrs, mask=j_ok[:, None] & col_ok[None, :], other=0).to(tl.int32)  # [BK / 2, N] bytes
+    s, z = _scales(ws_ptrs, zp_ptrs, k0, K, stride_sk, col_ok, W4, Q_BLOCK_K, UE8M0, BLOCK_K, TILE_N)
+    lo = _decode(p & 15, s, z, W4, FOLDED, UPCAST)  # columns 2j
+    hi = _decode(p >> 4, s, z, W4, FOLDED, UPCAST)  # columns 2j + 1
+    if UPCAST:  # the interpreter's bf16 dot workaround: both operands fp32
+        a = a.to(tl.float32)
+    else:
+        lo = lo.to(a.dtype)
+        hi = hi.to(a.dtype)
+    if INTERLEAVE:
+        b = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [BLOCK_K, TILE_N])  # row 2j lo[j], 2j + 1 hi[j]
+        if FOLDED:
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        else:
+            part = tl.dot(a, b, input_precision=DOT_PRECISION)
+    else:
+        if UPCAST:
+            a_odd = a_odd.to(tl.float32)
+        if FOLDED:
+            acc = tl.dot(a, lo, acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(a_odd, hi, acc, input_precision=DOT_PRECISION)
+        else:
+            part = tl.dot(a_odd, hi, tl.dot(a, lo, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+    if not FOLDED:
+        acc += part * s
     return acc

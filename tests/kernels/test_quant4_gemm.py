@@ -4,12 +4,13 @@ decode down-combine, launched by ``ops/triton_quant4.py`` through the op. GPU te
 * Dequantization in the kernels is exact: every e2m1 code times every ue8m0 scale byte decodes as
   ``quant.dequantize``; a one-expert GEMM on identity activations (y = w^T) returns ``quant.dequantize``'s weights bit
   for bit (fp32; fp16 where the weight rounds once, as ``dequantize(...).half()``): mxfp4 with one and with several
-  groups a K step, int4 symmetric and with zero points, both K-loop forms (split A, interleaved nibbles), gemm1 and
-  gemm2. A mutation (the e2m1 sign bit ignored) fails it.
+  groups a K step, int4 symmetric and with zero points, the three K-step forms (split A, interleaved nibbles,
+  ``tl.dot_scaled``), gemm1 and gemm2. A mutation (the e2m1 sign bit ignored) fails it.
 * ``moe_forward`` / ``moe_experts`` on the Triton path against ``moecomp.reference`` on the same packed tensors:
   mxfp4, int4 symmetric, int4 with zero points (groups 64 and 128, a partial last group), gate / up concatenated and
   interleaved (gpt-oss: swiglu_oai with its clamp, expert biases), the decode path (T = 1..4: fused down-combine and
-  "pairs") and the aligned one (T = 40); the int4 fold and interleave options. Launches counted, outputs and scratch
+  "pairs") and the aligned one (T = 40); the int4 fold option and the interleave / dot_scaled forms (dot_scaled on
+  fp32 x runs the split form). Launches counted, outputs and scratch
   NaN-poisoned (``poison``).
 * ``torch.library.opcheck`` of moe_forward with 4-bit arguments; the tile rule and configs; 4-bit never reaches the
   TMA GEMMs.
@@ -48,7 +49,7 @@ def rel_err(a, b):
 @pytest.fixture
 def triton_backend(monkeypatch):
     monkeypatch.setenv("MOECOMP_CPU_BACKEND", "triton")
-    for var in ("MOECOMP_CONFIG", "MOECOMP_DECODE_MAX_T", "MOECOMP_W4_FOLD", "MOECOMP_W4_INTERLEAVE"):
+    for var in ("MOECOMP_CONFIG", "MOECOMP_DECODE_MAX_T", "MOECOMP_W4_FOLD", "MOECOMP_W4_FORM"):
         monkeypatch.delenv(var, raising=False)
     return monkeypatch
 
@@ -58,7 +59,8 @@ def triton_backend(monkeypatch):
 def _e2m1_kernel(c_ptr, e_ptr, out_ptr):
     c = tl.load(c_ptr + tl.arange(0, 16)).to(tl.int32)  # [16] codes
     s = fp8.ue8m0(tl.load(e_ptr + tl.arange(0, 256)))  # [256] scales
-    tl.store(out_ptr + tl.arange(0, 16)[:, None] * 256 + tl.arange(0, 256)[None, :], quant4.e2m1(c)[:, None] * s[None, :])
+    v = quant4.e2m1(c)[:, None] * s[None, :]  # [16, 256]
+    tl.store(out_ptr + tl.arange(0, 16)[:, None] * 256 + tl.arange(0, 256)[None, :], v)
 
 
 def test_e2m1_times_every_scale_byte_is_dequantize():
@@ -82,48 +84,49 @@ def _one_expert(quant, K, N, seed):
     return packed, scale, zero
 
 
-EXACT = {  # name: (quant, K, N, dtype, BLOCK_K, interleave)
-    "mxfp4-bk32-fp32": (MX, 96, 40, torch.float32, 32, 0),
-    "mxfp4-bk128-fp32-interleave": (MX, 200, 40, torch.float32, 128, 1),
-    "mxfp4-bk64-fp16": (MX, 96, 40, torch.float16, 64, 0),
-    "int4-g64-fp32": (QuantSpec.int4(64), 200, 24, torch.float32, 64, 0),
-    "int4zp-g128-fp32-interleave": (QuantSpec.int4(128, True), 200, 24, torch.float32, 64, 1),
-    "int4zp-g64-bf16scales-fp16": (QuantSpec.int4(64, True, "bf16"), 96, 24, torch.float16, 32, 0),
+EXACT = {  # name: (quant, K, N, dtype, BLOCK_K, the K step's form)
+    "mxfp4-bk32-fp32": (MX, 96, 40, torch.float32, 32, "split"),
+    "mxfp4-bk128-fp32-interleave": (MX, 200, 40, torch.float32, 128, "interleave"),
+    "mxfp4-bk64-fp16": (MX, 96, 40, torch.float16, 64, "split"),
+    "mxfp4-bk64-fp16-dot_scaled": (MX, 200, 40, torch.float16, 64, "dot_scaled"),
+    "int4-g64-fp32": (QuantSpec.int4(64), 200, 24, torch.float32, 64, "split"),
+    "int4zp-g128-fp32-interleave": (QuantSpec.int4(128, True), 200, 24, torch.float32, 64, "interleave"),
+    "int4zp-g64-bf16scales-fp16": (QuantSpec.int4(64, True, "bf16"), 96, 24, torch.float16, 32, "split"),
 }
 
 
-def _kw(quant, scale, zero, interleave):
-    return triton_quant4.quant4_kwargs(quant, scale, zero, {"w4_interleave": interleave})
+def _kw(quant, scale, zero, form):
+    return triton_quant4.quant4_kwargs(quant, scale, zero, {"w4_form": form})
 
 
 @pytest.mark.parametrize("case", sorted(EXACT))
 def test_gemm2_on_identity_reproduces_dequantize(poison, case):
     """gemm2 (aligned), one expert, h = I [K, K] (in sorted order), routing weight 1: y[p] = h[p] . w^T = column p of
     w^T, exactly."""
-    quant, K, N, dtype, bk, inter = EXACT[case]
+    quant, K, N, dtype, bk, form = EXACT[case]
     packed, scale, zero = _one_expert(quant, K, N, len(case))
     want = q8.dequantize(packed[0], scale[0], quant, zero=None if zero is None else zero[0]).T  # [K, N] fp32
     spec = MoESpec(num_experts=1, top_k=1, hidden_size=N, intermediate_size=K, quant=quant)
     ids = torch.zeros(K, 1, dtype=torch.int32)
     aligned = triton_moe.align(ids, 1, 16)
     eye = torch.cat([torch.eye(K, dtype=dtype), torch.zeros(1, K, dtype=dtype)])  # row K: padding (sentinel K)
-    h = eye[aligned[0].long().clamp(max=K)]  # [S, K]: sorted row s is pair sorted[s]'s row of I
+    h = eye[aligned[0].long().clamp(0, K)]  # [S, K]: sorted row s is pair sorted[s]'s row of I (unread past num_padded)
     c2 = dict(BLOCK_N=16, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=1)
-    y = triton_moe.gemm2(h, packed, None, torch.ones(K), spec, aligned, K, 16, c2, _kw(quant, scale, zero, inter))
+    y = triton_moe.gemm2(h, packed, None, torch.ones(K), spec, aligned, K, 16, c2, _kw(quant, scale, zero, form))
     assert y.dtype == dtype and torch.equal(y, want.to(dtype)), f"{case}: {(y.float() - want).abs().max()}"
 
 
-@pytest.mark.parametrize("case", ["mxfp4-bk64-fp16", "int4zp-g128-fp32-interleave"])
+@pytest.mark.parametrize("case", ["mxfp4-bk64-fp16", "int4zp-g128-fp32-interleave", "mxfp4-bk64-fp16-dot_scaled"])
 def test_gemm1_on_identity_reproduces_dequantize(poison, case):
     """gemm1 aligned, ungated relu, one expert: x = I gives relu(w)^T, x = -I relu(-w)^T; w = their difference."""
-    quant, K, N, dtype, bk, inter = EXACT[case]
+    quant, K, N, dtype, bk, form = EXACT[case]
     packed, scale, zero = _one_expert(quant, K, N, 7)
     want = q8.dequantize(packed[0], scale[0], quant, zero=None if zero is None else zero[0]).T.to(dtype)
     spec = MoESpec(num_experts=1, top_k=1, hidden_size=K, intermediate_size=N, gated=False, activation="relu",
                    quant=quant)
     ids = torch.zeros(K, 1, dtype=torch.int32)
     c1 = dict(BLOCK_N=16, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=1)
-    kw = _kw(quant, scale, zero, inter)
+    kw = _kw(quant, scale, zero, form)
     aligned = triton_moe.align(ids, 1, 16)
     rows = aligned[0][:K].long()  # sorted row s holds pair (token) rows[s]
 
@@ -170,9 +173,12 @@ OP = {  # name: (spec, dtype, T, path, options)   path: "fused" / "pairs" (decod
     "int4zp-g64-fp16-T40-fold": (_spec(QuantSpec.int4(64, True)), torch.float16, 40, "aligned",
                                  {"MOECOMP_W4_FOLD": "1"}),
     "mxfp4-oai-fp32-T2-interleave": (_spec(MX, "interleaved"), torch.float32, 2, "fused",
-                                     {"MOECOMP_W4_INTERLEAVE": "1"}),
+                                     {"MOECOMP_W4_FORM": "interleave"}),
     "int4-g64-fp16-T40-interleave-fold": (_spec(QuantSpec.int4(64)), torch.float16, 40, "aligned",
-                                          {"MOECOMP_W4_INTERLEAVE": "1", "MOECOMP_W4_FOLD": "1"}),
+                                          {"MOECOMP_W4_FORM": "interleave", "MOECOMP_W4_FOLD": "1"}),
+    "mxfp4-oai-fp16-T40-dot_scaled": (_spec(MX, "interleaved", H=200), torch.float16, 40, "aligned",
+                                      {"MOECOMP_W4_FORM": "dot_scaled"}),
+    "mxfp4-fp32-T2-dot_scaled": (_spec(MX), torch.float32, 2, "fused", {"MOECOMP_W4_FORM": "dot_scaled"}),  # split
 }
 
 
@@ -258,7 +264,7 @@ def test_opcheck_moe_forward_4bit(cpu_backend, T):
 
 # ------------------------------------------------------------------------------------------------ rules
 def test_tile_rule_and_heuristic_configs():
-    mx, g64 = _kw(MX, torch.zeros(1, 1, 1), None, 0), _kw(QuantSpec.int4(64), torch.zeros(1, 1, 1), None, 0)
+    mx, g64 = _kw(MX, torch.zeros(1, 1, 1), None, "split"), _kw(QuantSpec.int4(64), torch.zeros(1, 1, 1), None, "split")
     folded = triton_quant4.quant4_kwargs(QuantSpec.int4(96), torch.zeros(1, 1, 1), None, {"w4_fold": 1})
     c = dict(BLOCK_N=32, BLOCK_K=128)
     assert triton_quant4.tile(c, mx)["BLOCK_K"] == 128  # whole groups of 32 a step (folded)
@@ -276,7 +282,7 @@ def test_tile_rule_and_heuristic_configs():
 def test_4bit_never_takes_the_tma_gemms():
     spec = _spec(MX)
     w = torch.zeros(4, 128, 48, dtype=torch.uint8)
-    q = _kw(MX, torch.zeros(4, 128, 3, dtype=torch.uint8).view(q8.E8M0), None, 0)
+    q = _kw(MX, torch.zeros(4, 128, 3, dtype=torch.uint8).view(q8.E8M0), None, "split")
     c = dict(BLOCK_N=64, BLOCK_K=128, tma=1)
     assert not triton_fp8_tma.gemm1_ok(spec, torch.zeros(2, 96), w, q, c)
     assert not triton_fp8_tma.gemm2_ok(spec, torch.zeros(2, 64), w, q, c)
