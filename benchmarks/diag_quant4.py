@@ -8,7 +8,8 @@ then captured) and its replay timed with ``triton.testing.do_bench`` (median). P
 
     w4          the 4-bit op as the heuristic runs it (the decode path up to ``tuning.QUANT4_DECODE_MAX_T``)
     w4 aligned  (T <= 16) the same with MOECOMP_DECODE_MAX_T=0: the aligned path, to place the decode threshold
-    w4 inter    MOECOMP_W4_FORM=interleave: the nibbles interleaved into one tile, one dot a step
+    w4 split    MOECOMP_W4_FORM=split: A's even / odd columns times the low / high nibbles (the default form
+                interleaves the nibbles into one tile, one dot a step)
     w4 scaled   MOECOMP_W4_FORM=dot_scaled (mxfp4): tl.dot_scaled (Hopper has no fp4 MMA: Triton upcasts)
     bf16        the same spec, unquantized bf16 weights
     fp8         QuantSpec() (128x128 blocks, dynamic; the heuristic's w8a8 + prequant) on the same weights; FP8
@@ -127,7 +128,7 @@ def run_model(name: str, tokens: list[int], hbm: float, rows: list, check: bool)
         floor_us = n_exp * per4 / (hbm * 1e12) * 1e6
         rec = dict(model=name, T=T, experts_touched=n_exp, floor4_us=floor_us,
                    floor16_us=n_exp * per16 / (hbm * 1e12) * 1e6, floor8_us=n_exp * per8 / (hbm * 1e12) * 1e6)
-        paths = [("w4", t4, spec, extra4, {}), ("w4 inter", t4, spec, extra4, {"MOECOMP_W4_FORM": "interleave"})]
+        paths = [("w4", t4, spec, extra4, {}), ("w4 split", t4, spec, extra4, {"MOECOMP_W4_FORM": "split"})]
         if spec.quant.weight == "mxfp4":
             paths.append(("w4 scaled", t4, spec, extra4, {"MOECOMP_W4_FORM": "dot_scaled"}))
         if T <= 16:
@@ -154,7 +155,7 @@ def _fmt(v):
     return "-" if v is None else f"{v:.1f}"
 
 
-HEAD = ("| model | T | experts | w4 us | w4 aligned | w4 inter | w4 scaled | bf16 us | fp8 us | bf16 / w4 | fp8 / w4 "
+HEAD = ("| model | T | experts | w4 us | w4 aligned | w4 split | w4 scaled | bf16 us | fp8 us | bf16 / w4 | fp8 / w4 "
         "| floor4 us | w4 x floor | bf16 x floor16 | err |")
 
 
@@ -165,7 +166,7 @@ def _print_row(r: dict) -> None:
     x16 = "-" if not r.get("bf16") else f"{r['bf16'] / r['floor16_us']:.1f}"
     err = f"{r['err']:.1e}" if "err" in r else "-"
     print(f"| {r['model']} | {r['T']} | {r['experts_touched']} | {_fmt(w4)} | {_fmt(r.get('w4 aligned'))} | "
-          f"{_fmt(r.get('w4 inter'))} | {_fmt(r.get('w4 scaled'))} | {_fmt(r.get('bf16'))} | {_fmt(r.get('fp8'))} | "
+          f"{_fmt(r.get('w4 split'))} | {_fmt(r.get('w4 scaled'))} | {_fmt(r.get('bf16'))} | {_fmt(r.get('fp8'))} | "
           f"{ratio('bf16')} | {ratio('fp8')} | {r['floor4_us']:.1f} | {xfloor} | {x16} | {err} |", flush=True)
     for k, v in r.items():
         if k.endswith(" error"):

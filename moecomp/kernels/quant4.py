@@ -21,15 +21,17 @@ BLOCK_K columns loads a [BLOCK_K / 2, N] uint8 tile.
                              bf16, 2^-11 in fp16, none in fp32). Off by default (a speed candidate).
 
     The K step's form (FORM, a speed candidate; all compute the same sums):
-        0 split:       A's step is loaded as its even and odd columns ([BM, BLOCK_K / 2] each, stride 2) and
-                       multiplied with the low and high nibbles' tiles in two dots of K = BLOCK_K / 2 (no data
-                       movement between the unpack and the MMA; the default)
-        1 interleave:  the two decoded tiles interleaved back into one [BLOCK_K, N] tile (join, permute, reshape:
-                       row 2j low nibble j, row 2j + 1 high nibble j), one dot with A's contiguous tile
-        2 dot_scaled:  mxfp4 with 16-bit A only (else the split form): ``tl.dot_scaled(a, None, "bf16" | "fp16",
-                       bytes, scale bytes [N, BLOCK_K / 32], "e2m1")``, Triton's own microscaled dot (on Hopper it
-                       upcasts the codes to bf16 itself: no fp4 MMA there; fp16 A: the product is then fp16, exact
-                       in the range the module docstring names)
+        0 interleave:  the decoded low / high nibble tiles interleaved back into one [BLOCK_K, N] tile (join,
+                       permute, reshape: row 2j low nibble j, row 2j + 1 high nibble j), one dot with A's contiguous
+                       tile (the default: offline for sm90 with Triton 3.9 it took 20-90 fewer registers than the
+                       split form at most tiles, A going to shared memory as in the 16-bit loop)
+        1 split:       A's step (loaded contiguous, [BM, BLOCK_K]) split into its even and odd columns (reshape
+                       [BM, BLOCK_K / 2, 2] + split: the pairs are in one thread) and multiplied with the low and
+                       high nibbles' tiles in two dots of K = BLOCK_K / 2 (the weights need no reordering; strided
+                       loads of the even / odd columns instead had twice the load instructions)
+        2 dot_scaled:  mxfp4 with 16-bit A only (else the interleave form): ``tl.dot_scaled(a, None, "bf16" |
+                       "fp16", bytes, scale bytes [N, BLOCK_K / 32], "e2m1")``, Triton's own microscaled dot (on
+                       Hopper it upcasts the codes itself: no fp4 MMA there; fp16 A: exact in the range named above)
 
     Scales: ue8m0 bytes decode through ``fp8.ue8m0``; fp16 / bf16 / fp32 scales load as fp32. ``ws_ptrs`` [N]: each
     output column's scale row (group scales are per weight row, so a gated w13's gate / up columns read their own
@@ -110,7 +112,7 @@ def dot_loop4(a_rows, row_ok, b_ptrs, col_ok, K, stride_bk, ws_ptrs, zp_ptrs, st
     FOLDED: tl.constexpr = W4 == 1 or FOLD != 0
     A_DT: tl.constexpr = a_rows.dtype.element_ty
     SCALED: tl.constexpr = FORM == 2 and W4 == 1 and A_DT != tl.float32
-    INTERLEAVE: tl.constexpr = FORM == 1
+    INTERLEAVE: tl.constexpr = FORM != 1
     offs_j = tl.arange(0, HALF)
     acc = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -142,16 +144,11 @@ def _scaled_step(a_rows, row_ok, b_ptrs, j_ok, col_ok, ws_ptrs, k0, K, stride_sk
 def _step(a_rows, row_ok, b_ptrs, j_ok, col_ok, ws_ptrs, zp_ptrs, k0, K, stride_sk, acc, offs_j, W4: tl.constexpr,
           Q_BLOCK_K: tl.constexpr, UE8M0: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
           TILE_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLDED: tl.constexpr, INTERLEAVE: tl.constexpr):
-    """One K step of FORM 0 (split) or 1 (interleave): unpack, decode, dot(s), scale (see the module docstring)."""
-    if INTERLEAVE:
-        offs_k = tl.arange(0, BLOCK_K)
-        a = tl.load(a_rows[:, None] + k0 + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K - k0)[None, :],
-                    other=0.0)
-    else:
-        a_ev = a_rows[:, None] + k0 + 2 * offs_j[None, :]
-        a_ok = row_ok[:, None] & j_ok[None, :]
-        a = tl.load(a_ev, mask=a_ok, other=0.0)  # even columns 2j
-        a_odd = tl.load(a_ev + 1, mask=a_ok, other=0.0)  # odd columns 2j + 1
+    """One K step of FORM 0 (interleave) or 1 (split): unpack, decode, dot(s), scale (see the module docstring)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a = tl.load(a_rows[:, None] + k0 + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+    if not INTERLEAVE:  # A's even columns 2j and odd columns 2j + 1, [BM, BK / 2] each
+        a, a_odd = tl.split(tl.reshape(a, [a.shape[0], BLOCK_K // 2, 2]))
     p = tl.load(b_ptrs, mask=j_ok[:, None] & col_ok[None, :], other=0).to(tl.int32)  # [BK / 2, N] bytes
     s, z = _scales(ws_ptrs, zp_ptrs, k0, K, stride_sk, col_ok, W4, Q_BLOCK_K, UE8M0, BLOCK_K, TILE_N)
     lo = _decode(p & 15, s, z, W4, FOLDED, UPCAST)  # columns 2j

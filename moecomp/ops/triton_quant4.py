@@ -8,11 +8,12 @@ their tile rule. Called through ``triton_fp8.expert_quant`` / ``fp8_tile``, so t
     tile(c, kw)                       -> c with a BLOCK_K of at least 32 (two 16-column halves a step) that divides
                                          the int4 group when the scale is applied after the dot (the default)
 
-Options (speed candidates, off by default; per call, as the FP8 ones): the config's keys ``"w4_fold": 1`` (int4: the
-scale folded into the weight tile, one rounding of each scaled weight to x's dtype) and ``"w4_form"``: "split" (the
-default: A's even / odd columns times the low / high nibbles, two dots a step), "interleave" (the unpacked nibbles
-interleaved into one [BLOCK_K, N] tile, one dot) or "dot_scaled" (mxfp4 with 16-bit x: ``tl.dot_scaled``; else
-split); or MOECOMP_W4_FOLD=0|1 / MOECOMP_W4_FORM=split|interleave|dot_scaled, which win. mxfp4 always folds (exact).
+Options (speed candidates; per call, as the FP8 ones): the config's keys ``"w4_fold": 1`` (int4: the scale folded
+into the weight tile, one rounding of each scaled weight to x's dtype; off by default) and ``"w4_form"``:
+"interleave" (the default: the unpacked nibbles interleaved into one [BLOCK_K, N] tile, one dot a step), "split"
+(A's even / odd columns times the low / high nibbles, two dots a step) or "dot_scaled" (mxfp4 with 16-bit x:
+``tl.dot_scaled``; else interleave); or MOECOMP_W4_FOLD=0|1 / MOECOMP_W4_FORM=interleave|split|dot_scaled, which
+win. mxfp4 always folds (exact). Why interleave is the default: ``kernels/quant4.py`` (offline register counts).
 
 The arguments are pointers and strides only: no host sync, so a 4-bit call is CUDA-graph capturable as the 16-bit
 one is. Zero points whose strides differ from their scales' (the kernels index both with the scales' strides) are
@@ -28,17 +29,17 @@ import torch
 
 
 W4_CODES = {"mxfp4": 1, "int4": 2}  # int4 with zero points: 3
-FORMS = {"split": 0, "interleave": 1, "dot_scaled": 2}  # the K step's form (kernels/quant4.py: FORM)
+FORMS = {"interleave": 0, "split": 1, "dot_scaled": 2}  # the K step's form (kernels/quant4.py: FORM)
 MIN_BLOCK_K = 32  # the split loop multiplies two [BM, BLOCK_K / 2] halves: a 16-bit dot needs K >= 16
 
 
 def options(cfg: dict | None = None) -> dict:
     """{"w4_fold": 0 | 1, "w4_form": a ``FORMS`` name} of one call: MOECOMP_W4_FOLD / MOECOMP_W4_FORM when set, else
-    the config's keys, else off / "split"."""
+    the config's keys, else off / "interleave"."""
     fold = os.environ.get("MOECOMP_W4_FOLD") or None
     if fold is not None and fold not in ("0", "1"):
         raise ValueError(f"MOECOMP_W4_FOLD={fold!r}: expected '0' or '1'")
-    form = os.environ.get("MOECOMP_W4_FORM") or (cfg or {}).get("w4_form") or "split"
+    form = os.environ.get("MOECOMP_W4_FORM") or (cfg or {}).get("w4_form") or "interleave"
     if form not in FORMS:
         raise ValueError(f"w4_form / MOECOMP_W4_FORM={form!r}: expected one of {sorted(FORMS)}")
     return {"w4_fold": int(fold) if fold is not None else int((cfg or {}).get("w4_fold") or 0), "w4_form": form}
@@ -62,7 +63,7 @@ def quant4_kwargs(quant, scale: torch.Tensor, zero: torch.Tensor | None, opts: d
         kw["zp_ptr"] = zero
     if w4 != 1 and opts.get("w4_fold"):
         kw["W4_FOLD"] = 1
-    form = FORMS[opts.get("w4_form", "split")]
+    form = FORMS[opts.get("w4_form", "interleave")]
     if form == 2 and w4 != 1:  # dot_scaled takes e2m1 codes with ue8m0 scales only
         form = 0
     if form:
