@@ -6,7 +6,8 @@ BLOCK_K columns loads a [BLOCK_K / 2, N] uint8 tile.
 
     e2m1(c)            codes 0..15 (int32) -> fp32 e2m1 values, built from the bits:
                            c = s e1 e0 m:  e = 0: m * 0.5;  else (1 + m / 2) * 2 ** (e - 1);  sign s
-    int4(c, z)         (c - z) as fp32 (z: the zero point, 8 for symmetric int4): an integer in [-15, 15]
+    _decode(c, s, z)   int4: (c - z) as fp32 (z: the zero point, 8 for symmetric int4), an integer in [-15, 15];
+                       mxfp4: e2m1(c) * s
     dot_loop4(...)     the K loop of a w4a16 GEMM: acc [BM, N] fp32 over K steps of BLOCK_K columns
 
         W4 1 (mxfp4):        b = e2m1(code) * 2 ** (scale_byte - 127)  (the ue8m0 scale of the element's group of
