@@ -15,12 +15,13 @@ there are only T * H / BLOCK_N programs: at T = 1 and a small H that is under on
 
 FP8 w2 (W_SCALE > 0): each slot's K loop is ``fp8.dot_loop`` with that slot's expert's scales (weight-only, or h
 quantized per 128-column group in the A loads), as in ``moe_gemm2_kernel``; 16-bit launches compile as before.
+4-bit w2 (W4 > 0): ``quant4.dot_loop4``, as in ``moe_gemm2_kernel``.
 """
 
 import triton
 import triton.language as tl
 
-from . import fp8, kloop, pdl
+from . import fp8, kloop, pdl, quant4
 
 
 @triton.jit
@@ -29,10 +30,20 @@ def _slot(h_ptr, w_ptr, b_ptr, ws_ptr, as_ptr, topk_w_ptr, p, expert, offs_n, n_
           HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_SCALE: tl.constexpr, A_QUANT: tl.constexpr,
           Q_BLOCK_N: tl.constexpr, Q_BLOCK_K: tl.constexpr, UE8M0: tl.constexpr, EXACT_CAST: tl.constexpr,
-          FOLD: tl.constexpr, WEIGHTED: tl.constexpr):
+          FOLD: tl.constexpr, WEIGHTED: tl.constexpr, zp_ptr, W4: tl.constexpr, W4_FOLD: tl.constexpr,
+          W4_FORM: tl.constexpr):
     """One slot's [BLOCK_N] term: weight[p] * (h[p] . w2_e[offs_n] (+ b2_e)), unweighted when not WEIGHTED."""
     b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    if W_SCALE == 0:
+    if W4 != 0:  # 4-bit w2: packed bytes (BLOCK_K / 2 a step), group scales (and zero points) of the rows
+        rows = offs_n.to(tl.int64)
+        b_ptrs = (w_ptr + expert * stride_we + rows[None, :] * stride_wn
+                  + tl.arange(0, BLOCK_K // 2)[:, None] * stride_wk)
+        ws_ptrs = ws_ptr + expert * stride_se + rows * stride_sn
+        zp_ptrs = (zp_ptr + expert * stride_se + rows * stride_sn) if W4 == 3 else ws_ptrs
+        acc = quant4.dot_loop4(h_ptr + p * stride_hm + tl.arange(0, BLOCK_M) * 0, row0, b_ptrs, n_ok, K, stride_wk,
+                               ws_ptrs, zp_ptrs, stride_sk, W4, Q_BLOCK_K, UE8M0, UPCAST, DOT_PRECISION, BLOCK_M,
+                               BLOCK_N, BLOCK_K, W4_FOLD, W4_FORM)
+    elif W_SCALE == 0:
         a_ptrs = h_ptr + p * stride_hm + tl.arange(0, BLOCK_M)[:, None] * 0 + offs_k[None, :]
         acc = kloop.dense_loop(a_ptrs, row0, b_ptrs, n_ok, K, stride_wk, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
                                BLOCK_K)
@@ -90,6 +101,7 @@ def moe_down_combine_kernel(
     stride_am=None, FOLD: tl.constexpr = 0,  # A_QUANT 3: h_ptr e4m3 h, as_ptr its group scales [P, cdiv(K, 128)]
     WEIGHTED: tl.constexpr = True,
     x_ptr=None, stride_xm=0, n_experts=0, ZERO_EXPERTS: tl.constexpr = False,  # x [T, N]: the zero experts' input
+    zp_ptr=None, W4: tl.constexpr = 0, W4_FOLD: tl.constexpr = 0, W4_FORM: tl.constexpr = 0,  # 4-bit w2
 ):
     pdl.enter(USE_PDL)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -111,12 +123,13 @@ def moe_down_combine_kernel(
                 total += _slot(h_ptr, w_ptr, b_ptr, ws_ptr, as_ptr, topk_w_ptr, p, expert, offs_n, n_ok, offs_k, row0,
                                N, K, stride_hm, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn,
                                stride_sk, stride_am, HAS_BIAS, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-                               W_SCALE, A_QUANT, Q_BLOCK_N, Q_BLOCK_K, UE8M0, EXACT_CAST, FOLD, WEIGHTED)
+                               W_SCALE, A_QUANT, Q_BLOCK_N, Q_BLOCK_K, UE8M0, EXACT_CAST, FOLD, WEIGHTED, zp_ptr, W4,
+                               W4_FOLD, W4_FORM)
         else:
             total += _slot(h_ptr, w_ptr, b_ptr, ws_ptr, as_ptr, topk_w_ptr, p, expert, offs_n, n_ok, offs_k, row0, N,
                            K, stride_hm, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn, stride_sk,
                            stride_am, HAS_BIAS, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, W_SCALE, A_QUANT,
-                           Q_BLOCK_N, Q_BLOCK_K, UE8M0, EXACT_CAST, FOLD, WEIGHTED)
+                           Q_BLOCK_N, Q_BLOCK_K, UE8M0, EXACT_CAST, FOLD, WEIGHTED, zp_ptr, W4, W4_FOLD, W4_FORM)
     pdl.release(USE_PDL)
 
     if HAS_SHARED:

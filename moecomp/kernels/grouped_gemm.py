@@ -38,12 +38,19 @@ the K loop differs (``fp8.dot_loop``), as constexpr branches, so 16-bit launches
 
     Speed candidates (opt-in, docs/FP8.md): A_QUANT 3 reads A already quantized (e4m3 codes + per-row group scales,
     the same formula: "prequant"), gemm1's Q_OUT writes h that way itself, FOLD folds w8a16 block scales into B.
+
+4-bit (W4 > 0: mxfp4 / int4 weight-only, two codes a byte along K): another constexpr branch of the K loop,
+``quant4.dot_loop4`` (unpacked and scaled in registers, fp32 accumulation); w_ptr addresses the packed bytes [E, rows,
+K / 2] (stride_wk: the bytes' stride), ws_ptr the group scales [E, rows, groups] and zp_ptr (W4 3) the int4 zero
+points of the same shape and strides. A tile column reads the scale row of its own weight row (group scales have
+block_n 1), so concatenated and interleaved gate / up, biases, the activations (swiglu_oai's clamp) and DIRECT run
+unchanged; W4 0 (the default) compiles the 16-bit / FP8 loops as before.
 """
 
 import triton
 import triton.language as tl
 
-from . import fp8, kloop, pdl
+from . import fp8, kloop, pdl, quant4
 from .activations import act as _act
 from .activations import gated as _gated
 
@@ -136,6 +143,9 @@ def moe_gemm1_kernel(
     topk_w_ptr=None, W_ON_INPUT: tl.constexpr = False,  # [P] fp32 routing weights (pair order), see the docstring
     ZERO_EXPERTS: tl.constexpr = False, n_experts=0,  # DIRECT: pairs of ids >= n_experts skipped (docstring)
     PAIR_LOAD: tl.constexpr = False,  # gated concat, columns of unit stride (in_out): kloop.pair_loop
+    # 4-bit weights (W4 1 mxfp4, 2 int4, 3 int4 with zero points zp_ptr; w_ptr: packed bytes, stride_wk their
+    # stride; ws_ptr / stride_s*: group scales; Q_BLOCK_K, UE8M0 as for FP8): quant4.dot_loop4 (module docstring)
+    zp_ptr=None, W4: tl.constexpr = 0, W4_FOLD: tl.constexpr = 0, W4_FORM: tl.constexpr = 0,
 ):
     pdl.enter(USE_PDL)
     pid_m, pid_n, expert, offs_m, pair, row_ok, dead = _rows(
@@ -161,7 +171,15 @@ def moe_gemm1_kernel(
         w_rows = col_n.to(tl.int64)
         col_ok = col_n < N_OUT
 
-    if W_SCALE == 0 and PAIR_LOAD:
+    if W4 != 0:  # 4-bit weights: packed bytes, group scales (the rows' own: gate / up columns read theirs)
+        b_ptrs = (w_ptr + expert * stride_we + w_rows[None, :] * stride_wn
+                  + tl.arange(0, BLOCK_K // 2)[:, None] * stride_wk)
+        ws_ptrs = ws_ptr + expert * stride_se + w_rows * stride_sn
+        zp_ptrs = (zp_ptr + expert * stride_se + w_rows * stride_sn) if W4 == 3 else ws_ptrs
+        acc = quant4.dot_loop4(x_ptr + tok * stride_xm, row_ok, b_ptrs, col_ok, K, stride_wk, ws_ptrs, zp_ptrs,
+                               stride_sk, W4, Q_BLOCK_K, UE8M0, UPCAST, DOT_PRECISION, BLOCK_M, TILE_N, BLOCK_K,
+                               W4_FOLD, W4_FORM)
+    elif W_SCALE == 0 and PAIR_LOAD:
         a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
         gate_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] gate rows (up: UP_OFFSET rows on)
         g_ptrs = w_ptr + expert * stride_we + gate_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
@@ -245,6 +263,7 @@ def moe_gemm2_kernel(
     stride_am=None, FOLD: tl.constexpr = 0,  # A_QUANT 3: h_ptr e4m3 h, as_ptr its group scales [S, cdiv(K, 128)]
     WEIGHTED: tl.constexpr = True,  # off: the weight was applied to gemm1's input (W_ON_INPUT)
     ZERO_EXPERTS: tl.constexpr = False, n_experts=0,  # as in moe_gemm1_kernel
+    zp_ptr=None, W4: tl.constexpr = 0, W4_FOLD: tl.constexpr = 0, W4_FORM: tl.constexpr = 0,  # 4-bit: gemm1's
 ):
     pdl.enter(USE_PDL)
     pid_m, pid_n, expert, offs_m, pair, row_ok, dead = _rows(
@@ -256,7 +275,16 @@ def moe_gemm2_kernel(
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
 
-    if W_SCALE == 0:
+    if W4 != 0:
+        rows = offs_n.to(tl.int64)
+        b_ptrs = (w_ptr + expert * stride_we + rows[None, :] * stride_wn
+                  + tl.arange(0, BLOCK_K // 2)[:, None] * stride_wk)
+        ws_ptrs = ws_ptr + expert * stride_se + rows * stride_sn
+        zp_ptrs = (zp_ptr + expert * stride_se + rows * stride_sn) if W4 == 3 else ws_ptrs
+        acc = quant4.dot_loop4(h_ptr + offs_m.to(tl.int64) * stride_hm, row_ok, b_ptrs, n_ok, K, stride_wk, ws_ptrs,
+                               zp_ptrs, stride_sk, W4, Q_BLOCK_K, UE8M0, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
+                               BLOCK_K, W4_FOLD, W4_FORM)
+    elif W_SCALE == 0:
         a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_k[None, :]
         b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
         acc = kloop.dense_loop(a_ptrs, row_ok, b_ptrs, n_ok, K, stride_wk, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,

@@ -27,7 +27,7 @@ import triton
 from ..kernels import fp8 as fp8_k
 from ..kernels import fp8_linear as fp8_linear_k
 from ..spec import MoESpec
-from . import fp8_blas, skinny, tuning
+from . import fp8_blas, skinny, triton_quant4, tuning
 from .common import _interpret, _precision, _sm_count, _upcast
 
 W_SCALE = {"block": 1, "channel": 2, "tensor": 3}
@@ -158,6 +158,8 @@ def fp8_tile(c: dict, kw: dict | None) -> dict:
     activation group (dynamic activations); a tuned or heuristic FP8 tile has 128 already."""
     if kw is None:
         return c
+    if kw.get("W4"):  # 4-bit weights: their own rule
+        return triton_quant4.tile(c, kw)
     bk = c["BLOCK_K"]
     while bk > 16 and ((kw["W_SCALE"] == 1 and kw["Q_BLOCK_K"] % bk) or (kw["A_QUANT"] in (1, 3) and ACT_GROUP % bk)):
         bk //= 2
@@ -219,13 +221,13 @@ def _skinny_ok(kw: dict, M: int, N: int, K: int) -> bool:
 def expert_quant(args: dict, spec: MoESpec, cfg: dict, T: int) -> tuple[dict | None, dict | None]:
     """(gemm1's, gemm2's) fp8 kernel arguments (``quant_kwargs``) for a quantized spec, in the call's mode
     (``tuning.fp8_mode``: MOECOMP_FP8_MODE, the config's "fp8" key, or the heuristic) and with the speed candidates
-    asked for (``tuning.fp8_candidates``; docs/FP8.md); (None, None) otherwise."""
+    asked for (``tuning.fp8_candidates``; docs/FP8.md); 4-bit specs: ``triton_quant4.expert_kwargs`` (w4a16);
+    (None, None) otherwise."""
     qs = spec.quant
     if qs is None:
         return None, None
-    if qs.packed:  # the w4a16 kernels are not built yet (issue 22): never run 4-bit codes as e4m3
-        raise NotImplementedError(f"4-bit experts ({qs.weight}) have no Triton kernels yet; run them on the torch "
-                                  "path (MOECOMP_CUDA_BACKEND=torch)")
+    if qs.packed:
+        return triton_quant4.expert_kwargs(qs, args, cfg)
     return expert_kwargs(qs, args, tuning.fp8_mode(qs, T, cfg), tuning.fp8_candidates(cfg))
 
 

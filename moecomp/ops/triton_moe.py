@@ -30,7 +30,8 @@ FP8 experts (``spec.quant``; docs/FP8.md): the same launches with the scales (``
 and FP8 tiles (``tuning.get_config(..., quant)``, BLOCK_K 128), in the call's mode (``tuning.fp8_mode``: w8a8, fp8 x
 fp8 dots on activations quantized in the GEMMs' A loads, or w8a16, weight-only); both decode modes ("fused", "pairs")
 take fp8 w2; a config's "tma" runs the FP8 TMA GEMMs (``triton_fp8_tma``) on w8a8 prequant calls. FP8 shared
-experts (``spec.shared.quant``): ``fp8_linear`` for gate, up and down.
+experts (``spec.shared.quant``): ``fp8_linear`` for gate, up and down. 4-bit experts (mxfp4 / int4): the same
+launches again, ``expert_quant`` -> ``triton_quant4.expert_kwargs`` (w4a16, ``kernels/quant4.py``; never TMA).
 """
 
 from __future__ import annotations

@@ -76,10 +76,12 @@ def _heuristic(E: int, N: int, K: int, T: int, top_k: int, device: torch.device)
 def get_config(E: int, N: int, K: int, T: int, top_k: int, dtype: torch.dtype, device: torch.device,
                quant=None) -> dict:
     """Config for the MoE GEMMs of one call (N = intermediate size, K = hidden size). ``quant`` (a ``QuantSpec``):
-    the FP8 experts' config (``fp8_config``) instead."""
+    the FP8 experts' config (``fp8_config``), or the 4-bit experts' (``quant4_config``), instead."""
     override = os.environ.get("MOECOMP_CONFIG")
     if override:
         return json.loads(override)
+    if quant is not None and quant.packed:
+        return quant4_config(E, N, K, T, top_k, device, quant)
     if quant is not None:
         return fp8_config(E, N, K, T, top_k, device)
     tables = _table(device_key(device))
@@ -220,6 +222,63 @@ def fp8_linear_config(M: int, N: int, K: int, device: torch.device, sms: int) ->
     if N * K >= 24 << 20:
         return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
+
+
+# ------------------------------------------------------------------------------------------------------ 4-bit
+# 4-bit experts (mxfp4, int4: w4a16, ``kernels/quant4.py``): table key "dtype=<quant4_key>" ("mxfp4", "int4_g128",
+# "int4_g128_zp"), else the heuristic below. Not timed yet (benchmarks/diag_quant4.py times it).
+QUANT4_DECODE_MAX_T = 16  # issue 22: the decode path up to 16 tokens (MOECOMP_DECODE_MAX_T overrides)
+
+
+def quant4_key(quant) -> str:
+    """The table's dtype name of a 4-bit spec (the group and zero points change the K loop)."""
+    if quant.weight == "mxfp4":
+        return "mxfp4"
+    return f"int4_g{quant.block_k}" + ("_zp" if quant.zero_point else "")
+
+
+def quant4_config(E: int, N: int, K: int, T: int, top_k: int, device: torch.device, quant) -> dict:
+    """The 4-bit experts' config: the table's entry (``quant4_key``), else ``_quant4_heuristic`` with the decode path
+    up to ``QUANT4_DECODE_MAX_T`` tokens (bf16's decode tiles, "pairs" mode on CUDA). BLOCK_K: a multiple of 32
+    dividing the int4 group (the launcher's ``triton_quant4.tile`` enforces it for any config)."""
+    table = _table(device_key(device)).get(shape_key(E, N, K, quant4_key(quant)))
+    if table:
+        return _bucket(table, T)
+    g = quant.block_k if quant.weight == "int4" else 128
+
+    def bk(c: dict) -> dict:
+        b = max(32, c["BLOCK_K"])
+        while g % b:
+            b //= 2
+        return dict(c, BLOCK_K=b)
+
+    cfg = _heuristic(E, N, K, T, top_k, device) if device.type != "cuda" else _quant4_heuristic(T, top_k, E, quant)
+    dec = _decode_heuristic(device)
+    dec = dict(dec, max_t=QUANT4_DECODE_MAX_T if device.type == "cuda" else dec["max_t"], g1=bk(dec["g1"]),
+               g2=bk(dec["g2"]))
+    return dict(cfg, g1=bk(cfg["g1"]), g2=bk(cfg["g2"]), decode=dec)
+
+
+def _quant4_heuristic(T: int, top_k: int, E: int, quant) -> dict:
+    """bf16's row classes with tiles that fit a 4-bit K loop without spilling: compiled offline for sm90 (Triton 3.9,
+    the interleave form, 2026-12-03) bf16's tiles spilled where the decoded tile, the unscaled int4 product and the
+    accumulator are live together: gemm2 at BLOCK_M 128 x BLOCK_N 256 (184-888 bytes of stack), int4 gemm1 at 128 x
+    64 (24-80 bytes), int4 gemm2 at 128 x 128 (280-328). These tiles compile without stack (int4 gemm1 128 x 32:
+    161 registers; gemm2 128 x 64: 194; mxfp4 gemm2 128 x 128: 217; 64 x 64 / 128: 168-232). int4 takes the narrower
+    N (its scale multiplies a second [BM, N] product each step)."""
+    rows = T * top_k / max(1, min(E, T * top_k))
+    narrow = quant.weight == "int4"
+    if rows <= 16:
+        return dict(BLOCK_M=16, g1=dict(BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+                    g2=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4))
+    if rows <= 48:
+        return dict(BLOCK_M=32, g1=dict(BLOCK_N=32, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4),
+                    g2=dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=4))
+    if rows <= 128:
+        return dict(BLOCK_M=64, g1=dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+                    g2=dict(BLOCK_N=64 if narrow else 128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4))
+    return dict(BLOCK_M=128, g1=dict(BLOCK_N=32 if narrow else 64, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+                g2=dict(BLOCK_N=64 if narrow else 128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3))
 
 
 # The decode path's token limit for shapes without a tuned entry (MOECOMP_DECODE_MAX_T overrides; 0 turns it off).

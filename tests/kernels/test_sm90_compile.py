@@ -4,7 +4,8 @@ first GPU run of the skinny experts of 58ebe4d failed so, and this test, written
 case per shape of the constexpr branches the op launches: the skinny linear (16-bit, e4m3 block / channel scales)
 the fused decode down-combine (16-bit; e4m3 weight-only with zero experts, unweighted, a gated shared expert), and
 gemm1 on weight rows of unit stride (the in_out layout: concatenated gate / up halves loaded apart, interleaved
-ones), whose weight tiles must load as vectors (the gathered form ran Llama 4 Scout's layer at 0.5 TB/s).
+ones), whose weight tiles must load as vectors (the gathered form ran Llama 4 Scout's layer at 0.5 TB/s), and the
+4-bit K loops (kernels/quant4.py) in gemm1, gemm2 and the down-combine.
 All compiled in one child process (the tests run under TRITON_INTERPRET=1, whose jit functions do not compile)."""
 
 import json
@@ -24,11 +25,14 @@ from moecomp.kernels import grouped_gemm as gk
 from moecomp.kernels import skinny as sk
 
 W = {"bf16": "*bf16", "fp8": "*fp8e4nv"}
+W4_OFF = dict(zp_ptr=None, W4=0, W4_FOLD=0, W4_FORM=0)
 
 def compile_sm90(fn, pointers, constexprs, div16=()):
     """PTX of fn; ``div16``: arguments declared divisible by 16, as Triton specializes aligned pointers and
     strides at run time (what lets it vectorize loads)."""
     params = list(inspect.signature(fn.fn).parameters)
+    # the 4-bit arguments' defaults unless the case sets them (zp_ptr: a pointer in "zp" cases)
+    constexprs = {**{n: v for n, v in W4_OFF.items() if n not in pointers}, **constexprs}
     sig, const, attrs = {}, {}, {}
     for i, p in enumerate(params):
         if p in constexprs:
@@ -86,8 +90,38 @@ def gemm1(case):
     scalar = ptx.count("ld.global.b16")  # a weight tile gathered element by element (no bias in these cases)
     return (ptx if not scalar else f"{scalar} scalar 16-bit loads"), "moe_gemm1_kernel"
 
+def quant4(case):
+    """4-bit weights (kernels/quant4.py) in gemm1 / gemm2 / the down-combine: mxfp4 (ue8m0 bytes) or int4 (fp16
+    scales, zero points with "zp"), the interleave (default), split or dot_scaled ("scaled") K step, DIRECT or
+    aligned at BLOCK_M 64."""
+    w4 = 1 if "mxfp4" in case else (3 if "zp" in case else 2)
+    ptr = dict(x_ptr="*bf16", h_ptr="*bf16", w_ptr="*u8", b_ptr="*bf16", y_ptr="*bf16", out_ptr="*bf16",
+               sorted_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32", ids_ptr="*i32", topk_w_ptr="*fp32",
+               alpha="fp32", limit="fp32", ws_ptr="*u8" if w4 == 1 else "*fp16")
+    if w4 == 3:
+        ptr["zp_ptr"] = "*u8"
+    direct = "direct" in case
+    c = dict(HAS_BIAS=True, UPCAST=False, DOT_PRECISION="tf32", BLOCK_M=16 if direct else 64, BLOCK_K=128, USE_PDL=0,
+             as_ptr=None, W_SCALE=0, A_QUANT=0, Q_BLOCK_N=1, Q_BLOCK_K=32 if w4 == 1 else 128, UE8M0=w4 == 1,
+             EXACT_CAST=False, stride_am=None, FOLD=0, ZERO_EXPERTS=False, W4=w4, W4_FOLD=int("fold" in case),
+             W4_FORM=1 if "split" in case else (2 if "scaled" in case else 0), stride_wk=1, stride_sk=1)
+    if "gemm1" in case:
+        fn, name = gk.moe_gemm1_kernel, "moe_gemm1_kernel"
+        c.update(GATE_STRIDE=2, GATED=True, ACT=4, CLAMP=False, BLOCK_N=32, GROUP_M=1, TILE_N=64, DIRECT=direct,
+                 hs_ptr=None, stride_hsm=None, Q_OUT=0, topk_w_ptr=None, W_ON_INPUT=False, PAIR_LOAD=False)
+    elif "gemm2" in case:
+        fn, name = gk.moe_gemm2_kernel, "moe_gemm2_kernel"
+        c.update(BLOCK_N=64, GROUP_M=1, DIRECT=direct, WEIGHTED=True)
+    else:
+        fn, name = dk.moe_down_combine_kernel, "moe_down_combine_kernel"
+        c.update(TOP_K=4, HAS_SHARED=False, HAS_GATE=False, BLOCK_N=64, BLOCK_M=16, WEIGHTED=True, x_ptr=None,
+                 shared_ptr=None, gate_ptr=None)
+    if direct:
+        c["block_expert_ptr"] = None
+    return compile_sm90(fn, ptr, c), name
+
 out = {}
-for kind, fn in (("skinny", skinny), ("down", down), ("gemm1", gemm1)):
+for kind, fn in (("skinny", skinny), ("down", down), ("gemm1", gemm1), ("quant4", quant4)):
     for case in json.loads(sys.argv[1])[kind]:
         try:
             ptx, name = fn(case)
@@ -100,7 +134,9 @@ print(json.dumps(out))
 
 CASES = {"skinny": ["bf16 bias", "fp8 block rows4 reduce_step", "fp8 channel ue8m0"],
          "down": ["bf16 plain", "bf16 shared bias zero unweighted", "fp8 block fold shared zero"],
-         "gemm1": ["pair in_out", "pair in_out direct", "interleaved in_out"]}
+         "gemm1": ["pair in_out", "pair in_out direct", "interleaved in_out"],
+         "quant4": ["gemm1 mxfp4 direct", "gemm1 int4 zp fold", "gemm2 int4 split", "gemm2 mxfp4 direct",
+                    "down mxfp4", "down int4 zp split", "gemm1 mxfp4 scaled", "down mxfp4 scaled"]}
 
 
 def test_decode_kernels_compile_for_sm90():

@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""The 4-bit (w4a16) experts against the same layer in bf16 and in FP8 (issue 22), at gpt-oss-20b / gpt-oss-120b
+layer sizes (E = 32 / 128, k = 4, H = I = 2880; mxfp4, gate / up interleaved, swiglu_oai, biases) and optionally an
+int4 layer (--int4: Qwen3-30B-A3B sizes, group 128, zero points). CUDA only; prints a markdown table.
+
+Each path is ``torch.ops.moecomp.moe_forward`` captured in a CUDA graph (``testing.capture_moe_forward``: warmed up,
+then captured) and its replay timed with ``triton.testing.do_bench`` (median). Paths per (model, T):
+
+    w4          the 4-bit op as the heuristic runs it (the decode path up to ``tuning.QUANT4_DECODE_MAX_T``)
+    w4 aligned  (T <= 16) the same with MOECOMP_DECODE_MAX_T=0: the aligned path, to place the decode threshold
+    w4 split    MOECOMP_W4_FORM=split: A's even / odd columns times the low / high nibbles (the default form
+                interleaves the nibbles into one tile, one dot a step)
+    w4 scaled   MOECOMP_W4_FORM=dot_scaled (mxfp4): tl.dot_scaled (Hopper has no fp4 MMA: Triton upcasts)
+    bf16        the same spec, unquantized bf16 weights
+    fp8         QuantSpec() (128x128 blocks, dynamic; the heuristic's w8a8 + prequant) on the same weights; FP8
+                experts take gate / up concatenated and no expert biases, so this spec differs in that (same work)
+
+floor: the weight bytes the call must read (the experts its routing touches: codes, scales, zeros, biases) over
+--hbm-tbs (4.8 TB/s, H200); "x floor" = time / floor. err: the 4-bit op against ``moecomp.reference`` (fp32, same
+packed tensors), rel. Frobenius.
+
+    PYTHONPATH=. python3 benchmarks/diag_quant4.py --tokens 1,4,16,64,128,1024 --out-json /tmp/q4.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from moecomp import quant as q8  # noqa: E402
+from moecomp import reference  # noqa: E402
+from moecomp.ops.common import MOE_ARGS  # noqa: E402
+from moecomp.spec import MoESpec, QuantSpec  # noqa: E402
+from moecomp.testing import capture_moe_forward, quantize_moe_args, random_moe_args  # noqa: E402
+
+
+def gpt_oss(E: int) -> MoESpec:
+    return MoESpec(num_experts=E, top_k=4, hidden_size=2880, intermediate_size=2880, gate_up="interleaved",
+                   activation="swiglu_oai", activation_alpha=1.702, activation_limit=7.0, has_expert_bias=True,
+                   has_router_bias=True, score_order="topk_then_score", quant=QuantSpec.mxfp4())
+
+
+MODELS = {
+    "gpt-oss-20b": lambda: gpt_oss(32),
+    "gpt-oss-120b": lambda: gpt_oss(128),
+    "qwen3-int4": lambda: MoESpec(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768,
+                                  quant=QuantSpec.int4(128, zero_point=True)),
+}
+
+
+@contextlib.contextmanager
+def env(**kv):
+    old = {k: os.environ.get(k) for k in kv}
+    os.environ.update({k: str(v) for k, v in kv.items()})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def pack(spec: MoESpec, t: dict) -> tuple[dict, dict]:
+    """w13 / w2 quantized to the spec's 4-bit format, a few experts at a time -> (tensors, scale / zero kwargs)."""
+    t, extra = dict(t), {}
+    for name in ("w13", "w2"):
+        parts = [q8.quantize_4bit(t[name][e:e + 4], spec.quant) for e in range(0, spec.num_experts, 4)]
+        t[name] = torch.cat([p[0] for p in parts])
+        extra[f"{name}_scale"] = torch.cat([p[1] for p in parts])
+        if parts[0][2] is not None:
+            extra[f"{name}_zero"] = torch.cat([p[2] for p in parts])
+    torch.cuda.empty_cache()
+    return t, extra
+
+
+def expert_bytes(t: dict, extra: dict) -> int:
+    """Bytes of one expert's weights (codes, scales, zeros, biases) in these tensors."""
+    names = [n for n in ("w13", "w2", "b13", "b2") if t.get(n) is not None] + list(extra)
+    src = {**t, **extra}
+    return sum(src[n][0].numel() * src[n].element_size() for n in names)
+
+
+def touched(spec: MoESpec, x: torch.Tensor, t: dict) -> int:
+    """Distinct experts the routing of x picks (the router's top-k; the score order does not change the set)."""
+    logits = x.float() @ t["router_w"].float().T
+    if t.get("router_b") is not None:
+        logits = logits + t["router_b"].float()
+    return int(logits.topk(spec.top_k, dim=-1).indices.unique().numel())
+
+
+def time_op(x, t: dict, spec: MoESpec, extra: dict) -> float:
+    """us of one CUDA-graph replay of the op (median of do_bench)."""
+    import triton.testing as tt
+
+    args = tuple(t[n] for n in MOE_ARGS)
+    graph, _ = capture_moe_forward(x.clone(), args, spec, extra=extra)
+    us = tt.do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e3
+    del graph
+    return us
+
+
+def run_model(name: str, tokens: list[int], hbm: float, rows: list, check: bool) -> None:
+    spec = MODELS[name]()
+    T_max = max(tokens)
+    raw = random_moe_args(spec, T_max, torch.bfloat16, "cuda", std=0.02, seed=0)
+    t16 = dict(zip(MOE_ARGS, raw[1:]))
+    t4, extra4 = pack(spec, t16)
+    spec16 = spec.replace(quant=None)
+    spec8 = spec.replace(quant=QuantSpec(), gate_up="concat", has_expert_bias=False)
+    t8raw = dict(t16, b13=None, b2=None)
+    args8, extra8 = quantize_moe_args(spec8, (raw[0],) + tuple(t8raw[n] for n in MOE_ARGS))
+    t8 = dict(zip(MOE_ARGS, args8[1:]))
+    torch.cuda.empty_cache()
+    per4, per16, per8 = expert_bytes(t4, extra4), expert_bytes(t16, {}), expert_bytes(t8, extra8)
+    for T in tokens:
+        x = raw[0][:T].contiguous()
+        n_exp = touched(spec, x, t16)
+        floor_us = n_exp * per4 / (hbm * 1e12) * 1e6
+        rec = dict(model=name, T=T, experts_touched=n_exp, floor4_us=floor_us,
+                   floor16_us=n_exp * per16 / (hbm * 1e12) * 1e6, floor8_us=n_exp * per8 / (hbm * 1e12) * 1e6)
+        paths = [("w4", t4, spec, extra4, {}), ("w4 split", t4, spec, extra4, {"MOECOMP_W4_FORM": "split"})]
+        if spec.quant.weight == "mxfp4":
+            paths.append(("w4 scaled", t4, spec, extra4, {"MOECOMP_W4_FORM": "dot_scaled"}))
+        if T <= 16:
+            paths.append(("w4 aligned", t4, spec, extra4, {"MOECOMP_DECODE_MAX_T": 0}))
+        paths += [("bf16", t16, spec16, {}, {}), ("fp8", t8, spec8, extra8, {})]
+        for label, t, s, extra, kv in paths:
+            try:
+                with env(**kv):
+                    rec[label] = time_op(x, t, s, extra)
+            except Exception as e:  # one path failing (memory, compile) is reported, the rest still run
+                rec[label] = None
+                rec[f"{label} error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        if check:
+            out = torch.ops.moecomp.moe_forward(x, *(t4[n] for n in MOE_ARGS), spec.key, **extra4)
+            ref = reference.moe_forward(x, *(t4[n] for n in MOE_ARGS), spec, **extra4)
+            rec["err"] = float((out.float() - ref.float()).norm() / ref.float().norm())
+        rows.append(rec)
+        _print_row(rec)
+    del raw, t16, t4, extra4, t8, extra8, args8
+    torch.cuda.empty_cache()
+
+
+def _fmt(v):
+    return "-" if v is None else f"{v:.1f}"
+
+
+HEAD = ("| model | T | experts | w4 us | w4 aligned | w4 split | w4 scaled | bf16 us | fp8 us | bf16 / w4 | fp8 / w4 "
+        "| floor4 us | w4 x floor | bf16 x floor16 | err |")
+
+
+def _print_row(r: dict) -> None:
+    w4 = r.get("w4")
+    ratio = lambda k: "-" if not (w4 and r.get(k)) else f"{r[k] / w4:.2f}"  # noqa: E731
+    xfloor = "-" if not w4 else f"{w4 / r['floor4_us']:.1f}"
+    x16 = "-" if not r.get("bf16") else f"{r['bf16'] / r['floor16_us']:.1f}"
+    err = f"{r['err']:.1e}" if "err" in r else "-"
+    print(f"| {r['model']} | {r['T']} | {r['experts_touched']} | {_fmt(w4)} | {_fmt(r.get('w4 aligned'))} | "
+          f"{_fmt(r.get('w4 split'))} | {_fmt(r.get('w4 scaled'))} | {_fmt(r.get('bf16'))} | {_fmt(r.get('fp8'))} | "
+          f"{ratio('bf16')} | {ratio('fp8')} | {r['floor4_us']:.1f} | {xfloor} | {x16} | {err} |", flush=True)
+    for k, v in r.items():
+        if k.endswith(" error"):
+            print(f"  {k}: {v}", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="gpt-oss-20b,gpt-oss-120b", help=f"comma list of {sorted(MODELS)}")
+    ap.add_argument("--tokens", default="1,4,16,64,128,1024")
+    ap.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth for the floor (TB/s)")
+    ap.add_argument("--int4", action="store_true", help="add the int4 layer (qwen3-int4)")
+    ap.add_argument("--no-check", action="store_true", help="skip the error column (the fp32 reference)")
+    ap.add_argument("--out-json", default=None)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("diag_quant4: needs CUDA")
+        return 1
+    import triton
+
+    for var in ("MOECOMP_CONFIG", "MOECOMP_DECODE_MAX_T", "MOECOMP_W4_FOLD", "MOECOMP_W4_FORM",
+                "MOECOMP_FP8_MODE"):
+        os.environ.pop(var, None)
+    models = [m for m in a.models.split(",") if m] + (["qwen3-int4"] if a.int4 else [])
+    tokens = [int(v) for v in a.tokens.split(",")]
+    rows: list = []
+    print(HEAD)
+    print("|" + "---|" * (HEAD.count("|") - 1))
+    for m in models:
+        run_model(m, tokens, a.hbm_tbs, rows, not a.no_check)
+    if a.out_json:
+        with open(a.out_json, "w") as f:
+            json.dump(dict(rows=rows, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                           triton=triton.__version__, commit=os.environ.get("MOECOMP_COMMIT"),
+                           hbm_tbs=a.hbm_tbs, date=time.strftime("%Y-%m-%d")), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

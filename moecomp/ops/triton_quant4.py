@@ -1,0 +1,89 @@
+"""4-bit routed experts on the Triton path (w4a16: ``kernels/quant4.py``): the GEMMs' extra kernel arguments and
+their tile rule. Called through ``triton_fp8.expert_quant`` / ``fp8_tile``, so the launchers of ``triton_moe``
+(gemm1, gemm2, the decode down-combine; aligned and DIRECT) take 4-bit weights the way they take FP8 ones.
+
+    expert_kwargs(quant, args, cfg)   -> (gemm1's, gemm2's) kwargs: group scales (ue8m0 as their bytes), the int4
+                                         zero points (w13_zero / w2_zero), W4 (1 mxfp4, 2 int4, 3 int4 with zeros),
+                                         Q_BLOCK_K (the group), UE8M0, and the options asked for
+    tile(c, kw)                       -> c with a BLOCK_K of at least 32 (two 16-column halves a step) that divides
+                                         the int4 group when the scale is applied after the dot (the default)
+
+Options (speed candidates; per call, as the FP8 ones): the config's keys ``"w4_fold": 1`` (int4: the scale folded
+into the weight tile, one rounding of each scaled weight to x's dtype; off by default) and ``"w4_form"``:
+"interleave" (the default: the unpacked nibbles interleaved into one [BLOCK_K, N] tile, one dot a step), "split"
+(A's even / odd columns times the low / high nibbles, two dots a step) or "dot_scaled" (mxfp4 with 16-bit x:
+``tl.dot_scaled``; else interleave); or MOECOMP_W4_FOLD=0|1 / MOECOMP_W4_FORM=interleave|split|dot_scaled, which
+win. mxfp4 always folds (exact). Why interleave is the default: ``kernels/quant4.py`` (offline register counts).
+
+The arguments are pointers and strides only: no host sync, so a 4-bit call is CUDA-graph capturable as the 16-bit
+one is. Zero points whose strides differ from their scales' (the kernels index both with the scales' strides) are
+made contiguous with the scales for the call (never for the usual contiguous checkpoint tensors). The TMA GEMMs never
+take 4-bit weights (the 16-bit ones need ``q`` None, the FP8 ones e4m3 weights: ``triton_fp8_tma._ok``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+W4_CODES = {"mxfp4": 1, "int4": 2}  # int4 with zero points: 3
+FORMS = {"interleave": 0, "split": 1, "dot_scaled": 2}  # the K step's form (kernels/quant4.py: FORM)
+MIN_BLOCK_K = 32  # the split loop multiplies two [BM, BLOCK_K / 2] halves: a 16-bit dot needs K >= 16
+
+
+def options(cfg: dict | None = None) -> dict:
+    """{"w4_fold": 0 | 1, "w4_form": a ``FORMS`` name} of one call: MOECOMP_W4_FOLD / MOECOMP_W4_FORM when set, else
+    the config's keys, else off / "interleave"."""
+    fold = os.environ.get("MOECOMP_W4_FOLD") or None
+    if fold is not None and fold not in ("0", "1"):
+        raise ValueError(f"MOECOMP_W4_FOLD={fold!r}: expected '0' or '1'")
+    form = os.environ.get("MOECOMP_W4_FORM") or (cfg or {}).get("w4_form") or "interleave"
+    if form not in FORMS:
+        raise ValueError(f"w4_form / MOECOMP_W4_FORM={form!r}: expected one of {sorted(FORMS)}")
+    return {"w4_fold": int(fold) if fold is not None else int((cfg or {}).get("w4_fold") or 0), "w4_form": form}
+
+
+def quant4_kwargs(quant, scale: torch.Tensor, zero: torch.Tensor | None, opts: dict) -> dict:
+    """Kernel arguments of one 4-bit GEMM: ``scale`` [E, rows, groups] (the spec's dtype), ``zero`` uint8 of the
+    same shape (int4 with zero points) or None."""
+    if quant.scale_dtype == "ue8m0":
+        scale = scale.view(torch.uint8)
+    w4 = W4_CODES[quant.weight]
+    if quant.weight == "int4" and quant.zero_point:
+        if zero is None:
+            raise ValueError("int4 experts with zero points need w13_zero and w2_zero (uint8, the scales' shape)")
+        w4 = 3
+        if zero.stride() != scale.stride():
+            scale, zero = scale.contiguous(), zero.contiguous()
+    kw = dict(ws_ptr=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), stride_sk=scale.stride(2), W4=w4,
+              Q_BLOCK_K=quant.block_k, UE8M0=quant.scale_dtype == "ue8m0", W_SCALE=0, A_QUANT=0)
+    if w4 == 3:
+        kw["zp_ptr"] = zero
+    if w4 != 1 and opts.get("w4_fold"):
+        kw["W4_FOLD"] = 1
+    form = FORMS[opts.get("w4_form", "interleave")]
+    if form == 2 and w4 != 1:  # dot_scaled takes e2m1 codes with ue8m0 scales only
+        form = 0
+    if form:
+        kw["W4_FORM"] = form
+    return kw
+
+
+def expert_kwargs(quant, args: dict, cfg: dict | None) -> tuple[dict, dict]:
+    """(gemm1's, gemm2's) ``quant4_kwargs`` of the routed experts (w13 / w2 scales and zeros from ``args``)."""
+    opts = options(cfg)
+    return (quant4_kwargs(quant, args["w13_scale"], args.get("w13_zero"), opts),
+            quant4_kwargs(quant, args["w2_scale"], args.get("w2_zero"), opts))
+
+
+def tile(c: dict, kw: dict) -> dict:
+    """``c`` with a BLOCK_K the 4-bit loop takes: at least ``MIN_BLOCK_K``; a divisor of the group when the scale is
+    applied after the dot (int4 unfolded), else a divisor or a multiple of it (folded: a step covers whole groups or
+    lies in one). The groups are multiples of 32, so halving a power of two reaches 32, which divides them."""
+    bk, g = max(c["BLOCK_K"], MIN_BLOCK_K), kw["Q_BLOCK_K"]
+    folded = kw["W4"] == 1 or kw.get("W4_FOLD")
+    while g % bk and (not folded or bk % g):
+        bk //= 2
+    return c if bk == c["BLOCK_K"] else dict(c, BLOCK_K=bk)
