@@ -89,7 +89,8 @@ from layer.common import (ALL_PEERS, ALL_TOKENS, CORRECTION_BIAS_STD, DTYPES, FP
                           default_tolerance, dtype_name, log, policy, set_dtype)
 from layer.common import resolve as _resolve, root_msg as _root_msg  # noqa: E402,F401
 from layer.env import _slug, environment, git_commit, peer_hygiene, save as _save  # noqa: E402,F401
-from layer.families import (FAMILIES, FAMILY_ALIASES, BlockRefused, Family, block_spec, build_block,  # noqa: E402,F401
+from layer.families import (FAMILIES, FAMILY_ALIASES, GRID_FAMILIES, BlockRefused, Family,  # noqa: E402,F401
+                            block_spec, build_block,
                             family_label, set_experts_impl)
 from layer.floors import achieved_of, floor_of  # noqa: E402
 from layer.logs import cell_line as _cell_line, print_notes as _print_notes  # noqa: E402
@@ -209,7 +210,8 @@ def _setup(args, argv) -> Run:
     import moecomp  # noqa: F401  (registers torch.ops.moecomp.*)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    fams = _resolve(args.families, FAMILIES, FAMILY_ALIASES, "family")
+    fams = (list(GRID_FAMILIES) if args.families in ("all", "") else
+            _resolve(args.families, FAMILIES, FAMILY_ALIASES, "family"))
     peers = resolve_peers(args.peers, args.dtype == "fp8")
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(TINY_TOKENS if args.tiny else ALL_TOKENS)
     ctx = Run(args, argv, device, fams, peers, tokens, Timer(device, args.quick), *parse_breakdown(args.breakdown,
@@ -222,7 +224,7 @@ def _setup(args, argv) -> Run:
     env = environment(device)
     commit = git_commit()
     now = datetime.datetime.now(datetime.timezone.utc)
-    full_run = (fams == list(FAMILIES) and args.peers in ("all", "") and tokens == list(ALL_TOKENS)
+    full_run = (fams == list(GRID_FAMILIES) and args.peers in ("all", "") and tokens == list(ALL_TOKENS)
                 and not args.quick and not args.tiny and not args.no_graph and args.routing == "real")
     suffix = "" if full_run else ("-tiny" if args.tiny else "-partial")
     if args.routing != "real":

@@ -56,7 +56,7 @@ def test_every_family_and_T_has_a_checked_row(tiny_run):
     res, out = tiny_run
     assert res["fatal"] is None
     fams = [f["name"] for f in res["families"]]
-    assert fams == list(bench.FAMILIES)
+    assert fams == list(bench.GRID_FAMILIES)
     for fam in res["families"]:
         assert not fam["errors"], fam["errors"]
         assert [c["T"] for c in fam["cells"]] == [1, 16]
@@ -179,7 +179,7 @@ def test_table_rows(tiny_run):
     res, _ = tiny_run
     table = report.render_table(res)
     rows = [ln for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| family")]
-    assert len(rows) == len(bench.FAMILIES) * 2
+    assert len(rows) == len(bench.GRID_FAMILIES) * 2
     for fam in bench.FAMILIES.values():
         assert any(r.startswith(f"| {fam.label} (") for r in rows), fam.label
     head = next(ln for ln in table.splitlines() if ln.startswith("| family"))
@@ -506,7 +506,7 @@ def test_fp16_run(tmp_path, monkeypatch):
     assert os.path.basename(res["json_path"]).endswith("-fp16-tiny.json")
     assert os.path.dirname(res["json_path"]) == str(tmp_path / "results")
     assert json.loads(open(res["json_path"]).read())["dtype"] == "fp16"
-    assert [f["name"] for f in res["families"]] == list(bench.FAMILIES)
+    assert [f["name"] for f in res["families"]] == list(bench.GRID_FAMILIES)
     for fam in res["families"]:
         assert not fam["errors"], fam["errors"]
         for cell in fam["cells"]:
@@ -751,3 +751,28 @@ def test_fp8_plot(fp8_run, tmp_path):
     png = tmp_path / "fp8.png"
     assert report.main([str(out), "--plot-fp8", str(png)]) == 0
     assert png.stat().st_size > 5000
+
+
+def test_quant4_bench_smoke(tmp_path):
+    """bench_quant4 on CPU (tiny gpt-oss block, T = 1, 4): every moecomp path runs and matches its reference (the
+    quantized paths the dequantized reference, bf16 the HF block), the ratios and floors are filled, the table
+    renders; the vLLM peer is reported as not loaded, not faked."""
+    q4 = _load("bench_quant4")
+    old = os.environ.pop("OUT", None)
+    try:
+        res = q4.main(["--device", "cpu", "--tiny", "--models", "gpt_oss20b", "--tokens", "1,4",
+                       "--out", str(tmp_path / "q4")])
+    finally:
+        if old is not None:
+            os.environ["OUT"] = old
+    saved = json.loads((tmp_path / "q4.json").read_text())
+    assert [c["T"] for c in saved["models"][0]["cells"]] == [1, 4]
+    for cell in saved["models"][0]["cells"]:
+        for name in ("moecomp_bf16", "moecomp_mxfp4", "moecomp_int4", "plain_moecomp_fp8", "plain_moecomp_mxfp4"):
+            pr = cell["paths"][name]
+            assert pr["best_ms"] > 0 and pr["check_ok"], (name, pr)
+        assert "not loaded" in cell["paths"]["plain_vllm_bf16"]["error"]
+        assert cell["ratios"]["mxfp4_vs_bf16"] > 0 and cell["floors"]["moecomp_mxfp4"]["floor_ms"] > 0
+        # 4-bit floors count half a byte a weight: below the bf16 floor's bytes by ~4x
+        assert cell["floors"]["moecomp_mxfp4"]["bytes"] < cell["floors"]["moecomp_bf16"]["bytes"] / 3
+    assert "| gpt-oss-20b | 4 |" in q4.table(res)

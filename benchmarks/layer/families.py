@@ -82,6 +82,16 @@ FAMILIES["llama4"] = Family(
     dict(hidden_size=64, intermediate_size=48, intermediate_size_mlp=96, num_local_experts=8, num_experts_per_tok=1,
          **_attn(4, 2, head_dim=16)),
     ("llama4_scout", "llama-4-scout"), tiny_fp8=dict(_FP8_TINY, intermediate_size=128))
+GRID_FAMILIES = tuple(FAMILIES)  # bench_moe's "all": the layer grid (gpt-oss, below, is bench_quant4's)
+for _name, _label, _E in (("gpt_oss20b", "gpt-oss-20b", 32), ("gpt_oss120b", "gpt-oss-120b", 128)):
+    # transformers' GptOssMLP returns (out, router scores); ``GptOssBlock`` (below) returns the output only
+    FAMILIES[_name] = Family(
+        _name, _label, "transformers.models.gpt_oss", "GptOssConfig", "GptOssBlock",
+        dict(hidden_size=2880, intermediate_size=2880, num_local_experts=_E, num_experts_per_tok=4,
+             **_attn(64, 8, head_dim=64)),
+        dict(hidden_size=64, intermediate_size=64, num_local_experts=8, num_experts_per_tok=4,
+             **_attn(4, 2, head_dim=16)),
+        (_label,), tiny_fp8=dict(_FP8_TINY, intermediate_size=128))
 FAMILY_ALIASES = {a: f.name for f in FAMILIES.values() for a in f.aliases}
 
 
@@ -96,7 +106,18 @@ def _llama4_block():
     return Llama4Block
 
 
-LOCAL_BLOCKS = {"Llama4Block": _llama4_block}
+def _gpt_oss_block():
+    """transformers' GptOssMLP with the benchmark's block contract: x [1, T, H] -> [1, T, H] (no router scores)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    class GptOssBlock(GptOssMLP):
+        def forward(self, hidden_states):
+            return super().forward(hidden_states)[0].view(hidden_states.shape)
+
+    return GptOssBlock
+
+
+LOCAL_BLOCKS = {"Llama4Block": _llama4_block, "GptOssBlock": _gpt_oss_block}
 
 
 def family_config(fam: Family, tiny: bool, fp8: bool = False) -> dict:

@@ -15,8 +15,13 @@ def floor_of(spec, T: int, ids: torch.Tensor, tensors: dict, ceilings: dict, sca
     ``scales``' shared-expert scales; activations in the run's dtype."""
     H, I, E, k = spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k
     w_item = tensors["w13"].element_size()
+    if spec.quant is not None and spec.quant.packed:
+        w_item = 0.5  # two 4-bit codes a byte (bytes_per_expert counts the unpacked elements)
     distinct = int(torch.unique(ids).numel())
     nbytes = distinct * spec.bytes_per_expert(w_item)
+    for b in ("b13", "b2"):  # expert biases (gpt-oss): the touched experts' rows
+        if tensors.get(b) is not None:
+            nbytes += distinct * tensors[b][0].numel() * tensors[b].element_size()
     flops = 2 * T * k * (spec.w13_rows + I) * H
     rw = tensors["router_w"]
     nbytes += rw.numel() * rw.element_size()
