@@ -19,7 +19,9 @@ import torch
 # quant_method -> "module:function"; the function is called as fn(directory, dtype=, device=,
 # quantization_config=, config=) and returns the model
 LOADERS: dict[str, str] = {
-    "mxfp4": "moecomp.hf.mxfp4:load_checkpoint",
+    "mxfp4": "moecomp.hf.mxfp4:load_checkpoint",  # gpt-oss: experts as PackedExperts (mxfp4)
+    "gptq": "moecomp.hf.gptq:load_int4",  # int4 GPTQ / AWQ ("gemm"): experts as PackedExperts (int4)
+    "awq": "moecomp.hf.gptq:load_int4",
 }
 
 

@@ -4,6 +4,7 @@
                                                  checkpoint (``hf/mxfp4.py`` lists the tensors), experts quantized
                                                  with ``moecomp.quant.quantize_4bit`` (each group's scale the power
                                                  of two 2 ** ceil(log2(amax / 6)), codes the nearest e2m1 value)
+    gpt_oss_config("20b" | "120b")               the real models' sizes
     random_packed_model(config, device)          the model with random packed experts, built on ``device`` directly
                                                  (no 16-bit expert ever allocated: gpt-oss-120b's experts are about
                                                  61 GB packed, 240 GB in bf16)
@@ -12,7 +13,7 @@
                                                  holding the dequantized weights (the reference the tests compare to)
 
 Random experts: codes uniform over the 16 e2m1 values (rms 2.9), scale bytes uniform in ``RANDOM_SCALE_BYTES``
-(2 ** -9 .. 2 ** -6: weights of rms about 0.01, like a trained model's 0.02 init); biases normal(0, 0.02). Other
+(2 ** -9 .. 2 ** -6: weights of rms about 0.026, near transformers' 0.02 init); biases normal(0, 0.02). Other
 tensors are initialised by the model's own ``_init_weights`` (random model) or normal(0, 0.02) / ones for norms
 (random checkpoint).
 """
@@ -35,6 +36,16 @@ RANDOM_SCALE_BYTES = (118, 122)  # [lo, hi): 2 ** (byte - 127)
 INIT_STD = 0.02
 # what gpt-oss's own config.json says is left unquantized (transformers' Mxfp4Config.to_dict: these two keys)
 NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def gpt_oss_config(size: str = "120b"):
+    """transformers' ``GptOssConfig`` at gpt-oss-20b's or gpt-oss-120b's sizes (hidden 2880, intermediate 2880,
+    top-4; 24 layers of 32 experts / 36 layers of 128): the defaults are 120b's."""
+    from transformers import GptOssConfig
+
+    if size not in ("20b", "120b"):
+        raise ValueError(f"size must be '20b' or '120b', got {size!r}")
+    return GptOssConfig(**(dict(num_hidden_layers=24, num_local_experts=32) if size == "20b" else {}))
 
 
 def quantization_config() -> dict:

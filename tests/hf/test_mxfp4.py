@@ -226,7 +226,7 @@ def test_random_packed_model():
     assert isinstance(ex, PackedExperts) and ex.w13.dtype == torch.uint8
     assert not any(p.device.type == "meta" for p in list(model.parameters()) + list(model.buffers()))
     w = ex.dequantized("w13", 0)
-    assert 0.003 < float(w.pow(2).mean().sqrt()) < 0.03  # weights of rms about 0.01
+    assert 0.015 < float(w.pow(2).mean().sqrt()) < 0.04  # weights of rms about 0.026 (mxfp4_write's docstring)
     out = logits(model, torch.randint(3, 128, (1, 5)))
     assert torch.isfinite(out).all()
 

@@ -80,3 +80,20 @@ def test_scale_of_wrong_shape_is_refused_by_the_module():
     PackedExperts(quant, p13, s13, p2, s2, z13, z2, gate_up="concat")
     with pytest.raises(ValueError, match=r"w13_scale has shape \(4, 64, 1\).*need \(4, 64, 2\)"):
         PackedExperts(quant, p13, s13[..., :1], p2, s2, z13, z2, gate_up="concat")
+
+
+def test_moecomp_load_reads_awq_and_binds(tmp_path):
+    """``moecomp.load`` of an int4 AWQ checkpoint (written by ``hf/int4_writer.py``) goes to ``hf/gptq.py``'s loader
+    (``moecomp.load.LOADERS``); its ``PackedExperts`` blocks (int4 with zero points) are then bound, the zero points
+    read from the graph."""
+    from moecomp.hf import int4_writer
+
+    model, _ = F.build_tiny("qwen3_moe", sizes=dict(hidden_size=128, moe_intermediate_size=128, head_dim=32))
+    int4_writer.write_int4_checkpoint(model.eval(), str(tmp_path), "awq", 64, False)
+    loaded = moecomp.load(str(tmp_path), device="cpu")
+    ex = loaded.model.layers[0].mlp.experts
+    assert isinstance(ex, PackedExperts) and ex.quant.weight == "int4" and ex.quant.zero_point
+    _, rep = moecomp.optimize(loaded, report=True, fast_generate=False)
+    assert len(rep.rewritten) == len(rep.blocks) == loaded.config.num_hidden_layers, rep
+    st = rewritten_blocks(loaded)["model.layers.0.mlp"]._moecomp
+    assert (st.bindings["w13_zero"], st.bindings["w2_zero"]) == ("experts.w13_zero", "experts.w2_zero")
