@@ -82,6 +82,10 @@ class Checkpoint:
     def shape(self, key: str) -> tuple:
         return tuple(self._file(key).get_slice(key).get_shape())
 
+    def dtype_name(self, key: str) -> str:
+        """The safetensors dtype of ``key`` ("U8", "BF16", ...), from the header."""
+        return self._file(key).get_slice(key).get_dtype()
+
     def get(self, key: str) -> torch.Tensor:
         """The tensor ``key`` on the checkpoint's device, as stored (dtype and shape)."""
         return self._file(key).get_tensor(key)

@@ -31,6 +31,8 @@ Tests and benchmarks: ``hf/mxfp4_write.py`` writes real-format checkpoints and b
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -158,16 +160,22 @@ def load_checkpoint(directory: str, dtype: torch.dtype = torch.bfloat16, device=
     return model
 
 
+_ST_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+              "BOOL": torch.bool, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+              "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+              "F8_E8M0": torch.float8_e8m0fnu}
+
+
 def _dtype(ck: ckpt_io.Checkpoint, key: str) -> torch.dtype:
-    names = {"U8": torch.uint8, "I8": torch.int8, "BF16": torch.bfloat16, "F16": torch.float16,
-             "F32": torch.float32, "I32": torch.int32, "F8_E8M0": getattr(torch, "float8_e8m0fnu", None)}
-    return names.get(ck._file(key).get_slice(key).get_dtype(), torch.float32)
+    """The stored dtype of ``key`` (read from the safetensors header, the tensor itself not read)."""
+    name = ck.dtype_name(key)
+    if name not in _ST_DTYPES:
+        raise ValueError(f"{key} has safetensors dtype {name}, which moecomp does not read")
+    return _ST_DTYPES[name]
 
 
 def _finish(model: nn.Module, directory: str | None, dtype: torch.dtype) -> None:
     """Eval mode, the model dtype in its config, the generation config of the directory (when it has one)."""
-    import os
-
     model.eval()
     try:
         model.config.dtype = dtype

@@ -63,6 +63,10 @@ def to_checkpoint(experts: nn.Module) -> dict[str, torch.Tensor]:
     """{suffix: tensor} of one experts module in the checkpoint format: a ``PackedExperts`` as held (views), a 16-bit
     ``GptOssExperts`` (gate_up_proj [E, H, 2I], down_proj [E, I, H]) quantized."""
     if isinstance(experts, PackedExperts):
+        if (experts.quant != QUANT or experts.gate_up != "interleaved" or experts.activation != "swiglu_oai"
+                or experts.b13 is None):
+            raise ValueError(f"PackedExperts ({experts.quant.weight}, {experts.gate_up}, {experts.activation}) is not "
+                             "gpt-oss's (mxfp4, interleaved, swiglu_oai, biases): the checkpoint format cannot hold it")
         w13, s13, w2, s2, b13, b2 = experts.w13, experts.w13_scale, experts.w2, experts.w2_scale, experts.b13, \
             experts.b2
     else:
@@ -206,6 +210,7 @@ def random_packed_model(config, device=None, dtype: torch.dtype = torch.bfloat16
         model.set_submodule(name, from_checkpoint_tensors(random_expert_tensors(E, H, I, device, g, dtype), alpha,
                                                           limit, dtype))
     init = model._init_weights
+    torch.manual_seed(seed)  # (transformers' init draws from the global generators)
     with torch.no_grad():
         for mname, m in model.named_modules():
             own = [n for n, t in list(m._parameters.items()) + list(m._buffers.items())
@@ -217,7 +222,6 @@ def random_packed_model(config, device=None, dtype: torch.dtype = torch.bfloat16
                 ckpt_io.set_tensor(m, n, torch.empty(t.shape, dtype=t.dtype, device=device))
             init(m)
     model.tie_weights()
-    torch.manual_seed(seed)
     from .mxfp4 import _finish
 
     _finish(model, None, dtype)
@@ -231,10 +235,9 @@ def write_random_mxfp4_checkpoint(config, path: str, dtype: torch.dtype = torch.
     g = torch.Generator().manual_seed(seed)
     experts = {n: m for n, m in model.named_modules() if n and _is_dense_experts(m)}
     groups: dict[str, list] = {}
+    tied = ckpt_io._tied_targets(model) if getattr(model.config, "tie_word_embeddings", False) else set()
     for k, t in model.state_dict().items():
-        if any(k.startswith(n + ".") for n in experts):
-            continue
-        if k in ckpt_io._tied_targets(model) and getattr(model.config, "tie_word_embeddings", False):
+        if any(k.startswith(n + ".") for n in experts) or k in tied:
             continue
         groups.setdefault(_layer_of(k), []).append((k, t))
 

@@ -135,8 +135,8 @@ def gemm_quant(ctx: Context, gemm: fx.Node, w_src, w_ph: fx.Node, lead: tuple, r
     zero = None
     if four and (q.zero_point or arg(dq, 2) is not None):
         if not q.zero_point or arg(dq, 2) is None:
-            raise Reject(f"{who}: {dq.name} has zero points {'without' if not q.zero_point else 'missing for'} "
-                         f"quant.zero_point")
+            raise Reject(f"{who}: {dq.name} " + ("reads zero points its quant spec has no zero_point for"
+                                                 if not q.zero_point else "has no zero points but quant.zero_point"))
         zero = _block_tensor(ctx, arg(dq, 2), f"{who}: the zero points of {w_ph.name}")
         if ctx.pshape(zero) != want or _fx.dtype_of(zero) != PACKED:
             raise Reject(f"{who}: zero points {zero.name} {ctx.pshape(zero)} {_fx.dtype_of(zero)} do not fit "
