@@ -108,7 +108,7 @@ def stacked_experts(ctx: Context, R: Routing, region: Region) -> Experts | None:
     _zero_experts(R, ex, s13[0], s2[0])
     ex.quant, ex.scales = experts_quant(ctx, R.E, w13, u13, w2, u2, gated, layouts, (s13, s2))
     if ex.quant is not None and ex.zero_experts:
-        raise Reject("FP8 experts with zero experts (fewer stacked experts than router outputs): not read by the "
+        raise Reject("quantized experts with zero experts (fewer stacked experts than router outputs): not read by the "
                      "pass yet")
     if ex.quant is not None:
         ex.layouts = ["out_in"]
