@@ -220,6 +220,21 @@ def test_load_peak_memory_near_packed_size(tmp_path):
     assert held < dense / 3 and peak - base < 1.5 * held, (base, peak, held, dense)
 
 
+def test_tied_embeddings(tmp_path, ids):
+    """A config that ties ``lm_head`` to the embeddings: the writer leaves ``lm_head.weight`` out (as transformers
+    saves it) and the loader ties it back (``model.tie_weights()``)."""
+    torch.manual_seed(0)
+    src = GptOssForCausalLM(tiny_config(tie_word_embeddings=True)).to(torch.bfloat16).eval()
+    W.write_mxfp4_checkpoint(src, str(tmp_path))
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(str(tmp_path), "model.safetensors"), framework="pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    model = moecomp.load(str(tmp_path), device="cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert rel_err(logits(model, ids), logits(src, ids)) <= TOL_QUANT
+
+
 def test_random_packed_model():
     model = W.random_packed_model(tiny_config(), "cpu", seed=1)
     ex = model.model.layers[1].mlp.experts
