@@ -27,6 +27,7 @@ from . import counters  # noqa: F401  (moecomp.counters: a module that indexes l
 from . import ops  # noqa: F401  (registers torch.ops.moecomp.*; torch only)
 from .spec import MoESpec, SharedExpertSpec, SpecError
 from .optimize import Report, optimize, scan, unoptimize
+from .load import load  # (torch only: the loaders import transformers / safetensors when called)
 from .hf import experts_interface as _experts_interface  # noqa: F401  ("moecomp" experts, once transformers loads)
 from . import dynamo_name as _dynamo_name
 
@@ -59,4 +60,4 @@ def __dir__():
 
 
 __all__ = ["MoESpec", "SharedExpertSpec", "SpecError", "ops", "optimize", "scan", "unoptimize", "Report",
-           "counters", "warmup", "__version__"]
+           "counters", "warmup", "load", "__version__"]

@@ -23,8 +23,8 @@ from .probe import primary
 
 
 def block_device_dtype(block: nn.Module, parts: BlockParts):
-    """Device and dtype of the block's expert weights (its probes are made there). FP8 expert weights: the dtype of
-    the router weight, the block's compute dtype (activations are never fp8 between layers)."""
+    """Device and dtype of the block's expert weights (its probes are made there). FP8 or packed 4-bit (uint8) expert
+    weights: the dtype of the router weight, the block's compute dtype (activations are never fp8 between layers)."""
     if parts.w13:
         t = get_path(block, parts.w13)
     elif parts.expert_mlps:
@@ -32,7 +32,7 @@ def block_device_dtype(block: nn.Module, parts: BlockParts):
     else:  # structural parts: the experts child's first floating tensor
         ex = get_path(block, parts.experts)
         t = next(p for p in list(ex.parameters()) + list(ex.buffers()) if p.is_floating_point())
-    if t.dtype == torch.float8_e4m3fn:
+    if t.dtype in (torch.float8_e4m3fn, torch.uint8):
         r = get_path(block, parts.router_weight)
         return t.device, r.dtype if r.is_floating_point() and r.element_size() > 1 else torch.bfloat16
     return t.device, t.dtype

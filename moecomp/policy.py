@@ -47,6 +47,17 @@ VERIFY_TOLERANCE_DEFAULT = 1e-2
 VERIFY_TOLERANCE_FP8 = 6e-2
 
 
+# 4-bit weights (``QuantSpec.packed``: mxfp4, int4) get the 16-bit tolerance of the block's dtype, not the FP8 one.
+# They are weight-only: the block (``hf/packed.py``'s ``PackedExperts``: each weight dequantized exactly in fp32,
+# fp32 GEMMs, h rounded to the model dtype between them) and the op (the same dequantization on the CPU path; the
+# w4a16 kernels convert each dequantized weight to the activation dtype in registers, exact for mxfp4's e2m1 times
+# a power of two, one 16-bit rounding of int4's (code - zero) * scale, like a 16-bit checkpoint's own weights) keep
+# 16-bit activations, so they differ only where two 16-bit implementations do. No e4m3 rounding amplifies anything.
+# A wrong 4-bit reading changes whole outputs: on the tiny gpt-oss of tests/hf/test_mxfp4.py (measured, relative
+# to the output's max) swapped nibbles 1.5, gate / up read as concat 1.35, another row's scales 1.8, scales one
+# exponent off 1.6 (the test checks each is over 10x the bf16 tolerance).
+
+
 def quantized(spec) -> bool:
     """Does ``spec`` (a MoESpec, or None) hold quantized weights (routed or shared experts)?"""
     if spec is None:
@@ -54,11 +65,19 @@ def quantized(spec) -> bool:
     return spec.quant is not None or (spec.shared is not None and spec.shared.quant is not None)
 
 
+def fp8_quantized(spec) -> bool:
+    """Does ``spec`` hold FP8 weights (routed or shared experts), whose checks take ``VERIFY_TOLERANCE_FP8``? 4-bit
+    weights do not (the note above ``quantized``)."""
+    if spec is None:
+        return False
+    return any(q is not None and not q.packed for q in (spec.quant, spec.shared.quant if spec.shared else None))
+
+
 def verify_tolerance(dtype: torch.dtype, spec=None) -> float:
-    """The verify check's tolerance for a block (or experts module) of ``dtype``; ``spec`` quantized: at least
-    ``VERIFY_TOLERANCE_FP8``."""
+    """The verify check's tolerance for a block (or experts module) of ``dtype``; ``spec`` with FP8 weights: at
+    least ``VERIFY_TOLERANCE_FP8`` (4-bit weights: the dtype's own)."""
     tol = VERIFY_TOLERANCE.get(dtype, VERIFY_TOLERANCE_DEFAULT)
-    return max(tol, VERIFY_TOLERANCE_FP8) if quantized(spec) else tol
+    return max(tol, VERIFY_TOLERANCE_FP8) if fp8_quantized(spec) else tol
 
 
 # ------------------------------------------------------------------------------------------------ near-tie rule
@@ -297,7 +316,7 @@ FX_CHECK_TOL_TOKEN_LOW = VERIFY_TOLERANCE[torch.bfloat16]
 FX_CHECK_MIN_TOKEN_SHARE = 0.9
 # candidate specs with FP8 weights, any dtype: per token within the FP8 verify tolerance (its reasons: the block's
 # plain FP8 forward rounds between its GEMMs as the FP8 kernels do, the reference does not, and e4m3 activation
-# roundings amplify that), on the same share of tokens
+# roundings amplify that), on the same share of tokens (4-bit weights: the 16-bit rules above, ``fp8_quantized``)
 FX_CHECK_TOL_TOKEN_FP8 = VERIFY_TOLERANCE_FP8
 # floors of the denominators: the output's max (an all-zero output compares absolutely; also the floor of the clamp
 # stress quantile below), and a token's max relative to the output's (a near-zero token is compared against the

@@ -71,7 +71,9 @@ def expert_style(spec: MoESpec) -> str:
         a += " [in,out]"
     if spec.latent_size:
         a += f" latent L={spec.latent_size}"
-    if q is not None:
+    if q is not None and q.packed:  # 4-bit weight-only: format, group size, zero points
+        a = f"4-bit {q.weight} g{q.block_k}{' +zero' if q.zero_point else ''} {a}"
+    elif q is not None:
         lay = f"{q.block_n}x{q.block_k}" if q.scale == "block" else q.scale
         a = f"fp8 {lay} a:{q.activation} {a}"
     return a
@@ -140,7 +142,11 @@ def _fill_from_spec(r: BlockReport, spec: MoESpec, block: nn.Module, bindings: d
         isz = src.element_size()
     else:
         isz = _itemsize(w13)
-    per_tok = spec.top_k * spec.bytes_per_expert(isz)
+    if spec.quant is not None and spec.quant.packed:  # two codes a byte (+ scales); the rest at the bias' size
+        per_tok = spec.top_k * spec.bytes_per_expert()
+        isz = _itemsize(t("b13"), _itemsize(t("router_w")))
+    else:
+        per_tok = spec.top_k * spec.bytes_per_expert(isz)
     if spec.has_expert_bias:
         per_tok += spec.top_k * (spec.w13_rows + spec.expert_width) * isz
     if spec.latent_size:  # the two latent projections, [L, H] and [H, L]

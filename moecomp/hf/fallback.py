@@ -42,6 +42,7 @@ from ..probe import ProbeRun, hash_call_args, run_probe
 from . import fp8, hash_reader, names, norm_fit, output_fit, router_scale, sparsemixer_fit
 from .activations import describe_unknown_gate, probe_activation, probe_gate, probe_mlp
 from .names import read_attr
+from .packed import PackedExperts
 from .structure import BlockParts, MLPParts, NotABlock, find_parts, get_path
 
 
@@ -311,6 +312,10 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
     if parts.kind == "structural":
         raise FallbackError(f"the attribute reader names per-expert parts and knows none of {parts.experts!r}'s "
                             "(found by shapes: only the FX pass reads such a block)", RejectCode.NOT_RECOGNISED)
+    if isinstance(get_path(block, parts.experts), PackedExperts):
+        raise FallbackError(f"{parts.experts!r} holds 4-bit packed experts (PackedExperts, "
+                            f"{get_path(block, parts.experts).quant.weight}): only the FX pass reads those (their "
+                            "dequant_4bit nodes name the scales and zero points)", RejectCode.UNSUPPORTED_STRUCTURE)
     if parts.gamma_rows or (parts.shared is not None and parts.shared.stacked):
         raise FallbackError(f"router {parts.router_weight!r} has {parts.gamma_rows} rows past the {parts.num_experts} "
                             "experts (shared-expert gammas) or the shared experts are stacked: what those rows "

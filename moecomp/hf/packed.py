@@ -40,6 +40,15 @@ def _(q, scale, zero, quant):
     return q.new_empty((*q.shape[:-1], 2 * q.shape[-1]), dtype=torch.float32)
 
 
+def unpacked_shape(module: nn.Module, t: torch.Tensor) -> tuple:
+    """The logical shape of ``module``'s tensor ``t``: a ``PackedExperts``' packed weights (uint8, two codes a byte
+    along the last dim) with that dim doubled; any other tensor's own shape."""
+    shape = tuple(t.shape)
+    if isinstance(module, PackedExperts) and t.dtype == torch.uint8 and (t is module.w13 or t is module.w2):
+        return shape[:-1] + (2 * shape[-1],)
+    return shape
+
+
 def _frozen(t: torch.Tensor | None) -> nn.Parameter | None:
     return None if t is None else nn.Parameter(t, requires_grad=False)
 
@@ -55,6 +64,7 @@ class PackedExperts(nn.Module):
         if not isinstance(quant, QuantSpec) or not quant.packed:
             raise SpecError(f"quant must be a 4-bit QuantSpec (mxfp4 or int4), got {quant!r}")
         self.quant = quant
+        self._quant_key = quant.key  # (read outside any trace: Dynamo cannot trace a cached property's first read)
         self.num_experts = int(w13.shape[0])
         self.hidden_size = int(w2.shape[1])
         self.intermediate_size = int(w2.shape[2]) * 2
@@ -91,22 +101,62 @@ class PackedExperts(nn.Module):
         return dequant_4bit(getattr(self, name)[e], getattr(self, f"{name}_scale")[e],
                             None if zero is None else zero[e], self.quant.key)
 
+    def _gate_up(self, h: torch.Tensor) -> torch.Tensor:
+        """h [S, N] fp32 after the first GEMM (and its bias) -> the second GEMM's input [S, I] (``MoESpec`` meaning
+        of ``gate_up`` / ``activation`` / ``activation_alpha`` / ``activation_limit`` / ``activation_clamp``)."""
+        if not self.gated:
+            return reference.activation(h, self.activation)
+        I = self.intermediate_size
+        gate, up = (h[:, :I], h[:, I:]) if self.gate_up == "concat" else (h[:, 0::2], h[:, 1::2])
+        return reference.gated_activation(gate, up, self.activation, self.activation_alpha, self.activation_limit,
+                                          self.activation_clamp)
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """Eagerly a loop over the experts hit (one expert dequantized at a time); while Dynamo traces, one batched
+        spelling (each pair's weights gathered ``w[ids]``, dequantized, ``bmm``) that traces into one graph of
+        ``dequant_4bit`` nodes the FX pass reads (``passes/moe_quant.py``). Both: fp32 GEMMs, h rounded to the
+        input dtype between them (as the kernels store it), the routing weights applied and summed in fp32."""
         x = hidden_states.reshape(-1, self.hidden_size)
-        spec = self.spec(top_k_index.shape[-1])
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         ids = top_k_index.reshape(x.shape[0], -1)
         weights = top_k_weights.reshape(x.shape[0], -1)
+        if torch.compiler.is_compiling():
+            out = self._forward_batched(x, ids, weights)
+        else:
+            out = self._forward_loop(x, ids, weights)
+        return out.to(hidden_states.dtype).reshape(hidden_states.shape)
+
+    def _forward_loop(self, x, ids, weights) -> torch.Tensor:
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(ids).tolist():
-            if not 0 <= e < self.num_experts:
+            if not 0 <= e < self.num_experts:  # expert-parallel sentinels (other ranks' experts)
                 continue
             tok, slot = torch.nonzero(ids == e, as_tuple=True)
-            h = x[tok].float() @ self.dequantized("w13", e).T
+            h = x[tok].float() @ self.dequantized("w13", e).T  # [n, N]
             if self.b13 is not None:
                 h = h + self.b13[e].float()
-            h = reference._gate_up(h, spec).to(x.dtype).float()  # h rounded to x's dtype, as the kernels store it
-            y = h @ self.dequantized("w2", e).T
+            h = self._gate_up(h).to(x.dtype).float()  # [n, I]
+            y = h @ self.dequantized("w2", e).T  # [n, H]
             if self.b2 is not None:
                 y = y + self.b2[e].float()
             out.index_add_(0, tok, y * weights[tok, slot, None].float())
-        return out.to(hidden_states.dtype).reshape(hidden_states.shape)
+        return out
+
+    def _deq_pairs(self, name: str, eid: torch.Tensor) -> torch.Tensor:
+        """fp32 weights [S, rows, cols] of weight ``name`` for each pair's expert ``eid`` [S]."""
+        zero = getattr(self, f"{name}_zero")
+        return torch.ops.moecomp.dequant_4bit(getattr(self, name)[eid], getattr(self, f"{name}_scale")[eid],
+                                              None if zero is None else zero[eid], self._quant_key)
+
+    def _forward_batched(self, x, ids, weights) -> torch.Tensor:
+        T, k = ids.shape
+        eid = ids.reshape(-1)  # [S = T k]
+        xs = x.repeat_interleave(k, dim=0).float()  # [S, H]
+        h = torch.bmm(self._deq_pairs("w13", eid), xs.unsqueeze(-1)).squeeze(-1)  # [S, N]
+        if self.b13 is not None:
+            h = h + self.b13[eid].float()
+        h = self._gate_up(h).to(x.dtype).float()  # [S, I]
+        y = torch.bmm(self._deq_pairs("w2", eid), h.unsqueeze(-1)).squeeze(-1)  # [S, H]
+        if self.b2 is not None:
+            y = y + self.b2[eid].float()
+        y = y * weights.reshape(-1, 1).float()
+        return y.view(T, k, self.hidden_size).sum(dim=1)

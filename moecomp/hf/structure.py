@@ -35,6 +35,7 @@ from torch import nn
 
 from ..derived import get_path  # noqa: F401 (re-exported)
 from . import discover
+from .packed import PackedExperts, unpacked_shape
 
 # (gate, up, down) names of a per-expert / shared MLP, gated first.
 MLP_NAMES = (
@@ -271,8 +272,8 @@ def _fill_fused(parts: BlockParts, experts: nn.Module, fused, block: nn.Module) 
         g, u = getattr(experts, split[0]), getattr(experts, split[1])
         if g.shape != u.shape:
             raise NotABlock("separate gate/up expert weights of different shapes")
-    a, b = W13.shape[1:]
-    c, d = W2.shape[1:]
+    a, b = unpacked_shape(experts, W13)[1:]  # 4-bit experts: two codes a byte along the input dim
+    c, d = unpacked_shape(experts, W2)[1:]
     n_mult = 1 if (split is not None or not gated) else 2
     # out_in: w13 [E, N, W], w2 [E, W, I];  in_out: w13 [E, W, N], w2 [E, I, W]  (W: the experts' width)
     fits = {False: (b, c) if b == c and a == n_mult * d else None, True: (a, d) if a == d and b == n_mult * c else None}
@@ -281,8 +282,8 @@ def _fill_fused(parts: BlockParts, experts: nn.Module, fused, block: nn.Module) 
         transposed = fits[False] is None or fits[False][0] != H and fits[True] is not None and fits[True][0] == H
     width = fits[transposed][0] if fits[transposed] is not None else None
     if width != H and not (width is not None and _fill_latent(parts, block, width)):
-        raise NotABlock(f"expert weights {tuple(W13.shape)} / {tuple(W2.shape)} do not work on the router's "
-                        f"width H={H}, and no linear children [L, H] / [H, L] project to their width")
+        raise NotABlock(f"expert weights {tuple(W13.shape)} / {tuple(W2.shape)}{_packed_note(experts)} do not work "
+                        f"on the router's width H={H}, and no linear children [L, H] / [H, L] project to their width")
     I = c if transposed else d
     pre = f"{parts.experts}."
     parts.w13, parts.w2 = pre + up, pre + down
@@ -293,6 +294,10 @@ def _fill_fused(parts: BlockParts, experts: nn.Module, fused, block: nn.Module) 
     parts.intermediate_size = I
     if split is not None:
         parts.split_gate_up = (pre + split[0], pre + split[1])
+
+
+def _packed_note(experts: nn.Module) -> str:
+    return f" (packed 4-bit: {experts.quant.weight})" if isinstance(experts, PackedExperts) else ""
 
 
 def _fill_latent(parts: BlockParts, block: nn.Module, L: int) -> bool:

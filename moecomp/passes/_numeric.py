@@ -76,8 +76,8 @@ class _Sources:
             vals = [_fx.meta_val(p) for p in self.stacked[k][0]] if k in self.stacked else [
                 _fx.meta_val(self.single[k])]
             for v in vals:
-                if isinstance(v, torch.Tensor):  # fp8 weights: the block gathers them dequantized (fp32)
-                    size = 4 if v.dtype == torch.float8_e4m3fn else v.element_size()
+                if isinstance(v, torch.Tensor):  # fp8 / packed 4-bit weights: the block gathers them dequantized (fp32)
+                    size = {torch.float8_e4m3fn: 4, torch.uint8: 8}.get(v.dtype, v.element_size())
                     total += (v.numel() // (1 if k in self.stacked else v.shape[0])) * size
         return total
 
@@ -158,7 +158,7 @@ def _agree(got, xin, tensors, spec, arg_shapes, dtype):
     if spec.zero_experts and not _zero_reached(xin, t, spec):
         return False, "no check token was routed to a zero expert (what they compute would be unproven)"
     got = got.float()
-    return _close(got.reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1]), dtype, policy.quantized(spec))
+    return _close(got.reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1]), dtype, policy.fp8_quantized(spec))
 
 
 def _zero_reached(xin, t: dict, spec) -> bool:
@@ -177,7 +177,7 @@ def _stress(sub, args, inputs, src, tensors, spec, xin, arg_shapes):
     if spec.activation_clamp or spec.activation == "swiglu_oai" or _cap(spec):
         xe = x2 if not spec.latent_size else reference.latent_in(x2, tensors["latent_in_w"], tensors["latent_in_b"])
         w = tensors["w13"].float() if spec.quant is None else q8.dequantize(
-            tensors["w13"], tensors["w13_scale"], spec.quant, 2 if spec.gated else 1)
+            tensors["w13"], tensors["w13_scale"], spec.quant, 2 if spec.gated else 1, tensors.get("w13_zero"))
         h = torch.einsum("th,enh->ten", xe, w) if spec.w_layout == "out_in" else torch.einsum("th,ehn->ten", xe, w)
         scaled["w13"] = _stress_factor(h, _cap(spec) or spec.activation_limit)
     sh = spec.shared
@@ -193,15 +193,23 @@ def _stress(sub, args, inputs, src, tensors, spec, xin, arg_shapes):
     for k, f in scaled.items():
         if tensors.get(f"{k}_scale") is not None:  # a quantized weight: scale its scales (w = q * s)
             k = f"{k}_scale"
-        tensors2[k] = tensors[k] * f
+        tensors2[k] = _times(tensors[k], f)
         for p in src.of(k):
             if p in inputs:
-                args2[inputs.index(p)] = args[inputs.index(p)] * f
+                args2[inputs.index(p)] = _times(args[inputs.index(p)], f)
     try:
         got = _run_disabled(sub, args2)
     except Exception as e:  # noqa: BLE001
         return False, f"the block's own graph failed to run ({type(e).__name__})"
     return _agree(got, xin, tensors2, spec, arg_shapes, xin.dtype)
+
+
+def _times(t: torch.Tensor, f: float) -> torch.Tensor:
+    """t * f in t's dtype; e8m0 scales (powers of two, no arithmetic of their own) times the power of two at or above
+    f, so the product stays exact."""
+    if q8.E8M0 is not None and t.dtype == q8.E8M0:
+        return (t.float() * 2.0 ** math.ceil(math.log2(f))).to(t.dtype)
+    return t * f
 
 
 def _cap(s) -> float:

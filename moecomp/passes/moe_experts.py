@@ -33,7 +33,7 @@ from ._fx import arg, op_name
 from ._reject import Reject
 from .moe_activation import Activation, activation
 from .moe_latent import Latent, latent_in
-from .moe_quant import DEQUANT, experts_quant, quant_inputs
+from .moe_quant import DEQUANTS, experts_quant, quant_inputs, unpacked_shape
 from .moe_region import Region
 from .moe_routing import Routing
 
@@ -89,7 +89,7 @@ def stacked_experts(ctx: Context, R: Routing, region: Region) -> Experts | None:
         raise Reject(f"{len(cands)} stacked expert weights used (separate gate / up weights are not supported; "
                      "the op needs them concatenated)")
     (w13, u13), (w2, u2) = _ordered_pair(ctx, cands, nodes)
-    s13, s2 = ctx.pshape(w13), ctx.pshape(w2)
+    s13, s2 = unpacked_shape(ctx, w13, nodes), unpacked_shape(ctx, w2, nodes)  # (4-bit: two codes a byte)
     lat = latent_in(ctx, R, nodes, region.x_root, {u for u, _, _ in u13})  # the experts' input: a projection of x?
     width = R.H if lat is None else lat.L  # what the experts read and write
     layouts = _layouts(s13, s2, width, u13)
@@ -106,9 +106,9 @@ def stacked_experts(ctx: Context, R: Routing, region: Region) -> Experts | None:
     ex.act = activation(ctx, between, gated, ex.baked, "expert")
     ex.b13, ex.b2 = _expert_biases(ctx, R, nodes, g2_anc, N, width)
     _zero_experts(R, ex, s13[0], s2[0])
-    ex.quant, ex.scales = experts_quant(ctx, R.E, w13, u13, w2, u2, gated, layouts)
+    ex.quant, ex.scales = experts_quant(ctx, R.E, w13, u13, w2, u2, gated, layouts, (s13, s2))
     if ex.quant is not None and ex.zero_experts:
-        raise Reject("FP8 experts with zero experts (fewer stacked experts than router outputs): not read by the "
+        raise Reject("quantized experts with zero experts (fewer stacked experts than router outputs): not read by the "
                      "pass yet")
     if ex.quant is not None:
         ex.layouts = ["out_in"]
@@ -169,7 +169,7 @@ def _weight_uses(p: fx.Node, nodes: set):
                 out.append((u, tr, n))
             elif name in ("transpose", "t", "permute", "mT", "swapaxes"):
                 stack.append((u, not tr))
-            elif name == DEQUANT:  # a quantized weight (moe_quant): the fp8 tensor is its first input
+            elif name in DEQUANTS:  # a quantized weight (moe_quant): the fp8 / packed tensor is its first input
                 if arg(u, 0) is n:
                     stack.append((u, tr))
             elif name in _fx.CAST_OPS or name in ("getitem", "index_select", "select", "contiguous", "view",

@@ -317,16 +317,13 @@ def test_load_int4_refusals(tmp_path):
 
 def test_optimize_binds_packed_blocks(tmp_path, ids):
     """After ``moecomp.optimize`` every block runs the op on the packed tensors, within the CPU path's tolerance of
-    the loaded model. Runs only once optimize recognises PackedExperts blocks (another change); skipped until
-    then, with optimize's reason."""
+    the loaded model (the FX pass reads PackedExperts blocks: docs/QUANT4.md, "Recognition")."""
     model = build("qwen3_moe")
     W.write_int4_checkpoint(model, str(tmp_path), "gptq", GROUP, True)
     got = G.load_int4(str(tmp_path), dtype=torch.float32)
     want = logits(got, ids)
     packed = {n: m.w13 for n, m in got.named_modules() if isinstance(m, PackedExperts)}
     got, rep = moecomp.optimize(got, report=True, fast_generate=False)
-    if not rep.rewritten:
-        pytest.skip(f"optimize does not bind PackedExperts blocks yet: {rep.blocks[0].reason}")
     assert len(rep.rewritten) == model.config.num_hidden_layers, rep
     assert all(dict(got.named_modules())[n].w13 is w for n, w in packed.items())  # the same tensors, not copies
     assert rel_err(logits(got, ids), want) <= TOL_FP32
