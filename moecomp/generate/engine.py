@@ -24,6 +24,15 @@ Nothing in a step reads device memory on the host. The host replays up to ``CHEC
 reads the stop flag, so the GPU never waits for Python; steps after every row finished only write pad tokens that
 the result leaves out (``StepState.ncols`` counts the steps transformers would have taken).
 
+Sliding-window layers (gpt-oss alternates them with full layers; Qwen2-MoE with its window on): where the model
+takes a ready mask per layer type (``attention_mask={"full_attention": ..., "sliding_attention": ...}``), the slot's
+cache gives every sliding layer a plain static layer of length ``L`` (written at absolute cache indices like the full
+layers: no ring buffer, nothing to roll under capture) and the step passes both masks, the sliding one also
+``arange(L) > slot - window`` (transformers counts the window in cache indices; with left padding that equals counting
+in positions). The prefill's masks are transformers' own, sized by the same cache. Attention sinks and the window
+kwarg go to the model's own attention function (``attention.py`` falls back for them). Other sliding or chunked
+layers are refused (``Engine.cache_unsupported``) and transformers' loop runs.
+
 On CPU, or when a capture fails, the same step runs eagerly (``info["graphs"]`` says which, and why).
 """
 
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import time
 from collections import OrderedDict
 
@@ -81,11 +91,15 @@ def fingerprint(model: torch.nn.Module) -> tuple:
 
 
 class Slot:
-    def __init__(self, model, batch: int, length: int, device, dtype):
+    def __init__(self, model, batch: int, length: int, device, dtype, window: int | None = None,
+                 why_window: str | None = None):
         from transformers import StaticCache
 
-        self.batch, self.length = batch, length
+        self.batch, self.length, self.window = batch, length, window
+        self.why_window = why_window
         self.cache = StaticCache(config=model.config, max_cache_len=length)
+        if window is not None:
+            full_length_layers(self.cache, length)
         z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
         self.tok = z(batch, 1)
         self.pos = z(batch, 1)
@@ -97,6 +111,45 @@ class Slot:
         self.failed: dict = {}  # same key -> why a capture failed
         self.pool = None  # graph memory pool of this slot (made with its first graph)
         self.why_not = Engine.cache_unsupported(self)
+
+
+def full_length_layers(cache, length: int) -> None:
+    """Every sliding-window layer of ``cache`` replaced by a plain static layer of ``length`` positions: keys and
+    values are written at their absolute cache index like the full-attention layers' (no ring buffer, nothing
+    rolled, capturable); the window is applied by the sliding layers' mask instead (``Engine._mask``)."""
+    from transformers.cache_utils import StaticLayer
+
+    for i, layer in enumerate(cache.layers):
+        if getattr(layer, "is_sliding", False):
+            cache.layers[i] = StaticLayer(max_cache_len=length)
+
+
+_MASK_MAPPING = re.compile(r"isinstance\(\s*(?:\w+\s*:=\s*)?attention_mask\s*,\s*dict\s*\)")
+
+
+def sliding_window(model) -> tuple[int | None, str | None]:
+    """(window, why not): the window of a model whose layers are full and sliding-window attention and whose base
+    model takes a ready mask per layer type (``attention_mask={"full_attention": ..., "sliding_attention": ...}``,
+    as transformers' ``generate`` may pass); (None, None) for a model without sliding layers; (None, reason) for
+    one with sliding layers the engine cannot mask itself (its cache is then refused by ``cache_unsupported``)."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    types = getattr(cfg, "layer_types", None)
+    if not types or "sliding_attention" not in types:
+        return None, None
+    other = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if other:
+        return None, f"layer types {other} beside full and sliding attention"
+    window = getattr(cfg, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0:
+        return None, f"sliding_window {window!r}"
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    try:
+        src = inspect.getsource(type(base).forward)
+    except (TypeError, OSError):
+        src = ""
+    if not _MASK_MAPPING.search(src):
+        return None, "the model takes no mask per layer type"
+    return window, None
 
 
 class Engine:
@@ -121,6 +174,8 @@ class Engine:
         use_attn = os.environ.get("MOECOMP_DECODE_ATTENTION", "1") != "0" and attention.register()
         self.attn_configs = attention.sdpa_configs(model) if use_attn else []
         self.n = None  # [] int64: cache positions the running step attends to
+        # sliding-window layers: full-length static cache layers, masked to the window by the engine
+        self.window, self.window_why = sliding_window(model)
 
     # ------------------------------------------------------------------------------------------- checks
     def unsupported(self) -> str | None:
@@ -148,7 +203,8 @@ class Engine:
                 continue
             if name == "StaticSlidingWindowLayer" and getattr(layer, "max_cache_len", 0) >= slot.length:
                 continue  # window at least as long as the cache: a plain causal cache here
-            return f"cache layer {name} (only full-attention static layers are graphed)"
+            why = f"cache layer {name} (only full-attention static layers are graphed"
+            return why + (f"; sliding layers: {slot.why_window})" if slot.why_window else ")")
         return None
 
     # ------------------------------------------------------------------------------------------- slots
@@ -162,7 +218,8 @@ class Engine:
         if s is None:
             while len(self.slots) >= MAX_SLOTS:
                 self.slots.popitem(last=False)
-            s = self.slots[key] = Slot(self.model, batch, length, device, dtype)
+            s = self.slots[key] = Slot(self.model, batch, length, device, dtype,
+                                                       self.window, self.window_why)
         self.slots.move_to_end(key)
         return s
 
@@ -170,11 +227,20 @@ class Engine:
         self.slots.clear()
 
     # ------------------------------------------------------------------------------------------- the step
-    def _mask(self, s: Slot, dtype) -> torch.Tensor:
-        keep = (s.pad_mask & (s.arange <= s.slot))[:, None, None, :]  # [Bb, 1, 1, L]
-        if self.model.config._attn_implementation == "eager":
-            return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
-        return keep
+    def _mask(self, s: Slot, dtype) -> torch.Tensor | dict:
+        """The step's 4-D mask [Bb, 1, 1, L] (bool for sdpa, additive for eager); for a model with sliding layers a
+        mapping per layer type, the sliding one also dropping keys at least ``window`` cache indices before the
+        query's (transformers counts the window in cache indices, left padding included)."""
+        keep = s.pad_mask & (s.arange <= s.slot)  # [Bb, L]
+        masks = {"full_attention": keep}
+        if s.window is not None:
+            masks["sliding_attention"] = keep & (s.arange > s.slot - s.window)
+        eager = self.model.config._attn_implementation == "eager"
+        for k, m in masks.items():
+            m = m[:, None, None, :]  # [Bb, 1, 1, L]
+            masks[k] = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min) \
+                if eager else m
+        return masks if s.window is not None else masks["full_attention"]
 
     def _layers(self, phase: str):
         """(ModuleList of decoder layers, compiled wrappers for ``phase``): "prefill" wrappers are compiled with
