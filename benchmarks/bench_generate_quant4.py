@@ -158,9 +158,9 @@ def run(args) -> dict:
             hf = dict(decode_ms=dec * 1e3, prefill_ms=pre * 1e3, tokens=out)
             log(f"[gen-q4] transformers (PackedExperts' plain forward) B=1: decode {dec * 1e3:.1f} ms/step")
     active = None
-    report = moecomp.optimize(model)
+    _, report = moecomp.optimize(model, report=True)
     result["report"] = str(report)[:3000]
-    log(f"[gen-q4] {str(report).splitlines()[0] if str(report) else report}")
+    log(f"[gen-q4] optimize: {str(report).splitlines()[0]}")
     for B in args.batches:
         try:
             rec, out = one_liner(model, prompts[B], new, cuda)
