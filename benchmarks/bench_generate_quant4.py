@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import bench_generate as bg  # noqa: E402
+from bench_generate_fp8 import one_liner  # noqa: E402  (warm-up calls, then the timed one)
 from layer.env import environment, git_commit, save  # noqa: E402
 
 TARGET_B1 = 1.6  # issue 22: B = 1 decode within 1.6x of the MXFP4 floor
@@ -61,8 +62,9 @@ def param_bytes(model) -> dict:
                 row=emb.shape[1] * emb.element_size(), moe_layers=len(mods))
 
 
-class Counter:
-    """Distinct experts per experts call (the first integer tensor among its arguments: the top-k ids)."""
+class Counter(bg.RoutingCounter):
+    """bench_generate's counter on the packed experts modules: the top-k ids are the first integer tensor among the
+    call's arguments."""
 
     def __init__(self, model):
         self.calls = []
@@ -73,15 +75,6 @@ class Counter:
         ids = next((t for t in ts if not t.is_floating_point()), None)
         if ids is not None:
             self.calls.append((ts[0].reshape(-1, ts[0].shape[-1]).shape[0], int(ids.unique().numel())))
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-
-    def mean_distinct(self, decode: bool) -> float:
-        big = max(t for t, _ in self.calls)
-        xs = [d for t, d in self.calls if (t < big) == decode] or [d for _, d in self.calls]
-        return sum(xs) / len(xs)
 
 
 def build(args, device):
@@ -115,16 +108,6 @@ def _has_size(size: str) -> bool:
         return True
     except Exception:
         return False
-
-
-def one_liner(model, ids, new: int, cuda: bool) -> tuple[dict, torch.Tensor]:
-    t = time.perf_counter()
-    for _ in range(2):  # the first call compiles the step and captures it, the second compiles the prefill
-        bg.run_one_liner(model, ids, bg.ONE_LINER_WARM, cuda)
-    warm = time.perf_counter() - t
-    out, pre, dec, last = bg.run_one_liner(model, ids, new, cuda)
-    return dict(decode_ms=dec * 1e3, prefill_ms=pre * 1e3, warmup_s=warm, graphs=last.get("graphs"),
-                eager_steps=last.get("eager_steps"), captures=last.get("captures")), out
 
 
 def run(args) -> dict:
