@@ -96,10 +96,11 @@ class PackedExperts(nn.Module):
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None or n in ("b13", "b2")}
 
     def dequantized(self, name: str, e) -> torch.Tensor:
-        """fp32 weight ``name`` ("w13" / "w2") of expert(s) ``e``."""
+        """fp32 weight ``name`` ("w13" / "w2") of expert(s) ``e`` (an index, or each pair's expert [S]: [S, rows,
+        cols])."""
         zero = getattr(self, f"{name}_zero")
-        return dequant_4bit(getattr(self, name)[e], getattr(self, f"{name}_scale")[e],
-                            None if zero is None else zero[e], self.quant.key)
+        return torch.ops.moecomp.dequant_4bit(getattr(self, name)[e], getattr(self, f"{name}_scale")[e],
+                                              None if zero is None else zero[e], self._quant_key)
 
     def _gate_up(self, h: torch.Tensor) -> torch.Tensor:
         """h [S, N] fp32 after the first GEMM (and its bias) -> the second GEMM's input [S, I] (``MoESpec`` meaning
@@ -141,21 +142,15 @@ class PackedExperts(nn.Module):
             out.index_add_(0, tok, y * weights[tok, slot, None].float())
         return out
 
-    def _deq_pairs(self, name: str, eid: torch.Tensor) -> torch.Tensor:
-        """fp32 weights [S, rows, cols] of weight ``name`` for each pair's expert ``eid`` [S]."""
-        zero = getattr(self, f"{name}_zero")
-        return torch.ops.moecomp.dequant_4bit(getattr(self, name)[eid], getattr(self, f"{name}_scale")[eid],
-                                              None if zero is None else zero[eid], self._quant_key)
-
     def _forward_batched(self, x, ids, weights) -> torch.Tensor:
         T, k = ids.shape
         eid = ids.reshape(-1)  # [S = T k]
         xs = x.repeat_interleave(k, dim=0).float()  # [S, H]
-        h = torch.bmm(self._deq_pairs("w13", eid), xs.unsqueeze(-1)).squeeze(-1)  # [S, N]
+        h = torch.bmm(self.dequantized("w13", eid), xs.unsqueeze(-1)).squeeze(-1)  # [S, N]
         if self.b13 is not None:
             h = h + self.b13[eid].float()
         h = self._gate_up(h).to(x.dtype).float()  # [S, I]
-        y = torch.bmm(self._deq_pairs("w2", eid), h.unsqueeze(-1)).squeeze(-1)  # [S, H]
+        y = torch.bmm(self.dequantized("w2", eid), h.unsqueeze(-1)).squeeze(-1)  # [S, H]
         if self.b2 is not None:
             y = y + self.b2[eid].float()
         y = y * weights.reshape(-1, 1).float()
