@@ -218,8 +218,7 @@ class Engine:
         if s is None:
             while len(self.slots) >= MAX_SLOTS:
                 self.slots.popitem(last=False)
-            s = self.slots[key] = Slot(self.model, batch, length, device, dtype,
-                                                       self.window, self.window_why)
+            s = self.slots[key] = Slot(self.model, batch, length, device, dtype, self.window, self.window_why)
         self.slots.move_to_end(key)
         return s
 
