@@ -100,7 +100,7 @@ def _dequantize_4bit(packed, scale, quant: QuantSpec, zero) -> torch.Tensor:
     if quant.weight == "mxfp4":
         v = torch.tensor(E2M1, device=codes.device)[codes.long()]
     else:
-        z = INT4_ZERO if zero is None else zero[..., torch.arange(cols, device=codes.device) // quant.block_k].float()
+        z = INT4_ZERO if zero is None else expand_scales(zero, rows, cols, quant)  # zeros: the scales' layout
         v = codes.float() - z
     return v * expand_scales(scale, rows, cols, quant)
 
