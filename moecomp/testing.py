@@ -349,3 +349,32 @@ def check_op(args, extra: dict, spec: MoESpec, tol: float) -> torch.Tensor:
     err = rel_err(out, ref)
     assert err < tol, f"{spec.describe()}: rel err {err:.2e}"
     return out
+
+
+def routing_near_ties(opt: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
+    """[B, L] bool: positions of ``seq`` where some rewritten MoE block's expert (or group) choice sits within a bf16
+    rounding of a tie (``reference.near_tie_tokens`` on each block's input and the router tensors its op reads).
+    ``opt``: an optimized model (``moecomp.optimize``). Two implementations' router GEMMs may round such a position's
+    logits apart and pick different experts, so token-level comparisons in bf16 leave these positions out."""
+    from . import reference
+    from .hf.bind import _resolve
+    from .optimize import TIE_REL, rewritten_blocks
+
+    seen = []
+    hooks = [b.register_forward_pre_hook(lambda mod, a, kw: seen.append((mod, a[0] if a else kw["hidden_states"])),
+                                         with_kwargs=True) for b in rewritten_blocks(opt).values()]
+    try:
+        with torch.no_grad():
+            opt(seq)
+    finally:
+        for h in hooks:
+            h.remove()
+    near = torch.zeros(seq.shape, dtype=torch.bool, device=seq.device)
+    for mod, x in seen:
+        st = mod._moecomp
+        spec = st.op_spec or st.spec
+        t = [None if p is None else _resolve(mod, p) for p in st.paths[:3]]
+        with torch.no_grad():
+            near |= reference.near_tie_tokens(x.reshape(-1, x.shape[-1]), *t, spec,
+                                              TIE_REL[torch.bfloat16]).reshape(seq.shape)
+    return near

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import moecomp
+from moecomp.testing import routing_near_ties
 
 from .models import build, prompts
 
@@ -104,33 +105,6 @@ def _teacher_forced_ok(ref, out, S: int) -> float:
     return float(_margins(ref, out, S).max())
 
 
-def _routing_near_ties(opt, seq) -> torch.Tensor:
-    """[B, L] bool: positions of ``seq`` where some MoE block's expert (or group) choice sits within a bf16
-    rounding of a tie (``reference.near_tie_tokens`` on each block's input, the router tensors the op reads)."""
-    from moecomp import reference
-    from moecomp.hf.bind import _resolve
-    from moecomp.optimize import TIE_REL, rewritten_blocks
-
-    seen = []
-    hooks = [b.register_forward_pre_hook(lambda mod, a, kw: seen.append((mod, a[0] if a else kw["hidden_states"])),
-                                         with_kwargs=True) for b in rewritten_blocks(opt).values()]
-    try:
-        with torch.no_grad():
-            opt(seq)
-    finally:
-        for h in hooks:
-            h.remove()
-    near = torch.zeros(seq.shape, dtype=torch.bool, device=seq.device)
-    for mod, x in seen:
-        st = mod._moecomp
-        spec = st.op_spec or st.spec
-        t = [None if p is None else _resolve(mod, p) for p in st.paths[:3]]
-        with torch.no_grad():
-            near |= reference.near_tie_tokens(x.reshape(-1, x.shape[-1]), *t, spec,
-                                              TIE_REL[torch.bfloat16]).reshape(seq.shape)
-    return near
-
-
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_one_liner_bf16_each_step_within_tolerance(family):
     """bf16: each step's token against the unoptimized model's logits on the same sequence (teacher forcing),
@@ -150,7 +124,7 @@ def test_one_liner_bf16_each_step_within_tolerance(family):
     eos = torch.as_tensor(ref.generation_config.eos_token_id, device=out.device).reshape(-1)
     is_eos = torch.isin(out[:, S:], eos).long()
     off = (short > BF16_TOL) & ~(is_eos.cumsum(-1) - is_eos > 0)  # tokens after a row's eos are padding
-    near = _routing_near_ties(opt, out)[:, S - 1:-1]  # [B, n]: the positions whose logits chose each token
+    near = routing_near_ties(opt, out)[:, S - 1:-1]  # [B, n]: the positions whose logits chose each token
     assert not bool((off & ~near).any()), (short, near)
     assert float(off.float().mean()) <= 1 / 8, short
 
