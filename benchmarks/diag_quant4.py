@@ -8,8 +8,10 @@ then captured) and its replay timed with ``triton.testing.do_bench`` (median). P
 
     w4          the 4-bit op as the heuristic runs it (the decode path up to ``tuning.QUANT4_DECODE_MAX_T``)
     w4 aligned  (T <= 16) the same with MOECOMP_DECODE_MAX_T=0: the aligned path, to place the decode threshold
-    w4 split    MOECOMP_W4_FORM=split: A's even / odd columns times the low / high nibbles (the default form
-                interleaves the nibbles into one tile, one dot a step)
+    w4 decode16 (T <= 16) MOECOMP_DECODE_MAX_T=16: the decode path forced on
+    w4 split    MOECOMP_W4_FORM=split: A's even / odd columns times the low / high nibbles, two dots a step
+    w4 interleave  MOECOMP_W4_FORM=interleave: the nibbles interleaved into one tile, one dot a step (the default
+                before 2026-12-03; the default is now dot_scaled for mxfp4 on CUDA, interleave for int4)
     w4 scaled   MOECOMP_W4_FORM=dot_scaled (mxfp4): tl.dot_scaled (Hopper has no fp4 MMA: Triton upcasts)
     bf16        the same spec, unquantized bf16 weights
     fp8         QuantSpec() (128x128 blocks, dynamic; the heuristic's w8a8 + prequant) on the same weights; FP8
@@ -128,11 +130,13 @@ def run_model(name: str, tokens: list[int], hbm: float, rows: list, check: bool)
         floor_us = n_exp * per4 / (hbm * 1e12) * 1e6
         rec = dict(model=name, T=T, experts_touched=n_exp, floor4_us=floor_us,
                    floor16_us=n_exp * per16 / (hbm * 1e12) * 1e6, floor8_us=n_exp * per8 / (hbm * 1e12) * 1e6)
-        paths = [("w4", t4, spec, extra4, {}), ("w4 split", t4, spec, extra4, {"MOECOMP_W4_FORM": "split"})]
+        paths = [("w4", t4, spec, extra4, {}), ("w4 split", t4, spec, extra4, {"MOECOMP_W4_FORM": "split"}),
+                 ("w4 interleave", t4, spec, extra4, {"MOECOMP_W4_FORM": "interleave"})]
         if spec.quant.weight == "mxfp4":
             paths.append(("w4 scaled", t4, spec, extra4, {"MOECOMP_W4_FORM": "dot_scaled"}))
         if T <= 16:
             paths.append(("w4 aligned", t4, spec, extra4, {"MOECOMP_DECODE_MAX_T": 0}))
+            paths.append(("w4 decode16", t4, spec, extra4, {"MOECOMP_DECODE_MAX_T": 16}))
         paths += [("bf16", t16, spec16, {}, {}), ("fp8", t8, spec8, extra8, {})]
         for label, t, s, extra, kv in paths:
             try:

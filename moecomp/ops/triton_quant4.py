@@ -10,10 +10,13 @@ their tile rule. Called through ``triton_fp8.expert_quant`` / ``fp8_tile``, so t
 
 Options (speed candidates; per call, as the FP8 ones): the config's keys ``"w4_fold": 1`` (int4: the scale folded
 into the weight tile, one rounding of each scaled weight to x's dtype; off by default) and ``"w4_form"``:
-"interleave" (the default: the unpacked nibbles interleaved into one [BLOCK_K, N] tile, one dot a step), "split"
-(A's even / odd columns times the low / high nibbles, two dots a step) or "dot_scaled" (mxfp4 with 16-bit x:
-``tl.dot_scaled``; else interleave); or MOECOMP_W4_FOLD=0|1 / MOECOMP_W4_FORM=interleave|split|dot_scaled, which
-win. mxfp4 always folds (exact). Why interleave is the default: ``kernels/quant4.py`` (offline register counts).
+"interleave" (the unpacked nibbles interleaved into one [BLOCK_K, N] tile, one dot a step), "split" (A's even / odd
+columns times the low / high nibbles, two dots a step) or "dot_scaled" (mxfp4 with 16-bit x: ``tl.dot_scaled``; else
+interleave); or MOECOMP_W4_FOLD=0|1 / MOECOMP_W4_FORM=interleave|split|dot_scaled, which win. mxfp4 always folds
+(exact). Default (``DEFAULT_FORM``): "dot_scaled" on CUDA, measured on an H200 (2026-12-03, 41626bb,
+``benchmarks/results/nvidia-h200-2026-12-03-41626bb-diag-quant4.json``, gpt-oss-120b layer): 0.60-0.68x the
+interleave form's time at T = 1, 4, 16, 64 (87 against 128 us at T = 1), the split form 1.04-1.15x; int4 and fp32 x
+take interleave. Under the interpreter (CPU tests): interleave.
 
 The arguments are pointers and strides only: no host sync, so a 4-bit call is CUDA-graph capturable as the 16-bit
 one is. Zero points whose strides differ from their scales' (the kernels index both with the scales' strides) are
@@ -30,17 +33,18 @@ import torch
 
 W4_CODES = {"mxfp4": 1, "int4": 2}  # int4 with zero points: 3
 FORMS = {"interleave": 0, "split": 1, "dot_scaled": 2}  # the K step's form (kernels/quant4.py: FORM)
+DEFAULT_FORM = {"cuda": "dot_scaled"}  # by device type; others: "interleave" (module docstring)
 MIN_BLOCK_K = 32  # the split loop multiplies two [BM, BLOCK_K / 2] halves: a 16-bit dot needs K >= 16
 
 
 def options(cfg: dict | None = None) -> dict:
     """{"w4_fold": 0 | 1, "w4_form": a ``FORMS`` name} of one call: MOECOMP_W4_FOLD / MOECOMP_W4_FORM when set, else
-    the config's keys, else off / "interleave"."""
+    the config's keys, else off / None (the device's ``DEFAULT_FORM``)."""
     fold = os.environ.get("MOECOMP_W4_FOLD") or None
     if fold is not None and fold not in ("0", "1"):
         raise ValueError(f"MOECOMP_W4_FOLD={fold!r}: expected '0' or '1'")
-    form = os.environ.get("MOECOMP_W4_FORM") or (cfg or {}).get("w4_form") or "interleave"
-    if form not in FORMS:
+    form = os.environ.get("MOECOMP_W4_FORM") or (cfg or {}).get("w4_form") or None
+    if form is not None and form not in FORMS:
         raise ValueError(f"w4_form / MOECOMP_W4_FORM={form!r}: expected one of {sorted(FORMS)}")
     return {"w4_fold": int(fold) if fold is not None else int((cfg or {}).get("w4_fold") or 0), "w4_form": form}
 
@@ -63,7 +67,7 @@ def quant4_kwargs(quant, scale: torch.Tensor, zero: torch.Tensor | None, opts: d
         kw["zp_ptr"] = zero
     if w4 != 1 and opts.get("w4_fold"):
         kw["W4_FOLD"] = 1
-    form = FORMS[opts.get("w4_form", "interleave")]
+    form = FORMS[opts.get("w4_form") or "interleave"]
     if form == 2 and w4 != 1:  # dot_scaled takes e2m1 codes with ue8m0 scales only
         form = 0
     if form:
@@ -74,6 +78,8 @@ def quant4_kwargs(quant, scale: torch.Tensor, zero: torch.Tensor | None, opts: d
 def expert_kwargs(quant, args: dict, cfg: dict | None) -> tuple[dict, dict]:
     """(gemm1's, gemm2's) ``quant4_kwargs`` of the routed experts (w13 / w2 scales and zeros from ``args``)."""
     opts = options(cfg)
+    if opts["w4_form"] is None:
+        opts["w4_form"] = DEFAULT_FORM.get(args["w13"].device.type, "interleave")
     return (quant4_kwargs(quant, args["w13_scale"], args.get("w13_zero"), opts),
             quant4_kwargs(quant, args["w2_scale"], args.get("w2_zero"), opts))
 

@@ -227,7 +227,10 @@ def fp8_linear_config(M: int, N: int, K: int, device: torch.device, sms: int) ->
 # ------------------------------------------------------------------------------------------------------ 4-bit
 # 4-bit experts (mxfp4, int4: w4a16, ``kernels/quant4.py``): table key "dtype=<quant4_key>" ("mxfp4", "int4_g128",
 # "int4_g128_zp"), else the heuristic below. Not timed yet (benchmarks/diag_quant4.py times it).
-QUANT4_DECODE_MAX_T = 16  # issue 22: the decode path up to 16 tokens (MOECOMP_DECODE_MAX_T overrides)
+# The decode path (DIRECT gemm1 + down-combine) up to 4 tokens (MOECOMP_DECODE_MAX_T overrides): on an H200
+# (41626bb, diag_quant4.py, gpt-oss-120b, interleave form) it took 0.98x the aligned path's time at T = 1, 1.00x at
+# T = 4 and 1.44x at T = 16 (1290 against 897 us).
+QUANT4_DECODE_MAX_T = 4
 
 
 def quant4_key(quant) -> str:

@@ -76,6 +76,7 @@ OPTIONS = {  # name: (spec, environment, bound)
     "int4 fold": (QWEN3_INT4, {"MOECOMP_W4_FOLD": "1"}, 1.5e-2),  # one more bf16 rounding of each scaled weight
     "mxfp4 split": (GPT_OSS_20B, {"MOECOMP_W4_FORM": "split"}, TOL[torch.bfloat16]),
     "mxfp4 dot_scaled": (GPT_OSS_20B, {"MOECOMP_W4_FORM": "dot_scaled"}, TOL[torch.bfloat16]),
+    "mxfp4 interleave": (GPT_OSS_20B, {"MOECOMP_W4_FORM": "interleave"}, TOL[torch.bfloat16]),
 }
 
 
