@@ -33,6 +33,19 @@ BLOCK_K columns loads a [BLOCK_K / 2, N] uint8 tile.
         2 dot_scaled:  mxfp4 with 16-bit A only (else the interleave form): ``tl.dot_scaled(a, None, "bf16" |
                        "fp16", bytes, scale bytes [N, BLOCK_K / 32], "e2m1")``, Triton's own microscaled dot (on
                        Hopper it upcasts the codes itself: no fp4 MMA there; fp16 A: exact in the range named above)
+        3 asm:         mxfp4 with 16-bit A on CUDA only (the launcher never asks for it under the interpreter, which
+                       cannot run PTX): ``e2m1x2`` decodes four bytes a 32-bit lane into eight 16-bit values with
+                       integer bit moves and one packed multiply a pair (below); A's even / odd columns (strided
+                       loads) times the low / high nibble tiles, two dots of K = 16 a step; BLOCK_K = 32 (one group a
+                       step), the step's fp32 product times its ue8m0 scale (a power of two: exact)
+
+    ``e2m1x2`` (FORM 3): a byte's nibble n = s e1 e0 m placed as a 16-bit float's bits, em = n & 7 at the bottom of the
+    exponent and the top of the mantissa, s at the sign: bf16 ``(em << 6) | (s << 15)`` is e2m1(n) * 2^-126 exactly
+    (em < 2: a subnormal 0 / 2^-127), fp16 ``(em << 9) | (s << 15)`` is e2m1(n) * 2^-14; one ``fma.rn.{bf16x2,f16x2}``
+    by 2^126 / 2^14 (and -0, which keeps the sign of zero) makes e2m1(n) (the packed 16-bit FMA keeps subnormal
+    inputs). Per lane of four bytes: two ``prmt`` spread bytes 0, 1 and 2, 3 into the two halves of a word, then per
+    word two shifts and masks each for the low and the high nibbles and one FMA each: 22 instructions for 8 values
+    (and two moves of the FMA's constants: packed FMAs take registers only).
 
     Scales: ue8m0 bytes decode through ``fp8.ue8m0``; fp16 / bf16 / fp32 scales load as fp32. ``ws_ptrs`` [N]: each
     output column's scale row (group scales are per weight row, so a gated w13's gate / up columns read their own
@@ -57,6 +70,70 @@ def e2m1(c):
     bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))  # 0 / 0.5, or (1 + m / 2) 2^(e - 1)
     bits = bits | ((c >> 3) << 31)
     return bits.to(tl.float32, bitcast=True)
+
+
+_E2M1X2 = """{
+.reg .b32 t<2>, u<4>, one, nz;
+mov.b32 one, ONE;
+mov.b32 nz, 0x80008000;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shl.b32 u0, t0, LO_EM;
+and.b32 u0, u0, EM_MASK;
+shl.b32 u1, t0, 12;
+and.b32 u1, u1, 0x80008000;
+or.b32 u0, u0, u1;
+fma.rn.TYPE $0, u0, one, nz;
+shl.b32 u2, t1, LO_EM;
+and.b32 u2, u2, EM_MASK;
+shl.b32 u3, t1, 12;
+and.b32 u3, u3, 0x80008000;
+or.b32 u2, u2, u3;
+fma.rn.TYPE $1, u2, one, nz;
+shl.b32 u0, t0, HI_EM;
+and.b32 u0, u0, EM_MASK;
+shl.b32 u1, t0, 8;
+and.b32 u1, u1, 0x80008000;
+or.b32 u0, u0, u1;
+fma.rn.TYPE $2, u0, one, nz;
+shl.b32 u2, t1, HI_EM;
+and.b32 u2, u2, EM_MASK;
+shl.b32 u3, t1, 8;
+and.b32 u3, u3, 0x80008000;
+or.b32 u2, u2, u3;
+fma.rn.TYPE $3, u2, one, nz;
+}"""
+# bf16: em to bits 6..8 (low nibble << 6, high << 2), times 2^126 (0x7E80); fp16: em to bits 9..11, times 2^14 (0x7400)
+E2M1X2_BF16 = tl.constexpr(_E2M1X2.replace("LO_EM", "6").replace("HI_EM", "2").replace("EM_MASK", "0x01C001C0")
+                           .replace("ONE", "0x7E807E80").replace("TYPE", "bf16x2"))
+E2M1X2_F16 = tl.constexpr(_E2M1X2.replace("LO_EM", "9").replace("HI_EM", "5").replace("EM_MASK", "0x0E000E00")
+                          .replace("ONE", "0x74007400").replace("TYPE", "f16x2"))
+
+
+@triton.jit
+def e2m1x2(p, F16: tl.constexpr):
+    """uint8 bytes (any shape; CUDA only) -> (low nibbles' e2m1 values, high nibbles'), bf16 (fp16 when F16), exact
+    (module docstring: FORM 3)."""
+    if F16:
+        lo, hi = tl.inline_asm_elementwise(E2M1X2_F16, "=r,=r,=r,=r,r", [p], dtype=(tl.float16, tl.float16),
+                                           is_pure=True, pack=4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(E2M1X2_BF16, "=r,=r,=r,=r,r", [p], dtype=(tl.bfloat16, tl.bfloat16),
+                                           is_pure=True, pack=4)
+    return lo, hi
+
+
+@triton.jit
+def _asm_step(a_rows, row_ok, b_ptrs, j_ok, col_ok, ws_ptrs, k0, stride_sk, acc, offs_j, DOT_PRECISION: tl.constexpr):
+    """One K step of FORM 3 (BLOCK_K 32: one ue8m0 group): A's even / odd columns [BM, 16] (strided loads) times the
+    asm-decoded low / high nibble tiles [16, N], the fp32 product scaled by the group's power of two."""
+    a_e = tl.load(a_rows[:, None] + k0 + 2 * offs_j[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0.0)
+    a_o = tl.load(a_rows[:, None] + k0 + 2 * offs_j[None, :] + 1, mask=row_ok[:, None] & j_ok[None, :], other=0.0)
+    p = tl.load(b_ptrs, mask=j_ok[:, None] & col_ok[None, :], other=0)  # [16, N] bytes
+    lo, hi = e2m1x2(p, a_e.dtype == tl.float16)
+    part = tl.dot(a_o, hi, tl.dot(a_e, lo, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+    s = fp8.load_scale(ws_ptrs + (k0 // 32) * stride_sk, col_ok, True)  # [N] fp32 2^(byte - 127)
+    return acc + part * s[None, :]
 
 
 @triton.jit
@@ -113,12 +190,15 @@ def dot_loop4(a_rows, row_ok, b_ptrs, col_ok, K, stride_bk, ws_ptrs, zp_ptrs, st
     FOLDED: tl.constexpr = W4 == 1 or FOLD != 0
     A_DT: tl.constexpr = a_rows.dtype.element_ty
     SCALED: tl.constexpr = FORM == 2 and W4 == 1 and A_DT != tl.float32
+    ASM: tl.constexpr = FORM == 3 and W4 == 1 and A_DT != tl.float32 and BLOCK_K == 32 and UE8M0
     INTERLEAVE: tl.constexpr = FORM != 1
     offs_j = tl.arange(0, HALF)
     acc = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         j_ok = offs_j < (K - k0) // 2
-        if SCALED:
+        if ASM:
+            acc = _asm_step(a_rows, row_ok, b_ptrs, j_ok, col_ok, ws_ptrs, k0, stride_sk, acc, offs_j, DOT_PRECISION)
+        elif SCALED:
             acc = _scaled_step(a_rows, row_ok, b_ptrs, j_ok, col_ok, ws_ptrs, k0, K, stride_sk, acc,
                                "fp16" if A_DT == tl.float16 else "bf16", BLOCK_K)
         else:

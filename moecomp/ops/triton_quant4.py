@@ -13,7 +13,8 @@ into the weight tile, one rounding of each scaled weight to x's dtype; off by de
 "interleave" (the unpacked nibbles interleaved into one [BLOCK_K, N] tile, one dot a step), "split" (A's even / odd
 columns times the low / high nibbles, two dots a step) or "dot_scaled" (mxfp4 with 16-bit x: ``tl.dot_scaled``; else
 interleave); or MOECOMP_W4_FOLD=0|1 / MOECOMP_W4_FORM=interleave|split|dot_scaled, which win. mxfp4 always folds
-(exact). Default (``DEFAULT_FORM``): "dot_scaled" on CUDA, measured on an H200 (2026-12-03, 41626bb,
+(exact); "asm" (mxfp4 with 16-bit x on CUDA: ``kernels/quant4.py`` FORM 3, inline PTX decode, BLOCK_K 32; the
+interpreter runs "split" instead). Default (``DEFAULT_FORM``): "dot_scaled" on CUDA, measured on an H200 (2026-12-03, 41626bb,
 ``benchmarks/results/nvidia-h200-2026-12-03-41626bb-diag-quant4.json``, gpt-oss-120b layer): 0.60-0.68x the
 interleave form's time at T = 1, 4, 16, 64 (87 against 128 us at T = 1), the split form 1.04-1.15x; int4 and fp32 x
 take interleave. Under the interpreter (CPU tests): interleave.
@@ -32,7 +33,7 @@ import torch
 
 
 W4_CODES = {"mxfp4": 1, "int4": 2}  # int4 with zero points: 3
-FORMS = {"interleave": 0, "split": 1, "dot_scaled": 2}  # the K step's form (kernels/quant4.py: FORM)
+FORMS = {"interleave": 0, "split": 1, "dot_scaled": 2, "asm": 3}  # the K step's form (kernels/quant4.py: FORM)
 DEFAULT_FORM = {"cuda": "dot_scaled"}  # by device type; others: "interleave" (module docstring)
 MIN_BLOCK_K = 32  # the split loop multiplies two [BM, BLOCK_K / 2] halves: a 16-bit dot needs K >= 16
 
@@ -68,7 +69,7 @@ def quant4_kwargs(quant, scale: torch.Tensor, zero: torch.Tensor | None, opts: d
     if w4 != 1 and opts.get("w4_fold"):
         kw["W4_FOLD"] = 1
     form = FORMS[opts.get("w4_form") or "interleave"]
-    if form == 2 and w4 != 1:  # dot_scaled takes e2m1 codes with ue8m0 scales only
+    if form in (2, 3) and w4 != 1:  # dot_scaled / asm take e2m1 codes with ue8m0 scales only
         form = 0
     if form:
         kw["W4_FORM"] = form
@@ -78,8 +79,11 @@ def quant4_kwargs(quant, scale: torch.Tensor, zero: torch.Tensor | None, opts: d
 def expert_kwargs(quant, args: dict, cfg: dict | None) -> tuple[dict, dict]:
     """(gemm1's, gemm2's) ``quant4_kwargs`` of the routed experts (w13 / w2 scales and zeros from ``args``)."""
     opts = options(cfg)
+    cuda = args["w13"].device.type == "cuda"
     if opts["w4_form"] is None:
         opts["w4_form"] = DEFAULT_FORM.get(args["w13"].device.type, "interleave")
+    if opts["w4_form"] == "asm" and not cuda:  # inline PTX: the interpreter cannot run it
+        opts["w4_form"] = "split"
     return (quant4_kwargs(quant, args["w13_scale"], args.get("w13_zero"), opts),
             quant4_kwargs(quant, args["w2_scale"], args.get("w2_zero"), opts))
 
@@ -87,7 +91,9 @@ def expert_kwargs(quant, args: dict, cfg: dict | None) -> tuple[dict, dict]:
 def tile(c: dict, kw: dict) -> dict:
     """``c`` with a BLOCK_K the 4-bit loop takes: at least ``MIN_BLOCK_K``; a divisor of the group when the scale is
     applied after the dot (int4 unfolded), else a divisor or a multiple of it (folded: a step covers whole groups or
-    lies in one). The groups are multiples of 32, so halving a power of two reaches 32, which divides them."""
+    lies in one); the "asm" form: 32. The groups are multiples of 32, so halving a power of two reaches 32, which divides them."""
+    if kw.get("W4_FORM") == FORMS["asm"] and kw["W4"] == 1:  # one ue8m0 group (32 columns) a step
+        return c if c["BLOCK_K"] == 32 else dict(c, BLOCK_K=32)
     bk, g = max(c["BLOCK_K"], MIN_BLOCK_K), kw["Q_BLOCK_K"]
     folded = kw["W4"] == 1 or kw.get("W4_FOLD")
     while g % bk and (not folded or bk % g):

@@ -77,6 +77,7 @@ OPTIONS = {  # name: (spec, environment, bound)
     "mxfp4 split": (GPT_OSS_20B, {"MOECOMP_W4_FORM": "split"}, TOL[torch.bfloat16]),
     "mxfp4 dot_scaled": (GPT_OSS_20B, {"MOECOMP_W4_FORM": "dot_scaled"}, TOL[torch.bfloat16]),
     "mxfp4 interleave": (GPT_OSS_20B, {"MOECOMP_W4_FORM": "interleave"}, TOL[torch.bfloat16]),
+    "mxfp4 asm": (GPT_OSS_20B, {"MOECOMP_W4_FORM": "asm"}, TOL[torch.bfloat16]),
 }
 
 
