@@ -13,6 +13,7 @@ then captured) and its replay timed with ``triton.testing.do_bench`` (median). P
     w4 interleave  MOECOMP_W4_FORM=interleave: the nibbles interleaved into one tile, one dot a step (the default
                 before 2026-12-03; the default is now dot_scaled for mxfp4 on CUDA, interleave for int4)
     w4 scaled   MOECOMP_W4_FORM=dot_scaled (mxfp4): tl.dot_scaled (Hopper has no fp4 MMA: Triton upcasts)
+    w4 asm      MOECOMP_W4_FORM=asm (mxfp4): the inline-PTX decode, two dots of K = 16 a step
     bf16        the same spec, unquantized bf16 weights
     fp8         QuantSpec() (128x128 blocks, dynamic; the heuristic's w8a8 + prequant) on the same weights; FP8
                 experts take gate / up concatenated and no expert biases, so this spec differs in that (same work)
@@ -134,6 +135,7 @@ def run_model(name: str, tokens: list[int], hbm: float, rows: list, check: bool)
                  ("w4 interleave", t4, spec, extra4, {"MOECOMP_W4_FORM": "interleave"})]
         if spec.quant.weight == "mxfp4":
             paths.append(("w4 scaled", t4, spec, extra4, {"MOECOMP_W4_FORM": "dot_scaled"}))
+            paths.append(("w4 asm", t4, spec, extra4, {"MOECOMP_W4_FORM": "asm"}))
         if T <= 16:
             paths.append(("w4 aligned", t4, spec, extra4, {"MOECOMP_DECODE_MAX_T": 0}))
             paths.append(("w4 decode16", t4, spec, extra4, {"MOECOMP_DECODE_MAX_T": 16}))
@@ -159,19 +161,23 @@ def _fmt(v):
     return "-" if v is None else f"{v:.1f}"
 
 
-HEAD = ("| model | T | experts | w4 us | w4 aligned | w4 split | w4 scaled | bf16 us | fp8 us | bf16 / w4 | fp8 / w4 "
-        "| floor4 us | w4 x floor | bf16 x floor16 | err |")
+# timing columns in this order (a path a row lacks prints "-")
+PATHS = ("w4", "w4 aligned", "w4 decode16", "w4 split", "w4 interleave", "w4 scaled", "w4 asm", "bf16", "fp8")
+HEAD = ("| model | T | experts | " + " | ".join(f"{p} us" for p in PATHS) + " | bf16 / w4 | fp8 / w4 | floor4 us "
+        "| w4 x floor | best w4 x floor | bf16 x floor16 | err |")
 
 
 def _print_row(r: dict) -> None:
     w4 = r.get("w4")
     ratio = lambda k: "-" if not (w4 and r.get(k)) else f"{r[k] / w4:.2f}"  # noqa: E731
     xfloor = "-" if not w4 else f"{w4 / r['floor4_us']:.1f}"
+    best = min((r[p] for p in PATHS if p.startswith("w4") and r.get(p)), default=None)
+    xbest = "-" if not best else f"{best / r['floor4_us']:.1f}"
     x16 = "-" if not r.get("bf16") else f"{r['bf16'] / r['floor16_us']:.1f}"
     err = f"{r['err']:.1e}" if "err" in r else "-"
-    print(f"| {r['model']} | {r['T']} | {r['experts_touched']} | {_fmt(w4)} | {_fmt(r.get('w4 aligned'))} | "
-          f"{_fmt(r.get('w4 split'))} | {_fmt(r.get('w4 scaled'))} | {_fmt(r.get('bf16'))} | {_fmt(r.get('fp8'))} | "
-          f"{ratio('bf16')} | {ratio('fp8')} | {r['floor4_us']:.1f} | {xfloor} | {x16} | {err} |", flush=True)
+    print(f"| {r['model']} | {r['T']} | {r['experts_touched']} | " + " | ".join(_fmt(r.get(p)) for p in PATHS)
+          + f" | {ratio('bf16')} | {ratio('fp8')} | {r['floor4_us']:.1f} | {xfloor} | {xbest} | {x16} | {err} |",
+          flush=True)
     for k, v in r.items():
         if k.endswith(" error"):
             print(f"  {k}: {v}", flush=True)
