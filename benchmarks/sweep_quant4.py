@@ -4,7 +4,7 @@ reads (``moecomp/ops/configs/<gpu>.json``, key ``E=..,N=..,K=..,dtype=mxfp4``) c
 
 For each T: gemm1's tile candidates with gemm2 at the current config's, then gemm2's with gemm1's winner; each
 candidate is the whole op (``torch.ops.moecomp.moe_forward``) captured in a CUDA graph and timed by do_bench (median,
-``diag_quant4.time_op``) under MOECOMP_CONFIG. A candidate that fails to compile or launch (shared memory) is
+``diag_quant4.time_op``) under MOECOMP_CONFIG, for each K-step form asked for (the config's ``w4_form``). A candidate that fails to compile or launch (shared memory) is
 skipped and listed. The decode path's tokens (T <= the config's decode ``max_t``) are not swept here.
 
     PYTHONPATH=. python3 benchmarks/sweep_quant4.py --tokens 16,64,128 --out-json /tmp/sweep.json
@@ -40,11 +40,12 @@ def _tile(c: dict) -> str:
     return f"{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}"
 
 
-def sweep(name: str, T: int, t4: dict, extra4: dict, x_all: torch.Tensor, spec) -> dict:
+def sweep(name: str, T: int, t4: dict, extra4: dict, x_all: torch.Tensor, spec, form: str) -> dict:
     x = x_all[:T].contiguous()
     base = tuning.get_config(spec.num_experts, spec.intermediate_size, spec.hidden_size, T, spec.top_k,
                              torch.bfloat16, x.device, spec.quant)
-    rec = {"model": name, "T": T, "base": base, "g1": {}, "g2": {}, "failed": []}
+    base = dict(base, w4_form=form)
+    rec = {"model": name, "T": T, "form": form, "base": base, "g1": {}, "g2": {}, "failed": []}
 
     def timed(cfg: dict) -> float | None:
         try:
@@ -61,18 +62,18 @@ def sweep(name: str, T: int, t4: dict, extra4: dict, x_all: torch.Tensor, spec) 
         rec["g1"][_tile(c)] = us
         if us is not None and (best1_us is None or us < best1_us):
             best1, best1_us = c, us
-        print(f"\r[sweep] {name} T={T} gemm1 {i + 1}/{len(G1)}", end="", file=sys.stderr, flush=True)
+        print(f"\r[sweep] {name} {form} T={T} gemm1 {i + 1}/{len(G1)}", end="", file=sys.stderr, flush=True)
     best2, best2_us = base["g2"], best1_us
     for i, c in enumerate(G2):
         us = timed(dict(base, g1=best1, g2=c))
         rec["g2"][_tile(c)] = us
         if us is not None and (best2_us is None or us < best2_us):
             best2, best2_us = c, us
-        print(f"\r[sweep] {name} T={T} gemm2 {i + 1}/{len(G2)}", end="", file=sys.stderr, flush=True)
+        print(f"\r[sweep] {name} {form} T={T} gemm2 {i + 1}/{len(G2)}", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     rec["best"] = dict(base, g1=best1, g2=best2)
     rec["best_us"] = best2_us
-    print(f"| {name} | {T} | {rec['base_us']:.1f} | {_tile(best1)} | {_tile(best2)} | {best2_us:.1f} | "
+    print(f"| {name} | {form} | {T} | {rec['base_us']:.1f} | {_tile(best1)} | {_tile(best2)} | {best2_us:.1f} | "
           f"{rec['base_us'] / best2_us:.2f}x | {len(rec['failed'])} |", flush=True)
     return rec
 
@@ -81,20 +82,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="gpt-oss-120b")
     ap.add_argument("--tokens", default="16,64,128")
+    ap.add_argument("--forms", default="dot_scaled", help="K-step forms (ops/triton_quant4.FORMS), comma list")
     ap.add_argument("--out-json", default=None)
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sweep_quant4.py needs CUDA")
     tokens = [int(v) for v in a.tokens.split(",")]
-    print("| model | T | heuristic us | best gemm1 tile | best gemm2 tile | best us | speed-up | failed |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | form | T | heuristic tiles us | best gemm1 tile | best gemm2 tile | best us | speed-up | failed |")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows, t0 = [], time.time()
     for name in a.models.split(","):
         spec = MODELS[name]()
         raw = random_moe_args(spec, max(tokens), torch.bfloat16, "cuda", std=0.02, seed=0)
         t4, extra4 = pack(spec, dict(zip(MOE_ARGS, raw[1:])))
-        for T in tokens:
-            rows.append(sweep(name, T, t4, extra4, raw[0], spec))
+        for form in a.forms.split(","):
+            for T in tokens:
+                rows.append(sweep(name, T, t4, extra4, raw[0], spec, form))
         del raw, t4, extra4
         torch.cuda.empty_cache()
     if a.out_json:

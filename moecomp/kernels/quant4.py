@@ -36,8 +36,9 @@ BLOCK_K columns loads a [BLOCK_K / 2, N] uint8 tile.
         3 asm:         mxfp4 with 16-bit A on CUDA only (the launcher never asks for it under the interpreter, which
                        cannot run PTX): ``e2m1x2`` decodes four bytes a 32-bit lane into eight 16-bit values with
                        integer bit moves and one packed multiply a pair (below); A's even / odd columns (strided
-                       loads) times the low / high nibble tiles, two dots of K = 16 a step; BLOCK_K = 32 (one group a
-                       step), the step's fp32 product times its ue8m0 scale (a power of two: exact)
+                       loads) times the low / high nibble tiles, as batched dots over the step's BLOCK_K / 32 groups
+                       ([G, BM, 16] x [G, 16, N]), each group's fp32 product times its ue8m0 scale (a power of two:
+                       exact), summed over the groups
 
     ``e2m1x2`` (FORM 3): a byte's nibble n = s e1 e0 m placed as a 16-bit float's bits, em = n & 7 at the bottom of the
     exponent and the top of the mantissa, s at the sign: bf16 ``(em << 6) | (s << 15)`` is e2m1(n) * 2^-126 exactly
@@ -124,16 +125,26 @@ def e2m1x2(p, F16: tl.constexpr):
 
 
 @triton.jit
-def _asm_step(a_rows, row_ok, b_ptrs, j_ok, col_ok, ws_ptrs, k0, stride_sk, acc, offs_j, DOT_PRECISION: tl.constexpr):
-    """One K step of FORM 3 (BLOCK_K 32: one ue8m0 group): A's even / odd columns [BM, 16] (strided loads) times the
-    asm-decoded low / high nibble tiles [16, N], the fp32 product scaled by the group's power of two."""
-    a_e = tl.load(a_rows[:, None] + k0 + 2 * offs_j[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0.0)
-    a_o = tl.load(a_rows[:, None] + k0 + 2 * offs_j[None, :] + 1, mask=row_ok[:, None] & j_ok[None, :], other=0.0)
-    p = tl.load(b_ptrs, mask=j_ok[:, None] & col_ok[None, :], other=0)  # [16, N] bytes
-    lo, hi = e2m1x2(p, a_e.dtype == tl.float16)
+def _asm_step(a_rows, row_ok, b_ptrs, j_ok, col_ok, ws_ptrs, k0, K, stride_sk, acc, DOT_PRECISION: tl.constexpr,
+              BLOCK_K: tl.constexpr, TILE_N: tl.constexpr):
+    """One K step of FORM 3 over its G = BLOCK_K / 32 ue8m0 groups at once: the [BK / 2, N] bytes viewed as
+    [G, 16, N] and asm-decoded, A's even / odd columns loaded as [G, BM, 16] (strided), two batched dots ->
+    [G, BM, N] fp32 products, each group's times its power of two, summed over G."""
+    G: tl.constexpr = BLOCK_K // 32
+    BM: tl.constexpr = a_rows.shape[0]
+    g = tl.arange(0, G)
+    jj = tl.arange(0, 16)
+    p = tl.load(b_ptrs, mask=j_ok[:, None] & col_ok[None, :], other=0)  # [BK / 2, N] bytes
+    lo, hi = e2m1x2(tl.reshape(p, [G, 16, TILE_N]), a_rows.dtype.element_ty == tl.float16)  # [G, 16, N] each
+    cols = k0 + 32 * g[:, None, None] + 2 * jj[None, None, :]  # [G, 1, 16] even columns
+    a_ok = row_ok[None, :, None] & (cols < K)
+    a_e = tl.load(a_rows[None, :, None] + cols, mask=a_ok, other=0.0)  # [G, BM, 16]
+    a_o = tl.load(a_rows[None, :, None] + cols + 1, mask=a_ok, other=0.0)
     part = tl.dot(a_o, hi, tl.dot(a_e, lo, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
-    s = fp8.load_scale(ws_ptrs + (k0 // 32) * stride_sk, col_ok, True)  # [N] fp32 2^(byte - 127)
-    return acc + part * s[None, :]
+    g_ok = (k0 + 32 * g) < K
+    sg = fp8.load_scale(ws_ptrs[None, :] + ((k0 // 32) + g)[:, None] * stride_sk, g_ok[:, None] & col_ok[None, :],
+                        True)  # [G, N] fp32 2^(byte - 127)
+    return acc + tl.sum(part * sg[:, None, :], axis=0)  # [BM, N]
 
 
 @triton.jit
@@ -190,14 +201,15 @@ def dot_loop4(a_rows, row_ok, b_ptrs, col_ok, K, stride_bk, ws_ptrs, zp_ptrs, st
     FOLDED: tl.constexpr = W4 == 1 or FOLD != 0
     A_DT: tl.constexpr = a_rows.dtype.element_ty
     SCALED: tl.constexpr = FORM == 2 and W4 == 1 and A_DT != tl.float32
-    ASM: tl.constexpr = FORM == 3 and W4 == 1 and A_DT != tl.float32 and BLOCK_K == 32 and UE8M0
+    ASM: tl.constexpr = FORM == 3 and W4 == 1 and A_DT != tl.float32 and BLOCK_K % 32 == 0 and UE8M0
     INTERLEAVE: tl.constexpr = FORM != 1
     offs_j = tl.arange(0, HALF)
     acc = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         j_ok = offs_j < (K - k0) // 2
         if ASM:
-            acc = _asm_step(a_rows, row_ok, b_ptrs, j_ok, col_ok, ws_ptrs, k0, stride_sk, acc, offs_j, DOT_PRECISION)
+            acc = _asm_step(a_rows, row_ok, b_ptrs, j_ok, col_ok, ws_ptrs, k0, K, stride_sk, acc, DOT_PRECISION,
+                            BLOCK_K, TILE_N)
         elif SCALED:
             acc = _scaled_step(a_rows, row_ok, b_ptrs, j_ok, col_ok, ws_ptrs, k0, K, stride_sk, acc,
                                "fp16" if A_DT == tl.float16 else "bf16", BLOCK_K)

@@ -13,7 +13,7 @@ into the weight tile, one rounding of each scaled weight to x's dtype; off by de
 "interleave" (the unpacked nibbles interleaved into one [BLOCK_K, N] tile, one dot a step), "split" (A's even / odd
 columns times the low / high nibbles, two dots a step) or "dot_scaled" (mxfp4 with 16-bit x: ``tl.dot_scaled``; else
 interleave); or MOECOMP_W4_FOLD=0|1 / MOECOMP_W4_FORM=interleave|split|dot_scaled, which win. mxfp4 always folds
-(exact); "asm" (mxfp4 with 16-bit x on CUDA: ``kernels/quant4.py`` FORM 3, inline PTX decode, BLOCK_K 32; the
+(exact); "asm" (mxfp4 with 16-bit x on CUDA: ``kernels/quant4.py`` FORM 3, inline PTX decode; the
 interpreter runs "split" instead). Default (``DEFAULT_FORM``): "dot_scaled" on CUDA, measured on an H200 (2026-12-03, 41626bb,
 ``benchmarks/results/nvidia-h200-2026-12-03-41626bb-diag-quant4.json``, gpt-oss-120b layer): 0.60-0.68x the
 interleave form's time at T = 1, 4, 16, 64 (87 against 128 us at T = 1), the split form 1.04-1.15x; int4 and fp32 x
@@ -91,9 +91,7 @@ def expert_kwargs(quant, args: dict, cfg: dict | None) -> tuple[dict, dict]:
 def tile(c: dict, kw: dict) -> dict:
     """``c`` with a BLOCK_K the 4-bit loop takes: at least ``MIN_BLOCK_K``; a divisor of the group when the scale is
     applied after the dot (int4 unfolded), else a divisor or a multiple of it (folded: a step covers whole groups or
-    lies in one); the "asm" form: 32. The groups are multiples of 32, so halving a power of two reaches 32, which divides them."""
-    if kw.get("W4_FORM") == FORMS["asm"] and kw["W4"] == 1:  # one ue8m0 group (32 columns) a step
-        return c if c["BLOCK_K"] == 32 else dict(c, BLOCK_K=32)
+    lies in one). The groups are multiples of 32, so halving a power of two reaches 32, which divides them."""
     bk, g = max(c["BLOCK_K"], MIN_BLOCK_K), kw["Q_BLOCK_K"]
     folded = kw["W4"] == 1 or kw.get("W4_FOLD")
     while g % bk and (not folded or bk % g):
