@@ -29,9 +29,17 @@ takes a ready mask per layer type (``attention_mask={"full_attention": ..., "sli
 cache gives every sliding layer a plain static layer of length ``L`` (written at absolute cache indices like the full
 layers: no ring buffer, nothing to roll under capture) and the step passes both masks, the sliding one also
 ``arange(L) > slot - window`` (transformers counts the window in cache indices; with left padding that equals counting
-in positions). The prefill's masks are transformers' own, sized by the same cache. Attention sinks and the window
-kwarg go to the model's own attention function (``attention.py`` falls back for them). Other sliding or chunked
-layers are refused (``Engine.cache_unsupported``) and transformers' loop runs.
+in positions). The prefill's masks are transformers' own, sized by the same cache. Other sliding or chunked layers
+are refused (``Engine.cache_unsupported``) and transformers' loop runs.
+
+Whether the model takes a mask per layer type, and which "eager" attention (gpt-oss's, with its sinks) the decode
+kernel may run, is found on the first run by one tiny forward of the base model (``attention_probe.py``): what the
+layers receive and what the attention modules compute, not how the source is spelled::
+
+    probe forward (S tokens, {"full_attention": Mf, "sliding_attention": Ms}) -> layer i got layer_types[i]'s mask?
+    each eager attention module on its recorded inputs: own output == softmax(q k^T s + mask [+ sinks]) v ?
+    -> Engine.window (None: the sliding cache is refused, with the reason), attn_pairs (config -> kernel function),
+       kernel_window (the sliding layers' kernel reads only the window), eager_swapped (bool step masks)
 
 On CPU, or when a capture fails, the same step runs eagerly (``info["graphs"]`` says which, and why).
 """
@@ -242,9 +250,9 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------- the step
     def _mask(self, s: Slot, dtype) -> torch.Tensor | dict:
-        """The step's 4-D mask [Bb, 1, 1, L] (bool for sdpa and recognised eager attention, else additive); for a model with sliding layers a
-        mapping per layer type, the sliding one also dropping keys at least ``window`` cache indices before the
-        query's (transformers counts the window in cache indices, left padding included)."""
+        """The step's 4-D mask [Bb, 1, 1, L] (bool for sdpa and recognised eager attention, else additive); for a
+        model with sliding layers a mapping per layer type, the sliding one also dropping keys at least ``window``
+        cache indices before the query's (transformers counts the window in cache indices, left padding included)."""
         keep = s.pad_mask & (s.arange <= s.slot)  # [Bb, L]
         masks = {"full_attention": keep}
         if s.window is not None:

@@ -81,9 +81,9 @@ def test_kernel_equals_gpt_oss_eager_attention(backend, dtype, tol, monkeypatch,
 
 
 def test_probe_recognises_gpt_oss_and_engine_calls_the_sink_kernel(monkeypatch):
-    """Tiny gpt-oss (2 layers, window 8, sinks N(0, 0.5)): the probe finds sinks, a mask per layer type and the window kwarg on
-    exactly the sliding layers; every decode-step attention call goes to the kernel with the module's sinks, the
-    sliding layers with the window; greedy tokens = transformers' (eager, dynamic cache)."""
+    """Tiny gpt-oss (2 layers, window 8, sinks N(0, 0.5)): the probe finds sinks, a mask per layer type and the
+    window kwarg on exactly the sliding layers; every decode-step attention call goes to the kernel with the module's
+    sinks, the sliding layers with the window; greedy tokens = transformers' (eager, dynamic cache)."""
     ref = build("gpt_oss", num_hidden_layers=2)
     p = attention_probe.probe(ref, list(ref.config.layer_types), WINDOW, True)
     assert p.mask_per_type and p.window_kwarg and p.eager == [ref.config] and p.why_eager is None, p
