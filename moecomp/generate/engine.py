@@ -29,9 +29,17 @@ takes a ready mask per layer type (``attention_mask={"full_attention": ..., "sli
 cache gives every sliding layer a plain static layer of length ``L`` (written at absolute cache indices like the full
 layers: no ring buffer, nothing to roll under capture) and the step passes both masks, the sliding one also
 ``arange(L) > slot - window`` (transformers counts the window in cache indices; with left padding that equals counting
-in positions). The prefill's masks are transformers' own, sized by the same cache. Attention sinks and the window
-kwarg go to the model's own attention function (``attention.py`` falls back for them). Other sliding or chunked
-layers are refused (``Engine.cache_unsupported``) and transformers' loop runs.
+in positions). The prefill's masks are transformers' own, sized by the same cache. Other sliding or chunked layers
+are refused (``Engine.cache_unsupported``) and transformers' loop runs.
+
+Whether the model takes a mask per layer type, and which "eager" attention (gpt-oss's, with its sinks) the decode
+kernel may run, is found on the first run by one tiny forward of the base model (``attention_probe.py``): what the
+layers receive and what the attention modules compute, not how the source is spelled::
+
+    probe forward (S tokens, {"full_attention": Mf, "sliding_attention": Ms}) -> layer i got layer_types[i]'s mask?
+    each eager attention module on its recorded inputs: own output == softmax(q k^T s + mask [+ sinks]) v ?
+    -> Engine.window (None: the sliding cache is refused, with the reason), attn_pairs (config -> kernel function),
+       kernel_window (the sliding layers' kernel reads only the window), eager_swapped (bool step masks)
 
 On CPU, or when a capture fails, the same step runs eagerly (``info["graphs"]`` says which, and why).
 """
@@ -40,13 +48,12 @@ from __future__ import annotations
 
 import inspect
 import os
-import re
 import time
 from collections import OrderedDict
 
 import torch
 
-from . import attention
+from . import attention, attention_probe
 from .progress import Progress
 from .shared_layers import SharedLayer, compiled_run, method_forwards
 from .sampling import Sampler, StepState, Unsupported, select
@@ -124,32 +131,21 @@ def full_length_layers(cache, length: int) -> None:
             cache.layers[i] = StaticLayer(max_cache_len=length)
 
 
-_MASK_MAPPING = re.compile(r"isinstance\(\s*(?:\w+\s*:=\s*)?attention_mask\s*,\s*dict\s*\)")
-
-
-def sliding_window(model) -> tuple[int | None, str | None]:
-    """(window, why not): the window of a model whose layers are full and sliding-window attention and whose base
-    model takes a ready mask per layer type (``attention_mask={"full_attention": ..., "sliding_attention": ...}``,
-    as transformers' ``generate`` may pass); (None, None) for a model without sliding layers; (None, reason) for
-    one with sliding layers the engine cannot mask itself (its cache is then refused by ``cache_unsupported``)."""
+def sliding_layers(model) -> tuple[list | None, int | None, str | None]:
+    """(layer types, window, why not) from the config: (None, None, None) for a model without sliding layers;
+    (None, None, reason) for layer types the engine cannot serve beside full and sliding attention, or no window.
+    Whether the base model takes a mask per layer type is the probe's to say (``attention_probe.py``)."""
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     types = getattr(cfg, "layer_types", None)
     if not types or "sliding_attention" not in types:
-        return None, None
+        return None, None, None
     other = sorted(set(types) - {"full_attention", "sliding_attention"})
     if other:
-        return None, f"layer types {other} beside full and sliding attention"
+        return None, None, f"layer types {other} beside full and sliding attention"
     window = getattr(cfg, "sliding_window", None)
     if not isinstance(window, int) or window <= 0:
-        return None, f"sliding_window {window!r}"
-    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    try:
-        src = inspect.getsource(type(base).forward)
-    except (TypeError, OSError):
-        src = ""
-    if not _MASK_MAPPING.search(src):
-        return None, "the model takes no mask per layer type"
-    return window, None
+        return None, None, f"sliding_window {window!r}"
+    return list(types), window, None
 
 
 class Engine:
@@ -170,12 +166,38 @@ class Engine:
         self._compiled = None
         self.progress = Progress()
         self._ran: set = set()  # (phase, batch) whose compiled layers have run: their first run compiles
-        # attention of the decode step: moecomp's decode kernel where the model uses sdpa (generate/attention.py)
-        use_attn = os.environ.get("MOECOMP_DECODE_ATTENTION", "1") != "0" and attention.register()
-        self.attn_configs = attention.sdpa_configs(model) if use_attn else []
         self.n = None  # [] int64: cache positions the running step attends to
-        # sliding-window layers: full-length static cache layers, masked to the window by the engine
-        self.window, self.window_why = sliding_window(model)
+        # Set by _probe() on the first run (it needs the weights where they will run): the (config, function) pairs
+        # the decode step points at moecomp's decode kernel (attention.py), the sliding window the engine masks
+        # (full-length static cache layers for the sliding layers), and what the probe found.
+        self.attn_pairs: list | None = None
+        self.window: int | None = None
+        self.window_why: str | None = None
+        self.kernel_window = 0  # the window the decode kernel may read alone (0: the whole cache, masked)
+        self.eager_swapped = False  # "eager" configs recognised: the step's masks are bool
+        self.attention_why: str | None = None  # why "eager" attention stays transformers'
+
+    def _probe(self) -> None:
+        """Once: which attention runs on moecomp's decode kernel in the decode step ("sdpa" configs; "eager" ones
+        whose modules the probe found to compute the kernel's formula, sinks included), and the sliding window
+        (where the base model takes a mask per layer type: the probe's forward shows it)."""
+        if self.attn_pairs is not None:
+            return
+        model = self.model
+        use_attn = os.environ.get("MOECOMP_DECODE_ATTENTION", "1") != "0" and attention.register()
+        pairs = [(c, attention.NAME) for c in attention.configs_of(model, "sdpa")] if use_attn else []
+        types, window, self.window_why = sliding_layers(model)
+        want_eager = use_attn and bool(attention.configs_of(model, "eager"))
+        if types is not None or want_eager:
+            p = attention_probe.probe(model, types, window, want_eager)
+            if types is not None:
+                self.window, self.window_why = (window, None) if p.mask_per_type else \
+                    (None, f"the model takes no mask per layer type ({p.why_mask})")
+                self.kernel_window = window if p.mask_per_type and p.window_kwarg else 0
+            pairs += [(c, attention.NAME_EAGER) for c in p.eager]
+            self.eager_swapped = bool(p.eager)
+            self.attention_why = p.why_eager if want_eager else None
+        self.attn_pairs = pairs
 
     # ------------------------------------------------------------------------------------------- checks
     def unsupported(self) -> str | None:
@@ -218,6 +240,7 @@ class Engine:
         if s is None:
             while len(self.slots) >= MAX_SLOTS:
                 self.slots.popitem(last=False)
+            self._probe()
             s = self.slots[key] = Slot(self.model, batch, length, device, dtype, self.window, self.window_why)
         self.slots.move_to_end(key)
         return s
@@ -227,14 +250,14 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------- the step
     def _mask(self, s: Slot, dtype) -> torch.Tensor | dict:
-        """The step's 4-D mask [Bb, 1, 1, L] (bool for sdpa, additive for eager); for a model with sliding layers a
-        mapping per layer type, the sliding one also dropping keys at least ``window`` cache indices before the
-        query's (transformers counts the window in cache indices, left padding included)."""
+        """The step's 4-D mask [Bb, 1, 1, L] (bool for sdpa and recognised eager attention, else additive); for a
+        model with sliding layers a mapping per layer type, the sliding one also dropping keys at least ``window``
+        cache indices before the query's (transformers counts the window in cache indices, left padding included)."""
         keep = s.pad_mask & (s.arange <= s.slot)  # [Bb, L]
         masks = {"full_attention": keep}
         if s.window is not None:
             masks["sliding_attention"] = keep & (s.arange > s.slot - s.window)
-        eager = self.model.config._attn_implementation == "eager"
+        eager = self.model.config._attn_implementation == "eager" and not self.eager_swapped
         for k, m in masks.items():
             m = m[:, None, None, :]  # [Bb, 1, 1, L]
             masks[k] = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min) \
@@ -310,7 +333,7 @@ class Engine:
     def _forward(self, s: Slot, dtype, compiled: bool):
         kw = dict(input_ids=s.tok, position_ids=s.pos, attention_mask=self._mask(s, dtype),
                   **{self.cache_kw: s.cache})
-        with attention.Swapped(self.attn_configs, self.n):
+        with attention.Swapped(self.attn_pairs, self.n, self.kernel_window):
             if compiled and not (s.tok.is_cuda and torch.cuda.is_current_stream_capturing()):
                 return self._compiled_or_eager(s, "decode", **kw)  # the eager warm-up step compiles
             return self._call("decode" if compiled else None, **kw)
@@ -470,7 +493,8 @@ class Engine:
         layers = ("eager" if not ((cuda or self.cpu_compile) and self.compile_layers) else
                   f"eager (compile failed: {self.compile_error})" if self.compile_error else "compiled")
         info = {"batch_bucket": Bb, "cache_length": L, "graphs": graphs, "layers": layers, "prefill_layers": prefill,
-                "attention": "moecomp decode kernel" if self.attn_configs else "transformers",
+                "attention": "moecomp decode kernel" if self.attn_pairs else
+                f"transformers ({self.attention_why})" if self.attention_why else "transformers",
                 "decode_steps": steps,  # forward passes after the prefill (the captured step's included)
                 "prefill_s": ev[0].elapsed_time(ev[1]) / 1e3 if cuda else clock[1] - clock[0],
                 "decode_s": ev[1].elapsed_time(ev[2]) / 1e3 if cuda else clock[2] - clock[1],
