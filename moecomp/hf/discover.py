@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .packed_linear import Packed4Linear
+
 # top-k, argmax, or a max over the last / a named dim (a top-1 router spelled ``torch.max(probs, dim=-1)``, as
 # Switch Transformers' is in transformers 5.17)
 _ROUTER_CALL = re.compile(r"\btopk\(|\.topk\(|\bargmax\(|\.argmax\(|\bmax\([^()\n]*\bdim\s*=|"
@@ -128,6 +130,11 @@ def holds_expert_weights(m: nn.Module) -> bool:
 
 
 def _own_named(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``m``'s own tensors; none for a 4-bit dense linear (``Packed4Linear``: its packed codes [out, in / 2] and
+    group scales [out, in / g] are 2-D tensors of no router's or expert's meaning, and neither a router nor experts
+    can be 4-bit linears)."""
+    if isinstance(m, Packed4Linear):
+        return []
     return [(n, t) for n, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False))
             if t is not None]
 

@@ -20,9 +20,13 @@ already moecomp's bytes (a transpose of [K / 8, N, 4] bytes).
 
 :func:`load_int4` builds a model from such a checkpoint (no hub, no gptqmodel / autoawq kernels): routed experts
 become :class:`moecomp.hf.packed.PackedExperts` (w13 [E, 2I, H / 2] = gate rows then up rows, w2 [E, H, I / 2]);
-every other int4 linear is dequantized into ``dtype`` (logged). Act-order checkpoints (an expert whose ``g_idx``
-is not ``k // g``) are refused: a group's inputs are then scattered along K, which moecomp's layout (groups of
-``g`` consecutive inputs) cannot hold without permuting the experts' inputs, different per expert.
+every other int4 ``nn.Linear`` (attention, shared experts, dense MLPs, a quantized lm_head) becomes a
+:class:`moecomp.hf.packed_linear.Packed4Linear` holding its codes the same way (forward: ``moecomp.linear_4bit``).
+Only an MoE router's int4 weight (the op's routing reads a 16-bit router) or one of a module that is not an
+``nn.Linear`` is dequantized into ``dtype`` (logged). Act-order experts (``g_idx`` not ``k // g``) are refused: a
+group's inputs are then scattered along K, which moecomp's layout (groups of ``g`` consecutive inputs) cannot hold
+without permuting the experts' inputs, different per expert; an act-order dense linear keeps its codes with the
+columns sorted by group and gathers its input the same way (``act_order_perm``: one permutation per linear).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from torch import nn
 from .. import quant as q8
 from ..spec import QuantSpec
 from .packed import PackedExperts
+from .packed_linear import Packed4Linear
 from .structure import iter_blocks
 
 logger = logging.getLogger(__name__)
@@ -145,7 +150,7 @@ def awq_to_packed(qweight, qzeros, scales, *, group: int | None = None):
 
 
 def dequantize_gptq(qweight, qzeros, scales, g_idx=None, *, v1_offset: bool, group: int | None = None):
-    """fp32 W [N, K] of one GPTQ Linear, act-order ``g_idx`` included (for the linears that are not experts)."""
+    """fp32 W [N, K] of one GPTQ Linear, act-order ``g_idx`` included (a reference for tests and tools)."""
     w, scale, zero = gptq_to_packed(qweight, qzeros, scales, None, sym=False, v1_offset=v1_offset, group=group)
     K = 2 * w.shape[1]
     g = _group_of(K, scales.shape[0], group, "scales")
@@ -155,6 +160,38 @@ def dequantize_gptq(qweight, qzeros, scales, g_idx=None, *, v1_offset: bool, gro
         _check("g_idx", g_idx, (K,), (torch.int32, torch.int64), f"the group of each of the K={K} inputs")
         gi = g_idx.long()
     return (q8.unpack_4bit(w).float() - zero[:, gi].float()) * scale[:, gi].float()
+
+
+def act_order_perm(g_idx, K: int, g: int) -> torch.Tensor | None:
+    """None for ``g_idx`` None or ``k // g``; else (act-order) ``perm`` [K] int64, the inputs sorted by group (stable),
+    such that ``g_idx[perm]`` is ``k // g``: the columns ``perm`` taken in order form groups of g consecutive columns,
+    moecomp's layout. ValueError when no such order exists (a group with other than g inputs)."""
+    if g_idx is None:
+        return None
+    _check("g_idx", g_idx, (K,), (torch.int32, torch.int64), f"the group of each of the K={K} inputs")
+    trivial = torch.arange(K, device=g_idx.device) // g
+    gi = g_idx.long()
+    if torch.equal(gi, trivial):
+        return None
+    perm = torch.sort(gi, stable=True).indices
+    if not torch.equal(gi[perm], trivial):
+        raise ValueError(f"g_idx: the groups do not each hold {g} inputs (sorted by group, g_idx is not k // {g}): "
+                         f"no order of the inputs gives moecomp's groups of consecutive inputs")
+    return perm
+
+
+def gptq_linear_to_packed(qweight, qzeros, scales, g_idx=None, *, sym: bool, v1_offset: bool,
+                          group: int | None = None):
+    """One GPTQ Linear that is not a routed expert -> (w [N, K / 2] uint8, scale, zero or None, perm [K] or None):
+    ``gptq_to_packed``, and for act-order (``g_idx`` not ``k // g``) the codes' columns reordered by ``perm``
+    (``act_order_perm``) so that each group is g consecutive columns; the module then gathers ``x[..., perm]``
+    (``Packed4Linear``). Still a repack: codes stay 4-bit codes."""
+    w, scale, zero = gptq_to_packed(qweight, qzeros, scales, None, sym=sym, v1_offset=v1_offset, group=group)
+    K = 2 * w.shape[1]
+    perm = act_order_perm(g_idx, K, _group_of(K, scales.shape[0], group, "scales"))
+    if perm is not None:
+        w = q8.pack_4bit(q8.unpack_4bit(w)[:, perm]).contiguous()
+    return w, scale, zero, perm
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -206,16 +243,28 @@ class Int4Format:
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
 
+    def convert_linear(self, t: dict, name: str):
+        """(w, scale, zero, perm) of one Linear outside the routed experts (act-order read: ``perm``)."""
+        try:
+            if self.method == "awq":
+                return (*awq_to_packed(t["qweight"], t["qzeros"], t["scales"], group=self.group), None)
+            return gptq_linear_to_packed(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), sym=self.sym,
+                                         v1_offset=self.v1_offset, group=self.group)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+
+    def quant(self, scale: torch.Tensor, zero) -> QuantSpec:
+        return QuantSpec.int4(self.group, zero_point=zero is not None, scale_dtype=SCALE_DTYPES[scale.dtype])
+
     def dequantize(self, t: dict, name: str) -> torch.Tensor:
         """fp32 W [N, K] of one Linear (any g_idx)."""
-        if self.method == "gptq":
-            try:
-                return dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"),
-                                       v1_offset=self.v1_offset, group=self.group)
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
-        w, scale, zero = self.convert(t, name)
-        return q8.dequantize(w, scale, QuantSpec.int4(self.group, True, SCALE_DTYPES[scale.dtype]), zero=zero)
+        w, scale, zero, perm = self.convert_linear(t, name)
+        wf = q8.dequantize(w, scale, self.quant(scale, zero), zero=zero)
+        if perm is None:
+            return wf
+        out = torch.empty_like(wf)
+        out[:, perm] = wf
+        return out
 
 
 # ------------------------------------------------------------------------------------------------ checkpoint
@@ -305,6 +354,13 @@ def _expert_blocks(model: nn.Module) -> dict:
     return out
 
 
+def _router_modules(model: nn.Module) -> set:
+    """Paths of the MoE blocks' router modules (``hf.structure``): their weights stay 16-bit (the op's routing reads
+    a 16-bit [E, H] router), so an int4 router is dequantized at load."""
+    return {f"{name}.{parts.router_module}" if name else parts.router_module
+            for name, _block, parts, _reason in iter_blocks(model) if parts is not None and parts.router_module}
+
+
 def _check_parts(path: str, parts) -> None:
     bad = [f for f, v in (("ungated experts", not parts.gated),
                           ("experts stored [in, out]", parts.w_layout != "out_in"),
@@ -385,10 +441,48 @@ def _replace_experts(model, ckpt, fmt: Int4Format, experts: dict, device) -> int
     return len(blocks)
 
 
-def _load_rest(model, ckpt, fmt: Int4Format, linears: dict, plain: list, rename, device, dtype) -> None:
-    """Every tensor but the experts', in the dtype of the model's tensor it replaces; int4 linears dequantized."""
+def _replace_linears(model, ckpt, fmt: Int4Format, linears: dict, device) -> tuple[dict, list]:
+    """Put a ``Packed4Linear`` (the checkpoint's codes repacked, never dequantized) where each int4 linear's
+    ``nn.Linear`` was, its bias slot kept (loaded with the other tensors). Returns ({name: tensors} of the int4
+    weights left for ``_load_rest`` to dequantize: an MoE router's (16-bit for the op's routing), or a module's that
+    is not an ``nn.Linear``; [checkpoint keys the model has no module for])."""
+    left, unexpected = {}, []
+    routers = _router_modules(model)
+    for name, d in linears.items():
+        try:
+            mod = model.get_submodule(name)
+        except AttributeError:
+            unexpected.append(name + ".qweight")
+            continue
+        if type(mod) is not nn.Linear or name in routers:
+            left[name] = d
+            continue
+        w, scale, zero, perm = fmt.convert_linear({k: ckpt.get(key, device) for k, key in d.items()}, name)
+        if (w.shape[0], 2 * w.shape[1]) != (mod.out_features, mod.in_features):
+            raise ValueError(f"{name}: int4 weight [{w.shape[0]}, {2 * w.shape[1]}]; the model's Linear is "
+                             f"[{mod.out_features}, {mod.in_features}]")
+        try:
+            packed = Packed4Linear(fmt.quant(scale, zero), w, scale, zero, None, perm)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        if mod.bias is not None:  # (on the meta device: the checkpoint's bias is loaded into it with the rest)
+            packed.bias = nn.Parameter(mod.bias, requires_grad=False)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, packed)
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(out, Packed4Linear) and getattr(model.config, "tie_word_embeddings", False):
+        raise ValueError("the output embeddings (lm_head) are int4 in the checkpoint but config.tie_word_embeddings "
+                         "ties them to the 16-bit input embeddings: a contradictory checkpoint")
+    return left, unexpected
+
+
+def _load_rest(model, ckpt, fmt: Int4Format, left: dict, plain: list, rename, device, dtype,
+               unexpected: list) -> None:
+    """Every tensor but the experts' and the Packed4Linears' codes, in the dtype of the model's tensor it replaces
+    (biases included); ``left``: int4 weights of routers and of modules that are not an ``nn.Linear``, dequantized
+    (logged)."""
     ref = model.state_dict()
-    state, unexpected = {}, []
+    state = {}
     for key in plain:
         name = rename(key)
         if EXPERT_RE.match(name.rpartition(".")[0]):
@@ -397,7 +491,7 @@ def _load_rest(model, ckpt, fmt: Int4Format, linears: dict, plain: list, rename,
             unexpected.append(key)
             continue
         state[name] = ckpt.get(key, device).to(ref[name].dtype)
-    for name, d in linears.items():
+    for name, d in left.items():
         if name + ".weight" not in ref:
             unexpected.append(name + ".qweight")
             continue
@@ -406,9 +500,9 @@ def _load_rest(model, ckpt, fmt: Int4Format, linears: dict, plain: list, rename,
             raise ValueError(f"{name}: dequantized weight {list(w.shape)}; the model's is "
                              f"{list(ref[name + '.weight'].shape)}")
         state[name + ".weight"] = w.to(ref[name + ".weight"].dtype)
-    if linears:
-        logger.warning("load_int4: %d int4 linears outside the routed experts (e.g. %s) dequantized to %s at load "
-                       "(only routed experts run 4-bit)", len(linears), next(iter(linears)), dtype)
+    if left:
+        logger.warning("load_int4: %d int4 weights of MoE routers or of modules that are not an nn.Linear (e.g. %s) "
+                       "dequantized to %s at load (routers run 16-bit)", len(left), next(iter(left)), dtype)
     if unexpected:
         logger.warning("load_int4: %d checkpoint tensors the model has no place for, not read (e.g. %s)",
                        len(unexpected), unexpected[0])
@@ -441,10 +535,12 @@ def load_int4(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu", *, c
     experts module (found by structure: ``hf.structure``) becomes a :class:`PackedExperts` holding the checkpoint's
     codes (``...experts.{i}.{gate_proj,up_proj,down_proj}`` or Mixtral's ``w1 / w3 / w2``: ``qweight``, ``qzeros``,
     ``scales``, ``g_idx``) repacked, never dequantized, with the group scales in the checkpoint's dtype. Every other
-    tensor is read into the dtype of the model's tensor (``dtype``, or fp32 where the model keeps it); int4 linears
-    outside the routed experts (attention, shared experts, dense MLPs) are dequantized into it, with a logged
-    warning. ValueError for what is not read: bits other than 4, group_size -1, ``dynamic`` configs, AWQ other than
-    "gemm", act-order experts, 16-bit experts, blocks whose experts are not gated [out, in] matrices.
+    tensor is read into the dtype of the model's tensor (``dtype``, or fp32 where the model keeps it); int4
+    ``nn.Linear`` modules outside the routed experts (attention, shared experts, dense MLPs) become
+    :class:`Packed4Linear` (codes kept, act-order ones with an input permutation; their biases in ``dtype``); an
+    int4 MoE router is dequantized (logged). ValueError for what is not read: bits other than 4, group_size -1,
+    ``dynamic`` configs, AWQ other than "gemm", act-order experts, 16-bit experts, blocks whose experts are not gated
+    [out, in] matrices, an int4 lm_head tied to the embeddings.
 
     ``config`` / ``quantization_config``: already read by the caller (``moecomp.load``'s loader convention: a
     loader is called as ``fn(directory, dtype=, device=, quantization_config=, config=)``); read from ``path``
@@ -467,6 +563,7 @@ def load_int4(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu", *, c
         else:
             linears[name] = d
     _replace_experts(model, ckpt, fmt, experts, device)
-    _load_rest(model, ckpt, fmt, linears, plain, rename, device, dtype)
+    left, unexpected = _replace_linears(model, ckpt, fmt, linears, device)
+    _load_rest(model, ckpt, fmt, left, plain, rename, device, dtype, unexpected)
     _finish(model, device)
     return model.eval()

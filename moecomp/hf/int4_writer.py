@@ -10,7 +10,8 @@ repacks bytes; the tests check one against the other through known codes.
                                                               scales   (nibble i of a word: column 8c + AWQ_ORDER[i])
     write_int4_checkpoint(model, path, fmt, group, sym)   transformers' save_pretrained (per-expert keys), then every
                                                               routed expert's gate / up / down ``weight`` (and, with
-                                                              ``attention=True``, the attention projections)
+                                                              ``attention=True``, the attention projections;
+                                                              with ``dense=True``, shared experts and dense MLPs)
                                                               replaced by its int4 tensors; config.json gets the
                                                               ``quantization_config`` GPTQ / AWQ checkpoints carry
 
@@ -34,6 +35,7 @@ from .gptq import AWQ_ORDER
 
 EXPERT_KEY = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 ATTENTION_KEY = re.compile(r"\.self_attn\.[a-z_]*proj[a-z_]*\.weight$")
+DENSE_KEY = re.compile(r"\.mlp\.(shared_experts?\.)?(gate_proj|up_proj|down_proj)\.weight$")  # shared / dense MLPs
 
 
 def _words(nibbles: list[torch.Tensor]) -> torch.Tensor:
@@ -110,11 +112,13 @@ def _convert_key(key: str, t: torch.Tensor, fmt: str, group: int, sym: bool, v1:
 
 
 def write_int4_checkpoint(model: nn.Module, path: str, fmt: str = "gptq", group: int = 128, sym: bool = True, *,
-                          attention: bool = False, v1: bool = True, max_shard_size: str | None = None) -> str:
+                          attention: bool = False, dense: bool = False, v1: bool = True,
+                          max_shard_size: str | None = None) -> str:
     """Write ``model`` (16-bit / fp32) as a real-format int4 checkpoint at ``path`` (module docstring); returns
     ``path``. ``fmt`` "gptq" (``v1``: checkpoint_format "gptq", else "gptq_v2") or "awq" (always zero points:
     ``sym`` must be False). ``attention``: the attention projections whose shapes allow it (N % 8 == 0, K a
-    multiple of ``group``) are int4 too, as in real checkpoints. ``max_shard_size``: save_pretrained's, for
+    multiple of ``group``) are int4 too, as in real checkpoints; ``dense``: the shared experts' and dense MLPs'
+    gate / up / down projections likewise (``DENSE_KEY``). ``max_shard_size``: save_pretrained's, for
     sharded checkpoints (the index is updated)."""
     from safetensors.torch import load_file, save_file
 
@@ -129,8 +133,9 @@ def write_int4_checkpoint(model: nn.Module, path: str, fmt: str = "gptq", group:
         fpath = os.path.join(path, fname)
         out = {}
         for key, t in load_file(fpath).items():
-            quantize = EXPERT_KEY.search(key) or (attention and ATTENTION_KEY.search(key) and t.dim() == 2
-                                                  and t.shape[0] % 8 == 0 and t.shape[1] % group == 0)
+            other = (attention and ATTENTION_KEY.search(key)) or (dense and DENSE_KEY.search(key))
+            quantize = EXPERT_KEY.search(key) or (other and t.dim() == 2 and t.shape[0] % 8 == 0
+                                                  and t.shape[1] % group == 0)
             if not quantize:
                 out[key] = t
                 continue

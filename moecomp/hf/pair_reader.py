@@ -34,6 +34,7 @@ from .. import policy, reference
 from ..reject import Refused, RejectCode
 from ..spec import ACTIVATIONS, MoESpec, SpecError
 from .bind_pair import PairLayout
+from .packed import PackedExperts
 from .structure import BlockParts, get_path
 
 
@@ -179,9 +180,11 @@ def _layouts(experts: nn.Module, parts: BlockParts, prefix: str, E: int, H: int)
 def fit_experts(experts: nn.Module, lay: PairLayout, parts: BlockParts, prefix: str, E: int, H: int, k: int,
                 dtype, device) -> tuple[dict, dict, float]:
     """(the spec's expert fields, their bindings, error): the weight layout and activation (and gate / up order)
-    that make ``reference.experts`` on the module's weights give the module's output on two probes."""
-    layouts = _layouts(experts, parts, prefix, E, H)
-    if not layouts:
+    that make ``reference.experts`` on the module's weights give the module's output on two probes. 4-bit
+    experts (``PackedExperts``) state their fields (``_packed_fields``), checked on the same probes."""
+    packed = isinstance(experts, PackedExperts)
+    layouts = _layouts(experts, parts, prefix, E, H) if not packed else []
+    if not layouts and not packed:
         raise PairError("the experts hold no 3-D gate-up / down weights the op can read as they are")
     g = torch.Generator().manual_seed(policy.PROBE_SEED)
     T = 64
@@ -195,6 +198,8 @@ def fit_experts(experts: nn.Module, lay: PairLayout, parts: BlockParts, prefix: 
         with torch.no_grad():
             probes.append((h, ids, wt, experts(*a).float()))
     tol = policy.verify_tolerance(dtype)
+    if packed:
+        return _packed_fields(experts, prefix, E, H, k, probes, tol)
     best = (math.inf, None, None)
     for L in layouts:
         w = {n: None if L[n] is None else get_path(experts, L[n]) for n in ("w13", "w2", "b13", "b2")}
@@ -218,6 +223,32 @@ def fit_experts(experts: nn.Module, lay: PairLayout, parts: BlockParts, prefix: 
                         RejectCode.VERIFICATION_FAILED)
     binds = {n: (f"{prefix}.{best[2][n]}" if best[2][n] else None) for n in ("w13", "w2", "b13", "b2")}
     return best[1], binds, best[0]
+
+
+def _packed_fields(experts: PackedExperts, prefix: str, E: int, H: int, k: int, probes: list,
+                   tol: float) -> tuple[dict, dict, float]:
+    """``fit_experts`` for 4-bit experts: the module's own fields (its activation, gate / up order, quantization),
+    bound to its packed tensors, scales and zeros as they are, checked like a fitted reading: ``reference.experts``
+    on those tensors against the module's output on the probes."""
+    s = experts.spec(k)
+    if (s.num_experts, s.hidden_size) != (E, H):
+        raise PairError(f"the 4-bit experts hold E={s.num_experts}, H={s.hidden_size}; the router says E={E}, H={H}")
+    fields = dict(activation=s.activation, gated=s.gated, w_layout="out_in", gate_up=s.gate_up,
+                  has_expert_bias=s.has_expert_bias, intermediate_size=s.intermediate_size,
+                  activation_alpha=s.activation_alpha, activation_limit=s.activation_limit,
+                  activation_clamp=s.activation_clamp, quant=s.quant)
+    t = experts.tensors()
+    q = {n: t.get(n) for n in ("w13_scale", "w2_scale", "w13_zero", "w2_zero")}
+    err = 0.0
+    for h, ids, wt, y in probes:
+        with torch.no_grad():
+            ref = reference.experts(h, ids, wt, t["w13"], t["b13"], t["w2"], t["b2"], s, **q)
+        err = max(err, float((ref - y).abs().max() / y.abs().max().clamp_min(1e-30)))
+    if not err <= tol:
+        raise PairError(f"the 4-bit experts' output differs from their spec's reference (rel. err {err:.1e} > "
+                        f"{tol:g})", RejectCode.VERIFICATION_FAILED)
+    binds = {n: f"{prefix}.{n}" if v is not None else None for n, v in {**t, **q}.items()}
+    return fields, binds, err
 
 
 # ------------------------------------------------------------------------------------------------------- router

@@ -7,6 +7,9 @@
        └─► [shared_gate [1, H] ─► sigmoid] ──────(*)──────────────────┴─► (+ routed output)
 
 The activation is read like the routed experts' (``moe_activation``). The shared output must reach the block output.
+FP8 shared-expert linears are read through their ``dequant_fp8`` nodes (``moe_quant``). 4-bit dense linears
+(``moecomp.linear_4bit``: a ``Packed4Linear`` of an int4 GPTQ / AWQ checkpoint) are refused with ``SPEC_INVALID``:
+4-bit shared experts are not in the spec (``pair.py`` may then rewrite the block's router and experts alone).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from ..reject import RejectCode
 from ..spec import SharedExpertSpec
 from . import _fx
 from ._context import Context
@@ -25,6 +29,8 @@ from .moe_experts import has_step2
 from .moe_gammas import stacked_shared
 from .moe_quant import shared_quant, strip_act_quant
 from .moe_routing import Routing
+
+LINEAR4 = "linear_4bit"  # torch.ops.moecomp.linear_4bit (ops/linear4.py)
 
 
 @dataclass
@@ -39,6 +45,12 @@ def shared(ctx: Context, R: Routing, region: set, x_root: fx.Node, out: fx.Node,
            exclude: frozenset = frozenset()) -> Shared | None:
     """Dense linears of ``region`` other than the router (and the routed experts' ``exclude``): a shared-expert MLP
     and its optional sigmoid gate; None when there are none."""
+    q4 = sorted((n for n in region if op_name(n) == LINEAR4), key=ctx.order.get)
+    if q4:
+        raise Reject(f"the block's dense linears {[n.name for n in q4]} are 4-bit (moecomp.linear_4bit: a "
+                     f"Packed4Linear shared expert of an int4 checkpoint); 4-bit shared experts are not supported by "
+                     f"the op (SharedExpertSpec.quant): no whole-block rewrite (the pair rewrite may still take the "
+                     f"router and experts, leaving the shared expert to the block)", RejectCode.SPEC_INVALID)
     lins = []
     for n in region:
         lf = ctx.as_linear(n) if n is not R.logits_linear and n not in exclude else None

@@ -33,6 +33,7 @@ from moecomp.hf import families as F
 from moecomp.hf import gptq as G
 from moecomp.hf import int4_writer as W
 from moecomp.hf.packed import PackedExperts
+from moecomp.hf.packed_linear import Packed4Linear
 from moecomp.spec import QuantSpec
 
 from .conftest import rel_err
@@ -136,9 +137,10 @@ def test_awq_round_trip():
     assert torch.equal(fmt.dequantize({"qweight": qw, "qzeros": qz, "scales": sc}, "x"), ref)
 
 
-def test_act_order_refused_for_experts_dequantized_elsewhere():
-    """A g_idx other than k // g (act-order) is refused by the converter (named, with the reason); the
-    dequantizer used for the other linears reads it: W[n, k] = (q - z[g_idx[k]]) * s[g_idx[k]]."""
+def test_act_order_refused_for_experts_read_elsewhere():
+    """A g_idx other than k // g (act-order) is refused by the experts' converter (named, with the reason); the
+    reference dequantizer reads it: W[n, k] = (q - z[g_idx[k]]) * s[g_idx[k]] (the other linears keep it 4-bit with
+    an input permutation: tests/hf/test_packed_linear.py)."""
     codes, zeros, scales, _ = known(256, 32, 64, seed=4)
     qw, qz, sc, g_idx = W.pack_gptq(codes, zeros + (zeros == 0), scales, v1=True)
     perm = g_idx[torch.randperm(256, generator=torch.Generator().manual_seed(0))]
@@ -249,7 +251,9 @@ def test_load_int4_matches_dequantized(tmp_path, ids, family, fmt, sym, v1, capl
         assert json.load(f)["quantization_config"]["quant_method"] == fmt
     with caplog.at_level(logging.WARNING, logger="moecomp.hf.gptq"):
         got = G.load_int4(str(tmp_path), dtype=torch.float32)
-    assert "dequantized" in caplog.text  # the int4 attention projections
+    assert not caplog.text  # the int4 attention projections stay 4-bit: nothing dequantized, nothing to warn about
+    lin = {n: m for n, m in got.named_modules() if isinstance(m, Packed4Linear)}
+    assert len(lin) == 4 * model.config.num_hidden_layers and all(n.split(".")[-2] == "self_attn" for n in lin)
     n = check_packed(got, GROUP, zero_point=not sym)
     assert n == model.config.num_hidden_layers
     want = logits(reference(model, GROUP, sym), ids)
