@@ -24,7 +24,7 @@ import triton
 from ..kernels import linear4 as lin4_k
 from . import skinny
 from .common import _on_device, _precision, _sm_count, _upcast
-from .triton_quant4 import FORMS, W4_CODES, options, tile
+from .triton_quant4 import FORMS, W4_CODES, device_form, options, tile
 
 MAX_SKINNY_ROWS = skinny.MAX_ROWS
 
@@ -94,7 +94,9 @@ def linear_4bit(x, q, scale, zero, bias, quant, cfg: dict | None = None):
     else:
         c = dict(cfg) if cfg is not None else linear4_config(M, N, K, x.device, sms, quant.weight)
         opts = options(c)  # MOECOMP_W4_FOLD / MOECOMP_W4_FORM, else the config's keys (triton_quant4)
-        fold, form = int(opts["w4_fold"]) if w4 != 1 else 0, FORMS[opts["w4_form"]]
+        fold, form = int(opts["w4_fold"]) if w4 != 1 else 0, FORMS[device_form(opts["w4_form"], x.device)]
+        if form in (2, 3) and w4 != 1:  # dot_scaled / asm: e2m1 codes with ue8m0 scales only
+            form = 0
         c = tile(c, {"W4": w4, "Q_BLOCK_K": g, "W4_FOLD": fold})
         grid = (triton.cdiv(M, c["BLOCK_M"]) * triton.cdiv(N, c["BLOCK_N"]),)
 

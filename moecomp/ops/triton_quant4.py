@@ -76,14 +76,17 @@ def quant4_kwargs(quant, scale: torch.Tensor, zero: torch.Tensor | None, opts: d
     return kw
 
 
+def device_form(form: str | None, device: torch.device) -> str:
+    """The K-step form a launch on ``device`` runs: ``form``, else the device's ``DEFAULT_FORM``; "asm" (inline
+    PTX) runs as "split" off CUDA (the interpreter cannot run PTX)."""
+    form = form or DEFAULT_FORM.get(device.type, "interleave")
+    return "split" if form == "asm" and device.type != "cuda" else form
+
+
 def expert_kwargs(quant, args: dict, cfg: dict | None) -> tuple[dict, dict]:
     """(gemm1's, gemm2's) ``quant4_kwargs`` of the routed experts (w13 / w2 scales and zeros from ``args``)."""
     opts = options(cfg)
-    cuda = args["w13"].device.type == "cuda"
-    if opts["w4_form"] is None:
-        opts["w4_form"] = DEFAULT_FORM.get(args["w13"].device.type, "interleave")
-    if opts["w4_form"] == "asm" and not cuda:  # inline PTX: the interpreter cannot run it
-        opts["w4_form"] = "split"
+    opts["w4_form"] = device_form(opts["w4_form"], args["w13"].device)
     return (quant4_kwargs(quant, args["w13_scale"], args.get("w13_zero"), opts),
             quant4_kwargs(quant, args["w2_scale"], args.get("w2_zero"), opts))
 
