@@ -98,13 +98,21 @@ def main() -> None:
         for form in a.forms.split(","):
             for T in tokens:
                 rows.append(sweep(name, T, t4, extra4, raw[0], spec, form))
+                _write(a.out_json, rows, t0)  # after every row: a run cut short keeps what it measured
         del raw, t4, extra4
         torch.cuda.empty_cache()
-    if a.out_json:
-        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                    commit=os.environ.get("MOECOMP_COMMIT", "?"), seconds=round(time.time() - t0, 1))
-        with open(a.out_json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+def _write(path: str | None, rows: list, t0: float) -> None:
+    if not path:
+        return
+    import triton
+
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%d"), commit=os.environ.get("MOECOMP_COMMIT", "?"),
+                seconds=round(time.time() - t0, 1))
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
