@@ -15,8 +15,9 @@ into the weight tile, one rounding of each scaled weight to x's dtype; off by de
 ``tl.dot_scaled``; else interleave); or MOECOMP_W4_FOLD=0|1 / MOECOMP_W4_FORM=interleave|split|dot_scaled, which
 win. mxfp4 always folds (exact). Why interleave is the default: ``kernels/quant4.py`` (offline register counts).
 
-The arguments are pointers and strides only: no host sync, so a 4-bit call is CUDA-graph capturable as the 16-bit
-one is. Zero points whose strides differ from their scales' (the kernels index both with the scales' strides) are
+The decode path's dot-free alternative (``ops/triton_quant4_gemv.py``, decode config mode "gemv") reads the same
+kwargs (scales, zero points, W4, the group) from ``expert_kwargs``. The arguments are pointers and strides only: no
+host sync, so a 4-bit call is CUDA-graph capturable as the 16-bit one is. Zero points whose strides differ from their scales' (the kernels index both with the scales' strides) are
 made contiguous with the scales for the call (never for the usual contiguous checkpoint tensors). The TMA GEMMs never
 take 4-bit weights (the 16-bit ones need ``q`` None, the FP8 ones e4m3 weights: ``triton_fp8_tma._ok``).
 """

@@ -105,11 +105,11 @@ def _asm(dec: dict | None) -> int:
     return 0 if _interpret() else int(v)
 
 
-def _quant(q: dict) -> dict:
-    """The GEMV kernels' scale arguments from ``triton_quant4.quant4_kwargs``'s."""
+def _quant(q: dict) -> tuple:
+    """(scales, zero points (the scales where there are none), their expert / row / group strides, W4, the group)
+    from ``triton_quant4.quant4_kwargs``'s arguments."""
     ws = q["ws_ptr"]
-    return dict(ws_ptr=ws, zp_ptr=q.get("zp_ptr", ws), stride_se=q["stride_se"], stride_sn=q["stride_sn"],
-                stride_sk=q["stride_sk"], W4=q["W4"], GROUP=q["Q_BLOCK_K"])
+    return ws, q.get("zp_ptr", ws), q["stride_se"], q["stride_sn"], q["stride_sk"], q["W4"], q["Q_BLOCK_K"]
 
 
 def routed(x, ids_flat, weights, args: dict, spec: MoESpec, out, shared, gate, dec: dict | None, q1: dict,
@@ -135,18 +135,17 @@ def gemm1(x, w13, b13, spec: MoESpec, ids_flat, k: int, q: dict, weights, dec: d
     T, H = x.shape
     P, I = ids_flat.numel(), spec.intermediate_size
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    qa = _quant(q)
+    ws, zp, se, sn, sk, w4, group = _quant(q)
     c = tiles("gemv1", 2 if spec.gated else 1, P, I, H, x.device, (dec or {}).get("gemv1"))
     interleaved = spec.gated and spec.gate_up == "interleaved"
     act = act_args(spec)
     gemv_k.moe_gemv1_kernel[(P * triton.cdiv(I, c["BLOCK_N"]),)](
-        x, w13, b13, h, ids_flat, qa.pop("ws_ptr"), qa.pop("zp_ptr"),
-        k, I, H, x.stride(0), w13.stride(0), w13.stride(1), 0 if b13 is None else b13.stride(0), h.stride(0),
-        qa.pop("stride_se"), qa.pop("stride_sn"), qa.pop("stride_sk"), 1 if interleaved else I, act.alpha, act.limit,
+        x, w13, b13, h, ids_flat, ws, zp, k, I, H, x.stride(0), w13.stride(0), w13.stride(1),
+        0 if b13 is None else b13.stride(0), h.stride(0), se, sn, sk, 1 if interleaved else I, act.alpha, act.limit,
         GATE_STRIDE=2 if interleaved else 1, GATED=spec.gated, ACT=act.ACT, CLAMP=act.CLAMP, HAS_BIAS=b13 is not None,
-        BLOCK_N=c["BLOCK_N"], BLOCK_K=_block_k(c["BLOCK_K"], qa["GROUP"]), REDUCE_END=c["REDUCE_END"],
-        K_ALIGNED=H % 32 == 0, ASM=_asm(dec), PREFETCH=c["PREFETCH"], num_warps=c["num_warps"], num_stages=c["num_stages"], **qa,
-        **(launch or {}), **woi.gemm1_kwargs(spec, weights), **zx.gemm_kwargs(spec),
+        W4=w4, GROUP=group, BLOCK_N=c["BLOCK_N"], BLOCK_K=_block_k(c["BLOCK_K"], group), REDUCE_END=c["REDUCE_END"],
+        K_ALIGNED=H % 32 == 0, ASM=_asm(dec), PREFETCH=c["PREFETCH"], num_warps=c["num_warps"],
+        num_stages=c["num_stages"], **(launch or {}), **woi.gemm1_kwargs(spec, weights), **zx.gemm_kwargs(spec),
     )
     return h
 
@@ -157,18 +156,17 @@ def decode_down(h, w2, b2, ids_flat, weights, spec: MoESpec, out, shared, gate, 
     * x). ``join()`` runs before the launch (it reads ``shared``)."""
     T, H = out.shape
     P, I = ids_flat.numel(), h.shape[1]
-    qa = _quant(q)
+    ws, zp, se, sn, sk, w4, group = _quant(q)
     c = tiles("gemv2", 1, T, H, I, h.device, (dec or {}).get("gemv2"))
     if join is not None:
         join()
     gemv_k.moe_gemv_down_kernel[(T * triton.cdiv(H, c["BLOCK_N"]),)](
-        h, w2, b2, ids_flat, weights, shared, gate, out, qa.pop("ws_ptr"), qa.pop("zp_ptr"), H, I,
-        h.stride(0), w2.stride(0), w2.stride(1), 0 if b2 is None else b2.stride(0), qa.pop("stride_se"),
-        qa.pop("stride_sn"), qa.pop("stride_sk"), 0 if shared is None else shared.stride(0),
+        h, w2, b2, ids_flat, weights, shared, gate, out, ws, zp, H, I, h.stride(0), w2.stride(0), w2.stride(1),
+        0 if b2 is None else b2.stride(0), se, sn, sk, 0 if shared is None else shared.stride(0),
         0 if gate is None else gate.stride(0), out.stride(0),
         TOP_K=P // T, HAS_BIAS=b2 is not None, HAS_SHARED=shared is not None, HAS_GATE=gate is not None,
-        BLOCK_N=c["BLOCK_N"], BLOCK_K=_block_k(c["BLOCK_K"], qa["GROUP"]), REDUCE_END=c["REDUCE_END"],
-        K_ALIGNED=I % 32 == 0, ASM=_asm(dec), PREFETCH=c["PREFETCH"], num_warps=c["num_warps"], num_stages=c["num_stages"], **qa,
-        **(launch or {}), **woi.gemm2_kwargs(spec), **zx.down_kwargs(spec, x),
+        W4=w4, GROUP=group, BLOCK_N=c["BLOCK_N"], BLOCK_K=_block_k(c["BLOCK_K"], group), REDUCE_END=c["REDUCE_END"],
+        K_ALIGNED=I % 32 == 0, ASM=_asm(dec), PREFETCH=c["PREFETCH"], num_warps=c["num_warps"],
+        num_stages=c["num_stages"], **(launch or {}), **woi.gemm2_kwargs(spec), **zx.down_kwargs(spec, x),
     )
     return out

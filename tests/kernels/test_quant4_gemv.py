@@ -130,7 +130,7 @@ EXACT = {  # name: (quant, N, K, dtype, BLOCK_K): K tokens of one-hot rows, N / 
     "mxfp4-fp32-bk32": (MX, 16, 64, torch.float32, 32),  # every byte of MX_BYTES, two K steps
     "mxfp4-fp16-bk64-K40": (MX, 16, 40, torch.float16, 64),  # K % 32 == 8: a partial group, unaligned masks
     "int4zp-g32-fp32-bk64": (QuantSpec.int4(32, True), 16, 64, torch.float32, 64),  # two groups in a step
-    "int4zp-g64-bf16s-fp16-bk32-K40": (QuantSpec.int4(64, True, "bf16"), 16, 40, torch.float16, 32),  # a step in a group
+    "int4zp-g64-bf16s-fp16-bk32-K40": (QuantSpec.int4(64, True, "bf16"), 16, 40, torch.float16, 32),  # steps < group
 }
 
 
