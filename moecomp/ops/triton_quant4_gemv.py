@@ -14,7 +14,8 @@ runs instead of the DIRECT gemm1 + down-combine when the decode config says ``mo
 
 Tiles: BLOCK_N narrow enough for at least ``MIN_PROGRAMS_PER_SM`` programs per SM (at T = 1 and k = 4 on gpt-oss
 sizes: gemm1 360 programs of 32 columns = 64 weight rows, the down-combine 360 programs of 8 columns), BLOCK_K so
-that a step is about 32 bytes of weights per thread (``STEP_BYTES`` per program). The down-combine walks its token's
+that a step is about 32 bytes of weights per thread (``STEP_BYTES`` per program), halved while the last step's
+masked tail (decoded, not loaded) is over 1 / ``MAX_TAIL`` of K. The down-combine walks its token's
 k slots in one program (no [P, H] buffer or second launch; a split over the slots would need either); narrow
 columns with long K steps give it the programs instead. PREFETCH (on for CUDA): each step loads the next step's
 words before decoding its own, twice the bytes in flight at the 2-3 programs per SM of T = 1 (sm90 offline: 95
@@ -42,6 +43,7 @@ MODES = ("gemv", "dot")
 MIN_PROGRAMS_PER_SM = 2
 STEP_BYTES = 4096  # packed weight bytes a program loads per K step (128 threads x 32 bytes)
 MAX_BLOCK_K = 1024
+MAX_TAIL = 8  # BLOCK_K halved while the masked tail of the last step is over 1 / MAX_TAIL of K (decoded for nothing)
 TILE_KEYS = ("BLOCK_N", "BLOCK_K", "REDUCE_END", "PREFETCH", "num_warps", "num_stages")
 
 
@@ -88,6 +90,8 @@ def tiles(which: str, rows_per_col: int, blocks_per_col: int, N: int, K: int, de
     while bn > 4 and blocks_per_col * triton.cdiv(N, bn) < want:
         bn //= 2
     bk = max(32, min(MAX_BLOCK_K, 2 * STEP_BYTES // (bn * rows_per_col), triton.next_power_of_2(K)))
+    while bk > 32 and (triton.cdiv(K, bk) * bk - K) * MAX_TAIL > K:  # K = 768: 256, not 1024 (a third masked)
+        bk //= 2
     return {**dict(BLOCK_N=bn, BLOCK_K=bk, REDUCE_END=1, PREFETCH=1, num_warps=4, num_stages=3), **over}
 
 

@@ -295,6 +295,8 @@ def test_cuda_heuristic_and_tiles(monkeypatch):
         assert T * triton.cdiv(H, c2["BLOCK_N"]) >= 2 * 132 or c2["BLOCK_N"] == 4
         assert 4 <= c2["BLOCK_N"] <= 64 and 32 <= c2["BLOCK_K"] <= triton_quant4_gemv.MAX_BLOCK_K
     assert triton_quant4_gemv.tiles("gemv2", 1, 1, 2880, 2880, dev)["BLOCK_N"] == 8  # 360 programs
+    assert triton_quant4_gemv.tiles("gemv2", 1, 1, 2880, 2880, dev)["BLOCK_K"] == 1024  # 3 steps, 6.7% masked
+    assert triton_quant4_gemv.tiles("gemv2", 1, 1, 2048, 768, dev)["BLOCK_K"] == 256  # 1024 would mask a third
     assert triton_quant4_gemv._block_k(256, 96) == 32 and triton_quant4_gemv._block_k(64, 128) == 64
     monkeypatch.setenv("MOECOMP_W4_GEMV", json.dumps({"gemv2": {"BLOCK_N": 16, "REDUCE_END": 0}}))
     c2 = triton_quant4_gemv.tiles("gemv2", 1, 1, 2880, 2880, dev)
