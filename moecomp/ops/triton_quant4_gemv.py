@@ -8,16 +8,17 @@ runs instead of the DIRECT gemm1 + down-combine when the decode config says ``mo
     wanted(spec, dec, x, args)  -> whether this call takes it: the config's decode entry says mode "gemv" (or
                                    MOECOMP_W4_DECODE=gemv|dot, which wins), and ``layout_ok`` holds
     layout_ok(x, w13, w2)       -> H and I multiples of 8, packed rows of unit stride, 4-byte aligned (int32 words)
-    tiles(which, rows, n, K, ...) -> BLOCK_N, BLOCK_K, REDUCE_END, num_warps, num_stages of one launch
+    tiles(which, rows_per_col, blocks_per_col, N, K, device) -> BLOCK_N, BLOCK_K, REDUCE_END, PREFETCH, num_warps,
+                                   num_stages of one launch
     routed(...)                 -> gemm1 then decode_down: out [T, H]
     gemm1(...), decode_down(...) -> the two launches
 
 Tiles: BLOCK_N narrow enough for at least ``MIN_PROGRAMS_PER_SM`` programs per SM (at T = 1 and k = 4 on gpt-oss
 sizes: gemm1 360 programs of 32 columns = 64 weight rows, the down-combine 360 programs of 8 columns), BLOCK_K so
 that a step is about 32 bytes of weights per thread (``STEP_BYTES`` per program), halved while the last step's
-masked tail (decoded, not loaded) is over 1 / ``MAX_TAIL`` of K. The down-combine walks its token's
-k slots in one program (no [P, H] buffer or second launch; a split over the slots would need either); narrow
-columns with long K steps give it the programs instead. PREFETCH (on for CUDA): each step loads the next step's
+masked tail (decoded, not loaded) is over 1 / ``MAX_TAIL`` of K. The down-combine walks its token's k slots in one
+program (no [P, H] buffer or second launch; a split over the slots would need either); narrow columns with long K
+steps give it the programs instead. PREFETCH (on for CUDA): each step loads the next step's
 words before decoding its own, twice the bytes in flight at the 2-3 programs per SM of T = 1 (sm90 offline: 95
 registers against 79 for gemm1's mxfp4 tile). A decode config's ``gemv1`` / ``gemv2`` dicts (``TILE_KEYS``), then
 MOECOMP_W4_GEMV='{"gemv1": {...}, "gemv2": {...}}' (benchmark sweeps), override the heuristic; ``w4_asm`` 1 (or
