@@ -31,7 +31,9 @@ and FP8 tiles (``tuning.get_config(..., quant)``, BLOCK_K 128), in the call's mo
 fp8 dots on activations quantized in the GEMMs' A loads, or w8a16, weight-only); both decode modes ("fused", "pairs")
 take fp8 w2; a config's "tma" runs the FP8 TMA GEMMs (``triton_fp8_tma``) on w8a8 prequant calls. FP8 shared
 experts (``spec.shared.quant``): ``fp8_linear`` for gate, up and down. 4-bit experts (mxfp4 / int4): the same
-launches again, ``expert_quant`` -> ``triton_quant4.expert_kwargs`` (w4a16, ``kernels/quant4.py``; never TMA).
+launches again, ``expert_quant`` -> ``triton_quant4.expert_kwargs`` (w4a16, ``kernels/quant4.py``; never TMA);
+their decode path runs on dot-free GEMV kernels instead where the decode config says mode "gemv" (on CUDA up to
+``tuning.QUANT4_GEMV_MAX_T`` tokens; ``triton_quant4_gemv``, ``kernels/quant4_gemv.py``).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from ..kernels import routing as routing_k
 from .. import reference
 from ..spec import MoESpec
 from . import capacity as cap
-from . import triton_fp8, tuning
+from . import triton_fp8, triton_quant4_gemv, tuning
 from . import triton_fp8_tma as fp8_tma
 from . import hash_routing as hr
 from . import shared_gamma as sg
@@ -484,7 +486,8 @@ def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=No
            join=None):
     """The routed experts and the combine: x [T, H] -> out [T, H] = sum_k weight * expert(x) (+ gated shared).
     Up to the config's ``decode.max_t`` tokens: the DIRECT gemm1 and ``decode_down`` (no alignment; the fused
-    down-combine or gemm2 DIRECT + combine); above, align + gemm1 + gemm2 + combine. ``join()`` (the shared
+    down-combine or gemm2 DIRECT + combine), or for 4-bit experts whose decode entry says mode "gemv" the dot-free
+    kernels (``triton_quant4_gemv``); above, align + gemm1 + gemm2 + combine. ``join()`` (the shared
     experts' side stream) runs just before the first kernel that reads ``shared``."""
     T, H = x.shape
     k = ids.shape[1]
@@ -505,6 +508,9 @@ def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=No
         return combine(y, T, k, out, shared, gate, zx.combine_kwargs(spec, x, ids, weights))
     ids_direct = direct(ids)
     q1, q2 = expert_quant(args, spec, cfg, T)
+    if triton_quant4_gemv.wanted(spec, dec, x, args):  # 4-bit experts on the dot-free kernels (mode "gemv")
+        return triton_quant4_gemv.routed(x, ids_direct[0], weights, args, spec, out, shared, gate, dec, q1, q2, join,
+                                         _pdl(x.device, gemm=True))
     h = gemm1(x, args["w13"], _unit_stride(args["b13"]), spec, ids_direct, k, 16, dec["g1"], q1, weights)
     return decode_down(h, args["w2"], _unit_stride(args["b2"]), ids_direct[0], weights.reshape(-1), spec, out,
                        shared, gate, dec["g2"], join, q2, x)

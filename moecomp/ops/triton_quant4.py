@@ -19,8 +19,9 @@ interpreter runs "split" instead). Default (``DEFAULT_FORM``): "dot_scaled" on C
 interleave form's time at T = 1, 4, 16, 64 (87 against 128 us at T = 1), the split form 1.04-1.15x; int4 and fp32 x
 take interleave. Under the interpreter (CPU tests): interleave.
 
-The arguments are pointers and strides only: no host sync, so a 4-bit call is CUDA-graph capturable as the 16-bit
-one is. Zero points whose strides differ from their scales' (the kernels index both with the scales' strides) are
+The decode path's dot-free alternative (``ops/triton_quant4_gemv.py``, decode config mode "gemv") reads the same
+kwargs (scales, zero points, W4, the group) from ``expert_kwargs``. The arguments are pointers and strides only: no
+host sync, so a 4-bit call is CUDA-graph capturable as the 16-bit one is. Zero points whose strides differ from their scales' (the kernels index both with the scales' strides) are
 made contiguous with the scales for the call (never for the usual contiguous checkpoint tensors). The TMA GEMMs never
 take 4-bit weights (the 16-bit ones need ``q`` None, the FP8 ones e4m3 weights: ``triton_fp8_tma._ok``).
 """

@@ -231,6 +231,10 @@ def fp8_linear_config(M: int, N: int, K: int, device: torch.device, sms: int) ->
 # (41626bb, diag_quant4.py, gpt-oss-120b, interleave form) it took 0.98x the aligned path's time at T = 1, 1.00x at
 # T = 4 and 1.44x at T = 16 (1290 against 897 us).
 QUANT4_DECODE_MAX_T = 4
+# The decode path on the dot-free GEMV kernels (``ops/triton_quant4_gemv.py``; decode entry "mode": "gemv") up to
+# this many tokens on CUDA, the DIRECT dot kernels above it (MOECOMP_W4_DECODE=gemv|dot overrides). Not measured yet:
+# ``benchmarks/diag_quant4.py --quick`` times both at T = 1..16 to place it.
+QUANT4_GEMV_MAX_T = 4
 
 
 def quant4_key(quant) -> str:
@@ -242,8 +246,9 @@ def quant4_key(quant) -> str:
 
 def quant4_config(E: int, N: int, K: int, T: int, top_k: int, device: torch.device, quant) -> dict:
     """The 4-bit experts' config: the table's entry (``quant4_key``), else ``_quant4_heuristic`` with the decode path
-    up to ``QUANT4_DECODE_MAX_T`` tokens (bf16's decode tiles, "pairs" mode on CUDA). BLOCK_K: a multiple of 32
-    dividing the int4 group (the launcher's ``triton_quant4.tile`` enforces it for any config)."""
+    up to ``QUANT4_DECODE_MAX_T`` tokens (bf16's decode tiles, "pairs" mode on CUDA; on CUDA up to
+    ``QUANT4_GEMV_MAX_T`` tokens the GEMV kernels: ``"mode": "gemv"``). BLOCK_K: a multiple of 32 dividing the int4
+    group (the launcher's ``triton_quant4.tile`` enforces it for any config)."""
     table = _table(device_key(device)).get(shape_key(E, N, K, quant4_key(quant)))
     if table:
         return _bucket(table, T)
@@ -259,6 +264,8 @@ def quant4_config(E: int, N: int, K: int, T: int, top_k: int, device: torch.devi
     dec = _decode_heuristic(device)
     dec = dict(dec, max_t=QUANT4_DECODE_MAX_T if device.type == "cuda" else dec["max_t"], g1=bk(dec["g1"]),
                g2=bk(dec["g2"]))
+    if device.type == "cuda" and T <= QUANT4_GEMV_MAX_T:
+        dec["mode"] = "gemv"
     return dict(cfg, g1=bk(cfg["g1"]), g2=bk(cfg["g2"]), decode=dec)
 
 

@@ -5,7 +5,8 @@ case per shape of the constexpr branches the op launches: the skinny linear (16-
 the fused decode down-combine (16-bit; e4m3 weight-only with zero experts, unweighted, a gated shared expert), and
 gemm1 on weight rows of unit stride (the in_out layout: concatenated gate / up halves loaded apart, interleaved
 ones), whose weight tiles must load as vectors (the gathered form ran Llama 4 Scout's layer at 0.5 TB/s), and the
-4-bit K loops (kernels/quant4.py) in gemm1, gemm2 and the down-combine.
+4-bit K loops (kernels/quant4.py) in gemm1, gemm2 and the down-combine, and the dot-free 4-bit decode kernels
+(kernels/quant4_gemv.py, their inline-PTX variant too: the interpreter cannot run it).
 All compiled in one child process (the tests run under TRITON_INTERPRET=1, whose jit functions do not compile)."""
 
 import json
@@ -23,6 +24,7 @@ from triton.compiler import ASTSource
 from moecomp.kernels import decode as dk
 from moecomp.kernels import grouped_gemm as gk
 from moecomp.kernels import skinny as sk
+from moecomp.kernels import quant4_gemv as qg
 
 W = {"bf16": "*bf16", "fp8": "*fp8e4nv"}
 W4_OFF = dict(zp_ptr=None, W4=0, W4_FOLD=0, W4_FORM=0)
@@ -123,8 +125,46 @@ def quant4(case):
         c["block_expert_ptr"] = None
     return compile_sm90(fn, ptr, c), name
 
+def quant4_gemv(case):
+    """The dot-free 4-bit decode kernels (kernels/quant4_gemv.py): gemm1 (gated interleaved swiglu_oai, or ungated
+    with weight_on_input and zero experts) and the down-combine (shared expert, zero experts, unweighted), mxfp4 or
+    int4 ("zp": zero points), "asm": the inline-PTX conversions, "prefetch", "step": REDUCE_END 0. The int32 word
+    loads must be 16-byte vectors (K % 32 == 0, 16-byte aligned rows)."""
+    w4 = 1 if "mxfp4" in case else (3 if "zp" in case else 2)
+    ptr = dict(x_ptr="*bf16", h_ptr="*bf16", w_ptr="*u8", b_ptr="*bf16", out_ptr="*bf16", ids_ptr="*i32",
+               topk_w_ptr="*fp32", shared_ptr="*bf16", gate_ptr="*bf16", alpha="fp32", limit="fp32",
+               ws_ptr="*u8" if w4 == 1 else "*fp16", zp_ptr="*u8")
+    c = dict(HAS_BIAS=True, W4=w4, GROUP=32 if w4 == 1 else 128, REDUCE_END=0 if "step" in case else 1,
+             K_ALIGNED=True, USE_PDL=2, ASM=int("asm" in case), PREFETCH=int("prefetch" in case),
+             ZERO_EXPERTS="zero" in case)
+    if w4 != 3:
+        c["zp_ptr"] = None
+    zero = "zero" in case
+    if "gemv1" in case:
+        fn, name = qg.moe_gemv1_kernel, "moe_gemv1_kernel"
+        gated = "ungated" not in case
+        c.update(GATE_STRIDE=2, GATED=gated, ACT=4 if gated else 1, CLAMP=False, BLOCK_N=32, BLOCK_K=128,
+                 W_ON_INPUT=not gated)
+        if gated:
+            c["topk_w_ptr"] = None
+        div16 = ("x_ptr", "w_ptr", "stride_we", "stride_wn", "K")
+    else:
+        fn, name = qg.moe_gemv_down_kernel, "moe_gemv_down_kernel"
+        sh = "shared" in case
+        c.update(TOP_K=4, HAS_SHARED=sh, HAS_GATE=sh, BLOCK_N=8, BLOCK_K=1024, WEIGHTED="unweighted" not in case)
+        for n in ("shared_ptr", "gate_ptr") if not sh else ():
+            c[n] = None
+        if zero:
+            ptr["x_ptr"] = "*bf16"
+        else:
+            c["x_ptr"] = None
+        div16 = ("h_ptr", "w_ptr", "stride_we", "stride_wn", "K")
+    ptx = compile_sm90(fn, ptr, c, div16)
+    return (ptx if "ld.global.v4.b32" in ptx else "packed words not loaded as 16-byte vectors"), name
+
 out = {}
-for kind, fn in (("skinny", skinny), ("down", down), ("gemm1", gemm1), ("quant4", quant4)):
+for kind, fn in (("skinny", skinny), ("down", down), ("gemm1", gemm1), ("quant4", quant4),
+                 ("quant4_gemv", quant4_gemv)):
     for case in json.loads(sys.argv[1])[kind]:
         try:
             ptx, name = fn(case)
@@ -141,7 +181,9 @@ CASES = {"skinny": ["bf16 bias", "fp8 block rows4 reduce_step", "fp8 channel ue8
          "quant4": ["gemm1 mxfp4 direct", "gemm1 int4 zp fold", "gemm2 int4 split", "gemm2 mxfp4 direct",
                     "down mxfp4", "down int4 zp split", "gemm1 mxfp4 scaled", "down mxfp4 scaled",
                     "gemm1 mxfp4 asm", "gemm2 mxfp4 asm", "down mxfp4 asm",
-                    "gemm2 mxfp4 asm32"]}
+                    "gemm2 mxfp4 asm32"],
+         "quant4_gemv": ["gemv1 mxfp4", "gemv1 int4 zp prefetch", "gemv1 ungated int4 zero step", "gemv1 mxfp4 asm",
+                         "gemv1 int4 zp asm", "down mxfp4 prefetch", "down int4 zp shared zero unweighted asm"]}
 
 
 def test_decode_kernels_compile_for_sm90():

@@ -1,6 +1,9 @@
 """GPU tests of the 4-bit (w4a16) Triton path (H200 class; skipped without CUDA): the op at real layer sizes against
 ``moecomp.reference`` on the same packed tensors, CUDA-graph capture and replay, no host syncs.
 
+The decode sizes (T <= ``tuning.QUANT4_GEMV_MAX_T``) run the dot-free GEMV kernels here (the heuristic's choice;
+tests/ops/test_quant4_gemv_gpu.py compares them with the dot path), except in the options test.
+
 Shapes: gpt-oss-20b's layer (E=32, k=4, H=I=2880, gate / up interleaved, swiglu_oai with its clamp, expert and router
 biases, top-k then softmax; mxfp4: e2m1 codes, ue8m0 scales per 32 columns) and a Qwen3-30B-A3B-like int4 layer
 (E=128, k=8, H=2048, I=768; group 128, fp16 scales, zero points), T in {1, 4, 16, 64, 512} (decode path up to 16
@@ -55,7 +58,8 @@ def packed_args(spec: MoESpec, T: int, dtype: torch.dtype, seed: int):
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_quant4_real_layer_sizes(name, dtype, monkeypatch):
     """Every T on one set of weights (the inputs drawn per T): the op against the reference."""
-    for var in ("MOECOMP_CONFIG", "MOECOMP_DECODE_MAX_T", "MOECOMP_W4_FOLD", "MOECOMP_W4_FORM"):
+    for var in ("MOECOMP_CONFIG", "MOECOMP_DECODE_MAX_T", "MOECOMP_W4_FOLD", "MOECOMP_W4_FORM", "MOECOMP_W4_DECODE",
+                "MOECOMP_W4_GEMV", "MOECOMP_W4_ASM"):
         monkeypatch.delenv(var, raising=False)
     spec = SPECS[name]
     args, extra = packed_args(spec, 512, dtype, seed=1)
@@ -83,8 +87,10 @@ OPTIONS = {  # name: (spec, environment, bound)
 
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 def test_quant4_options(option, monkeypatch):
-    """The speed candidates (the K step's forms, int4's folded scale) at a decode and an aligned size, bf16."""
+    """The speed candidates (the K step's forms, int4's folded scale) at a decode and an aligned size, bf16 (the
+    decode size on the dot kernels: MOECOMP_W4_DECODE=dot, not the GEMV ones the heuristic takes at T = 4)."""
     spec, env, bound = OPTIONS[option]
+    monkeypatch.setenv("MOECOMP_W4_DECODE", "dot")
     for name, v in env.items():
         monkeypatch.setenv(name, v)
     args, extra = packed_args(spec, 64, torch.bfloat16, seed=2)
