@@ -227,14 +227,14 @@ def fp8_linear_config(M: int, N: int, K: int, device: torch.device, sms: int) ->
 # ------------------------------------------------------------------------------------------------------ 4-bit
 # 4-bit experts (mxfp4, int4: w4a16, ``kernels/quant4.py``): table key "dtype=<quant4_key>" ("mxfp4", "int4_g128",
 # "int4_g128_zp"), else the heuristic below. Not timed yet (benchmarks/diag_quant4.py times it).
-# The decode path (DIRECT gemm1 + down-combine) up to 4 tokens (MOECOMP_DECODE_MAX_T overrides): on an H200
-# (41626bb, diag_quant4.py, gpt-oss-120b, interleave form) it took 0.98x the aligned path's time at T = 1, 1.00x at
-# T = 4 and 1.44x at T = 16 (1290 against 897 us).
-QUANT4_DECODE_MAX_T = 4
-# The decode path on the dot-free GEMV kernels (``ops/triton_quant4_gemv.py``; decode entry "mode": "gemv") up to
-# this many tokens on CUDA, the DIRECT dot kernels above it (MOECOMP_W4_DECODE=gemv|dot overrides). Not measured yet:
-# ``benchmarks/diag_quant4.py --quick`` times both at T = 1..16 to place it.
-QUANT4_GEMV_MAX_T = 4
+# The decode path up to 8 tokens (MOECOMP_DECODE_MAX_T overrides), on the dot-free GEMV kernels
+# (``ops/triton_quant4_gemv.py``; decode entry "mode": "gemv") on CUDA up to ``QUANT4_GEMV_MAX_T`` tokens, else the
+# DIRECT dot kernels (MOECOMP_W4_DECODE=gemv|dot overrides). Measured on an H200 (gpt-oss-120b layer, diag_quant4.py
+# --quick, 6f5ee9c, ...-6f5ee9c-diag-gemv.json): GEMV against the DIRECT dot decode 57 / 88 us at T = 1, 101 / 134
+# at 2, 160 / 227 at 4, 294 / 409 at 8, 548 / 783 at 16; the aligned path (tl.dot_scaled) took 227 us at T = 4 and
+# 549 at 16 (3ab902a), so GEMV ties it at 16 and wins below: the decode path ends at 8.
+QUANT4_DECODE_MAX_T = 8
+QUANT4_GEMV_MAX_T = 8
 
 
 def quant4_key(quant) -> str:

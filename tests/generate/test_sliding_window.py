@@ -127,7 +127,9 @@ def test_sliding_layers_gpu_graphs_fp32_exact_and_bf16_within_tolerance():
     a routing choice sits within a bf16 rounding of a tie (as test_generate_gpu.py checks bf16 models)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from .test_generate_gpu import BF16_TOL, _routing_near_ties
+    from moecomp.testing import routing_near_ties
+
+    from .test_generate_gpu import BF16_TOL
 
     ref = build("gpt_oss", "cuda")
     opt = moecomp.optimize(copy.deepcopy(ref))
@@ -155,6 +157,6 @@ def test_sliding_layers_gpu_graphs_fp32_exact_and_bf16_within_tolerance():
     eos = torch.as_tensor(ref.generation_config.eos_token_id, device=out.device).reshape(-1)
     is_eos = torch.isin(out[:, S:], eos).long()
     off = (short > BF16_TOL) & ~(is_eos.cumsum(-1) - is_eos > 0)  # tokens after a row's eos are padding
-    near = _routing_near_ties(opt, out)[:, S - 1:-1]  # [B, n]
+    near = routing_near_ties(opt, out)[:, S - 1:-1]  # [B, n]
     assert not bool((off & ~near).any()), (short, near)
     assert float(off.float().mean()) <= 1 / 8, short
