@@ -1,0 +1,190 @@
+"""The parallel paths' checks, written once for two runners: threads of one process (``moecomp.parallel.emulate``,
+``test_parallel_emulated.py``) and real gloo processes (``test_parallel_gloo.py``). Each check runs on every rank and
+returns rows (name, rank, relative error, tolerance) or raises; the runner asserts.
+
+The oracle is ``moecomp.reference.moe_forward`` on the WHOLE block (the one-GPU result): every rank's output must equal
+it within fp32 tolerance (``TOL``; 4-bit / fp8 weights: the dequantized reference, activations not quantized, so the
+same tolerance). Inputs are drawn from fixed seeds, identical on every rank where the group shares one batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moecomp import parallel as par
+from moecomp import reference
+from moecomp.ops.common import MOE_ARGS
+from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec
+from moecomp.spec_parallel import ParallelSpec
+from moecomp.testing import quantize_moe_args, random_latent_args, random_moe_args, rel_err
+
+TOL = 2e-5  # fp32: relative Frobenius error (summation order only)
+
+SPECS = {
+    "mixtral": MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16),
+    "qwen3": MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, round_weights=True),
+    "deepseek_v3": MoESpec(num_experts=16, top_k=4, hidden_size=32, intermediate_size=16, scoring="sigmoid",
+                           has_correction_bias=True, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                           renorm_eps=1e-20, router_fp32=True, shared=SharedExpertSpec(24)),
+    "qwen2_gated_shared": MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, renormalize=False,
+                                  shared=SharedExpertSpec(24, gate="sigmoid")),
+    "latent": MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, latent_size=16, latent_bias=True,
+                      scoring="sigmoid", shared=SharedExpertSpec(24)),
+    "zero_experts": MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, zero_experts=2),
+    "gpt_oss": MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, activation="swiglu_oai",
+                       gate_up="interleaved", has_expert_bias=True),
+    "capacity": MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, capacity=3),
+    "llama4": MoESpec(num_experts=8, top_k=1, hidden_size=32, intermediate_size=16, scoring="sigmoid",
+                      score_order="topk_then_score", renormalize=False, weight_on_input=True, w_layout="in_out",
+                      shared=SharedExpertSpec(16)),
+    "fp8_block": MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=64,
+                         quant=QuantSpec(block_n=16, block_k=16, activation="none")),
+    "int4": MoESpec(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128, quant=QuantSpec.int4(group=32)),
+}
+MODES = {  # name -> ParallelSpec keywords (besides mode / world size / rank / E)
+    "ep": dict(mode="ep"),
+    "ep_a2a": dict(mode="ep", dispatch="all_to_all"),
+    "ep_a2a_fixed": dict(mode="ep", dispatch="all_to_all", capacity=0),
+    "tp": dict(mode="tp"),
+}
+
+
+def block(name: str, T: int, seed: int = 0):
+    """(x [T, H], whole tensors by op argument name) of a spec's block (quantized where the spec says)."""
+    spec = SPECS[name]
+    args = random_moe_args(spec, T, seed=seed)
+    extra = random_latent_args(spec, seed=seed + 1)
+    if spec.quant is not None:
+        args, scales = quantize_moe_args(spec, args)
+        extra.update(scales)
+    return args[0], {**dict(zip(MOE_ARGS, args[1:])), **extra}
+
+
+def parallel_spec(name: str, mode: str, W: int, rank: int, **kw) -> MoESpec:
+    spec = SPECS[name]
+    kw = {**MODES[mode], **kw}
+    if kw["mode"] == "tp":
+        kw["intermediate_size"] = spec.intermediate_size
+    return spec.replace(parallel=ParallelSpec(world_size=W, rank=rank, num_global_experts=spec.num_experts, **kw))
+
+
+def oracle(x, t, spec: MoESpec):
+    whole = [t.get(n) for n in MOE_ARGS]
+    extra = {n: v for n, v in t.items() if n not in MOE_ARGS and v is not None}
+    return reference.moe_forward(x, *whole, spec.replace(parallel=None), **extra)
+
+
+def on_rank(x, t, spec: MoESpec, comm):
+    """The parallel forward with this rank's shards (``comm`` None: the spec's process group)."""
+    return par.forward(x, {**t, **par.shard(t, spec)}, spec, comm)
+
+
+def check_every_spec(rank: int, W: int, comm=None, specs=None, modes=None) -> list:
+    """Every spec in every mode, the group sharing one batch of 6 tokens: equal to the whole block."""
+    rows = []
+    for name in specs or SPECS:
+        x, t = block(name, 6)
+        ref = oracle(x, t, SPECS[name])
+        for mode in modes or MODES:
+            out = on_rank(x, t, parallel_spec(name, mode, W, rank), comm)
+            rows.append((f"{name}/{mode}", rank, rel_err(out, ref), TOL))
+    return rows
+
+
+def check_own_tokens(rank: int, W: int, comm=None) -> list:
+    """all_to_all with each rank's own tokens: different counts, T = 0 on rank 1; a [B, S, H] input on rank 0."""
+    rows = []
+    sizes = [5, 0, 3, 7][:W]
+    for name in ("deepseek_v3", "mixtral", "zero_experts", "capacity"):
+        x, t = block(name, max(sizes), seed=0)
+        xr = random_moe_args(SPECS[name], sizes[rank], seed=100 + rank)[0]
+        if rank == 0:
+            xr = xr.reshape(1, sizes[0], -1)
+        ref = oracle(xr, t, SPECS[name])
+        out = on_rank(xr, t, parallel_spec(name, "ep_a2a", W, rank), comm)
+        assert out.shape == xr.shape
+        rows.append((f"{name}/own tokens T={sizes[rank]}", rank, rel_err(out, ref) if out.numel() else 0.0, TOL))
+    return rows
+
+
+def one_rank_input(name: str, T: int, W: int):
+    """(x, t) routing every token to rank 0's experts (0 .. E / W - 1, at least top_k of them): x > 0, the router's
+    rows of those experts positive and the others negative."""
+    x, t = block(name, T)
+    x = x.abs() + 0.1
+    E, H = SPECS[name].num_experts, SPECS[name].hidden_size
+    n = E // W
+    w = torch.full((E, H), -1.0 / H)
+    w[:n] = torch.rand(n, H, generator=torch.Generator().manual_seed(3)) / H + 0.5 / H  # (the same on every rank)
+    return x, {**t, "router_w": w}
+
+
+def check_one_rank_gets_all(rank: int, W: int, comm=None) -> list:
+    rows = []
+    for name in ("mixtral", "qwen3"):
+        x, t = one_rank_input(name, 6, W)
+        ids = reference.route(x @ t["router_w"].T, None, SPECS[name])[1]
+        assert bool((ids < SPECS[name].num_experts // W).all())  # (the input does what it says)
+        ref = oracle(x, t, SPECS[name])
+        for mode in ("ep", "ep_a2a", "ep_a2a_fixed"):
+            out = on_rank(x, t, parallel_spec(name, mode, W, rank), comm)
+            rows.append((f"{name}/{mode} all to one rank", rank, rel_err(out, ref), TOL))
+    return rows
+
+
+def expected_with_drops(x, t, spec: MoESpec, W: int, C: int):
+    """The one-GPU block with the pairs the fixed exchange drops zeroed: each destination rank keeps its first C
+    pairs, slot-major (every token's first choice, tokens in order, then the second choices, ...)."""
+    whole = spec.replace(parallel=None)
+    weights, ids = reference.route(x @ t["router_w"].T, t.get("correction_bias"), whole)
+    per_rank = whole.num_experts // W
+    T, k = ids.shape
+    used = [0] * W
+    kept = torch.zeros(T, k, dtype=torch.bool)
+    for j in range(k):
+        for tok in range(T):
+            d = int(ids[tok, j]) // per_rank
+            kept[tok, j] = used[d] < C
+            used[d] += 1
+    w = weights * kept
+    return reference.experts(x, ids, w, t["w13"], t["b13"], t["w2"], t["b2"], whole)
+
+
+def check_capacity_drops(rank: int, W: int, comm=None) -> list:
+    """all_to_all with capacity C = 2 rows a destination: the dropped pairs add nothing, the others are exact."""
+    x, t = one_rank_input("mixtral", 4, W)  # every pair to rank 0: 8 pairs for 2 rows from each sender
+    spec = parallel_spec("mixtral", "ep_a2a", W, rank, capacity=2)
+    out = on_rank(x, t, spec, comm)
+    ref = expected_with_drops(x, t, spec, W, 2)
+    full = oracle(x, t, SPECS["mixtral"])
+    assert rel_err(out, full) > 0.05  # (something was dropped)
+    return [("mixtral/capacity 2 drops", rank, rel_err(out, ref), TOL)]
+
+
+def check_experts_entry(rank: int, W: int, comm=None) -> list:
+    """``parallel.experts``: routing given (global ids), EP and TP, equal to the whole experts."""
+    rows = []
+    name = "deepseek_v3"
+    spec0 = SPECS[name]
+    x, t = block(name, 6)
+    weights, ids = reference.route((x @ t["router_w"].T).float(), t["correction_bias"], spec0)
+    ref = reference.experts(x, ids, weights, t["w13"], None, t["w2"], None, spec0)
+    for mode in ("ep", "ep_a2a", "tp"):
+        spec = parallel_spec(name, mode, W, rank)
+        out = par.experts(x, ids, weights, par.shard(t, spec), spec, comm)
+        rows.append((f"{name}/{mode} experts entry", rank, rel_err(out, ref), TOL))
+    return rows
+
+
+ALL_CHECKS = (check_every_spec, check_own_tokens, check_one_rank_gets_all, check_capacity_drops, check_experts_entry)
+
+
+def run_all(rank: int, W: int, comm=None) -> list:
+    rows = []
+    for check in ALL_CHECKS:
+        rows += check(rank, W, comm)
+    return rows
+
+
+def failures(rows) -> list:
+    return [r for r in rows if not r[2] < r[3]]
