@@ -28,6 +28,8 @@ SPECS = {
                            renorm_eps=1e-20, router_fp32=True, shared=SharedExpertSpec(24)),
     "qwen2_gated_shared": MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, renormalize=False,
                                   shared=SharedExpertSpec(24, gate="sigmoid")),
+    "shared_concat": MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16,  # (not split: rank 0)
+                             shared=SharedExpertSpec(24, layout="concat", scale=0.5)),
     "latent": MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, latent_size=16, latent_bias=True,
                       scoring="sigmoid", shared=SharedExpertSpec(24)),
     "zero_experts": MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, zero_experts=2),
