@@ -47,6 +47,9 @@ def group_name(group=None) -> str:
     ``dist.group.WORLD``), else the group's own name (remembered, so ``comm_for`` finds the group again)."""
     if group is None or group is dist.group.WORLD:
         return ""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"the process group does not hold this process (global rank {dist.get_rank()}): "
+                         f"torch.distributed.new_group gave this rank no group; expected a group holding it")
     if not isinstance(group, dist.ProcessGroup):
         raise ValueError(f"group must be a torch.distributed ProcessGroup (or None: the default group), got "
                          f"{type(group).__name__}")

@@ -190,3 +190,35 @@ def run_all(rank: int, W: int, comm=None) -> list:
 
 def failures(rows) -> list:
     return [r for r in rows if not r[2] < r[3]]
+
+
+# ------------------------------------------------------------------------------ jobs of the real process groups
+def check_bad_groups(rank: int, W: int, comm=None) -> list:
+    """On a real process group: a spec whose world size or rank is not the group's, and a group that does not hold
+    this rank, are ValueErrors naming what was expected."""
+    import pytest
+    import torch.distributed as dist
+
+    x, t = block("mixtral", 4)
+    expect = [(parallel_spec("mixtral", "ep", 2 * W, rank), f"world_size={2 * W}, the process group 'default' has {W}"),
+              (parallel_spec("mixtral", "ep", W, (rank + 1) % W), f"this process is rank {rank} of the process group")]
+    for spec, match in expect:
+        with pytest.raises(ValueError, match=match):
+            on_rank(x, t, spec, None)
+    sub = dist.new_group([0])  # (every rank calls new_group)
+    if rank != 0:
+        with pytest.raises(ValueError, match="does not hold this process"):
+            par.group_name(sub)
+        named = SPECS["mixtral"].replace(parallel=ParallelSpec("ep", 1, 0, 8, group="no-such-group"))
+        with pytest.raises(ValueError, match="names no process group of this process"):
+            on_rank(x, t, named, None)
+    else:
+        spec = SPECS["mixtral"].replace(parallel=ParallelSpec("ep", 1, 0, 8, group=par.group_name(sub)))
+        out = on_rank(x, t, spec, None)  # a group of one: the whole block on rank 0
+        assert rel_err(out, oracle(x, t, SPECS["mixtral"])) < TOL
+    dist.barrier()
+    return [("bad groups", rank, 0.0, 1.0)]
+
+
+JOBS = {"all": run_all, "bad_groups": check_bad_groups}
+
