@@ -2,14 +2,15 @@
 
     spec.replace(parallel=ParallelSpec("ep" | "tp", world_size, rank, E, ...))   which shard this rank holds
     moecomp.parallel.forward(x, args, spec)     the block on this rank's shard (routing whole, experts sharded, one
-                                                all-reduce or an all-to-all exchange); ``torch.ops.moecomp.moe_parallel``
+                                                all-reduce or an all-to-all exchange); torch.ops.moecomp.moe_parallel
     moecomp.parallel.experts(x, ids, weights, args, spec)   the routed experts only, routing given
-    moecomp.parallel.shard(args, spec)          this rank's shard of whole expert tensors
+    moecomp.parallel.shard_tensors(args, spec)  this rank's shard of whole expert tensors
     moecomp.shard_experts(model, group, mode)   every MoE block optimize() binds, sharded in place
 
 The op-level modules (comm, route, local, dispatch, capacity, ep, tp, op, slicing, emulate) sit at the ops layer
-(they import ops and the spec); ``shard_experts`` (``shard.py``) sits beside ``optimize`` and is imported on first
-use, so the binder can import the op path without a cycle.
+(they import ops and the spec); ``shard_experts`` (``shard.py``) sits beside ``optimize`` (it binds through it):
+this package does not import it (the binder imports the op path, and ``shard.py`` the binder), ``import moecomp``
+does, after ``optimize``.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from ..spec_parallel import ParallelSpec
 from .comm import group_name
 from .emulate import emulate
 from .op import call, experts, forward
-from .slicing import shard
+from .slicing import shard_tensors
 
-__all__ = ["ParallelSpec", "group_name", "emulate", "call", "experts", "forward", "shard", "shard_experts"]
+__all__ = ["ParallelSpec", "group_name", "emulate", "call", "experts", "forward", "shard_tensors", "shard_experts"]
 
 
 def __getattr__(name: str):

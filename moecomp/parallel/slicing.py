@@ -22,11 +22,11 @@ from ..spec import MoESpec, SpecError
 from .local import SHARD_ARGS
 
 
-def shard(args: dict, spec: MoESpec) -> dict:
+def shard_tensors(args: dict, spec: MoESpec) -> dict:
     """{name: this rank's shard} for the shard tensors in ``args`` (whole tensors), per ``spec.parallel``."""
     p = spec.parallel
     if p is None:
-        raise SpecError("shard needs a spec with a parallel part (MoESpec.parallel)")
+        raise SpecError("shard_tensors needs a spec with a parallel part (MoESpec.parallel)")
     out = {}
     for name in SHARD_ARGS:
         t = args.get(name)

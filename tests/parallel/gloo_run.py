@@ -1,6 +1,9 @@
-"""Run checks on W real processes (gloo over 127.0.0.1): ``run_world(W, jobs)`` spawns W processes (the "spawn"
-start method: a fresh interpreter each, nothing inherited but sys.path), which join one process group and run every
-job of ``JOBS`` named in ``jobs``; each returns its rows (name, rank, error, tolerance) per job or the traceback.
+"""Run checks on W real processes (gloo over 127.0.0.1): ``run_world(W, jobs)`` starts W processes, which join one
+process group and run every job of ``scenarios.JOBS`` named in ``jobs``; each returns its rows (name, rank, error,
+tolerance) per job or the traceback. The processes come from torch.multiprocessing's "forkserver" (a fresh server
+process, started once, never a fork of pytest itself, that has imported torch, Dynamo, moecomp and transformers:
+each worker is a fork of it, so W workers do not pay those imports W times over, which was most of the time), or
+"spawn" where there is no fork server.
 
 Safety: the rendezvous is a TCPStore on 127.0.0.1 at a port the OS picked free (a socket bound to 127.0.0.1:0,
 closed just before the store binds it: retried once on a clash), gloo talks over the loopback interface
@@ -75,10 +78,28 @@ def _collect(procs, out, n: int, timeout: float, got: dict, errors: list) -> Non
             got.setdefault(job, []).extend(rows)
 
 
+# what the fork server imports once for every worker (a module that fails to import is skipped): torch with Dynamo
+# (moecomp's verify calls the op through the dispatcher, which imports it), moecomp, the checks, transformers and the
+# tiny models' modelling code
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "moecomp", "moecomp.parallel", "scenarios", "transformers",
+           "transformers.models.qwen3_moe.modeling_qwen3_moe", "transformers.models.deepseek_v3.modeling_deepseek_v3")
+
+
+def _context():
+    """"forkserver" where there is one: a fresh server process (not a fork of pytest) that imports torch, moecomp and
+    the checks once, then forks each worker from that state, so W workers do not import torch W times over (most of
+    a spawned worker's start-up); "spawn" elsewhere."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
 def run_world(W: int, jobs: tuple, timeout: float = 120.0) -> dict:
     """{job: rows of every rank} from W gloo processes; AssertionError with the ranks' tracebacks on a failure, a
     hang (past ``timeout``) or a process that died."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     for attempt in range(2):
         port = free_port()
         out = ctx.Queue()

@@ -78,7 +78,7 @@ def oracle(x, t, spec: MoESpec):
 
 def on_rank(x, t, spec: MoESpec, comm):
     """The parallel forward with this rank's shards (``comm`` None: the spec's process group)."""
-    return par.forward(x, {**t, **par.shard(t, spec)}, spec, comm)
+    return par.forward(x, {**t, **par.shard_tensors(t, spec)}, spec, comm)
 
 
 def check_every_spec(rank: int, W: int, comm=None, specs=None, modes=None) -> list:
@@ -173,7 +173,7 @@ def check_experts_entry(rank: int, W: int, comm=None) -> list:
     ref = reference.experts(x, ids, weights, t["w13"], None, t["w2"], None, spec0)
     for mode in ("ep", "ep_a2a", "tp"):
         spec = parallel_spec(name, mode, W, rank)
-        out = par.experts(x, ids, weights, par.shard(t, spec), spec, comm)
+        out = par.experts(x, ids, weights, par.shard_tensors(t, spec), spec, comm)
         rows.append((f"{name}/{mode} experts entry", rank, rel_err(out, ref), TOL))
     return rows
 
@@ -222,3 +222,101 @@ def check_bad_groups(rank: int, W: int, comm=None) -> list:
 
 JOBS = {"all": run_all, "bad_groups": check_bad_groups}
 
+
+
+# ------------------------------------------------------------------------------ shard_experts on whole models
+def _same_on_every_rank(t: torch.Tensor) -> bool:
+    import torch.distributed as dist
+
+    got = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(got, t.contiguous())
+    return all(torch.equal(g, t) for g in got)
+
+
+def check_hf_generate(rank: int, W: int, comm=None) -> list:
+    """Tiny HF models (Qwen3-MoE on EP, DeepSeek-V3 with groups + bias + a shared expert on TP) built alike on every
+    rank: optimize + generate (the whole model), then shard_experts + generate again. The tokens equal the unsharded
+    ones on every rank; the expert parameters are this rank's shard (the whole ones freed). (optimize without the FX
+    pass: the attribute reader binds these blocks alike, without Dynamo's seconds of start-up in every process.)"""
+    import gc
+    import os
+    import sys
+    import weakref
+
+    import moecomp
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: generate.models
+    from generate.models import build, prompts
+
+    rows = []
+    for family, mode, E, I in (("qwen3_moe", "ep", 8, 32), ("deepseek_v3", "tp", 8, 32)):
+        model = build(family, layers=2, seed=0)
+        ids, mask = prompts(96, 2, 5, seed=1, left_pad=(0, 2))
+        moecomp.optimize(model, use_capture=False)
+        with torch.no_grad():
+            want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+        old = [weakref.ref(m.gate_up_proj) for m in experts]
+        report = moecomp.shard_experts(model, None, mode)
+        gc.collect()
+        assert len(report) == 2 and all(mode in v for v in report.values()), report
+        assert all(r() is None for r in old)  # the whole expert tensors are gone
+        for m in experts:
+            want_shape = (E // W, 2 * I, 64) if mode == "ep" else (E, 2 * I // W, 64)
+            assert tuple(m.gate_up_proj.shape) == want_shape and tuple(m.down_proj.shape) == (
+                (E // W, 64, I) if mode == "ep" else (E, 64, I // W)), (family, mode, m.gate_up_proj.shape)
+        with torch.no_grad():
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        assert _same_on_every_rank(got), f"{family}/{mode}: ranks generated different tokens"
+        rows.append((f"hf {family}/{mode} generate", rank, float((got != want).sum()), 0.5))
+    return rows
+
+
+def check_plain_model(rank: int, W: int, comm=None) -> list:
+    """A plain PyTorch model whose experts are a ModuleList of MLPs (the binder stacks them into a shared buffer):
+    shard_experts keeps this rank's experts (views of the shard), empties the others, and the output is the whole
+    model's."""
+    import moecomp
+    from moecomp.testing import LinearExpert
+
+    class Block(torch.nn.Module):
+        def __init__(self, H=32, I=16, E=4, k=2):
+            super().__init__()
+            self.top_k = k
+            self.gate = torch.nn.Linear(H, E, bias=False)
+            self.experts = torch.nn.ModuleList([LinearExpert(H, I) for _ in range(E)])
+
+        def forward(self, hidden_states):
+            b, s, h = hidden_states.shape
+            x = hidden_states.view(-1, h)
+            w = torch.softmax(self.gate(x), dim=1, dtype=torch.float)
+            w, sel = torch.topk(w, self.top_k, dim=-1)
+            w = (w / w.sum(dim=-1, keepdim=True)).to(x.dtype)
+            out = torch.zeros_like(x)
+            for e, expert in enumerate(self.experts):
+                tok, slot = torch.where(sel == e)
+                if tok.numel():
+                    out.index_add_(0, tok, expert(x[tok]) * w[tok, slot, None])
+            return out.view(b, s, h)
+
+    rows = []
+    for mode in ("ep", "tp"):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(Block(), Block()).eval()
+        x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            want = net(x)
+            moecomp.optimize(net, use_capture=False)
+            report = moecomp.shard_experts(net, None, mode)
+            assert len(report) == 2, report
+            got = net(x)
+        for blk in net:
+            for e, ex in enumerate(blk.experts):
+                mine = mode == "tp" or e // (4 // W) == rank
+                shape = tuple(ex.w1.weight.shape)
+                assert shape == ((16 // W if mode == "tp" else 16, 32) if mine else (0,)), (mode, e, shape)
+        rows.append((f"plain ModuleList model/{mode}", rank, rel_err(got, want), TOL))
+    return rows
+
+
+JOBS.update(hf_generate=check_hf_generate, plain_model=check_plain_model)

@@ -31,7 +31,7 @@ def world_of_one():
 
 
 def _tensors(spec: MoESpec, whole: dict) -> list:
-    t = {**whole, **par.shard(whole, spec)}
+    t = {**whole, **par.shard_tensors(whole, spec)}
     return [t.get(n) for n in OP_ARGS[: len(MOE_ARGS)]]
 
 

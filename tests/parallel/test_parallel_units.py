@@ -71,7 +71,7 @@ def test_shards_put_back_are_the_whole_tensors(layout):
         for r in range(W):
             p = ParallelSpec(mode, W, r, 4, intermediate_size=64 if mode == "tp" else 0)
             s = spec.replace(parallel=p)
-            sh = par.shard(whole, s)
+            sh = par.shard_tensors(whole, s)
             local.check_shards(sh, s)  # the shapes the parallel path expects
             for n, t in sh.items():
                 assert t.is_contiguous() and t.untyped_storage().data_ptr() != whole[n].untyped_storage().data_ptr()
@@ -111,7 +111,7 @@ def test_bad_input():
     spec = BASE.replace(parallel=ParallelSpec("ep", 2, 1, 4))
     whole = _whole(BASE)
     x = torch.randn(3, 32)
-    sh = par.shard(whole, spec)
+    sh = par.shard_tensors(whole, spec)
     with pytest.raises(SpecError, match=r"w13 has shape \(4, 128, 32\); rank 1 of 2 \(ep\) holds experts \[2, 4\): "
                                         r"expected its shard \(2, 128, 32\) of the block's \(4, 128, 32\)"):
         par.forward(x, whole, spec, comm=_NoComm())
@@ -159,7 +159,7 @@ def test_world_size_one_is_the_plain_op():
                                                                           capacity=0),
                dict(mode="tp", intermediate_size=64)):
         s = spec.replace(parallel=ParallelSpec(world_size=1, rank=0, num_global_experts=4, **kw))
-        out = par.forward(args[0], {**whole, **par.shard(whole, s)}, s, comm=One())
+        out = par.forward(args[0], {**whole, **par.shard_tensors(whole, s)}, s, comm=One())
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
 
 
