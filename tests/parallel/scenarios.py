@@ -253,8 +253,14 @@ def check_hf_generate(rank: int, W: int, comm=None) -> list:
         model = build(family, layers=2, seed=0)
         ids, mask = prompts(96, 2, 5, seed=1, left_pad=(0, 2))
         moecomp.optimize(model, use_capture=False)
-        with torch.no_grad():
-            want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        gen = model.generate  # moecomp's (optimize installed it); .cpu: its engine on CPU (static cache, eager steps)
+
+        def run(engine: bool):
+            gen.cpu = engine
+            with torch.no_grad():
+                return model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+
+        want, want_engine = run(False), run(True)
         experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
         old = [weakref.ref(m.gate_up_proj) for m in experts]
         report = moecomp.shard_experts(model, None, mode)
@@ -265,10 +271,12 @@ def check_hf_generate(rank: int, W: int, comm=None) -> list:
             want_shape = (E // W, 2 * I, 64) if mode == "ep" else (E, 2 * I // W, 64)
             assert tuple(m.gate_up_proj.shape) == want_shape and tuple(m.down_proj.shape) == (
                 (E // W, 64, I) if mode == "ep" else (E, 64, I // W)), (family, mode, m.gate_up_proj.shape)
-        with torch.no_grad():
-            got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-        assert _same_on_every_rank(got), f"{family}/{mode}: ranks generated different tokens"
+        got, got_engine = run(False), run(True)
+        assert gen.last["path"] == "moecomp", gen.last
+        for g in (got, got_engine):
+            assert _same_on_every_rank(g), f"{family}/{mode}: ranks generated different tokens"
         rows.append((f"hf {family}/{mode} generate", rank, float((got != want).sum()), 0.5))
+        rows.append((f"hf {family}/{mode} generate engine", rank, float((got_engine != want_engine).sum()), 0.5))
     return rows
 
 

@@ -54,4 +54,5 @@ def test_shard_experts(world):
         pytest.skip("run at W = 2")
     for job in ("plain_model", "hf_generate"):
         _ok(got[job], W)
-    assert {r[0] for r in got["hf_generate"]} == {"hf qwen3_moe/ep generate", "hf deepseek_v3/tp generate"}
+    assert {r[0] for r in got["hf_generate"]} == {f"hf {m} generate{e}" for m in ("qwen3_moe/ep", "deepseek_v3/tp")
+                                                  for e in ("", " engine")}
