@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from ..spec_parallel import ParallelSpec
 from .dispatch import destinations, meta_rows
@@ -43,7 +42,7 @@ def positions(dest: torch.Tensor, T: int, k: int, W: int) -> torch.Tensor:
     if dest.numel() == 0:
         return dest.clone()
     sm = dest.view(T, k).t().reshape(-1)  # slot-major order
-    hot = F.one_hot(sm, W + 1)  # [P, W + 1]
+    hot = (sm[:, None] == torch.arange(W + 1, device=sm.device)).long()  # [P, W + 1] one-hot (no range check)
     rank = ((hot.cumsum(0) - hot) * hot).sum(1)  # [P]
     return rank.view(k, T).t().reshape(-1)  # token-major again
 

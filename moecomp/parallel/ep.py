@@ -46,6 +46,10 @@ def _exchanged(xe, r: Routing, args: dict, spec: MoESpec, comm) -> torch.Tensor:
     T, k = r.ids.shape
     E, width = spec.num_experts, xe.shape[1]
     fixed = p.capacity is not None
+    if not fixed and xe.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("moecomp parallel: dispatch 'all_to_all' without a capacity reads the exchange's counts on "
+                           "the host, which a CUDA graph capture cannot do; use capacity=0 (fixed buffers of T * k "
+                           "rows, no drop) or capacity=C, or dispatch 'all_reduce'")
     via = capacity if fixed else dispatch
     plan, rows, lid, lw = via.send(comm, xe, r.ids, r.weights, p, E)
     y = local.run(rows, lid, lw, args, local.kernel_spec(spec, 1, fixed))  # [N, width]
