@@ -16,7 +16,7 @@ from moecomp import reference
 from moecomp.ops.common import MOE_ARGS
 from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec
 from moecomp.spec_parallel import ParallelSpec
-from moecomp.testing import quantize_moe_args, random_latent_args, random_moe_args, rel_err
+from moecomp.testing import quantize_moe_args, random_hash_args, random_latent_args, random_moe_args, rel_err
 
 TOL = 2e-5  # fp32: relative Frobenius error (summation order only)
 
@@ -30,6 +30,10 @@ SPECS = {
                                   shared=SharedExpertSpec(24, gate="sigmoid")),
     "shared_concat": MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16,  # (not split: rank 0)
                              shared=SharedExpertSpec(24, layout="concat", scale=0.5)),
+    "qwen2_fse": MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, renormalize=False,
+                         shared=SharedExpertSpec(24, gate="sigmoid"), fused_shared_gate=True),
+    "hash": MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, scoring="sqrtsoftplus",
+                    routed_scaling_factor=1.5, hash_routing=True, shared=SharedExpertSpec(16)),
     "latent": MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, latent_size=16, latent_bias=True,
                       scoring="sigmoid", shared=SharedExpertSpec(24)),
     "zero_experts": MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, zero_experts=2),
@@ -54,8 +58,15 @@ MODES = {  # name -> ParallelSpec keywords (besides mode / world size / rank / E
 def block(name: str, T: int, seed: int = 0):
     """(x [T, H], whole tensors by op argument name) of a spec's block (quantized where the spec says)."""
     spec = SPECS[name]
-    args = random_moe_args(spec, T, seed=seed)
+    plain = spec.replace(fused_shared_gate=False)
+    args = random_moe_args(plain, T, seed=seed)
+    if spec.fused_shared_gate:  # FSE: router_w [E + 1, H], the gate's row last (what the binder's buffer holds)
+        fused = torch.cat([args[1], args[MOE_ARGS.index("shared_gate_w") + 1]])
+        args = tuple(fused if i == 1 else None if i == MOE_ARGS.index("shared_gate_w") + 1 else a
+                     for i, a in enumerate(args))
     extra = random_latent_args(spec, seed=seed + 1)
+    if spec.hash_routing:
+        extra.update(random_hash_args(spec, T, seed=seed))
     if spec.quant is not None:
         args, scales = quantize_moe_args(spec, args)
         extra.update(scales)
