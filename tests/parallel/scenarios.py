@@ -335,6 +335,14 @@ def check_plain_model(rank: int, W: int, comm=None) -> list:
                 shape = tuple(ex.w1.weight.shape)
                 assert shape == ((16 // W if mode == "tp" else 16, 32) if mine else (0,)), (mode, e, shape)
         rows.append((f"plain ModuleList model/{mode}", rank, rel_err(got, want), TOL))
+    import pytest
+
+    odd = moecomp.optimize(torch.nn.Sequential(Block(E=2 * W + 1)).eval(), use_capture=False)  # E % W != 0: refused
+    with torch.no_grad(), pytest.raises(ValueError, match=f"num_global_experts={2 * W + 1} is not divisible by "
+                                                          f"world_size={W}"):
+        moecomp.shard_experts(odd, None, "ep")
+    with pytest.raises(ValueError, match="mode='dp': expected one of"):
+        moecomp.shard_experts(odd, None, "dp")
     return rows
 
 
