@@ -70,3 +70,35 @@ def test_compiled_call_is_one_op(world_of_one):
     out = fn(args[0])
     assert torch.ops.moecomp.moe_parallel in seen or torch.ops.moecomp.moe_parallel.default in seen
     assert rel_err(out, 2 * reference.moe_forward(*args, SPEC)) < 2e-5
+
+
+@pytest.mark.parametrize("mode, kw", [("ep", {}), ("tp", {}), ("ep", dict(dispatch="all_to_all", capacity=0))],
+                         ids=["ep", "tp", "ep_a2a_fixed"])
+def test_sharded_generate_with_compiled_layers(world_of_one, mode, kw):
+    """moecomp's engine with its decoder layers compiled (Dynamo, "eager" backend on CPU): the bound blocks of a
+    sharded model trace to one moe_parallel op each, and the tokens are the unsharded model's."""
+    import os
+    import sys
+
+    import moecomp
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from generate.models import build, prompts
+
+    model = moecomp.optimize(build("qwen3_moe", layers=2, seed=0), use_capture=False)
+    ids, mask = prompts(model.config.vocab_size, 2, 6, seed=2, left_pad=(0, 2))
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    moecomp.shard_experts(model, None, mode, **kw)
+    model.generate.cpu = True
+    eng = model.generate._engine()
+    seen = set()
+
+    def backend(gm, example_inputs):  # Dynamo's graphs of the layers, run as they are
+        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    eng.cpu_compile, eng.compile_backend = True, backend
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert model.generate.last["layers"] == "compiled", model.generate.last
+    assert any("moe_parallel" in t for t in seen), sorted(seen)
+    assert torch.equal(got, want)
