@@ -3,6 +3,7 @@
     import moecomp
     model = moecomp.optimize(model)   # every MoE block -> one torch.ops.moecomp.moe_forward call
     print(moecomp.scan(model))        # what was found, with which spec, and why anything was skipped
+    moecomp.shard_experts(model, group, mode="ep")   # under torchrun: this rank keeps its experts only
 
 ``import moecomp`` is cheap and leaves other libraries alone: it registers the custom ops ``torch.ops.moecomp.*``
 (torch only: Triton and the kernels are imported by the first call that runs them) and imports neither
@@ -28,6 +29,7 @@ from . import ops  # noqa: F401  (registers torch.ops.moecomp.*; torch only)
 from .spec import MoESpec, SharedExpertSpec, SpecError
 from .optimize import Report, optimize, scan, unoptimize
 from .load import load  # (torch only: the loaders import transformers / safetensors when called)
+from .parallel.shard import shard_experts  # expert / tensor parallelism (moecomp.parallel; torch only)
 from .hf import experts_interface as _experts_interface  # noqa: F401  ("moecomp" experts, once transformers loads)
 from . import dynamo_name as _dynamo_name
 
@@ -60,4 +62,4 @@ def __dir__():
 
 
 __all__ = ["MoESpec", "SharedExpertSpec", "SpecError", "ops", "optimize", "scan", "unoptimize", "Report",
-           "counters", "warmup", "load", "__version__"]
+           "counters", "warmup", "load", "shard_experts", "__version__"]

@@ -354,6 +354,7 @@ def capture_block(module: nn.Module, example_input: torch.Tensor, *, dynamic: bo
     if "gm" not in box:
         raise DetectError("Dynamo produced no graph for the block", "capture")
     gm, inputs = box["gm"], box["inputs"]
+    box.clear()  # Dynamo's cache keeps the backend (and so ``box``) alive: it must not keep the block's tensors too
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
 
     by_id: dict[int, str] = {}

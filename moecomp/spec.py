@@ -139,6 +139,7 @@ from moecomp.spec_checks import (  # noqa: F401  (re-exported: the allowed value
     QUANT_ACTIVATIONS, CAPACITY_PER, FP8_MAX, SpecError, _check_activation, _check_softcaps, check_quant,
     validate_moe,
 )
+from moecomp.spec_parallel import ParallelSpec, check_parallel, parallel_from_dict  # the sharded experts' part
 
 
 @dataclass(frozen=True)
@@ -350,6 +351,8 @@ class MoESpec:
     latent_norm_eps: float = 1e-6
     expert_norm: str = "none"  # RMSNorm of each pair's expert output before its weight: "none" | "scaled_rms_1p"
     expert_norm_eps: float = 1e-6
+    # --- this rank's shard of the routed experts (expert / tensor parallelism; spec_parallel.py) ---
+    parallel: ParallelSpec | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -357,6 +360,8 @@ class MoESpec:
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         validate_moe(self)
+        if self.parallel is not None:
+            check_parallel(self)
 
     # ------------------------------------------------------------ serialise
     @functools.cached_property
@@ -549,9 +554,10 @@ class MoESpec:
             act = f"clamp{self.activation_limit:g} " + act
         if self.gate_softcap or self.up_softcap:
             act = f"softcap g{self.gate_softcap:g}/u{self.up_softcap:g} " + act
+        par = "" if self.parallel is None else f" ({self.parallel.describe()})"
         return (
             f"E={self.num_experts} k={self.top_k} H={self.hidden_size} I={self.intermediate_size} "
-            f"[{route}] {act}{sh}"
+            f"[{route}] {act}{sh}{par}"
         )
 
 
@@ -607,4 +613,7 @@ def _spec_from_key(key: str) -> MoESpec:
     quant = d.pop("quant", None)
     if quant is not None:
         quant = QuantSpec(**_fields_from_key(quant, QuantSpec, key, "'quant'"))
-    return MoESpec(**d, shared=shared, quant=quant)
+    par = d.pop("parallel", None)
+    if par is not None:
+        par = parallel_from_dict(par, key, _fields_from_key)
+    return MoESpec(**d, shared=shared, quant=quant, parallel=par)

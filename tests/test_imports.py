@@ -432,7 +432,8 @@ def test_lower_layers_do_not_import_upper_ones():
     data = ("moecomp.spec", "moecomp.reference", "moecomp.quant", "moecomp.counters", "moecomp.policy",
             "moecomp.reject",
             "moecomp.derived", "moecomp.match")
-    binder = data + ("moecomp.ops", "moecomp.hf.bind", "moecomp.hf.bind_common", "moecomp.hf.bind_experts",
+    binder = data + ("moecomp.ops", "moecomp.parallel", "moecomp.hf.bind", "moecomp.hf.bind_common",
+                     "moecomp.hf.bind_experts",
                      "moecomp.hf.impl_switch", "moecomp.hf.snapshot", "moecomp.hf.names",
                      "moecomp.hf.structure", "moecomp.hf.experts_interface", "moecomp.hf.fp8")
     allowed |= {
@@ -442,6 +443,12 @@ def test_lower_layers_do_not_import_upper_ones():
         "moecomp.hf.bind": binder,
         "moecomp.verify": binder + ("moecomp.probe", "moecomp.hf.activations"),
     }
+    # the parallel op path (moecomp.parallel, but shard_experts in parallel.shard) sits at the ops layer: the binder
+    # calls it; it calls the ops and the collectives
+    parallel_ops = ("moecomp.parallel", "moecomp.ops", "moecomp.spec", "moecomp.spec_parallel", "moecomp.reference",
+                    "moecomp.quant", "moecomp.counters")
+    allowed |= {f"moecomp.parallel.{m}": parallel_ops for m in ("comm", "route", "local", "dispatch", "capacity",
+                                                                 "ep", "tp", "op", "slicing", "emulate")}
     # spec_checks is the spec's own validation (split from spec.py): allowed wherever the spec is
     allowed = {m: ts + (("moecomp.spec_checks",) if "moecomp.spec" in ts else ()) for m, ts in allowed.items()}
     bad = []

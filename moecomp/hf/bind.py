@@ -75,6 +75,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops.hash_routing import check_table
 from ..ops.moe_op import OP_ARGS, call_moe_forward
+from ..parallel.op import call as call_parallel
 from ..reject import RejectCode
 from ..spec import MoESpec, SpecError
 from ..derived import Derived, SharedLayout
@@ -365,7 +366,12 @@ def moecomp_block_forward(self: nn.Module, *args, **kwargs):
     why = _needs_original_traced(self, st, x) if compiling else _needs_original(self, st, x, extra)
     if why is None and compiling and any(extra.get(n) is None for _, n in getattr(st, "inputs", ())):
         why = "argument missing"
+    op_spec = st.op_spec or st.spec
     if why is not None:
+        if op_spec.parallel is not None:  # the block's own forward would run on this rank's shard of the experts
+            raise RuntimeError(f"moecomp: {st.name or type(self).__name__} holds a shard of its experts "
+                               f"(moecomp.shard_experts: {op_spec.parallel.describe()}); it cannot run its original "
+                               f"forward, which this call needs ({why})")
         if not compiling:
             st.fallbacks += 1
         return _call_original(self, st, x, rest, kwargs)
@@ -383,8 +389,10 @@ def moecomp_block_forward(self: nn.Module, *args, **kwargs):
     if not compiling:
         st.calls += 1
     c = st.contract
-    # the op (through the dispatcher where a mode, tracing or autograd needs it; see call_moe_forward)
-    y = call_moe_forward(x if c.primary == "same" else x.reshape(-1, x.shape[-1]), tensors, st.op_spec or st.spec)
+    # the op (through the dispatcher where a mode, tracing or autograd needs it; see call_moe_forward); sharded
+    # experts (``MoESpec.parallel``, moecomp.shard_experts): the parallel path, collectives included
+    run = call_moe_forward if op_spec.parallel is None else call_parallel
+    y = run(x if c.primary == "same" else x.reshape(-1, x.shape[-1]), tensors, op_spec)
     for p in st.epilogue:  # a child module called, or an output bias added (moecomp.epilogue)
         e = _resolve(self, p)
         y = y + e if isinstance(e, torch.Tensor) else e(y)
@@ -532,6 +540,9 @@ def unbind(block: nn.Module) -> bool:
     st = getattr(block, "_moecomp", None)
     if st is None:
         return False
+    if getattr(getattr(st, "op_spec", None), "parallel", None) is not None:
+        raise ValueError(f"moecomp: {st.name or type(block).__name__} holds a shard of its experts "
+                         f"(moecomp.shard_experts); its original forward needs every expert, so it cannot be unbound")
     if callable(getattr(st, "unbind", None)):  # a binding of its own kind (hf/bind_pair.PairState)
         st.unbind(block)
         del block._moecomp

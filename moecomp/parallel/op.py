@@ -1,0 +1,125 @@
+"""The parallel op path: a MoE block whose routed experts are sharded over a process group (``MoESpec.parallel``).
+
+    forward(x, args, spec)            x [..., H] -> [..., H]: the whole block, this rank's shard of the experts
+        routing      over the E global experts, on every rank, as one GPU routes (``route.py``)
+        xe           = x, or latent_in(x) [T, L] (``spec.latent_size``)
+        routed       ``ep.py`` (all_reduce: partial; all_to_all: complete) or ``tp.py`` (partial), fp32 [T, width]
+        reduce       (one all-reduce, only where the routed part is partial, at one of two points:)
+          no latent:   out = all_reduce((routed + shared_partial).to(x.dtype))       routed and shared summed first
+                       shared_partial: this rank's slice of the shared experts' I (``route.shared_slice``), or the
+                       whole shared experts on rank 0 where they do not split
+          latent:      out = latent_out(all_reduce(routed.to(x.dtype))) + shared(x)  before the output transform
+        all_to_all:  out = routed (+ latent_out) + shared(x), nothing reduced
+    experts(x, ids, weights, args, spec)   the routed experts only, routing given (global ids): [T, width], reduced
+
+The collectives run outside ``moe_forward`` / ``moe_experts``, which stay pure; for callers that trace (torch.compile
+of the decoder layers in ``generate()``) the whole path is one opaque custom op, ``torch.ops.moecomp.moe_parallel(x,
+tensors, spec)``, so Dynamo never traces a collective and the graph does not break; ``call`` takes the direct path from
+plain eager code. Inside a CUDA graph capture the path must be ``ParallelSpec.capturable`` (no host read: all_reduce,
+or all_to_all with a capacity) — NCCL collectives of fixed sizes are captured with the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops import latent
+from ..ops.common import OP_ARGS
+from ..ops.moe_op import check_args, plain_eager
+from ..spec import MoESpec, SpecError
+from . import ep, route, tp
+from .comm import comm_for
+from .local import SHARD_ARGS, check_shards
+
+
+def _routed(xe, r: route.Routing, args: dict, spec: MoESpec, comm) -> tuple[torch.Tensor, bool]:
+    if spec.parallel.mode == "tp":
+        return tp.routed(xe, r, args, spec), True
+    return ep.routed(xe, r, args, spec, comm)
+
+
+def _parallel(spec: MoESpec):
+    if spec.parallel is None:
+        raise SpecError(f"the parallel path needs a spec with a parallel part (MoESpec.parallel), got "
+                        f"{spec.describe()}")
+    return spec.parallel
+
+
+def check(x: torch.Tensor, args: dict, spec: MoESpec, symbolic: bool = False) -> None:
+    """SpecError naming the argument: shard tensors of the wrong shape (``local.check_shards``), and every other
+    argument as the one-GPU op checks it (the shards stand in at the whole block's shapes, as zero-stride views)."""
+    check_shards(args, spec)
+    whole = {**spec.expert_weight_shapes(), **spec.quant_shapes()}
+    stand_in = {n: args[n].new_empty(()).expand(whole[n]) for n in SHARD_ARGS if args.get(n) is not None
+                and n in whole}
+    check_args(x, {**args, **stand_in}, spec, symbolic)
+
+
+def forward(x: torch.Tensor, args: dict, spec: MoESpec, comm=None) -> torch.Tensor:
+    """The block on this rank (module docstring); ``args``: the op's tensors by name (``OP_ARGS``), the expert
+    tensors this rank's shards; ``comm``: the collectives (default: the process group ``spec.parallel.group``)."""
+    p = _parallel(spec)
+    comm = comm_for(p) if comm is None else comm
+    check(x, args, spec)
+    shape, dt = x.shape, x.dtype
+    x2 = x.reshape(-1, shape[-1])  # [T, H]
+    r = route.route(x2, args, spec, shape)
+    xe = latent.project_in(x2, args, spec) if spec.latent_size else x2  # [T, width]
+    routed, partial = _routed(xe, r, args, spec, comm)
+    if spec.latent_size:
+        rl = routed.to(dt)
+        if partial:
+            comm.all_reduce_(rl)  # the all-reduce point before the latent output transform
+        out = latent.project_out(rl, args).float()
+        if spec.shared is not None:
+            out += route.shared_part(x2, args, spec, r)
+        return out.to(dt).reshape(shape)
+    if spec.shared is not None:
+        if not partial:
+            routed += route.shared_part(x2, args, spec, r)
+        else:
+            sl = route.shared_slice(args, spec, p.rank, p.world_size)
+            if sl is not None:
+                routed += route.shared_part(x2, sl[0], sl[1], r)
+            elif p.rank == 0:
+                routed += route.shared_part(x2, args, spec, r)
+    out = routed.to(dt)
+    if partial:
+        comm.all_reduce_(out)  # routed and shared summed first, reduced once
+    return out.reshape(shape)
+
+
+def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, args: dict, spec: MoESpec,
+            comm=None) -> torch.Tensor:
+    """The routed experts only (module docstring): x [T, width] (the experts' input), ids / weights [T, k] over
+    the E global experts -> [T, width] in x's dtype, summed over the ranks. ``args``: this rank's shard tensors."""
+    p = _parallel(spec)
+    comm = comm_for(p) if comm is None else comm
+    check_shards(args, spec)
+    routed, partial = _routed(x, route.Routing(ids, weights.float(), None, None), args, spec, comm)
+    out = routed.to(x.dtype)
+    return comm.all_reduce_(out) if partial else out
+
+
+@torch.library.custom_op("moecomp::moe_parallel", mutates_args=())
+def moe_parallel(x: torch.Tensor, tensors: list[torch.Tensor | None], spec: str) -> torch.Tensor:
+    """``forward`` as one op: ``tensors`` in ``OP_ARGS`` order (this rank's shards for the expert tensors; a shorter
+    list leaves the rest None), ``spec`` a MoESpec key with a parallel part."""
+    return forward(x, dict(zip(OP_ARGS, tensors)), MoESpec.from_key(spec))
+
+
+@moe_parallel.register_fake
+def _(x, tensors, spec):
+    s = MoESpec.from_key(spec)
+    _parallel(s)
+    check(x, dict(zip(OP_ARGS, tensors)), s, symbolic=True)
+    return torch.empty_like(x)
+
+
+def call(x: torch.Tensor, tensors, spec: MoESpec) -> torch.Tensor:
+    """``moe_parallel`` for a bound block (``tensors`` in ``OP_ARGS`` order): direct from plain eager code, through
+    the op where something traces or dispatches (as ``moe_op.call_moe_forward``)."""
+    tensors = tuple(tensors)
+    if plain_eager((x,) + tensors):
+        return forward(x, dict(zip(OP_ARGS, tensors)), spec)
+    return torch.ops.moecomp.moe_parallel(x, list(tensors), spec.key)

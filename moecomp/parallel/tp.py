@@ -1,0 +1,34 @@
+"""Tensor parallelism: every rank holds every expert's intermediate columns s = [r * I / W, (r + 1) * I / W):
+
+    w13[e] rows  gate[s] and up[s]  (column-parallel: gate and up sliced alike; interleaved: rows 2s, 2s + 1)
+    w2[e]  cols  s                  (row-parallel: the same columns)
+    h_s = act(x @ gate[s].T) * (x @ up[s].T)      the activation is elementwise, so each rank has its columns' h
+    y_s = h_s @ w2[:, s].T                         and sum_r y_r = h @ w2.T: the partial outputs add up to y
+
+    partial [T, width] = moe_experts(xe, ids, weights) on the slices; b2 (whole, [E, H]) and the zero experts'
+    weight * x are added by rank 0 only; an expert capacity's dropped pairs get an id past the experts (skipped).
+    The caller sums the partials over the ranks (one all-reduce).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..spec import MoESpec
+from . import local
+from .route import Routing
+
+
+def routed(xe: torch.Tensor, r: Routing, args: dict, spec: MoESpec) -> torch.Tensor:
+    """This rank's partial routed output, fp32 [T, width]."""
+    p, E = spec.parallel, spec.num_experts
+    ids, w = r.ids.long(), r.weights
+    if spec.has_capacity:  # dropped pairs (-1 on the torch path, E on the Triton path): an id past the experts
+        real = (ids >= 0) & (ids < E)
+        ids, w = torch.where(real, ids, E), torch.where(real, w, 0.0)
+    if spec.zero_experts and p.rank != 0:
+        w = torch.where(ids >= E, 0.0, w)
+    if spec.has_expert_bias and p.rank != 0:
+        args = {**args, "b2": torch.zeros_like(args["b2"])}
+    ks = local.kernel_spec(spec, ids.shape[1], spec.has_capacity)
+    return local.run(xe, ids, w, args, ks).float()
