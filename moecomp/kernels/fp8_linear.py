@@ -14,7 +14,7 @@ Up to 4 rows, weight-only calls take the skinny kernel instead (``kernels/skinny
 import triton
 import triton.language as tl
 
-from . import fp8
+from . import fp8, kloop
 
 
 @triton.jit
@@ -50,14 +50,7 @@ def fp8_linear_kernel(
     stride_am=None,  # A_QUANT 3 (prequant): x_ptr e4m3 x, as_ptr its group scales [M, cdiv(K, 128)]
     FOLD: tl.constexpr = 0,  # w8a16 block scales folded into the weight tile (fp8.dot_loop)
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = kloop.block_ids(tl.program_id(0), N, tl.cdiv(M, BLOCK_M), BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -55,18 +55,6 @@ from .activations import act as _act
 from .activations import gated as _gated
 
 
-@triton.jit
-def _block_ids(pid, n_cols, MAX_BLOCKS, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Grouped program order: GROUP_M row blocks sweep the columns together (weight tiles stay in L2)."""
-    num_n = tl.cdiv(n_cols, BLOCK_N)
-    per_group = GROUP_M * num_n
-    group = pid // per_group
-    first_m = group * GROUP_M
-    size_m = tl.minimum(MAX_BLOCKS - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
-    return pid_m, pid_n
-
 
 @triton.jit
 def _rows(sorted_ptr, block_expert_ptr, num_padded_ptr, P, n_cols, MAX_BLOCKS, BLOCK_M: tl.constexpr,
@@ -84,7 +72,7 @@ def _rows(sorted_ptr, block_expert_ptr, num_padded_ptr, P, n_cols, MAX_BLOCKS, B
         if ZERO_EXPERTS:  # a zero expert's pair: no weights to read (see the module docstring)
             dead = dead | (expert >= n_experts)
     else:
-        pid_m, pid_n = _block_ids(tl.program_id(0), n_cols, MAX_BLOCKS, BLOCK_N, GROUP_M)
+        pid_m, pid_n = kloop.block_ids(tl.program_id(0), n_cols, MAX_BLOCKS, BLOCK_N, GROUP_M)
         dead = pid_m * BLOCK_M >= tl.load(num_padded_ptr)
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)  # in bounds (pid_m < MAX_BLOCKS); unused if dead
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -56,3 +56,17 @@ def pair_loop(a_ptrs, row_ok, g_ptrs, up_offset, col_ok, K, stride_bk, UPCAST: t
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K * stride_bk
     return tl.reshape(tl.join(acc_g, acc_u), [BLOCK_M, 2 * BLOCK_N])  # [BM, BN, 2] -> columns 2c, 2c + 1
+
+
+@triton.jit
+def block_ids(pid, n_cols, MAX_BLOCKS, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, column block) of program ``pid`` in grouped order: GROUP_M row blocks (of MAX_BLOCKS) sweep the
+    columns together, so that their weight tiles stay in L2. The grouped GEMMs and the dense FP8 / 4-bit linears."""
+    num_n = tl.cdiv(n_cols, BLOCK_N)
+    per_group = GROUP_M * num_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(MAX_BLOCKS - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    return pid_m, pid_n

@@ -30,7 +30,7 @@ times a masked x column of 0).
 import triton
 import triton.language as tl
 
-from . import fp8, quant4
+from . import fp8, kloop, quant4
 
 
 @triton.jit
@@ -62,14 +62,7 @@ def linear4_kernel(
     FOLD: tl.constexpr = 0,
     FORM: tl.constexpr = 0,
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = kloop.block_ids(tl.program_id(0), N, tl.cdiv(M, BLOCK_M), BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -73,42 +73,23 @@ def e2m1(c):
     return bits.to(tl.float32, bitcast=True)
 
 
-_E2M1X2 = """{
-.reg .b32 t<2>, u<4>, one, nz;
-mov.b32 one, ONE;
-mov.b32 nz, 0x80008000;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-shl.b32 u0, t0, LO_EM;
-and.b32 u0, u0, EM_MASK;
-shl.b32 u1, t0, 12;
-and.b32 u1, u1, 0x80008000;
-or.b32 u0, u0, u1;
-fma.rn.TYPE $0, u0, one, nz;
-shl.b32 u2, t1, LO_EM;
-and.b32 u2, u2, EM_MASK;
-shl.b32 u3, t1, 12;
-and.b32 u3, u3, 0x80008000;
-or.b32 u2, u2, u3;
-fma.rn.TYPE $1, u2, one, nz;
-shl.b32 u0, t0, HI_EM;
-and.b32 u0, u0, EM_MASK;
-shl.b32 u1, t0, 8;
-and.b32 u1, u1, 0x80008000;
-or.b32 u0, u0, u1;
-fma.rn.TYPE $2, u0, one, nz;
-shl.b32 u2, t1, HI_EM;
-and.b32 u2, u2, EM_MASK;
-shl.b32 u3, t1, 8;
-and.b32 u3, u3, 0x80008000;
-or.b32 u2, u2, u3;
-fma.rn.TYPE $3, u2, one, nz;
-}"""
+def _e2m1x2_ptx(em_lo: int, em_hi: int, em_mask: int, one: int, ftype: str) -> str:
+    """The PTX of ``e2m1x2``: $4 = four bytes; $0 / $1 = the low nibbles of bytes (0, 1) / (2, 3) as 16-bit pairs,
+    $2 / $3 the high nibbles'. Per output: the spread word shifted so that em lands at ``em_mask``, the sign bit
+    (bit 3 of the nibble) at bit 15 of its half, then one packed FMA by ``one`` (2^126 / 2^14) and -0."""
+    lines = ["{", ".reg .b32 t<2>, u<2>, one, nz;", f"mov.b32 one, {one:#x};", "mov.b32 nz, 0x80008000;",
+             "prmt.b32 t0, $4, 0, 0x4140;", "prmt.b32 t1, $4, 0, 0x4342;"]
+    for out, (word, em_shift, sign_shift) in enumerate(((0, em_lo, 12), (1, em_lo, 12), (0, em_hi, 8),
+                                                        (1, em_hi, 8))):
+        lines += [f"shl.b32 u0, t{word}, {em_shift};", f"and.b32 u0, u0, {em_mask:#x};",
+                  f"shl.b32 u1, t{word}, {sign_shift};", "and.b32 u1, u1, 0x80008000;", "or.b32 u0, u0, u1;",
+                  f"fma.rn.{ftype} ${out}, u0, one, nz;"]
+    return "\n".join(lines + ["}"])
+
+
 # bf16: em to bits 6..8 (low nibble << 6, high << 2), times 2^126 (0x7E80); fp16: em to bits 9..11, times 2^14 (0x7400)
-E2M1X2_BF16 = tl.constexpr(_E2M1X2.replace("LO_EM", "6").replace("HI_EM", "2").replace("EM_MASK", "0x01C001C0")
-                           .replace("ONE", "0x7E807E80").replace("TYPE", "bf16x2"))
-E2M1X2_F16 = tl.constexpr(_E2M1X2.replace("LO_EM", "9").replace("HI_EM", "5").replace("EM_MASK", "0x0E000E00")
-                          .replace("ONE", "0x74007400").replace("TYPE", "f16x2"))
+E2M1X2_BF16 = tl.constexpr(_e2m1x2_ptx(6, 2, 0x01C001C0, 0x7E807E80, "bf16x2"))
+E2M1X2_F16 = tl.constexpr(_e2m1x2_ptx(9, 5, 0x0E000E00, 0x74007400, "f16x2"))
 
 
 @triton.jit
