@@ -14,7 +14,7 @@ its epilogue scatters rows to pair order with pointer stores.
 A gemm2 tile straddling the end of an expert's H rows reads the next expert's first rows (or zeros past the last):
 those are output columns >= H, which are never stored. gemm1's box has the expert and the gate/up half as their own
 dimensions, so past I it reads zeros. Past K the descriptors read zeros. The persistent loops run over the tiles of
-the padded rows only (num_padded, read on the device), in ``grouped_gemm._block_ids`` order, so the grid is static
+the padded rows only (num_padded, read on the device), in ``kloop.block_ids`` order, so the grid is static
 (capturable) and padding costs no tile.
 
 Measured on an H200 (2026-11-30 / 12-01, ``benchmarks/NOTES.md``): gemm2 on TMA is 1.06-1.33x faster than the
@@ -29,7 +29,7 @@ import triton.language as tl
 from . import pdl
 from .activations import act as _act
 from .activations import gated as _gated
-from .grouped_gemm import _block_ids
+from .kloop import block_ids
 
 
 @triton.jit
@@ -62,7 +62,7 @@ def moe_gemm2_tma_kernel(
     num_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), n_m * num_n, NUM_PROGRAMS, flatten=True,
                          warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = _block_ids(tile, N, n_m, BLOCK_N, GROUP_M)
+        pid_m, pid_n = block_ids(tile, N, n_m, BLOCK_N, GROUP_M)
         expert = tl.load(block_expert_ptr + pid_m)
         row0 = pid_m * BLOCK_M
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -155,7 +155,7 @@ def moe_gemm1_tma_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     for tile in tl.range(tl.program_id(0), n_m * num_n, NUM_PROGRAMS, flatten=True,
                          warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = _block_ids(tile, N_OUT, n_m, BLOCK_N, GROUP_M)
+        pid_m, pid_n = block_ids(tile, N_OUT, n_m, BLOCK_N, GROUP_M)
         expert = tl.load(block_expert_ptr + pid_m)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         pair = tl.load(sorted_ptr + offs_m)

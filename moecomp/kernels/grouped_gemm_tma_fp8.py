@@ -21,14 +21,14 @@ read the second half of the scale rows), channel [E, rows], tensor [E]; fp32, or
 BLOCK_K divides 128 and Q_BLOCK_K. Rows past num_padded are never visited; padding rows inside a tile (sentinel
 pair P) compute from whatever their A rows hold and are never stored. Same data contract as the 16-bit TMA kernels
 otherwise (sorted_ids, block_expert, num_padded from the alignment; persistent programs over the padded rows'
-tiles in ``grouped_gemm._block_ids`` order; optional warp specialisation).
+tiles in ``kloop.block_ids`` order; optional warp specialisation).
 """
 
 import triton
 import triton.language as tl
 
 from . import fp8, pdl
-from .grouped_gemm import _block_ids
+from .kloop import block_ids
 from .grouped_gemm_tma import act_epilogue, gemm1_tiles
 
 
@@ -98,7 +98,7 @@ def moe_gemm2_tma_fp8_kernel(
     num_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), n_m * num_n, NUM_PROGRAMS, flatten=True,
                          warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = _block_ids(tile, N, n_m, BLOCK_N, GROUP_M)
+        pid_m, pid_n = block_ids(tile, N, n_m, BLOCK_N, GROUP_M)
         expert = tl.load(block_expert_ptr + pid_m)
         row0 = pid_m * BLOCK_M
         offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -190,7 +190,7 @@ def moe_gemm1_tma_fp8_kernel(
         half = offs_j * 0
     for tile in tl.range(tl.program_id(0), n_m * num_n, NUM_PROGRAMS, flatten=True,
                          warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = _block_ids(tile, N_OUT, n_m, BLOCK_N, GROUP_M)
+        pid_m, pid_n = block_ids(tile, N_OUT, n_m, BLOCK_N, GROUP_M)
         expert = tl.load(block_expert_ptr + pid_m)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         pair = tl.load(sorted_ptr + offs_m)
