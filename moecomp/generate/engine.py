@@ -49,6 +49,7 @@ from __future__ import annotations
 import inspect
 import os
 import time
+import traceback
 from collections import OrderedDict
 
 import torch
@@ -161,6 +162,7 @@ class Engine:
         # fused: a few hundred fewer kernels per step); MOECOMP_GENERATE_COMPILE=0 keeps them eager.
         self.compile_layers = os.environ.get("MOECOMP_GENERATE_COMPILE", "1") != "0"
         self.compile_error: str | None = None
+        self.compile_traceback: str | None = None
         self.compile_backend = "inductor"  # tests compile on CPU with "eager" (cpu_compile = True)
         self.cpu_compile = False
         self._compiled = None
@@ -323,6 +325,7 @@ class Engine:
             return self._call(phase, **kw)
         except Exception as e:
             self.compile_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            self.compile_traceback = traceback.format_exc()  # the whole of it, for a bug report
             for layer, n in zip(s.cache.layers, lengths):
                 layer.cumulative_length.copy_(n)
             return self._call(None, **kw)
