@@ -73,23 +73,21 @@ def e2m1(c):
     return bits.to(tl.float32, bitcast=True)
 
 
-def _e2m1x2_ptx(em_lo: int, em_hi: int, em_mask: int, one: int, ftype: str) -> str:
-    """The PTX of ``e2m1x2``: $4 = four bytes; $0 / $1 = the low nibbles of bytes (0, 1) / (2, 3) as 16-bit pairs,
-    $2 / $3 the high nibbles'. Per output: the spread word shifted so that em lands at ``em_mask``, the sign bit
-    (bit 3 of the nibble) at bit 15 of its half, then one packed FMA by ``one`` (2^126 / 2^14) and -0."""
-    lines = ["{", ".reg .b32 t<2>, u<2>, one, nz;", f"mov.b32 one, {one:#x};", "mov.b32 nz, 0x80008000;",
-             "prmt.b32 t0, $4, 0, 0x4140;", "prmt.b32 t1, $4, 0, 0x4342;"]
-    for out, (word, em_shift, sign_shift) in enumerate(((0, em_lo, 12), (1, em_lo, 12), (0, em_hi, 8),
-                                                        (1, em_hi, 8))):
-        lines += [f"shl.b32 u0, t{word}, {em_shift};", f"and.b32 u0, u0, {em_mask:#x};",
-                  f"shl.b32 u1, t{word}, {sign_shift};", "and.b32 u1, u1, 0x80008000;", "or.b32 u0, u0, u1;",
-                  f"fma.rn.{ftype} ${out}, u0, one, nz;"]
-    return "\n".join(lines + ["}"])
-
-
+# The PTX of ``e2m1x2``: $4 = four bytes; $0 / $1 = the low nibbles of bytes (0, 1) / (2, 3) as 16-bit pairs, $2 / $3
+# the high nibbles'. Per output: the spread word (prmt) shifted so that em lands at EM_MASK and the sign bit (bit 3 of
+# the nibble) at bit 15 of its half, then one packed FMA by ONE (2^126 / 2^14) and -0.
+_E2M1X2_HEAD = ("{\n.reg .b32 t<2>, u<2>, one, nz;\nmov.b32 one, ONE;\nmov.b32 nz, 0x80008000;\n"
+                "prmt.b32 t0, $4, 0, 0x4140;\nprmt.b32 t1, $4, 0, 0x4342;\n")
+_E2M1X2_OUT = ("shl.b32 u0, tW, EM;\nand.b32 u0, u0, EM_MASK;\nshl.b32 u1, tW, SIGN;\nand.b32 u1, u1, 0x80008000;\n"
+               "or.b32 u0, u0, u1;\nfma.rn.TYPE $OUT, u0, one, nz;\n")
+_E2M1X2 = _E2M1X2_HEAD + "".join(
+    _E2M1X2_OUT.replace("OUT", str(o)).replace("tW", f"t{o % 2}").replace("EM;", "LO_EM;" if o < 2 else "HI_EM;")
+    .replace("SIGN", "12" if o < 2 else "8") for o in range(4)) + "}"
 # bf16: em to bits 6..8 (low nibble << 6, high << 2), times 2^126 (0x7E80); fp16: em to bits 9..11, times 2^14 (0x7400)
-E2M1X2_BF16 = tl.constexpr(_e2m1x2_ptx(6, 2, 0x01C001C0, 0x7E807E80, "bf16x2"))
-E2M1X2_F16 = tl.constexpr(_e2m1x2_ptx(9, 5, 0x0E000E00, 0x74007400, "f16x2"))
+E2M1X2_BF16 = tl.constexpr(_E2M1X2.replace("LO_EM", "6").replace("HI_EM", "2").replace("EM_MASK", "0x01C001C0")
+                           .replace("ONE", "0x7E807E80").replace("TYPE", "bf16x2"))
+E2M1X2_F16 = tl.constexpr(_E2M1X2.replace("LO_EM", "9").replace("HI_EM", "5").replace("EM_MASK", "0x0E000E00")
+                          .replace("ONE", "0x74007400").replace("TYPE", "f16x2"))
 
 
 @triton.jit
