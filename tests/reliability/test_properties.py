@@ -64,7 +64,7 @@ from moecomp.spec import (
 )
 from moecomp.testing import random_hash_args, random_latent_args, random_moe_args
 
-MIN_FORWARD = {"torch": 300, "triton": 130}  # moe_forward cases per CPU path at least (moe_experts: MIN_EXPERTS)
+MIN_FORWARD = {"torch": 300, "triton": 105}  # moe_forward cases per CPU path at least (moe_experts: MIN_EXPERTS)
 FP32_TOL = 1e-5
 TIE_REL = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 GPU_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -77,10 +77,10 @@ SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter
 TORCH_SIZES = dict(E=12, H=40, I=24, Is=16, T=24)
 TRITON_SIZES = dict(E=6, H=12, I=8, Is=6, T=5)
 EXAMPLES = {  # (moe_forward cases, moe_experts cases) per path
-    "torch": (1000, 600),
-    "triton": (135, 100),  # the interpreter's budget (2-core CI): about 90 s for both; the GPU runs 3,200 a dtype
+    "torch": (700, 450),  # (1000, 600) until 2026-12-03: cut with the CI budget (the suite neared 15 minutes)
+    "triton": (110, 85),  # the interpreter's budget (2-core CI): about 60 s for both; the GPU runs 3,200 a dtype
 }
-MIN_EXPERTS = {"torch": 300, "triton": 95}
+MIN_EXPERTS = {"torch": 300, "triton": 80}
 HASH_SHARE = 4  # hash_case: one eligible forward case in HASH_SHARE is hash-routed (MoESpec.hash_routing)
 VOCAB = 7  # its table's rows (token ids in [0, VOCAB))
 
