@@ -8,7 +8,9 @@ each worker is a fork of it, so W workers do not pay those imports W times over,
 Safety: the rendezvous is a TCPStore on 127.0.0.1 at a port the OS picked free (a socket bound to 127.0.0.1:0,
 closed just before the store binds it: retried once on a clash), gloo talks over the loopback interface
 (GLOO_SOCKET_IFNAME=lo where there is one), and everything is bounded: collectives time out after ``timeout`` seconds,
-the parent waits at most ``timeout`` for the results, then terminates what is left and fails with a message.
+the parent waits at most ``timeout`` for the results, then terminates what is left and fails with a message. The
+first rank that raises ends the run at once (its traceback reported, the other ranks terminated: they may be waiting in
+a collective the failed rank never joins), not after the collective timeout.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ def _worker(rank: int, W: int, port: int, jobs: tuple, out, timeout: float) -> N
         for job in jobs:
             try:
                 out.put((rank, job, scenarios.JOBS[job](rank, W), None))
-            except Exception:  # noqa: BLE001
-                out.put((rank, job, None, traceback.format_exc()))
+            except Exception:  # noqa: BLE001  (reported; the later jobs are not run: the other ranks may be
+                out.put((rank, job, None, traceback.format_exc()))  # waiting in this job's collectives)
+                return
     finally:
         dist.destroy_process_group()
 
@@ -72,8 +75,9 @@ def _collect(procs, out, n: int, timeout: float, got: dict, errors: list) -> Non
         if job == "init":
             errors.append(f"rank {rank} could not join the group:\n{err}")
             return
-        if err is not None:
+        if err is not None:  # the first failure ends the run: the other ranks may wait in a collective for it
             errors.append(f"rank {rank}, job {job}:\n{err}")
+            return
         else:
             got.setdefault(job, []).extend(rows)
 
@@ -111,7 +115,8 @@ def run_world(W: int, jobs: tuple, timeout: float = 120.0) -> dict:
             _collect(procs, out, W * len(jobs), timeout, got, errors)
         finally:
             for p in procs:
-                p.join(5)
+                if not errors:  # a failed run: the others are likely blocked in a collective, stop them now
+                    p.join(5)
             for p in procs:
                 if p.is_alive():
                     p.terminate()

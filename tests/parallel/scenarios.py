@@ -346,4 +346,14 @@ def check_plain_model(rank: int, W: int, comm=None) -> list:
     return rows
 
 
-JOBS.update(hf_generate=check_hf_generate, plain_model=check_plain_model)
+def one_rank_raises(rank: int, W: int, comm=None) -> list:
+    """Rank 1 calls the op with a wrong input (a ValueError before any collective); the others call it rightly and
+    wait in its all-reduce for rank 1, which never comes: the run must end at rank 1's error, not hang."""
+    x, t = block("mixtral", 4)
+    if rank == 1:
+        x = x[:, :-1]  # [T, H - 1]
+    return [("unreachable", rank, rel_err(on_rank(x, t, parallel_spec("mixtral", "ep", W, rank), comm),
+                                          oracle(x, t, SPECS["mixtral"])), TOL)]
+
+
+JOBS.update(hf_generate=check_hf_generate, plain_model=check_plain_model, one_rank_raises=one_rank_raises)

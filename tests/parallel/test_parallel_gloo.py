@@ -56,3 +56,14 @@ def test_shard_experts(world):
         _ok(got[job], W)
     assert {r[0] for r in got["hf_generate"]} == {f"hf {m} generate{e}" for m in ("qwen3_moe/ep", "deepseek_v3/tp")
                                                   for e in ("", " engine")}
+
+
+def test_one_rank_raising_ends_the_run_fast():
+    """Rank 1 raises (a wrong input) while rank 0 waits in the op's all-reduce: the run fails with rank 1's
+    ValueError well before the collective timeout (240 s), the waiting rank terminated."""
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match=r"rank 1, job one_rank_raises:(.|\n)*must be hidden_size"):
+        gloo_run.run_world(2, ("one_rank_raises",), timeout=240)
+    assert time.monotonic() - t0 < 60
