@@ -15,6 +15,19 @@ from .activations import gated
 
 
 @triton.jit
+def store_with_shared(acc, t, offs, ok, shared_ptr, stride_s, gate_ptr, stride_g, out_ptr, stride_o,
+                      HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr):
+    """out[t, offs] = acc (+ shared[t, offs] (* sigmoid(gate_logit[t]))), in out's dtype: the tail every combining
+    kernel shares (this module's, the decode down-combines, the norm combine)."""
+    if HAS_SHARED:
+        s = tl.load(shared_ptr + t * stride_s + offs, mask=ok, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            s = s * tl.sigmoid(tl.load(gate_ptr + t * stride_g).to(tl.float32))
+        acc += s
+    tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def combine_kernel(
     y_ptr,  # [T * TOP_K, H]
     shared_ptr,  # [T, H] or None
@@ -52,13 +65,8 @@ def combine_kernel(
     if ZERO_EXPERTS:  # the zero experts' weight * x
         wz = tl.sum(tl.where(zero, tl.load(w_ptr + rows, mask=zero, other=0.0), 0.0), axis=0)
         acc += wz * tl.load(x_ptr + t * stride_x + offs_h, mask=h_ok, other=0.0).to(tl.float32)
-    if HAS_SHARED:
-        s = tl.load(shared_ptr + t * stride_s + offs_h, mask=h_ok, other=0.0).to(tl.float32)
-        if HAS_GATE:
-            g = tl.load(gate_ptr + t * stride_g).to(tl.float32)
-            s = s * tl.sigmoid(g)
-        acc += s
-    tl.store(out_ptr + t * stride_o + offs_h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+    store_with_shared(acc, t, offs_h, h_ok, shared_ptr, stride_s, gate_ptr, stride_g, out_ptr, stride_o, HAS_SHARED,
+                      HAS_GATE)
 
 
 @triton.jit

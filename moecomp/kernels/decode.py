@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from . import fp8, kloop, pdl, quant4
+from .combine import store_with_shared
 
 
 @triton.jit
@@ -132,9 +133,5 @@ def moe_down_combine_kernel(
                            Q_BLOCK_N, Q_BLOCK_K, UE8M0, EXACT_CAST, FOLD, WEIGHTED, zp_ptr, W4, W4_FOLD, W4_FORM)
     pdl.release(USE_PDL)
 
-    if HAS_SHARED:
-        s = tl.load(shared_ptr + t * stride_s + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        if HAS_GATE:
-            s = s * tl.sigmoid(tl.load(gate_ptr + t * stride_g).to(tl.float32))
-        total += s
-    tl.store(out_ptr + t * stride_o + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+    store_with_shared(total, t, offs_n, n_ok, shared_ptr, stride_s, gate_ptr, stride_g, out_ptr, stride_o, HAS_SHARED,
+                      HAS_GATE)

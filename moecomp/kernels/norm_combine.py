@@ -13,6 +13,8 @@ the output dtype.
 import triton
 import triton.language as tl
 
+from .combine import store_with_shared
+
 
 @triton.jit
 def norm_combine_kernel(
@@ -46,9 +48,5 @@ def norm_combine_kernel(
         inv = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / H + eps)
         n = (s * inv).to(y_ptr.dtype.element_ty).to(tl.float32)
         acc += tl.load(w_ptr + row) * n
-    if HAS_SHARED:
-        sh = tl.load(shared_ptr + t * stride_s + offs, mask=ok, other=0.0).to(tl.float32)
-        if HAS_GATE:
-            sh = sh * tl.sigmoid(tl.load(gate_ptr + t * stride_g).to(tl.float32))
-        acc += sh
-    tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    store_with_shared(acc, t, offs, ok, shared_ptr, stride_s, gate_ptr, stride_g, out_ptr, stride_o, HAS_SHARED,
+                      HAS_GATE)

@@ -59,6 +59,7 @@ import triton.language as tl
 from . import fp8, pdl
 from .activations import act as _act
 from .activations import gated as _gated
+from .combine import store_with_shared
 
 MAG = tl.constexpr(0x0E000E00)  # e1 e0 m of both fp16 lanes (bits 9..11, 25..27)
 SIGN = tl.constexpr(-2147450880)  # 0x80008000 as int32: both lanes' sign bits
@@ -312,12 +313,8 @@ def moe_gemv_down_kernel(
                            stride_we, stride_wn, stride_be, stride_se, stride_sn, stride_sk, HAS_BIAS, WEIGHTED, W4,
                            GROUP, BLOCK_N, BLOCK_K, REDUCE_END, K_ALIGNED, ASM, PREFETCH)
     pdl.release(USE_PDL)
-    if HAS_SHARED:
-        s = tl.load(shared_ptr + t * stride_s + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        if HAS_GATE:
-            s = s * tl.sigmoid(tl.load(gate_ptr + t * stride_g).to(tl.float32))
-        total += s
-    tl.store(out_ptr + t * stride_o + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+    store_with_shared(total, t, offs_n, n_ok, shared_ptr, stride_s, gate_ptr, stride_g, out_ptr, stride_o, HAS_SHARED,
+                      HAS_GATE)
 
 
 @triton.jit
