@@ -187,19 +187,27 @@ def moe_experts(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.T
     return experts_fp32(x, topk_ids, topk_weights, args, spec).to(x.dtype)
 
 
+def route_all(x2: torch.Tensor, args: dict, spec: MoESpec, shape) -> tuple:
+    """The op's routing of x2 [T, H] (``args`` with the fused gate split; ``shape``: x's, for the capacity's groups)
+    -> (weights [T, k], ids [T, k], gammas [T, G] | None): capacity-dropped pairs' ids are -1; weights (and gammas)
+    rounded to x's dtype where ``spec.round_weights``. ``moe_forward`` and the parallel path route through this."""
+    r2 = reference.router_input(x2, args.get("router_x"), args.get("router_in_scale"), spec)  # x2 without a prefix
+    logits = reference.router_logits(r2, args["router_w"], args["router_b"], spec)
+    given = lookup(args["hash_table"], args["token_ids"], spec) if spec.hash_routing else None  # [T, k]
+    weights, ids, gammas = reference.route_with_gammas(
+        logits, args["correction_bias"], spec, weight_scale=args.get("weight_scale"), ids=given,
+        group=reference.group_size(shape, spec), expert_scale=args.get("expert_scale"))  # gammas [T, G]: shared_gamma
+    if spec.round_weights:
+        weights = reference.round_weights(weights, x2.dtype).float()
+        gammas = None if gammas is None else reference.round_weights(gammas, x2.dtype).float()
+    return weights, ids, gammas
+
+
 def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     args = split_fused_gate(args, spec)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    r2 = reference.router_input(x2, args.get("router_x"), args.get("router_in_scale"), spec)  # x2 without a prefix
-    logits = reference.router_logits(r2, args["router_w"], args["router_b"], spec)
-    given = lookup(args["hash_table"], args["token_ids"], spec) if spec.hash_routing else None  # [T, k]
-    weights, ids, gammas = reference.route_with_gammas(  # capacity: dropped pairs' ids are -1
-        logits, args["correction_bias"], spec, weight_scale=args.get("weight_scale"), ids=given,
-        group=reference.group_size(shape, spec), expert_scale=args.get("expert_scale"))  # gammas [T, G]: shared_gamma
-    if spec.round_weights:
-        weights = reference.round_weights(weights, x.dtype).float()
-        gammas = None if gammas is None else reference.round_weights(gammas, x.dtype).float()
+    weights, ids, gammas = route_all(x2, args, spec, shape)
     if spec.latent_size:  # the experts between the two projections, in x's dtype at each projection
         xl = latent.project_in(x2, args, spec)  # [T, L] (normalised: spec.latent_norm)
         routed = experts_fp32(xl, ids, weights, args, spec.experts_spec()).to(x.dtype)  # [T, L]

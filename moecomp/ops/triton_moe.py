@@ -542,6 +542,25 @@ def _side_stream(device: torch.device):
     return s
 
 
+def route_all(x2: torch.Tensor, args: dict, spec: MoESpec, shape) -> tuple:
+    """The op's routing of x2 [T, H] (``shape``: x's, for the capacity's groups) -> (ids [T, k], weights [T, k] fp32,
+    gammas [T, G] | None, gate [T] | None: the shared-expert gate's logit from the router GEMM). The router's own
+    input / prefix (spec.router_prefix) in torch (a norm over [T, H]), then the router GEMM and the routing kernel;
+    an expert capacity's dropped pairs: ids E, weights 0 (``ops/capacity.py``). ``moe_forward`` and the parallel
+    path (``parallel/route.py``) route through this."""
+    r2 = reference.router_input(x2, args.get("router_x"), args.get("router_in_scale"), spec).contiguous()
+    logits, gate = router_logits(r2, args, spec)  # [T, E (+ G)], [T] or None
+    escale = args.get("expert_scale") if spec.expert_scale else None  # applied in the routing kernel
+    gammas = sg.gamma_buffer(spec, x2.shape[0], x2.device)
+    if spec.has_capacity:
+        ids, weights = route(logits, args["correction_bias"], cap.kernel_spec(spec), x2.dtype, expert_scale=escale)
+        ids, weights = cap.apply(ids, weights, spec, reference.group_size(shape, spec), x2.dtype)
+    else:
+        ids, weights = route(logits, args["correction_bias"], spec, x2.dtype, hashed=args, expert_scale=escale,
+                             gammas=gammas, weight_scale=args.get("weight_scale"))
+    return ids, weights, gammas, gate
+
+
 # --------------------------------------------------------------------------------------------- entry points
 def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     shape = x.shape
@@ -571,17 +590,7 @@ def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
         if many:  # after the routing (the gammas) and the side stream (ys)
             sg.weighted_sum(side_out, gammas, spec, shared)
 
-    # the router's own input / prefix (spec.router_prefix): in torch (a norm over [T, H]), then the same router GEMM
-    r2 = reference.router_input(x2, args.get("router_x"), args.get("router_in_scale"), spec).contiguous()
-    logits, gate = router_logits(r2, args, spec)  # [T, E (+ G)], [T] or None
-    escale = args.get("expert_scale") if spec.expert_scale else None  # applied in the routing kernel
-    gammas = sg.gamma_buffer(spec, T, x2.device)
-    if spec.has_capacity:  # pairs past an expert's capacity: ids E, weights 0 (``ops/capacity.py``)
-        ids, weights = route(logits, args["correction_bias"], cap.kernel_spec(spec), x2.dtype, expert_scale=escale)
-        ids, weights = cap.apply(ids, weights, spec, reference.group_size(shape, spec), x2.dtype)
-    else:
-        ids, weights = route(logits, args["correction_bias"], spec, x2.dtype, hashed=args, expert_scale=escale,
-                             gammas=gammas, weight_scale=args.get("weight_scale"))
+    ids, weights, gammas, gate = route_all(x2, args, spec, shape)
     shared = torch.empty_like(x2) if many else side_out
     if not (overlap or many):
         join = None  # noqa: F811  (nothing to wait for)

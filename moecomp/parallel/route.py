@@ -20,7 +20,6 @@ import torch
 
 from .. import reference
 from ..ops.common import _backend, split_fused_gate
-from ..ops.hash_routing import lookup
 from ..spec import MoESpec
 
 _SHARED_QUANT = ("shared_w1_scale", "shared_w3_scale", "shared_w2_scale")
@@ -40,36 +39,17 @@ def route(x2: torch.Tensor, args: dict, spec: MoESpec, shape) -> Routing:
     return _route_triton(x2, args, spec, shape)
 
 
-def _route_torch(x2, args, spec: MoESpec, shape) -> Routing:  # as ops/torch_moe.moe_forward
-    a = split_fused_gate(args, spec)
-    r2 = reference.router_input(x2, a.get("router_x"), a.get("router_in_scale"), spec)
-    logits = reference.router_logits(r2, a["router_w"], a["router_b"], spec)
-    given = lookup(a["hash_table"], a["token_ids"], spec) if spec.hash_routing else None
-    weights, ids, gammas = reference.route_with_gammas(
-        logits, a["correction_bias"], spec, weight_scale=a.get("weight_scale"), ids=given,
-        group=reference.group_size(shape, spec), expert_scale=a.get("expert_scale"))
-    if spec.round_weights:
-        weights = reference.round_weights(weights, x2.dtype).float()
-        gammas = None if gammas is None else reference.round_weights(gammas, x2.dtype).float()
+def _route_torch(x2, args, spec: MoESpec, shape) -> Routing:
+    from ..ops.torch_moe import route_all
+
+    weights, ids, gammas = route_all(x2, split_fused_gate(args, spec), spec, shape)
     return Routing(ids, weights.float(), gammas, None)
 
 
-def _route_triton(x2, args, spec: MoESpec, shape) -> Routing:  # as ops/triton_moe.moe_forward
-    from ..ops import capacity as cap
-    from ..ops import shared_gamma as sg
-    from ..ops import triton_moe as tm
+def _route_triton(x2, args, spec: MoESpec, shape) -> Routing:
+    from ..ops.triton_moe import route_all
 
-    r2 = reference.router_input(x2, args.get("router_x"), args.get("router_in_scale"), spec).contiguous()
-    logits, gate = tm.router_logits(r2, args, spec)
-    escale = args.get("expert_scale") if spec.expert_scale else None
-    gammas = sg.gamma_buffer(spec, x2.shape[0], x2.device)
-    if spec.has_capacity:
-        ids, weights = tm.route(logits, args["correction_bias"], cap.kernel_spec(spec), x2.dtype, expert_scale=escale)
-        ids, weights = cap.apply(ids, weights, spec, reference.group_size(shape, spec), x2.dtype)
-    else:
-        ids, weights = tm.route(logits, args["correction_bias"], spec, x2.dtype, hashed=args, expert_scale=escale,
-                                gammas=gammas, weight_scale=args.get("weight_scale"))
-    return Routing(ids, weights, gammas, gate)
+    return Routing(*route_all(x2, args, spec, shape))
 
 
 def shared_part(x2: torch.Tensor, args: dict, spec: MoESpec, routing: Routing) -> torch.Tensor:
