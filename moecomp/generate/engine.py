@@ -161,8 +161,10 @@ class Engine:
         # On CUDA the decoder layers of the decode step are compiled by Inductor (norms, rotary and residual adds
         # fused: a few hundred fewer kernels per step); MOECOMP_GENERATE_COMPILE=0 keeps them eager.
         self.compile_layers = os.environ.get("MOECOMP_GENERATE_COMPILE", "1") != "0"
-        self.compile_error: str | None = None
-        self.compile_traceback: str | None = None
+        # Per phase ("decode", "prefill"): why compiling its layers failed (that phase then runs eagerly; the other
+        # keeps compiling), and the whole traceback, for a bug report.
+        self.compile_errors: dict[str, str] = {}
+        self.compile_tracebacks: dict[str, str] = {}
         self.compile_backend = "inductor"  # tests compile on CPU with "eager" (cpu_compile = True)
         self.cpu_compile = False
         self._compiled = None
@@ -317,21 +319,37 @@ class Engine:
                 for i, m in enumerate(saved):
                     layers._modules[str(i)] = m
 
+    @property
+    def compile_error(self) -> str | None:
+        """The first phase's compile failure ("phase: error"), or None when every phase that tried compiled."""
+        return next((f"{k}: {v}" for k, v in self.compile_errors.items()), None)
+
+    @property
+    def compile_traceback(self) -> str | None:
+        return next(iter(self.compile_tracebacks.values()), None)
+
     def _compiled_or_eager(self, s: Slot, phase: str, **kw):
         """``_call`` with compiled layers; if compiling fails, put back the cache lengths the layers that ran had
-        advanced, remember why, and run eagerly (from then on the engine stays eager)."""
+        advanced, remember why, and run eagerly (from then on this phase stays eager; the other is not touched: a
+        prefill that Dynamo cannot trace leaves the decode step compiled)."""
         lengths = [layer.cumulative_length.clone() for layer in s.cache.layers]
         try:
             return self._call(phase, **kw)
         except Exception as e:
-            self.compile_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            self.compile_traceback = traceback.format_exc()  # the whole of it, for a bug report
+            self.compile_errors[phase] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            self.compile_tracebacks[phase] = traceback.format_exc()
             for layer, n in zip(s.cache.layers, lengths):
                 layer.cumulative_length.copy_(n)
             return self._call(None, **kw)
 
-    def _compiling(self, s: Slot) -> bool:
-        return self.compile_layers and (s.tok.is_cuda or self.cpu_compile) and self.compile_error is None
+    def _compiling(self, s: Slot, phase: str = "decode") -> bool:
+        return self.compile_layers and (s.tok.is_cuda or self.cpu_compile) and phase not in self.compile_errors
+
+    def _layers_mode(self, cuda: bool, phase: str) -> str:
+        if not ((cuda or self.cpu_compile) and self.compile_layers):
+            return "eager"
+        err = self.compile_errors.get(phase)
+        return f"eager (compile failed: {err})" if err else "compiled"
 
     def _forward(self, s: Slot, dtype, compiled: bool):
         kw = dict(input_ids=s.tok, position_ids=s.pos, attention_mask=self._mask(s, dtype),
@@ -416,11 +434,13 @@ class Engine:
         kw = dict(input_ids=ids, attention_mask=am.long() if am is not None else None, position_ids=position_ids,
                   **{self.cache_kw: s.cache})
         # compiled once the cache exists (its lazy allocation stays out of the compiled code)
-        if (self._compiling(s) and os.environ.get("MOECOMP_GENERATE_COMPILE_PREFILL", "1") != "0"
+        if (self._compiling(s, "prefill") and os.environ.get("MOECOMP_GENERATE_COMPILE_PREFILL", "1") != "0"
                 and all(getattr(layer, "is_initialized", False) for layer in s.cache.layers)):
-            out, kind = self._compiled_or_eager(s, "prefill", **kw), "compiled"
+            out = self._compiled_or_eager(s, "prefill", **kw)
+            kind = self._layers_mode(dev.type == "cuda", "prefill")
         else:
-            out, kind = self._call(None, **kw), "eager"
+            out = self._call(None, **kw)
+            kind = self._layers_mode(dev.type == "cuda", "prefill") if "prefill" in self.compile_errors else "eager"
         sampler.prepare(dev, out.logits.shape[-1])
         s.pad_mask.fill_(True)
         if am is not None:
@@ -493,8 +513,7 @@ class Engine:
             ev[2].record()
         n = int(s.state.ncols)  # (waits for the device)
         clock.append(time.perf_counter())
-        layers = ("eager" if not ((cuda or self.cpu_compile) and self.compile_layers) else
-                  f"eager (compile failed: {self.compile_error})" if self.compile_error else "compiled")
+        layers = self._layers_mode(cuda, "decode")
         info = {"batch_bucket": Bb, "cache_length": L, "graphs": graphs, "layers": layers, "prefill_layers": prefill,
                 "attention": "moecomp decode kernel" if self.attn_pairs else
                 f"transformers ({self.attention_why})" if self.attention_why else "transformers",

@@ -261,6 +261,35 @@ def test_compiled_decoder_layers_and_a_failed_compile(monkeypatch):
     assert "compile failed" in opt2.generate.last["layers"] and len(calls) >= 2
 
 
+def test_a_failed_prefill_compile_leaves_the_decode_step_compiled(monkeypatch):
+    """Compiling the prefill's layers fails (what Dynamo did on torch 2.11 with gpt-oss's sink attention): the prefill
+    runs eagerly from then on, says why, and the decode step stays compiled (a failure is kept per phase, not for the
+    whole engine); the tokens are transformers'."""
+    from moecomp.generate import engine as engine_mod
+
+    real = engine_mod.compiled_run
+
+    def failing_prefill(phase, backend, dynamic):
+        if phase != "prefill":
+            return real(phase, backend, dynamic)
+
+        def run(*args, **kwargs):
+            raise NotImplementedError("prefill does not trace")
+        return run
+
+    monkeypatch.setattr(engine_mod, "compiled_run", failing_prefill)
+    ref, opt = _pair("qwen3_moe")
+    eng = opt.generate._engine()
+    eng.cpu_compile, eng.compile_backend = True, "eager"
+    for S in (7, 6, 5):  # the first call's prefill is eager (no cache yet); the next two try to compile it
+        ids, mask = prompts(ref.config.vocab_size, 2, S, seed=S, left_pad=(0, 2))
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        assert torch.equal(opt.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False), want)
+        assert opt.generate.last["layers"] == "compiled", opt.generate.last
+    assert opt.generate.last["prefill_layers"] == "eager (compile failed: NotImplementedError: prefill does not trace)"
+    assert list(eng.compile_errors) == ["prefill"] and "NotImplementedError" in eng.compile_tracebacks["prefill"]
+
+
 def test_progress_line_while_layers_compile(monkeypatch, capsys):
     """MOECOMP_PROGRESS=1: the first compiled call of a (phase, batch) says which layer compiles, one line each
     (stderr not a terminal), and the next call at that batch says nothing; MOECOMP_PROGRESS=0 (and, by default, a
