@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import bench_generate as bg  # noqa: E402
-from bench_generate_fp8 import one_liner  # noqa: E402  (warm-up calls, then the timed one)
+from bench_generate_fp8 import _profile, one_liner, teacher_forced_agreement  # noqa: E402
 from layer.env import environment, git_commit, save  # noqa: E402
 
 TARGET_B1 = 1.6  # issue 22: B = 1 decode within 1.6x of the MXFP4 floor
@@ -140,7 +140,7 @@ def run(args) -> dict:
         if B == 1:
             hf = dict(decode_ms=dec * 1e3, prefill_ms=pre * 1e3, tokens=out)
             log(f"[gen-q4] transformers (PackedExperts' plain forward) B=1: decode {dec * 1e3:.1f} ms/step")
-    active = None
+    active, outs = None, {}
     _, report = moecomp.optimize(model, report=True)
     result["report"] = str(report)[:3000]
     log(f"[gen-q4] optimize: {str(report).splitlines()[0]}")
@@ -151,6 +151,11 @@ def run(args) -> dict:
             result["errors"].append(f"B={B}: {type(e).__name__}: {str(e)[:300]}")
             log(traceback.format_exc())
             continue
+        last = model.generate.last  # what ran: the decode / prefill layers compiled or not, which attention
+        rec.update(layers=last.get("layers"), prefill_layers=last.get("prefill_layers"),
+                   attention=last.get("attention"))
+        outs[B] = out
+        _profile(model, "gpt-oss-120b", "mxfp4", B, prompts[B], args, cuda, result)
         active = sum(p.numel() for p in model.parameters())  # (prefill FLOPs: a loose bound, weights as stored)
         fl = bg.floors(pb, kv_tok, *counts[B], B, S, new, ceil, active)
         row = dict(B=B, **rec, floor=fl, over_floor=rec["decode_ms"] / fl["decode_ms"])
@@ -162,20 +167,45 @@ def run(args) -> dict:
         result["rows"].append(row)
         log(f"[gen-q4] B={B}: decode {rec['decode_ms']:.3f} ms/step, floor {fl['decode_ms']:.3f} "
             f"({row['over_floor']:.2f}x), prefill {rec['prefill_ms']:.1f} ms, warm-up {rec['warmup_s']:.1f} s")
+    _agreement(model, outs, S, result)
     result["table"] = table(result)
     log(result["table"])
     return result
 
 
+def _agreement(model, outs: dict, S: int, result: dict) -> None:
+    """The first batch's moecomp tokens fed to the same model without moecomp (``moecomp.unoptimize``: transformers'
+    forward, the experts on ``PackedExperts``' plain PyTorch dequantization): the share of positions where its argmax
+    is moecomp's token (teacher forcing). Random weights give near-tied logits, so the free-running greedy match
+    against transformers says little after the first flip; this says whether each step agrees."""
+    import moecomp
+
+    if not outs:
+        return
+    B = min(outs)
+    moecomp.unoptimize(model)
+    try:
+        a = teacher_forced_agreement(model, outs[B], S)
+    except Exception as e:  # e.g. out of memory: reported, the run goes on
+        result["errors"].append(f"agreement B={B}: {type(e).__name__}: {str(e)[:160]}")
+        return
+    row = next(r for r in result["rows"] if r["B"] == B)
+    row["teacher_forced_agreement_transformers"] = a
+    log(f"[gen-q4] B={B}: moecomp's tokens under transformers' forward: teacher-forced agreement {a:.3f}")
+
+
 def table(result: dict) -> str:
     lines = ["| B | decode ms/step | floor ms/step | x floor | distinct experts / layer | TTFT ms | warm-up s |"
-             " transformers ms/step | speed-up | greedy match |", "|---|---|---|---|---|---|---|---|---|---|"]
+             " transformers ms/step | speed-up | greedy match | teacher-forced agreement | decode layers |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         t = r.get("transformers")
         lines.append(f"| {r['B']} | {r['decode_ms']:.3f} | {r['floor']['decode_ms']:.3f} | {r['over_floor']:.2f}x | "
                      f"{r['floor']['distinct_experts_decode']:.1f} | {r['prefill_ms']:.1f} | {r['warmup_s']:.1f} | "
                      + (f"{t['decode_ms']:.1f} | {r['speedup_vs_transformers']:.1f}x | "
-                        f"{r['greedy_match_transformers']['match']:.3f} |" if t else "- | - | - |"))
+                        f"{r['greedy_match_transformers']['match']:.3f} |" if t else "- | - | - |")
+                     + (f" {r['teacher_forced_agreement_transformers']:.3f} |"
+                        if "teacher_forced_agreement_transformers" in r else " - |") + f" {r.get('layers')} |")
     return "\n".join(lines)
 
 
@@ -189,6 +219,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", type=int, default=0, help="profile the decode steps at this batch size (CUDA)")
     ap.add_argument("--out-json", default=None)
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
