@@ -172,10 +172,14 @@ def _wanted(name: str, t, spec: MoESpec, dim: int) -> torch.Tensor:
 
 
 def _span(ix: torch.Tensor) -> str:
-    v = ix.tolist()
-    if v and v == list(range(v[0], v[0] + len(v))):
-        return f"[{v[0]}, {v[0] + len(v)})"
-    return str(v[:8])[:-1] + (", ...]" if len(v) > 8 else "]")
+    """Indices as runs: "[0, 16) + [32, 48)" (the first four runs)."""
+    v, runs = ix.tolist(), []
+    for i in v:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return " + ".join(f"[{a}, {b})" for a, b in runs[:4]) + (" + ..." if len(runs) > 4 else "") if runs else "none"
 
 
 def _tensor_at(block: nn.Module, path):

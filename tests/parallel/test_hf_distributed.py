@@ -39,7 +39,7 @@ from moecomp.parallel import hf_ep  # noqa: E402
 
 TOL = 2e-5
 WHY_NOT = hf_ep.available()
-JOBS = ("tfd_qwen3_ep", "tfd_deepseek_tp", "tfd_moecomp_ep")
+JOBS = ("tfd_qwen3_ep", "tfd_deepseek_tp", "tfd_moecomp_ep", "tfd_other_layout")
 
 
 # ------------------------------------------------------------------------------------------------ in the workers
@@ -94,8 +94,10 @@ def _blocks(model) -> list:
     return [m for n, m in model.named_modules() if n.endswith(".mlp")]
 
 
-def _check(rank: int, W: int, family: str, mode: str, config: dict, before=None) -> list:
-    """Load ``family`` with ``config``, optimize, compare with the single-process model (module docstring)."""
+def _check(rank: int, W: int, family: str, mode: str, config: dict, before=None, use_capture: bool = False) -> list:
+    """Load ``family`` with ``config``, optimize, compare with the single-process model (module docstring).
+    ``use_capture``: optimize's default (the FX pass installed; a sharded block is read by the attribute reader
+    all the same), else without it (faster)."""
     import moecomp
     from moecomp.testing import rel_err
     from generate.models import prompts
@@ -113,9 +115,9 @@ def _check(rank: int, W: int, family: str, mode: str, config: dict, before=None)
             rows += before(model, ref, ids, mask, want, rank)
         experts = [b.experts for b in _blocks(model)]
         locals_ = [(e.gate_up_proj.to_local().data_ptr(), e.down_proj.to_local().data_ptr()) for e in experts]
-        scanned = moecomp.scan(model, use_capture=False)  # (verifies, binds nothing)
+        scanned = moecomp.scan(model, use_capture=use_capture)  # (verifies, binds nothing)
         assert [b.status for b in scanned.blocks] == ["supported"] * 2, scanned
-        model, rep = moecomp.optimize(model, use_capture=False, report=True)
+        model, rep = moecomp.optimize(model, use_capture=use_capture, report=True)
         assert [b.status for b in rep.blocks] == ["rewritten"] * 2, rep
         again = moecomp.scan(model, use_capture=False)
         assert [b.status for b in again.blocks] == ["already"] * 2, again
@@ -201,7 +203,32 @@ def _moecomp_dispatch(model, ref, ids, mask, want, rank) -> list:
 def tfd_moecomp_ep(rank: int, W: int, comm=None) -> list:
     with _poisoned():
         return _check(rank, W, "qwen3_moe", "ep", dict(tp_size=W, ep_size=W, ep_implementation="moecomp"),
-                      before=_moecomp_dispatch)
+                      before=_moecomp_dispatch, use_capture=True)
+
+
+def tfd_other_layout(rank: int, W: int, comm=None) -> list:
+    """A TP plan that shards gate_up_proj by plain rows ("colwise": rank 0 all gate rows, rank 1 all up rows), not
+    moecomp's gate[s] | up[s]: optimize refuses every block on every rank, naming the tensor and both layouts, and
+    binds nothing (the ranks agree; no collective is left waiting)."""
+    import moecomp
+
+    _, path = _saved(rank, "qwen3_moe")
+    try:
+        model = _load(path, tp_size=W, tp_plan={"model.layers.*.mlp.experts.gate_up_proj": "colwise"})
+        rep = moecomp.optimize(model, use_capture=False, report=True)[1]
+        held = "[0, 32)" if rank == 0 else "[32, 64)"
+        want = f"[{16 * rank}, {16 * rank + 16}) + [{32 + 16 * rank}, {48 + 16 * rank})"
+        for b in rep.blocks:
+            assert b.status == "skipped" and f"holds indices {held} of dim 1, moecomp's tp {rank}/{W} I " \
+                f"[{16 * rank}, {16 * rank + 16}) shard is {want}" in b.reason, b.reason
+        assert not any("_moecomp" in m.__dict__ for m in model.modules())
+    finally:
+        dist.barrier()
+        if rank == 0:
+            import shutil
+
+            shutil.rmtree(path, ignore_errors=True)
+    return [("qwen3_moe/other layout refused", rank, 0.0, 1.0)]
 
 
 def _worker(rank, W, port, jobs, out, timeout):
@@ -252,6 +279,12 @@ def test_ep_implementation_moecomp(world):
     rows = world["tfd_moecomp_ep"]
     _ok(rows)
     assert any(r[0] == "qwen3_moe/moecomp EP dispatch logits" for r in rows)
+
+
+@needs_gloo
+@needs_tfd
+def test_a_layout_that_is_not_moecomps_is_refused(world):
+    _ok(world["tfd_other_layout"])
 
 
 def test_reason_without_transformers_distributed(monkeypatch):
