@@ -14,6 +14,10 @@ per-expert MLPs; see :mod:`moecomp.hf.structure`):
    ModuleList of expert MLPs is stacked once and its Parameters re-pointed at the stacked tensor's slices, so the
    weights are still held once and every write to them reaches the op).
 
+A block whose experts transformers' distributed loading sharded (``from_pretrained(..., distributed_config=...)``:
+DTensor experts) goes through :mod:`moecomp.parallel.hf_distributed` instead: recognised on the sharded block,
+checked against its sharded forward, bound to the parallel op on the local shards (every rank of its group alike).
+
 Blocks that fail any step are left alone and reported with the reason (``BlockReport.reason``, text) and its
 code (``BlockReport.codes``, :class:`moecomp.reject.RejectCode`). On the meta device nothing can run:
 ``scan`` then reports what the attribute fallback reads, marked unverified, and ``optimize`` warns (UserWarning)
