@@ -14,6 +14,10 @@ per-expert MLPs; see :mod:`moecomp.hf.structure`):
    ModuleList of expert MLPs is stacked once and its Parameters re-pointed at the stacked tensor's slices, so the
    weights are still held once and every write to them reaches the op).
 
+A block whose experts transformers' distributed loading sharded (``from_pretrained(..., distributed_config=...)``:
+DTensor experts) goes through :mod:`moecomp.parallel.hf_distributed` instead: recognised on the sharded block,
+checked against its sharded forward, bound to the parallel op on the local shards (every rank of its group alike).
+
 Blocks that fail any step are left alone and reported with the reason (``BlockReport.reason``, text) and its
 code (``BlockReport.codes``, :class:`moecomp.reject.RejectCode`). On the meta device nothing can run:
 ``scan`` then reports what the attribute fallback reads, marked unverified, and ``optimize`` warns (UserWarning)
@@ -58,6 +62,7 @@ from .hf import bind as _bind
 from .hf import fp8 as _fp8
 from .hf.impl_switch import unclaimed
 from .hf.structure import BlockParts, iter_blocks
+from .parallel import hf_distributed as _hf_distributed
 
 # the verify check's rules live in moecomp.policy (re-exported here for callers that read them from optimize)
 TOLERANCE = policy.VERIFY_TOLERANCE
@@ -96,9 +101,10 @@ def _process(name: str, block: nn.Module, parts: BlockParts | None, reason: str,
         if _pair.report_bound(block, rep, bind_it):
             return rep
         rep = _process_block(name, block, parts, reason, use_fx, bind_it, cache, trust_fallback)
-        if rep.status == "skipped" and parts is not None:  # router and experts beside other things: the pair
+        whole = not _hf_distributed.sharded(block)  # (transformers sharded its experts: the rewrites below need all)
+        if rep.status == "skipped" and parts is not None and whole:  # router and experts beside other things: the pair
             _pair.try_pair(name, block, parts, rep, bind_it, calls)
-        if rep.status == "skipped" and experts_only:
+        if rep.status == "skipped" and experts_only and whole:
             _try_experts_only(name, block, parts, rep, bind_it)
     if rep.status not in ("already", "experts only") and any(p.device.type == "meta" for p in block.parameters()):
         rep.notes.append(META_NOTE)
@@ -150,6 +156,9 @@ def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason
                    cache=None, trust_fallback: bool = False) -> BlockReport:
     rep = BlockReport(name=name, cls=type(block).__name__, status="skipped", reason=reason)
     if parts is None:  # structure.iter_blocks says why (free text)
+        if _hf_distributed.bound_shard(block):  # (its experts, a shard now, no longer match its router)
+            _report_already(block, rep, "", bind_it)
+            return rep
         rep.codes.append(RejectCode.NOT_A_BLOCK)
         return rep
     changed = _bind.stale(block) if getattr(block, "_moecomp", None) is not None else ""
@@ -160,6 +169,9 @@ def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason
         _report_already(block, rep, changed, bind_it)
         return rep
     if _refuse_structure(block, parts, rep):
+        return rep
+    if _hf_distributed.sharded(block):  # transformers' distributed loading sharded it (DTensors): parallel op
+        _hf_distributed.process(name, block, parts, rep, bind_it)
         return rep
     meta = any(p.device.type == "meta" for p in block.parameters())
     if meta:

@@ -11,6 +11,8 @@ The op-level modules (comm, route, local, dispatch, capacity, ep, tp, op, slicin
 (they import ops and the spec); ``shard_experts`` (``shard.py``) sits beside ``optimize`` (it binds through it):
 this package does not import it (the binder imports the op path, and ``shard.py`` the binder), ``import moecomp``
 does, after ``optimize``.
+``hf_distributed.py`` (``optimize`` on a model transformers' distributed loading sharded) sits there too: optimize
+imports it. ``hf_ep.py`` registers ``ep_implementation="moecomp"`` with transformers (``import moecomp`` arms it).
 """
 
 from __future__ import annotations

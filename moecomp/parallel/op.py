@@ -10,6 +10,9 @@
                        whole shared experts on rank 0 where they do not split
           latent:      out = latent_out(all_reduce(routed.to(x.dtype))) + shared(x)  before the output transform
         all_to_all:  out = routed (+ latent_out) + shared(x), nothing reduced
+        shared experts given as this rank's slice (shared_w2 [H, Is / W], shared_w1 / w3 [Is / W, H]: a loader that
+        shards them, transformers' TP plan of colwise gate / up and rowwise down): that slice is this rank's
+        shared_partial (no latent, and a routed part that is partial: TP or EP all_reduce)
     experts(x, ids, weights, args, spec)   the routed experts only, routing given (global ids): [T, width], reduced
 
 The collectives run outside ``moe_forward`` / ``moe_experts``, which stay pure; for callers that trace (torch.compile
@@ -20,6 +23,8 @@ or all_to_all with a capacity) — NCCL collectives of fixed sizes are captured 
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -45,14 +50,34 @@ def _parallel(spec: MoESpec):
     return spec.parallel
 
 
+def sliced_shared(args: dict, spec: MoESpec) -> MoESpec | None:
+    """The spec of this rank's slice of the shared experts (their I / W) when ``args`` hold that slice rather than
+    the whole shared experts (shared_w2 with Is / W columns; module docstring), else None. SpecError where the path
+    has no all-reduce to sum such slices in (EP all_to_all, latent projections)."""
+    sh, p = spec.shared, spec.parallel
+    w2 = args.get("shared_w2")
+    if sh is None or w2 is None or p.world_size == 1 or sh.quant is not None or w2.shape[-1] == sh.intermediate_size:
+        return None
+    n = sh.intermediate_size // p.world_size
+    if w2.shape[-1] != n or sh.intermediate_size % p.world_size or (sh.gated and sh.layout == "concat"):
+        return None  # (check_args names the shape the whole shared experts need)
+    if spec.latent_size or (p.mode == "ep" and p.dispatch != "all_reduce"):
+        raise SpecError(f"shared_w2 has shape {tuple(w2.shape)}: this rank's slice of the shared experts (I {n} of "
+                        f"{sh.intermediate_size}) is summed in the routed part's all-reduce, which "
+                        f"{'latent projections' if spec.latent_size else 'dispatch all_to_all'} does not have; "
+                        f"expected the whole shared experts [.., {sh.intermediate_size}]")
+    return spec.replace(shared=dataclasses.replace(sh, intermediate_size=n))
+
+
 def check(x: torch.Tensor, args: dict, spec: MoESpec, symbolic: bool = False) -> None:
     """SpecError naming the argument: shard tensors of the wrong shape (``local.check_shards``), and every other
-    argument as the one-GPU op checks it (the shards stand in at the whole block's shapes, as zero-stride views)."""
+    argument as the one-GPU op checks it (the shards stand in at the whole block's shapes, as zero-stride views;
+    shared experts given as this rank's slice: checked at the slice's shapes, ``sliced_shared``)."""
     check_shards(args, spec)
     whole = {**spec.expert_weight_shapes(), **spec.quant_shapes()}
     stand_in = {n: args[n].new_empty(()).expand(whole[n]) for n in SHARD_ARGS if args.get(n) is not None
                 and n in whole}
-    check_args(x, {**args, **stand_in}, spec, symbolic)
+    check_args(x, {**args, **stand_in}, sliced_shared(args, spec) or spec, symbolic)
 
 
 def forward(x: torch.Tensor, args: dict, spec: MoESpec, comm=None) -> torch.Tensor:
@@ -75,7 +100,10 @@ def forward(x: torch.Tensor, args: dict, spec: MoESpec, comm=None) -> torch.Tens
             out += route.shared_part(x2, args, spec, r)
         return out.to(dt).reshape(shape)
     if spec.shared is not None:
-        if not partial:
+        given = sliced_shared(args, spec)
+        if given is not None:  # this rank's slice of the shared experts, as loaded
+            routed += route.shared_part(x2, args, given, r)
+        elif not partial:
             routed += route.shared_part(x2, args, spec, r)
         else:
             sl = route.shared_slice(args, spec, p.rank, p.world_size)

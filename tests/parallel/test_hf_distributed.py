@@ -1,0 +1,355 @@
+"""transformers' own distributed loading, then ``moecomp.optimize`` (``moecomp/parallel/hf_distributed.py``,
+``hf_ep.py``): tiny models saved to a temp dir, loaded by ``from_pretrained(path, distributed_config=...)`` in 2 gloo
+processes on 127.0.0.1 (``gloo_run.py``), as torchrun would run them.
+
+Jobs (every rank):
+* Qwen3-MoE, ``DistributedConfig(tp_size=2, ep_size=2)``: experts EP-sharded (DTensors Shard(0)), attention TP;
+* DeepSeek-V3 (groups, correction bias, a shared expert), ``DistributedConfig(tp_size=2)``: experts and the shared
+  expert TP-sharded (gate | up strided, down by columns);
+* Qwen3-MoE with ``ep_implementation="moecomp"``: transformers' EP dispatch runs moecomp's parallel experts path.
+Each: ``optimize`` binds every MoE block to the parallel op on the loaded local tensors (the same storage; no
+DTensor left in the bound paths); each block's output on fresh random inputs equals the single-process HF block's,
+the logits the single-process model's (fp32: relative Frobenius error < ``TOL`` = 2e-5, summation order only); every
+uninitialised output buffer is NaN-poisoned (``torch.use_deterministic_algorithms`` with
+``fill_uninitialized_memory``: an element the path forgot to write shows); greedy ``generate()`` tokens (transformers'
+loop, and moecomp's engine on CPU) equal the single-process tokens, on every rank.
+
+transformers 5.24 asks for ``accelerate`` whenever a device map is set, and its distributed loader sets one (the CPU)
+even on CPU; the load itself uses nothing of accelerate. Without accelerate installed, the workers lift that check
+(``_accelerate_check_lifted``) for the loads only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: generate.models
+import gloo_run  # noqa: E402
+
+from moecomp.parallel import hf_ep  # noqa: E402
+
+TOL = 2e-5
+WHY_NOT = hf_ep.available()
+JOBS = ("tfd_qwen3_ep", "tfd_deepseek_tp", "tfd_moecomp_ep", "tfd_other_layout")
+
+
+# ------------------------------------------------------------------------------------------------ in the workers
+@contextlib.contextmanager
+def _accelerate_check_lifted():
+    """transformers' "requires accelerate" check of a device map, lifted where accelerate is not installed (the
+    module docstring says why)."""
+    if importlib.util.find_spec("accelerate") is not None:
+        yield
+        return
+    import transformers.integrations.accelerate as acc
+
+    before = acc.is_accelerate_available
+    acc.is_accelerate_available = lambda *a, **k: True
+    try:
+        yield
+    finally:
+        acc.is_accelerate_available = before
+
+
+def _saved(rank: int, family: str):
+    """(the single-process model, a temp dir it is saved in by rank 0, shared by every rank)."""
+    import tempfile
+
+    from generate.models import build
+
+    ref = build(family, layers=2, seed=0)
+    box = [None]
+    if rank == 0:
+        box[0] = tempfile.mkdtemp(prefix=f"moecomp_tfd_{family}_")
+        ref.save_pretrained(box[0])
+    dist.broadcast_object_list(box, src=0)
+    return ref, box[0]
+
+
+def _load(path: str, **config):
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    with _accelerate_check_lifted():
+        return AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(**config),
+                                                    dtype=torch.float32).eval()
+
+
+def _same_on_every_rank(t: torch.Tensor) -> bool:
+    got = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(got, t.contiguous())
+    return all(torch.equal(g, t) for g in got)
+
+
+def _blocks(model) -> list:
+    return [m for n, m in model.named_modules() if n.endswith(".mlp")]
+
+
+def _check(rank: int, W: int, family: str, mode: str, config: dict, before=None, use_capture: bool = False) -> list:
+    """Load ``family`` with ``config``, optimize, compare with the single-process model (module docstring).
+    ``use_capture``: optimize's default (the FX pass installed; a sharded block is read by the attribute reader
+    all the same), else without it (faster)."""
+    import moecomp
+    from moecomp.testing import rel_err
+    from generate.models import prompts
+
+    name = f"{family}/{mode}"
+    ref, path = _saved(rank, family)
+    rows = []
+    try:
+        model = _load(path, **config)
+        ids, mask = prompts(96, 2, 5, seed=1, left_pad=(0, 2))
+        with torch.no_grad():
+            want = ref(ids, attention_mask=mask).logits
+            want_tokens = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        if before is not None:
+            rows += before(model, ref, ids, mask, want, rank)
+        experts = [b.experts for b in _blocks(model)]
+        locals_ = [(e.gate_up_proj.to_local().data_ptr(), e.down_proj.to_local().data_ptr()) for e in experts]
+        scanned = moecomp.scan(model, use_capture=use_capture)  # (verifies, binds nothing)
+        assert [b.status for b in scanned.blocks] == ["supported"] * 2, scanned
+        model, rep = moecomp.optimize(model, use_capture=use_capture, report=True)
+        assert [b.status for b in rep.blocks] == ["rewritten"] * 2, rep
+        again = moecomp.scan(model, use_capture=False)
+        assert [b.status for b in again.blocks] == ["already"] * 2, again
+        for b, e, ptrs in zip(_blocks(model), experts, locals_):
+            p = b._moecomp.op_spec.parallel
+            assert (p.mode, p.world_size, p.rank) == (mode, W, rank), p
+            for t, ptr in zip((e.gate_up_proj, e.down_proj), ptrs):  # the loaded local tensors, not copies
+                assert type(t) is torch.nn.Parameter and t.data_ptr() == ptr, (type(t), name)
+        g = torch.Generator().manual_seed(2)  # the same inputs on every rank (the group shares one batch)
+        with torch.no_grad():
+            for i, (b, rb) in enumerate(zip(_blocks(model), _blocks(ref))):
+                x = torch.randn(3, 7, ref.config.hidden_size, generator=g)
+                calls = b._moecomp.calls
+                got = b(x)
+                assert b._moecomp.calls == calls + 1  # the bound op ran (not transformers' sharded forward)
+                rows.append((f"{name} block {i}", rank, rel_err(got, rb(x)), TOL))
+            rows.append((f"{name} logits", rank, rel_err(model(ids, attention_mask=mask).logits, want), TOL))
+        gen = model.generate
+        for engine in (False, True):
+            gen.cpu = engine  # True: moecomp's engine on CPU (static cache, eager steps)
+            with torch.no_grad():
+                tokens = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+            assert gen.last["path"] == ("moecomp" if engine else "transformers"), gen.last
+            assert _same_on_every_rank(tokens), f"{name}: ranks generated different tokens"
+            rows.append((f"{name} generate{' engine' if engine else ''}", rank,
+                         float((tokens != want_tokens).sum()), 0.5))
+    finally:
+        dist.barrier()
+        if rank == 0:
+            import shutil
+
+            shutil.rmtree(path, ignore_errors=True)
+    return rows
+
+
+@contextlib.contextmanager
+def _poisoned():
+    """Every uninitialised output buffer (torch.empty / empty_like) NaN-filled while checking."""
+    import torch.utils.deterministic as det
+
+    was, fill = torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    det.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
+        det.fill_uninitialized_memory = fill
+
+
+def tfd_qwen3_ep(rank: int, W: int, comm=None) -> list:
+    with _poisoned():
+        return _check(rank, W, "qwen3_moe", "ep", dict(tp_size=W, ep_size=W))
+
+
+def tfd_deepseek_tp(rank: int, W: int, comm=None) -> list:
+    with _poisoned():
+        return _check(rank, W, "deepseek_v3", "tp", dict(tp_size=W))
+
+
+def _moecomp_dispatch(model, ref, ids, mask, want, rank) -> list:
+    """Before optimize: transformers' EP dispatch is moecomp's (MoecompEP, no fallback warning) and the logits are
+    the single-process model's; with gradients needed, transformers' own dispatch runs instead (one warning)."""
+    from moecomp.testing import rel_err
+
+    experts = [b.experts for b in _blocks(model)]
+    impls = [c.cell_contents for e in experts for c in e.forward.__closure__ or ()
+             if type(c.cell_contents).__name__ == "MoecompEP"]
+    assert len(impls) == len(experts), "ep_implementation='moecomp' did not install MoecompEP"
+    with warnings.catch_warnings(record=True) as seen, torch.no_grad():
+        warnings.simplefilter("always")
+        got = model(ids, attention_mask=mask).logits
+    assert not [w for w in seen if "moecomp EP implementation" in str(w.message)], [str(w.message) for w in seen]
+    assert all(e.__dict__.get("_moecomp_experts_specs") for e in experts)  # MoecompEP read its spec: it ran
+    with warnings.catch_warnings(record=True) as seen:  # grad mode on, weights requiring grad: transformers' "auto"
+        warnings.simplefilter("always")
+        fallback = model(ids, attention_mask=mask).logits.detach()
+    assert any("gradients needed" in str(w.message) for w in seen), [str(w.message) for w in seen]
+    return [("qwen3_moe/moecomp EP dispatch logits", rank, rel_err(got, want), TOL),
+            ("qwen3_moe/moecomp EP dispatch, fallback with gradients", rank, rel_err(fallback, want), TOL)]
+
+
+def tfd_moecomp_ep(rank: int, W: int, comm=None) -> list:
+    with _poisoned():
+        return _check(rank, W, "qwen3_moe", "ep", dict(tp_size=W, ep_size=W, ep_implementation="moecomp"),
+                      before=_moecomp_dispatch, use_capture=True)
+
+
+def tfd_other_layout(rank: int, W: int, comm=None) -> list:
+    """A TP plan that shards gate_up_proj by plain rows ("colwise": rank 0 all gate rows, rank 1 all up rows), not
+    moecomp's gate[s] | up[s]: optimize refuses every block on every rank, naming the tensor and both layouts, and
+    binds nothing (the ranks agree; no collective is left waiting)."""
+    import moecomp
+
+    _, path = _saved(rank, "qwen3_moe")
+    try:
+        model = _load(path, tp_size=W, tp_plan={"model.layers.*.mlp.experts.gate_up_proj": "colwise"})
+        rep = moecomp.optimize(model, use_capture=False, report=True)[1]
+        held = "[0, 32)" if rank == 0 else "[32, 64)"
+        want = f"[{16 * rank}, {16 * rank + 16}) + [{32 + 16 * rank}, {48 + 16 * rank})"
+        for b in rep.blocks:
+            assert b.status == "skipped" and f"holds indices {held} of dim 1, moecomp's tp {rank}/{W} I " \
+                f"[{16 * rank}, {16 * rank + 16}) shard is {want}" in b.reason, b.reason
+        assert not any("_moecomp" in m.__dict__ for m in model.modules())
+    finally:
+        dist.barrier()
+        if rank == 0:
+            import shutil
+
+            shutil.rmtree(path, ignore_errors=True)
+    return [("qwen3_moe/other layout refused", rank, 0.0, 1.0)]
+
+
+def _worker(rank, W, port, jobs, out, timeout):
+    """gloo_run's worker, with this module's jobs added to ``scenarios.JOBS`` in the worker."""
+    import scenarios
+
+    scenarios.JOBS.update({j: globals()[j] for j in JOBS})
+    gloo_run._worker(rank, W, port, jobs, out, timeout)
+
+
+# ------------------------------------------------------------------------------------------------ the tests
+needs_tfd = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "-")
+# transformers' distributed loader puts the model on the accelerator it finds (torch._C._get_accelerator): these
+# processes compare with a CPU model over gloo
+needs_gloo = pytest.mark.skipif(torch.cuda.is_available() or not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo, and no CUDA device (transformers' loader "
+                                       "would put the model on it)")
+
+
+@pytest.fixture(scope="module")
+def world():
+    mp = pytest.MonkeyPatch()
+    mp.setattr(gloo_run, "_worker", _worker)  # (run_world starts its processes with this module's worker)
+    try:
+        return gloo_run.run_world(2, JOBS, timeout=240)
+    finally:
+        mp.undo()
+
+
+def _ok(rows, W=2):
+    assert rows and {r[1] for r in rows} == set(range(W)), rows
+    bad = [r for r in rows if not r[2] < r[3]]
+    assert not bad, bad
+
+
+@needs_gloo
+@needs_tfd
+def test_ep_plan_bound_to_the_parallel_op(world):
+    _ok(world["tfd_qwen3_ep"])
+
+
+@needs_gloo
+@needs_tfd
+def test_tp_plan_with_a_sharded_shared_expert(world):
+    _ok(world["tfd_deepseek_tp"])
+
+
+@needs_gloo
+@needs_tfd
+def test_ep_implementation_moecomp(world):
+    rows = world["tfd_moecomp_ep"]
+    _ok(rows)
+    assert any(r[0] == "qwen3_moe/moecomp EP dispatch logits" for r in rows)
+
+
+@needs_gloo
+@needs_tfd
+def test_a_layout_that_is_not_moecomps_is_refused(world):
+    _ok(world["tfd_other_layout"])
+
+
+def test_reason_without_transformers_distributed(monkeypatch):
+    """transformers without ``transformers.distributed.expert_parallel`` (5.17): nothing registered, and
+    ``available()`` names the module and the version that has it."""
+    monkeypatch.setitem(sys.modules, hf_ep.TARGET, None)  # (an import of it now fails, as where it does not exist)
+    why = hf_ep.available()
+    assert hf_ep.TARGET in why and "5.24" in why, why
+    assert hf_ep.register() is False
+
+
+@pytest.mark.parametrize("mode", ["ep", "tp", "ep_a2a"])
+def test_shared_experts_given_as_this_ranks_slice(mode):
+    """The parallel op with the shared experts as each rank's slice of their I (how transformers' TP plan loads them:
+    rows of gate / up, columns of down), emulated at W = 2 (threads), NaN-poisoned buffers: equal to the whole block
+    (fp32, ``TOL``); the all-to-all path, which has no all-reduce to sum such slices in, refuses them naming
+    shared_w2."""
+    import scenarios as sc
+    from moecomp import parallel as par
+    from moecomp.spec import SpecError
+    from moecomp.testing import rel_err
+
+    W, name = 2, "deepseek_v3"
+    x, t = sc.block(name, 6)
+    ref = sc.oracle(x, t, sc.SPECS[name])
+    n = sc.SPECS[name].shared.intermediate_size // W
+
+    def run(rank, comm):
+        spec = sc.parallel_spec(name, mode, W, rank)
+        s = slice(rank * n, (rank + 1) * n)
+        args = {**t, **par.shard_tensors(t, spec), "shared_w1": t["shared_w1"][s].clone(),
+                "shared_w3": t["shared_w3"][s].clone(), "shared_w2": t["shared_w2"][:, s].contiguous()}
+        return par.forward(x, args, spec, comm)
+
+    with _poisoned():
+        if mode == "ep_a2a":
+            with pytest.raises(SpecError, match=r"shared_w2 has shape \(32, 12\): this rank's slice"):
+                par.emulate(W, run)
+            return
+        outs = par.emulate(W, run)
+    assert all(rel_err(o, ref) < TOL for o in outs), [rel_err(o, ref) for o in outs]
+
+
+@needs_tfd
+def test_registered_when_transformers_ep_is_imported():
+    """A fresh ``import moecomp`` imports no transformers and arms a hook; importing transformers' expert_parallel
+    then registers "moecomp" (a subclass of its EPImplementation) and leaves its own names alone."""
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys
+        import moecomp
+        from moecomp.parallel import hf_ep
+        assert "transformers" not in sys.modules and not hf_ep.REGISTERED and hf_ep._finder in sys.meta_path
+        import transformers.distributed.expert_parallel as ep
+        impls = ep.EPImplementationInterface()
+        assert hf_ep.REGISTERED and hf_ep._finder not in sys.meta_path
+        assert issubclass(impls["moecomp"], ep.EPImplementation) and impls["auto"] is ep.AutoEP
+        print("ok")
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
