@@ -128,7 +128,10 @@ def snapshot_changed_traced(root: nn.Module, snap: Snapshot) -> bool:
         for k, v in zip(ks, vals):
             cur = getattr(m, k, _MISSING)
             if isinstance(v, _SCALAR_TYPES):
-                if cur is _MISSING or type(cur) is not type(v) or cur != v:
+                # No ``is`` on ``cur`` here: under dynamic shapes (the prefill) Dynamo may hold an int attribute as a
+                # symbolic int, and torch 2.11's Dynamo cannot trace ``symint is object`` (it raised
+                # InternalTorchDynamoError, so gpt-oss's prefill ran eagerly). isinstance and == trace (and guard).
+                if not isinstance(cur, type(v)) or (isinstance(cur, bool) and not isinstance(v, bool)) or cur != v:
                     return True
             elif cur is not v:
                 return True
