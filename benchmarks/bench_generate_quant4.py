@@ -167,37 +167,41 @@ def run(args) -> dict:
         result["rows"].append(row)
         log(f"[gen-q4] B={B}: decode {rec['decode_ms']:.3f} ms/step, floor {fl['decode_ms']:.3f} "
             f"({row['over_floor']:.2f}x), prefill {rec['prefill_ms']:.1f} ms, warm-up {rec['warmup_s']:.1f} s")
-    _agreement(model, outs, S, result)
+    _agreement(model, outs, hf.get("tokens"), S, result)
     result["table"] = table(result)
     log(result["table"])
     return result
 
 
-def _agreement(model, outs: dict, S: int, result: dict) -> None:
+def _agreement(model, outs: dict, hf_tokens, S: int, result: dict) -> None:
     """The first batch's moecomp tokens fed to the same model without moecomp (``moecomp.unoptimize``: transformers'
     forward, the experts on ``PackedExperts``' plain PyTorch dequantization): the share of positions where its argmax
-    is moecomp's token (teacher forcing). Random weights give near-tied logits, so the free-running greedy match
-    against transformers says little after the first flip; this says whether each step agrees."""
+    is moecomp's token (teacher forcing); and, as the baseline, transformers' own greedy tokens (its generate loop,
+    KV cache) fed to the same forward. Random weights can make a model's argmax noise: if transformers disagrees
+    with itself as much, the agreement says nothing about moecomp (``diag_agree``: compare the logits instead)."""
     import moecomp
 
     if not outs:
         return
     B = min(outs)
     moecomp.unoptimize(model)
-    try:
-        a = teacher_forced_agreement(model, outs[B], S)
-    except Exception as e:  # e.g. out of memory: reported, the run goes on
-        result["errors"].append(f"agreement B={B}: {type(e).__name__}: {str(e)[:160]}")
-        return
     row = next(r for r in result["rows"] if r["B"] == B)
-    row["teacher_forced_agreement_transformers"] = a
-    log(f"[gen-q4] B={B}: moecomp's tokens under transformers' forward: teacher-forced agreement {a:.3f}")
+    for key, seq in (("teacher_forced_agreement_transformers", outs[B]),
+                     ("transformers_self_agreement", hf_tokens if B == 1 else None)):
+        if seq is None:
+            continue
+        try:
+            row[key] = teacher_forced_agreement(model, seq, S)
+        except Exception as e:  # e.g. out of memory: reported, the run goes on
+            result["errors"].append(f"{key} B={B}: {type(e).__name__}: {str(e)[:160]}")
+            continue
+        log(f"[gen-q4] B={B}: {key} {row[key]:.3f}")
 
 
 def table(result: dict) -> str:
     lines = ["| B | decode ms/step | floor ms/step | x floor | distinct experts / layer | TTFT ms | warm-up s |"
-             " transformers ms/step | speed-up | greedy match | teacher-forced agreement | decode layers |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             " transformers ms/step | speed-up | greedy match | teacher-forced agreement | transformers' own |"
+             " decode layers |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         t = r.get("transformers")
         lines.append(f"| {r['B']} | {r['decode_ms']:.3f} | {r['floor']['decode_ms']:.3f} | {r['over_floor']:.2f}x | "
@@ -205,7 +209,9 @@ def table(result: dict) -> str:
                      + (f"{t['decode_ms']:.1f} | {r['speedup_vs_transformers']:.1f}x | "
                         f"{r['greedy_match_transformers']['match']:.3f} |" if t else "- | - | - |")
                      + (f" {r['teacher_forced_agreement_transformers']:.3f} |"
-                        if "teacher_forced_agreement_transformers" in r else " - |") + f" {r.get('layers')} |")
+                        if "teacher_forced_agreement_transformers" in r else " - |")
+                     + (f" {r['transformers_self_agreement']:.3f} |" if "transformers_self_agreement" in r else " - |")
+                     + f" {r.get('layers')} |")
     return "\n".join(lines)
 
 
