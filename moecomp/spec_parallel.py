@@ -20,6 +20,11 @@ experts, the latent projections and the rest of the model stay whole on every ra
                                 C > 0 fixed buffers of C rows per destination: pairs past C are dropped (they add
                                       nothing), ranked per destination slot-major (every token's first choice, in
                                       token order, before any second choice); capturable
+    chunks (the uneven all_to_all only): N > 1 splits each rank's tokens into N chunks (sizes differing by at most
+                                      one; some empty when T < N) pipelined so that chunk i's experts run while
+                                      chunk i + 1's rows are in flight and chunk i - 1's outputs come back (async
+                                      collectives; ``parallel/overlap.py``); the result equals the unchunked one.
+                                      Every rank of the group must use the same N
 
 The all-reduce points (one per call, mutually exclusive): after the routed part and the shared experts are summed
 (the shared experts' partial: their I split like the routed experts' where it divides, else whole on rank 0); with
@@ -58,6 +63,7 @@ class ParallelSpec:
     dispatch: str = "all_reduce"  # "all_reduce" (the group shares one batch) | "all_to_all" (EP: own tokens)
     capacity: int | None = None  # all_to_all: None uneven exchange | 0 fixed no-drop T*k rows | C fixed, drop past C
     group: str = ""  # the process group's name ("" = default group)
+    chunks: int = 1  # uneven all_to_all: token chunks pipelined (communication overlapping the experts); 1 = none
 
     def __post_init__(self) -> None:
         self.validate()
@@ -98,6 +104,13 @@ class ParallelSpec:
             if self.dispatch != "all_to_all":
                 raise SpecError(f"parallel.capacity={c} is for dispatch 'all_to_all' (rows per destination rank), "
                                 f"got dispatch {self.dispatch!r}")
+        n = self.chunks
+        if not _is_int(n) or n < 1:
+            raise SpecError(f"parallel.chunks must be an int >= 1 (1: no chunked overlap), got {n!r}")
+        if n > 1 and (self.dispatch != "all_to_all" or c is not None):
+            raise SpecError(f"parallel.chunks={n} is for dispatch 'all_to_all' without a capacity (the uneven "
+                            f"exchange), got dispatch {self.dispatch!r}" + (f" with capacity={c} (fixed buffers are "
+                            f"not chunked: each chunk would need the whole capacity)" if c is not None else ""))
 
     # --------------------------------------------------------------------------------------------- the shard
     @property
@@ -143,6 +156,7 @@ class ParallelSpec:
             s += f" I [{sl.start}, {sl.stop})"
         if self.dispatch == "all_to_all":
             s += " a2a" + ("" if self.capacity is None else f" cap {self.capacity or 'T*k'}")
+            s += f" chunks {self.chunks}" if self.chunks > 1 else ""
         return s + (f" group {self.group!r}" if self.group else "")
 
     @functools.cached_property

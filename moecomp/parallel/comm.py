@@ -4,6 +4,9 @@
     comm.all_reduce_(t)                         t summed over the ranks, in place (every rank gets the same sum)
     comm.all_to_all(rows, out_splits, in_splits)  rows [n, ...] split along dim 0: piece j to rank j; returns the
                                                 pieces received, in rank order (splits None: equal pieces)
+    comm.all_to_all_start(rows, out_splits, in_splits).wait()   the same exchange started asynchronously (``async_op``
+                                                on the group: NCCL's stream on CUDA, gloo's threads on CPU); ``wait()``
+                                                returns the pieces (on CUDA: the current stream waits for them)
 
 ``DistComm`` runs them on a ``torch.distributed`` process group (gloo on CPU, NCCL on GPU: both capturable in a CUDA
 graph when the sizes are fixed, NCCL only). ``comm_for(parallel_spec)`` finds the group the spec names
@@ -23,6 +26,19 @@ _GROUPS: dict = {}  # name -> process group (groups named by group_name(); other
 _COMMS: dict = {}  # (name, id(group), world_size, rank) -> DistComm, checked once
 
 
+class Pending:
+    """An exchange in flight: ``wait()`` -> the received tensor (``work`` None: already complete)."""
+
+    def __init__(self, work, out: torch.Tensor, keep: torch.Tensor | None = None):
+        self.work, self.out, self.keep = work, out, keep  # keep: the input, alive until the exchange is done
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = self.keep = None
+        return self.out
+
+
 class DistComm:
     """The collectives on one process group (module docstring)."""
 
@@ -40,6 +56,13 @@ class DistComm:
         out = rows.new_empty((n, *rows.shape[1:]))
         dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=self.group)
         return out
+
+    def all_to_all_start(self, rows: torch.Tensor, out_splits=None, in_splits=None) -> Pending:
+        n = rows.shape[0] if out_splits is None else sum(out_splits)
+        out = rows.new_empty((n, *rows.shape[1:]))
+        rows = rows.contiguous()
+        work = dist.all_to_all_single(out, rows, out_splits, in_splits, group=self.group, async_op=True)
+        return Pending(work, out, rows)
 
 
 def group_name(group=None) -> str:

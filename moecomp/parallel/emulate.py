@@ -16,6 +16,8 @@ import threading
 
 import torch
 
+from .comm import Pending
+
 
 class _Shared:
     def __init__(self, world_size: int, timeout: float):
@@ -66,6 +68,10 @@ class ThreadComm:
         if out_splits is not None and list(out_splits) != got:
             raise ValueError(f"rank {self.rank}: out_splits {list(out_splits)} differ from the rows sent, {got}")
         return torch.cat(pieces) if pieces else rows[:0]
+
+    def all_to_all_start(self, rows: torch.Tensor, out_splits=None, in_splits=None):
+        """``all_to_all`` at once (the rendezvous is the exchange), returned as a completed ``comm.Pending``."""
+        return Pending(None, self.all_to_all(rows, out_splits, in_splits))
 
 
 def emulate(world_size: int, fn, timeout: float = 60.0) -> list:

@@ -5,7 +5,9 @@
         lw  = weight where local, else 0       (zero experts' pairs, ids >= E: on rank 0 only, weight * x)
         partial [T, width] = moe_experts(xe, lid, lw)    -> the caller sums partials over the ranks (one all-reduce)
     dispatch "all_to_all" (each rank its own tokens):
-        pairs -> owners (``dispatch.py``: uneven, counts first; ``capacity.py``: fixed buffers, capturable)
+        pairs -> owners (``dispatch.py``: uneven, counts first; ``capacity.py``: fixed buffers, capturable;
+                         ``overlap.py``: uneven, in ``chunks`` pipelined token chunks, the exchange overlapping
+                         the experts)
         y = moe_experts(rows, local id, weight) on the owner, k = 1 a row   -> back to the token's rank
         out [T, width] = sum over each token's k slots of the returned rows (fp32, slot order, as the one-GPU
                          combine) + the zero experts' weight * x; complete: nothing to reduce
@@ -17,7 +19,7 @@ import torch
 
 from .. import reference
 from ..spec import MoESpec
-from . import capacity, dispatch, local
+from . import capacity, dispatch, local, overlap
 from .route import Routing
 
 
@@ -50,10 +52,13 @@ def _exchanged(xe, r: Routing, args: dict, spec: MoESpec, comm) -> torch.Tensor:
         raise RuntimeError("moecomp parallel: dispatch 'all_to_all' without a capacity reads the exchange's counts on "
                            "the host, which a CUDA graph capture cannot do; use capacity=0 (fixed buffers of T * k "
                            "rows, no drop) or capacity=C, or dispatch 'all_reduce'")
-    via = capacity if fixed else dispatch
-    plan, rows, lid, lw = via.send(comm, xe, r.ids, r.weights, p, E)
-    y = local.run(rows, lid, lw, args, local.kernel_spec(spec, 1, fixed))  # [N, width]
-    pair_rows = capacity.back(comm, plan, y) if fixed else dispatch.back(comm, plan, y, T * k)  # [T * k, width]
+    if p.chunks > 1:  # the exchange in chunks, overlapping the experts (overlap.py)
+        pair_rows = overlap.exchange(comm, xe, r.ids, r.weights, args, spec)  # [T * k, width]
+    else:
+        via = capacity if fixed else dispatch
+        plan, rows, lid, lw = via.send(comm, xe, r.ids, r.weights, p, E)
+        y = local.run(rows, lid, lw, args, local.kernel_spec(spec, 1, fixed))  # [N, width]
+        pair_rows = capacity.back(comm, plan, y) if fixed else dispatch.back(comm, plan, y, T * k)  # [T * k, width]
     out = pair_rows.view(T, k, width).sum(1)
     if spec.zero_experts:
         out += reference.zero_expert_term(xe, r.ids, r.weights, spec)
