@@ -108,20 +108,30 @@ def test_new_json_fields(tiny_run):
                 assert math.isclose(a["matmul_ceiling_frac"], a["tflop_per_s"] * 1e12 / ce["matmul_flops_per_s"])
 
 
-def test_spec_is_the_recognisers(tiny_run):
+def test_spec_is_the_recognisers(tiny_run, monkeypatch):
     """The benchmark has no recogniser of its own: per family, the spec it timed is ``match_block``'s for that block
-    and its tensors are ``bound_tensors``' (the block's own parameters), keyed by MOE_ARGS."""
+    (the one call ``block_spec`` makes, watched: a second capture of each block cost seconds) and its tensors are
+    ``bound_tensors``' (the block's own parameters), keyed by MOE_ARGS."""
+    from moecomp import recognise
     from moecomp.hf.bind import bound_tensors
     from moecomp.ops.common import MOE_ARGS
-    from moecomp.recognise import match_block
 
+    calls, real_match = [], recognise.match_block
+
+    def match_block(block, *a, **kw):
+        calls.append((block, real_match(block, *a, **kw)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(recognise, "match_block", match_block)
     res, _ = tiny_run
     timed = {f["name"]: f for f in res["families"]}
     for fi, fam in enumerate(bench.FAMILIES[n] for n in bench.GRID_FAMILIES):
         _, block = bench.build_block(fam, True, torch.device("cpu"), 1000 * fi)  # the run's seed (--seed 0)
         rec = {}
+        calls.clear()
         spec, tensors = bench.block_spec(block, rec)
-        m = match_block(block).match
+        assert len(calls) == 1 and calls[0][0] is block, fam.name
+        m = calls[0][1].match
         assert spec == m.spec, fam.name
         assert timed[fam.name]["spec"] == spec.key, fam.name  # what the run timed
         assert timed[fam.name]["recognised"]["method"] == rec["method"] and rec["bindings"], fam.name
