@@ -100,14 +100,15 @@ def _context():
     return ctx
 
 
-def run_world(W: int, jobs: tuple, timeout: float = 120.0) -> dict:
+def run_world(W: int, jobs: tuple, timeout: float = 120.0, worker=None) -> dict:
     """{job: rows of every rank} from W gloo processes; AssertionError with the ranks' tracebacks on a failure, a
-    hang (past ``timeout``) or a process that died."""
+    hang (past ``timeout``) or a process that died. ``worker``: a test module's own worker (a module-level function
+    with ``_worker``'s signature) in place of this module's."""
     ctx = _context()
     for attempt in range(2):
         port = free_port()
         out = ctx.Queue()
-        procs = [ctx.Process(target=_worker, args=(r, W, port, jobs, out, timeout), daemon=True) for r in range(W)]
+        procs = [ctx.Process(target=worker or _worker, args=(r, W, port, jobs, out, timeout), daemon=True) for r in range(W)]
         for p in procs:
             p.start()
         got, errors = {}, []

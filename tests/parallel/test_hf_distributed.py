@@ -250,12 +250,7 @@ needs_gloo = pytest.mark.skipif(torch.cuda.is_available() or not dist.is_availab
 
 @pytest.fixture(scope="module")
 def world():
-    mp = pytest.MonkeyPatch()
-    mp.setattr(gloo_run, "_worker", _worker)  # (run_world starts its processes with this module's worker)
-    try:
-        return gloo_run.run_world(2, JOBS, timeout=240)
-    finally:
-        mp.undo()
+    return gloo_run.run_world(2, JOBS, timeout=240, worker=_worker)
 
 
 def _ok(rows, W=2):

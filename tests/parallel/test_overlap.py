@@ -123,12 +123,7 @@ def _ok(rows, W):
 def gloo_world():
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    mp = pytest.MonkeyPatch()
-    mp.setattr(gloo_run, "_worker", _worker)  # (run_world starts its processes with this module's worker)
-    try:
-        return gloo_run.run_world(2, JOBS, timeout=120)
-    finally:
-        mp.undo()
+    return gloo_run.run_world(2, JOBS, timeout=120, worker=_worker)
 
 
 def test_gloo_chunked_equals_unchunked(gloo_world):
