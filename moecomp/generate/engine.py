@@ -434,13 +434,11 @@ class Engine:
         kw = dict(input_ids=ids, attention_mask=am.long() if am is not None else None, position_ids=position_ids,
                   **{self.cache_kw: s.cache})
         # compiled once the cache exists (its lazy allocation stays out of the compiled code)
-        if (self._compiling(s, "prefill") and os.environ.get("MOECOMP_GENERATE_COMPILE_PREFILL", "1") != "0"
-                and all(getattr(layer, "is_initialized", False) for layer in s.cache.layers)):
-            out = self._compiled_or_eager(s, "prefill", **kw)
-            kind = self._layers_mode(dev.type == "cuda", "prefill")
-        else:
-            out = self._call(None, **kw)
-            kind = self._layers_mode(dev.type == "cuda", "prefill") if "prefill" in self.compile_errors else "eager"
+        tried = (self._compiling(s, "prefill") and os.environ.get("MOECOMP_GENERATE_COMPILE_PREFILL", "1") != "0"
+                 and all(getattr(layer, "is_initialized", False) for layer in s.cache.layers))
+        out = self._compiled_or_eager(s, "prefill", **kw) if tried else self._call(None, **kw)
+        kind = (self._layers_mode(dev.type == "cuda", "prefill") if tried or "prefill" in self.compile_errors
+                else "eager")
         sampler.prepare(dev, out.logits.shape[-1])
         s.pad_mask.fill_(True)
         if am is not None:
