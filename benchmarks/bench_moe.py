@@ -243,7 +243,9 @@ def _setup(args, argv) -> Run:
         log(f"[bench] --breakdown: not in this run (families x T), ignored: {', '.join(ctx.bd_missing)}")
     if ctx.vllm_fused is not None:
         log(f"[bench] vllm peer: {ctx.vllm_info['source']}"
-            + (" (Triton interpreter, fp32: a smoke run, its times mean nothing)" if device.type != "cuda" else ""))
+            + (" (Triton interpreter, fp32: a smoke run, its times mean nothing)" if device.type != "cuda" else "")
+            + (" -- UNTUNED on this GPU: the copy ships no configs for it, vLLM's defaults run"
+               if ctx.vllm_info.get("tuned_here") is False else ""))
     ctx.ceilings = ceilings = measure_ceilings(device, ctx.timer)
     log(f"[bench] ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
         f"matmul {ceilings['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({ceilings['matmul_size']}^3 "

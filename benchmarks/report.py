@@ -214,12 +214,18 @@ def render_table(result: dict, heading: bool = True) -> str:
         vtxt = ""
         if measured_vllm:
             vtxt = (f" vLLM = vLLM's fused-MoE Triton kernel ({vp.get('source', '?')}), measured in this run, with the "
-                    "block's own HF router around it and the shared expert in torch.")
+                    "block's own HF router around it and the shared expert in torch."
+                    + (" **Untuned on this GPU**: the peer copy ships no vLLM configs for it (vLLM's default configs "
+                       "ran; vLLM itself ships tables for more GPUs)." if vp.get("tuned_here") is False else ""))
         lines.append(
             "Times in ms (`do_bench` medians; `g` = a CUDA-graph replay was the better of plain/graph). "
             "floor = max(bytes of the experts the batch actually touched + shared/router weights + activations "
             "over the copy rate, FLOPs over the matmul rate)." + extra
             + f" moecomp backend: {result.get('moecomp_backend', '?')}." + vtxt
+            + {"off": " moecomp's configs: this GPU's table ignored (MOECOMP_TABLE=off: the nearest entry of the other "
+                      "shipped tables).",
+               "loo": " moecomp's configs: no table entry of these shapes on any GPU (MOECOMP_TABLE=loo: the nearest "
+                      "other shape's entry)."}.get(result.get("config_table", "on"), "")
             + " best peer = the fastest of HF eager, HF grouped_mm, compile and vLLM whose output passed its check."
             " TB/s and TFLOP/s: the floor's bytes and FLOPs over moecomp's time. Ratios < 1 mean the first-named is "
             "faster."

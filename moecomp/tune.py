@@ -555,6 +555,7 @@ def main(argv=None) -> int:
                 except TuneError as e:
                     prog.note(f"{short} T={T}: decode path not used: {e}", always=True)
                     r["config"]["decode"] = dict(max_t=0)
+            r["config"]["top_k"] = spec.top_k  # what ops/tuning_nearest.py weighs rows per expert with
             meta = dict(stamp, ms=r["ms"], align_ms=r["align_ms"], g1_ms=r["g1_ms"], g2_ms=r["g2_ms"],
                         decode_ms=decode_ms,
                         block_m_ms=r["block_m_ms"], rejected=r["rejected"], failed=r["failed"], preset=label,

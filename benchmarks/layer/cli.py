@@ -53,6 +53,10 @@ def parse_args(argv=None, doc: str | None = None):
                          f"vLLM under the CPU interpreter {fp8.FP8_INTERPRET_TOLERANCE:g})")
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke runs); no PEERS.md column")
+    ap.add_argument("--table", choices=("on", "off", "loo"), default=None,
+                    help="moecomp's kernel-config table (sets MOECOMP_TABLE): on (default); off = this GPU's table "
+                         "ignored (the nearest entry of the other shipped tables, as a GPU without one gets); loo = "
+                         "also every table's entry of the benchmarked shapes (as for shapes no table holds)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=540.0,
                     help="start no new cell after this many seconds (default 540: the table still prints inside a "
@@ -61,7 +65,10 @@ def parse_args(argv=None, doc: str | None = None):
                     help="result path (default benchmarks/results/<gpu>-<date>-<commit>.json)")
     ap.add_argument("--no-save", action="store_true", help="write no JSON")
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failing paths")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.table is not None:
+        os.environ["MOECOMP_TABLE"] = args.table
+    return args
 
 
 def resolve_peers(names: str, is_fp8: bool) -> list[str]:
@@ -84,7 +91,7 @@ def result_header(ctx, env: dict, commit: str, now) -> dict:
     result = dict(
         schema=2, **env, date=now.strftime("%Y-%m-%d"), timestamp=now.isoformat(timespec="seconds"), commit=commit,
         argv=sys.argv[1:] if ctx.argv is None else list(ctx.argv), tiny=args.tiny, quick=args.quick,
-        dtype=args.dtype,
+        dtype=args.dtype, config_table=os.environ.get("MOECOMP_TABLE") or "on",
         moecomp_backend=(os.environ.get("MOECOMP_CUDA_BACKEND", "triton") if device.type == "cuda"
                          else os.environ.get("MOECOMP_CPU_BACKEND", "torch")),
         moecomp_version=getattr(sys.modules.get("moecomp"), "__version__", None), tolerance=args.tol,

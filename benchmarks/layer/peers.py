@@ -15,6 +15,19 @@ from . import common
 VLLM_INSTALLED_MODULE = "vllm.model_executor.layers.fused_moe.fused_moe"  # fused_experts(x, w1, w2, tw, ti)
 
 
+def vllm_tuned_here(configs_dir: str, device: torch.device) -> bool | None:
+    """Whether the peer copy ships tuned configs for this GPU (vLLM's file naming: ``device_name=<name>``, the H200
+    family read as NVIDIA_H200); None off CUDA. Without them vLLM's kernel runs its default configs: the peer is then
+    reported as untuned on this GPU (vLLM itself ships H100 tables that the copy lacks)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).replace(" ", "_")
+    if "H200" in name.split("_"):
+        name = "NVIDIA_H200"
+    files = os.listdir(configs_dir) if os.path.isdir(configs_dir) else []
+    return any(f"device_name={name}." in f or f"device_name={name}," in f for f in files)
+
+
 def load_vllm_peer(peer_dir: str | None, device: torch.device) -> tuple[object | None, dict]:
     """(fused(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] fp32, topk_ids [T, k]) -> [T, H], info).
 
@@ -48,6 +61,7 @@ def load_vllm_peer(peer_dir: str | None, device: torch.device) -> tuple[object |
             return None, dict(info, error=f"{path} has no fused_moe")
         first = (mod.__doc__ or "").strip().splitlines()
         info["doc"] = first[0] if first else None
+        info["tuned_here"] = vllm_tuned_here(os.path.join(os.path.dirname(path), "configs"), device)
         return fused, info
     if importlib.util.find_spec("vllm") is None:
         return None, dict(source=None, error="vLLM is not installed and no --vllm-peer DIR was given")

@@ -16,6 +16,16 @@ def _tma_rows(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0
 
 
+def tma_device(t: torch.Tensor) -> bool:
+    """t's device has a tensor memory accelerator (CUDA compute capability 9+; the interpreter's CPU emulates one)."""
+    return t.device.type != "cuda" or _capability(t.device.index or 0) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
 @functools.lru_cache(maxsize=None)
 def _TensorDescriptor():
     """Triton's host-side TMA descriptor class, or None where this Triton has none (looked up once)."""

@@ -22,7 +22,7 @@ from ..kernels import fp8 as fp8_k
 from ..kernels import grouped_gemm_tma_fp8 as k8
 from ..spec import MoESpec
 from .common import _interpret
-from .tma import _desc, _programs, _TensorDescriptor, _tma_rows, _w13_desc
+from .tma import _desc, _programs, _TensorDescriptor, _tma_rows, _w13_desc, tma_device
 from . import triton_fp8
 from .triton_fp8 import ACT_GROUP, H_DTYPE, QAct, fp8_a, quantize_act
 
@@ -32,7 +32,7 @@ def _ok(spec: MoESpec, w: torch.Tensor, q: dict | None, c: dict) -> bool:
     """What both FP8 TMA GEMMs need: descriptors in this Triton, dynamic w8a8 on prequantized activations, e4m3
     weights in the [E, out, in] layout, contiguous, with 16-byte rows, and a BLOCK_K that divides the activation
     group (and the weight blocks, for block scales)."""
-    if q is None or q.get("A_QUANT") != 3 or _TensorDescriptor() is None:
+    if q is None or q.get("A_QUANT") != 3 or _TensorDescriptor() is None or not tma_device(w):
         return False
     bk = c["BLOCK_K"]
     return (w.dtype == torch.float8_e4m3fn and spec.w_layout == "out_in" and w.is_contiguous() and _tma_rows(w)

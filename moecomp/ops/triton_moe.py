@@ -64,7 +64,8 @@ from . import latent, triton_norm
 from . import weight_on_input as woi
 from . import zero_experts as zx
 from .triton_shared import shared_mlp
-from .tma import _desc, _programs, _TensorDescriptor, _tma_rows, _w13_desc  # noqa: F401  (tests read them here)
+from .tma import (  # noqa: F401  (tests read them here)
+    _desc, _programs, _TensorDescriptor, _tma_rows, _w13_desc, tma_device)
 from .common import (  # noqa: F401  (used here and by tests / benchmarks)
     _flat_ids, _interpret, _precision, _sm_count, _upcast, _w_strides)
 from .triton_fp8 import (  # noqa: F401  (expert_quant: also the tuner's and tests')
@@ -382,7 +383,8 @@ def _tma_weights_ok(spec: MoESpec, a: torch.Tensor, w: torch.Tensor) -> bool:
     """What both TMA GEMMs need: this Triton has host tensor descriptors; a and w 16-bit, of one dtype (so fp8
     weights never take them: the quantized GEMMs are the pointer kernels'); w in the [E, out, in] layout, contiguous,
     with 16-byte rows and base."""
-    return (_TensorDescriptor() is not None and a.dtype in (torch.bfloat16, torch.float16) and w.dtype == a.dtype
+    return (_TensorDescriptor() is not None and tma_device(w) and a.dtype in (torch.bfloat16, torch.float16)
+            and w.dtype == a.dtype
             and spec.w_layout == "out_in" and w.is_contiguous() and _tma_rows(w))
 
 

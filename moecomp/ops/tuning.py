@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from . import tuning_nearest
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "kernels" / "configs"
 
 
@@ -84,13 +86,34 @@ def get_config(E: int, N: int, K: int, T: int, top_k: int, dtype: torch.dtype, d
         return quant4_config(E, N, K, T, top_k, device, quant)
     if quant is not None:
         return fp8_config(E, N, K, T, top_k, device)
-    tables = _table(device_key(device))
+    tables = _own_table(device)
     table = tables.get(shape_key(E, N, K, dtype))
     if not table and dtype == torch.float16:  # same element size and tensor-core rate: bf16's tiles, if tuned
         table = tables.get(shape_key(E, N, K, torch.bfloat16))
     if table:
         return _bucket(table, T)
+    if device.type == "cuda":
+        for dt in dict.fromkeys((dtype, torch.bfloat16 if dtype == torch.float16 else dtype)):
+            near = _nearest(E, N, K, T, top_k, str(dt).replace("torch.", ""), device)
+            if near is not None:
+                return near
     return _heuristic(E, N, K, T, top_k, device)
+
+
+def _own_table(device: torch.device) -> dict:
+    """This GPU's table ({} under MOECOMP_TABLE=off / loo: see ``tuning_nearest``)."""
+    return _table(device_key(device)) if tuning_nearest.table_mode() == "on" else {}
+
+
+def _nearest(E: int, N: int, K: int, T: int, top_k: int, table_dtype: str, device: torch.device) -> dict | None:
+    """The nearest tuned entry of any shipped table (``tuning_nearest``), or None; a copy (callers may add keys)."""
+    near = _nearest_cached(E, N, K, T, top_k, table_dtype, device, tuning_nearest.table_mode())
+    return None if near is None else dict(near)
+
+
+@functools.lru_cache(maxsize=4096)
+def _nearest_cached(E, N, K, T, top_k, table_dtype, device, mode):  # mode: a key part (MOECOMP_TABLE is read inside)
+    return tuning_nearest.nearest(str(CONFIG_DIR), device_key(device), E, N, K, T, top_k, table_dtype, device)
 
 
 def _bucket(table: dict, T: int) -> dict:
@@ -161,12 +184,17 @@ def fp8_candidates(cfg: dict | None = None) -> dict:
 def fp8_config(E: int, N: int, K: int, T: int, top_k: int, device: torch.device) -> dict:
     """The FP8 experts' config: the forced mode's table (MOECOMP_FP8_MODE), else the "fp8" table, else the
     heuristic."""
-    tables = _table(device_key(device))
+    tables = _own_table(device)
     forced = fp8_forced()
     for dt in ([f"fp8_{forced}"] if forced else []) + ["fp8"]:
         table = tables.get(shape_key(E, N, K, dt))
         if table:
             return _bucket(table, T)
+    if device.type == "cuda":
+        for dt in ([f"fp8_{forced}"] if forced else []) + ["fp8"]:
+            near = _nearest(E, N, K, T, top_k, dt, device)
+            if near is not None:
+                return near
     return _fp8_heuristic(E, N, K, T, top_k, device)
 
 
@@ -249,9 +277,12 @@ def quant4_config(E: int, N: int, K: int, T: int, top_k: int, device: torch.devi
     up to ``QUANT4_DECODE_MAX_T`` tokens (bf16's decode tiles, "pairs" mode on CUDA; on CUDA up to
     ``QUANT4_GEMV_MAX_T`` tokens the GEMV kernels: ``"mode": "gemv"``). BLOCK_K: a multiple of 32 dividing the int4
     group (the launcher's ``triton_quant4.tile`` enforces it for any config)."""
-    table = _table(device_key(device)).get(shape_key(E, N, K, quant4_key(quant)))
+    table = _own_table(device).get(shape_key(E, N, K, quant4_key(quant)))
     if table:
         return _bucket(table, T)
+    near = _nearest(E, N, K, T, top_k, quant4_key(quant), device) if device.type == "cuda" else None
+    if near is not None:
+        return near
     g = quant.block_k if quant.weight == "int4" else 128
 
     def bk(c: dict) -> dict:
