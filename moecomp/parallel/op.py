@@ -107,7 +107,7 @@ def forward(x: torch.Tensor, args: dict, spec: MoESpec, comm=None) -> torch.Tens
         return out.to(dt).reshape(shape)
     if spec.shared is not None:
         given = sliced_shared(args, spec)
-        if given is not None and not partial:  # replicated: the routed part is complete, the slices summed alone
+        if given is not None and p.mode == "replicated":  # the routed part complete: the slices summed alone
             routed += _summed(x2, args, given, r, comm, dt)
         elif given is not None:  # this rank's slice of the shared experts, as loaded
             routed += route.shared_part(x2, args, given, r)
