@@ -13,6 +13,11 @@ experts, the latent projections and the rest of the model stay whole on every ra
     mode "tp" (tensor parallel), W ranks, rank r:  every expert, intermediate columns [r * I / W, (r + 1) * I / W)
         w13 column-parallel (gate and up rows sliced alike), w2 row-parallel (the same I columns); b13 sliced like
         w13; b2 whole (added by rank 0 only); the partial outputs are all-reduced (dispatch "all_reduce" only)
+    mode "replicated", W ranks sharing one batch: every rank holds every routed expert whole and computes all of its
+        pairs (the routed part is complete on every rank, nothing of it is reduced); only shared experts given as
+        this rank's slice of their I (a loader's tensor-parallel plan that splits the shared experts and leaves the
+        routed ones whole: transformers 5.25's default TP plans) are summed over the group, their own all-reduce.
+        Dispatch "all_reduce" only
 
     capacity (all_to_all only): None  uneven exchange, the counts read on the host (not capturable in a CUDA graph)
                                 0     fixed buffers of T * k rows per destination: no pair is ever dropped, every rank
@@ -29,7 +34,8 @@ experts, the latent projections and the rest of the model stay whole on every ra
 The all-reduce points (one per call, mutually exclusive): after the routed part and the shared experts are summed
 (the shared experts' partial: their I split like the routed experts' where it divides, else whole on rank 0); with
 latent projections (``MoESpec.latent_size``), on the routed part before ``latent_out`` (then the projection and the
-shared experts run whole on every rank). ``group``: the process group's name ("" = the default group);
+shared experts run whole on every rank); "replicated": on the shared experts' slice alone (none where they are
+whole). ``group``: the process group's name ("" = the default group);
 ``moecomp.parallel.group_name`` gives it for a group object.
 """
 
@@ -42,7 +48,7 @@ from dataclasses import dataclass
 
 from .spec_checks import SpecError
 
-PARALLEL_MODES = ("ep", "tp")
+PARALLEL_MODES = ("ep", "tp", "replicated")
 DISPATCHES = ("all_reduce", "all_to_all")
 
 
@@ -55,7 +61,7 @@ class ParallelSpec:
     """This rank's shard of the routed experts (the module docstring). Invalid values: SpecError (a ValueError)
     naming the field."""
 
-    mode: str  # "ep" | "tp"
+    mode: str  # "ep" | "tp" | "replicated"
     world_size: int  # W: ranks in the group
     rank: int  # this rank, in [0, W)
     num_global_experts: int  # E, the block's experts (MoESpec.num_experts)
@@ -97,6 +103,9 @@ class ParallelSpec:
             if self.dispatch != "all_reduce":
                 raise SpecError(f"parallel.dispatch={self.dispatch!r} with mode 'tp': tensor parallelism shares one "
                                 f"batch and all-reduces (dispatch 'all_reduce')")
+        if self.mode == "replicated" and self.dispatch != "all_reduce":
+            raise SpecError(f"parallel.dispatch={self.dispatch!r} with mode 'replicated': every rank runs every routed "
+                            f"expert on the batch the group shares (dispatch 'all_reduce')")
         c = self.capacity
         if c is not None:
             if not _is_int(c) or c < 0:
@@ -115,28 +124,30 @@ class ParallelSpec:
     # --------------------------------------------------------------------------------------------- the shard
     @property
     def experts_per_rank(self) -> int:
-        """Experts this rank holds: E / W (EP), E (TP)."""
+        """Experts this rank holds: E / W (EP), E (TP, replicated)."""
         return self.num_global_experts // self.world_size if self.mode == "ep" else self.num_global_experts
 
     @property
     def local_experts(self) -> range:
-        """Global ids of the experts this rank holds (EP: E / W of them; TP: all)."""
+        """Global ids of the experts this rank holds (EP: E / W of them; TP, replicated: all)."""
         n = self.experts_per_rank
         start = self.rank * n if self.mode == "ep" else 0
         return range(start, start + n)
 
     def owner(self, expert: int) -> int:
-        """The rank holding ``expert`` (EP); TP: every rank holds every expert (-1)."""
+        """The rank holding ``expert`` (EP); TP, replicated: every rank holds every expert (-1)."""
         return expert // self.experts_per_rank if self.mode == "ep" else -1
 
     @property
     def intermediate_per_rank(self) -> int:
-        """Intermediate columns of each expert this rank holds: I / W (TP), I (EP; 0 when I was not given)."""
+        """Intermediate columns of each expert this rank holds: I / W (TP), I (EP, replicated; 0 when I was not
+        given)."""
         return self.intermediate_size // self.world_size if self.mode == "tp" else self.intermediate_size
 
     @property
     def local_intermediate(self) -> slice:
-        """The intermediate columns (of gate, of up, of w2's input) this rank holds: I / W of them (TP), all (EP)."""
+        """The intermediate columns (of gate, of up, of w2's input) this rank holds: I / W of them (TP), all (EP,
+        replicated)."""
         n = self.intermediate_per_rank
         start = self.rank * n if self.mode == "tp" else 0
         return slice(start, start + n)
@@ -151,6 +162,8 @@ class ParallelSpec:
         if self.mode == "ep":
             r = self.local_experts
             s += f" experts [{r.start}, {r.stop})"
+        elif self.mode == "replicated":
+            s += " every expert whole"
         else:
             sl = self.local_intermediate
             s += f" I [{sl.start}, {sl.stop})"

@@ -5,30 +5,41 @@ the expert shards transformers loaded (no gather, nothing copied).
     model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2, ep_size=2))
     moecomp.optimize(model)      # each MoE block -> the parallel op on this rank's experts
 
-What transformers (5.24, ``transformers.distributed``; read here through the tensors it leaves, never imported)
-leaves in a block:
+What transformers' distributed loading (``transformers.distributed``: 5.24, 5.25; none in 5.17) may leave in a block,
+read here from the tensors it leaves (DTensor placements, what is local), never from plan names or versions:
 
-    EP plan ("grouped_gemm" + "ep_dispatch_experts"): experts.gate_up_proj / down_proj (and biases) are DTensors,
-        Shard(0) over the 1-D "ep" mesh (local: experts [r E / W, (r + 1) E / W)); experts.num_experts is the local
-        count; experts.forward is its EP dispatch (an ``EPImplementation``: all-reduce over a batch the group shares,
-        or all-to-all), called by the block after its router
-    TP plan ("packed_colwise" / "rowwise" / "moe_tp_experts"): gate_up_proj _StridedShard(1, 2) (gate rows s | up
-        rows s), down_proj Shard(2) (columns s), the experts' forward all-reduces; shared experts (colwise gate / up:
-        rows s, rowwise down: columns s) DTensors of their slices
+    routed experts split by experts (an EP plan: "grouped_gemm" + "ep_dispatch_experts", both versions):
+        experts.gate_up_proj / down_proj (and biases) DTensors Shard(0) over a 1-D mesh (local: experts
+        [r E / W, (r + 1) E / W)); experts.num_experts the local count; experts.forward its EP dispatch (an
+        ``EPImplementation``: "all_reduce" over a batch the group shares, "all_to_all", "auto"), called by the block
+        after its router                                                                        -> mode "ep"
+    routed experts split by their intermediate columns (5.24's default TP plans; an explicit "packed_colwise" /
+        "rowwise" / "moe_tp_experts" plan, deprecated in 5.25): gate_up_proj _StridedShard(1, 2) (gate rows s | up
+        rows s), down_proj Shard(2) (columns s), the experts' forward all-reduces               -> mode "tp"
+    routed experts whole on every rank (5.25's default TP plans shard attention and the shared / dense MLPs, not the
+        routed experts): plain tensors (or DTensors replicated)                                 -> mode "replicated"
+        where the block holds DTensors (shared experts sliced); with none, the block is an ordinary one and
+        ``optimize`` takes its ordinary path (transformers' TP attention runs around it either way)
+    shared experts (TP plans: colwise gate / up, rowwise down): DTensors of this rank's slice of their I (rows s of
+        gate / up, columns s of down), or whole
     the router and the rest of the block: plain tensors
 
 ``process`` (called by ``optimize`` for such a block, in place of its recognise -> verify -> bind):
 
     refuse early    DTensors outside the experts / shared experts (FSDP, a sharded router), a mesh that is not 1-D,
-                    an epilogue module (no collective has run: every rank refuses alike)
+                    DTensors over different groups, w13 sharded and w2 whole (or the reverse), an epilogue module (no
+                    collective has run: every rank refuses alike)
     recognise       the attribute reader on the block itself, its routing measured on a probe run of the block's own
                     forward (transformers' collectives included; every rank runs the same probe): the spec of the
                     WHOLE block (a DTensor's shape is the global one); TP-sharded shared experts are read from a whole
                     stand-in meanwhile (gathered, then dropped: the reader calls them as one MLP)
-    layout          which rows / columns of each bound DTensor this rank holds, read through the DTensor's own
-                    placements on index tensors (no data moved), against moecomp's EP / TP shards (``slicing.py``):
-                    mode, W, rank, the mesh's process group; EP dispatch "all_reduce" where the group shares one
-                    batch (transformers' ``shares_batch``: ep_size == tp_size), else "all_to_all"
+    layout          which rows / columns of each bound expert tensor this rank holds, read through a DTensor's own
+                    placements on index tensors (no data moved; a plain tensor is held whole), against moecomp's
+                    EP / TP / replicated layouts (``slicing.py``; the mode from w13: whole -> replicated, a shard of
+                    dim 0 -> EP, else TP): mode, W, rank, the DTensors' process group; EP dispatch "all_reduce" where
+                    the group shares one batch (transformers' ``shares_batch``: ep_size == tp_size, whichever
+                    EPImplementation it installed: each pair still runs once, on its expert's rank), else
+                    "all_to_all"; TP and replicated "all_reduce" (replicated: of the shared experts' slices alone)
     verify          the block's own forward (transformers' sharded path) against ``parallel.forward`` on this rank's
                     local tensors, on the verify probe, within ``policy.verify_tolerance``; every rank of the group
                     agrees on the spec and the verdict (one all-reduce) before anything is bound
@@ -114,6 +125,11 @@ def shares_batch(experts: nn.Module) -> bool | None:
 
 
 # ------------------------------------------------------------------------------------------------ layout
+def _dtensors(block: nn.Module) -> list:
+    """(name, DTensor) of the block's DTensor parameters and buffers."""
+    return [(n, t) for n, t in (*block.named_parameters(), *block.named_buffers()) if is_dtensor(t)]
+
+
 def _early_refusal(block: nn.Module, parts: BlockParts) -> str:
     """Why the block cannot be bound, seen without running anything ("" when nothing is seen)."""
     if parts.kind != "fused" or not parts.w13:
@@ -121,22 +137,46 @@ def _early_refusal(block: nn.Module, parts: BlockParts) -> str:
     if parts.extra_modules:
         return f"sharded by transformers' distributed loading, beside {', '.join(parts.extra_modules)}"
     allowed = tuple(p + "." for p in (parts.experts, parts.shared.path if parts.shared else None) if p)
-    for n, p in block.named_parameters():
-        if is_dtensor(p):
-            if not n.startswith(allowed):
-                return (f"{n} is a DTensor (sharded by transformers' distributed loading, e.g. FSDP): only the routed "
-                        f"and shared experts may be sharded for moecomp's parallel op")
-            if p.device_mesh.ndim != 1 or len(p.placements) != 1:
-                return f"{n} is sharded over a {p.device_mesh.ndim}-D device mesh; expected one mesh dimension"
-    w13 = get_path(block, parts.w13)
-    if not is_dtensor(w13):
-        return f"{parts.w13} is not sharded (only other tensors of the block are DTensors)"
+    ranks = None
+    for n, p in _dtensors(block):
+        if not n.startswith(allowed):
+            return (f"{n} is a DTensor (sharded by transformers' distributed loading, e.g. FSDP): only the routed "
+                    f"and shared experts may be sharded for moecomp's parallel op")
+        if p.device_mesh.ndim != 1 or len(p.placements) != 1:
+            return f"{n} is sharded over a {p.device_mesh.ndim}-D device mesh; expected one mesh dimension"
+        r = dist.get_process_group_ranks(p.device_mesh.get_group())
+        if ranks is not None and r != ranks:
+            return f"{n} is sharded over ranks {r}, other DTensors of the block over {ranks} (one group must hold all)"
+        ranks = r
+    w13, w2 = get_path(block, parts.w13), get_path(block, parts.w2) if parts.w2 else None
+    if w2 is not None and _whole(w13) != _whole(w2):
+        return (f"{parts.w13} is {_held_text(w13)} but {parts.w2} is {_held_text(w2)}: moecomp's layouts split the "
+                f"routed experts' tensors alike (EP: experts; TP: intermediate columns) or hold them whole")
     return ""
 
 
+def _held_text(t) -> str:
+    """What this rank holds of ``t``, in words: "whole (a plain tensor)", or its placements and, for a shard, the
+    indices of the sharded dim."""
+    if not is_dtensor(t):
+        return "whole (a plain tensor)"
+    if _whole(t):
+        return f"whole (a DTensor, placements {tuple(t.placements)})"
+    dim = getattr(t.placements[0], "dim", 0)
+    return f"a DTensor, placements {tuple(t.placements)}: indices {_span(_held(t, dim))} of dim {dim} on this rank"
+
+
+def _group(block: nn.Module):
+    """The process group of the block's DTensors (``_early_refusal`` checked they share one)."""
+    return _dtensors(block)[0][1].device_mesh.get_group()
+
+
 def _held(t, dim: int) -> torch.Tensor:
-    """The global indices along ``dim`` of the part of DTensor ``t`` this rank holds, in its local order: an index
-    tensor (size 1 on the other dims) split by ``t``'s own placements (no communication: ``src_data_rank=None``)."""
+    """The global indices along ``dim`` of the part of ``t`` this rank holds, in its local order: for a DTensor, an
+    index tensor (size 1 on the other dims) split by ``t``'s own placements (no communication: ``src_data_rank=None``);
+    a plain tensor is held whole."""
+    if not is_dtensor(t):
+        return torch.arange(t.shape[dim])
     from torch.distributed.tensor import distribute_tensor
 
     shape = [1] * t.dim()
@@ -145,11 +185,16 @@ def _held(t, dim: int) -> torch.Tensor:
     return distribute_tensor(idx, t.device_mesh, list(t.placements), src_data_rank=None).to_local().reshape(-1).cpu()
 
 
+def _whole(t) -> bool:
+    """Does this rank hold all of ``t`` (a plain tensor, or a DTensor replicated on every rank)?"""
+    return not is_dtensor(t) or all(pl.is_replicate() for pl in t.placements)
+
+
 def _cut_dim(name: str, spec: MoESpec) -> int:
     """The dim moecomp's shard of op argument ``name`` cuts (``slicing.py``)."""
     if name in _SHARED:
         return 1 if name == "shared_w2" else 0
-    if spec.parallel.mode == "ep" or name == "b2":
+    if spec.parallel.mode in ("ep", "replicated") or name == "b2":
         return 0
     in_out = spec.w_layout == "in_out"
     dims = {"w13": 2 if in_out else 1, "b13": 1, "w2": 1 if in_out else 2}
@@ -159,10 +204,13 @@ def _cut_dim(name: str, spec: MoESpec) -> int:
     return dims[name]
 
 
-def _wanted(name: str, t, spec: MoESpec, dim: int) -> torch.Tensor:
-    """The global indices along ``dim`` moecomp's shard of ``name`` holds on this rank."""
+def _wanted(name: str, t, spec: MoESpec, dim: int, shared_sliced: bool) -> torch.Tensor:
+    """The global indices along ``dim`` moecomp's shard of ``name`` holds on this rank (shared experts: this rank's
+    slice of their I where ``shared_sliced``, else all of it)."""
     p = spec.parallel
     if name in _SHARED:
+        if not shared_sliced:
+            return torch.arange(t.shape[dim])
         n = spec.shared.intermediate_size // p.world_size
         return torch.arange(p.rank * n, (p.rank + 1) * n)
     shape = [1] * t.dim()
@@ -187,35 +235,46 @@ def _tensor_at(block: nn.Module, path):
     return get_path(block, path) if isinstance(path, str) and arg_name(path) is None else None
 
 
-def read_layout(block: nn.Module, spec: MoESpec, bindings: dict, dispatch_hint: bool | None) -> tuple:
-    """(ParallelSpec, {op argument: bound DTensor path}) of a block whose bound DTensors are one moecomp shard; a
-    ``SpecError`` naming the tensor that is not (what this rank holds and what moecomp's shard would)."""
-    dts = {}
+def _mode(w13, spec: MoESpec) -> str:
+    """What this rank holds of the routed experts, read from w13: all of it ("replicated": a plain tensor, or a
+    DTensor replicated), whole experts (a shard of dim 0: "ep"), else a slice of every expert ("tp"; the index
+    comparison in ``read_layout`` says whether it is moecomp's)."""
+    if _whole(w13):
+        return "replicated"
+    return "ep" if getattr(w13.placements[0], "dim", None) == 0 else "tp"
+
+
+def read_layout(block: nn.Module, spec: MoESpec, bindings: dict, dispatch_hint: bool | None, group) -> tuple:
+    """(ParallelSpec, {op argument: bound DTensor path}) of a block whose bound tensors are one of moecomp's
+    layouts: routed experts split by experts (EP), by their intermediate columns (TP) or whole on every rank
+    (replicated), shared experts whole or this rank's slice of their I; a ``SpecError`` naming the tensor that is
+    not (what this rank holds and what moecomp's shard would)."""
+    bound = {}
     for a in OP_ARGS:
         path = bindings.get(a)
         t = _tensor_at(block, path)
-        if is_dtensor(t):
-            if a not in SHARD_ARGS and a not in _SHARED:
-                raise SpecError(f"{path} ({a}) is a DTensor; moecomp's parallel op takes it whole on every rank")
-            dts[a] = (path, t)
-    w13 = dts["w13"][1]
-    mesh = w13.device_mesh
-    W, rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
-    for a, (path, t) in dts.items():
-        if dist.get_process_group_ranks(t.device_mesh.get_group()) != dist.get_process_group_ranks(group):
-            raise SpecError(f"{path} is sharded over other ranks than {bindings['w13']} (one group must hold both)")
-    mode = "ep" if getattr(w13.placements[0], "dim", None) == 0 else "tp"
-    dispatch = "all_reduce" if mode == "tp" or dispatch_hint else "all_to_all"
+        if t is None:
+            continue
+        if is_dtensor(t) and a not in SHARD_ARGS and a not in _SHARED:
+            raise SpecError(f"{path} ({a}) is a DTensor; moecomp's parallel op takes it whole on every rank")
+        if a in SHARD_ARGS or a in _SHARED:
+            bound[a] = (path, t)
+    mode = _mode(bound["w13"][1], spec)
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    dispatch = "all_to_all" if mode == "ep" and not dispatch_hint else "all_reduce"
     p = ParallelSpec(mode, W, rank, spec.num_experts, intermediate_size=spec.intermediate_size if mode == "tp" else 0,
                      dispatch=dispatch, group=group_name(group))
     ps = spec.replace(parallel=p)
-    for a, (path, t) in dts.items():
+    shared_sliced = any(not _whole(t) for a, (_, t) in bound.items() if a in _SHARED)
+    for a, (path, t) in bound.items():
         dim = _cut_dim(a, ps)
-        held, want = _held(t, dim), _wanted(a, t, ps, dim)
+        held, want = _held(t, dim), _wanted(a, t, ps, dim, shared_sliced)
         if not torch.equal(held, want):
-            raise SpecError(f"{path} ({a}): rank {rank} of {W} holds indices {_span(held)} of dim {dim}, moecomp's "
-                            f"{p.describe()} shard is {_span(want)}")
-    return p, {a: path for a, (path, _) in dts.items()}
+            of = "this rank's slice of the shared experts' I" if a in _SHARED else f"moecomp's {p.describe()} shard"
+            raise SpecError(f"{path} ({a}): rank {rank} of {W} holds indices {_span(held)} of dim {dim} "
+                            f"({'a plain tensor' if not is_dtensor(t) else 'placements ' + str(tuple(t.placements))})"
+                            f", {of} is {_span(want)}")
+    return p, {a: path for a, (path, t) in bound.items() if is_dtensor(t)}
 
 
 # ------------------------------------------------------------------------------------------------ process
@@ -289,7 +348,7 @@ def process(name: str, block: nn.Module, parts: BlockParts, rep: BlockReport, bi
     if why:
         rep.refuse(RejectCode.UNSUPPORTED_STRUCTURE, why)
         return
-    group = get_path(block, parts.w13).device_mesh.get_group()
+    group = _group(block)
     x = policy.probe_input(parts.hidden_size, *block_device_dtype(block, parts))
     try:
         with _whole_shared(block, parts):
@@ -300,7 +359,7 @@ def process(name: str, block: nn.Module, parts: BlockParts, rep: BlockReport, bi
         m = got
         if m.derived or m.spec.has_capacity:
             raise SpecError("derived tensors or an expert capacity in a block sharded by transformers")
-        p, dpaths = read_layout(block, m.spec, m.bindings, shares_batch(get_path(block, parts.experts)))
+        p, dpaths = read_layout(block, m.spec, m.bindings, shares_batch(get_path(block, parts.experts)), group)
         spec = m.spec.replace(parallel=p)
         key = f"{m.spec.key} {p.mode} {p.world_size} {p.dispatch} {p.group}"  # (the same on every rank)
     except Exception as e:  # noqa: BLE001  (reported; the ranks must still meet in the all-reduce below)

@@ -2,8 +2,9 @@
 checks of the shard tensors a rank is given.
 
     kernel_spec(spec, k, sentinel)   the spec ``moe_experts`` runs with: the block's expert fields (activation,
-                                     layout, biases, quantization, weight_on_input, ...), E / W experts (EP) or I / W
-                                     intermediate columns (TP), no routing, shared experts or parallel part.
+                                     layout, biases, quantization, weight_on_input, ...), E / W experts (EP), I / W
+                                     intermediate columns (TP) or every expert whole (replicated), no routing,
+                                     shared experts or parallel part.
                                      ``sentinel``: ids >= the local expert count are skipped (the op's zero-expert
                                      flags: such a pair adds weight * x, and its weight is 0), so buffers of fixed
                                      size can hold pairs of other ranks (or none) without a host-side compaction
@@ -60,6 +61,7 @@ def check_shards(args: dict, spec: MoESpec) -> None:
     want = shard_shapes(spec)
     whole = {**spec.expert_weight_shapes(), **spec.quant_shapes()}  # (in the experts' width: L with latent)
     held = (f"experts [{p.local_experts.start}, {p.local_experts.stop})" if p.mode == "ep" else
+            "every expert whole" if p.mode == "replicated" else
             f"intermediate columns [{p.local_intermediate.start}, {p.local_intermediate.stop}) of every expert")
     for name, shape in want.items():
         t = args.get(name)

@@ -13,6 +13,9 @@
         shared experts given as this rank's slice (shared_w2 [H, Is / W], shared_w1 / w3 [Is / W, H]: a loader that
         shards them, transformers' TP plan of colwise gate / up and rowwise down): that slice is this rank's
         shared_partial (no latent, and a routed part that is partial: TP or EP all_reduce)
+        replicated   (every rank holds every routed expert whole: ``tp.py`` on the whole I) routed complete on every
+                     rank; out = routed (+ latent_out) + shared(x), where shared experts given as this rank's slice
+                     are summed over the group on their own: shared = all_reduce(shared_slice(x).to(x.dtype))
     experts(x, ids, weights, args, spec)   the routed experts only, routing given (global ids): [T, width], reduced
 
 The collectives run outside ``moe_forward`` / ``moe_experts``, which stay pure; for callers that trace (torch.compile
@@ -38,8 +41,9 @@ from .local import SHARD_ARGS, check_shards
 
 
 def _routed(xe, r: route.Routing, args: dict, spec: MoESpec, comm) -> tuple[torch.Tensor, bool]:
-    if spec.parallel.mode == "tp":
-        return tp.routed(xe, r, args, spec), True
+    """(the routed part, fp32 [T, width], whether it is partial: one all-reduce to come)."""
+    if spec.parallel.mode in ("tp", "replicated"):
+        return tp.routed(xe, r, args, spec), spec.parallel.mode == "tp"
     return ep.routed(xe, r, args, spec, comm)
 
 
@@ -53,7 +57,8 @@ def _parallel(spec: MoESpec):
 def sliced_shared(args: dict, spec: MoESpec) -> MoESpec | None:
     """The spec of this rank's slice of the shared experts (their I / W) when ``args`` hold that slice rather than
     the whole shared experts (shared_w2 with Is / W columns; module docstring), else None. SpecError where the path
-    has no all-reduce to sum such slices in (EP all_to_all, latent projections)."""
+    has no all-reduce to sum such slices in (EP all_to_all, latent projections; mode "replicated" reduces them on
+    their own, so it takes them everywhere)."""
     sh, p = spec.shared, spec.parallel
     w2 = args.get("shared_w2")
     if sh is None or w2 is None or p.world_size == 1 or sh.quant is not None or w2.shape[-1] == sh.intermediate_size:
@@ -61,7 +66,7 @@ def sliced_shared(args: dict, spec: MoESpec) -> MoESpec | None:
     n = sh.intermediate_size // p.world_size
     if w2.shape[-1] != n or sh.intermediate_size % p.world_size or (sh.gated and sh.layout == "concat"):
         return None  # (check_args names the shape the whole shared experts need)
-    if spec.latent_size or (p.mode == "ep" and p.dispatch != "all_reduce"):
+    if p.mode != "replicated" and (spec.latent_size or (p.mode == "ep" and p.dispatch != "all_reduce")):
         raise SpecError(f"shared_w2 has shape {tuple(w2.shape)}: this rank's slice of the shared experts (I {n} of "
                         f"{sh.intermediate_size}) is summed in the routed part's all-reduce, which "
                         f"{'latent projections' if spec.latent_size else 'dispatch all_to_all'} does not have; "
@@ -97,11 +102,14 @@ def forward(x: torch.Tensor, args: dict, spec: MoESpec, comm=None) -> torch.Tens
             comm.all_reduce_(rl)  # the all-reduce point before the latent output transform
         out = latent.project_out(rl, args).float()
         if spec.shared is not None:
-            out += route.shared_part(x2, args, spec, r)
+            given = sliced_shared(args, spec)  # (replicated only: the others refuse a slice here)
+            out += route.shared_part(x2, args, spec, r) if given is None else _summed(x2, args, given, r, comm, dt)
         return out.to(dt).reshape(shape)
     if spec.shared is not None:
         given = sliced_shared(args, spec)
-        if given is not None:  # this rank's slice of the shared experts, as loaded
+        if given is not None and p.mode == "replicated":  # the routed part complete: the slices summed alone
+            routed += _summed(x2, args, given, r, comm, dt)
+        elif given is not None:  # this rank's slice of the shared experts, as loaded
             routed += route.shared_part(x2, args, given, r)
         elif not partial:
             routed += route.shared_part(x2, args, spec, r)
@@ -115,6 +123,14 @@ def forward(x: torch.Tensor, args: dict, spec: MoESpec, comm=None) -> torch.Tens
     if partial:
         comm.all_reduce_(out)  # routed and shared summed first, reduced once
     return out.reshape(shape)
+
+
+def _summed(x2: torch.Tensor, args: dict, given: MoESpec, r: route.Routing, comm, dt) -> torch.Tensor:
+    """The shared experts' output summed over the group from this rank's slice (``given``: its spec), fp32 [T, H];
+    reduced in x's dtype, as a row-parallel down projection is."""
+    s = route.shared_part(x2, args, given, r).to(dt)
+    comm.all_reduce_(s)
+    return s.float()
 
 
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, args: dict, spec: MoESpec,

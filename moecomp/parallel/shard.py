@@ -48,8 +48,8 @@ def shard_experts(model: nn.Module, group=None, mode: str = "ep", *, dispatch: s
     rank, or shards that cannot be cut (E or I not divisible by the world size, scale blocks)."""
     from ..optimize import optimize
 
-    if mode not in PARALLEL_MODES:
-        raise ValueError(f"mode={mode!r}: expected one of {PARALLEL_MODES}")
+    if mode not in PARALLEL_MODES or mode == "replicated":  # (replicated: nothing to shard, nothing freed)
+        raise ValueError(f"mode={mode!r}: expected one of {tuple(m for m in PARALLEL_MODES if m != 'replicated')}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard_experts expects a torch.nn.Module, got {type(model).__name__}")
     name = group_name(group)  # (ValueError for a group without this rank)

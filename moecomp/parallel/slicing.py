@@ -2,6 +2,7 @@
 loader that reads only its shard must produce (the parallel path checks these shapes: ``local.check_shards``).
 
     EP, experts [a, b):   every tensor with a leading E: t[a:b]      (w13, b13, w2, b2, scales, zeros, a13 / a2)
+    replicated:           every tensor whole (a copy)
     TP, columns s = [lo, hi) of I (in the experts' own layout):
         w13  out_in [E, N, H] rows / in_out [E, H, N] columns: concat gate | up -> gate[s] | up[s]; interleaved
              -> rows 2lo .. 2hi; not gated -> s; b13 [E, N] the same
@@ -34,6 +35,8 @@ def shard_tensors(args: dict, spec: MoESpec) -> dict:
             continue
         if p.mode == "ep":
             out[name] = t[p.local_experts.start:p.local_experts.stop].contiguous().clone()
+        elif p.mode == "replicated":
+            out[name] = t.contiguous().clone()
         else:
             out[name] = _tp(name, t, spec).contiguous().clone()
     return out

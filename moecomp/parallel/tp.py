@@ -8,6 +8,9 @@
     partial [T, width] = moe_experts(xe, ids, weights) on the slices; b2 (whole, [E, H]) and the zero experts'
     weight * x are added by rank 0 only; an expert capacity's dropped pairs get an id past the experts (skipped).
     The caller sums the partials over the ranks (one all-reduce).
+
+Mode "replicated" (every rank holds every expert whole) runs the same call on the whole I, each rank as rank 0: its
+output is the complete routed part, the same on every rank, and nothing is reduced.
 """
 
 from __future__ import annotations
@@ -20,15 +23,16 @@ from .route import Routing
 
 
 def routed(xe: torch.Tensor, r: Routing, args: dict, spec: MoESpec) -> torch.Tensor:
-    """This rank's partial routed output, fp32 [T, width]."""
+    """This rank's partial routed output, fp32 [T, width] (mode "replicated": the complete one)."""
     p, E = spec.parallel, spec.num_experts
+    lead = p.rank == 0 or p.mode == "replicated"  # (adds b2 and the zero experts' terms)
     ids, w = r.ids.long(), r.weights
     if spec.has_capacity:  # dropped pairs (-1 on the torch path, E on the Triton path): an id past the experts
         real = (ids >= 0) & (ids < E)
         ids, w = torch.where(real, ids, E), torch.where(real, w, 0.0)
-    if spec.zero_experts and p.rank != 0:
+    if spec.zero_experts and not lead:
         w = torch.where(ids >= E, 0.0, w)
-    if spec.has_expert_bias and p.rank != 0:
+    if spec.has_expert_bias and not lead:
         args = {**args, "b2": torch.zeros_like(args["b2"])}
     ks = local.kernel_spec(spec, ids.shape[1], spec.has_capacity)
     return local.run(xe, ids, w, args, ks).float()

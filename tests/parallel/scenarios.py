@@ -52,6 +52,7 @@ MODES = {  # name -> ParallelSpec keywords (besides mode / world size / rank / E
     "ep_a2a": dict(mode="ep", dispatch="all_to_all"),
     "ep_a2a_fixed": dict(mode="ep", dispatch="all_to_all", capacity=0),
     "tp": dict(mode="tp"),
+    "replicated": dict(mode="replicated"),  # (every expert whole on every rank: no collective with whole shared)
 }
 
 
@@ -175,14 +176,14 @@ def check_capacity_drops(rank: int, W: int, comm=None) -> list:
 
 
 def check_experts_entry(rank: int, W: int, comm=None) -> list:
-    """``parallel.experts``: routing given (global ids), EP and TP, equal to the whole experts."""
+    """``parallel.experts``: routing given (global ids), EP, TP and replicated, equal to the whole experts."""
     rows = []
     name = "deepseek_v3"
     spec0 = SPECS[name]
     x, t = block(name, 6)
     weights, ids = reference.route((x @ t["router_w"].T).float(), t["correction_bias"], spec0)
     ref = reference.experts(x, ids, weights, t["w13"], None, t["w2"], None, spec0)
-    for mode in ("ep", "ep_a2a", "tp"):
+    for mode in ("ep", "ep_a2a", "tp", "replicated"):
         spec = parallel_spec(name, mode, W, rank)
         out = par.experts(x, ids, weights, par.shard_tensors(t, spec), spec, comm)
         rows.append((f"{name}/{mode} experts entry", rank, rel_err(out, ref), TOL))
@@ -341,8 +342,9 @@ def check_plain_model(rank: int, W: int, comm=None) -> list:
     with torch.no_grad(), pytest.raises(ValueError, match=f"num_global_experts={2 * W + 1} is not divisible by "
                                                           f"world_size={W}"):
         moecomp.shard_experts(odd, None, "ep")
-    with pytest.raises(ValueError, match="mode='dp': expected one of"):
-        moecomp.shard_experts(odd, None, "dp")
+    for bad in ("dp", "replicated"):  # (replicated: nothing to shard)
+        with pytest.raises(ValueError, match=f"mode='{bad}': expected one of \\('ep', 'tp'\\)"):
+            moecomp.shard_experts(odd, None, bad)
     return rows
 
 

@@ -1,22 +1,32 @@
 """transformers' own distributed loading, then ``moecomp.optimize`` (``moecomp/parallel/hf_distributed.py``,
 ``hf_ep.py``): tiny models saved to a temp dir, loaded by ``from_pretrained(path, distributed_config=...)`` in 2 gloo
-processes on 127.0.0.1 (``gloo_run.py``), as torchrun would run them.
+processes on 127.0.0.1 (``gloo_run.py``), as torchrun would run them. Every plan style transformers 5.24 / 5.25 has:
 
-Jobs (every rank):
-* Qwen3-MoE, ``DistributedConfig(tp_size=2, ep_size=2)``: experts EP-sharded (DTensors Shard(0)), attention TP;
-* DeepSeek-V3 (groups, correction bias, a shared expert), ``DistributedConfig(tp_size=2)``: experts and the shared
-  expert TP-sharded (gate | up strided, down by columns);
-* Qwen3-MoE with ``ep_implementation="moecomp"``: transformers' EP dispatch runs moecomp's parallel experts path.
-Each: ``optimize`` binds every MoE block to the parallel op on the loaded local tensors (the same storage; no
-DTensor left in the bound paths); each block's output on fresh random inputs equals the single-process HF block's,
-the logits the single-process model's (fp32: relative Frobenius error < ``TOL`` = 2e-5, summation order only); every
-uninitialised output buffer is NaN-poisoned (``torch.use_deterministic_algorithms`` with
+* EP plan (``DistributedConfig(tp_size=2, ep_size=2)``, attention TP): experts DTensors Shard(0), with
+  ``ep_implementation`` "all_reduce" (DeepSeek-V3: its shared expert TP-sliced), "all_to_all" (Qwen3-MoE) and
+  "moecomp" (Qwen3-MoE: transformers' EP dispatch on moecomp's parallel experts path): mode "ep", dispatch
+  "all_reduce" (the two ranks share one batch);
+* the default TP plan (``DistributedConfig(tp_size=2)``), whatever the installed version's plan shards, expected from
+  that plan: DeepSeek-V3 (groups, correction bias, a shared expert): 5.24 splits the routed experts (mode "tp"), 5.25
+  leaves them whole and splits the shared expert and attention (mode "replicated"); Qwen3-MoE: 5.24 "tp", 5.25 nothing
+  in the block (the ordinary path, no parallel part) with attention TP around it;
+* the routed experts split by an explicit TP plan (``packed_colwise`` / ``rowwise`` / ``moe_tp_experts``: 5.24's
+  default, deprecated in 5.25), DeepSeek-V3: mode "tp" with the shared expert's slice;
+* a TP plan that shards gate_up_proj otherwise (plain "colwise"): refused on every rank, naming both layouts.
+
+Each bound job: ``scan`` / ``optimize`` report exactly the 2 MoE blocks supported / rewritten (then "already"); every
+parameter of the blocks is the loaded local tensor (the same storage, no DTensor left, nothing copied); the DTensors
+outside the blocks (TP attention) are untouched; each block's output on fresh random inputs equals the single-process
+HF block's, the logits the single-process model's (fp32: relative Frobenius error < ``TOL`` = 2e-5, summation order
+only); every uninitialised output buffer is NaN-poisoned (``torch.use_deterministic_algorithms`` with
 ``fill_uninitialized_memory``: an element the path forgot to write shows); greedy ``generate()`` tokens (transformers'
-loop, and moecomp's engine on CPU) equal the single-process tokens, on every rank.
+loop, and moecomp's engine on CPU) equal the single-process tokens, on every rank (``GENERATE`` jobs; the others check
+the logits only, for time).
 
-transformers 5.24 asks for ``accelerate`` whenever a device map is set, and its distributed loader sets one (the CPU)
-even on CPU; the load itself uses nothing of accelerate. Without accelerate installed, the workers lift that check
-(``_accelerate_check_lifted``) for the loads only.
+transformers 5.24 / 5.25 ask for ``accelerate`` whenever a device map is set, and the distributed loader sets one (the
+CPU) even on CPU; the load itself uses nothing of accelerate. Without accelerate installed, the workers lift that check
+(``_accelerate_check_lifted``) for the loads only. transformers without ``transformers.distributed`` (5.17): the gloo
+tests skip, naming why.
 """
 
 from __future__ import annotations
@@ -39,7 +49,11 @@ from moecomp.parallel import hf_ep  # noqa: E402
 
 TOL = 2e-5
 WHY_NOT = hf_ep.available()
-JOBS = ("tfd_qwen3_ep", "tfd_deepseek_tp", "tfd_moecomp_ep", "tfd_other_layout")
+JOBS = ("tfd_deepseek_ep_all_reduce", "tfd_qwen3_ep_all_to_all", "tfd_moecomp_ep", "tfd_deepseek_tp_default",
+        "tfd_qwen3_tp_default", "tfd_deepseek_tp_experts", "tfd_other_layout")
+EXPERTS_TP = {  # the routed experts split by their intermediate columns (5.24's default rules; deprecated in 5.25)
+    "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise", "model.layers.*.mlp.experts.down_proj": "rowwise",
+    "model.layers.*.mlp.experts": "moe_tp_experts"}
 
 
 # ------------------------------------------------------------------------------------------------ in the workers
@@ -94,38 +108,75 @@ def _blocks(model) -> list:
     return [m for n, m in model.named_modules() if n.endswith(".mlp")]
 
 
-def _check(rank: int, W: int, family: str, mode: str, config: dict, before=None, use_capture: bool = False) -> list:
-    """Load ``family`` with ``config``, optimize, compare with the single-process model (module docstring).
-    ``use_capture``: optimize's default (the FX pass installed; a sharded block is read by the attribute reader
-    all the same), else without it (faster)."""
+def _is_dtensor(t) -> bool:
+    return hasattr(t, "placements") and hasattr(t, "to_local")
+
+
+def _local_storage(model) -> tuple[list, dict]:
+    """([{parameter name: (data_ptr of what this rank holds, its shape)} per block], {DTensor parameter outside the
+    blocks: its placements})."""
+    blocks = [{n: ((p.to_local() if _is_dtensor(p) else p).data_ptr(), tuple((p.to_local() if _is_dtensor(p) else
+                                                                            p).shape))
+               for n, p in b.named_parameters()} for b in _blocks(model)]
+    inside = {id(p) for b in _blocks(model) for p in b.parameters()}
+    outside = {n: tuple(p.placements) for n, p in model.named_parameters() if _is_dtensor(p) and id(p) not in inside}
+    return blocks, outside
+
+
+def _expected_tp(ref) -> str | None:
+    """The mode a default TP plan gives, read from that plan (not from the loaded tensors, which the loader reads):
+    "tp" where it splits the routed experts, "replicated" where it splits the shared experts only, None (the ordinary
+    path) where it splits nothing in the block."""
+    plan = ref.tp_plan
+    if any(k.endswith("mlp.experts.gate_up_proj") for k in plan):
+        return "tp"
+    return "replicated" if any(".mlp.shared_expert" in k for k in plan) else None
+
+
+def _bind(model, rank: int, W: int, name: str, expect, use_capture: bool) -> None:
+    """scan, optimize, scan again: exactly the 2 blocks; each bound with the expected parallel part (None: the
+    ordinary op) on the loaded tensors (the same storage, plain Parameters); the DTensors outside the blocks as
+    loaded."""
     import moecomp
+
+    before, outside = _local_storage(model)
+    scanned = moecomp.scan(model, use_capture=use_capture)  # (verifies, binds nothing)
+    assert [b.status for b in scanned.blocks] == ["supported"] * 2, scanned
+    model, rep = moecomp.optimize(model, use_capture=use_capture, report=True)
+    assert [b.status for b in rep.blocks] == ["rewritten"] * 2, rep
+    again = moecomp.scan(model, use_capture=False)
+    assert [b.status for b in again.blocks] == ["already"] * 2, again
+    after, outside_after = _local_storage(model)
+    assert after == before and outside_after == outside, name  # nothing copied, nothing outside the blocks changed
+    mode, dispatch = expect if isinstance(expect, tuple) else (expect, "all_reduce")
+    for b in _blocks(model):
+        p = b._moecomp.op_spec.parallel
+        assert (p if mode is None else (p.mode, p.world_size, p.rank, p.dispatch)) == (
+            None if mode is None else (mode, W, rank, dispatch)), (name, p)
+        assert all(type(t) is torch.nn.Parameter for t in b.parameters()), name
+
+
+def _check(rank: int, W: int, family: str, config: dict, expect=None, before=None, use_capture: bool = False,
+           generate: bool = True) -> list:
+    """Load ``family`` with ``config``, optimize, compare with the single-process model (module docstring).
+    ``expect``: the parallel mode the blocks get (None: the ordinary op; a callable: of the single-process model);
+    ``use_capture``: optimize's default (the FX pass installed; a sharded block is read by the attribute reader all
+    the same), else without it (faster)."""
     from moecomp.testing import rel_err
     from generate.models import prompts
 
-    name = f"{family}/{mode}"
     ref, path = _saved(rank, family)
+    expect = expect(ref) if callable(expect) else expect
+    name = f"{family}/{expect}"
     rows = []
     try:
         model = _load(path, **config)
         ids, mask = prompts(96, 2, 5, seed=1, left_pad=(0, 2))
         with torch.no_grad():
             want = ref(ids, attention_mask=mask).logits
-            want_tokens = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
         if before is not None:
             rows += before(model, ref, ids, mask, want, rank)
-        experts = [b.experts for b in _blocks(model)]
-        locals_ = [(e.gate_up_proj.to_local().data_ptr(), e.down_proj.to_local().data_ptr()) for e in experts]
-        scanned = moecomp.scan(model, use_capture=use_capture)  # (verifies, binds nothing)
-        assert [b.status for b in scanned.blocks] == ["supported"] * 2, scanned
-        model, rep = moecomp.optimize(model, use_capture=use_capture, report=True)
-        assert [b.status for b in rep.blocks] == ["rewritten"] * 2, rep
-        again = moecomp.scan(model, use_capture=False)
-        assert [b.status for b in again.blocks] == ["already"] * 2, again
-        for b, e, ptrs in zip(_blocks(model), experts, locals_):
-            p = b._moecomp.op_spec.parallel
-            assert (p.mode, p.world_size, p.rank) == (mode, W, rank), p
-            for t, ptr in zip((e.gate_up_proj, e.down_proj), ptrs):  # the loaded local tensors, not copies
-                assert type(t) is torch.nn.Parameter and t.data_ptr() == ptr, (type(t), name)
+        _bind(model, rank, W, name, expect, use_capture)
         g = torch.Generator().manual_seed(2)  # the same inputs on every rank (the group shares one batch)
         with torch.no_grad():
             for i, (b, rb) in enumerate(zip(_blocks(model), _blocks(ref))):
@@ -135,21 +186,30 @@ def _check(rank: int, W: int, family: str, mode: str, config: dict, before=None,
                 assert b._moecomp.calls == calls + 1  # the bound op ran (not transformers' sharded forward)
                 rows.append((f"{name} block {i}", rank, rel_err(got, rb(x)), TOL))
             rows.append((f"{name} logits", rank, rel_err(model(ids, attention_mask=mask).logits, want), TOL))
-        gen = model.generate
-        for engine in (False, True):
-            gen.cpu = engine  # True: moecomp's engine on CPU (static cache, eager steps)
-            with torch.no_grad():
-                tokens = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-            assert gen.last["path"] == ("moecomp" if engine else "transformers"), gen.last
-            assert _same_on_every_rank(tokens), f"{name}: ranks generated different tokens"
-            rows.append((f"{name} generate{' engine' if engine else ''}", rank,
-                         float((tokens != want_tokens).sum()), 0.5))
+        if generate:
+            rows += _generate(model, ref, ids, mask, rank, name)
     finally:
         dist.barrier()
         if rank == 0:
             import shutil
 
             shutil.rmtree(path, ignore_errors=True)
+    return rows
+
+
+def _generate(model, ref, ids, mask, rank: int, name: str) -> list:
+    """Greedy tokens of transformers' loop and of moecomp's engine (CPU: static cache, eager steps): the same on
+    every rank and as the single-process model's."""
+    with torch.no_grad():
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    rows, gen = [], model.generate
+    for engine in (False, True):
+        gen.cpu = engine
+        with torch.no_grad():
+            tokens = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        assert gen.last["path"] == ("moecomp" if engine else "transformers"), gen.last
+        assert _same_on_every_rank(tokens), f"{name}: ranks generated different tokens"
+        rows.append((f"{name} generate{' engine' if engine else ''}", rank, float((tokens != want).sum()), 0.5))
     return rows
 
 
@@ -168,14 +228,34 @@ def _poisoned():
         det.fill_uninitialized_memory = fill
 
 
-def tfd_qwen3_ep(rank: int, W: int, comm=None) -> list:
+def tfd_deepseek_ep_all_reduce(rank: int, W: int, comm=None) -> list:
+    """The routed experts split by experts (the EP mesh), the shared expert by its I (the TP plan, the same ranks):
+    both summed in the op's one all-reduce."""
     with _poisoned():
-        return _check(rank, W, "qwen3_moe", "ep", dict(tp_size=W, ep_size=W))
+        return _check(rank, W, "deepseek_v3", dict(tp_size=W, ep_size=W, ep_implementation="all_reduce"), "ep")
 
 
-def tfd_deepseek_tp(rank: int, W: int, comm=None) -> list:
+def tfd_qwen3_ep_all_to_all(rank: int, W: int, comm=None) -> list:
+    """transformers' all-to-all dispatch (each rank its slice of the shared batch, exchanged, gathered back): moecomp
+    binds the same expert shards; its dispatch all-reduces over the batch the group shares."""
     with _poisoned():
-        return _check(rank, W, "deepseek_v3", "tp", dict(tp_size=W))
+        return _check(rank, W, "qwen3_moe", dict(tp_size=W, ep_size=W, ep_implementation="all_to_all"), "ep",
+                      generate=False)
+
+
+def tfd_deepseek_tp_default(rank: int, W: int, comm=None) -> list:
+    with _poisoned():
+        return _check(rank, W, "deepseek_v3", dict(tp_size=W), _expected_tp)
+
+
+def tfd_qwen3_tp_default(rank: int, W: int, comm=None) -> list:
+    with _poisoned():
+        return _check(rank, W, "qwen3_moe", dict(tp_size=W), _expected_tp, generate=False)
+
+
+def tfd_deepseek_tp_experts(rank: int, W: int, comm=None) -> list:
+    with _poisoned():  # (5.25 logs that these rules are deprecated, and applies them)
+        return _check(rank, W, "deepseek_v3", dict(tp_size=W, tp_plan=dict(EXPERTS_TP)), "tp", generate=False)
 
 
 def _moecomp_dispatch(model, ref, ids, mask, want, rank) -> list:
@@ -202,33 +282,45 @@ def _moecomp_dispatch(model, ref, ids, mask, want, rank) -> list:
 
 def tfd_moecomp_ep(rank: int, W: int, comm=None) -> list:
     with _poisoned():
-        return _check(rank, W, "qwen3_moe", "ep", dict(tp_size=W, ep_size=W, ep_implementation="moecomp"),
+        return _check(rank, W, "qwen3_moe", dict(tp_size=W, ep_size=W, ep_implementation="moecomp"), "ep",
                       before=_moecomp_dispatch, use_capture=True)
 
 
 def tfd_other_layout(rank: int, W: int, comm=None) -> list:
-    """A TP plan that shards gate_up_proj by plain rows ("colwise": rank 0 all gate rows, rank 1 all up rows), not
-    moecomp's gate[s] | up[s]: optimize refuses every block on every rank, naming the tensor and both layouts, and
-    binds nothing (the ranks agree; no collective is left waiting)."""
+    """Layouts that are not moecomp's, refused by optimize on every rank, naming the tensors and the layouts, binding
+    nothing (the ranks agree; no collective is left waiting):
+    * gate_up_proj sharded by plain rows ("colwise": rank 0 all gate rows, rank 1 all up rows) where moecomp's TP
+      shard is gate[s] | up[s] (down_proj by columns, the experts' output all-reduced, as 5.24's default plan);
+    * gate_up_proj sharded, down_proj whole (seen before anything runs: transformers' own forward of such experts
+      fails on mixed tensors and DTensors in 5.25)."""
     import moecomp
 
     _, path = _saved(rank, "qwen3_moe")
+    gate_up, down = "model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj"
+    held = "[0, 32)" if rank == 0 else "[32, 64)"
+    want = f"[{16 * rank}, {16 * rank + 16}) + [{32 + 16 * rank}, {48 + 16 * rank})"
+    cases = {  # plan -> what every block's reason must say
+        "rows": ({**EXPERTS_TP, gate_up: "colwise"}, f"holds indices {held} of dim 1 (placements (Shard(dim=1),)), "
+                 f"moecomp's tp {rank}/{W} I [{16 * rank}, {16 * rank + 16}) shard is {want}"),
+        "half": ({gate_up: "colwise", down: "replicate"}, f"experts.gate_up_proj is a DTensor, placements "
+                 f"(Shard(dim=1),): indices {held} of dim 1 on this rank but experts.down_proj is whole (a plain "
+                 f"tensor): moecomp's layouts split the routed experts' tensors alike"),
+    }
     try:
-        model = _load(path, tp_size=W, tp_plan={"model.layers.*.mlp.experts.gate_up_proj": "colwise"})
-        rep = moecomp.optimize(model, use_capture=False, report=True)[1]
-        held = "[0, 32)" if rank == 0 else "[32, 64)"
-        want = f"[{16 * rank}, {16 * rank + 16}) + [{32 + 16 * rank}, {48 + 16 * rank})"
-        for b in rep.blocks:
-            assert b.status == "skipped" and f"holds indices {held} of dim 1, moecomp's tp {rank}/{W} I " \
-                f"[{16 * rank}, {16 * rank + 16}) shard is {want}" in b.reason, b.reason
-        assert not any("_moecomp" in m.__dict__ for m in model.modules())
+        for plan, reason in cases.values():
+            model = _load(path, tp_size=W, tp_plan=plan)
+            rep = moecomp.optimize(model, use_capture=False, report=True)[1]
+            assert len(rep.blocks) == 2, rep
+            for b in rep.blocks:
+                assert b.status == "skipped" and reason in b.reason, (reason, b.reason)
+            assert not any("_moecomp" in m.__dict__ for m in model.modules())
     finally:
         dist.barrier()
         if rank == 0:
             import shutil
 
             shutil.rmtree(path, ignore_errors=True)
-    return [("qwen3_moe/other layout refused", rank, 0.0, 1.0)]
+    return [(f"qwen3_moe/other layout refused ({c})", rank, 0.0, 1.0) for c in cases]
 
 
 def _worker(rank, W, port, jobs, out, timeout):
@@ -261,14 +353,24 @@ def _ok(rows, W=2):
 
 @needs_gloo
 @needs_tfd
-def test_ep_plan_bound_to_the_parallel_op(world):
-    _ok(world["tfd_qwen3_ep"])
+@pytest.mark.parametrize("job", ["deepseek_ep_all_reduce", "qwen3_ep_all_to_all"])
+def test_ep_plan_bound_to_the_parallel_op(world, job):
+    _ok(world[f"tfd_{job}"])
 
 
 @needs_gloo
 @needs_tfd
-def test_tp_plan_with_a_sharded_shared_expert(world):
-    _ok(world["tfd_deepseek_tp"])
+@pytest.mark.parametrize("family", ["deepseek", "qwen3"])
+def test_default_tp_plan(world, family):
+    """Whatever the installed version's default plan shards: DeepSeek-V3's shared expert (and, in 5.24, its routed
+    experts), Qwen3-MoE's routed experts (5.24) or nothing in the block (5.25)."""
+    _ok(world[f"tfd_{family}_tp_default"])
+
+
+@needs_gloo
+@needs_tfd
+def test_routed_experts_split_by_an_explicit_tp_plan(world):
+    _ok(world["tfd_deepseek_tp_experts"])
 
 
 @needs_gloo
@@ -294,18 +396,21 @@ def test_reason_without_transformers_distributed(monkeypatch):
     assert hf_ep.register() is False
 
 
-@pytest.mark.parametrize("mode", ["ep", "tp", "ep_a2a"])
-def test_shared_experts_given_as_this_ranks_slice(mode):
+@pytest.mark.parametrize("name, mode", [("deepseek_v3", "ep"), ("deepseek_v3", "tp"), ("deepseek_v3", "ep_a2a"),
+                                        ("deepseek_v3", "replicated"), ("qwen2_gated_shared", "replicated"),
+                                        ("latent", "replicated"), ("latent", "tp")])
+def test_shared_experts_given_as_this_ranks_slice(name, mode):
     """The parallel op with the shared experts as each rank's slice of their I (how transformers' TP plan loads them:
     rows of gate / up, columns of down), emulated at W = 2 (threads), NaN-poisoned buffers: equal to the whole block
-    (fp32, ``TOL``); the all-to-all path, which has no all-reduce to sum such slices in, refuses them naming
-    shared_w2."""
+    (fp32, ``TOL``): summed in the routed part's all-reduce (EP all-reduce, TP), or on their own beside routed experts
+    whole on every rank ("replicated", latent projections too); the paths that have no all-reduce to sum such slices
+    in (all-to-all, a latent block's TP) refuse them naming shared_w2."""
     import scenarios as sc
     from moecomp import parallel as par
     from moecomp.spec import SpecError
     from moecomp.testing import rel_err
 
-    W, name = 2, "deepseek_v3"
+    W = 2
     x, t = sc.block(name, 6)
     ref = sc.oracle(x, t, sc.SPECS[name])
     n = sc.SPECS[name].shared.intermediate_size // W
@@ -318,7 +423,7 @@ def test_shared_experts_given_as_this_ranks_slice(mode):
         return par.forward(x, args, spec, comm)
 
     with _poisoned():
-        if mode == "ep_a2a":
+        if mode == "ep_a2a" or (name, mode) == ("latent", "tp"):
             with pytest.raises(SpecError, match=r"shared_w2 has shape \(32, 12\): this rank's slice"):
                 par.emulate(W, run)
             return

@@ -1,7 +1,7 @@
 """The parallel path on one GPU: a NCCL process group of one (FileStore, no port) in this process.
 
-* every mode (EP all-reduce, EP all-to-all uneven / fixed, TP) equal to the one-GPU op (``moe_forward``) on the Triton
-  kernels, fp32 and bf16, decode and prefill sizes;
+* every mode (EP all-reduce, EP all-to-all uneven / fixed, TP, replicated) equal to the one-GPU op (``moe_forward``) on
+  the Triton kernels, fp32 and bf16, decode and prefill sizes;
 * the capturable variants inside a CUDA graph (NCCL collectives captured with the kernels): replays on new inputs
   equal the eager call; a capacity that drops pairs replays the same drops; the uneven exchange refuses capture with a
   clear error;
@@ -34,7 +34,8 @@ SPEC = MoESpec(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, 
                has_correction_bias=True, n_group=4, topk_group=2, routed_scaling_factor=2.5, renorm_eps=1e-20,
                router_fp32=True, shared=SharedExpertSpec(128))
 MODES = {"ep": dict(mode="ep"), "ep_a2a": dict(mode="ep", dispatch="all_to_all"),
-         "ep_a2a_fixed": dict(mode="ep", dispatch="all_to_all", capacity=0), "tp": dict(mode="tp", intermediate_size=128)}
+         "ep_a2a_fixed": dict(mode="ep", dispatch="all_to_all", capacity=0),
+         "tp": dict(mode="tp", intermediate_size=128), "replicated": dict(mode="replicated")}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # against the one-GPU op (bf16: per-pair / partial roundings)
 
 
@@ -87,7 +88,8 @@ def _capture(fn, static_x):
 
 
 @pytest.mark.parametrize("mode, kw", [("ep", {}), ("ep_a2a_fixed", {}), ("ep_a2a_fixed", dict(capacity=2)),
-                                      ("tp", {})], ids=["ep", "a2a_fixed", "a2a_cap2", "tp"])
+                                      ("tp", {}), ("replicated", {})],
+                         ids=["ep", "a2a_fixed", "a2a_cap2", "tp", "replicated"])
 def test_capturable_variants_in_a_cuda_graph(nccl_one, mode, kw, T=4):
     spec = _spec(mode, **kw)
     args, whole = _block(torch.bfloat16, T, seed=7)

@@ -31,6 +31,14 @@ def test_tp_shard():
     assert "tp 3/4 I [48, 64)" in p.describe()
 
 
+def test_replicated():
+    """Every expert whole on every rank (E need not divide by W), the group sharing one batch."""
+    p = ParallelSpec("replicated", world_size=4, rank=1, num_global_experts=6)
+    assert p.experts_per_rank == 6 and p.local_experts == range(0, 6) and p.owner(5) == -1
+    assert p.capturable and "replicated 1/4 every expert whole" in p.describe()
+    assert ParallelSpec("replicated", 4, 1, 6, intermediate_size=16).local_intermediate == slice(0, 16)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(mode="dp"), "parallel.mode='dp'"),
     (dict(world_size=0), "parallel.world_size must be an int >= 1"),
@@ -44,6 +52,7 @@ def test_tp_shard():
     (dict(mode="tp"), "intermediate_size is required with mode 'tp'"),
     (dict(mode="tp", intermediate_size=30), "intermediate_size=30 is not divisible by world_size=4"),
     (dict(mode="tp", intermediate_size=32, dispatch="all_to_all"), "tensor parallelism shares one batch"),
+    (dict(mode="replicated", dispatch="all_to_all"), "mode 'replicated': every rank runs every routed expert"),
     (dict(group=3), "parallel.group must be a process group's name"),
 ])
 def test_bad_parallel_spec(kw, match):
@@ -55,7 +64,7 @@ def test_bad_parallel_spec(kw, match):
 
 def test_moe_spec_with_parallel_round_trips():
     for p in (ParallelSpec("ep", 4, 1, 16), ParallelSpec("ep", 2, 0, 16, dispatch="all_to_all", capacity=3, group="7"),
-              ParallelSpec("tp", 2, 1, 16, intermediate_size=16)):
+              ParallelSpec("tp", 2, 1, 16, intermediate_size=16), ParallelSpec("replicated", 3, 2, 16, group="5")):
         spec = DSV3.replace(parallel=p)
         back = MoESpec.from_key(spec.key)
         assert back == spec and back.parallel == p and back.key == spec.key
