@@ -131,15 +131,28 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _one_big_layer_at_a_time(request):
-    """A ``bigmem`` test holds a file lock shared by the xdist workers for as long as it runs."""
-    if request.node.get_closest_marker("bigmem") is None:
+    """GPU tests share the device; a ``bigmem`` one has it alone. xdist workers hold a file lock while they run a GPU
+    test: shared for ordinary ones, exclusive for ``bigmem`` ones, behind a turnstile lock (a waiting ``bigmem`` test
+    lets no new test in, so it is not starved). Every GPU test gives its worker's cached blocks back when it ends, so
+    that a ``bigmem`` test finds the memory the other workers' tests used free (on an 80 GB card two DeepSeek-V3-size
+    tests of 28 GiB ran out of memory beside other workers' caches)."""
+    if "gpu" not in request.node.keywords or not torch.cuda.is_available():
         yield
         return
     import fcntl
     import tempfile
 
-    with open(os.path.join(tempfile.gettempdir(), "moecomp-bigmem-tests.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    big = request.node.get_closest_marker("bigmem") is not None
+    base = os.path.join(tempfile.gettempdir(), "moecomp-gpu-tests")
+    with open(base + ".turnstile", "w") as gate, open(base + ".lock", "w") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            if not big:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+            fcntl.flock(lock, fcntl.LOCK_EX if big else fcntl.LOCK_SH)
+        finally:
+            if big:
+                fcntl.flock(gate, fcntl.LOCK_UN)
         try:
             yield
         finally:
