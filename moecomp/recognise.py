@@ -87,7 +87,7 @@ def _detect_fx(block: nn.Module, parts: BlockParts, device, dtype) -> Match | Re
     if first.code is not RejectCode.CAPTURE_FAILED or not _data_dependent(first):
         return first.reject
     # a per-expert loop branches on the routing (``if tok.numel():``): trace again following the example's branches
-    x = policy.probe_input(H, device, dtype, shape=policy.real_trace_shape(parts.num_experts))
+    x = policy.probe_input(H, device, dtype, shape=policy.real_trace_shape(parts.num_experts + parts.extra_rows))
     try:
         bm = detect_block(block, x, real_values=True)
     except DetectError as e:  # the unrolled trace proves nothing either way: let the attribute reader try

@@ -323,10 +323,12 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
     sources = attr_sources(block, parts)
     notes = []
     E, H, I = parts.num_experts, parts.hidden_size, parts.intermediate_size
-    if parts.kind == "fused" and get_path(block, parts.w2).shape[0] != E:
-        raise FallbackError(f"the experts hold {get_path(block, parts.w2).shape[0]} down projections under a router "
-                            f"of {E} outputs (zero-computation experts, LongCat-Flash style): only the FX pass reads "
-                            "these", RejectCode.UNSUPPORTED_STRUCTURE)
+    if parts.extra_rows or parts.kind == "fused" and get_path(block, parts.w2).shape[0] != E:
+        held = get_path(block, parts.w2).shape[0] if parts.kind == "fused" else E
+        raise FallbackError(f"router {parts.router_weight!r} has {E + parts.extra_rows} outputs but the experts hold "
+                            f"{held} (zero-computation experts, LongCat-Flash style: what the router's other outputs "
+                            "compute is in the block's forward, not its attributes): only the FX pass reads these",
+                            RejectCode.UNSUPPORTED_STRUCTURE)
     top_k = read_attr(sources, names.TOPK_NAMES, (int,))
     if top_k is None or isinstance(top_k, bool):
         raise FallbackError("top-k not found among the block's / router's / config's attributes")

@@ -9,7 +9,9 @@ output, e.g. ``MixtralSparseMoeBlock`` or ``DeepseekV3MoE``. It is recognised by
   ``nn.ModuleList`` of identical per-expert MLPs (``w1/w3/w2`` or ``gate_proj/up_proj/down_proj``, the older
   layout);
 * a *router*: a 2-D weight ``[E, H]`` in the block (outside experts and shared experts), at most two levels deep
-  (``gate.weight``, ``router.weight``, ``gate.wg.weight``, ``router.gate.weight``...);
+  (``gate.weight``, ``router.weight``, ``gate.wg.weight``, ``router.gate.weight``...); where there is none, one of
+  ``[E + Z, H]``, 0 < Z < E, whose extra outputs no expert weight holds (zero / identity experts, handled by the
+  block's forward: LongCat-Flash from transformers 5.25; ``BlockParts.extra_rows``, read and proven by the FX pass);
 * optionally shared experts (a dense MLP child, or S MLPs stacked in one module's 3-D [S, I, H] / [S, H, I]
   Parameters) and their sigmoid gate (a ``Linear(H, 1)``); a router of ``[E + G, H]`` when there are G shared
   experts (its last G rows their gammas, ``MoESpec.shared_gamma``: ``BlockParts.gamma_rows``);
@@ -102,6 +104,9 @@ class BlockParts:
     expert_norm: str | None = None  # a child of the experts module normalising each expert's output [width]
     extra_modules: list[str] = field(default_factory=list)  # parameterised children nothing above explains
     gamma_rows: int = 0  # router rows past the E experts: the shared experts' gammas (router [E + G, H], Inkling)
+    # router rows past the E experts that no expert weight holds, Z < E (router [E + Z, H]): zero / identity experts
+    # (LongCat-Flash on transformers >= 5.25: ``MoESpec.zero_experts``), what they compute left to the FX pass
+    extra_rows: int = 0
 
     def submodule_paths(self, block: nn.Module | None = None) -> list[str]:
         """Modules the original forward calls and whose hooks must keep firing: router, experts, shared experts
@@ -411,15 +416,20 @@ def find_parts(block: nn.Module) -> BlockParts:
     if router is None:  # a router with one more row per shared expert (their gammas): [E + G, H]
         gamma_rows = _shared_count(block, experts_name)
         router = _find_router(block, experts_name, E + gamma_rows) if gamma_rows else None
+    extra_rows = 0
+    if router is None:  # a router wider than the experts, E < E' < 2E: zero / identity experts (read by the FX pass)
+        router = _find_router(block, experts_name, E, wider=True)
+        extra_rows = get_path(block, router[0]).shape[0] - E if router is not None else 0
     if router is None:
         raise NotABlock(f"experts {experts_name!r} ({E} experts) but no router weight [{E}, H] next to them (the "
                         f"router is not one linear map of the hidden states)")
     router_w_path, router_mod_path, H = router
     parts = BlockParts(experts=experts_name, kind="fused" if fused else "modulelist", num_experts=E,
                        hidden_size=H, intermediate_size=0, router_weight=router_w_path,
-                       router_module=router_mod_path, gamma_rows=gamma_rows)
+                       router_module=router_mod_path, gamma_rows=gamma_rows, extra_rows=extra_rows)
+    R = E + extra_rows  # the router's outputs
     rb = getattr(get_path(block, router_mod_path), "bias", None)
-    if isinstance(rb, torch.Tensor) and tuple(rb.shape) == (E,):
+    if isinstance(rb, torch.Tensor) and tuple(rb.shape) == (R,):
         parts.router_bias = f"{router_mod_path}.bias" if router_mod_path else "bias"
     if fused is not None:
         _fill_fused(parts, experts, fused, block)
@@ -434,14 +444,15 @@ def find_parts(block: nn.Module) -> BlockParts:
     if fused is not None:
         _fill_norms(block, parts, experts, taken)
     # correction bias: a float [E] (or [1, E]) tensor of the block or router, not the router's own bias
-    parts.correction_bias = _find_correction_bias(block, router_mod_path, E, parts.router_bias)
+    parts.correction_bias = _find_correction_bias(block, router_mod_path, R, parts.router_bias)
     parts.extra_modules += [name for name, child in block.named_children()
                             if name not in taken and child is not None and any(True for _ in child.parameters())]
     return parts
 
 
-def _find_router(block: nn.Module, experts_name: str, E: int):
-    """(weight path, owning module path, H) of the router: a 2-D [E, H] weight outside the experts."""
+def _find_router(block: nn.Module, experts_name: str, E: int, wider: bool = False):
+    """(weight path, owning module path, H) of the router: a 2-D [E, H] weight outside the experts (``wider``: [E', H]
+    with E < E' < 2E instead)."""
     best = None
     for mod_name, mod in block.named_modules():
         depth = mod_name.count(".") + 1 if mod_name else 0
@@ -450,7 +461,7 @@ def _find_router(block: nn.Module, experts_name: str, E: int):
         if any(mod_name.split(".")[0] == s for s in SHARED_NAMES + SHARED_GATE_NAMES):
             continue
         for pname, p in mod.named_parameters(recurse=False):
-            if p.dim() != 2 or p.shape[0] != E:
+            if p.dim() != 2 or (not E < p.shape[0] < 2 * E if wider else p.shape[0] != E):
                 continue
             score = 0
             lname = (mod_name + "." + pname).lower()

@@ -85,7 +85,9 @@ class Context:
         return None
 
     def final_topks(self) -> list[fx.Node]:
-        """Top-k nodes whose indices select slices of 3-D weights with as many experts as the top-k input."""
+        """Top-k nodes whose indices select slices of 3-D weights with as many experts as the top-k input, or, where
+        no 3-D weight has that many, with fewer but more than half as many (zero experts: the router scores E + Z
+        outputs, Z < E, the stacked weights hold E; ``moe_experts._zero_experts``)."""
         ph3 = {}
         for p in self.static_ph:
             s = self.pshape(p)
@@ -99,23 +101,17 @@ class Context:
             if not s:
                 continue
             E = _fx.static_int(s[-1])
-            if E is None or not any(e == E for e in ph3.values()):
+            if E is None:
+                continue
+            counts = {E} if E in ph3.values() else {e for e in ph3.values() if 2 * e > E and e < E}
+            if not counts:
                 continue
             # indices must reach a 3-D weight's consumer
             idx = [u for u in n.users if op_name(u) == "getitem" and u.args[1] == 1]
             if not idx:
                 continue
             reach = _fx.descendants(idx[0])
-            hit = False
-            for r in reach:
-                for a in r.all_input_nodes:
-                    b = _fx.weight_base(a)
-                    if b in ph3 and ph3[b] == E:
-                        hit = True
-                        break
-                if hit:
-                    break
-            if hit:
+            if any(ph3.get(_fx.weight_base(a)) in counts for r in reach for a in r.all_input_nodes):
                 out.append(n)
         # (group top-k's read [T, G] / [T, G, E/G] and were skipped by the expert-count check above)
         return out

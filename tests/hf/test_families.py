@@ -81,8 +81,10 @@ def test_structural_scan():
     """The whole scan (every modeling file with a top-k / argmax, built tiny on the meta device): the families it
     adds to the decorated ones are the pinned STRUCTURAL ones, plus the structural candidates that run-time checks
     then reject (check_family: "not routed" / not buildable; listed apart in docs/coverage.md)."""
-    found = set(F.moe_families()) - set(F.experts_families())
-    assert set(STRUCTURAL) <= found, sorted(found)
+    decorated = set(F.experts_families())
+    found = set(F.moe_families()) - decorated
+    # (a pinned family this transformers decorates is found through that: LongCat-Flash from 5.25)
+    assert set(STRUCTURAL) - decorated <= found, sorted(found)
     rejected = found - set(STRUCTURAL)
     for fam in sorted(rejected):  # not MoE: each is rejected at run time or cannot be built tiny to check
         assert F.check_family(fam).status in ("not routed", "build failed", "import failed"), fam

@@ -1,9 +1,16 @@
 """LongCat-Flash (``LongcatFlashForCausalLM`` with a tiny ``LongcatFlashConfig``): its MoE (``LongcatFlashMoE``, the
 ``mlp`` of each decoder layer) routes over ``n_routed_experts + zero_expert_num`` outputs of an fp32 router
 (softmax scores, a correction bias for the choice only, times ``routed_scaling_factor``, no renormalisation) and an
-id >= n_routed_experts is a zero-computation expert: the token itself times its weight. Its experts module loops over
-the experts hit (``int(idx.item())``), so the FX pass traces it with real values. ``gate_up_proj`` holds
-E + Z experts, ``down_proj`` E: the op reads a view of gate_up_proj's first E (no copy).
+id >= n_routed_experts is a zero-computation expert: the token itself times its weight. Two spellings, by
+transformers version:
+
+* up to 5.24 the experts module does it: its loop over the experts hit (``int(idx.item())``) adds the token for ids
+  >= E, so the FX pass traces it with real values; ``gate_up_proj`` holds E + Z experts, ``down_proj`` E: the op
+  reads a view of gate_up_proj's first E (no copy);
+* from 5.25 the block does it: the identity term is the weights at ids >= E summed, times x; those slots go to the
+  experts (decorated, traced as grouped_mm) as dummy ids ``(id - E) * E // Z`` with weight 0; both weights hold E
+  experts and are bound as they are (the router [E + Z, H] next to experts of E: ``BlockParts.extra_rows``).
+  That spelling in modules of our own, independent of transformers' version: tests/passes/test_detect_zero_remap.py.
 
 ``moecomp.optimize`` must rewrite exactly the two MoE blocks with ``zero_experts`` specs, one ``moe_forward`` per
 block, and the logits must equal the original's within 1e-4 relative (fp32, CPU, fresh token ids, on routings where
@@ -15,6 +22,7 @@ import pytest
 import torch
 
 import moecomp
+from moecomp.derived import get_path
 from moecomp.hf import families as F
 
 from .conftest import rel_err
@@ -49,9 +57,15 @@ def _logits(model, ids):
 
 
 def _picked(model, ids) -> torch.Tensor:
-    """Every expert id the routers pick on ``ids`` (the original forward)."""
+    """Every expert id the routers pick on ``ids`` (the original forward): the router's one integer output (its
+    position in the output tuple differs between transformers versions)."""
     got = []
-    hooks = [layer.mlp.router.register_forward_hook(lambda m, a, out: got.append(out[2].reshape(-1)))
+
+    def ids_of(out):
+        (t,) = [o for o in out if isinstance(o, torch.Tensor) and not o.is_floating_point()]
+        return t.reshape(-1)
+
+    hooks = [layer.mlp.router.register_forward_hook(lambda m, a, out: got.append(ids_of(out)))
              for layer in model.model.layers]
     try:
         _logits(model, ids)
@@ -78,10 +92,13 @@ def test_optimize_rewrites_the_moe_blocks(monkeypatch, backend, top_k, zero):
         assert (s.num_experts, s.zero_experts, s.top_k, s.scoring, s.has_correction_bias, s.renormalize) == (
             E, zero, top_k, "softmax", True, False), s.describe()
         assert (s.routed_scaling_factor, s.router_fp32, s.shared) == (2.5, True, None), s.describe()
-    for layer in model.model.layers:  # w13: a view of gate_up_proj's first E experts, no copy
+    assert all(b.extra_bytes == 0 for b in rep.rewritten), str(rep)
+    for layer in model.model.layers:  # w13: gate_up_proj itself, or (E + Z experts held) a view of its first E
         blk = layer.mlp
-        w13, src = blk._moecomp_w13, blk.experts.gate_up_proj
-        assert w13.shape == (E,) + tuple(src.shape[1:]) and src.shape[0] == E + zero
+        src = blk.experts.gate_up_proj
+        w13 = get_path(blk, blk._moecomp.bindings["w13"])
+        assert src.shape[0] in (E, E + zero) and (w13 is src) == (src.shape[0] == E)
+        assert w13.shape == (E,) + tuple(src.shape[1:])
         assert w13.data_ptr() == src.data_ptr() and w13.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
     out, per, total = F.count_calls_per_block(model, lambda: _logits(model, ids))
     assert sorted(per) == ["model.layers.0.mlp", "model.layers.1.mlp"]

@@ -4,7 +4,8 @@ over E + Z router outputs, top-k, stacked expert weights gathered per pair (``w[
 ``torch.where(ids < E, expert(x), x)`` for the identity, or a loop over constant ids. The pass reads E from the
 stacked weights (the smaller row count; the router's extra outputs are the zero experts), binds a weight of E + Z
 rows as a view of its first E (``Derived`` "rows", a ``narrow`` in a rewritten graph), and the numeric check proves
-what the zero experts compute: a block that drops their pairs instead is refused."""
+what the zero experts compute: a block that drops their pairs instead is refused. The block-level spelling (the
+block adds the identity term and hands the experts dummy ids of weight 0) is in test_detect_zero_remap.py."""
 
 from __future__ import annotations
 
