@@ -56,9 +56,10 @@ OUTCOME = {
     # latent_norm, expert_norm)
     "muse_spark": ("equal", ""),
 }
-# the families the structural scan adds to the decorated ones (transformers 5.24; test_structural_scan checks it;
-# step3p7's experts are decorated from 5.25 on)
-STRUCTURAL = ["jetmoe", "llama4", "longcat_flash", "nllb_moe", "step3p7", "switch_transformers"]
+# the families the structural scan adds to the decorated ones (test_structural_scan checks it): those of transformers
+# 5.24, and those whose experts a later release decorates (dropped where the installed one does): aria (5.17),
+# step3p7 (before 5.25)
+STRUCTURAL = ["aria", "jetmoe", "llama4", "longcat_flash", "nllb_moe", "step3p7", "switch_transformers"]
 STRUCTURAL = [f for f in STRUCTURAL if F.transformers_dir() and __import__("os").path.isdir(
     __import__("os").path.join(F.transformers_dir(), "models", f)) and f not in F.experts_families()]
 ALL = sorted(set(F.experts_families()) | set(STRUCTURAL))
