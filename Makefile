@@ -17,8 +17,8 @@ test: $(VENV)/.ready
 	$(PY) -m pytest -q -n 2 --dist worksteal
 
 # The oldest supported transformers (README): the HF family tests and the cheap version-sensitive ones (experts
-# interface, implementation switch, FP8 / MXFP4 loading; their compile and peak-memory tests left to `make test`) on
-# transformers 5.17. The side venv holds only transformers 5.17 and what it wants in other versions than .venv has;
+# interface, implementation switch, FP8 / MXFP4 loading, Inkling, the router probe; their compile and peak-memory
+# tests left to `make test`) on transformers 5.17. The side venv holds only transformers 5.17 and what it wants in other versions than .venv has;
 # everything else, torch 2.13.0 included, comes from .venv through a site dir (a second torch install took 3 minutes
 # here). About 3 minutes in all on 2 cores.
 OLDEST := .venv-oldest
@@ -33,4 +33,4 @@ test-oldest: $(OLDEST)/.ready
 	$(OLDEST)/bin/python -c 'import transformers, torch; print("transformers", transformers.__version__, "torch", torch.__version__)'
 	$(OLDEST)/bin/python -m pytest -q -n 2 --dist worksteal -k "not compile_backend and not peak_memory" \
 		tests/hf/test_families.py tests/hf/test_experts_interface.py tests/hf/test_impl_switch.py \
-		tests/hf/test_mxfp4.py tests/hf/test_fp8.py
+		tests/hf/test_mxfp4.py tests/hf/test_fp8.py tests/hf/test_inkling.py tests/hf/test_router_probe.py

@@ -55,8 +55,9 @@ def test_optimize_rewrites_inkling_whole(monkeypatch, backend, use_capture):
         blk = model.get_submodule(name)
         s = next(b.spec for b in rep.rewritten if b.name == name)
         S = blk.config.n_shared_experts
-        assert (s.shared_gamma, s.shared.stacked, s.has_weight_scale, s.scoring, s.router_fp32) == (
-            "joint_renorm", S, True, "sigmoid", True), s.describe()
+        # (router_fp32 is not pinned: 5.17's router runs in the model's dtype, later ones in fp32)
+        assert (s.shared_gamma, s.shared.stacked, s.has_weight_scale, s.scoring) == (
+            "joint_renorm", S, True, "sigmoid"), s.describe()
         assert s.routed_scaling_factor == blk.config.route_scale and s.num_experts == blk.config.n_routed_experts
     out, per, total = F.count_calls_per_block(model, lambda: _logits(model, ids))
     assert sorted(per) == sorted(blocks) and all(n == 1 for n in per.values()) and total == len(blocks)
