@@ -50,7 +50,7 @@ def part_a(jobs: int) -> tuple[list, list[str]]:
 
     import transformers
 
-    from moecomp.hf import families
+    from moecomp.hf import coverage_md, families
 
     fams = families.experts_families()
     t0 = time.time()
@@ -65,7 +65,7 @@ def part_a(jobs: int) -> tuple[list, list[str]]:
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, f"coverage-transformers-{transformers.__version__}.md"), "w") as f:
-            f.write(families.coverage_markdown(results))
+            f.write(coverage_md.coverage_markdown(results))
     counts: dict[str, int] = {}
     for r in results:
         counts[r.status] = counts.get(r.status, 0) + 1

@@ -72,7 +72,7 @@ def cmd_scan(a) -> int:
 def cmd_coverage(a) -> int:
     import torch
 
-    from .hf import families
+    from .hf import coverage_md
 
     fams = a.families or None
     torch.set_num_threads(1)  # tiny models: extra intra-op threads only add latency
@@ -82,7 +82,7 @@ def cmd_coverage(a) -> int:
         print(f"{r.family:24s} {r.status:14s} {r.rewritten}/{r.blocks}{eo} {r.seconds:5.1f}s {r.reason[:100]}",
               flush=True)
 
-    results = families.write_coverage(a.out, fams, progress)
+    results = coverage_md.write_coverage(a.out, fams, progress)
     bad = [r for r in results if r.status == "not equal"]
     print(f"wrote {a.out}: {len(results)} families")
     return 1 if bad else 0

@@ -60,6 +60,7 @@ from .reject import Refused, Reject
 from .verify import verify, verify_epilogue
 from .hf import bind as _bind
 from .hf import fp8 as _fp8
+from .hf import router_probe as _router_probe
 from .hf.impl_switch import unclaimed
 from .hf.structure import BlockParts, iter_blocks
 from .parallel import hf_distributed as _hf_distributed
@@ -160,6 +161,7 @@ def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason
             _report_already(block, rep, "", bind_it)
             return rep
         rep.codes.append(RejectCode.NOT_A_BLOCK)
+        rep.reason = _router_probe.explain(block, reason)  # no plain router: what the routing reads, measured
         return rep
     changed = _bind.stale(block) if getattr(block, "_moecomp", None) is not None else ""
     if changed and bind_it:  # derived from attributes that have changed since: detect and bind again

@@ -141,6 +141,11 @@ def describe_unknown_gate(experts: nn.Module) -> str:
             if isinstance(y, torch.Tensor) and y.shape == ref.shape and torch.allclose(
                     y, ref, rtol=policy.ACT_MATCH_RTOL, atol=policy.ACT_MATCH_ATOL):
                 return f"clamped SwiGLU {act}(min(gate, {limit:g})) * clamp(up, +-{limit:g}) (no MoESpec field for it)"
+            ref = _act_ref(act, gate).clamp(max=limit) * up.clamp(-limit, limit)  # Step-3.7's limit_after_act
+            if isinstance(y, torch.Tensor) and y.shape == ref.shape and torch.allclose(
+                    y, ref, rtol=policy.ACT_MATCH_RTOL, atol=policy.ACT_MATCH_ATOL):
+                return (f"the gate clamped after its activation, min({act}(gate), {limit:g}) * clamp(up, +-{limit:g}); "
+                        "the spec's clamped SwiGLU (activation_clamp) clamps the gate before it")
     return ""
 
 

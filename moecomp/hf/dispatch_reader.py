@@ -39,7 +39,8 @@ from ..match import Evidence, Match
 from ..reject import Refused, Reject, RejectCode
 from ..spec import MoESpec, SpecError
 from .activations import probe_mlp
-from .fallback import _bindings, _routing_candidates, attr_sources, numeric_consts
+from .fallback import _routing_candidates, attr_sources, numeric_consts
+from .fallback_bind import bindings as _bindings
 from .structure import BlockParts, MLPParts, get_path
 
 

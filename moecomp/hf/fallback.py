@@ -33,13 +33,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import policy, reference
-from ..ops.moe_op import OP_ARGS
 from ..match import Evidence, Match
 from ..reject import Refused, Reject, RejectCode
 from ..spec import MoESpec, SharedExpertSpec, SpecError
-from ..derived import Derived
 from ..probe import ProbeRun, hash_call_args, run_probe
-from . import fp8, hash_reader, names, norm_fit, output_fit, router_scale, sparsemixer_fit
+from . import fp8, gamma_reader, hash_reader, names, norm_fit, output_fit, router_scale, sparsemixer_fit
+from .fallback_bind import FallbackError, bindings as _bindings, quant as _quant
 from .activations import describe_unknown_gate, probe_activation, probe_gate, probe_mlp
 from .names import read_attr
 from .packed import PackedExperts
@@ -48,11 +47,6 @@ from .structure import BlockParts, MLPParts, NotABlock, find_parts, get_path
 
 ROUTING_MEASURED = "routing measured from the experts' inputs"  # an evidence note (recognise._observed reads it)
 _TO_FIT = "to be fitted on the output"  # an activation the attribute reader could not name (stacked experts)
-
-
-class FallbackError(Refused):
-    """The attribute reader cannot describe this block with a MoESpec (or the block fails a check): ``reason`` says
-    why (text for the report), ``code`` (a :class:`moecomp.reject.RejectCode`) what kind of refusal it is."""
 
 
 # ----------------------------------------------------------------------------------------------- attributes
@@ -316,10 +310,6 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
         raise FallbackError(f"{parts.experts!r} holds 4-bit packed experts (PackedExperts, "
                             f"{get_path(block, parts.experts).quant.weight}): only the FX pass reads those (their "
                             "dequant_4bit nodes name the scales and zero points)", RejectCode.UNSUPPORTED_STRUCTURE)
-    if parts.gamma_rows or (parts.shared is not None and parts.shared.stacked):
-        raise FallbackError(f"router {parts.router_weight!r} has {parts.gamma_rows} rows past the {parts.num_experts} "
-                            "experts (shared-expert gammas) or the shared experts are stacked: what those rows "
-                            "compute is read from the graph (the FX pass), not from names", RejectCode.NOT_RECOGNISED)
     sources = attr_sources(block, parts)
     notes = []
     E, H, I = parts.num_experts, parts.hidden_size, parts.intermediate_size
@@ -334,13 +324,14 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
         raise FallbackError("top-k not found among the block's / router's / config's attributes")
     act, gate_up, alpha, limit, clamp, how, caps = _expert_activation(block, parts, sources)
     notes.append(f"expert activation: {how}")
-    shared, sh_notes = _shared_spec(block, parts, sources)
+    shared, sh_notes = (gamma_reader.stacked_shared_spec(block, parts) if parts.shared is not None
+                        and parts.shared.stacked else _shared_spec(block, parts, sources))
     notes += sh_notes
     if parts.extra_modules:
         notes.append(f"block has other parameterised children: {', '.join(parts.extra_modules)}")
     if parts.latent_size:
         notes.append(f"experts of width {parts.latent_size} between {parts.latent_in} / {parts.latent_out} (shapes)")
-    routing = _routing_guess(block, parts, sources)
+    routing = {**_routing_guess(block, parts, sources), **gamma_reader.gamma_fields(parts)}
     bindings, derived = _bindings(block, parts)
     try:
         norm_fields, norm_bind, norm_notes = norm_fit.read_norms(block, parts)
@@ -365,91 +356,6 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
         raise FallbackError(f"no valid spec: {e}", RejectCode.SPEC_INVALID) from None
     return Match(spec, bindings, derived, parts, Evidence("fallback (meta)", "read from attributes and source",
                                                          notes=notes))
-
-
-def _quant(block: nn.Module, parts: BlockParts, b: dict):
-    """(routed QuantSpec | None, shared QuantSpec | None) of FP8 weights (``hf/fp8.py``: e4m3 tensors with scales of
-    the blocked shape); their scales' paths go into the bindings ``b``."""
-    try:
-        ex = fp8.experts_fp8(get_path(block, parts.experts), parts.experts) if parts.kind == "fused" else None
-        quant = None
-        if ex is not None:
-            quant = ex.quant
-            b.update({k: f"{parts.experts}.{n}" for k, n in ex.names().items()})
-        elif any(fp8.is_fp8(t) for t in get_path(block, parts.experts).parameters()):
-            raise FallbackError("FP8 expert weights in a layout moecomp does not read", RejectCode.UNSUPPORTED_STRUCTURE)
-        sp, sq = parts.shared, None
-        if sp is not None:
-            found = {}
-            for k, w in (("shared_w1", sp.gate if sp.gated else None), ("shared_w3", sp.up), ("shared_w2", sp.down)):
-                if w is not None:
-                    mpath = w.rsplit(".", 1)[0]
-                    found[k] = (mpath, fp8.linear_fp8(get_path(block, mpath), mpath))
-            qs = {None if lq is None else lq.quant for _, lq in found.values()}
-            if len(qs) != 1:
-                raise FallbackError("shared expert linears quantized differently (or only some)",
-                                    RejectCode.UNSUPPORTED_STRUCTURE)
-            sq = qs.pop()
-            if sq is not None:
-                b.update({f"{k}_scale": f"{mpath}.{lq.scale}" for k, (mpath, lq) in found.items()})
-    except fp8.FP8LayoutError as e:
-        raise FallbackError(str(e), RejectCode.SPEC_INVALID) from None
-    return quant, sq
-
-
-def _bindings(block: nn.Module, parts: BlockParts) -> tuple[dict[str, str | None], list[Derived]]:
-    b: dict[str, str | None] = dict.fromkeys(OP_ARGS)
-    derived: list[Derived] = []
-    b["router_w"] = parts.router_weight
-    b["router_b"] = parts.router_bias
-    b["correction_bias"] = parts.correction_bias
-    if parts.kind == "fused":
-        b["w13"], b["w2"], b["b13"], b["b2"] = parts.w13, parts.w2, parts.b13, parts.b2
-        if parts.split_gate_up is not None:
-            # [E, I, H] gate and up -> [E, 2I, H] (out_in) or [E, H, I] -> [E, H, 2I] (in_out), built once
-            derived.append(Derived("_moecomp_w13", [list(parts.split_gate_up)], kind="cat",
-                                   dim=1 if parts.w_layout == "out_in" else 2))
-            b["w13"] = "_moecomp_w13"
-    else:
-        mlps = parts.expert_mlps
-        if mlps[0].gated:
-            if mlps[0].concat:
-                w13 = [[m.gate] for m in mlps]
-            else:
-                w13 = [[m.gate, m.up] for m in mlps]
-        else:
-            w13 = [[m.up] for m in mlps]
-        derived.append(Derived("_moecomp_w13", w13))
-        derived.append(Derived("_moecomp_w2", [[m.down] for m in mlps]))
-        b["w13"], b["w2"] = "_moecomp_w13", "_moecomp_w2"
-        p0 = mlps[0]
-        has_b = [p0.gate_bias, p0.up_bias, p0.down_bias]
-        if any(x is not None for x in has_b):
-            if mlps[0].gated and not mlps[0].concat and (p0.gate_bias is None) != (p0.up_bias is None):
-                raise FallbackError("expert MLPs have a bias on only one of gate / up")
-            if p0.down_bias is None or (mlps[0].gated and not mlps[0].concat and p0.gate_bias is None) or (
-                    not mlps[0].gated and p0.up_bias is None):
-                raise FallbackError("expert MLPs have biases on only some layers")
-            if mlps[0].gated and not mlps[0].concat:
-                b13 = [[m.gate_bias, m.up_bias] for m in mlps]
-            elif mlps[0].gated:
-                b13 = [[m.gate_bias] for m in mlps]
-            else:
-                b13 = [[m.up_bias] for m in mlps]
-            derived.append(Derived("_moecomp_b13", b13))
-            derived.append(Derived("_moecomp_b2", [[m.down_bias] for m in mlps]))
-            b["b13"], b["b2"] = "_moecomp_b13", "_moecomp_b2"
-    sp = parts.shared
-    if sp is not None:
-        if sp.gated:
-            b["shared_w1"] = sp.gate
-            b["shared_w3"] = sp.up  # None when concat
-        else:
-            b["shared_w3"] = sp.up
-        b["shared_w2"] = sp.down
-        b["shared_gate_w"] = parts.shared_gate
-    b.update(parts.latent_bindings())
-    return b, derived
 
 
 def _match_routing(ids_ref, w_ref, ids, w, tol) -> float | None:
@@ -541,7 +447,8 @@ def _fit_routing(block: nn.Module, parts: BlockParts, spec: MoESpec, x2: torch.T
     E, k = parts.num_experts, ids.shape[1]
     W = get_path(block, parts.router_weight)
     Rb = get_path(block, parts.router_bias) if parts.router_bias else None
-    scale = router_scale.measure_scale(rout, x2, W, Rb, numeric_consts(attr_sources(block, parts), k))
+    scale = router_scale.measure_scale(rout, x2, W[:E], None if Rb is None else Rb[:E],
+                                       numeric_consts(attr_sources(block, parts), k))
     corr = get_path(block, parts.correction_bias).reshape(E) if parts.correction_bias else None
     tol = policy.routing_match_tolerance(x2.dtype)
     guess = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
@@ -555,21 +462,27 @@ def _fit_routing(block: nn.Module, parts: BlockParts, spec: MoESpec, x2: torch.T
                 cs = probe_spec.replace(**cand)
             except SpecError:
                 continue
-            w_c, ids_c = reference.route(logits, corr, cs)
+            w_c, ids_c, _ = reference.route_with_gammas(logits, corr, cs)  # (with gamma rows: renormalised with them)
             c = _match_routing(ids, w, ids_c, w_c, tol)
             if c is not None and not math.isnan(c):
                 return dict(cand, top_k=k, router_fp32=fp32, routed_scaling_factor=c, router_scale=scale)
-    found = sparsemixer_fit.fit(block, parts, spec, x2, ids, w, attr_sources(block, parts), _match_routing,
-                                fp32_variants)  # k thresholded argmax rounds (PhiMoE)
+    found = None if spec.gamma_rows else sparsemixer_fit.fit(
+        block, parts, spec, x2, ids, w, attr_sources(block, parts), _match_routing,
+        fp32_variants)  # k thresholded argmax rounds (PhiMoE)
     if found is not None:
         return found
+    if spec.gamma_rows:
+        raise FallbackError(
+            f"routing not recognised: no sigmoid / sqrt-softplus top-k routing whose k chosen scores, renormalised "
+            f"together with the scores of the router's {spec.gamma_rows} rows past the experts (shared_gamma "
+            f"'joint_renorm'), gives the weights the experts receive", RejectCode.UNSUPPORTED_ROUTING)
     raise FallbackError(
         "routing not recognised: no softmax / sigmoid / sqrt-softplus, top-k, renormalise, group-limited "
         "or sparsemixer routing the spec knows picks the experts this router picks", RejectCode.UNSUPPORTED_ROUTING)
 
 
 def _measure(block: nn.Module, x: torch.Tensor, ext: Match) -> tuple[Match, ProbeRun]:
-    parts, spec = ext.parts, ext.spec
+    parts, spec, bindings = ext.parts, ext.spec, ext.bindings
     run = run_probe(block, parts, x, **hash_call_args(block, ext.bindings, x))
     notes = list(ext.evidence.notes)
     x2 = x.reshape(-1, x.shape[-1])
@@ -578,8 +491,17 @@ def _measure(block: nn.Module, x: torch.Tensor, ext: Match) -> tuple[Match, Prob
         ids, w = _routing_seen(run, x2.shape[0], parts.num_experts)
         found = (hash_reader.fit(block, ext, x2, ids, w, run.kwargs, _match_routing) if spec.hash_routing
                  else _fit_routing(block, parts, spec, x2, ids, w, run.router_out))
+        ws = gamma_reader.find_weight_scale(block, parts, x, ids, w, lambda r: _routing_seen(r, x2.shape[0],
+                                                                                        parts.num_experts),
+                                            **run.kwargs)  # a learned [1] tensor times the weights
+        if ws is not None:
+            bindings = {**bindings, "weight_scale": ws[0]}
+            found.update(has_weight_scale=True, routed_scaling_factor=found["routed_scaling_factor"] / ws[1])
+            notes.append(f"weight scale: {ws[0]} (doubling it doubles the routing weights)")
         consts = numeric_consts(attr_sources(block, parts), found["top_k"])
-        found["routed_scaling_factor"] = policy.snap_constant(found["routed_scaling_factor"], consts)
+        # (16-bit weights the experts receive are rounded: the fit over them lands within a rounding of the dtype)
+        found["routed_scaling_factor"] = policy.snap_constant(found["routed_scaling_factor"], consts,
+                                                              policy.TIE_REL.get(w.dtype, policy.SNAP_REL))
         if not found["renormalize"] or found["score_order"] == "topk_then_score":
             found["renorm_eps"] = found["renorm_min"] = 0.0
         else:
@@ -597,7 +519,7 @@ def _measure(block: nn.Module, x: torch.Tensor, ext: Match) -> tuple[Match, Prob
     except SpecError as e:
         raise FallbackError(f"measured routing gives no valid spec: {e}", RejectCode.SPEC_INVALID) from None
     ev = Evidence("fallback", "routing and activation measured on a probe run", notes=notes)
-    return ext.replace(spec=new_spec, evidence=ev), run
+    return ext.replace(spec=new_spec, bindings=bindings, evidence=ev), run
 
 
 def recognise(block: nn.Module, parts: BlockParts, x: torch.Tensor | None = None) -> Match | Reject:
@@ -649,8 +571,8 @@ def _measure_precision(block, parts: BlockParts, run: ProbeRun, x: torch.Tensor)
                        and o.shape[-1] == E and o.numel() == x.numel() // H * E), None)
     if logits is not None:
         x2 = x.reshape(-1, H)
-        W = get_path(block, parts.router_weight)
-        b = get_path(block, parts.router_bias) if parts.router_bias else None
+        W = get_path(block, parts.router_weight)[:E]  # (the rows of the E experts: not the gamma rows)
+        b = get_path(block, parts.router_bias)[:E] if parts.router_bias else None
         lo = F.linear(x2, W.to(x.dtype), None if b is None else b.to(x.dtype)).float()
         hi = F.linear(x2.float(), W.float(), None if b is None else b.float())
         lg = logits.reshape(-1, E).float()

@@ -150,6 +150,10 @@ def _clamp_limit(ctx: Context, clamps, between: set, baked: dict, who: str) -> f
     up_in = [n for n in between if op_name(n) == "mul" and any(
         _fx.strip_views_casts(a) is cs for a in (arg(n, 0), arg(n, 1)))]
     if len(act_in) != 1 or not up_in:
+        if op_name(_fx.strip_views_casts(arg(cu, 0))) in ("silu", "gelu", "relu"):  # Step-3.7's limit_after_act
+            raise Reject(f"{who}: the gate is clamped after its activation, min(act(gate), {limit:g}) * "
+                         f"clamp(up, -{limit:g}, {limit:g}); the spec's clamped SwiGLU (activation_clamp) clamps the "
+                         "gate before it")
         raise Reject(f"{who}: clamped gate / up do not feed act(gate) * up")
     return limit
 

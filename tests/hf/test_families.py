@@ -18,9 +18,11 @@ EQUAL = (
     "deepseek_v4 dots1 "
     "dots3_note ernie4_5_moe ernie4_5_vl_moe exaone_moe flex_olmo flint glm4_moe glm4_moe_lite glm4v_moe glm5_next "
     "glm_moe_dsa gpt_oss granitemoe granitemoe_swa granitemoehybrid granitemoeshared hunyuan_v1_moe hy_v3 hy_v4 "
-    "hy_v4_vl inkling2 inkling2_loop jamba kimi_linear kolibri1 laguna lara_mini lfm2_moe mellum mimo_v2_flash minimax minimax_m2 "
+    "hy_v4_vl inkling2 inkling2_loop jamba kimi_linear kolibri1 kolibri1_1 laguna lara_mini lfm2_moe mellum mimo_v2_flash "
+    "minicpm5_moe minimax minimax_m2 "
     "minimax_m3_vl mistral4 mistral_large4 mixtral nemotron_h olmoe openai_privacy_filter phimoe qwen2_moe qwen3_5_moe "
-    "qwen3_moe qwen3_next qwen3_omni_moe qwen3_vl_moe qwen4_exp solar_open unlimited_ocr").split()
+    "qwen3_moe qwen3_next qwen3_omni_moe qwen3_vl_moe qwen4_exp solar_open step3p7 unlimited_ocr").split()
+# (kolibri1_1, minicpm5_moe: transformers 5.25; step3p7: decorated from 5.25, found by structure before)
 # (deepseek_v4: a hash-routed layer, MoESpec.hash_routing, and a top-k one, both rewritten)
 OUTCOME = {
     **{f: ("equal", "") for f in EQUAL},
@@ -28,8 +30,9 @@ OUTCOME = {
     # input (RMS norm, a scale vector, H ** -0.5) and per-expert weight multipliers (MoESpec.router_input, ...)
     "diffusion_gemma": ("equal", ""),
     "gemma4": ("equal", ""),
-    # the whole block is beyond the spec; its standard experts module runs moe_experts, routing stays HF's
-    "zaya": ("experts only", "no router weight"),
+    # the whole block is beyond the spec (an MLP router over E + 1 classes, a router state passed from layer to layer:
+    # hf/router_probe.py measures it); its standard experts module runs moe_experts, routing stays HF's
+    "zaya": ("experts only", "after an MLP router"),
     # found by structure (no @use_experts_implementation): hf/discover.py
     "llama4": ("equal", ""),
     # a router [E + S, H] whose last S rows give the S stacked shared experts' gammas, renormalised with the chosen
@@ -47,14 +50,19 @@ OUTCOME = {
     "switch_transformers": ("equal", ""),
     # variants (families.VARIANTS): a family's tiny model with config changes that reach another block style
     "nemotron_h:latent": ("equal", ""),  # experts between latent projections (MoESpec.latent_size)
+    # min(silu(gate), L) * clamp(up, +-L): the spec's clamped SwiGLU clamps the gate before the activation
+    "step3p7:limits": ("not rewritten", "clamped after its activation"),
     # logits scaled before the sigmoid, a norm on the latent input and on each expert's output (MoESpec.router_scale,
     # latent_norm, expert_norm)
     "muse_spark": ("equal", ""),
 }
-# the families the structural scan adds to the decorated ones (transformers 5.24; test_structural_scan checks it)
-STRUCTURAL = ["jetmoe", "llama4", "longcat_flash", "nllb_moe", "switch_transformers"]
-ALL = sorted(set(F.experts_families()) | {f for f in STRUCTURAL if F.transformers_dir() and __import__("os").path.isdir(
-    __import__("os").path.join(F.transformers_dir(), "models", f))})
+# the families the structural scan adds to the decorated ones (test_structural_scan checks it): those of transformers
+# 5.24, and those whose experts a later release decorates (dropped where the installed one does): aria (5.17),
+# step3p7 (before 5.25)
+STRUCTURAL = ["aria", "jetmoe", "llama4", "longcat_flash", "nllb_moe", "step3p7", "switch_transformers"]
+STRUCTURAL = [f for f in STRUCTURAL if F.transformers_dir() and __import__("os").path.isdir(
+    __import__("os").path.join(F.transformers_dir(), "models", f)) and f not in F.experts_families()]
+ALL = sorted(set(F.experts_families()) | set(STRUCTURAL))
 ALL = sorted(set(ALL) | set(F.variants_of(ALL)))
 
 

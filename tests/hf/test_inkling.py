@@ -5,10 +5,11 @@ chosen routed logits and the S shared ones are renormalised together (``exp(logs
 run by bmm, each scaled by its gamma (``MoESpec.shared_gamma`` "joint_renorm", ``SharedExpertSpec.stacked``,
 ``has_weight_scale``).
 
-``moecomp.optimize`` must rewrite every MoE block whole (one ``moe_forward`` per block, read by the FX pass), binding
-the stacked shared weights and the global scale in place (no copies), and the logits must equal the original's within
-1e-4 relative (fp32, CPU, fresh token ids) on the torch path and on the Triton kernels (interpreter); a later write
-to ``global_scale`` must reach the op."""
+``moecomp.optimize`` must rewrite every MoE block whole (one ``moe_forward`` per block), read by the FX pass and by
+the attribute reader alone (``use_capture=False``: gammas from the router's extra rows, the weight scale found by
+what doubling it does), binding the stacked shared weights and the global scale in place (no copies), and the logits
+must equal the original's within 1e-4 relative (fp32, CPU, fresh token ids) on the torch path and on the Triton
+kernels (interpreter); a later write to ``global_scale`` must reach the op."""
 
 import pytest
 import torch
@@ -39,23 +40,24 @@ def _logits(model, ids):
         return model(input_ids=ids, use_cache=False).logits
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_optimize_rewrites_inkling_whole(monkeypatch, backend):
+@pytest.mark.parametrize("backend, use_capture", [("torch", True), ("triton", True), ("torch", False)])
+def test_optimize_rewrites_inkling_whole(monkeypatch, backend, use_capture):
     monkeypatch.setenv("MOECOMP_CPU_BACKEND", backend)
     model = tiny_inkling()
     blocks = [n for n, m in model.named_modules() if type(m).__name__ == "InklingMoE"]
     assert blocks
     ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(5))  # not the probes' tokens
     ref = _logits(model, ids)
-    _, rep = moecomp.optimize(model, report=True)
+    _, rep = moecomp.optimize(model, report=True, use_capture=use_capture)
     assert sorted(b.name for b in rep.rewritten) == sorted(blocks) and not rep.experts_only, str(rep)
-    assert all(b.method == "fx" for b in rep.rewritten), str(rep)
+    assert all(b.method == ("fx" if use_capture else "fallback") for b in rep.rewritten), str(rep)
     for name in blocks:
         blk = model.get_submodule(name)
         s = next(b.spec for b in rep.rewritten if b.name == name)
         S = blk.config.n_shared_experts
-        assert (s.shared_gamma, s.shared.stacked, s.has_weight_scale, s.scoring, s.router_fp32) == (
-            "joint_renorm", S, True, "sigmoid", True), s.describe()
+        # (router_fp32 is not pinned: 5.17's router runs in the model's dtype, later ones in fp32)
+        assert (s.shared_gamma, s.shared.stacked, s.has_weight_scale, s.scoring) == (
+            "joint_renorm", S, True, "sigmoid"), s.describe()
         assert s.routed_scaling_factor == blk.config.route_scale and s.num_experts == blk.config.n_routed_experts
     out, per, total = F.count_calls_per_block(model, lambda: _logits(model, ids))
     assert sorted(per) == sorted(blocks) and all(n == 1 for n in per.values()) and total == len(blocks)
@@ -94,3 +96,65 @@ def test_compile_backend_rewrites_inkling(poison):
         assert torch.isfinite(got).all() and rel_err(got, want) <= TOL
     finally:
         torch._dynamo.reset()
+
+
+def _first_block(model):
+    return next(m for m in model.modules() if type(m).__name__ == "InklingMoE")
+
+
+def _read_alone(block):
+    """The attribute reader's answer for ``block`` (measured on the probe input), and the block's parts."""
+    from moecomp import policy
+    from moecomp.hf import fallback
+    from moecomp.hf.structure import find_parts
+
+    parts = find_parts(block)
+    return fallback.recognise(block, parts, policy.probe_input(parts.hidden_size, torch.device("cpu"),
+                                                               torch.float32)), parts
+
+
+def test_attribute_reader_finds_the_weight_scale_by_what_it_does():
+    """A second one-element Parameter of the router that the routing does not read (named to come first) is not
+    taken for the weight scale; the global scale, which multiplies the weights, is (and the routed scale is the
+    config's route_scale, not route_scale times the global scale's value)."""
+    from moecomp.reject import Reject
+
+    model = tiny_inkling(2)
+    blk = _first_block(model)
+    blk.gate.register_parameter("a_unused_scale", torch.nn.Parameter(torch.full((1,), 3.0)))
+    m, _ = _read_alone(blk)
+    assert not isinstance(m, Reject), m
+    assert m.bindings["weight_scale"] == "gate.global_scale" and m.spec.has_weight_scale, m.describe()
+    assert (m.spec.shared_gamma, m.spec.shared.stacked) == ("joint_renorm", blk.config.n_shared_experts)
+    assert m.spec.routed_scaling_factor == blk.config.route_scale, m.describe()
+
+
+def test_attribute_reader_refuses_gammas_renormalised_apart():
+    """A router whose extra rows are not renormalised together with the chosen weights (the routed weights summing to
+    one on their own): no routing the spec knows gives the experts' weights, and the reader says so."""
+    import types
+
+    import torch.nn.functional as Fn
+
+    from moecomp.reject import Reject, RejectCode
+
+    model = tiny_inkling(3)
+    blk = _first_block(model)
+    gate = blk.gate
+
+    def forward(self, hidden_states):
+        logits = Fn.linear(hidden_states.reshape(-1, self.hidden_dim).float(), self.weight.float())
+        scores = logits.sigmoid()
+        routed = scores[..., : -self.n_shared_experts]
+        ids = torch.topk(routed + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False)[1]
+        w = routed.gather(-1, ids)
+        w = w / w.sum(-1, keepdim=True) * self.route_scale * self.global_scale
+        gammas = scores[..., -self.n_shared_experts:] * self.route_scale * self.global_scale
+        return logits[..., : -self.n_shared_experts], w, ids, gammas
+
+    gate.forward = types.MethodType(forward, gate)
+    m, parts = _read_alone(blk)
+    assert parts.gamma_rows == blk.config.n_shared_experts
+    assert isinstance(m, Reject) and m.code is RejectCode.UNSUPPORTED_ROUTING, m
+    assert "renormalised together" in m.message and f"{parts.gamma_rows} rows past the experts" in m.message, m
+
