@@ -8,6 +8,7 @@ import torch.fx as fx
 
 from . import _fx
 from ._fx import arg, op_name
+from .moe_flat import flat_view
 
 
 class Context:
@@ -33,6 +34,7 @@ class Context:
         # token ids / hidden states the model is called with are static too, and taking them for weights makes
         # every later layer "computable from the block input plus weights" (one region swallowing all blocks).
         self.static_ph = set()
+        self._flat: dict = {}
         for p in self.placeholders:
             v = _fx.meta_val(p)
             if v is None:
@@ -63,6 +65,15 @@ class Context:
                 return base
         return None
 
+    def flat_view(self, p, E: int, nodes=None):
+        """``moe_flat.flat_view`` of 2-D placeholder ``p`` for E experts (cached per p and E over the whole graph)."""
+        if nodes is not None:
+            return flat_view(self.pshape(p), p, E, nodes)
+        key = (p, E)
+        if key not in self._flat:
+            self._flat[key] = flat_view(self.pshape(p), p, E)
+        return self._flat[key]
+
     def as_linear(self, n: fx.Node):
         """``n`` as y = a @ W.T (+ b) with W a 2-D weight placeholder [out, in]: (a, W, b) or None.
 
@@ -87,10 +98,13 @@ class Context:
     def final_topks(self) -> list[fx.Node]:
         """Top-k nodes whose indices select slices of 3-D weights with as many experts as the top-k input."""
         ph3 = {}
+        flat = []  # 2-D weights that may hold the experts flat (moe_flat): their expert count depends on E
         for p in self.static_ph:
             s = self.pshape(p)
             if s is not None and len(s) == 3:
                 ph3[p] = s[0]
+            elif s is not None and len(s) == 2:
+                flat.append(p)
         out = []
         for n in self.graph.nodes:
             if op_name(n) != "topk":
@@ -99,7 +113,10 @@ class Context:
             if not s:
                 continue
             E = _fx.static_int(s[-1])
-            if E is None or not any(e == E for e in ph3.values()):
+            if E is None:
+                continue
+            w3 = {p for p, e in ph3.items() if e == E} | {p for p in flat if self.flat_view(p, E) is not None}
+            if not w3:
                 continue
             # indices must reach a 3-D weight's consumer
             idx = [u for u in n.users if op_name(u) == "getitem" and u.args[1] == 1]
@@ -110,7 +127,7 @@ class Context:
             for r in reach:
                 for a in r.all_input_nodes:
                     b = _fx.weight_base(a)
-                    if b in ph3 and ph3[b] == E:
+                    if b in w3:
                         hit = True
                         break
                 if hit:

@@ -168,6 +168,9 @@ class MoEMatch:
     # names whose tensors, concatenated on dim 0, are that expert's slice of the op's stacked tensor (the op
     # argument is ``torch.stack([torch.cat(expert, 0) for expert in stacked[k]])``; ``bindings[k]`` is None)
     stacked: dict[str, list[list[str]]] = field(default_factory=dict)
+    # MOE_ARGS name -> the op reads a view of its placeholder (``moe_flat.FlatView``: experts held flat in a 2-D
+    # matrix, a weight stored transposed, a flat 1-D bias); no copy
+    arg_views: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.block_output is None:
@@ -332,7 +335,8 @@ def _match_output(ctx: Context, c: _Candidate, out: fx.Node) -> MoEMatch:
     blk = Block(x_root=c.region.x_root, x_in=x_in, out=out, nodes=core | c.region.support,
                 bindings=bindings, stacked={k: [[p.name for p in e] for e in per]
                                                          for k, per in ex.stacked.items()},
-                arg_shapes={"correction_bias": (r.E,)} if r.bias_shape is not None else {}, arg_rows=dict(ex.rows))
+                arg_shapes={"correction_bias": (r.E,)} if r.bias_shape is not None else {}, arg_rows=dict(ex.rows),
+                arg_views=dict(ex.views))
     spec, verified = _prove(ctx, candidates, blk, has_tail=out is not c.block_out)
     out_dtype = _fx.dtype_of(out)
     return MoEMatch(
@@ -340,6 +344,7 @@ def _match_output(ctx: Context, c: _Candidate, out: fx.Node) -> MoEMatch:
         router=r.logits_linear, topk=c.topk, baked={**r.baked, **ex.baked, **(sh.baked if sh else {})},
         verified=verified, output_dtype=out_dtype if out_dtype != x_dtype else None, block_output=c.block_out,
         tail=frozenset(tail), arg_shapes=blk.arg_shapes, stacked=blk.stacked, arg_rows=blk.arg_rows,
+        arg_views=blk.arg_views,
     )
 
 
