@@ -13,8 +13,8 @@ list is no longer only the families whose experts carry ``@use_experts_implement
                                    of them or E / 2 < E' <= E for all (identity / zero-computation experts take
                                    the rest of the router's outputs); or >= 2 children of one class, each an MLP
                                    (2-4 matrices, all with H on one side), as many as the router has outputs or
-                                   fewer; or two or more 2-D weights in one module, without children or the
-                                   block itself, that hold E experts flat: one dim E * n, the other H (or n = H:
+                                   fewer; or two or more 2-D weights in one module (without children that hold
+                                   parameters; or the block itself) that hold E experts flat: one dim E * n, the other H (or n = H:
                                    [E * H, I], a down projection's rows), at least one with an H side (E >= 4)
 
 No attribute or class name is read: only shapes and which module owns what. A family found here is then built
@@ -77,7 +77,7 @@ def _expert_tensors(ms: list, E: int, H: int) -> bool:
     if _stacked_ok([t for m in ms for sub in m.modules() for t in _own(sub)], E, H):
         return True
     for sub in (s for m in ms for s in m.modules()):
-        if not list(sub.children()) and _flat_ok(_own(sub), E, H):
+        if not any(True for c in sub.children() for _ in c.parameters()) and _flat_ok(_own(sub), E, H):
             return True  # [E * n, H]-like matrices side by side in one parameter holder: experts flattened
         kids = [c for c in sub.children() if any(True for _ in c.parameters())]
         if len(kids) >= 2 and len({type(c) for c in kids}) == 1 and len(kids) <= E and _is_mlp(kids[0], H):

@@ -45,6 +45,9 @@ The matched subgraph (names are roles, not node names; ``[..]`` optional, ``|`` 
     ``transformers::grouped_mm_fallback`` | ``torch._grouped_mm`` | ``F.grouped_mm``, inverse permutation,
     ``view(T,k,H).sum(1)``), its ``batched_mm`` path (``repeat_interleave``, ``w[ids]``, ``bmm``), an expert-indexed
     einsum / bmm / matmul (``w1[expert_indices]``), or an unrolled per-expert loop (``w13[e]``, ``index_add_``).
+    A stacked weight may be held flat: one 2-D matrix [E * n, C] / [R, E * n] that the block views as [E, ., .] or
+    takes E row / column ranges of (``moe_flat``), and the two weights may be stored one [out, in], the other
+    [in, out]; the op then reads a view of the same storage (``MoEMatch.arg_views``: no copy).
 
     Experts kept as per-expert modules (``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential`` of 2-D weights, no
     [E, ., .] weight in the block), the loop over the experts unrolled (``capture_block(..., real_values=True)``

@@ -91,7 +91,7 @@ def stacked_experts(ctx: Context, R: Routing, region: Region) -> Experts | None:
         raise Reject("no pair of stacked 3-D expert weights [E, ., .] used by the block")
     if len(cands) > 2:
         raise Reject(f"{len(cands)} stacked expert weights used (separate gate / up weights are not supported; "
-                     "the op needs them concatenated)")
+                     "the op needs them concatenated, which only a copy of the weights gives)")
     (w13, u13), (w2, u2) = _ordered_pair(ctx, cands, nodes)
     flat = {k: ctx.flat_view(p, R.E, nodes) for k, p in (("w13", w13), ("w2", w2)) if len(ctx.pshape(p)) == 2}
     s13, s2 = unpacked_shape(ctx, w13, nodes), unpacked_shape(ctx, w2, nodes)  # (4-bit: two codes a byte)

@@ -19,6 +19,7 @@ The experts' axis is the one of size E that the split made (the router's E outpu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,19 @@ def flat_view(shape: tuple, p: fx.Node, E: int, nodes=None) -> FlatView | None:
     return _tiling(shape, p, E, nodes)
 
 
+def _first_rows_view(shape: tuple, vs: tuple, E: int) -> FlatView | None:
+    """[R, C] reshaped to ``vs`` (2-D, or more than 3-D) with experts outer, each its rows: ``w.view(E, -1)``
+    ([E, R / E * C]) or dims that multiply to R first, the first of them E (``w.view(E, 2, I, H)``, gate and up
+    apart): the op's [E, R / E, C]. None otherwise."""
+    R, C = shape
+    if not vs or vs[0] != E or R % E or math.prod(vs) != R * C:
+        return None
+    heads = [math.prod(vs[:j]) for j in range(1, len(vs))]
+    if R in heads or (len(vs) == 2 and vs[1] == R // E * C):
+        return FlatView((E, R // E, C), (0, 1, 2))
+    return None
+
+
 def flat_view_1d(shape: tuple, p: fx.Node, E: int, nodes=None) -> FlatView | None:
     """A 1-D placeholder [E * n] (per-expert biases held flat) viewed [E, n] by the block."""
     if shape is None or len(shape) != 1 or E < 2 or shape[0] % E:
@@ -85,7 +99,8 @@ def _static(s) -> tuple | None:
 
 
 def _reshaped(p: fx.Node, nodes, ndim: int = 3):
-    """The first nodes of ``ndim`` dims that ``p`` is reshaped into (no transpose on the way)."""
+    """The first nodes of ``ndim`` dims (3: of 3 or more; or of 2 with a shape other than ``p``'s) that ``p`` is
+    reshaped into (no transpose on the way)."""
     todo, seen = [p], set()
     while todo:
         n = todo.pop()
@@ -97,7 +112,8 @@ def _reshaped(p: fx.Node, nodes, ndim: int = 3):
             if name not in _KEEP and name not in _RESHAPE:
                 continue
             s = _fx.shape_of(u)
-            if s is not None and len(s) == ndim and name in _RESHAPE:
+            if s is not None and name in _RESHAPE and (len(s) == ndim or ndim == 3 and (
+                    len(s) > 3 or len(s) == 2 and tuple(s) != tuple(_fx.shape_of(p) or ()))):
                 yield u
             else:
                 todo.append(u)
@@ -109,6 +125,8 @@ def _split_view(shape: tuple, vs, E: int, v: fx.Node) -> FlatView | None:
     vs = _static(vs)
     if vs is None:
         return None
+    if len(vs) != 3:
+        return _first_rows_view(shape, vs, E)
     R, C = shape
     if vs[0] * vs[1] == R and vs[2] == C:
         axes = (0, 1)

@@ -208,6 +208,50 @@ class FlatBiased(nn.Module):
         return (y * w[..., None]).sum(1).reshape(x.shape)
 
 
+class GateUpApartView(nn.Module):
+    """Gated; ``a [E * 2I, H]`` viewed [E, 2, I, H] (gate ``[:, :, 0]``, up ``[:, :, 1]`` of the gathered experts),
+    ``b [E * H, I]`` viewed [E, H * I] then gathered and reshaped; flat weights in a child that also holds an
+    activation module."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = nn.Module()
+        self.experts.act = nn.SiLU()
+        self.experts.a = _param(E * 2 * I, H)
+        self.experts.b = _param(E * H, I)
+
+    def forward(self, x):
+        t = x.reshape(-1, H)
+        w, ids = _softmax_topk(self.gate(t))
+        a = self.experts.a.view(E, 2, I, H)[ids]  # [T, k, 2, I, H]
+        g = torch.einsum("th,tkih->tki", t, a[:, :, 0])
+        u = torch.einsum("th,tkih->tki", t, a[:, :, 1])
+        b = self.experts.b.view(E, -1)[ids].view(-1, K, H, I)
+        y = torch.einsum("tki,tkhi->tkh", self.experts.act(g) * u, b)
+        return (y * w[..., None]).sum(1).reshape(x.shape)
+
+
+class InterleavedView(nn.Module):
+    """Gated with gate / up interleaved in the storage: ``a [E * 2I, H]`` viewed [E, I, 2, H] (gate ``[..., 0, :]``,
+    up ``[..., 1, :]``); ``b [E * I, H]`` read [E, I, H] ([in, out]); weights on the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.a = _param(E * 2 * I, H)
+        self.b = _param(E * I, H)
+
+    def forward(self, x):
+        t = x.reshape(-1, H)
+        w, ids = _softmax_topk(self.gate(t))
+        a = self.a.view(E, I, 2, H)[ids]
+        g = torch.einsum("th,tkih->tki", t, a[..., 0, :])
+        u = torch.einsum("th,tkih->tki", t, a[..., 1, :])
+        y = torch.einsum("tki,tkih->tkh", F.silu(g) * u, self.b.view(E, I, H)[ids])
+        return (y * w[..., None]).sum(1).reshape(x.shape)
+
+
 class _Unit(nn.Module):
     """A per-expert MLP with names no list holds: ``inp`` (gate and up, [2I, H]) and ``outp``."""
 
@@ -262,6 +306,8 @@ SPELLINGS = {
     "chunked_split": ChunkedSplit,
     "flat_biased": FlatBiased,
     "custom_container": CustomContainer,
+    "gate_up_apart_view": GateUpApartView,
+    "interleaved_view": InterleavedView,
 }
 
 # name -> {parameter path: op argument} the op reads in place (views of the same storage); per-expert modules are
@@ -276,6 +322,8 @@ FLAT = {
     "chunked_split": {"w_a": "w13", "w_b": "w2"},
     "flat_biased": {"up": "w13", "dn": "w2", "up_b": "b13", "dn_b": "b2"},
     "custom_container": {},
+    "gate_up_apart_view": {"experts.a": "w13", "experts.b": "w2"},
+    "interleaved_view": {"a": "w13", "b": "w2"},
 }
 
 
