@@ -13,7 +13,9 @@ list is no longer only the families whose experts carry ``@use_experts_implement
                                    of them or E / 2 < E' <= E for all (identity / zero-computation experts take
                                    the rest of the router's outputs); or >= 2 children of one class, each an MLP
                                    (2-4 matrices, all with H on one side), as many as the router has outputs or
-                                   fewer; or two or more 2-D weights in one module (without children that hold
+                                   fewer; or, twice, E 2-D matrices of one shape (one per expert, a side of
+                                   width H) held by one module (a ParameterList); or two or more 2-D weights in
+                                   one module (without children that hold
                                    parameters; or the block itself) that hold E experts flat: one dim E * n, the other H (or n = H:
                                    [E * H, I], a down projection's rows), at least one with an H side (E >= 4)
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 
 import torch
 from torch import nn
@@ -76,6 +79,10 @@ def _expert_tensors(ms: list, E: int, H: int) -> bool:
     width H (module docstring)."""
     if _stacked_ok([t for m in ms for sub in m.modules() for t in _own(sub)], E, H):
         return True
+    lists = [n for m in ms for sub in m.modules()
+             for n in Counter(tuple(t.shape) for t in _own(sub) if t.dim() == 2 and H in t.shape).values()]
+    if lists.count(E) >= 2:
+        return True  # one 2-D matrix per expert, E of one shape in a holder (ParameterList), for two projections
     for sub in (s for m in ms for s in m.modules()):
         if not any(True for c in sub.children() for _ in c.parameters()) and _flat_ok(_own(sub), E, H):
             return True  # [E * n, H]-like matrices side by side in one parameter holder: experts flattened

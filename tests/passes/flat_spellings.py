@@ -296,6 +296,27 @@ class CustomContainer(nn.Module):
         return out.reshape(x.shape)
 
 
+class ParameterLists(nn.Module):
+    """One Parameter per expert and projection, in two ``nn.ParameterList``s (``up``: gate and up [2I, H], ``down``
+    [H, I]); a loop over the experts; softmax router ``gate``."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.up = nn.ParameterList([_param(2 * I, H) for _ in range(E)])
+        self.down = nn.ParameterList([_param(H, I) for _ in range(E)])
+
+    def forward(self, x):
+        t = x.reshape(-1, H)
+        w, ids = _softmax_topk(self.gate(t))
+        out = torch.zeros_like(t)
+        for e in range(E):
+            tok, slot = torch.where(ids == e)
+            g, u = F.linear(t[tok], self.up[e]).chunk(2, -1)
+            out.index_add_(0, tok, F.linear(F.silu(g) * u, self.down[e]) * w[tok, slot, None])
+        return out.reshape(x.shape)
+
+
 SPELLINGS = {
     "rows_view_gather": RowsViewGather,
     "columns_in_out_loop": ColumnsInOutLoop,
@@ -308,10 +329,11 @@ SPELLINGS = {
     "custom_container": CustomContainer,
     "gate_up_apart_view": GateUpApartView,
     "interleaved_view": InterleavedView,
+    "parameter_lists": ParameterLists,
 }
 
-# name -> {parameter path: op argument} the op reads in place (views of the same storage); per-expert modules are
-# stacked once and re-pointed (their Parameters then view the op's tensor)
+# name -> {parameter path: op argument} the op reads in place (views of the same storage); per-expert Parameters are
+# stacked once and re-pointed (they then view the op's tensor)
 FLAT = {
     "rows_view_gather": {"w_in": "w13", "w_out": "w2"},
     "columns_in_out_loop": {"wi": "w13", "wo": "w2"},
@@ -324,6 +346,7 @@ FLAT = {
     "custom_container": {},
     "gate_up_apart_view": {"experts.a": "w13", "experts.b": "w2"},
     "interleaved_view": {"a": "w13", "b": "w2"},
+    "parameter_lists": {"up.0": "w13", "down.3": "w2"},  # per-expert Parameters: re-pointed into the op's stack
 }
 
 
