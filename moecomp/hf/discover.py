@@ -26,6 +26,7 @@ listed with its error.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from collections import Counter
@@ -101,9 +102,26 @@ def _flat_ok(ts: list, E: int, H: int) -> bool:
 
 def own_experts(block: nn.Module, E: int, H: int, router=None) -> bool:
     """Does ``block`` own, as its own tensors (not its children's), experts for a router of E outputs over width H
-    (3-D stacked or 2-D flat, module docstring)? ``router``: the router weight, when it is one of them."""
+    (3-D stacked or 2-D flat, module docstring)? ``router``: the router weight, when it is one of them. Only a module
+    whose forward needs nothing but the hidden states can be a block, and a bare router Parameter among the block's
+    own expert tensors must be its only [E, n] one: an experts module called with the routing (``forward(hidden,
+    top_k_index, top_k_weights)``, gpt-oss's with defaults for them) owns stacked weights and per-expert biases, one
+    of them [E, H], and is no block of its own."""
     ts = [t for t in _own(block) if t is not router]
-    return _stacked_ok(ts, E, H) or _flat_ok(ts, E, H)
+    if router is not None and any(t.dim() == 2 and t.shape[0] == E for t in ts):
+        return False  # the router one of several [E, n] tensors of the block (per-expert biases): which is unknown
+    return (_stacked_ok(ts, E, H) or _flat_ok(ts, E, H)) and _one_input(block)
+
+
+def _one_input(m: nn.Module) -> bool:
+    """Does ``m``'s forward need at most one argument (the others have defaults)?"""
+    try:
+        sig = inspect.signature(m.forward)
+    except (TypeError, ValueError):
+        return True
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+             inspect.Parameter.KEYWORD_ONLY)
+    return sum(p.default is p.empty and p.kind in kinds for p in sig.parameters.values()) <= 1
 
 
 def _is_mlp(m: nn.Module, H: int) -> bool:
