@@ -15,9 +15,9 @@ list is no longer only the families whose experts carry ``@use_experts_implement
                                    (2-4 matrices, all with H on one side), as many as the router has outputs or
                                    fewer; or, twice, E 2-D matrices of one shape (one per expert, a side of
                                    width H) held by one module (a ParameterList); or two or more 2-D weights in
-                                   one module (without children that hold
-                                   parameters; or the block itself) that hold E experts flat: one dim E * n, the other H (or n = H:
-                                   [E * H, I], a down projection's rows), at least one with an H side (E >= 4)
+                                   one module (without children that hold parameters; or the block itself) that
+                                   hold E experts flat: one dim E * n, the other H (or n = H: [E * H, I], a down
+                                   projection's rows), at least one with an H side (E >= 4)
 
 No attribute or class name is read: only shapes and which module owns what. A family found here is then built
 tiny for real and optimized by ``families.check_family`` like any other; one whose model cannot be built tiny is

@@ -14,7 +14,7 @@ After::
 The op reads the same parameter placeholders the block read (so weight updates stay visible and nothing is copied;
 a tensor the op needs in another shape, e.g. a ``[1, E]`` correction bias, is passed through a ``reshape`` node, and
 one of which it reads the first rows, LongCat-Flash's ``[E + Z, 2I, H]`` gate_up_proj, through a ``narrow``, and
-experts held flat in a 2-D matrix (or a weight stored transposed) through a ``view`` + ``permute``: ``MoEMatch.arg_views``);
+experts held flat in a 2-D matrix (or a weight stored transposed) through ``view`` + ``permute``: ``arg_views``);
 scalar attributes (routed scaling, swiglu alpha / limit) are in ``spec.key``. Experts kept as per-expert modules
 (``MoEMatch.stacked``) have no stacked tensor to read: the graph builds it, ``torch.stack`` of each expert's
 ``torch.cat`` (a copy of every expert weight per call; ``moecomp.backend`` leaves such blocks alone, and
