@@ -1,8 +1,9 @@
 """MoE blocks whose experts are stored in layouts other than transformers' ``gate_up_proj`` / ``down_proj`` 3-D
 tensors or a ModuleList of ``w1/w2/w3`` MLPs (issue 38): one 2-D matrix holding every expert's rows (or columns),
 split in the forward by a view / reshape / unflatten, by row or column ranges, by ``chunk`` / ``split``; stacked 3-D
-tensors under other names, on the block itself, one of them stored [in, out] and the other [out, in]; per-expert
-modules in a custom container. Attribute names are deliberately none of those ``hf/structure.py`` knows.
+tensors under other names, on the block itself (also a block with no child module at all), one of them stored
+[in, out] and the other [out, in]; per-expert modules in a custom container, per-expert Parameters in
+``ParameterList``s. Attribute names are deliberately none of those ``hf/structure.py`` knows.
 
 Sizes: H = 16, I = 6, E = 4, top-2 (no two of H, I, 2I, E alike, so no layout is read by luck). ``SPELLINGS`` maps a
 name to the block class, ``FLAT`` names the (parameter path, op argument) of each block's weights the op must read
@@ -317,6 +318,24 @@ class ParameterLists(nn.Module):
         return out.reshape(x.shape)
 
 
+class NoChildren(nn.Module):
+    """Everything the block's own Parameters, no child module at all: router ``r [E, H]``, ``wi [E, 2I, H]``,
+    ``wo [E, H, I]``; gathered by the ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.r = _param(E, H)
+        self.wi = _param(E, 2 * I, H)
+        self.wo = _param(E, H, I)
+
+    def forward(self, x):
+        t = x.reshape(-1, H)
+        w, ids = _softmax_topk(t @ self.r.T)
+        g, u = torch.einsum("th,tkoh->tko", t, self.wi[ids]).chunk(2, -1)
+        y = torch.einsum("tki,tkhi->tkh", F.silu(g) * u, self.wo[ids])
+        return (y * w[..., None]).sum(1).reshape(x.shape)
+
+
 SPELLINGS = {
     "rows_view_gather": RowsViewGather,
     "columns_in_out_loop": ColumnsInOutLoop,
@@ -330,6 +349,7 @@ SPELLINGS = {
     "gate_up_apart_view": GateUpApartView,
     "interleaved_view": InterleavedView,
     "parameter_lists": ParameterLists,
+    "no_children": NoChildren,
 }
 
 # name -> {parameter path: op argument} the op reads in place (views of the same storage); per-expert Parameters are
@@ -347,6 +367,7 @@ FLAT = {
     "gate_up_apart_view": {"experts.a": "w13", "experts.b": "w2"},
     "interleaved_view": {"a": "w13", "b": "w2"},
     "parameter_lists": {"up.0": "w13", "down.3": "w2"},  # per-expert Parameters: re-pointed into the op's stack
+    "no_children": {"wi": "w13", "wo": "w2"},
 }
 
 
