@@ -408,11 +408,16 @@ def _block_paths(cap: CapturedBlock, m) -> tuple[dict, list[Derived]]:
         ph = m.bindings.get(k)
         groups = getattr(m, "stacked", {}).get(k)
         rows = getattr(m, "arg_rows", {}).get(k)
+        view = getattr(m, "arg_views", {}).get(k)
         if groups:  # per expert, the pieces of its slice: built as one [E, ...] tensor
             derived.append(Derived(f"_moecomp_{k}", [[path_of(k, p) for p in g] for g in groups]))
             bindings[k] = derived[-1].name
         elif rows is not None and ph is not None:  # the first rows of the tensor (zero experts): a view, no copy
             derived.append(Derived(f"_moecomp_{k}", [[path_of(k, ph)]], kind="rows", rows=rows, inline=True))
+            bindings[k] = derived[-1].name
+        elif view is not None and ph is not None:  # experts held flat (or stored transposed): a view, no copy
+            derived.append(Derived(f"_moecomp_{k}", [[path_of(k, ph)]], kind="view", shape=tuple(view.shape),
+                                   perm=tuple(view.perm), inline=True))
             bindings[k] = derived[-1].name
         else:
             bindings[k] = None if ph is None else path_of(k, ph)

@@ -32,7 +32,9 @@ class Derived:
     ``kind`` "stack": per expert, the listed paths are concatenated on dim 0, then stacked on a new dim 0 (a
     ModuleList of expert MLPs); "cat": the listed tensors are concatenated on ``dim`` (separate 3-D gate / up, or
     router and shared-expert gate rows); "rows": a view of the first ``rows`` rows of the one source, no copy
-    (LongCat-Flash's gate_up_proj holds E + Z experts where the op reads E: ``MoESpec.zero_experts``).
+    (LongCat-Flash's gate_up_proj holds E + Z experts where the op reads E: ``MoESpec.zero_experts``); "view": the
+    one source viewed as ``shape`` then permuted by ``perm``, no copy (every expert's rows in one 2-D matrix read as
+    [E, ., .], or a 3-D weight read transposed: ``passes/moe_flat.py``).
     ``fp32``: the result is converted to fp32 (an fp32 router over 16-bit weights). ``inline``: small enough to build
     on every call inside a compiled graph (always fresh there).
 
@@ -52,12 +54,22 @@ class Derived:
     fp32: bool = False
     inline: bool = False
     rows: int = 0  # kind "rows": how many leading rows of the source
+    shape: tuple = ()  # kind "view": the source viewed as this shape,
+    perm: tuple = ()  # then permuted so (experts first)
+
+    @property
+    def is_view(self) -> bool:
+        """Does the result share the source's storage by construction (a view: "rows", "view")?"""
+        return self.kind in ("rows", "view")
 
     def build(self, block: nn.Module) -> torch.Tensor:
         """A new tensor (a copy, "rows" a view: the sources are left as they are)."""
         with torch.no_grad():
             if self.kind == "rows":  # a view (it shares the source's storage: nothing is copied)
                 out = get_path(block, self.sources[0][0]).detach()[: self.rows]
+                return out.float() if self.fp32 else out
+            if self.kind == "view":  # a view too (``Tensor.view`` never copies: it raises where it cannot view)
+                out = get_path(block, self.sources[0][0]).detach().view(self.shape).permute(self.perm)
                 return out.float() if self.fp32 else out
             if self.kind == "cat":
                 ts = [get_path(block, p).detach() for p in self.sources[0]]

@@ -300,13 +300,15 @@ def match_block(block: nn.Module, example: torch.Tensor | None = None, *, use_fx
 
     ``example``: the probe input (default: ``policy.probe_input`` in the block's dtype and device)."""
     from .epilogue import block_device_dtype  # noqa: PLC0415
-    from .hf.structure import NotABlock, find_parts  # noqa: PLC0415
+    from .hf.structure import NotABlock, find_parts, structural_parts  # noqa: PLC0415
     from .verify import verify  # noqa: PLC0415
 
     try:
         parts = find_parts(block)
     except NotABlock as e:
-        raise Refused(str(e), RejectCode.NOT_A_BLOCK) from None
+        parts = structural_parts(block)  # found by its shapes: the FX pass reads it
+        if parts is None:
+            raise Refused(str(e), RejectCode.NOT_A_BLOCK) from None
     if example is None:
         device, dtype = block_device_dtype(block, parts)
         example = policy.probe_input(parts.hidden_size, device, dtype)

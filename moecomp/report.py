@@ -160,8 +160,9 @@ def _fill_from_spec(r: BlockReport, spec: MoESpec, block: nn.Module, bindings: d
             n += spec.hidden_size
         per_tok += n * _itemsize(t("shared_w2"), isz)
     r.bytes_per_token = int(per_tok)
-    # shared stacks hold no second copy, nor do views ("rows": the E experts of an [E + Z, ...] weight)
-    copies = [d for d in derived if not _bind.is_shared(block, d) and d.kind != "rows"]
+    # shared stacks hold no second copy, nor do views ("rows": the E experts of an [E + Z, ...] weight; "view": flat
+    # experts read as [E, ., .])
+    copies = [d for d in derived if not _bind.is_shared(block, d) and not d.is_view]
     if copies:
         r.extra_bytes = int(sum(
             sum(get_path(block, p).numel() for p in d.source_paths()) * (4 if d.fp32 else isz) for d in copies))

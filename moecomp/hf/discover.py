@@ -8,13 +8,16 @@ list is no longer only the families whose experts carry ``@use_experts_implement
     routed experts    a module owning, apart from each other,
                         a router:  one 2-D weight [E, H] (2 <= E <= 1024 outputs of the hidden width H; not an
                            embedding table), in a child or the module's own parameter, and
-                        experts:   two or more 3-D weights [E', a, b] in the block's other children (a, b > 1,
-                                   one of them H), E' = E for one of them or E / 2 < E' <= E for all
-                                   (identity / zero-computation experts take the rest of the router's
-                                   outputs); or >= 2 children of one class, each an MLP (2-4 matrices, all
-                                   with H on one side), as many as the router has outputs or fewer; or two
-                                   or more 2-D weights [E * n, H] in one module without children (experts
-                                   flattened, E >= 4)
+                        experts:   in the block's other children, or the block's own tensors besides the router:
+                                   two or more 3-D weights [E', a, b] (a, b > 1, one of them H), E' = E for one
+                                   of them or E / 2 < E' <= E for all (identity / zero-computation experts take
+                                   the rest of the router's outputs); or >= 2 children of one class, each an MLP
+                                   (2-4 matrices, all with H on one side), as many as the router has outputs or
+                                   fewer; or, twice, E 2-D matrices of one shape (one per expert, a side of
+                                   width H) held by one module (a ParameterList); or two or more 2-D weights in
+                                   one module (without children that hold parameters; or the block itself) that
+                                   hold E experts flat: one dim E * n, the other H (or n = H: [E * H, I], a down
+                                   projection's rows), at least one with an H side (E >= 4)
 
 No attribute or class name is read: only shapes and which module owns what. A family found here is then built
 tiny for real and optimized by ``families.check_family`` like any other; one whose model cannot be built tiny is
@@ -23,8 +26,10 @@ listed with its error.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
+from collections import Counter
 
 import torch
 from torch import nn
@@ -75,14 +80,48 @@ def _expert_tensors(ms: list, E: int, H: int) -> bool:
     width H (module docstring)."""
     if _stacked_ok([t for m in ms for sub in m.modules() for t in _own(sub)], E, H):
         return True
+    lists = [n for m in ms for sub in m.modules()
+             for n in Counter(tuple(t.shape) for t in _own(sub) if t.dim() == 2 and H in t.shape).values()]
+    if lists.count(E) >= 2:
+        return True  # one 2-D matrix per expert, E of one shape in a holder (ParameterList), for two projections
     for sub in (s for m in ms for s in m.modules()):
-        flat = [t for t in _own(sub) if t.dim() == 2 and t.shape[0] > E and t.shape[0] % E == 0 and t.shape[1] == H]
-        if E >= 4 and len(flat) >= 2 and len({t.shape[0] for t in flat}) == 1 and not list(sub.children()):
-            return True  # [E * n, H] matrices side by side in one parameter holder: experts flattened
+        if not any(True for c in sub.children() for _ in c.parameters()) and _flat_ok(_own(sub), E, H):
+            return True  # [E * n, H]-like matrices side by side in one parameter holder: experts flattened
         kids = [c for c in sub.children() if any(True for _ in c.parameters())]
         if len(kids) >= 2 and len({type(c) for c in kids}) == 1 and len(kids) <= E and _is_mlp(kids[0], H):
             return True
     return False
+
+
+def _flat_ok(ts: list, E: int, H: int) -> bool:
+    """Two or more 2-D tensors that hold E experts flat (module docstring), at least one with a side of width H."""
+    flat = [t for t in ts if t.dim() == 2 and any(t.shape[d] % E == 0 and t.shape[d] >= 2 * E and (
+        t.shape[1 - d] == H or t.shape[d] == E * H) for d in (0, 1))]
+    return E >= 4 and len(flat) >= 2 and any(H in t.shape for t in flat)
+
+
+def own_experts(block: nn.Module, E: int, H: int, router=None) -> bool:
+    """Does ``block`` own, as its own tensors (not its children's), experts for a router of E outputs over width H
+    (3-D stacked or 2-D flat, module docstring)? ``router``: the router weight, when it is one of them. Only a module
+    whose forward needs nothing but the hidden states can be a block, and a bare router Parameter among the block's
+    own expert tensors must be its only [E, n] one: an experts module called with the routing (``forward(hidden,
+    top_k_index, top_k_weights)``, gpt-oss's with defaults for them) owns stacked weights and per-expert biases, one
+    of them [E, H], and is no block of its own."""
+    ts = [t for t in _own(block) if t is not router]
+    if router is not None and any(t.dim() == 2 and t.shape[0] == E for t in ts):
+        return False  # the router one of several [E, n] tensors of the block (per-expert biases): which is unknown
+    return (_stacked_ok(ts, E, H) or _flat_ok(ts, E, H)) and _one_input(block)
+
+
+def _one_input(m: nn.Module) -> bool:
+    """Does ``m``'s forward need at most one argument (the others have defaults)?"""
+    try:
+        sig = inspect.signature(m.forward)
+    except (TypeError, ValueError):
+        return True
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+             inspect.Parameter.KEYWORD_ONLY)
+    return sum(p.default is p.empty and p.kind in kinds for p in sig.parameters.values()) <= 1
 
 
 def _is_mlp(m: nn.Module, H: int) -> bool:
@@ -95,12 +134,13 @@ def block_router(block: nn.Module, H: int | None) -> tuple[str, str, int] | None
     """(router child name, its [E, H] weight's path, E) when ``block`` owns a router and, in its other children,
     experts for it (module docstring); None otherwise."""
     kids = dict(block.named_children())
-    if not kids:
-        return None
     own = [(n, t) for n, t in _own_named(block) if t.dim() == 2]  # a bare router Parameter of the block itself
+    if not kids and not own:
+        return None
+    owns = any(t.dim() in (2, 3) for _, t in _own_named(block))  # experts maybe the block's own tensors
     cands = [("", own, list(kids.values()))] if own else []
     for rname, r in kids.items():
-        if isinstance(r, nn.Embedding) or len(kids) < 2:
+        if isinstance(r, nn.Embedding) or (len(kids) < 2 and not owns):
             continue
         ws = [(n, t) for n, t in _own_named(r) if t.dim() == 2]
         ws += [(f"{c}.{n}", t) for c, m in r.named_children() if not isinstance(m, nn.Embedding)
@@ -108,20 +148,32 @@ def block_router(block: nn.Module, H: int | None) -> tuple[str, str, int] | None
         cands.append((rname, ws, [c for n, c in kids.items() if n != rname]))
     for rname, ws, others in cands:
         for wname, w in ws:
-            if (H is None or w.shape[1] == H) and 2 <= w.shape[0] <= 1024 and _expert_tensors(others, w.shape[0],
-                                                                                                 w.shape[1]):
-                return rname, f"{rname}.{wname}" if rname else wname, int(w.shape[0])
+            E, W = int(w.shape[0]), int(w.shape[1])
+            if (H is None or W == H) and 2 <= E <= 1024 and (_expert_tensors(others, E, W) or (
+                    owns and own_experts(block, E, W, w))):
+                return rname, f"{rname}.{wname}" if rname else wname, E
     return None
 
 
 def experts_holder(block: nn.Module, router: str, E: int, H: int) -> str | None:
     """The child (other than the router) that holds the experts of a ``block_router`` block; "" when they are
-    spread over several children (JetMoE's ``input_linear`` / ``output_linear``: 3-D weights one per child)."""
+    spread over several children (JetMoE's ``input_linear`` / ``output_linear``: 3-D weights one per child) or are
+    the block's own tensors."""
     kids = [(n, c) for n, c in block.named_children() if n != router]
     one = next((n for n, c in kids if _expert_tensors([c], E, H)), None)
     if one is not None:
         return one
-    return "" if _expert_tensors([c for _, c in kids], E, H) else None
+    if _expert_tensors([c for _, c in kids], E, H):
+        return ""
+    rw = get_router_weight(block, router, E, H)
+    return "" if own_experts(block, E, H, rw) else None
+
+
+def get_router_weight(block: nn.Module, router: str, E: int, H: int):
+    """The [E, H] router weight of a bare-Parameter router (``router`` ""), for ``own_experts`` to leave out."""
+    if router:
+        return None
+    return next((t for _, t in _own_named(block) if tuple(t.shape) == (E, H)), None)
 
 
 def holds_expert_weights(m: nn.Module) -> bool:

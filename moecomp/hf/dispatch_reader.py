@@ -52,7 +52,8 @@ class DispatchError(Refused):
 def _expert_modules(block: nn.Module, parts: BlockParts) -> list[tuple[str, nn.Module]]:
     """(path, module) of each expert: the children of the experts holder that hold parameters, in order."""
     if not parts.experts:
-        raise DispatchError("the experts are spread over several children (no one module holds them)",
+        raise DispatchError("the experts are spread over several children or are the block's own tensors (no one "
+                            "module holds them)",
                             RejectCode.UNSUPPORTED_STRUCTURE)
     holder = get_path(block, parts.experts)
     mods = [(f"{parts.experts}.{n}", m) for n, m in holder.named_children() if any(True for _ in m.parameters())]

@@ -19,10 +19,11 @@ output, e.g. ``MixtralSparseMoeBlock`` or ``DeepseekV3MoE``. It is recognised by
   of weight [L, H] (into the experts) and one of [H, L] (out of them), found by their shapes (NemotronH's
   ``moe_latent_size``: ``MoESpec.latent_size``).
 
-A module none of those names describe is still a candidate when its shapes say it routes (``hf/discover.py``: a
-router [E, H] child next to experts for it, stacked or one module per expert in a ModuleList / ModuleDict /
-Sequential, under any names): its parts are then ``kind="structural"`` (router and experts child only), which only
-the FX pass can read; the attribute reader refuses them with a reason.
+A module none of those names describe, or that they describe wrongly, is still a candidate when its shapes say it
+routes (``hf/discover.py``: a router [E, H] next to experts for it, stacked, flat in 2-D matrices, or one module per
+expert in any container, under any names, in a child or the block's own tensors): its parts are then
+``kind="structural"`` (router and experts holder only), which only the FX pass can read; the attribute reader refuses
+them with a reason.
 
 Nothing here runs the model: :mod:`moecomp.hf.fallback` turns the parts into a ``MoESpec`` and checks it by running.
 """
@@ -505,7 +506,7 @@ def structural_parts(block: nn.Module) -> BlockParts | None:
         return None
     rname, w_path, E = r
     H = int(get_path(block, w_path).shape[1])
-    experts = discover.experts_holder(block, rname, E, H)  # "": spread over several children
+    experts = discover.experts_holder(block, rname, E, H)  # "": spread over several children, or the block's own
     if experts is None:
         return None
     parts = BlockParts(experts=experts, kind="structural", num_experts=E, hidden_size=H, intermediate_size=0,
@@ -524,7 +525,8 @@ def iter_blocks(model: nn.Module):
     """Yield (name, module, BlockParts | None, reason) for every candidate MoE block, innermost wins.
 
     A module is a candidate if it has an experts child (3-D expert weights or a ModuleList of expert MLPs), or if
-    its shapes say it routes (``structural_parts``). Those without a router are still yielded (parts None) so that
+    its shapes say it routes (``structural_parts``; also where the part names describe it wrongly: a finder by names
+    never keeps the FX pass from a block its shapes show). Those without a router are still yielded (parts None) so that
     the report can say why they were skipped.
     """
     claimed: list[str] = []
@@ -535,11 +537,12 @@ def iter_blocks(model: nn.Module):
         try:
             parts = find_parts(mod)
         except NotABlock as e:
-            if str(e) != "no experts child":  # an experts module, but not a block we can describe
+            # the part names do not describe it: still a candidate for the FX pass when its shapes say it routes
+            parts = structural_parts(mod) if name else None
+            if parts is None and str(e) != "no experts child":  # an experts module, but not a block we can describe
                 found.append((name, mod, None, str(e)))
                 claimed.append(name)
                 continue
-            parts = structural_parts(mod) if name else None
             if parts is None:
                 continue
         found.append((name, mod, parts, ""))

@@ -8,6 +8,7 @@ import torch.fx as fx
 
 from . import _fx
 from ._fx import arg, op_name
+from .moe_flat import flat_view
 
 
 class Context:
@@ -33,6 +34,7 @@ class Context:
         # token ids / hidden states the model is called with are static too, and taking them for weights makes
         # every later layer "computable from the block input plus weights" (one region swallowing all blocks).
         self.static_ph = set()
+        self._flat: dict = {}
         for p in self.placeholders:
             v = _fx.meta_val(p)
             if v is None:
@@ -63,6 +65,15 @@ class Context:
                 return base
         return None
 
+    def flat_view(self, p, E: int, nodes=None):
+        """``moe_flat.flat_view`` of 2-D placeholder ``p`` for E experts (cached per p and E over the whole graph)."""
+        if nodes is not None:
+            return flat_view(self.pshape(p), p, E, nodes)
+        key = (p, E)
+        if key not in self._flat:
+            self._flat[key] = flat_view(self.pshape(p), p, E)
+        return self._flat[key]
+
     def as_linear(self, n: fx.Node):
         """``n`` as y = a @ W.T (+ b) with W a 2-D weight placeholder [out, in]: (a, W, b) or None.
 
@@ -89,10 +100,13 @@ class Context:
         no 3-D weight has that many, with fewer but more than half as many (zero experts: the router scores E + Z
         outputs, Z < E, the stacked weights hold E; ``moe_experts._zero_experts``)."""
         ph3 = {}
+        flat = []  # 2-D weights that may hold the experts flat (moe_flat): their expert count depends on E
         for p in self.static_ph:
             s = self.pshape(p)
             if s is not None and len(s) == 3:
                 ph3[p] = s[0]
+            elif s is not None and len(s) == 2:
+                flat.append(p)
         out = []
         for n in self.graph.nodes:
             if op_name(n) != "topk":
@@ -104,14 +118,15 @@ class Context:
             if E is None:
                 continue
             counts = {E} if E in ph3.values() else {e for e in ph3.values() if 2 * e > E and e < E}
-            if not counts:
+            w3 = {p for p, e in ph3.items() if e in counts} | {p for p in flat if self.flat_view(p, E) is not None}
+            if not w3:
                 continue
             # indices must reach a 3-D weight's consumer
             idx = [u for u in n.users if op_name(u) == "getitem" and u.args[1] == 1]
             if not idx:
                 continue
             reach = _fx.descendants(idx[0])
-            if any(ph3.get(_fx.weight_base(a)) in counts for r in reach for a in r.all_input_nodes):
+            if any(_fx.weight_base(a) in w3 for r in reach for a in r.all_input_nodes):
                 out.append(n)
         # (group top-k's read [T, G] / [T, G, E/G] and were skipped by the expert-count check above)
         return out

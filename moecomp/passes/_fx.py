@@ -409,7 +409,7 @@ def weight_base(n):
     """Follow a (gathered / sliced / transposed / cast) weight back to what it was taken from."""
     while isinstance(n, fx.Node):
         name = op_name(n)
-        if name in VIEW_OPS or name in CAST_OPS or name in ("getitem", "index_select", "mT"):
+        if name in VIEW_OPS or name in CAST_OPS or name in ("getitem", "index_select", "mT", "chunk", "split"):
             n = arg(n, 0)
         else:
             break

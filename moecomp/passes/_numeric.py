@@ -48,6 +48,7 @@ class Block:
     stacked: dict = field(default_factory=dict)  # op argument -> per expert, placeholder names concatenated on dim 0
     arg_shapes: dict = field(default_factory=dict)  # op argument -> shape the op needs it viewed as
     arg_rows: dict = field(default_factory=dict)  # op argument -> the op reads the first n rows (zero experts)
+    arg_views: dict = field(default_factory=dict)  # op argument -> moe_flat.FlatView: the op reads that view of it
 
 
 class _Sources:
@@ -70,7 +71,7 @@ class _Sources:
             return torch.stack([torch.cat([value(p) for p in names], 0) for names in self.stacked[k]])
         return value(self.single[k]) if k in self.single else None
 
-    def bytes_per_expert(self) -> int:
+    def bytes_per_expert(self, E: int) -> int:
         total = 0
         for k in ("w13", "w2"):
             vals = [_fx.meta_val(p) for p in self.stacked[k][0]] if k in self.stacked else [
@@ -78,7 +79,8 @@ class _Sources:
             for v in vals:
                 if isinstance(v, torch.Tensor):  # fp8 / packed 4-bit weights: the block gathers them dequantized (fp32)
                     size = {torch.float8_e4m3fn: 4, torch.uint8: 8}.get(v.dtype, v.element_size())
-                    total += (v.numel() // (1 if k in self.stacked else v.shape[0])) * size
+                    per = 1 if k in self.stacked else v.shape[0] if v.dim() == 3 else E  # (2-D: experts held flat)
+                    total += (v.numel() // per) * size
         return total
 
 
@@ -93,7 +95,7 @@ def verify(ctx: _Context, candidates, blk: Block):
     src = _Sources(ctx, blk)
     # token budget: a block that gathers whole expert matrices per (token, slot) (batched_mm style) materialises
     # T * k of them; keep that under FX_CHECK_GATHER_BYTES
-    per_expert = src.bytes_per_expert()
+    per_expert = src.bytes_per_expert(spec0.num_experts)
     target = policy.FX_CHECK_TOKENS
     if _gathers(blk.nodes, src.of("w13") + src.of("w2")):
         target = min(target, policy.FX_CHECK_GATHER_BYTES // max(1, spec0.top_k * per_expert))
@@ -112,6 +114,7 @@ def verify(ctx: _Context, candidates, blk: Block):
         tensors = {k: src.tensor(k, lambda p: args[inputs.index(p)] if p in inputs else _value(ctx, p, gen))
                    for k in OP_ARGS}
         tensors.update({k: tensors[k][:n] for k, n in blk.arg_rows.items() if tensors.get(k) is not None})
+        tensors.update({k: _viewed(tensors[k], v, k) for k, v in blk.arg_views.items() if tensors.get(k) is not None})
         with torch.no_grad():
             try:
                 got = _run_disabled(sub, args)
@@ -236,6 +239,16 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype, quantized: bool = False
     tol = policy.FX_CHECK_TOL_TOKEN_FP8 if quantized else policy.FX_CHECK_TOL_TOKEN_LOW
     frac = (tok_err <= tol).float().mean().item()
     return frac >= policy.FX_CHECK_MIN_TOKEN_SHARE, f"{frac:.0%} tokens within {tol:g} (max rel err {err:.2e})"
+
+
+def _viewed(t: torch.Tensor, view, k: str) -> torch.Tensor:
+    """``view`` (a ``moe_flat.FlatView``) of ``t``; a tensor that only a copy could read so is refused."""
+    try:
+        return view.apply(t)
+    except RuntimeError as e:
+        raise Reject(f"{k}: the block's tensor {tuple(t.shape)} with strides {t.stride()} cannot be viewed as "
+                     f"{view.shape} without a copy ({str(e)[:120]}); the op reads the weights it is given in place",
+                     RejectCode.NOT_RECOGNISED) from None
 
 
 @torch._dynamo.disable

@@ -45,6 +45,9 @@ The matched subgraph (names are roles, not node names; ``[..]`` optional, ``|`` 
     ``transformers::grouped_mm_fallback`` | ``torch._grouped_mm`` | ``F.grouped_mm``, inverse permutation,
     ``view(T,k,H).sum(1)``), its ``batched_mm`` path (``repeat_interleave``, ``w[ids]``, ``bmm``), an expert-indexed
     einsum / bmm / matmul (``w1[expert_indices]``), or an unrolled per-expert loop (``w13[e]``, ``index_add_``).
+    A stacked weight may be held flat: one 2-D matrix [E * n, C] / [R, E * n] that the block views as [E, ., .] or
+    takes E row / column ranges of (``moe_flat``), and the two weights may be stored one [out, in], the other
+    [in, out]; the op then reads a view of the same storage (``MoEMatch.arg_views``: no copy).
 
     Experts kept as per-expert modules (``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential`` of 2-D weights, no
     [E, ., .] weight in the block), the loop over the experts unrolled (``capture_block(..., real_values=True)``
@@ -168,6 +171,9 @@ class MoEMatch:
     # names whose tensors, concatenated on dim 0, are that expert's slice of the op's stacked tensor (the op
     # argument is ``torch.stack([torch.cat(expert, 0) for expert in stacked[k]])``; ``bindings[k]`` is None)
     stacked: dict[str, list[list[str]]] = field(default_factory=dict)
+    # MOE_ARGS name -> the op reads a view of its placeholder (``moe_flat.FlatView``: experts held flat in a 2-D
+    # matrix, a weight stored transposed, a flat 1-D bias); no copy
+    arg_views: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.block_output is None:
@@ -332,7 +338,8 @@ def _match_output(ctx: Context, c: _Candidate, out: fx.Node) -> MoEMatch:
     blk = Block(x_root=c.region.x_root, x_in=x_in, out=out, nodes=core | c.region.support,
                 bindings=bindings, stacked={k: [[p.name for p in e] for e in per]
                                                          for k, per in ex.stacked.items()},
-                arg_shapes={"correction_bias": (r.E,)} if r.bias_shape is not None else {}, arg_rows=dict(ex.rows))
+                arg_shapes={"correction_bias": (r.E,)} if r.bias_shape is not None else {}, arg_rows=dict(ex.rows),
+                arg_views=dict(ex.views))
     spec, verified = _prove(ctx, candidates, blk, has_tail=out is not c.block_out)
     out_dtype = _fx.dtype_of(out)
     return MoEMatch(
@@ -340,6 +347,7 @@ def _match_output(ctx: Context, c: _Candidate, out: fx.Node) -> MoEMatch:
         router=r.logits_linear, topk=c.topk, baked={**r.baked, **ex.baked, **(sh.baked if sh else {})},
         verified=verified, output_dtype=out_dtype if out_dtype != x_dtype else None, block_output=c.block_out,
         tail=frozenset(tail), arg_shapes=blk.arg_shapes, stacked=blk.stacked, arg_rows=blk.arg_rows,
+        arg_views=blk.arg_views,
     )
 
 

@@ -32,8 +32,9 @@ from ._context import Context
 from ._fx import arg, op_name
 from ._reject import Reject
 from .moe_activation import Activation, activation
+from .moe_flat import FlatView, flat_view_1d
 from .moe_latent import Latent, latent_in
-from .moe_quant import DEQUANTS, experts_quant, quant_inputs, unpacked_shape
+from .moe_quant import DEQUANTS, FP8, PACKED, experts_quant, quant_inputs, unpacked_shape
 from .moe_region import Region
 from .moe_routing import Routing
 
@@ -67,6 +68,9 @@ class Experts:
     zero_experts: int = 0  # router outputs past the stacked weights' experts (see the module docstring)
     rows: dict = field(default_factory=dict)  # op argument -> the rows of its placeholder the op reads (w[:E])
     latent: Latent | None = None  # the input projection the experts read (its output one: per MoE output)
+    # op argument -> how the op's [E, ., .] tensor is a view of its placeholder (a flat 2-D weight, a weight read
+    # transposed, a flat 1-D bias: ``moe_flat.FlatView``)
+    views: dict = field(default_factory=dict)
 
     @property
     def has_bias(self) -> bool:
@@ -87,12 +91,18 @@ def stacked_experts(ctx: Context, R: Routing, region: Region) -> Experts | None:
         raise Reject("no pair of stacked 3-D expert weights [E, ., .] used by the block")
     if len(cands) > 2:
         raise Reject(f"{len(cands)} stacked expert weights used (separate gate / up weights are not supported; "
-                     "the op needs them concatenated)")
+                     "the op needs them concatenated, which only a copy of the weights gives)")
     (w13, u13), (w2, u2) = _ordered_pair(ctx, cands, nodes)
+    flat = {k: ctx.flat_view(p, R.E, nodes) for k, p in (("w13", w13), ("w2", w2)) if len(ctx.pshape(p)) == 2}
     s13, s2 = unpacked_shape(ctx, w13, nodes), unpacked_shape(ctx, w2, nodes)  # (4-bit: two codes a byte)
+    s13, s2 = (flat["w13"].out_shape if "w13" in flat else s13), (flat["w2"].out_shape if "w2" in flat else s2)
     lat = latent_in(ctx, R, nodes, region.x_root, {u for u, _, _ in u13})  # the experts' input: a projection of x?
     width = R.H if lat is None else lat.L  # what the experts read and write
-    layouts = _layouts(s13, s2, width, u13)
+    # (a flat weight's GEMM may read a permuted view of it: its spelling says nothing of the layout, the shapes do)
+    layouts, flip = _layouts(s13, s2, width, None if "w13" in flat else u13)
+    if flip:  # w2 stored the other way round from w13: read as a transposed view
+        flat["w2"] = flat.get("w2", FlatView.identity(s2)).transposed()
+        s2 = flat["w2"].out_shape
     N = s13[1] if layouts[0] == "out_in" else s13[2]
     I = s2[2] if layouts[0] == "out_in" else s2[1]
     gated = gated_width(N, I)
@@ -102,10 +112,13 @@ def stacked_experts(ctx: Context, R: Routing, region: Region) -> Experts | None:
     for g in g1:
         between |= _fx.descendants(g, nodes) & g2_anc
     ex = Experts(I=I, gated=gated, layouts=layouts, gate_ups=gate_ups(between, gated), act=Activation([]), g1=g1,
-                 g2_all=g2, g2=max(g2, key=ctx.order.get), w13=w13, w2=w2, latent=lat)
+                 g2_all=g2, g2=max(g2, key=ctx.order.get), w13=w13, w2=w2, latent=lat, views=flat)
     ex.act = activation(ctx, between, gated, ex.baked, "expert")
-    ex.b13, ex.b2 = _expert_biases(ctx, R, nodes, g2_anc, N, width)
+    ex.b13, ex.b2 = _expert_biases(ctx, R, nodes, g2_anc, N, width, ex.views)
     _zero_experts(R, ex, s13[0], s2[0])
+    if ex.views and (ex.zero_experts or _fx.dtype_of(w13) in (FP8, PACKED) or _fx.dtype_of(w2) in (FP8, PACKED)):
+        raise Reject("expert weights read as views (held flat, or one stored transposed) that are quantized or hold "
+                     "zero experts: not read by the pass")
     ex.quant, ex.scales = experts_quant(ctx, R.E, w13, u13, w2, u2, gated, layouts, (s13, s2))
     if ex.quant is not None and ex.zero_experts:
         raise Reject("quantized experts with zero experts (fewer stacked experts than router outputs): not read by the "
@@ -140,11 +153,12 @@ def weights_on_input(ctx: Context, R: Routing, ex: Experts, nodes: set) -> bool:
 
 def _stacked_weights(ctx: Context, E: int, nodes: set, fewer: bool = False) -> list:
     """[(placeholder, its GEMM uses)] for every static [E, ., .] placeholder some GEMM of the block reads (``fewer``:
-    [e, ., .] with 1 < e < E instead)."""
+    [e, ., .] with 1 < e < E instead), and every 2-D one the block reads as E experts' matrices (``moe_flat``)."""
     cands = []
-    for p in ctx.static_ph:
+    for p in sorted(ctx.static_ph, key=ctx.order.get):
         s = ctx.pshape(p)
-        if s is None or len(s) != 3 or (not 1 < s[0] < E if fewer else s[0] != E):
+        flat = s is not None and len(s) == 2 and not fewer and ctx.flat_view(p, E, nodes) is not None
+        if not flat and (s is None or len(s) != 3 or (not 1 < s[0] < E if fewer else s[0] != E)):
             continue
         uses = _weight_uses(p, nodes)
         if uses:
@@ -173,7 +187,8 @@ def _weight_uses(p: fx.Node, nodes: set):
                 if arg(u, 0) is n:
                     stack.append((u, tr))
             elif name in _fx.CAST_OPS or name in ("getitem", "index_select", "select", "contiguous", "view",
-                                                  "reshape", "unsqueeze", "squeeze", "expand", "clone", "detach"):
+                                                  "reshape", "unsqueeze", "squeeze", "expand", "clone", "detach",
+                                                  "narrow", "unflatten", "_unsafe_view", "flatten", "chunk", "split"):
                 if name in ("getitem", "select") and arg(u, 0) is not n:
                     continue  # p used as the index, not indexed
                 stack.append((u, tr))
@@ -194,9 +209,26 @@ def _ordered_pair(ctx: Context, cands: list, nodes: set):
     return ((pa, ua), (pb, ub)) if a_feeds_b else ((pb, ub), (pa, ua))
 
 
-def _layouts(s13: tuple, s2: tuple, H: int, u13) -> list[str]:
-    """Candidate weight layouts, from the shapes; where every dim equals H, the structural reading first."""
-    structural = _layout_from_use(u13)
+def _layouts(s13: tuple, s2: tuple, H: int, u13) -> tuple[list[str], bool]:
+    """(candidate weight layouts, is w2 read transposed): from the shapes; where every dim equals H, the structural
+    reading (``u13``: w13's uses; None: not read) first. Where w13 fits only one layout and w2 only the other (one
+    stored [out, in], the other [in, out]), w13's layout, w2 read as a transposed view."""
+    try:
+        return _joint_layouts(s13, s2, H, u13), False
+    except Reject:
+        o13 = {o for o, ok in (("out_in", s13[2] == H), ("in_out", s13[1] == H)) if ok}
+        o2 = {o for o, ok in (("out_in", s2[1] == H), ("in_out", s2[2] == H)) if ok}
+        if len(o13) != 1 or len(o2) != 1 or o13 == o2:
+            raise
+    structural = _layout_from_use(u13) if u13 is not None else None
+    if structural is not None and structural not in o13:
+        raise Reject(f"expert weight shapes say {next(iter(o13))} but the GEMM reads them as {structural}")
+    return [next(iter(o13))], True
+
+
+def _joint_layouts(s13: tuple, s2: tuple, H: int, u13) -> list[str]:
+    """Candidate layouts of w13 and w2 stored alike (see ``_layouts``)."""
+    structural = _layout_from_use(u13) if u13 is not None else None
     if s2[1] == H and s13[2] == H and not (s2[2] == H and s13[1] == H):
         layouts = ["out_in"]
     elif s2[2] == H and s13[1] == H and not (s2[1] == H and s13[2] == H):
@@ -253,20 +285,27 @@ def _gathered(p: fx.Node, nodes: set) -> bool:
     return False
 
 
-def _expert_biases(ctx: Context, R: Routing, nodes: set, g2_anc: set, N: int, width: int):
+def _expert_biases(ctx: Context, R: Routing, nodes: set, g2_anc: set, N: int, width: int, views: dict):
     """(b13, b2): 2-D [E, N] / [E, width] placeholders the block gathers by expert id (width: H, or L between latent
-    projections); or (None, None)."""
+    projections), or 1-D [E * N] / [E * width] ones it views as such (their views added to ``views``); or (None,
+    None)."""
     b13 = b2 = None
     scales = quant_inputs(nodes)  # per-expert scales of quantized weights are not biases
-    for p in ctx.static_ph:
+    for p in sorted(ctx.static_ph, key=ctx.order.get):
         s = ctx.pshape(p)
+        fv = flat_view_1d(s, p, R.E, nodes) if s is not None and len(s) == 1 else None
+        s = fv.out_shape if fv is not None else s
         if s is None or len(s) != 2 or s[0] != R.E or p is R.router_w or p in scales or not _gathered(p, nodes):
             continue
         feeds_g2 = any(a in g2_anc for a in _fx.descendants(p, nodes))
         if feeds_g2 and s[1] == N:
             b13 = p
+            if fv is not None:
+                views["b13"] = fv
         elif not feeds_g2 and s[1] == width:
             b2 = p
+            if fv is not None:
+                views["b2"] = fv
         else:
             raise Reject(f"unexplained per-expert 2-D tensor {p.name} {tuple(s)}")
     if (b13 is None) != (b2 is None):

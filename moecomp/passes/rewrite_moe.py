@@ -13,7 +13,8 @@ After::
 
 The op reads the same parameter placeholders the block read (so weight updates stay visible and nothing is copied;
 a tensor the op needs in another shape, e.g. a ``[1, E]`` correction bias, is passed through a ``reshape`` node, and
-one of which it reads the first rows, LongCat-Flash's ``[E + Z, 2I, H]`` gate_up_proj, through a ``narrow``);
+one of which it reads the first rows, LongCat-Flash's ``[E + Z, 2I, H]`` gate_up_proj, through a ``narrow``, and
+experts held flat in a 2-D matrix (or a weight stored transposed) through ``view`` + ``permute``: ``arg_views``);
 scalar attributes (routed scaling, swiglu alpha / limit) are in ``spec.key``. Experts kept as per-expert modules
 (``MoEMatch.stacked``) have no stacked tensor to read: the graph builds it, ``torch.stack`` of each expert's
 ``torch.cat`` (a copy of every expert weight per call; ``moecomp.backend`` leaves such blocks alone, and
@@ -74,6 +75,15 @@ def _rewrite_one(gm: fx.GraphModule, m) -> None:
                 fake = _fx.meta_val(args[i])
                 if isinstance(fake, torch.Tensor):
                     v.meta["example_value"] = fake.narrow(0, 0, rows)
+                args[i] = v
+        for i, k in enumerate(OP_ARGS):  # experts held flat (or a weight stored transposed): a view, no copy
+            fv = getattr(m, "arg_views", {}).get(k)
+            if fv is not None and args[i] is not None:
+                v = g.call_method("permute", (g.call_method("view", (args[i], *fv.shape)), *fv.perm))
+                fake = _fx.meta_val(args[i])
+                if isinstance(fake, torch.Tensor):
+                    v.args[0].meta["example_value"] = fake.view(fv.shape)
+                    v.meta["example_value"] = fv.apply(fake)
                 args[i] = v
         for i, k in enumerate(OP_ARGS):  # e.g. a [1, E] correction bias the op takes as [E]
             shape = getattr(m, "arg_shapes", {}).get(k)
