@@ -66,7 +66,7 @@ def expert_style(spec: MoESpec) -> str:
     if spec.gate_up == "interleaved":
         a += " interleaved"
     if spec.has_expert_bias:
-        a += " +b"
+        a += {"both": " +b", "gemm1": " +b13", "gemm2": " +b2"}[spec.expert_bias]
     if spec.w_layout == "in_out":
         a += " [in,out]"
     if spec.latent_size:
@@ -148,7 +148,7 @@ def _fill_from_spec(r: BlockReport, spec: MoESpec, block: nn.Module, bindings: d
     else:
         per_tok = spec.top_k * spec.bytes_per_expert(isz)
     if spec.has_expert_bias:
-        per_tok += spec.top_k * (spec.w13_rows + spec.expert_width) * isz
+        per_tok += spec.top_k * (spec.w13_rows * spec.has_b13 + spec.expert_width * spec.has_b2) * isz
     if spec.latent_size:  # the two latent projections, [L, H] and [H, L]
         per_tok += 2 * spec.latent_size * spec.hidden_size * _itemsize(t("latent_in_w"), isz)
     rw = t("router_w")

@@ -136,7 +136,8 @@ from dataclasses import dataclass
 from moecomp.spec_checks import (  # noqa: F401  (re-exported: the allowed values and SpecError)
     SCORINGS, SCORE_ORDERS, GROUP_SCORES, ACTIVATIONS, W_LAYOUTS, GATE_UP, QUANT_WEIGHTS, PACKED_WEIGHTS, QUANT_SCALES,
     SCALE_DTYPES,
-    QUANT_ACTIVATIONS, CAPACITY_PER, FP8_MAX, SpecError, _check_activation, _check_softcaps, check_quant,
+    QUANT_ACTIVATIONS, CAPACITY_PER, EXPERT_BIASES, FP8_MAX, SpecError, expert_bias_fields, _check_activation,
+    _check_softcaps, check_quant,
     validate_moe,
 )
 from moecomp.spec_parallel import ParallelSpec, check_parallel, parallel_from_dict  # the sharded experts' part
@@ -327,7 +328,8 @@ class MoESpec:
     activation_clamp: bool = False  # gated: gate clamped to <= limit, up to [-limit, limit] before act(gate) * up
     w_layout: str = "out_in"  # w13 [E, 2I, H] / w2 [E, H, I] ("out_in"), or [E, H, 2I] / [E, I, H] ("in_out")
     gate_up: str = "concat"  # gate rows then up rows, or interleaved gate0, up0, gate1, ...
-    has_expert_bias: bool = False
+    has_expert_bias: bool = False  # the routed experts' GEMMs add biases: b13 [E, 2I or I] and / or b2 [E, H]
+    expert_bias: str = "both"  # which, with has_expert_bias: "both", "gemm1" (b13 only), "gemm2" (b2 only)
     # --- shared experts ---
     shared: SharedExpertSpec | None = None
     # --- quantized routed experts (w13 / w2 and their scales; see QuantSpec) ---
@@ -445,6 +447,16 @@ class MoESpec:
                             fused_shared_gate=False, latent_norm="none", latent_norm_eps=1e-6)
 
     @property
+    def has_b13(self) -> bool:
+        """The first expert GEMM (gate / up) adds a bias b13 [E, w13_rows]."""
+        return self.has_expert_bias and self.expert_bias != "gemm2"
+
+    @property
+    def has_b2(self) -> bool:
+        """The second expert GEMM (down) adds a bias b2 [E, expert_width]."""
+        return self.has_expert_bias and self.expert_bias != "gemm1"
+
+    @property
     def w13_rows(self) -> int:
         """Output features of the first expert GEMM: 2I when gated, else I."""
         return 2 * self.intermediate_size if self.gated else self.intermediate_size
@@ -458,8 +470,10 @@ class MoESpec:
             shapes = {"w13": (E, N, H), "w2": (E, H, I)}
         else:
             shapes = {"w13": (E, H, N), "w2": (E, I, H)}
-        if self.has_expert_bias:
-            shapes.update(b13=(E, N), b2=(E, H))
+        if self.has_b13:
+            shapes["b13"] = (E, N)
+        if self.has_b2:
+            shapes["b2"] = (E, H)
         return shapes
 
     def quant_shapes(self) -> dict[str, tuple[int, ...]]:

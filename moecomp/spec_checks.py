@@ -25,11 +25,31 @@ CAPACITY_PER = ("call", "sequence")
 SHARED_GAMMAS = ("none", "joint_renorm")  # where the shared experts' output scales come from (MoESpec.shared_gamma)
 LATENT_NORMS = ("none", "rms", "rms_1p")  # MoESpec.latent_norm: none, rms(v) * w, rms(v) * (1 + w)
 EXPERT_NORMS = ("none", "scaled_rms_1p")  # MoESpec.expert_norm: none, rms(round(v * (1 + w)))
+EXPERT_BIASES = ("both", "gemm1", "gemm2")  # MoESpec.expert_bias: b13 and b2, b13 only, b2 only
 FP8_MAX = 448.0  # largest finite e4m3 (float8_e4m3fn) value
 
 
 class SpecError(ValueError):
     """A MoESpec (or the tensors given with it) describes something moecomp cannot compute."""
+
+
+def expert_bias_fields(b13: bool, b2: bool) -> dict:
+    """The MoESpec fields of routed experts whose first GEMM has a bias (``b13``) and / or whose second has one
+    (``b2``): ``has_expert_bias`` and ``expert_bias``."""
+    if b13 and b2 or not (b13 or b2):
+        return dict(has_expert_bias=bool(b13), expert_bias="both")
+    return dict(has_expert_bias=True, expert_bias="gemm1" if b13 else "gemm2")
+
+
+def _check_expert_bias(spec) -> None:
+    """``has_expert_bias`` a bool; ``expert_bias`` one of EXPERT_BIASES, and "both" (its default) without biases."""
+    if not isinstance(spec.has_expert_bias, bool):
+        raise SpecError(f"has_expert_bias must be a bool, got {spec.has_expert_bias!r}")
+    if spec.expert_bias not in EXPERT_BIASES:
+        raise SpecError(f"expert_bias={spec.expert_bias!r} is not one of {EXPERT_BIASES}")
+    if spec.expert_bias != "both" and not spec.has_expert_bias:
+        raise SpecError(f"expert_bias={spec.expert_bias!r} says which expert GEMM has a bias, but has_expert_bias is "
+                        "False; expected expert_bias 'both' (the default) without biases")
 
 
 def check_quant(q, who: str = "") -> None:
@@ -91,6 +111,7 @@ def validate_moe(spec: MoESpec) -> None:
     E, k = spec.num_experts, spec.top_k
     if E <= 0 or spec.hidden_size <= 0 or spec.intermediate_size <= 0:
         raise SpecError(f"sizes must be positive: E={E}, H={spec.hidden_size}, I={spec.intermediate_size}")
+    _check_expert_bias(spec)
     _check_zero_experts(spec)
     _check_hash_routing(spec)
     _check_capacity(spec)
@@ -146,7 +167,9 @@ def validate_moe(spec: MoESpec) -> None:
             raise SpecError("quantized experts need w_layout 'out_in' and gate_up 'concat' (the checkpoints' "
                             f"layout), got {spec.w_layout!r} / {spec.gate_up!r}")
         if spec.has_expert_bias:
-            raise SpecError("quantized experts with expert biases are not supported")
+            which = {"both": "b13 and b2", "gemm1": "b13 (gate / up) only", "gemm2": "b2 (down) only"}
+            raise SpecError(f"fp8 experts with expert biases (expert_bias={spec.expert_bias!r}: "
+                            f"{which[spec.expert_bias]}) are not supported; 4-bit experts take them")
         if spec.weight_on_input and spec.quant.activation == "static":
             raise SpecError("weight_on_input with static activation scales is not supported: the kernels scale "
                             "the GEMM's result by the routing weight, which equals quantizing weight * x only "

@@ -37,7 +37,7 @@ from torch import nn
 from .. import policy, reference
 from ..match import Evidence, Match
 from ..reject import Refused, Reject, RejectCode
-from ..spec import MoESpec, SpecError
+from ..spec import MoESpec, SpecError, expert_bias_fields
 from .activations import probe_mlp
 from .fallback import _routing_candidates, attr_sources, numeric_consts
 from .fallback_bind import bindings as _bindings
@@ -373,7 +373,9 @@ def _read(block: nn.Module, parts: BlockParts, dtype) -> Match:
     base = MoESpec(num_experts=parts.num_experts, top_k=1, hidden_size=parts.hidden_size,
                    intermediate_size=m0.intermediate_size, activation=act, gated=m0.gated,
                    activation_clamp=clamp, activation_alpha=alpha, activation_limit=limit,
-                   has_expert_bias=m0.down_bias is not None, has_router_bias=r.b is not None,
+                   has_router_bias=r.b is not None,
+                   **expert_bias_fields((m0.gate_bias if m0.gated else m0.up_bias) is not None,
+                                        m0.down_bias is not None),
                    has_correction_bias=r.corr is not None)
 
     def probe(B, S, share):

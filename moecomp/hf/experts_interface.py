@@ -40,7 +40,7 @@ from ..import_hooks import RegisterOnImport, uninstall
 from .. import quant as q8
 from ..ops.moe_op import EXPERT_QUANT_ARGS, call_moe_experts
 from ..reject import Refused, RejectCode
-from ..spec import MoESpec, SpecError
+from ..spec import MoESpec, SpecError, expert_bias_fields
 from . import fp8
 from .activations import probe_activation, probe_gate
 from .snapshot import snapshot_changed, snapshot_changed_traced, take_snapshot
@@ -70,7 +70,7 @@ def _weights(m):
     if getattr(m, "has_bias", False):
         b13 = getattr(m, "gate_up_proj_bias" if has_gate else "up_proj_bias", None)
         b2 = getattr(m, "down_proj_bias", None)
-        if b13 is None or b2 is None:
+        if b13 is None and b2 is None:  # one of them alone: MoESpec.expert_bias
             raise Unsupported("has_bias is set but the bias tensors are missing")
     return w13, b13, w2, b2
 
@@ -103,7 +103,7 @@ def experts_spec(m: torch.nn.Module, top_k: int, verify: bool = True) -> MoESpec
     """
     if getattr(m, "has_post_expert_norm", False):
         raise Unsupported("has_post_expert_norm (a norm after each expert)")
-    w13, b13, w2, _ = _weights(m)
+    w13, b13, w2, b2 = _weights(m)
     has_gate = bool(getattr(m, "has_gate", True))
     transposed = bool(getattr(m, "is_transposed", False))
     E = w13.shape[0]
@@ -130,7 +130,7 @@ def experts_spec(m: torch.nn.Module, top_k: int, verify: bool = True) -> MoESpec
         spec = MoESpec(num_experts=E, top_k=min(top_k, E), hidden_size=H, intermediate_size=I, activation=act,
                        gated=has_gate, activation_alpha=alpha, activation_limit=limit, activation_clamp=clamp,
                        w_layout="in_out" if transposed else "out_in", gate_up=gate_up,
-                       has_expert_bias=b13 is not None, quant=None if ex is None else ex.quant,
+                       quant=None if ex is None else ex.quant, **expert_bias_fields(b13 is not None, b2 is not None),
                        gate_softcap=caps[0], up_softcap=caps[1])
     except SpecError as e:
         raise Unsupported(str(e), RejectCode.SPEC_INVALID) from None

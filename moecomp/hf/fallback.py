@@ -35,7 +35,7 @@ from torch import nn
 from .. import policy, reference
 from ..match import Evidence, Match
 from ..reject import Refused, Reject, RejectCode
-from ..spec import MoESpec, SharedExpertSpec, SpecError
+from ..spec import MoESpec, SharedExpertSpec, SpecError, expert_bias_fields
 from ..probe import ProbeRun, hash_call_args, run_probe
 from . import fp8, gamma_reader, hash_reader, names, norm_fit, output_fit, router_scale, sparsemixer_fit
 from .fallback_bind import FallbackError, bindings as _bindings, quant as _quant
@@ -348,8 +348,9 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
         spec = MoESpec(
             num_experts=E, top_k=int(top_k), hidden_size=H, intermediate_size=I,
             activation=act, gated=parts.gated, activation_alpha=alpha, activation_limit=limit,
-            activation_clamp=clamp, w_layout=parts.w_layout, gate_up=gate_up, has_expert_bias=bindings.get("b13") is not None,
-            shared=shared, quant=quant, latent_size=parts.latent_size, latent_bias=parts.latent_in_bias is not None,
+            activation_clamp=clamp, w_layout=parts.w_layout, gate_up=gate_up, shared=shared,
+            **expert_bias_fields(bindings.get("b13") is not None, bindings.get("b2") is not None),
+            quant=quant, latent_size=parts.latent_size, latent_bias=parts.latent_in_bias is not None,
             gate_softcap=caps[0], up_softcap=caps[1], **kw,
         )
     except SpecError as e:

@@ -74,23 +74,16 @@ def bindings(block: nn.Module, parts: BlockParts) -> tuple[dict[str, str | None]
         derived.append(Derived("_moecomp_w13", w13))
         derived.append(Derived("_moecomp_w2", [[m.down] for m in mlps]))
         b["w13"], b["w2"] = "_moecomp_w13", "_moecomp_w2"
-        p0 = mlps[0]
-        has_b = [p0.gate_bias, p0.up_bias, p0.down_bias]
-        if any(x is not None for x in has_b):
-            if mlps[0].gated and not mlps[0].concat and (p0.gate_bias is None) != (p0.up_bias is None):
-                raise FallbackError("expert MLPs have a bias on only one of gate / up")
-            if p0.down_bias is None or (mlps[0].gated and not mlps[0].concat and p0.gate_bias is None) or (
-                    not mlps[0].gated and p0.up_bias is None):
-                raise FallbackError("expert MLPs have biases on only some layers")
-            if mlps[0].gated and not mlps[0].concat:
-                b13 = [[m.gate_bias, m.up_bias] for m in mlps]
-            elif mlps[0].gated:
-                b13 = [[m.gate_bias] for m in mlps]
-            else:
-                b13 = [[m.up_bias] for m in mlps]
+        p0, separate = mlps[0], mlps[0].gated and not mlps[0].concat
+        if separate and (p0.gate_bias is None) != (p0.up_bias is None):
+            raise FallbackError("expert MLPs have a bias on only one of gate / up")
+        if (p0.gate_bias if p0.gated else p0.up_bias) is not None:  # the first GEMM's bias (MoESpec.expert_bias)
+            b13 = [[m.gate_bias, m.up_bias] if separate else [m.gate_bias if m.gated else m.up_bias] for m in mlps]
             derived.append(Derived("_moecomp_b13", b13))
+            b["b13"] = "_moecomp_b13"
+        if p0.down_bias is not None:
             derived.append(Derived("_moecomp_b2", [[m.down_bias] for m in mlps]))
-            b["b13"], b["b2"] = "_moecomp_b13", "_moecomp_b2"
+            b["b2"] = "_moecomp_b2"
     sp = parts.shared
     if sp is not None:
         if sp.gated:

@@ -82,13 +82,13 @@ class PackedExperts(nn.Module):
 
     def spec(self, top_k: int = 1):
         """The experts' part of a MoESpec (routing left at its defaults; ``top_k`` as given)."""
-        from ..spec import MoESpec
+        from ..spec import MoESpec, expert_bias_fields
 
         return MoESpec(num_experts=self.num_experts, top_k=top_k, hidden_size=self.hidden_size,
                        intermediate_size=self.intermediate_size, activation=self.activation, gated=self.gated,
                        gate_up=self.gate_up, activation_alpha=self.activation_alpha,
                        activation_limit=self.activation_limit, activation_clamp=self.activation_clamp,
-                       has_expert_bias=self.b13 is not None, quant=self.quant)
+                       quant=self.quant, **expert_bias_fields(self.b13 is not None, self.b2 is not None))
 
     def tensors(self) -> dict:
         """The op's expert arguments by name (``EXPERT_ARGS`` + scales / zeros where held)."""

@@ -32,7 +32,7 @@ from torch import nn
 
 from .. import policy, reference
 from ..reject import Refused, RejectCode
-from ..spec import ACTIVATIONS, MoESpec, SpecError
+from ..spec import ACTIVATIONS, MoESpec, SpecError, expert_bias_fields
 from .bind_pair import PairLayout
 from .packed import PackedExperts
 from .structure import BlockParts, get_path
@@ -171,8 +171,8 @@ def _layouts(experts: nn.Module, parts: BlockParts, prefix: str, E: int, H: int)
                     continue
                 b13 = [n for n, t in two if t.shape[1] == N]
                 b2 = [n for n, t in two if t.shape[1] == H and n not in b13]
-                bias = len(b13) == 1 and len(b2) == 1
-                out.append(dict(w13=na, w2=nb, b13=b13[0] if bias else None, b2=b2[0] if bias else None,
+                out.append(dict(w13=na, w2=nb, b13=b13[0] if len(b13) == 1 else None,
+                                b2=b2[0] if len(b2) == 1 else None,
                                 gated=gated, w_layout=lay, I=int(I)))
     return out
 
@@ -206,7 +206,8 @@ def fit_experts(experts: nn.Module, lay: PairLayout, parts: BlockParts, prefix: 
         for act in ACTIVATIONS:
             for gate_up in (("concat", "interleaved") if L["gated"] else ("concat",)):
                 fields = dict(activation=act, gated=L["gated"], w_layout=L["w_layout"], gate_up=gate_up,
-                              has_expert_bias=w["b13"] is not None, intermediate_size=L["I"])
+                              intermediate_size=L["I"], **expert_bias_fields(w["b13"] is not None,
+                                                                             w["b2"] is not None))
                 try:
                     s = MoESpec(E, k, H, **fields)
                 except SpecError:
@@ -234,8 +235,8 @@ def _packed_fields(experts: PackedExperts, prefix: str, E: int, H: int, k: int, 
     if (s.num_experts, s.hidden_size) != (E, H):
         raise PairError(f"the 4-bit experts hold E={s.num_experts}, H={s.hidden_size}; the router says E={E}, H={H}")
     fields = dict(activation=s.activation, gated=s.gated, w_layout="out_in", gate_up=s.gate_up,
-                  has_expert_bias=s.has_expert_bias, intermediate_size=s.intermediate_size,
-                  activation_alpha=s.activation_alpha, activation_limit=s.activation_limit,
+                  has_expert_bias=s.has_expert_bias, expert_bias=s.expert_bias,
+                  intermediate_size=s.intermediate_size, activation_alpha=s.activation_alpha, activation_limit=s.activation_limit,
                   activation_clamp=s.activation_clamp, quant=s.quant)
     t = experts.tensors()
     q = {n: t.get(n) for n in ("w13_scale", "w2_scale", "w13_zero", "w2_zero")}

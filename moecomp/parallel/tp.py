@@ -32,7 +32,7 @@ def routed(xe: torch.Tensor, r: Routing, args: dict, spec: MoESpec) -> torch.Ten
         ids, w = torch.where(real, ids, E), torch.where(real, w, 0.0)
     if spec.zero_experts and not lead:
         w = torch.where(ids >= E, 0.0, w)
-    if spec.has_expert_bias and not lead:
+    if spec.has_b2 and not lead:
         args = {**args, "b2": torch.zeros_like(args["b2"])}
     ks = local.kernel_spec(spec, ids.shape[1], spec.has_capacity)
     return local.run(xe, ids, w, args, ks).float()

@@ -126,7 +126,7 @@ import torch.fx as fx
 from ..ops.common import OP_ARGS
 from ..reject import Reject as RejectRecord
 from ..reject import RejectCode
-from ..spec import MoESpec, SpecError
+from ..spec import MoESpec, SpecError, expert_bias_fields
 from . import _fx
 from ._context import Context
 from ._fx import op_name  # noqa: F401  (read by tests as detect_moe.op_name)
@@ -385,7 +385,8 @@ def _spec_fields(r: Routing, ex: Experts, sh: Shared | None, lat: Latent | None 
         routed_scaling_factor=r.scaling, n_group=r.n_group, topk_group=r.topk_group, group_score=r.group_score,
         has_correction_bias=r.correction_bias is not None, bias_on_logits=r.bias_on_logits,
         group_mask_zero=r.group_mask_zero, has_router_bias=r.router_b is not None, router_fp32=r.router_fp32,
-        round_weights=r.round_weights, gated=ex.gated, activation_clamp=ex.act.clamp, has_expert_bias=ex.has_bias,
+        round_weights=r.round_weights, gated=ex.gated, activation_clamp=ex.act.clamp,
+        **expert_bias_fields(ex.has_b13, ex.has_b2),
         shared=sh.spec if sh else None, quant=ex.quant, weight_on_input=ex.weight_on_input,
         latent_size=lat.L if lat else 0, latent_bias=lat is not None and lat.b_in is not None,
         hash_routing=r.hash is not None, router_scale=r.logit_scale,

@@ -72,9 +72,15 @@ class Experts:
     # transposed, a flat 1-D bias: ``moe_flat.FlatView``)
     views: dict = field(default_factory=dict)
 
+    out_scales: list = field(default_factory=list)  # [E, width] tensors gathered by id that scale the expert output
+
     @property
-    def has_bias(self) -> bool:
+    def has_b13(self) -> bool:
         return self.b13 is not None or "b13" in self.stacked
+
+    @property
+    def has_b2(self) -> bool:
+        return self.b2 is not None or "b2" in self.stacked
 
 
 def stacked_experts(ctx: Context, R: Routing, region: Region) -> Experts | None:
@@ -114,7 +120,7 @@ def stacked_experts(ctx: Context, R: Routing, region: Region) -> Experts | None:
     ex = Experts(I=I, gated=gated, layouts=layouts, gate_ups=gate_ups(between, gated), act=Activation([]), g1=g1,
                  g2_all=g2, g2=max(g2, key=ctx.order.get), w13=w13, w2=w2, latent=lat, views=flat)
     ex.act = activation(ctx, between, gated, ex.baked, "expert")
-    ex.b13, ex.b2 = _expert_biases(ctx, R, nodes, g2_anc, N, width, ex.views)
+    ex.b13, ex.b2, ex.out_scales = _expert_biases(ctx, R, nodes, g2_anc, N, width, ex.views)
     _zero_experts(R, ex, s13[0], s2[0])
     if ex.views and (ex.zero_experts or _fx.dtype_of(w13) in (FP8, PACKED) or _fx.dtype_of(w2) in (FP8, PACKED)):
         raise Reject("expert weights read as views (held flat, or one stored transposed) that are quantized or hold "
@@ -136,7 +142,7 @@ def _zero_experts(R: Routing, ex: Experts, e13: int, e2: int) -> None:
         return
     if max(e13, e2) not in (E, R.E):
         raise Reject(f"stacked expert weights of {e13} and {e2} experts under a router of {R.E} outputs")
-    if ex.b13 is not None:
+    if ex.b13 is not None or ex.b2 is not None:
         raise Reject("expert biases with zero experts (fewer stacked experts than router outputs): not read")
     ex.zero_experts = R.E - E
     ex.rows = {k: E for k, n in (("w13", e13), ("w2", e2)) if n != E}
@@ -285,11 +291,33 @@ def _gathered(p: fx.Node, nodes: set) -> bool:
     return False
 
 
+def _multiplied_only(p: fx.Node, nodes: set) -> bool:
+    """Does ``p`` (through views, casts and its gather) reach the block only as a factor of products? A per-expert
+    scale of the expert output (a per-expert norm's weight, ``moe_norms``) is; a bias (added) is not."""
+    todo, seen, uses = [p], set(), 0
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u not in nodes or u in seen:
+                continue
+            seen.add(u)
+            name = op_name(u)
+            if name in _GATHERS or name in _fx.VIEW_OPS or name in _fx.CAST_OPS:
+                todo.append(u)
+            elif name in ("mul", "mul_"):
+                uses += 1
+            else:
+                return False
+    return uses > 0
+
+
 def _expert_biases(ctx: Context, R: Routing, nodes: set, g2_anc: set, N: int, width: int, views: dict):
-    """(b13, b2): 2-D [E, N] / [E, width] placeholders the block gathers by expert id (width: H, or L between latent
-    projections), or 1-D [E * N] / [E * width] ones it views as such (their views added to ``views``); or (None,
-    None)."""
+    """(b13, b2, out_scales): 2-D [E, N] / [E, width] placeholders the block gathers by expert id (width: H, or L
+    between latent projections), or 1-D [E * N] / [E * width] ones it views as such (their views added to
+    ``views``), each None when absent (either may be alone: ``MoESpec.expert_bias``); out_scales: 2-D [E, width] ones
+    after the second GEMM that only multiply (left to ``moe_norms.per_expert_norm``)."""
     b13 = b2 = None
+    out_scales = []
     scales = quant_inputs(nodes)  # per-expert scales of quantized weights are not biases
     for p in sorted(ctx.static_ph, key=ctx.order.get):
         s = ctx.pshape(p)
@@ -298,19 +326,21 @@ def _expert_biases(ctx: Context, R: Routing, nodes: set, g2_anc: set, N: int, wi
         if s is None or len(s) != 2 or s[0] != R.E or p is R.router_w or p in scales or not _gathered(p, nodes):
             continue
         feeds_g2 = any(a in g2_anc for a in _fx.descendants(p, nodes))
-        if feeds_g2 and s[1] == N:
+        if feeds_g2 and s[1] == N and b13 is None:
             b13 = p
             if fv is not None:
                 views["b13"] = fv
-        elif not feeds_g2 and s[1] == width:
+        elif not feeds_g2 and s[1] == width and _multiplied_only(p, nodes):
+            if fv is not None:
+                raise Reject(f"per-expert tensor {p.name} held flat multiplies the expert outputs: not read")
+            out_scales.append(p)
+        elif not feeds_g2 and s[1] == width and b2 is None:
             b2 = p
             if fv is not None:
                 views["b2"] = fv
         else:
             raise Reject(f"unexplained per-expert 2-D tensor {p.name} {tuple(s)}")
-    if (b13 is None) != (b2 is None):
-        raise Reject("only one of the two expert GEMMs has a bias")
-    return b13, b2
+    return b13, b2, out_scales
 
 
 def has_step2(idx) -> bool:

@@ -54,7 +54,7 @@ class _Form:
 
     sizes: tuple  # (N, I): first GEMM outputs, down GEMM inputs
     shapes: tuple
-    biased: bool
+    biased: tuple  # (the first GEMM's linears have biases, the down linear has one)
     gated: bool
     gate_ups: tuple
     activation: tuple
@@ -361,8 +361,10 @@ def _experts_of(ctx: Context, R: Routing, experts: list) -> Experts:
         return [[ctx.as_linear(n)[pos] for n in (x.first if which == "first" else [x.down])] for x in experts]
 
     stacked = {"w13": per_expert_arg(1, "first"), "w2": per_expert_arg(1, "down")}
-    if f0.biased:
-        stacked.update(b13=per_expert_arg(2, "first"), b2=per_expert_arg(2, "down"))
+    if f0.biased[0]:
+        stacked["b13"] = per_expert_arg(2, "first")
+    if f0.biased[1]:
+        stacked["b2"] = per_expert_arg(2, "down")
     downs = {x.down for x in experts} | {app[-1] for x in experts for app in x.copies}
     return Experts(
         I=f0.sizes[1], gated=x0.gated, layouts=["out_in"], gate_ups=list(f0.gate_ups), act=x0.act,
@@ -384,11 +386,12 @@ def _read(ctx: Context, R: Routing, x: _Expert, baked: dict) -> _Form:
     if len(forms) == 2 and shapes != [(I, R.H), (I, R.H)]:
         raise Reject(f"expert {x.e}: gate / up weights {shapes} do not match the down weight {sd}")
     x.gated = gated_width(N, I)
-    if len([b for *_, b in forms + [down] if b is not None]) not in (0, len(forms) + 1):
-        raise Reject(f"expert {x.e}: only some of its linears have a bias")
+    if len({b is None for *_, b in forms}) != 1:  # gate and up apart: both biased or neither (b13 holds both)
+        raise Reject(f"expert {x.e}: only one of its gate / up linears has a bias")
     x.act = activation(ctx, x.between, x.gated, baked, f"expert {x.e}")
     return _Form(
-        sizes=(N, I), shapes=tuple(shapes) + (sd,), biased=down[2] is not None, gated=x.gated,
+        sizes=(N, I), shapes=tuple(shapes) + (sd,), biased=(forms[0][2] is not None, down[2] is not None),
+        gated=x.gated,
         gate_ups=tuple(["concat"] if len(forms) == 2 else gate_ups(x.between, x.gated)),
         activation=(tuple(x.act.names), x.act.clamp, x.act.alpha, x.act.limit, x.act.gate_softcap, x.act.up_softcap),
         ops=tuple(sorted(op_name(n) for n in x.between)),
