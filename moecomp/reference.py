@@ -406,8 +406,9 @@ def experts(
             None if b2 is None else b2[e].to(acc),
             spec,
         )
-        if spec.expert_norm != "none":
-            y = rms_norm(y.to(dtype), expert_norm_w, spec.expert_norm, spec.expert_norm_eps, dtype, acc).to(acc)
+        if spec.expert_norm != "none":  # "rms_per_expert": expert e's row of expert_norm_w [E, width]
+            nw = expert_norm_w[e] if spec.expert_norm == "rms_per_expert" else expert_norm_w
+            y = rms_norm(y.to(dtype), nw, spec.expert_norm, spec.expert_norm_eps, dtype, acc).to(acc)
         out.index_add_(0, tok, y if spec.weight_on_input else y * w)
     return out
 
@@ -463,10 +464,21 @@ def _gate_up(h: torch.Tensor, spec: MoESpec) -> torch.Tensor:
 
 
 def shared_experts(x: torch.Tensor, shared_w1, shared_w3, shared_w2, shared_gate_w, spec: MoESpec, acc=torch.float32,
-                   shared_w1_scale=None, shared_w3_scale=None, shared_w2_scale=None, gammas=None):
+                   shared_w1_scale=None, shared_w3_scale=None, shared_w2_scale=None, gammas=None,
+                   shared_norm_w=None):
     """The shared experts' sum: x [T, H] -> [T, H] in ``acc``. Stacked (``shared.stacked`` = S): expert s reads
-    the s-th matrices, and its output is times ``gammas[:, s]`` where given ([T, S], ``shared_gamma``)."""
+    the s-th matrices, and its output is times ``gammas[:, s]`` where given ([T, S], ``shared_gamma``).
+    ``shared.norm``: the output, rounded to x's dtype, normalised with ``shared_norm_w`` (:func:`rms_norm`) before
+    its gate and scale."""
     sh = spec.shared
+    if sh.norm != "none":
+        one = spec.replace(shared=dataclasses.replace(sh, norm="none", gate="none", scale=1.0))
+        y = shared_experts(x, shared_w1, shared_w3, shared_w2, None, one, acc, shared_w1_scale, shared_w3_scale,
+                           shared_w2_scale)
+        y = rms_norm(y.to(x.dtype), shared_norm_w, sh.norm, sh.norm_eps, x.dtype, acc).to(acc)
+        if sh.gate == "sigmoid":
+            y = y * torch.sigmoid(x.to(acc) @ shared_gate_w.to(acc).T)
+        return y * sh.scale if sh.scale != 1.0 else y
     if sh.stacked or gammas is not None:
         out = torch.zeros(x.shape, dtype=acc, device=x.device)
         one = _one_shared(spec)
@@ -521,12 +533,14 @@ def router_logits(x: torch.Tensor, router_w, router_b, spec: MoESpec) -> torch.T
 
 def rms_norm(v: torch.Tensor, w: torch.Tensor, form: str, eps: float, dtype: torch.dtype,
              acc=torch.float32) -> torch.Tensor:
-    """The norms of ``moecomp.spec`` on rows v [n, d] (any dtype), weight w [d] -> [n, d] in ``dtype``: "rms_1p"
-    round(rms(v) * (1 + w)), "rms" round(rms(v) * w), "scaled_rms_1p" round(rms(round(v * (1 + w)))); rms and the
-    products in ``acc``, 1 + w formed in w's dtype, round = a cast to ``dtype``."""
+    """The norms of ``moecomp.spec`` on rows v [n, d] (any dtype), weight w [d] (or one row per v row, [n, d]) ->
+    [n, d] in ``dtype``: "rms_1p" round(rms(v) * (1 + w)), "rms" round(rms(v) * w), "scaled_rms_1p"
+    round(rms(round(v * (1 + w)))), "rms_per_expert" as "rms" (w: the expert's row); rms and the products in
+    ``acc``, 1 + w formed in w's dtype, round = a cast to ``dtype``."""
     def rms(t):
         return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)
 
+    form = "rms" if form == "rms_per_expert" else form
     scale = w.to(acc) if form == "rms" else (1 + w).to(acc)
     if form == "scaled_rms_1p":
         return rms((v.to(acc) * scale).to(dtype).to(acc)).to(dtype)
@@ -585,7 +599,7 @@ _QUANT_NAMES = ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "shared_w1_sca
 _LATENT_NAMES = ("latent_in_w", "latent_in_b", "latent_out_w", "latent_out_b")
 _HASH_NAMES = ("hash_table", "token_ids")
 _ROUTER_IN_NAMES = ("router_x", "router_in_scale", "expert_scale")
-_NORM_NAMES = ("latent_norm_w", "expert_norm_w")
+_NORM_NAMES = ("latent_norm_w", "expert_norm_w", "shared_norm_w")
 _ZERO_NAMES = ("w13_zero", "w2_zero")
 _EXTRA_NAMES = (_QUANT_NAMES + _LATENT_NAMES + _HASH_NAMES + _ROUTER_IN_NAMES + ("weight_scale",) + _NORM_NAMES
                 + _ZERO_NAMES)
@@ -642,5 +656,5 @@ def moe_forward(
     if spec.shared is not None:
         out = out + shared_experts(x2, shared_w1, shared_w3, shared_w2, shared_gate_w, spec, acc,
                                    **_pick(extra, "shared_w1_scale", "shared_w3_scale", "shared_w2_scale"),
-                                   gammas=gammas)
+                                   gammas=gammas, shared_norm_w=nw["shared_norm_w"])
     return out.to(x.dtype).reshape(shape)

@@ -98,7 +98,11 @@ What a block computes, in terms of the spec (T tokens, H hidden, E experts, k = 
                y (rounded to x's dtype, as the model's down projection returns it), before its routing weight:
                    "scaled_rms_1p":  y = round(rms(round(y * (1 + w))))   (MuseSpark's InputScaledRMSNorm: the
                                      scale FIRST, rounded, then the normalisation), then out = sum_k weights * y
+                   "rms_per_expert":  y = round(rms(y) * w[e])   (Ergo's ErgoExpertNorm: expert_norm_w [E,
+                                     expert_width], the pair's expert e's row, multiplied in fp32)
                (not with quant, weight_on_input, zero_experts or a capacity: no block has both)
+               shared expert norm (SharedExpertSpec.norm "rms", weight shared_norm_w [H], eps shared.norm_eps; Ergo):
+               shared(x) = round(rms(round(down(...))) * w), before its scale and sigmoid gate
 
 Quantized weights (``quant``, a ``QuantSpec``; ``SharedExpertSpec.quant`` for the shared experts): the op reads the
 quantized tensors and their scales as they are stored; what a GEMM computes is
@@ -136,8 +140,8 @@ from dataclasses import dataclass
 from moecomp.spec_checks import (  # noqa: F401  (re-exported: the allowed values and SpecError)
     SCORINGS, SCORE_ORDERS, GROUP_SCORES, ACTIVATIONS, W_LAYOUTS, GATE_UP, QUANT_WEIGHTS, PACKED_WEIGHTS, QUANT_SCALES,
     SCALE_DTYPES,
-    QUANT_ACTIVATIONS, CAPACITY_PER, EXPERT_BIASES, FP8_MAX, SpecError, expert_bias_fields, _check_activation,
-    _check_softcaps, check_quant,
+    QUANT_ACTIVATIONS, CAPACITY_PER, EXPERT_BIASES, PER_EXPERT_NORMS, FP8_MAX, SpecError, expert_bias_fields,
+    _check_activation, _check_softcaps, check_quant, check_shared_norm,
     validate_moe,
 )
 from moecomp.spec_parallel import ParallelSpec, check_parallel, parallel_from_dict  # the sharded experts' part
@@ -236,6 +240,8 @@ class SharedExpertSpec:
     gate_softcap: float = 0.0  # gated silu: its linear gate factor capped, cg * tanh(g / cg) (MoESpec); 0: none
     up_softcap: float = 0.0  # gated silu: up capped, cu * tanh(u / cu); 0: none
     stacked: int = 0  # S > 0: S shared experts stored stacked [S, ...] (Inkling), their outputs summed; 0: one, 2-D
+    norm: str = "none"  # "rms": the output RMS-normalised, times shared_norm_w [H] (Ergo; MoESpec's docstring)
+    norm_eps: float = 1e-6
 
     @property
     def count(self) -> int:
@@ -283,6 +289,7 @@ class SharedExpertSpec:
             raise SpecError(f"unknown shared-expert layout {self.layout!r}")
         if self.gate not in ("none", "sigmoid"):
             raise SpecError(f"unknown shared-expert gate {self.gate!r}")
+        check_shared_norm(self)
 
 
 @dataclass(frozen=True)
@@ -429,13 +436,16 @@ class MoESpec:
         return shapes
 
     def norm_shapes(self) -> dict[str, tuple[int, ...]]:
-        """{argument: shape} of the norms' weights (``latent_norm_w`` [L], ``expert_norm_w`` [expert_width]); empty
-        without ``latent_norm`` / ``expert_norm``."""
+        """{argument: shape} of the norms' weights (``latent_norm_w`` [L], ``expert_norm_w`` [(E,) expert_width],
+        ``shared_norm_w`` [H]); empty without ``latent_norm`` / ``expert_norm`` / ``shared.norm``."""
         shapes = {}
         if self.latent_norm != "none":
             shapes["latent_norm_w"] = (self.latent_size,)
         if self.expert_norm != "none":
-            shapes["expert_norm_w"] = (self.expert_width,)
+            per_expert = (self.num_experts,) if self.expert_norm in PER_EXPERT_NORMS else ()
+            shapes["expert_norm_w"] = per_expert + (self.expert_width,)
+        if self.shared is not None and self.shared.norm != "none":
+            shapes["shared_norm_w"] = (self.hidden_size,)
         return shapes
 
     def experts_spec(self) -> "MoESpec":

@@ -24,7 +24,10 @@ QUANT_ACTIVATIONS = ("dynamic", "static", "none")
 CAPACITY_PER = ("call", "sequence")
 SHARED_GAMMAS = ("none", "joint_renorm")  # where the shared experts' output scales come from (MoESpec.shared_gamma)
 LATENT_NORMS = ("none", "rms", "rms_1p")  # MoESpec.latent_norm: none, rms(v) * w, rms(v) * (1 + w)
-EXPERT_NORMS = ("none", "scaled_rms_1p")  # MoESpec.expert_norm: none, rms(round(v * (1 + w)))
+# MoESpec.expert_norm: none, rms(round(v * (1 + w))), rms(v) * w[e] (a weight row per expert)
+EXPERT_NORMS = ("none", "scaled_rms_1p", "rms_per_expert")
+PER_EXPERT_NORMS = ("rms_per_expert",)  # expert_norm_w [E, width]
+SHARED_NORMS = ("none", "rms")  # SharedExpertSpec.norm: none, rms(v) * w
 EXPERT_BIASES = ("both", "gemm1", "gemm2")  # MoESpec.expert_bias: b13 and b2, b13 only, b2 only
 FP8_MAX = 448.0  # largest finite e4m3 (float8_e4m3fn) value
 
@@ -272,6 +275,7 @@ def _check_shared_gamma(spec: MoESpec) -> None:
     if not spec.renormalize:
         raise SpecError(f"shared_gamma={g!r} renormalises the gammas with the routing weights: needs renormalize")
     for name, bad in (("fused_shared_gate", spec.fused_shared_gate), ("a router bias", spec.has_router_bias),
+                      ("a shared expert norm (shared.norm)", spec.shared.norm != "none"),
                       ("zero_experts", spec.zero_experts > 0), ("hash_routing", spec.hash_routing),
                       ("an expert capacity", spec.has_capacity), ("latent experts", spec.latent_size > 0),
                       ("weight_on_input", spec.weight_on_input), ("per-expert weight scales (expert_scale)",
@@ -339,6 +343,18 @@ def _check_norms(spec: MoESpec) -> None:
             if bad:
                 raise SpecError(f"expert_norm={spec.expert_norm!r} with {name} is not supported (no block is "
                                 "known to have both)")
+
+
+def check_shared_norm(sh) -> None:
+    """``SharedExpertSpec.norm``: one of SHARED_NORMS, eps finite and >= 0; not on stacked shared experts (no block
+    has both: the weight would be per expert)."""
+    if sh.norm not in SHARED_NORMS:
+        raise SpecError(f"shared expert norm={sh.norm!r} is not one of {SHARED_NORMS}")
+    if not _finite(sh.norm_eps) or sh.norm_eps < 0:
+        raise SpecError(f"shared expert norm_eps must be a finite number >= 0, got {sh.norm_eps!r}")
+    if sh.norm != "none" and sh.stacked:
+        raise SpecError(f"shared expert norm={sh.norm!r} with stacked shared experts is not supported (no block is "
+                        "known to have both)")
 
 
 def _check_activation(activation: str, gated: bool, clamp: bool, limit: float, who: str) -> None:

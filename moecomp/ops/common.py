@@ -49,14 +49,16 @@ SCALE_ARGS = ("weight_scale",)
 # The norms' weights (MoESpec.latent_norm: latent_norm_w [L]; MoESpec.expert_norm: expert_norm_w [expert width]);
 # after weight_scale, each defaulting to None.
 NORM_ARGS = ("latent_norm_w", "expert_norm_w")
+# The shared expert's output norm (SharedExpertSpec.norm: shared_norm_w [H]); moe_forward's last argument, default None.
+SHARED_NORM_ARGS = ("shared_norm_w",)
 OP_ARGS = (MOE_ARGS + QUANT_ARGS + LATENT_ARGS + HASH_ARGS + ROUTER_IN_ARGS + SCALE_ARGS
-           + NORM_ARGS + ZERO_ARGS)  # every tensor a bound block may pass, in order
+           + NORM_ARGS + ZERO_ARGS + SHARED_NORM_ARGS)  # every tensor a bound block may pass, in order
 # The attribute a block tensor carries while ``epilogue.Peeled`` has zeroed it (an output bias bound after the op;
 # ``match.PEELED``): here, below the passes and the match module that both read it.
 PEELED = "_moecomp_peeled"
 # What the op implements beyond the base spec; passes check this before relying on it.
 FEATURES = ("fused_shared_gate", "weight_on_input", "zero_experts", "sparsemixer", "latent", "hash_routing",
-            "router_input", "shared_gamma", "weight_scale", "norms")
+            "router_input", "shared_gamma", "weight_scale", "norms", "expert_bias", "shared_norm")
 
 
 def split_fused_gate(args: dict, spec) -> dict:

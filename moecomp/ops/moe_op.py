@@ -26,7 +26,7 @@ from ..spec import MoESpec, SpecError
 from . import graphs, hash_routing, torch_moe
 from .common import (  # noqa: F401  (re-exported)
     EXPERT_ARGS, EXPERT_QUANT_ARGS, FEATURES, HASH_ARGS, LATENT_ARGS, MOE_ARGS, NORM_ARGS, OP_ARGS, QUANT_ARGS,
-    ROUTER_IN_ARGS, SCALE_ARGS, ZERO_ARGS, _backend,
+    ROUTER_IN_ARGS, SCALE_ARGS, SHARED_NORM_ARGS, ZERO_ARGS, _backend,
     _check_ids_wanted, _on_device, split_fused_gate)
 
 # Floating dtypes the kernels compute in (x / hidden_states). float64 only on the vectorised torch path (CPU, or
@@ -190,11 +190,11 @@ def check_args(x: torch.Tensor, tensors: dict, spec: MoESpec, symbolic: bool = F
             raise SpecError(f"{name} has dtype {t.dtype}; expected a floating dtype")
     for name, want in expect.items():  # scales, latent and norm tensors are passed only where given: a missing one
         if (name in _SCALE_OF or name in LATENT_ARGS or name in ROUTER_IN_ARGS or name in SCALE_ARGS
-                or name in NORM_ARGS) and tensors.get(name) is None:
+                or name in NORM_ARGS or name in SHARED_NORM_ARGS) and tensors.get(name) is None:
             what = (f"the zero points of {_SCALE_OF[name]}" if name in ZERO_ARGS else
                     f"the scales of {_SCALE_OF[name]}" if name in _SCALE_OF else "a latent projection of the experts"
                     if name in LATENT_ARGS else "the routing weights' learned scale" if name in SCALE_ARGS
-                    else "a norm's weight" if name in NORM_ARGS
+                    else "a norm's weight" if name in NORM_ARGS + SHARED_NORM_ARGS
                     else "the router's input scale / per-expert weight scale")
             raise SpecError(f"{name} is required by the spec ({spec.describe()}) but was None; expected a tensor "
                             f"of shape {want} ({what})")
@@ -354,7 +354,8 @@ def _expert_args(w13, b13, w2, b2, *scales) -> dict:
     return args
 
 
-def _op_args(tensors, scales, latent=(), hashed=(), router_in=(), wscale=(), norms=(), zeros=()) -> dict:
+def _op_args(tensors, scales, latent=(), hashed=(), router_in=(), wscale=(), norms=(), zeros=(),
+             shared_norm=()) -> dict:
     """moe_forward's tensors by name; the scale, latent, hash-routing, router-input, weight-scale and norm names only
     where given."""
     args = dict(zip(MOE_ARGS, tensors))
@@ -365,6 +366,7 @@ def _op_args(tensors, scales, latent=(), hashed=(), router_in=(), wscale=(), nor
     args.update({n: t for n, t in zip(SCALE_ARGS, wscale) if t is not None})
     args.update({n: t for n, t in zip(NORM_ARGS, norms) if t is not None})
     args.update({n: t for n, t in zip(ZERO_ARGS, zeros) if t is not None})
+    args.update({n: t for n, t in zip(SHARED_NORM_ARGS, shared_norm) if t is not None})
     return args
 
 
@@ -404,13 +406,14 @@ def moe_forward(
     expert_norm_w: torch.Tensor | None = None,
     w13_zero: torch.Tensor | None = None,
     w2_zero: torch.Tensor | None = None,
+    shared_norm_w: torch.Tensor | None = None,
 ) -> torch.Tensor:
     s = MoESpec.from_key(spec)
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
                                       shared_w2_scale), (latent_in_w, latent_in_b, latent_out_w, latent_out_b),
                     (hash_table, token_ids), (router_x, router_in_scale, expert_scale), (weight_scale,),
-                    (latent_norm_w, expert_norm_w), (w13_zero, w2_zero))
+                    (latent_norm_w, expert_norm_w), (w13_zero, w2_zero), (shared_norm_w,))
     check_args(x, args, s)
     return _forward(x, args, s, spec)
 
@@ -420,14 +423,14 @@ def _(x, router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, share
       spec, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, shared_w1_scale=None,
       shared_w3_scale=None, shared_w2_scale=None, latent_in_w=None, latent_in_b=None, latent_out_w=None,
       latent_out_b=None, hash_table=None, token_ids=None, router_x=None, router_in_scale=None, expert_scale=None,
-      weight_scale=None, latent_norm_w=None, expert_norm_w=None, w13_zero=None, w2_zero=None):
+      weight_scale=None, latent_norm_w=None, expert_norm_w=None, w13_zero=None, w2_zero=None, shared_norm_w=None):
     # Also the Meta-key kernel: real tensors with one of them on "meta" dispatch here, not to the implementation, so
     # the checks (devices above all) must run here too, or the call returns uninitialised memory.
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
                                       shared_w2_scale), (latent_in_w, latent_in_b, latent_out_w, latent_out_b),
                     (hash_table, token_ids), (router_x, router_in_scale, expert_scale), (weight_scale,),
-                    (latent_norm_w, expert_norm_w), (w13_zero, w2_zero))
+                    (latent_norm_w, expert_norm_w), (w13_zero, w2_zero), (shared_norm_w,))
     check_args(x, args, MoESpec.from_key(spec), symbolic=True)
     return torch.empty_like(x)
 

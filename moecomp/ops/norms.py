@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import reference
-from ..spec import MoESpec
+from ..spec import PER_EXPERT_NORMS, MoESpec
 
 
 def latent_norm(xl: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
@@ -20,10 +20,12 @@ def latent_norm(xl: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     return reference.rms_norm(xl, args["latent_norm_w"], spec.latent_norm, spec.latent_norm_eps, xl.dtype)
 
 
-def expert_norm(y: torch.Tensor, args: dict, spec: MoESpec, dtype: torch.dtype) -> torch.Tensor:
-    """The pairs' expert outputs y [P, width] (fp32) normalised as ``spec.expert_norm`` says (rounded to ``dtype``
-    first, as the model's down projection returns them), fp32; y itself without one."""
+def expert_norm(y: torch.Tensor, args: dict, spec: MoESpec, dtype: torch.dtype, ids: torch.Tensor) -> torch.Tensor:
+    """The pairs' expert outputs y [P, width] (fp32) of experts ``ids`` [P] normalised as ``spec.expert_norm`` says
+    (rounded to ``dtype`` first, as the model's down projection returns them; "rms_per_expert": each row with its
+    expert's weight row), fp32; y itself without one."""
     if spec.expert_norm == "none":
         return y
-    return reference.rms_norm(y.to(dtype), args["expert_norm_w"], spec.expert_norm, spec.expert_norm_eps,
-                              dtype).float()
+    w = args["expert_norm_w"]
+    w = w[ids] if spec.expert_norm in PER_EXPERT_NORMS else w
+    return reference.rms_norm(y.to(dtype), w, spec.expert_norm, spec.expert_norm_eps, dtype).float()

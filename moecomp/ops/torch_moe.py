@@ -177,7 +177,7 @@ def experts_fp32(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.
     y = grouped_linear(h, _in_out(args["w2"], spec.w_layout), offs, sorted_ids).float()  # [P, H]
     if args.get("b2") is not None:
         y = y + args["b2"][sorted_ids].float()
-    y = norms.expert_norm(y, args, spec, x.dtype)  # spec.expert_norm: each pair's row, before its weight
+    y = norms.expert_norm(y, args, spec, x.dtype, sorted_ids)  # spec.expert_norm: each pair's row, before its weight
     if not spec.weight_on_input:
         y = y * w
     return _combine(x, topk_ids, topk_weights, tok, y, spec)
@@ -218,6 +218,6 @@ def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
         out += reference.shared_experts(
             x2, args["shared_w1"], args["shared_w3"], args["shared_w2"], args["shared_gate_w"], spec,
             shared_w1_scale=args.get("shared_w1_scale"), shared_w3_scale=args.get("shared_w3_scale"),
-            shared_w2_scale=args.get("shared_w2_scale"), gammas=gammas,
+            shared_w2_scale=args.get("shared_w2_scale"), gammas=gammas, shared_norm_w=args.get("shared_norm_w"),
         )
     return out.to(x.dtype).reshape(shape)

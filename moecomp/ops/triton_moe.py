@@ -501,7 +501,7 @@ def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=No
             y = experts(x, ids, weights, args, spec, cfg)
         if join is not None:
             join()
-        return triton_norm.norm_combine(y, weights, args["expert_norm_w"], spec, T, k, out, shared, gate)
+        return triton_norm.norm_combine(y, weights, args["expert_norm_w"], spec, T, k, out, shared, gate, ids)
     if dec is None:
         with _hold_pdl(join is not None):
             y = experts(x, ids, weights, args, spec, cfg)

@@ -2,7 +2,7 @@
 them on a side stream beside the routed experts: ``ops/triton_moe.py``).
 
     gu = x @ [w1; w3].T  (torch's GEMM, or ``fp8_linear`` for FP8 weights)  ->  h = act(g) * u  (act_mul_kernel)
-    ->  h @ w2.T  (* SharedExpertSpec.scale)
+    ->  h @ w2.T  [-> RMS norm (SharedExpertSpec.norm; in torch, a [T, H] row norm)]  (* SharedExpertSpec.scale)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def shared_mlp(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     lin = _shared_linear(args, sh.quant, _block_cfg(x, spec))
     if not sh.gated:
         up = lin(x, "shared_w3")
-        return _scaled(lin(reference.activation(up, sh.activation), "shared_w2"), sh.scale)
+        return _scaled(_norm(lin(reference.activation(up, sh.activation), "shared_w2"), args, sh), sh.scale)
     if sh.layout == "concat":
         gu = lin(x, "shared_w1")  # [T, 2 Is]
     else:
@@ -40,7 +40,14 @@ def shared_mlp(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     combine_k.act_mul_kernel[(T, triton.cdiv(Is, block))](
         gu, hs, Is, gu.stride(0), hs.stride(0), act.alpha, act.limit, ACT=act.ACT, CLAMP=act.CLAMP, BLOCK=block,
     )
-    return _scaled(lin(hs, "shared_w2"), sh.scale)
+    return _scaled(_norm(lin(hs, "shared_w2"), args, sh), sh.scale)
+
+
+def _norm(y: torch.Tensor, args: dict, sh) -> torch.Tensor:
+    """The shared expert's output y [T, H] (x's dtype) normalised as ``sh.norm`` says (the reference's formula)."""
+    if sh.norm == "none":
+        return y
+    return reference.rms_norm(y, args["shared_norm_w"], sh.norm, sh.norm_eps, y.dtype)
 
 
 def _shared_linear(args: dict, quant, cfg: dict | None = None):

@@ -57,7 +57,8 @@ def shared_part(x2: torch.Tensor, args: dict, spec: MoESpec, routing: Routing) -
     if _backend(x2.device) == "torch":  # as ops/torch_moe.moe_forward
         a = split_fused_gate(args, spec)
         return reference.shared_experts(x2, a["shared_w1"], a["shared_w3"], a["shared_w2"], a["shared_gate_w"], spec,
-                                        gammas=routing.gammas, **{n: a.get(n) for n in _SHARED_QUANT})
+                                        gammas=routing.gammas, shared_norm_w=a.get("shared_norm_w"),
+                                        **{n: a.get(n) for n in _SHARED_QUANT})
     from ..ops import shared_gamma as sg
     from ..ops.triton_shared import shared_mlp
 
@@ -74,10 +75,10 @@ def shared_part(x2: torch.Tensor, args: dict, spec: MoESpec, routing: Routing) -
 def shared_slice(args: dict, spec: MoESpec, rank: int, world_size: int):
     """(args, spec) of rank's slice of the shared experts' intermediate dim (views of the whole weights, no copy), or
     None where it does not split: quantized shared experts (their scales' blocks), gate and up concatenated in one
-    weight, or Is not divisible by the world size."""
+    weight, Is not divisible by the world size, or a norm of the output (it reads the whole sum)."""
     sh = spec.shared
     Is = sh.intermediate_size
-    if sh.quant is not None or (sh.gated and sh.layout == "concat") or Is % world_size:
+    if sh.quant is not None or (sh.gated and sh.layout == "concat") or Is % world_size or sh.norm != "none":
         return None
     n = Is // world_size
     s = slice(rank * n, (rank + 1) * n)

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from .. import policy, reference
 from .. import quant as q8
-from ..ops.common import NORM_ARGS, OP_ARGS, PEELED
+from ..ops.common import NORM_ARGS, OP_ARGS, PEELED, SHARED_NORM_ARGS
 from ..reject import RejectCode
 from . import _fx
 from ._context import Context as _Context
@@ -375,13 +375,15 @@ def _unzero_unbound(ctx: _Context, inputs, args: list, src: _Sources, gen) -> No
 
 
 def _unzero_norms(inputs, args: list, src: _Sources, gen) -> None:
-    """The norms' weights (``NORM_ARGS``) drawn at random (about 0.5 in size) when all zeros: a zero weight makes the
-    forms rms * (1 + w) and rms alike (MuseSpark's norms start at zero), and the check would prove neither."""
-    for k in NORM_ARGS:
+    """The norms' weights (``NORM_ARGS``, ``SHARED_NORM_ARGS``) plus N(0, 0.5) noise when constant: a zero weight
+    makes the forms rms * (1 + w) and rms alike (MuseSpark's norms start at zero), and a constant per-expert weight
+    hides which expert's row a pair reads (Ergo's start at one): the check would prove neither."""
+    for k in NORM_ARGS + SHARED_NORM_ARGS:
         for p in src.of(k):
             i = inputs.index(p) if p in inputs else None
-            if i is not None and isinstance(args[i], torch.Tensor) and not bool(args[i].count_nonzero()):
-                args[i] = (0.5 * torch.randn(tuple(args[i].shape), generator=gen)).to(args[i].dtype)
+            a = args[i] if i is not None else None
+            if isinstance(a, torch.Tensor) and a.numel() and bool((a == a.reshape(-1)[0]).all()):
+                args[i] = (a + 0.5 * torch.randn(tuple(a.shape), generator=gen)).to(a.dtype)
 
 
 def _hash_inputs(ctx: _Context, inputs, args: list, blk: Block, spec, gen, vals) -> None:

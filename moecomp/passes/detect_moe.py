@@ -134,7 +134,7 @@ from ._numeric import Block, verify
 from ._reject import NotACandidate, Reject
 from .moe_experts import Experts, stacked_experts, weights_on_input
 from .moe_latent import Latent, check_scales, latent_out
-from .moe_norms import expert_norm, latent_norm, with_norms
+from .moe_norms import expert_norm, latent_norm, per_expert_norm, shared_norm, with_norms
 from .moe_output import MAX_OUTPUT_CANDIDATES, block_output, common_scale, output_candidates, output_scale
 from .moe_per_expert import Unselected, per_expert, selector_topks
 from .moe_region import Region, check_ops, find_region, pick_input
@@ -330,8 +330,7 @@ def _match_output(ctx: Context, c: _Candidate, out: fx.Node) -> MoEMatch:
     x_dtype = _fx.dtype_of(x_in)
     if x_dtype in (torch.bfloat16, torch.float16) and _fx.dtype_of(r.weights) == x_dtype:
         r.round_weights = True  # the weights reach the experts in the model dtype (e.g. a softmax with dtype=bf16)
-    lnorm = latent_norm(ctx, core, lat.lin_in, ex.g1, lat.L) if lat is not None else None
-    enorm = expert_norm(ctx, core, ex.g2_all, out, lat.L if lat else r.H, {lat.lin_out} if lat else set())
+    lnorm, enorm, norm_baked = _norms(ctx, core, r, ex, sh, lat, out)
     candidates = with_norms(_spec_candidates(r, ex, sh, lat), lnorm, enorm)
     bindings = _bindings(r, ex, sh, lat)
     bindings.update(latent_norm_w=lnorm.w.name if lnorm else None, expert_norm_w=enorm.w.name if enorm else None)
@@ -344,11 +343,31 @@ def _match_output(ctx: Context, c: _Candidate, out: fx.Node) -> MoEMatch:
     out_dtype = _fx.dtype_of(out)
     return MoEMatch(
         spec=spec, bindings=blk.bindings, x=x_in, output=out, nodes=frozenset(blk.nodes), region=frozenset(core),
-        router=r.logits_linear, topk=c.topk, baked={**r.baked, **ex.baked, **(sh.baked if sh else {})},
+        router=r.logits_linear, topk=c.topk,
+        baked={**r.baked, **ex.baked, **(sh.baked if sh else {}), **norm_baked},
         verified=verified, output_dtype=out_dtype if out_dtype != x_dtype else None, block_output=c.block_out,
         tail=frozenset(tail), arg_shapes=blk.arg_shapes, stacked=blk.stacked, arg_rows=blk.arg_rows,
         arg_views=blk.arg_views,
     )
+
+
+def _norms(ctx: Context, core: set, r: Routing, ex: Experts, sh: Shared | None, lat: Latent | None, out: fx.Node):
+    """(latent norm, expert-output norm, {spec field: eps placeholder}) of the block (``moe_norms``); a shared
+    expert's norm goes into ``sh`` (its spec's ``norm`` / ``norm_eps``, its weight bound as ``shared_norm_w``)."""
+    lnorm = latent_norm(ctx, core, lat.lin_in, ex.g1, lat.L) if lat is not None else None
+    skip = {lat.lin_out} if lat else set()
+    enorm = expert_norm(ctx, core, ex.g2_all, out, lat.L if lat else r.H, skip)
+    pnorm = per_expert_norm(ctx, core, ex.g2_all, out, ex.out_scales, skip)
+    if enorm is not None and pnorm is not None:
+        raise Reject(f"two norms of the expert outputs ({enorm.w.name}, per expert {pnorm.w.name})")
+    enorm = enorm or pnorm
+    snorm = shared_norm(ctx, core, sh.down, ex.g2_all, out, r.H) if sh is not None else None
+    if snorm is not None:
+        sh.spec = dataclasses.replace(sh.spec, norm=snorm.forms[0], norm_eps=snorm.eps)
+        sh.bind["shared_norm_w"] = snorm.w
+    baked = {f: n.eps_src for f, n in (("latent_norm_eps", lnorm), ("expert_norm_eps", enorm),
+                                       ("shared.norm_eps", snorm)) if n is not None and n.eps_src}
+    return lnorm, enorm, baked
 
 
 def _fold_output_scale(ctx: Context, r: Routing, core: set, ex: Experts, out: fx.Node, sh: Shared | None) -> None:
