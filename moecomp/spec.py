@@ -144,6 +144,7 @@ from moecomp.spec_checks import (  # noqa: F401  (re-exported: the allowed value
     _check_activation, _check_softcaps, check_quant, check_shared_norm,
     validate_moe,
 )
+from moecomp import spec_describe
 from moecomp.spec_parallel import ParallelSpec, check_parallel, parallel_from_dict  # the sharded experts' part
 
 
@@ -523,66 +524,7 @@ class MoESpec:
         return int((self.w13_rows * self.expert_width + self.expert_width * self.intermediate_size) * itemsize) + scales
 
     def describe(self) -> str:
-        route = self.scoring if self.score_order == "score_then_topk" else f"topk->{self.scoring}"
-        if self.score_order == "sparsemixer":
-            route = f"sparsemixer eps={self.jitter_eps:g}"
-        if self.n_group > 1:
-            route += f" grouped {self.topk_group}/{self.n_group}"
-        if self.has_correction_bias:
-            route += " +bias(logits)" if self.bias_on_logits else " +bias"
-        if self.group_mask_zero:
-            route += " mask0"
-        if self.renormalize:
-            route += " renorm"
-        if self.routed_scaling_factor != 1.0:
-            route += f" x{self.routed_scaling_factor:g}"
-        if self.weight_on_input:
-            route += " on-input"
-        if self.zero_experts:
-            route += f" +{self.zero_experts} zero"
-        if self.hash_routing:
-            route += " hash"
-        if self.router_prefix:
-            route = ("r:" + ("own " if self.router_input else "") + ("rms " if self.router_norm else "")
-                     + ("*s " if self.router_in_scale else "")
-                     + (f"*{self.router_in_const:.4g} " if self.router_in_const != 1.0 else "")) + route
-        if self.expert_scale:
-            route += " *s[e]"
-        if self.shared_gamma != "none":
-            route += f" +{self.gamma_rows} shared gammas ({self.shared_gamma})"
-        if self.has_weight_scale:
-            route += " x weight_scale"
-        if self.has_capacity:
-            route += f" cap {self.capacity or f'{self.capacity_factor:g}T'}/{self.capacity_per}" + (
-                " renorm-kept" if self.renorm_after_drop else "")
-        sh = ""
-        if self.shared is not None:
-            sh = f", shared I={self.shared.intermediate_size}" + (
-                f" x{self.shared.stacked} stacked" if self.shared.stacked else "") + (" gated" if self.shared.gate != "none" else "") + (
-                f" x{self.shared.scale:g}" if self.shared.scale != 1.0 else "")
-        act = self.activation + ("*up" if self.gated and self.activation != "swiglu_oai" else "")
-        if self.latent_size:
-            act = f"latent L={self.latent_size}{'+b' if self.latent_bias else ''} " + act
-        if self.latent_norm != "none":
-            act = f"latent-norm {self.latent_norm} " + act
-        if self.expert_norm != "none":
-            act += f" out-norm {self.expert_norm}"
-        if self.router_scale != 1.0:
-            route = f"logits x{self.router_scale:g} " + route
-        if self.quant is not None:
-            q = self.quant
-            lay = f"{q.block_n}x{q.block_k}" if q.scale == "block" else f"g{q.block_k}" if q.scale == "group" else q.scale
-            fmt = {"fp8_e4m3": "fp8"}.get(q.weight, q.weight) + ("+zp" if q.zero_point else "")
-            act = f"{fmt} {lay}{' ue8m0' if q.scale_dtype == 'ue8m0' else ''} a:{q.activation} " + act
-        if self.activation_clamp:
-            act = f"clamp{self.activation_limit:g} " + act
-        if self.gate_softcap or self.up_softcap:
-            act = f"softcap g{self.gate_softcap:g}/u{self.up_softcap:g} " + act
-        par = "" if self.parallel is None else f" ({self.parallel.describe()})"
-        return (
-            f"E={self.num_experts} k={self.top_k} H={self.hidden_size} I={self.intermediate_size} "
-            f"[{route}] {act}{sh}{par}"
-        )
+        return spec_describe.describe(self)
 
 
 _FIELD_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}

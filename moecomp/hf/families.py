@@ -76,8 +76,7 @@ FAMILY_OVERRIDES: dict[str, dict] = {
                             "num_heads": 4, "encoder_sparse_step": 1, "decoder_sparse_step": 1,
                             "expert_capacity": 64},
     "jetmoe": {"kv_channels": 16},
-    # Ergo: a leading dense layer of 32768 by default; here small, then two MoE layers
-    "ergo": {"num_hidden_layers": 3, "num_dense_blocks": 1, "first_dense_intermediate_size": 128},
+    "ergo": {"num_hidden_layers": 3, "num_dense_blocks": 1, "first_dense_intermediate_size": 128},  # dense: 32768
     # LongCat-Flash has 256 zero experts per 512 routed ones; the default 256 beside the tiny 8 routed experts would
     # leave the routed ones nearly unreached
     "longcat_flash": {"zero_expert_num": 4, "expert_ffn_hidden_size": 32},  # 5.17 maps no TINY key onto the latter
