@@ -115,3 +115,34 @@ def test_opcheck_one_sided(cpu_backend, side):
         torch.library.opcheck(torch.ops.moecomp.moe_forward.default, (*args, spec.key))
         ids, w = torch.randint(0, 5, (T, 2)), torch.rand(T, 2)
         torch.library.opcheck(torch.ops.moecomp.moe_experts.default, (args[0], ids, w, *args[4:8], spec.key))
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+GPU_SPECS = {  # mid sizes; in_out interleaved swiglu_oai (gpt-oss layout) and out_in relu2, each bias alone
+    "oai-in_out": dict(num_experts=32, top_k=4, hidden_size=1024, intermediate_size=512, activation="swiglu_oai",
+                       w_layout="in_out", gate_up="interleaved", score_order="topk_then_score", renormalize=False),
+    "relu2-out_in": dict(num_experts=64, top_k=6, hidden_size=1024, intermediate_size=512, gated=False,
+                         activation="relu2", scoring="sigmoid", has_correction_bias=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4, 64, 600])
+@pytest.mark.parametrize("side", ["gemm1", "gemm2"])
+@pytest.mark.parametrize("name", sorted(GPU_SPECS))
+def test_gpu_one_sided_bf16(name, side, T):
+    """bf16 on the GPU (the decode kernels at T = 1 / 4, the grouped GEMMs, TMA where the card has it, above), each
+    bias alone, the caching allocator's free memory NaN-filled first, against the fp32 reference on the same bf16
+    tensors within 2e-2 (tests/ops/test_gpu.py's bound); and one 4-bit (mxfp4) case per side."""
+    spec = MoESpec(**GPU_SPECS[name], has_expert_bias=True, expert_bias=side)
+    args = random_moe_args(spec, T, torch.bfloat16, "cuda", std=0.05, seed=T)
+    junk = torch.full((64 << 20,), float("nan"), device="cuda")
+    del junk
+    out = torch.ops.moecomp.moe_forward(*args, spec.key)
+    assert torch.isfinite(out).all() and rel(out, reference.moe_forward(*args, spec)) < 2e-2
+    if name == "oai-in_out":
+        q = MoESpec(**{**GPU_SPECS[name], "w_layout": "out_in"}, has_expert_bias=True, expert_bias=side,
+                    quant=QuantSpec.mxfp4())
+        pos, extra = quantize_moe_args(q, random_moe_args(q, T, torch.bfloat16, "cuda", std=0.05, seed=T))
+        out = torch.ops.moecomp.moe_forward(*pos, q.key, **extra)
+        assert torch.isfinite(out).all() and rel(out, reference.moe_forward(*pos, q, **extra)) < 2e-2

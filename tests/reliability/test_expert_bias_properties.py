@@ -4,7 +4,7 @@ and inputs, CPU, fp32.
 
 hypothesis draws E, k, odd H / I, every activation gated or not (swiglu_oai gated, with its clamp), both weight
 layouts and gate / up orders, softmax / sigmoid routing with or without a correction bias and renormalisation, a
-shared expert or none, and T = 0..24 (T <= 4 takes the Triton decode path, more the aligned grouped GEMMs).
+shared expert or none, and T = 0..24 (T <= 8 takes the Triton decode path on CPU, more the aligned grouped GEMMs).
 Derandomized (the same examples every run). The torch path takes 80 moe_forward + 40 moe_experts cases, the Triton
 kernels under the interpreter 16 + 8 (tiny shapes). Each run asserts both one-sided forms occurred.
 Outputs NaN-poisoned (``poison``); every output finite; per token max |out - ref| <= 1e-5 x max|ref| of the case,
