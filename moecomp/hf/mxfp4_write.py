@@ -64,9 +64,10 @@ def to_checkpoint(experts: nn.Module) -> dict[str, torch.Tensor]:
     ``GptOssExperts`` (gate_up_proj [E, H, 2I], down_proj [E, I, H]) quantized."""
     if isinstance(experts, PackedExperts):
         if (experts.quant != QUANT or experts.gate_up != "interleaved" or experts.activation != "swiglu_oai"
-                or experts.b13 is None):
-            raise ValueError(f"PackedExperts ({experts.quant.weight}, {experts.gate_up}, {experts.activation}) is not "
-                             "gpt-oss's (mxfp4, interleaved, swiglu_oai, biases): the checkpoint format cannot hold it")
+                or experts.b13 is None or experts.b2 is None):
+            raise ValueError(f"PackedExperts ({experts.quant.weight}, {experts.gate_up}, {experts.activation}, "
+                             f"biases b13 {experts.b13 is not None} / b2 {experts.b2 is not None}) is not gpt-oss's "
+                             "(mxfp4, interleaved, swiglu_oai, both biases): the checkpoint format cannot hold it")
         w13, s13, w2, s2, b13, b2 = experts.w13, experts.w13_scale, experts.w2, experts.w2_scale, experts.b13, \
             experts.b2
     else:

@@ -1,6 +1,7 @@
 """A bias on one expert GEMM only (``MoESpec.expert_bias``): the spec's rules, the op's argument checks, 4-bit experts
 with one-sided biases on the torch path and the Triton kernels (interpreter: the decode path and the aligned grouped
-GEMMs, and the dot-free 4-bit decode kernels), FP8's refusal naming it, and ``torch.library.opcheck`` of both ops.
+GEMMs, and the dot-free 4-bit decode kernels), FP8's refusal naming it, gpt-oss's mxfp4 checkpoint writer's
+refusal (its format holds both), ``torch.library.opcheck`` of both ops, and (GPU) bf16 at mid sizes.
 (Unquantized experts: tests/reliability/test_expert_bias_properties.py.)
 
 Tolerances: fp32 against ``moecomp.reference`` on the same (packed) tensors, relative Frobenius error 3e-5 (the
@@ -103,6 +104,18 @@ def test_4bit_gemv_one_sided(monkeypatch, poison, side):
                               q1, q2)
     ref = reference.experts(pos[0], ids, w, named["w13"], named["b13"], named["w2"], named["b2"], spec, **extra)
     assert torch.isfinite(out).all() and rel(out, ref) < TOL
+
+
+def test_mxfp4_checkpoint_needs_both_biases():
+    """gpt-oss's checkpoint format holds both biases: one-sided 4-bit experts run, but are not written as it."""
+    from moecomp.hf import mxfp4, mxfp4_write
+
+    spec, pos, extra = _packed("gemm1", 2, quant=QuantSpec.mxfp4(), gate_up="interleaved", activation="swiglu_oai")
+    t = dict(zip(MOE_ARGS, pos[1:]))
+    ex = mxfp4.packed_experts(t["w13"], extra["w13_scale"], t["w2"], extra["w2_scale"], t["b13"], None, 1.702, 7.0)
+    assert ex.spec(2).expert_bias == "gemm1"
+    with pytest.raises(ValueError, match="biases b13 True / b2 False"):
+        mxfp4_write.to_checkpoint(ex)
 
 
 # ------------------------------------------------------------------------------------------------------ opcheck
