@@ -457,13 +457,14 @@ def _sym_values(x_root, target: int, bytes_per_token: int = 0) -> list[dict]:
 
     if not free:
         return [{}] if fits({}) else []
-    out = []
+    out, below = [], None
     for v in range(2, 4097):
         vals = {sym: v for sym in free}
         if tokens(vals) >= target:
-            if fits(vals):
-                out.append(vals)
+            if fits(vals) or below is not None:  # (else the largest below the target that fits)
+                out.append(vals if fits(vals) else below)
             break
+        below = vals if fits(vals) else below
     if hints not in out and fits(hints):
         out.append(hints)
     return out
