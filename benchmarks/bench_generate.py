@@ -199,7 +199,54 @@ def run_hf_loop(model, ids, new: int, cuda: bool, **kw) -> tuple[torch.Tensor, f
 ONE_LINER_WARM = 3  # new tokens of each one-liner warm-up call: step 1 eager, step 2 captured
 
 
+class NotOptimized(RuntimeError):
+    """``moecomp.optimize`` did not replace ``model.generate``: the one-liner cannot run (the message says why)."""
+
+
+def generate_replaced(model) -> bool:
+    """Is ``model.generate`` moecomp's (``optimize`` installed it)?"""
+    from moecomp.generate.hf_generate import FastGenerate
+
+    return isinstance(model.__dict__.get("generate"), FastGenerate)
+
+
+def optimize_checked(model, what: str = "", say=None) -> dict:
+    """``moecomp.optimize(model)`` and what it left, for the result JSON: {"blocks", "rewritten", "unrewritten":
+    [{"name", "reason"}], "generate_replaced"}. Says so plainly on the terminal when blocks holding experts were
+    left unrewritten or ``generate`` was not replaced (the one-liner rows then record ``NotOptimized``)."""
+    import warnings
+
+    import moecomp
+    from moecomp.optimize import unrewritten
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (said below, with every block)
+        _, rep = moecomp.optimize(model, report=True)
+    left = unrewritten(rep)
+    st = dict(blocks=len(rep.blocks), rewritten=len(rep.rewritten), experts_only=len(rep.experts_only),
+              unrewritten=[dict(name=b.name, reason=b.reason) for b in left], generate_replaced=generate_replaced(model),
+              summary=rep.summary())
+    say = say or log
+    if left or not st["generate_replaced"]:
+        say(f"!! {what}moecomp.optimize left {len(left)} of {len(rep.blocks)} MoE block(s) unrewritten; generate "
+            f"{'replaced' if st['generate_replaced'] else 'NOT replaced (the one-liner cannot run)'}")
+        for b in left[:4]:
+            say(f"!!   {b.name}: {b.reason[:400]}")
+    return st
+
+
+def require_generate(model) -> None:
+    """``NotOptimized`` (a plain message) unless ``model.generate`` is moecomp's."""
+    if not generate_replaced(model):
+        st = getattr(model, "_moecomp_report", None)
+        left = [] if st is None else [b for b in st.blocks if b.status == "skipped"]
+        why = f"; first block left: {left[0].name}: {left[0].reason[:300]}" if left else ""
+        raise NotOptimized(f"moecomp.optimize did not replace model.generate ({len(left)} block(s) left "
+                           f"unrewritten{why}): no one-liner to time")
+
+
 def run_one_liner(model, ids, new: int, cuda: bool) -> tuple[torch.Tensor, float, float, dict]:
+    require_generate(model)
     model.generate.cpu = True  # CPU smoke runs: the engine (CPU models keep transformers' loop by default)
     if cuda:
         torch.cuda.synchronize()
@@ -252,7 +299,7 @@ def set_path(model, path: str, state: dict):
         moecomp.unoptimize(model)  # FSE is decided when a block is bound
         state["optimized"] = False
     if path in opt_paths and not state.get("optimized"):
-        moecomp.optimize(model)
+        state["optimize"] = optimize_checked(model)
         state["optimized"] = True
     if changed and "generate" in model.__dict__:
         model.generate.release()  # graphs bake the options in: a fresh engine captures again
@@ -313,6 +360,7 @@ def one_liner_ttft(model, ids, cuda: bool, reps: int = 3) -> dict:
     warm-up (median of ``reps``), with its breakdown from ``model.generate.last``: transformers' generate setup
     before the engine (host), the prefill's launches (host), the prefill on the device, and the rest of the call."""
     walls, parts = [], []
+    require_generate(model)
     model.generate.cpu = True
     for _ in range(reps):
         if cuda:
@@ -508,7 +556,8 @@ def run(argv=None) -> dict:
                 except Exception as e:  # the row records the failure; the run goes on
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                     result["errors"].append(f"{name} B={B} {path}: {row['error']}")
-                    traceback.print_exc()
+                    if not isinstance(e, NotOptimized):  # (that one says all in its message)
+                        traceback.print_exc()
                     if cuda:
                         try:
                             torch.cuda.synchronize()
@@ -516,6 +565,8 @@ def run(argv=None) -> dict:
                             result["errors"].append("CUDA context lost: stopping")
                             result["rows"].append(row)
                             return _finish(result, args)
+                if "optimize" in state:  # what optimize left (also when the row ran)
+                    result.setdefault("optimize", {})[name] = state["optimize"]
                 result["rows"].append(row)
                 log(_row_line(row))
             if state.get("floor"):

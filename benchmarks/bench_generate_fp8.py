@@ -130,10 +130,13 @@ def run_model(name: str, args, device, cuda: bool, ceil: dict, result: dict, t_s
                                                                                 / _num_experts(model))
     rows = {B: dict(model=name, B=B, layers=model.config.num_hidden_layers) for B in args.batches}
     ref = {}
-    moecomp.optimize(model)
+    result.setdefault("optimize", {})[name] = dict(bf16=bg.optimize_checked(model, f"[{name} bf16] "))
     for B in args.batches:
         if time.perf_counter() - t_start > args.budget_s:
             rows[B]["skipped"] = "budget"
+            continue
+        if not bg.generate_replaced(model):
+            rows[B]["skipped"] = "bf16: moecomp.optimize did not replace generate (result['optimize'])"
             continue
         rec, out = one_liner(model, prompts[B], new, cuda)
         ref[B] = out
@@ -152,12 +155,15 @@ def run_model(name: str, args, device, cuda: bool, ceil: dict, result: dict, t_s
         torch.cuda.empty_cache()
     quant_s = time.perf_counter() - t
     pb8 = bg.param_bytes(model)
-    report = moecomp.optimize(model)
+    result["optimize"][name]["fp8"] = bg.optimize_checked(model, f"[{name} fp8] ")
     fp8_out = {}
-    result.setdefault("reports", {})[name] = str(report)[:2000]
+    result.setdefault("reports", {})[name] = str(model._moecomp_report)[:2000]
     for B in args.batches:
         if B not in ref or time.perf_counter() - t_start > args.budget_s:
             rows[B].setdefault("skipped", "budget")
+            continue
+        if not bg.generate_replaced(model):
+            rows[B]["skipped"] = "fp8: moecomp.optimize did not replace generate (result['optimize'])"
             continue
         rec, out = one_liner(model, prompts[B], new, cuda)
         _profile(model, name, "fp8", B, prompts[B], args, cuda, result)

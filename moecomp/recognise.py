@@ -201,35 +201,36 @@ def recognise(block: nn.Module, parts: BlockParts, x: torch.Tensor | None, *, us
                 notes.append(_compare_note(block, parts, x, fx, cache))
             return fx, notes
     try:
-        got = _readers(block, parts, x, fx, notes, trust_fallback)
+        got, who = _readers(block, parts, x, fx, notes, trust_fallback)
     except StageError as e:  # a reader raised: reported as such (its memory: optimize tries again smaller)
         if e.oom:
             raise
-        got = Reject(RejectCode.CHECK_ERROR, e.describe(), e.describe())
+        got, who = Reject(RejectCode.CHECK_ERROR, e.describe(), e.describe()), ""
     if isinstance(got, Reject) and fx is not None and fx.cause and fx.cause not in got.message:
-        got = Reject(got.code, f"{fx.cause}; then {got.message}", fx.cause)  # the first cause first
+        got = Reject(got.code, f"{fx.cause}; then {who}{got.message}", fx.cause)  # the first cause first
     return got, notes
 
 
 def _readers(block: nn.Module, parts: BlockParts, x: torch.Tensor, fx: Reject | None, notes: list,
-             trust_fallback: bool) -> Match | Reject:
-    """The readers' answer for a block the FX pass did not match (``fx``: its Reject; None: not used)."""
+             trust_fallback: bool) -> tuple[Match | Reject, str]:
+    """The readers' answer for a block the FX pass did not match (``fx``: its Reject; None: not used), and who
+    answered ("attribute reader: ", or "" when the message says)."""
     if fx is not None:
         if parts.kind == "structural":  # found by shapes: the attribute reader has no part names to read
-            return _structural(block, parts, x, fx, notes)[0]
+            return _structural(block, parts, x, fx, notes)[0], ""
         if fx.code is RejectCode.CAPTURE_FAILED or _unselected(fx):
             seen = _observed(block, parts, x, fx, notes)
             if seen is not None:
-                return seen
+                return seen, ""
         if fx.code is RejectCode.CAPTURE_FAILED:
             notes.append(f"FX pass could not capture the block ({fx.message}); attribute fallback used")
         elif trust_fallback:
             notes.append(f"FX pass rejected the block ({fx.message}); attribute fallback used (trust_fallback)")
         else:
-            return Reject(fx.code, f"FX pass: {fx.message}")
+            return Reject(fx.code, f"FX pass: {fx.message}"), ""
     if parts.kind == "structural":
-        return _structural(block, parts, x, None, notes)[0]
-    return in_stage("attribute reader", fallback.recognise, block, parts, x)
+        return _structural(block, parts, x, None, notes)[0], ""
+    return in_stage("attribute reader", fallback.recognise, block, parts, x), "attribute reader: "
 
 
 def _structural(block: nn.Module, parts: BlockParts, x: torch.Tensor, fx: Reject | None, notes: list):

@@ -35,7 +35,7 @@ import torch.fx as fx
 from .. import policy, reference
 from .. import quant as q8
 from ..ops.common import NORM_ARGS, OP_ARGS, PEELED
-from ..reject import RejectCode, StageError, describe_exception, is_oom, raise_if_oom
+from ..reject import RejectCode, StageError, is_oom, raise_if_oom
 from . import _fx
 from ._context import Context as _Context
 from ._fx import op_name
@@ -133,7 +133,8 @@ def verify(ctx: _Context, candidates, blk: Block):
         except Exception as e:
             if not is_oom(e):  # a failure of the check itself, not a verdict: named as such
                 raise StageError("numeric check", e) from e
-            ran_out.append(f"{tokens} tokens{' on the CPU' if on_cpu else ''}: {describe_exception(e, 160)}")
+            text = str(e).strip().splitlines()[0][:160] if str(e).strip() else "out of memory"
+            ran_out.append(f"{tokens} tokens{' on the CPU' if on_cpu else ''}: {text}")
             del e
             _release()
             continue
