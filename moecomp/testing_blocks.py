@@ -113,7 +113,11 @@ def _fill_float(block: nn.Module, g, device, dtype) -> None:
             else:
                 fan = (shape[-2] if getattr(m, "is_transposed", False) else shape[-1]) if len(shape) >= 2 else 1
                 std = (2.0 if mname.endswith(("gate", "router")) else 1.0) / fan**0.5
-                v = _rand(shape, g, device, std, dtype if t.is_floating_point() else t.dtype)
+                v = torch.empty(shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+                per = max(1, v[0].numel()) if v.dim() else 1
+                for e0, e1 in _chunks(shape[0], per) if v.dim() >= 3 else [(None, None)]:
+                    sl = v[e0:e1] if e0 is not None else v  # (stacked experts: drawn a chunk at a time)
+                    sl.copy_(_rand(tuple(sl.shape), g, device, std))
             if n in m._parameters:
                 m._parameters[n] = nn.Parameter(v, requires_grad=False)
             else:
