@@ -37,6 +37,7 @@ sys.path.insert(0, HERE)
 
 import bench_generate as bg  # noqa: E402
 from bench_moe import _save, environment, git_commit  # noqa: E402
+from gen_profile import profile_steps  # noqa: E402
 
 DEPTH = {"qwen3": 6, "deepseek": 2, "qwen2": 6, "mixtral": 4}
 
@@ -75,11 +76,11 @@ def one_liner(model, ids, new: int, cuda: bool) -> tuple[dict, torch.Tensor]:
 
 
 def _profile(model, name: str, dtype: str, B: int, ids, args, cuda: bool, result: dict) -> None:
-    """``--profile B``: the decode steps' kernels at batch B (``bench_generate.profile_steps``), logged and kept."""
+    """``--profile B``: the decode steps' kernels at batch B (``gen_profile.profile_steps``), logged and kept."""
     if not (cuda and args.profile == B):
         return
     try:
-        p = bg.profile_steps(model, "one_liner", ids, cuda)
+        p = profile_steps(model, "one_liner", ids, cuda)
     except Exception as e:  # a profile is a diagnostic: its failure is reported, the run goes on
         result["errors"].append(f"profile {name} {dtype} B={B}: {type(e).__name__}: {e}")
         return
