@@ -25,6 +25,7 @@ import dataclasses
 
 import torch
 
+from . import policy
 from .spec import FP8_MAX, QuantSpec
 
 FP8 = torch.float8_e4m3fn
@@ -121,20 +122,25 @@ def pack_4bit(codes: torch.Tensor) -> torch.Tensor:
     return c[..., 0::2] | (c[..., 1::2] << 4)
 
 
-# rows of 4-bit codes unpacked at a time: at most this many weights' codes (one byte each) and their int32 indices
-# (mxfp4's table lookup) exist at once, a fixed 1.25 MiB beside the fp32 result whatever the tensor's size
-DEQUANT_CHUNK_WEIGHTS = 1 << 18
+# rows of 4-bit codes unpacked at a time: the codes (one byte each) and int32 indices (mxfp4's table lookup) of at
+# most a sixteenth of ``policy.WORKING_MEMORY_BYTES`` worth of weights exist at once beside the fp32 result (1 GiB:
+# 64M weights, a whole expert of any model in one step), at least DEQUANT_CHUNK_MIN_WEIGHTS
+DEQUANT_CHUNK_MIN_WEIGHTS = 1 << 16
+
+
+def _dequant_chunk() -> int:
+    return max(DEQUANT_CHUNK_MIN_WEIGHTS, policy.working_bytes() // 16)
 
 
 def _dequantize_4bit(packed, scale, quant: QuantSpec, zero) -> torch.Tensor:
-    """Working memory: the fp32 result, plus the codes and indices of ``DEQUANT_CHUNK_WEIGHTS`` weights at a time;
+    """Working memory: the fp32 result, plus the codes and indices of a chunk of weights at a time (above);
     the scales (and zeros) broadcast over their groups, never expanded to the weight's size."""
     *lead, rows, half = packed.shape
     cols = 2 * half
     v = torch.empty(*lead, rows, cols, dtype=torch.float32, device=packed.device)
     flat_p, flat_v = packed.reshape(-1, half), v.view(-1, cols)
     table = torch.tensor(E2M1, device=packed.device) if quant.weight == "mxfp4" else None
-    step = max(1, DEQUANT_CHUNK_WEIGHTS // max(1, cols))
+    step = max(1, _dequant_chunk() // max(1, cols))
     for r0 in range(0, flat_p.shape[0], step):
         codes = unpack_4bit(flat_p[r0:r0 + step])  # [n, cols] uint8
         if table is None:
