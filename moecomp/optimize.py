@@ -314,8 +314,8 @@ def _fp8_linears(model: nn.Module, bind_it: bool) -> dict:
 
 
 class OptimizeError(RuntimeError):
-    """``optimize(model, strict=True)`` left blocks that hold experts unrewritten: ``blocks`` [(name, reason)],
-    ``report`` the whole Report. The blocks that were rewritten stay rewritten (``moecomp.unoptimize`` restores
+    """``optimize(model, strict=True)`` left blocks that hold experts unrewritten: ``blocks`` their BlockReports
+    (``name``, ``reason``, ``codes``), ``report`` the whole Report. The blocks that were rewritten stay rewritten (``moecomp.unoptimize`` restores
     them)."""
 
     def __init__(self, report: Report, blocks: list):

@@ -27,7 +27,8 @@ from .hf import dispatch_reader, fallback
 from .hf.bind import forward_params
 from .hf.structure import BlockParts
 from .match import Evidence, Match, Verified, forward_arg
-from .reject import Refused, Reject, RejectCode, StageError, describe_exception, in_stage, is_oom, raise_if_oom
+from .reject import (Refused, Reject, RejectCode, StageError, describe_exception, in_stage, is_oom, oom_of,
+                     raise_if_oom)
 
 # When the FX pass recognises a block, also run the attribute reader and note any difference in the report
 # (``hf/families.py`` turns it on for the coverage table; off for users: it runs the block once more per structure).
@@ -73,6 +74,7 @@ def _from_block_match(bm, parts: BlockParts) -> Match:
 def _failed(e: Exception) -> Reject:
     """The FX pass raised (a failure of the pass, not a refusal; running out of memory after the numeric check's own
     retries included): CAPTURE_FAILED, so that the readers try, with the cause kept for the report."""
+    e = oom_of(e) or e  # (running out of memory named as such, whatever wrapped it)
     what = e.describe() if isinstance(e, StageError) else describe_exception(e)
     cause = f"FX pass failed ({what})"
     return Reject(RejectCode.CAPTURE_FAILED, cause, cause)
@@ -87,7 +89,7 @@ def _detect_fx(block: nn.Module, parts: BlockParts, device, dtype) -> Match | Re
         return _from_block_match(bm, parts)
     except DetectError as e:
         if is_oom(e):  # (Dynamo ran the block with real values and ran out)
-            return _failed(e.__cause__ or e)
+            return _failed(e)
         first = e
     except Exception as e:  # Dynamo errors surface as many types
         return _failed(e)
@@ -102,7 +104,7 @@ def _detect_fx(block: nn.Module, parts: BlockParts, device, dtype) -> Match | Re
         bm = detect_block(block, x, real_values=True)
     except DetectError as e:  # the unrolled trace proves nothing either way: let the attribute reader try
         if is_oom(e):
-            return _failed(e.__cause__ or e)
+            return _failed(e)
         return Reject(RejectCode.CAPTURE_FAILED, f"{first.reason}; traced with real values: {e.reason}")
     except Exception as e:
         return _failed(StageError("traced with real values", e))
@@ -140,7 +142,7 @@ def _detect_hash(block: nn.Module, parts: BlockParts, device, dtype) -> Match | 
             bm = detect_block(block, x, call_args={name: tok})
         except DetectError as e:  # not this parameter, or a lookup the pass refuses
             if is_oom(e):
-                return _failed(e.__cause__ or e)
+                return _failed(e)
             why = [r for w, r in e.rejected if w.startswith("hash lookup")]
             if refused is None and why:
                 refused = Reject(why[0].code, f"hash routing ({name!r} as token ids): {why[0]}")

@@ -62,13 +62,19 @@ class Refused(Exception):
 def is_oom(e: BaseException | None) -> bool:
     """Is ``e`` running out of memory on a device or the host: an ``OutOfMemoryError`` itself, wrapped in a
     :class:`StageError`, or the cause Dynamo (or another wrapper) chained it to?"""
+    return oom_of(e) is not None
+
+
+def oom_of(e: BaseException | None) -> BaseException | None:
+    """The ``OutOfMemoryError`` (or the StageError naming it) that ``e`` is or wraps; None if none."""
     seen = 0
     while e is not None and seen < 16:
-        if isinstance(e, torch.OutOfMemoryError):
-            return True
+        if isinstance(e, torch.OutOfMemoryError) or (isinstance(e, StageError) and isinstance(
+                e.error, torch.OutOfMemoryError)):
+            return e
         e = e.error if isinstance(e, StageError) else e.__cause__
         seen += 1
-    return False
+    return None
 
 
 def raise_if_oom(e: BaseException) -> None:
