@@ -122,14 +122,14 @@ def pack_4bit(codes: torch.Tensor) -> torch.Tensor:
     return c[..., 0::2] | (c[..., 1::2] << 4)
 
 
-# rows of 4-bit codes unpacked at a time: the codes (one byte each) and int32 indices (mxfp4's table lookup) of at
-# most a sixteenth of ``policy.WORKING_MEMORY_BYTES`` worth of weights exist at once beside the fp32 result (1 GiB:
-# 64M weights, a whole expert of any model in one step), at least DEQUANT_CHUNK_MIN_WEIGHTS
+# rows of 4-bit codes unpacked at a time: the codes (one byte each) and int32 indices (mxfp4's table lookup) of
+# 1/64 of ``policy.WORKING_MEMORY_BYTES`` in weights exist at once beside the fp32 result (1 GiB: 16M weights, 80 MB
+# of temporaries; a gpt-oss-120b expert's w13 in two steps), at least DEQUANT_CHUNK_MIN_WEIGHTS
 DEQUANT_CHUNK_MIN_WEIGHTS = 1 << 16
 
 
 def _dequant_chunk() -> int:
-    return max(DEQUANT_CHUNK_MIN_WEIGHTS, policy.working_bytes() // 16)
+    return max(DEQUANT_CHUNK_MIN_WEIGHTS, policy.working_bytes() // 64)
 
 
 def _dequantize_4bit(packed, scale, quant: QuantSpec, zero) -> torch.Tensor:
