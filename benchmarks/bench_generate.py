@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from bench_moe import _save, _slug, environment, git_commit  # noqa: E402
+from gen_optimize import NotOptimized, generate_replaced, optimize_checked, require_generate  # noqa: E402,F401
 
 MODELS = {
     "qwen3": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", 12, dict(
@@ -200,6 +201,7 @@ ONE_LINER_WARM = 3  # new tokens of each one-liner warm-up call: step 1 eager, s
 
 
 def run_one_liner(model, ids, new: int, cuda: bool) -> tuple[torch.Tensor, float, float, dict]:
+    require_generate(model)
     model.generate.cpu = True  # CPU smoke runs: the engine (CPU models keep transformers' loop by default)
     if cuda:
         torch.cuda.synchronize()
@@ -252,7 +254,7 @@ def set_path(model, path: str, state: dict):
         moecomp.unoptimize(model)  # FSE is decided when a block is bound
         state["optimized"] = False
     if path in opt_paths and not state.get("optimized"):
-        moecomp.optimize(model)
+        state["optimize"] = optimize_checked(model)
         state["optimized"] = True
     if changed and "generate" in model.__dict__:
         model.generate.release()  # graphs bake the options in: a fresh engine captures again
@@ -313,6 +315,7 @@ def one_liner_ttft(model, ids, cuda: bool, reps: int = 3) -> dict:
     warm-up (median of ``reps``), with its breakdown from ``model.generate.last``: transformers' generate setup
     before the engine (host), the prefill's launches (host), the prefill on the device, and the rest of the call."""
     walls, parts = [], []
+    require_generate(model)
     model.generate.cpu = True
     for _ in range(reps):
         if cuda:
@@ -330,69 +333,6 @@ def one_liner_ttft(model, ids, cuda: bool, reps: int = 3) -> dict:
                 ttft_prefill_device_ms=ms("prefill_s"), ttft_call_ms=ms("call_s"))
 
 
-# ================================================================================================ profile
-def _kernels(prof) -> tuple[int, float, dict]:
-    """(kernel count, kernel time in ms, {name: [count, us]}) of a profile: device activities except copies / memsets."""
-    n, us, by = 0, 0.0, {}
-    try:
-        evs = [(e.name(), e.duration_ns() / 1e3) for e in prof.profiler.kineto_results.events()
-               if "cuda" in str(e.device_type()).lower()]
-    except Exception:
-        evs = [(e.name, getattr(e, "device_time_total", 0.0)) for e in prof.events()
-               if "cuda" in str(getattr(e, "device_type", "")).lower()]
-    for name, d in evs:
-        if "Memcpy" in name or "Memset" in name:
-            continue
-        n += 1
-        us += d
-        b = by.setdefault(name[:90], [0, 0.0])
-        b[0] += 1
-        b[1] += d
-    return n, us / 1e3, by
-
-
-def profile_steps(model, path: str, ids, cuda: bool, steps: int = 8) -> dict:
-    """Kernels and GPU busy time per decode step: two profiled calls (1 and 1 + steps new tokens), differenced, so
-    the prefill drops out. Idle = 1 - kernel time / wall time of the decode steps."""
-    from torch.profiler import ProfilerActivity, profile
-
-    kw = dict(moecomp_fast=False) if path == "optimize_hf" else {}
-
-    def call(new):
-        if path.startswith("one_liner"):
-            return run_one_liner(model, ids, new, cuda)[:3]
-        return run_hf_loop(model, ids, new, cuda, **kw)
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    call(1 + steps)  # warm-up (captures)
-    got = []
-    for new in (1, 1 + steps):
-        if cuda:
-            torch.cuda.synchronize()
-        with profile(activities=acts) as prof:
-            t0 = time.perf_counter()
-            _, pre, dec = call(new)
-            if cuda:
-                torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
-        got.append((*_kernels(prof), wall * 1e3))
-    (k1, b1, by1, w1), (k2, b2, by2, w2) = got
-    per_k, per_busy, per_wall = (k2 - k1) / steps, (b2 - b1) / steps, (w2 - w1) / steps
-    top = []
-    for name, (c, t) in by2.items():
-        c0, t0 = by1.get(name, (0, 0.0))
-        top.append((round((t - t0) / steps, 2), round((c - c0) / steps, 2), name))
-    top.sort(reverse=True)
-    # the first call (one new token) is the prefill with one sampling: its kernels against its wall time show
-    # whether the time to first token is the device's or the host's
-    pre_top = sorted(((round(t, 1), c, name) for name, (c, t) in by1.items()), reverse=True)
-    return dict(path=path, kernels_per_step=per_k, gpu_busy_ms_per_step=per_busy, wall_ms_per_step=per_wall,
-                gpu_idle_frac=max(0.0, 1 - per_busy / per_wall) if per_wall > 0 else None,
-                decode_ms_per_step_unprofiled=dec * 1e3, top_kernels_us_per_step=top[:25],
-                prefill=dict(kernels=k1, gpu_busy_ms=b1, wall_ms=w1, top_kernels_us=pre_top[:20]))
-
-
-# ================================================================================================ main
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="all")
@@ -520,19 +460,12 @@ def run(argv=None) -> dict:
                 log(_row_line(row))
             if state.get("floor"):
                 result.setdefault("floors", []).append(dict(model=name, batch=B, **state["floor"]))
+        if "optimize" in state:  # what optimize left (moecomp.optimize's report, in short)
+            result.setdefault("optimize", {})[name] = state["optimize"]
         if args.profile and name == models[0]:
-            for path, B in args.profile_paths:
-                ids = torch.randint(3, model.config.vocab_size, (B, S)).to(device)
-                try:
-                    set_path(model, path, state)
-                    p = profile_steps(model, path, ids, cuda)
-                    result["profiles"].append(dict(model=name, batch=B, **p))
-                    top = p.pop("top_kernels_us_per_step")
-                    log(f"profile {name} B={B} {path}: {p}")
-                    for t in top[:12]:
-                        log(f"    {t[0]:8.2f} us/step  x{t[1]:<6g} {t[2]}")
-                except Exception as e:
-                    result["errors"].append(f"profile {path}: {type(e).__name__}: {e}")
+            from gen_profile import profile_paths
+
+            profile_paths(model, name, state, args, S, device, result)
         import moecomp
 
         moecomp.unoptimize(model)

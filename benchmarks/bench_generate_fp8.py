@@ -37,6 +37,7 @@ sys.path.insert(0, HERE)
 
 import bench_generate as bg  # noqa: E402
 from bench_moe import _save, environment, git_commit  # noqa: E402
+from gen_profile import profile_steps  # noqa: E402
 
 DEPTH = {"qwen3": 6, "deepseek": 2, "qwen2": 6, "mixtral": 4}
 
@@ -75,11 +76,11 @@ def one_liner(model, ids, new: int, cuda: bool) -> tuple[dict, torch.Tensor]:
 
 
 def _profile(model, name: str, dtype: str, B: int, ids, args, cuda: bool, result: dict) -> None:
-    """``--profile B``: the decode steps' kernels at batch B (``bench_generate.profile_steps``), logged and kept."""
+    """``--profile B``: the decode steps' kernels at batch B (``gen_profile.profile_steps``), logged and kept."""
     if not (cuda and args.profile == B):
         return
     try:
-        p = bg.profile_steps(model, "one_liner", ids, cuda)
+        p = profile_steps(model, "one_liner", ids, cuda)
     except Exception as e:  # a profile is a diagnostic: its failure is reported, the run goes on
         result["errors"].append(f"profile {name} {dtype} B={B}: {type(e).__name__}: {e}")
         return
@@ -130,10 +131,13 @@ def run_model(name: str, args, device, cuda: bool, ceil: dict, result: dict, t_s
                                                                                 / _num_experts(model))
     rows = {B: dict(model=name, B=B, layers=model.config.num_hidden_layers) for B in args.batches}
     ref = {}
-    moecomp.optimize(model)
+    result.setdefault("optimize", {})[name] = dict(bf16=bg.optimize_checked(model, f"[{name} bf16] "))
     for B in args.batches:
         if time.perf_counter() - t_start > args.budget_s:
             rows[B]["skipped"] = "budget"
+            continue
+        if not bg.generate_replaced(model):
+            rows[B]["skipped"] = "bf16: moecomp.optimize did not replace generate (result['optimize'])"
             continue
         rec, out = one_liner(model, prompts[B], new, cuda)
         ref[B] = out
@@ -152,12 +156,15 @@ def run_model(name: str, args, device, cuda: bool, ceil: dict, result: dict, t_s
         torch.cuda.empty_cache()
     quant_s = time.perf_counter() - t
     pb8 = bg.param_bytes(model)
-    report = moecomp.optimize(model)
+    result["optimize"][name]["fp8"] = bg.optimize_checked(model, f"[{name} fp8] ")
     fp8_out = {}
-    result.setdefault("reports", {})[name] = str(report)[:2000]
+    result.setdefault("reports", {})[name] = str(model._moecomp_report)[:2000]
     for B in args.batches:
         if B not in ref or time.perf_counter() - t_start > args.budget_s:
             rows[B].setdefault("skipped", "budget")
+            continue
+        if not bg.generate_replaced(model):
+            rows[B]["skipped"] = "fp8: moecomp.optimize did not replace generate (result['optimize'])"
             continue
         rec, out = one_liner(model, prompts[B], new, cuda)
         _profile(model, name, "fp8", B, prompts[B], args, cuda, result)

@@ -141,9 +141,16 @@ def run(args) -> dict:
             hf = dict(decode_ms=dec * 1e3, prefill_ms=pre * 1e3, tokens=out)
             log(f"[gen-q4] transformers (PackedExperts' plain forward) B=1: decode {dec * 1e3:.1f} ms/step")
     active, outs = None, {}
-    _, report = moecomp.optimize(model, report=True)
+    result["optimize"] = bg.optimize_checked(model, "[gen-q4] ")
+    report = model._moecomp_report
     result["report"] = str(report)[:3000]
     log(f"[gen-q4] optimize: {str(report).splitlines()[0]}")
+    if not result["optimize"]["generate_replaced"]:  # nothing to time: say so, keep what was measured, stop cleanly
+        result["errors"].append(f"moecomp.optimize left {len(result['optimize']['unrewritten'])} block(s) "
+                                f"unrewritten and did not replace generate: no one-liner rows (result['optimize'] "
+                                f"has each block's reason)")
+        result["table"] = ""
+        return result
     for B in args.batches:
         try:
             rec, out = one_liner(model, prompts[B], new, cuda)

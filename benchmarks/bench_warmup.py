@@ -34,7 +34,7 @@ def child(a) -> dict:
     t0 = time.perf_counter()
     import torch
 
-    import moecomp
+    import bench_generate as bg
     from bench_generate import build
 
     t_import = time.perf_counter() - t0
@@ -45,12 +45,15 @@ def child(a) -> dict:
     model = build(name, dev, torch.bfloat16 if cuda else torch.float32, int(layers) if layers else None, a.tiny, 0)
     t_build = time.perf_counter() - t
     t = time.perf_counter()
-    moecomp.optimize(model)
+    status = bg.optimize_checked(model, say=lambda m: print(m, file=sys.stderr, flush=True))  # (stdout: the JSON)
     t_opt = time.perf_counter() - t
-    model.generate.cpu = True  # CPU smoke runs take the engine too
     vocab = model.config.vocab_size
     rec = dict(model=name, layers=model.config.num_hidden_layers, import_s=t_import, build_s=t_build,
-               optimize_s=t_opt, batches={})
+               optimize_s=t_opt, batches={}, optimize=status)
+    if not status["generate_replaced"]:  # nothing to warm up: recorded, the child ends cleanly
+        rec["error"] = "moecomp.optimize did not replace generate (rec['optimize'] has each block's reason)"
+        return rec
+    model.generate.cpu = True  # CPU smoke runs take the engine too
     for B in [int(b) for b in a.batches.split(",")]:
         ids = torch.randint(3, vocab, (B, a.prompt), device=dev, generator=torch.Generator(dev).manual_seed(B))
         calls, paths = [], []

@@ -30,7 +30,7 @@ import importlib
 from . import counters  # noqa: F401  (moecomp.counters: a module that indexes like a dict; torch only)
 from . import ops  # noqa: F401  (registers torch.ops.moecomp.*; torch only)
 from .spec import MoESpec, SharedExpertSpec, SpecError
-from .optimize import Report, optimize, scan, unoptimize
+from .optimize import OptimizeError, Report, optimize, scan, unoptimize
 from .load import load  # (torch only: the loaders import transformers / safetensors when called)
 from .parallel.shard import shard_experts  # expert / tensor parallelism (moecomp.parallel; torch only)
 from .parallel import hf_ep as _hf_ep  # noqa: F401  (ep_implementation="moecomp", once transformers' EP loads)
@@ -66,4 +66,4 @@ def __dir__():
 
 
 __all__ = ["MoESpec", "SharedExpertSpec", "SpecError", "ops", "optimize", "scan", "unoptimize", "Report",
-           "counters", "warmup", "load", "shard_experts", "__version__"]
+           "OptimizeError", "counters", "warmup", "load", "shard_experts", "__version__"]

@@ -118,6 +118,7 @@ class BlockMatch:
     # tensors the op reads that the block holds in pieces (per-expert nn.Linear weights: stacked); ``bindings``
     # names them by ``Derived.name``
     derived: list[Derived] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # for the report (how the numeric check fit in memory)
 
     def describe(self) -> str:
         bound = ", ".join(f"{k}={v}" for k, v in self.bindings.items() if v is not None)
@@ -494,6 +495,8 @@ def detect_block(module: nn.Module, example_input: torch.Tensor, *, verify: bool
 
     cap = capture_block(module, example_input, real_values=real_values, call_args=call_args)
     res = detect_moe(cap.gm, cap.example_inputs, verify=verify)
+    if not res.matches and res.failures:  # not a refusal: the check raised (the caller reports it as such)
+        raise res.failures[0][1]
     if not res.matches:
         why = "; ".join(f"{w}: {r}" for w, r in res.rejected) or "no top-k routing over stacked expert weights"
         raise DetectError(f"no MoE recognised: {why}", "detect", res.rejected)
@@ -510,7 +513,7 @@ def detect_block(module: nn.Module, example_input: torch.Tensor, *, verify: bool
     bm = BlockMatch(
         spec=m.spec, bindings=bindings, constants={f: cap.paths.get(ph) or ph for f, ph in m.baked.items()},
         output_index=index, num_outputs=n_out, verified=m.verified, captured=cap, output_node=m.output.name,
-        output_is_graph_output=not tail_ops, tail_ops=tail_ops, derived=derived,
+        output_is_graph_output=not tail_ops, tail_ops=tail_ops, derived=derived, notes=list(m.notes),
     )
     if tail_ops and not allow_tail and not all(op in _fx.VIEW_OPS for op in tail_ops):
         err = DetectError("the block post-processes the MoE result before returning it (" +

@@ -20,6 +20,7 @@ from .derived import get_path
 from .match import PEELED, is_tensor_entry
 from .hf.structure import BlockParts
 from .probe import primary
+from .reject import raise_if_oom
 
 
 def block_device_dtype(block: nn.Module, parts: BlockParts):
@@ -57,7 +58,8 @@ def find_epilogue(block: nn.Module, parts: BlockParts, x: torch.Tensor) -> list[
     try:
         with torch.no_grad():
             out = block(x)
-    except Exception:
+    except Exception as e:
+        raise_if_oom(e)
         return []
     finally:
         for h in handles:
@@ -156,5 +158,6 @@ def epilogue_of(block: nn.Module, parts: BlockParts) -> list[str]:
     try:
         return (find_epilogue(block, parts, x) if parts.extra_modules else []) or \
             (find_output_bias(block, parts, x) if has_tensors else [])
-    except Exception:
+    except Exception as e:
+        raise_if_oom(e)
         return []

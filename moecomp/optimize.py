@@ -43,6 +43,7 @@ This module holds the API and the walk over the blocks (detection included); the
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 
@@ -51,7 +52,7 @@ from torch import nn
 
 from . import policy
 from .experts_only import _try_experts_only
-from .reject import RejectCode
+from .reject import RejectCode, StageError, describe_exception, in_stage, is_oom
 from .report import BlockReport, Report, _fill_from_spec, expert_style, router_style  # noqa: F401 (re-exported)
 from .epilogue import Peeled, block_device_dtype, epilogue_of
 from .match import Verified
@@ -74,23 +75,87 @@ MAX_TIE_FRACTION = policy.MAX_TIE_FRACTION
 
 # ----------------------------------------------------------------------------------------------- one block
 def _recognise_and_verify(block: nn.Module, parts: BlockParts, epilogue, rep: BlockReport, use_fx: bool,
-                          cache, trust_fallback: bool) -> Verified:
-    """recognise (FX pass, attribute reader) -> verify; raises ``Refused``. Epilogue children are peeled off while
-    the MoE part is recognised and verified, then checked with it."""
+                          cache, trust_fallback: bool, shape=policy.PROBE_SHAPE) -> Verified:
+    """recognise (FX pass, attribute reader) -> verify on a probe of ``shape``; raises ``Refused``, or
+    ``StageError`` naming the stage that raised. Epilogue children are peeled off while the MoE part is recognised
+    and verified, then checked with it."""
     device, dtype = block_device_dtype(block, parts)
-    x = policy.probe_input(parts.hidden_size, device, dtype)
+    x = policy.probe_input(parts.hidden_size, device, dtype, shape=shape)
     dparts = parts
     if epilogue:
         dparts = dataclasses.replace(parts, extra_modules=[n for n in parts.extra_modules if n not in epilogue])
     with Peeled(block, epilogue):
-        got, notes = recognise(block, dparts, x, use_fx=use_fx, trust_fallback=trust_fallback, cache=cache)
+        got, notes = in_stage("recognition", recognise, block, dparts, x, use_fx=use_fx,
+                              trust_fallback=trust_fallback, cache=cache)
         rep.notes += notes
         if isinstance(got, Reject):
             raise Refused(got.message, got.code)
         rep.method = got.method
         rep.notes += got.evidence.notes
-        verified = verify(block, got, x, block_constants(block, dparts), rep.notes)
-    return verify_epilogue(block, verified, x, epilogue, rep.notes)
+        verified = in_stage("verify", verify, block, got, x, block_constants(block, dparts), rep.notes)
+    return in_stage("epilogue check", verify_epilogue, block, verified, x, epilogue, rep.notes)
+
+
+def _cpu_copy(block: nn.Module) -> nn.Module:
+    """A copy of ``block`` whose tensors (parameters, buffers, tensor attributes) are CPU copies, made one tensor at
+    a time (nothing is copied on the block's device)."""
+    memo = {}
+    for m in block.modules():
+        for t in list(m._parameters.values()) + list(m._buffers.values()) + [
+                v for v in vars(m).values() if isinstance(v, torch.Tensor)]:
+            if t is not None and id(t) not in memo:
+                c = t.detach().to("cpu", copy=True)
+                memo[id(t)] = nn.Parameter(c, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else c
+    return copy.deepcopy(block, memo)
+
+
+def _release() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _tries(device: torch.device) -> list[tuple[tuple, bool]]:
+    """(probe shape, on a CPU copy) in the order ``_checked`` tries them on a block on ``device``."""
+    tries = [(policy.PROBE_SHAPE, False), (policy.RETRY_PROBE_SHAPE, False)]
+    if device.type != "cpu":
+        tries.append((policy.PROBE_SHAPE, True))
+    return tries
+
+
+def _checked(block: nn.Module, parts: BlockParts, rep: BlockReport, use_fx: bool, cache, trust_fallback: bool):
+    """(epilogue, Verified) of the block, recognised and verified on the probe; when that runs out of memory, again on
+    ``policy.RETRY_PROBE_SHAPE``, then (a block off the CPU) on a CPU copy of its tensors, made one at a time: its
+    Match is path-based and binds the block itself. Each retry is noted in the report; a structure that needed one
+    starts there for its next block. ``StageError`` (out of memory) when every try ran out."""
+    device = torch.device(block_device_dtype(block, parts)[0])
+    tries = _tries(device)
+    key = ("memory", structure_key(block))
+    start = min(cache.get(key, 0), len(tries) - 1) if cache is not None else 0
+    ran_out = []
+    for i in range(start, len(tries)):
+        shape, on_cpu = tries[i]
+        where = f"{shape[0] * shape[1]} probe tokens" + (" on a CPU copy of the block" if on_cpu else f" on {device}")
+        n_notes = len(rep.notes)
+        try:
+            target = _cpu_copy(block) if on_cpu else block
+            with _fp8.plain_fp8(target):  # FP8 modules run in plain PyTorch while checked (hf/fp8.py); bound after
+                epilogue = in_stage("epilogue", epilogue_of, target, parts)
+                verified = _recognise_and_verify(target, parts, epilogue, rep, use_fx, cache, trust_fallback, shape)
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            del rep.notes[n_notes:]
+            ran_out.append(f"{where}: {e.describe() if isinstance(e, StageError) else describe_exception(e)}")
+            del e
+            _release()
+            continue
+        if ran_out or i:
+            before = "; ".join(ran_out) or "as the blocks of this structure before it"
+            rep.notes.append(f"recognised and verified with {where} after running out of memory ({before})")
+        if cache is not None:
+            cache[key] = i
+        return epilogue, verified
+    raise StageError("recognition and verify", torch.OutOfMemoryError("; ".join(ran_out)))
 
 
 def _process(name: str, block: nn.Module, parts: BlockParts | None, reason: str, use_fx: bool, bind_it: bool,
@@ -180,15 +245,15 @@ def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason
         _report_meta(block, parts, rep)
         return rep
     try:
-        with _fp8.plain_fp8(block):  # FP8 modules run in plain PyTorch while checked (hf/fp8.py); bound after
-            epilogue = epilogue_of(block, parts)
-            verified = _recognise_and_verify(block, parts, epilogue, rep, use_fx, cache, trust_fallback)
+        epilogue, verified = _checked(block, parts, rep, use_fx, cache, trust_fallback)
     except Refused as e:
         rep.refuse(e.code, e.reason)
         return rep
-    except Exception as e:  # the block's own forward failed on the check input, or the op did
-        rep.refuse(RejectCode.CHECK_ERROR,
-                   f"check failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e) else ''}")
+    except StageError as e:  # a stage raised (the block's own forward on the check input, the op, a reader, ...)
+        rep.refuse(RejectCode.CHECK_ERROR, f"{e.describe()}")
+        return rep
+    except Exception as e:
+        rep.refuse(RejectCode.CHECK_ERROR, f"check failed: {describe_exception(e, 160)}")
         return rep
     rep.reason = ""
     rep.epilogue = list(epilogue)
@@ -250,8 +315,43 @@ def _fp8_linears(model: nn.Module, bind_it: bool) -> dict:
     return out
 
 
+class OptimizeError(RuntimeError):
+    """``optimize(model, strict=True)`` left blocks that hold experts unrewritten: ``blocks`` their BlockReports
+    (``name``, ``reason``, ``codes``), ``report`` the whole Report. The blocks that were rewritten stay rewritten (``moecomp.unoptimize`` restores
+    them)."""
+
+    def __init__(self, report: Report, blocks: list):
+        self.report, self.blocks = report, blocks
+        lines = "\n".join(f"  {b.name or '<root>'}: {b.reason}" for b in blocks)
+        super().__init__(f"moecomp.optimize(strict=True): {len(blocks)} of {len(report.blocks)} MoE block(s) holding "
+                         f"experts were left unrewritten:\n{lines}")
+
+
+def unrewritten(rep: Report) -> list[BlockReport]:
+    """Blocks holding experts that ``optimize`` left as they were (not candidates that are no block; not meta
+    tensors, which have their own warning)."""
+    return [b for b in rep.blocks if b.status == "skipped" and RejectCode.NOT_A_BLOCK not in b.codes
+            and RejectCode.META_TENSORS not in b.codes]
+
+
+def _warn_unrewritten(rep: Report, strict: bool) -> None:
+    """One warning per ``optimize`` call naming how many blocks holding experts were left unrewritten and where to
+    look (``strict``: ``OptimizeError`` instead)."""
+    left = unrewritten(rep)
+    if not left:
+        return
+    if strict:
+        raise OptimizeError(rep, left)
+    shown = ", ".join(b.name or "<root>" for b in left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+    warnings.warn(
+        f"moecomp.optimize: {len(left)} of {len(rep.blocks)} MoE block(s) holding experts were left unrewritten "
+        f"({shown}); the first says: {left[0].reason[:300]}. Each block's reason: "
+        f"moecomp.optimize(model, report=True) or moecomp.scan(model); optimize(model, strict=True) raises instead.",
+        UserWarning, stacklevel=3)
+
+
 def optimize(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool = False, report: bool = False,
-             experts_only: bool = True, fast_generate: bool = True):
+             experts_only: bool = True, fast_generate: bool = True, strict: bool = False):
     """Rewrite every MoE block of ``model`` (in place) to call ``torch.ops.moecomp.moe_forward`` once.
 
     Returns the same model (``(model, Report)`` with ``report=True``). Blocks that cannot be proven equal to the op
@@ -272,6 +372,14 @@ def optimize(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool
     CUDA graph; calls it cannot serve (beam search, streamers, caches passed in, custom processors, ...) run
     transformers' own generate. ``fast_generate=False``, or ``generate(..., moecomp_fast=False)`` per call, keeps
     transformers' generate (the rewritten blocks still run the op).
+
+    Blocks holding experts that are left unrewritten (whatever the cause: a refusal, or a stage that raised, which
+    the report names with the exception) give one ``UserWarning`` per call; ``strict=True`` raises
+    :class:`OptimizeError` (naming each block and its reason) instead, before ``generate`` is replaced.
+
+    Memory: beyond one plain forward of a block, recognising and checking it takes at most about
+    ``policy.WORKING_MEMORY_BYTES`` (1 GiB); a probe that still runs out of device memory is tried again smaller, then
+    on the CPU, and the report says so.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"moecomp.optimize expects a torch.nn.Module, got {type(model).__name__}")
@@ -284,12 +392,13 @@ def optimize(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool
             f"moecomp.optimize: {len(meta)} MoE block(s) ({shown}) hold meta tensors and were left as they are: "
             f"meta tensors cannot run, so the rewrite cannot be verified. Use moecomp.scan(model) to see what would "
             f"be rewritten, or call moecomp.optimize(model) after the weights are loaded.", UserWarning, stacklevel=2)
+    model._moecomp_report = rep
+    _warn_unrewritten(rep, strict)
     if fast_generate and (rep.rewritten or rep.experts_only or rep.fp8_linear.get("bound")):
         from .generate import install
 
         if install(model):
             rep.generate = "moecomp (static cache; whole decode steps as CUDA graphs on GPU)"
-    model._moecomp_report = rep
     return (model, rep) if report else model
 
 

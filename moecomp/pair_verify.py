@@ -17,7 +17,7 @@ from . import reference
 from .hf.bind_pair import bind_pair, unbind_pair
 from .hf.structure import get_path
 from .hf.pair_reader import PairMatch, randomised
-from .reject import Refused, RejectCode
+from .reject import Refused, RejectCode, raise_if_oom
 
 
 def fresh_call(call: tuple, root: nn.Module | None) -> tuple:
@@ -31,7 +31,8 @@ def fresh_call(call: tuple, root: nn.Module | None) -> tuple:
             memo[id(t)] = t
     try:
         return copy.deepcopy(call, memo)
-    except Exception:  # something in it cannot be copied: the call as recorded
+    except Exception as e:  # something in it cannot be copied: the call as recorded
+        raise_if_oom(e)
         return call
 
 

@@ -300,6 +300,37 @@ def bench_tie_window(logits: torch.Tensor, fp32_router: bool) -> torch.Tensor:
     return 0.5 * torch.pow(2.0, (e - BENCH_TIE_SIGNIFICAND_BITS).float()) + 1e-30
 
 
+# ------------------------------------------------------------------------------------------------ working memory
+# The most memory moecomp's own work on one block may take at once beyond one plain forward of that block:
+# recognition (the FX pass's numeric check, the readers' probes), the verify stage, the compile backend's check, and
+# the op's CPU path (which dequantizes the experts a call routes to in chunks of at most this). Expert weights are
+# never dequantized (or converted to fp32) all at once: per expert, or per chunk of experts that fits here, freed as
+# they go. 1 GiB: what a device that holds a whole model still has spare (gpt-oss-120b, 36 layers packed MXFP4, left
+# 18.9 GB of an 80 GB H100, where the FX pass's check of one layer used to ask for 15.8 GiB at once), and a few of
+# the largest experts at a time (a DeepSeek-V3 expert is 117 MB in fp32, a gpt-oss-120b one 100 MB); small enough
+# that a model filling a device to within a few GB still recognises. Measured per format at real layer sizes by
+# ``benchmarks/mem_optimize.py`` (``moecomp.testing.PeakMemory``); tests set it lower to make small blocks count.
+WORKING_MEMORY_BYTES = 1 << 30
+# A probe that still runs out of device memory is tried again on this smaller probe ([batch, tokens]), then on CPU
+# copies of the block's tensors (the report says which): 8 tokens still reach a few experts per block and every
+# batch-independent path; the FX pass's numeric check retries with FX_CHECK_MIN_TOKENS tokens, then on the CPU.
+RETRY_PROBE_SHAPE = (1, 8)
+
+
+def working_bytes() -> int:
+    """``WORKING_MEMORY_BYTES`` as set now (read at each use, so that a test or a user may lower it)."""
+    return int(WORKING_MEMORY_BYTES)
+
+
+def expert_chunks(num_experts: int, bytes_per_expert: int, budget: int | None = None) -> list[tuple[int, int]]:
+    """[(e0, e1)] covering ``num_experts`` experts in order, each chunk at most ``budget`` bytes (default: half the
+    working memory, the other half for what is computed from the chunk) at ``bytes_per_expert``, one expert at
+    least."""
+    budget = working_bytes() // 2 if budget is None else budget
+    n = max(1, int(budget) // max(1, int(bytes_per_expert)))
+    return [(e0, min(num_experts, e0 + n)) for e0 in range(0, num_experts, n)]
+
+
 # ------------------------------------------------------------------------------------------------ FX pass check
 # (moved here from ``moecomp.passes._numeric``, the FX pass's numeric check: the cut-out block graph against
 # ``moecomp.reference.moe_forward`` with the derived spec.) A rule of its own, not the verify check's: it compares
@@ -326,10 +357,11 @@ FX_CHECK_TOKEN_SCALE_FLOOR = 1e-3
 # tokens the check aims for when the graph's token count is symbolic (the traced sizes are the fallback): enough for
 # top-k over tens of experts to hit most of them, small enough to run in milliseconds on CPU
 FX_CHECK_TOKENS = 48
-# at most this many bytes of gathered expert weights (``w13[ids]``, T * k whole matrices) may be materialised; when
-# even FX_CHECK_MIN_TOKENS tokens exceed it, the match rests on the structure alone and says so (fewer tokens than
-# that would not crowd an expert, see below)
-FX_CHECK_GATHER_BYTES = 2 << 30
+# A block that gathers whole expert matrices per (token, slot) (``w13[ids]``, batched_mm style; FP8 and 4-bit
+# experts dequantize each gathered matrix in fp32) materialises T * k of them in the check: the tokens are cut so that
+# they take at most ``WORKING_MEMORY_BYTES`` (below), down to FX_CHECK_MIN_TOKENS (fewer would not crowd an expert,
+# see below); where even those do not fit, as many as fit (at least one; the report says how many), and where not
+# even one token fits, the match rests on the structure alone and says so.
 FX_CHECK_MIN_TOKENS = 4
 # the first 1/4 of the tokens are copies of one token: one expert gets crowded, so capacity limits (dropped tokens)
 # show up

@@ -25,6 +25,7 @@ import dataclasses
 
 import torch
 
+from . import policy
 from .spec import FP8_MAX, QuantSpec
 
 FP8 = torch.float8_e4m3fn
@@ -80,7 +81,34 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, quant: QuantSpec, halves: i
     if quant.packed:
         return _dequantize_4bit(q, scale, quant, zero)
     rows, cols = q.shape[-2:]
-    return q.float() * expand_scales(scale, rows, cols, quant, halves)
+    w = torch.empty(q.shape, dtype=torch.float32, device=q.device).copy_(q)  # (contiguous: viewed as blocks below)
+    blocks = _scale_blocks(w, scale, quant, halves)
+    if blocks is not None:  # (the same products, without an fp32 copy of the scales at the weight's size)
+        blocks[0].mul_(blocks[1])
+        return w
+    return w.mul_(expand_scales(scale, rows, cols, quant, halves))
+
+
+def _scale_blocks(w: torch.Tensor, scale: torch.Tensor, quant: QuantSpec, halves: int):
+    """(a view of ``w`` [..., rows, cols] as its scale blocks, the scales viewed to broadcast over it) when the
+    blocks tile ``w`` exactly, else None: "channel" / "tensor" / "group" scales always, "block" scales when each half
+    of the rows is a whole number of ``block_n`` blocks and the columns of ``block_k`` ones."""
+    rows, cols = w.shape[-2:]
+    s = scales_float(scale)
+    lead = w.shape[:-2]
+    if quant.scale == "tensor":
+        return w, s[..., None, None]
+    if quant.scale == "channel":
+        return w, s[..., :, None]
+    if cols % quant.block_k:
+        return None
+    kb = cols // quant.block_k
+    if quant.scale == "group":
+        return w.view(*lead, rows, kb, quant.block_k), s[..., None]
+    if rows % halves or (rows // halves) % quant.block_n:
+        return None
+    nb = rows // quant.block_n
+    return w.view(*lead, nb, quant.block_n, kb, quant.block_k), s.view(*lead, nb, 1, kb, 1)
 
 
 def unpack_4bit(packed: torch.Tensor) -> torch.Tensor:
@@ -94,15 +122,41 @@ def pack_4bit(codes: torch.Tensor) -> torch.Tensor:
     return c[..., 0::2] | (c[..., 1::2] << 4)
 
 
+# rows of 4-bit codes unpacked at a time: the codes (one byte each) and int32 indices (mxfp4's table lookup) of
+# 1/64 of ``policy.WORKING_MEMORY_BYTES`` in weights exist at once beside the fp32 result (1 GiB: 16M weights, 80 MB
+# of temporaries; a gpt-oss-120b expert's w13 in two steps), at least DEQUANT_CHUNK_MIN_WEIGHTS
+DEQUANT_CHUNK_MIN_WEIGHTS = 1 << 16
+
+
+def _dequant_chunk() -> int:
+    return max(DEQUANT_CHUNK_MIN_WEIGHTS, policy.working_bytes() // 64)
+
+
 def _dequantize_4bit(packed, scale, quant: QuantSpec, zero) -> torch.Tensor:
-    codes = unpack_4bit(packed)  # [..., rows, cols]
-    rows, cols = codes.shape[-2:]
-    if quant.weight == "mxfp4":
-        v = torch.tensor(E2M1, device=codes.device)[codes.long()]
-    else:
-        z = INT4_ZERO if zero is None else expand_scales(zero, rows, cols, quant)  # zeros: the scales' layout
-        v = codes.float() - z
-    return v * expand_scales(scale, rows, cols, quant)
+    """Working memory: the fp32 result, plus the codes and indices of a chunk of weights at a time (above);
+    the scales (and zeros) broadcast over their groups, never expanded to the weight's size."""
+    *lead, rows, half = packed.shape
+    cols = 2 * half
+    v = torch.empty(*lead, rows, cols, dtype=torch.float32, device=packed.device)
+    flat_p, flat_v = packed.reshape(-1, half), v.view(-1, cols)
+    table = torch.tensor(E2M1, device=packed.device) if quant.weight == "mxfp4" else None
+    step = max(1, _dequant_chunk() // max(1, cols))
+    for r0 in range(0, flat_p.shape[0], step):
+        codes = unpack_4bit(flat_p[r0:r0 + step])  # [n, cols] uint8
+        if table is None:
+            flat_v[r0:r0 + step] = codes
+        else:  # (written in place: no fp32 temporary)
+            torch.index_select(table, 0, codes.view(-1).int(), out=flat_v[r0:r0 + step].view(-1))
+    blocks = _scale_blocks(v, scale, quant, 1)
+    if blocks is None:  # (columns not a whole number of groups)
+        if table is None:
+            v.sub_(INT4_ZERO if zero is None else expand_scales(zero, rows, cols, quant))  # zeros: scales' layout
+        return v.mul_(expand_scales(scale, rows, cols, quant))
+    vb, s = blocks
+    if table is None:
+        vb.sub_(INT4_ZERO if zero is None else zero.float()[..., None])
+    vb.mul_(s)
+    return v
 
 
 def quantize_4bit(w: torch.Tensor, quant: QuantSpec):

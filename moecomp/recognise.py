@@ -27,7 +27,8 @@ from .hf import dispatch_reader, fallback
 from .hf.bind import forward_params
 from .hf.structure import BlockParts
 from .match import Evidence, Match, Verified, forward_arg
-from .reject import Refused, Reject, RejectCode
+from .reject import (Refused, Reject, RejectCode, StageError, describe_exception, in_stage, is_oom, oom_of,
+                     raise_if_oom)
 
 # When the FX pass recognises a block, also run the attribute reader and note any difference in the report
 # (``hf/families.py`` turns it on for the coverage table; off for users: it runs the block once more per structure).
@@ -67,7 +68,16 @@ def fx_available() -> str:
 # ------------------------------------------------------------------------------------------------------ FX pass
 def _from_block_match(bm, parts: BlockParts) -> Match:
     return Match(bm.spec, dict(bm.bindings), list(bm.derived), parts,
-                 Evidence("fx", bm.verified, dict(bm.constants)))
+                 Evidence("fx", bm.verified, dict(bm.constants), list(getattr(bm, "notes", ()))))
+
+
+def _failed(e: Exception) -> Reject:
+    """The FX pass raised (a failure of the pass, not a refusal; running out of memory after the numeric check's own
+    retries included): CAPTURE_FAILED, so that the readers try, with the cause kept for the report."""
+    e = oom_of(e) or e  # (running out of memory named as such, whatever wrapped it)
+    what = e.describe() if isinstance(e, StageError) else describe_exception(e)
+    cause = f"FX pass failed ({what})"
+    return Reject(RejectCode.CAPTURE_FAILED, cause, cause)
 
 
 def _detect_fx(block: nn.Module, parts: BlockParts, device, dtype) -> Match | Reject:
@@ -78,9 +88,11 @@ def _detect_fx(block: nn.Module, parts: BlockParts, device, dtype) -> Match | Re
         bm = detect_block(block, policy.probe_input(H, device, dtype, shape=policy.CAPTURE_PROBE_SHAPE))
         return _from_block_match(bm, parts)
     except DetectError as e:
+        if is_oom(e):  # (Dynamo ran the block with real values and ran out)
+            return _failed(e)
         first = e
     except Exception as e:  # Dynamo errors surface as many types
-        return Reject(RejectCode.CAPTURE_FAILED, f"FX pass failed ({type(e).__name__}: {str(e)[:120]})")
+        return _failed(e)
     hashed = _detect_hash(block, parts, device, dtype)
     if hashed is not None:  # a Match, or why the pass refused the block's table lookup
         return hashed
@@ -91,9 +103,11 @@ def _detect_fx(block: nn.Module, parts: BlockParts, device, dtype) -> Match | Re
     try:
         bm = detect_block(block, x, real_values=True)
     except DetectError as e:  # the unrolled trace proves nothing either way: let the attribute reader try
+        if is_oom(e):
+            return _failed(e)
         return Reject(RejectCode.CAPTURE_FAILED, f"{first.reason}; traced with real values: {e.reason}")
     except Exception as e:
-        return Reject(RejectCode.CAPTURE_FAILED, f"{first.reason}; traced with real values: {type(e).__name__}")
+        return _failed(StageError("traced with real values", e))
     m = _from_block_match(bm, parts)
     m.evidence.notes.append("traced with real values (data-dependent branches followed the example, which reached "
                             "every expert)")
@@ -127,11 +141,15 @@ def _detect_hash(block: nn.Module, parts: BlockParts, device, dtype) -> Match | 
         try:
             bm = detect_block(block, x, call_args={name: tok})
         except DetectError as e:  # not this parameter, or a lookup the pass refuses
+            if is_oom(e):
+                return _failed(e)
             why = [r for w, r in e.rejected if w.startswith("hash lookup")]
             if refused is None and why:
                 refused = Reject(why[0].code, f"hash routing ({name!r} as token ids): {why[0]}")
             continue
-        except Exception:  # noqa: BLE001 (Dynamo errors surface as many types)
+        except Exception as e:  # noqa: BLE001 (Dynamo errors surface as many types)
+            if is_oom(e):
+                return _failed(e)
             continue
         if bm.spec.hash_routing and bm.bindings.get("token_ids") == forward_arg(name):
             m = _from_block_match(bm, parts)
@@ -159,7 +177,7 @@ def fx_match(block: nn.Module, parts: BlockParts, device, dtype, cache: dict | N
     hit = cache.get(key) if cache is not None else None
     if hit is None:
         hit = _detect_fx(block, parts, device, dtype)
-        if cache is not None:
+        if cache is not None and not (isinstance(hit, Reject) and hit.cause):  # (a failure may not repeat)
             cache[key] = hit
     if isinstance(hit, Match):  # a fresh copy per block (evidence notes are appended to)
         hit = hit.replace(parts=parts, evidence=Evidence(hit.evidence.method, hit.evidence.checked,
@@ -177,28 +195,44 @@ def recognise(block: nn.Module, parts: BlockParts, x: torch.Tensor | None, *, us
     if x is None:
         return fallback.recognise(block, parts, None), ["meta tensors: routing read from attributes and source, "
                                                         "not measured"]
-    device, dtype = x.device, x.dtype
+    fx = None
     if use_fx:
-        got = fx_match(block, parts, device, dtype, cache)
-        if isinstance(got, Match):
+        fx = fx_match(block, parts, x.device, x.dtype, cache)
+        if isinstance(fx, Match):
             if COMPARE_FALLBACK:
-                notes.append(_compare_note(block, parts, x, got, cache))
-            return got, notes
+                notes.append(_compare_note(block, parts, x, fx, cache))
+            return fx, notes
+    try:
+        got, who = _readers(block, parts, x, fx, notes, trust_fallback)
+    except StageError as e:  # a reader raised: reported as such (its memory: optimize tries again smaller)
+        if e.oom:
+            raise
+        got, who = Reject(RejectCode.CHECK_ERROR, e.describe(), e.describe()), ""
+    if isinstance(got, Reject) and fx is not None and fx.cause and fx.cause not in got.message:
+        got = Reject(got.code, f"{fx.cause}; then {who}{got.message}", fx.cause)  # the first cause first
+    return got, notes
+
+
+def _readers(block: nn.Module, parts: BlockParts, x: torch.Tensor, fx: Reject | None, notes: list,
+             trust_fallback: bool) -> tuple[Match | Reject, str]:
+    """The readers' answer for a block the FX pass did not match (``fx``: its Reject; None: not used), and who
+    answered ("attribute reader: ", or "" when the message says)."""
+    if fx is not None:
         if parts.kind == "structural":  # found by shapes: the attribute reader has no part names to read
-            return _structural(block, parts, x, got, notes)
-        if got.code is RejectCode.CAPTURE_FAILED or _unselected(got):
-            seen = _observed(block, parts, x, got, notes)
+            return _structural(block, parts, x, fx, notes)[0], ""
+        if fx.code is RejectCode.CAPTURE_FAILED or _unselected(fx):
+            seen = _observed(block, parts, x, fx, notes)
             if seen is not None:
-                return seen, notes
-        if got.code is RejectCode.CAPTURE_FAILED:
-            notes.append(f"FX pass could not capture the block ({got.message}); attribute fallback used")
+                return seen, ""
+        if fx.code is RejectCode.CAPTURE_FAILED:
+            notes.append(f"FX pass could not capture the block ({fx.message}); attribute fallback used")
         elif trust_fallback:
-            notes.append(f"FX pass rejected the block ({got.message}); attribute fallback used (trust_fallback)")
+            notes.append(f"FX pass rejected the block ({fx.message}); attribute fallback used (trust_fallback)")
         else:
-            return Reject(got.code, f"FX pass: {got.message}"), notes
+            return Reject(fx.code, f"FX pass: {fx.message}"), ""
     if parts.kind == "structural":
-        return _structural(block, parts, x, None, notes)
-    return fallback.recognise(block, parts, x), notes
+        return _structural(block, parts, x, None, notes)[0], ""
+    return in_stage("attribute reader", fallback.recognise, block, parts, x), "attribute reader: "
 
 
 def _structural(block: nn.Module, parts: BlockParts, x: torch.Tensor, fx: Reject | None, notes: list):
@@ -210,12 +244,12 @@ def _structural(block: nn.Module, parts: BlockParts, x: torch.Tensor, fx: Reject
     if fx is not None and fx.code is not RejectCode.CAPTURE_FAILED:
         return Reject(fx.code, f"FX pass: {fx.message} (block found by its shapes; the attribute reader cannot read "
                                "it)"), notes
-    got = dispatch_reader.recognise(block, parts, x)
+    got = in_stage("dispatch reader", dispatch_reader.recognise, block, parts, x)
     if isinstance(got, Match):
         if fx is not None:
             notes.append(f"FX pass could not capture the block ({fx.message[:160]}); read by the dispatch reader")
         return got, notes
-    fx_why = f"; FX pass: {fx.message}" if fx is not None else ""
+    fx_why = f"; FX pass: {fx.message}" if fx is not None and not fx.cause else ""  # (a cause: put first, above)
     return Reject(got.code, f"dispatch reader: {got.message}{fx_why} (block found by its shapes)"), notes
 
 
@@ -236,11 +270,11 @@ def _observed(block: nn.Module, parts: BlockParts, x: torch.Tensor, fx: Reject, 
     routing from an experts module called with it, that reader's Match is the answer (as before this reader was
     tried: the dispatch reader binds calls of at most the tokens its probes ran)."""
     if fx.code is RejectCode.CAPTURE_FAILED:
-        fb = fallback.recognise(block, parts, x)
+        fb = in_stage("attribute reader", fallback.recognise, block, parts, x)
         if isinstance(fb, Match) and fallback.ROUTING_MEASURED in fb.evidence.notes:
             notes.append(f"FX pass could not capture the block ({fx.message}); attribute fallback used")
             return fb
-    got = dispatch_reader.recognise(block, parts, x)
+    got = in_stage("dispatch reader", dispatch_reader.recognise, block, parts, x)
     if isinstance(got, Match):
         notes.append(f"FX pass: {fx.message[:300]}; read by the dispatch reader (the expert modules observed)")
         return got
@@ -255,6 +289,8 @@ def _abstract_forward(block: nn.Module, x: torch.Tensor) -> str | None:
     try:
         with torch.no_grad():
             block(x)
+    except torch.OutOfMemoryError:
+        raise
     except NotImplementedError as e:
         return (f"{type(block).__name__}'s forward is not callable ({str(e)[:120]!r}): its parent runs its parts "
                 "through other methods around other computation (e.g. the two halves of a mixture of attention heads "
@@ -281,6 +317,7 @@ def _compare_note(block, parts, x, fx: Match, cache) -> str:
     except Refused as e:
         note = f"attribute fallback could not describe the block: {e.reason}"
     except Exception as e:
+        raise_if_oom(e)
         note = f"attribute fallback failed: {type(e).__name__}: {e}"
     if cache is not None:
         cache[ck] = note

@@ -2,12 +2,20 @@
 
 Control flow tests ``Reject.code`` (or an exception's ``code``), never the text: messages can be reworded freely.
 The text users see (``Report``, ``backend.last_results``) is the ``message``.
+
+A stage that *raised* (rather than refused) is a :class:`StageError`: the stage named, the exception kept. Its text
+(``describe``: stage, exception type, first line of the message) reaches the report, ahead of what a later reader
+then says (``Reject.cause``). Running out of memory is never turned into a refusal or a skipped probe
+(:func:`raise_if_oom` in every ``except Exception`` of recognition and verify): whoever can try again smaller (the
+numeric check, ``optimize``) sees it.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+import torch
 
 
 class RejectCode(enum.Enum):
@@ -28,6 +36,7 @@ class RejectCode(enum.Enum):
 class Reject:
     code: RejectCode
     message: str
+    cause: str = ""  # a stage raised on the way here (``StageError.describe``): shown first in the report
 
     def __str__(self) -> str:
         return self.message
@@ -48,3 +57,63 @@ class Refused(Exception):
     @property
     def reject(self) -> Reject:
         return Reject(self.code, self.reason)
+
+
+def is_oom(e: BaseException | None) -> bool:
+    """Is ``e`` running out of memory on a device or the host: an ``OutOfMemoryError`` itself, wrapped in a
+    :class:`StageError`, or the cause Dynamo (or another wrapper) chained it to?"""
+    return oom_of(e) is not None
+
+
+def oom_of(e: BaseException | None) -> BaseException | None:
+    """The ``OutOfMemoryError`` (or the StageError naming it) that ``e`` is or wraps; None if none."""
+    seen = 0
+    while e is not None and seen < 16:
+        if isinstance(e, torch.OutOfMemoryError) or (isinstance(e, StageError) and isinstance(
+                e.error, torch.OutOfMemoryError)):
+            return e
+        e = e.error if isinstance(e, StageError) else e.__cause__
+        seen += 1
+    return None
+
+
+def raise_if_oom(e: BaseException) -> None:
+    """Re-raise ``e`` when it is running out of memory (call first in an ``except Exception`` that would otherwise
+    turn the failure into a refusal or a skipped probe)."""
+    if is_oom(e):
+        raise e
+
+
+def describe_exception(e: BaseException, limit: int = 240) -> str:
+    """"Type: first line of the message" (cut at ``limit`` characters)."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(e).__name__}: {first[:limit]}" if first else type(e).__name__
+
+
+class StageError(Exception):
+    """``stage`` raised ``error`` (not a refusal: a failure of the stage itself, an out-of-memory error included).
+    ``describe()``: "<stage>: <Type>: <message>" for the report."""
+
+    def __init__(self, stage: str, error: BaseException):
+        self.stage, self.error = stage, error
+        super().__init__(self.describe())
+
+    def describe(self) -> str:
+        inner = self.error.describe() if isinstance(self.error, StageError) else describe_exception(self.error)
+        return f"{self.stage}: {inner}"
+
+    @property
+    def oom(self) -> bool:
+        return is_oom(self)
+
+
+def in_stage(stage: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``; an exception that is neither a refusal nor already a ``StageError`` comes out as
+    ``StageError(stage, it)``."""
+    try:
+        return fn(*args, **kwargs)
+    except (Refused, StageError):
+        raise
+    except Exception as e:
+        raise StageError(stage, e) from e

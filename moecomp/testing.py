@@ -378,3 +378,60 @@ def routing_near_ties(opt: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
             near |= reference.near_tie_tokens(x.reshape(-1, x.shape[-1]), *t, spec,
                                               TIE_REL[torch.bfloat16]).reshape(seq.shape)
     return near
+
+
+# ------------------------------------------------------------------------------------------------ memory
+class PeakMemory:
+    """The most bytes held above those held on entry, while the context is active: ``with PeakMemory(device) as m:
+    ...``, then ``m.peak`` (and ``m.end``: what was still held on exit). What ``moecomp.optimize`` / ``scan`` /
+    the compile backend may hold beyond one plain forward is ``policy.RECOGNITION_MEMORY_BYTES``
+    (``benchmarks/mem_optimize.py``, ``tests/test_memory.py``).
+
+    CUDA: the caching allocator's statistics (``torch.cuda.max_memory_allocated`` after a reset, less the bytes
+    allocated on entry). CPU: every allocation and free of the CPU allocator while active, from the profiler's
+    memory events, summed in time order. Unlike a ``TorchDispatchMode``, which sees only what the ops it
+    intercepts return, these see the temporaries inside custom ops (``dequant_4bit``) and composite kernels too."""
+
+    def __init__(self, device="cpu"):
+        self.device = torch.device(device)
+        self.peak = self.end = 0
+        self._prof = None
+        self._base = 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            return self
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
+            self.end = torch.cuda.memory_allocated(self.device) - self._base
+            return False
+        self._prof.__exit__(*exc)
+        events = [e for e in self._prof.profiler.kineto_results.events()
+                  if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+        live = peak = 0
+        for e in sorted(events, key=lambda e: e.start_ns()):
+            live += e.nbytes()  # (a free: negative; frees of what was held on entry are not reported)
+            peak = max(peak, live)
+        self.peak, self.end = peak, live
+        self._prof = None
+        return False
+
+
+def forward_peak(block: torch.nn.Module, x: torch.Tensor, **kwargs) -> int:
+    """Peak bytes of one plain (no-grad) forward of ``block`` on ``x`` above what was held before: the working
+    memory ``policy.RECOGNITION_MEMORY_BYTES`` is counted on top of."""
+    with torch.no_grad(), PeakMemory(x.device) as m:
+        out = block(x, **kwargs)
+        del out
+    return m.peak

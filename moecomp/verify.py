@@ -27,7 +27,7 @@ from .match import Match, Verified, apply_epilogue, is_tensor_entry
 from .hf.fp8 import plain_fp8
 from .ops.moe_op import MOE_ARGS, OP_ARGS
 from .probe import contract_of, hash_call_args, primary, run_probe
-from .reject import Refused, RejectCode
+from .reject import Refused, RejectCode, raise_if_oom
 from .spec import MoESpec, SpecError
 
 _example = policy.probe_input  # the verify check's input (shape, distribution, seed: see moecomp.policy)
@@ -145,7 +145,8 @@ def _ignored_params(block, x: torch.Tensor, ref, extra_params, kw: dict) -> froz
         try:
             with torch.no_grad():
                 out = block(x, **kw, **{p: val})
-        except Exception:
+        except Exception as e:
+            raise_if_oom(e)
             continue
         o = primary(out)
         if isinstance(o, torch.Tensor) and torch.equal(o, primary(ref)):

@@ -19,6 +19,7 @@ from ..spec import MoESpec
 from . import fp8, names, softcap_probe
 from .names import read_attr
 from .structure import BlockParts, MLPParts, get_path
+from ..reject import raise_if_oom
 
 _PROBE = policy.activation_probe_input()
 
@@ -36,7 +37,8 @@ def probe_activation(fn) -> str | None:
         return None
     try:
         y = fn(_PROBE.clone())
-    except Exception:
+    except Exception as e:
+        raise_if_oom(e)
         return None
     if not isinstance(y, torch.Tensor) or y.shape != _PROBE.shape:
         return None
@@ -91,7 +93,8 @@ def probe_gate(experts: nn.Module,
     h = policy.gate_probe_input()  # wide enough to hit clamps at 7-10
     try:
         y = fn(h.clone())
-    except Exception:
+    except Exception as e:
+        raise_if_oom(e)
         return None
     if not isinstance(y, torch.Tensor) or y.shape != (h.shape[0], h.shape[1] // 2):
         return None
@@ -132,7 +135,8 @@ def describe_unknown_gate(experts: nn.Module) -> str:
     half = h.shape[1] // 2
     try:
         y = experts._apply_gate(h.clone())
-    except Exception:
+    except Exception as e:
+        raise_if_oom(e)
         return ""
     for lay in ("concat", "interleaved"):
         gate, up = (h[:, :half], h[:, half:]) if lay == "concat" else (h[:, 0::2], h[:, 1::2])
@@ -217,7 +221,8 @@ def probe_mlp(block: nn.Module, mp: MLPParts, first: str | None = None) -> tuple
     try:
         with torch.no_grad():
             y = mod(x)
-    except Exception:
+    except Exception as e:
+        raise_if_oom(e)
         return None
     if not isinstance(y, torch.Tensor) or y.shape != x.shape:
         return None
@@ -252,7 +257,8 @@ def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> s
         h = policy.gate_probe_input()
         try:
             y = experts._apply_gate(h.clone())
-        except Exception:
+        except Exception as e:
+            raise_if_oom(e)
             y = None
         if isinstance(y, torch.Tensor) and y.shape == (h.shape[0], h.shape[1] // 2):
             ref = _gate_ref(h, spec.activation, spec.gate_up, spec.activation_alpha, spec.activation_limit,
@@ -266,7 +272,8 @@ def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> s
         if fn is not None and callable(fn):
             try:
                 y = fn(_PROBE.clone())
-            except Exception:
+            except Exception as e:
+                raise_if_oom(e)
                 y = None
             if isinstance(y, torch.Tensor) and y.shape == _PROBE.shape:
                 ref = _act_ref(spec.activation, _PROBE)
@@ -289,7 +296,8 @@ def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> s
         try:
             with torch.no_grad():
                 y = mod(x)
-        except Exception:
+        except Exception as e:
+            raise_if_oom(e)
             continue
         if not isinstance(y, torch.Tensor) or y.shape != x.shape:
             continue

@@ -36,7 +36,7 @@ from torch import nn
 
 from .. import policy, reference
 from ..match import Evidence, Match
-from ..reject import Refused, Reject, RejectCode
+from ..reject import Refused, Reject, RejectCode, raise_if_oom
 from ..spec import MoESpec, SpecError, expert_bias_fields
 from .activations import probe_mlp
 from .fallback import _routing_candidates, attr_sources, numeric_consts
@@ -433,5 +433,6 @@ def recognise(block: nn.Module, parts: BlockParts, x: torch.Tensor) -> Match | R
     except Refused as e:
         return e.reject
     except Exception as e:  # the block's own forward (or an expert's) failed on a probe
+        raise_if_oom(e)
         msg = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
         return Reject(RejectCode.CHECK_ERROR, f"running the block failed: {type(e).__name__}: {msg}")

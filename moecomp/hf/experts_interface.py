@@ -158,6 +158,25 @@ def is_hf_experts_forward(fwd) -> bool:
     return co is not None and co.co_filename.replace("\\", "/").endswith("integrations/moe.py")
 
 
+def _pre_activations(x: torch.Tensor, w13: torch.Tensor, w13_scale, spec: MoESpec) -> torch.Tensor:
+    """x [T, H] (CPU) through every expert's w13: [T, E, N] fp32 on the CPU, w13 dequantized (or made fp32) a chunk of
+    experts at a time (``policy.expert_chunks``): never the whole stack in fp32."""
+    from .. import policy
+
+    E = w13.shape[0]
+    out = None
+    for e0, e1 in policy.expert_chunks(E, w13[0].numel() * 4):
+        w = w13[e0:e1].float() if spec.quant is None else q8.dequantize(
+            w13[e0:e1], w13_scale[e0:e1].detach(), spec.quant, 2 if spec.gated else 1)
+        h = torch.einsum("th,enh->ten", x, w.cpu()) if spec.w_layout == "out_in" else \
+            torch.einsum("th,ehn->ten", x, w.cpu())
+        del w
+        if out is None:
+            out = torch.empty(x.shape[0], E, h.shape[-1])
+        out[:, e0:e1] = h
+    return out
+
+
 def verify_experts(m: torch.nn.Module, spec: MoESpec, tokens: int | None = None) -> tuple[float, float]:
     """(max rel. err, tolerance) of ``moe_experts`` against the module's eager forward on random probes.
 
@@ -177,10 +196,7 @@ def verify_experts(m: torch.nn.Module, spec: MoESpec, tokens: int | None = None)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).to(w13.device)
     wts = (torch.rand(tokens, k, generator=g) + 0.1).to(device=w13.device, dtype=dt)
     x = torch.randn(tokens, H, generator=g)
-    w13f = w13.detach().float() if spec.quant is None else q8.dequantize(
-        w13.detach(), sc["w13_scale"].detach(), spec.quant, 2 if spec.gated else 1)
-    pre = torch.einsum("th,enh->ten", x, w13f.cpu()) if spec.w_layout == "out_in" else \
-        torch.einsum("th,ehn->ten", x, w13f.cpu())
+    pre = _pre_activations(x, w13.detach(), sc.get("w13_scale"), spec)
     big = policy.CLAMP_REACH_STD / float(pre.std().clamp_min(1e-12))
     tol = policy.verify_tolerance(dt, spec)
     err = 0.0

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .. import reference
+from ..reject import raise_if_oom
 
 _SCALES = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # row rms of the probe rows
 
@@ -30,7 +31,8 @@ def fit_norm(module: nn.Module, forms: tuple, width: int, seed: int = 0) -> tupl
     try:
         with torch.no_grad():
             out = torch.func.functional_call(module, {name: w}, (v,)).float()
-    except Exception:  # noqa: BLE001  (a module that cannot run on such rows is no norm the spec knows)
+    except Exception as e:  # noqa: BLE001  (a module that cannot run on such rows is no norm the spec knows)
+        raise_if_oom(e)
         return None
     for form in forms:
         pre = v * (1 + w) if form == "scaled_rms_1p" else v

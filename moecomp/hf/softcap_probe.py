@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from ..reject import raise_if_oom
+
 T_PROBE = 1000.0  # g and u of the fitting calls: caps up to about 10 * T_PROBE stay measurable in fp32
 EPS_PROBE = 1e-3
 NO_CAP_RTOL = 1e-6
@@ -59,7 +61,8 @@ def fit_softcaps(fn) -> tuple[float, float] | None:
     try:
         with torch.no_grad():
             y = fn(h.float().clone())
-    except Exception:  # noqa: BLE001  (a gate that cannot run on this probe: not one to fit)
+    except Exception as e:  # noqa: BLE001  (a gate that cannot run on this probe: not one to fit)
+        raise_if_oom(e)
         return None
     if not isinstance(y, torch.Tensor) or y.shape != (2, 1):
         return None

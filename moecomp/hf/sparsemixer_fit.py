@@ -25,6 +25,7 @@ from .. import policy, reference
 from ..probe import run_probe
 from ..spec import MoESpec, SpecError
 from .structure import BlockParts, get_path
+from ..reject import raise_if_oom
 
 
 def eps_candidates(sources) -> list[float]:
@@ -79,7 +80,8 @@ def _probes_agree(block, parts: BlockParts, spec: MoESpec, W, b, c: float, match
     x = x.reshape(1, *x.shape)  # [1, P, H]: the block's [batch, tokens, hidden] input
     try:
         run = run_probe(block, parts, x)
-    except Exception:  # noqa: BLE001 (the verify stage reports a block that fails on its own probe)
+    except Exception as e:  # noqa: BLE001 (the verify stage reports a block that fails on its own probe)
+        raise_if_oom(e)
         return False
     if run.experts_args is None:
         return False

@@ -22,6 +22,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .. import policy
 from .. import quant as q8
 from .. import reference
 from ..spec import MoESpec
@@ -76,7 +77,7 @@ def grouped_linear(xs: torch.Tensor, w_in_out: torch.Tensor, offs: torch.Tensor,
         return F.grouped_mm(xs, w_in_out, offs=offs)
     out = xs.new_empty(xs.shape[0], w_in_out.shape[-1])
     per_row = w_in_out[0].numel() * w_in_out.element_size()
-    step = max(1, _CHUNK_BYTES // per_row)
+    step = max(1, min(_CHUNK_BYTES, policy.working_bytes() // 2) // per_row)
     for s in range(0, xs.shape[0], step):  # bounded chunks of rows, not a loop over experts
         e = sorted_ids[s : s + step]
         out[s : s + step] = torch.bmm(xs[s : s + step, None, :], w_in_out[e]).squeeze(1)
@@ -106,29 +107,52 @@ def _fake_quant_rows(xs: torch.Tensor, qs, static, sorted_ids) -> torch.Tensor:
 
 def _experts_quantized(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.Tensor:
     """Quantized routed experts: each weight dequantized for the call (fp32, not kept), GEMM inputs quantized as
-    the spec says; the intermediate activation rounded to x's dtype first, as the CUDA kernels store it."""
+    the spec says; the intermediate activation rounded to x's dtype first, as the CUDA kernels store it. Only the
+    experts the call routes to are dequantized, a chunk of them at a time (``policy.expert_chunks``): never the
+    whole stack at once."""
     qs = spec.quant
     k = topk_ids.shape[1]
     sorted_ids, order, offs = _sorted_pairs(topk_ids, spec)
     tok = order // k
     w = topk_weights.reshape(-1)[order, None].float()  # [P, 1] in sorted order
     xs = x[tok].float() * w if spec.weight_on_input else x[tok]
-    w13 = q8.dequantize(args["w13"], args["w13_scale"], qs, 2 if spec.gated else 1,
-                        args.get("w13_zero"))  # [E, N, H] fp32
-    h = grouped_linear(_fake_quant_rows(xs, qs, args.get("a13_scale"), sorted_ids), w13.transpose(-2, -1),
-                       offs, sorted_ids)
-    del w13
+    gated = 2 if spec.gated else 1
+    h = _dequantized_linear(_fake_quant_rows(xs, qs, args.get("a13_scale"), sorted_ids), args, "w13", gated,
+                            sorted_ids, offs, spec)
     if args.get("b13") is not None:
         h = h + args["b13"][sorted_ids].float()
     h = _gate(h, spec).to(x.dtype)
-    w2 = q8.dequantize(args["w2"], args["w2_scale"], qs, zero=args.get("w2_zero"))  # [E, H, I] fp32
-    y = grouped_linear(_fake_quant_rows(h, qs, args.get("a2_scale"), sorted_ids), w2.transpose(-2, -1), offs,
-                       sorted_ids)
+    y = _dequantized_linear(_fake_quant_rows(h, qs, args.get("a2_scale"), sorted_ids), args, "w2", 1, sorted_ids,
+                            offs, spec)
     if args.get("b2") is not None:
         y = y + args["b2"][sorted_ids].float()
     if not spec.weight_on_input:
         y = y * w
     return _combine(x, topk_ids, topk_weights, tok, y, spec)
+
+
+def _dequantized_linear(xs: torch.Tensor, args: dict, name: str, halves: int, sorted_ids: torch.Tensor,
+                        offs: torch.Tensor, spec: MoESpec) -> torch.Tensor:
+    """xs [P, in] (sorted by expert) times each row's expert's weight ``name`` dequantized -> fp32 [P, out]: the
+    experts hit, a chunk at a time (each chunk's weights dequantized, used, freed)."""
+    q, scale, zero = args[name], args[f"{name}_scale"], args.get(f"{name}_zero")
+    rows, cols = q.shape[-2], q.shape[-1] * (2 if spec.quant.packed else 1)
+    out = torch.empty(xs.shape[0], rows, dtype=torch.float32, device=xs.device)
+    if xs.shape[0] == 0:
+        return out
+    hit = torch.unique_consecutive(sorted_ids)
+    ends = offs.long()[hit]
+    counts = torch.bincount(sorted_ids, minlength=spec.num_experts)[hit]
+    starts, ends_l = (ends - counts).tolist(), ends.tolist()
+    for c0, c1 in policy.expert_chunks(len(starts), rows * cols * 4):
+        ids = hit[c0:c1]
+        w = q8.dequantize(q[ids], scale[ids], spec.quant, halves, None if zero is None else zero[ids])  # [c, out, in]
+        r0, r1 = starts[c0], ends_l[c1 - 1]
+        local = torch.cumsum(counts[c0:c1], 0).to(torch.int32)
+        out[r0:r1] = grouped_linear(xs[r0:r1], w.transpose(-2, -1), local, torch.searchsorted(
+            ids, sorted_ids[r0:r1]))
+        del w
+    return out
 
 
 def _sorted_pairs(topk_ids: torch.Tensor, spec: MoESpec):

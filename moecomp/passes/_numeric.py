@@ -15,7 +15,13 @@ would vanish from the check, and the op never reads them); an output bias the ep
 
 A spec that clamps (swiglu_oai, activation_clamp) is checked again with the clamped projections' weights scaled up
 until the clamps bind. Token counts follow the graph's symbolic sizes (about ``policy.FX_CHECK_TOKENS``), kept small
-enough that blocks which gather whole expert matrices per token stay under ``policy.FX_CHECK_GATHER_BYTES``.
+enough that blocks which gather whole expert matrices per token (dequantized, for FP8 / 4-bit experts) stay within
+``policy.WORKING_MEMORY_BYTES``; nothing here dequantizes all experts at once (the clamp stress reads the
+pre-activations a chunk of experts at a time).
+
+Memory: a check that runs out of device memory is run again on fewer tokens (``policy.FX_CHECK_MIN_TOKENS``), then
+on CPU copies of the tensors it reads; the verdict says so. An out-of-memory error is never taken for a failed check:
+when every try ran out, it leaves as a ``moecomp.reject.StageError`` ("numeric check").
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch.fx as fx
 from .. import policy, reference
 from .. import quant as q8
 from ..ops.common import NORM_ARGS, OP_ARGS, PEELED, SHARED_NORM_ARGS
-from ..reject import RejectCode
+from ..reject import RejectCode, StageError, is_oom, raise_if_oom
 from . import _fx
 from ._context import Context as _Context
 from ._fx import op_name
@@ -72,13 +78,15 @@ class _Sources:
         return value(self.single[k]) if k in self.single else None
 
     def bytes_per_expert(self, E: int) -> int:
+        """Working bytes of one expert's w13 and w2 gathered by the block (``w[ids]``): the gathered copy, plus its
+        fp32 dequantization for fp8 / packed 4-bit weights (two weights a byte)."""
         total = 0
         for k in ("w13", "w2"):
             vals = [_fx.meta_val(p) for p in self.stacked[k][0]] if k in self.stacked else [
                 _fx.meta_val(self.single[k])]
             for v in vals:
-                if isinstance(v, torch.Tensor):  # fp8 / packed 4-bit weights: the block gathers them dequantized (fp32)
-                    size = {torch.float8_e4m3fn: 4, torch.uint8: 8}.get(v.dtype, v.element_size())
+                if isinstance(v, torch.Tensor):
+                    size = {torch.float8_e4m3fn: 1 + 4, torch.uint8: 1 + 2 * 4}.get(v.dtype, v.element_size())
                     per = 1 if k in self.stacked else v.shape[0] if v.dim() == 3 else E  # (2-D: experts held flat)
                     total += (v.numel() // per) * size
         return total
@@ -86,26 +94,83 @@ class _Sources:
 
 def verify(ctx: _Context, candidates, blk: Block):
     """Cut the block into a GraphModule and compare it with the reference for each candidate spec: (the first spec
-    that agrees, how it was verified). Raises ``Reject`` (VERIFICATION_FAILED) when none agrees.
+    that agrees, how it was verified, notes for the report). Raises ``Reject`` (VERIFICATION_FAILED) when none
+    agrees.
 
     A spec that clamps (swiglu_oai, activation_clamp) or softcaps (gate_softcap / up_softcap) is checked a second
     time with the clamped projections' weights scaled up so that the clamps bind (the caps bend): random weights
-    rarely reach a limit like 10, and a clamp that never binds proves nothing about it."""
+    rarely reach a limit like 10, and a clamp that never binds proves nothing about it.
+
+    Out of memory: tried again on fewer tokens, then on CPU copies (module docstring); ``StageError`` when every try
+    ran out."""
     spec0 = candidates[0]
     src = _Sources(ctx, blk)
     # token budget: a block that gathers whole expert matrices per (token, slot) (batched_mm style) materialises
-    # T * k of them; keep that under FX_CHECK_GATHER_BYTES
+    # T * k of them; keep that within the working memory
     per_expert = src.bytes_per_expert(spec0.num_experts)
-    target = policy.FX_CHECK_TOKENS
+    target, per_token = policy.FX_CHECK_TOKENS, 0
     if _gathers(blk.nodes, src.of("w13") + src.of("w2")):
-        target = min(target, policy.FX_CHECK_GATHER_BYTES // max(1, spec0.top_k * per_expert))
-    if target < policy.FX_CHECK_MIN_TOKENS:
+        per_token = max(1, spec0.top_k * per_expert)
+        target = min(target, policy.working_bytes() // per_token)
+        if target >= 1 and not _sym_values(blk.x_root, target, per_token):
+            target = 0  # no token count the graph takes fits (static shapes: the traced one; else at least 2 a dim)
+    if target < 1:
         if len(candidates) > 1:
             raise Reject("experts too large for the numeric check and the structure leaves choices open")
-        return spec0, "skipped: gathered expert weights would exceed policy.FX_CHECK_GATHER_BYTES"
+        return spec0, "skipped: the gathered expert weights would exceed policy.WORKING_MEMORY_BYTES", [
+            "FX numeric check skipped: the expert weights the block gathers for its check tokens would exceed "
+            "policy.WORKING_MEMORY_BYTES (the match rests on the structure and the verify stage)"]
     sub, inputs = _extract(ctx, blk.nodes, blk.x_root, blk.out)
+    tries = [(target, False)]
+    if target > policy.FX_CHECK_MIN_TOKENS:
+        tries.append((policy.FX_CHECK_MIN_TOKENS, False))
+    if _device(ctx, inputs).type != "cpu":
+        tries.append((target, True))
+    ran_out = []
+    for tokens, on_cpu in tries:
+        try:
+            spec, msg = _check(ctx, candidates, blk, src, sub, inputs, tokens, per_token, on_cpu)
+        except Reject:
+            raise
+        except Exception as e:
+            if not is_oom(e):  # a failure of the check itself, not a verdict: named as such
+                raise StageError("numeric check", e) from e
+            text = str(e).strip().splitlines()[0][:160] if str(e).strip() else "out of memory"
+            ran_out.append(f"{tokens} tokens{' on the CPU' if on_cpu else ''}: {text}")
+            del e
+            _release()
+            continue
+        notes = []
+        if target < policy.FX_CHECK_MIN_TOKENS:
+            notes.append(f"FX numeric check on {target} token(s): the expert weights the block gathers for more "
+                         "would exceed policy.WORKING_MEMORY_BYTES")
+        if ran_out:
+            notes.append(f"FX numeric check ran out of memory ({'; '.join(ran_out)}); retried: {msg}")
+        return spec, msg, notes
+    raise StageError("numeric check", torch.OutOfMemoryError("; ".join(ran_out)))
+
+
+def _release() -> None:
+    """Give cached device memory back after running out (the next try starts from what is really free)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _device(ctx: _Context, inputs) -> torch.device:
+    for p in inputs[1:]:
+        v = ctx.values.get(p)
+        if isinstance(v, torch.Tensor) and not _fx.is_fake(v):
+            return v.device
+    return torch.device("cpu")
+
+
+def _check(ctx, candidates, blk: Block, src: _Sources, sub, inputs, target: int, per_token: int, on_cpu: bool):
+    """One run of the check at ``target`` tokens (``on_cpu``: the graph and the reference on CPU copies)."""
+    spec0 = candidates[0]
+    if on_cpu:
+        sub = _on_cpu(sub)
     errs, ran = [], False
-    for vals in _sym_values(blk.x_root, target, per_expert * spec0.top_k if target < policy.FX_CHECK_TOKENS else 0):
+    for vals in _sym_values(blk.x_root, target, per_token):
         gen = torch.Generator(device="cpu").manual_seed(policy.FX_CHECK_SEED)
         args, x_val = _make_inputs(ctx, inputs, blk.x_root, gen, vals)
         _hash_inputs(ctx, inputs, args, blk, spec0, gen, vals)
@@ -115,10 +180,14 @@ def verify(ctx: _Context, candidates, blk: Block):
                    for k in OP_ARGS}
         tensors.update({k: tensors[k][:n] for k, n in blk.arg_rows.items() if tensors.get(k) is not None})
         tensors.update({k: _viewed(tensors[k], v, k) for k, v in blk.arg_views.items() if tensors.get(k) is not None})
+        if on_cpu:
+            args, x_val = [_cpu(a) for a in args], _cpu(x_val)
+            tensors = {k: _cpu(v) for k, v in tensors.items()}
         with torch.no_grad():
             try:
                 got = _run_disabled(sub, args)
             except Exception as e:  # noqa: BLE001
+                raise_if_oom(e)
                 errs.append(f"the block's own graph failed to run ({type(e).__name__}: {str(e)[:200]})")
                 continue
             ran = True
@@ -126,10 +195,33 @@ def verify(ctx: _Context, candidates, blk: Block):
             found = _first_agreeing(ctx, sub, args, inputs, src, tensors, candidates, blk, xin, got, errs)
             if found is not None:
                 spec, msg = found
-                return spec, f"numeric, {x_val.numel() // x_val.shape[-1]} tokens ({msg})"
+                where = " on the CPU" if on_cpu else ""
+                return spec, f"numeric, {x_val.numel() // x_val.shape[-1]} tokens{where} ({msg})"
         break  # the graph ran: its verdict stands
     code = RejectCode.VERIFICATION_FAILED if ran else RejectCode.CHECK_ERROR
     raise Reject("numeric check failed: " + "; ".join(errs), code)
+
+
+def _cpu(v):
+    return v.cpu() if isinstance(v, torch.Tensor) else v
+
+
+def _on_cpu(sub: fx.GraphModule) -> fx.GraphModule:
+    """``sub`` with every device its nodes name (factory ``device=`` arguments, ``.to(device)``) made the CPU."""
+    def cpu(a):
+        if isinstance(a, torch.device) and a.type != "cpu":
+            return torch.device("cpu")
+        if isinstance(a, str) and a.startswith(("cuda", "xpu", "mps")):
+            return "cpu"
+        return a
+
+    g, env = fx.Graph(), {}
+    for n in sub.graph.nodes:
+        new = g.node_copy(n, lambda a: env[a])
+        new.args = fx.node.map_aggregate(new.args, cpu)
+        new.kwargs = fx.node.map_aggregate(new.kwargs, cpu)
+        env[n] = new
+    return fx.GraphModule(sub, g)
 
 
 def _first_agreeing(ctx, sub, args, inputs, src, tensors, candidates, blk, xin, got, errs):
@@ -157,6 +249,7 @@ def _agree(got, xin, tensors, spec, arg_shapes, dtype):
     try:
         want = reference.moe_forward(xin, **t, spec=spec).float()
     except Exception as e:  # noqa: BLE001
+        raise_if_oom(e)
         return False, f"reference failed ({e})"
     if spec.zero_experts and not _zero_reached(xin, t, spec):
         return False, "no check token was routed to a zero expert (what they compute would be unproven)"
@@ -179,10 +272,7 @@ def _stress(sub, args, inputs, src, tensors, spec, xin, arg_shapes):
     x2 = xin.reshape(-1, xin.shape[-1]).float()
     if spec.activation_clamp or spec.activation == "swiglu_oai" or _cap(spec):
         xe = x2 if not spec.latent_size else reference.latent_in(x2, tensors["latent_in_w"], tensors["latent_in_b"])
-        w = tensors["w13"].float() if spec.quant is None else q8.dequantize(
-            tensors["w13"], tensors["w13_scale"], spec.quant, 2 if spec.gated else 1, tensors.get("w13_zero"))
-        h = torch.einsum("th,enh->ten", xe, w) if spec.w_layout == "out_in" else torch.einsum("th,ehn->ten", xe, w)
-        scaled["w13"] = _stress_factor(h, _cap(spec) or spec.activation_limit)
+        scaled["w13"] = _stress_factor(_pre_activations(xe, tensors, spec), _cap(spec) or spec.activation_limit)
     sh = spec.shared
     if sh is not None and (sh.activation_clamp or sh.activation == "swiglu_oai" or _cap(sh)):
         for k in ("shared_w1", "shared_w3"):
@@ -192,19 +282,78 @@ def _stress(sub, args, inputs, src, tensors, spec, xin, arg_shapes):
                 scaled[k] = _stress_factor(x2 @ w.T, _cap(sh) or sh.activation_limit)
     if not scaled:
         return None
-    args2, tensors2 = list(args), dict(tensors)
-    for k, f in scaled.items():
-        if tensors.get(f"{k}_scale") is not None:  # a quantized weight: scale its scales (w = q * s)
-            k = f"{k}_scale"
-        tensors2[k] = _times(tensors[k], f)
-        for p in src.of(k):
-            if p in inputs:
-                args2[inputs.index(p)] = _times(args[inputs.index(p)], f)
+    args2, tensors2, undo = list(args), dict(tensors), []
     try:
-        got = _run_disabled(sub, args2)
-    except Exception as e:  # noqa: BLE001
-        return False, f"the block's own graph failed to run ({type(e).__name__})"
-    return _agree(got, xin, tensors2, spec, arg_shapes, xin.dtype)
+        for k, f in scaled.items():
+            if tensors.get(f"{k}_scale") is not None:  # a quantized weight: scale its scales (w = q * s)
+                k = f"{k}_scale"
+            idx = [inputs.index(p) for p in src.of(k) if p in inputs]
+            done = _scale_all([tensors[k]] + [args[i] for i in idx], f, undo)
+            tensors2[k] = done[id(tensors[k])]
+            for i in idx:
+                args2[i] = done[id(args[i])]
+        try:
+            got = _run_disabled(sub, args2)
+        except Exception as e:  # noqa: BLE001
+            raise_if_oom(e)
+            return False, f"the block's own graph failed to run ({type(e).__name__})"
+        return _agree(got, xin, tensors2, spec, arg_shapes, xin.dtype)
+    finally:
+        for t, p in reversed(undo):  # weights scaled in place: back to their values (exactly: p a power of two)
+            t.div_(p)
+
+
+def _scale_all(ts: list, f: float, undo: list) -> dict:
+    """{id(t): t times f} for the distinct tensors ``ts`` (a tensor bound twice is scaled once). Float weights that
+    together take more than a quarter of the working memory are scaled in place instead of copied, by the power of
+    two at or above f (exact both ways; ``undo`` gets (tensor, factor) to divide back), unless that could overflow
+    their dtype or they cannot be written: a stacked layer's w13 in 16 bits is several GB."""
+    distinct = list({id(t): t for t in ts if t is not None}.values())
+    big = sum(t.numel() * t.element_size() for t in distinct) > policy.working_bytes() // 4
+    p = 2.0 ** math.ceil(math.log2(f))
+    out = {}
+    for t in distinct:
+        if big and t.is_floating_point() and t.element_size() >= 2 and _fits(t, p):
+            try:
+                t.mul_(p)
+            except RuntimeError:  # (not writable: a view of read-only storage)
+                out[id(t)] = _times(t, f)
+                continue
+            undo.append((t, p))
+            out[id(t)] = t
+        else:
+            out[id(t)] = _times(t, f)
+    return out
+
+
+def _fits(t: torch.Tensor, p: float) -> bool:
+    """Does every value of ``t`` times ``p`` stay finite in t's dtype (reductions only: no copy of t)?"""
+    m = max(abs(float(t.amax())), abs(float(t.amin())))
+    return math.isfinite(m) and m * p < torch.finfo(t.dtype).max
+
+
+def _pre_activations(xe: torch.Tensor, tensors: dict, spec) -> torch.Tensor:
+    """xe [T, in] through every expert's w13: [T', E, N] fp32 for the first T' tokens whose values fill the stress
+    sample (``_stress_factor`` reads the first ``FX_CLAMP_STRESS_SAMPLE`` of them, token-major: the same values as
+    all T tokens would give), w13 dequantized (or made fp32) a chunk of experts at a time."""
+    w13 = tensors["w13"]
+    E = w13.shape[0]
+    N = w13.shape[1] if spec.w_layout == "out_in" else w13.shape[2]
+    T = min(xe.shape[0], -(-policy.FX_CLAMP_STRESS_SAMPLE // max(1, E * N)))
+    x = xe[:T].float()
+    h = torch.empty(T, E, N, dtype=torch.float32, device=xe.device)
+    halves = 2 if spec.gated else 1
+    for e0, e1 in policy.expert_chunks(E, w13[0].numel() * (8 if w13.dtype == torch.uint8 else 4)):
+        if spec.quant is None:
+            w = w13[e0:e1].float()
+        else:
+            zero = tensors.get("w13_zero")
+            w = q8.dequantize(w13[e0:e1], tensors["w13_scale"][e0:e1], spec.quant, halves,
+                              None if zero is None else zero[e0:e1])
+        h[:, e0:e1] = torch.einsum("th,enh->ten", x, w) if spec.w_layout == "out_in" else torch.einsum(
+            "th,ehn->ten", x, w)
+        del w
+    return h
 
 
 def _times(t: torch.Tensor, f: float) -> torch.Tensor:
@@ -298,8 +447,13 @@ def _gathers(nodes, weights) -> bool:
 
 def _sym_values(x_root, target: int, bytes_per_token: int = 0) -> list[dict]:
     """Values for the free symbols of x's shape: the smallest that give ``target`` tokens, then the traced hints
-    (when the first fail to run and the hints stay within budget)."""
+    (when the first fail to run); with ``bytes_per_token`` (gathered weights), only those whose tokens stay within
+    ``policy.WORKING_MEMORY_BYTES`` (static shapes: [{}] when the traced count does, else [])."""
     xs = _fx.shape_of(x_root)
+
+    def fits(vals) -> bool:
+        return not bytes_per_token or tokens(vals) * bytes_per_token <= policy.working_bytes()
+
     free, hints = [], {}
     for d in xs:
         if isinstance(d, torch.SymInt):
@@ -309,22 +463,23 @@ def _sym_values(x_root, target: int, bytes_per_token: int = 0) -> list[dict]:
                 if sym not in hints:
                     free.append(sym)
                     hints[sym] = int(env.get(sym, 2))
-    if not free:
-        return [{}]
-
     def tokens(vals):
         n = 1
         for d in xs[:-1]:
             n *= int(d.node.expr.xreplace(vals)) if isinstance(d, torch.SymInt) else int(d)
         return n
 
-    out = []
+    if not free:
+        return [{}] if fits({}) else []
+    out, below = [], None
     for v in range(2, 4097):
         vals = {sym: v for sym in free}
         if tokens(vals) >= target:
-            out.append(vals)
+            if fits(vals) or below is not None:  # (else the largest below the target that fits)
+                out.append(vals if fits(vals) else below)
             break
-    if hints not in out and (not bytes_per_token or tokens(hints) * bytes_per_token <= policy.FX_CHECK_GATHER_BYTES):
+        below = vals if fits(vals) else below
+    if hints not in out and fits(hints):
         out.append(hints)
     return out
 

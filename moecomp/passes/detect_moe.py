@@ -99,8 +99,9 @@ How a match is proven (nothing is matched on class or module names):
    turn; the first that agrees is taken. The check (``passes/_numeric.py``; its tolerances and budgets are
    ``moecomp.policy.FX_CHECK_*``) runs on about ``FX_CHECK_TOKENS`` tokens (the graph's symbolic sizes are set
    accordingly; the traced sizes are the fallback). A block that gathers whole expert matrices per token
-   (``w13[ids]``) would materialise T * k of them: when even 4 tokens exceed ``FX_CHECK_GATHER_BYTES`` the check is
-   skipped, the match rests on the structure alone and says so (``MoEMatch.verified``). A spec that clamps
+   (``w13[ids]``) would materialise T * k of them: the tokens are cut to what ``policy.WORKING_MEMORY_BYTES`` holds,
+   and when not even one token fits the check is skipped, the match rests on the structure alone and says so
+   (``MoEMatch.verified``). A check that runs out of memory is tried again smaller, then on the CPU. A spec that clamps
    (swiglu_oai, ``activation_clamp``, in routed or shared experts) is checked again with the clamped projections'
    weights scaled up until the clamps bind (random weights seldom reach a limit such as 10).
 
@@ -125,7 +126,7 @@ import torch.fx as fx
 
 from ..ops.common import OP_ARGS
 from ..reject import Reject as RejectRecord
-from ..reject import RejectCode
+from ..reject import RejectCode, StageError
 from ..spec import MoESpec, SpecError, expert_bias_fields
 from . import _fx
 from ._context import Context
@@ -174,6 +175,7 @@ class MoEMatch:
     # MOE_ARGS name -> the op reads a view of its placeholder (``moe_flat.FlatView``: experts held flat in a 2-D
     # matrix, a weight stored transposed, a flat 1-D bias); no copy
     arg_views: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # for the report: how the numeric check fit in memory
 
     def __post_init__(self):
         if self.block_output is None:
@@ -206,6 +208,9 @@ class DetectResult:
 
     matches: list[MoEMatch] = field(default_factory=list)
     rejected: list[tuple[str, RejectRecord]] = field(default_factory=list)
+    # candidates whose check raised rather than refused (out of memory after its retries): (where, StageError);
+    # also in ``rejected``, as CHECK_ERROR with the exception named
+    failures: list[tuple[str, StageError]] = field(default_factory=list)
 
     def __iter__(self):
         return iter(self.matches)
@@ -253,6 +258,10 @@ def detect_moe(
             continue
         except SpecError as e:
             result.rejected.append((where, RejectRecord(RejectCode.SPEC_INVALID, f"derived spec is invalid: {e}")))
+            continue
+        except StageError as e:  # the check raised (out of memory after its retries): the other blocks go on
+            result.failures.append((where, e))
+            result.rejected.append((where, RejectRecord(RejectCode.CHECK_ERROR, e.describe(), e.describe())))
             continue
         if m.region & claimed:
             result.rejected.append((where, RejectRecord(RejectCode.NOT_RECOGNISED, "overlaps a block matched before")))
@@ -339,7 +348,7 @@ def _match_output(ctx: Context, c: _Candidate, out: fx.Node) -> MoEMatch:
                                                          for k, per in ex.stacked.items()},
                 arg_shapes={"correction_bias": (r.E,)} if r.bias_shape is not None else {}, arg_rows=dict(ex.rows),
                 arg_views=dict(ex.views))
-    spec, verified = _prove(ctx, candidates, blk, has_tail=out is not c.block_out)
+    spec, verified, notes = _prove(ctx, candidates, blk, has_tail=out is not c.block_out)
     out_dtype = _fx.dtype_of(out)
     return MoEMatch(
         spec=spec, bindings=blk.bindings, x=x_in, output=out, nodes=frozenset(blk.nodes), region=frozenset(core),
@@ -347,7 +356,7 @@ def _match_output(ctx: Context, c: _Candidate, out: fx.Node) -> MoEMatch:
         baked={**r.baked, **ex.baked, **(sh.baked if sh else {}), **norm_baked},
         verified=verified, output_dtype=out_dtype if out_dtype != x_dtype else None, block_output=c.block_out,
         tail=frozenset(tail), arg_shapes=blk.arg_shapes, stacked=blk.stacked, arg_rows=blk.arg_rows,
-        arg_views=blk.arg_views,
+        arg_views=blk.arg_views, notes=notes,
     )
 
 
@@ -455,11 +464,12 @@ def _bindings(r: Routing, ex: Experts, sh: Shared | None, lat: Latent | None = N
 
 
 def _prove(ctx: Context, candidates: list, blk: Block, has_tail: bool):
-    """(spec, how it was verified): the numeric check, or without it the only candidate (and no tail to place)."""
+    """(spec, how it was verified, notes): the numeric check, or without it the only candidate (and no tail to
+    place)."""
     if ctx.verify:
         return verify(ctx, candidates, blk)
     if len(candidates) > 1:
         raise Reject("the graph leaves the weight layout / gate split / activation open and verify=False")
     if has_tail:
         raise Reject("a tail follows the MoE result: only the numeric check can place the MoE output (verify=False)")
-    return candidates[0], "skipped: verify=False"
+    return candidates[0], "skipped: verify=False", []

@@ -147,7 +147,7 @@ def test_numeric_check_skipped_when_gathers_are_too_large(monkeypatch):
     """batched_mm gathers T*k expert matrices: past the budget the match rests on the structure and says so."""
     from moecomp import policy
 
-    monkeypatch.setattr(policy, "FX_CHECK_GATHER_BYTES", 1000)
+    monkeypatch.setattr(policy, "WORKING_MEMORY_BYTES", 1000)
     cap = capture_block(tm.moe_blocks(tm.hf_model("mixtral", "batched_mm"))[0], torch.randn(1, 3, tm.H))
     res = detect_moe(cap.gm, cap.example_inputs)
     assert len(res) == 1 and res[0].verified.startswith("skipped")

@@ -1,0 +1,90 @@
+"""Kernels and GPU busy time per decode step of ``bench_generate.py``'s paths (its ``--profile``; also
+``bench_generate_fp8.py``'s): split from ``bench_generate.py`` by concern."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import bench_generate as bg
+
+
+def _kernels(prof) -> tuple[int, float, dict]:
+    """(kernel count, kernel time in ms, {name: [count, us]}) of a profile: device activities except copies / memsets."""
+    n, us, by = 0, 0.0, {}
+    try:
+        evs = [(e.name(), e.duration_ns() / 1e3) for e in prof.profiler.kineto_results.events()
+               if "cuda" in str(e.device_type()).lower()]
+    except Exception:
+        evs = [(e.name, getattr(e, "device_time_total", 0.0)) for e in prof.events()
+               if "cuda" in str(getattr(e, "device_type", "")).lower()]
+    for name, d in evs:
+        if "Memcpy" in name or "Memset" in name:
+            continue
+        n += 1
+        us += d
+        b = by.setdefault(name[:90], [0, 0.0])
+        b[0] += 1
+        b[1] += d
+    return n, us / 1e3, by
+
+
+def profile_steps(model, path: str, ids, cuda: bool, steps: int = 8) -> dict:
+    """Kernels and GPU busy time per decode step: two profiled calls (1 and 1 + steps new tokens), differenced, so
+    the prefill drops out. Idle = 1 - kernel time / wall time of the decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    kw = dict(moecomp_fast=False) if path == "optimize_hf" else {}
+
+    def call(new):
+        if path.startswith("one_liner"):
+            return bg.run_one_liner(model, ids, new, cuda)[:3]
+        return bg.run_hf_loop(model, ids, new, cuda, **kw)
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    call(1 + steps)  # warm-up (captures)
+    got = []
+    for new in (1, 1 + steps):
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            _, pre, dec = call(new)
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        got.append((*_kernels(prof), wall * 1e3))
+    (k1, b1, by1, w1), (k2, b2, by2, w2) = got
+    per_k, per_busy, per_wall = (k2 - k1) / steps, (b2 - b1) / steps, (w2 - w1) / steps
+    top = []
+    for name, (c, t) in by2.items():
+        c0, t0 = by1.get(name, (0, 0.0))
+        top.append((round((t - t0) / steps, 2), round((c - c0) / steps, 2), name))
+    top.sort(reverse=True)
+    # the first call (one new token) is the prefill with one sampling: its kernels against its wall time show
+    # whether the time to first token is the device's or the host's
+    pre_top = sorted(((round(t, 1), c, name) for name, (c, t) in by1.items()), reverse=True)
+    return dict(path=path, kernels_per_step=per_k, gpu_busy_ms_per_step=per_busy, wall_ms_per_step=per_wall,
+                gpu_idle_frac=max(0.0, 1 - per_busy / per_wall) if per_wall > 0 else None,
+                decode_ms_per_step_unprofiled=dec * 1e3, top_kernels_us_per_step=top[:25],
+                prefill=dict(kernels=k1, gpu_busy_ms=b1, wall_ms=w1, top_kernels_us=pre_top[:20]))
+
+
+# ================================================================================================ main
+
+
+def profile_paths(model, name: str, state: dict, args, S: int, device, result: dict) -> None:
+    """``--profile``: each (path, batch) of ``args.profile_paths`` profiled (``profile_steps``), logged and kept."""
+    for path, B in args.profile_paths:
+        ids = torch.randint(3, model.config.vocab_size, (B, S)).to(device)
+        try:
+            bg.set_path(model, path, state)
+            p = profile_steps(model, path, ids, device.type == "cuda")
+            result["profiles"].append(dict(model=name, batch=B, **p))
+            top = p.pop("top_kernels_us_per_step")
+            bg.log(f"profile {name} B={B} {path}: {p}")
+            for t in top[:12]:
+                bg.log(f"    {t[0]:8.2f} us/step  x{t[1]:<6g} {t[2]}")
+        except Exception as e:
+            result["errors"].append(f"profile {path}: {type(e).__name__}: {e}")
