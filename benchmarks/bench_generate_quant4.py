@@ -141,7 +141,18 @@ def run(args) -> dict:
             hf = dict(decode_ms=dec * 1e3, prefill_ms=pre * 1e3, tokens=out)
             log(f"[gen-q4] transformers (PackedExperts' plain forward) B=1: decode {dec * 1e3:.1f} ms/step")
     active, outs = None, {}
+    if cuda:  # optimize's own peak: what recognition and binding add to the loaded model (issue 39's bound)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        held = torch.cuda.memory_allocated(device)
+    t_opt = time.perf_counter()
     result["optimize"] = bg.optimize_checked(model, "[gen-q4] ")
+    result["optimize"]["seconds"] = round(time.perf_counter() - t_opt, 1)
+    if cuda:
+        extra = (torch.cuda.max_memory_allocated(device) - held) / 2**30
+        result["optimize"]["peak_extra_gib"] = round(extra, 3)
+        log(f"[gen-q4] optimize: {result['optimize']['seconds']} s, peak extra GPU memory {extra:.3f} GiB over the "
+            f"{held / 2**30:.1f} GiB loaded")
     report = model._moecomp_report
     result["report"] = str(report)[:3000]
     log(f"[gen-q4] optimize: {str(report).splitlines()[0]}")
