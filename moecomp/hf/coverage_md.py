@@ -12,6 +12,36 @@ import torch
 from .families import TOL, VARIANTS, FamilyResult, base_family, experts_families, run_coverage
 
 
+# Why a family is not rewritten whole, by kind: a transformers bug (what its code does wrong; each one is checked to
+# still be there by tests/hf/test_families.py::test_nllb_moe_experts_ignore_the_router), beyond what MoESpec says
+# (the exact part), or no call of the module that could be replaced. Documentation for the table, never read to
+# recognise anything.
+CAUSES = {
+    "nllb_moe": ("transformers bug", "`NllbMoeExperts.forward` one-hot encodes the router's `top_1_mask`, which is "
+                 "already a one-hot [tokens, experts] mask (its docstring calls it an index tensor), so every token "
+                 "goes to experts 0 and 1 whatever the router chose (expert 0 once per unchosen expert): the block "
+                 "does not route by its router, and no routed MoE reproduces it"),
+    "zaya": ("beyond MoESpec", "an MLP router whose state carries from layer to layer (the block takes the previous "
+             "layer's router state and returns its own): MoESpec has one [E, H] router map and no state; its experts "
+             "run on moe_experts"),
+    "jetmoe": ("not a callable block", "its mixture of attention heads (JetMoeMoA) has no forward: the parent runs "
+               "its map / reduce halves around attention, so no call of the module can be replaced; its MoE MLPs are "
+               "rewritten"),
+}
+
+
+def _causes(results: list) -> list[str]:
+    """The section under the table: every family not rewritten whole, with its cause (``CAUSES``) or its reason."""
+    left = [r for r in results if r.status in ("not rewritten", "partial", "experts only")]
+    if not left:
+        return []
+    out = ["", "Not rewritten whole, and why:", ""]
+    for r in left:
+        kind, text = CAUSES.get(r.family, ("see the reason column", ""))
+        out.append(f"- {r.family} ({r.status}): {kind}" + (f": {text}." if text else "."))
+    return out
+
+
 def coverage_markdown(results: list[FamilyResult]) -> str:
     import platform
 
@@ -71,6 +101,7 @@ def coverage_markdown(results: list[FamilyResult]) -> str:
         lines.append(f"| {r.family} | {r.model_class or '-'} | {r.status} | "
                      f"{r.rewritten}/{r.blocks}{eo} | {r.router or '-'} | {r.experts or '-'} | {err} | {cell(r.reason, 400)} | "
                      f"{cell(r.fallback, 160) or '-'} | {cell(r.fallback_agrees, 160)} |")
+    lines += _causes(results)
     if unconfirmed:
         lines += ["", "Structural candidates not confirmed (not MoE at run time, or not buildable tiny to check):", ""]
         lines += [f"- {r.family}: {r.status}: {cell(r.reason, 200)}" for r in unconfirmed]

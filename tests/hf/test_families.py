@@ -6,6 +6,7 @@ optimized model must never differ from the original, and every family keeps its 
 """
 
 import pytest
+import torch
 
 from moecomp.hf import families as F
 
@@ -115,3 +116,26 @@ def test_family(family):
         assert r.status == "equal" or r.reason, "a family left alone must say why"
         return
     assert (r.status, want[1] in (r.reason or "")) == (want[0], True), f"{family}: {r.status}: {r.reason} {r.skipped}"
+
+
+def test_nllb_moe_experts_ignore_the_router():
+    """The transformers bug docs/coverage.md names for NLLB-MoE (``coverage_md.CAUSES``), checked to still be there:
+    with the router made to choose expert 5 for every token, only experts 0 and 1 compute (the experts one-hot encode
+    the router's one-hot mask). When transformers fixes it, this fails: drop the cause and pin the family again."""
+    mod = pytest.importorskip("transformers.models.nllb_moe.modeling_nllb_moe")
+    cfg = mod.NllbMoeConfig(d_model=16, encoder_ffn_dim=32, decoder_ffn_dim=32, num_experts=8, expert_capacity=64,
+                            encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                            vocab_size=32)
+    mlp = mod.NllbMoeSparseMLP(cfg, 32).eval()
+    with torch.no_grad():
+        mlp.router.classifier.weight.zero_()
+        mlp.router.classifier.weight[5].fill_(1.0)  # x > 0 everywhere below: expert 5 wins, expert 4 (ties) second
+    called = set()
+    for name, e in mlp.experts.items():
+        e.register_forward_hook(lambda m, a, o, name=name: called.add(name))
+    x = torch.rand(2, 6, 16) + 0.1
+    with torch.no_grad():
+        top_1_mask, _, _ = mlp.router(x.view(-1, 16))
+        assert top_1_mask.shape == (12, 8) and bool((top_1_mask.argmax(-1) == 5).all()), "router setup"
+        mlp(x)
+    assert called == {"expert_0", "expert_1"}, called
