@@ -3,6 +3,7 @@ in between::
 
     gated:     act(gate) * up                       act ∈ silu (or x * sigmoid(x)) | gelu | gelu_tanh | relu | relu2
     clamped:   act(gate.clamp(max=L)) * up.clamp(-L, L)                         (DeepSeek-V4: activation_clamp)
+    clamped after the activation:  act(gate).clamp(max=L) * up.clamp(-L, L)      (Step-3.7: activation_clamp_after)
     oai:       (up.clamp(-L, L) + 1) * g * sigmoid(alpha * g),  g = gate.clamp(max=L)        (gpt-oss: swiglu_oai)
     plain:     act(up)                                      relu2: relu(up) ** 2 | square(relu(up)) | r * r
     softcaps:  cap(gate, cg) * sigmoid(gate) * cap(up, cu),  cap(v, c) = tanh(v / c) * c   (Inkling2: gate_softcap,
@@ -31,15 +32,18 @@ CLAMPS = ("clamp", "clamp_min", "clamp_max")
 class Activation:
     names: list[str]  # candidate spec activations (one, except where only the numeric check can tell)
     clamp: bool = False  # activation_clamp (clamped SwiGLU)
+    clamp_after: bool = False  # activation_clamp_after (the activation's output clamped, Step-3.7)
     alpha: float | None = None  # swiglu_oai's alpha
     limit: float | None = None  # swiglu_oai's or the clamped SwiGLU's limit
     gate_softcap: float = 0.0  # softcapped silu: the cap on the linear gate factor (0: none)
     up_softcap: float = 0.0  # softcapped silu: the cap on up (0: none)
 
     def fields(self) -> dict:
-        """The spec fields besides ``activation`` that this activation sets (the softcaps, where it has them)."""
-        return dict(gate_softcap=self.gate_softcap, up_softcap=self.up_softcap) if (
+        """The spec fields besides ``activation`` that this activation sets (the softcaps, the clamp after the
+        activation, where it has them)."""
+        out = dict(gate_softcap=self.gate_softcap, up_softcap=self.up_softcap) if (
             self.gate_softcap or self.up_softcap) else {}
+        return {**out, "activation_clamp_after": True} if self.clamp_after else out
 
 
 # Ops that belong to no activation the spec knows (as the recogniser reads them: ``silu`` / ``sigmoid``, ``gelu``,
@@ -77,7 +81,8 @@ def activation(ctx: Context, between: set, gated: bool, baked: dict, who: str) -
     if clamps:
         if not gated:
             raise Reject(f"{who}: clamp in an ungated activation (not a clamped SwiGLU)")
-        res.clamp, res.limit = True, _clamp_limit(ctx, clamps, between, baked, who)
+        res.limit, res.clamp_after = _clamp_limit(ctx, clamps, between, baked, who)
+        res.clamp = not res.clamp_after
     return res
 
 
@@ -131,8 +136,9 @@ def strip_gate_clamp(n):
     return n
 
 
-def _clamp_limit(ctx: Context, clamps, between: set, baked: dict, who: str) -> float:
-    """Clamped SwiGLU (DeepSeek-V4): act(gate.clamp(max=L)) * up.clamp(-L, L). Returns L; rejects anything else."""
+def _clamp_limit(ctx: Context, clamps, between: set, baked: dict, who: str) -> tuple[float, bool]:
+    """(L, after) of a clamped SwiGLU: act(gate.clamp(max=L)) * up.clamp(-L, L) (DeepSeek-V4; after False) or
+    act(gate).clamp(max=L) * up.clamp(-L, L) (Step-3.7's limit_after_act; after True). Rejects anything else."""
     upper, sym = [], []
     for c in clamps:
         lo, hi = clamp_bounds(ctx, c, baked, "activation_limit")
@@ -146,16 +152,31 @@ def _clamp_limit(ctx: Context, clamps, between: set, baked: dict, who: str) -> f
         raise Reject(f"{who}: clamps {[(c.name, v) for c, v in upper + sym]} are not one gate clamp(max=L) and "
                      "one up clamp(-L, L)")
     (cu, limit), (cs, _) = upper[0], sym[0]
-    act_in = [n for n in between if op_name(n) in ("silu", "gelu", "relu") and _fx.strip_views_casts(arg(n, 0)) is cu]
+    act_in = [n for n in between if op_name(n) in _ACT_OPS and _fx.strip_views_casts(arg(n, 0)) is cu]
     up_in = [n for n in between if op_name(n) == "mul" and any(
         _fx.strip_views_casts(a) is cs for a in (arg(n, 0), arg(n, 1)))]
-    if len(act_in) != 1 or not up_in:
-        if op_name(_fx.strip_views_casts(arg(cu, 0))) in ("silu", "gelu", "relu"):  # Step-3.7's limit_after_act
-            raise Reject(f"{who}: the gate is clamped after its activation, min(act(gate), {limit:g}) * "
-                         f"clamp(up, -{limit:g}, {limit:g}); the spec's clamped SwiGLU (activation_clamp) clamps the "
-                         "gate before it")
-        raise Reject(f"{who}: clamped gate / up do not feed act(gate) * up")
-    return limit
+    if len(act_in) == 1 and up_in:
+        return limit, False
+    if _is_act_output(_fx.strip_views_casts(arg(cu, 0)), between) and any(
+            {_fx.strip_views_casts(arg(n, 0)), _fx.strip_views_casts(arg(n, 1))} == {cu, cs} for n in up_in):
+        return limit, True  # the activation's output clamped, times the clamped up
+    raise Reject(f"{who}: clamped gate / up do not feed act(gate) * up (nor act(gate).clamp(max={limit:g}) * up)")
+
+
+_ACT_OPS = ("silu", "gelu", "relu")
+
+
+def _is_act_output(n, between: set) -> bool:
+    """``n`` is an activation of the gate computed between the GEMMs: silu / gelu / relu, or x * sigmoid(x)."""
+    if not isinstance(n, fx.Node) or n not in between:
+        return False
+    if op_name(n) in _ACT_OPS:
+        return True
+    if op_name(n) != "mul":
+        return False
+    a, b = _fx.strip_views_casts(arg(n, 0)), _fx.strip_views_casts(arg(n, 1))
+    return any(isinstance(s, fx.Node) and op_name(s) == "sigmoid" and _fx.strip_views_casts(arg(s, 0)) is o
+               for s, o in ((a, b), (b, a)))
 
 
 def _swiglu_consts(ctx: Context, between: set, baked: dict):
