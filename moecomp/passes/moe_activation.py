@@ -65,7 +65,7 @@ def activation(ctx: Context, between: set, gated: bool, baked: dict, who: str) -
         raise Reject(f"{who} activation not recognised: {foreign} between the GEMMs belong to no activation the spec "
                      f"knows (e.g. a softcap tanh(x / c) * c; ops there: {sorted(names)})")
     clamps = [n for n in between if op_name(n) in CLAMPS]
-    if clamps and "sigmoid" in names and gated:
+    if clamps and "sigmoid" in names and gated and _scaled_sigmoid(ctx, between):  # sigmoid(alpha * g): gpt-oss
         alpha, limit = _swiglu_consts(ctx, between, baked)
         return Activation(["swiglu_oai"], alpha=alpha, limit=limit)
     acts = sorted({a for n in between if (a := _elementwise_act(n, between)) is not None})
@@ -81,7 +81,8 @@ def activation(ctx: Context, between: set, gated: bool, baked: dict, who: str) -
     if clamps:
         if not gated:
             raise Reject(f"{who}: clamp in an ungated activation (not a clamped SwiGLU)")
-        res.limit, res.clamp_after = _clamp_limit(ctx, clamps, between, baked, who)
+        res.limit = _clamp_limit(ctx, clamps, between, baked, who)
+        res.clamp_after = _clamp_is_after(clamps, between)
         res.clamp = not res.clamp_after
     return res
 
@@ -136,9 +137,11 @@ def strip_gate_clamp(n):
     return n
 
 
-def _clamp_limit(ctx: Context, clamps, between: set, baked: dict, who: str) -> tuple[float, bool]:
-    """(L, after) of a clamped SwiGLU: act(gate.clamp(max=L)) * up.clamp(-L, L) (DeepSeek-V4; after False) or
-    act(gate).clamp(max=L) * up.clamp(-L, L) (Step-3.7's limit_after_act; after True). Rejects anything else."""
+def _clamp_limit(ctx: Context, clamps, between: set, baked: dict, who: str) -> float:
+    """L of a clamped SwiGLU: act(gate.clamp(max=L)) * up.clamp(-L, L) (DeepSeek-V4) or act(gate).clamp(max=L) *
+    up.clamp(-L, L) (Step-3.7's limit_after_act; which one: ``_clamp_is_after``). ``between`` may hold an unrolled
+    loop's experts: one gate clamp and one up clamp per expert, all at one L and of one form. Rejects anything
+    else."""
     upper, sym = [], []
     for c in clamps:
         lo, hi = clamp_bounds(ctx, c, baked, "activation_limit")
@@ -148,19 +151,51 @@ def _clamp_limit(ctx: Context, clamps, between: set, baked: dict, who: str) -> t
             sym.append((c, hi))
         else:
             raise Reject(f"{who}: clamp({lo}, {hi}) in the activation is not a clamped SwiGLU's")
-    if len(upper) != 1 or len(sym) != 1 or not math.isclose(upper[0][1], sym[0][1]):
-        raise Reject(f"{who}: clamps {[(c.name, v) for c, v in upper + sym]} are not one gate clamp(max=L) and "
-                     "one up clamp(-L, L)")
-    (cu, limit), (cs, _) = upper[0], sym[0]
-    act_in = [n for n in between if op_name(n) in _ACT_OPS and _fx.strip_views_casts(arg(n, 0)) is cu]
+    limits = [v for _, v in upper + sym]
+    if not upper or len(upper) != len(sym) or not all(math.isclose(v, limits[0]) for v in limits):
+        raise Reject(f"{who}: clamps {sorted((c.name, v) for c, v in upper + sym)} are not one gate clamp(max=L) and "
+                     "one up clamp(-L, L) (per expert)")
+    if _clamp_forms(clamps, between) not in ({"before"}, {"after"}):
+        raise Reject(f"{who}: clamped gate / up do not feed act(gate) * up (nor act(gate).clamp(max={limits[0]:g}) * "
+                     "up)")
+    return limits[0]
+
+
+def _clamp_is_after(clamps, between: set) -> bool:
+    """Do the clamps (``_clamp_limit``'s, checked) clamp the activation's output rather than the gate before it?"""
+    return _clamp_forms(clamps, between) == {"after"}
+
+
+def _clamp_forms(clamps, between: set) -> set:
+    """The form (``_clamp_form``) of each gate clamp(max=L) among ``clamps``."""
+    syms = {c for c in clamps if op_name(c) == "clamp" and arg(c, 1, "min") is not None}
+    return {_clamp_form(c, syms, between) for c in clamps if c not in syms}
+
+
+def _clamp_form(cu: fx.Node, syms: set, between: set) -> str | None:
+    """"before" when an activation (or x * sigmoid(x)'s sigmoid) reads the gate clamp ``cu`` and a product reads an
+    up clamp (one of ``syms``); "after" when ``cu`` clamps an activation's output and one product reads ``cu`` and an
+    up clamp; else None."""
     up_in = [n for n in between if op_name(n) == "mul" and any(
-        _fx.strip_views_casts(a) is cs for a in (arg(n, 0), arg(n, 1)))]
-    if len(act_in) == 1 and up_in:
-        return limit, False
+        _fx.strip_views_casts(a) in syms for a in (arg(n, 0), arg(n, 1)))]
+    if up_in and any(op_name(n) in _ACT_OPS + ("sigmoid",) and _fx.strip_views_casts(arg(n, 0)) is cu
+                     for n in between):
+        return "before"
     if _is_act_output(_fx.strip_views_casts(arg(cu, 0)), between) and any(
-            {_fx.strip_views_casts(arg(n, 0)), _fx.strip_views_casts(arg(n, 1))} == {cu, cs} for n in up_in):
-        return limit, True  # the activation's output clamped, times the clamped up
-    raise Reject(f"{who}: clamped gate / up do not feed act(gate) * up (nor act(gate).clamp(max={limit:g}) * up)")
+            cu in {_fx.strip_views_casts(arg(n, 0)), _fx.strip_views_casts(arg(n, 1))} for n in up_in):
+        return "after"
+    return None
+
+
+def _scaled_sigmoid(ctx: Context, between: set) -> bool:
+    """Does a sigmoid between the GEMMs read a value times a readable constant (swiglu_oai's sigmoid(alpha * g),
+    not silu's x * sigmoid(x))?"""
+    for n in between:
+        m = arg(n, 0) if op_name(n) == "sigmoid" else None
+        if isinstance(m, fx.Node) and op_name(m) == "mul" and any(
+                _fx.scalar_value(o, ctx.values) is not None for o in (arg(m, 0), arg(m, 1))):
+            return True
+    return False
 
 
 _ACT_OPS = ("silu", "gelu", "relu")
