@@ -14,7 +14,8 @@ The router's own input (``spec.router_input`` / ``router_norm`` / ``router_in_sc
 :func:`router_input`; per-expert weight multipliers (``spec.expert_scale``): :func:`expert_scaled`, in :func:`route`.
 Router logit scale (``spec.router_scale``): in :func:`router_logits`. Norms (``spec.latent_norm`` on the latent
 input, ``spec.expert_norm`` on each pair's expert output, ``shared.norm`` on the shared one): :func:`rms_norm`. (These
-steps live in ``reference_steps.py``, re-exported here.)
+steps live in ``reference_steps.py``, the experts' activations (:func:`gated_activation`, :func:`spec_gated`) in
+``reference_activations.py``; both re-exported here.)
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from . import quant as q8
+from .reference_activations import (  # noqa: F401  (re-exported: reference.gated_activation, ...)
+    activation, gated_activation, softcap, spec_gated)
 from .reference_steps import (  # noqa: F401  (re-exported: reference.rms_norm, ... as before the split)
     expert_scaled, latent_in, latent_out, rms_norm, router_input, router_logits)
 from .spec import MoESpec
@@ -312,49 +315,6 @@ def near_tie_tokens(x2: torch.Tensor, router_w, router_b, correction_bias, spec:
     if spec.score_order == "sparsemixer":  # the gap moves by 2d, its threshold 2 eps max(|s|, m) by 2 eps d
         near |= sparsemixer_contested(logits, spec, gap=(2 + 2 * spec.jitter_eps) * d)
     return near
-
-
-def activation(h: torch.Tensor, spec_activation: str, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
-    if spec_activation == "silu":
-        return F.silu(h)
-    if spec_activation == "gelu":
-        return F.gelu(h)
-    if spec_activation == "gelu_tanh":
-        return F.gelu(h, approximate="tanh")
-    if spec_activation == "relu":
-        return F.relu(h)
-    if spec_activation == "relu2":
-        return torch.square(F.relu(h))
-    raise ValueError(f"not an elementwise activation: {spec_activation}")
-
-
-def softcap(v: torch.Tensor, cap: float) -> torch.Tensor:
-    """cap * tanh(v / cap); v itself for cap 0 (no cap)."""
-    return v if not cap else torch.tanh(v / cap) * cap
-
-
-def gated_activation(gate, up, activation_name: str, alpha: float, limit: float, clamp: bool,
-                     gate_softcap: float = 0.0, up_softcap: float = 0.0) -> torch.Tensor:
-    """act(gate) * up, with the clamps of clamped SwiGLU (``clamp``) or gpt-oss's ``swiglu_oai``; with softcaps
-    (gated silu): softcap(gate, gate_softcap) * sigmoid(gate) * softcap(up, up_softcap), the sigmoid on the raw gate."""
-    if gate_softcap or up_softcap:
-        if activation_name != "silu" or clamp:
-            raise ValueError(f"softcaps apply to an unclamped gated silu, not {activation_name!r} (clamp={clamp})")
-        return softcap(gate, gate_softcap) * torch.sigmoid(gate) * softcap(up, up_softcap)
-    if activation_name == "swiglu_oai":
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-    if clamp:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    return activation(gate, activation_name) * up
-
-
-def spec_gated(gate: torch.Tensor, up: torch.Tensor, s) -> torch.Tensor:
-    """``gated_activation`` as ``s`` (a MoESpec or a SharedExpertSpec) says."""
-    return gated_activation(gate, up, s.activation, s.activation_alpha, s.activation_limit, s.activation_clamp,
-                            s.gate_softcap, s.up_softcap)
 
 
 def _expert_in(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, layout: str) -> torch.Tensor:

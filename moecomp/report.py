@@ -61,6 +61,8 @@ def expert_style(spec: MoESpec) -> str:
         a = f"{a}·up"
     if spec.activation_clamp:
         a = f"clamp{spec.activation_limit:g} {a}"
+    if spec.activation_clamp_after:
+        a = f"act-clamp{spec.activation_limit:g} {a}"
     if spec.gate_softcap or spec.up_softcap:
         a = f"softcap(g {spec.gate_softcap:g}, up {spec.up_softcap:g}) {a}"
     if spec.gate_up == "interleaved":

@@ -23,6 +23,8 @@ What a block computes, in terms of the spec (T tokens, H hidden, E experts, k = 
        whatever top_k says; other k generalise the rounds as written)
     per pair : h = act(g) * u, g = x @ w1_e.T, u = x @ w3_e.T  (gated) | act(x @ w13_e.T) (not gated)
                activation_clamp: g = min(g, limit), u = clamp(u, -limit, limit) first (DeepSeek-V4 style)
+               activation_clamp_after: h = min(act(g), limit) * clamp(u, -limit, limit), the activation's output
+                 clamped (upper only), not its input (Step-3.7-Flash's limit_after_act)
                swiglu_oai: (clamp(u) + 1) * g * sigmoid(alpha * g), g = min(g, limit) (gpt-oss)
                softcaps (gate_softcap = cg, up_softcap = cu; 0: that factor uncapped; gated silu only):
                  h = cap(g, cg) * sigmoid(g) * cap(u, cu),  cap(v, c) = c * tanh(v / c)
@@ -222,8 +224,9 @@ class SharedExpertSpec:
     ``layout`` "separate": ``shared_w1`` = gate_proj [Is, H], ``shared_w3`` = up_proj [Is, H];
     "concat": ``shared_w1`` = [2*Is, H] (gate rows first) and no ``shared_w3``; not ``gated``: ``shared_w3`` only.
     ``gate`` "sigmoid": the output is scaled by sigmoid(x @ shared_gate_w.T) (Qwen2-MoE), "none": added as is.
-    ``activation`` / ``activation_alpha`` / ``activation_limit`` / ``activation_clamp`` mean what they mean for the
-    routed experts (``MoESpec``): a gpt-oss style shared expert is ``activation="swiglu_oai"``.
+    ``activation`` / ``activation_alpha`` / ``activation_limit`` / ``activation_clamp`` / ``activation_clamp_after``
+    mean what they mean for the routed experts (``MoESpec``): a gpt-oss style shared expert is
+    ``activation="swiglu_oai"``.
     ``scale``: the shared experts' output is multiplied by it before it is added (Cohere2-MoE's "average" strategy,
     ``(routed + shared) / 2``, is ``scale=0.5`` with ``routed_scaling_factor=0.5``).
     """
@@ -236,6 +239,7 @@ class SharedExpertSpec:
     activation_alpha: float = 1.702  # swiglu_oai only
     activation_limit: float = 7.0  # swiglu_oai, or with activation_clamp
     activation_clamp: bool = False
+    activation_clamp_after: bool = False  # min(act(gate), limit) * clamp(up, -limit, limit) (MoESpec)
     scale: float = 1.0
     quant: QuantSpec | None = None  # quantized shared-expert weights (layout "separate" or ungated)
     gate_softcap: float = 0.0  # gated silu: its linear gate factor capped, cg * tanh(g / cg) (MoESpec); 0: none
@@ -284,7 +288,7 @@ class SharedExpertSpec:
             raise SpecError(f"shared expert intermediate_size must be positive, got {self.intermediate_size}")
         if self.activation not in ACTIVATIONS:
             raise SpecError(f"unsupported shared-expert activation {self.activation!r}")
-        _check_activation(self.activation, self.gated, self.activation_clamp, self.activation_limit, "shared expert ")
+        _check_activation(self, "shared expert ")
         _check_softcaps(self, "shared expert ")
         if self.layout not in ("separate", "concat"):
             raise SpecError(f"unknown shared-expert layout {self.layout!r}")
@@ -334,6 +338,7 @@ class MoESpec:
     activation_alpha: float = 1.702  # swiglu_oai only
     activation_limit: float = 7.0  # swiglu_oai, or with activation_clamp
     activation_clamp: bool = False  # gated: gate clamped to <= limit, up to [-limit, limit] before act(gate) * up
+    activation_clamp_after: bool = False  # gated: min(act(gate), limit) * clamp(up, -limit, limit) (Step-3.7)
     w_layout: str = "out_in"  # w13 [E, 2I, H] / w2 [E, H, I] ("out_in"), or [E, H, 2I] / [E, I, H] ("in_out")
     gate_up: str = "concat"  # gate rows then up rows, or interleaved gate0, up0, gate1, ...
     has_expert_bias: bool = False  # the routed experts' GEMMs add biases: b13 [E, 2I or I] and / or b2 [E, H]

@@ -146,7 +146,7 @@ def validate_moe(spec: MoESpec) -> None:
     if spec.score_order == "topk_then_score" and spec.scoring not in ("softmax", "sigmoid"):
         raise SpecError("score_order 'topk_then_score' is defined for softmax and sigmoid only")
     _check_sparsemixer(spec)
-    _check_activation(spec.activation, spec.gated, spec.activation_clamp, spec.activation_limit, "")
+    _check_activation(spec, "")
     _check_softcaps(spec, "")
     if spec.bias_on_logits and not spec.has_correction_bias:
         raise SpecError("bias_on_logits needs a correction bias (has_correction_bias)")
@@ -357,23 +357,36 @@ def check_shared_norm(sh) -> None:
                         "known to have both)")
 
 
-def _check_activation(activation: str, gated: bool, clamp: bool, limit: float, who: str) -> None:
+def _check_activation(s, who: str) -> None:
+    """The activation fields of a MoESpec or SharedExpertSpec: swiglu_oai gated; at most one of the clamps
+    (``activation_clamp`` before the activation, ``activation_clamp_after`` after it), on a gated act(gate) * up; a
+    positive limit wherever one is used."""
+    activation, gated, clamp, after, limit = (s.activation, s.gated, s.activation_clamp, s.activation_clamp_after,
+                                              s.activation_limit)
     if activation == "swiglu_oai" and not gated:
         raise SpecError(f"{who}activation 'swiglu_oai' needs gated experts")
-    if clamp and (not gated or activation == "swiglu_oai"):
-        raise SpecError(f"{who}activation_clamp is for gated act(gate) * up experts (swiglu_oai clamps anyway)")
-    if (clamp or activation == "swiglu_oai") and not limit > 0:
+    if not isinstance(after, bool):
+        raise SpecError(f"{who}activation_clamp_after must be a bool, got {after!r}")
+    for name, on in (("activation_clamp", clamp), ("activation_clamp_after", after)):
+        if on and (not gated or activation == "swiglu_oai"):
+            raise SpecError(f"{who}{name} is for gated act(gate) * up experts (swiglu_oai clamps anyway)")
+    if clamp and after:
+        raise SpecError(f"{who}activation_clamp (the gate clamped before its activation) and activation_clamp_after "
+                        "(the activation's output clamped) exclude each other")
+    if (clamp or after or activation == "swiglu_oai") and not limit > 0:
         raise SpecError(f"{who}activation_limit must be positive, got {limit}")
 
 
 def _check_softcaps(s, who: str) -> None:
     """``gate_softcap`` / ``up_softcap`` (MoESpec or SharedExpertSpec): finite floats >= 0 (0: none), for gated silu
-    without activation_clamp (h = cap(g, cg) * sigmoid(g) * cap(u, cu); the spec docstring)."""
+    without clamps (h = cap(g, cg) * sigmoid(g) * cap(u, cu); the spec docstring)."""
     caps = (("gate_softcap", s.gate_softcap), ("up_softcap", s.up_softcap))
     for name, c in caps:
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
             raise SpecError(f"{who}{name} must be a finite float >= 0 (0: no cap), got {c!r}")
-    if any(c for _, c in caps) and (not s.gated or s.activation != "silu" or s.activation_clamp):
+    clamped = s.activation_clamp or s.activation_clamp_after
+    if any(c for _, c in caps) and (not s.gated or s.activation != "silu" or clamped):
         raise SpecError(f"{who}gate_softcap / up_softcap cap a gated silu's linear gate factor and up: they need "
-                        f"gated experts with activation 'silu' and no activation_clamp (got activation="
-                        f"{s.activation!r}, gated={s.gated}, activation_clamp={s.activation_clamp})")
+                        f"gated experts with activation 'silu' and no activation_clamp / activation_clamp_after (got "
+                        f"activation={s.activation!r}, gated={s.gated}, activation_clamp={s.activation_clamp}, "
+                        f"activation_clamp_after={s.activation_clamp_after})")

@@ -61,6 +61,8 @@ def describe(spec) -> str:
         act = f"{fmt} {lay}{' ue8m0' if q.scale_dtype == 'ue8m0' else ''} a:{q.activation} " + act
     if spec.activation_clamp:
         act = f"clamp{spec.activation_limit:g} " + act
+    if spec.activation_clamp_after:
+        act = f"act-clamp{spec.activation_limit:g} " + act
     if spec.gate_softcap or spec.up_softcap:
         act = f"softcap g{spec.gate_softcap:g}/u{spec.up_softcap:g} " + act
     par = "" if spec.parallel is None else f" ({spec.parallel.describe()})"

@@ -9,6 +9,8 @@ states rarely do). Probe inputs and tolerances: :mod:`moecomp.policy`.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,13 +53,40 @@ def probe_activation(fn) -> str | None:
 
 
 def _gate_ref(h: torch.Tensor, activation: str, gate_up: str, alpha: float, limit: float,
-              clamp: bool = False, gate_softcap: float = 0.0, up_softcap: float = 0.0) -> torch.Tensor:
+              clamp: bool = False, gate_softcap: float = 0.0, up_softcap: float = 0.0,
+              clamp_after: bool = False) -> torch.Tensor:
     I = h.shape[-1] // 2
     if gate_up == "concat":
         gate, up = h[..., :I], h[..., I:]
     else:
         gate, up = h[..., 0::2], h[..., 1::2]
-    return reference.gated_activation(gate, up, activation, alpha, limit, clamp, gate_softcap, up_softcap)
+    return reference.gated_activation(gate, up, activation, alpha, limit, clamp, gate_softcap, up_softcap,
+                                      clamp_after)
+
+
+class GateReading(NamedTuple):
+    """What a gate function computes, as spec fields (``probe_gate``)."""
+    activation: str
+    gate_up: str
+    alpha: float
+    limit: float
+    clamp: bool  # activation_clamp: the gate clamped before its activation
+    gate_softcap: float = 0.0
+    up_softcap: float = 0.0
+    clamp_after: bool = False  # activation_clamp_after: the activation's output clamped
+
+
+class MlpReading(NamedTuple):
+    """What a dense MLP module computes, as spec fields (``probe_mlp``)."""
+    activation: str
+    clamp: bool
+    alpha: float
+    limit: float
+    clamp_after: bool = False
+
+
+# the clamp forms a gated activation is tried with once a limit is read: (activation_clamp, activation_clamp_after)
+_CLAMPED = ((True, False), (False, True))
 
 
 def _limits(objs) -> tuple[float | None, float | None]:
@@ -77,15 +106,14 @@ def _limits(objs) -> tuple[float | None, float | None]:
     return alpha, limit
 
 
-def probe_gate(experts: nn.Module,
-               concat_hint: bool | None) -> tuple[str, str, float, float, bool, float, float] | None:
-    """(activation, gate_up, alpha, limit, clamp, gate_softcap, up_softcap) that ``experts._apply_gate`` computes,
-    or None.
+def probe_gate(experts: nn.Module, concat_hint: bool | None) -> GateReading | None:
+    """What ``experts._apply_gate`` computes (a ``GateReading``), or None.
 
     Checked on gate / up values spread over about +-20, so that clamps at 7-10 are reached: plain act(gate) * up,
-    clamped SwiGLU (``clamp``: gate <= limit, |up| <= limit; limit from ``limit`` / ``swiglu_limit``) and gpt-oss's
-    ``swiglu_oai`` (alpha, limit) are told apart. Failing those, a softcapped silu: its caps fitted from the
-    function's values (``softcap_probe``), then checked on the same wide probe.
+    the clamped SwiGLUs (``clamp``: gate <= limit before the activation; ``clamp_after``: the activation's output
+    <= limit; |up| <= limit with either; limit from ``limit`` / ``swiglu_limit``) and gpt-oss's ``swiglu_oai``
+    (alpha, limit) are told apart. Failing those, a softcapped silu: its caps fitted from the function's values
+    (``softcap_probe``), then checked on the same wide probe.
     """
     fn = getattr(experts, "_apply_gate", None)
     if fn is None:
@@ -100,36 +128,48 @@ def probe_gate(experts: nn.Module,
         return None
     alpha, limit = _limits([experts])
     layouts = ["concat", "interleaved"] if concat_hint in (None, True) else ["interleaved", "concat"]
-    cands = [(a, False) for a in _ELEMENTWISE]
+    cands = [(a, False, False) for a in _ELEMENTWISE]
     if limit is not None:
-        cands += [(a, True) for a in _ELEMENTWISE]
+        cands += [(a, *c) for c in _CLAMPED for a in _ELEMENTWISE]
         if alpha is not None:
-            cands.insert(0, ("swiglu_oai", False))
+            cands.insert(0, ("swiglu_oai", False, False))
     a0, l0 = float(alpha if alpha is not None else 1.702), float(limit if limit is not None else 7.0)
     for lay in layouts:
-        for act, clamp in cands:
-            ref = _gate_ref(h, act, lay, a0, l0, clamp)
+        for act, clamp, after in cands:
+            ref = _gate_ref(h, act, lay, a0, l0, clamp, clamp_after=after)
             if torch.allclose(y.float(), ref, rtol=policy.ACT_MATCH_RTOL, atol=policy.ACT_MATCH_ATOL):
-                return (act, lay, *_canonical(act, clamp, a0, l0), clamp, 0.0, 0.0)
+                return GateReading(act, lay, *_canonical(act, clamp or after, a0, l0), clamp, clamp_after=after)
     caps = softcap_probe.fit_softcaps(fn)
     if caps is None or not any(caps):
         return None
     for lay in layouts:
         ref = _gate_ref(h, "silu", lay, 1.702, 7.0, False, *caps)
         if torch.allclose(y.float(), ref, rtol=policy.ACT_MATCH_RTOL, atol=policy.ACT_MATCH_ATOL):
-            return ("silu", lay, 1.702, 7.0, False, *caps)
+            return GateReading("silu", lay, 1.702, 7.0, False, *caps)
     return None
 
 
 def _canonical(act: str, clamp: bool, alpha: float, limit: float) -> tuple[float, float]:
-    """(alpha, limit) as the spec stores them: the defaults unless the activation uses them."""
+    """(alpha, limit) as the spec stores them: the defaults unless the activation uses them (``clamp``: either
+    clamp)."""
     return (alpha if act == "swiglu_oai" else 1.702), (limit if (clamp or act == "swiglu_oai") else 7.0)
 
 
+# gated forms the spec lacks, near the ones it has, named for the report: (what, act(g) * u from (act, g, u, L))
+_UNKNOWN_GATES = (
+    ("the activation's output clamped, min({act}(gate), {L}), but up not clamped (activation_clamp_after clamps up "
+     "to +-{L} too)", lambda a, g, u, L: _act_ref(a, g).clamp(max=L) * u),
+    ("the gate clamped before its activation, {act}(min(gate, {L})), but up not clamped (activation_clamp clamps up "
+     "to +-{L} too)", lambda a, g, u, L: _act_ref(a, g.clamp(max=L)) * u),
+    ("only up clamped, {act}(gate) * clamp(up, +-{L}) (the spec's clamps bound the gate side too)",
+     lambda a, g, u, L: _act_ref(a, g) * u.clamp(-L, L)),
+)
+
+
 def describe_unknown_gate(experts: nn.Module) -> str:
-    """Name a gate the spec lacks, when it is a known variant (for the report)."""
-    limit = read_attr([experts, getattr(experts, "config", None)], ("limit", "swiglu_limit"), (int, float))
-    if limit is None:
+    """Name a gate the spec lacks, when it is a known near variant of one it has (for the report)."""
+    limit = read_attr([experts, getattr(experts, "config", None)], names.LIMIT_NAMES, (int, float))
+    if limit is None or isinstance(limit, bool) or not limit > 0:
         return ""
     h = policy.gate_probe_input()
     half = h.shape[1] // 2
@@ -138,18 +178,15 @@ def describe_unknown_gate(experts: nn.Module) -> str:
     except Exception as e:
         raise_if_oom(e)
         return ""
+    if not isinstance(y, torch.Tensor) or y.shape != (h.shape[0], half):
+        return ""
     for lay in ("concat", "interleaved"):
         gate, up = (h[:, :half], h[:, half:]) if lay == "concat" else (h[:, 0::2], h[:, 1::2])
         for act in ("silu", "gelu"):
-            ref = _act_ref(act, gate.clamp(max=limit)) * up.clamp(-limit, limit)
-            if isinstance(y, torch.Tensor) and y.shape == ref.shape and torch.allclose(
-                    y, ref, rtol=policy.ACT_MATCH_RTOL, atol=policy.ACT_MATCH_ATOL):
-                return f"clamped SwiGLU {act}(min(gate, {limit:g})) * clamp(up, +-{limit:g}) (no MoESpec field for it)"
-            ref = _act_ref(act, gate).clamp(max=limit) * up.clamp(-limit, limit)  # Step-3.7's limit_after_act
-            if isinstance(y, torch.Tensor) and y.shape == ref.shape and torch.allclose(
-                    y, ref, rtol=policy.ACT_MATCH_RTOL, atol=policy.ACT_MATCH_ATOL):
-                return (f"the gate clamped after its activation, min({act}(gate), {limit:g}) * clamp(up, +-{limit:g}); "
-                        "the spec's clamped SwiGLU (activation_clamp) clamps the gate before it")
+            for what, fn in _UNKNOWN_GATES:
+                if torch.allclose(y.float(), fn(act, gate, up, float(limit)), rtol=policy.ACT_MATCH_RTOL,
+                                  atol=policy.ACT_MATCH_ATOL):
+                    return what.format(act=act, L=f"{limit:g}") + " (no MoESpec field for it)"
     return ""
 
 
@@ -174,7 +211,7 @@ def _mlp_quantized(block: nn.Module, mp: MLPParts) -> bool:
 
 
 def _mlp_ref(block: nn.Module, mp: MLPParts, x: torch.Tensor, act: str, clamp: bool, alpha: float,
-             limit: float, caps: tuple[float, float] = (0.0, 0.0)) -> torch.Tensor:
+             limit: float, caps: tuple[float, float] = (0.0, 0.0), clamp_after: bool = False) -> torch.Tensor:
     def lin(h, p, bp):
         qw = _quantized(block, p)
         b = None if bp is None else get_path(block, bp).detach().float()
@@ -188,7 +225,7 @@ def _mlp_ref(block: nn.Module, mp: MLPParts, x: torch.Tensor, act: str, clamp: b
             gate, up = lin(x, mp.gate, mp.gate_bias).chunk(2, dim=-1)
         else:
             gate, up = lin(x, mp.gate, mp.gate_bias), lin(x, mp.up, mp.up_bias)
-        h = reference.gated_activation(gate, up, act, alpha, limit, clamp, *caps)
+        h = reference.gated_activation(gate, up, act, alpha, limit, clamp, *caps, clamp_after)
     else:
         h = reference.activation(lin(x, mp.up, mp.up_bias), act)
     return lin(h, mp.down, mp.down_bias)
@@ -206,13 +243,14 @@ def _mlp_probe_input(block: nn.Module, mp: MLPParts):
     return x.to(device=W.device, dtype=torch.float32 if fp8.is_fp8(W) else W.dtype)
 
 
-def probe_mlp(block: nn.Module, mp: MLPParts, first: str | None = None) -> tuple[str, bool, float, float] | None:
-    """(activation, clamp, alpha, limit) that the dense MLP module at ``mp`` computes, measured by calling it.
+def probe_mlp(block: nn.Module, mp: MLPParts, first: str | None = None) -> MlpReading | None:
+    """What the dense MLP module at ``mp`` computes (an ``MlpReading``), measured by calling it.
 
-    Candidates: every elementwise activation the spec knows, the same with the clamped-SwiGLU clamps (gated, limit
-    read from the module), and gpt-oss's ``swiglu_oai`` (gated, alpha / limit read from the module); the closest one
-    within the tolerance is taken (``first``, the activation its ``act_fn`` probes as, on a tie). None when nothing
-    matches or the module cannot run.
+    Candidates: every elementwise activation the spec knows, the same with either clamped-SwiGLU form (gated, limit
+    read from the module: the gate clamped before the activation, or the activation's output clamped after it), and
+    gpt-oss's ``swiglu_oai`` (gated, alpha / limit read from the module); the closest one within the tolerance is
+    taken (``first``, the activation its ``act_fn`` probes as, on a tie). None when nothing matches or the module
+    cannot run.
     """
     mod = get_path(block, mp.path)
     if any(p.device.type == "meta" for p in mod.parameters()):
@@ -230,18 +268,22 @@ def probe_mlp(block: nn.Module, mp: MLPParts, first: str | None = None) -> tuple
     alpha, limit = _limits([mod])
     a0, l0 = float(alpha if alpha is not None else 1.702), float(limit if limit is not None else 7.0)
     acts = list(dict.fromkeys(([first] if first else []) + list(_ELEMENTWISE)))
-    cands = [(a, False) for a in acts]
+    cands = [(a, False, False) for a in acts]
     if mp.gated and limit is not None:
-        cands += [(a, True) for a in acts] + ([("swiglu_oai", False)] if alpha is not None else [])
+        cands += [(a, *c) for c in _CLAMPED for a in acts] + (
+            [("swiglu_oai", False, False)] if alpha is not None else [])
     tol = policy.mlp_match_tolerance(x.dtype, _mlp_quantized(block, mp))
     xf = x.float()
     best = None  # the closest within the tolerance: in 16-bit, silu can pass for relu within it
-    for act, clamp in cands:
-        ref = _mlp_ref(block, mp, xf, act, clamp, a0, l0)
+    for act, clamp, after in cands:
+        ref = _mlp_ref(block, mp, xf, act, clamp, a0, l0, clamp_after=after)
         err = float((y - ref).abs().max()) / max(float(ref.abs().max()), 1e-30)
         if err <= tol and (best is None or err < best[0]):
-            best = (err, act, clamp)
-    return None if best is None else (best[1], best[2], *_canonical(best[1], best[2], a0, l0))
+            best = (err, act, clamp, after)
+    if best is None:
+        return None
+    _, act, clamp, after = best
+    return MlpReading(act, clamp, *_canonical(act, clamp or after, a0, l0), clamp_after=after)
 
 
 def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> str | None:
@@ -262,10 +304,10 @@ def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> s
             y = None
         if isinstance(y, torch.Tensor) and y.shape == (h.shape[0], h.shape[1] // 2):
             ref = _gate_ref(h, spec.activation, spec.gate_up, spec.activation_alpha, spec.activation_limit,
-                            spec.activation_clamp, spec.gate_softcap, spec.up_softcap)
+                            spec.activation_clamp, spec.gate_softcap, spec.up_softcap, spec.activation_clamp_after)
             if not torch.allclose(y.float(), ref, rtol=policy.ACT_MATCH_RTOL, atol=policy.ACT_MATCH_ATOL):
                 return (f"{type(experts).__name__}._apply_gate differs from the spec's "
-                        f"{'clamped ' if spec.activation_clamp else ''}{spec.activation}/{spec.gate_up} gate on "
+                        f"{_clamped(spec)}{spec.activation}/{spec.gate_up} gate on "
                         f"inputs up to +-20 (clamped or other variant)")
     if parts.kind == "fused" and not spec.gated:
         fn = getattr(experts, "act_fn", None)
@@ -282,13 +324,10 @@ def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> s
                     return f"experts.act_fn ({type(fn).__name__}) differs from {spec.activation} on [-12, 12]"
     mlps = []
     if parts.kind == "modulelist" and spec.activation != "swiglu_oai":
-        mlps.append((parts.expert_mlps[0], spec.activation, spec.activation_clamp, spec.activation_alpha,
-                     spec.activation_limit, (spec.gate_softcap, spec.up_softcap), "expert 0"))
+        mlps.append((parts.expert_mlps[0], spec, "expert 0"))
     if parts.shared is not None and spec.shared is not None:
-        sh = spec.shared
-        mlps.append((parts.shared, sh.activation, sh.activation_clamp, sh.activation_alpha, sh.activation_limit,
-                     (sh.gate_softcap, sh.up_softcap), "shared expert"))
-    for mp, act, clamp, alpha, limit, caps, where in mlps:
+        mlps.append((parts.shared, spec.shared, "shared expert"))
+    for mp, s, where in mlps:
         mod = get_path(block, mp.path)
         if any(p.device.type == "meta" for p in mod.parameters()) or getattr(mp, "stacked", 0):
             continue  # (stacked shared experts take their gammas as an argument: the block-level check covers them)
@@ -301,11 +340,18 @@ def activation_mismatch(block: nn.Module, parts: BlockParts, spec: MoESpec) -> s
             continue
         if not isinstance(y, torch.Tensor) or y.shape != x.shape:
             continue
-        ref = _mlp_ref(block, mp, x.float(), act, clamp, alpha, limit, caps)
+        caps = (s.gate_softcap, s.up_softcap)
+        ref = _mlp_ref(block, mp, x.float(), s.activation, s.activation_clamp, s.activation_alpha, s.activation_limit,
+                       caps, s.activation_clamp_after)
         tol = policy.mlp_match_tolerance(x.dtype, _mlp_quantized(block, mp))
         err = float((y.float() - ref).abs().max()) / max(float(ref.abs().max()), 1e-30)
         if not err <= tol:
-            return (f"{where} ({type(mod).__name__}) differs from the spec's {'clamped ' if clamp else ''}"
-                    f"{'softcapped ' if any(caps) else ''}{act} on "
+            return (f"{where} ({type(mod).__name__}) differs from the spec's {_clamped(s)}"
+                    f"{'softcapped ' if any(caps) else ''}{s.activation} on "
                     f"inputs whose pre-activations reach +-25 (rel. err {err:.1e})")
     return None
+
+
+def _clamped(s) -> str:
+    """'clamped ' / 'clamped-after-activation ' / '' for a MoESpec or SharedExpertSpec (messages)."""
+    return "clamped " if s.activation_clamp else "clamped-after-activation " if s.activation_clamp_after else ""

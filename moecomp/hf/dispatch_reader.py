@@ -92,7 +92,7 @@ def _mlp_by_shapes(mod: nn.Module, path: str, H: int) -> list[MLPParts]:
 
 
 def read_experts(block: nn.Module, parts: BlockParts) -> tuple[list[MLPParts], tuple]:
-    """Each expert as a dense MLP and the activation they compute, (act, clamp, alpha, limit); DispatchError when
+    """Each expert as a dense MLP and the activation they compute (``activations.MlpReading``); DispatchError when
     they are not alike dense MLPs of an activation the spec knows."""
     mods = _expert_modules(block, parts)
     cands = _mlp_by_shapes(mods[0][1], mods[0][0], parts.hidden_size)
@@ -364,7 +364,7 @@ def _capacity(obs1: Observed, obs2: Observed, r: _Router, spec: MoESpec, caps1: 
 
 # ---------------------------------------------------------------------------------------------------- recognise
 def _read(block: nn.Module, parts: BlockParts, dtype) -> Match:
-    mlps, (act, clamp, alpha, limit) = read_experts(block, parts)
+    mlps, (act, clamp, alpha, limit, after) = read_experts(block, parts)
     experts = [get_path(block, m.path) for m in mlps]
     W = get_path(block, parts.router_weight)
     r = _Router(W, get_path(block, parts.router_bias) if parts.router_bias else None,
@@ -373,6 +373,7 @@ def _read(block: nn.Module, parts: BlockParts, dtype) -> Match:
     base = MoESpec(num_experts=parts.num_experts, top_k=1, hidden_size=parts.hidden_size,
                    intermediate_size=m0.intermediate_size, activation=act, gated=m0.gated,
                    activation_clamp=clamp, activation_alpha=alpha, activation_limit=limit,
+                   activation_clamp_after=after,
                    has_router_bias=r.b is not None,
                    **expert_bias_fields((m0.gate_bias if m0.gated else m0.up_bias) is not None,
                                         m0.down_bias is not None),

@@ -115,12 +115,13 @@ def experts_spec(m: torch.nn.Module, top_k: int, verify: bool = True) -> MoESpec
         I = w2.shape[2]
     if N != (2 * I if has_gate else I):
         raise Unsupported(f"weight shapes {tuple(w13.shape)} / {tuple(w2.shape)} do not fit")
-    alpha, limit, gate_up, clamp, caps = 1.702, 7.0, "concat", False, (0.0, 0.0)
+    alpha, limit, gate_up, clamp, caps, after = 1.702, 7.0, "concat", False, (0.0, 0.0), False
     if has_gate:
         r = probe_gate(m, getattr(m, "is_concatenated", True))
         if r is None:
             raise Unsupported(f"{type(m).__name__}._apply_gate is not a gate the spec knows")
-        act, gate_up, alpha, limit, clamp, *caps = r
+        act, gate_up, alpha, limit, clamp = r[:5]
+        caps, after = (r.gate_softcap, r.up_softcap), r.clamp_after
     else:
         act = probe_activation(getattr(m, "act_fn", None))
         if act is None:
@@ -131,7 +132,7 @@ def experts_spec(m: torch.nn.Module, top_k: int, verify: bool = True) -> MoESpec
                        gated=has_gate, activation_alpha=alpha, activation_limit=limit, activation_clamp=clamp,
                        w_layout="in_out" if transposed else "out_in", gate_up=gate_up,
                        quant=None if ex is None else ex.quant, **expert_bias_fields(b13 is not None, b2 is not None),
-                       gate_softcap=caps[0], up_softcap=caps[1])
+                       gate_softcap=caps[0], up_softcap=caps[1], activation_clamp_after=after)
     except SpecError as e:
         raise Unsupported(str(e), RejectCode.SPEC_INVALID) from None
     if verify and w13.device.type != "meta":

@@ -224,14 +224,14 @@ def _shared_spec(block: nn.Module, parts: BlockParts, sources) -> tuple[SharedEx
         raise FallbackError(f"shared expert {sp.path!r} has biases (the op has no shared-expert biases)")
     mod = get_path(block, sp.path)
     act, how = _mlp_activation(mod, sources)
-    clamp, alpha, limit = False, 1.702, 7.0
+    clamp, alpha, limit, after = False, 1.702, 7.0, False
     if not any(p.device.type == "meta" for p in mod.parameters()):
         r = probe_mlp(block, sp, act)
         if r is None:
             raise FallbackError(f"shared expert {type(mod).__name__} computes no activation the spec knows (called "
                                 f"on a probe: {how})")
-        act, clamp, alpha, limit = r
-        how = f"measured {act}" + (f" clamped at {limit:g}" if clamp else "") + (
+        act, clamp, alpha, limit, after = r
+        how = f"measured {act}" + _clamp_note(clamp, after, limit) + (
             f" (alpha {alpha:g}, limit {limit:g})" if act == "swiglu_oai" else "")
     elif act is None:
         raise FallbackError(f"shared expert activation not supported ({how})")
@@ -243,8 +243,8 @@ def _shared_spec(block: nn.Module, parts: BlockParts, sources) -> tuple[SharedEx
             intermediate_size=sp.intermediate_size, activation=act, gated=sp.gated,
             layout="concat" if sp.concat else "separate", gate="sigmoid" if parts.shared_gate else "none",
             activation_alpha=alpha if act == "swiglu_oai" else 1.702,
-            activation_limit=limit if (clamp or act == "swiglu_oai") else 7.0, activation_clamp=clamp,
-            scale=0.5 if combine == "average" else 1.0,  # the routed half is fitted by the verify stage
+            activation_limit=limit if (clamp or after or act == "swiglu_oai") else 7.0, activation_clamp=clamp,
+            activation_clamp_after=after, scale=0.5 if combine == "average" else 1.0,  # the routed half is fitted by the verify stage
         )
     except SpecError as e:
         raise FallbackError(f"shared expert: {e}") from None
@@ -252,8 +252,14 @@ def _shared_spec(block: nn.Module, parts: BlockParts, sources) -> tuple[SharedEx
                                                   else [])
 
 
+def _clamp_note(clamp: bool, after: bool, limit: float) -> str:
+    """How a measured activation is clamped, for the notes."""
+    return f" clamped at {limit:g}" if clamp else f" clamped after the activation at {limit:g}" if after else ""
+
+
 def _expert_activation(block: nn.Module, parts: BlockParts, sources):
-    """(activation, gate_up, alpha, limit, clamp, note, (gate_softcap, up_softcap)) of the routed experts."""
+    """(activation, gate_up, alpha, limit, clamp, note, {other activation fields}) of the routed experts: the other
+    fields are the softcaps and ``activation_clamp_after``, where set."""
     experts = get_path(block, parts.experts)
     if parts.kind == "modulelist":
         mp = parts.expert_mlps[0]
@@ -263,12 +269,12 @@ def _expert_activation(block: nn.Module, parts: BlockParts, sources):
             r = probe_mlp(block, mp, act)
             if r is None:
                 raise FallbackError(f"expert MLP {type(mod).__name__} computes no activation the spec knows ({how})")
-            act, clamp, alpha, limit = r
-            return (act, "concat", alpha, limit, clamp, f"measured on expert 0: {act}" + (" clamped" if clamp else ""),
-                    (0.0, 0.0))
+            act, clamp, alpha, limit, after = r
+            return (act, "concat", alpha, limit, clamp, f"measured on expert 0: {act}" + _clamp_note(
+                clamp, after, limit), {"activation_clamp_after": after} if after else {})
         if act is None:
             raise FallbackError(f"expert activation not supported ({how})")
-        return act, "concat", 1.702, 7.0, False, how, (0.0, 0.0)
+        return act, "concat", 1.702, 7.0, False, how, {}
     if getattr(experts, "has_post_expert_norm", False) and parts.expert_norm is None:
         raise FallbackError("experts apply a norm after each expert (has_post_expert_norm) and no child of them "
                             "holds one vector of their width")
@@ -276,23 +282,27 @@ def _expert_activation(block: nn.Module, parts: BlockParts, sources):
         act, how = _mlp_activation(experts, sources)
         if act is None:
             raise FallbackError(f"expert activation not supported ({how})")
-        return act, "concat", 1.702, 7.0, False, how, (0.0, 0.0)
+        return act, "concat", 1.702, 7.0, False, how, {}
     concat = getattr(experts, "is_concatenated", None)
     if parts.split_gate_up is None:
         r = probe_gate(experts, concat)
         if r is not None:
-            return (*r[:5], "probed _apply_gate" + (f" (softcaps gate {r[5]:g}, up {r[6]:g} fitted)" if any(r[5:])
-                                                    else ""), tuple(r[5:]))
+            caps = r.gate_softcap or r.up_softcap
+            extra = dict(gate_softcap=r.gate_softcap, up_softcap=r.up_softcap) if caps else {}
+            extra.update({"activation_clamp_after": True} if r.clamp_after else {})
+            return (*r[:5], "probed _apply_gate" + (f" (softcaps gate {r.gate_softcap:g}, up {r.up_softcap:g} "
+                                                    "fitted)" if caps else "")
+                    + _clamp_note(r.clamp, r.clamp_after, r.limit), extra)
         if getattr(experts, "_apply_gate", None) is not None:
             what = describe_unknown_gate(experts)
             raise FallbackError(f"the experts' gate ({type(experts).__name__}._apply_gate) is not one the spec "
                                 f"knows{': ' + what if what else ''}")
     act, how = _mlp_activation(experts, sources)
     if act is None and not any(p.device.type == "meta" for p in experts.parameters()):
-        return "silu", "concat", 1.702, 7.0, False, f"{how}: {_TO_FIT}", (0.0, 0.0)  # stacked: output_fit finds it
+        return "silu", "concat", 1.702, 7.0, False, f"{how}: {_TO_FIT}", {}  # stacked: output_fit finds it
     if act is None:
         raise FallbackError(f"expert activation not supported ({how})")
-    return act, "concat" if concat in (None, True) else "interleaved", 1.702, 7.0, False, how, (0.0, 0.0)
+    return act, "concat" if concat in (None, True) else "interleaved", 1.702, 7.0, False, how, {}
 
 
 def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
@@ -322,7 +332,7 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
     top_k = read_attr(sources, names.TOPK_NAMES, (int,))
     if top_k is None or isinstance(top_k, bool):
         raise FallbackError("top-k not found among the block's / router's / config's attributes")
-    act, gate_up, alpha, limit, clamp, how, caps = _expert_activation(block, parts, sources)
+    act, gate_up, alpha, limit, clamp, how, act_fields = _expert_activation(block, parts, sources)
     notes.append(f"expert activation: {how}")
     shared, sh_notes = (gamma_reader.stacked_shared_spec(block, parts) if parts.shared is not None
                         and parts.shared.stacked else _shared_spec(block, parts, sources))
@@ -351,7 +361,7 @@ def static_extract(block: nn.Module, parts: BlockParts | None = None) -> Match:
             activation_clamp=clamp, w_layout=parts.w_layout, gate_up=gate_up, shared=shared,
             **expert_bias_fields(bindings.get("b13") is not None, bindings.get("b2") is not None),
             quant=quant, latent_size=parts.latent_size, latent_bias=parts.latent_in_bias is not None,
-            gate_softcap=caps[0], up_softcap=caps[1], **kw,
+            **act_fields, **kw,
         )
     except SpecError as e:
         raise FallbackError(f"no valid spec: {e}", RejectCode.SPEC_INVALID) from None

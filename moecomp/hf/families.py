@@ -96,7 +96,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # (MoESpec.latent_size); L = 48, neither H = 64 nor moe_intermediate_size = 32
     "nemotron_h:latent": ("nemotron_h", {"moe_latent_size": 48}),
     # Step-3.7-Flash's last MoE layers (43-44) clamp their SwiGLU after the activation: min(silu(g), L) * clamp(u, +-L)
-    # (swiglu_limits, limit_after_act), on the routed and the shared experts; L small enough that the probes reach it
+    # (swiglu_limits, limit_after_act; MoESpec.activation_clamp_after), on the routed and the shared experts; L small
+    # enough that the probes reach it
     "step3p7:limits": ("step3p7", {"swiglu_limits": [0.5, 0.5], "swiglu_limits_shared": [0.5, 0.5]}),
 }
 

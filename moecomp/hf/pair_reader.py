@@ -237,7 +237,7 @@ def _packed_fields(experts: PackedExperts, prefix: str, E: int, H: int, k: int, 
     fields = dict(activation=s.activation, gated=s.gated, w_layout="out_in", gate_up=s.gate_up,
                   has_expert_bias=s.has_expert_bias, expert_bias=s.expert_bias,
                   intermediate_size=s.intermediate_size, activation_alpha=s.activation_alpha, activation_limit=s.activation_limit,
-                  activation_clamp=s.activation_clamp, quant=s.quant)
+                  activation_clamp=s.activation_clamp, activation_clamp_after=s.activation_clamp_after, quant=s.quant)
     t = experts.tensors()
     q = {n: t.get(n) for n in ("w13_scale", "w2_scale", "w13_zero", "w2_zero")}
     err = 0.0

@@ -2,6 +2,8 @@
 
 Codes: 0 silu, 1 gelu, 2 gelu_tanh, 3 relu, 4 swiglu_oai (gated only, see ``gated``), 5 relu2 (relu(x)**2),
 6 softcapped silu (gated only: ``gated``'s alpha / limit carry the gate / up softcaps, see ``act_args``).
+Clamp codes (``gated``'s CLAMP, gated only): 0 none, 1 the gate clamped before the activation (clamped SwiGLU), 2 the
+activation's output clamped after it (Step-3.7's limit_after_act); up to [-limit, limit] with either.
 """
 
 
@@ -9,6 +11,7 @@ import triton
 import triton.language as tl
 
 SILU, GELU, GELU_TANH, RELU, SWIGLU_OAI, RELU2, SILU_SOFTCAP = 0, 1, 2, 3, 4, 5, 6
+CLAMP_NONE, CLAMP_GATE, CLAMP_ACT = 0, 1, 2
 CODES = {"silu": SILU, "gelu": GELU, "gelu_tanh": GELU_TANH, "relu": RELU, "swiglu_oai": SWIGLU_OAI, "relu2": RELU2}
 
 
@@ -50,15 +53,19 @@ def act(g, ACT: tl.constexpr):
 
 @triton.jit
 def gated(g, u, alpha, limit, ACT: tl.constexpr, CLAMP: tl.constexpr):
-    """act(g) * u in fp32. CLAMP (clamped SwiGLU): g <= limit and |u| <= limit first.
+    """act(g) * u in fp32. CLAMP 1 (clamped SwiGLU): g <= limit and |u| <= limit first; CLAMP 2 (clamped after the
+    activation): min(act(g), limit) * u with |u| <= limit (a constexpr branch: nothing when 0).
     ACT 4 (gpt-oss): (clamp(u) + 1) * g * sigmoid(alpha * g) with g <= limit.
     ACT 6 (softcapped silu): softcap(g, alpha) * sigmoid(g) * softcap(u, limit), the sigmoid on the raw g."""
     if ACT == 6:
         return softcap(g, alpha) * tl.sigmoid(g) * softcap(u, limit)
-    if ACT == 4 or CLAMP:
+    if ACT == 4 or CLAMP == 1:
         g = tl.minimum(g, limit)
+    if ACT == 4 or CLAMP != 0:
         u = tl.minimum(tl.maximum(u, -limit), limit)
     if ACT == 4:
         return (u + 1.0) * (g * tl.sigmoid(g * alpha))
+    elif CLAMP == 2:
+        return tl.minimum(act(g, ACT), limit) * u
     else:
         return act(g, ACT) * u

@@ -75,7 +75,7 @@ def act_mul_kernel(
     BLOCK: tl.constexpr,
 ):
     """Shared-expert activation: out[t] = act(gu[t, :I]) * gu[t, I:] (gate then up, concatenated; clamps and
-    swiglu_oai as in ``activations.gated``)."""
+    swiglu_oai as in ``activations.gated``, CLAMP its clamp code)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < I

@@ -107,7 +107,7 @@ def moe_gemm1_kernel(
     GATE_STRIDE: tl.constexpr,
     GATED: tl.constexpr,
     ACT: tl.constexpr,
-    CLAMP: tl.constexpr,  # clamped SwiGLU: gate <= limit, |up| <= limit before act(gate) * up
+    CLAMP: tl.constexpr,  # activations.gated: 0 none, 1 gate clamped before act, 2 act(gate) clamped after it
     HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,  # dot in fp32 (interpreter bf16 workaround)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else "tf32" (ignored for 16-bit)

@@ -67,8 +67,7 @@ def shared_outputs(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
             g, u = gu[..., :Is], gu[..., Is:]
         else:
             g, u = lin("shared_w1"), lin("shared_w3")
-        h = reference.gated_activation(g.float(), u.float(), sh.activation, sh.activation_alpha,
-                                       sh.activation_limit, sh.activation_clamp)
+        h = reference.spec_gated(g.float(), u.float(), sh)
     return torch.bmm(h.to(x.dtype), w["shared_w2"].transpose(1, 2))
 
 

@@ -36,7 +36,8 @@ def kernel_spec(spec: MoESpec, k: int, sentinel: bool) -> MoESpec:
         activation=es.activation, gated=es.gated, activation_alpha=es.activation_alpha,
         activation_limit=es.activation_limit, activation_clamp=es.activation_clamp, w_layout=es.w_layout,
         gate_up=es.gate_up, has_expert_bias=es.has_expert_bias, expert_bias=es.expert_bias, quant=es.quant,
-        gate_softcap=es.gate_softcap, up_softcap=es.up_softcap, weight_on_input=es.weight_on_input, zero_experts=zero)
+        gate_softcap=es.gate_softcap, up_softcap=es.up_softcap, weight_on_input=es.weight_on_input, zero_experts=zero,
+        activation_clamp_after=es.activation_clamp_after)
 
 
 def run(xe: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, args: dict, ks: MoESpec) -> torch.Tensor:

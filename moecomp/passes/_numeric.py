@@ -13,11 +13,11 @@ one (random ids in [0, E) without example inputs).
 Block tensors the region reads but no binding names, all zeros at check time, are given random values (their effect
 would vanish from the check, and the op never reads them); an output bias the epilogue peeled stays zero.
 
-A spec that clamps (swiglu_oai, activation_clamp) is checked again with the clamped projections' weights scaled up
-until the clamps bind. Token counts follow the graph's symbolic sizes (about ``policy.FX_CHECK_TOKENS``), kept small
-enough that blocks which gather whole expert matrices per token (dequantized, for FP8 / 4-bit experts) stay within
-``policy.WORKING_MEMORY_BYTES``; nothing here dequantizes all experts at once (the clamp stress reads the
-pre-activations a chunk of experts at a time).
+A spec that clamps (swiglu_oai, activation_clamp, activation_clamp_after) is checked again with the clamped
+projections' weights scaled up until the clamps bind. Token counts follow the graph's symbolic sizes (about
+``policy.FX_CHECK_TOKENS``), kept small enough that blocks which gather whole expert matrices per token (dequantized,
+for FP8 / 4-bit experts) stay within ``policy.WORKING_MEMORY_BYTES``; nothing here dequantizes all experts at once
+(the clamp stress reads the pre-activations a chunk of experts at a time).
 
 Memory: a check that runs out of device memory is run again on fewer tokens (``policy.FX_CHECK_MIN_TOKENS``), then
 on CPU copies of the tensors it reads; the verdict says so. An out-of-memory error is never taken for a failed check:
@@ -97,7 +97,7 @@ def verify(ctx: _Context, candidates, blk: Block):
     that agrees, how it was verified, notes for the report). Raises ``Reject`` (VERIFICATION_FAILED) when none
     agrees.
 
-    A spec that clamps (swiglu_oai, activation_clamp) or softcaps (gate_softcap / up_softcap) is checked a second
+    A spec that clamps (swiglu_oai, activation_clamp, activation_clamp_after) or softcaps (gate_softcap / up_softcap) is checked a second
     time with the clamped projections' weights scaled up so that the clamps bind (the caps bend): random weights
     rarely reach a limit like 10, and a clamp that never binds proves nothing about it.
 
@@ -270,11 +270,11 @@ def _stress(sub, args, inputs, src, tensors, spec, xin, arg_shapes):
     pre-activations exceed the limit. None when the spec clamps nothing."""
     scaled = {}
     x2 = xin.reshape(-1, xin.shape[-1]).float()
-    if spec.activation_clamp or spec.activation == "swiglu_oai" or _cap(spec):
+    if _clamps(spec) or _cap(spec):
         xe = x2 if not spec.latent_size else reference.latent_in(x2, tensors["latent_in_w"], tensors["latent_in_b"])
         scaled["w13"] = _stress_factor(_pre_activations(xe, tensors, spec), _cap(spec) or spec.activation_limit)
     sh = spec.shared
-    if sh is not None and (sh.activation_clamp or sh.activation == "swiglu_oai" or _cap(sh)):
+    if sh is not None and (_clamps(sh) or _cap(sh)):
         for k in ("shared_w1", "shared_w3"):
             if tensors.get(k) is not None:
                 w = tensors[k].float() if sh.quant is None else q8.dequantize(tensors[k], tensors[f"{k}_scale"],
@@ -362,6 +362,11 @@ def _times(t: torch.Tensor, f: float) -> torch.Tensor:
     if q8.E8M0 is not None and t.dtype == q8.E8M0:
         return (t.float() * 2.0 ** math.ceil(math.log2(f))).to(t.dtype)
     return t * f
+
+
+def _clamps(s) -> bool:
+    """Does a MoESpec / SharedExpertSpec clamp (swiglu_oai, activation_clamp, activation_clamp_after)?"""
+    return s.activation_clamp or s.activation_clamp_after or s.activation == "swiglu_oai"
 
 
 def _cap(s) -> float:

@@ -3,6 +3,7 @@ in between::
 
     gated:     act(gate) * up                       act ∈ silu (or x * sigmoid(x)) | gelu | gelu_tanh | relu | relu2
     clamped:   act(gate.clamp(max=L)) * up.clamp(-L, L)                         (DeepSeek-V4: activation_clamp)
+    clamped after the activation:  act(gate).clamp(max=L) * up.clamp(-L, L)      (Step-3.7: activation_clamp_after)
     oai:       (up.clamp(-L, L) + 1) * g * sigmoid(alpha * g),  g = gate.clamp(max=L)        (gpt-oss: swiglu_oai)
     plain:     act(up)                                      relu2: relu(up) ** 2 | square(relu(up)) | r * r
     softcaps:  cap(gate, cg) * sigmoid(gate) * cap(up, cu),  cap(v, c) = tanh(v / c) * c   (Inkling2: gate_softcap,
@@ -31,15 +32,18 @@ CLAMPS = ("clamp", "clamp_min", "clamp_max")
 class Activation:
     names: list[str]  # candidate spec activations (one, except where only the numeric check can tell)
     clamp: bool = False  # activation_clamp (clamped SwiGLU)
+    clamp_after: bool = False  # activation_clamp_after (the activation's output clamped, Step-3.7)
     alpha: float | None = None  # swiglu_oai's alpha
     limit: float | None = None  # swiglu_oai's or the clamped SwiGLU's limit
     gate_softcap: float = 0.0  # softcapped silu: the cap on the linear gate factor (0: none)
     up_softcap: float = 0.0  # softcapped silu: the cap on up (0: none)
 
     def fields(self) -> dict:
-        """The spec fields besides ``activation`` that this activation sets (the softcaps, where it has them)."""
-        return dict(gate_softcap=self.gate_softcap, up_softcap=self.up_softcap) if (
+        """The spec fields besides ``activation`` that this activation sets (the softcaps, the clamp after the
+        activation, where it has them)."""
+        out = dict(gate_softcap=self.gate_softcap, up_softcap=self.up_softcap) if (
             self.gate_softcap or self.up_softcap) else {}
+        return {**out, "activation_clamp_after": True} if self.clamp_after else out
 
 
 # Ops that belong to no activation the spec knows (as the recogniser reads them: ``silu`` / ``sigmoid``, ``gelu``,
@@ -61,7 +65,7 @@ def activation(ctx: Context, between: set, gated: bool, baked: dict, who: str) -
         raise Reject(f"{who} activation not recognised: {foreign} between the GEMMs belong to no activation the spec "
                      f"knows (e.g. a softcap tanh(x / c) * c; ops there: {sorted(names)})")
     clamps = [n for n in between if op_name(n) in CLAMPS]
-    if clamps and "sigmoid" in names and gated:
+    if clamps and "sigmoid" in names and gated and _scaled_sigmoid(ctx, between):  # sigmoid(alpha * g): gpt-oss
         alpha, limit = _swiglu_consts(ctx, between, baked)
         return Activation(["swiglu_oai"], alpha=alpha, limit=limit)
     acts = sorted({a for n in between if (a := _elementwise_act(n, between)) is not None})
@@ -77,7 +81,9 @@ def activation(ctx: Context, between: set, gated: bool, baked: dict, who: str) -
     if clamps:
         if not gated:
             raise Reject(f"{who}: clamp in an ungated activation (not a clamped SwiGLU)")
-        res.clamp, res.limit = True, _clamp_limit(ctx, clamps, between, baked, who)
+        res.limit = _clamp_limit(ctx, clamps, between, baked, who)
+        res.clamp_after = _clamp_is_after(clamps, between)
+        res.clamp = not res.clamp_after
     return res
 
 
@@ -132,7 +138,10 @@ def strip_gate_clamp(n):
 
 
 def _clamp_limit(ctx: Context, clamps, between: set, baked: dict, who: str) -> float:
-    """Clamped SwiGLU (DeepSeek-V4): act(gate.clamp(max=L)) * up.clamp(-L, L). Returns L; rejects anything else."""
+    """L of a clamped SwiGLU: act(gate.clamp(max=L)) * up.clamp(-L, L) (DeepSeek-V4) or act(gate).clamp(max=L) *
+    up.clamp(-L, L) (Step-3.7's limit_after_act; which one: ``_clamp_is_after``). ``between`` may hold an unrolled
+    loop's experts: one gate clamp and one up clamp per expert, all at one L and of one form. Rejects anything
+    else."""
     upper, sym = [], []
     for c in clamps:
         lo, hi = clamp_bounds(ctx, c, baked, "activation_limit")
@@ -142,20 +151,67 @@ def _clamp_limit(ctx: Context, clamps, between: set, baked: dict, who: str) -> f
             sym.append((c, hi))
         else:
             raise Reject(f"{who}: clamp({lo}, {hi}) in the activation is not a clamped SwiGLU's")
-    if len(upper) != 1 or len(sym) != 1 or not math.isclose(upper[0][1], sym[0][1]):
-        raise Reject(f"{who}: clamps {[(c.name, v) for c, v in upper + sym]} are not one gate clamp(max=L) and "
-                     "one up clamp(-L, L)")
-    (cu, limit), (cs, _) = upper[0], sym[0]
-    act_in = [n for n in between if op_name(n) in ("silu", "gelu", "relu") and _fx.strip_views_casts(arg(n, 0)) is cu]
+    limits = [v for _, v in upper + sym]
+    if not upper or len(upper) != len(sym) or not all(math.isclose(v, limits[0]) for v in limits):
+        raise Reject(f"{who}: clamps {sorted((c.name, v) for c, v in upper + sym)} are not one gate clamp(max=L) and "
+                     "one up clamp(-L, L) (per expert)")
+    if _clamp_forms(clamps, between) not in ({"before"}, {"after"}):
+        raise Reject(f"{who}: clamped gate / up do not feed act(gate) * up (nor act(gate).clamp(max={limits[0]:g}) * "
+                     "up)")
+    return limits[0]
+
+
+def _clamp_is_after(clamps, between: set) -> bool:
+    """Do the clamps (``_clamp_limit``'s, checked) clamp the activation's output rather than the gate before it?"""
+    return _clamp_forms(clamps, between) == {"after"}
+
+
+def _clamp_forms(clamps, between: set) -> set:
+    """The form (``_clamp_form``) of each gate clamp(max=L) among ``clamps``."""
+    syms = {c for c in clamps if op_name(c) == "clamp" and arg(c, 1, "min") is not None}
+    return {_clamp_form(c, syms, between) for c in clamps if c not in syms}
+
+
+def _clamp_form(cu: fx.Node, syms: set, between: set) -> str | None:
+    """"before" when an activation (or x * sigmoid(x)'s sigmoid) reads the gate clamp ``cu`` and a product reads an
+    up clamp (one of ``syms``); "after" when ``cu`` clamps an activation's output and one product reads ``cu`` and an
+    up clamp; else None."""
     up_in = [n for n in between if op_name(n) == "mul" and any(
-        _fx.strip_views_casts(a) is cs for a in (arg(n, 0), arg(n, 1)))]
-    if len(act_in) != 1 or not up_in:
-        if op_name(_fx.strip_views_casts(arg(cu, 0))) in ("silu", "gelu", "relu"):  # Step-3.7's limit_after_act
-            raise Reject(f"{who}: the gate is clamped after its activation, min(act(gate), {limit:g}) * "
-                         f"clamp(up, -{limit:g}, {limit:g}); the spec's clamped SwiGLU (activation_clamp) clamps the "
-                         "gate before it")
-        raise Reject(f"{who}: clamped gate / up do not feed act(gate) * up")
-    return limit
+        _fx.strip_views_casts(a) in syms for a in (arg(n, 0), arg(n, 1)))]
+    if up_in and any(op_name(n) in _ACT_OPS + ("sigmoid",) and _fx.strip_views_casts(arg(n, 0)) is cu
+                     for n in between):
+        return "before"
+    if _is_act_output(_fx.strip_views_casts(arg(cu, 0)), between) and any(
+            cu in {_fx.strip_views_casts(arg(n, 0)), _fx.strip_views_casts(arg(n, 1))} for n in up_in):
+        return "after"
+    return None
+
+
+def _scaled_sigmoid(ctx: Context, between: set) -> bool:
+    """Does a sigmoid between the GEMMs read a value times a readable constant (swiglu_oai's sigmoid(alpha * g),
+    not silu's x * sigmoid(x))?"""
+    for n in between:
+        m = arg(n, 0) if op_name(n) == "sigmoid" else None
+        if isinstance(m, fx.Node) and op_name(m) == "mul" and any(
+                _fx.scalar_value(o, ctx.values) is not None for o in (arg(m, 0), arg(m, 1))):
+            return True
+    return False
+
+
+_ACT_OPS = ("silu", "gelu", "relu")
+
+
+def _is_act_output(n, between: set) -> bool:
+    """``n`` is an activation of the gate computed between the GEMMs: silu / gelu / relu, or x * sigmoid(x)."""
+    if not isinstance(n, fx.Node) or n not in between:
+        return False
+    if op_name(n) in _ACT_OPS:
+        return True
+    if op_name(n) != "mul":
+        return False
+    a, b = _fx.strip_views_casts(arg(n, 0)), _fx.strip_views_casts(arg(n, 1))
+    return any(isinstance(s, fx.Node) and op_name(s) == "sigmoid" and _fx.strip_views_casts(arg(s, 0)) is o
+               for s, o in ((a, b), (b, a)))
 
 
 def _swiglu_consts(ctx: Context, between: set, baked: dict):

@@ -205,8 +205,9 @@ def stacked_shared(ctx: Context, R, region: set, exclude: frozenset) -> tuple | 
         bind.update(shared_w3=ins[0][1])
         act = activation(ctx, between, False, baked, "stacked shared experts")
         gated = False
-    if len(act.names) != 1 or act.clamp:
-        raise Reject(f"stacked shared experts: activation {act.names} (clamped: {act.clamp}) not supported")
+    if len(act.names) != 1 or act.clamp or act.clamp_after:
+        raise Reject(f"stacked shared experts: activation {act.names} (clamped: {act.clamp or act.clamp_after}) not "
+                     "supported")
     return SharedExpertSpec(Is, activation=act.names[0], gated=gated, stacked=S), bind, down
 
 

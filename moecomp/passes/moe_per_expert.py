@@ -393,6 +393,7 @@ def _read(ctx: Context, R: Routing, x: _Expert, baked: dict) -> _Form:
         sizes=(N, I), shapes=tuple(shapes) + (sd,), biased=(forms[0][2] is not None, down[2] is not None),
         gated=x.gated,
         gate_ups=tuple(["concat"] if len(forms) == 2 else gate_ups(x.between, x.gated)),
-        activation=(tuple(x.act.names), x.act.clamp, x.act.alpha, x.act.limit, x.act.gate_softcap, x.act.up_softcap),
+        activation=(tuple(x.act.names), x.act.clamp, x.act.clamp_after, x.act.alpha, x.act.limit, x.act.gate_softcap,
+                    x.act.up_softcap),
         ops=tuple(sorted(op_name(n) for n in x.between)),
     )

@@ -51,8 +51,10 @@ OUTCOME = {
     "switch_transformers": ("equal", ""),
     # variants (families.VARIANTS): a family's tiny model with config changes that reach another block style
     "nemotron_h:latent": ("equal", ""),  # experts between latent projections (MoESpec.latent_size)
-    # min(silu(gate), L) * clamp(up, +-L): the spec's clamped SwiGLU clamps the gate before the activation
-    "step3p7:limits": ("not rewritten", "clamped after its activation"),
+    # min(silu(gate), L) * clamp(up, +-L) on the routed and the shared experts (MoESpec / SharedExpertSpec
+    # activation_clamp_after): the FX pass on 5.25, the attribute reader where Dynamo cannot capture the block (5.17,
+    # 5.24: the same variant, found by structure)
+    "step3p7:limits": ("equal", ""),
     # logits scaled before the sigmoid, a norm on the latent input and on each expert's output (MoESpec.router_scale,
     # latent_norm, expert_norm)
     "muse_spark": ("equal", ""),

@@ -92,7 +92,8 @@ def test_probe_gate_fits_the_caps():
     """The attribute reader's gate probe names Inkling2's activation and fits both caps from the function."""
     model = tiny("inkling2")
     experts = next(m for m in model.modules() if type(m).__name__ == "Inkling2Experts")
-    assert activations.probe_gate(experts, None) == ("silu", "concat", 1.702, 7.0, False, 4.0, 25.0)
+    assert activations.probe_gate(experts, None) == activations.GateReading("silu", "concat", 1.702, 7.0, False, 4.0,
+                                                                            25.0)
 
 
 @pytest.mark.parametrize("cg, cu", [(4.0, 25.0), (0.0, 3.0), (0.5, 0.0), (2500.0, 7.25)])

@@ -15,6 +15,8 @@ SPECS = [
     (MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, score_order="topk_then_score",
              renormalize=False, has_router_bias=True, activation="swiglu_oai", w_layout="in_out",
              gate_up="interleaved", has_expert_bias=True), 3),
+    (MoESpec(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, activation_clamp_after=True,
+             activation_limit=0.5, shared=SharedExpertSpec(8, activation_clamp_after=True, activation_limit=0.3)), 4),
 ]
 
 
