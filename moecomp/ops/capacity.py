@@ -11,16 +11,18 @@ expert's capacity are dropped (the rule in ``moecomp.spec``), with torch ops aro
                              reads: no expert runs for a dropped pair, and it adds 0 * x
 
 Sizes depend on the shapes only (the capacity of a group of n tokens is a Python int), nothing is read on the host:
-capturable in a CUDA graph. The oracle ranks the same pairs by a cumulative sum over their one-hot
-(``reference.capacity_kept``).
+capturable in a CUDA graph. The torch path (``ops/cpu_route.py``) drops pairs with the same ``kept``; the oracle
+ranks them its own way (a cumulative sum over their one-hot, ``moecomp.reference``).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .. import reference
 from ..spec import MoESpec
+from . import route_weights as rw
 
 
 def kernel_spec(spec: MoESpec) -> MoESpec:
@@ -31,6 +33,14 @@ def kernel_spec(spec: MoESpec) -> MoESpec:
     return spec.replace(renormalize=False, renorm_eps=0.0, renorm_min=0.0, routed_scaling_factor=1.0,
                         round_weights=False, capacity=0, capacity_factor=0.0, capacity_per="call",
                         renorm_after_drop=False)
+
+
+def group_tokens(shape, spec: MoESpec) -> int:
+    """The tokens of one capacity group of an input x of ``shape`` [..., H]: each sequence (x's second-to-last dim;
+    ``capacity_per`` "sequence" on an x of 3 or more dims), else every token of the call."""
+    if spec.capacity_per == "sequence" and len(shape) > 2:
+        return int(shape[-2])
+    return math.prod(shape[:-1])
 
 
 def kept(ids: torch.Tensor, spec: MoESpec, group: int) -> torch.Tensor:
@@ -56,7 +66,7 @@ def apply(ids: torch.Tensor, weights: torch.Tensor, spec: MoESpec, group: int, o
     keep = kept(ids, spec, group)
     w = weights.masked_fill(~keep, 0.0)
     if spec.renorm_after_drop:
-        w = reference.finite_weights(reference.renorm_and_scale(w, spec))
+        w = rw.finite(rw.normalised(w, spec))
         if spec.round_weights and out_dtype in (torch.bfloat16, torch.float16):
-            w = reference.round_weights(w, out_dtype)
+            w = rw.rounded(w, out_dtype)
     return ids.masked_fill(~keep, spec.num_experts), w

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _get_disp
 
 from ..spec import MoESpec, SpecError
 from . import graphs, hash_routing, torch_moe
+from .backend import Backend
 from .common import (  # noqa: F401  (re-exported)
     EXPERT_ARGS, EXPERT_QUANT_ARGS, FEATURES, HASH_ARGS, LATENT_ARGS, MOE_ARGS, NORM_ARGS, OP_ARGS, QUANT_ARGS,
     ROUTER_IN_ARGS, SCALE_ARGS, SHARED_NORM_ARGS, ZERO_ARGS, _backend,
@@ -271,7 +272,9 @@ def _width(spec: MoESpec) -> str:
     return f"num_experts={E}" + (f" + zero_experts={Z}" if Z else "")
 
 
-def _impl(device: torch.device):
+def implementation(device: torch.device) -> Backend:
+    """The op's implementation on ``device`` (``ops/backend.Backend``): the Triton kernels or the torch path, as
+    ``common._backend`` says."""
     if _backend(device) == "triton":
         # lazy: triton_moe imports Triton and the kernels, which ``import moecomp`` should not pay for; triton_moe
         # never imports this module (no cycle)
@@ -285,7 +288,7 @@ def _forward(x: torch.Tensor, args: dict, s: MoESpec, spec: str, eager: bool = F
     """``eager``: the caller has already established ``plain_eager`` for these tensors. The token ids of hash
     routing are per-call inputs like x (copied into the op's eager graphs on every replay, never keyed by identity);
     the table is a weight."""
-    impl = _impl(x.device)
+    impl = implementation(x.device)
     tok = args.get("token_ids")
     if s.hash_routing:
         hash_routing.check_values(args["hash_table"], tok, s)
@@ -464,7 +467,7 @@ def _experts(x, topk_ids, topk_weights, args: dict, s: MoESpec, spec: str, eager
     check_args(x, args, s)
     if check_ids:
         check_ids_range(topk_ids, s)
-    impl = _impl(x.device)
+    impl = implementation(x.device)
     if x.is_cuda:
         return _on_device(x, lambda: graphs.run(
             "moe_experts", lambda xx, ids, w: impl.moe_experts(xx, ids, w, args, s), (x, topk_ids, topk_weights),

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from .. import reference
 from ..spec import MoESpec
+from . import cpu_act
 
 
 def stacked(spec: MoESpec) -> bool:
@@ -60,14 +60,14 @@ def shared_outputs(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
         return torch.bmm(xs, w[name].transpose(1, 2))
 
     if not sh.gated:
-        h = reference.activation(lin("shared_w3").float(), sh.activation)
+        h = cpu_act.elementwise(lin("shared_w3").float(), sh.activation)
     else:
         if sh.layout == "concat":
             gu = lin("shared_w1")
             g, u = gu[..., :Is], gu[..., Is:]
         else:
             g, u = lin("shared_w1"), lin("shared_w3")
-        h = reference.spec_gated(g.float(), u.float(), sh)
+        h = cpu_act.gated(g.float(), u.float(), sh)
     return torch.bmm(h.to(x.dtype), w["shared_w2"].transpose(1, 2))
 
 

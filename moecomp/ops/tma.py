@@ -8,6 +8,7 @@ import functools
 
 import torch
 
+from ..spec import MoESpec
 from .common import _sm_count
 
 
@@ -56,3 +57,25 @@ def _programs(device: torch.device, tiles: int, per_sm: int = 1) -> int:
     count. Two per SM let one program's register work (the FP8 kernels' per-step scaling) run while the other's
     tensor-core steps do, where registers and shared memory hold both (a config's "per_sm")."""
     return max(1, min(per_sm * _sm_count(device), tiles))
+
+
+def _tma_ok(spec: MoESpec, h: torch.Tensor, w2: torch.Tensor) -> bool:
+    """The TMA gemm2 (``kernels/grouped_gemm_tma.py``) can take these operands: ``_tma_weights_ok``, and h [S, I]
+    contiguous with 16-byte rows (w2 then reads as one 2-D [E * H, I] matrix). Otherwise the pointer gemm2 runs
+    (same results)."""
+    return _tma_weights_ok(spec, h, w2) and h.is_contiguous() and _tma_rows(h)
+
+
+def _tma1_ok(spec: MoESpec, x: torch.Tensor, w13: torch.Tensor) -> bool:
+    """The TMA gemm1 can take these operands: ``_tma_weights_ok``, gate/up concatenated (w13 [E, 2I, H] then reads
+    as [E, 2, I, H]); x needs only unit-stride rows (it is gathered)."""
+    return _tma_weights_ok(spec, x, w13) and (not spec.gated or spec.gate_up == "concat") and x.stride(-1) == 1
+
+
+def _tma_weights_ok(spec: MoESpec, a: torch.Tensor, w: torch.Tensor) -> bool:
+    """What both TMA GEMMs need: this Triton has host tensor descriptors; a and w 16-bit, of one dtype (so fp8
+    weights never take them: the quantized GEMMs are the pointer kernels'); w in the [E, out, in] layout, contiguous,
+    with 16-byte rows and base."""
+    return (_TensorDescriptor() is not None and tma_device(w) and a.dtype in (torch.bfloat16, torch.float16)
+            and w.dtype == a.dtype
+            and spec.w_layout == "out_in" and w.is_contiguous() and _tma_rows(w))

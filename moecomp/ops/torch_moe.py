@@ -1,18 +1,18 @@
-"""Vectorised PyTorch MoE: the op's path on CPU (and on CUDA when MOECOMP_CUDA_BACKEND=torch).
+"""Vectorised PyTorch MoE: the op's path on CPU (and on CUDA when MOECOMP_CUDA_BACKEND=torch); one of the two
+implementations of ``ops/backend.Backend``.
 
 No Python loop over experts: token-expert pairs are sorted by expert once, both expert GEMMs run as grouped
 GEMMs over the sorted rows (``torch.nn.functional.grouped_mm`` where the stack has it for the dtype, else a
 batched GEMM over gathered weights in bounded chunks), and the weighted combine is one scatter-add. Zero experts
-(``spec.zero_experts``): pairs with an id >= E are left out of the GEMMs and add ``weight * x`` (fp32) instead.
-Hash routing (``spec.hash_routing``): the ids are the table's rows of the token ids, clamped into range
-(``hash_routing.lookup``), the weights the scores at them. Expert capacity (``spec.has_capacity``): the oracle's
-routing drops the pairs past capacity (id -1), and no GEMM sees them.
+(``spec.zero_experts``): pairs with an id >= E are left out of the GEMMs and add ``weight * x`` (fp32) instead
+(``zero_experts.zero_term``). Expert capacity (``spec.has_capacity``): the routing drops the pairs past capacity
+(id -1), and no GEMM sees them.
+Routing (``ops/cpu_route.py``: the router's own input / prefix, hash routing, capacity, gammas, expert_scale), the
+activations (``ops/cpu_act.py``), the shared experts (``ops/cpu_shared.py``) and the norms (``ops/norms.py``) are the
+op's own torch code, written apart from the oracle (``moecomp.reference``) that the tests compare this path with.
 Latent experts (``spec.latent_size``): the experts run on ``latent_in(x)`` and their combined output, rounded to x's
-dtype, goes through ``latent_out`` before the shared experts are added (``ops/latent.py``).
-The router's own input / prefix and per-expert weight multipliers (``spec.router_prefix``, ``spec.expert_scale``): the
-oracle's ``router_input`` and ``route``.
 dtype, goes through ``latent_out`` before the shared experts are added (``ops/latent.py``). Norms
-(``spec.latent_norm`` / ``expert_norm``): ``ops/norms.py``, on the latent input and on each pair's output row.
+(``spec.latent_norm`` / ``expert_norm``): on the latent input and on each pair's output row.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import torch.nn.functional as F
 
 from .. import policy
 from .. import quant as q8
-from .. import reference
 from ..spec import MoESpec
-from . import latent, norms
+from . import cpu_act, cpu_route, cpu_shared, latent, norms
+from .backend import Routed
 from .common import split_fused_gate
-from .hash_routing import lookup
+from .zero_experts import zero_term
 
 _CHUNK_BYTES = 256 << 20  # gathered-weight fallback: at most this much weight copy in flight
 
@@ -85,14 +85,8 @@ def grouped_linear(xs: torch.Tensor, w_in_out: torch.Tensor, offs: torch.Tensor,
 
 
 def _gate(h: torch.Tensor, spec: MoESpec) -> torch.Tensor:
-    I = spec.intermediate_size
-    if not spec.gated:
-        return reference.activation(h, spec.activation)
-    if spec.gate_up == "concat":
-        gate, up = h[:, :I], h[:, I:]
-    else:
-        gate, up = h[:, 0::2], h[:, 1::2]
-    return reference.spec_gated(gate, up, spec)
+    """The first GEMM's rows h [P, 2I] (or [P, I]) -> the activation [P, I] (``ops/cpu_act.py``)."""
+    return cpu_act.act_of(h, spec, spec.intermediate_size)
 
 
 def _fake_quant_rows(xs: torch.Tensor, qs, static, sorted_ids) -> torch.Tensor:
@@ -176,7 +170,7 @@ def _combine(x, topk_ids, topk_weights, tok, y, spec: MoESpec) -> torch.Tensor:
     """fp32 [T, H]: the pairs' outputs y [P', H] summed into their tokens ``tok`` [P'], plus the zero experts'
     ``weight * x``."""
     if spec.zero_experts:
-        out = reference.zero_expert_term(x, topk_ids, topk_weights, spec)
+        out = zero_term(x, topk_ids, topk_weights, spec)
     else:
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, tok, y)
@@ -211,37 +205,29 @@ def moe_experts(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> torch.T
     return experts_fp32(x, topk_ids, topk_weights, args, spec).to(x.dtype)
 
 
-def route_all(x2: torch.Tensor, args: dict, spec: MoESpec, shape) -> tuple:
-    """The op's routing of x2 [T, H] (``args`` with the fused gate split; ``shape``: x's, for the capacity's groups)
-    -> (weights [T, k], ids [T, k], gammas [T, G] | None): capacity-dropped pairs' ids are -1; weights (and gammas)
-    rounded to x's dtype where ``spec.round_weights``. ``moe_forward`` and the parallel path route through this."""
-    r2 = reference.router_input(x2, args.get("router_x"), args.get("router_in_scale"), spec)  # x2 without a prefix
-    logits = reference.router_logits(r2, args["router_w"], args["router_b"], spec)
-    given = lookup(args["hash_table"], args["token_ids"], spec) if spec.hash_routing else None  # [T, k]
-    weights, ids, gammas = reference.route_with_gammas(
-        logits, args["correction_bias"], spec, weight_scale=args.get("weight_scale"), ids=given,
-        group=reference.group_size(shape, spec), expert_scale=args.get("expert_scale"))  # gammas [T, G]: shared_gamma
-    if spec.round_weights:
-        weights = reference.round_weights(weights, x2.dtype).float()
-        gammas = None if gammas is None else reference.round_weights(gammas, x2.dtype).float()
-    return weights, ids, gammas
+def route_all(x2: torch.Tensor, args: dict, spec: MoESpec, shape) -> Routed:
+    """The op's routing of x2 [T, H] (``args`` as the op takes them; ``shape``: x's, for the capacity's groups):
+    ``cpu_route.route_all`` (ids int64, capacity-dropped pairs -1; ``Backend.route_all``)."""
+    return cpu_route.route_all(x2, split_fused_gate(args, spec), spec, shape)
+
+
+def shared_part(x2: torch.Tensor, args: dict, spec: MoESpec, routed: Routed) -> torch.Tensor:
+    """The shared experts' sum on x2 [T, H] -> fp32 [T, H], gated, scaled, times ``routed.gammas``
+    (``Backend.shared_part``; ``ops/cpu_shared.py``)."""
+    return cpu_shared.shared_part(x2, split_fused_gate(args, spec), spec, routed.gammas)
 
 
 def moe_forward(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     args = split_fused_gate(args, spec)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    weights, ids, gammas = route_all(x2, args, spec, shape)
+    r = cpu_route.route_all(x2, args, spec, shape)
     if spec.latent_size:  # the experts between the two projections, in x's dtype at each projection
         xl = latent.project_in(x2, args, spec)  # [T, L] (normalised: spec.latent_norm)
-        routed = experts_fp32(xl, ids, weights, args, spec.experts_spec()).to(x.dtype)  # [T, L]
+        routed = experts_fp32(xl, r.ids, r.weights, args, spec.experts_spec()).to(x.dtype)  # [T, L]
         out = latent.project_out(routed, args).float()  # [T, H]
     else:
-        out = experts_fp32(x2, ids, weights, args, spec)  # [T, H] fp32
+        out = experts_fp32(x2, r.ids, r.weights, args, spec)  # [T, H] fp32
     if spec.shared is not None:
-        out += reference.shared_experts(
-            x2, args["shared_w1"], args["shared_w3"], args["shared_w2"], args["shared_gate_w"], spec,
-            shared_w1_scale=args.get("shared_w1_scale"), shared_w3_scale=args.get("shared_w3_scale"),
-            shared_w2_scale=args.get("shared_w2_scale"), gammas=gammas, shared_norm_w=args.get("shared_norm_w"),
-        )
+        out += cpu_shared.shared_part(x2, args, spec, r.gammas)
     return out.to(x.dtype).reshape(shape)

@@ -1,4 +1,5 @@
-"""Launch wrappers: the op's CUDA path on our Triton kernels (and, under TRITON_INTERPRET=1, its CPU test path).
+"""Launch wrappers: the op's CUDA path on our Triton kernels (and, under TRITON_INTERPRET=1, its CPU test path); one of
+the two implementations of ``ops/backend.Backend``.
 
 moe_forward, main stream                                   side stream (shared experts)
     logits = x @ [router_w; shared_gate_w].T   (FSE)       g, u = x @ w1.T, x @ w3.T
@@ -53,7 +54,6 @@ from ..kernels import grouped_gemm as gemm_k
 from ..kernels import grouped_gemm_tma as tma_k
 from ..kernels import router as router_k
 from ..kernels import routing as routing_k
-from .. import reference
 from ..spec import MoESpec
 from . import capacity as cap
 from . import triton_fp8, triton_quant4_gemv, tuning
@@ -63,9 +63,12 @@ from . import shared_gamma as sg
 from . import latent, triton_norm
 from . import weight_on_input as woi
 from . import zero_experts as zx
-from .triton_shared import shared_mlp
+from .backend import Routed
+from .tuning import ROUTE_ELEMS, ROUTE_ONE_TOKEN_T, route_tiles  # noqa: F401  (tests and benchmarks read them here)
+from .router_input import router_in
+from .triton_shared import shared_mlp, shared_part  # noqa: F401  (shared_part: this path's Backend.shared_part)
 from .tma import (  # noqa: F401  (tests read them here)
-    _desc, _programs, _TensorDescriptor, _tma_rows, _w13_desc, tma_device)
+    _desc, _programs, _TensorDescriptor, _tma1_ok, _tma_ok, _tma_rows, _w13_desc, tma_device)
 from .common import (  # noqa: F401  (used here and by tests / benchmarks)
     _flat_ids, _interpret, _precision, _sm_count, _upcast, _w_strides)
 from .triton_fp8 import (  # noqa: F401  (expert_quant: also the tuner's and tests')
@@ -74,8 +77,6 @@ from .triton_fp8 import (  # noqa: F401  (expert_quant: also the tuner's and tes
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "none": 3}
 _ACT = act_k.CODES  # activation name -> the kernels' ACT code
 SMALL_P = 256  # single-program alignment up to this many (token, expert) pairs (MOECOMP_ALIGN_SMALL_P overrides)
-ROUTE_ONE_TOKEN_T = 1024  # up to this many tokens, one token per routing program (``route_tiles``)
-ROUTE_ELEMS = 2048  # above: tokens x experts (padded) per routing program at most (MOECOMP_ROUTE_ELEMS overrides)
 ROUTER_GEMV_MAX_T = 4  # up to this many tokens the router GEMM is our GEMV kernel (MOECOMP_ROUTER_GEMV_MAX_T)
 
 
@@ -193,24 +194,6 @@ def router_gemv(x, rw, rb, gw, out_dtype: torch.dtype, out: torch.Tensor | None 
         **_pdl(x.device),
     )
     return out
-
-
-def route_tiles(T: int, E: int, n_group: int) -> dict:
-    """The routing kernel's launch shape for T tokens of E experts: ``block_t`` tokens per program, ``num_warps``, and
-    ``group_3d`` (per-group reductions on a 3-D view, when E fills its power of two and splits into equal groups).
-
-    Measured on an H200 (``benchmarks/diag_kernels.py --parts route``;
-    benchmarks/results/nvidia-h200-2026-11-30-47f803a-diag.json): one token per one-warp program is the fastest up
-    to T=128 for 8 to 256 experts, and at every T for 256 experts (DeepSeek-V3 at T=16: 7.0 us against 85 us for the
-    16-token, 4-warp program, whose [16, 256] fp32 tiles spill); at T=8192 and E <= 128, 16-token 4-warp programs
-    win (Mixtral 5.6 us against 14.2). Above 256 experts (not measured) one token per program with a warp per 256
-    experts. MOECOMP_ROUTE_ELEMS caps block_t * next_pow2(E) of the many-token programs (default ROUTE_ELEMS)."""
-    block_e = triton.next_power_of_2(E)
-    group_3d = n_group > 1 and E == block_e and E % n_group == 0
-    if T <= ROUTE_ONE_TOKEN_T or block_e > 128:
-        return dict(block_t=1, num_warps=max(1, block_e // 256), group_3d=group_3d)
-    elems = int(os.environ.get("MOECOMP_ROUTE_ELEMS", ROUTE_ELEMS))
-    return dict(block_t=max(1, min(16, elems // block_e)), num_warps=4, group_3d=group_3d)
 
 
 def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch.dtype, tiles: dict | None = None,
@@ -366,28 +349,6 @@ def gemm2(h, w2, b2, weights, spec: MoESpec, aligned, P: int, bm: int, c2: dict,
 
 
 # --------------------------------------------------------------------------------------------- TMA gemm2
-def _tma_ok(spec: MoESpec, h: torch.Tensor, w2: torch.Tensor) -> bool:
-    """The TMA gemm2 (``kernels/grouped_gemm_tma.py``) can take these operands: ``_tma_weights_ok``, and h [S, I]
-    contiguous with 16-byte rows (w2 then reads as one 2-D [E * H, I] matrix). Otherwise the pointer gemm2 runs
-    (same results)."""
-    return _tma_weights_ok(spec, h, w2) and h.is_contiguous() and _tma_rows(h)
-
-
-def _tma1_ok(spec: MoESpec, x: torch.Tensor, w13: torch.Tensor) -> bool:
-    """The TMA gemm1 can take these operands: ``_tma_weights_ok``, gate/up concatenated (w13 [E, 2I, H] then reads
-    as [E, 2, I, H]); x needs only unit-stride rows (it is gathered)."""
-    return _tma_weights_ok(spec, x, w13) and (not spec.gated or spec.gate_up == "concat") and x.stride(-1) == 1
-
-
-def _tma_weights_ok(spec: MoESpec, a: torch.Tensor, w: torch.Tensor) -> bool:
-    """What both TMA GEMMs need: this Triton has host tensor descriptors; a and w 16-bit, of one dtype (so fp8
-    weights never take them: the quantized GEMMs are the pointer kernels'); w in the [E, out, in] layout, contiguous,
-    with 16-byte rows and base."""
-    return (_TensorDescriptor() is not None and tma_device(w) and a.dtype in (torch.bfloat16, torch.float16)
-            and w.dtype == a.dtype
-            and spec.w_layout == "out_in" and w.is_contiguous() and _tma_rows(w))
-
-
 def _gemm1_tma(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, h: torch.Tensor,
                wk: dict | None = None) -> torch.Tensor:
     """gemm1 on the TMA kernel. ``c1["tma_a"]``: x's rows gathered into sorted order first (xs [S, H]) and read by
@@ -544,23 +505,23 @@ def _side_stream(device: torch.device):
     return s
 
 
-def route_all(x2: torch.Tensor, args: dict, spec: MoESpec, shape) -> tuple:
-    """The op's routing of x2 [T, H] (``shape``: x's, for the capacity's groups) -> (ids [T, k], weights [T, k] fp32,
-    gammas [T, G] | None, gate [T] | None: the shared-expert gate's logit from the router GEMM). The router's own
-    input / prefix (spec.router_prefix) in torch (a norm over [T, H]), then the router GEMM and the routing kernel;
-    an expert capacity's dropped pairs: ids E, weights 0 (``ops/capacity.py``). ``moe_forward`` and the parallel
-    path (``parallel/route.py``) route through this."""
-    r2 = reference.router_input(x2, args.get("router_x"), args.get("router_in_scale"), spec).contiguous()
+def route_all(x2: torch.Tensor, args: dict, spec: MoESpec, shape) -> Routed:
+    """The op's routing of x2 [T, H] (``shape``: x's, for the capacity's groups) -> Routed(ids [T, k] int32, weights
+    [T, k] fp32, gammas [T, G] | None, gate [T] | None: the shared-expert gate's logit from the router GEMM). The
+    router's own input / prefix (spec.router_prefix) in torch (``ops/router_input.py``), then the router GEMM and the
+    routing kernel; an expert capacity's dropped pairs: ids E, weights 0 (``ops/capacity.py``). ``moe_forward`` and
+    the parallel path (``parallel/route.py``) route through this (``Backend.route_all``)."""
+    r2 = router_in(x2, args, spec).contiguous()
     logits, gate = router_logits(r2, args, spec)  # [T, E (+ G)], [T] or None
     escale = args.get("expert_scale") if spec.expert_scale else None  # applied in the routing kernel
     gammas = sg.gamma_buffer(spec, x2.shape[0], x2.device)
     if spec.has_capacity:
         ids, weights = route(logits, args["correction_bias"], cap.kernel_spec(spec), x2.dtype, expert_scale=escale)
-        ids, weights = cap.apply(ids, weights, spec, reference.group_size(shape, spec), x2.dtype)
+        ids, weights = cap.apply(ids, weights, spec, cap.group_tokens(shape, spec), x2.dtype)
     else:
         ids, weights = route(logits, args["correction_bias"], spec, x2.dtype, hashed=args, expert_scale=escale,
                              gammas=gammas, weight_scale=args.get("weight_scale"))
-    return ids, weights, gammas, gate
+    return Routed(ids, weights, gammas, gate)
 
 
 # --------------------------------------------------------------------------------------------- entry points

@@ -3,6 +3,9 @@ them on a side stream beside the routed experts: ``ops/triton_moe.py``).
 
     gu = x @ [w1; w3].T  (torch's GEMM, or ``fp8_linear`` for FP8 weights)  ->  h = act(g) * u  (act_mul_kernel)
     ->  h @ w2.T  [-> RMS norm (SharedExpertSpec.norm; in torch, a [T, H] row norm)]  (* SharedExpertSpec.scale)
+
+``shared_part`` (the Triton path's ``Backend.shared_part``, ``ops/backend.py``): the same in fp32 with the gate applied,
+for the parallel path, which adds the shared experts outside the combine.
 """
 
 from __future__ import annotations
@@ -10,10 +13,12 @@ from __future__ import annotations
 import torch
 import triton
 
-from .. import reference
-from .act_args import act_args
 from ..kernels import combine as combine_k
 from ..spec import MoESpec
+from . import cpu_act, norms
+from . import shared_gamma as sg
+from .act_args import act_args
+from .backend import Routed
 from .triton_fp8 import block_cfg as _block_cfg
 from .triton_fp8 import fp8_linear
 
@@ -27,7 +32,8 @@ def shared_mlp(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     lin = _shared_linear(args, sh.quant, _block_cfg(x, spec))
     if not sh.gated:
         up = lin(x, "shared_w3")
-        return _scaled(_norm(lin(reference.activation(up, sh.activation), "shared_w2"), args, sh), sh.scale)
+        h = cpu_act.elementwise(up.float(), sh.activation).to(up.dtype)
+        return _scaled(norms.shared_norm(lin(h, "shared_w2"), args, sh), sh.scale)
     if sh.layout == "concat":
         gu = lin(x, "shared_w1")  # [T, 2 Is]
     else:
@@ -40,14 +46,21 @@ def shared_mlp(x: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:
     combine_k.act_mul_kernel[(T, triton.cdiv(Is, block))](
         gu, hs, Is, gu.stride(0), hs.stride(0), act.alpha, act.limit, ACT=act.ACT, CLAMP=act.CLAMP, BLOCK=block,
     )
-    return _scaled(_norm(lin(hs, "shared_w2"), args, sh), sh.scale)
+    return _scaled(norms.shared_norm(lin(hs, "shared_w2"), args, sh), sh.scale)
 
 
-def _norm(y: torch.Tensor, args: dict, sh) -> torch.Tensor:
-    """The shared expert's output y [T, H] (x's dtype) normalised as ``sh.norm`` says (the reference's formula)."""
-    if sh.norm == "none":
-        return y
-    return reference.rms_norm(y, args["shared_norm_w"], sh.norm, sh.norm_eps, y.dtype)
+def shared_part(x2: torch.Tensor, args: dict, spec: MoESpec, routed: Routed) -> torch.Tensor:
+    """The shared experts' sum on x2 [T, H] -> fp32 [T, H] (gate, scale and gammas applied): what the op's combine
+    adds, computed apart (the parallel path adds it outside the routed experts' combine). The gate: the sigmoid of
+    ``routed.gate``, the logit the router GEMM gave (in fp32, as the combine kernel does)."""
+    if sg.stacked(spec):
+        s = sg.weighted_sum(sg.shared_outputs(x2, args, spec), routed.gammas, spec, torch.empty_like(x2))
+    else:
+        s = shared_mlp(x2, args, spec)
+    s = s.float()
+    if routed.gate is not None:
+        s = s * torch.sigmoid(routed.gate.float())[:, None]
+    return s
 
 
 def _shared_linear(args: dict, quant, cfg: dict | None = None):

@@ -346,3 +346,31 @@ def decode_config(cfg: dict, T: int, device: torch.device) -> dict | None:
     if T > max_t:
         return None
     return dec if "g1" in dec else dict(_decode_heuristic(device), max_t=dec["max_t"])
+
+
+# --------------------------------------------------------------------------------------------- routing launch shape
+ROUTE_ONE_TOKEN_T = 1024  # up to this many tokens, one token per routing program (``route_tiles``)
+ROUTE_ELEMS = 2048  # above: tokens x experts (padded) per routing program at most (MOECOMP_ROUTE_ELEMS overrides)
+
+
+def route_tiles(T: int, E: int, n_group: int) -> dict:
+    """The routing kernel's launch shape for T tokens of E experts: ``block_t`` tokens per program, ``num_warps``, and
+    ``group_3d`` (per-group reductions on a 3-D view, when E fills its power of two and splits into equal groups).
+
+    Measured on an H200 (``benchmarks/diag_kernels.py --parts route``;
+    benchmarks/results/nvidia-h200-2026-11-30-47f803a-diag.json): one token per one-warp program is the fastest up
+    to T=128 for 8 to 256 experts, and at every T for 256 experts (DeepSeek-V3 at T=16: 7.0 us against 85 us for the
+    16-token, 4-warp program, whose [16, 256] fp32 tiles spill); at T=8192 and E <= 128, 16-token 4-warp programs
+    win (Mixtral 5.6 us against 14.2). Above 256 experts (not measured) one token per program with a warp per 256
+    experts. MOECOMP_ROUTE_ELEMS caps block_t * next_pow2(E) of the many-token programs (default ROUTE_ELEMS)."""
+    block_e = _pow2(E)
+    group_3d = n_group > 1 and E == block_e and E % n_group == 0
+    if T <= ROUTE_ONE_TOKEN_T or block_e > 128:
+        return dict(block_t=1, num_warps=max(1, block_e // 256), group_3d=group_3d)
+    elems = int(os.environ.get("MOECOMP_ROUTE_ELEMS", ROUTE_ELEMS))
+    return dict(block_t=max(1, min(16, elems // block_e)), num_warps=4, group_3d=group_3d)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << max(0, n - 1).bit_length()

@@ -14,6 +14,9 @@ Pairs an expert capacity dropped take the same way (``ops/capacity.py``: id E, w
 Nothing reads the ids on the host and every buffer keeps its worst-case size (as if no pair were a zero expert's),
 so the op stays capturable in a CUDA graph. With ``weight_on_input`` the term is the same (identity of w * x,
 summed unweighted). The flags default off, so launches of other specs compile as before.
+
+The torch path (``ops/torch_moe.py``) and the parallel path's exchange (``parallel/ep.py``) add the same term in torch:
+``zero_term``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,13 @@ from __future__ import annotations
 import torch
 
 from ..spec import MoESpec
+
+
+def zero_term(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, spec: MoESpec) -> torch.Tensor:
+    """fp32 [T, H]: what the zero experts add to each token of x [T, H], ``(sum of its pairs' weights with id >= E)
+    * x``. The weights of the other pairs are not read (a NaN there stays out)."""
+    z = weights.float().masked_fill(ids < spec.num_experts, 0.0)  # [T, k]: the zero experts' weights
+    return x.float() * z.sum(dim=1, keepdim=True)
 
 
 def _skips(spec: MoESpec) -> bool:

@@ -17,20 +17,20 @@ from __future__ import annotations
 
 import torch
 
-from .. import reference
+from ..ops.backend import Routed
+from ..ops.zero_experts import zero_term
 from ..spec import MoESpec
 from . import capacity, dispatch, local, overlap
-from .route import Routing
 
 
-def routed(xe: torch.Tensor, r: Routing, args: dict, spec: MoESpec, comm) -> tuple[torch.Tensor, bool]:
+def routed(xe: torch.Tensor, r: Routed, args: dict, spec: MoESpec, comm) -> tuple[torch.Tensor, bool]:
     """(routed output fp32 [T, width], partial: whether it still has to be summed over the ranks)."""
     if spec.parallel.dispatch == "all_reduce":
         return _partial(xe, r, args, spec), True
     return _exchanged(xe, r, args, spec, comm), False
 
 
-def _partial(xe, r: Routing, args: dict, spec: MoESpec) -> torch.Tensor:
+def _partial(xe, r: Routed, args: dict, spec: MoESpec) -> torch.Tensor:
     p = spec.parallel
     n, start = p.experts_per_rank, p.local_experts.start
     ids = r.ids.long()
@@ -43,7 +43,7 @@ def _partial(xe, r: Routing, args: dict, spec: MoESpec) -> torch.Tensor:
     return local.run(xe, lid, lw, args, ks).float()
 
 
-def _exchanged(xe, r: Routing, args: dict, spec: MoESpec, comm) -> torch.Tensor:
+def _exchanged(xe, r: Routed, args: dict, spec: MoESpec, comm) -> torch.Tensor:
     p = spec.parallel
     T, k = r.ids.shape
     E, width = spec.num_experts, xe.shape[1]
@@ -61,5 +61,5 @@ def _exchanged(xe, r: Routing, args: dict, spec: MoESpec, comm) -> torch.Tensor:
         pair_rows = capacity.back(comm, plan, y) if fixed else dispatch.back(comm, plan, y, T * k)  # [T * k, width]
     out = pair_rows.view(T, k, width).sum(1)
     if spec.zero_experts:
-        out += reference.zero_expert_term(xe, r.ids, r.weights, spec)
+        out += zero_term(xe, r.ids, r.weights, spec)
     return out

@@ -32,6 +32,7 @@ import dataclasses
 import torch
 
 from ..ops import latent
+from ..ops.backend import Routed
 from ..ops.common import OP_ARGS
 from ..ops.moe_op import check_args, plain_eager
 from ..spec import MoESpec, SpecError
@@ -40,7 +41,7 @@ from .comm import comm_for
 from .local import SHARD_ARGS, check_shards
 
 
-def _routed(xe, r: route.Routing, args: dict, spec: MoESpec, comm) -> tuple[torch.Tensor, bool]:
+def _routed(xe, r: Routed, args: dict, spec: MoESpec, comm) -> tuple[torch.Tensor, bool]:
     """(the routed part, fp32 [T, width], whether it is partial: one all-reduce to come)."""
     if spec.parallel.mode in ("tp", "replicated"):
         return tp.routed(xe, r, args, spec), spec.parallel.mode == "tp"
@@ -125,7 +126,7 @@ def forward(x: torch.Tensor, args: dict, spec: MoESpec, comm=None) -> torch.Tens
     return out.reshape(shape)
 
 
-def _summed(x2: torch.Tensor, args: dict, given: MoESpec, r: route.Routing, comm, dt) -> torch.Tensor:
+def _summed(x2: torch.Tensor, args: dict, given: MoESpec, r: Routed, comm, dt) -> torch.Tensor:
     """The shared experts' output summed over the group from this rank's slice (``given``: its spec), fp32 [T, H];
     reduced in x's dtype, as a row-parallel down projection is."""
     s = route.shared_part(x2, args, given, r).to(dt)
@@ -140,7 +141,7 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, args: dic
     p = _parallel(spec)
     comm = comm_for(p) if comm is None else comm
     check_shards(args, spec)
-    routed, partial = _routed(x, route.Routing(ids, weights.float(), None, None), args, spec, comm)
+    routed, partial = _routed(x, Routed(ids, weights.float(), None, None), args, spec, comm)
     out = routed.to(x.dtype)
     return comm.all_reduce_(out) if partial else out
 

@@ -19,10 +19,10 @@ import torch
 
 from ..spec import MoESpec
 from . import local
-from .route import Routing
+from ..ops.backend import Routed
 
 
-def routed(xe: torch.Tensor, r: Routing, args: dict, spec: MoESpec) -> torch.Tensor:
+def routed(xe: torch.Tensor, r: Routed, args: dict, spec: MoESpec) -> torch.Tensor:
     """This rank's partial routed output, fp32 [T, width] (mode "replicated": the complete one)."""
     p, E = spec.parallel, spec.num_experts
     lead = p.rank == 0 or p.mode == "replicated"  # (adds b2 and the zero experts' terms)

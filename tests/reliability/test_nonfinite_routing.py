@@ -5,13 +5,14 @@ For every token: k distinct expert ids, all in [0, E); finite weights; a row of 
 its group selection leaves, weight 0; NaN entries route as -inf, +inf as the largest finite fp32; rows of finite
 logits are unchanged, bit for bit, whatever the other rows hold.
 
-Paths: the reference (the CPU path's routing), the Triton routing kernel (CPU: the interpreter; GPU: compiled, in
-fp32 and bf16 logits), and the whole op (router GEMV at T <= 4, linear above; the decode path and the aligned path;
+Paths: the reference, the CPU path's own routing (``ops/cpu_route.py``: no code shared with the reference), the
+Triton routing kernel (CPU: the interpreter; GPU: compiled, in fp32 and bf16 logits), and the whole op (router GEMV at T <= 4, linear above; the decode path and the aligned path;
 CUDA-graph replay on the GPU). Poisoned rows are drawn per case: whole rows of NaN, +inf or -inf, rows with a few
 such entries, and rows with fewer than k finite entries.
 
 Tolerances: ids are compared as sets with the reference, exactly (poisoned rows tie exactly: -inf, FLT_MAX, 0, 1);
-weights within 1e-5 relative + 1e-6 absolute (the kernel's fp32 softmax / sums against torch's); clean rows of a
+weights within 1e-5 relative + 1e-6 absolute (the kernel's or the CPU path's fp32 softmax / sums against the
+reference's); clean rows of a
 poisoned batch equal the same rows of a clean batch bit for bit; whole-op outputs of clean rows equal the clean
 batch's within 1e-5 (fp32, CPU) and 2e-2 of the reference (bf16, GPU).
 """
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 from moecomp import reference
-from moecomp.ops import triton_moe
+from moecomp.ops import cpu_route, triton_moe
 from moecomp.spec import MoESpec
 from moecomp.testing import random_moe_args
 
@@ -120,6 +121,26 @@ def test_reference_contract(case):
         nan_rows = torch.tensor([k == "all_nan" for k in kinds])
         assert torch.equal(ids[nan_rows].sort(1).values, torch.arange(spec.top_k).expand(int(nan_rows.sum()), -1))
         assert bool((w[nan_rows] == 0).all())
+
+
+@pytest.mark.parametrize("case", SPECS, ids=lambda c: _spec(c).describe())
+def test_cpu_route_contract(case):
+    """The CPU path's routing (its own code, not the oracle's): the contract, the reference's ids and weights, clean
+    rows bit-identical; a row of NaN takes the lowest ids, weight 0."""
+    spec = _spec(case)
+    logits, twin, kinds = poisoned_logits(27, spec.num_experts, spec.top_k, seed=spec.num_experts + 1)
+    bias = _bias(spec, 5)
+    r = cpu_route.route_logits(logits, {"correction_bias": bias}, spec)
+    check_contract(r.ids, r.weights, spec.num_experts, spec.top_k, "cpu_route")
+    rw, rids = reference.route(logits, bias, spec)  # (round_weights through fp32: a no-op on both sides)
+    same_routing(r.ids, r.weights, rids, rw)
+    r2 = cpu_route.route_logits(twin, {"correction_bias": bias}, spec)
+    clean = torch.tensor([k == "clean" for k in kinds])
+    assert torch.equal(r.ids[clean], r2.ids[clean]) and torch.equal(r.weights[clean], r2.weights[clean])
+    if not spec.has_correction_bias and spec.n_group == 1:
+        nan_rows = torch.tensor([k == "all_nan" for k in kinds])
+        assert torch.equal(r.ids[nan_rows].sort(1).values, torch.arange(spec.top_k).expand(int(nan_rows.sum()), -1))
+        assert bool((r.weights[nan_rows] == 0).all())
 
 
 def test_reference_reads_nan_as_minus_inf_and_inf_as_max():
