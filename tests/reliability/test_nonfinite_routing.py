@@ -108,7 +108,7 @@ def _bias(spec, seed, device="cpu"):
 
 @pytest.mark.parametrize("case", SPECS, ids=lambda c: _spec(c).describe())
 def test_reference_contract(case):
-    """The oracle (and so the CPU path, which routes with it): the contract, and clean rows bit-identical."""
+    """The oracle: the contract, and clean rows bit-identical (the CPU path: test_cpu_route_contract)."""
     spec = _spec(case)
     logits, twin, kinds = poisoned_logits(27, spec.num_experts, spec.top_k, seed=spec.num_experts)
     bias = _bias(spec, 3)
