@@ -1,6 +1,7 @@
 """The experts' activations on the op's torch code (the torch path's routed and shared experts, and the Triton path's
-torch-level shared-expert steps): ``spec.activation`` elementwise, or gated, ``act(gate) * up`` with clamped SwiGLU,
-gpt-oss's ``swiglu_oai`` and the softcapped silu (``moecomp.spec`` has the formulas; the kernels' epilogue is
+torch-level shared-expert steps): ``spec.activation`` elementwise, or gated, ``act(gate) * up`` with clamped SwiGLU
+(the gate clamped before the activation, or its output after it: ``activation_clamp_after``), gpt-oss's
+``swiglu_oai`` and the softcapped silu (``moecomp.spec`` has the formulas; the kernels' epilogue is
 ``kernels/activations.py``). One table from name to function, written for the op, apart from the oracle.
 
     split(h, ...)    h [n, 2I] after the first GEMM -> (gate, up) [n, I] each ("concat": halves, "interleaved": even /
@@ -43,18 +44,26 @@ def _capped(v: torch.Tensor, cap: float) -> torch.Tensor:
 
 def gated(gate: torch.Tensor, up: torch.Tensor, s) -> torch.Tensor:
     """act(gate) * up as ``s`` says: softcapped silu, swiglu_oai ((up + 1) * gate * sigmoid(alpha * gate), both
-    clamped by the limit), or ``s.activation`` with the clamped-SwiGLU limits where ``s.activation_clamp``."""
+    clamped by the limit), or ``s.activation`` with a limit L: ``activation_clamp`` act(min(gate, L)),
+    ``activation_clamp_after`` min(act(gate), L) (Step-3.7), up within [-L, L] with either."""
+    before, after = s.activation_clamp, s.activation_clamp_after
     if s.gate_softcap or s.up_softcap:  # the sigmoid reads the raw gate, the linear factor the capped one
-        if s.activation != "silu" or s.activation_clamp:
+        if s.activation != "silu" or before or after:
             raise ValueError(f"softcaps apply to an unclamped gated silu, not {s.activation!r} "
-                             f"(activation_clamp={s.activation_clamp})")
+                             f"(activation_clamp={before}, activation_clamp_after={after})")
         return _capped(gate, s.gate_softcap) * torch.sigmoid(gate) * _capped(up, s.up_softcap)
+    if before and after or s.activation == "swiglu_oai" and after:
+        raise ValueError(f"activation_clamp_after excludes activation_clamp and swiglu_oai ({s.activation!r}, "
+                         f"activation_clamp={before})")
     lim = s.activation_limit
-    if s.activation == "swiglu_oai" or s.activation_clamp:
-        gate, up = torch.clamp(gate, max=lim), torch.clamp(up, -lim, lim)
+    if s.activation == "swiglu_oai" or before:
+        gate = torch.clamp(gate, max=lim)
+    if s.activation == "swiglu_oai" or before or after:
+        up = torch.clamp(up, -lim, lim)
     if s.activation == "swiglu_oai":
         return (up + 1) * (gate * torch.sigmoid(s.activation_alpha * gate))
-    return elementwise(gate, s.activation) * up
+    a = elementwise(gate, s.activation)
+    return (torch.clamp(a, max=lim) if after else a) * up
 
 
 def split(h: torch.Tensor, interleaved: bool, width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,8 @@ def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "relu", "relu2", "swiglu_oai", "clamped", "softcap"])
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "relu", "relu2", "swiglu_oai", "clamped", "softcap",
+                                 "clamped_after", "clamped_after_gelu"])
 def test_activation(act):
     g = _gen(1)
     gate, up = torch.randn(64, 16, generator=g) * 6, torch.randn(64, 16, generator=g) * 6
@@ -35,6 +36,9 @@ def test_activation(act):
         s = BASE.replace(activation_clamp=True, activation_limit=3.0)
     elif act == "softcap":
         s = BASE.replace(gate_softcap=2.5, up_softcap=4.0)
+    elif act.startswith("clamped_after"):  # Step-3.7: min(act(gate), L) * clamp(up, +-L)
+        s = BASE.replace(activation_clamp_after=True, activation_limit=1.5,
+                         activation="gelu" if act.endswith("gelu") else "silu")
     else:
         s = BASE.replace(activation=act, activation_alpha=1.5, activation_limit=5.0)
     want = reference.spec_gated(gate, up, s)
@@ -79,6 +83,8 @@ SHARED = {
                                                            activation_limit=2.0)),
     "ungated": BASE.replace(shared=SharedExpertSpec(20, gated=False, activation="relu2")),
     "softcap": BASE.replace(shared=SharedExpertSpec(16, gate_softcap=3.0, up_softcap=5.0)),
+    "clamped_after": BASE.replace(shared=SharedExpertSpec(16, layout="concat", activation_clamp_after=True,
+                                                          activation_limit=0.3)),
     "norm": BASE.replace(shared=SharedExpertSpec(16, norm="rms", gate="sigmoid")),
     "stacked_gammas": BASE.replace(scoring="sigmoid", shared_gamma="joint_renorm", has_weight_scale=True,
                                    shared=SharedExpertSpec(12, stacked=3, scale=0.5)),
