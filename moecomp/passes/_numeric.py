@@ -40,6 +40,7 @@ from . import _fx
 from ._context import Context as _Context
 from ._fx import op_name
 from ._reject import Reject
+from ._ties import TIE_NOTE, tie_tokens
 
 
 @dataclass
@@ -140,7 +141,7 @@ def verify(ctx: _Context, candidates, blk: Block):
             del e
             _release()
             continue
-        notes = []
+        notes = [f"FX numeric check: {msg}"] if TIE_NOTE in msg else []
         if target < policy.FX_CHECK_MIN_TOKENS:
             notes.append(f"FX numeric check on {target} token(s): the expert weights the block gathers for more "
                          "would exceed policy.WORKING_MEMORY_BYTES")
@@ -253,8 +254,17 @@ def _agree(got, xin, tensors, spec, arg_shapes, dtype):
         return False, f"reference failed ({e})"
     if spec.zero_experts and not _zero_reached(xin, t, spec):
         return False, "no check token was routed to a zero expert (what they compute would be unproven)"
-    got = got.float()
-    return _close(got.reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1]), dtype, policy.fp8_quantized(spec))
+    got, want = got.float().reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1])
+    ok, msg = _close(got, want, dtype, policy.fp8_quantized(spec))
+    if ok:
+        return ok, msg
+    ties = tie_tokens(xin.reshape(-1, xin.shape[-1]), t, spec, dtype)
+    if ties is None:
+        return ok, msg
+    ok2, msg2 = _close(got[~ties], want[~ties], dtype, policy.fp8_quantized(spec))
+    n, distinct = int(ties.sum()), int(torch.unique(xin.reshape(-1, xin.shape[-1])[ties], dim=0).shape[0])
+    return ok2, f"{msg2}; {n} check token(s) ({distinct} distinct) {TIE_NOTE}"
+
 
 
 def _zero_reached(xin, t: dict, spec) -> bool:
