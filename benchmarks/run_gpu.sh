@@ -7,6 +7,7 @@
 #   benchmarks/run_gpu.sh layer     benchmarks/bench_moe.py --quick (the layer grid, JSON + log)
 #   benchmarks/run_gpu.sh layer_fp8 benchmarks/bench_moe.py --dtype fp8 --quick (the FP8 grid, JSON + log + plot)
 #   benchmarks/run_gpu.sh tune      python -m moecomp tune (PRESETS, TOKENS; writes the package table, copied to $OUT)
+#   benchmarks/run_gpu.sh tune4     python -m moecomp tune --quant4 both (the 4-bit presets; resumable, table to $OUT)
 #   benchmarks/run_gpu.sh diag      benchmarks/diag_kernels.py (DIAG_ARGS; default: the TMA part, gemm1 and gemm2)
 #   benchmarks/run_gpu.sh nan       the GPU tests of the op and the reliability suite, then the routing kernel timed
 #                                   against the version in .ab/routing_old.py (carried; e.g. git show HEAD~:...)
@@ -225,4 +226,12 @@ tune)  # retune the kernel table (every preset and bucket by default) and keep a
   timeout ${TUNE_TIMEOUT:-560} python3 -m moecomp tune --restart -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-480} \
       --presets ${PRESETS:-all} ${TOKENS:+--tokens $TOKENS} --copy-to "$OUT" 2>&1 | tee "$OUT/tune.log" \
       | grep -v "^DEBUG" | grep "T=\|tune\]" | tail -${TUNE_TAIL:-80} ;;
+tune4)  # issue 39: the 4-bit experts' tables (`tune --quant4 both`: K-step forms, aligned tiles, GEMV / DIRECT decode
+       # tiles and the decode limit per bucket) on gpt-oss-120b, Qwen3-30B-A3B int4 and gpt-oss-20b, in that order;
+       # resumable (the next call goes on where the budget stopped), the table and its .meta.json copied to $OUT.
+       # Bounded for one 9-minute call: no entry starts after TUNE_BUDGET s, the timeout leaves the last one ~110 s
+  timeout ${TUNE_TIMEOUT:-510} python3 -m moecomp tune --quant4 ${Q4_CHOICE:-both} -v --rep ${TUNE_REP:-10} \
+      --budget-s ${TUNE_BUDGET:-400} --presets ${PRESETS:-gpt_oss_120b,qwen3_30b_a3b_int4,gpt_oss_20b} \
+      ${TOKENS:+--tokens $TOKENS} --copy-to "$OUT" 2>&1 | tee "$OUT/tune-quant4.log" | grep -v "^DEBUG" \
+      | grep "T=\|tune\]" | grep -v "^\[tune\] \(decode \)\?T=" | tail -${TUNE_TAIL:-50} ;;
 esac

@@ -46,6 +46,7 @@ from .tune_fp8 import (  # noqa: F401  (re-exported: tests and tools use them th
     FP8_CHOICES, FP8_DECODE_TILES, FP8_TILES, FP8_VARIANT_KEYS, FP8_VARIANTS, _as_quantized, mode_keys)
 from .tune_io import (  # noqa: F401  (re-exported: tests and tools use them through this module)
     Progress, _commit, _done, _fmt_s, meta_path, read_json, save_entry, write_json_atomic)
+from .tune_quant4_run import QUANT4_HELP, quant4_formats, run_quant4
 
 TOKENS = [1, 16, 128, 1024, 8192]
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); gemm1's weight tile is 2 * BLOCK_N wide (gate and up columns)
@@ -398,6 +399,7 @@ def _parser() -> argparse.ArgumentParser:
                         "candidates; 'lean' w8a8+prequant and w8a16+fold1 only (dtype=fp8); 'prequant' "
                         "w8a8+prequant only (dtype=fp8; with its TMA tiles, as every prequant run); 'w8a8' / "
                         "'w8a16' one mode (dtype=fp8_<mode>, read when MOECOMP_FP8_MODE forces it)")
+    p.add_argument("--quant4", type=quant4_formats, default=None, metavar="FORMAT", help=QUANT4_HELP)
     p.add_argument("--out", default=None, metavar="FILE|DIR",
                    help="the table to write (a DIR gets DIR/<gpu>.json); default: "
                         "moecomp/kernels/configs/<gpu>.json, the file the run-time lookup reads")
@@ -510,6 +512,8 @@ def main(argv=None) -> int:
     path = _resolve_out(a.out, gpu, a.interpret)
     table = read_json(path)
     read_json(meta_path(path))  # fail now, not after the first entry, when the sidecar does not parse
+    if a.quant4:  # 4-bit experts: their presets, candidates and decode kernels (moecomp/tune_quant4_run.py)
+        return run_quant4(a, device, dtype, tokens, path)
 
     jobs = _jobs(a, dtype, tokens)
     todo = [j for j in jobs if a.restart or not _done(table, j[0], j[3])]
