@@ -405,7 +405,7 @@ def _build_paths(ctx: Run, st: Fam) -> list[Path]:
                 paths.append(Path("vllm", make_vllm_fn(ctx.vllm_fused, spec, tensors, st.router_mod, cd)))
     if "moecomp" in peers:
         if spec is not None:
-            from moecomp.ops.common import MOE_ARGS
+            from moecomp.core.args import MOE_ARGS
 
             op, key, H = torch.ops.moecomp.moe_forward, spec.key, spec.hidden_size
 

@@ -33,7 +33,7 @@ import time
 import torch
 
 from moecomp.ops import triton_moe
-from moecomp.ops.common import MOE_ARGS
+from moecomp.core.args import MOE_ARGS
 from moecomp.testing import LAYER_PRESETS, random_moe_args
 from moecomp.tune import bench_graph
 

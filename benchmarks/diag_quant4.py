@@ -46,11 +46,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moecomp import quant as q8  # noqa: E402
+from moecomp.core import quant as q8  # noqa: E402
 from moecomp import reference  # noqa: E402
 from moecomp.ops import tuning  # noqa: E402
-from moecomp.ops.common import MOE_ARGS  # noqa: E402
-from moecomp.spec import MoESpec, QuantSpec  # noqa: E402
+from moecomp.core.args import MOE_ARGS  # noqa: E402
+from moecomp.core.spec import MoESpec, QuantSpec  # noqa: E402
 from moecomp.testing import capture_moe_forward, quantize_moe_args, random_moe_args  # noqa: E402
 
 

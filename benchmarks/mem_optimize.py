@@ -85,7 +85,7 @@ def measure(fn, device) -> tuple[int, int, float, object]:
 
 def run_cell(cell: str, args, device) -> dict:
     import moecomp
-    from moecomp import policy
+    from moecomp.core import policy
     from moecomp.hf.fp8 import plain_fp8
     from moecomp.testing import forward_peak
     from moecomp.testing_blocks import one_block
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out-json", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    from moecomp import policy
+    from moecomp.core import policy
 
     result = dict(benchmark="mem-optimize", date=datetime.date.today().isoformat(), args=vars(args),
                   torch=torch.__version__, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

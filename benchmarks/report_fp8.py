@@ -162,7 +162,7 @@ def _intro(result: dict, paths: list[str]) -> list[str]:
         f"{result.get('torch', '?')}, triton {result.get('triton', '?')}, transformers "
         f"{result.get('transformers', '?')})", "",
         "Times in ms (`do_bench` medians; `g` = a CUDA-graph replay was the better of plain/graph). Every family's "
-        "block as in the bf16 table, its routed and shared experts quantized by `moecomp.quant.quantize` (e4m3, "
+        "block as in the bf16 table, its routed and shared experts quantized by `moecomp.core.quant.quantize` (e4m3, "
         "one fp32 scale per 128x128 block). moecomp fp8 = `torch.ops.moecomp.moe_forward` with the quantized spec "
         "and the scales, in the mode and speed candidates of the kernel table's entry for the cell (`tune --fp8 "
         "both`) or, without one, of the heuristic (`ops/tuning.FP8_HEURISTIC_MODE`); w8a8 / w8a16 = the same with "

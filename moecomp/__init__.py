@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import importlib
 
-from . import counters  # noqa: F401  (moecomp.counters: a module that indexes like a dict; torch only)
+from .core import counters  # noqa: F401  (moecomp.counters: a module that indexes like a dict; torch only)
 from . import ops  # noqa: F401  (registers torch.ops.moecomp.*; torch only)
-from .spec import MoESpec, SharedExpertSpec, SpecError
+from .core.spec import MoESpec, SharedExpertSpec, SpecError
 from .optimize import OptimizeError, Report, optimize, scan, unoptimize
 from .load import load  # (torch only: the loaders import transformers / safetensors when called)
 from .parallel.shard import shard_experts  # expert / tensor parallelism (moecomp.parallel; torch only)

@@ -55,23 +55,32 @@ import torch
 
 from . import capture as _capture
 from .hf import experts_interface as _experts_interface
-from .counters import counters
+from .core.counters import counters
 from .passes.detect_moe import detect_moe
 from .passes.fp8_linear import rewrite_fp8_linears
 from .passes.fse import fuse_shared_gate
 from .passes.rewrite_moe import rewrite_moe
-from .reject import Reject, RejectCode
+from .core.reject import Reject, RejectCode
 
 BACKEND_NAME = "moecomp"
 last_results: list[dict] = []  # newest last; at most _KEEP entries
 _KEEP = 16
 
-_HERE = os.path.dirname(__file__)
 # every file whose code decides what the pass rewrites: the pass package whole, and the modules it runs through
-_PASS_FILES = tuple(sorted(glob.glob(os.path.join(_HERE, "passes", "*.py")))) + tuple(
-    os.path.join(_HERE, p) for p in ("backend.py", "capture.py", "spec.py", "policy.py", "reject.py",
-                                     os.path.join("hf", "fp8.py"))
-)
+_PASS_PACKAGE = "moecomp.passes"
+_PASS_MODULES = ("moecomp.backend", "moecomp.capture", "moecomp.core.spec", "moecomp.core.policy",
+                 "moecomp.core.reject", "moecomp.hf.fp8")
+
+
+def _pass_files() -> tuple:
+    import importlib.util
+
+    pkg = os.path.dirname(importlib.util.find_spec(_PASS_PACKAGE).origin)
+    return tuple(sorted(glob.glob(os.path.join(pkg, "*.py")))) + tuple(
+        importlib.util.find_spec(m).origin for m in _PASS_MODULES)
+
+
+_PASS_FILES = _pass_files()
 
 
 @functools.lru_cache(maxsize=1)

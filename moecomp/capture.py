@@ -24,7 +24,7 @@
         e.reason        # why (one line)
         e.kind          # "capture": Dynamo could not trace the block (e.capture_failed is True), fall back freely
                         # "detect":  traced, but not an MoE we can prove equal (leave the block alone or fall back)
-        e.code          # the same as a moecomp.reject.RejectCode: CAPTURE_FAILED | NOT_RECOGNISED (test this)
+        e.code          # the same as a moecomp.core.reject.RejectCode: CAPTURE_FAILED | NOT_RECOGNISED (test this)
 
 Functions:
 
@@ -57,10 +57,11 @@ import torch.nn as nn
 from .hf.fp8 import plain_fp8
 from .ops.moe_op import MOE_ARGS, OP_ARGS
 from .passes import _fx
-from .derived import Derived
-from .match import PEELED, arg_name, forward_arg
-from .reject import Refused, RejectCode
-from .spec import MoESpec
+from .core.derived import Derived
+from .core.args import PEELED
+from .core.match import arg_name, forward_arg
+from .core.reject import Refused, RejectCode
+from .core.spec import MoESpec
 
 __all__ = ["CapturedBlock", "BlockMatch", "DetectError", "capture_block", "detect_block", "traceable_experts"]
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import policy
-from .derived import get_path
-from .match import PEELED, is_tensor_entry
-from .hf.structure import BlockParts
+from .core import policy
+from .core.derived import get_path
+from .core.args import PEELED
+from .core.match import is_tensor_entry
+from .core.parts import BlockParts
 from .probe import primary
-from .reject import raise_if_oom
+from .core.reject import raise_if_oom
 
 
 def block_device_dtype(block: nn.Module, parts: BlockParts):

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from .reject import RejectCode
+from .core.reject import RejectCode
 from .report import BlockReport, expert_style
-from .spec import MoESpec
+from .core.spec import MoESpec
 from .hf import bind as _bind
 from .hf import fallback as _fb
-from .hf.names import TOPK_NAMES, read_attr
-from .hf.structure import BlockParts, get_path
+from .core.names import TOPK_NAMES, read_attr
+from .core.parts import BlockParts
+from .core.derived import get_path
 
 
 def _try_experts_only(name: str, block: nn.Module, parts: BlockParts | None, rep: BlockReport, bind_it: bool):

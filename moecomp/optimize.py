@@ -19,7 +19,7 @@ DTensor experts) goes through :mod:`moecomp.parallel.hf_distributed` instead: re
 checked against its sharded forward, bound to the parallel op on the local shards (every rank of its group alike).
 
 Blocks that fail any step are left alone and reported with the reason (``BlockReport.reason``, text) and its
-code (``BlockReport.codes``, :class:`moecomp.reject.RejectCode`). On the meta device nothing can run:
+code (``BlockReport.codes``, :class:`moecomp.core.reject.RejectCode`). On the meta device nothing can run:
 ``scan`` then reports what the attribute fallback reads, marked unverified, and ``optimize`` warns (UserWarning)
 that it bound nothing there.
 
@@ -50,23 +50,24 @@ import warnings
 import torch
 from torch import nn
 
-from . import policy
+from .core import policy
 from .experts_only import _try_experts_only
-from .reject import RejectCode, StageError, describe_exception, in_stage, is_oom
+from .core.reject import RejectCode, StageError, describe_exception, in_stage, is_oom
 from .report import BlockReport, Report, _fill_from_spec, expert_style, router_style  # noqa: F401 (re-exported)
 from .epilogue import Peeled, block_device_dtype, epilogue_of
-from .match import Verified
+from .core.match import Verified
 from .recognise import block_constants, fx_available, recognise, structure_key  # noqa: F401 (structure_key re-exported)
-from .reject import Refused, Reject
+from .core.reject import Refused, Reject
 from .verify import verify, verify_epilogue
 from .hf import bind as _bind
 from .hf import fp8 as _fp8
 from .hf import router_probe as _router_probe
 from .hf.impl_switch import unclaimed
-from .hf.structure import BlockParts, iter_blocks
+from .core.parts import BlockParts
+from .hf.structure import iter_blocks
 from .parallel import hf_distributed as _hf_distributed
 
-# the verify check's rules live in moecomp.policy (re-exported here for callers that read them from optimize)
+# the verify check's rules live in moecomp.core.policy (re-exported here for callers that read them from optimize)
 TOLERANCE = policy.VERIFY_TOLERANCE
 PROBE_SHAPE = policy.PROBE_SHAPE
 TIE_REL = policy.TIE_REL

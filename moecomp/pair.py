@@ -18,12 +18,14 @@ import inspect
 import torch
 from torch import nn
 
-from . import policy
+from .core import policy
 from .hf import bind_pair as _bp
 from .hf import pair_reader as _pr
-from .hf.structure import BlockParts, get_path
+from .core.parts import BlockParts
+from .core.derived import get_path
+from .core.match import PairMatch
 from .pair_verify import fresh_call, verify_pair
-from .reject import Refused, RejectCode
+from .core.reject import Refused, RejectCode
 from .report import BlockReport, _fill_from_spec
 
 _RX_NONE = ("router_x",)
@@ -79,7 +81,7 @@ class ParentCalls:
                 m.train(t)
 
 
-def read_pair(parent: nn.Module, parts: BlockParts, call: tuple) -> _pr.PairMatch:
+def read_pair(parent: nn.Module, parts: BlockParts, call: tuple) -> PairMatch:
     """The pair's match (``hf/pair_reader.py``); raises ``Refused``."""
     rpath, xpath = parts.router_module, parts.experts
     if not rpath or not xpath or rpath == xpath or rpath.startswith(xpath + ".") or xpath.startswith(rpath + "."):
@@ -97,7 +99,7 @@ def read_pair(parent: nn.Module, parts: BlockParts, call: tuple) -> _pr.PairMatc
     bindings.update(ebinds)
     bindings.update(rbinds)
     notes.append(f"pair experts: {efields['activation']} (rel. err {eerr:.1e} on probes of the experts module)")
-    return _pr.PairMatch(spec=spec, bindings=bindings, router=rpath, experts=xpath, layout=lay, perturb=perturb,
+    return PairMatch(spec=spec, bindings=bindings, router=rpath, experts=xpath, layout=lay, perturb=perturb,
                          notes=notes)
 
 
@@ -136,7 +138,7 @@ def try_pair(name: str, block: nn.Module, parts: BlockParts | None, rep: BlockRe
 def report_bound(block: nn.Module, rep: BlockReport, bind_it: bool) -> bool:
     """A parent whose pair an earlier ``optimize`` bound: reported as "already"; False for anything else. One whose
     router / experts attributes changed since is unbound (``optimize``) to be read again."""
-    from .hf.snapshot import snapshot_changed
+    from .core.snapshot import snapshot_changed
 
     st = block.__dict__.get("_moecomp")
     if not isinstance(st, _bp.PairState):

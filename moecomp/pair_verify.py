@@ -12,12 +12,13 @@ import copy
 import torch
 from torch import nn
 
-from . import policy
+from .core import policy
 from . import reference
 from .hf.bind_pair import bind_pair, unbind_pair
-from .hf.structure import get_path
-from .hf.pair_reader import PairMatch, randomised
-from .reject import Refused, RejectCode, raise_if_oom
+from .core.derived import get_path
+from .core.match import PairMatch
+from .probe import randomised
+from .core.reject import Refused, RejectCode, raise_if_oom
 
 
 def fresh_call(call: tuple, root: nn.Module | None) -> tuple:

@@ -6,16 +6,17 @@ probe ids (the forward argument its ``token_ids`` binding names, drawn in [0, ro
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from . import policy
-from .derived import get_path
-from .match import Contract, arg_name, reshape_to, shape_mode
-from .reject import Refused, RejectCode
-from .hf.structure import BlockParts
+from .core import policy
+from .core.derived import get_path
+from .core.match import Contract, arg_name, reshape_to, shape_mode
+from .core.reject import Refused, RejectCode
+from .core.parts import BlockParts
 
 
 @dataclass
@@ -85,7 +86,7 @@ def _unbindable(why: str) -> Refused:
 
 
 def contract_of(run: ProbeRun) -> Contract:
-    """How the block shaped its result on this run (a :class:`moecomp.match.Contract`); refused (``BIND_FAILED``)
+    """How the block shaped its result on this run (a :class:`moecomp.core.match.Contract`); refused (``BIND_FAILED``)
     when the binder could not reproduce it: extra outputs that are not the router's, odd shapes, a list."""
     x = run.x
     out = run.output
@@ -141,3 +142,21 @@ def contract_of(run: ProbeRun) -> Contract:
 
 
 # ----------------------------------------------------------------------------------------------- hooks
+
+
+@contextlib.contextmanager
+def randomised(root: nn.Module, paths: list, seed: int = 7):
+    """Tensors at ``paths`` (under ``root``) hold random values in [0.5, 1.5) inside the block, restored after."""
+    g = torch.Generator().manual_seed(seed)
+    saved = []
+    try:
+        with torch.no_grad():
+            for p in paths:
+                t = get_path(root, p)
+                saved.append((t, t.detach().clone()))
+                t.copy_((torch.rand(t.shape, generator=g) + 0.5).to(t.dtype))
+        yield
+    finally:
+        with torch.no_grad():
+            for t, v in saved:
+                t.copy_(v)

@@ -1,4 +1,4 @@
-"""Recognition: one block in, one :class:`moecomp.match.Match` or :class:`moecomp.reject.Reject` out.
+"""Recognition: one block in, one :class:`moecomp.core.match.Match` or :class:`moecomp.core.reject.Reject` out.
 
     block ─► FX pass (Dynamo's graph of the block; primary) ──────────────────────► Match
                │ capture failed on a data-dependent branch (a per-expert loop)
@@ -22,12 +22,12 @@ import json
 import torch
 from torch import nn
 
-from . import policy
+from .core import policy
 from .hf import dispatch_reader, fallback
 from .hf.bind import forward_params
-from .hf.structure import BlockParts
-from .match import Evidence, Match, Verified, forward_arg
-from .reject import (Refused, Reject, RejectCode, StageError, describe_exception, in_stage, is_oom, oom_of,
+from .core.parts import BlockParts
+from .core.match import Evidence, Match, Verified, forward_arg
+from .core.reject import (Refused, Reject, RejectCode, StageError, describe_exception, in_stage, is_oom, oom_of,
                      raise_if_oom)
 
 # When the FX pass recognises a block, also run the attribute reader and note any difference in the report
@@ -333,7 +333,7 @@ def _diff(a, b) -> str:
 def match_block(block: nn.Module, example: torch.Tensor | None = None, *, use_fx: bool = True) -> Verified:
     """Recognise and verify one block, as ``optimize`` would (without binding it): the way for tools (the layer
     benchmark, scripts) to get a block's spec and the op's tensors (``moecomp.hf.bind.bound_tensors``). Raises
-    :class:`moecomp.reject.Refused` with the reason code when the block is not one the op can stand in for.
+    :class:`moecomp.core.reject.Refused` with the reason code when the block is not one the op can stand in for.
 
     ``example``: the probe input (default: ``policy.probe_input`` in the block's dtype and device)."""
     from .epilogue import block_device_dtype  # noqa: PLC0415

@@ -27,12 +27,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import quant as q8
+from .core import quant as q8
 from .reference_activations import (  # noqa: F401  (re-exported: reference.gated_activation, ...)
     activation, gated_activation, softcap, spec_gated)
 from .reference_steps import (  # noqa: F401  (re-exported: reference.rms_norm, ... as before the split)
     expert_scaled, latent_in, latent_out, rms_norm, router_input, router_logits)
-from .spec import MoESpec
+from .core.spec import MoESpec
 
 
 def score(logits: torch.Tensor, scoring: str) -> torch.Tensor:
@@ -115,7 +115,7 @@ def capacity_ranks(ids: torch.Tensor, width: int, group: int) -> torch.Tensor:
 
 
 def capacity_kept(ids: torch.Tensor, spec: MoESpec, group: int) -> torch.Tensor:
-    """[T, k] bool: the pairs an expert capacity keeps (the rule in ``moecomp.spec``): rank (:func:`capacity_ranks`)
+    """[T, k] bool: the pairs an expert capacity keeps (the rule in ``moecomp.core.spec``): rank (:func:`capacity_ranks`)
     below ``spec.capacity_for(group)``."""
     return capacity_ranks(ids, spec.router_width, group) < spec.capacity_for(group)
 
@@ -218,7 +218,7 @@ def _one_shared(spec: MoESpec) -> MoESpec:
 
 
 def sparsemixer(logits: torch.Tensor, k: int, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PhiMoE's eval-mode routing (the formula in ``moecomp.spec``): sanitised logits [T, E] -> (weights [T, k] in
+    """PhiMoE's eval-mode routing (the formula in ``moecomp.core.spec``): sanitised logits [T, E] -> (weights [T, k] in
     the logits' dtype, ids [T, k] int64), k rounds over the experts not taken yet. Round j takes the largest free
     logit m (lowest index on ties; a free one even when all are -inf) and weighs it by the softmax, at it, over the
     free logits within the relative threshold: dropped where (m - s) / max(|s|, m) > 2 * jitter_eps (a 0 / 0 is NaN,
@@ -345,7 +345,7 @@ def experts(
     rounded to x's dtype, normalised (:func:`rms_norm`, weight ``expert_norm_w``) before its routing weight.
     Quantized (``spec.quant``): each expert's
     weights dequantized (4-bit: with the int4 zeros ``w13_zero`` / ``w2_zero``; expert biases added in fp32), and
-    its GEMM inputs quantized as the spec says (``moecomp.quant``).
+    its GEMM inputs quantized as the spec says (``moecomp.core.quant``).
     ``spec.weight_on_input``: each pair's expert runs on ``weight * x`` (in ``acc``) and its output is summed as is.
     ``spec.zero_experts``: pairs whose id is >= E add ``weight * x`` (:func:`zero_expert_term`)."""
     qs = spec.quant

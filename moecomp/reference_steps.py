@@ -1,6 +1,6 @@
 """The oracle's steps around the routed experts and their routing (split from reference.py, which passed 600
 lines; ``moecomp.reference`` re-exports them): the router's own input and its GEMM, per-expert weight multipliers,
-the latent projections and the norms (``moecomp.spec``'s docstring has the formulas). Plain PyTorch, nothing fused.
+the latent projections and the norms (``moecomp.core.spec``'s docstring has the formulas). Plain PyTorch, nothing fused.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .spec import MoESpec
+from .core.spec import MoESpec
 
 
 def router_logits(x: torch.Tensor, router_w, router_b, spec: MoESpec) -> torch.Tensor:
@@ -22,7 +22,7 @@ def router_logits(x: torch.Tensor, router_w, router_b, spec: MoESpec) -> torch.T
 
 def rms_norm(v: torch.Tensor, w: torch.Tensor, form: str, eps: float, dtype: torch.dtype,
              acc=torch.float32) -> torch.Tensor:
-    """The norms of ``moecomp.spec`` on rows v [n, d] (any dtype), weight w [d] (or one row per v row, [n, d]) ->
+    """The norms of ``moecomp.core.spec`` on rows v [n, d] (any dtype), weight w [d] (or one row per v row, [n, d]) ->
     [n, d] in ``dtype``: "rms_1p" round(rms(v) * (1 + w)), "rms" round(rms(v) * w), "scaled_rms_1p"
     round(rms(round(v * (1 + w)))), "rms_per_expert" as "rms" (w: the expert's row); rms and the products in
     ``acc``, 1 + w formed in w's dtype, round = a cast to ``dtype``."""
@@ -39,7 +39,7 @@ def rms_norm(v: torch.Tensor, w: torch.Tensor, form: str, eps: float, dtype: tor
 
 
 def router_input(x2: torch.Tensor, router_x, router_in_scale, spec: MoESpec) -> torch.Tensor:
-    """What the router's GEMM reads, [T, H] in x's dtype (``moecomp.spec``: the router's own input): ``router_x``
+    """What the router's GEMM reads, [T, H] in x's dtype (``moecomp.core.spec``: the router's own input): ``router_x``
     (``spec.router_input``; any [..., H] with T rows) or x, RMS-normalised without weight (``router_norm``: in fp32,
     rounded back), times ``router_in_scale`` [H] and ``router_in_const``. x itself when the spec has no prefix."""
     if not spec.router_prefix:

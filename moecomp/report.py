@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .reject import RejectCode
-from .spec import MoESpec
+from .core.reject import RejectCode
+from .core.spec import MoESpec
 from .hf import bind as _bind
-from .hf.structure import get_path
+from .core.derived import get_path
 
 
 def router_style(spec: MoESpec) -> str:

@@ -12,7 +12,7 @@ import time
 import torch
 
 from .ops.moe_op import MOE_ARGS
-from .spec import MoESpec, SharedExpertSpec
+from .core.spec import MoESpec, SharedExpertSpec
 
 
 def random_moe_args(
@@ -95,7 +95,7 @@ def quantize_moe_args(spec: MoESpec, args: tuple, seed: int = 0) -> tuple[tuple,
     4-bit) form: (positional args, {scale / zero argument: tensor}) to call ``moe_forward(*args, spec.key, **scales)``. Static
     activation scales are calibrated on ``x``: each expert's max|x| and max|h| over every token (as if each token
     went to every expert) over 448, times U(1, 1.5) (so nothing saturates)."""
-    from . import quant as q8
+    from .core import quant as q8
 
     t = dict(zip(MOE_ARGS, args[1:]))
     scales = {}
@@ -139,7 +139,7 @@ def _expert_chunks(w: torch.Tensor, max_bytes: int = 1 << 30):
 def _quantize_experts(w: torch.Tensor, qs, halves: int = 1):
     """``quant.quantize`` of [E, rows, cols] a chunk of experts at a time (the same numbers: scales are per expert),
     so that a DeepSeek-V3 w13 (7.5e9 elements) never has a whole fp32 copy."""
-    from . import quant as q8
+    from .core import quant as q8
 
     chunks = _expert_chunks(w)
     if len(chunks) == 1:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import quant as q8
-from .spec import QuantSpec
+from .core import quant as q8
+from .core.spec import QuantSpec
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
 FORMATS = ("bf16", "fp32", "fp8", "fp8-channel", "mxfp4", "int4")

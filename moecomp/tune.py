@@ -40,7 +40,7 @@ import time
 import torch
 
 from .ops import tuning
-from .spec import MoESpec, QuantSpec
+from .core.spec import MoESpec, QuantSpec
 from .testing import LAYER_PRESETS
 from .tune_fp8 import (  # noqa: F401  (re-exported: tests and tools use them through this module)
     FP8_CHOICES, FP8_DECODE_TILES, FP8_TILES, FP8_VARIANT_KEYS, FP8_VARIANTS, _as_quantized, mode_keys)

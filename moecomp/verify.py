@@ -1,8 +1,8 @@
-"""The verify stage: a recogniser's :class:`moecomp.match.Match` proved on probes, or refused.
+"""The verify stage: a recogniser's :class:`moecomp.core.match.Match` proved on probes, or refused.
 
     Match ──► activations against the block's own modules on wide inputs (clamps reached)
           ──► the block's original forward and ``torch.ops.moecomp.moe_forward`` on the same probe input
-              (:mod:`moecomp.policy`: shape, tolerance per dtype, 16-bit routing near-ties excused); if only the
+              (:mod:`moecomp.core.policy`: shape, tolerance per dtype, 16-bit routing near-ties excused); if only the
               routed part is off by one constant, the constant is fitted (snapped to the block's own numbers)
           ──► an expert capacity: again on crowd probes, where it drops pairs (``_check_crowded``)
           ──► extra forward arguments (``input_ids``) checked to make no difference (hash routing: the token ids are
@@ -20,17 +20,18 @@ import math
 
 import torch
 
-from . import policy, reference
+from .core import policy
+from . import reference
 from .hf.bind import bound_tensors, forward_params
 from .hf.activations import activation_mismatch
-from .match import Match, Verified, apply_epilogue, is_tensor_entry
+from .core.match import Match, Verified, apply_epilogue, is_tensor_entry
 from .hf.fp8 import plain_fp8
 from .ops.moe_op import MOE_ARGS, OP_ARGS
 from .probe import contract_of, hash_call_args, primary, run_probe
-from .reject import Refused, RejectCode, raise_if_oom
-from .spec import MoESpec, SpecError
+from .core.reject import Refused, RejectCode, raise_if_oom
+from .core.spec import MoESpec, SpecError
 
-_example = policy.probe_input  # the verify check's input (shape, distribution, seed: see moecomp.policy)
+_example = policy.probe_input  # the verify check's input (shape, distribution, seed: see moecomp.core.policy)
 
 
 def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -47,7 +48,7 @@ def err_with_ties(block, spec: MoESpec, bindings, derived, x, y, ref, notes: lis
                   call_args: dict | None = None) -> float:
     """``_rel_err(y, ref)``, except that in 16-bit a few tokens that differ because their routing is within a
     rounding of a tie (``reference.near_tie_tokens``) are left out; the count goes to ``notes``. When ties are
-    excused (window per dtype, largest share of tokens) is :mod:`moecomp.policy`'s."""
+    excused (window per dtype, largest share of tokens) is :mod:`moecomp.core.policy`'s."""
     err = _rel_err(y, ref)
     tol = policy.verify_tolerance(x.dtype, spec)
     rel = policy.tie_window(x.dtype)

@@ -25,7 +25,8 @@ import torch
 pytest.importorskip("transformers")
 
 import moecomp  # noqa: E402
-from moecomp import policy, verify  # noqa: E402
+from moecomp.core import policy
+from moecomp import verify  # noqa: E402
 from moecomp.hf import fallback  # noqa: E402
 from moecomp.hf import families as F  # noqa: E402
 from moecomp.hf.structure import find_parts  # noqa: E402
@@ -86,8 +87,8 @@ def test_peak_memory_sees_temporaries_inside_custom_ops():
     """``PeakMemory`` counts what is allocated while active (freed or not), including the temporaries inside a custom
     op (``dequant_4bit`` unpacks codes a chunk at a time), and nothing held before."""
     from moecomp.hf.packed import dequant_4bit  # noqa: F401  (registers the op)
-    from moecomp.spec import QuantSpec
-    from moecomp import quant as q8
+    from moecomp.core.spec import QuantSpec
+    from moecomp.core import quant as q8
 
     held = torch.randn(1 << 20)  # 4 MB held before: not counted
     q, s, _ = q8.quantize_4bit(torch.randn(64, 1024), QuantSpec.mxfp4())

@@ -103,9 +103,9 @@ def test_both_implementations_declare_the_one_interface(backend, monkeypatch):
     weights within 1e-6 relative: fp32 sigmoid and renormalisation, summed in another order)."""
     from moecomp import reference
     from moecomp.ops import backend as b
-    from moecomp.ops.common import MOE_ARGS
+    from moecomp.core.args import MOE_ARGS
     from moecomp.ops.moe_op import implementation
-    from moecomp.spec import MoESpec
+    from moecomp.core.spec import MoESpec
     from moecomp.testing import random_moe_args
 
     monkeypatch.setenv("MOECOMP_CPU_BACKEND", backend)

@@ -1,4 +1,4 @@
-"""moecomp.policy holds every tolerance / near-tie / probe rule once; reject codes drive control flow, not text."""
+"""moecomp.core.policy holds every tolerance / near-tie / probe rule once; reject codes drive control flow, not text."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import moecomp
-from moecomp import policy
-from moecomp.reject import Reject, RejectCode
+from moecomp.core import policy
+from moecomp.core.reject import Reject, RejectCode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,11 +65,11 @@ def _code_literals(path: str) -> set[str]:
 @pytest.mark.parametrize("path", USERS)
 def test_no_policy_literal_outside_policy(path):
     dup = _code_literals(path) & FORBIDDEN
-    assert not dup, f"{path} spells {sorted(dup)}: import it from moecomp.policy instead"
+    assert not dup, f"{path} spells {sorted(dup)}: import it from moecomp.core.policy instead"
 
 
 def test_policy_defines_each_value():
-    lits = _code_literals("moecomp/policy.py")
+    lits = _code_literals("moecomp/core/policy.py")
     for v in ("1e-4", "3e-2", "1e-2", "1e-6", "2.0**-7", "2.0**-10", "0.125"):
         assert v in lits
     # the values themselves (unchanged by the move to policy.py)
@@ -126,7 +126,7 @@ def test_capture_failure_is_read_from_the_code_not_the_text(monkeypatch):
     from moecomp import recognise as R
     from moecomp.hf import families as F
     from moecomp.hf.structure import iter_blocks
-    from moecomp.match import Match
+    from moecomp.core.match import Match
 
     model, _ = F.build_tiny("mixtral")
     _, block, parts, _ = iter_blocks(model)[0]

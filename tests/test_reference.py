@@ -3,7 +3,7 @@
 import torch
 
 from moecomp import reference
-from moecomp.spec import MoESpec
+from moecomp.core.spec import MoESpec
 
 
 def test_near_tie_tokens_finds_exact_and_near_ties_only():

@@ -199,9 +199,9 @@ def block_spec(block, record: dict | None = None):
     the block's own (``moecomp.hf.bind.bound_tensors``). The block is put in eval mode first. Raises
     :class:`BlockRefused` (with the reject code) when moecomp does not take the block. ``record``, when given, receives
     how the block was recognised (for the JSON)."""
-    from moecomp import reject
+    from moecomp.core import reject
     from moecomp.hf.bind import bound_tensors
-    from moecomp.ops.common import MOE_ARGS
+    from moecomp.core.args import MOE_ARGS
     from moecomp.recognise import match_block
 
     block.eval()

@@ -4,7 +4,7 @@ Used by the attribute reader (:mod:`moecomp.hf.fallback`: which activation the e
 ModuleList expert compute), by the experts interface (:mod:`moecomp.hf.experts_interface`: the same for a
 transformers experts module), and by the verify stage (:func:`activation_mismatch`: a spec's activations against
 the block's modules on inputs wide enough to reach the clamps of clamped SwiGLU variants, which random hidden
-states rarely do). Probe inputs and tolerances: :mod:`moecomp.policy`.
+states rarely do). Probe inputs and tolerances: :mod:`moecomp.core.policy`.
 """
 
 from __future__ import annotations
@@ -15,13 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import policy, reference
-from .. import quant as q8
-from ..spec import MoESpec
-from . import fp8, names, softcap_probe
-from .names import read_attr
-from .structure import BlockParts, MLPParts, get_path
-from ..reject import raise_if_oom
+from ..core import policy
+from .. import reference
+from ..core import quant as q8
+from ..core.spec import MoESpec
+from . import fp8, softcap_probe
+from ..core import names
+from ..core.names import read_attr
+from ..core.parts import BlockParts, MLPParts
+from ..core.derived import get_path
+from ..core.reject import raise_if_oom
 
 _PROBE = policy.activation_probe_input()
 
@@ -233,7 +236,7 @@ def _mlp_ref(block: nn.Module, mp: MLPParts, x: torch.Tensor, act: str, clamp: b
 
 def _mlp_probe_input(block: nn.Module, mp: MLPParts):
     """A [MLP_PROBE_TOKENS, H] input (the MLP's dtype; fp32 for FP8 linears) whose first-layer outputs spread over
-    about +-25 (clamps at 7-10 hit); see :mod:`moecomp.policy`."""
+    about +-25 (clamps at 7-10 hit); see :mod:`moecomp.core.policy`."""
     p = mp.gate if mp.gated else mp.up
     W = get_path(block, p).detach()
     g = torch.Generator().manual_seed(policy.MLP_PROBE_SEED)

@@ -31,7 +31,7 @@ tokens; the table is a block buffer, checked once at bind time (every entry in [
 State lives in ``block._moecomp`` (a plain attribute, not a Module / Parameter / buffer: ``state_dict()`` is
 unchanged).
 
-Derived weights (``moecomp.derived.Derived``). A ModuleList of expert MLPs has no ``[E, 2I, H]`` tensor for the op: one
+Derived weights (``moecomp.core.derived.Derived``). A ModuleList of expert MLPs has no ``[E, 2I, H]`` tensor for the op: one
 is built as a non-persistent buffer and the experts' Parameters are re-pointed at its slices (``param.data =
 stacked[i, rows]``, same Parameter objects), so the weights are held once and every in-place write, ``.data``
 writes included (EMA loops), reaches the op. Each call checks that every source is still a view of the buffer at
@@ -76,18 +76,19 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..ops.hash_routing import check_table
 from ..ops.moe_op import OP_ARGS, call_moe_forward
 from ..parallel.op import call as call_parallel
-from ..reject import RejectCode
-from ..spec import MoESpec, SpecError
-from ..derived import Derived, SharedLayout
-from ..match import Contract, Verified, arg_name, call_params, reshape_to
+from ..core.reject import RejectCode
+from ..core.spec import MoESpec, SpecError
+from ..core.derived import Derived, SharedLayout
+from ..core.match import Contract, Verified, arg_name, call_params, reshape_to
 from .bind_common import BindError, _restore_forward, _warn_grad, claim  # noqa: F401  (re-exported)
 from .bind_experts import (  # noqa: F401  (the experts-only rewrite; re-exported: optimize / experts_only use them)
     ExpertsForward, ExpertsState, bind_experts, experts_block_forward, experts_stale, unbind_experts)
 from .impl_switch import as_before as _as_before, release as _release_impl, requested as _requested_impl
 from .impl_switch import warn_once as _warn_impl
-from .names import JITTER_NAMES
-from .snapshot import Snapshot, snapshot_changed, snapshot_changed_traced, snapshot_diff, take_snapshot
-from .structure import BlockParts, get_path
+from ..core.names import JITTER_NAMES
+from ..core.snapshot import Snapshot, snapshot_changed, snapshot_changed_traced, snapshot_diff, take_snapshot
+from ..core.parts import BlockParts
+from ..core.derived import get_path
 
 
 # ----------------------------------------------------------------------------------------------- return contract

@@ -8,7 +8,7 @@ import warnings
 
 from torch import nn
 
-from ..reject import Refused, RejectCode
+from ..core.reject import Refused, RejectCode
 from .impl_switch import claim as _claim_config, experts_config
 
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 from .bind_common import BindError, _restore_forward, _warn_grad, claim
 from .impl_switch import as_before as _as_before, release as _release_impl, requested as _requested_impl
 from .impl_switch import warn_once as _warn_impl
-from .snapshot import Snapshot, snapshot_changed, snapshot_diff, take_snapshot
+from ..core.snapshot import Snapshot, snapshot_changed, snapshot_diff, take_snapshot
 
 
 @dataclass

@@ -28,31 +28,15 @@ import torch
 from torch import nn
 
 from ..ops.moe_op import OP_ARGS, call_moe_forward
-from ..spec import MoESpec
+from ..core.match import PairLayout
+from ..core.spec import MoESpec
 from .bind import BindError, hooks_active
 from .bind_common import _restore_forward
 from .bind_experts import unbind_experts
-from .snapshot import Snapshot, snapshot_changed, take_snapshot
-from .structure import get_path
+from ..core.snapshot import Snapshot, snapshot_changed, take_snapshot
+from ..core.derived import get_path
 
 _RX = OP_ARGS.index("router_x")
-
-
-@dataclass
-class PairLayout:
-    """Where the parent's call puts things: the router's tensor argument (index among ``r_nargs`` positional
-    arguments), the ids / weights slots of its output tuple (of ``r_nout``), and the experts' positional arguments
-    (hidden states, ids, weights; of ``x_nargs``)."""
-
-    r_arg: int = 0
-    r_nargs: int = 1
-    r_nout: int = 3
-    r_ids: int = 2
-    r_w: int = 1
-    x_nargs: int = 3
-    x_h: int = 0
-    x_ids: int = 1
-    x_w: int = 2
 
 
 @dataclass

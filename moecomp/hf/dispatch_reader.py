@@ -34,14 +34,16 @@ from fractions import Fraction
 import torch
 from torch import nn
 
-from .. import policy, reference
-from ..match import Evidence, Match
-from ..reject import Refused, Reject, RejectCode, raise_if_oom
-from ..spec import MoESpec, SpecError, expert_bias_fields
+from ..core import policy
+from .. import reference
+from ..core.match import Evidence, Match
+from ..core.reject import Refused, Reject, RejectCode, raise_if_oom
+from ..core.spec import MoESpec, SpecError, expert_bias_fields
 from .activations import probe_mlp
 from .fallback import _routing_candidates, attr_sources, numeric_consts
 from .fallback_bind import bindings as _bindings
-from .structure import BlockParts, MLPParts, get_path
+from ..core.parts import BlockParts, MLPParts
+from ..core.derived import get_path
 
 
 class DispatchError(Refused):

@@ -37,13 +37,13 @@ import warnings
 import torch
 
 from ..import_hooks import RegisterOnImport, uninstall
-from .. import quant as q8
+from ..core import quant as q8
 from ..ops.moe_op import EXPERT_QUANT_ARGS, call_moe_experts
-from ..reject import Refused, RejectCode
-from ..spec import MoESpec, SpecError, expert_bias_fields
+from ..core.reject import Refused, RejectCode
+from ..core.spec import MoESpec, SpecError, expert_bias_fields
 from . import fp8
 from .activations import probe_activation, probe_gate
-from .snapshot import snapshot_changed, snapshot_changed_traced, take_snapshot
+from ..core.snapshot import snapshot_changed, snapshot_changed_traced, take_snapshot
 
 NAME = "moecomp"
 _warned: set = set()
@@ -162,7 +162,7 @@ def is_hf_experts_forward(fwd) -> bool:
 def _pre_activations(x: torch.Tensor, w13: torch.Tensor, w13_scale, spec: MoESpec) -> torch.Tensor:
     """x [T, H] (CPU) through every expert's w13: [T, E, N] fp32 on the CPU, w13 dequantized (or made fp32) a chunk of
     experts at a time (``policy.expert_chunks``): never the whole stack in fp32."""
-    from .. import policy
+    from ..core import policy
 
     E = w13.shape[0]
     out = None
@@ -183,9 +183,9 @@ def verify_experts(m: torch.nn.Module, spec: MoESpec, tokens: int | None = None)
 
     Two probes: hidden states of unit scale, and scaled so that the first GEMM's outputs reach about +-25 (the
     clamps of clamped SwiGLU / gpt-oss variants at 7-10). Ids are distinct per token, weights random positive.
-    Token count, seed, scale and tolerance: :mod:`moecomp.policy`.
+    Token count, seed, scale and tolerance: :mod:`moecomp.core.policy`.
     """
-    from .. import policy
+    from ..core import policy
 
     if tokens is None:
         tokens = policy.EXPERTS_PROBE_TOKENS

@@ -15,7 +15,7 @@ expert settings from the module and its config; ``measure(block, x, extraction)`
 
 Without an input (meta tensors) only the static guesses are made and the result is marked unverified.
 The caller (``moecomp.optimize``) still checks the whole block's output against the op before rewriting.
-Probe inputs and match tolerances come from :mod:`moecomp.policy`. Hash routing: :mod:`moecomp.hf.hash_reader`.
+Probe inputs and match tolerances come from :mod:`moecomp.core.policy`. Hash routing: :mod:`moecomp.hf.hash_reader`.
 """
 
 from __future__ import annotations
@@ -32,17 +32,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import policy, reference
-from ..match import Evidence, Match
-from ..reject import Refused, Reject, RejectCode
-from ..spec import MoESpec, SharedExpertSpec, SpecError, expert_bias_fields
+from ..core import policy
+from .. import reference
+from ..core.match import Evidence, Match
+from ..core.reject import Refused, Reject, RejectCode
+from ..core.spec import MoESpec, SharedExpertSpec, SpecError, expert_bias_fields
 from ..probe import ProbeRun, hash_call_args, run_probe
-from . import fp8, gamma_reader, hash_reader, names, norm_fit, output_fit, router_scale, sparsemixer_fit
+from . import fp8, gamma_reader, hash_reader, norm_fit, output_fit, router_scale, sparsemixer_fit
+from ..core import names
 from .fallback_bind import FallbackError, bindings as _bindings, quant as _quant
 from .activations import describe_unknown_gate, probe_activation, probe_gate, probe_mlp
-from .names import read_attr
+from ..core.names import read_attr
 from .packed import PackedExperts
-from .structure import BlockParts, MLPParts, NotABlock, find_parts, get_path
+from ..core.parts import BlockParts, MLPParts
+from .structure import NotABlock, find_parts
+from ..core.derived import get_path
 
 
 ROUTING_MEASURED = "routing measured from the experts' inputs"  # an evidence note (recognise._observed reads it)

@@ -1,22 +1,23 @@
 """The attribute reader's error type and its op-argument bindings (split from ``fallback.py``): every ``OP_ARGS``
 name -> the block-relative path of the tensor the op reads for it (router, experts, shared experts, FP8 scales,
-latent projections), or a :class:`moecomp.derived.Derived` built once from pieces (ModuleList experts stacked, split
+latent projections), or a :class:`moecomp.core.derived.Derived` built once from pieces (ModuleList experts stacked, split
 gate / up concatenated). ``hf/dispatch_reader.py`` binds its blocks the same way."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from ..derived import Derived
+from ..core.derived import Derived
 from ..ops.moe_op import OP_ARGS
-from ..reject import Refused, RejectCode
+from ..core.reject import Refused, RejectCode
 from . import fp8
-from .structure import BlockParts, get_path
+from ..core.parts import BlockParts
+from ..core.derived import get_path
 
 
 class FallbackError(Refused):
     """The attribute reader cannot describe this block with a MoESpec (or the block fails a check): ``reason`` says
-    why (text for the report), ``code`` (a :class:`moecomp.reject.RejectCode`) what kind of refusal it is."""
+    why (text for the report), ``code`` (a :class:`moecomp.core.reject.RejectCode`) what kind of refusal it is."""
 
 
 def quant(block: nn.Module, parts: BlockParts, b: dict):

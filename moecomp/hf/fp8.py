@@ -1,14 +1,14 @@
 """FP8 modules of transformers (``FP8Experts``, ``FP8Linear``) read by meaning, and run in plain PyTorch.
 
 A weight is *quantized* when it is a ``float8_e4m3fn`` tensor with a scale tensor next to it (``<name>_scale_inv``,
-or ``<name>_scale``) whose shape is the blocked shape of that weight (``moecomp.spec.QuantSpec.scale_shape``): class
+or ``<name>_scale``) whose shape is the blocked shape of that weight (``moecomp.core.spec.QuantSpec.scale_shape``): class
 names are not read. What the tensors cannot say comes from the module's attributes: ``block_size`` (the scale
 blocks; 128 x 128 when absent and the shapes fit it) and ``activation_scheme`` ("dynamic" / "static", with
 ``*_activation_scale`` tensors).
 
 transformers runs these modules only through the hub's ``finegrained-fp8`` kernel, which is never available here;
 moecomp runs them in plain PyTorch instead (:func:`plain_fp8`: a context in which every FP8 module under a root
-computes the dequantized reference, activations quantized as the module's scheme says, ``moecomp.quant``):
+computes the dequantized reference, activations quantized as the module's scheme says, ``moecomp.core.quant``):
 
 * ``FP8Linear``: ``y = fake_quant_act(x) @ dequantize(weight, weight_scale_inv).T (+ bias)``, in x's dtype;
 * ``FP8Experts``: per expert the two GEMMs the same way, the module's own gate (``_apply_gate`` / ``act_fn``)
@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import quant as q8
+from ..core import quant as q8
 from ..ops.fp8_linear import call_fp8_linear
-from ..spec import FP8_MAX, QuantSpec, SpecError
+from ..core.spec import FP8_MAX, QuantSpec, SpecError
 
 FP8 = torch.float8_e4m3fn
 DEFAULT_BLOCK = (128, 128)  # transformers' FineGrainedFP8Config default (and every FP8 block checkpoint's)
@@ -54,7 +54,7 @@ class FP8LayoutError(SpecError):
 # ------------------------------------------------------------------------------------------------ tracing ops
 @torch.library.custom_op("moecomp::dequant_fp8", mutates_args=())
 def dequant_fp8(q: torch.Tensor, scale: torch.Tensor, quant: str, halves: int) -> torch.Tensor:
-    """[..., rows, cols] fp8 + scales -> fp32 weights (``moecomp.quant.dequantize``)."""
+    """[..., rows, cols] fp8 + scales -> fp32 weights (``moecomp.core.quant.dequantize``)."""
     return q8.dequantize(q, scale, QuantSpec.from_key(quant), halves)
 
 
@@ -66,7 +66,7 @@ def _(q, scale, quant, halves):
 @torch.library.custom_op("moecomp::fake_quant_act", mutates_args=())
 def fake_quant_act(x: torch.Tensor, quant: str, scale: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] as a w8a8 GEMM multiplies it, fp32: dynamic per token and 128 columns, static with ``scale`` (one
-    value, or one per row), or x itself for activation "none" (``moecomp.quant.fake_quant_act``)."""
+    value, or one per row), or x itself for activation "none" (``moecomp.core.quant.fake_quant_act``)."""
     q = QuantSpec.from_key(quant)
     x2 = x.reshape(-1, x.shape[-1])
     if q.activation == "static" and scale is not None and scale.numel() > 1:

@@ -9,7 +9,7 @@ FP8 block checkpoint (``quantization_config={"quant_method": "fp8", "weight_bloc
 ``FP8Experts`` class, decorated the way ``replace_with_fp8_linear`` decorates it (``use_experts_implementation(...,
 experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)``), and every other ``nn.Linear`` (attention projections, dense MLPs,
 shared experts) an ``FP8Linear``; routers, shared-expert gates and ``lm_head`` stay as they are (``KEEP``). Weights
-are quantized with ``moecomp.quant.quantize`` (e4m3, fp32 scales per 128 x 128 block: a gated ``gate_up_proj``
+are quantized with ``moecomp.core.quant.quantize`` (e4m3, fp32 scales per 128 x 128 block: a gated ``gate_up_proj``
 holds gate and up blocked apart, as checkpoints quantize ``gate_proj`` and ``up_proj`` separately); the ``*_scale_inv``
 tensors hold the dequantization multiplier. ``activation_scheme`` "dynamic" (default) or "static" (every activation
 scale ``static_scale``).
@@ -29,8 +29,8 @@ import os
 import torch
 from torch import nn
 
-from .. import quant as q8
-from ..spec import QuantSpec
+from ..core import quant as q8
+from ..core.spec import QuantSpec
 
 # the last name components of linears that stay 16-bit (what FP8 checkpoints keep unquantized)
 KEEP = ("lm_head", "gate", "router", "shared_expert_gate", "shared_gate", "shared_experts_gate")

@@ -21,13 +21,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import policy
+from ..core import policy
 from ..probe import run_probe
-from ..reject import RejectCode
-from ..spec import SharedExpertSpec, SpecError
+from ..core.reject import RejectCode
+from ..core.spec import SharedExpertSpec, SpecError
 from .activations import _limits, probe_activation
 from .fallback_bind import FallbackError
-from .structure import BlockParts, get_path
+from ..core.parts import BlockParts
+from ..core.derived import get_path
 
 
 def gamma_fields(parts: BlockParts) -> dict:

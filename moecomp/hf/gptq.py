@@ -11,10 +11,10 @@ the i-th (lowest first):
     AWQ   qweight int32 [K, N / 8]   word (k, c): codes of outputs n = 8c + AWQ_ORDER[i] of input k (packed along N)
           qzeros  int32 [G, N / 8]   the same order;  scales fp16 [G, N];  W[n, k] = (q[k, n] - z[k // g, n]) * s
 
-moecomp's int4 layout (``moecomp.quant``): w [N, K / 2] uint8, the code of input 2j in the low nibble of byte j,
+moecomp's int4 layout (``moecomp.core.quant``): w [N, K / 2] uint8, the code of input 2j in the low nibble of byte j,
 scale [N, G] (the checkpoint's dtype), zero [N, G] uint8 (or None: symmetric, zero 8). :func:`gptq_to_packed` /
 :func:`awq_to_packed` repack one Linear into it: the codes stay 4-bit codes (quantized weights stay quantized;
-nothing is dequantized), so ``moecomp.quant.dequantize`` of the result is the checkpoint's W exactly. GPTQ's
+nothing is dequantized), so ``moecomp.core.quant.dequantize`` of the result is the checkpoint's W exactly. GPTQ's
 qweight needs no nibble shuffling at all: on a little-endian machine its bytes, read per output column, are
 already moecomp's bytes (a transpose of [K / 8, N, 4] bytes).
 
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import quant as q8
-from ..spec import QuantSpec
+from ..core import quant as q8
+from ..core.spec import QuantSpec
 from .packed import PackedExperts
 from .packed_linear import Packed4Linear
 from .structure import iter_blocks

@@ -19,13 +19,15 @@ import math
 import torch
 from torch import nn
 
-from .. import policy, reference
-from ..match import arg_name, forward_arg
-from ..reject import Refused, RejectCode
-from ..spec import SpecError
-from . import names
+from ..core import policy
+from .. import reference
+from ..core.match import arg_name, forward_arg
+from ..core.reject import Refused, RejectCode
+from ..core.spec import SpecError
+from ..core import names
 from .bind import forward_params
-from .structure import BlockParts, get_path
+from ..core.parts import BlockParts
+from ..core.derived import get_path
 
 
 def _table_path(block: nn.Module, parts: BlockParts, top_k: int) -> str | None:

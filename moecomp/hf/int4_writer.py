@@ -15,9 +15,9 @@ repacks bytes; the tests check one against the other through known codes.
                                                               replaced by its int4 tensors; config.json gets the
                                                               ``quantization_config`` GPTQ / AWQ checkpoints carry
 
-The codes come from ``moecomp.quant.quantize_4bit`` (round to nearest with an fp16 scale per row and group;
+The codes come from ``moecomp.core.quant.quantize_4bit`` (round to nearest with an fp16 scale per row and group;
 symmetric: zero 8, asymmetric: a zero per row and group), so the checkpoint's weights are exactly
-``moecomp.quant.dequantize(*quantize_4bit(W))``: the reference a test compares the loaded model with.
+``moecomp.core.quant.dequantize(*quantize_4bit(W))``: the reference a test compares the loaded model with.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import re
 import torch
 from torch import nn
 
-from .. import quant as q8
-from ..spec import QuantSpec
+from ..core import quant as q8
+from ..core.spec import QuantSpec
 from .gptq import AWQ_ORDER
 
 EXPERT_KEY = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
@@ -82,7 +82,7 @@ def int4_spec(group: int, sym: bool) -> QuantSpec:
 
 def quantize_linear(w: torch.Tensor, group: int, sym: bool):
     """A float weight [N, K] -> (codes [K, N] uint8, zeros [G, N] uint8, scales [G, N] fp16): GPTQ / AWQ's
-    input-major orientation of ``moecomp.quant.quantize_4bit``'s answer."""
+    input-major orientation of ``moecomp.core.quant.quantize_4bit``'s answer."""
     packed, scale, zero = q8.quantize_4bit(w.float(), int4_spec(group, sym))
     if zero is None:
         zero = torch.full_like(scale, q8.INT4_ZERO, dtype=torch.uint8)

@@ -36,7 +36,7 @@ import os
 import torch
 from torch import nn
 
-from ..spec import QuantSpec
+from ..core.spec import QuantSpec
 from . import checkpoint as ckpt_io
 from .packed import PackedExperts
 

@@ -2,7 +2,7 @@
 
     write_mxfp4_checkpoint(model, path)          a 16-bit GptOssForCausalLM (or one loaded packed) -> a real-format
                                                  checkpoint (``hf/mxfp4.py`` lists the tensors), experts quantized
-                                                 with ``moecomp.quant.quantize_4bit`` (each group's scale the power
+                                                 with ``moecomp.core.quant.quantize_4bit`` (each group's scale the power
                                                  of two 2 ** ceil(log2(amax / 6)), codes the nearest e2m1 value)
     gpt_oss_config("20b" | "120b")               the real models' sizes
     random_packed_model(config, device)          the model with random packed experts, built on ``device`` directly
@@ -27,7 +27,7 @@ import os
 import torch
 from torch import nn
 
-from .. import quant as q8
+from ..core import quant as q8
 from . import checkpoint as ckpt_io
 from .mxfp4 import GROUP, QUANT, SUFFIXES, from_checkpoint_tensors, swiglu_constants
 from .packed import PackedExperts

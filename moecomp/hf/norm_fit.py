@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .. import reference
-from ..reject import raise_if_oom
+from ..core.reject import raise_if_oom
 
 _SCALES = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # row rms of the probe rows
 
@@ -59,8 +59,8 @@ class NormUnread(Exception):
 def read_norms(block: nn.Module, parts) -> tuple[dict, dict, list]:
     """(spec fields, op-argument bindings, notes) of the norms ``parts`` names (``BlockParts.latent_norm`` /
     ``expert_norm``); empty without them. NormUnread when one cannot be measured (meta tensors) or fits no form."""
-    from ..spec_checks import EXPERT_NORMS, LATENT_NORMS
-    from .structure import get_path
+    from ..core.spec_checks import EXPERT_NORMS, LATENT_NORMS
+    from ..core.derived import get_path
 
     fields, bindings, notes = {}, {}, []
     width = parts.latent_size or parts.hidden_size

@@ -16,11 +16,11 @@ import types
 import torch
 from torch import nn
 
-from .. import policy
-from ..match import Evidence, Match
-from ..reject import Refused
-from ..spec import SpecError
-from ..spec_checks import ACTIVATIONS
+from ..core import policy
+from ..core.match import Evidence, Match
+from ..core.reject import Refused
+from ..core.spec import SpecError
+from ..core.spec_checks import ACTIVATIONS
 
 _NO_FIT = ("swiglu_oai",)  # needs its alpha / limit, which no attribute named here
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import quant as q8
+from ..core import quant as q8
 from .. import reference
-from ..spec import QuantSpec, SpecError
+from ..core.spec import QuantSpec, SpecError
 
 
 @torch.library.custom_op("moecomp::dequant_4bit", mutates_args=())
@@ -82,7 +82,7 @@ class PackedExperts(nn.Module):
 
     def spec(self, top_k: int = 1):
         """The experts' part of a MoESpec (routing left at its defaults; ``top_k`` as given)."""
-        from ..spec import MoESpec, expert_bias_fields
+        from ..core.spec import MoESpec, expert_bias_fields
 
         return MoESpec(num_experts=self.num_experts, top_k=top_k, hidden_size=self.hidden_size,
                        intermediate_size=self.intermediate_size, activation=self.activation, gated=self.gated,

@@ -2,7 +2,7 @@
 
 The int4 loader (``hf/gptq.py``) puts one where a checkpoint holds an int4 linear outside the routed experts
 (attention projections, shared experts, dense MLPs, a quantized ``lm_head``). It holds the tensors as stored (moecomp's
-layout, ``moecomp.quant``; nothing dequantized is kept) and its forward is one ``torch.ops.moecomp.linear_4bit`` call
+layout, ``moecomp.core.quant``; nothing dequantized is kept) and its forward is one ``torch.ops.moecomp.linear_4bit`` call
 (``ops/linear4.py``: plain PyTorch on CPU, Triton on CUDA)::
 
     x [..., in] ──[x[..., perm]: act-order checkpoints only]──► linear_4bit(x, qweight, scales, zeros, bias, quant)
@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import quant as q8
+from ..core import quant as q8
 from ..ops.linear4 import call_linear_4bit, check_linear_4bit
-from ..spec import QuantSpec, SpecError
+from ..core.spec import QuantSpec, SpecError
 
 
 def _frozen(t: torch.Tensor | None) -> nn.Parameter | None:

@@ -23,35 +23,25 @@ entries are all equal (a fresh init of ones) are given random values while fitte
 
 from __future__ import annotations
 
-import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .. import policy, reference
-from ..reject import Refused, RejectCode
-from ..spec import ACTIVATIONS, MoESpec, SpecError, expert_bias_fields
-from .bind_pair import PairLayout
+from ..core import policy
+from .. import reference
+from ..core.reject import Refused, RejectCode
+from ..core.spec import ACTIVATIONS, MoESpec, SpecError, expert_bias_fields
+from ..core.match import PairLayout
+from ..probe import randomised
 from .packed import PackedExperts
-from .structure import BlockParts, get_path
+from ..core.parts import BlockParts
+from ..core.derived import get_path
 
 
 class PairError(Refused):
     default_code = RejectCode.NOT_RECOGNISED
-
-
-@dataclass
-class PairMatch:
-    spec: MoESpec
-    bindings: dict  # OP_ARGS name -> path relative to the parent (router_x: None, the router's input at run time)
-    router: str
-    experts: str
-    layout: PairLayout
-    perturb: list = field(default_factory=list)  # parent-relative paths of constant vectors to randomise in checks
-    notes: list = field(default_factory=list)
-    method: str = "pair"
 
 
 # ------------------------------------------------------------------------------------------- observing the call
@@ -123,25 +113,6 @@ def layout_of(obs: Observed, E: int, H: int) -> tuple[PairLayout, int]:
     if not isinstance(obs.r_out, (tuple, list)):
         raise PairError("the router returns one tensor, not its ids and weights")
     return lay, k
-
-
-# --------------------------------------------------------------------------------------------------- perturbing
-@contextlib.contextmanager
-def randomised(root: nn.Module, paths: list, seed: int = 7):
-    """Tensors at ``paths`` (under ``root``) hold random values in [0.5, 1.5) inside the block, restored after."""
-    g = torch.Generator().manual_seed(seed)
-    saved = []
-    try:
-        with torch.no_grad():
-            for p in paths:
-                t = get_path(root, p)
-                saved.append((t, t.detach().clone()))
-                t.copy_((torch.rand(t.shape, generator=g) + 0.5).to(t.dtype))
-        yield
-    finally:
-        with torch.no_grad():
-            for t, v in saved:
-                t.copy_(v)
 
 
 def _constant(t: torch.Tensor) -> bool:

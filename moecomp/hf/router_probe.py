@@ -20,8 +20,9 @@ import inspect
 import torch
 from torch import nn
 
-from .. import policy
-from .structure import experts_child, get_path
+from ..core import policy
+from .structure import experts_child
+from ..core.derived import get_path
 
 
 def _e_and_h(experts: nn.Module) -> tuple[int, int] | None:

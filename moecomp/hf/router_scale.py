@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import policy
+from ..core import policy
 
 
 def router_logits_out(rout, T: int, E: int) -> torch.Tensor | None:

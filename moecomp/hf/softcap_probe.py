@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ..reject import raise_if_oom
+from ..core.reject import raise_if_oom
 
 T_PROBE = 1000.0  # g and u of the fitting calls: caps up to about 10 * T_PROBE stay measurable in fp32
 EPS_PROBE = 1e-3

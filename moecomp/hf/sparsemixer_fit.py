@@ -21,11 +21,13 @@ import math
 import torch
 from torch import nn
 
-from .. import policy, reference
+from ..core import policy
+from .. import reference
 from ..probe import run_probe
-from ..spec import MoESpec, SpecError
-from .structure import BlockParts, get_path
-from ..reject import raise_if_oom
+from ..core.spec import MoESpec, SpecError
+from ..core.parts import BlockParts
+from ..core.derived import get_path
+from ..core.reject import raise_if_oom
 
 
 def eps_candidates(sources) -> list[float]:

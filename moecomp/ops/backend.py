@@ -25,7 +25,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 
 
 class Routed(NamedTuple):

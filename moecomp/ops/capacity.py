@@ -1,5 +1,5 @@
 """``MoESpec.capacity`` / ``capacity_factor`` on the Triton path (Switch Transformers, NLLB-MoE): pairs past an
-expert's capacity are dropped (the rule in ``moecomp.spec``), with torch ops around the routing kernel:
+expert's capacity are dropped (the rule in ``moecomp.core.spec``), with torch ops around the routing kernel:
 
     route_topk_kernel        ids [T, k], weights (raw scores when the renormalisation follows the drop:
                              ``kernel_spec``)
@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 from . import route_weights as rw
 
 

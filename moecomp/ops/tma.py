@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 from .common import _sm_count
 
 

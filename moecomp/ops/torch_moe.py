@@ -22,9 +22,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .. import policy
-from .. import quant as q8
-from ..spec import MoESpec
+from ..core import policy
+from ..core import quant as q8
+from ..core.spec import MoESpec
 from . import cpu_act, cpu_route, cpu_shared, latent, norms
 from .backend import Routed
 from .common import split_fused_gate

@@ -26,7 +26,7 @@ import triton
 
 from ..kernels import fp8 as fp8_k
 from ..kernels import fp8_linear as fp8_linear_k
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 from . import fp8_blas, skinny, triton_quant4, tuning
 from .common import _interpret, _precision, _sm_count, _upcast
 

@@ -20,7 +20,7 @@ import triton
 from .act_args import act_args
 from ..kernels import fp8 as fp8_k
 from ..kernels import grouped_gemm_tma_fp8 as k8
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 from .common import _interpret
 from .tma import _desc, _programs, _TensorDescriptor, _tma_rows, _w13_desc, tma_device
 from . import triton_fp8

@@ -54,7 +54,7 @@ from ..kernels import grouped_gemm as gemm_k
 from ..kernels import grouped_gemm_tma as tma_k
 from ..kernels import router as router_k
 from ..kernels import routing as routing_k
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 from . import capacity as cap
 from . import triton_fp8, triton_quant4_gemv, tuning
 from . import triton_fp8_tma as fp8_tma

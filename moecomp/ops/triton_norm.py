@@ -11,7 +11,7 @@ import torch
 import triton
 
 from ..kernels import norm_combine as nc_k
-from ..spec import PER_EXPERT_NORMS, MoESpec
+from ..core.spec import PER_EXPERT_NORMS, MoESpec
 from .common import _flat_ids
 
 

@@ -34,7 +34,7 @@ import torch
 import triton
 
 from ..kernels import quant4_gemv as gemv_k
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 from . import weight_on_input as woi
 from . import zero_experts as zx
 from .act_args import act_args

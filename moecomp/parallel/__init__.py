@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 
-from ..spec_parallel import ParallelSpec
+from ..core.spec_parallel import ParallelSpec
 from .comm import group_name
 from .emulate import emulate
 from .op import call, experts, forward

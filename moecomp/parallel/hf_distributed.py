@@ -63,18 +63,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import policy
+from ..core import policy
 from ..hf import bind as _bind
-from ..hf.structure import BlockParts, get_path
+from ..core.parts import BlockParts
+from ..core.derived import get_path
 from ..epilogue import block_device_dtype
-from ..match import Verified, arg_name
-from ..ops.common import OP_ARGS
+from ..core.match import Verified, arg_name
+from ..core.args import OP_ARGS
 from ..probe import contract_of, primary, run_probe
 from ..recognise import recognise
-from ..reject import Reject, RejectCode
+from ..core.reject import Reject, RejectCode
 from ..report import BlockReport, _fill_from_spec
-from ..spec import MoESpec, SpecError
-from ..spec_parallel import ParallelSpec
+from ..core.spec import MoESpec, SpecError
+from ..core.spec_parallel import ParallelSpec
 from .comm import group_name
 from .local import SHARD_ARGS
 from .op import forward as parallel_forward

@@ -66,7 +66,7 @@ def _make_class(mod):
     from ..hf import experts_interface as ei
     from .comm import group_name
     from .op import experts as parallel_experts
-    from ..spec_parallel import ParallelSpec
+    from ..core.spec_parallel import ParallelSpec
 
     class MoecompEP(mod.EPImplementation):
         """This experts module's EP dispatch on moecomp's parallel experts path (``moecomp.parallel.hf_ep``)."""

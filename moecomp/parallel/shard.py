@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..derived import get_path
+from ..core.derived import get_path
 from ..hf.bind import BoundState, _refresh_derived, _resolve
-from ..ops.common import OP_ARGS
-from ..spec import MoESpec
-from ..spec_parallel import PARALLEL_MODES, ParallelSpec
+from ..core.args import OP_ARGS
+from ..core.spec import MoESpec
+from ..core.spec_parallel import PARALLEL_MODES, ParallelSpec
 from .comm import group_name, resolve_group
 from .local import SHARD_ARGS
 from .slicing import shard_tensors

@@ -21,7 +21,7 @@ for FP8 / 4-bit experts) stay within ``policy.WORKING_MEMORY_BYTES``; nothing he
 
 Memory: a check that runs out of device memory is run again on fewer tokens (``policy.FX_CHECK_MIN_TOKENS``), then
 on CPU copies of the tensors it reads; the verdict says so. An out-of-memory error is never taken for a failed check:
-when every try ran out, it leaves as a ``moecomp.reject.StageError`` ("numeric check").
+when every try ran out, it leaves as a ``moecomp.core.reject.StageError`` ("numeric check").
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .. import policy, reference
-from .. import quant as q8
-from ..ops.common import NORM_ARGS, OP_ARGS, PEELED, SHARED_NORM_ARGS
-from ..reject import RejectCode, StageError, is_oom, raise_if_oom
+from ..core import policy
+from .. import reference
+from ..core import quant as q8
+from ..core.args import NORM_ARGS, OP_ARGS, PEELED, SHARED_NORM_ARGS
+from ..core.reject import RejectCode, StageError, is_oom, raise_if_oom
 from . import _fx
 from ._context import Context as _Context
 from ._fx import op_name
@@ -524,7 +525,7 @@ def _unzero_unbound(ctx: _Context, inputs, args: list, src: _Sources, gen) -> No
     """Block tensors the region reads but the op does not (no binding names them) that are all zeros now get random
     values for the check: an add of zeros (a [1, 1, H] offset buffer) or a multiply by them would otherwise vanish
     from the check, and the op, which never reads them, would go wrong once they are not zero. An output bias the
-    epilogue peeled for the capture (``match.PEELED``) stays zero: it is bound after the op."""
+    epilogue peeled for the capture (``args.PEELED``) stays zero: it is bound after the op."""
     bound = {p for k in OP_ARGS for p in src.of(k)}
     for i, p in enumerate(inputs[1:], 1):
         v = ctx.values.get(p)

@@ -1,14 +1,14 @@
-"""Why a candidate block is refused inside the FX pass: an exception that carries a ``moecomp.reject.RejectCode``.
+"""Why a candidate block is refused inside the FX pass: an exception that carries a ``moecomp.core.reject.RejectCode``.
 
-Every stage raises :class:`Reject` (``NOT_RECOGNISED`` unless it says otherwise), a ``moecomp.reject.Refused`` like
-every other stage's refusal; ``detect_moe`` records it as a ``moecomp.reject.Reject`` in ``DetectResult.rejected``.
+Every stage raises :class:`Reject` (``NOT_RECOGNISED`` unless it says otherwise), a ``moecomp.core.reject.Refused`` like
+every other stage's refusal; ``detect_moe`` records it as a ``moecomp.core.reject.Reject`` in ``DetectResult.rejected``.
 Control flow reads ``code``, people read ``message``.
 """
 
 from __future__ import annotations
 
-from ..reject import Refused, RejectCode
-from ..reject import Reject as RejectRecord
+from ..core.reject import Refused, RejectCode
+from ..core.reject import Reject as RejectRecord
 
 
 class Reject(Refused):

@@ -5,7 +5,7 @@ This module is the entry point and the per-top-k orchestration; each part of the
 expert GEMMs, layout, gate split, biases), ``moe_per_expert`` (experts kept as per-expert modules),
 ``moe_activation`` (activation and clamps), ``moe_shared`` (the shared expert), ``moe_output`` (where the MoE result
 is, output scaling), ``_numeric`` (the numeric check), ``_reject`` (why a candidate is refused: a
-``moecomp.reject.RejectCode`` and a message).
+``moecomp.core.reject.RejectCode`` and a message).
 
 The matched subgraph (names are roles, not node names; ``[..]`` optional, ``|`` alternatives)::
 
@@ -97,7 +97,7 @@ How a match is proven (nothing is matched on class or module names):
    lower-precision blocks per token to 3e-2, on at least 90% of tokens (routing near-ties may flip). Only where the
    graph leaves a discrete choice open (e.g. weight layout when every dim equals H) are the few candidates tried in
    turn; the first that agrees is taken. The check (``passes/_numeric.py``; its tolerances and budgets are
-   ``moecomp.policy.FX_CHECK_*``) runs on about ``FX_CHECK_TOKENS`` tokens (the graph's symbolic sizes are set
+   ``moecomp.core.policy.FX_CHECK_*``) runs on about ``FX_CHECK_TOKENS`` tokens (the graph's symbolic sizes are set
    accordingly; the traced sizes are the fallback). A block that gathers whole expert matrices per token
    (``w13[ids]``) would materialise T * k of them: the tokens are cut to what ``policy.WORKING_MEMORY_BYTES`` holds,
    and when not even one token fits the check is skipped, the match rests on the structure alone and says so
@@ -110,7 +110,7 @@ whose ids reach a 3-D weight is a candidate like a top-k (``moe_hash``); the spe
 bindings ``hash_table`` (the table placeholder) and ``token_ids`` (the call input it is indexed by), and the numeric
 check draws token ids in [0, V). Forms no spec expresses are refused with ``UNSUPPORTED_ROUTING``.
 
-Anything not recognised is left alone and reported in ``DetectResult.rejected`` as ``(where, moecomp.reject.Reject)``:
+Anything not recognised is left alone and reported in ``DetectResult.rejected`` as ``(where, moecomp.core.reject.Reject)``:
 ``NOT_RECOGNISED`` (the structure is not one the pass knows), ``UNSUPPORTED_ROUTING`` (a routing no spec expresses),
 ``SPEC_INVALID`` (the derived spec is invalid), ``VERIFICATION_FAILED`` (the numeric check disagrees; ``CHECK_ERROR``
 when the block's own graph could not run).
@@ -124,10 +124,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..ops.common import OP_ARGS
-from ..reject import Reject as RejectRecord
-from ..reject import RejectCode, StageError
-from ..spec import MoESpec, SpecError, expert_bias_fields
+from ..core.args import OP_ARGS
+from ..core.reject import Reject as RejectRecord
+from ..core.reject import RejectCode, StageError
+from ..core.spec import MoESpec, SpecError, expert_bias_fields
 from . import _fx
 from ._context import Context
 from ._fx import op_name  # noqa: F401  (read by tests as detect_moe.op_name)
@@ -203,7 +203,7 @@ class MoEMatch:
 
 @dataclass
 class DetectResult:
-    """Matches plus ``rejected``: (where, ``moecomp.reject.Reject``) for every candidate left alone (its ``code``
+    """Matches plus ``rejected``: (where, ``moecomp.core.reject.Reject``) for every candidate left alone (its ``code``
     for control flow; ``str()`` of it is the message). Iterates like the match list."""
 
     matches: list[MoEMatch] = field(default_factory=list)

@@ -10,7 +10,7 @@ Whatever the block then does with the E matrices (gathers ``w3[ids]``, a loop ov
 read by ``moe_experts`` as for a stacked 3-D weight; which of the two matrix dims is the input is read from the
 shapes there (the layout), the GEMM's spelling not being needed. :class:`FlatView` says how the op's [E, a, b]
 tensor is taken from the placeholder: ``w.view(shape).permute(perm)``; the binder builds exactly that
-(``moecomp.derived.Derived`` kind "view"). The same record reads a 3-D weight transposed (``perm`` (0, 2, 1)): where
+(``moecomp.core.derived.Derived`` kind "view"). The same record reads a 3-D weight transposed (``perm`` (0, 2, 1)): where
 one stacked weight is stored [in, out] and the other [out, in], the second is read transposed to the first's layout.
 
 The experts' axis is the one of size E that the split made (the router's E outputs); where two axes have that size

@@ -30,8 +30,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from .. import policy, reference
-from ..spec import MoESpec, SpecError
+from ..core import policy
+from .. import reference
+from ..core.spec import MoESpec, SpecError
 from . import _fx
 from ._context import Context
 from ._fx import arg, op_name

@@ -4,7 +4,7 @@
 variants the spec lacks named (``describe_unknown_gate``); verify's activation check refusing a spec that drops the
 clamp or takes it for the other one; and transformers' own Step-3.7 (the ``step3p7:limits`` variant: routed and
 shared experts clamped at 0.5) read whole by the attribute reader and by the experts interface. Probe inputs
-(pre-activations over about +-20 / +-25) and tolerances: ``moecomp.policy``."""
+(pre-activations over about +-20 / +-25) and tolerances: ``moecomp.core.policy``."""
 
 from __future__ import annotations
 

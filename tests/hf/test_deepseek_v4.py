@@ -14,7 +14,7 @@ import torch
 
 import moecomp
 from moecomp.hf import families as F
-from moecomp.match import forward_arg
+from moecomp.core.match import forward_arg
 
 from .conftest import rel_err
 

@@ -2,7 +2,7 @@
 
 Converters: known codes, zeros and scales are packed the checkpoint way (``moecomp.hf.int4_writer.pack_gptq`` /
 ``pack_awq``: a shift and an OR per nibble, as the quantizers write them; plus hand-written words for the nibble
-orders), converted (``gptq_to_packed`` / ``awq_to_packed``), and ``moecomp.quant.dequantize`` of the result must
+orders), converted (``gptq_to_packed`` / ``awq_to_packed``), and ``moecomp.core.quant.dequantize`` of the result must
 equal ``(code - zero) * scale`` computed from the known values: exactly (both are one fp32 product of the same
 numbers).
 
@@ -28,13 +28,13 @@ import pytest
 import torch
 
 import moecomp
-from moecomp import quant as q8
+from moecomp.core import quant as q8
 from moecomp.hf import families as F
 from moecomp.hf import gptq as G
 from moecomp.hf import int4_writer as W
 from moecomp.hf.packed import PackedExperts
 from moecomp.hf.packed_linear import Packed4Linear
-from moecomp.spec import QuantSpec
+from moecomp.core.spec import QuantSpec
 
 from .conftest import rel_err
 

@@ -104,7 +104,7 @@ def _first_block(model):
 
 def _read_alone(block):
     """The attribute reader's answer for ``block`` (measured on the probe input), and the block's parts."""
-    from moecomp import policy
+    from moecomp.core import policy
     from moecomp.hf import fallback
     from moecomp.hf.structure import find_parts
 
@@ -117,7 +117,7 @@ def test_attribute_reader_finds_the_weight_scale_by_what_it_does():
     """A second one-element Parameter of the router that the routing does not read (named to come first) is not
     taken for the weight scale; the global scale, which multiplies the weights, is (and the routed scale is the
     config's route_scale, not route_scale times the global scale's value)."""
-    from moecomp.reject import Reject
+    from moecomp.core.reject import Reject
 
     model = tiny_inkling(2)
     blk = _first_block(model)
@@ -136,7 +136,7 @@ def test_attribute_reader_refuses_gammas_renormalised_apart():
 
     import torch.nn.functional as Fn
 
-    from moecomp.reject import Reject, RejectCode
+    from moecomp.core.reject import Reject, RejectCode
 
     model = tiny_inkling(3)
     blk = _first_block(model)

@@ -2,7 +2,7 @@
 dequantized to bf16), bound to ``moe_forward`` with ``spec.quant = QuantSpec.mxfp4()`` by ``optimize``.
 
 A tiny random ``GptOssForCausalLM`` (hidden 64, intermediate 64, 8 experts, top-2, 2 layers) is written with
-``write_mxfp4_checkpoint`` (experts quantized by ``moecomp.quant.quantize_4bit``) and loaded back.
+``write_mxfp4_checkpoint`` (experts quantized by ``moecomp.core.quant.quantize_4bit``) and loaded back.
 
 Tolerances (max |a - b| / max |b| over the logits):
 * ``TOL_REF_FP32`` 1e-5: the loaded model (``PackedExperts``, fp32 GEMMs of the exactly dequantized weights) against
@@ -29,13 +29,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moecomp
-from moecomp import policy, reference
+from moecomp.core import policy
+from moecomp import reference
 from moecomp.hf import families as F
 from moecomp.hf import mxfp4 as M
 from moecomp.hf import mxfp4_write as W
 from moecomp.hf.packed import PackedExperts
 from moecomp.optimize import rewritten_blocks
-from moecomp.reject import RejectCode
+from moecomp.core.reject import RejectCode
 
 from .conftest import rel_err
 
@@ -320,7 +321,7 @@ def test_optimize_binds_packed_blocks(written, ids):
     finally:
         B.call_moe_forward = real
     assert counter.calls == LAYERS and len(seen) == LAYERS
-    from moecomp.ops.common import OP_ARGS
+    from moecomp.core.args import OP_ARGS
 
     for i, tensors in enumerate(seen):
         ex = model.model.layers[i].mlp.experts

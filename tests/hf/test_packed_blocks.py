@@ -2,7 +2,7 @@
 recognised by meaning and bound to ``moe_forward`` with its packed tensors, whatever the block (issue 22).
 
 The GPTQ / AWQ loaders put ``PackedExperts`` into Mixtral / Qwen3-MoE style blocks (gate / up "concat", silu); here
-tiny bf16 models get theirs from ``moecomp.quant.quantize_4bit`` of their own expert weights. gpt-oss's blocks
+tiny bf16 models get theirs from ``moecomp.core.quant.quantize_4bit`` of their own expert weights. gpt-oss's blocks
 (interleaved swiglu_oai with biases) are ``test_mxfp4.py``'s.
 
 Tolerance: ``TOL_BLOCK`` 1e-3 (max |a - b| / max |b|), the bound block against its own forward (the
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import moecomp
-from moecomp import quant as q8
+from moecomp.core import quant as q8
 from moecomp.hf import families as F
 from moecomp.hf.packed import PackedExperts
 from moecomp.optimize import rewritten_blocks
-from moecomp.spec import QuantSpec
+from moecomp.core.spec import QuantSpec
 
 from .conftest import rel_err
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from moecomp.kernels import linear4 as lin4_k
-from moecomp.spec import QuantSpec
+from moecomp.core.spec import QuantSpec
 
 from .test_packed_linear import make, oracle
 

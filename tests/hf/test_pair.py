@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import moecomp
-from moecomp.reject import RejectCode
+from moecomp.core.reject import RejectCode
 from moecomp.hf.families import OpCounter
 
 TOL = 1e-4

@@ -154,7 +154,7 @@ class HalvesLayer(nn.Module):
 def test_abstract_forward_is_left_alone_with_the_reason():
     """Found by its shapes, but its forward raises NotImplementedError: no call of it can be replaced, so the block
     is skipped with NOT_A_BLOCK and a reason saying so, and the model still runs as before (bitwise)."""
-    from moecomp.reject import RejectCode
+    from moecomp.core.reject import RejectCode
 
     m = nn.Sequential(HalvesLayer()).eval()
     x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(4))

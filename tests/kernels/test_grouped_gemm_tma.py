@@ -11,8 +11,8 @@ import torch
 
 from moecomp import reference
 from moecomp.ops import triton_moe
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec
 from moecomp.testing import random_moe_args
 
 TILE = dict(BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)

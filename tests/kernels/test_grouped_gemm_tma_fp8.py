@@ -17,7 +17,7 @@ import torch
 
 from moecomp import reference
 from moecomp.ops import triton_fp8_tma, triton_moe
-from moecomp.spec import MoESpec, QuantSpec
+from moecomp.core.spec import MoESpec, QuantSpec
 from moecomp.testing import count_calls, quantize_moe_args, random_moe_args
 
 TOL = {torch.float32: 3e-5, torch.float16: 2e-3}

@@ -30,12 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moecomp import quant as q8
+from moecomp.core import quant as q8
 from moecomp import reference
 from moecomp.kernels import fp8, quant4
 from moecomp.ops import triton_fp8_tma, triton_moe, triton_quant4, tuning
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec
 from moecomp.testing import quantize_moe_args, random_moe_args
 
 TOL = {torch.float32: 3e-5, torch.float16: 2e-3}

@@ -5,7 +5,7 @@ import torch
 
 from moecomp import reference
 from moecomp.ops import triton_moe
-from moecomp.spec import MoESpec
+from moecomp.core.spec import MoESpec
 
 CASES = [
     dict(num_experts=8, top_k=2),

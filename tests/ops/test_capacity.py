@@ -16,8 +16,8 @@ import torch
 
 from moecomp import reference
 from moecomp.ops import capacity as cap
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError
 from moecomp.testing import capture_moe_forward, check_replays, random_moe_args, rel_err
 
 TOL = 1e-5

@@ -19,8 +19,8 @@ import torch
 
 from moecomp import reference
 from moecomp.ops import triton_moe
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec, SharedExpertSpec
 from moecomp.testing import quantize_moe_args, random_moe_args
 from test_gpu import poison_cache, rel_err  # (tests/ops is on sys.path, no package)
 

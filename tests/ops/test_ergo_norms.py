@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from moecomp import reference
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
 from moecomp.testing import capture_moe_forward, check_replays, random_moe_args, random_norm_args, rel_err
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}

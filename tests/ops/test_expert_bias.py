@@ -15,8 +15,8 @@ import torch
 
 from moecomp import reference
 from moecomp.ops import triton_quant4, triton_quant4_gemv
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec, SpecError, expert_bias_fields
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec, SpecError, expert_bias_fields
 from moecomp.testing import quantize_moe_args, random_moe_args
 
 TOL = 3e-5

@@ -15,12 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moecomp import quant as q8
+from moecomp.core import quant as q8
 from moecomp import reference
 from moecomp.kernels import fp8
 from moecomp.ops import tuning
-from moecomp.ops.common import MOE_ARGS, QUANT_ARGS
-from moecomp.spec import MoESpec, QuantSpec
+from moecomp.core.args import MOE_ARGS, QUANT_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec
 from moecomp.testing import LAYER_PRESETS, quantize_moe_args, random_moe_args
 from test_gpu import poison_cache, rel_err  # (tests/ops is on sys.path, no package: the bf16 GPU tests)
 

@@ -16,7 +16,7 @@ import torch
 
 from moecomp import reference
 from moecomp.ops import triton_moe, triton_shared, tuning
-from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec
+from moecomp.core.spec import MoESpec, QuantSpec, SharedExpertSpec
 from moecomp.testing import quantize_moe_args, random_moe_args
 
 TOL = {torch.float32: 3e-5, torch.float16: 2e-3}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moecomp import reference
-from moecomp.spec import MoESpec, SharedExpertSpec
+from moecomp.core.spec import MoESpec, SharedExpertSpec
 from moecomp.testing import LAYER_PRESETS, capture_moe_forward, random_moe_args
 
 pytestmark = pytest.mark.gpu
@@ -229,7 +229,7 @@ def test_tma_gemms_bf16(case, g1, monkeypatch):
     tile sizes: a real layer at T=2048, and E=6, H=I=1000 (tiles straddle the ends of experts' rows and of K).
     Their launches are counted (no silent fall-back)."""
     from moecomp.ops import triton_moe
-    from moecomp.ops.common import MOE_ARGS
+    from moecomp.core.args import MOE_ARGS
 
     spec = FAMILIES[case] if case in FAMILIES else MoESpec(num_experts=6, top_k=2, hidden_size=1000,
                                                            intermediate_size=1000)

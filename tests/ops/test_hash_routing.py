@@ -17,8 +17,8 @@ import torch
 
 from moecomp import reference
 from moecomp.ops import hash_routing, torch_moe
-from moecomp.ops.common import MOE_ARGS, OP_ARGS
-from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
+from moecomp.core.args import MOE_ARGS, OP_ARGS
+from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError
 from moecomp.testing import random_hash_args, random_moe_args
 
 TOL = 1e-5

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moecomp import reference
-from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
+from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError
 from moecomp.testing import random_moe_args
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}

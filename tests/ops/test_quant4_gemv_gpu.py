@@ -16,7 +16,7 @@ import torch
 
 from moecomp import reference
 from moecomp.ops import triton_quant4_gemv, tuning
-from moecomp.spec import MoESpec, QuantSpec
+from moecomp.core.spec import MoESpec, QuantSpec
 from moecomp.testing import capture_moe_forward
 from test_gpu import poison_cache, rel_err  # (tests/ops is on sys.path, no package)
 from test_quant4_gpu import packed_args

@@ -19,10 +19,10 @@ quantization itself is one to two orders of magnitude larger (13-17% on the CPU 
 import pytest
 import torch
 
-from moecomp import quant as q8
+from moecomp.core import quant as q8
 from moecomp import reference
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec
 from moecomp.testing import capture_moe_forward, random_moe_args
 from test_gpu import poison_cache, rel_err  # (tests/ops is on sys.path, no package: the bf16 GPU tests)
 
@@ -123,7 +123,7 @@ def test_quant4_eager_graphs_and_no_host_sync():
     """call_moe_forward (how bound blocks call the op) with 4-bit args: plain, captured (ops/graphs.py), replayed,
     each equal to plain launches; then no host sync on the hot path."""
     from moecomp.ops import graphs, triton_moe
-    from moecomp.ops.common import OP_ARGS
+    from moecomp.core.args import OP_ARGS
     from moecomp.ops.moe_op import call_moe_forward
 
     spec = GPT_OSS_20B

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from moecomp import reference
-from moecomp.ops.common import MOE_ARGS, OP_ARGS
-from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
+from moecomp.core.args import MOE_ARGS, OP_ARGS
+from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError
 from moecomp.testing import random_moe_args, random_weight_scale, rel_err
 
 TOL = 1e-5

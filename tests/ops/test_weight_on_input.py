@@ -17,8 +17,8 @@ import torch
 
 from moecomp import reference
 from moecomp.ops import triton_moe
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
 from moecomp.testing import quantize_moe_args, random_moe_args
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3}

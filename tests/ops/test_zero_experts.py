@@ -20,8 +20,8 @@ import torch
 
 from moecomp import reference
 from moecomp.ops import triton_moe
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
 from moecomp.testing import capture_moe_forward, check_replays, quantize_moe_args, random_moe_args, rel_err
 
 TOL = 1e-5

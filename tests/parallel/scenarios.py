@@ -13,9 +13,9 @@ import torch
 
 from moecomp import parallel as par
 from moecomp import reference
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec
-from moecomp.spec_parallel import ParallelSpec
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec, SharedExpertSpec
+from moecomp.core.spec_parallel import ParallelSpec
 from moecomp.testing import quantize_moe_args, random_hash_args, random_latent_args, random_moe_args, rel_err
 
 TOL = 2e-5  # fp32: relative Frobenius error (summation order only)

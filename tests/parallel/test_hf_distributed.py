@@ -407,7 +407,7 @@ def test_shared_experts_given_as_this_ranks_slice(name, mode):
     in (all-to-all, a latent block's TP) refuse them naming shared_w2."""
     import scenarios as sc
     from moecomp import parallel as par
-    from moecomp.spec import SpecError
+    from moecomp.core.spec import SpecError
     from moecomp.testing import rel_err
 
     W = 2

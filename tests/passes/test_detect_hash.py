@@ -24,8 +24,8 @@ import moecomp
 from moecomp import backend
 from moecomp.capture import DetectError, capture_block, detect_block
 from moecomp.hf.bind import bound_tensors
-from moecomp.match import forward_arg
-from moecomp.ops.common import MOE_ARGS, OP_ARGS
+from moecomp.core.match import forward_arg
+from moecomp.core.args import MOE_ARGS, OP_ARGS
 from moecomp.passes import detect_moe as dm
 from moecomp.passes.rewrite_moe import rewrite_moe
 from moecomp.recognise import match_block
@@ -196,7 +196,7 @@ def test_bad_table_is_refused():
     """A table entry outside [0, E) is refused by the pass before any check runs (``SPEC_INVALID``, naming
     hash_table; the block itself would index out of range). The binder checks the whole table too
     (``hash_routing.check_table``, tests/ops/test_hash_routing.py)."""
-    from moecomp.reject import RejectCode
+    from moecomp.core.reject import RejectCode
 
     block = HashMoE().eval()
     with torch.no_grad():

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from moecomp.capture import DetectError, detect_block
-from moecomp.ops.common import OP_ARGS
+from moecomp.core.args import OP_ARGS
 from moecomp.passes import detect_moe as dm
 from moecomp.recognise import match_block
 from moecomp.testing import rewrite_block_graph

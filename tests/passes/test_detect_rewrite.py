@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 
-from moecomp.reject import RejectCode
-from moecomp.spec import MoESpec
+from moecomp.core.reject import RejectCode
+from moecomp.core.spec import MoESpec
 
 import tiny_models as tm
 from moecomp.capture import capture_block
@@ -145,7 +145,7 @@ def test_fse_fuses_router_and_shared_gate():
 
 def test_numeric_check_skipped_when_gathers_are_too_large(monkeypatch):
     """batched_mm gathers T*k expert matrices: past the budget the match rests on the structure and says so."""
-    from moecomp import policy
+    from moecomp.core import policy
 
     monkeypatch.setattr(policy, "WORKING_MEMORY_BYTES", 1000)
     cap = capture_block(tm.moe_blocks(tm.hf_model("mixtral", "batched_mm"))[0], torch.randn(1, 3, tm.H))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moecomp.capture import DetectError, detect_block
-from moecomp.ops.common import OP_ARGS
+from moecomp.core.args import OP_ARGS
 from moecomp.passes import detect_moe as dm
 from moecomp.testing import rewrite_block_graph
 

@@ -22,7 +22,7 @@ from torch import nn
 import moecomp
 from moecomp.capture import DetectError, detect_block
 from moecomp.optimize import rewritten_blocks
-from moecomp.reject import RejectCode
+from moecomp.core.reject import RejectCode
 
 H, I, E, K = 32, 16, 6, 3
 

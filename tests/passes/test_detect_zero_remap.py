@@ -26,7 +26,7 @@ from torch import nn
 
 import moecomp
 from moecomp.capture import DetectError, detect_block
-from moecomp.derived import get_path
+from moecomp.core.derived import get_path
 from moecomp.hf import families as fam
 from moecomp.hf.fallback import FallbackError, static_extract
 from moecomp.hf.structure import NotABlock, find_parts, iter_blocks

@@ -18,12 +18,12 @@ import torch
 
 import flat_spellings as fs
 import moecomp
-from moecomp.derived import get_path
+from moecomp.core.derived import get_path
 from moecomp.hf import discover
 from moecomp.hf import families as fam
 from moecomp.hf.bind import _resolve
 from moecomp.hf.structure import iter_blocks
-from moecomp.ops.common import OP_ARGS
+from moecomp.core.args import OP_ARGS
 
 TOL = 1e-5  # fp32: the op against the block's own forward, relative to the output's largest entry
 
@@ -213,7 +213,7 @@ def test_flat_spelling_compile_backend(name):
     experts with ``where(ids == e)`` break Dynamo's graph at the data-dependent shapes there: the backend sees no
     whole block; ``optimize`` binds them.)"""
     import moecomp.backend  # noqa: F401 (registers the backend name)
-    from moecomp import counters
+    from moecomp.core import counters
 
     block = fs.build(name)
     compiled = torch.compile(block, backend="moecomp", dynamic=True)

@@ -22,7 +22,7 @@ from moecomp.capture import capture_block
 from moecomp.ops.moe_op import MOE_ARGS
 from moecomp.passes.detect_moe import detect_moe
 from moecomp.passes.rewrite_moe import rewrite_moe
-from moecomp.reject import RejectCode
+from moecomp.core.reject import RejectCode
 
 TOL = 1e-5
 STACKED = ("w13", "w2", "b13", "b2")

@@ -27,7 +27,7 @@ import sorted_spellings as ss
 from moecomp.capture import capture_block
 from moecomp.hf import families as fam
 from moecomp.passes.detect_moe import detect_moe
-from moecomp.reject import RejectCode
+from moecomp.core.reject import RejectCode
 
 TOL = 1e-5
 NR, VF = RejectCode.NOT_RECOGNISED, RejectCode.VERIFICATION_FAILED

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moecomp.capture import DetectError, detect_block
-from moecomp.reject import RejectCode
+from moecomp.core.reject import RejectCode
 
 H, I, E, K = 16, 8, 4, 2
 

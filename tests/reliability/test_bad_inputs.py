@@ -25,7 +25,7 @@ import torch
 
 from moecomp import reference
 from moecomp.ops.moe_op import EXPERT_ARGS, LATENT_ARGS, MOE_ARGS, OP_ARGS, call_moe_experts, call_moe_forward
-from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
+from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError
 from moecomp.testing import random_latent_args, random_moe_args
 
 # Every optional tensor present: router bias, correction bias, expert biases, a gated shared expert with its gate.

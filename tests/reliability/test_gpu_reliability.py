@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from moecomp import reference
-from moecomp.spec import MoESpec
+from moecomp.core.spec import MoESpec
 from moecomp.testing import LAYER_PRESETS, capture_moe_forward, random_moe_args
 
 pytestmark = pytest.mark.gpu

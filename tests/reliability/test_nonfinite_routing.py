@@ -24,7 +24,7 @@ import torch
 
 from moecomp import reference
 from moecomp.ops import cpu_route, triton_moe
-from moecomp.spec import MoESpec
+from moecomp.core.spec import MoESpec
 from moecomp.testing import random_moe_args
 
 NAN, INF = float("nan"), float("inf")

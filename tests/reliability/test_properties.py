@@ -52,7 +52,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from moecomp import reference
-from moecomp.spec import (
+from moecomp.core.spec import (
     ACTIVATIONS,
     GATE_UP,
     GROUP_SCORES,

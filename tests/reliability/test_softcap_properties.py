@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moecomp import reference
-from moecomp.spec import MoESpec, SharedExpertSpec
+from moecomp.core.spec import MoESpec, SharedExpertSpec
 from moecomp.testing import random_moe_args
 
 TOL = 1e-5

@@ -1,5 +1,5 @@
 """MoESpec's checks: which field values and combinations the op computes (``MoESpec.validate`` calls
-``validate_moe``). SpecError and the allowed values of the string fields live here too; ``moecomp.spec``
+``validate_moe``). SpecError and the allowed values of the string fields live here too; ``moecomp.core.spec``
 re-exports them."""
 
 from __future__ import annotations
@@ -296,7 +296,7 @@ def _check_latent(spec: MoESpec) -> None:
 
 
 def _check_router_input(spec: MoESpec) -> None:
-    """The router's own input / input prefix and the per-expert weight multipliers (``moecomp.spec``)."""
+    """The router's own input / input prefix and the per-expert weight multipliers (``moecomp.core.spec``)."""
     prefix = spec.router_input or spec.router_norm or spec.router_in_scale or spec.router_in_const != 1.0
     c, eps = spec.router_in_const, spec.router_norm_eps
     if isinstance(c, bool) or not isinstance(c, (int, float)) or not (math.isfinite(c) and c > 0):

@@ -139,15 +139,15 @@ import json
 import math
 from dataclasses import dataclass
 
-from moecomp.spec_checks import (  # noqa: F401  (re-exported: the allowed values and SpecError)
+from moecomp.core.spec_checks import (  # noqa: F401  (re-exported: the allowed values and SpecError)
     SCORINGS, SCORE_ORDERS, GROUP_SCORES, ACTIVATIONS, W_LAYOUTS, GATE_UP, QUANT_WEIGHTS, PACKED_WEIGHTS, QUANT_SCALES,
     SCALE_DTYPES,
     QUANT_ACTIVATIONS, CAPACITY_PER, EXPERT_BIASES, PER_EXPERT_NORMS, FP8_MAX, SpecError, expert_bias_fields,
     _check_activation, _check_softcaps, check_quant, check_shared_norm,
     validate_moe,
 )
-from moecomp import spec_describe
-from moecomp.spec_parallel import ParallelSpec, check_parallel, parallel_from_dict  # the sharded experts' part
+from moecomp.core import spec_describe
+from moecomp.core.spec_parallel import ParallelSpec, check_parallel, parallel_from_dict  # the sharded experts' part
 
 
 @dataclass(frozen=True)

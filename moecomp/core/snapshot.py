@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .names import JITTER_NAMES
-from .structure import get_path
+from .derived import get_path
 
 _SCALAR_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
 _NO_SCALARS = (nn.Linear, nn.Identity)  # torch modules whose forward reads no scalar attribute

@@ -1,4 +1,4 @@
-"""Quantized weights and activations in plain PyTorch: the oracle of ``MoESpec.quant`` (``moecomp.spec.QuantSpec``).
+"""Quantized weights and activations in plain PyTorch: the oracle of ``MoESpec.quant`` (``moecomp.core.spec.QuantSpec``).
 
     dequantize(q, scale)      w = q * s_w             s_w per [block_n, block_k] block, per row, or per matrix
     quantize(w)               (q, s_w) from a float weight (tests, benchmarks, checkpoint writers)

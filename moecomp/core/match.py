@@ -14,8 +14,8 @@
                                                               │
     bind (the block's forward becomes one op call) ◄──────────┘
 
-Recognisers return a ``Match`` or a :class:`moecomp.reject.Reject` (a code and a message); stages that raise use
-:class:`moecomp.reject.Refused`. Nothing here runs a block.
+Recognisers return a ``Match`` or a :class:`moecomp.core.reject.Reject` (a code and a message); stages that raise use
+:class:`moecomp.core.reject.Refused`. Nothing here runs a block.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .derived import Derived, get_path
-from .ops.common import OP_ARGS
-from .ops.common import PEELED as _PEELED
+from .args import OP_ARGS
 from .spec import MoESpec
 
 
@@ -148,10 +147,9 @@ class Verified:
     # [H] (or [1, .., 1, H]) tensors (added: an output bias); ``apply_epilogue``
 
 
-# The attribute ``epilogue.Peeled`` sets on a block tensor it zeroed for a capture (an output bias bound after the op):
-# the capture's tail check (``capture._adds_zero``) takes the add of such a tensor as the identity it then is, and
-# the FX numeric check leaves it zero. Defined in ``ops.common`` (the passes read it; they sit below this module).
-PEELED = _PEELED
+# ``PEELED`` (``core/args.py``): the attribute ``epilogue.Peeled`` sets on a block tensor it zeroed
+# for a capture (an output bias bound after the op): the capture's tail check (``capture._adds_zero``) takes the add
+# of such a tensor as the identity it then is, and the FX numeric check leaves it zero.
 
 
 def is_tensor_entry(block, name: str) -> bool:
@@ -164,3 +162,35 @@ def apply_epilogue(block, names, y):
     for n in names:
         y = y + getattr(block, n) if is_tensor_entry(block, n) else get_path(block, n)(y)
     return y
+
+
+# -------------------------------------------------------------------- the pair rewrite (pair.py; issue 21)
+# A decoder layer whose router and experts are sibling children: read by ``hf/pair_reader.py``, checked by
+# ``pair_verify.py``, bound by ``hf/bind_pair.py`` (two stand-ins). Here, below all three.
+@dataclass
+class PairLayout:
+    """Where the parent's call puts things: the router's tensor argument (index among ``r_nargs`` positional
+    arguments), the ids / weights slots of its output tuple (of ``r_nout``), and the experts' positional arguments
+    (hidden states, ids, weights; of ``x_nargs``)."""
+
+    r_arg: int = 0
+    r_nargs: int = 1
+    r_nout: int = 3
+    r_ids: int = 2
+    r_w: int = 1
+    x_nargs: int = 3
+    x_h: int = 0
+    x_ids: int = 1
+    x_w: int = 2
+
+
+@dataclass
+class PairMatch:
+    spec: MoESpec
+    bindings: dict  # OP_ARGS name -> path relative to the parent (router_x: None, the router's input at run time)
+    router: str
+    experts: str
+    layout: PairLayout
+    perturb: list = field(default_factory=list)  # parent-relative paths of constant vectors to randomise in checks
+    notes: list = field(default_factory=list)
+    method: str = "pair"

@@ -3,7 +3,7 @@
 A ModuleList of expert MLPs has per-expert ``[I, H]`` weights where the op reads one ``[E, 2I, H]`` tensor; a
 router that runs in fp32 over 16-bit weights needs an fp32 copy; FSE reads ``[router; shared_gate]`` as one
 tensor. A :class:`Derived` says how to build such a tensor from block-relative paths; the recognisers put them in a
-:class:`moecomp.match.Match`, the binder builds them once (sharing the sources' storage where the layout allows:
+:class:`moecomp.core.match.Match`, the binder builds them once (sharing the sources' storage where the layout allows:
 :meth:`Derived.share_plan`) and keeps them current.
 """
 
