@@ -355,7 +355,7 @@ def _prepare_family(ctx: Run, st: Fam) -> None:
         frec["hf_router"] = note if st.router_mod is not None else None
         if any(p in ctx.peers for p in ("vllm", "vllm_fp8", "scaled_grouped_mm")):
             frec["vllm_router"] = (f"HF router module {note!r}" if st.router_mod is not None else
-                                   f"moecomp.reference.route on the recognised spec ({note})")
+                                   f"moecomp.oracle.reference.route on the recognised spec ({note})")
     if args.routing != "real":
         if spec is None:
             raise RuntimeError(f"--routing {args.routing} needs the recognised router weight ({st.spec_err})")
@@ -479,7 +479,7 @@ def _run_cell(ctx: Run, st: Fam, T: int) -> None:
 def _cell_routing(ctx: Run, st: Fam, cell: dict, x, planned) -> torch.Tensor:
     """The routing moecomp's spec takes on x: the floor (fp8: of the fp8 block, the bf16 one beside it), the tokens
     with an ambiguous routing (returned), the routing statistics and how the planted / HF routers agree."""
-    from moecomp import reference
+    from moecomp.oracle import reference
     from moecomp.ops.common import split_fused_gate
 
     spec, tensors, H, T = st.spec, st.tensors, st.spec.hidden_size, x.shape[1]

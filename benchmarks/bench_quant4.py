@@ -16,7 +16,7 @@ built on the device in bf16 with random weights (N(0, 0.02)); moecomp's recognis
   4-bit path, so vLLM 4-bit is n/a, and it cannot run gpt-oss's own activation).
 
 The router is the block's (linear + bias, top-4, softmax) in every path. Each quantized path is checked against
-``moecomp.reference.moe_forward`` on the same quantized tensors (dequantized exactly, fp32 math); bf16 paths
+``moecomp.oracle.reference.moe_forward`` on the same quantized tensors (dequantized exactly, fp32 math); bf16 paths
 against the HF block (gpt-oss) or the reference (plain). Times: ``triton.testing.do_bench`` medians, plain launches
 and a CUDA-graph replay (T <= 1024), the better taken. The floor of a cell is the bytes of the experts the batch
 touched (at their stored size, scales and biases included) plus router and activations over the measured copy
@@ -103,7 +103,7 @@ def _op_path(name, spec, args, extra, ref_fn=None):
 
 def build_paths(fam_name: str, tiny: bool, device, seed: int, vllm):
     """Every path of one model: [(Path, reference fn or None)], the gpt-oss spec and tensors (for the floors)."""
-    from moecomp import reference
+    from moecomp.oracle import reference
     from moecomp.core.spec import QuantSpec
 
     cfg, block = build_block(FAMILIES[fam_name], tiny, device, seed)

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     import triton
 
     from moecomp.core import quant as q8
-    from moecomp import reference
+    from moecomp.oracle import reference
     from moecomp.core.spec import QuantSpec
     from moecomp.testing import host_us
 

@@ -25,7 +25,7 @@ def rel(a, b):
 
 def main():
     import moecomp
-    from moecomp import reference
+    from moecomp.oracle import reference
     from moecomp.hf.bind import _resolve
 
     ap = argparse.ArgumentParser()

@@ -180,7 +180,7 @@ def _intro(result: dict, paths: list[str]) -> list[str]:
         f"floor (fp8) = max(bytes of the experts the batch touched at 1 byte per weight + their fp32 scales, the "
         f"shared experts likewise, the bf16 router and activations, over the copy rate "
         f"{ce.get('copy_bytes_per_s', 0) / 1e12:.2f} TB/s; FLOPs over {rate_s}). Checks: each fp8 path against "
-        f"the dequantized reference (`moecomp.reference.moe_forward` with the quantized spec and the scales; w8a8 "
+        f"the dequantized reference (`moecomp.oracle.reference.moe_forward` with the quantized spec and the scales; w8a8 "
         f"= activation quantization counted, w8a16 = weight-only; a moecomp path passes within the tolerance "
         f"{f8.get('tolerance', '?')} of either, `(ran)` names the closer one, whose error is shown, `!` = not the forced mode); vLLM fp8 "
         f"against w8a8; quant err = the w8a8 reference against the bf16 HF block (the format's own error); check "

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .core import policy
-from . import reference
+from .oracle import reference
 from .hf.bind_pair import bind_pair, unbind_pair
 from .core.derived import get_path
 from .core.match import PairMatch

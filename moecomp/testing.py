@@ -110,7 +110,7 @@ def quantize_moe_args(spec: MoESpec, args: tuple, seed: int = 0) -> tuple[tuple,
         t["w13"], scales["w13_scale"] = _quantize_experts(t["w13"], qs, halves)
         t["w2"], scales["w2_scale"] = _quantize_experts(t["w2"], qs)
         if qs.activation == "static":
-            from . import reference
+            from .oracle import reference
 
             g = torch.Generator(device=args[0].device).manual_seed(seed)
             E, dev = spec.num_experts, args[0].device
@@ -341,7 +341,7 @@ def random_norm_args(spec: MoESpec, dtype: torch.dtype = torch.float32, device: 
 def check_op(args, extra: dict, spec: MoESpec, tol: float) -> torch.Tensor:
     """``moe_forward`` on ``args`` (x and MOE_ARGS' tensors) plus the named ``extra`` tensors against
     ``reference.moe_forward``: same shape, finite, max |diff| / max |ref| below ``tol``. Returns the op's output."""
-    from . import reference  # noqa: PLC0415
+    from .oracle import reference  # noqa: PLC0415
 
     out = torch.ops.moecomp.moe_forward(*args, spec.key, **extra)
     ref = reference.moe_forward(*args, spec, **extra)
@@ -356,7 +356,7 @@ def routing_near_ties(opt: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
     rounding of a tie (``reference.near_tie_tokens`` on each block's input and the router tensors its op reads).
     ``opt``: an optimized model (``moecomp.optimize``). Two implementations' router GEMMs may round such a position's
     logits apart and pick different experts, so token-level comparisons in bf16 leave these positions out."""
-    from . import reference
+    from .oracle import reference
     from .hf.bind import _resolve
     from .optimize import TIE_REL, rewritten_blocks
 

@@ -21,7 +21,7 @@ import math
 import torch
 
 from .core import policy
-from . import reference
+from .oracle import reference
 from .hf.bind import bound_tensors, forward_params
 from .hf.activations import activation_mismatch
 from .core.match import Match, Verified, apply_epilogue, is_tensor_entry

@@ -360,7 +360,7 @@ def test_routing_plan_distributions():
 def test_planted_routing_every_path_same_ids(fam):
     """Planted ids: moecomp's reference routing, HF's own router module and the HF block all follow the drawn ids,
     and moecomp's op (which routes by itself) matches the HF block, i.e. took the same experts."""
-    from moecomp import reference
+    from moecomp.oracle import reference
 
     f = bench.FAMILIES[fam]
     _, block = bench.build_block(f, True, torch.device("cpu"), 5)
@@ -434,7 +434,7 @@ _VLLM_SCRIPT = textwrap.dedent("""
         with torch.no_grad():
             ref = block(x)
             errs = [bench.rel_err(bench.make_vllm_fn(fused, spec, tensors, r, torch.float32)(x), ref)
-                    for r in (router, None)]  # HF's router module, then moecomp.reference.route
+                    for r in (router, None)]  # HF's router module, then moecomp.oracle.reference.route
         out["direct"][name] = dict(owner=owner, rel_err=errs)
     bench.set_dtype(torch.bfloat16)
     res = bench.run(["--device", "cpu", "--tiny", "--families", "mixtral", "--tokens", "4", "--quick",

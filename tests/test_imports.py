@@ -416,21 +416,21 @@ def test_lower_layers_do_not_import_upper_ones():
     helpers)."""
     allowed = {
         "moecomp.kernels": ("moecomp.kernels",),
-        # never the oracle (moecomp.reference): the op's own code only (tests/test_oracle_independent.py)
+        # never the oracle (moecomp.oracle.reference): the op's own code only (tests/test_oracle_independent.py)
         "moecomp.ops": ("moecomp.ops", "moecomp.kernels", "moecomp.core.spec", "moecomp.core.quant", "moecomp.core.counters",
                         "moecomp.core.policy"),
-        "moecomp.passes": ("moecomp.passes", "moecomp.ops", "moecomp.core.spec", "moecomp.reference", "moecomp.core.quant",
+        "moecomp.passes": ("moecomp.passes", "moecomp.ops", "moecomp.core.spec", "moecomp.oracle.reference", "moecomp.core.quant",
                            "moecomp.core.counters",
                            "moecomp.core.policy", "moecomp.core.reject"),
     }
     # optimize's parts: below optimize (never importing it, the backend or capture), above hf / ops
-    below_optimize = ("moecomp.hf", "moecomp.ops", "moecomp.core.spec", "moecomp.reference", "moecomp.core.quant",
+    below_optimize = ("moecomp.hf", "moecomp.ops", "moecomp.core.spec", "moecomp.oracle.reference", "moecomp.core.quant",
                       "moecomp.core.counters",
                       "moecomp.core.policy", "moecomp.core.reject", "moecomp.report")
     allowed |= {m: below_optimize for m in ("moecomp.report", "moecomp.experts_only")}
     # the pipeline's data (match, derived tensors) and its lower stages: verify and bind never import a recogniser
     # (hf.fallback, recognise, capture, passes), bind not verify
-    data = ("moecomp.core.spec", "moecomp.reference", "moecomp.core.quant", "moecomp.core.counters", "moecomp.core.policy",
+    data = ("moecomp.core.spec", "moecomp.oracle.reference", "moecomp.core.quant", "moecomp.core.counters", "moecomp.core.policy",
             "moecomp.core.reject",
             "moecomp.core.derived", "moecomp.core.match")
     binder = data + ("moecomp.ops", "moecomp.parallel", "moecomp.hf.bind", "moecomp.hf.bind_common",

@@ -64,7 +64,7 @@ def _agrees(block, x, got, want, tol) -> bool:
     """``got`` (the rewritten block) against ``want`` (its own forward) on ``x``: within ``tol`` of want's largest
     value on every token but at most ``policy.max_tie_tokens`` whose routing sits within a bf16 rounding of a tie
     (the two router GEMMs may round such a token's logits apart: the verify stage's rule)."""
-    from moecomp import reference
+    from moecomp.oracle import reference
     from moecomp.hf.bind import _resolve
 
     st = block._moecomp

@@ -1,8 +1,8 @@
-"""moecomp.reference helpers beyond the oracle itself."""
+"""moecomp.oracle.reference helpers beyond the oracle itself."""
 
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.core.spec import MoESpec
 
 

@@ -32,7 +32,7 @@ def routing_ambiguous(logits: torch.Tensor, correction_bias, spec, fp32_router: 
     when the worst selected key's lower end does not clear the best rejected key's upper end (likewise for the
     group choice). The window d is ``moecomp.core.policy.bench_tie_window`` (fp32 routers: 2e-5 relative; bf16: half an
     ulp each side)."""
-    from moecomp import reference
+    from moecomp.oracle import reference
 
     l = logits.float()
     d = policy.bench_tie_window(l, fp32_router)

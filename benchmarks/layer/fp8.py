@@ -7,7 +7,7 @@ and its shared experts (gate_proj, up_proj, down_proj: 2-D, dense) are quantized
 e4m3 weights, one fp32 scale per 128x128 block, the spec's activations "dynamic" (per token, groups of 128). The
 router, the shared-expert gate and the correction bias stay as they are; activations are bf16 in and out.
 
-References, per cell, from ``moecomp.reference.moe_forward`` with the quantized spec and the scales (weights
+References, per cell, from ``moecomp.oracle.reference.moe_forward`` with the quantized spec and the scales (weights
 dequantized exactly, fp32 math): "w8a8" quantizes each GEMM's input as the spec says (activation quantization
 counted), "w8a16" is the same spec weight-only (``moecomp.core.quant.weight_only``), which the op's kernel table may pick
 for a dynamic spec (docs/FP8.md). The quantization error of the format itself is the w8a8 reference against the bf16
@@ -45,7 +45,7 @@ QUANT_METHOD = ("e4m3 weights, one fp32 scale per 128x128 block (moecomp.core.qu
                 "bf16 weights; w13's gate and up rows blocked apart), routed and shared experts; activations "
                 "quantized per token in groups of 128 (dynamic) where a kernel runs w8a8; router, shared-expert "
                 "gate and correction bias unquantized; bf16 in and out")
-REFERENCE_METHOD = ("moecomp.reference.moe_forward with the quantized spec and the scales (weights dequantized, "
+REFERENCE_METHOD = ("moecomp.oracle.reference.moe_forward with the quantized spec and the scales (weights dequantized, "
                     "fp32 math): w8a8 = activations quantized as the spec says (activation quantization counted), "
                     "w8a16 = the same spec weight-only; the op may run either (its kernel table picks per T), so a "
                     "moecomp fp8 path passes when it is within the tolerance of one of them (ran = the closer one)")
@@ -169,9 +169,9 @@ def quantize_block(spec, tensors: dict) -> Fp8Block:
 
 # ------------------------------------------------------------------------------------------- references, checks
 def references(x2: torch.Tensor, fb: Fp8Block) -> dict:
-    """{"w8a8": ..., "w8a16": ...}: the dequantized references of x2 [T, H] (moecomp.reference.moe_forward on the
+    """{"w8a8": ..., "w8a16": ...}: the dequantized references of x2 [T, H] (moecomp.oracle.reference.moe_forward on the
     quantized spec and scales, fp32 math, output in x's dtype)."""
-    from moecomp import reference
+    from moecomp.oracle import reference
 
     with torch.no_grad():
         return {"w8a8": reference.moe_forward(x2, *fb.op_args(), fb.spec, **fb.scales),

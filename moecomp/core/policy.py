@@ -9,7 +9,7 @@ Three groups:
 * the *verify check* (``moecomp.optimize``, ``moecomp.hf.experts_interface``): the block's own forward and the
   op on the same probe input must agree within :data:`VERIFY_TOLERANCE` of the output's largest value;
 * the *near-tie rule*: which tokens may legitimately take another expert (16-bit router logits within a rounding
-  of a tie). What "near a tie" means is the oracle's (``moecomp.reference.near_tie_tokens``); *when* it excuses
+  of a tie). What "near a tie" means is the oracle's (``moecomp.oracle.reference.near_tie_tokens``); *when* it excuses
   tokens (window per dtype, largest share of tokens) is decided here;
 * the *probe inputs*: how many tokens, which distribution, which seed, for each check that runs a module.
 
@@ -333,7 +333,7 @@ def expert_chunks(num_experts: int, bytes_per_expert: int, budget: int | None = 
 
 # ------------------------------------------------------------------------------------------------ FX pass check
 # (moved here from ``moecomp.passes._numeric``, the FX pass's numeric check: the cut-out block graph against
-# ``moecomp.reference.moe_forward`` with the derived spec.) A rule of its own, not the verify check's: it compares
+# ``moecomp.oracle.reference.moe_forward`` with the derived spec.) A rule of its own, not the verify check's: it compares
 # every token of a block it cut out of Dynamo's graph, in the block's dtype.
 #
 # fp32 and fp64 blocks: max |graph - reference| / max |reference| within the fp32 verify tolerance (1e-4, the same

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core import policy
-from .. import reference
+from ..oracle import reference
 from ..core import quant as q8
 from ..core.spec import MoESpec
 from . import fp8, softcap_probe

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..core import policy
-from .. import reference
+from ..oracle import reference
 from ..core.match import Evidence, Match
 from ..core.reject import Refused, Reject, RejectCode, raise_if_oom
 from ..core.spec import MoESpec, SpecError, expert_bias_fields

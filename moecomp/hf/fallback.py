@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core import policy
-from .. import reference
+from ..oracle import reference
 from ..core.match import Evidence, Match
 from ..core.reject import Refused, Reject, RejectCode
 from ..core.spec import MoESpec, SharedExpertSpec, SpecError, expert_bias_fields

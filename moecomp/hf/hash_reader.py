@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..core import policy
-from .. import reference
+from ..oracle import reference
 from ..core.match import arg_name, forward_arg
 from ..core.reject import Refused, RejectCode
 from ..core.spec import SpecError

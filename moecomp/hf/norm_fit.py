@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import reference
+from ..oracle import reference
 from ..core.reject import raise_if_oom
 
 _SCALES = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # row rms of the probe rows

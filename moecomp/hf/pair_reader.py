@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..core import policy
-from .. import reference
+from ..oracle import reference
 from ..core.reject import Refused, RejectCode
 from ..core.spec import ACTIVATIONS, MoESpec, SpecError, expert_bias_fields
 from ..core.match import PairLayout

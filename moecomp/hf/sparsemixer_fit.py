@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..core import policy
-from .. import reference
+from ..oracle import reference
 from ..probe import run_probe
 from ..core.spec import MoESpec, SpecError
 from ..core.parts import BlockParts

@@ -12,7 +12,7 @@ expert's capacity are dropped (the rule in ``moecomp.core.spec``), with torch op
 
 Sizes depend on the shapes only (the capacity of a group of n tokens is a Python int), nothing is read on the host:
 capturable in a CUDA graph. The torch path (``ops/cpu_route.py``) drops pairs with the same ``kept``; the oracle
-ranks them its own way (a cumulative sum over their one-hot, ``moecomp.reference``).
+ranks them its own way (a cumulative sum over their one-hot, ``moecomp.oracle.reference``).
 """
 
 from __future__ import annotations

@@ -210,7 +210,7 @@ def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     if T == 0:
         return ids, weights
-    # "topk_then_score" is top-k of the raw logits, then the score of the chosen (moecomp.reference): no correction
+    # "topk_then_score" is top-k of the raw logits, then the score of the chosen (moecomp.oracle.reference): no correction
     # bias and no group-limited selection take part, whatever else the spec says (the kernel would apply both).
     plain_topk = spec.score_order == "topk_then_score"
     n_group = 1 if plain_topk else spec.n_group

@@ -1,7 +1,7 @@
 """The numeric check of ``detect_moe``: a structural match is only accepted once it is shown to compute the same thing.
 
     matched region  --cut out-->  GraphModule  --run on random tokens, real weights where Dynamo gave them-->  got
-    candidate MoESpec  -->  moecomp.reference.moe_forward on the same tensors  -->  want
+    candidate MoESpec  -->  moecomp.oracle.reference.moe_forward on the same tensors  -->  want
     got ~ want (fp32: policy.FX_CHECK_TOL_FULL; 16-bit: policy.FX_CHECK_MIN_TOKEN_SHARE of the tokens within
     policy.FX_CHECK_TOL_TOKEN_LOW)  -->  accepted (the first candidate that agrees)
 
@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from ..core import policy
-from .. import reference
+from ..oracle import reference
 from ..core import quant as q8
 from ..core.args import NORM_ARGS, OP_ARGS, PEELED, SHARED_NORM_ARGS
 from ..core.reject import RejectCode, StageError, is_oom, raise_if_oom

@@ -92,7 +92,7 @@ How a match is proven (nothing is matched on class or module names):
    result, ``MoEMatch.tail`` the nodes between (left in the graph), ``MoEMatch.output_is_final`` whether there is
    no tail.
 4. **Numerics.** The region is cut out as its own GraphModule and run on random tokens (a quarter of them copies of
-   one token, so one expert gets crowded: capacity limits would show) against ``moecomp.reference.moe_forward``
+   one token, so one expert gets crowded: capacity limits would show) against ``moecomp.oracle.reference.moe_forward``
    with the derived spec and the real weights. fp32/fp64 blocks must agree to 1e-4 (relative to the output's max);
    lower-precision blocks per token to 3e-2, on at least 90% of tokens (routing near-ties may flip). Only where the
    graph leaves a discrete choice open (e.g. weight layout when every dim equals H) are the few candidates tried in

@@ -10,7 +10,7 @@ weights have its output width L; the output
 projection is a linear of an [H, L] weight that descends from the second expert GEMMs and through which every path
 from them to the MoE output passes (nothing routed reaches the output around it). The shared-expert reader is given
 both projections to leave out. What they compute, with the routed scaling before the output projection and its
-bias, is left to the numeric check (the reference runs them: ``moecomp.reference.latent_in`` / ``latent_out``).
+bias, is left to the numeric check (the reference runs them: ``moecomp.oracle.reference.latent_in`` / ``latent_out``).
 A scalar applied after a biased output projection would scale its bias too, which the spec does not express: such a
 block is refused (:func:`check_scales`). Without biases the projection is linear and such a scalar is routed scaling.
 """

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from ..core import policy
-from .. import reference
+from ..oracle import reference
 from ..core.spec import MoESpec, SpecError
 from . import _fx
 from ._context import Context

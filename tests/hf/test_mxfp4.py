@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import moecomp
 from moecomp.core import policy
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.hf import families as F
 from moecomp.hf import mxfp4 as M
 from moecomp.hf import mxfp4_write as W

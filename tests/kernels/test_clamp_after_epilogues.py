@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import triton_fp8_tma, triton_moe, triton_quant4_gemv
 from moecomp.core.args import MOE_ARGS
 from moecomp.core.spec import MoESpec, QuantSpec

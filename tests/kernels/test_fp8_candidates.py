@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from moecomp.core import quant as q8
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import triton_fp8, triton_moe, tuning
 from moecomp.core.args import MOE_ARGS
 from moecomp.core.spec import MoESpec, QuantSpec

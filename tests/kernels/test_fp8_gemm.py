@@ -1,5 +1,5 @@
 """The FP8 kernels (``kernels/fp8.py``, the quantized ``moe_gemm1_kernel`` / ``moe_gemm2_kernel``, the dense
-``fp8_linear_kernel``) against ``moecomp.core.quant`` / ``moecomp.reference`` under the interpreter (CPU; the GPU tests
+``fp8_linear_kernel``) against ``moecomp.core.quant`` / ``moecomp.oracle.reference`` under the interpreter (CPU; the GPU tests
 run them in bf16 at real sizes). Outputs and scratch are NaN-poisoned first (``poison``).
 
 * The e4m3 rounding the kernels do under the interpreter (EXACT_CAST) equals torch's ``.to(torch.float8_e4m3fn)``
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from moecomp.core import quant as q8
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.kernels import fp8
 from moecomp.ops import triton_moe
 from moecomp.core.args import MOE_ARGS

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from moecomp.core import quant as q8
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.kernels import quant4_gemv as qg
 from moecomp.ops import triton_moe, triton_quant4, triton_quant4_gemv, tuning
 from moecomp.core.args import MOE_ARGS

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops.act_args import act_args
 from moecomp.kernels import activations as act_k
 from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError

@@ -4,7 +4,7 @@ GEMMs, and the dot-free 4-bit decode kernels), FP8's refusal naming it, gpt-oss'
 refusal (its format holds both), ``torch.library.opcheck`` of both ops, and (GPU) bf16 at mid sizes.
 (Unquantized experts: tests/reliability/test_expert_bias_properties.py.)
 
-Tolerances: fp32 against ``moecomp.reference`` on the same (packed) tensors, relative Frobenius error 3e-5 (the
+Tolerances: fp32 against ``moecomp.oracle.reference`` on the same (packed) tensors, relative Frobenius error 3e-5 (the
 sums in another order; the 4-bit kernels' own bound, tests/kernels/test_quant4_gemm.py). Outputs NaN-poisoned.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import triton_quant4, triton_quant4_gemv
 from moecomp.core.args import MOE_ARGS
 from moecomp.core.spec import MoESpec, QuantSpec, SpecError, expert_bias_fields

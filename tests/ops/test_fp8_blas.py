@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moecomp.core import quant as q8
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import fp8_blas, triton_fp8
 from moecomp.core.spec import QuantSpec
 from moecomp.testing import rel_err

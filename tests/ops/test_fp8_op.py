@@ -1,6 +1,6 @@
 """The quantized ops on the Triton path (MOECOMP_CPU_BACKEND=triton, the interpreter): ``moe_forward`` with
 quantized routed and shared experts (FSE on and off; aligned and decode paths, launches counted) and
-``moe_experts`` against ``moecomp.reference``; the mode choice (w8a8 / w8a16: MOECOMP_FP8_MODE, the config's "fp8"
+``moe_experts`` against ``moecomp.oracle.reference``; the mode choice (w8a8 / w8a16: MOECOMP_FP8_MODE, the config's "fp8"
 key, the heuristic) and the FP8 config tables (their own "dtype=fp8" keys; bf16 lookups unchanged); the TMA kernels
 refuse fp8 operands. Outputs and scratch NaN-poisoned (``poison``). GPU tests: tests/ops/test_fp8_gpu.py.
 
@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import triton_moe, triton_shared, tuning
 from moecomp.core.spec import MoESpec, QuantSpec, SharedExpertSpec
 from moecomp.testing import quantize_moe_args, random_moe_args

@@ -1,14 +1,14 @@
 """GPU tests (H200 class): our Triton kernels in bf16 at real layer sizes, CUDA-graph capture and replay with new
 inputs, no host syncs on the hot path, 64-bit addressing, fp16/fp32, opcheck on CUDA.
 
-Tolerance: relative Frobenius error vs the fp32 reference (moecomp.reference on the same bf16 tensors) below 2e-2
+Tolerance: relative Frobenius error vs the fp32 reference (moecomp.oracle.reference on the same bf16 tensors) below 2e-2
 for bf16 (the intermediate activation and the per-pair outputs are rounded to bf16, as HF does), 5e-3 fp16,
 1e-5 fp32 (fp32 dots run without tf32)."""
 
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.core.spec import MoESpec, SharedExpertSpec
 from moecomp.testing import LAYER_PRESETS, capture_moe_forward, random_moe_args
 

@@ -1,4 +1,4 @@
-"""moe_forward / moe_experts against moecomp.reference over a grid of shapes, on CPU (torch path and Triton
+"""moe_forward / moe_experts against moecomp.oracle.reference over a grid of shapes, on CPU (torch path and Triton
 kernels under the interpreter). Outputs and every scratch buffer are NaN-poisoned (``poison`` fixture).
 
 Tolerances (relative Frobenius error vs the fp32 reference): fp32 1e-5; fp16 5e-3 (16-bit operands, the
@@ -7,7 +7,7 @@ intermediate activation and per-pair outputs are rounded to fp16 like HF does)."
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError
 from moecomp.testing import random_moe_args
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moecomp.core import quant as q8
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.core.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
 from moecomp.testing import quantize_moe_args, random_moe_args
 

@@ -1,5 +1,5 @@
 """GPU tests of the 4-bit (w4a16) Triton path (H200 class; skipped without CUDA): the op at real layer sizes against
-``moecomp.reference`` on the same packed tensors, CUDA-graph capture and replay, no host syncs.
+``moecomp.oracle.reference`` on the same packed tensors, CUDA-graph capture and replay, no host syncs.
 
 The decode sizes (T <= ``tuning.QUANT4_GEMV_MAX_T``) run the dot-free GEMV kernels here (the heuristic's choice;
 tests/ops/test_quant4_gemv_gpu.py compares them with the dot path), except in the options test.
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from moecomp.core import quant as q8
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.core.args import MOE_ARGS
 from moecomp.core.spec import MoESpec, QuantSpec
 from moecomp.testing import capture_moe_forward, random_moe_args

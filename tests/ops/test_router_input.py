@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.core.args import MOE_ARGS, OP_ARGS
 from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError
 from moecomp.testing import random_moe_args

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError
 from moecomp.testing import random_moe_args, rel_err
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from moecomp.core import policy
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import triton_moe
 from moecomp.core.args import MOE_ARGS
 from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError

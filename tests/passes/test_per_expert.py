@@ -2,7 +2,7 @@
 
 Each spelling: exactly one match; its spec fields; ``MoEMatch.stacked`` names placeholders that ``cap.paths`` maps
 to the expert modules' parameters, in expert order; the op's stacked tensors built from those parameters give, with
-``moecomp.reference.moe_forward`` and with ``torch.ops.moecomp.moe_forward``, the block's output on fresh random
+``moecomp.oracle.reference.moe_forward`` and with ``torch.ops.moecomp.moe_forward``, the block's output on fresh random
 tokens: fp32, max |diff| / max |block| <= 1e-5 (``poison``: torch.empty filled with NaN). A block whose example
 reaches only some experts is rejected with NOT_RECOGNISED, naming the others.
 """
@@ -17,7 +17,7 @@ import torch
 import torch._subclasses.meta_utils as meta_utils
 
 import per_expert_blocks as pb
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.capture import capture_block
 from moecomp.ops.moe_op import MOE_ARGS
 from moecomp.passes.detect_moe import detect_moe

@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.core.spec import MoESpec
 from moecomp.testing import LAYER_PRESETS, capture_moe_forward, random_moe_args
 

@@ -1,4 +1,4 @@
-"""The oracle's expert activations (split from reference.py, which passed 600 lines; ``moecomp.reference`` re-exports
+"""The oracle's expert activations (split from reference.py, which passed 600 lines; ``moecomp.oracle.reference`` re-exports
 them): what an expert computes between its first GEMM(s) and its down GEMM, as ``moecomp.core.spec``'s docstring says.
 Plain PyTorch, in the dtype of the inputs (the reference calls them on fp32 / fp64 values).
 

@@ -27,12 +27,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .core import quant as q8
+from ..core import quant as q8
 from .reference_activations import (  # noqa: F401  (re-exported: reference.gated_activation, ...)
     activation, gated_activation, softcap, spec_gated)
 from .reference_steps import (  # noqa: F401  (re-exported: reference.rms_norm, ... as before the split)
     expert_scaled, latent_in, latent_out, rms_norm, router_input, router_logits)
-from .core.spec import MoESpec
+from ..core.spec import MoESpec
 
 
 def score(logits: torch.Tensor, scoring: str) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The oracle's steps around the routed experts and their routing (split from reference.py, which passed 600
-lines; ``moecomp.reference`` re-exports them): the router's own input and its GEMM, per-expert weight multipliers,
+lines; ``moecomp.oracle.reference`` re-exports them): the router's own input and its GEMM, per-expert weight multipliers,
 the latent projections and the norms (``moecomp.core.spec``'s docstring has the formulas). Plain PyTorch, nothing fused.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .core.spec import MoESpec
+from ..core.spec import MoESpec
 
 
 def router_logits(x: torch.Tensor, router_w, router_b, spec: MoESpec) -> torch.Tensor:
