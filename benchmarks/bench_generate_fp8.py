@@ -92,12 +92,12 @@ def _profile(model, name: str, dtype: str, B: int, ids, args, cuda: bool, result
 
 def _reference_agreement(model, rows: dict, fp8_out: dict, S: int, args, result: dict) -> None:
     """The FP8 model's own greedy tokens fed to its dequantized reference (``moecomp.unoptimize``, then every FP8
-    module's plain PyTorch forward: ``hf/fp8.plain_fp8``, activations quantized the same way): the share of
+    module's plain PyTorch forward: ``formats/fp8.plain_fp8``, activations quantized the same way): the share of
     positions where the reference's argmax is the token moecomp chose. Near 1 means moecomp's kernels compute
     what the format says, so the agreement with bf16 measures the format; well below 1 would be a kernel error.
     The first batch size only (``--ref-batches`` to change)."""
     import moecomp
-    from moecomp.hf.fp8 import plain_fp8
+    from moecomp.formats.fp8 import plain_fp8
 
     todo = [B for B in args.ref_batches if B in fp8_out]
     if not todo:

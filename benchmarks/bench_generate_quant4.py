@@ -46,7 +46,7 @@ def log(msg: str) -> None:
 
 
 def packed_modules(model):
-    from moecomp.hf.packed import PackedExperts
+    from moecomp.formats.packed import PackedExperts
 
     return [m for m in model.modules() if isinstance(m, PackedExperts)]
 

@@ -86,7 +86,7 @@ def measure(fn, device) -> tuple[int, int, float, object]:
 def run_cell(cell: str, args, device) -> dict:
     import moecomp
     from moecomp.core import policy
-    from moecomp.hf.fp8 import plain_fp8
+    from moecomp.formats.fp8 import plain_fp8
     from moecomp.testing import forward_peak
     from moecomp.testing_blocks import one_block
 

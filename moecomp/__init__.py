@@ -13,7 +13,7 @@ transformers nor ``torch._dynamo`` nor Triton.
   ``transformers.integrations.moe`` is imported (at once if it already is; ``hf/experts_interface.py``). Only that
   name is registered; transformers' own entries (``"eager"``, ...) are left as they are.
 * transformers' EP implementations get ``"moecomp"`` (``DistributedConfig(ep_implementation="moecomp")``) when
-  ``transformers.distributed.expert_parallel`` is imported (``parallel/hf_ep.py``; transformers versions without it:
+  ``transformers.distributed.expert_parallel`` is imported (``hf/ep_interface.py``; transformers versions without it:
   nothing registered).
 * The ``"moecomp"`` torch.compile backend is found by torch through the ``torch_dynamo_backends`` entry point
   (``pyproject.toml``), which loads ``moecomp.backend`` on the first ``torch.compile(..., backend="moecomp")``;
@@ -33,7 +33,7 @@ from .core.spec import MoESpec, SharedExpertSpec, SpecError
 from .optimize import OptimizeError, Report, optimize, scan, unoptimize
 from .load import load  # (torch only: the loaders import transformers / safetensors when called)
 from .parallel.shard import shard_experts  # expert / tensor parallelism (moecomp.parallel; torch only)
-from .parallel import hf_ep as _hf_ep  # noqa: F401  (ep_implementation="moecomp", once transformers' EP loads)
+from .hf import ep_interface as _hf_ep  # noqa: F401  (ep_implementation="moecomp", once transformers' EP loads)
 from .hf import experts_interface as _experts_interface  # noqa: F401  ("moecomp" experts, once transformers loads)
 from . import dynamo_name as _dynamo_name
 

@@ -40,7 +40,7 @@ unaffected.
 FP8 models (transformers' ``FP8Experts`` / ``FP8Linear``, whose own forwards need the hub's kernel): once
 transformers' FP8 integration is imported, every entry of its ``FP8ExpertsInterface`` (and "eager") and
 ``FP8Linear.forward`` trace as moecomp's plain-PyTorch FP8 forwards while Dynamo traces for this backend
-(``moecomp.hf.fp8.install_trace_forwards``; transformers' own path otherwise). The blocks then become
+(``moecomp.formats.fp8.install_trace_forwards``; transformers' own path otherwise). The blocks then become
 ``moe_forward`` with their scales (``passes/moe_quant.py``), the other FP8 linears ``moecomp.fp8_linear``
 (``passes/fp8_linear.py``; ``counters["fp8_linear"]["replaced"]``).
 """
@@ -69,7 +69,7 @@ _KEEP = 16
 # every file whose code decides what the pass rewrites: the pass package whole, and the modules it runs through
 _PASS_PACKAGE = "moecomp.passes"
 _PASS_MODULES = ("moecomp.backend", "moecomp.capture", "moecomp.core.spec", "moecomp.core.policy",
-                 "moecomp.core.reject", "moecomp.hf.fp8")
+                 "moecomp.core.reject", "moecomp.formats.fp8")
 
 
 def _pass_files() -> tuple:
@@ -265,7 +265,7 @@ _capture.register_trace_predicate(tracing_for_moecomp)
 
 
 def _fp8_trace_forwards() -> None:
-    from .hf import fp8
+    from .formats import fp8
 
     fp8.install_trace_forwards(tracing_for_moecomp)
 

@@ -54,7 +54,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .hf.fp8 import plain_fp8
+from .formats.fp8 import plain_fp8
 from .ops.moe_op import MOE_ARGS, OP_ARGS
 from .passes import _fx
 from .core.derived import Derived
@@ -341,7 +341,7 @@ def capture_block(module: nn.Module, example_input: torch.Tensor, *, dynamic: bo
     entry = _fresh_entry()
     compiled = torch.compile(entry, backend=backend, fullgraph=True, dynamic=dynamic)
     try:
-        # FP8 modules trace as their plain-PyTorch forwards (hf/fp8.py: transformers' need the hub's kernel)
+        # FP8 modules trace as their plain-PyTorch forwards (formats/fp8.py: transformers' need the hub's kernel)
         with traceable_experts(), plain_fp8(module), torch.no_grad(), (
                 _real_values() if real_values else contextlib.nullcontext()):
             compiled(module, example_input, call_args)

@@ -11,7 +11,7 @@ installed entry point, or ``moecomp.backend`` imported first, finds it there and
 
 from __future__ import annotations
 
-from .import_hooks import when_imported
+from .hf.import_hooks import when_imported
 
 REGISTRY = "torch._dynamo.backends.registry"
 NAME, VALUE, GROUP = "moecomp", "moecomp.backend:moecomp_backend", "torch_dynamo_backends"

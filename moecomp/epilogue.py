@@ -20,7 +20,7 @@ from .core.derived import get_path
 from .core.args import PEELED
 from .core.match import is_tensor_entry
 from .core.parts import BlockParts
-from .probe import primary
+from .probe.block import primary
 from .core.reject import raise_if_oom
 
 

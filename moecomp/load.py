@@ -19,7 +19,7 @@ import torch
 # quant_method -> "module:function"; the function is called as fn(directory, dtype=, device=,
 # quantization_config=, config=) and returns the model
 LOADERS: dict[str, str] = {
-    "mxfp4": "moecomp.hf.mxfp4:load_checkpoint",  # gpt-oss: experts as PackedExperts (mxfp4)
+    "mxfp4": "moecomp.formats.mxfp4:load_checkpoint",  # gpt-oss: experts as PackedExperts (mxfp4)
     "gptq": "moecomp.hf.gptq:load_int4",  # int4 GPTQ / AWQ ("gemm"): experts as PackedExperts (int4)
     "awq": "moecomp.hf.gptq:load_int4",
 }
@@ -34,7 +34,7 @@ def load(path_or_dir, dtype: torch.dtype = torch.bfloat16, device=None):
     """The model of a local checkpoint directory (or a file in it), on ``device`` (default: CUDA when available,
     else CPU), non-quantized tensors in ``dtype``. Quantized experts are kept as stored (``LOADERS``); an unknown
     ``quant_method`` is a ``ValueError``."""
-    from .hf import checkpoint as ckpt_io
+    from .formats import checkpoint as ckpt_io
 
     directory = ckpt_io.resolve_dir(path_or_dir)
     config, qc = ckpt_io.load_config(directory)

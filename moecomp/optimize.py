@@ -60,7 +60,7 @@ from .recognise import block_constants, fx_available, recognise, structure_key  
 from .core.reject import Refused, Reject
 from .verify import verify, verify_epilogue
 from .hf import bind as _bind
-from .hf import fp8 as _fp8
+from .formats import fp8 as _fp8
 from .hf import router_probe as _router_probe
 from .hf.impl_switch import unclaimed
 from .core.parts import BlockParts
@@ -139,7 +139,7 @@ def _checked(block: nn.Module, parts: BlockParts, rep: BlockReport, use_fx: bool
         n_notes = len(rep.notes)
         try:
             target = _cpu_copy(block) if on_cpu else block
-            with _fp8.plain_fp8(target):  # FP8 modules run in plain PyTorch while checked (hf/fp8.py); bound after
+            with _fp8.plain_fp8(target):  # FP8 modules run in plain PyTorch while checked (formats/fp8.py); bound after
                 epilogue = in_stage("epilogue", epilogue_of, target, parts)
                 verified = _recognise_and_verify(target, parts, epilogue, rep, use_fx, cache, trust_fallback, shape)
         except Exception as e:

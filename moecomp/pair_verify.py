@@ -17,7 +17,7 @@ from .oracle import reference
 from .hf.bind_pair import bind_pair, unbind_pair
 from .core.derived import get_path
 from .core.match import PairMatch
-from .probe import randomised
+from .probe.block import randomised
 from .core.reject import Refused, RejectCode, raise_if_oom
 
 

@@ -13,7 +13,7 @@ Families (transformers' block classes, built from a config of the given sizes):
 
 Formats: ``bf16`` / ``fp32`` (the block's own experts module), ``fp8`` (transformers' ``FP8Experts``, 128 x 128 block
 scales, dynamic activations; a shared expert as ``FP8Linear``s), ``fp8-channel`` (the same with one scale per
-output row), ``mxfp4`` / ``int4`` (``moecomp.hf.packed.PackedExperts``: e2m1 codes with e8m0 scales per 32
+output row), ``mxfp4`` / ``int4`` (``moecomp.formats.packed.PackedExperts``: e2m1 codes with e8m0 scales per 32
 columns, or int4 codes with bf16 scales per 128 columns and zero points). Quantized weights are drawn a few experts
 at a time (``CHUNK_BYTES`` of fp32) and quantized into their place: no whole float copy of the experts exists.
 """
@@ -148,12 +148,12 @@ def _fp8_experts(block: nn.Module, E: int, H: int, I: int, quant: QuantSpec, g, 
 def _packed_experts(block: nn.Module, family: str, E: int, H: int, I: int, quant: QuantSpec, g, device, dtype):
     """``block.experts`` replaced by a ``PackedExperts`` over random 4-bit weights (gpt-oss: its interleaved
     swiglu_oai and biases)."""
-    from .hf.packed import PackedExperts
+    from .formats.packed import PackedExperts
 
     (w13, s13, z13), (w2, s2, z2) = (_quantized(E, r, c, quant, 1, g, device, 1.0 / c**0.5)
                                      for r, c in ((2 * I, H), (H, I)))
     if family == "gpt_oss":
-        from .hf.mxfp4 import swiglu_constants
+        from .formats.mxfp4 import swiglu_constants
 
         alpha, limit = swiglu_constants(block.experts, block.experts.config if hasattr(block.experts, "config")
                                         else None)

@@ -23,11 +23,11 @@ import torch
 from .core import policy
 from .oracle import reference
 from .hf.bind import bound_tensors, forward_params
-from .hf.activations import activation_mismatch
+from .probe.activations import activation_mismatch
 from .core.match import Match, Verified, apply_epilogue, is_tensor_entry
-from .hf.fp8 import plain_fp8
+from .formats.fp8 import plain_fp8
 from .ops.moe_op import MOE_ARGS, OP_ARGS
-from .probe import contract_of, hash_call_args, primary, run_probe
+from .probe.block import contract_of, hash_call_args, primary, run_probe
 from .core.reject import Refused, RejectCode, raise_if_oom
 from .core.spec import MoESpec, SpecError
 
@@ -169,7 +169,7 @@ def verify(block, match: Match, x: torch.Tensor, consts, notes: list) -> Verifie
     VERIFICATION_FAILED (outputs or activations differ), SPEC_INVALID (the op refuses the block's tensors),
     BIND_FAILED (the forward's outputs cannot be reproduced), CHECK_ERROR (the block or the op raised).
 
-    FP8 modules of the block run their plain-PyTorch forward (``hf/fp8.py``: the dequantized reference, activations
+    FP8 modules of the block run their plain-PyTorch forward (``formats/fp8.py``: the dequantized reference, activations
     quantized as the module says) while it is checked: transformers' own needs the hub's kernel."""
     with plain_fp8(block):
         return _verify_match(block, match, x, consts, notes)

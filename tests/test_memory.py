@@ -30,7 +30,7 @@ from moecomp import verify  # noqa: E402
 from moecomp.hf import fallback  # noqa: E402
 from moecomp.hf import families as F  # noqa: E402
 from moecomp.hf.structure import find_parts  # noqa: E402
-from moecomp.hf.fp8 import plain_fp8  # noqa: E402
+from moecomp.formats.fp8 import plain_fp8  # noqa: E402
 from moecomp.passes import _numeric  # noqa: E402
 from moecomp.testing import PeakMemory, forward_peak  # noqa: E402
 from moecomp.testing_blocks import one_block  # noqa: E402
@@ -86,7 +86,7 @@ def _plain_peak(model, x) -> int:
 def test_peak_memory_sees_temporaries_inside_custom_ops():
     """``PeakMemory`` counts what is allocated while active (freed or not), including the temporaries inside a custom
     op (``dequant_4bit`` unpacks codes a chunk at a time), and nothing held before."""
-    from moecomp.hf.packed import dequant_4bit  # noqa: F401  (registers the op)
+    from moecomp.formats.packed import dequant_4bit  # noqa: F401  (registers the op)
     from moecomp.core.spec import QuantSpec
     from moecomp.core import quant as q8
 

@@ -35,7 +35,7 @@ VERIFY_TOLERANCE_DEFAULT = 1e-2
 
 
 # FP8 weights (``MoESpec.quant`` / ``SharedExpertSpec.quant``): the block (its plain-PyTorch FP8 forward,
-# ``hf/fp8.py``: each GEMM's output in the model dtype, like the FP8 kernels) and the op (the dequantized reference:
+# ``formats/fp8.py``: each GEMM's output in the model dtype, like the FP8 kernels) and the op (the dequantized reference:
 # fp32 between the GEMMs on the CPU path; on CUDA the kernel table may run a "dynamic" spec weight-only) quantize
 # activations to e4m3, which keeps 3 mantissa bits: one rounding moves a value by up to 2^-4 (6.25%). Two correct
 # implementations whose 16-bit intermediates differ by one rounding put about 1/16 of the activations on the other
@@ -48,7 +48,7 @@ VERIFY_TOLERANCE_FP8 = 6e-2
 
 
 # 4-bit weights (``QuantSpec.packed``: mxfp4, int4) get the 16-bit tolerance of the block's dtype, not the FP8 one.
-# They are weight-only: the block (``hf/packed.py``'s ``PackedExperts``: each weight dequantized exactly in fp32,
+# They are weight-only: the block (``formats/packed.py``'s ``PackedExperts``: each weight dequantized exactly in fp32,
 # fp32 GEMMs, h rounded to the model dtype between them) and the op (the same dequantization on the CPU path; the
 # w4a16 kernels convert each dequantized weight to the activation dtype in registers, exact for mxfp4's e2m1 times
 # a power of two, one 16-bit rounding of int4's (code - zero) * scale, like a 16-bit checkpoint's own weights) keep

@@ -438,7 +438,7 @@ class BoundForward:
 
 
 def _call_original(block, st: BoundState, x, rest, kwargs):
-    from .fp8 import fallback_context
+    from ..formats.fp8 import fallback_context
 
     with _as_before(getattr(st, "impl_config", None), getattr(st, "impl_prev", None)), fallback_context(block):
         if st.original is not None:

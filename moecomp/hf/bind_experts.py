@@ -66,7 +66,7 @@ def experts_block_forward(m: nn.Module, *args, **kwargs):
             _warn_grad(grad)
     if not compiling:
         st.fallbacks += 1
-    from .fp8 import plain_experts_call
+    from ..formats.fp8 import plain_experts_call
 
     plain = plain_experts_call(m)
     with _as_before(getattr(st, "impl_config", None), getattr(st, "impl_prev", None)):

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .packed_linear import Packed4Linear
+from ..formats.packed_linear import Packed4Linear
 
 # top-k, argmax, or a max over the last / a named dim (a top-1 router spelled ``torch.max(probs, dim=-1)``, as
 # Switch Transformers' is in transformers 5.17)

@@ -19,7 +19,7 @@ weights or expert weights requiring grad) run transformers' ``grouped_mm`` path,
 
 FP8 experts (transformers' ``FP8Experts``, dispatching through ``FP8ExpertsInterface``, where ``"moecomp"`` is
 registered too when ``transformers.integrations.finegrained_fp8`` is imported): the quantization is read from the
-module (``hf/fp8.py``), the scales are passed to ``moe_experts``, and the module's plain-PyTorch FP8 forward is both
+module (``formats/fp8.py``), the scales are passed to ``moe_experts``, and the module's plain-PyTorch FP8 forward is both
 what the probe checks against and the fallback (transformers' own FP8 paths need the hub's kernel).
 
 Checked specs are cached per module and top-k together with a snapshot of the module's attributes
@@ -36,13 +36,13 @@ import warnings
 
 import torch
 
-from ..import_hooks import RegisterOnImport, uninstall
+from .import_hooks import RegisterOnImport, uninstall
 from ..core import quant as q8
 from ..ops.moe_op import EXPERT_QUANT_ARGS, call_moe_experts
 from ..core.reject import Refused, RejectCode
 from ..core.spec import MoESpec, SpecError, expert_bias_fields
-from . import fp8
-from .activations import probe_activation, probe_gate
+from ..formats import fp8
+from ..probe.activations import probe_activation, probe_gate
 from ..core.snapshot import snapshot_changed, snapshot_changed_traced, take_snapshot
 
 NAME = "moecomp"
@@ -76,7 +76,7 @@ def _weights(m):
 
 
 def _fp8(m):
-    """The experts' FP8 layout (``hf/fp8.py``), None when not quantized; ``Unsupported`` when the scales do not fit
+    """The experts' FP8 layout (``formats/fp8.py``), None when not quantized; ``Unsupported`` when the scales do not fit
     (the message names both tensors)."""
     if fp8.fp8_kind(m) != "experts":
         return None
@@ -145,7 +145,7 @@ def experts_spec(m: torch.nn.Module, top_k: int, verify: bool = True) -> MoESpec
 
 def eager_forward(m):
     """The experts module's own forward (what ``experts_implementation="eager"`` runs); FP8 experts: their
-    plain-PyTorch forward (``hf/fp8.py``; transformers' needs the hub's kernel)."""
+    plain-PyTorch forward (``formats/fp8.py``; transformers' needs the hub's kernel)."""
     if fp8.fp8_kind(m) == "experts":
         return fp8.plain_experts_forward
     fwd = type(m).forward

@@ -37,13 +37,14 @@ from ..oracle import reference
 from ..core.match import Evidence, Match
 from ..core.reject import Refused, Reject, RejectCode
 from ..core.spec import MoESpec, SharedExpertSpec, SpecError, expert_bias_fields
-from ..probe import ProbeRun, hash_call_args, run_probe
-from . import fp8, gamma_reader, hash_reader, norm_fit, output_fit, router_scale, sparsemixer_fit
+from ..probe.block import ProbeRun, hash_call_args, run_probe
+from ..formats import fp8
+from . import gamma_reader, hash_reader, norm_fit, output_fit, router_scale, sparsemixer_fit
 from ..core import names
 from .fallback_bind import FallbackError, bindings as _bindings, quant as _quant
-from .activations import describe_unknown_gate, probe_activation, probe_gate, probe_mlp
+from ..probe.activations import describe_unknown_gate, probe_activation, probe_gate, probe_mlp
 from ..core.names import read_attr
-from .packed import PackedExperts
+from ..formats.packed import PackedExperts
 from ..core.parts import BlockParts, MLPParts
 from .structure import NotABlock, find_parts
 from ..core.derived import get_path
@@ -438,7 +439,7 @@ def _routing_candidates(guess: dict, E: int, k: int, has_corr: bool):
 
 def measure(block: nn.Module, x: torch.Tensor, ext: Match) -> tuple[Match, ProbeRun]:
     """Run the block on ``x`` and replace the guessed routing / precision fields by measured ones (FP8 modules run
-    their plain-PyTorch forward: ``hf/fp8.py``)."""
+    their plain-PyTorch forward: ``formats/fp8.py``)."""
     with torch.no_grad(), fp8.plain_fp8(block):
         return _measure(block, x, ext)
 

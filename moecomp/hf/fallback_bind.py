@@ -10,7 +10,7 @@ from torch import nn
 from ..core.derived import Derived
 from ..ops.moe_op import OP_ARGS
 from ..core.reject import Refused, RejectCode
-from . import fp8
+from ..formats import fp8
 from ..core.parts import BlockParts
 from ..core.derived import get_path
 
@@ -21,7 +21,7 @@ class FallbackError(Refused):
 
 
 def quant(block: nn.Module, parts: BlockParts, b: dict):
-    """(routed QuantSpec | None, shared QuantSpec | None) of FP8 weights (``hf/fp8.py``: e4m3 tensors with scales of
+    """(routed QuantSpec | None, shared QuantSpec | None) of FP8 weights (``formats/fp8.py``: e4m3 tensors with scales of
     the blocked shape); their scales' paths go into the bindings ``b``."""
     try:
         ex = fp8.experts_fp8(get_path(block, parts.experts), parts.experts) if parts.kind == "fused" else None

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from ..core import policy
-from ..probe import run_probe
+from ..probe.block import run_probe
 from ..core.reject import RejectCode
 from ..core.spec import SharedExpertSpec, SpecError
-from .activations import _limits, probe_activation
+from ..probe.activations import _limits, probe_activation
 from .fallback_bind import FallbackError
 from ..core.parts import BlockParts
 from ..core.derived import get_path

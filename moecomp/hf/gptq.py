@@ -19,9 +19,9 @@ qweight needs no nibble shuffling at all: on a little-endian machine its bytes, 
 already moecomp's bytes (a transpose of [K / 8, N, 4] bytes).
 
 :func:`load_int4` builds a model from such a checkpoint (no hub, no gptqmodel / autoawq kernels): routed experts
-become :class:`moecomp.hf.packed.PackedExperts` (w13 [E, 2I, H / 2] = gate rows then up rows, w2 [E, H, I / 2]);
+become :class:`moecomp.formats.packed.PackedExperts` (w13 [E, 2I, H / 2] = gate rows then up rows, w2 [E, H, I / 2]);
 every other int4 ``nn.Linear`` (attention, shared experts, dense MLPs, a quantized lm_head) becomes a
-:class:`moecomp.hf.packed_linear.Packed4Linear` holding its codes the same way (forward: ``moecomp.linear_4bit``).
+:class:`moecomp.formats.packed_linear.Packed4Linear` holding its codes the same way (forward: ``moecomp.linear_4bit``).
 Only an MoE router's int4 weight (the op's routing reads a 16-bit router) or one of a module that is not an
 ``nn.Linear`` is dequantized into ``dtype`` (logged). Act-order experts (``g_idx`` not ``k // g``) are refused: a
 group's inputs are then scattered along K, which moecomp's layout (groups of ``g`` consecutive inputs) cannot hold
@@ -43,8 +43,8 @@ from torch import nn
 
 from ..core import quant as q8
 from ..core.spec import QuantSpec
-from .packed import PackedExperts
-from .packed_linear import Packed4Linear
+from ..formats.packed import PackedExperts
+from ..formats.packed_linear import Packed4Linear
 from .structure import iter_blocks
 
 logger = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ _claimed: dict = {}
 def experts_config(modules) -> tuple:
     """(config, fp8) of the experts module among ``modules`` that transformers dispatches by name (an
     ``@use_experts_implementation`` one, or ``FP8Experts``); (None, False) if there is none."""
-    from . import fp8 as _fp8
+    from ..formats import fp8 as _fp8
     from .experts_interface import is_hf_experts
 
     for m in modules:

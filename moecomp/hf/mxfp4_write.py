@@ -1,7 +1,7 @@
 """gpt-oss MXFP4 checkpoints for tests and benchmarks: written in the real format, or made at random at full size.
 
     write_mxfp4_checkpoint(model, path)          a 16-bit GptOssForCausalLM (or one loaded packed) -> a real-format
-                                                 checkpoint (``hf/mxfp4.py`` lists the tensors), experts quantized
+                                                 checkpoint (``formats/mxfp4.py`` lists the tensors), experts quantized
                                                  with ``moecomp.core.quant.quantize_4bit`` (each group's scale the power
                                                  of two 2 ** ceil(log2(amax / 6)), codes the nearest e2m1 value)
     gpt_oss_config("20b" | "120b")               the real models' sizes
@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from ..core import quant as q8
-from . import checkpoint as ckpt_io
-from .mxfp4 import GROUP, QUANT, SUFFIXES, from_checkpoint_tensors, swiglu_constants
-from .packed import PackedExperts
+from ..formats import checkpoint as ckpt_io
+from ..formats.mxfp4 import GROUP, QUANT, SUFFIXES, from_checkpoint_tensors, swiglu_constants
+from ..formats.packed import PackedExperts
 
 RANDOM_SCALE_BYTES = (118, 122)  # [lo, hi): 2 ** (byte - 127)
 INIT_STD = 0.02
@@ -223,7 +223,7 @@ def random_packed_model(config, device=None, dtype: torch.dtype = torch.bfloat16
                 ckpt_io.set_tensor(m, n, torch.empty(t.shape, dtype=t.dtype, device=device))
             init(m)
     model.tie_weights()
-    from .mxfp4 import _finish
+    from ..formats.mxfp4 import _finish
 
     _finish(model, None, dtype)
     return model

@@ -34,8 +34,8 @@ from ..oracle import reference
 from ..core.reject import Refused, RejectCode
 from ..core.spec import ACTIVATIONS, MoESpec, SpecError, expert_bias_fields
 from ..core.match import PairLayout
-from ..probe import randomised
-from .packed import PackedExperts
+from ..probe.block import randomised
+from ..formats.packed import PackedExperts
 from ..core.parts import BlockParts
 from ..core.derived import get_path
 

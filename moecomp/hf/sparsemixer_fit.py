@@ -23,7 +23,7 @@ from torch import nn
 
 from ..core import policy
 from ..oracle import reference
-from ..probe import run_probe
+from ..probe.block import run_probe
 from ..core.spec import MoESpec, SpecError
 from ..core.parts import BlockParts
 from ..core.derived import get_path

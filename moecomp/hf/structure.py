@@ -36,7 +36,7 @@ from torch import nn
 from ..core.derived import get_path
 from ..core.parts import BlockParts, MLPParts
 from . import discover
-from .packed import PackedExperts, unpacked_shape
+from ..formats.packed import PackedExperts, unpacked_shape
 
 # (gate, up, down) names of a per-expert / shared MLP, gated first.
 MLP_NAMES = (

@@ -1,4 +1,4 @@
-"""Dense linear over 4-bit weights (GPTQ / AWQ int4, mxfp4; ``torch.ops.moecomp.linear_4bit``, ``hf/packed_linear.py``).
+"""Dense linear over 4-bit weights (GPTQ / AWQ int4, mxfp4; ``torch.ops.moecomp.linear_4bit``, ``formats/packed_linear.py``).
 
     y[m, n] = sum_k x[m, k] * w(n, k)  (+ bias[n])         x [M, K] (16-bit or fp32, unit stride along K)
               w(n, k) = E2M1[code] * 2 ** (s_byte - 127)              mxfp4 (W4 1; groups of 32, ue8m0 scales)

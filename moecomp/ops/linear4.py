@@ -1,6 +1,6 @@
 """``torch.ops.moecomp.linear_4bit``: a dense linear over 4-bit weights (the int4 linears of GPTQ / AWQ checkpoints
 outside the routed experts: attention projections, shared experts, dense MLPs; mxfp4 too), opaque to Dynamo /
-Inductor. ``hf/packed_linear.Packed4Linear``'s forward is this op.
+Inductor. ``formats/packed_linear.Packed4Linear``'s forward is this op.
 
     y = x @ dequantize(q, scale, quant, zero=zero).T (+ bias)        x [..., K] -> y [..., N] in x's dtype
 

@@ -522,7 +522,7 @@ def moe_forward(
 ) -> torch.Tensor:
     """The whole block: x [..., H] -> [..., H] in x's dtype, math in ``acc``. ``extra``: the scale tensors of
     quantized weights, the latent projections, hash routing's table / token ids and the norms' weights by their op
-    argument names (``moecomp.ops.common.QUANT_ARGS``, ``LATENT_ARGS``, ``HASH_ARGS``, ``NORM_ARGS``)."""
+    argument names (``moecomp.core.args.QUANT_ARGS``, ``LATENT_ARGS``, ``HASH_ARGS``, ``NORM_ARGS``)."""
     if isinstance(spec, str):
         spec = MoESpec.from_key(spec)
     if spec.fused_shared_gate:  # router_w [E + 1, H]: the last row is the shared-expert gate

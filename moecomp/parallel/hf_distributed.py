@@ -70,7 +70,7 @@ from ..core.derived import get_path
 from ..epilogue import block_device_dtype
 from ..core.match import Verified, arg_name
 from ..core.args import OP_ARGS
-from ..probe import contract_of, primary, run_probe
+from ..probe.block import contract_of, primary, run_probe
 from ..recognise import recognise
 from ..core.reject import Reject, RejectCode
 from ..report import BlockReport, _fill_from_spec

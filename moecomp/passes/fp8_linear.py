@@ -1,7 +1,7 @@
 """fp8_linear: the dense FP8 linears left in a graph (attention projections, dense MLPs) -> ``moecomp.fp8_linear``.
 
 While the compile backend traces, transformers' ``FP8Linear`` traces as its plain-PyTorch forward
-(``moecomp/hf/fp8.py``), which the MoE pass reads inside a block (a shared expert) and this pass replaces
+(``moecomp/formats/fp8.py``), which the MoE pass reads inside a block (a shared expert) and this pass replaces
 everywhere else::
 
     x ─[fake_quant_act(x, quant, [a]) | .float()]─┐

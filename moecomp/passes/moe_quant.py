@@ -6,7 +6,7 @@ itself: weight-only)::
     scale [E, n, k] ──[s[ids] | s[e]]───┴─► dequant_fp8(·, ·, quant, halves) ──┐
     x ──► fake_quant_act(x, quant, [a_scale[ids]]) ────────────────────────────┴─► GEMM
 
-or a 4-bit weight (``QuantSpec.packed``: mxfp4, int4; ``hf/packed.py``'s ``PackedExperts`` spells it), always
+or a 4-bit weight (``QuantSpec.packed``: mxfp4, int4; ``formats/packed.py``'s ``PackedExperts`` spells it), always
 weight-only::
 
     q [E, N, K / 2] uint8 ──[w[ids]]──┐
@@ -15,7 +15,7 @@ weight-only::
 
 The weight's logical shape is then [E, N, K] (``unpacked_shape``: two codes a byte along the input dim).
 
-The two ops are moecomp's own tracing vocabulary (``moecomp/hf/fp8.py`` spells transformers' FP8 modules with them
+The two ops are moecomp's own tracing vocabulary (``moecomp/formats/fp8.py`` spells transformers' FP8 modules with them
 while Dynamo traces): a quantized weight is one node whose inputs are the weight and its scales. What the graph says
 is checked by meaning: the weight placeholder holds ``float8_e4m3fn``, the scale's shape is the blocked shape of the
 weight (``QuantSpec.scale_shape``), a gated w13 is dequantized with its halves apart, every GEMM of one weight

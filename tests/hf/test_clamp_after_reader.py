@@ -1,5 +1,5 @@
 """The activation clamped after it (``activation_clamp_after``: min(act(g), L) * clamp(u, -L, L), Step-3.7-Flash's
-``limit_after_act``) measured, not read, by the attribute reader's probes (``hf/activations.py``): the experts'
+``limit_after_act``) measured, not read, by the attribute reader's probes (``probe/activations.py``): the experts'
 ``_apply_gate`` (``probe_gate``) and a dense MLP called whole (``probe_mlp``), on synthetic modules; the near
 variants the spec lacks named (``describe_unknown_gate``); verify's activation check refusing a spec that drops the
 clamp or takes it for the other one; and transformers' own Step-3.7 (the ``step3p7:limits`` variant: routed and
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moecomp.hf import activations as A
+from moecomp.probe import activations as A
 from moecomp.hf import families as Fam
 from moecomp.hf.structure import iter_blocks, mlp_parts
 

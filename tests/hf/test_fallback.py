@@ -6,7 +6,7 @@ import torch
 import moecomp
 from moecomp.hf import families as F
 from moecomp.hf import fallback as fb
-from moecomp.hf.activations import activation_mismatch
+from moecomp.probe.activations import activation_mismatch
 from moecomp.hf.structure import iter_blocks
 from moecomp.core.match import Match
 from moecomp.recognise import fx_available, recognise

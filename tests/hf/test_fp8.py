@@ -2,7 +2,7 @@
 
 Tiny models are built from a config (bf16), converted to what transformers builds for an FP8 block checkpoint
 (``moecomp.hf.fp8_convert.to_fp8``), and compared with the same model run with the plain-PyTorch FP8 forwards
-(``moecomp.hf.fp8.plain_fp8``: the dequantized reference, activations quantized as the modules say; transformers'
+(``moecomp.formats.fp8.plain_fp8``: the dequantized reference, activations quantized as the modules say; transformers'
 own FP8 forwards need the hub's kernel).
 
 Tolerances (max |a - b| / max |b| over the logits):
@@ -28,7 +28,7 @@ import moecomp
 from moecomp.core import policy
 from moecomp.hf import experts_interface as ei
 from moecomp.hf import families as F
-from moecomp.hf import fp8 as P
+from moecomp.formats import fp8 as P
 from moecomp.hf import fp8_convert as C
 from moecomp.optimize import rewritten_blocks
 

@@ -32,8 +32,8 @@ from moecomp.core import quant as q8
 from moecomp.hf import families as F
 from moecomp.hf import gptq as G
 from moecomp.hf import int4_writer as W
-from moecomp.hf.packed import PackedExperts
-from moecomp.hf.packed_linear import Packed4Linear
+from moecomp.formats.packed import PackedExperts
+from moecomp.formats.packed_linear import Packed4Linear
 from moecomp.core.spec import QuantSpec
 
 from .conftest import rel_err

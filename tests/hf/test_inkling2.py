@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import moecomp
-from moecomp.hf import activations, families as F
-from moecomp.hf import softcap_probe
+from moecomp.probe import activations
+from moecomp.hf import families as F
+from moecomp.probe import softcap as softcap_probe
 
 from .conftest import rel_err
 

@@ -32,9 +32,9 @@ import moecomp
 from moecomp.core import policy
 from moecomp.oracle import reference
 from moecomp.hf import families as F
-from moecomp.hf import mxfp4 as M
+from moecomp.formats import mxfp4 as M
 from moecomp.hf import mxfp4_write as W
-from moecomp.hf.packed import PackedExperts
+from moecomp.formats.packed import PackedExperts
 from moecomp.optimize import rewritten_blocks
 from moecomp.core.reject import RejectCode
 
@@ -198,7 +198,7 @@ def test_load_peak_memory_near_packed_size(tmp_path):
     W.write_random_mxfp4_checkpoint(cfg, str(tmp_path))
     code = textwrap.dedent(f"""
         import torch, moecomp, transformers
-        from moecomp.hf import checkpoint as C
+        from moecomp.formats import checkpoint as C
         def status(key):
             for line in open("/proc/self/status"):
                 if line.startswith(key + ":"):

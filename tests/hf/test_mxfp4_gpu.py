@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 import moecomp  # noqa: E402
 from moecomp.hf import mxfp4_write as W  # noqa: E402
-from moecomp.hf.packed import PackedExperts  # noqa: E402
+from moecomp.formats.packed import PackedExperts  # noqa: E402
 from moecomp.testing import routing_near_ties  # noqa: E402
 
 from .conftest import rel_err  # noqa: E402

@@ -18,7 +18,7 @@ import torch
 import moecomp
 from moecomp.core import quant as q8
 from moecomp.hf import families as F
-from moecomp.hf.packed import PackedExperts
+from moecomp.formats.packed import PackedExperts
 from moecomp.optimize import rewritten_blocks
 from moecomp.core.spec import QuantSpec
 

@@ -25,8 +25,8 @@ import torch
 import moecomp
 from moecomp.hf import gptq as G
 from moecomp.hf import int4_writer as W
-from moecomp.hf.packed import PackedExperts
-from moecomp.hf.packed_linear import Packed4Linear
+from moecomp.formats.packed import PackedExperts
+from moecomp.formats.packed_linear import Packed4Linear
 from moecomp.kernels import linear4 as lin4_k
 from moecomp.ops import linear4, triton_linear4
 from moecomp.core.spec import QuantSpec

@@ -87,7 +87,7 @@ def test_loaded_int4_model_cuda(tmp_path):
     import moecomp
     from moecomp.hf import gptq as G
     from moecomp.hf import int4_writer as W
-    from moecomp.hf.packed_linear import Packed4Linear
+    from moecomp.formats.packed_linear import Packed4Linear
 
     from .conftest import rel_err
     from .test_gptq import TOL_BF16 as TOL_MODEL, build, logits

@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: generate.models
 import gloo_run  # noqa: E402
 
-from moecomp.parallel import hf_ep  # noqa: E402
+from moecomp.hf import ep_interface as hf_ep  # noqa: E402
 
 TOL = 2e-5
 WHY_NOT = hf_ep.available()
@@ -441,7 +441,7 @@ def test_registered_when_transformers_ep_is_imported():
     code = textwrap.dedent("""
         import sys
         import moecomp
-        from moecomp.parallel import hf_ep
+        from moecomp.hf import ep_interface as hf_ep
         assert "transformers" not in sys.modules and not hf_ep.REGISTERED and hf_ep._finder in sys.meta_path
         import transformers.distributed.expert_parallel as ep
         impls = ep.EPImplementationInterface()

@@ -1,7 +1,7 @@
 """Reading a safetensors checkpoint directory into a model built on the meta device (moecomp's own loaders).
 
 transformers' ``from_pretrained`` cannot keep quantized experts packed without the hub's kernels (it dequantizes
-MXFP4 experts to bf16 on load; ``docs/QUANT4.md``), so the 4-bit loaders (``hf/mxfp4.py``) build the model here:
+MXFP4 experts to bf16 on load; ``docs/QUANT4.md``), so the 4-bit loaders (``formats/mxfp4.py``) build the model here:
 
     config      transformers ``AutoConfig`` of the directory, ``quantization_config`` removed (the model is built as
                 a 16-bit one; the loader swaps the quantized modules in itself)

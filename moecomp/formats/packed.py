@@ -1,7 +1,7 @@
 """Routed experts stored in a 4-bit format (``QuantSpec.packed``: mxfp4, int4), as a module of moecomp's own.
 
 transformers has no 4-bit experts module that runs without the hub (gpt-oss's ``Mxfp4GptOssExperts`` needs the
-hub's Triton kernels; without them transformers dequantizes to bf16 at load time), so the loaders (``hf/mxfp4.py``,
+hub's Triton kernels; without them transformers dequantizes to bf16 at load time), so the loaders (``formats/mxfp4.py``,
 ``hf/gptq.py``) put this module where a block's experts were. It holds the packed tensors as stored (nothing
 dequantized is kept) and computes, in plain PyTorch, the dequantized reference of ``moecomp.oracle.reference.experts``:
 

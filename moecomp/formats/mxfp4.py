@@ -20,7 +20,7 @@ bytes read (no copy, no repack). The experts compute, per expert e and token x,
 
 with gpt-oss's ``alpha`` (1.702) and ``limit`` (7.0) read from the model's own experts module.
 
-:func:`load_checkpoint` (``moecomp.load``) builds the model on the meta device (``hf/checkpoint.py``), puts a
+:func:`load_checkpoint` (``moecomp.load``) builds the model on the meta device (``formats/checkpoint.py``), puts a
 ``PackedExperts`` where each experts module holding ``*_blocks`` keys was (the 16-bit ``GptOssExperts`` is never
 allocated), and reads every other tensor into place. ``GptOssMLP`` calls its experts as ``experts(hidden [T, H],
 router_indices [T, k], router_scores [T, k])`` (the top-k softmax weights) in transformers 5.17 and 5.24 alike, which

@@ -32,7 +32,7 @@ import warnings
 
 import torch
 
-from ..import_hooks import RegisterOnImport, uninstall
+from .import_hooks import RegisterOnImport, uninstall
 
 NAME = "moecomp"
 TARGET = "transformers.distributed.expert_parallel"
@@ -63,13 +63,13 @@ def _warn(why: str) -> None:
 
 def _make_class(mod):
     """``MoecompEP``, a subclass of transformers' ``EPImplementation`` (module docstring)."""
-    from ..hf import experts_interface as ei
-    from .comm import group_name
-    from .op import experts as parallel_experts
+    from . import experts_interface as ei
+    from ..parallel.comm import group_name
+    from ..parallel.op import experts as parallel_experts
     from ..core.spec_parallel import ParallelSpec
 
     class MoecompEP(mod.EPImplementation):
-        """This experts module's EP dispatch on moecomp's parallel experts path (``moecomp.parallel.hf_ep``)."""
+        """This experts module's EP dispatch on moecomp's parallel experts path (``moecomp.hf.ep_interface``)."""
 
         def __init__(self, experts, ep_mesh, tp_mesh):
             super().__init__(experts, ep_mesh, tp_mesh)

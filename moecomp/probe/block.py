@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .core import policy
-from .core.derived import get_path
-from .core.match import Contract, arg_name, reshape_to, shape_mode
-from .core.reject import Refused, RejectCode
-from .core.parts import BlockParts
+from ..core import policy
+from ..core.derived import get_path
+from ..core.match import Contract, arg_name, reshape_to, shape_mode
+from ..core.reject import Refused, RejectCode
+from ..core.parts import BlockParts
 
 
 @dataclass

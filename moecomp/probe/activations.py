@@ -19,7 +19,8 @@ from ..core import policy
 from ..oracle import reference
 from ..core import quant as q8
 from ..core.spec import MoESpec
-from . import fp8, softcap_probe
+from ..formats import fp8
+from . import softcap as softcap_probe
 from ..core import names
 from ..core.names import read_attr
 from ..core.parts import BlockParts, MLPParts
@@ -194,7 +195,7 @@ def describe_unknown_gate(experts: nn.Module) -> str:
 
 
 def _quantized(block: nn.Module, p: str):
-    """(fp8 weight, its scale, QuantSpec) when the weight at ``p`` is an FP8 linear's (``hf/fp8.py``), else None."""
+    """(fp8 weight, its scale, QuantSpec) when the weight at ``p`` is an FP8 linear's (``formats/fp8.py``), else None."""
     t = get_path(block, p)
     if not fp8.is_fp8(t) or "." not in p:
         return None
