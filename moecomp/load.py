@@ -20,8 +20,8 @@ import torch
 # quantization_config=, config=) and returns the model
 LOADERS: dict[str, str] = {
     "mxfp4": "moecomp.formats.mxfp4:load_checkpoint",  # gpt-oss: experts as PackedExperts (mxfp4)
-    "gptq": "moecomp.hf.gptq:load_int4",  # int4 GPTQ / AWQ ("gemm"): experts as PackedExperts (int4)
-    "awq": "moecomp.hf.gptq:load_int4",
+    "gptq": "moecomp.api.load_gptq:load_int4",  # int4 GPTQ / AWQ ("gemm"): experts as PackedExperts (int4)
+    "awq": "moecomp.api.load_gptq:load_int4",
 }
 
 

@@ -2,7 +2,7 @@
 
 transformers has no 4-bit experts module that runs without the hub (gpt-oss's ``Mxfp4GptOssExperts`` needs the
 hub's Triton kernels; without them transformers dequantizes to bf16 at load time), so the loaders (``formats/mxfp4.py``,
-``hf/gptq.py``) put this module where a block's experts were. It holds the packed tensors as stored (nothing
+``api/load_gptq.py``) put this module where a block's experts were. It holds the packed tensors as stored (nothing
 dequantized is kept) and computes, in plain PyTorch, the dequantized reference of ``moecomp.oracle.reference.experts``:
 
     experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H] in hidden_states' dtype

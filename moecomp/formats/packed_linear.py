@@ -1,6 +1,6 @@
 """A dense linear stored 4-bit (int4 GPTQ / AWQ, mxfp4), as a module of moecomp's own: ``Packed4Linear``.
 
-The int4 loader (``hf/gptq.py``) puts one where a checkpoint holds an int4 linear outside the routed experts
+The int4 loader (``api/load_gptq.py``) puts one where a checkpoint holds an int4 linear outside the routed experts
 (attention projections, shared experts, dense MLPs, a quantized ``lm_head``). It holds the tensors as stored (moecomp's
 layout, ``moecomp.core.quant``; nothing dequantized is kept) and its forward is one ``torch.ops.moecomp.linear_4bit`` call
 (``ops/linear4.py``: plain PyTorch on CPU, Triton on CUDA)::

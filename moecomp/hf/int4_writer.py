@@ -1,8 +1,8 @@
 """Write int4 GPTQ / AWQ checkpoints in their real on-disk format (tests and benchmarks; docs/QUANT4.md).
 
-An independent writer for :mod:`moecomp.hf.gptq`'s reader: the packers here follow the checkpoint layouts
-word by word (a shift and an OR per nibble, as the quantizers that write such checkpoints do), where the reader
-repacks bytes; the tests check one against the other through known codes.
+An independent writer for the reader (:mod:`moecomp.formats.gptq`, :mod:`moecomp.api.load_gptq`): the packers here
+follow the checkpoint layouts word by word (a shift and an OR per nibble, as the quantizers that write such
+checkpoints do), where the reader repacks bytes; the tests check one against the other through known codes.
 
     pack_gptq(codes [K, N], zeros [G, N], scales [G, N])  -> qweight int32 [K / 8, N], qzeros int32 [G, N / 8],
                                                               scales, g_idx int32 [K] (k // g)
@@ -31,7 +31,7 @@ from torch import nn
 
 from ..core import quant as q8
 from ..core.spec import QuantSpec
-from .gptq import AWQ_ORDER
+from ..formats.gptq import AWQ_ORDER
 
 EXPERT_KEY = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 ATTENTION_KEY = re.compile(r"\.self_attn\.[a-z_]*proj[a-z_]*\.weight$")

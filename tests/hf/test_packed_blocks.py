@@ -83,7 +83,7 @@ def test_scale_of_wrong_shape_is_refused_by_the_module():
 
 
 def test_moecomp_load_reads_awq_and_binds(tmp_path):
-    """``moecomp.load`` of an int4 AWQ checkpoint (written by ``hf/int4_writer.py``) goes to ``hf/gptq.py``'s loader
+    """``moecomp.load`` of an int4 AWQ checkpoint (written by ``hf/int4_writer.py``) goes to ``api/load_gptq.py``'s loader
     (``moecomp.load.LOADERS``); its ``PackedExperts`` blocks (int4 with zero points) are then bound, the zero points
     read from the graph."""
     from moecomp.hf import int4_writer

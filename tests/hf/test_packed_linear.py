@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import moecomp
-from moecomp.hf import gptq as G
+from moecomp.api import load_gptq as L
 from moecomp.hf import int4_writer as W
 from moecomp.formats.packed import PackedExperts
 from moecomp.formats.packed_linear import Packed4Linear
@@ -272,8 +272,8 @@ def test_gptq_shared_experts_and_attention_stay_4bit(tmp_path, caplog):
         ref.model.layers[1].self_attn.k_proj.weight.copy_(_act_order(t, "model.layers.1.self_attn.k_proj",
                                                                      k_proj.weight.float(), 64, 3))
     save_file(t, f, metadata={"format": "pt"})
-    with caplog.at_level(logging.WARNING, logger="moecomp.hf.gptq"):
-        got = G.load_int4(path, dtype=torch.float32)
+    with caplog.at_level(logging.WARNING, logger="moecomp.api.load_gptq"):
+        got = L.load_int4(path, dtype=torch.float32)
     assert not caplog.text
     lin = {n: m for n, m in got.named_modules() if isinstance(m, Packed4Linear)}
     layers = model.config.num_hidden_layers
@@ -322,7 +322,7 @@ def test_deepseek_4bit_shared_experts_refused_with_reason(tmp_path):
 
     model = build("deepseek_v3")
     path = W.write_int4_checkpoint(model, str(tmp_path), "gptq", 64, False, attention=True, dense=True)
-    got = G.load_int4(path, dtype=torch.float32)
+    got = L.load_int4(path, dtype=torch.float32)
     assert any(n.endswith("shared_experts.down_proj") for n, m in got.named_modules() if isinstance(m, Packed4Linear))
     ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(0))
     want = logits(got, ids)
@@ -429,4 +429,4 @@ def test_int4_lm_head_tied_to_embeddings_refused(tmp_path):
     t.update(W._convert_key("lm_head.weight", model.lm_head.weight.detach().float(), "gptq", 64, True, True))
     save_file(t, f, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="lm_head.*tie_word_embeddings"):
-        G.load_int4(path, dtype=torch.float32)
+        L.load_int4(path, dtype=torch.float32)
