@@ -56,10 +56,10 @@ def build_meta(path: str):
 
 
 def cmd_scan(a) -> int:
-    import moecomp
+    from .optimize import scan
 
     model = build_meta(a.path)
-    rep = moecomp.scan(model)
+    rep = scan(model)
     if a.json:
         print(rep.to_json())
     else:

@@ -96,7 +96,7 @@ def _decode_ms(model, prompt, new_tokens: int, device: str, reps: int = 5) -> tu
 
 def run(device: str | None = None, layers: int | None = None, batch: int = 1, seq: int = 128, reps: int = 5,
         use_capture: bool = True, print_fn=print, decode_tokens: int | None = None) -> dict:
-    import moecomp
+    from .optimize import optimize
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.startswith("cuda")
@@ -119,7 +119,7 @@ def run(device: str | None = None, layers: int | None = None, batch: int = 1, se
     prompt = ids[:1, :16]
     if n_new:
         dec_before, toks_before, loop_before = _decode_ms(model, prompt, n_new, device, min(5, reps))
-    _, rep = moecomp.optimize(model, report=True, use_capture=use_capture)
+    _, rep = optimize(model, report=True, use_capture=use_capture)
     out = fwd().float()
     t_after = _time(fwd, device, reps)
     if n_new:

@@ -9,7 +9,7 @@ from torch import nn
 from .core.reject import RejectCode
 from .report import BlockReport, expert_style
 from .core.spec import MoESpec
-from .hf import bind as _bind
+from .bind import bind as _bind
 from .hf import fallback as _fb
 from .core.names import TOPK_NAMES, read_attr
 from .core.parts import BlockParts

@@ -10,7 +10,7 @@ per-expert MLPs; see :mod:`moecomp.hf.structure`):
    (``policy.PROBE_SHAPE``: 32 tokens, the block's dtype and device); the rewrite happens only if they agree within
    ``policy.VERIFY_TOLERANCE`` relative to the output's largest value (fp32: 1e-4; bf16: 3e-2; fp16: 1e-2; 16-bit
    routing near-ties excused per ``policy.TIE_REL`` / ``MAX_TIE_FRACTION``) and the output is finite;
-3. bind: the block's forward is replaced (:mod:`moecomp.hf.bind`); parameters are shared, not copied (a
+3. bind: the block's forward is replaced (:mod:`moecomp.bind.bind`); parameters are shared, not copied (a
    ModuleList of expert MLPs is stacked once and its Parameters re-pointed at the stacked tensor's slices, so the
    weights are still held once and every write to them reaches the op).
 
@@ -59,10 +59,10 @@ from .core.match import Verified
 from .recognise import block_constants, fx_available, recognise, structure_key  # noqa: F401 (structure_key re-exported)
 from .core.reject import Refused, Reject
 from .verify import verify, verify_epilogue
-from .hf import bind as _bind
+from .bind import bind as _bind
 from .formats import fp8 as _fp8
 from .hf import router_probe as _router_probe
-from .hf.impl_switch import unclaimed
+from .bind.impl_switch import unclaimed
 from .core.parts import BlockParts
 from .hf.structure import iter_blocks
 from .parallel import hf_distributed as _hf_distributed

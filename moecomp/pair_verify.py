@@ -1,6 +1,6 @@
 """Verify a router / experts pair (``moecomp.pair``) on its parent's own output: the parent runs on probe inputs
 (a call it really made, its hidden states replaced by random values) with its original children and with the pair's
-stand-ins installed (``hf/bind_pair.py``); every tensor it returns must agree within ``policy.verify_tolerance``, the
+stand-ins installed (``bind/bind_pair.py``); every tensor it returns must agree within ``policy.verify_tolerance``, the
 stand-ins must have taken the op's path exactly once per parent call and never their fallback. Constant tensors
 under the router (a fresh init of ones) hold random values meanwhile, so a binding that ignored them would differ.
 """
@@ -14,7 +14,7 @@ from torch import nn
 
 from .core import policy
 from .oracle import reference
-from .hf.bind_pair import bind_pair, unbind_pair
+from .bind.bind_pair import bind_pair, unbind_pair
 from .core.derived import get_path
 from .core.match import PairMatch
 from .probe.block import randomised

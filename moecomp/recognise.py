@@ -10,7 +10,7 @@
              (``trust_fallback=True``: the attribute reader tries those too, and the report says so)
 
 Both recognisers describe a block the same way (spec, bindings by block-relative path, derived tensors); the verify
-stage (:mod:`moecomp.verify`) then proves the Match on probes and the binder (:mod:`moecomp.hf.bind`) uses nothing
+stage (:mod:`moecomp.verify`) then proves the Match on probes and the binder (:mod:`moecomp.bind.bind`) uses nothing
 else. FX results are cached per block structure (:func:`structure_key`): one Dynamo capture per distinct block,
 not per layer.
 """
@@ -24,7 +24,7 @@ from torch import nn
 
 from .core import policy
 from .hf import dispatch_reader, fallback
-from .hf.bind import forward_params
+from .bind.bind import forward_params
 from .core.parts import BlockParts
 from .core.match import Evidence, Match, Verified, forward_arg
 from .core.reject import (Refused, Reject, RejectCode, StageError, describe_exception, in_stage, is_oom, oom_of,
@@ -332,7 +332,7 @@ def _diff(a, b) -> str:
 # ------------------------------------------------------------------------------------------------------ one call
 def match_block(block: nn.Module, example: torch.Tensor | None = None, *, use_fx: bool = True) -> Verified:
     """Recognise and verify one block, as ``optimize`` would (without binding it): the way for tools (the layer
-    benchmark, scripts) to get a block's spec and the op's tensors (``moecomp.hf.bind.bound_tensors``). Raises
+    benchmark, scripts) to get a block's spec and the op's tensors (``moecomp.bind.bind.bound_tensors``). Raises
     :class:`moecomp.core.reject.Refused` with the reason code when the block is not one the op can stand in for.
 
     ``example``: the probe input (default: ``policy.probe_input`` in the block's dtype and device)."""

@@ -12,7 +12,7 @@ from torch import nn
 
 from .core.reject import RejectCode
 from .core.spec import MoESpec
-from .hf import bind as _bind
+from .bind import bind as _bind
 from .core.derived import get_path
 
 

@@ -22,7 +22,7 @@ import torch
 
 from .core import policy
 from .oracle import reference
-from .hf.bind import bound_tensors, forward_params
+from .bind.bind import bound_tensors, forward_params
 from .probe.activations import activation_mismatch
 from .core.match import Match, Verified, apply_epilogue, is_tensor_entry
 from .formats.fp8 import plain_fp8

@@ -113,7 +113,7 @@ def test_spec_is_the_recognisers(tiny_run, monkeypatch):
     (the one call ``block_spec`` makes, watched: a second capture of each block cost seconds) and its tensors are
     ``bound_tensors``' (the block's own parameters), keyed by MOE_ARGS."""
     from moecomp import recognise
-    from moecomp.hf.bind import bound_tensors
+    from moecomp.bind.bind import bound_tensors
     from moecomp.core.args import MOE_ARGS
 
     calls, real_match = [], recognise.match_block

@@ -65,7 +65,7 @@ def _agrees(block, x, got, want, tol) -> bool:
     value on every token but at most ``policy.max_tie_tokens`` whose routing sits within a bf16 rounding of a tie
     (the two router GEMMs may round such a token's logits apart: the verify stage's rule)."""
     from moecomp.oracle import reference
-    from moecomp.hf.bind import _resolve
+    from moecomp.bind.bind import _resolve
 
     st = block._moecomp
     t = [None if p is None else _resolve(block, p) for p in st.paths[:3]]

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USERS = [
     "moecomp/optimize.py",
     "moecomp/hf/fallback.py",
-    "moecomp/hf/bind.py",
+    "moecomp/bind/bind.py",
     "moecomp/hf/structure.py",
     "moecomp/hf/experts_interface.py",
     "moecomp/capture.py",

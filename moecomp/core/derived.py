@@ -44,7 +44,7 @@ class Derived:
     object, so optimizers and references keep working). The weights are then held once, and every write to them,
     ``.data`` writes included, is a write to the op's tensor. Other kinds (separate 3-D gate / up: the sources
     would be strided views; fp32 copies) stay copies, rebuilt when a source's identity, storage, version, dtype or
-    device changes (``.data`` writes do not bump the version: see :mod:`moecomp.hf.bind`).
+    device changes (``.data`` writes do not bump the version: see :mod:`moecomp.bind.bind`).
     """
 
     name: str  # buffer name on the block

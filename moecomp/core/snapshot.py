@@ -1,4 +1,4 @@
-"""What a bound module's spec was derived from, and whether it changed since (``hf/bind.py`` docstring,
+"""What a bound module's spec was derived from, and whether it changed since (``bind/bind.py`` docstring,
 "Attributes"): the plain scalar attributes, the callables and the child modules of the module and everything under
 it. Used by the binder (whole blocks) and the experts-only path (``experts_interface``); below both of them."""
 

@@ -81,8 +81,8 @@ def _linear_method(self, x, *args, **kwargs):
 
 def _method_of(f):
     """The function(self, ...) behind one of moecomp's instance-level forwards, None for any other forward."""
-    from ..hf.bind import BoundForward, moecomp_block_forward
-    from ..hf.bind_experts import ExpertsForward, experts_block_forward
+    from ..bind.bind import BoundForward, moecomp_block_forward
+    from ..bind.bind_experts import ExpertsForward, experts_block_forward
     from ..formats.fp8 import LinearForward
 
     if isinstance(f, BoundForward):

@@ -421,7 +421,7 @@ def check_family(family: str, seed: int = 0, batch: int = 2, seq: int = 5, use_c
 
 
 def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: bool) -> FamilyResult:
-    import moecomp
+    from ..optimize import optimize
 
     t0 = time.perf_counter()
     r = FamilyResult(family, "build failed")
@@ -465,7 +465,7 @@ def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: boo
 
     compare, _recognise.COMPARE_FALLBACK = _recognise.COMPARE_FALLBACK, True  # the table's "fallback agrees" column
     try:
-        _, rep = moecomp.optimize(model, report=True, use_capture=use_capture)
+        _, rep = optimize(model, report=True, use_capture=use_capture)
     except Exception as e:
         r.status = "not rewritten"
         r.reason = f"optimize raised {type(e).__name__}: {e}\n{traceback.format_exc()[-600:]}"

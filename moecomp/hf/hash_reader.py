@@ -25,7 +25,7 @@ from ..core.match import arg_name, forward_arg
 from ..core.reject import Refused, RejectCode
 from ..core.spec import SpecError
 from ..core import names
-from .bind import forward_params
+from ..bind.bind import forward_params
 from ..core.parts import BlockParts
 from ..core.derived import get_path
 

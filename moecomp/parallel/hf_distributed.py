@@ -64,7 +64,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core import policy
-from ..hf import bind as _bind
+from ..bind import bind as _bind
 from ..core.parts import BlockParts
 from ..core.derived import get_path
 from ..epilogue import block_device_dtype

@@ -10,7 +10,7 @@ its routed experts and calls the parallel path; the router, shared experts and t
                        a derived tensor (stacked ModuleList experts, separate gate / up): the block's buffer becomes the
                        shard, no longer rebuilt, and its sources are released: "stack" sources of this rank's experts
                        become views of the shard (EP: experts [a, b); TP: their I columns), the others empty
-              st.op_spec = spec   -> the bound forward calls ``parallel.op.call`` (hf/bind.py)
+              st.op_spec = spec   -> the bound forward calls ``parallel.op.call`` (bind/bind.py)
     the whole tensors are no longer referenced: freed
 
 Blocks bound another way (experts-only, router / experts pairs) stay whole (replicated) and are reported so. A
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.derived import get_path
-from ..hf.bind import BoundState, _refresh_derived, _resolve
+from ..bind.bind import BoundState, _refresh_derived, _resolve
 from ..core.args import OP_ARGS
 from ..core.spec import MoESpec
 from ..core.spec_parallel import PARALLEL_MODES, ParallelSpec

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 import moecomp
 from moecomp.hf import families as F
-from moecomp.hf.bind import bound_tensors
+from moecomp.bind.bind import bound_tensors
 from moecomp.hf.families import OpCounter
 from moecomp.core.args import MOE_ARGS
 

@@ -305,7 +305,7 @@ def test_optimize_binds_packed_blocks(written, ids):
         "b13": "experts.b13", "b2": "experts.b2"}
     assert st.bindings.get("w13_zero") is None and not st.derived
     # the op reads the packed tensors themselves (spy on the op call: same storage, uint8)
-    import moecomp.hf.bind as B
+    import moecomp.bind.bind as B
 
     seen, real = [], B.call_moe_forward
 

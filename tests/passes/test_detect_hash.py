@@ -23,7 +23,7 @@ from torch import nn
 import moecomp
 from moecomp import backend
 from moecomp.capture import DetectError, capture_block, detect_block
-from moecomp.hf.bind import bound_tensors
+from moecomp.bind.bind import bound_tensors
 from moecomp.core.match import forward_arg
 from moecomp.core.args import MOE_ARGS, OP_ARGS
 from moecomp.passes import detect_moe as dm

@@ -21,7 +21,7 @@ import moecomp
 from moecomp.core.derived import get_path
 from moecomp.hf import discover
 from moecomp.hf import families as fam
-from moecomp.hf.bind import _resolve
+from moecomp.bind.bind import _resolve
 from moecomp.hf.structure import iter_blocks
 from moecomp.core.args import OP_ARGS
 

@@ -148,7 +148,7 @@ class BoundState:
     snapshot: Snapshot | None = None  # what the spec was derived from (attributes, child modules)
     watch_mods: tuple | None = None  # the modules at ``watch`` (valid while the snapshot is unchanged)
     warned_stale: bool = False  # (class-level defaults: states pickled before these fields load too)
-    impl_config: object = None  # the experts' config transformers dispatches on by name (hf/impl_switch.py)
+    impl_config: object = None  # the experts' config transformers dispatches on by name (bind/impl_switch.py)
     impl_prev: str | None = None  # the name it had before binding marked it "moecomp"
     inputs: tuple = ()  # (index in OP_ARGS, forward argument name): op arguments read from each call (token ids)
     max_tokens: int = 0  # > 0: calls of more tokens run the original forward (``Match.max_tokens``)

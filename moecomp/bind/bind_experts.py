@@ -4,7 +4,7 @@ whole gets its forward switched to ``moe_experts`` (routing stays transformers')
 
     experts.forward = ExpertsForward(experts)
       (hidden [T, H], top_k_index [T, k], top_k_weights [T, k])  ->  moecomp_experts_forward (moe_experts)
-      gradients needed, another call form, or another experts implementation named (hf/impl_switch.py)
+      gradients needed, another call form, or another experts implementation named (bind/impl_switch.py)
                                                                  ->  the original forward
 """
 
@@ -45,7 +45,7 @@ def experts_block_forward(m: nn.Module, *args, **kwargs):
     then, like anything else, the original forward (exact gradients; warned once per process in eval mode).
     Attribute changes (``act_fn`` replaced, ...) are followed: the spec is re-derived and checked again
     (``experts_interface._spec_cached``)."""
-    from .experts_interface import experts_grad_needed, moecomp_experts_forward
+    from ..hf.experts_interface import experts_grad_needed, moecomp_experts_forward
 
     st: ExpertsState = m._moecomp_experts
     compiling = torch.compiler.is_compiling()

@@ -38,7 +38,7 @@ def experts_config(modules) -> tuple:
     """(config, fp8) of the experts module among ``modules`` that transformers dispatches by name (an
     ``@use_experts_implementation`` one, or ``FP8Experts``); (None, False) if there is none."""
     from ..formats import fp8 as _fp8
-    from .experts_interface import is_hf_experts
+    from ..hf.experts_interface import is_hf_experts
 
     for m in modules:
         cfg = getattr(m, "config", None)
@@ -52,7 +52,7 @@ def experts_config(modules) -> tuple:
 
 
 def _registered(fp8: bool) -> bool:
-    from . import experts_interface as ei
+    from ..hf import experts_interface as ei
 
     if fp8:
         return ei.FP8_REGISTERED or (ei.register_fp8() and ei.FP8_REGISTERED)
