@@ -38,7 +38,7 @@ moecomp keeps for the layouts it cannot share (separate 3-D gate / up, fp32 rout
 ``.data`` writes to those weights.
 
 This module holds the API and the walk over the blocks (detection included); the check of step 2 is
-:mod:`moecomp.verify`, the ``Report`` :mod:`moecomp.report`, the experts-only rewrite :mod:`moecomp.experts_only`.
+:mod:`moecomp.verify.verify`, the ``Report`` :mod:`moecomp.report`, the experts-only rewrite :mod:`moecomp.experts_only`.
 """
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ from .core import policy
 from .experts_only import _try_experts_only
 from .core.reject import RejectCode, StageError, describe_exception, in_stage, is_oom
 from .report import BlockReport, Report, _fill_from_spec, expert_style, router_style  # noqa: F401 (re-exported)
-from .epilogue import Peeled, block_device_dtype, epilogue_of
+from .verify.epilogue import Peeled, block_device_dtype, epilogue_of
 from .core.match import Verified
 from .recognise import block_constants, fx_available, recognise, structure_key  # noqa: F401 (structure_key re-exported)
 from .core.reject import Refused, Reject
-from .verify import verify, verify_epilogue
+from .verify.verify import verify, verify_epilogue
 from .bind import bind as _bind
 from .formats import fp8 as _fp8
 from .hf import router_probe as _router_probe

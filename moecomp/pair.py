@@ -1,7 +1,7 @@
 """The pair rewrite of ``moecomp.optimize``: a candidate block that cannot be rewritten whole because it is a parent
 of more than the MoE (a decoder layer: attention, norms, a dense MLP beside its router and experts) gets its router
 and experts siblings rewritten together as one ``moe_forward`` call (``bind/bind_pair.py``); the parent's forward
-stays. Recognised by ``hf/pair_reader.py`` (structure, then one observed call), verified by ``pair_verify.py`` on
+stays. Recognised by ``hf/pair_reader.py`` (structure, then one observed call), verified by ``verify/pair_verify.py`` on
 the parent's own output, bound only then; otherwise left alone (the experts-only rewrite may still apply) with the
 reason.
 
@@ -24,7 +24,7 @@ from .hf import pair_reader as _pr
 from .core.parts import BlockParts
 from .core.derived import get_path
 from .core.match import PairMatch
-from .pair_verify import fresh_call, verify_pair
+from .verify.pair_verify import fresh_call, verify_pair
 from .core.reject import Refused, RejectCode
 from .report import BlockReport, _fill_from_spec
 

@@ -10,7 +10,7 @@
              (``trust_fallback=True``: the attribute reader tries those too, and the report says so)
 
 Both recognisers describe a block the same way (spec, bindings by block-relative path, derived tensors); the verify
-stage (:mod:`moecomp.verify`) then proves the Match on probes and the binder (:mod:`moecomp.bind.bind`) uses nothing
+stage (:mod:`moecomp.verify.verify`) then proves the Match on probes and the binder (:mod:`moecomp.bind.bind`) uses nothing
 else. FX results are cached per block structure (:func:`structure_key`): one Dynamo capture per distinct block,
 not per layer.
 """
@@ -306,7 +306,7 @@ def _compare_note(block, parts, x, fx: Match, cache) -> str:
     if cache is not None and ck in cache:
         return cache[ck]
     try:
-        from .verify import fit_routed_scale  # noqa: PLC0415
+        from .verify.verify import fit_routed_scale  # noqa: PLC0415
 
         fb = fallback.recognise(block, parts, x)
         if isinstance(fb, Reject):
@@ -336,9 +336,9 @@ def match_block(block: nn.Module, example: torch.Tensor | None = None, *, use_fx
     :class:`moecomp.core.reject.Refused` with the reason code when the block is not one the op can stand in for.
 
     ``example``: the probe input (default: ``policy.probe_input`` in the block's dtype and device)."""
-    from .epilogue import block_device_dtype  # noqa: PLC0415
+    from .verify.epilogue import block_device_dtype  # noqa: PLC0415
     from .hf.structure import NotABlock, find_parts, structural_parts  # noqa: PLC0415
-    from .verify import verify  # noqa: PLC0415
+    from .verify.verify import verify  # noqa: PLC0415
 
     try:
         parts = find_parts(block)

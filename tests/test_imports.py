@@ -420,7 +420,6 @@ LAYERS = ("moecomp.core", "moecomp.kernels", "moecomp.ops", "moecomp.parallel", 
 # modules the move (issue 40) has not reached yet -> their layer
 PENDING = {
     "moecomp.capture": "moecomp.recognise", "moecomp.passes": "moecomp.recognise",
-    "moecomp.epilogue": "moecomp.verify", "moecomp.pair_verify": "moecomp.verify",
     **{f"moecomp.{m}": "moecomp.api" for m in ("optimize", "report", "experts_only", "pair", "backend", "dynamo_name",
                                                "load", "parallel.shard", "parallel.hf_distributed")},
     **{f"moecomp.hf.{m}": "moecomp.recognise" for m in (

@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 
 import moecomp  # noqa: E402
 from moecomp.core import policy
-from moecomp import verify  # noqa: E402
+from moecomp.verify import verify  # noqa: E402
 from moecomp.hf import fallback  # noqa: E402
 from moecomp.hf import families as F  # noqa: E402
 from moecomp.hf.structure import find_parts  # noqa: E402

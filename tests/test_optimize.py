@@ -408,7 +408,7 @@ def test_bf16_routing_ties_do_not_block_the_rewrite():
 
 def test_ties_do_not_excuse_a_wrong_result():
     from moecomp.core.spec import MoESpec
-    from moecomp.verify import err_with_ties
+    from moecomp.verify.verify import err_with_ties
 
     spec = MoESpec(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8)
     block = nn.Module()

@@ -33,7 +33,7 @@ USERS = [
     "moecomp/passes/moe_output.py",
     "moecomp/passes/fse.py",
     "moecomp/recognise.py",
-    "moecomp/verify.py",
+    "moecomp/verify/verify.py",
     "moecomp/passes/rewrite_moe.py",
     "benchmarks/bench_moe.py",
     "benchmarks/layer/common.py",  # bench_moe's parts that hold its tolerances and checks

@@ -394,7 +394,7 @@ def moecomp_block_forward(self: nn.Module, *args, **kwargs):
     # experts (``MoESpec.parallel``, moecomp.shard_experts): the parallel path, collectives included
     run = call_moe_forward if op_spec.parallel is None else call_parallel
     y = run(x if c.primary == "same" else x.reshape(-1, x.shape[-1]), tensors, op_spec)
-    for p in st.epilogue:  # a child module called, or an output bias added (moecomp.epilogue)
+    for p in st.epilogue:  # a child module called, or an output bias added (moecomp.verify.epilogue)
         e = _resolve(self, p)
         y = y + e if isinstance(e, torch.Tensor) else e(y)
     if c.primary == "flat1d":

@@ -166,7 +166,7 @@ def apply_epilogue(block, names, y):
 
 # -------------------------------------------------------------------- the pair rewrite (pair.py; issue 21)
 # A decoder layer whose router and experts are sibling children: read by ``hf/pair_reader.py``, checked by
-# ``pair_verify.py``, bound by ``bind/bind_pair.py`` (two stand-ins). Here, below all three.
+# ``verify/pair_verify.py``, bound by ``bind/bind_pair.py`` (two stand-ins). Here, below all three.
 @dataclass
 class PairLayout:
     """Where the parent's call puts things: the router's tensor argument (index among ``r_nargs`` positional

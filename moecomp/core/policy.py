@@ -96,7 +96,7 @@ def tie_window(dtype: torch.dtype) -> float | None:
     return TIE_REL.get(dtype)
 
 
-# The pair verify (pair_verify.py) draws its probes of a parent layer from these seeds; a 16-bit probe with more
+# The pair verify (verify/pair_verify.py) draws its probes of a parent layer from these seeds; a 16-bit probe with more
 # near-tie tokens than max_tie_tokens proves nothing either way and is skipped; this many usable probes are needed.
 PAIR_PROBE_SEEDS = (11, 12, 13, 14, 15, 16)
 PAIR_PROBES_NEEDED = 2

@@ -22,7 +22,7 @@ tensor). It reads what the block computes by running it with every expert module
             and the Match holds ``max_tokens`` (that length: longer calls run the block's original forward, a
             capacity beyond the probes cannot be ruled out)
 
-The verify stage then checks the Match on its own probes, crowd probes included (``verify.py``).
+The verify stage then checks the Match on its own probes, crowd probes included (``verify/verify.py``).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def fit(block: nn.Module, m: Match, x: torch.Tensor, candidates) -> Match | None
     """``m`` with the activation, gate split, layout and routing that reproduce ``block(x)``, or None.
 
     ``candidates(guess, E, k, has_corr)``: the routings to try (``fallback._routing_candidates``)."""
-    from ..verify import _rel_err, _verify  # noqa: PLC0415 (verify imports the binders)
+    from ..verify.verify import _rel_err, _verify  # noqa: PLC0415 (verify imports the binders)
 
     parts, spec = m.parts, m.spec
     with torch.no_grad():
@@ -76,6 +76,6 @@ def fit(block: nn.Module, m: Match, x: torch.Tensor, candidates) -> Match | None
 
 
 def _op(block, spec, m: Match, x):
-    from ..verify import _run_op  # noqa: PLC0415
+    from ..verify.verify import _run_op  # noqa: PLC0415
 
     return _run_op(block, spec, m.bindings, m.derived, x)

@@ -67,7 +67,7 @@ from ..core import policy
 from ..bind import bind as _bind
 from ..core.parts import BlockParts
 from ..core.derived import get_path
-from ..epilogue import block_device_dtype
+from ..verify.epilogue import block_device_dtype
 from ..core.match import Verified, arg_name
 from ..core.args import OP_ARGS
 from ..probe.block import contract_of, primary, run_probe

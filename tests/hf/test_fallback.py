@@ -10,7 +10,7 @@ from moecomp.probe.activations import activation_mismatch
 from moecomp.hf.structure import iter_blocks
 from moecomp.core.match import Match
 from moecomp.recognise import fx_available, recognise
-from moecomp.verify import fit_routed_scale, verify
+from moecomp.verify.verify import fit_routed_scale, verify
 
 
 def fallback_spec(block, parts, x):

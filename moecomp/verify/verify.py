@@ -20,16 +20,16 @@ import math
 
 import torch
 
-from .core import policy
-from .oracle import reference
-from .bind.bind import bound_tensors, forward_params
-from .probe.activations import activation_mismatch
-from .core.match import Match, Verified, apply_epilogue, is_tensor_entry
-from .formats.fp8 import plain_fp8
-from .ops.moe_op import MOE_ARGS, OP_ARGS
-from .probe.block import contract_of, hash_call_args, primary, run_probe
-from .core.reject import Refused, RejectCode, raise_if_oom
-from .core.spec import MoESpec, SpecError
+from ..core import policy
+from ..oracle import reference
+from ..bind.bind import bound_tensors, forward_params
+from ..probe.activations import activation_mismatch
+from ..core.match import Match, Verified, apply_epilogue, is_tensor_entry
+from ..formats.fp8 import plain_fp8
+from ..ops.moe_op import MOE_ARGS, OP_ARGS
+from ..probe.block import contract_of, hash_call_args, primary, run_probe
+from ..core.reject import Refused, RejectCode, raise_if_oom
+from ..core.spec import MoESpec, SpecError
 
 _example = policy.probe_input  # the verify check's input (shape, distribution, seed: see moecomp.core.policy)
 

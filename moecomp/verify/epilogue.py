@@ -7,7 +7,7 @@
 Found by running the block (:func:`find_epilogue`, :func:`find_output_bias`), peeled off while the MoE part is
 recognised and verified (:class:`Peeled` puts ``nn.Identity`` in a child's place, zeroes a bias: the FX pass sees
 the add of zeros as the identity it then is), then bound as above (``match.apply_epilogue``) and checked whole
-(:func:`moecomp.verify.verify_epilogue`).
+(:func:`moecomp.verify.verify.verify_epilogue`).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .core import policy
-from .core.derived import get_path
-from .core.args import PEELED
-from .core.match import is_tensor_entry
-from .core.parts import BlockParts
-from .probe.block import primary
-from .core.reject import raise_if_oom
+from ..core import policy
+from ..core.derived import get_path
+from ..core.args import PEELED
+from ..core.match import is_tensor_entry
+from ..core.parts import BlockParts
+from ..probe.block import primary
+from ..core.reject import raise_if_oom
 
 
 def block_device_dtype(block: nn.Module, parts: BlockParts):

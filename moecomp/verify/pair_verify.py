@@ -12,13 +12,13 @@ import copy
 import torch
 from torch import nn
 
-from .core import policy
-from .oracle import reference
-from .bind.bind_pair import bind_pair, unbind_pair
-from .core.derived import get_path
-from .core.match import PairMatch
-from .probe.block import randomised
-from .core.reject import Refused, RejectCode, raise_if_oom
+from ..core import policy
+from ..oracle import reference
+from ..bind.bind_pair import bind_pair, unbind_pair
+from ..core.derived import get_path
+from ..core.match import PairMatch
+from ..probe.block import randomised
+from ..core.reject import Refused, RejectCode, raise_if_oom
 
 
 def fresh_call(call: tuple, root: nn.Module | None) -> tuple:
