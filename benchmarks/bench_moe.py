@@ -5,7 +5,7 @@ available) and moecomp's custom op.
 Each block is built from transformers' own class with a config of the family's sizes, directly on the device
 in bf16 (``--dtype``), weights drawn from N(0, 0.02) in place (never zeros). moecomp calls
 ``torch.ops.moecomp.moe_forward`` on the block's own parameters with the ``MoESpec`` and tensors moecomp's
-recogniser finds in the block (``moecomp.recognise.match_block``: what ``moecomp.optimize`` would bind; the script
+recogniser finds in the block (``moecomp.recognise.recognise.match_block``: what ``moecomp.optimize`` would bind; the script
 has no spec of its own, and a block moecomp refuses is reported with its reject code, gets no moecomp timing, and
 the exit status is 3).
 Before timing, every path's output is compared with the HF block (per-expert eager loop) on the same random

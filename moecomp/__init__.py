@@ -41,10 +41,12 @@ _dynamo_name.install()  # backend="moecomp" for torch.compile, also from a sourc
 
 __version__ = "0.1.0"
 
-# submodules imported on first attribute access (PEP 562): they import torch._dynamo, Triton or transformers
-_LAZY_SUBMODULES = frozenset({
-    "backend", "capture", "cli", "demo", "generate", "hf", "kernels", "passes", "reference", "testing",
-})
+# submodules imported on first attribute access (PEP 562): they import torch._dynamo, Triton or transformers.
+# moecomp.<name> -> the module it names (short names kept from before the layers became packages)
+_LAZY_SUBMODULES = {
+    "backend": "backend", "capture": "recognise.capture", "cli": "cli", "demo": "demo", "generate": "generate",
+    "hf": "hf", "kernels": "kernels", "passes": "recognise.fx", "reference": "oracle.reference", "testing": "testing",
+}
 
 
 def warmup(model, batch_sizes=(1,), max_length: int = 1024, prompt_length: int = 8) -> dict:
@@ -57,12 +59,14 @@ def warmup(model, batch_sizes=(1,), max_length: int = 1024, prompt_length: int =
 
 def __getattr__(name: str):
     if name in _LAZY_SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")  # the import also sets the package attribute
+        module = importlib.import_module(f"{__name__}.{_LAZY_SUBMODULES[name]}")
+        globals()[name] = module  # later reads skip __getattr__
+        return module
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | _LAZY_SUBMODULES)
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))
 
 
 __all__ = ["MoESpec", "SharedExpertSpec", "SpecError", "ops", "optimize", "scan", "unoptimize", "Report",

@@ -34,15 +34,15 @@ what Dynamo's guards and the graph inputs make of them, as for any compiled mode
 
 HF ``eager`` experts: transformers' eager experts loop cannot be traced into one graph. While Dynamo traces for this
 backend, HF experts configured as ``eager`` trace as transformers' equivalent ``grouped_mm`` path instead
-(``moecomp.capture.traceable_experts``), so those blocks are matched too; other backends and eager runs are
+(``moecomp.recognise.capture.traceable_experts``), so those blocks are matched too; other backends and eager runs are
 unaffected.
 
 FP8 models (transformers' ``FP8Experts`` / ``FP8Linear``, whose own forwards need the hub's kernel): once
 transformers' FP8 integration is imported, every entry of its ``FP8ExpertsInterface`` (and "eager") and
 ``FP8Linear.forward`` trace as moecomp's plain-PyTorch FP8 forwards while Dynamo traces for this backend
 (``moecomp.formats.fp8.install_trace_forwards``; transformers' own path otherwise). The blocks then become
-``moe_forward`` with their scales (``passes/moe_quant.py``), the other FP8 linears ``moecomp.fp8_linear``
-(``passes/fp8_linear.py``; ``counters["fp8_linear"]["replaced"]``).
+``moe_forward`` with their scales (``recognise/fx/moe_quant.py``), the other FP8 linears ``moecomp.fp8_linear``
+(``recognise/fx/fp8_linear.py``; ``counters["fp8_linear"]["replaced"]``).
 """
 
 from __future__ import annotations
@@ -53,13 +53,13 @@ import os
 
 import torch
 
-from . import capture as _capture
+from .recognise import capture as _capture
 from .hf import experts_interface as _experts_interface
 from .core.counters import counters
-from .passes.detect_moe import detect_moe
-from .passes.fp8_linear import rewrite_fp8_linears
-from .passes.fse import fuse_shared_gate
-from .passes.rewrite_moe import rewrite_moe
+from .recognise.fx.detect_moe import detect_moe
+from .recognise.fx.fp8_linear import rewrite_fp8_linears
+from .recognise.fx.fse import fuse_shared_gate
+from .recognise.fx.rewrite_moe import rewrite_moe
 from .core.reject import Reject, RejectCode
 
 BACKEND_NAME = "moecomp"
@@ -67,8 +67,8 @@ last_results: list[dict] = []  # newest last; at most _KEEP entries
 _KEEP = 16
 
 # every file whose code decides what the pass rewrites: the pass package whole, and the modules it runs through
-_PASS_PACKAGE = "moecomp.passes"
-_PASS_MODULES = ("moecomp.backend", "moecomp.capture", "moecomp.core.spec", "moecomp.core.policy",
+_PASS_PACKAGE = "moecomp.recognise.fx"
+_PASS_MODULES = ("moecomp.backend", "moecomp.recognise.capture", "moecomp.core.spec", "moecomp.core.policy",
                  "moecomp.core.reject", "moecomp.formats.fp8")
 
 
@@ -137,7 +137,7 @@ def _config_patches(mode: str | None, options: dict | None) -> dict:
 def _needs_grad(gm, example_inputs, match) -> bool:
     if not torch.is_grad_enabled():
         return False
-    from .passes._fx import meta_val
+    from .recognise.fx._fx import meta_val
 
     x = meta_val(match.x)
     if isinstance(x, torch.Tensor) and x.requires_grad:  # the block's input (activations) needs a gradient

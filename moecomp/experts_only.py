@@ -10,7 +10,7 @@ from .core.reject import RejectCode
 from .report import BlockReport, expert_style
 from .core.spec import MoESpec
 from .bind import bind as _bind
-from .hf import fallback as _fb
+from .recognise import fallback as _fb
 from .core.names import TOPK_NAMES, read_attr
 from .core.parts import BlockParts
 from .core.derived import get_path
@@ -19,7 +19,7 @@ from .core.derived import get_path
 def _try_experts_only(name: str, block: nn.Module, parts: BlockParts | None, rep: BlockReport, bind_it: bool):
     """Switch just the block's experts module to ``moe_experts`` (routing stays HF's), when proven equal."""
     from .hf import experts_interface as _ei
-    from .hf.structure import experts_child
+    from .recognise.structure import experts_child
 
     path = parts.experts if parts is not None else experts_child(block)
     if not path:

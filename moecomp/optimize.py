@@ -1,10 +1,10 @@
 """``moecomp.optimize(model)``, ``moecomp.scan(model)``, ``moecomp.unoptimize(model)`` and the ``Report``.
 
 For every candidate MoE block (a module owning a router weight [E, H] and 3-D expert weights, or a ModuleList of
-per-expert MLPs; see :mod:`moecomp.hf.structure`):
+per-expert MLPs; see :mod:`moecomp.recognise.structure`):
 
-1. detect: the FX pass (``moecomp.capture.detect_block``) first; when Dynamo cannot capture the block (or the pass
-   is not installed), the attribute fallback (:mod:`moecomp.hf.fallback`), which measures routing and activation by
+1. detect: the FX pass (``moecomp.recognise.capture.detect_block``) first; when Dynamo cannot capture the block (or the pass
+   is not installed), the attribute fallback (:mod:`moecomp.recognise.fallback`), which measures routing and activation by
    running the block once;
 2. check: the block's original forward and ``torch.ops.moecomp.moe_forward`` run on the same random input
    (``policy.PROBE_SHAPE``: 32 tokens, the block's dtype and device); the rewrite happens only if they agree within
@@ -56,15 +56,15 @@ from .core.reject import RejectCode, StageError, describe_exception, in_stage, i
 from .report import BlockReport, Report, _fill_from_spec, expert_style, router_style  # noqa: F401 (re-exported)
 from .verify.epilogue import Peeled, block_device_dtype, epilogue_of
 from .core.match import Verified
-from .recognise import block_constants, fx_available, recognise, structure_key  # noqa: F401 (structure_key re-exported)
+from .recognise.recognise import block_constants, fx_available, recognise, structure_key  # noqa: F401 (structure_key re-exported)
 from .core.reject import Refused, Reject
 from .verify.verify import verify, verify_epilogue
 from .bind import bind as _bind
 from .formats import fp8 as _fp8
-from .hf import router_probe as _router_probe
+from .recognise import router_probe as _router_probe
 from .bind.impl_switch import unclaimed
 from .core.parts import BlockParts
-from .hf.structure import iter_blocks
+from .recognise.structure import iter_blocks
 from .parallel import hf_distributed as _hf_distributed
 
 # the verify check's rules live in moecomp.core.policy (re-exported here for callers that read them from optimize)

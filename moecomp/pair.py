@@ -1,7 +1,7 @@
 """The pair rewrite of ``moecomp.optimize``: a candidate block that cannot be rewritten whole because it is a parent
 of more than the MoE (a decoder layer: attention, norms, a dense MLP beside its router and experts) gets its router
 and experts siblings rewritten together as one ``moe_forward`` call (``bind/bind_pair.py``); the parent's forward
-stays. Recognised by ``hf/pair_reader.py`` (structure, then one observed call), verified by ``verify/pair_verify.py`` on
+stays. Recognised by ``recognise/pair_reader.py`` (structure, then one observed call), verified by ``verify/pair_verify.py`` on
 the parent's own output, bound only then; otherwise left alone (the experts-only rewrite may still apply) with the
 reason.
 
@@ -20,7 +20,7 @@ from torch import nn
 
 from .core import policy
 from .bind import bind_pair as _bp
-from .hf import pair_reader as _pr
+from .recognise import pair_reader as _pr
 from .core.parts import BlockParts
 from .core.derived import get_path
 from .core.match import PairMatch
@@ -82,7 +82,7 @@ class ParentCalls:
 
 
 def read_pair(parent: nn.Module, parts: BlockParts, call: tuple) -> PairMatch:
-    """The pair's match (``hf/pair_reader.py``); raises ``Refused``."""
+    """The pair's match (``recognise/pair_reader.py``); raises ``Refused``."""
     rpath, xpath = parts.router_module, parts.experts
     if not rpath or not xpath or rpath == xpath or rpath.startswith(xpath + ".") or xpath.startswith(rpath + "."):
         raise _pr.PairError("router and experts are not two separate modules under the block",

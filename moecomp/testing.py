@@ -295,9 +295,9 @@ def rewrite_block_graph(block: torch.nn.Module, example: torch.Tensor, blocks: i
     before and after the rewrite on the captured inputs (no grad)."""
     import copy
 
-    from .capture import capture_block
-    from .passes import detect_moe as dm
-    from .passes.rewrite_moe import rewrite_moe
+    from .recognise.capture import capture_block
+    from .recognise.fx import detect_moe as dm
+    from .recognise.fx.rewrite_moe import rewrite_moe
 
     cap = capture_block(block, example)
     res = dm.detect_moe(cap.gm, cap.example_inputs)

@@ -112,7 +112,7 @@ def test_spec_is_the_recognisers(tiny_run, monkeypatch):
     """The benchmark has no recogniser of its own: per family, the spec it timed is ``match_block``'s for that block
     (the one call ``block_spec`` makes, watched: a second capture of each block cost seconds) and its tensors are
     ``bound_tensors``' (the block's own parameters), keyed by MOE_ARGS."""
-    from moecomp import recognise
+    from moecomp.recognise import recognise
     from moecomp.bind.bind import bound_tensors
     from moecomp.core.args import MOE_ARGS
 

@@ -27,11 +27,11 @@ pytest.importorskip("transformers")
 import moecomp  # noqa: E402
 from moecomp.core import policy
 from moecomp.verify import verify  # noqa: E402
-from moecomp.hf import fallback  # noqa: E402
+from moecomp.recognise import fallback  # noqa: E402
 from moecomp.hf import families as F  # noqa: E402
-from moecomp.hf.structure import find_parts  # noqa: E402
+from moecomp.recognise.structure import find_parts  # noqa: E402
 from moecomp.formats.fp8 import plain_fp8  # noqa: E402
-from moecomp.passes import _numeric  # noqa: E402
+from moecomp.recognise.fx import _numeric  # noqa: E402
 from moecomp.testing import PeakMemory, forward_peak  # noqa: E402
 from moecomp.testing_blocks import one_block  # noqa: E402
 

@@ -18,23 +18,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the modules that apply the policy: none may spell one of its literals itself
 USERS = [
     "moecomp/optimize.py",
-    "moecomp/hf/fallback.py",
+    "moecomp/recognise/fallback.py",
     "moecomp/bind/bind.py",
-    "moecomp/hf/structure.py",
+    "moecomp/recognise/structure.py",
     "moecomp/hf/experts_interface.py",
-    "moecomp/capture.py",
+    "moecomp/recognise/capture.py",
     "moecomp/backend.py",
-    "moecomp/passes/_fx.py",
-    "moecomp/passes/_numeric.py",
-    "moecomp/passes/detect_moe.py",
-    "moecomp/passes/moe_routing.py",
-    "moecomp/passes/moe_experts.py",
-    "moecomp/passes/moe_per_expert.py",
-    "moecomp/passes/moe_output.py",
-    "moecomp/passes/fse.py",
-    "moecomp/recognise.py",
+    "moecomp/recognise/fx/_fx.py",
+    "moecomp/recognise/fx/_numeric.py",
+    "moecomp/recognise/fx/detect_moe.py",
+    "moecomp/recognise/fx/moe_routing.py",
+    "moecomp/recognise/fx/moe_experts.py",
+    "moecomp/recognise/fx/moe_per_expert.py",
+    "moecomp/recognise/fx/moe_output.py",
+    "moecomp/recognise/fx/fse.py",
+    "moecomp/recognise/recognise.py",
     "moecomp/verify/verify.py",
-    "moecomp/passes/rewrite_moe.py",
+    "moecomp/recognise/fx/rewrite_moe.py",
     "benchmarks/bench_moe.py",
     "benchmarks/layer/common.py",  # bench_moe's parts that hold its tolerances and checks
     "benchmarks/layer/checks.py",
@@ -112,7 +112,7 @@ def test_reject_is_frozen_text():
 
 
 def test_detect_error_codes():
-    from moecomp.capture import DetectError
+    from moecomp.recognise.capture import DetectError
 
     assert DetectError("x", "capture").code is RejectCode.CAPTURE_FAILED
     assert DetectError("x").code is RejectCode.NOT_RECOGNISED
@@ -123,9 +123,9 @@ def test_detect_error_codes():
 def test_capture_failure_is_read_from_the_code_not_the_text(monkeypatch):
     """The pipeline hands a block to the attribute reader when the FX pass's Reject says CAPTURE_FAILED, whatever
     its text says, and returns any other Reject as it is."""
-    from moecomp import recognise as R
+    from moecomp.recognise import recognise as R
     from moecomp.hf import families as F
-    from moecomp.hf.structure import iter_blocks
+    from moecomp.recognise.structure import iter_blocks
     from moecomp.core.match import Match
 
     model, _ = F.build_tiny("mixtral")
@@ -158,7 +158,7 @@ def test_backend_counts_grad_mode_by_code(monkeypatch):
 
 
 def test_fallback_error_codes():
-    from moecomp.hf.fallback import FallbackError
+    from moecomp.recognise.fallback import FallbackError
 
     assert FallbackError("x").code is RejectCode.UNSUPPORTED_STRUCTURE
     assert FallbackError("x", RejectCode.VERIFICATION_FAILED).code is RejectCode.VERIFICATION_FAILED

@@ -10,7 +10,7 @@ Only an MoE router's int4 weight (the op's routing reads a 16-bit router) or one
 group's inputs are then scattered along K, which moecomp's layout (groups of ``g`` consecutive inputs) cannot hold
 without permuting the experts' inputs, different per expert; an act-order dense linear keeps its codes with the
 columns sorted by group and gathers its input the same way (``act_order_perm``: one permutation per linear).
-It sits at the API layer, not in ``formats/``: it finds the MoE blocks by structure (``hf.structure.iter_blocks``).
+It sits at the API layer, not in ``formats/``: it finds the MoE blocks by structure (``recognise.structure.iter_blocks``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ..core.spec import QuantSpec
 from ..formats.gptq import SCALE_DTYPES, Int4Format
 from ..formats.packed import PackedExperts
 from ..formats.packed_linear import Packed4Linear
-from ..hf.structure import iter_blocks
+from ..recognise.structure import iter_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def _empty_model(config, dtype: torch.dtype) -> nn.Module:
 
 
 def _expert_blocks(model: nn.Module) -> dict:
-    """{experts module path: BlockParts} of the model's MoE blocks (``hf.structure``, by what the blocks own)."""
+    """{experts module path: BlockParts} of the model's MoE blocks (``recognise.structure``, by what the blocks own)."""
     out = {}
     for name, _block, parts, _reason in iter_blocks(model):
         if parts is not None:
@@ -126,7 +126,7 @@ def _expert_blocks(model: nn.Module) -> dict:
 
 
 def _router_modules(model: nn.Module) -> set:
-    """Paths of the MoE blocks' router modules (``hf.structure``): their weights stay 16-bit (the op's routing reads
+    """Paths of the MoE blocks' router modules (``recognise.structure``): their weights stay 16-bit (the op's routing reads
     a 16-bit [E, H] router), so an int4 router is dequantized at load."""
     return {f"{name}.{parts.router_module}" if name else parts.router_module
             for name, _block, parts, _reason in iter_blocks(model) if parts is not None and parts.router_module}
@@ -303,7 +303,7 @@ def load_int4(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu", *, c
     """A causal LM from an int4 GPTQ / AWQ ("gemm") safetensors checkpoint directory, routed experts kept 4-bit.
 
     The model is built from ``config.json`` on the meta device (``quantization_config`` dropped); each MoE block's
-    experts module (found by structure: ``hf.structure``) becomes a :class:`PackedExperts` holding the checkpoint's
+    experts module (found by structure: ``recognise.structure``) becomes a :class:`PackedExperts` holding the checkpoint's
     codes (``...experts.{i}.{gate_proj,up_proj,down_proj}`` or Mixtral's ``w1 / w3 / w2``: ``qweight``, ``qzeros``,
     ``scales``, ``g_idx``) repacked, never dequantized, with the group scales in the checkpoint's dtype. Every other
     tensor is read into the dtype of the model's tensor (``dtype``, or fp32 where the model keeps it); int4

@@ -8,7 +8,7 @@
     moecomp.counters["detect_moe"]["matched"]      # MoE blocks recognised
     moecomp.counters["detect_moe"]["rejected"]     # candidates left alone (reasons: moecomp.backend.last_results)
     moecomp.counters["rewrite_moe"]["replaced"]    # blocks replaced by torch.ops.moecomp.moe_forward
-    moecomp.counters["fse"]["fused"]               # router + shared-gate GEMMs fused (see passes/fse.py)
+    moecomp.counters["fse"]["fused"]               # router + shared-gate GEMMs fused (see recognise/fx/fse.py)
     moecomp.counters["backend"]["graphs"]          # graphs the backend compiled
 
 Keys read before they were counted are 0. ``clear()`` resets everything; ``snapshot()`` is a plain-dict copy.

@@ -34,7 +34,7 @@ class Derived:
     router and shared-expert gate rows); "rows": a view of the first ``rows`` rows of the one source, no copy
     (LongCat-Flash's gate_up_proj holds E + Z experts where the op reads E: ``MoESpec.zero_experts``); "view": the
     one source viewed as ``shape`` then permuted by ``perm``, no copy (every expert's rows in one 2-D matrix read as
-    [E, ., .], or a 3-D weight read transposed: ``passes/moe_flat.py``).
+    [E, ., .], or a 3-D weight read transposed: ``recognise/fx/moe_flat.py``).
     ``fp32``: the result is converted to fp32 (an fp32 router over 16-bit weights). ``inline``: small enough to build
     on every call inside a compiled graph (always fresh there).
 

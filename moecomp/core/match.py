@@ -103,7 +103,7 @@ class Match:
     spec: MoESpec
     bindings: dict[str, str | None]
     derived: list[Derived] = field(default_factory=list)
-    parts: object = None  # moecomp.hf.structure.BlockParts (router / experts / shared module paths), or None
+    parts: object = None  # moecomp.core.parts.BlockParts (router / experts / shared module paths), or None
     evidence: Evidence = field(default_factory=lambda: Evidence("fx"))
     max_tokens: int = 0  # > 0: the recogniser proved the op for calls of up to this many tokens only (longer calls
     # run the block's original forward: the dispatch reader saw no capacity drop up to it, one beyond is possible)
@@ -165,7 +165,7 @@ def apply_epilogue(block, names, y):
 
 
 # -------------------------------------------------------------------- the pair rewrite (pair.py; issue 21)
-# A decoder layer whose router and experts are sibling children: read by ``hf/pair_reader.py``, checked by
+# A decoder layer whose router and experts are sibling children: read by ``recognise/pair_reader.py``, checked by
 # ``verify/pair_verify.py``, bound by ``bind/bind_pair.py`` (two stand-ins). Here, below all three.
 @dataclass
 class PairLayout:

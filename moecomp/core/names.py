@@ -1,4 +1,4 @@
-"""The attribute names the attribute reader (:mod:`moecomp.hf.fallback`) reads a block's settings from, in one place.
+"""The attribute names the attribute reader (:mod:`moecomp.recognise.fallback`) reads a block's settings from, in one place.
 
 Each tuple lists the spellings seen in transformers and remote-code models, most common first. The binder and the
 attribute snapshot read ``JITTER_NAMES`` at call time (router / input jitter forces the original forward in

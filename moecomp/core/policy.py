@@ -13,7 +13,7 @@ Three groups:
   tokens (window per dtype, largest share of tokens) is decided here;
 * the *probe inputs*: how many tokens, which distribution, which seed, for each check that runs a module.
 
-The FX pass's own numeric check (``moecomp.passes._numeric``) reads its token budget and agreement rule from the
+The FX pass's own numeric check (``moecomp.recognise.fx._numeric``) reads its token budget and agreement rule from the
 section at the end of this module. The whole-model checks (``moecomp.hf.families.TOL``, ``moecomp.demo``,
 ``benchmarks/hf_gpu_check.py``) are separate rules with their own owners.
 """
@@ -205,7 +205,7 @@ def mlp_match_tolerance(dtype: torch.dtype, quantized: bool = False) -> float:
     return MLP_MATCH_TOL_FULL if dtype in (torch.float32, torch.float64) else MLP_MATCH_TOL_LOW
 
 
-# The routing the block measurably takes (``moecomp.hf.fallback``) against a candidate routing: the routing weights
+# The routing the block measurably takes (``moecomp.recognise.fallback``) against a candidate routing: the routing weights
 # must agree up to one constant within this rtol (atol relative to the largest weight). fp32 blocks: fp32 softmax /
 # sigmoid of the same logits (2e-5). Other dtypes (fp64 included, as measured so far): 16-bit weights are rounded
 # (2e-2 covers one bf16 rounding of weights near 1).
@@ -332,7 +332,7 @@ def expert_chunks(num_experts: int, bytes_per_expert: int, budget: int | None = 
 
 
 # ------------------------------------------------------------------------------------------------ FX pass check
-# (moved here from ``moecomp.passes._numeric``, the FX pass's numeric check: the cut-out block graph against
+# (moved here from ``moecomp.recognise.fx._numeric``, the FX pass's numeric check: the cut-out block graph against
 # ``moecomp.oracle.reference.moe_forward`` with the derived spec.) A rule of its own, not the verify check's: it compares
 # every token of a block it cut out of Dynamo's graph, in the block's dtype.
 #
@@ -376,7 +376,7 @@ FX_CLAMP_STRESS_SAMPLE = 100_000
 
 # ----------------------------------------------------------------------------------------------- capacity probes
 # Expert capacity (MoESpec.capacity / capacity_factor: Switch Transformers, NLLB-MoE) shows only when an expert gets
-# more pairs than its capacity. The dispatch reader (hf/dispatch_reader.py) and the verify stage use *crowd probes*:
+# more pairs than its capacity. The dispatch reader (recognise/dispatch_reader.py) and the verify stage use *crowd probes*:
 # [batch, seq] hidden states whose first CROWD_SHARE of every sequence has one expert's router logit raised to
 # CROWD_LOGIT above the token's largest other logit (through the router's pseudo-inverse: the other logits stay),
 # every CROWD_FAR_EVERY-th of them to CROWD_LOGIT_FAR above, its second choice lifted first (the other experts in

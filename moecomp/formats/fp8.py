@@ -19,7 +19,7 @@ computes the dequantized reference, activations quantized as the module's scheme
 Both spellings go through two small custom ops, ``torch.ops.moecomp.dequant_fp8(q, scale, quant, halves)`` and
 ``torch.ops.moecomp.fake_quant_act(x, quant, scale)`` (fp32 results, ``quant`` a ``QuantSpec.key``), so that the
 FX pass sees a quantized weight as one node whose inputs are the fp8 placeholder and its scale placeholder (and the
-activation quantization as one node on the GEMM's input): ``passes/moe_quant.py`` reads them. They are moecomp's
+activation quantization as one node on the GEMM's input): ``recognise/fx/moe_quant.py`` reads them. They are moecomp's
 tracing vocabulary, not what the bound op runs (``moe_forward`` / ``fp8_linear`` read the fp8 tensors as stored).
 
 ``optimize`` also binds every ``FP8Linear``-like module's forward to ``moecomp.ops.fp8_linear.call_fp8_linear``
@@ -470,7 +470,7 @@ class LinearState:
 
 
 class LinearForward:
-    """``module.forward`` after binding (a small picklable callable, like ``hf.bind.BoundForward``)."""
+    """``module.forward`` after binding (a small picklable callable, like ``bind.bind.BoundForward``)."""
 
     __slots__ = ("module",)
 

@@ -115,7 +115,7 @@ class PackedExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """Eagerly a loop over the experts hit (one expert dequantized at a time); while Dynamo traces, one batched
         spelling (each pair's weights gathered ``w[ids]``, dequantized, ``bmm``) that traces into one graph of
-        ``dequant_4bit`` nodes the FX pass reads (``passes/moe_quant.py``). Both: fp32 GEMMs, h rounded to the
+        ``dequant_4bit`` nodes the FX pass reads (``recognise/fx/moe_quant.py``). Both: fp32 GEMMs, h rounded to the
         input dtype between them (as the kernels store it), the routing weights applied and summed in fp32."""
         x = hidden_states.reshape(-1, self.hidden_size)
         ids = top_k_index.reshape(x.shape[0], -1)

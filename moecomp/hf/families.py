@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import discover
+from ..recognise import discover
 
 TINY = dict(
     hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=32,
@@ -68,7 +68,7 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "glm4v_moe": {"rope_parameters": {**_MROPE, "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}},
     "hy_v4_vl": {"num_key_value_heads": 4, "rope_parameters": {**_MROPE, "mrope_section": [4, 2, 2]}},
     "ernie4_5_vl_moe": {"moe_intermediate_size": [32, 32], "rope_parameters": {**_MROPE, "mrope_section": [3, 3, 2]}},
-    # found by structure (hf/discover.py): T5 / BART-style size fields
+    # found by structure (recognise/discover.py): T5 / BART-style size fields
     "nllb_moe": {"d_model": 64, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "encoder_layers": 2,
                  "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
                  "encoder_sparse_step": 1, "decoder_sparse_step": 1, "expert_capacity": 64},
@@ -165,7 +165,7 @@ def _hidden_of(cfg) -> int | None:
 
 def moe_families() -> list[str]:
     """The families the coverage tool checks: those with ``@use_experts_implementation`` experts, and those whose
-    tiny model has routed-experts blocks by structure (``hf/discover.py``: a router [E, H] next to experts for it;
+    tiny model has routed-experts blocks by structure (``recognise/discover.py``: a router [E, H] next to experts for it;
     no class or attribute names read). A structural candidate is confirmed at run time by ``check_family``."""
     import warnings
 
@@ -461,7 +461,7 @@ def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: boo
                         f"no top-k / argmax at run time (widths seen: {sorted(probe.widths)[:8]})")
             r.seconds = time.perf_counter() - t0
             return r
-    from .. import recognise as _recognise  # noqa: PLC0415
+    from ..recognise import recognise as _recognise  # noqa: PLC0415
 
     compare, _recognise.COMPARE_FALLBACK = _recognise.COMPARE_FALLBACK, True  # the table's "fallback agrees" column
     try:
@@ -488,7 +488,7 @@ def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: boo
     if r.blocks == 0:
         by_structure = sorted(discover.routed_blocks(model, _hidden_of(model.config)))
         r.status, r.reason = "no MoE block", "no candidate block found" + (
-            f" (the block finder, hf/structure.py, reads part names; by structure, hf/discover.py: "
+            f" (the block finder, recognise/structure.py, reads part names; by structure, recognise/discover.py: "
             f"{', '.join(by_structure[:3])}{' ...' if len(by_structure) > 3 else ''})" if by_structure else "")
         r.seconds = time.perf_counter() - t0
         return r

@@ -43,7 +43,7 @@ read here from the tensors it leaves (DTensor placements, what is local), never 
     verify          the block's own forward (transformers' sharded path) against ``parallel.forward`` on this rank's
                     local tensors, on the verify probe, within ``policy.verify_tolerance``; every rank of the group
                     agrees on the spec and the verdict (one all-reduce) before anything is bound
-    bind            ``hf.bind.bind`` as for any block; then each bound DTensor Parameter becomes a Parameter of its
+    bind            ``bind.bind.bind`` as for any block; then each bound DTensor Parameter becomes a Parameter of its
                     local tensor (``to_local()``: the same storage) and the op spec gets the ParallelSpec, so the
                     block routes once over the global experts and runs moecomp's dispatch; transformers' EP / TP
                     forward of the experts module is no longer called
@@ -71,7 +71,7 @@ from ..verify.epilogue import block_device_dtype
 from ..core.match import Verified, arg_name
 from ..core.args import OP_ARGS
 from ..probe.block import contract_of, primary, run_probe
-from ..recognise import recognise
+from ..recognise.recognise import recognise
 from ..core.reject import Reject, RejectCode
 from ..report import BlockReport, _fill_from_spec
 from ..core.spec import MoESpec, SpecError

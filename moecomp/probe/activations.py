@@ -1,6 +1,6 @@
 """Activations measured, not read: call a block's own activation code on probe inputs and name what it computes.
 
-Used by the attribute reader (:mod:`moecomp.hf.fallback`: which activation the experts / shared expert / a
+Used by the attribute reader (:mod:`moecomp.recognise.fallback`: which activation the experts / shared expert / a
 ModuleList expert compute), by the experts interface (:mod:`moecomp.hf.experts_interface`: the same for a
 transformers experts module), and by the verify stage (:func:`activation_mismatch`: a spec's activations against
 the block's modules on inputs wide enough to reach the clamps of clamped SwiGLU variants, which random hidden

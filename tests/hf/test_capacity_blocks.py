@@ -1,4 +1,4 @@
-"""Blocks with an expert capacity, rewritten whole through the dispatch reader (``hf/dispatch_reader.py``: Dynamo
+"""Blocks with an expert capacity, rewritten whole through the dispatch reader (``recognise/dispatch_reader.py``: Dynamo
 cannot capture them; the block is run with its expert modules observed) and checked by the verify stage on crowd
 probes: Switch Transformers (transformers' own model, top-1, a fixed capacity per sequence), a hand-written top-2
 block whose capacity is a fraction of the call's tokens and whose weights are renormalised over the pairs kept
@@ -230,8 +230,8 @@ class CappedFFN(FFN):
                                         (CappedFFN, "computes no activation the spec knows")])
 def test_dispatch_reader_refuses_with_a_reason(expert, why):
     from moecomp.core import policy
-    from moecomp.hf import dispatch_reader
-    from moecomp.hf.structure import structural_parts
+    from moecomp.recognise import dispatch_reader
+    from moecomp.recognise.structure import structural_parts
     from moecomp.core.reject import Reject
 
     b = _top2_model(3)[0].block

@@ -17,7 +17,7 @@ from torch import nn
 
 from moecomp.probe import activations as A
 from moecomp.hf import families as Fam
-from moecomp.hf.structure import iter_blocks, mlp_parts
+from moecomp.recognise.structure import iter_blocks, mlp_parts
 
 
 class GateExperts(nn.Module):
@@ -108,7 +108,7 @@ def _step3p7_block():
 
 @needs_step3p7
 def test_step3p7_read_by_the_attribute_reader():
-    from moecomp.hf import fallback as fb
+    from moecomp.recognise import fallback as fb
 
     block, parts = _step3p7_block()
     s = fb.static_extract(block, parts).spec

@@ -5,11 +5,11 @@ import torch
 
 import moecomp
 from moecomp.hf import families as F
-from moecomp.hf import fallback as fb
+from moecomp.recognise import fallback as fb
 from moecomp.probe.activations import activation_mismatch
-from moecomp.hf.structure import iter_blocks
+from moecomp.recognise.structure import iter_blocks
 from moecomp.core.match import Match
-from moecomp.recognise import fx_available, recognise
+from moecomp.recognise.recognise import fx_available, recognise
 from moecomp.verify.verify import fit_routed_scale, verify
 
 

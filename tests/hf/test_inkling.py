@@ -105,8 +105,8 @@ def _first_block(model):
 def _read_alone(block):
     """The attribute reader's answer for ``block`` (measured on the probe input), and the block's parts."""
     from moecomp.core import policy
-    from moecomp.hf import fallback
-    from moecomp.hf.structure import find_parts
+    from moecomp.recognise import fallback
+    from moecomp.recognise.structure import find_parts
 
     parts = find_parts(block)
     return fallback.recognise(block, parts, policy.probe_input(parts.hidden_size, torch.device("cpu"),

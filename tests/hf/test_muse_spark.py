@@ -15,7 +15,7 @@ import torch
 
 import moecomp
 from moecomp.hf import families as F
-from moecomp.recognise import match_block
+from moecomp.recognise.recognise import match_block
 
 from .conftest import rel_err
 

@@ -369,8 +369,8 @@ def test_wrong_readings_are_far_outside_the_tolerance(written):
 
 
 def test_attribute_reader_refuses_packed_experts(written):
-    from moecomp.hf import fallback
-    from moecomp.hf.structure import find_parts
+    from moecomp.recognise import fallback
+    from moecomp.recognise.structure import find_parts
 
     _, path = written
     block = moecomp.load(path, device="cpu").model.layers[0].mlp

@@ -317,7 +317,7 @@ def test_deepseek_4bit_shared_experts_refused_with_reason(tmp_path):
     """DeepSeek-V3's blocks with 4-bit shared experts: the FX pass refuses them (SPEC_INVALID: 4-bit shared experts
     are not in the spec; the reason names the linear_4bit nodes) and the pair rewrite cannot read its group-limited
     routing: the blocks are left as they are (same logits), each with the reason."""
-    from moecomp.capture import DetectError, detect_block
+    from moecomp.recognise.capture import DetectError, detect_block
     from moecomp.core.reject import RejectCode
 
     model = build("deepseek_v3")

@@ -215,7 +215,7 @@ def test_derived_weights_follow_the_parameters(cpu_backend):
 
 
 def test_fused_shared_gate_argument_form(cpu_backend, poison):
-    """FSE form (what passes/fse.py emits): router_w = cat([router_w, shared_gate_w]) and no shared_gate_w."""
+    """FSE form (what recognise/fx/fse.py emits): router_w = cat([router_w, shared_gate_w]) and no shared_gate_w."""
     spec = MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40,
                    shared=SharedExpertSpec(24, gate="sigmoid"))
     args = list(random_moe_args(spec, 13, seed=5))

@@ -22,13 +22,13 @@ from torch import nn
 
 import moecomp
 from moecomp import backend
-from moecomp.capture import DetectError, capture_block, detect_block
+from moecomp.recognise.capture import DetectError, capture_block, detect_block
 from moecomp.bind.bind import bound_tensors
 from moecomp.core.match import forward_arg
 from moecomp.core.args import MOE_ARGS, OP_ARGS
-from moecomp.passes import detect_moe as dm
-from moecomp.passes.rewrite_moe import rewrite_moe
-from moecomp.recognise import match_block
+from moecomp.recognise.fx import detect_moe as dm
+from moecomp.recognise.fx.rewrite_moe import rewrite_moe
+from moecomp.recognise.recognise import match_block
 
 H, I, E, K, V = 32, 24, 6, 2, 19
 TOL = 1e-5

@@ -15,11 +15,11 @@ from moecomp.core.reject import RejectCode
 from moecomp.core.spec import MoESpec
 
 import tiny_models as tm
-from moecomp.capture import capture_block
-from moecomp.passes import _fx
-from moecomp.passes.detect_moe import DetectResult, MoEMatch, detect_moe
-from moecomp.passes.fse import fuse_shared_gate
-from moecomp.passes.rewrite_moe import rewrite_moe
+from moecomp.recognise.capture import capture_block
+from moecomp.recognise.fx import _fx
+from moecomp.recognise.fx.detect_moe import DetectResult, MoEMatch, detect_moe
+from moecomp.recognise.fx.fse import fuse_shared_gate
+from moecomp.recognise.fx.rewrite_moe import rewrite_moe
 
 MOE_OP = torch.ops.moecomp.moe_forward.default
 ROUTED_OPS = {"grouped_mm", "bmm", "sort", "histc", "cumsum", "repeat_interleave", "einsum", "index_add_", "where"}
@@ -103,7 +103,7 @@ def test_detect_verify_false_agrees():
 
 def test_numeric_check_catches_a_wrong_structural_reading(monkeypatch):
     """If the structure were misread (here: forced renormalize=False on Mixtral), the numeric check rejects."""
-    import moecomp.passes.moe_routing as routing
+    import moecomp.recognise.fx.moe_routing as routing
 
     orig = routing._weight_chain
 

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moecomp.capture import DetectError, detect_block
+from moecomp.recognise.capture import DetectError, detect_block
 from moecomp.core.args import OP_ARGS
-from moecomp.passes import detect_moe as dm
+from moecomp.recognise.fx import detect_moe as dm
 from moecomp.testing import rewrite_block_graph
 
 H, I, E, K, S, IS = 32, 16, 6, 2, 3, 12

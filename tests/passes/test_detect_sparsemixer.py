@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import moecomp
-from moecomp.capture import DetectError, detect_block
+from moecomp.recognise.capture import DetectError, detect_block
 from moecomp.optimize import rewritten_blocks
 from moecomp.core.reject import RejectCode
 

@@ -1,5 +1,5 @@
 """Experts in other storage layouts (``flat_spellings``, issue 38) through ``moecomp.optimize`` on a model holding the
-block as ``mlp``, and through structural discovery (``hf/discover.py``).
+block as ``mlp``, and through structural discovery (``recognise/discover.py``).
 
 Each block: optimize rewrites exactly that one block, whole, by the FX pass; the bound block calls the op once per
 forward and gives the block's own output on fresh [3, 7, H] fp32 tokens within max |diff| / max |block| <= 1e-5;
@@ -19,10 +19,10 @@ import torch
 import flat_spellings as fs
 import moecomp
 from moecomp.core.derived import get_path
-from moecomp.hf import discover
+from moecomp.recognise import discover
 from moecomp.hf import families as fam
 from moecomp.bind.bind import _resolve
-from moecomp.hf.structure import iter_blocks
+from moecomp.recognise.structure import iter_blocks
 from moecomp.core.args import OP_ARGS
 
 TOL = 1e-5  # fp32: the op against the block's own forward, relative to the output's largest entry

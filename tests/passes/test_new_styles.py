@@ -20,11 +20,11 @@ import torch
 import moecomp
 import tiny_models as tm
 from moecomp import backend
-from moecomp.capture import DetectError, capture_block, detect_block
+from moecomp.recognise.capture import DetectError, capture_block, detect_block
 from moecomp.ops.moe_op import MOE_ARGS
-from moecomp.passes import detect_moe as dm
-from moecomp.passes import moe_activation
-from moecomp.passes.rewrite_moe import rewrite_moe
+from moecomp.recognise.fx import detect_moe as dm
+from moecomp.recognise.fx import moe_activation
+from moecomp.recognise.fx.rewrite_moe import rewrite_moe
 
 EAGER_INNER = {"moecomp.inner": "eager"}
 MOE_CALL = "torch.ops.moecomp.moe_forward.default("

@@ -18,10 +18,10 @@ import torch._subclasses.meta_utils as meta_utils
 
 import per_expert_blocks as pb
 from moecomp.oracle import reference
-from moecomp.capture import capture_block
+from moecomp.recognise.capture import capture_block
 from moecomp.ops.moe_op import MOE_ARGS
-from moecomp.passes.detect_moe import detect_moe
-from moecomp.passes.rewrite_moe import rewrite_moe
+from moecomp.recognise.fx.detect_moe import detect_moe
+from moecomp.recognise.fx.rewrite_moe import rewrite_moe
 from moecomp.core.reject import RejectCode
 
 TOL = 1e-5

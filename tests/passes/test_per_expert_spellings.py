@@ -24,9 +24,9 @@ import moecomp
 import per_expert_blocks as pb
 import per_expert_spellings as ps
 import sorted_spellings as ss
-from moecomp.capture import capture_block
+from moecomp.recognise.capture import capture_block
 from moecomp.hf import families as fam
-from moecomp.passes.detect_moe import detect_moe
+from moecomp.recognise.fx.detect_moe import detect_moe
 from moecomp.core.reject import RejectCode
 
 TOL = 1e-5

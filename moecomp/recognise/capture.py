@@ -1,6 +1,6 @@
 """Capture one block with Dynamo and describe it: the stable API between the FX pass and ``moecomp.optimize``.
 
-    from moecomp.capture import detect_block, DetectError
+    from moecomp.recognise.capture import detect_block, DetectError
 
     m = detect_block(block, example_input)        # example_input: hidden states [B, S, H] (or [T, H])
     m.spec                                        # MoESpec, derived from what the captured graph computes
@@ -13,7 +13,7 @@
                                                   #  e.g. {"routed_scaling_factor": "gate.routed_scaling_factor"}
     m.output_index, m.num_outputs                 # where the MoE result sits among the graph's outputs (gpt-oss's
                                                   #  block returns (hidden, router_scores): index 0 of 2)
-    m.verified                                    # how the match was checked (see passes/detect_moe.py)
+    m.verified                                    # how the match was checked (see recognise/fx/detect_moe.py)
     m.output_node, m.output_is_graph_output       # the node holding the MoE result; False when the block applies a
     m.tail_ops                                    #  tail (post-MoE norm) before returning it: detect_block raises
                                                   #  then (e.match holds the BlockMatch) unless allow_tail=True
@@ -54,14 +54,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .formats.fp8 import plain_fp8
-from .ops.moe_op import MOE_ARGS, OP_ARGS
-from .passes import _fx
-from .core.derived import Derived
-from .core.args import PEELED
-from .core.match import arg_name, forward_arg
-from .core.reject import Refused, RejectCode
-from .core.spec import MoESpec
+from ..formats.fp8 import plain_fp8
+from ..ops.moe_op import MOE_ARGS, OP_ARGS
+from .fx import _fx
+from ..core.derived import Derived
+from ..core.args import PEELED
+from ..core.match import arg_name, forward_arg
+from ..core.reject import Refused, RejectCode
+from ..core.spec import MoESpec
 
 __all__ = ["CapturedBlock", "BlockMatch", "DetectError", "capture_block", "detect_block", "traceable_experts"]
 
@@ -492,7 +492,7 @@ def detect_block(module: nn.Module, example_input: torch.Tensor, *, verify: bool
     ``real_values``: trace with real values (``capture_block``), for per-expert loops that branch on the routing.
     ``call_args``: further forward arguments (``capture_block``): a hash-routed block's token ids, bound as
     ``token_ids`` -> ``match.forward_arg(name)``."""
-    from .passes.detect_moe import detect_moe
+    from .fx.detect_moe import detect_moe
 
     cap = capture_block(module, example_input, real_values=real_values, call_args=call_args)
     res = detect_moe(cap.gm, cap.example_inputs, verify=verify)

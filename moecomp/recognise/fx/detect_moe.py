@@ -96,7 +96,7 @@ How a match is proven (nothing is matched on class or module names):
    with the derived spec and the real weights. fp32/fp64 blocks must agree to 1e-4 (relative to the output's max);
    lower-precision blocks per token to 3e-2, on at least 90% of tokens (routing near-ties may flip). Only where the
    graph leaves a discrete choice open (e.g. weight layout when every dim equals H) are the few candidates tried in
-   turn; the first that agrees is taken. The check (``passes/_numeric.py``; its tolerances and budgets are
+   turn; the first that agrees is taken. The check (``recognise/fx/_numeric.py``; its tolerances and budgets are
    ``moecomp.core.policy.FX_CHECK_*``) runs on about ``FX_CHECK_TOKENS`` tokens (the graph's symbolic sizes are set
    accordingly; the traced sizes are the fallback). A block that gathers whole expert matrices per token
    (``w13[ids]``) would materialise T * k of them: the tokens are cut to what ``policy.WORKING_MEMORY_BYTES`` holds,
@@ -124,10 +124,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..core.args import OP_ARGS
-from ..core.reject import Reject as RejectRecord
-from ..core.reject import RejectCode, StageError
-from ..core.spec import MoESpec, SpecError, expert_bias_fields
+from ...core.args import OP_ARGS
+from ...core.reject import Reject as RejectRecord
+from ...core.reject import RejectCode, StageError
+from ...core.spec import MoESpec, SpecError, expert_bias_fields
 from . import _fx
 from ._context import Context
 from ._fx import op_name  # noqa: F401  (read by tests as detect_moe.op_name)

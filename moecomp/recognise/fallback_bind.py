@@ -1,7 +1,7 @@
 """The attribute reader's error type and its op-argument bindings (split from ``fallback.py``): every ``OP_ARGS``
 name -> the block-relative path of the tensor the op reads for it (router, experts, shared experts, FP8 scales,
 latent projections), or a :class:`moecomp.core.derived.Derived` built once from pieces (ModuleList experts stacked, split
-gate / up concatenated). ``hf/dispatch_reader.py`` binds its blocks the same way."""
+gate / up concatenated). ``recognise/dispatch_reader.py`` binds its blocks the same way."""
 
 from __future__ import annotations
 

@@ -30,9 +30,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..core import policy
-from ..oracle import reference
-from ..core.spec import MoESpec, SpecError
+from ...core import policy
+from ...oracle import reference
+from ...core.spec import MoESpec, SpecError
 from . import _fx
 from ._context import Context
 from ._fx import arg, op_name

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..ops.moe_op import MOE_ARGS, OP_ARGS
+from ...ops.moe_op import MOE_ARGS, OP_ARGS
 from . import _fx
 
 

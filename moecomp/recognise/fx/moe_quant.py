@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..core.spec import QuantSpec, SpecError
+from ...core.spec import QuantSpec, SpecError
 from . import _fx
 from ._context import Context
 from ._fx import arg, op_name

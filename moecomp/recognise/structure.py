@@ -20,12 +20,12 @@ output, e.g. ``MixtralSparseMoeBlock`` or ``DeepseekV3MoE``. It is recognised by
   ``moe_latent_size``: ``MoESpec.latent_size``).
 
 A module none of those names describe, or that they describe wrongly, is still a candidate when its shapes say it
-routes (``hf/discover.py``: a router [E, H] next to experts for it, stacked, flat in 2-D matrices, or one module per
+routes (``recognise/discover.py``: a router [E, H] next to experts for it, stacked, flat in 2-D matrices, or one module per
 expert in any container, under any names, in a child or the block's own tensors): its parts are then
 ``kind="structural"`` (router and experts holder only), which only the FX pass can read; the attribute reader refuses
 them with a reason.
 
-Nothing here runs the model: :mod:`moecomp.hf.fallback` turns the parts into a ``MoESpec`` and checks it by running.
+Nothing here runs the model: :mod:`moecomp.recognise.fallback` turns the parts into a ``MoESpec`` and checks it by running.
 """
 
 from __future__ import annotations
@@ -285,7 +285,7 @@ def _one_vector(m: nn.Module, width: int) -> bool:
 def _fill_norms(block: nn.Module, parts: BlockParts, experts: nn.Module, taken: set) -> None:
     """Norm modules around the experts, by shape: with latent projections, the one child of the block left whose only
     tensor is [L] (the latent input's norm); a child of the experts module whose only tensor is the experts' width
-    (each expert's output norm). What they compute is measured (``hf/norm_fit.py``)."""
+    (each expert's output norm). What they compute is measured (``recognise/norm_fit.py``)."""
     width = parts.latent_size or parts.hidden_size
     if parts.latent_size:
         cands = [n for n, c in block.named_children() if n not in taken and c is not None and _one_vector(c, width)]

@@ -7,8 +7,8 @@ Control flow reads ``code``, people read ``message``.
 
 from __future__ import annotations
 
-from ..core.reject import Refused, RejectCode
-from ..core.reject import Reject as RejectRecord
+from ...core.reject import Refused, RejectCode
+from ...core.reject import Reject as RejectRecord
 
 
 class Reject(Refused):

@@ -57,7 +57,7 @@ class Context:
     def weight_ph(self, n, ndim: int | None = None):
         """``n`` (through casts / views that keep it whole) as a static-shape tensor placeholder, else None."""
         base = _fx.strip_views_casts(n, views=False)
-        if isinstance(base, fx.Node) and op_name(base) == "dequant_fp8":  # a quantized weight (passes/moe_quant.py)
+        if isinstance(base, fx.Node) and op_name(base) == "dequant_fp8":  # a quantized weight (recognise/fx/moe_quant.py)
             base = _fx.strip_views_casts(arg(base, 0), views=False)
         if isinstance(base, fx.Node) and base.op == "placeholder" and base in self.static_ph:
             s = self.pshape(base)

@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..core.counters import counters
-from ..ops.moe_op import MOE_ARGS
-from ..core.spec import MoESpec
+from ...core.counters import counters
+from ...ops.moe_op import MOE_ARGS
+from ...core.spec import MoESpec
 
 _ROUTER = 1 + MOE_ARGS.index("router_w")
 _GATE = 1 + MOE_ARGS.index("shared_gate_w")

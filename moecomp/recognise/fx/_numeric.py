@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..core import policy
-from ..oracle import reference
-from ..core import quant as q8
-from ..core.args import NORM_ARGS, OP_ARGS, PEELED, SHARED_NORM_ARGS
-from ..core.reject import RejectCode, StageError, is_oom, raise_if_oom
+from ...core import policy
+from ...oracle import reference
+from ...core import quant as q8
+from ...core.args import NORM_ARGS, OP_ARGS, PEELED, SHARED_NORM_ARGS
+from ...core.reject import RejectCode, StageError, is_oom, raise_if_oom
 from . import _fx
 from ._context import Context as _Context
 from ._fx import op_name

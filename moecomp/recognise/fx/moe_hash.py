@@ -25,7 +25,7 @@ import torch.fx as fx
 from . import _fx
 from ._context import Context
 from ._fx import arg, op_name
-from ..core.reject import RejectCode
+from ...core.reject import RejectCode
 from ._reject import Reject, unsupported_routing
 from .moe_routing import Routing, _from_router, _walk_to_router, _weight_chain
 

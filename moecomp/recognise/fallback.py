@@ -1,6 +1,6 @@
 """Attribute-based MoE block detection: the fallback for blocks Dynamo cannot capture, and for meta-device models.
 
-``static_extract(block, parts)`` names the block's parts (:mod:`moecomp.hf.structure`) and reads the routing and
+``static_extract(block, parts)`` names the block's parts (:mod:`moecomp.recognise.structure`) and reads the routing and
 expert settings from the module and its config; ``measure(block, x, extraction)``, when it may run the block,
 *measures* what cannot be read:
 
@@ -15,7 +15,7 @@ expert settings from the module and its config; ``measure(block, x, extraction)`
 
 Without an input (meta tensors) only the static guesses are made and the result is marked unverified.
 The caller (``moecomp.optimize``) still checks the whole block's output against the op before rewriting.
-Probe inputs and match tolerances come from :mod:`moecomp.core.policy`. Hash routing: :mod:`moecomp.hf.hash_reader`.
+Probe inputs and match tolerances come from :mod:`moecomp.core.policy`. Hash routing: :mod:`moecomp.recognise.hash_reader`.
 """
 
 from __future__ import annotations
@@ -459,7 +459,7 @@ def _routing_seen(run: ProbeRun, T: int, E: int) -> tuple[torch.Tensor, torch.Te
 def _fit_routing(block: nn.Module, parts: BlockParts, spec: MoESpec, x2: torch.Tensor, ids, w, rout=None) -> dict:
     """The routing fields (and the routed scale, unsnapped) of the first routing the spec knows that picks the
     experts this router picked, with the same weights up to one constant. ``rout``: what the router module returned
-    (its logits give the logit scale, ``hf/router_scale.py``)."""
+    (its logits give the logit scale, ``recognise/router_scale.py``)."""
     E, k = parts.num_experts, ids.shape[1]
     W = get_path(block, parts.router_weight)
     Rb = get_path(block, parts.router_bias) if parts.router_bias else None

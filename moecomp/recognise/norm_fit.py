@@ -1,6 +1,6 @@
 """The attribute reader's norms (``MoESpec.latent_norm`` / ``expert_norm``): what a norm module computes, measured.
 
-``hf/structure.py`` names the modules by shape (one 1-D weight of the experts' width); this module runs each on probe
+``recognise/structure.py`` names the modules by shape (one 1-D weight of the experts' width); this module runs each on probe
 rows through ``torch.func.functional_call`` with its weight replaced by a random one (the model's is not touched; a
 zero weight, as MuseSpark's start, would make rms * (1 + w) and rms * w indistinguishable), in fp32, and fits:
 

@@ -22,12 +22,12 @@ import json
 import torch
 from torch import nn
 
-from .core import policy
-from .hf import dispatch_reader, fallback
-from .bind.bind import forward_params
-from .core.parts import BlockParts
-from .core.match import Evidence, Match, Verified, forward_arg
-from .core.reject import (Refused, Reject, RejectCode, StageError, describe_exception, in_stage, is_oom, oom_of,
+from ..core import policy
+from . import dispatch_reader, fallback
+from ..bind.bind import forward_params
+from ..core.parts import BlockParts
+from ..core.match import Evidence, Match, Verified, forward_arg
+from ..core.reject import (Refused, Reject, RejectCode, StageError, describe_exception, in_stage, is_oom, oom_of,
                      raise_if_oom)
 
 # When the FX pass recognises a block, also run the attribute reader and note any difference in the report
@@ -255,7 +255,7 @@ def _structural(block: nn.Module, parts: BlockParts, x: torch.Tensor, fx: Reject
 
 def _unselected(r: Reject) -> bool:
     """Did the FX pass refuse the block because its ids select no expert by a constant index?"""
-    from .passes.moe_per_expert import UNSELECTED  # noqa: PLC0415 (the passes import Dynamo)
+    from .fx.moe_per_expert import UNSELECTED  # noqa: PLC0415 (the passes import Dynamo)
 
     return UNSELECTED in r.message
 
@@ -306,7 +306,7 @@ def _compare_note(block, parts, x, fx: Match, cache) -> str:
     if cache is not None and ck in cache:
         return cache[ck]
     try:
-        from .verify.verify import fit_routed_scale  # noqa: PLC0415
+        from ..verify.verify import fit_routed_scale  # noqa: PLC0415
 
         fb = fallback.recognise(block, parts, x)
         if isinstance(fb, Reject):
@@ -336,9 +336,9 @@ def match_block(block: nn.Module, example: torch.Tensor | None = None, *, use_fx
     :class:`moecomp.core.reject.Refused` with the reason code when the block is not one the op can stand in for.
 
     ``example``: the probe input (default: ``policy.probe_input`` in the block's dtype and device)."""
-    from .verify.epilogue import block_device_dtype  # noqa: PLC0415
-    from .hf.structure import NotABlock, find_parts, structural_parts  # noqa: PLC0415
-    from .verify.verify import verify  # noqa: PLC0415
+    from ..verify.epilogue import block_device_dtype  # noqa: PLC0415
+    from .structure import NotABlock, find_parts, structural_parts  # noqa: PLC0415
+    from ..verify.verify import verify  # noqa: PLC0415
 
     try:
         parts = find_parts(block)

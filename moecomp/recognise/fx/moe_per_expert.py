@@ -45,7 +45,7 @@ from .moe_routing import Routing
 
 _ID_VIEWS = ("view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "clone", "detach")
 _ACT_OPS = ("silu", "gelu", "relu", "sigmoid")
-UNSELECTED = "select no expert by a constant index"  # in the Unselected refusal (recognise.py reads it)
+UNSELECTED = "select no expert by a constant index"  # in the Unselected refusal (recognise/recognise.py reads it)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..core.spec import SharedExpertSpec
+from ...core.spec import SharedExpertSpec
 from . import _fx
 from ._context import Context
 from ._fx import arg, op_name

@@ -152,7 +152,7 @@ def is_call_input(node: fx.Node, value=None) -> bool | None:
     ``L['self']._modules['mlp']._parameters['weight']``, ``L['self'].scale`` (anything reached through an attribute),
     globals and closures are state. An ``nn.Parameter`` value is state wherever it came from. Dynamo deletes that
     record once the backend returns; :func:`record_input_roles` keeps the answer in ``node.meta`` for graphs that are
-    analysed later (``moecomp.capture``). Without either (graphs from other tracers) the answer is None and callers
+    analysed later (``moecomp.recognise.capture``). Without either (graphs from other tracers) the answer is None and callers
     fall back to shapes.
 
     Shapes alone cannot tell: with static shapes (``dynamic=False`` / the first compile of ``dynamic=None``, or a

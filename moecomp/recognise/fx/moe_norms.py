@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..core.reject import RejectCode
-from ..core.spec_checks import EXPERT_NORMS, LATENT_NORMS, PER_EXPERT_NORMS, SHARED_NORMS, SpecError
+from ...core.reject import RejectCode
+from ...core.spec_checks import EXPERT_NORMS, LATENT_NORMS, PER_EXPERT_NORMS, SHARED_NORMS, SpecError
 from . import _fx
 from ._context import Context
 from ._fx import arg, op_name

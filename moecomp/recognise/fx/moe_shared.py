@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from ..core.reject import RejectCode
-from ..core.spec import SharedExpertSpec
+from ...core.reject import RejectCode
+from ...core.spec import SharedExpertSpec
 from . import _fx
 from ._context import Context
 from ._fx import arg, op_name

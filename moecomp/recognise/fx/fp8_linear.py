@@ -20,7 +20,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from ..core.spec import QuantSpec
+from ...core.spec import QuantSpec
 from . import _fx
 from ._fx import arg, op_name
 from .moe_quant import ACT_QUANT, DEQUANT
