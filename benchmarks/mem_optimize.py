@@ -137,7 +137,7 @@ def run_cell(cell: str, args, device) -> dict:
                 return compiled(x)
 
         peak, end, secs, _ = measure(first_call, device)
-        import moecomp.backend as B
+        import moecomp.api.backend as B
 
         last = B.last_results[-1] if B.last_results else {}
         rec["backend"] = dict(peak=peak, held_after=end, seconds=round(secs, 1), within=peak <= limit,

@@ -56,7 +56,7 @@ def build_meta(path: str):
 
 
 def cmd_scan(a) -> int:
-    from .optimize import scan
+    from .api.optimize import scan
 
     model = build_meta(a.path)
     rep = scan(model)

@@ -358,7 +358,7 @@ def routing_near_ties(opt: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
     logits apart and pick different experts, so token-level comparisons in bf16 leave these positions out."""
     from .oracle import reference
     from .bind.bind import _resolve
-    from .optimize import TIE_REL, rewritten_blocks
+    from .api.optimize import TIE_REL, rewritten_blocks
 
     seen = []
     hooks = [b.register_forward_pre_hook(lambda mod, a, kw: seen.append((mod, a[0] if a else kw["hidden_states"])),

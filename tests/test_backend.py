@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "passes"))
 
 import moecomp  # noqa: E402
 import tiny_models as tm  # noqa: E402
-from moecomp import backend  # noqa: E402
+from moecomp.api import backend  # noqa: E402
 
 EAGER_INNER = {"moecomp.inner": "eager"}
 MOE_CALL = "torch.ops.moecomp.moe_forward.default("

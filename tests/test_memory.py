@@ -139,7 +139,7 @@ def test_compile_backend_within_bound(dynamic, monkeypatch):
     """The backend's first call (capture, numeric check, the call itself) against one plain forward plus the
     bound; the block becomes one moe_forward. Static shapes: the check would gather more than the bound at the traced
     token count, so the match rests on the structure (and says so); dynamic: the check runs on fewer tokens."""
-    import moecomp.backend as B
+    import moecomp.api.backend as B
 
     monkeypatch.setattr(policy, "WORKING_MEMORY_BYTES", BOUND)
     model = one_block("qwen3_moe", "fp8", E=E, H=H, I=I, k=2)  # (top-2: 4 tokens' gathered weights fit the bound)

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 import moecomp  # noqa: E402
 from moecomp.hf import families as F  # noqa: E402
-from moecomp.optimize import rewritten_blocks  # noqa: E402
+from moecomp.api.optimize import rewritten_blocks  # noqa: E402
 from moecomp.testing import LinearExpert  # noqa: E402
 
 TOL = 1e-4

@@ -17,13 +17,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the modules that apply the policy: none may spell one of its literals itself
 USERS = [
-    "moecomp/optimize.py",
+    "moecomp/api/optimize.py",
     "moecomp/recognise/fallback.py",
     "moecomp/bind/bind.py",
     "moecomp/recognise/structure.py",
     "moecomp/hf/experts_interface.py",
     "moecomp/recognise/capture.py",
-    "moecomp/backend.py",
+    "moecomp/api/backend.py",
     "moecomp/recognise/fx/_fx.py",
     "moecomp/recognise/fx/_numeric.py",
     "moecomp/recognise/fx/detect_moe.py",
@@ -145,7 +145,7 @@ def test_backend_counts_grad_mode_by_code(monkeypatch):
     """``skipped_autograd`` counts GRAD_MODE rejects, whatever their text says (and not other rejections)."""
     from types import SimpleNamespace
 
-    from moecomp import backend
+    from moecomp.api import backend
 
     res = SimpleNamespace(matches=[], replaced=0, fused={},
                           rejected=[("a", "reworded: gradients needed"), ("b", "grad mode is on, but not ours")],
@@ -168,7 +168,7 @@ def test_report_codes_and_meta_warning():
     """Meta blocks: the warning is driven by RejectCode.META_TENSORS; the report text is unchanged."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from moecomp.optimize import META_NOTE
+    from moecomp.api.optimize import META_NOTE
 
     cfg = Qwen3MoeConfig(num_hidden_layers=2, hidden_size=64, moe_intermediate_size=32, intermediate_size=64,
                          num_experts=8, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
@@ -188,7 +188,7 @@ def test_skipped_block_has_a_code():
     """A block refused for its structure carries the code next to the unchanged reason text."""
     from torch import nn
 
-    from moecomp.optimize import BlockReport, _process_block
+    from moecomp.api.optimize import BlockReport, _process_block
 
     rep = BlockReport(name="", cls="X", status="skipped")
     rep.refuse(RejectCode.UNSUPPORTED_ROUTING, "hash routing")

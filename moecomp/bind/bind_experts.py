@@ -1,6 +1,6 @@
 """The experts-only rewrite: an ``@use_experts_implementation`` experts module whose block cannot be rewritten
 whole gets its forward switched to ``moe_experts`` (routing stays transformers'), when a probe showed them equal
-(``experts_only.py`` decides; this module binds and unbinds).
+(``api/experts_only.py`` decides; this module binds and unbinds).
 
     experts.forward = ExpertsForward(experts)
       (hidden [T, H], top_k_index [T, k], top_k_weights [T, k])  ->  moecomp_experts_forward (moe_experts)

@@ -1,4 +1,4 @@
-"""Bind a verified router / experts pair (``moecomp.pair``): two sibling modules, called one after the other by a
+"""Bind a verified router / experts pair (``moecomp.api.pair``): two sibling modules, called one after the other by a
 parent whose forward we do not replace, become one ``torch.ops.moecomp.moe_forward`` call.
 
 The parent calls ``router(r)`` and passes two of its outputs, the top-k ids and weights, unchanged to

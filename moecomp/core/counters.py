@@ -6,7 +6,7 @@
     moecomp.counters.clear()
     torch.compile(model, backend="moecomp")(x)
     moecomp.counters["detect_moe"]["matched"]      # MoE blocks recognised
-    moecomp.counters["detect_moe"]["rejected"]     # candidates left alone (reasons: moecomp.backend.last_results)
+    moecomp.counters["detect_moe"]["rejected"]     # candidates left alone (reasons: moecomp.api.backend.last_results)
     moecomp.counters["rewrite_moe"]["replaced"]    # blocks replaced by torch.ops.moecomp.moe_forward
     moecomp.counters["fse"]["fused"]               # router + shared-gate GEMMs fused (see recognise/fx/fse.py)
     moecomp.counters["backend"]["graphs"]          # graphs the backend compiled

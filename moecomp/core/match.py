@@ -164,7 +164,7 @@ def apply_epilogue(block, names, y):
     return y
 
 
-# -------------------------------------------------------------------- the pair rewrite (pair.py; issue 21)
+# -------------------------------------------------------------------- the pair rewrite (api/pair.py; issue 21)
 # A decoder layer whose router and experts are sibling children: read by ``recognise/pair_reader.py``, checked by
 # ``verify/pair_verify.py``, bound by ``bind/bind_pair.py`` (two stand-ins). Here, below all three.
 @dataclass

@@ -362,7 +362,7 @@ def count_calls_per_block(model: nn.Module, fn, with_forwards: bool = False):
     With ``with_forwards``, also {block name: times the block's forward ran} (a block the input does not reach,
     e.g. the vision experts of a text-only input, runs 0 times and calls the op 0 times).
     """
-    from ..optimize import rewritten_blocks
+    from ..api.optimize import rewritten_blocks
 
     res, per, total, runs = _count_in(rewritten_blocks(model), fn, "calls")
     return (res, per, total, runs) if with_forwards else (res, per, total)
@@ -371,7 +371,7 @@ def count_calls_per_block(model: nn.Module, fn, with_forwards: bool = False):
 def count_experts_calls(model: nn.Module, fn):
     """Run ``fn()``; return (its result, {experts module: moe_experts calls inside it}, total moe_experts calls,
     {experts module: times it ran}) for the experts modules of experts-only rewrites."""
-    from ..optimize import experts_only_modules
+    from ..api.optimize import experts_only_modules
 
     return _count_in(experts_only_modules(model), fn, "experts_calls")
 
@@ -421,7 +421,7 @@ def check_family(family: str, seed: int = 0, batch: int = 2, seq: int = 5, use_c
 
 
 def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: bool) -> FamilyResult:
-    from ..optimize import optimize
+    from ..api.optimize import optimize
 
     t0 = time.perf_counter()
     r = FamilyResult(family, "build failed")

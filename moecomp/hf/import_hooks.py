@@ -3,7 +3,7 @@
     when_imported("torch._dynamo.backends.registry", fn)   # fn() now if it is loaded, else right after its import
 
 Used for the names moecomp adds to other libraries' registries: transformers' experts interfaces
-(``hf/experts_interface.py``) and torch.compile's backend table (``dynamo_name.py``). Each hook is a meta-path
+(``hf/experts_interface.py``) and torch.compile's backend table (``api/dynamo_name.py``). Each hook is a meta-path
 finder that removes itself on first use; it never changes how the module is found or loaded, and any problem in it
 leaves the import to the other finders.
 """

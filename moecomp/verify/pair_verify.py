@@ -1,4 +1,4 @@
-"""Verify a router / experts pair (``moecomp.pair``) on its parent's own output: the parent runs on probe inputs
+"""Verify a router / experts pair (``moecomp.api.pair``) on its parent's own output: the parent runs on probe inputs
 (a call it really made, its hidden states replaced by random values) with its original children and with the pair's
 stand-ins installed (``bind/bind_pair.py``); every tensor it returns must agree within ``policy.verify_tolerance``, the
 stand-ins must have taken the op's path exactly once per parent call and never their fallback. Constant tensors

@@ -15,7 +15,7 @@ import torch
 
 import moecomp
 from moecomp.generate import sampling
-from moecomp.optimize import rewritten_blocks
+from moecomp.api.optimize import rewritten_blocks
 
 from .models import FAMILIES, build, prompts
 

@@ -27,7 +27,7 @@ EQUAL = (
 # (deepseek_v4: a hash-routed layer, MoESpec.hash_routing, and a top-k one, both rewritten)
 OUTCOME = {
     **{f: ("equal", "") for f in EQUAL},
-    # router and experts siblings in a decoder layer (moecomp.pair): rewritten together, the router reading its own
+    # router and experts siblings in a decoder layer (moecomp.api.pair): rewritten together, the router reading its own
     # input (RMS norm, a scale vector, H ** -0.5) and per-expert weight multipliers (MoESpec.router_input, ...)
     "diffusion_gemma": ("equal", ""),
     "gemma4": ("equal", ""),

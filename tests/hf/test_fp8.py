@@ -30,7 +30,7 @@ from moecomp.hf import experts_interface as ei
 from moecomp.hf import families as F
 from moecomp.formats import fp8 as P
 from moecomp.hf import fp8_convert as C
-from moecomp.optimize import rewritten_blocks
+from moecomp.api.optimize import rewritten_blocks
 
 from .conftest import rel_err
 
@@ -283,7 +283,7 @@ def test_checkpoint_reload_dequantizes(tmp_path):
 def test_compile_backend_rewrites_fp8(ids):
     """``torch.compile(backend="moecomp")`` on an FP8 model: FP8Experts / FP8Linear trace as the plain forwards
     (for this backend only), each block becomes one moe_forward with its scales, the other FP8 linears fp8_linear."""
-    import moecomp.backend as B
+    import moecomp.api.backend as B
 
     torch._dynamo.reset()
     moecomp.counters.clear()

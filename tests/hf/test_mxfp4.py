@@ -35,7 +35,7 @@ from moecomp.hf import families as F
 from moecomp.formats import mxfp4 as M
 from moecomp.hf import mxfp4_write as W
 from moecomp.formats.packed import PackedExperts
-from moecomp.optimize import rewritten_blocks
+from moecomp.api.optimize import rewritten_blocks
 from moecomp.core.reject import RejectCode
 
 from .conftest import rel_err
@@ -381,7 +381,7 @@ def test_attribute_reader_refuses_packed_experts(written):
 def test_compile_backend_rewrites_packed_blocks(written, ids):
     """``torch.compile(model, backend="moecomp")``: ``PackedExperts`` traces as its batched spelling, the FX pass
     reads it and each block becomes one moe_forward (no dequant_4bit left in the compiled code)."""
-    import moecomp.backend as B
+    import moecomp.api.backend as B
 
     _, path = written
     torch._dynamo.reset()

@@ -11,7 +11,7 @@ from torch import nn
 
 import moecomp
 from moecomp.hf import families as F
-from moecomp.optimize import experts_only_modules, rewritten_blocks
+from moecomp.api.optimize import experts_only_modules, rewritten_blocks
 from moecomp.testing import SplitBlock
 
 from .conftest import rel_err

@@ -19,7 +19,7 @@ import moecomp
 from moecomp.core import quant as q8
 from moecomp.hf import families as F
 from moecomp.formats.packed import PackedExperts
-from moecomp.optimize import rewritten_blocks
+from moecomp.api.optimize import rewritten_blocks
 from moecomp.core.spec import QuantSpec
 
 from .conftest import rel_err
@@ -84,7 +84,7 @@ def test_scale_of_wrong_shape_is_refused_by_the_module():
 
 def test_moecomp_load_reads_awq_and_binds(tmp_path):
     """``moecomp.load`` of an int4 AWQ checkpoint (written by ``hf/int4_writer.py``) goes to ``api/load_gptq.py``'s loader
-    (``moecomp.load.LOADERS``); its ``PackedExperts`` blocks (int4 with zero points) are then bound, the zero points
+    (``moecomp.api.load.LOADERS``); its ``PackedExperts`` blocks (int4 with zero points) are then bound, the zero points
     read from the graph."""
     from moecomp.hf import int4_writer
 

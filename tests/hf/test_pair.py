@@ -1,4 +1,4 @@
-"""The pair rewrite (``moecomp.pair``): a router and an experts module that are siblings in a parent whose forward
+"""The pair rewrite (``moecomp.api.pair``): a router and an experts module that are siblings in a parent whose forward
 also does other things, rewritten together as one ``moe_forward`` call while the parent's forward stays.
 
 A hand-written parent (names, argument orders and output tuples spelled unlike transformers'), the transformers

@@ -1,4 +1,4 @@
-"""transformers' own distributed loading, then ``moecomp.optimize`` (``moecomp/parallel/hf_distributed.py``,
+"""transformers' own distributed loading, then ``moecomp.optimize`` (``moecomp/api/hf_distributed.py``,
 ``hf_ep.py``): tiny models saved to a temp dir, loaded by ``from_pretrained(path, distributed_config=...)`` in 2 gloo
 processes on 127.0.0.1 (``gloo_run.py``), as torchrun would run them. Every plan style transformers 5.24 / 5.25 has:
 

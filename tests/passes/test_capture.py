@@ -190,7 +190,7 @@ def test_eager_experts_unchanged_outside_capture():
     x = torch.randn(2, 3, tm.H)
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    import moecomp.backend  # noqa: F401 (registered, the compile backend keeps the dispatcher installed)
+    import moecomp.api.backend  # noqa: F401 (registered, the compile backend keeps the dispatcher installed)
 
     detect_block(block, x)  # installs the dispatcher
     with torch.no_grad():

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import moecomp
-from moecomp import backend
+from moecomp.api import backend
 from moecomp.recognise.capture import DetectError, capture_block, detect_block
 from moecomp.bind.bind import bound_tensors
 from moecomp.core.match import forward_arg

@@ -21,7 +21,7 @@ from torch import nn
 
 import moecomp
 from moecomp.recognise.capture import DetectError, detect_block
-from moecomp.optimize import rewritten_blocks
+from moecomp.api.optimize import rewritten_blocks
 from moecomp.core.reject import RejectCode
 
 H, I, E, K = 32, 16, 6, 3

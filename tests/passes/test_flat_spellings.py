@@ -212,7 +212,7 @@ def test_flat_spelling_compile_backend(name):
     transposed weight (view + permute nodes, no copy), equal to the block within 1e-5. (Blocks that loop over the
     experts with ``where(ids == e)`` break Dynamo's graph at the data-dependent shapes there: the backend sees no
     whole block; ``optimize`` binds them.)"""
-    import moecomp.backend  # noqa: F401 (registers the backend name)
+    import moecomp.api.backend  # noqa: F401 (registers the backend name)
     from moecomp.core import counters
 
     block = fs.build(name)

@@ -19,7 +19,7 @@ import torch
 
 import moecomp
 import tiny_models as tm
-from moecomp import backend
+from moecomp.api import backend
 from moecomp.recognise.capture import DetectError, capture_block, detect_block
 from moecomp.ops.moe_op import MOE_ARGS
 from moecomp.recognise.fx import detect_moe as dm

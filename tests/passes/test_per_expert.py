@@ -222,7 +222,7 @@ def test_rewrite_stacks_per_expert_weights(poison):
 def test_backend_leaves_per_expert_blocks_alone(poison):
     """A dense per-expert loop traces into one graph under torch.compile: the backend reports it (the op would need
     the weights stacked on every call) and compiles the block unchanged."""
-    from moecomp import backend
+    from moecomp.api import backend
 
     block = pb.build("dense")
     x = torch.randn(2, 5, pb.H)

@@ -25,7 +25,7 @@ import moecomp  # noqa: E402
 from moecomp.bind import bind as B  # noqa: E402
 from moecomp.hf import families as F  # noqa: E402
 from moecomp.core.derived import SharedLayout  # noqa: E402
-from moecomp.optimize import experts_only_modules, rewritten_blocks  # noqa: E402
+from moecomp.api.optimize import experts_only_modules, rewritten_blocks  # noqa: E402
 from moecomp.testing import LinearExpert, SplitBlock  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.float64: 1e-4}

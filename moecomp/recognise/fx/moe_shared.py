@@ -9,7 +9,7 @@
 The activation is read like the routed experts' (``moe_activation``). The shared output must reach the block output.
 FP8 shared-expert linears are read through their ``dequant_fp8`` nodes (``moe_quant``). 4-bit dense linears
 (``moecomp.linear_4bit``: a ``Packed4Linear`` of an int4 GPTQ / AWQ checkpoint) are refused with ``SPEC_INVALID``:
-4-bit shared experts are not in the spec (``pair.py`` may then rewrite the block's router and experts alone).
+4-bit shared experts are not in the spec (``api/pair.py`` may then rewrite the block's router and experts alone).
 """
 
 from __future__ import annotations

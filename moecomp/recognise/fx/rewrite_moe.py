@@ -17,7 +17,7 @@ one of which it reads the first rows, LongCat-Flash's ``[E + Z, 2I, H]`` gate_up
 experts held flat in a 2-D matrix (or a weight stored transposed) through ``view`` + ``permute``: ``arg_views``);
 scalar attributes (routed scaling, swiglu alpha / limit) are in ``spec.key``. Experts kept as per-expert modules
 (``MoEMatch.stacked``) have no stacked tensor to read: the graph builds it, ``torch.stack`` of each expert's
-``torch.cat`` (a copy of every expert weight per call; ``moecomp.backend`` leaves such blocks alone, and
+``torch.cat`` (a copy of every expert weight per call; ``moecomp.api.backend`` leaves such blocks alone, and
 ``moecomp.optimize`` binds them to a stacked buffer their parameters share instead). The shared expert and its gate are
 folded into the op (it overlaps them with the routed experts on a side stream): there is no separate overlap pass.
 

@@ -6,20 +6,20 @@ from __future__ import annotations
 
 from torch import nn
 
-from .core.reject import RejectCode
+from ..core.reject import RejectCode
 from .report import BlockReport, expert_style
-from .core.spec import MoESpec
-from .bind import bind as _bind
-from .recognise import fallback as _fb
-from .core.names import TOPK_NAMES, read_attr
-from .core.parts import BlockParts
-from .core.derived import get_path
+from ..core.spec import MoESpec
+from ..bind import bind as _bind
+from ..recognise import fallback as _fb
+from ..core.names import TOPK_NAMES, read_attr
+from ..core.parts import BlockParts
+from ..core.derived import get_path
 
 
 def _try_experts_only(name: str, block: nn.Module, parts: BlockParts | None, rep: BlockReport, bind_it: bool):
     """Switch just the block's experts module to ``moe_experts`` (routing stays HF's), when proven equal."""
-    from .hf import experts_interface as _ei
-    from .recognise.structure import experts_child
+    from ..hf import experts_interface as _ei
+    from ..recognise.structure import experts_child
 
     path = parts.experts if parts is not None else experts_child(block)
     if not path:
@@ -81,7 +81,7 @@ def _experts_top_k(block: nn.Module, parts: BlockParts | None, experts: nn.Modul
 def _checked_spec(experts: nn.Module, k: int) -> tuple[MoESpec, float]:
     """The experts module's spec and ``moe_experts``' error against its forward on a probe; ``Unsupported`` when
     the spec cannot describe it or the error is over the tolerance."""
-    from .hf import experts_interface as _ei
+    from ..hf import experts_interface as _ei
 
     spec = _ei.experts_spec(experts, k, verify=False)
     err, tol = _ei.verify_experts(experts, spec)

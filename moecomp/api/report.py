@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .core.reject import RejectCode
-from .core.spec import MoESpec
-from .bind import bind as _bind
-from .core.derived import get_path
+from ..core.reject import RejectCode
+from ..core.spec import MoESpec
+from ..bind import bind as _bind
+from ..core.derived import get_path
 
 
 def router_style(spec: MoESpec) -> str:

@@ -34,7 +34,7 @@ def load(path_or_dir, dtype: torch.dtype = torch.bfloat16, device=None):
     """The model of a local checkpoint directory (or a file in it), on ``device`` (default: CUDA when available,
     else CPU), non-quantized tensors in ``dtype``. Quantized experts are kept as stored (``LOADERS``); an unknown
     ``quant_method`` is a ``ValueError``."""
-    from .formats import checkpoint as ckpt_io
+    from ..formats import checkpoint as ckpt_io
 
     directory = ckpt_io.resolve_dir(path_or_dir)
     config, qc = ckpt_io.load_config(directory)

@@ -73,13 +73,13 @@ from ..core.args import OP_ARGS
 from ..probe.block import contract_of, primary, run_probe
 from ..recognise.recognise import recognise
 from ..core.reject import Reject, RejectCode
-from ..report import BlockReport, _fill_from_spec
+from .report import BlockReport, _fill_from_spec
 from ..core.spec import MoESpec, SpecError
 from ..core.spec_parallel import ParallelSpec
-from .comm import group_name
-from .local import SHARD_ARGS
-from .op import forward as parallel_forward
-from .slicing import shard_tensors
+from ..parallel.comm import group_name
+from ..parallel.local import SHARD_ARGS
+from ..parallel.op import forward as parallel_forward
+from ..parallel.slicing import shard_tensors
 
 _SHARED = ("shared_w1", "shared_w3", "shared_w2")
 

@@ -18,14 +18,14 @@ import inspect
 import torch
 from torch import nn
 
-from .core import policy
-from .bind import bind_pair as _bp
-from .recognise import pair_reader as _pr
-from .core.parts import BlockParts
-from .core.derived import get_path
-from .core.match import PairMatch
-from .verify.pair_verify import fresh_call, verify_pair
-from .core.reject import Refused, RejectCode
+from ..core import policy
+from ..bind import bind_pair as _bp
+from ..recognise import pair_reader as _pr
+from ..core.parts import BlockParts
+from ..core.derived import get_path
+from ..core.match import PairMatch
+from ..verify.pair_verify import fresh_call, verify_pair
+from ..core.reject import Refused, RejectCode
 from .report import BlockReport, _fill_from_spec
 
 _RX_NONE = ("router_x",)
@@ -138,7 +138,7 @@ def try_pair(name: str, block: nn.Module, parts: BlockParts | None, rep: BlockRe
 def report_bound(block: nn.Module, rep: BlockReport, bind_it: bool) -> bool:
     """A parent whose pair an earlier ``optimize`` bound: reported as "already"; False for anything else. One whose
     router / experts attributes changed since is unbound (``optimize``) to be read again."""
-    from .core.snapshot import snapshot_changed
+    from ..core.snapshot import snapshot_changed
 
     st = block.__dict__.get("_moecomp")
     if not isinstance(st, _bp.PairState):

@@ -15,7 +15,7 @@ per-expert MLPs; see :mod:`moecomp.recognise.structure`):
    weights are still held once and every write to them reaches the op).
 
 A block whose experts transformers' distributed loading sharded (``from_pretrained(..., distributed_config=...)``:
-DTensor experts) goes through :mod:`moecomp.parallel.hf_distributed` instead: recognised on the sharded block,
+DTensor experts) goes through :mod:`moecomp.api.hf_distributed` instead: recognised on the sharded block,
 checked against its sharded forward, bound to the parallel op on the local shards (every rank of its group alike).
 
 Blocks that fail any step are left alone and reported with the reason (``BlockReport.reason``, text) and its
@@ -38,7 +38,7 @@ moecomp keeps for the layouts it cannot share (separate 3-D gate / up, fp32 rout
 ``.data`` writes to those weights.
 
 This module holds the API and the walk over the blocks (detection included); the check of step 2 is
-:mod:`moecomp.verify.verify`, the ``Report`` :mod:`moecomp.report`, the experts-only rewrite :mod:`moecomp.experts_only`.
+:mod:`moecomp.verify.verify`, the ``Report`` :mod:`moecomp.api.report`, the experts-only rewrite :mod:`moecomp.api.experts_only`.
 """
 
 from __future__ import annotations
@@ -50,22 +50,22 @@ import warnings
 import torch
 from torch import nn
 
-from .core import policy
+from ..core import policy
 from .experts_only import _try_experts_only
-from .core.reject import RejectCode, StageError, describe_exception, in_stage, is_oom
+from ..core.reject import RejectCode, StageError, describe_exception, in_stage, is_oom
 from .report import BlockReport, Report, _fill_from_spec, expert_style, router_style  # noqa: F401 (re-exported)
-from .verify.epilogue import Peeled, block_device_dtype, epilogue_of
-from .core.match import Verified
-from .recognise.recognise import block_constants, fx_available, recognise, structure_key  # noqa: F401 (structure_key re-exported)
-from .core.reject import Refused, Reject
-from .verify.verify import verify, verify_epilogue
-from .bind import bind as _bind
-from .formats import fp8 as _fp8
-from .recognise import router_probe as _router_probe
-from .bind.impl_switch import unclaimed
-from .core.parts import BlockParts
-from .recognise.structure import iter_blocks
-from .parallel import hf_distributed as _hf_distributed
+from ..verify.epilogue import Peeled, block_device_dtype, epilogue_of
+from ..core.match import Verified
+from ..recognise.recognise import block_constants, fx_available, recognise, structure_key  # noqa: F401 (structure_key re-exported)
+from ..core.reject import Refused, Reject
+from ..verify.verify import verify, verify_epilogue
+from ..bind import bind as _bind
+from ..formats import fp8 as _fp8
+from ..recognise import router_probe as _router_probe
+from ..bind.impl_switch import unclaimed
+from ..core.parts import BlockParts
+from ..recognise.structure import iter_blocks
+from . import hf_distributed as _hf_distributed
 
 # the verify check's rules live in moecomp.core.policy (re-exported here for callers that read them from optimize)
 TOLERANCE = policy.VERIFY_TOLERANCE
@@ -396,7 +396,7 @@ def optimize(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool
     model._moecomp_report = rep
     _warn_unrewritten(rep, strict)
     if fast_generate and (rep.rewritten or rep.experts_only or rep.fp8_linear.get("bound")):
-        from .generate import install
+        from ..generate import install
 
         if install(model):
             rep.generate = "moecomp (static cache; whole decode steps as CUDA graphs on GPU)"
@@ -416,7 +416,7 @@ def unoptimize(model: nn.Module):
     """Restore the original forward of every block ``optimize`` rewrote. Returns the model."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"moecomp.unoptimize expects a torch.nn.Module, got {type(model).__name__}")
-    from .generate import uninstall
+    from ..generate import uninstall
 
     uninstall(model)
     for m in model.modules():

@@ -20,7 +20,7 @@ For every graph Dynamo hands it, the backend runs
 and hands the result to ``torch._inductor.compile_fx.compile_fx`` (``mode=`` / ``options=`` of torch.compile are
 honoured as for the inductor backend; torch.compile refuses ``mode=`` together with ``options=``, so with a mode
 set the inner compiler comes from ``config.inner``). Counts land in ``moecomp.counters``; the last graphs' match
-descriptions and rejection reasons in ``moecomp.backend.last_results``.
+descriptions and rejection reasons in ``moecomp.api.backend.last_results``.
 
 Caching: the passes' identity is part of Inductor's cache key. The backend installs a post-grad custom pass
 (``torch._inductor.config.post_grad_custom_post_pass``, chaining any pass the user set) whose ``uuid()`` hashes the
@@ -53,14 +53,14 @@ import os
 
 import torch
 
-from .recognise import capture as _capture
-from .hf import experts_interface as _experts_interface
-from .core.counters import counters
-from .recognise.fx.detect_moe import detect_moe
-from .recognise.fx.fp8_linear import rewrite_fp8_linears
-from .recognise.fx.fse import fuse_shared_gate
-from .recognise.fx.rewrite_moe import rewrite_moe
-from .core.reject import Reject, RejectCode
+from ..recognise import capture as _capture
+from ..hf import experts_interface as _experts_interface
+from ..core.counters import counters
+from ..recognise.fx.detect_moe import detect_moe
+from ..recognise.fx.fp8_linear import rewrite_fp8_linears
+from ..recognise.fx.fse import fuse_shared_gate
+from ..recognise.fx.rewrite_moe import rewrite_moe
+from ..core.reject import Reject, RejectCode
 
 BACKEND_NAME = "moecomp"
 last_results: list[dict] = []  # newest last; at most _KEEP entries
@@ -68,7 +68,7 @@ _KEEP = 16
 
 # every file whose code decides what the pass rewrites: the pass package whole, and the modules it runs through
 _PASS_PACKAGE = "moecomp.recognise.fx"
-_PASS_MODULES = ("moecomp.backend", "moecomp.recognise.capture", "moecomp.core.spec", "moecomp.core.policy",
+_PASS_MODULES = ("moecomp.api.backend", "moecomp.recognise.capture", "moecomp.core.spec", "moecomp.core.policy",
                  "moecomp.core.reject", "moecomp.formats.fp8")
 
 
@@ -137,7 +137,7 @@ def _config_patches(mode: str | None, options: dict | None) -> dict:
 def _needs_grad(gm, example_inputs, match) -> bool:
     if not torch.is_grad_enabled():
         return False
-    from .recognise.fx._fx import meta_val
+    from ..recognise.fx._fx import meta_val
 
     x = meta_val(match.x)
     if isinstance(x, torch.Tensor) and x.requires_grad:  # the block's input (activations) needs a gradient
@@ -265,7 +265,7 @@ _capture.register_trace_predicate(tracing_for_moecomp)
 
 
 def _fp8_trace_forwards() -> None:
-    from .formats import fp8
+    from ..formats import fp8
 
     fp8.install_trace_forwards(tracing_for_moecomp)
 

@@ -5,16 +5,16 @@ once moecomp is pip-installed. Run from a source tree (``PYTHONPATH``), the name
 So ``import moecomp`` also adds the same entry to torch's table of backend names the moment that table's module
 (``torch._dynamo.backends.registry``) is loaded: at once if Dynamo is imported already, else by an import hook
 (``import_hooks``), so ``import moecomp`` still imports no Dynamo. The entry is the entry point itself
-(``moecomp.backend:moecomp_backend``), loaded by torch on the first lookup, as an installed one would be: an
-installed entry point, or ``moecomp.backend`` imported first, finds it there and changes nothing.
+(``moecomp.api.backend:moecomp_backend``), loaded by torch on the first lookup, as an installed one would be: an
+installed entry point, or ``moecomp.api.backend`` imported first, finds it there and changes nothing.
 """
 
 from __future__ import annotations
 
-from .hf.import_hooks import when_imported
+from ..hf.import_hooks import when_imported
 
 REGISTRY = "torch._dynamo.backends.registry"
-NAME, VALUE, GROUP = "moecomp", "moecomp.backend:moecomp_backend", "torch_dynamo_backends"
+NAME, VALUE, GROUP = "moecomp", "moecomp.api.backend:moecomp_backend", "torch_dynamo_backends"
 
 
 def add_backend_name() -> bool:

@@ -33,9 +33,9 @@ from ..bind.bind import BoundState, _refresh_derived, _resolve
 from ..core.args import OP_ARGS
 from ..core.spec import MoESpec
 from ..core.spec_parallel import PARALLEL_MODES, ParallelSpec
-from .comm import group_name, resolve_group
-from .local import SHARD_ARGS
-from .slicing import shard_tensors
+from ..parallel.comm import group_name, resolve_group
+from ..parallel.local import SHARD_ARGS
+from ..parallel.slicing import shard_tensors
 
 
 def shard_experts(model: nn.Module, group=None, mode: str = "ep", *, dispatch: str = "all_reduce",
@@ -46,7 +46,7 @@ def shard_experts(model: nn.Module, group=None, mode: str = "ep", *, dispatch: s
     its own tokens). Runs ``moecomp.optimize(model)`` first (blocks bound already stay as they are). Returns {block
     name: what this rank holds, or why the block stays whole}. ValueError for a bad mode, a group without this
     rank, or shards that cannot be cut (E or I not divisible by the world size, scale blocks)."""
-    from ..optimize import optimize
+    from .optimize import optimize
 
     if mode not in PARALLEL_MODES or mode == "replicated":  # (replicated: nothing to shard, nothing freed)
         raise ValueError(f"mode={mode!r}: expected one of {tuple(m for m in PARALLEL_MODES if m != 'replicated')}")
