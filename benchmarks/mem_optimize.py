@@ -2,7 +2,7 @@
 """Peak extra memory of ``moecomp.optimize`` per weight format at real layer sizes (issue 39).
 
 For each cell (a layer size x a weight format) a one-block model is built from random weights on the device
-(``moecomp.testing_blocks.one_block``: transformers' block class, experts drawn and quantized a chunk at a time),
+(``moecomp.testing.blocks.one_block``: transformers' block class, experts drawn and quantized a chunk at a time),
 then measured with ``moecomp.testing.PeakMemory`` (on CUDA: ``torch.cuda.max_memory_allocated`` after a reset, less
 what was allocated before):
 
@@ -88,7 +88,7 @@ def run_cell(cell: str, args, device) -> dict:
     from moecomp.core import policy
     from moecomp.formats.fp8 import plain_fp8
     from moecomp.testing import forward_peak
-    from moecomp.testing_blocks import one_block
+    from moecomp.testing.blocks import one_block
 
     size, fmt = cell.split(":")
     fam, E, H, I, k = SIZES[size]

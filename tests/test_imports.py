@@ -419,8 +419,6 @@ LAYERS = ("moecomp.core", "moecomp.kernels", "moecomp.ops", "moecomp.parallel", 
           "moecomp.api", "moecomp.testing", "moecomp.coverage", "moecomp.cli", PKG)
 # modules the move (issue 40) has not reached yet -> their layer
 PENDING = {
-    **{f"moecomp.hf.{m}": "moecomp.testing" for m in ("fp8_convert", "int4_writer", "mxfp4_write")},
-    "moecomp.testing_blocks": "moecomp.testing",
     "moecomp.hf.families": "moecomp.coverage", "moecomp.hf.coverage_md": "moecomp.coverage",
     **{f"moecomp.{m}": "moecomp.cli" for m in ("tune", "tune_fp8", "tune_io", "demo")},
 }

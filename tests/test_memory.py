@@ -33,9 +33,9 @@ from moecomp.recognise.structure import find_parts  # noqa: E402
 from moecomp.formats.fp8 import plain_fp8  # noqa: E402
 from moecomp.recognise.fx import _numeric  # noqa: E402
 from moecomp.testing import PeakMemory, forward_peak  # noqa: E402
-from moecomp.testing_blocks import one_block  # noqa: E402
+from moecomp.testing.blocks import one_block  # noqa: E402
 
-O = importlib.import_module("moecomp.optimize")  # (the module: ``moecomp.optimize`` is the function)
+O = importlib.import_module("moecomp.api.optimize")  # (the module: ``moecomp.optimize`` is the function)
 
 BOUND = 4 << 20  # policy.WORKING_MEMORY_BYTES in these tests
 E, H, I, K = 256, 128, 128, 8  # all experts' w13 + w2 in fp32: 256 * 3 * 128 * 128 * 4 bytes = 50 MB > 10 BOUND

@@ -85,7 +85,7 @@ def test_policy_defines_each_value():
 def test_users_read_the_policy():
     import importlib
 
-    opt = importlib.import_module("moecomp.optimize")  # (moecomp.optimize is also the function)
+    opt = importlib.import_module("moecomp.api.optimize")  # (moecomp.optimize is also the function)
     ei = importlib.import_module("moecomp.hf.experts_interface")
 
     assert opt.TOLERANCE is policy.VERIFY_TOLERANCE and opt.TIE_REL is policy.TIE_REL

@@ -26,7 +26,7 @@ allocated), and reads every other tensor into place. ``GptOssMLP`` calls its exp
 router_indices [T, k], router_scores [T, k])`` (the top-k softmax weights) in transformers 5.17 and 5.24 alike, which
 is ``PackedExperts.forward``'s convention: the MLP module itself is left as it is.
 
-Tests and benchmarks: ``hf/mxfp4_write.py`` writes real-format checkpoints and builds random packed models.
+Tests and benchmarks: ``testing/mxfp4_write.py`` writes real-format checkpoints and builds random packed models.
 """
 
 from __future__ import annotations

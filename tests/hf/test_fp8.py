@@ -1,7 +1,7 @@
 """FP8 block checkpoints (issue 19): transformers' FP8Experts / FP8Linear models, reached from every entry point.
 
 Tiny models are built from a config (bf16), converted to what transformers builds for an FP8 block checkpoint
-(``moecomp.hf.fp8_convert.to_fp8``), and compared with the same model run with the plain-PyTorch FP8 forwards
+(``moecomp.testing.fp8_convert.to_fp8``), and compared with the same model run with the plain-PyTorch FP8 forwards
 (``moecomp.formats.fp8.plain_fp8``: the dequantized reference, activations quantized as the modules say; transformers'
 own FP8 forwards need the hub's kernel).
 
@@ -29,7 +29,7 @@ from moecomp.core import policy
 from moecomp.hf import experts_interface as ei
 from moecomp.hf import families as F
 from moecomp.formats import fp8 as P
-from moecomp.hf import fp8_convert as C
+from moecomp.testing import fp8_convert as C
 from moecomp.api.optimize import rewritten_blocks
 
 from .conftest import rel_err

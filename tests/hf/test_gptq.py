@@ -1,6 +1,6 @@
 """int4 GPTQ / AWQ checkpoints (issue 22): the converters against an independent writer, and load_int4.
 
-Converters: known codes, zeros and scales are packed the checkpoint way (``moecomp.hf.int4_writer.pack_gptq`` /
+Converters: known codes, zeros and scales are packed the checkpoint way (``moecomp.testing.int4_writer.pack_gptq`` /
 ``pack_awq``: a shift and an OR per nibble, as the quantizers write them; plus hand-written words for the nibble
 orders), converted (``gptq_to_packed`` / ``awq_to_packed``), and ``moecomp.core.quant.dequantize`` of the result must
 equal ``(code - zero) * scale`` computed from the known values: exactly (both are one fp32 product of the same
@@ -32,7 +32,7 @@ from moecomp.core import quant as q8
 from moecomp.hf import families as F
 from moecomp.api import load_gptq as L
 from moecomp.formats import gptq as G
-from moecomp.hf import int4_writer as W
+from moecomp.testing import int4_writer as W
 from moecomp.formats.packed import PackedExperts
 from moecomp.formats.packed_linear import Packed4Linear
 from moecomp.core.spec import QuantSpec

@@ -33,7 +33,7 @@ from moecomp.core import policy
 from moecomp.oracle import reference
 from moecomp.hf import families as F
 from moecomp.formats import mxfp4 as M
-from moecomp.hf import mxfp4_write as W
+from moecomp.testing import mxfp4_write as W
 from moecomp.formats.packed import PackedExperts
 from moecomp.api.optimize import rewritten_blocks
 from moecomp.core.reject import RejectCode

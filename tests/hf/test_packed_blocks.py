@@ -83,10 +83,10 @@ def test_scale_of_wrong_shape_is_refused_by_the_module():
 
 
 def test_moecomp_load_reads_awq_and_binds(tmp_path):
-    """``moecomp.load`` of an int4 AWQ checkpoint (written by ``hf/int4_writer.py``) goes to ``api/load_gptq.py``'s loader
+    """``moecomp.load`` of an int4 AWQ checkpoint (written by ``testing/int4_writer.py``) goes to ``api/load_gptq.py``'s loader
     (``moecomp.api.load.LOADERS``); its ``PackedExperts`` blocks (int4 with zero points) are then bound, the zero points
     read from the graph."""
-    from moecomp.hf import int4_writer
+    from moecomp.testing import int4_writer
 
     model, _ = F.build_tiny("qwen3_moe", sizes=dict(hidden_size=128, moe_intermediate_size=128, head_dim=32))
     int4_writer.write_int4_checkpoint(model.eval(), str(tmp_path), "awq", 64, False)

@@ -24,7 +24,7 @@ import torch
 
 import moecomp
 from moecomp.api import load_gptq as L
-from moecomp.hf import int4_writer as W
+from moecomp.testing import int4_writer as W
 from moecomp.formats.packed import PackedExperts
 from moecomp.formats.packed_linear import Packed4Linear
 from moecomp.kernels import linear4 as lin4_k

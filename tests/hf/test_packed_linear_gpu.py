@@ -86,7 +86,7 @@ def test_linear_4bit_cuda_graph():
 def test_loaded_int4_model_cuda(tmp_path):
     import moecomp
     from moecomp.api import load_gptq as L
-    from moecomp.hf import int4_writer as W
+    from moecomp.testing import int4_writer as W
     from moecomp.formats.packed_linear import Packed4Linear
 
     from .conftest import rel_err

@@ -109,7 +109,7 @@ def test_4bit_gemv_one_sided(monkeypatch, poison, side):
 def test_mxfp4_checkpoint_needs_both_biases():
     """gpt-oss's checkpoint format holds both biases: one-sided 4-bit experts run, but are not written as it."""
     from moecomp.formats import mxfp4
-    from moecomp.hf import mxfp4_write
+    from moecomp.testing import mxfp4_write
 
     spec, pos, extra = _packed("gemm1", 2, quant=QuantSpec.mxfp4(), gate_up="interleaved", activation="swiglu_oai")
     t = dict(zip(MOE_ARGS, pos[1:]))

@@ -1,7 +1,8 @@
 """FP8 block-quantized HF models for tests and benchmarks, without a hub or a GPU.
 
-    model = moecomp.hf.fp8_convert.to_fp8(model)            # in place: what from_pretrained builds for an FP8 checkpoint
-    moecomp.hf.fp8_convert.write_fp8_checkpoint(model, path) # a real-format FP8 checkpoint of a 16-bit model
+    model = to_fp8(model)                      # in place: what from_pretrained builds for an FP8 checkpoint
+    write_fp8_checkpoint(model, path)          # a real-format FP8 checkpoint of a 16-bit model
+                                               # (both in moecomp.testing.fp8_convert)
 
 :func:`to_fp8` turns a 16-bit / fp32 model (e.g. built from a config) into what transformers builds when it loads an
 FP8 block checkpoint (``quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}``): each

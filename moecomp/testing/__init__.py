@@ -1,4 +1,8 @@
-"""Random inputs for a MoESpec, toy blocks and a per-token clock, shared by tests, benchmarks and the demo.
+"""Tools for tests, benchmarks and the demo (a layer above the API: the library itself never imports it).
+
+Here: random inputs for a MoESpec, toy blocks and a per-token clock. Beside it: ``blocks`` (one real-size HF block,
+experts drawn and quantized a chunk at a time), ``fp8_convert`` (FP8 block checkpoints and models), ``int4_writer``
+(GPTQ / AWQ checkpoints), ``mxfp4_write`` (MXFP4 checkpoints, random packed models).
 
 ``random_moe_args(spec, T, ...)`` returns the op's positional arguments (x, then ``MOE_ARGS`` in order), drawn from
 N(0, std) so that nothing is zero and routing is not degenerate.
@@ -11,8 +15,8 @@ import time
 
 import torch
 
-from .ops.moe_op import MOE_ARGS
-from .core.spec import MoESpec, SharedExpertSpec
+from ..ops.moe_op import MOE_ARGS
+from ..core.spec import MoESpec, SharedExpertSpec
 
 
 def random_moe_args(
@@ -95,7 +99,7 @@ def quantize_moe_args(spec: MoESpec, args: tuple, seed: int = 0) -> tuple[tuple,
     4-bit) form: (positional args, {scale / zero argument: tensor}) to call ``moe_forward(*args, spec.key, **scales)``. Static
     activation scales are calibrated on ``x``: each expert's max|x| and max|h| over every token (as if each token
     went to every expert) over 448, times U(1, 1.5) (so nothing saturates)."""
-    from .core import quant as q8
+    from ..core import quant as q8
 
     t = dict(zip(MOE_ARGS, args[1:]))
     scales = {}
@@ -110,7 +114,7 @@ def quantize_moe_args(spec: MoESpec, args: tuple, seed: int = 0) -> tuple[tuple,
         t["w13"], scales["w13_scale"] = _quantize_experts(t["w13"], qs, halves)
         t["w2"], scales["w2_scale"] = _quantize_experts(t["w2"], qs)
         if qs.activation == "static":
-            from .oracle import reference
+            from ..oracle import reference
 
             g = torch.Generator(device=args[0].device).manual_seed(seed)
             E, dev = spec.num_experts, args[0].device
@@ -139,7 +143,7 @@ def _expert_chunks(w: torch.Tensor, max_bytes: int = 1 << 30):
 def _quantize_experts(w: torch.Tensor, qs, halves: int = 1):
     """``quant.quantize`` of [E, rows, cols] a chunk of experts at a time (the same numbers: scales are per expert),
     so that a DeepSeek-V3 w13 (7.5e9 elements) never has a whole fp32 copy."""
-    from .core import quant as q8
+    from ..core import quant as q8
 
     chunks = _expert_chunks(w)
     if len(chunks) == 1:
@@ -295,9 +299,9 @@ def rewrite_block_graph(block: torch.nn.Module, example: torch.Tensor, blocks: i
     before and after the rewrite on the captured inputs (no grad)."""
     import copy
 
-    from .recognise.capture import capture_block
-    from .recognise.fx import detect_moe as dm
-    from .recognise.fx.rewrite_moe import rewrite_moe
+    from ..recognise.capture import capture_block
+    from ..recognise.fx import detect_moe as dm
+    from ..recognise.fx.rewrite_moe import rewrite_moe
 
     cap = capture_block(block, example)
     res = dm.detect_moe(cap.gm, cap.example_inputs)
@@ -341,7 +345,7 @@ def random_norm_args(spec: MoESpec, dtype: torch.dtype = torch.float32, device: 
 def check_op(args, extra: dict, spec: MoESpec, tol: float) -> torch.Tensor:
     """``moe_forward`` on ``args`` (x and MOE_ARGS' tensors) plus the named ``extra`` tensors against
     ``reference.moe_forward``: same shape, finite, max |diff| / max |ref| below ``tol``. Returns the op's output."""
-    from .oracle import reference  # noqa: PLC0415
+    from ..oracle import reference  # noqa: PLC0415
 
     out = torch.ops.moecomp.moe_forward(*args, spec.key, **extra)
     ref = reference.moe_forward(*args, spec, **extra)
@@ -356,9 +360,9 @@ def routing_near_ties(opt: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
     rounding of a tie (``reference.near_tie_tokens`` on each block's input and the router tensors its op reads).
     ``opt``: an optimized model (``moecomp.optimize``). Two implementations' router GEMMs may round such a position's
     logits apart and pick different experts, so token-level comparisons in bf16 leave these positions out."""
-    from .oracle import reference
-    from .bind.bind import _resolve
-    from .api.optimize import TIE_REL, rewritten_blocks
+    from ..oracle import reference
+    from ..bind.bind import _resolve
+    from ..api.optimize import TIE_REL, rewritten_blocks
 
     seen = []
     hooks = [b.register_forward_pre_hook(lambda mod, a, kw: seen.append((mod, a[0] if a else kw["hidden_states"])),

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .core import quant as q8
-from .core.spec import QuantSpec
+from ..core import quant as q8
+from ..core.spec import QuantSpec
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
 FORMATS = ("bf16", "fp32", "fp8", "fp8-channel", "mxfp4", "int4")
@@ -126,7 +126,7 @@ def _fill_float(block: nn.Module, g, device, dtype) -> None:
 
 def _fp8_experts(block: nn.Module, E: int, H: int, I: int, quant: QuantSpec, g, device) -> None:
     """``block.experts`` replaced by transformers' ``FP8Experts`` over random e4m3 weights (gated, no biases)."""
-    from .hf import fp8_convert as C
+    from . import fp8_convert as C
 
     old = block.experts
     cls = C._fp8_experts_class(True)
@@ -148,12 +148,12 @@ def _fp8_experts(block: nn.Module, E: int, H: int, I: int, quant: QuantSpec, g, 
 def _packed_experts(block: nn.Module, family: str, E: int, H: int, I: int, quant: QuantSpec, g, device, dtype):
     """``block.experts`` replaced by a ``PackedExperts`` over random 4-bit weights (gpt-oss: its interleaved
     swiglu_oai and biases)."""
-    from .formats.packed import PackedExperts
+    from ..formats.packed import PackedExperts
 
     (w13, s13, z13), (w2, s2, z2) = (_quantized(E, r, c, quant, 1, g, device, 1.0 / c**0.5)
                                      for r, c in ((2 * I, H), (H, I)))
     if family == "gpt_oss":
-        from .formats.mxfp4 import swiglu_constants
+        from ..formats.mxfp4 import swiglu_constants
 
         alpha, limit = swiglu_constants(block.experts, block.experts.config if hasattr(block.experts, "config")
                                         else None)
@@ -166,7 +166,7 @@ def _packed_experts(block: nn.Module, family: str, E: int, H: int, I: int, quant
 
 def _fp8_linears(block: nn.Module, quant: QuantSpec) -> None:
     """A shared expert's ``nn.Linear``s as ``FP8Linear`` (as an FP8 checkpoint loads them)."""
-    from .hf import fp8_convert as C
+    from . import fp8_convert as C
 
     for name, mod in list(block.named_modules()):
         if type(mod) is nn.Linear and "shared" in name:
