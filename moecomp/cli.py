@@ -72,7 +72,7 @@ def cmd_scan(a) -> int:
 def cmd_coverage(a) -> int:
     import torch
 
-    from .hf import coverage_md
+    from .coverage import markdown as coverage_md
 
     fams = a.families or None
     torch.set_num_threads(1)  # tiny models: extra intra-op threads only add latency

@@ -276,7 +276,7 @@ def test_jetmoe_output_bias_in_whole_model_graph(dynamic, poison):
     ``fullgraph=True`` (or ``torch._dynamo.config.capture_scalar_outputs``). The biases are zero when compiling
     (a model not loaded yet) and set afterwards: the compiled graph must still add them (a zero add folded into the
     op would drop them)."""
-    from moecomp.hf import families as F
+    from moecomp.coverage import families as F
 
     model, _ = F.build_tiny("jetmoe")
     mlps = [m for m in model.modules() if type(m).__name__ == "JetMoeMoE"]

@@ -28,7 +28,7 @@ import moecomp  # noqa: E402
 from moecomp.core import policy
 from moecomp.verify import verify  # noqa: E402
 from moecomp.recognise import fallback  # noqa: E402
-from moecomp.hf import families as F  # noqa: E402
+from moecomp.coverage import families as F  # noqa: E402
 from moecomp.recognise.structure import find_parts  # noqa: E402
 from moecomp.formats.fp8 import plain_fp8  # noqa: E402
 from moecomp.recognise.fx import _numeric  # noqa: E402

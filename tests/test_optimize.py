@@ -13,7 +13,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 import moecomp  # noqa: E402
-from moecomp.hf import families as F  # noqa: E402
+from moecomp.coverage import families as F  # noqa: E402
 from moecomp.api.optimize import rewritten_blocks  # noqa: E402
 from moecomp.testing import LinearExpert  # noqa: E402
 

@@ -124,7 +124,7 @@ def test_capture_failure_is_read_from_the_code_not_the_text(monkeypatch):
     """The pipeline hands a block to the attribute reader when the FX pass's Reject says CAPTURE_FAILED, whatever
     its text says, and returns any other Reject as it is."""
     from moecomp.recognise import recognise as R
-    from moecomp.hf import families as F
+    from moecomp.coverage import families as F
     from moecomp.recognise.structure import iter_blocks
     from moecomp.core.match import Match
 

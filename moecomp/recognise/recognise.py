@@ -31,7 +31,7 @@ from ..core.reject import (Refused, Reject, RejectCode, StageError, describe_exc
                      raise_if_oom)
 
 # When the FX pass recognises a block, also run the attribute reader and note any difference in the report
-# (``hf/families.py`` turns it on for the coverage table; off for users: it runs the block once more per structure).
+# (``coverage/families.py`` turns it on for the coverage table; off for users: it runs the block once more per structure).
 COMPARE_FALLBACK = False
 
 _SKIP_KEY_ATTRS = frozenset({"training", "layer_idx", "layer_id", "layer_number", "layer_index"})

@@ -19,9 +19,9 @@ import torch
 import torch.nn as nn
 
 import moecomp
-from moecomp.hf import families as F
+from moecomp.coverage import families as F
 from moecomp.bind.bind import bound_tensors
-from moecomp.hf.families import OpCounter
+from moecomp.coverage.families import OpCounter
 from moecomp.core.args import MOE_ARGS
 
 from .conftest import rel_err

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moecomp.probe import activations as A
-from moecomp.hf import families as Fam
+from moecomp.coverage import families as Fam
 from moecomp.recognise.structure import iter_blocks, mlp_parts
 
 

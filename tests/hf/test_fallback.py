@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import moecomp
-from moecomp.hf import families as F
+from moecomp.coverage import families as F
 from moecomp.recognise import fallback as fb
 from moecomp.probe.activations import activation_mismatch
 from moecomp.recognise.structure import iter_blocks

@@ -8,7 +8,7 @@ optimized model must never differ from the original, and every family keeps its 
 import pytest
 import torch
 
-from moecomp.hf import families as F
+from moecomp.coverage import families as F
 
 # One pinned outcome per family (transformers 5.24, docs/coverage.md): rewritten whole and equal, experts only with
 # the named reason, or left alone with the named reason. A family missing from the installed transformers (e.g.

@@ -27,7 +27,7 @@ import torch
 import moecomp
 from moecomp.core import policy
 from moecomp.hf import experts_interface as ei
-from moecomp.hf import families as F
+from moecomp.coverage import families as F
 from moecomp.formats import fp8 as P
 from moecomp.testing import fp8_convert as C
 from moecomp.api.optimize import rewritten_blocks

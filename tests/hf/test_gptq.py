@@ -29,7 +29,7 @@ import torch
 
 import moecomp
 from moecomp.core import quant as q8
-from moecomp.hf import families as F
+from moecomp.coverage import families as F
 from moecomp.api import load_gptq as L
 from moecomp.formats import gptq as G
 from moecomp.testing import int4_writer as W

@@ -1,4 +1,4 @@
-"""Inkling (``InklingForCausalLM`` built tiny by ``moecomp.hf.families.build_tiny``): its MoE (``InklingMoE``, the
+"""Inkling (``InklingForCausalLM`` built tiny by ``moecomp.coverage.families.build_tiny``): its MoE (``InklingMoE``, the
 ``mlp`` of each MoE decoder layer) has a router ``[E + S, H]`` whose last S rows score the S shared experts; the k
 chosen routed logits and the S shared ones are renormalised together (``exp(logsigmoid - logsumexp)``), times
 ``route_scale`` and the learned ``global_scale`` Parameter [1]; the S shared experts are stacked ``[S, I, H]`` and
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import moecomp
-from moecomp.hf import families as F
+from moecomp.coverage import families as F
 
 from .conftest import rel_err
 

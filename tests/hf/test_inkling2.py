@@ -14,7 +14,7 @@ import torch
 
 import moecomp
 from moecomp.probe import activations
-from moecomp.hf import families as F
+from moecomp.coverage import families as F
 from moecomp.probe import softcap as softcap_probe
 
 from .conftest import rel_err

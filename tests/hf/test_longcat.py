@@ -23,7 +23,7 @@ import torch
 
 import moecomp
 from moecomp.core.derived import get_path
-from moecomp.hf import families as F
+from moecomp.coverage import families as F
 
 from .conftest import rel_err
 

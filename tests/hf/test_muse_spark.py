@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import moecomp
-from moecomp.hf import families as F
+from moecomp.coverage import families as F
 from moecomp.recognise.recognise import match_block
 
 from .conftest import rel_err

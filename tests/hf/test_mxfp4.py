@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import moecomp
 from moecomp.core import policy
 from moecomp.oracle import reference
-from moecomp.hf import families as F
+from moecomp.coverage import families as F
 from moecomp.formats import mxfp4 as M
 from moecomp.testing import mxfp4_write as W
 from moecomp.formats.packed import PackedExperts

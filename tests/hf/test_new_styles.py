@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import moecomp
-from moecomp.hf import families as F
+from moecomp.coverage import families as F
 from moecomp.api.optimize import experts_only_modules, rewritten_blocks
 from moecomp.testing import SplitBlock
 

@@ -17,7 +17,7 @@ import torch
 
 import moecomp
 from moecomp.core import quant as q8
-from moecomp.hf import families as F
+from moecomp.coverage import families as F
 from moecomp.formats.packed import PackedExperts
 from moecomp.api.optimize import rewritten_blocks
 from moecomp.core.spec import QuantSpec

@@ -420,7 +420,7 @@ def test_int4_lm_head_tied_to_embeddings_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from .test_gptq import SIZES
-    from moecomp.hf import families as F
+    from moecomp.coverage import families as F
 
     model, _ = F.build_tiny("qwen3_moe", sizes={**SIZES["qwen3_moe"], "tie_word_embeddings": True})
     path = W.write_int4_checkpoint(model.float().eval(), str(tmp_path), "gptq", 64, True)

@@ -182,7 +182,7 @@ def test_match_block_and_bind(poison):
     _, rep = moecomp.optimize(model, report=True)
     assert [b.name for b in rep.rewritten] == ["mlp"] and rep.rewritten[0].method == "fx", str(rep)
     ids = _tok((2, 6), 9)
-    from moecomp.hf import families as fam
+    from moecomp.coverage import families as fam
 
     with torch.no_grad():
         out, per, total = fam.count_calls_per_block(model, lambda: model(ids))

@@ -111,7 +111,7 @@ def test_optimize_finds_and_binds_it(poison):
     """The whole pipeline: the block finder takes it by its shapes (no part names it knows), the FX pass reads it,
     verify proves it, the binder binds it (one moe_forward per call)."""
     import moecomp
-    from moecomp.hf.families import count_calls_per_block
+    from moecomp.coverage.families import count_calls_per_block
 
     class Model(nn.Module):
         def __init__(self):

@@ -27,7 +27,7 @@ from torch import nn
 import moecomp
 from moecomp.recognise.capture import DetectError, detect_block
 from moecomp.core.derived import get_path
-from moecomp.hf import families as fam
+from moecomp.coverage import families as fam
 from moecomp.recognise.fallback import FallbackError, static_extract
 from moecomp.recognise.structure import NotABlock, find_parts, iter_blocks
 

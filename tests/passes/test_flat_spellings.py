@@ -20,7 +20,7 @@ import flat_spellings as fs
 import moecomp
 from moecomp.core.derived import get_path
 from moecomp.recognise import discover
-from moecomp.hf import families as fam
+from moecomp.coverage import families as fam
 from moecomp.bind.bind import _resolve
 from moecomp.recognise.structure import iter_blocks
 from moecomp.core.args import OP_ARGS

@@ -25,7 +25,7 @@ import per_expert_blocks as pb
 import per_expert_spellings as ps
 import sorted_spellings as ss
 from moecomp.recognise.capture import capture_block
-from moecomp.hf import families as fam
+from moecomp.coverage import families as fam
 from moecomp.recognise.fx.detect_moe import detect_moe
 from moecomp.core.reject import RejectCode
 

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 import moecomp  # noqa: E402
 from moecomp.bind import bind as B  # noqa: E402
-from moecomp.hf import families as F  # noqa: E402
+from moecomp.coverage import families as F  # noqa: E402
 from moecomp.api.optimize import experts_only_modules, rewritten_blocks  # noqa: E402
 
 from .test_weights import TinyMoEConfig, TinyMoEModel, experts_only_tiny  # noqa: E402

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 import moecomp  # noqa: E402
 from moecomp.bind import bind as B  # noqa: E402
-from moecomp.hf import families as F  # noqa: E402
+from moecomp.coverage import families as F  # noqa: E402
 from moecomp.core.derived import SharedLayout  # noqa: E402
 from moecomp.api.optimize import experts_only_modules, rewritten_blocks  # noqa: E402
 from moecomp.testing import LinearExpert, SplitBlock  # noqa: E402
