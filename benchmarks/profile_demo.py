@@ -14,7 +14,7 @@ import torch
 
 def main():
     import moecomp
-    from moecomp.demo import build
+    from moecomp.cli.demo import build
     from moecomp.ops import graphs
     from moecomp.api.optimize import rewritten_blocks
 

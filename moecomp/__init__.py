@@ -45,7 +45,7 @@ __version__ = "0.1.0"
 # submodules imported on first attribute access (PEP 562): they import torch._dynamo, Triton or transformers.
 # moecomp.<name> -> the module it names (short names kept from before the layers became packages)
 _LAZY_SUBMODULES = {
-    "backend": "api.backend", "capture": "recognise.capture", "cli": "cli", "demo": "demo", "generate": "generate",
+    "backend": "api.backend", "capture": "recognise.capture", "cli": "cli", "demo": "cli.demo", "generate": "generate",
     "hf": "hf", "kernels": "kernels", "passes": "recognise.fx", "reference": "oracle.reference", "testing": "testing",
 }
 

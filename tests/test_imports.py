@@ -417,16 +417,9 @@ def test_passes_and_hf_never_import_kernels():
 LAYERS = ("moecomp.core", "moecomp.kernels", "moecomp.ops", "moecomp.parallel", "moecomp.oracle", "moecomp.formats",
           "moecomp.probe", "moecomp.hf", "moecomp.bind", "moecomp.verify", "moecomp.recognise", "moecomp.generate",
           "moecomp.api", "moecomp.testing", "moecomp.coverage", "moecomp.cli", PKG)
-# modules the move (issue 40) has not reached yet -> their layer
-PENDING = {
-    **{f"moecomp.{m}": "moecomp.cli" for m in ("tune", "tune_fp8", "tune_io", "demo")},
-}
 
 
 def _layer(mod: str) -> int:
-    for old, layer in PENDING.items():
-        if _under(mod, old):
-            return LAYERS.index(layer)
     for i, layer in enumerate(LAYERS[:-1]):
         if _under(mod, layer):
             return i
@@ -439,7 +432,7 @@ def test_every_package_is_a_layer():
     assert sorted(top) == [PKG, f"{PKG}.__main__"], top
     pkgs = sorted(d for d in os.listdir(os.path.join(ROOT, PKG))
                   if os.path.isfile(os.path.join(ROOT, PKG, d, "__init__.py")))
-    assert set(pkgs) - {"passes"} <= {layer.rpartition(".")[2] for layer in LAYERS[:-1]}, pkgs
+    assert pkgs == sorted(layer.rpartition(".")[2] for layer in LAYERS[:-1]), pkgs
 
 
 def test_layers_import_only_downwards():

@@ -14,7 +14,7 @@ Three groups:
 * the *probe inputs*: how many tokens, which distribution, which seed, for each check that runs a module.
 
 The FX pass's own numeric check (``moecomp.recognise.fx._numeric``) reads its token budget and agreement rule from the
-section at the end of this module. The whole-model checks (``moecomp.coverage.families.TOL``, ``moecomp.demo``,
+section at the end of this module. The whole-model checks (``moecomp.coverage.families.TOL``, ``moecomp.cli.demo``,
 ``benchmarks/hf_gpu_check.py``) are separate rules with their own owners.
 """
 

@@ -1,6 +1,6 @@
 """docs/coverage.md: the table of ``families.run_coverage``'s results (split from ``families.py``).
 
-    python -m moecomp coverage            # regenerates docs/coverage.md (cli.py calls write_coverage)
+    python -m moecomp coverage            # regenerates docs/coverage.md (cli/__init__.py calls write_coverage)
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from moecomp import cli, demo
+from moecomp import cli
+from moecomp.cli import demo
 
 
 @pytest.fixture

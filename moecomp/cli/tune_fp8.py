@@ -1,5 +1,5 @@
 """The FP8 part of ``python -m moecomp tune`` (``--fp8``): its tiles, the modes and speed candidates it measures,
-and the config keys a measured mode becomes. ``tune.py`` runs the measurements."""
+and the config keys a measured mode becomes. ``cli/tune.py`` runs the measurements."""
 
 from __future__ import annotations
 
@@ -52,6 +52,6 @@ def _as_quantized(h) -> torch.Tensor:
     """gemm1's h as gemm2 reads it under prequant: a QAct (written by gemm1's epilogue) dequantized, a 16-bit h
     quantized the same way first (``triton_fp8.quantize_act``: the codes the epilogue writes), so the two kinds of
     gemm1 candidate compare on equal terms."""
-    from .ops.triton_fp8 import QAct, quantize_act
+    from ..ops.triton_fp8 import QAct, quantize_act
 
     return (h if isinstance(h, QAct) else quantize_act(h)).dequantize()

@@ -6,7 +6,9 @@
     python -m moecomp tune [--presets ...] [--shape E,I,H,k ...] [--tokens 1,16,...] [--restart] [--budget-s S]
                                                  # tune the kernel configs on this GPU (moecomp/kernels/configs/)
 
-``demo`` and ``tune`` parse their own options (``python -m moecomp tune --help``).
+``demo`` and ``tune`` parse their own options (``python -m moecomp tune --help``); they live beside this module
+(``demo.py``, ``tune.py`` with ``tune_fp8.py`` / ``tune_io.py``). The top layer: the commands run the API and the
+tools below (testing, coverage).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def build_meta(path: str):
 
 
 def cmd_scan(a) -> int:
-    from .api.optimize import scan
+    from ..api.optimize import scan
 
     model = build_meta(a.path)
     rep = scan(model)
@@ -72,7 +74,7 @@ def cmd_scan(a) -> int:
 def cmd_coverage(a) -> int:
     import torch
 
-    from .coverage import markdown as coverage_md
+    from ..coverage import markdown as coverage_md
 
     fams = a.families or None
     torch.set_num_threads(1)  # tiny models: extra intra-op threads only add latency

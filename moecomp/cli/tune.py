@@ -39,9 +39,9 @@ import time
 
 import torch
 
-from .ops import tuning
-from .core.spec import MoESpec, QuantSpec
-from .testing import LAYER_PRESETS
+from ..ops import tuning
+from ..core.spec import MoESpec, QuantSpec
+from ..testing import LAYER_PRESETS
 from .tune_fp8 import (  # noqa: F401  (re-exported: tests and tools use them through this module)
     FP8_CHOICES, FP8_DECODE_TILES, FP8_TILES, FP8_VARIANT_KEYS, FP8_VARIANTS, _as_quantized, mode_keys)
 from .tune_io import (  # noqa: F401  (re-exported: tests and tools use them through this module)
@@ -184,7 +184,7 @@ def _tiles_for(cands: list, bm: int, dtype: torch.dtype, quantized: bool = False
 def _tune_args(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, seed: int):
     """(x, {argument: tensor}) for a measurement: ``random_moe_args`` (std 0.02), the experts quantized (with their
     scales) when the spec says; no shared-expert gate (the routed path is tuned)."""
-    from .testing import quantize_moe_args, random_moe_args
+    from ..testing import quantize_moe_args, random_moe_args
 
     args = random_moe_args(spec, T, dtype, device, std=0.02, seed=seed)
     args, scales = quantize_moe_args(spec, args) if spec.quant is not None else (args, {})
@@ -198,7 +198,7 @@ def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, 
     "rejected", "failed"}`` (ms: the winner's align + gemm1 + gemm2). ``status(text)`` is called before each
     candidate, ``note(text)`` for every rejected or failing candidate and every BLOCK_M measured. ``mode``: the FP8
     mode of a quantized spec ("w8a8" | "w8a16", with "+<candidate>"s: ``mode_keys``, which the config gets)."""
-    from .ops import triton_moe
+    from ..ops import triton_moe
 
     status = status or (lambda text: None)
     note = note or (lambda text: None)
@@ -299,7 +299,7 @@ def tune_decode(spec: MoESpec, probes: list[int], dtype: torch.dtype, device: to
     probe, both in CUDA graphs. ``max_t`` is the largest probe up to which the decode path won at every probe (0:
     never). Returns ``{"decode": config, "ms": {T: [decode, aligned]}, "rejected", "failed"}``. FP8 (a quantized
     spec): in the mode of ``aligned_cfg["fp8"]``."""
-    from .ops import triton_moe
+    from ..ops import triton_moe
 
     status = status or (lambda text: None)
     note = note or (lambda text: None)

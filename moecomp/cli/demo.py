@@ -70,7 +70,7 @@ def _decode_ms(model, prompt, new_tokens: int, device: str, reps: int = 5) -> tu
     the clock at every token. Both are differences of one monotonic clock within a call: never negative."""
     from transformers import StoppingCriteriaList
 
-    from .testing import StepClock
+    from ..testing import StepClock
 
     def gen(n, **kw):
         with torch.no_grad():
@@ -96,7 +96,7 @@ def _decode_ms(model, prompt, new_tokens: int, device: str, reps: int = 5) -> tu
 
 def run(device: str | None = None, layers: int | None = None, batch: int = 1, seq: int = 128, reps: int = 5,
         use_capture: bool = True, print_fn=print, decode_tokens: int | None = None) -> dict:
-    from .api.optimize import optimize
+    from ..api.optimize import optimize
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.startswith("cuda")

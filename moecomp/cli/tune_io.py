@@ -1,4 +1,4 @@
-"""File and progress helpers of ``python -m moecomp tune`` (:mod:`moecomp.tune`): the JSON table and its sidecar
+"""File and progress helpers of ``python -m moecomp tune`` (:mod:`moecomp.cli.tune`): the JSON table and its sidecar
 (atomic, merged writes), the source commit, and the progress line. Standard library only."""
 
 from __future__ import annotations
