@@ -40,7 +40,7 @@ def main(argv=None) -> int:
 
     from moecomp.core import quant as q8
     from moecomp.ops import skinny
-    from moecomp.ops.common import _sm_count
+    from moecomp.ops.common import sm_count as _sm_count
     from moecomp.core.spec import QuantSpec
 
     ap = argparse.ArgumentParser(description=__doc__)

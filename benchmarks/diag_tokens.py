@@ -26,7 +26,7 @@ def rel(a, b):
 def main():
     import moecomp
     from moecomp.oracle import reference
-    from moecomp.bind.bind import _resolve
+    from moecomp.bind.bind import resolve as _resolve
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="mixtral,qwen3")

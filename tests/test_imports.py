@@ -440,3 +440,32 @@ def test_layers_import_only_downwards():
     bad = [(m, n, ln) for m in sorted(MODS) for n, ln in sorted(TOP[m] | LAZY[m]) if _layer(n) > _layer(m)]
     assert bad == [], "\n".join(f"{m} ({LAYERS[_layer(m)]}) imports {n} ({LAYERS[_layer(n)]}), line {ln}"
                                  for m, n, ln in bad)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_private_names_imported():
+    """No module imports another module's private name (``from x import _name``) nor a private module: what two
+    modules share is a public name where it is defined (a private alias on the importing side is fine)."""
+    bad = []
+    for mod, (path, ispkg) in MODS.items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                tgt = node.module or ""
+                if node.level:
+                    base = mod if ispkg else mod.rpartition(".")[0]
+                    for _ in range(node.level - 1):
+                        base = base.rpartition(".")[0]
+                    tgt = f"{base}.{node.module}" if node.module else base
+                if tgt.split(".")[0] != PKG or tgt == mod:
+                    continue
+                bad += [(mod, f"{tgt}.{a.name}", node.lineno) for a in node.names if _private(a.name)]
+                bad += [(mod, tgt, node.lineno) for part in tgt.split(".") if _private(part)]
+            elif isinstance(node, ast.Import):
+                bad += [(mod, a.name, node.lineno) for a in node.names
+                        if a.name.split(".")[0] == PKG and any(_private(p) for p in a.name.split("."))]
+    assert bad == [], bad

@@ -31,7 +31,7 @@ from moecomp.recognise import fallback  # noqa: E402
 from moecomp.coverage import families as F  # noqa: E402
 from moecomp.recognise.structure import find_parts  # noqa: E402
 from moecomp.formats.fp8 import plain_fp8  # noqa: E402
-from moecomp.recognise.fx import _numeric  # noqa: E402
+from moecomp.recognise.fx import numeric as _numeric  # noqa: E402
 from moecomp.testing import PeakMemory, forward_peak  # noqa: E402
 from moecomp.testing.blocks import one_block  # noqa: E402
 
@@ -65,7 +65,7 @@ def _agrees(block, x, got, want, tol) -> bool:
     value on every token but at most ``policy.max_tie_tokens`` whose routing sits within a bf16 rounding of a tie
     (the two router GEMMs may round such a token's logits apart: the verify stage's rule)."""
     from moecomp.oracle import reference
-    from moecomp.bind.bind import _resolve
+    from moecomp.bind.bind import resolve as _resolve
 
     st = block._moecomp
     t = [None if p is None else _resolve(block, p) for p in st.paths[:3]]

@@ -137,7 +137,7 @@ def _config_patches(mode: str | None, options: dict | None) -> dict:
 def _needs_grad(gm, example_inputs, match) -> bool:
     if not torch.is_grad_enabled():
         return False
-    from ..recognise.fx._fx import meta_val
+    from ..recognise.fx.graph import meta_val
 
     x = meta_val(match.x)
     if isinstance(x, torch.Tensor) and x.requires_grad:  # the block's input (activations) needs a gradient

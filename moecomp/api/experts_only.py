@@ -16,7 +16,7 @@ from ..core.parts import BlockParts
 from ..core.derived import get_path
 
 
-def _try_experts_only(name: str, block: nn.Module, parts: BlockParts | None, rep: BlockReport, bind_it: bool):
+def try_experts_only(name: str, block: nn.Module, parts: BlockParts | None, rep: BlockReport, bind_it: bool):
     """Switch just the block's experts module to ``moe_experts`` (routing stays HF's), when proven equal."""
     from ..hf import experts_interface as _ei
     from ..recognise.structure import experts_child

@@ -73,7 +73,7 @@ from ..core.args import OP_ARGS
 from ..probe.block import contract_of, primary, run_probe
 from ..recognise.recognise import recognise
 from ..core.reject import Reject, RejectCode
-from .report import BlockReport, _fill_from_spec
+from .report import BlockReport, fill_from_spec as _fill_from_spec
 from ..core.spec import MoESpec, SpecError
 from ..core.spec_parallel import ParallelSpec
 from ..parallel.comm import group_name

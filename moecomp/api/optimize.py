@@ -51,12 +51,14 @@ import torch
 from torch import nn
 
 from ..core import policy
-from .experts_only import _try_experts_only
+from .experts_only import try_experts_only as _try_experts_only
 from ..core.reject import RejectCode, StageError, describe_exception, in_stage, is_oom
-from .report import BlockReport, Report, _fill_from_spec, expert_style, router_style  # noqa: F401 (re-exported)
+from .report import (BlockReport, Report, fill_from_spec as _fill_from_spec, expert_style,  # noqa: F401 (re-exported)
+                     router_style)
 from ..verify.epilogue import Peeled, block_device_dtype, epilogue_of
 from ..core.match import Verified
-from ..recognise.recognise import block_constants, fx_available, recognise, structure_key  # noqa: F401 (structure_key re-exported)
+from ..recognise.recognise import (block_constants, fx_available, recognise,  # noqa: F401 (structure_key re-exported)
+                                   structure_key)
 from ..core.reject import Refused, Reject
 from ..verify.verify import verify, verify_epilogue
 from ..bind import bind as _bind

@@ -26,7 +26,7 @@ from ..core.derived import get_path
 from ..core.match import PairMatch
 from ..verify.pair_verify import fresh_call, verify_pair
 from ..core.reject import Refused, RejectCode
-from .report import BlockReport, _fill_from_spec
+from .report import BlockReport, fill_from_spec as _fill_from_spec
 
 _RX_NONE = ("router_x",)
 

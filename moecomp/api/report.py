@@ -119,7 +119,7 @@ class BlockReport:
         self.codes.append(code)
 
 
-def _fill_from_spec(r: BlockReport, spec: MoESpec, block: nn.Module, bindings: dict, derived) -> None:
+def fill_from_spec(r: BlockReport, spec: MoESpec, block: nn.Module, bindings: dict, derived) -> None:
     r.spec = spec
     r.num_experts, r.top_k, r.hidden, r.intermediate = (spec.num_experts, spec.top_k, spec.hidden_size,
                                                        spec.intermediate_size)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.derived import get_path
-from ..bind.bind import BoundState, _refresh_derived, _resolve
+from ..bind.bind import BoundState, refresh_derived as _refresh_derived, resolve as _resolve
 from ..core.args import OP_ARGS
 from ..core.spec import MoESpec
 from ..core.spec_parallel import PARALLEL_MODES, ParallelSpec

@@ -80,7 +80,8 @@ from ..core.reject import RejectCode
 from ..core.spec import MoESpec, SpecError
 from ..core.derived import Derived, SharedLayout
 from ..core.match import Contract, Verified, arg_name, call_params, reshape_to
-from .bind_common import BindError, _restore_forward, _warn_grad, claim  # noqa: F401  (re-exported)
+from .bind_common import (  # noqa: F401  (re-exported)
+    BindError, restore_forward as _restore_forward, warn_grad as _warn_grad, claim)
 from .bind_experts import (  # noqa: F401  (the experts-only rewrite; re-exported: optimize / experts_only use them)
     ExpertsForward, ExpertsState, bind_experts, experts_block_forward, experts_stale, unbind_experts)
 from .impl_switch import as_before as _as_before, release as _release_impl, requested as _requested_impl
@@ -158,7 +159,7 @@ def _split(p: str | None):
     return None if p is None or arg_name(p) is not None else tuple(p.split("."))
 
 
-def _resolve(root, parts):
+def resolve(root, parts):
     obj = root
     for a in parts:
         obj = getattr(obj, a)
@@ -203,7 +204,7 @@ def _versions(srcs) -> tuple:
     return tuple((id(t), t.data_ptr(), t._version, t.dtype, t.device) for t in srcs)
 
 
-def _refresh_derived(block: nn.Module, st: BoundState, force: bool = False) -> None:
+def refresh_derived(block: nn.Module, st: BoundState, force: bool = False) -> None:
     """Rebuild the derived tensors whose sources changed (``force``: every copy, shared ones only when stale)."""
     for d in st.derived:
         v = st.versions.get(d.name)
@@ -223,7 +224,7 @@ def refresh(block: nn.Module) -> bool:
     if st is None:
         return False
     if st.derived:
-        _refresh_derived(block, st, force=True)
+        refresh_derived(block, st, force=True)
     return True
 
 
@@ -270,7 +271,7 @@ def _grad_needed(block: nn.Module, st: BoundState, x) -> str:
         return "the hidden states"
     for p in st.paths:
         if p is not None:
-            t = _resolve(block, p)
+            t = resolve(block, p)
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 return ".".join(p)
     for d in st.derived:
@@ -377,8 +378,8 @@ def moecomp_block_forward(self: nn.Module, *args, **kwargs):
             st.fallbacks += 1
         return _call_original(self, st, x, rest, kwargs)
     if st.derived and not compiling:
-        _refresh_derived(self, st)
-    tensors = [None if p is None else _resolve(self, p) for p in st.paths]
+        refresh_derived(self, st)
+    tensors = [None if p is None else resolve(self, p) for p in st.paths]
     for i, n in getattr(st, "inputs", ()):
         tensors[i] = extra[n]
     if compiling:  # small derived tensors are built in the graph (always fresh, nothing cached across calls)
@@ -395,7 +396,7 @@ def moecomp_block_forward(self: nn.Module, *args, **kwargs):
     run = call_moe_forward if op_spec.parallel is None else call_parallel
     y = run(x if c.primary == "same" else x.reshape(-1, x.shape[-1]), tensors, op_spec)
     for p in st.epilogue:  # a child module called, or an output bias added (moecomp.verify.epilogue)
-        e = _resolve(self, p)
+        e = resolve(self, p)
         y = y + e if isinstance(e, torch.Tensor) else e(y)
     if c.primary == "flat1d":
         y = y.reshape(-1)
@@ -526,7 +527,7 @@ def bind(block: nn.Module, name: str, verified: Verified) -> BoundState:
     )
     block._moecomp = st
     if st.derived:
-        _refresh_derived(block, st)
+        refresh_derived(block, st)
     # a sparsemixer block's threshold is a jitter attribute (PhiMoE's router_jitter_noise): watched like any other
     st.snapshot = take_snapshot(block, keep=frozenset(JITTER_NAMES) if _sparsemixer(spec) else frozenset())
     st.watch_mods = tuple(get_path(block, p) for p in st.watch)

@@ -21,7 +21,7 @@ class BindError(Refused):
 _grad_warned = False
 
 
-def _warn_grad(what: str) -> None:
+def warn_grad(what: str) -> None:
     global _grad_warned
     if _grad_warned:
         return
@@ -44,7 +44,7 @@ def claim(st, modules) -> None:
         st.impl_prev = prev
 
 
-def _restore_forward(module: nn.Module, original) -> None:
+def restore_forward(module: nn.Module, original) -> None:
     """Undo our instance-level ``forward``: put back the instance forward we replaced, or fall back to the class's."""
     if original is not None:
         module.forward = original

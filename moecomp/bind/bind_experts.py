@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..core.spec import MoESpec
-from .bind_common import BindError, _restore_forward, _warn_grad, claim
+from .bind_common import BindError, restore_forward as _restore_forward, warn_grad as _warn_grad, claim
 from .impl_switch import as_before as _as_before, release as _release_impl, requested as _requested_impl
 from .impl_switch import warn_once as _warn_impl
 from ..core.snapshot import Snapshot, snapshot_changed, snapshot_diff, take_snapshot

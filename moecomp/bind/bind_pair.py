@@ -31,7 +31,7 @@ from ..ops.moe_op import OP_ARGS, call_moe_forward
 from ..core.match import PairLayout
 from ..core.spec import MoESpec
 from .bind import BindError, hooks_active
-from .bind_common import _restore_forward
+from .bind_common import restore_forward as _restore_forward
 from .bind_experts import unbind_experts
 from ..core.snapshot import Snapshot, snapshot_changed, take_snapshot
 from ..core.derived import get_path

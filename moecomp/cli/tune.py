@@ -43,9 +43,10 @@ from ..ops import tuning
 from ..core.spec import MoESpec, QuantSpec
 from ..testing import LAYER_PRESETS
 from .tune_fp8 import (  # noqa: F401  (re-exported: tests and tools use them through this module)
-    FP8_CHOICES, FP8_DECODE_TILES, FP8_TILES, FP8_VARIANT_KEYS, FP8_VARIANTS, _as_quantized, mode_keys)
+    FP8_CHOICES, FP8_DECODE_TILES, FP8_TILES, FP8_VARIANT_KEYS, FP8_VARIANTS, as_quantized as _as_quantized, mode_keys)
 from .tune_io import (  # noqa: F401  (re-exported: tests and tools use them through this module)
-    Progress, _commit, _done, _fmt_s, meta_path, read_json, save_entry, write_json_atomic)
+    Progress, fmt_seconds as _fmt_s, is_done as _done, meta_path, read_json, save_entry, source_commit as _commit,
+    write_json_atomic)
 
 TOKENS = [1, 16, 128, 1024, 8192]
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); gemm1's weight tile is 2 * BLOCK_N wide (gate and up columns)

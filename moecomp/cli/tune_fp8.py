@@ -48,7 +48,7 @@ def mode_keys(mode: str | None) -> dict:
     return dict([("fp8", base)] + [FP8_VARIANT_KEYS[c] for c in cands])
 
 
-def _as_quantized(h) -> torch.Tensor:
+def as_quantized(h) -> torch.Tensor:
     """gemm1's h as gemm2 reads it under prequant: a QAct (written by gemm1's epilogue) dequantized, a 16-bit h
     quantized the same way first (``triton_fp8.quantize_act``: the codes the epilogue writes), so the two kinds of
     gemm1 candidate compare on equal terms."""

@@ -62,13 +62,13 @@ def save_entry(path: str, key: str, bucket: int, config: dict, meta: dict) -> No
         write_json_atomic(p, table)
 
 
-def _done(table: dict, key: str, bucket: int) -> bool:
+def is_done(table: dict, key: str, bucket: int) -> bool:
     e = table.get(key, {}).get(str(bucket)) if isinstance(table.get(key), dict) else None
     return isinstance(e, dict) and isinstance(e.get("BLOCK_M"), int) and isinstance(e.get("g1"), dict) \
         and isinstance(e.get("g2"), dict)
 
 
-def _commit() -> tuple[str | None, bool | None]:
+def source_commit() -> tuple[str | None, bool | None]:
     """(commit, dirty) of the source tree: MOECOMP_COMMIT when set (copies without .git), else git."""
     env = os.environ.get("MOECOMP_COMMIT")
     if env:
@@ -87,7 +87,7 @@ def _commit() -> tuple[str | None, bool | None]:
 
 
 # ---------------------------------------------------------------------------------------------------- progress
-def _fmt_s(s: float) -> str:
+def fmt_seconds(s: float) -> str:
     s = int(round(s))
     if s >= 3600:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
@@ -108,7 +108,7 @@ class Progress:
         if not self.timed_n:
             return "ETA ?"
         left = self.timed_s / self.timed_n * (self.total - self.done) - (time.time() - self.entry_t0)
-        return f"ETA {_fmt_s(max(0.0, left))}"
+        return f"ETA {fmt_seconds(max(0.0, left))}"
 
     def _draw(self, text: str) -> None:
         width = shutil.get_terminal_size((120, 20)).columns - 1

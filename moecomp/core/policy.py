@@ -13,7 +13,7 @@ Three groups:
   tokens (window per dtype, largest share of tokens) is decided here;
 * the *probe inputs*: how many tokens, which distribution, which seed, for each check that runs a module.
 
-The FX pass's own numeric check (``moecomp.recognise.fx._numeric``) reads its token budget and agreement rule from the
+The FX pass's own numeric check (``moecomp.recognise.fx.numeric``) reads its token budget and agreement rule from the
 section at the end of this module. The whole-model checks (``moecomp.coverage.families.TOL``, ``moecomp.cli.demo``,
 ``benchmarks/hf_gpu_check.py``) are separate rules with their own owners.
 """
@@ -332,7 +332,7 @@ def expert_chunks(num_experts: int, bytes_per_expert: int, budget: int | None = 
 
 
 # ------------------------------------------------------------------------------------------------ FX pass check
-# (moved here from ``moecomp.recognise.fx._numeric``, the FX pass's numeric check: the cut-out block graph against
+# (moved here from ``moecomp.recognise.fx.numeric``, the FX pass's numeric check: the cut-out block graph against
 # ``moecomp.oracle.reference.moe_forward`` with the derived spec.) A rule of its own, not the verify check's: it compares
 # every token of a block it cut out of Dynamo's graph, in the block's dtype.
 #

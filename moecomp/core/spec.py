@@ -143,7 +143,7 @@ from moecomp.core.spec_checks import (  # noqa: F401  (re-exported: the allowed 
     SCORINGS, SCORE_ORDERS, GROUP_SCORES, ACTIVATIONS, W_LAYOUTS, GATE_UP, QUANT_WEIGHTS, PACKED_WEIGHTS, QUANT_SCALES,
     SCALE_DTYPES,
     QUANT_ACTIVATIONS, CAPACITY_PER, EXPERT_BIASES, PER_EXPERT_NORMS, FP8_MAX, SpecError, expert_bias_fields,
-    _check_activation, _check_softcaps, check_quant, check_shared_norm,
+    check_activation as _check_activation, check_softcaps as _check_softcaps, check_quant, check_shared_norm,
     validate_moe,
 )
 from moecomp.core import spec_describe

@@ -146,8 +146,8 @@ def validate_moe(spec: MoESpec) -> None:
     if spec.score_order == "topk_then_score" and spec.scoring not in ("softmax", "sigmoid"):
         raise SpecError("score_order 'topk_then_score' is defined for softmax and sigmoid only")
     _check_sparsemixer(spec)
-    _check_activation(spec, "")
-    _check_softcaps(spec, "")
+    check_activation(spec, "")
+    check_softcaps(spec, "")
     if spec.bias_on_logits and not spec.has_correction_bias:
         raise SpecError("bias_on_logits needs a correction bias (has_correction_bias)")
     if spec.bias_on_logits and spec.score_order != "score_then_topk":
@@ -357,7 +357,7 @@ def check_shared_norm(sh) -> None:
                         "known to have both)")
 
 
-def _check_activation(s, who: str) -> None:
+def check_activation(s, who: str) -> None:
     """The activation fields of a MoESpec or SharedExpertSpec: swiglu_oai gated; at most one of the clamps
     (``activation_clamp`` before the activation, ``activation_clamp_after`` after it), on a gated act(gate) * up; a
     positive limit wherever one is used."""
@@ -377,7 +377,7 @@ def _check_activation(s, who: str) -> None:
         raise SpecError(f"{who}activation_limit must be positive, got {limit}")
 
 
-def _check_softcaps(s, who: str) -> None:
+def check_softcaps(s, who: str) -> None:
     """``gate_softcap`` / ``up_softcap`` (MoESpec or SharedExpertSpec): finite floats >= 0 (0: none), for gated silu
     without clamps (h = cap(g, cg) * sigmoid(g) * cap(u, cu); the spec docstring)."""
     caps = (("gate_softcap", s.gate_softcap), ("up_softcap", s.up_softcap))

@@ -156,7 +156,7 @@ def load_checkpoint(directory: str, dtype: torch.dtype = torch.bfloat16, device=
         ckpt_io.load_tensors(model, ck, dtype, skip=set(found), taken=taken)
     finally:
         ck.close()
-    _finish(model, directory, dtype)
+    finish_model(model, directory, dtype)
     return model
 
 
@@ -174,7 +174,7 @@ def _dtype(ck: ckpt_io.Checkpoint, key: str) -> torch.dtype:
     return _ST_DTYPES[name]
 
 
-def _finish(model: nn.Module, directory: str | None, dtype: torch.dtype) -> None:
+def finish_model(model: nn.Module, directory: str | None, dtype: torch.dtype) -> None:
     """Eval mode, the model dtype in its config, the generation config of the directory (when it has one)."""
     model.eval()
     try:

@@ -23,14 +23,14 @@ def split_fused_gate(args: dict, spec) -> dict:
     return {**args, "router_w": args["router_w"][:E], "shared_gate_w": args["router_w"][E:]}
 
 
-def _backend(device: torch.device) -> str:
+def backend_name(device: torch.device) -> str:
     """"triton" or "torch": which implementation runs on ``device`` (MOECOMP_CUDA_BACKEND / MOECOMP_CPU_BACKEND)."""
     if device.type == "cuda":
         return os.environ.get("MOECOMP_CUDA_BACKEND", "triton")
     return os.environ.get("MOECOMP_CPU_BACKEND", "torch")
 
 
-def _on_device(x: torch.Tensor, fn):
+def on_device(x: torch.Tensor, fn):
     """fn() with x's GPU as the current device: Triton launches (and graph captures) go to the current device, and
     a model spread over several GPUs (device_map="auto") calls blocks on a GPU that need not be current."""
     if x.device.index is None or x.device.index == torch.cuda.current_device():
@@ -39,7 +39,7 @@ def _on_device(x: torch.Tensor, fn):
         return fn()
 
 
-def _check_ids_wanted(ids: torch.Tensor) -> bool:
+def check_ids_wanted(ids: torch.Tensor) -> bool:
     """Read ids on the host to range-check them? CPU (and other synchronous devices): always. CUDA: reading them is a
     host sync, so only outside CUDA-graph capture and compilation, and not with MOECOMP_CHECK_IDS=0 (for callers that
     vouch for their ids)."""
@@ -49,21 +49,21 @@ def _check_ids_wanted(ids: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
-def _interpret() -> bool:
+def interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _upcast(t: torch.Tensor) -> bool:
+def upcast_bf16(t: torch.Tensor) -> bool:
     # The Triton interpreter's bf16 dot is wrong (FACTS.md); upcast operands to fp32 inside the kernel there.
-    return _interpret() and t.dtype == torch.bfloat16
+    return interpret() and t.dtype == torch.bfloat16
 
 
-def _precision(t: torch.Tensor) -> str:
+def dot_precision(t: torch.Tensor) -> str:
     # fp32 models get fp32 products (no tf32), like torch's default matmul; 16-bit dots ignore this.
-    return "ieee" if t.dtype == torch.float32 or _upcast(t) else "tf32"
+    return "ieee" if t.dtype == torch.float32 or upcast_bf16(t) else "tf32"
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     """The device's SM count, looked up once (4 off CUDA: the interpreter runs every program in turn)."""
     if device.type != "cuda":
         return 4
@@ -76,14 +76,14 @@ def _sm_count(device: torch.device) -> int:
 _sm_counts: dict = {}
 
 
-def _w_strides(w: torch.Tensor, layout: str):
+def w_strides(w: torch.Tensor, layout: str):
     """(stride_e, stride_row_out, stride_col_in) of per-expert matrices in either layout."""
     if layout == "out_in":
         return w.stride(0), w.stride(1), w.stride(2)
     return w.stride(0), w.stride(2), w.stride(1)
 
 
-def _flat_ids(ids: torch.Tensor) -> torch.Tensor:
+def flat_ids(ids: torch.Tensor) -> torch.Tensor:
     """ids [T, k] -> [P] with unit stride (reshape keeps a view with a step, e.g. every other column: copied)."""
     flat = ids.reshape(-1)
     return flat.contiguous() if flat.numel() > 1 and flat.stride(0) != 1 else flat

@@ -16,7 +16,7 @@ import torch
 
 from ..core import quant as q8
 from ..core.spec import QuantSpec, SpecError
-from .common import _backend
+from .common import backend_name as _backend
 
 _X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..core.spec import MoESpec, SpecError
-from .common import _check_ids_wanted
+from .common import check_ids_wanted as _check_ids_wanted
 
 _INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 

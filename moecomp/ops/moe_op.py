@@ -28,7 +28,9 @@ from ..core.args import (  # noqa: F401  (re-exported)
 from ..core.spec import MoESpec, SpecError
 from . import graphs, hash_routing, torch_moe
 from .backend import Backend
-from .common import FEATURES, _backend, _check_ids_wanted, _on_device, split_fused_gate  # noqa: F401  (re-exported)
+from .common import (  # noqa: F401  (re-exported)
+    FEATURES, backend_name as _backend, check_ids_wanted as _check_ids_wanted, on_device as _on_device,
+    split_fused_gate)
 
 # Floating dtypes the kernels compute in (x / hidden_states). float64 only on the vectorised torch path (CPU, or
 # MOECOMP_CUDA_BACKEND=torch), which computes the experts in fp32 and returns float64; the Triton GEMMs have no fp64.
@@ -274,7 +276,7 @@ def _width(spec: MoESpec) -> str:
 
 def implementation(device: torch.device) -> Backend:
     """The op's implementation on ``device`` (``ops/backend.Backend``): the Triton kernels or the torch path, as
-    ``common._backend`` says."""
+    ``common.backend_name`` says."""
     if _backend(device) == "triton":
         # lazy: triton_moe imports Triton and the kernels, which ``import moecomp`` should not pay for; triton_moe
         # never imports this module (no cycle)

@@ -93,7 +93,7 @@ class MlpReading(NamedTuple):
 _CLAMPED = ((True, False), (False, True))
 
 
-def _limits(objs) -> tuple[float | None, float | None]:
+def clamp_limits(objs) -> tuple[float | None, float | None]:
     """(alpha, limit) of a clamped / gpt-oss SwiGLU, read from the given modules and their configs."""
     srcs = []
     for o in objs:
@@ -130,7 +130,7 @@ def probe_gate(experts: nn.Module, concat_hint: bool | None) -> GateReading | No
         return None
     if not isinstance(y, torch.Tensor) or y.shape != (h.shape[0], h.shape[1] // 2):
         return None
-    alpha, limit = _limits([experts])
+    alpha, limit = clamp_limits([experts])
     layouts = ["concat", "interleaved"] if concat_hint in (None, True) else ["interleaved", "concat"]
     cands = [(a, False, False) for a in _ELEMENTWISE]
     if limit is not None:
@@ -269,7 +269,7 @@ def probe_mlp(block: nn.Module, mp: MLPParts, first: str | None = None) -> MlpRe
     if not isinstance(y, torch.Tensor) or y.shape != x.shape:
         return None
     y = y.float()
-    alpha, limit = _limits([mod])
+    alpha, limit = clamp_limits([mod])
     a0, l0 = float(alpha if alpha is not None else 1.702), float(limit if limit is not None else 7.0)
     acts = list(dict.fromkeys(([first] if first else []) + list(_ELEMENTWISE)))
     cands = [(a, False, False) for a in acts]

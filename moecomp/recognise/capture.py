@@ -56,7 +56,7 @@ import torch.nn as nn
 
 from ..formats.fp8 import plain_fp8
 from ..ops.moe_op import MOE_ARGS, OP_ARGS
-from .fx import _fx
+from .fx import graph as _fx
 from ..core.derived import Derived
 from ..core.args import PEELED
 from ..core.match import arg_name, forward_arg

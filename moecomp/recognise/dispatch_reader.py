@@ -40,7 +40,7 @@ from ..core.match import Evidence, Match
 from ..core.reject import Refused, Reject, RejectCode, raise_if_oom
 from ..core.spec import MoESpec, SpecError, expert_bias_fields
 from ..probe.activations import probe_mlp
-from .fallback import _routing_candidates, attr_sources, numeric_consts
+from .fallback import routing_candidates as _routing_candidates, attr_sources, numeric_consts
 from .fallback_bind import bindings as _bindings
 from ..core.parts import BlockParts, MLPParts
 from ..core.derived import get_path

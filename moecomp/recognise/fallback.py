@@ -407,7 +407,7 @@ def numeric_consts(sources, k: int) -> list[float]:
     return out + [float(k), 1.0 / k]
 
 
-def _routing_candidates(guess: dict, E: int, k: int, has_corr: bool):
+def routing_candidates(guess: dict, E: int, k: int, has_corr: bool):
     scorings = list(dict.fromkeys([guess.get("scoring", "softmax"), "softmax", "sigmoid", "sqrtsoftplus"]))
     norm0 = guess.get("renormalize", True)
     bol0 = bool(guess.get("bias_on_logits", False))
@@ -473,7 +473,7 @@ def _fit_routing(block: nn.Module, parts: BlockParts, spec: MoESpec, x2: torch.T
         probe_spec = spec.replace(top_k=k, router_fp32=fp32, routed_scaling_factor=1.0, renorm_eps=0.0,
                                   router_scale=scale)
         logits = reference.router_logits(x2, W, Rb, probe_spec).float()
-        for cand in _routing_candidates(guess, E, k, corr is not None):
+        for cand in routing_candidates(guess, E, k, corr is not None):
             try:
                 cs = probe_spec.replace(**cand)
             except SpecError:
@@ -558,7 +558,7 @@ def _fit_output(block: nn.Module, m: Match, run: ProbeRun, x: torch.Tensor) -> M
     attributes does not give it; FallbackError when the activation was not named and no fit is found."""
     if run.experts_args is not None or m.parts.kind != "fused":
         return m
-    got = output_fit.fit(block, m, x, _routing_candidates)
+    got = output_fit.fit(block, m, x, routing_candidates)
     if got is not None:
         return got
     if any(_TO_FIT in n for n in m.evidence.notes):

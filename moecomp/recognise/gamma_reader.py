@@ -8,7 +8,7 @@
   That the gammas then scale the shared experts is proven by verify on the whole block's output.
 * **stacked shared experts** (3-D [S, I, H] gate / up / down Parameters of one module): that module takes its gammas
   as an argument, so it cannot be called alone on a probe; its activation is the one its ``act_fn`` computes
-  (probed on [-12, 12]). A module that also holds a clamp limit (:func:`activations._limits`) is refused: whether
+  (probed on [-12, 12]). A module that also holds a clamp limit (:func:`activations.clamp_limits`) is refused: whether
   the clamp applies is not something a call of ``act_fn`` shows.
 * **weight scale** (:func:`find_weight_scale`): a one-element floating tensor of the router module (or the block
   itself) is the op's ``weight_scale`` when doubling it doubles the routing weights the experts receive, with the
@@ -25,7 +25,7 @@ from ..core import policy
 from ..probe.block import run_probe
 from ..core.reject import RejectCode
 from ..core.spec import SharedExpertSpec, SpecError
-from ..probe.activations import _limits, probe_activation
+from ..probe.activations import clamp_limits as _limits, probe_activation
 from .fallback_bind import FallbackError
 from ..core.parts import BlockParts
 from ..core.derived import get_path

@@ -39,8 +39,9 @@ def _layouts(parts, H: int, I: int, w13: torch.Tensor, w2: torch.Tensor) -> list
 def fit(block: nn.Module, m: Match, x: torch.Tensor, candidates) -> Match | None:
     """``m`` with the activation, gate split, layout and routing that reproduce ``block(x)``, or None.
 
-    ``candidates(guess, E, k, has_corr)``: the routings to try (``fallback._routing_candidates``)."""
-    from ..verify.verify import _rel_err, _verify  # noqa: PLC0415 (verify imports the binders)
+    ``candidates(guess, E, k, has_corr)``: the routings to try (``fallback.routing_candidates``)."""
+    # (verify imports the binders)
+    from ..verify.verify import check_spec as _verify, rel_err as _rel_err  # noqa: PLC0415
 
     parts, spec = m.parts, m.spec
     with torch.no_grad():
@@ -76,6 +77,6 @@ def fit(block: nn.Module, m: Match, x: torch.Tensor, candidates) -> Match | None
 
 
 def _op(block, spec, m: Match, x):
-    from ..verify.verify import _run_op  # noqa: PLC0415
+    from ..verify.verify import run_op  # noqa: PLC0415
 
-    return _run_op(block, spec, m.bindings, m.derived, x)
+    return run_op(block, spec, m.bindings, m.derived, x)

@@ -361,7 +361,7 @@ def routing_near_ties(opt: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
     ``opt``: an optimized model (``moecomp.optimize``). Two implementations' router GEMMs may round such a position's
     logits apart and pick different experts, so token-level comparisons in bf16 leave these positions out."""
     from ..oracle import reference
-    from ..bind.bind import _resolve
+    from ..bind.bind import resolve as _resolve
     from ..api.optimize import TIE_REL, rewritten_blocks
 
     seen = []

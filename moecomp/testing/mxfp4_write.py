@@ -223,7 +223,7 @@ def random_packed_model(config, device=None, dtype: torch.dtype = torch.bfloat16
                 ckpt_io.set_tensor(m, n, torch.empty(t.shape, dtype=t.dtype, device=device))
             init(m)
     model.tie_weights()
-    from ..formats.mxfp4 import _finish
+    from ..formats.mxfp4 import finish_model as _finish
 
     _finish(model, None, dtype)
     return model

@@ -34,7 +34,7 @@ from ..core.spec import MoESpec, SpecError
 _example = policy.probe_input  # the verify check's input (shape, distribution, seed: see moecomp.core.policy)
 
 
-def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     a, ref = a.float(), ref.float()
     if not torch.isfinite(a).all():
         return float("inf")
@@ -46,10 +46,10 @@ def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 def err_with_ties(block, spec: MoESpec, bindings, derived, x, y, ref, notes: list | None = None,
                   call_args: dict | None = None) -> float:
-    """``_rel_err(y, ref)``, except that in 16-bit a few tokens that differ because their routing is within a
+    """``rel_err(y, ref)``, except that in 16-bit a few tokens that differ because their routing is within a
     rounding of a tie (``reference.near_tie_tokens``) are left out; the count goes to ``notes``. When ties are
     excused (window per dtype, largest share of tokens) is :mod:`moecomp.core.policy`'s."""
-    err = _rel_err(y, ref)
+    err = rel_err(y, ref)
     tol = policy.verify_tolerance(x.dtype, spec)
     rel = policy.tie_window(x.dtype)
     if err <= tol or rel is None or not torch.isfinite(y).all():
@@ -79,7 +79,12 @@ def _run_op(block, spec: MoESpec, bindings, derived, x, call_args: dict | None =
         return torch.ops.moecomp.moe_forward(x, *tensors[:n], spec.key, *tensors[n:])
 
 
-def _verify(block, spec, bindings, derived, run, consts, notes: list | None = None) -> tuple[MoESpec, float]:
+def run_op(block, spec: MoESpec, bindings, derived, x):
+    """The op on ``x`` with the block's own tensors, as this stage runs it (the output fit's candidates)."""
+    return _run_op(block, spec, bindings, derived, x)
+
+
+def check_spec(block, spec, bindings, derived, run, consts, notes: list | None = None) -> tuple[MoESpec, float]:
     """Compare the op with the original output; fit one constant on the routed part if that alone is off."""
     x, kw = run.x, run.kwargs
     ref = primary(run.output).reshape(x.shape)
@@ -159,7 +164,7 @@ def fit_routed_scale(block, match: Match, x: torch.Tensor, consts) -> MoESpec:
     """``match.spec`` with the routed scale the probe run shows (for comparing recognisers; no tolerance check)."""
     with plain_fp8(block):
         run = run_probe(block, match.parts, x, **hash_call_args(block, match.bindings, x))
-        spec, _ = _verify(block, match.spec, match.bindings, match.derived, run, consts)
+        spec, _ = check_spec(block, match.spec, match.bindings, match.derived, run, consts)
     return spec
 
 
@@ -183,7 +188,7 @@ def _verify_match(block, match: Match, x: torch.Tensor, consts, notes: list) -> 
     run = run_probe(block, parts, x, **hash_call_args(block, match.bindings, x))
     contract = contract_of(run)
     try:
-        spec, err = _verify(block, spec, match.bindings, match.derived, run,
+        spec, err = check_spec(block, spec, match.bindings, match.derived, run,
                             list(consts) + [float(spec.top_k), 1.0 / spec.top_k], notes)
     except SpecError as e:
         raise Refused(f"op rejected the block's tensors: {e}", RejectCode.SPEC_INVALID) from None

@@ -16,7 +16,7 @@ from moecomp.core.spec import MoESpec
 
 import tiny_models as tm
 from moecomp.recognise.capture import capture_block
-from moecomp.recognise.fx import _fx
+from moecomp.recognise.fx import graph as _fx
 from moecomp.recognise.fx.detect_moe import DetectResult, MoEMatch, detect_moe
 from moecomp.recognise.fx.fse import fuse_shared_gate
 from moecomp.recognise.fx.rewrite_moe import rewrite_moe

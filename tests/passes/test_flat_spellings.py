@@ -21,7 +21,7 @@ import moecomp
 from moecomp.core.derived import get_path
 from moecomp.recognise import discover
 from moecomp.coverage import families as fam
-from moecomp.bind.bind import _resolve
+from moecomp.bind.bind import resolve as _resolve
 from moecomp.recognise.structure import iter_blocks
 from moecomp.core.args import OP_ARGS
 

@@ -4,7 +4,7 @@ This module is the entry point and the per-top-k orchestration; each part of the
 ``moe_routing`` (router to routing weights), ``moe_region`` (the block input and region), ``moe_experts`` (stacked
 expert GEMMs, layout, gate split, biases), ``moe_per_expert`` (experts kept as per-expert modules),
 ``moe_activation`` (activation and clamps), ``moe_shared`` (the shared expert), ``moe_output`` (where the MoE result
-is, output scaling), ``_numeric`` (the numeric check), ``_reject`` (why a candidate is refused: a
+is, output scaling), ``numeric`` (the numeric check), ``refuse`` (why a candidate is refused: a
 ``moecomp.core.reject.RejectCode`` and a message).
 
 The matched subgraph (names are roles, not node names; ``[..]`` optional, ``|`` alternatives)::
@@ -64,7 +64,7 @@ How a match is proven (nothing is matched on class or module names):
 1. **Region.** From each top-k whose indices select slices of 3-D ``[E, ., .]`` weights (or are compared with
    expert constants: per-expert modules), walk back to the router linear and its input ``x``. The block is the set
    of nodes computable from ``x`` plus weights (placeholders of static shape that are state, i.e. parameters,
-   buffers, scalar attributes, but not the arguments the compiled call was made with: ``_fx.is_call_input``, from
+   buffers, scalar attributes, but not the arguments the compiled call was made with: ``graph.is_call_input``, from
    Dynamo's record of each input's source) that descend from ``x``; its output is the one node of that set that
    depends on the expert GEMMs and is read outside it (or returned).
    Under static shapes the token ids / hidden states a model is called with have static shapes too: were they
@@ -96,7 +96,7 @@ How a match is proven (nothing is matched on class or module names):
    with the derived spec and the real weights. fp32/fp64 blocks must agree to 1e-4 (relative to the output's max);
    lower-precision blocks per token to 3e-2, on at least 90% of tokens (routing near-ties may flip). Only where the
    graph leaves a discrete choice open (e.g. weight layout when every dim equals H) are the few candidates tried in
-   turn; the first that agrees is taken. The check (``recognise/fx/_numeric.py``; its tolerances and budgets are
+   turn; the first that agrees is taken. The check (``recognise/fx/numeric.py``; its tolerances and budgets are
    ``moecomp.core.policy.FX_CHECK_*``) runs on about ``FX_CHECK_TOKENS`` tokens (the graph's symbolic sizes are set
    accordingly; the traced sizes are the fallback). A block that gathers whole expert matrices per token
    (``w13[ids]``) would materialise T * k of them: the tokens are cut to what ``policy.WORKING_MEMORY_BYTES`` holds,
@@ -128,11 +128,11 @@ from ...core.args import OP_ARGS
 from ...core.reject import Reject as RejectRecord
 from ...core.reject import RejectCode, StageError
 from ...core.spec import MoESpec, SpecError, expert_bias_fields
-from . import _fx
-from ._context import Context
-from ._fx import op_name  # noqa: F401  (read by tests as detect_moe.op_name)
-from ._numeric import Block, verify
-from ._reject import NotACandidate, Reject
+from . import graph as _fx
+from .context import Context
+from .graph import op_name  # noqa: F401  (read by tests as detect_moe.op_name)
+from .numeric import Block, verify
+from .refuse import NotACandidate, Reject
 from .moe_experts import Experts, stacked_experts, weights_on_input
 from .moe_latent import Latent, check_scales, latent_out
 from .moe_norms import expert_norm, latent_norm, per_expert_norm, shared_norm, with_norms

@@ -21,8 +21,8 @@ import torch
 import torch.fx as fx
 
 from ...core.spec import QuantSpec
-from . import _fx
-from ._fx import arg, op_name
+from . import graph as _fx
+from .graph import arg, op_name
 from .moe_quant import ACT_QUANT, DEQUANT
 
 _X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from . import _fx
-from ._context import Context
-from ._fx import arg, op_name
-from ._reject import Reject
+from . import graph as _fx
+from .context import Context
+from .graph import arg, op_name
+from .refuse import Reject
 
 CLAMPS = ("clamp", "clamp_min", "clamp_max")
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from . import _fx
-from ._context import Context
-from ._fx import arg, op_name
-from ._reject import Reject
+from . import graph as _fx
+from .context import Context
+from .graph import arg, op_name
+from .refuse import Reject
 from .moe_activation import Activation, activation
 from .moe_flat import FlatView, flat_view_1d
 from .moe_latent import Latent, latent_in

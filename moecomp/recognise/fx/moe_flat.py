@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from . import _fx
-from ._fx import arg, op_name
+from . import graph as _fx
+from .graph import arg, op_name
 
 _KEEP = frozenset({"contiguous", "detach", "clone", "alias"}) | _fx.CAST_OPS  # same values, same shape
 _RESHAPE = frozenset({"view", "reshape", "unflatten", "_unsafe_view", "view_as", "reshape_as", "flatten"})

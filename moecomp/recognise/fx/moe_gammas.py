@@ -9,7 +9,7 @@
     shared experts stacked [S, I, H] (S = G): bmm(x.expand(S, T, H), gate^T), bmm(·, up^T) ─► act(g) * u (* gammas)
        ─► bmm(·, down^T) ─► [* gammas] ─► sum(0) ─► (+ routed)
 
-Which gamma scales which expert, and where, is left to the numeric check (``_numeric``), which runs the cut-out
+Which gamma scales which expert, and where, is left to the numeric check (``numeric``), which runs the cut-out
 graph against the reference with the derived spec; the structure here only says what to bind.
 """
 
@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ...core.spec import SharedExpertSpec
-from . import _fx
-from ._context import Context
-from ._fx import arg, op_name
-from ._reject import Reject, unsupported_routing
+from . import graph as _fx
+from .context import Context
+from .graph import arg, op_name
+from .refuse import Reject, unsupported_routing
 from .moe_activation import activation
 
 

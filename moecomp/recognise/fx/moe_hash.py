@@ -10,7 +10,7 @@ Found by meaning: the ids are a lookup whose index is an integer call input (nev
 the token ids of the call) and whose result reaches a 3-D expert weight's consumer; the weights are a gather of the
 scores of a router linear by those ids (``moe_routing``'s walk from the scores back to the router and its forward
 walk over renormalisation / scaling / casts). Whether the experts then compute what the spec says, with these ids
-and weights, is the numeric check's question (``_numeric``: random token ids in [0, V) against the reference).
+and weights, is the numeric check's question (``numeric``: random token ids in [0, V) against the reference).
 
 Refused (``UNSUPPORTED_ROUTING``): a correction bias or group mask between the scores and the gather (no choice for
 them to steer), a lookup whose ids are not gathered from router scores, tables that are not [V, k]. A table whose
@@ -22,12 +22,13 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from . import _fx
-from ._context import Context
-from ._fx import arg, op_name
+from . import graph as _fx
+from .context import Context
+from .graph import arg, op_name
 from ...core.reject import RejectCode
-from ._reject import Reject, unsupported_routing
-from .moe_routing import Routing, _from_router, _walk_to_router, _weight_chain
+from .refuse import Reject, unsupported_routing
+from .moe_routing import (Routing, from_router as _from_router, walk_to_router as _walk_to_router,
+                          weight_chain as _weight_chain)
 
 _LOOKUPS = ("getitem", "index_select", "embedding", "index")
 _INT_CASTS = frozenset({"long", "int", "to", "type", "_to_copy"})

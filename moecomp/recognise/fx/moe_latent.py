@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from . import _fx
-from ._context import Context
-from ._reject import Reject
-from .moe_output import _bypasses, _paths, _scalar_factor
+from . import graph as _fx
+from .context import Context
+from .refuse import Reject
+from .moe_output import bypasses as _bypasses, output_paths as _paths, scalar_factor as _scalar_factor
 from .moe_routing import Routing
 
 

@@ -14,7 +14,7 @@ normalisation among those nodes: an ``add(mean(·), eps)`` (its eps: the constan
 ``rms_norm(·, shape, weight, eps)`` call. A per-expert weight is an [E, width] tensor gathered by expert id that only
 multiplies the expert output (``moe_experts._expert_biases`` sets it apart from a bias). Which form it is
 (``rms_1p``: rms(v) * (1 + g); ``rms``: rms(v) * g; ``scaled_rms_1p``: rms(round(v * (1 + g)))) is left to the
-numeric check, which runs the candidates with the weight drawn at random when it is constant (``_numeric``).
+numeric check, which runs the candidates with the weight drawn at random when it is constant (``numeric``).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import torch.fx as fx
 
 from ...core.reject import RejectCode
 from ...core.spec_checks import EXPERT_NORMS, LATENT_NORMS, PER_EXPERT_NORMS, SHARED_NORMS, SpecError
-from . import _fx
-from ._context import Context
-from ._fx import arg, op_name
-from ._reject import Reject
+from . import graph as _fx
+from .context import Context
+from .graph import arg, op_name
+from .refuse import Reject
 
 
 @dataclass

@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from . import _fx
-from ._context import Context
-from ._fx import arg, op_name
-from ._reject import Reject
+from . import graph as _fx
+from .context import Context
+from .graph import arg, op_name
+from .refuse import Reject
 
 MAX_OUTPUT_CANDIDATES = 8  # earlier nodes tried as the MoE output when the block's result does not agree
 
@@ -42,7 +42,7 @@ def block_output(region: set, g2: fx.Node) -> fx.Node:
     return outs[0]
 
 
-def _paths(ctx: Context, region: set, g2s: set, out: fx.Node) -> set:
+def output_paths(ctx: Context, region: set, g2s: set, out: fx.Node) -> set:
     """The nodes on some path from a g2 to ``out`` (``out`` included)."""
     anc = _fx.ancestors(out, region, pos=ctx.order)
     path = set()
@@ -51,7 +51,7 @@ def _paths(ctx: Context, region: set, g2s: set, out: fx.Node) -> set:
     return path | {out}
 
 
-def _bypasses(g2s: set, path: set, out: fx.Node, skip: fx.Node) -> bool:
+def bypasses(g2s: set, path: set, out: fx.Node, skip: fx.Node) -> bool:
     """Does some path (along users) from a g2 reach ``out`` without passing through ``skip``?"""
     seen, stack = set(), [u for g in g2s for u in g.users if u in path and u is not skip]
     while stack:
@@ -68,13 +68,13 @@ def _bypasses(g2s: set, path: set, out: fx.Node, skip: fx.Node) -> bool:
 def output_candidates(ctx: Context, region: set, g2s: set, block_out: fx.Node, H: int) -> list:
     """``block_out``, then the nodes before it (latest first) that every path from the expert GEMMs to it passes
     through and that hold a [..., H] tensor: the places where the MoE result may end and a tail begin."""
-    path = _paths(ctx, region, g2s, block_out)
+    path = output_paths(ctx, region, g2s, block_out)
     out = [block_out]
     for n in sorted(path - {block_out} - g2s, key=ctx.order.get, reverse=True):
         s = _fx.shape_of(n)
         if not s or (H is not None and _fx.static_int(s[-1]) != H) or _fx.is_inplace(n):
             continue
-        if not _bypasses(g2s, path, block_out, n):
+        if not bypasses(g2s, path, block_out, n):
             out.append(n)
     return out
 
@@ -99,13 +99,13 @@ def output_scale(ctx: Context, region: set, g2s: set, out: fx.Node, shared_down)
     """Scalar multiplies (or divides) of the combined routed output before any shared-expert add
     (``experts(x) * routed_scaling_factor``): as the combine is linear they equal scaling the routing weights.
     Returns (scale, {"routed_scaling_factor": placeholder name} when read from a scalar attribute)."""
-    path = _paths(ctx, region, g2s, out)
+    path = output_paths(ctx, region, g2s, out)
     after_shared = _fx.descendants(shared_down, region) | {shared_down} if shared_down is not None else set()
     out_anc = None
     scale, baked = 1.0, {}
     for n in sorted(path, key=ctx.order.get):
-        sc = _scalar_factor(ctx, n, path) if n not in after_shared else None
-        if sc is None or _bypasses(g2s, path, out, n):  # every path from the expert GEMMs passes through n
+        sc = scalar_factor(ctx, n, path) if n not in after_shared else None
+        if sc is None or bypasses(g2s, path, out, n):  # every path from the expert GEMMs passes through n
             continue
         if out is not n:
             out_anc = _fx.ancestors(out, region, pos=ctx.order) if out_anc is None else out_anc
@@ -123,18 +123,18 @@ def common_scale(ctx: Context, region: set, g2s: set, out: fx.Node, shared_down:
     experts and from the shared expert to ``out`` passes through; 1.0 when there are none. A scalar *attribute*
     there is not folded (the match then ends before it, and the block is refused for its tail)."""
     srcs = set(g2s) | {shared_down}
-    path = _paths(ctx, region, srcs, out)
+    path = output_paths(ctx, region, srcs, out)
     after_shared = _fx.descendants(shared_down, region)
     scale = 1.0
     for n in sorted(path & after_shared, key=ctx.order.get):
-        sc = _scalar_factor(ctx, n, path)
-        if sc is None or sc[1] is not None or _bypasses(srcs, path, out, n):
+        sc = scalar_factor(ctx, n, path)
+        if sc is None or sc[1] is not None or bypasses(srcs, path, out, n):
             continue
         scale *= sc[0]
     return scale
 
 
-def _scalar_factor(ctx: Context, n: fx.Node, path: set):
+def scalar_factor(ctx: Context, n: fx.Node, path: set):
     """``n`` as path-value * scalar or path-value / scalar: (factor, placeholder name or None); else None."""
     nm = op_name(n)
     if nm not in ("mul", "div"):

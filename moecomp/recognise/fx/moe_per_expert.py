@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from . import _fx
-from ._context import Context
-from ._fx import arg, op_name
-from ._reject import NotACandidate, Reject
+from . import graph as _fx
+from .context import Context
+from .graph import arg, op_name
+from .refuse import NotACandidate, Reject
 from .moe_activation import Activation, activation, strip_gate_clamp
 from .moe_experts import GEMMS, Experts, gate_ups, gated_width
 from .moe_region import Region

@@ -31,10 +31,10 @@ import torch
 import torch.fx as fx
 
 from ...core.spec import QuantSpec, SpecError
-from . import _fx
-from ._context import Context
-from ._fx import arg, op_name
-from ._reject import Reject
+from . import graph as _fx
+from .context import Context
+from .graph import arg, op_name
+from .refuse import Reject
 
 DEQUANT = "dequant_fp8"
 DEQUANT4 = "dequant_4bit"

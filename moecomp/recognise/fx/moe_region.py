@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from . import _fx
-from ._context import Context
-from ._fx import arg, op_name
-from ._reject import Reject
+from . import graph as _fx
+from .context import Context
+from .graph import arg, op_name
+from .refuse import Reject
 
 RANDOM_OPS = frozenset(
     {

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from . import _fx
-from ._context import Context
-from ._fx import arg, op_name
-from ._reject import Reject, unsupported_routing
+from . import graph as _fx
+from .context import Context
+from .graph import arg, op_name
+from .refuse import Reject, unsupported_routing
 from . import moe_gammas
 from .moe_activation import CLAMPS, clamp_bounds
 
@@ -70,7 +70,7 @@ class Routing:
 
 
 @dataclass
-class _Walk:
+class RouterWalk:
     """What lies between the router linear and the top-k."""
 
     lin: fx.Node | None = None
@@ -97,8 +97,8 @@ def routing(ctx: Context, t: fx.Node) -> Routing:
     if arg(t, 3, default=True) is False:
         raise unsupported_routing("top-k takes the smallest values")
     E = _fx.static_int(cs[-1])
-    walk = _walk_to_router(ctx, choice, E)
-    R = _from_router(ctx, walk, k, E)
+    walk = walk_to_router(ctx, choice, E)
+    R = from_router(ctx, walk, k, E)
     if walk.mask_fill is not None:
         _groups(ctx, R, walk.mask_fill, walk.lin)
         R.group_mask_zero = walk.mask_zero
@@ -123,7 +123,7 @@ def _scaled_linear(ctx: Context, n: fx.Node) -> bool:
     return isinstance(b, fx.Node) and b in ctx.static_ph and (_fx.shape_of(b) or ()) == ()
 
 
-def _logit_scale(ctx: Context, n: fx.Node, w: _Walk) -> fx.Node:
+def _logit_scale(ctx: Context, n: fx.Node, w: RouterWalk) -> fx.Node:
     """``n`` = linear * c | c * linear | linear / c (``_scaled_linear``): records c (> 0, finite) in ``w``; returns the
     linear. A scale no spec expresses (zero, negative: the order of the logits flips) is refused."""
     a, b = arg(n, 0), arg(n, 1)
@@ -146,10 +146,10 @@ def _logit_scale(ctx: Context, n: fx.Node, w: _Walk) -> fx.Node:
     return a
 
 
-def _walk_to_router(ctx: Context, choice: fx.Node, E: int) -> _Walk:
+def walk_to_router(ctx: Context, choice: fx.Node, E: int) -> RouterWalk:
     """Walk back from the top-k input to the router linear through casts, a group mask, a correction-bias add and
     the scoring function."""
-    w, cur = _Walk(), choice
+    w, cur = RouterWalk(), choice
     while True:
         name = op_name(cur)
         if name in _fx.CAST_OPS or (name in ("view", "reshape") and isinstance(arg(cur, 0), fx.Node)
@@ -189,7 +189,7 @@ def _walk_to_router(ctx: Context, choice: fx.Node, E: int) -> _Walk:
             raise unsupported_routing(f"unrecognised op '{name or cur.op}' between the router logits and the top-k")
 
 
-def _from_router(ctx: Context, walk: _Walk, k: int, E: int) -> Routing:
+def from_router(ctx: Context, walk: RouterWalk, k: int, E: int) -> Routing:
     a, w, b = ctx.as_linear(walk.lin)
     ws = ctx.pshape(w)
     if ws[0] != E and not (walk.lead_slice is not None and ws[0] > E):
@@ -211,7 +211,7 @@ def _from_router(ctx: Context, walk: _Walk, k: int, E: int) -> Routing:
     return R
 
 
-def _weights_source(ctx: Context, R: Routing, t: fx.Node, walk: _Walk) -> fx.Node:
+def _weights_source(ctx: Context, R: Routing, t: fx.Node, walk: RouterWalk) -> fx.Node:
     """The node holding the routing weights right after the top-k: gathered scores, the top-k values, or their
     softmax (topk_then_score; sets ``R.scoring`` / ``R.score_order``)."""
     if R.bias_on_logits:
@@ -387,6 +387,10 @@ def _weight_chain(ctx: Context, R: Routing, w0: fx.Node) -> None:
             break
         cur = nxt
     R.weights = cur
+
+
+# moe_hash and moe_sparsemixer read the weight chain too (a test patches ``_weight_chain`` here)
+weight_chain = _weight_chain
 
 
 def _renorm_step(ctx: Context, R: Routing, cur: fx.Node, u: fx.Node, sums: list) -> fx.Node | None:

@@ -20,10 +20,10 @@ import torch.fx as fx
 
 from ...core.reject import RejectCode
 from ...core.spec import SharedExpertSpec
-from . import _fx
-from ._context import Context
-from ._fx import arg, op_name
-from ._reject import Reject
+from . import graph as _fx
+from .context import Context
+from .graph import arg, op_name
+from .refuse import Reject
 from .moe_activation import Activation, activation, strip_gate_clamp
 from .moe_experts import has_step2
 from .moe_gammas import stacked_shared

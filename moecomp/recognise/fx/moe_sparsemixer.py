@@ -15,7 +15,7 @@ weights give candidate thresholds c (``jitter_eps = c / 2``; a scalar attribute 
 negative maxima, exact ties, zeros, random rows) against ``reference.route`` with score_order "sparsemixer"; the
 first candidate (weights node, threshold) that agrees on every probe row is taken (16-bit graphs: rows whose ratio
 is within a rounding of the threshold, ``policy.SPARSEMIXER_MASK_REL``, are left out). The whole block is then
-checked like every match (``_numeric``).
+checked like every match (``numeric``).
 
 Refused with ``UNSUPPORTED_ROUTING``: a random op between the router and the ids (sparsemixer in training mode draws
 its experts by Gumbel sampling: not deterministic, no spec expresses it), and argmax rounds that do not compute
@@ -33,13 +33,14 @@ import torch.fx as fx
 from ...core import policy
 from ...oracle import reference
 from ...core.spec import MoESpec, SpecError
-from . import _fx
-from ._context import Context
-from ._fx import arg, op_name
-from ._numeric import _extract, _run_disabled, _value
-from ._reject import Reject, unsupported_routing
+from . import graph as _fx
+from .context import Context
+from .graph import arg, op_name
+from .numeric import extract_region as _extract, run_disabled as _run_disabled, placeholder_value as _value
+from .refuse import Reject, unsupported_routing
 from .moe_region import RANDOM_OPS
-from .moe_routing import Routing, _from_router, _Walk, _weight_chain
+from .moe_routing import (Routing, RouterWalk as _Walk, from_router as _from_router,
+                          weight_chain as _weight_chain)
 
 _CATS = ("cat", "concat", "concatenate")
 _THRESHOLD_OPS = ("gt", "lt", "ge", "le", "mul", "div")

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from ...ops.moe_op import MOE_ARGS, OP_ARGS
-from . import _fx
+from . import graph as _fx
 
 
 def rewrite_moe(gm: fx.GraphModule, matches) -> int:

@@ -37,10 +37,10 @@ from ...oracle import reference
 from ...core import quant as q8
 from ...core.args import NORM_ARGS, OP_ARGS, PEELED, SHARED_NORM_ARGS
 from ...core.reject import RejectCode, StageError, is_oom, raise_if_oom
-from . import _fx
-from ._context import Context as _Context
-from ._fx import op_name
-from ._reject import Reject
+from . import graph as _fx
+from .context import Context as _Context
+from .graph import op_name
+from .refuse import Reject
 
 
 @dataclass
@@ -121,7 +121,7 @@ def verify(ctx: _Context, candidates, blk: Block):
         return spec0, "skipped: the gathered expert weights would exceed policy.WORKING_MEMORY_BYTES", [
             "FX numeric check skipped: the expert weights the block gathers for its check tokens would exceed "
             "policy.WORKING_MEMORY_BYTES (the match rests on the structure and the verify stage)"]
-    sub, inputs = _extract(ctx, blk.nodes, blk.x_root, blk.out)
+    sub, inputs = extract_region(ctx, blk.nodes, blk.x_root, blk.out)
     tries = [(target, False)]
     if target > policy.FX_CHECK_MIN_TOKENS:
         tries.append((policy.FX_CHECK_MIN_TOKENS, False))
@@ -177,7 +177,7 @@ def _check(ctx, candidates, blk: Block, src: _Sources, sub, inputs, target: int,
         _hash_inputs(ctx, inputs, args, blk, spec0, gen, vals)
         _unzero_unbound(ctx, inputs, args, src, gen)
         _unzero_norms(inputs, args, src, gen)
-        tensors = {k: src.tensor(k, lambda p: args[inputs.index(p)] if p in inputs else _value(ctx, p, gen))
+        tensors = {k: src.tensor(k, lambda p: args[inputs.index(p)] if p in inputs else placeholder_value(ctx, p, gen))
                    for k in OP_ARGS}
         tensors.update({k: tensors[k][:n] for k, n in blk.arg_rows.items() if tensors.get(k) is not None})
         tensors.update({k: _viewed(tensors[k], v, k) for k, v in blk.arg_views.items() if tensors.get(k) is not None})
@@ -186,7 +186,7 @@ def _check(ctx, candidates, blk: Block, src: _Sources, sub, inputs, target: int,
             tensors = {k: _cpu(v) for k, v in tensors.items()}
         with torch.no_grad():
             try:
-                got = _run_disabled(sub, args)
+                got = run_disabled(sub, args)
             except Exception as e:  # noqa: BLE001
                 raise_if_oom(e)
                 errs.append(f"the block's own graph failed to run ({type(e).__name__}: {str(e)[:200]})")
@@ -294,7 +294,7 @@ def _stress(sub, args, inputs, src, tensors, spec, xin, arg_shapes):
             for i in idx:
                 args2[i] = done[id(args[i])]
         try:
-            got = _run_disabled(sub, args2)
+            got = run_disabled(sub, args2)
         except Exception as e:  # noqa: BLE001
             raise_if_oom(e)
             return False, f"the block's own graph failed to run ({type(e).__name__})"
@@ -407,11 +407,11 @@ def _viewed(t: torch.Tensor, view, k: str) -> torch.Tensor:
 
 
 @torch._dynamo.disable
-def _run_disabled(sub, args):
+def run_disabled(sub, args):
     return sub(*args)
 
 
-def _extract(ctx: _Context, nodes: set, x_root, out):
+def extract_region(ctx: _Context, nodes: set, x_root, out):
     """A GraphModule computing ``out`` from x_root and the placeholders the region reads."""
     g = fx.Graph()
     env = {}
@@ -517,7 +517,7 @@ def _make_inputs(ctx: _Context, inputs, x_root, gen, vals):
         elif isinstance(ctx.values.get(p), (int, torch.SymInt)) and not isinstance(mv, torch.Tensor):
             args.append(int(ctx.values[p]))
         else:
-            args.append(_value(ctx, p, gen))
+            args.append(placeholder_value(ctx, p, gen))
     return args, x
 
 
@@ -575,7 +575,7 @@ def _hash_inputs(ctx: _Context, inputs, args: list, blk: Block, spec, gen, vals)
     args[tok_i] = tok.reshape(shape).to(device=table.device, dtype=dt)
 
 
-def _value(ctx: _Context, p, gen):
+def placeholder_value(ctx: _Context, p, gen):
     v = ctx.values.get(p)
     if isinstance(v, torch.Tensor) and not _fx.is_fake(v):
         return v

@@ -1,18 +1,18 @@
 """The graph facts the FX pass's stages (``detect_moe`` and its ``moe_*`` modules) and its numeric check
-(``_numeric``) share: one layer below all of them, so none imports another's module for them."""
+(``numeric``) share: one layer below all of them, so none imports another's module for them."""
 
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
-from . import _fx
-from ._fx import arg, op_name
+from . import graph as _fx
+from .graph import arg, op_name
 from .moe_flat import flat_view
 
 
 class Context:
-    """Graph facts of one ``detect_moe`` call, shared by the matcher's stages and its numeric check (``_numeric``):
+    """Graph facts of one ``detect_moe`` call, shared by the matcher's stages and its numeric check (``numeric``):
     placeholders, their values, which of them are weights, linear forms, the top-k candidates of stacked experts
     (those of per-expert modules: ``moe_per_expert.selector_topks``)."""
 
