@@ -30,7 +30,6 @@ two candidates per GEMM and wall-clock timings that mean nothing; it exercises t
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import shutil
@@ -40,15 +39,15 @@ import time
 import torch
 
 from ..ops import tuning
-from ..core.spec import MoESpec, QuantSpec
-from ..testing import LAYER_PRESETS
+from ..core.spec import MoESpec
 from .tune_fp8 import (  # noqa: F401  (re-exported: tests and tools use them through this module)
     FP8_CHOICES, FP8_DECODE_TILES, FP8_TILES, FP8_VARIANT_KEYS, FP8_VARIANTS, as_quantized as _as_quantized, mode_keys)
+from .tune_args import (  # noqa: F401  (re-exported: tests read them through this module)
+    DTYPES, INTERPRET_SHAPE, INTERPRET_TOKENS, TOKENS, arg_parser, resolve_out, setup_device, tune_jobs)
 from .tune_io import (  # noqa: F401  (re-exported: tests and tools use them through this module)
     Progress, fmt_seconds as _fmt_s, is_done as _done, meta_path, read_json, save_entry, source_commit as _commit,
     write_json_atomic)
 
-TOKENS = [1, 16, 128, 1024, 8192]
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); gemm1's weight tile is 2 * BLOCK_N wide (gate and up columns)
 # A fifth field makes a tile a TMA one (``kernels/grouped_gemm_tma.py``), tried at BLOCK_M >= TMA_MIN_BLOCK_M on
 # 16-bit dtypes only: "tma" (weights by TMA; gemm1's x rows by pointer loads), or on gemm1 "tma_a" (x gathered into
@@ -71,13 +70,10 @@ DECODE_TILES = {
            (32, 128, 4, 4, "pairs"), (64, 128, 4, 3, "pairs"), (32, 256, 4, 3, "pairs"), (128, 64, 4, 4, "pairs")],
 }
 DECODE_BUCKETS_BELOW = 64  # buckets under this many tokens also measure the decode path
-# --interpret: a tiny shape, its buckets and two candidates per GEMM (the interpreter runs every program in Python)
-INTERPRET_SHAPE = (4, 32, 32, 2)  # E, I, H, k
-INTERPRET_TOKENS = [1, 16]
+# --interpret: two candidates per GEMM (the interpreter runs every program in Python; the shape: tune_args)
 INTERPRET_TILES = {"g1": [(16, 32, 4, 1), (32, 32, 4, 1)], "g2": [(16, 32, 4, 1), (32, 32, 4, 1)]}
 INTERPRET_DECODE_TILES = {"g1": [(16, 32, 4, 1), (32, 32, 4, 1)],
                           "g2": [(16, 32, 4, 1, "fused"), (16, 32, 4, 1, "pairs")]}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 REL_TOL = 1e-2  # a candidate further than this from the first one is rejected
 EXIT_BUDGET, EXIT_INTERRUPTED, EXIT_REFUSED = 3, 130, 2
 
@@ -373,125 +369,73 @@ def tune_decode(spec: MoESpec, probes: list[int], dtype: torch.dtype, device: to
 
 
 # -------------------------------------------------------------------------------------------------------- CLI
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m moecomp tune",
-        description="Tune the fused-MoE grouped-GEMM configs on this GPU and write the JSON table read at run time "
-                    "(moecomp/kernels/configs/<gpu>.json; measurements in <gpu>.meta.json next to it). Resumable: "
-                    "every finished (shape, token bucket) is saved at once and skipped by a rerun.",
-        epilog="Exit status: 0 done, 1 an entry had no working candidate (reported, not saved), 3 stopped by "
-               "--budget-s (rerun the same command to resume), 130 interrupted (the file keeps every finished entry; "
-               "rerun without --restart to resume), 2 refused.")
-    p.add_argument("--presets", action="extend", nargs="+", default=None, metavar="NAME",
-                   help=f"layer presets, comma- or space-separated, or 'all' (default: all unless --shape is given; "
-                        f"{', '.join(LAYER_PRESETS)})")
-    p.add_argument("--shape", action="extend", nargs="+", default=None, metavar="E,I,H,k",
-                   help="explicit shapes: experts, intermediate size, hidden size, top-k (repeatable)")
-    p.add_argument("--tokens", default=None,
-                   help=f"token-count buckets, comma-separated (default {','.join(map(str, TOKENS))}); the run-time "
-                        "lookup takes the largest bucket <= the call's token count")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="activation / weight dtype (default bf16; fp32 under --interpret)")
-    p.add_argument("--fp8", choices=sorted(FP8_CHOICES), default=None,
-                   help="tune FP8 experts (e4m3 weights, 128x128 block scales, dynamic activations; --dtype: x's): "
-                        "'both' measures w8a8 and w8a16, each with its speed candidates (prequant; fold 1, 2), per "
-                        "bucket and keeps the fastest (table key dtype=fp8); 'plain' the two modes without the "
-                        "candidates; 'lean' w8a8+prequant and w8a16+fold1 only (dtype=fp8); 'prequant' "
-                        "w8a8+prequant only (dtype=fp8; with its TMA tiles, as every prequant run); 'w8a8' / "
-                        "'w8a16' one mode (dtype=fp8_<mode>, read when MOECOMP_FP8_MODE forces it)")
-    p.add_argument("--out", default=None, metavar="FILE|DIR",
-                   help="the table to write (a DIR gets DIR/<gpu>.json); default: "
-                        "moecomp/kernels/configs/<gpu>.json, the file the run-time lookup reads")
-    p.add_argument("--copy-to", default=None, metavar="DIR",
-                   help="also copy the table and its .meta.json into DIR after every entry")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--resume", dest="restart", action="store_false", default=False,
-                   help="skip the entries already in the file (the default)")
-    g.add_argument("--restart", dest="restart", action="store_true",
-                   help="measure every requested entry again (others in the file are kept; to resume an "
-                        "interrupted --restart, rerun without it)")
-    p.add_argument("--budget-s", type=float, default=None, metavar="S",
-                   help="start no new entry after S seconds (one entry at least; exit status 3 when entries "
-                        "are left: rerun to resume)")
-    p.add_argument("--rep", type=float, default=25, metavar="MS", help="do_bench rep per candidate (ms, default 25)")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="print every BLOCK_M measured and every rejected / failing candidate")
-    p.add_argument("--interpret", action="store_true",
-                   help="FOR TESTS ONLY: run on CPU under TRITON_INTERPRET=1 with a tiny shape (E,I,H,k = "
-                        f"{','.join(map(str, INTERPRET_SHAPE))}), buckets {','.join(map(str, INTERPRET_TOKENS))} and "
-                        "two candidates per GEMM; timings are meaningless, --out is required")
-    return p
-
-
-def _shapes(a, interpret: bool) -> list[tuple[str, MoESpec]]:
-    out = []
-    names = [n for item in (a.presets or []) for n in item.split(",") if n]
-    if names == ["all"] or (not names and not a.shape and not interpret):
-        names = list(LAYER_PRESETS)
-    for n in names:
-        if n not in LAYER_PRESETS:
-            raise SystemExit(f"unknown preset {n!r}; known: {', '.join(LAYER_PRESETS)}")
-        out.append((n, LAYER_PRESETS[n]))
-    shapes = list(a.shape or [])
-    if interpret and not names and not shapes:
-        shapes = [",".join(map(str, INTERPRET_SHAPE))]
-    for s in shapes:
+def _tune_one(a, spec: MoESpec, T: int, dtype, device, tiles: dict, dec_tiles: dict, modes, tokens: list[int],
+              prog: Progress, short: str) -> tuple[dict, dict | None]:
+    """One entry measured: (tune_modes' result with the decode path in its config, the decode timings or None).
+    TuneError when no candidate ran."""
+    r = tune_modes(spec, T, dtype, device, tiles, a.rep, modes, status=prog.status, note=prog.note)
+    decode_ms = None
+    probes = decode_probes(T, tokens)
+    if probes:
         try:
-            E, I, H, k = (int(v) for v in s.split(","))
-            spec = MoESpec(num_experts=E, top_k=k, hidden_size=H, intermediate_size=I)
-        except Exception as e:
-            raise SystemExit(f"--shape {s!r}: expected E,I,H,k (experts, intermediate, hidden, top-k): {e}") from None
-        out.append((f"E={E},I={I},H={H},k={k}", spec))
-    return out
+            rd = tune_decode(spec, probes, dtype, device, r["config"], dec_tiles, a.rep,
+                             status=prog.status, note=prog.note)
+            r["config"]["decode"], decode_ms = rd["decode"], {str(t): v for t, v in rd["ms"].items()}
+        except TuneError as e:
+            prog.note(f"{short} T={T}: decode path not used: {e}", always=True)
+            r["config"]["decode"] = dict(max_t=0)
+    r["config"]["top_k"] = spec.top_k  # what ops/tuning_nearest.py weighs rows per expert with
+    return r, decode_ms
 
 
-def _jobs(a, dtype: torch.dtype, tokens: list[int]) -> list[tuple]:
-    """(shape key, label, spec, T) for every requested bucket, once per key: presets sharing E, I, H (and the dtype)
-    share a table. ``--fp8``: the spec quantized (128x128 blocks, dynamic), keyed by the FP8 table's dtype name."""
-    jobs, seen = [], {}
-    for label, spec in _shapes(a, a.interpret):
-        if a.fp8:
-            spec = spec.replace(quant=QuantSpec())
-        table_dtype = ("fp8" if a.fp8 in ("both", "plain", "lean", "prequant") else f"fp8_{a.fp8}") if a.fp8 else dtype
-        key = tuning.shape_key(spec.num_experts, spec.intermediate_size, spec.hidden_size, table_dtype)
-        if key in seen:
-            print(f"[tune] {label}: same table as {seen[key]} ({key}), tuned once", file=sys.stderr)
-            continue
-        seen[key] = label
-        jobs += [(key, label, spec, T) for T in dict.fromkeys(tokens)]
-    return jobs
+def _save_one(a, path: str, key: str, label: str, T: int, r: dict, decode_ms, stamp: dict, t0: float) -> None:
+    """The entry into the table and its sidecar (and their copies under ``--copy-to``)."""
+    meta = dict(stamp, ms=r["ms"], align_ms=r["align_ms"], g1_ms=r["g1_ms"], g2_ms=r["g2_ms"],
+                decode_ms=decode_ms,
+                block_m_ms=r["block_m_ms"], rejected=r["rejected"], failed=r["failed"], preset=label,
+                **({"fp8_ms": r["mode_ms"]} if "mode_ms" in r else {}),
+                seconds=round(time.time() - t0, 2),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    save_entry(path, key, T, r["config"], meta)
+    if a.copy_to:
+        os.makedirs(a.copy_to, exist_ok=True)
+        for p in (path, meta_path(path)):
+            dst = os.path.join(a.copy_to, os.path.basename(p))
+            if not (os.path.exists(dst) and os.path.samefile(p, dst)):
+                shutil.copyfile(p, dst)
 
 
-def _resolve_out(out: str | None, gpu: str, interpret: bool) -> str:
-    if out is None:
-        if interpret:
-            raise SystemExit("--interpret writes no package file: give --out FILE")
-        return str(tuning.CONFIG_DIR / f"{gpu}.json")
-    if os.path.isdir(out) or out.endswith(os.sep) or not out.endswith(".json"):
-        return os.path.join(out, f"{gpu}.json")
-    return out
+def _summary(short: str, T: int, r: dict, decode_ms, seconds: float) -> str:
+    """The progress line of a saved entry: its time, mode, tiles and decode path."""
+    c = r["config"]
+    extra = "".join(f", {r[n]} {n}" for n in ("rejected", "failed") if r[n])
+    dec = ""
+    if "decode" in c:
+        dec = f"; decode up to T={c['decode']['max_t']}"
+        if decode_ms:
+            dec += " (" + ", ".join(f"T={t}: {v[0] * 1e3:.1f} vs {v[1] * 1e3:.1f} us" for t, v in
+                                    decode_ms.items()) + ")"
+    mode = "".join(f" {c[n]}" if n == "fp8" else f" {n[4:]}={c[n]}" for n in c if n.startswith("fp8"))
+    if "mode_ms" in r:  # every FP8 variant's best, in us
+        mode += " [" + ", ".join(f"{m} {v * 1e3:.1f}" for m, v in r["mode_ms"].items()) + "]"
+    return (f"{short} T={T}: {r['ms'] * 1e3:.1f} us{mode} BM={c['BLOCK_M']} g1 {_tile(c['g1'])} g2 "
+            f"{_tile(c['g2'])}{dec} ({seconds:.0f} s{extra})")
 
 
-def _setup_device(interpret: bool) -> torch.device | None:
-    """The device to tune on, or None (refused, message printed)."""
-    if interpret:
-        kernels_loaded = any(m.startswith("moecomp.kernels.") for m in sys.modules)
-        if os.environ.get("TRITON_INTERPRET") != "1" and kernels_loaded:
-            print("tune --interpret: the Triton kernels were already imported without TRITON_INTERPRET=1; run it in "
-                  "a fresh process (or set TRITON_INTERPRET=1 first)", file=sys.stderr)
-            return None
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported: @triton.jit reads it then
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        print("tune: no CUDA GPU here; the tuner measures kernels on the GPU whose table it writes. "
-              "--interpret runs a tiny CPU tune under the Triton interpreter, for tests only.", file=sys.stderr)
-        return None
-    return torch.device("cuda", torch.cuda.current_device())
+def _stamp(a, device, dtype) -> tuple[str, dict]:
+    """(device name, what every entry's sidecar record says about the run)."""
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
+    import triton
+
+    commit, dirty = _commit()
+    return dev_name, dict(commit=commit, dirty=dirty, torch=torch.__version__, triton=triton.__version__,
+                          device=dev_name, dtype=str(dtype).replace("torch.", ""), rep_ms=a.rep,
+                          interpret=a.interpret, **({"fp8": a.fp8} if a.fp8 else {}))
 
 
 def main(argv=None) -> int:
-    a = _parser().parse_args(argv)
-    device = _setup_device(a.interpret)
+    a = arg_parser().parse_args(argv)
+    device = setup_device(a.interpret)
     if device is None:
         return EXIT_REFUSED
     dtype = DTYPES[a.dtype or ("fp32" if a.interpret else "bf16")]
@@ -508,11 +452,11 @@ def main(argv=None) -> int:
         if os.environ.pop(var, None) is not None:
             print(f"[tune] {var} ignored while tuning ({why})", file=sys.stderr)
     gpu = tuning.device_key(device)
-    path = _resolve_out(a.out, gpu, a.interpret)
+    path = resolve_out(a.out, gpu, a.interpret)
     table = read_json(path)
     read_json(meta_path(path))  # fail now, not after the first entry, when the sidecar does not parse
 
-    jobs = _jobs(a, dtype, tokens)
+    jobs = tune_jobs(a, dtype, tokens)
     todo = [j for j in jobs if a.restart or not _done(table, j[0], j[3])]
     skipped = len(jobs) - len(todo)
     if skipped:
@@ -521,13 +465,7 @@ def main(argv=None) -> int:
     if not todo:
         return 0
 
-    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
-    import triton
-
-    commit, dirty = _commit()
-    stamp = dict(commit=commit, dirty=dirty, torch=torch.__version__, triton=triton.__version__, device=dev_name,
-                 dtype=str(dtype).replace("torch.", ""), rep_ms=a.rep, interpret=a.interpret,
-                 **({"fp8": a.fp8} if a.fp8 else {}))
+    dev_name, stamp = _stamp(a, device, dtype)
     prog = Progress(len(todo), verbose=a.verbose)
     print(f"[tune] {len(todo)} entries ({len({j[0] for j in todo})} shapes) on {dev_name} -> {path}",
           file=sys.stderr)
@@ -541,50 +479,14 @@ def main(argv=None) -> int:
             prog.start(f"{short} T={T}")
             t0 = time.time()
             try:
-                r = tune_modes(spec, T, dtype, device, tiles, a.rep, modes, status=prog.status, note=prog.note)
+                r, decode_ms = _tune_one(a, spec, T, dtype, device, tiles, dec_tiles, modes, tokens, prog, short)
             except TuneError as e:
                 prog.finished(f"{short} T={T}: FAILED, nothing saved: {e}", None)
                 status = 1
                 continue
-            decode_ms = None
-            probes = decode_probes(T, tokens)
-            if probes:
-                try:
-                    rd = tune_decode(spec, probes, dtype, device, r["config"], dec_tiles, a.rep,
-                                     status=prog.status, note=prog.note)
-                    r["config"]["decode"], decode_ms = rd["decode"], {str(t): v for t, v in rd["ms"].items()}
-                except TuneError as e:
-                    prog.note(f"{short} T={T}: decode path not used: {e}", always=True)
-                    r["config"]["decode"] = dict(max_t=0)
-            r["config"]["top_k"] = spec.top_k  # what ops/tuning_nearest.py weighs rows per expert with
-            meta = dict(stamp, ms=r["ms"], align_ms=r["align_ms"], g1_ms=r["g1_ms"], g2_ms=r["g2_ms"],
-                        decode_ms=decode_ms,
-                        block_m_ms=r["block_m_ms"], rejected=r["rejected"], failed=r["failed"], preset=label,
-                        **({"fp8_ms": r["mode_ms"]} if "mode_ms" in r else {}),
-                        seconds=round(time.time() - t0, 2),
-                        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-            save_entry(path, key, T, r["config"], meta)
-            if a.copy_to:
-                os.makedirs(a.copy_to, exist_ok=True)
-                for p in (path, meta_path(path)):
-                    dst = os.path.join(a.copy_to, os.path.basename(p))
-                    if not (os.path.exists(dst) and os.path.samefile(p, dst)):
-                        shutil.copyfile(p, dst)
-            c = r["config"]
-            extra = "".join(f", {r[n]} {n}" for n in ("rejected", "failed") if r[n])
+            _save_one(a, path, key, label, T, r, decode_ms, stamp, t0)
             saved += 1
-            dec = ""
-            if "decode" in c:
-                dec = f"; decode up to T={c['decode']['max_t']}"
-                if decode_ms:
-                    dec += " (" + ", ".join(f"T={t}: {v[0] * 1e3:.1f} vs {v[1] * 1e3:.1f} us" for t, v in
-                                            decode_ms.items()) + ")"
-            mode = "".join(f" {c[n]}" if n == "fp8" else f" {n[4:]}={c[n]}" for n in c if n.startswith("fp8"))
-            if "mode_ms" in r:  # every FP8 variant's best, in us
-                mode += " [" + ", ".join(f"{m} {v * 1e3:.1f}" for m, v in r["mode_ms"].items()) + "]"
-            prog.finished(f"{short} T={T}: {r['ms'] * 1e3:.1f} us{mode} "
-                          f"BM={c['BLOCK_M']} g1 {_tile(c['g1'])} g2 "
-                          f"{_tile(c['g2'])}{dec} ({time.time() - t0:.0f} s{extra})", time.time() - t0)
+            prog.finished(_summary(short, T, r, decode_ms, time.time() - t0), time.time() - t0)
             if device.type == "cuda" and (i + 1 == len(todo) or todo[i + 1][0] != key):
                 torch.cuda.empty_cache()
     except KeyboardInterrupt:

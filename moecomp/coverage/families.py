@@ -421,20 +421,34 @@ def check_family(family: str, seed: int = 0, batch: int = 2, seq: int = 5, use_c
 
 
 def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: bool) -> FamilyResult:
-    from ..api.optimize import optimize
-
     t0 = time.perf_counter()
     r = FamilyResult(family, "build failed")
+    try:
+        ran = _build_and_run(r, family, seed, batch, seq)
+        if ran is None:
+            return r
+        model, kwargs, ref = ran
+        rep = _optimize_for_table(r, model, use_capture)
+        if rep is None:
+            return r
+        _read_report(r, rep, model)
+        if r.blocks:
+            _compare(r, rep, model, kwargs, ref)
+        return r
+    finally:
+        r.seconds = time.perf_counter() - t0
+
+
+def _build_and_run(r: FamilyResult, family: str, seed: int, batch: int, seq: int):
+    """(model, forward kwargs, reference logits) of the family built tiny, or None with ``r``'s status set."""
     try:
         model, r.model_class = build_tiny(family, seed)
     except ImportError as e:
         r.status, r.reason = "import failed", f"{type(e).__name__}: {e}"
-        r.seconds = time.perf_counter() - t0
-        return r
+        return None
     except Exception as e:
         r.reason = str(e)[:400]
-        r.seconds = time.perf_counter() - t0
-        return r
+        return None
     g = torch.Generator().manual_seed(seed)
     vocab = getattr(model.config, "vocab_size", None) or getattr(getattr(model.config, "text_config", None),
                                                                  "vocab_size", 128)
@@ -451,16 +465,21 @@ def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: boo
             ref = _logits(model(**kwargs)).clone()
     except Exception as e:
         r.status, r.reason = "build failed", f"forward: {type(e).__name__}: {str(e)[:300]}"
-        r.seconds = time.perf_counter() - t0
-        return r
+        return None
     if base_family(family) not in experts_families():  # found by structure: a router must feed a top-k at run time
         widths = discover.routed_blocks(model, _hidden_of(model.config))
         if not set(widths.values()) & probe.widths:
             r.status = "not routed"
             r.reason = (f"structure only: router widths {sorted(set(widths.values()))} of {sorted(widths)[:3]} feed "
                         f"no top-k / argmax at run time (widths seen: {sorted(probe.widths)[:8]})")
-            r.seconds = time.perf_counter() - t0
-            return r
+            return None
+    return model, kwargs, ref
+
+
+def _optimize_for_table(r: FamilyResult, model, use_capture: bool):
+    """``optimize``'s report of the model (the attribute reader compared with the FX pass), or None with ``r``'s
+    status set when optimize raised."""
+    from ..api.optimize import optimize
     from ..recognise import recognise as _recognise  # noqa: PLC0415
 
     compare, _recognise.COMPARE_FALLBACK = _recognise.COMPARE_FALLBACK, True  # the table's "fallback agrees" column
@@ -469,10 +488,14 @@ def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: boo
     except Exception as e:
         r.status = "not rewritten"
         r.reason = f"optimize raised {type(e).__name__}: {e}\n{traceback.format_exc()[-600:]}"
-        r.seconds = time.perf_counter() - t0
-        return r
+        return None
     finally:
         _recognise.COMPARE_FALLBACK = compare
+    return rep
+
+
+def _read_report(r: FamilyResult, rep, model) -> None:
+    """The table's columns from optimize's report; a model without candidate blocks gets its status here."""
     r.blocks = len(rep.blocks)
     r.rewritten = len(rep.rewritten)
     r.experts_only = len(rep.experts_only)
@@ -490,8 +513,10 @@ def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: boo
         r.status, r.reason = "no MoE block", "no candidate block found" + (
             f" (the block finder, recognise/structure.py, reads part names; by structure, recognise/discover.py: "
             f"{', '.join(by_structure[:3])}{' ...' if len(by_structure) > 3 else ''})" if by_structure else "")
-        r.seconds = time.perf_counter() - t0
-        return r
+
+
+def _compare(r: FamilyResult, rep, model, kwargs: dict, ref: torch.Tensor) -> None:
+    """The optimized model's logits against ``ref``, and its op calls counted: ``r``'s status and reason."""
     try:
         def fwd():
             with torch.no_grad():
@@ -501,8 +526,7 @@ def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: boo
             model, lambda: count_calls_per_block(model, fwd, with_forwards=True))
     except Exception as e:
         r.status, r.reason = "not equal", f"optimized forward raised {type(e).__name__}: {str(e)[:300]}"
-        r.seconds = time.perf_counter() - t0
-        return r
+        return
     # exactly one op call per block call (a block the input does not reach runs 0 times), and none elsewhere
     calls_fwd = (len(per) == r.rewritten and all(per[n] == runs[n] for n in per)
                  and (any(runs.values()) or r.rewritten == 0) and total == sum(per.values()))
@@ -529,8 +553,6 @@ def _check_family(family: str, seed: int, batch: int, seq: int, use_capture: boo
         r.reason = "; ".join(sorted({b.reason for b in rep.experts_only}))
     else:
         r.status = "equal"
-    r.seconds = time.perf_counter() - t0
-    return r
 
 
 def run_coverage(families: list[str] | None = None, progress=None, fallback_too: bool = True) -> list[FamilyResult]:
