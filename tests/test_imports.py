@@ -7,14 +7,16 @@
 * The ``"moecomp"`` torch.compile backend is found by name (entry point, or importing ``moecomp.api.backend``), in any
   order of imports.
 * The import graph of moecomp's modules (read from the source: top-level imports, plus the imports inside
-  functions listed apart) has no cycle, and the layers hold: API -> recognisers -> verify -> bind -> ops -> kernels;
-  passes and the HF integration never import kernels.
+  functions listed apart) has no cycle; every package under moecomp/ is one layer of one ordered list (``LAYERS``,
+  bottom to top, the picture at the top of docs/ARCHITECTURE.md) and no module imports one of a higher layer; no
+  module imports another's private name; the FX pass and the HF integration never reach the kernels.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -391,7 +393,7 @@ def _under(name: str, *pkgs: str) -> bool:
     return any(name == p or name.startswith(p + ".") for p in pkgs)
 
 
-def test_passes_and_hf_never_import_kernels():
+def test_fx_pass_and_hf_never_import_kernels():
     bad = []
     for m in MODS:
         if _under(m, "moecomp.recognise.fx", "moecomp.hf"):
@@ -469,3 +471,13 @@ def test_no_private_names_imported():
                 bad += [(mod, a.name, node.lineno) for a in node.names
                         if a.name.split(".")[0] == PKG and any(_private(p) for p in a.name.split("."))]
     assert bad == [], bad
+
+
+def test_architecture_picture_is_the_layer_list():
+    """docs/ARCHITECTURE.md opens with the layers, top to bottom, one row per package: the same list, in the same
+    order, as ``LAYERS`` (and so as ``ls moecomp``)."""
+    with open(os.path.join(ROOT, "docs", "ARCHITECTURE.md"), encoding="utf-8") as f:
+        text = f.read()
+    picture = text[:text.index("\n\n", text.index("    +---"))]
+    rows = [m.group(1) for m in re.finditer(r"^    \| (\w+)/ +\|", picture, flags=re.M)]
+    assert rows == [layer.rpartition(".")[2] for layer in reversed(LAYERS[:-1])], rows

@@ -9,13 +9,13 @@ imports this module on the first lookup of "moecomp" (``import moecomp`` does no
 module registers it too (a source checkout without the installed entry point).
 
 Static and dynamic shapes are handled alike: the passes tell weights from the call's inputs by where Dynamo says
-each graph input came from (see ``passes._fx.is_call_input``), not by whether its shape is static.
+each graph input came from (see ``recognise/fx/graph.is_call_input``), not by whether its shape is static.
 
 For every graph Dynamo hands it, the backend runs
 
-1. ``passes.detect_moe.detect_moe(gm, example_inputs)``: find and prove each MoE block (see that module),
-2. ``passes.rewrite_moe.rewrite_moe(gm, matches)``: one ``moe_forward`` per block (shared expert folded in),
-3. ``passes.fse.fuse_shared_gate(gm)``: router + shared-gate GEMM fusion, when the op supports it,
+1. ``fx.detect_moe.detect_moe(gm, example_inputs)``: find and prove each MoE block (see that module),
+2. ``fx.rewrite_moe.rewrite_moe(gm, matches)``: one ``moe_forward`` per block (shared expert folded in),
+3. ``fx.fse.fuse_shared_gate(gm)``: router + shared-gate GEMM fusion, when the op supports it,
 
 and hands the result to ``torch._inductor.compile_fx.compile_fx`` (``mode=`` / ``options=`` of torch.compile are
 honoured as for the inductor backend; torch.compile refuses ``mode=`` together with ``options=``, so with a mode

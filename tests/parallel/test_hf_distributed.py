@@ -1,6 +1,7 @@
 """transformers' own distributed loading, then ``moecomp.optimize`` (``moecomp/api/hf_distributed.py``,
-``hf_ep.py``): tiny models saved to a temp dir, loaded by ``from_pretrained(path, distributed_config=...)`` in 2 gloo
-processes on 127.0.0.1 (``gloo_run.py``), as torchrun would run them. Every plan style transformers 5.24 / 5.25 has:
+``moecomp/hf/ep_interface.py``): tiny models saved to a temp dir, loaded by ``from_pretrained(path,
+distributed_config=...)`` in 2 gloo processes on 127.0.0.1 (``gloo_run.py``), as torchrun would run them. Every plan
+style transformers 5.24 / 5.25 has:
 
 * EP plan (``DistributedConfig(tp_size=2, ep_size=2)``, attention TP): experts DTensors Shard(0), with
   ``ep_implementation`` "all_reduce" (DeepSeek-V3: its shared expert TP-sliced), "all_to_all" (Qwen3-MoE) and
