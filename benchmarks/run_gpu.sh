@@ -69,10 +69,11 @@ compiled)  # Qwen1.5-MoE / DeepSeek-V3 at batch 8 and 128, then transformers' co
   timeout 60 python3 benchmarks/diag_tokens.py --models mixtral --layers 8 --prompt 512 --batch 4 2>&1 \
       | grep -v "^DEBUG\|Warn" > "$OUT/diag_mixtral8.log"; grep -A3 "argmax\|block_rel" "$OUT/diag_mixtral8.log" ;;
 tests)  # every GPU test: TEST_WORKERS xdist workers share the GPU (Triton's compiles are CPU-bound; 430 s serial at
-        # 9bf6c19), then the tests marked `exclusive` (they fill the device memory) alone; failures named
-  timeout ${TEST_TIMEOUT:-450} python3 -m pytest -q -rfE --durations=8 -m "gpu and not exclusive" -n ${TEST_WORKERS:-4} \
+        # 9bf6c19; at 8b52347 on an H100: 8 workers reached 94% in 440 s, 12 ran out of memory in 35 tests), then the
+        # tests marked `exclusive` (they fill the device memory) alone; failures named
+  timeout ${TEST_TIMEOUT:-480} python3 -m pytest -q -rfE --durations=8 -m "gpu and not exclusive" -n ${TEST_WORKERS:-8} \
       -p no:cacheprovider ${TEST_PATHS:-tests} 2>&1 | grep -v "^DEBUG" | tee "$OUT/tests.log" | tail -30
-  timeout ${EXCL_TIMEOUT:-120} python3 -m pytest -q -rfE -m "gpu and exclusive" -p no:cacheprovider tests 2>&1 \
+  timeout ${EXCL_TIMEOUT:-90} python3 -m pytest -q -rfE -m "gpu and exclusive" -p no:cacheprovider tests 2>&1 \
       | grep -v "^DEBUG" | tee "$OUT/tests-exclusive.log" | tail -4 ;;
 layer)  # the layer benchmark: every family, every T, every peer in the same run (vLLM's kernel from the copy in
         # .peers/, carried: cp -r ../shared/peers/vllm_fused_moe .peers/), ROUTING=real|uniform|zipf|one-hot,

@@ -2,6 +2,7 @@
 before any ``@triton.jit`` function is defined, so it is set here, first."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -153,9 +154,15 @@ def _one_big_layer_at_a_time(request):
         finally:
             if big:
                 fcntl.flock(gate, fcntl.LOCK_UN)
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
         try:
             yield
         finally:
+            peak = torch.cuda.max_memory_allocated() - before
+            if peak > BIG_LAYER_BYTES and not big:  # named in the log: it should be marked bigmem
+                print(f"\n[gpu-tests] {request.node.nodeid} peaked at {peak / 2**30:.1f} GiB without the bigmem "
+                      "mark (it shared the GPU with other workers)", file=sys.stderr)
             torch.cuda.empty_cache()
             fcntl.flock(lock, fcntl.LOCK_UN)
 

@@ -32,15 +32,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ...core import policy
+from ...core import policy, quant as q8
 from ...oracle import reference
-from ...core import quant as q8
 from ...core.args import NORM_ARGS, OP_ARGS, PEELED, SHARED_NORM_ARGS
 from ...core.reject import RejectCode, StageError, is_oom, raise_if_oom
 from . import graph as _fx
 from .context import Context as _Context
 from .graph import op_name
 from .refuse import Reject
+from .ties import TIE_NOTE, tie_tokens
 
 
 @dataclass
@@ -141,7 +141,7 @@ def verify(ctx: _Context, candidates, blk: Block):
             del e
             _release()
             continue
-        notes = []
+        notes = [f"FX numeric check: {msg}"] if TIE_NOTE in msg else []
         if target < policy.FX_CHECK_MIN_TOKENS:
             notes.append(f"FX numeric check on {target} token(s): the expert weights the block gathers for more "
                          "would exceed policy.WORKING_MEMORY_BYTES")
@@ -254,8 +254,17 @@ def _agree(got, xin, tensors, spec, arg_shapes, dtype):
         return False, f"reference failed ({e})"
     if spec.zero_experts and not _zero_reached(xin, t, spec):
         return False, "no check token was routed to a zero expert (what they compute would be unproven)"
-    got = got.float()
-    return _close(got.reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1]), dtype, policy.fp8_quantized(spec))
+    got, want = got.float().reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1])
+    ok, msg = _close(got, want, dtype, policy.fp8_quantized(spec))
+    if ok:
+        return ok, msg
+    ties = tie_tokens(xin.reshape(-1, xin.shape[-1]), t, spec, dtype)
+    if ties is None:
+        return ok, msg
+    ok2, msg2 = _close(got[~ties], want[~ties], dtype, policy.fp8_quantized(spec))
+    n, distinct = int(ties.sum()), int(torch.unique(xin.reshape(-1, xin.shape[-1])[ties], dim=0).shape[0])
+    return ok2, f"{msg2}; {n} check token(s) ({distinct} distinct) {TIE_NOTE}"
+
 
 
 def _zero_reached(xin, t: dict, spec) -> bool:
