@@ -17,9 +17,10 @@ import pytest
 import torch
 
 import moecomp
-from moecomp import policy, reference
+from moecomp.core import policy
+from moecomp.oracle import reference
 from moecomp.recognise.fx import numeric as _numeric, ties as _ties
-from moecomp.testing_blocks import one_block
+from moecomp.testing.blocks import one_block
 
 E, H, K = 128, 128, 4
 
