@@ -3,7 +3,7 @@
 
 Per model (random weights N(0, 0.02), bf16, real layer sizes, depth cut): the bf16 model runs the one-liner
 (``moecomp.optimize`` + ``generate``); then the same weights are quantized in place to what transformers builds for an
-FP8 block checkpoint (``moecomp.hf.fp8_convert.to_fp8``: e4m3 + fp32 128x128 block scales; experts ``FP8Experts``,
+FP8 block checkpoint (``moecomp.testing.fp8_convert.to_fp8``: e4m3 + fp32 128x128 block scales; experts ``FP8Experts``,
 other linears ``FP8Linear``, routers and ``lm_head`` 16-bit; no bf16 copy kept) and run the one-liner again.
 transformers' own FP8 forward needs hub kernels, so it is no peer here.
 
@@ -92,12 +92,12 @@ def _profile(model, name: str, dtype: str, B: int, ids, args, cuda: bool, result
 
 def _reference_agreement(model, rows: dict, fp8_out: dict, S: int, args, result: dict) -> None:
     """The FP8 model's own greedy tokens fed to its dequantized reference (``moecomp.unoptimize``, then every FP8
-    module's plain PyTorch forward: ``hf/fp8.plain_fp8``, activations quantized the same way): the share of
+    module's plain PyTorch forward: ``formats/fp8.plain_fp8``, activations quantized the same way): the share of
     positions where the reference's argmax is the token moecomp chose. Near 1 means moecomp's kernels compute
     what the format says, so the agreement with bf16 measures the format; well below 1 would be a kernel error.
     The first batch size only (``--ref-batches`` to change)."""
     import moecomp
-    from moecomp.hf.fp8 import plain_fp8
+    from moecomp.formats.fp8 import plain_fp8
 
     todo = [B for B in args.ref_batches if B in fp8_out]
     if not todo:
@@ -116,7 +116,7 @@ def _reference_agreement(model, rows: dict, fp8_out: dict, S: int, args, result:
 
 def run_model(name: str, args, device, cuda: bool, ceil: dict, result: dict, t_start: float) -> None:
     import moecomp
-    from moecomp.hf.fp8_convert import to_fp8
+    from moecomp.testing.fp8_convert import to_fp8
 
     S, new = (16, 8) if args.tiny else (args.prompt, args.new)
     model = bg.build(name, device, torch.bfloat16 if cuda else torch.float32, args.depth.get(name, DEPTH[name]),

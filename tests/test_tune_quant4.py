@@ -12,12 +12,14 @@ import shutil
 import pytest
 import torch
 
-from moecomp import cli, reference, tune, tune_quant4
+from moecomp import cli
+from moecomp.cli import tune, tune_quant4
+from moecomp.cli.tune_quant4 import INT4, MXFP4, interpret_spec, packed_layer, pair_reference, scale_args
+from moecomp.cli.tune_quant4_run import EXIT_BUDGET
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec
 from moecomp.ops import triton_moe, triton_quant4, triton_quant4_gemv, tuning
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec
-from moecomp.tune_quant4 import INT4, MXFP4, interpret_spec, packed_layer, pair_reference, scale_args
-from moecomp.tune_quant4_run import EXIT_BUDGET
+from moecomp.oracle import reference
 
 E, I, H, K = tune_quant4.INTERPRET_SHAPE
 ARGS = ["--interpret", "--quant4", "both", "--tokens", "1"]
@@ -158,7 +160,7 @@ def test_decode_mode_and_limit_follow_the_timings(tmp_path, monkeypatch, poison)
     """The decode entry's mode is the faster decode kernel set at the bucket's T, its max_t the last probe before
     the first one the aligned path wins (the candidates really run and are checked; the routed steps' timings are
     made up); the op given a "gemv" entry runs the GEMV kernels up to its max_t and matches the reference."""
-    from moecomp.tune_quant4_decode import INTERPRET_DECODE_TILES, tune_decode
+    from moecomp.cli.tune_quant4_decode import INTERPRET_DECODE_TILES, tune_decode
 
     spec, dev = interpret_spec(MXFP4), torch.device("cpu")
     x_all, named = packed_layer(spec, 8, torch.float32, dev, seed=1)
@@ -305,7 +307,7 @@ def test_packed_layer_is_made_packed(name):
 
 def test_gpt_oss_presets_follow_gpt_oss_config():
     pytest.importorskip("transformers")
-    from moecomp.hf.mxfp4_write import gpt_oss_config
+    from moecomp.testing.mxfp4_write import gpt_oss_config
 
     for size, n_exp in (("120b", 128), ("20b", 32)):
         cfg, spec = gpt_oss_config(size), tune_quant4.QUANT4_PRESETS[f"gpt_oss_{size}"]
@@ -321,7 +323,7 @@ def test_formats_and_presets_from_the_command_line():
     assert tuning.quant4_key(tune_quant4.parse_formats("int4_g64_zp")[0]) == "int4_g64_zp"
     for bad in ("fp4", "int4_g48", "int4_g0_zp"):
         with pytest.raises(SystemExit):  # argparse's error for the --quant4 value
-            tune._parser().parse_args(["--quant4", bad])
+            tune.arg_parser().parse_args(["--quant4", bad])
     with pytest.raises(SystemExit, match="is mxfp4"):  # a preset in a format its checkpoints do not ship in
         tune.main(["--interpret", "--quant4", "int4", "--presets", "gpt_oss_20b", "--out", "/nonexistent/x.json"])
     with pytest.raises(SystemExit, match="unknown 4-bit preset"):
@@ -334,7 +336,7 @@ def test_formats_and_presets_from_the_command_line():
 def test_candidates_hold_the_heuristics_tiles(quant):
     """At the static heuristic's BLOCK_M (a candidate), its tiles are among the tile candidates: a tuned entry is no
     slower than the heuristic, but for timing noise. The same for the DIRECT decode tiles."""
-    from moecomp.tune_quant4_decode import Q4_DECODE_TILES
+    from moecomp.cli.tune_quant4_decode import Q4_DECODE_TILES
 
     for E_, k in ((128, 4), (128, 8), (8, 2)):
         for T in (1, 16, 128, 1024, 8192):
@@ -350,7 +352,7 @@ def test_candidates_hold_the_heuristics_tiles(quant):
 
 
 def test_decode_probes_and_gemv_candidates():
-    from moecomp.tune_quant4_decode import decode_probes, gemv_candidates
+    from moecomp.cli.tune_quant4_decode import decode_probes, gemv_candidates
 
     assert decode_probes(1, [1, 16, 128]) == [1, 2, 4, 8] and decode_probes(16, [1, 16]) == [16, 32, 64]
     assert decode_probes(64, [1, 64]) == []
