@@ -59,12 +59,12 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from moecomp import parallel as par  # noqa: E402
-from moecomp.ops.common import MOE_ARGS  # noqa: E402
+from moecomp.core.args import MOE_ARGS  # noqa: E402
 from layer.env import environment, git_commit  # noqa: E402  (benchmarks/layer: versions, GPU, commit)
 from moecomp.parallel import capacity, dispatch, ep, local, route  # noqa: E402
 from moecomp.parallel.comm import comm_for  # noqa: E402
-from moecomp.spec import MoESpec, SharedExpertSpec  # noqa: E402
-from moecomp.spec_parallel import ParallelSpec  # noqa: E402
+from moecomp.core.spec import MoESpec, SharedExpertSpec  # noqa: E402
+from moecomp.core.spec_parallel import ParallelSpec  # noqa: E402
 from moecomp.testing import LAYER_PRESETS, random_moe_args  # noqa: E402
 
 PRESETS = {"qwen3": LAYER_PRESETS["qwen3_30b_a3b"], "deepseek_v3": LAYER_PRESETS["deepseek_v3"],

@@ -50,6 +50,8 @@ sys.path.insert(0, HERE)
 
 from bench_moe import _save, _slug, environment, git_commit  # noqa: E402
 from gen_optimize import NotOptimized, generate_replaced, optimize_checked, require_generate  # noqa: E402,F401
+import gen_profile  # noqa: E402
+from gen_run import ONE_LINER_WARM, run_hf_loop, run_one_liner  # noqa: E402,F401  (re-exported)
 
 MODELS = {
     "qwen3": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", 12, dict(
@@ -180,43 +182,6 @@ def floors(pb: dict, kv_tok: int, distinct_decode: float, distinct_prefill: floa
 
 
 # ================================================================================================ timing
-def run_hf_loop(model, ids, new: int, cuda: bool, **kw) -> tuple[torch.Tensor, float, float]:
-    from transformers import StoppingCriteriaList
-
-    from moecomp.testing import StepClock
-
-    clock = StepClock(cuda)
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                         stopping_criteria=StoppingCriteriaList([clock]), **kw)
-    ts = clock.times
-    prefill = ts[0] - t0
-    decode = (ts[-1] - ts[0]) / max(1, len(ts) - 1)
-    return out, prefill, decode
-
-
-ONE_LINER_WARM = 3  # new tokens of each one-liner warm-up call: step 1 eager, step 2 captured
-
-
-def run_one_liner(model, ids, new: int, cuda: bool) -> tuple[torch.Tensor, float, float, dict]:
-    require_generate(model)
-    model.generate.cpu = True  # CPU smoke runs: the engine (CPU models keep transformers' loop by default)
-    if cuda:
-        torch.cuda.synchronize()
-    eng = getattr(model.generate, "engine", None)
-    before = dict(eng.stats) if eng is not None else {}
-    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-    last = dict(model.generate.last)
-    if eng is not None:  # what the timed call paid besides replays (0 and 0 once warm)
-        last.update(eager_steps=eng.stats["eager_steps"] - before.get("eager_steps", 0),
-                    captures=eng.stats["captures"] - before.get("captures", 0))
-    if last.get("path") != "moecomp":
-        raise RuntimeError(f"one-liner fell back to transformers: {last}")
-    return out, last["prefill_s"], last["decode_s"] / max(1, last["decode_steps"]), last
-
-
 def compare(out: torch.Tensor, ref: torch.Tensor, S: int) -> dict:
     a, b = out[:, S:], ref[:, S:]
     n = min(a.shape[1], b.shape[1])
@@ -414,7 +379,7 @@ def run(argv=None) -> dict:
                 continue
             g = torch.Generator().manual_seed(args.seed + B)
             ids = torch.randint(3, model.config.vocab_size, (B, S), generator=g).to(device)
-            ref = None
+            cell = {"ref": None}  # the "hf" path's tokens, once it ran
             state.pop("floor", None)
             cell_paths = list(paths) + args.variant_cells.get(f"{name}:{B}", [])
             for path in cell_paths:
@@ -425,26 +390,7 @@ def run(argv=None) -> dict:
                     continue
                 row = dict(model=name, batch=B, path=path, prompt=S, new=new)
                 try:
-                    set_path(model, path, state)
-                    if path == "hf":  # routing counted in a short untimed call (its hooks synchronize)
-                        counter = RoutingCounter(model)
-                        try:
-                            run_hf_loop(model, ids, 3, cuda)
-                        finally:
-                            counter.remove()
-                        state["floor"] = floors(pb, kv_tok, counter.mean_distinct(True), counter.mean_distinct(False),
-                                                B, S, new, ceil, active)
-                    rec, out = run_path(model, path, ids, new, cuda)
-                    if path == "hf":
-                        ref = out
-                    row.update(rec)
-                    if ref is not None:
-                        row["tokens"] = compare(out, ref, S)
-                    fl = state.get("floor")
-                    if fl is not None:
-                        row.update(floor_decode_ms=fl["decode_ms"], floor_prefill_ms=fl["prefill_ms"],
-                                   decode_vs_floor=row["decode_ms"] / fl["decode_ms"],
-                                   prefill_vs_floor=row["prefill_ms"] / fl["prefill_ms"])
+                    _measure_path(row, model, path, ids, new, cuda, state, cell, (pb, kv_tok, ceil, active))
                 except Exception as e:  # the row records the failure; the run goes on
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                     result["errors"].append(f"{name} B={B} {path}: {row['error']}")
@@ -463,8 +409,6 @@ def run(argv=None) -> dict:
         if "optimize" in state:  # what optimize left (moecomp.optimize's report, in short)
             result.setdefault("optimize", {})[name] = state["optimize"]
         if args.profile and name == models[0]:
-            from gen_profile import profile_paths
-
             profile_paths(model, name, state, args, S, device, result)
         import moecomp
 
@@ -474,6 +418,50 @@ def run(argv=None) -> dict:
         if cuda:
             torch.cuda.empty_cache()
     return _finish(result, args)
+
+
+def profile_paths(model, name: str, state: dict, args, S: int, device, result: dict) -> None:
+    """``--profile``: each (path, batch) of ``args.profile_paths`` profiled (``gen_profile.profile_steps``), logged
+    and kept."""
+    for path, B in args.profile_paths:
+        ids = torch.randint(3, model.config.vocab_size, (B, S)).to(device)
+        try:
+            set_path(model, path, state)
+            p = gen_profile.profile_steps(model, path, ids, device.type == "cuda")
+            result["profiles"].append(dict(model=name, batch=B, **p))
+            top = p.pop("top_kernels_us_per_step")
+            log(f"profile {name} B={B} {path}: {p}")
+            for t in top[:12]:
+                log(f"    {t[0]:8.2f} us/step  x{t[1]:<6g} {t[2]}")
+        except Exception as e:
+            result["errors"].append(f"profile {path}: {type(e).__name__}: {e}")
+
+
+def _measure_path(row: dict, model, path: str, ids, new: int, cuda: bool, state: dict, cell: dict, sizes) -> None:
+    """One path of one (model, batch) cell timed into ``row``: its tokens compared with the "hf" path's (kept in
+    ``cell``), its times over the floor (the "hf" path counts the routing the floor needs, in ``state``)."""
+    pb, kv_tok, ceil, active = sizes
+    B, S = ids.shape
+    set_path(model, path, state)
+    if path == "hf":  # routing counted in a short untimed call (its hooks synchronize)
+        counter = RoutingCounter(model)
+        try:
+            run_hf_loop(model, ids, 3, cuda)
+        finally:
+            counter.remove()
+        state["floor"] = floors(pb, kv_tok, counter.mean_distinct(True), counter.mean_distinct(False),
+                                B, S, new, ceil, active)
+    rec, out = run_path(model, path, ids, new, cuda)
+    if path == "hf":
+        cell["ref"] = out
+    row.update(rec)
+    if cell["ref"] is not None:
+        row["tokens"] = compare(out, cell["ref"], S)
+    fl = state.get("floor")
+    if fl is not None:
+        row.update(floor_decode_ms=fl["decode_ms"], floor_prefill_ms=fl["prefill_ms"],
+                   decode_vs_floor=row["decode_ms"] / fl["decode_ms"],
+                   prefill_vs_floor=row["prefill_ms"] / fl["prefill_ms"])
 
 
 def _row_line(r: dict) -> str:

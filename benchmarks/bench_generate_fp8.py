@@ -6,7 +6,7 @@ Per model (random weights N(0, 0.02), real layer sizes, depth ``--layers``, ``fu
 of two ways (``--build``):
 
 * ``bf16``: ``bench_generate.build`` in bf16; the bf16 rows run, then the same weights are quantized in place to what
-  transformers builds for an FP8 block checkpoint (``fp8_convert.to_fp8``: e4m3 + fp32 128x128 block scales; experts
+  transformers builds for an FP8 block checkpoint (``testing.fp8_convert.to_fp8``: e4m3 + fp32 128x128 block scales; experts
   ``FP8Experts``, other linears ``FP8Linear``, routers and ``lm_head`` 16-bit; no bf16 copy kept) and the FP8 rows run;
 * ``fp8``: the same FP8 model built directly in FP8 on the device (``gen_build_fp8.build``: drawn and quantized a
   chunk at a time, no bf16 expert tensor ever; peak memory the FP8 model + one chunk): FP8 rows only, compared with
@@ -64,18 +64,12 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def _plain_fp8():
-    try:  # (moecomp.hf.fp8 before the package split)
-        from moecomp.formats.fp8 import plain_fp8
-    except ImportError:
-        from moecomp.hf.fp8 import plain_fp8
-    return plain_fp8
-
-
 def plain(model, fmt: str):
     """transformers' forward on ``model``: FP8 modules on their plain-PyTorch dequantized forward (transformers' own
     needs hub kernels); a bf16 model as it is."""
-    return _plain_fp8()(model) if fmt == "fp8" else contextlib.nullcontext()
+    from moecomp.formats.fp8 import plain_fp8
+
+    return plain_fp8(model) if fmt == "fp8" else contextlib.nullcontext()
 
 
 def expert_counts(model, ids, new: int) -> tuple[float, float]:
@@ -317,10 +311,7 @@ def run_model(name: str, args, device, cuda: bool, ceil: dict, result: dict, t_s
 
 def _run_converted(name: str, layers: int, dtype, args, ctx: dict) -> None:
     """``--build bf16``: the bf16 rows, then the same weights quantized in place and the FP8 rows."""
-    try:
-        from moecomp.testing.fp8_convert import to_fp8
-    except ImportError:  # (moecomp.hf.fp8_convert before the package split)
-        from moecomp.hf.fp8_convert import to_fp8
+    from moecomp.testing.fp8_convert import to_fp8
 
     result, cuda = ctx["result"], ctx["cuda"]
     t = time.perf_counter()

@@ -2,7 +2,7 @@
 """``generate()`` of gpt-oss-120b at full depth on one GPU, its experts in MXFP4 (issue 22).
 
 The model is transformers' ``GptOssForCausalLM`` at gpt-oss-120b's sizes (36 layers, 128 experts, top-4, H = I =
-2880; ``moecomp.hf.mxfp4_write.gpt_oss_config``), built by ``random_packed_model``: every expert block holds random
+2880; ``moecomp.testing.mxfp4_write.gpt_oss_config``), built by ``random_packed_model``: every expert block holds random
 e2m1 codes and ue8m0 scales in the checkpoint's packed layout (a ``PackedExperts``, ~61 GB), everything else random
 bf16 (N(0, 0.02)); no bf16 expert tensor exists at any time (240 GB would not fit). Then the one-liner:
 ``moecomp.optimize(model)`` + ``model.generate``.
@@ -46,7 +46,7 @@ def log(msg: str) -> None:
 
 
 def packed_modules(model):
-    from moecomp.hf.packed import PackedExperts
+    from moecomp.formats.packed import PackedExperts
 
     return [m for m in model.modules() if isinstance(m, PackedExperts)]
 
@@ -78,7 +78,7 @@ class Counter(bg.RoutingCounter):
 
 
 def build(args, device):
-    from moecomp.hf.mxfp4_write import gpt_oss_config, random_packed_model
+    from moecomp.testing.mxfp4_write import gpt_oss_config, random_packed_model
 
     cfg = gpt_oss_config("120b")
     if args.tiny:
@@ -101,7 +101,7 @@ def build(args, device):
 
 
 def _has_size(size: str) -> bool:
-    from moecomp.hf.mxfp4_write import gpt_oss_config
+    from moecomp.testing.mxfp4_write import gpt_oss_config
 
     try:
         gpt_oss_config(size)

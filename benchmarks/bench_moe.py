@@ -5,7 +5,7 @@ available) and moecomp's custom op.
 Each block is built from transformers' own class with a config of the family's sizes, directly on the device
 in bf16 (``--dtype``), weights drawn from N(0, 0.02) in place (never zeros). moecomp calls
 ``torch.ops.moecomp.moe_forward`` on the block's own parameters with the ``MoESpec`` and tensors moecomp's
-recogniser finds in the block (``moecomp.recognise.match_block``: what ``moecomp.optimize`` would bind; the script
+recogniser finds in the block (``moecomp.recognise.recognise.match_block``: what ``moecomp.optimize`` would bind; the script
 has no spec of its own, and a block moecomp refuses is reported with its reject code, gets no moecomp timing, and
 the exit status is 3).
 Before timing, every path's output is compared with the HF block (per-expert eager loop) on the same random
@@ -355,7 +355,7 @@ def _prepare_family(ctx: Run, st: Fam) -> None:
         frec["hf_router"] = note if st.router_mod is not None else None
         if any(p in ctx.peers for p in ("vllm", "vllm_fp8", "scaled_grouped_mm")):
             frec["vllm_router"] = (f"HF router module {note!r}" if st.router_mod is not None else
-                                   f"moecomp.reference.route on the recognised spec ({note})")
+                                   f"moecomp.oracle.reference.route on the recognised spec ({note})")
     if args.routing != "real":
         if spec is None:
             raise RuntimeError(f"--routing {args.routing} needs the recognised router weight ({st.spec_err})")
@@ -405,7 +405,7 @@ def _build_paths(ctx: Run, st: Fam) -> list[Path]:
                 paths.append(Path("vllm", make_vllm_fn(ctx.vllm_fused, spec, tensors, st.router_mod, cd)))
     if "moecomp" in peers:
         if spec is not None:
-            from moecomp.ops.common import MOE_ARGS
+            from moecomp.core.args import MOE_ARGS
 
             op, key, H = torch.ops.moecomp.moe_forward, spec.key, spec.hidden_size
 
@@ -479,7 +479,7 @@ def _run_cell(ctx: Run, st: Fam, T: int) -> None:
 def _cell_routing(ctx: Run, st: Fam, cell: dict, x, planned) -> torch.Tensor:
     """The routing moecomp's spec takes on x: the floor (fp8: of the fp8 block, the bf16 one beside it), the tokens
     with an ambiguous routing (returned), the routing statistics and how the planted / HF routers agree."""
-    from moecomp import reference
+    from moecomp.oracle import reference
     from moecomp.ops.common import split_fused_gate
 
     spec, tensors, H, T = st.spec, st.tensors, st.spec.hidden_size, x.shape[1]

@@ -16,7 +16,7 @@ built on the device in bf16 with random weights (N(0, 0.02)); moecomp's recognis
   4-bit path, so vLLM 4-bit is n/a, and it cannot run gpt-oss's own activation).
 
 The router is the block's (linear + bias, top-4, softmax) in every path. Each quantized path is checked against
-``moecomp.reference.moe_forward`` on the same quantized tensors (dequantized exactly, fp32 math); bf16 paths
+``moecomp.oracle.reference.moe_forward`` on the same quantized tensors (dequantized exactly, fp32 math); bf16 paths
 against the HF block (gpt-oss) or the reference (plain). Times: ``triton.testing.do_bench`` medians, plain launches
 and a CUDA-graph replay (T <= 1024), the better taken. The floor of a cell is the bytes of the experts the batch
 touched (at their stored size, scales and biases included) plus router and activations over the measured copy
@@ -61,7 +61,7 @@ TOL = 2e-2  # bf16 output against an fp32 reference of the same weights (policy.
 
 def _variants(spec, tensors):
     """{variant: (spec, float tensors [out, in] layout)}: gpt-oss's own spec, and the plain one of the same sizes."""
-    from moecomp.ops.common import MOE_ARGS
+    from moecomp.core.args import MOE_ARGS
 
     t = dict(tensors)
     if spec.w_layout == "in_out":  # HF's gpt-oss experts are [E, in, out]; 4-bit and FP8 store [E, out, in]
@@ -75,7 +75,7 @@ def _variants(spec, tensors):
 
 def _quantized(spec, t: dict, quant, names):
     """(spec with quant, positional op tensors, {scale / zero name: tensor}) from the float tensors."""
-    from moecomp import quant as q8
+    from moecomp.core import quant as q8
 
     extra, tt = {}, dict(t)
     for n in ("w13", "w2"):
@@ -103,8 +103,8 @@ def _op_path(name, spec, args, extra, ref_fn=None):
 
 def build_paths(fam_name: str, tiny: bool, device, seed: int, vllm):
     """Every path of one model: [(Path, reference fn or None)], the gpt-oss spec and tensors (for the floors)."""
-    from moecomp import reference
-    from moecomp.spec import QuantSpec
+    from moecomp.oracle import reference
+    from moecomp.core.spec import QuantSpec
 
     cfg, block = build_block(FAMILIES[fam_name], tiny, device, seed)
     spec, tensors = block_spec(block)
@@ -126,7 +126,7 @@ def build_paths(fam_name: str, tiny: bool, device, seed: int, vllm):
             qspec, qargs, extra = _quantized(vs, t, quants[qn], names)
 
             def ref_q(x, _s=qspec, _a=qargs, _e=extra):
-                from moecomp.quant import weight_only
+                from moecomp.core.quant import weight_only
 
                 specs = [_s] if _s.quant.activation == "none" else [_s, dataclasses.replace(_s, quant=weight_only(
                     _s.quant))]  # fp8: the op's table runs w8a8 or weight-only; the closer reference judges it

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import moecomp  # noqa: E402
-from moecomp.hf.mxfp4_write import gpt_oss_config, random_packed_model  # noqa: E402
+from moecomp.testing.mxfp4_write import gpt_oss_config, random_packed_model  # noqa: E402
 L = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 cfg = gpt_oss_config("120b")
 cfg.num_hidden_layers, cfg.layer_types = L, cfg.layer_types[:L]

@@ -15,7 +15,7 @@ sys.path.insert(0, HERE); sys.path.insert(0, os.path.dirname(HERE))
 import bench_generate as bg
 import bench_generate_fp8 as bf
 import moecomp
-from moecomp.hf.fp8_convert import to_fp8
+from moecomp.testing.fp8_convert import to_fp8
 torch.set_num_threads(2)
 sizes = dict(bg.MODELS["deepseek"][3]); sizes.update(n_routed_experts=16, n_group=4, topk_group=2)
 bg.MODELS["deepseek"] = (bg.MODELS["deepseek"][0], bg.MODELS["deepseek"][1], 2, sizes)

@@ -63,9 +63,9 @@ def torch_blockwise(x, w, ws):
 def main(argv=None) -> int:
     import triton
 
-    from moecomp import quant as q8
-    from moecomp import reference
-    from moecomp.spec import QuantSpec
+    from moecomp.core import quant as q8
+    from moecomp.oracle import reference
+    from moecomp.core.spec import QuantSpec
     from moecomp.testing import host_us
 
     ap = argparse.ArgumentParser(description=__doc__)

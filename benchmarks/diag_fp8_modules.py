@@ -55,8 +55,8 @@ def _clone(v):
 
 def run(args) -> dict:
     import moecomp
-    from moecomp.hf.fp8 import plain_fp8
-    from moecomp.hf.fp8_convert import to_fp8
+    from moecomp.formats.fp8 import plain_fp8
+    from moecomp.testing.fp8_convert import to_fp8
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Kernel-level diagnostics of the op on one GPU, on the layer presets (``moecomp.testing.LAYER_PRESETS``), one table
-per part. Times are CUDA-graph replays (``moecomp.tune.bench_graph``: ``do_bench`` medians, L2 flushed), in us.
+per part. Times are CUDA-graph replays (``moecomp.cli.tune.bench_graph``: ``do_bench`` medians, L2 flushed), in us.
 
     route   the routing kernel alone: tokens per program x warps (x the 3-D group form on grouped routers), per T
     pdl     the whole op (moe_forward) at small T with programmatic dependent launch off / signalled at each
@@ -33,9 +33,9 @@ import time
 import torch
 
 from moecomp.ops import triton_moe
-from moecomp.ops.common import MOE_ARGS
+from moecomp.core.args import MOE_ARGS
 from moecomp.testing import LAYER_PRESETS, random_moe_args
-from moecomp.tune import bench_graph
+from moecomp.cli.tune import bench_graph
 
 ROUTE_TILES = [(1, 1), (1, 2), (1, 4), (2, 2), (4, 4), (8, 4), (16, 4), (16, 8)]  # (block_t, num_warps)
 
@@ -225,7 +225,7 @@ TMA_TILES = {  # (BLOCK_N, BLOCK_K, warps, stages, warp specialisation[, gemm1: 
 
 def part_tma(cells, dev, rep, gemms=("g1", "g2")) -> list:
     from moecomp.ops import tuning
-    from moecomp.tune import _rel
+    from moecomp.cli.tune import _rel
 
     rows = []
     for cell in cells:

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     import bench_generate as bg
 
     import moecomp
-    from moecomp.hf.fp8_convert import to_fp8
+    from moecomp.testing.fp8_convert import to_fp8
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--layers", type=int, default=6)

@@ -26,7 +26,7 @@ reduction every K step, the inline-PTX conversions, BLOCK_N halved / doubled), p
 --quick: gpt-oss-120b only, T in 1, 2, 4, 8, 16, paths w4 gemv / w4 dot / bf16 (what places QUANT4_GEMV_MAX_T).
 
 floor: the weight bytes the call must read (the experts its routing touches: codes, scales, zeros, biases) over
---hbm-tbs (4.8 TB/s, H200); "x floor" = time / floor. err: the 4-bit op against ``moecomp.reference`` (fp32, same
+--hbm-tbs (4.8 TB/s, H200); "x floor" = time / floor. err: the 4-bit op against ``moecomp.oracle.reference`` (fp32, same
 packed tensors), rel. Frobenius.
 
     PYTHONPATH=. python3 benchmarks/diag_quant4.py --tokens 1,4,16,64,128,1024 --out-json /tmp/q4.json
@@ -46,11 +46,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moecomp import quant as q8  # noqa: E402
-from moecomp import reference  # noqa: E402
+from moecomp.core import quant as q8  # noqa: E402
+from moecomp.oracle import reference  # noqa: E402
 from moecomp.ops import tuning  # noqa: E402
-from moecomp.ops.common import MOE_ARGS  # noqa: E402
-from moecomp.spec import MoESpec, QuantSpec  # noqa: E402
+from moecomp.core.args import MOE_ARGS  # noqa: E402
+from moecomp.core.spec import MoESpec, QuantSpec  # noqa: E402
 from moecomp.testing import capture_moe_forward, quantize_moe_args, random_moe_args  # noqa: E402
 
 

@@ -38,10 +38,10 @@ def main(argv=None) -> int:
     import triton
     import triton.testing as tt
 
-    from moecomp import quant as q8
+    from moecomp.core import quant as q8
     from moecomp.ops import skinny
-    from moecomp.ops.common import _sm_count
-    from moecomp.spec import QuantSpec
+    from moecomp.ops.common import sm_count as _sm_count
+    from moecomp.core.spec import QuantSpec
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", default="1,4")

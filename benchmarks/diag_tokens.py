@@ -25,8 +25,8 @@ def rel(a, b):
 
 def main():
     import moecomp
-    from moecomp import reference
-    from moecomp.hf.bind import _resolve
+    from moecomp.oracle import reference
+    from moecomp.bind.bind import resolve as _resolve
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="mixtral,qwen3")

@@ -34,13 +34,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import bench_generate as bg  # noqa: E402
-from moecomp.quant import FP8, quantize  # noqa: E402
-from moecomp.spec import FP8_MAX  # noqa: E402
-
-try:  # (moecomp.hf.fp8_convert before the package split)
-    from moecomp.testing.fp8_convert import block_quant, to_fp8  # noqa: E402
-except ImportError:
-    from moecomp.hf.fp8_convert import block_quant, to_fp8  # noqa: E402
+from moecomp.core.quant import FP8, quantize  # noqa: E402
+from moecomp.core.spec import FP8_MAX  # noqa: E402
+from moecomp.testing.fp8_convert import block_quant, to_fp8  # noqa: E402
 
 CHUNK_BYTES = 256 << 20  # fp32 bytes of one draw
 STD = 0.02  # bench_generate.build's weights
@@ -72,7 +68,7 @@ def bf16_fits(name: str, layers: int, tiny: bool, device) -> tuple[bool, str]:
 
 # ------------------------------------------------------------------------------------------------ quantization
 def block_quantize(w: torch.Tensor, halves: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """``moecomp.quant.quantize`` with 128 x 128 block scales, bit for bit, in one reduction where the blocks tile the
+    """``moecomp.core.quant.quantize`` with 128 x 128 block scales, bit for bit, in one reduction where the blocks tile the
     weight (each half of a gated ``gate_up`` a whole number of 128-row blocks; ``quantize``'s scatter takes ~10 s for
     a 30B-weight model), else ``quantize`` itself. ``w`` [..., rows, cols] -> (e4m3, fp32 [..., rows/128, cols/128])."""
     rows, cols = w.shape[-2:]

@@ -28,7 +28,7 @@ def optimize_checked(model, what: str = "", say=None) -> dict:
     import warnings
 
     import moecomp
-    from moecomp.optimize import unrewritten
+    from moecomp.api.optimize import unrewritten
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (said below, with every block)

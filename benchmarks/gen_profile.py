@@ -1,5 +1,5 @@
 """Kernels and GPU busy time per decode step of ``bench_generate.py``'s paths (its ``--profile``; also
-``bench_generate_fp8.py``'s): split from ``bench_generate.py`` by concern."""
+``bench_generate_fp8.py``'s): split from ``bench_generate.py`` by concern; the calls it profiles are ``gen_run.py``'s."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import torch
 
-import bench_generate as bg
+import gen_run
 
 
 def _kernels(prof) -> tuple[int, float, dict]:
@@ -39,8 +39,8 @@ def profile_steps(model, path: str, ids, cuda: bool, steps: int = 8) -> dict:
 
     def call(new):
         if path.startswith("one_liner"):
-            return bg.run_one_liner(model, ids, new, cuda)[:3]
-        return bg.run_hf_loop(model, ids, new, cuda, **kw)
+            return gen_run.run_one_liner(model, ids, new, cuda)[:3]
+        return gen_run.run_hf_loop(model, ids, new, cuda, **kw)
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     call(1 + steps)  # warm-up (captures)
@@ -69,22 +69,3 @@ def profile_steps(model, path: str, ids, cuda: bool, steps: int = 8) -> dict:
                 gpu_idle_frac=max(0.0, 1 - per_busy / per_wall) if per_wall > 0 else None,
                 decode_ms_per_step_unprofiled=dec * 1e3, top_kernels_us_per_step=top[:25],
                 prefill=dict(kernels=k1, gpu_busy_ms=b1, wall_ms=w1, top_kernels_us=pre_top[:20]))
-
-
-# ================================================================================================ main
-
-
-def profile_paths(model, name: str, state: dict, args, S: int, device, result: dict) -> None:
-    """``--profile``: each (path, batch) of ``args.profile_paths`` profiled (``profile_steps``), logged and kept."""
-    for path, B in args.profile_paths:
-        ids = torch.randint(3, model.config.vocab_size, (B, S)).to(device)
-        try:
-            bg.set_path(model, path, state)
-            p = profile_steps(model, path, ids, device.type == "cuda")
-            result["profiles"].append(dict(model=name, batch=B, **p))
-            top = p.pop("top_kernels_us_per_step")
-            bg.log(f"profile {name} B={B} {path}: {p}")
-            for t in top[:12]:
-                bg.log(f"    {t[0]:8.2f} us/step  x{t[1]:<6g} {t[2]}")
-        except Exception as e:
-            result["errors"].append(f"profile {path}: {type(e).__name__}: {e}")

@@ -40,7 +40,7 @@ def _coverage_one(fam: str) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from moecomp.hf import families
+    from moecomp.coverage import families
 
     return families.check_family(fam).to_dict()
 
@@ -50,7 +50,7 @@ def part_a(jobs: int) -> tuple[list, list[str]]:
 
     import transformers
 
-    from moecomp.hf import coverage_md, families
+    from moecomp.coverage import markdown as coverage_md, families
 
     fams = families.experts_families()
     t0 = time.time()
@@ -121,7 +121,7 @@ def part_b(fams: list[str], dev: str = "cuda") -> tuple[list[dict], list[str]]:
     import torch
 
     import moecomp
-    from moecomp.hf import families
+    from moecomp.coverage import families
 
     rows, bad = [], []
     for fam in fams:

@@ -2,7 +2,7 @@
 """Peak extra memory of ``moecomp.optimize`` per weight format at real layer sizes (issue 39).
 
 For each cell (a layer size x a weight format) a one-block model is built from random weights on the device
-(``moecomp.testing_blocks.one_block``: transformers' block class, experts drawn and quantized a chunk at a time),
+(``moecomp.testing.blocks.one_block``: transformers' block class, experts drawn and quantized a chunk at a time),
 then measured with ``moecomp.testing.PeakMemory`` (on CUDA: ``torch.cuda.max_memory_allocated`` after a reset, less
 what was allocated before):
 
@@ -85,10 +85,10 @@ def measure(fn, device) -> tuple[int, int, float, object]:
 
 def run_cell(cell: str, args, device) -> dict:
     import moecomp
-    from moecomp import policy
-    from moecomp.hf.fp8 import plain_fp8
+    from moecomp.core import policy
+    from moecomp.formats.fp8 import plain_fp8
     from moecomp.testing import forward_peak
-    from moecomp.testing_blocks import one_block
+    from moecomp.testing.blocks import one_block
 
     size, fmt = cell.split(":")
     fam, E, H, I, k = SIZES[size]
@@ -137,7 +137,7 @@ def run_cell(cell: str, args, device) -> dict:
                 return compiled(x)
 
         peak, end, secs, _ = measure(first_call, device)
-        import moecomp.backend as B
+        import moecomp.api.backend as B
 
         last = B.last_results[-1] if B.last_results else {}
         rec["backend"] = dict(peak=peak, held_after=end, seconds=round(secs, 1), within=peak <= limit,
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out-json", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    from moecomp import policy
+    from moecomp.core import policy
 
     result = dict(benchmark="mem-optimize", date=datetime.date.today().isoformat(), args=vars(args),
                   torch=torch.__version__, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -18,8 +18,8 @@ import sys
 import torch
 
 from moecomp.ops import triton_moe
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec
 from moecomp.testing import random_moe_args
 
 CASES = {

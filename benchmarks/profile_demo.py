@@ -14,9 +14,9 @@ import torch
 
 def main():
     import moecomp
-    from moecomp.demo import build
+    from moecomp.cli.demo import build
     from moecomp.ops import graphs
-    from moecomp.optimize import rewritten_blocks
+    from moecomp.api.optimize import rewritten_blocks
 
     p = argparse.ArgumentParser()
     p.add_argument("--seq", type=int, default=128)

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from diag_quant4 import MODELS, env, pack, time_op  # noqa: E402
 
 from moecomp.ops import tuning  # noqa: E402
-from moecomp.ops.common import MOE_ARGS  # noqa: E402
+from moecomp.core.args import MOE_ARGS  # noqa: E402
 from moecomp.testing import random_moe_args  # noqa: E402
 
 G1 = [dict(BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w, num_stages=s)

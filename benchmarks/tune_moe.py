@@ -1,4 +1,4 @@
-"""Tune the grouped-GEMM configs on this GPU: a thin wrapper around ``python -m moecomp tune`` (``moecomp/tune.py``).
+"""Tune the grouped-GEMM configs on this GPU: a thin wrapper around ``python -m moecomp tune`` (``moecomp/cli/tune.py``).
 
     python3 benchmarks/tune_moe.py [--presets a,b] [--tokens 1,16,...] [--out DIR] [--rep MS] [--copy-to DIR]
 
@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moecomp import tune  # noqa: E402
+from moecomp.cli import tune  # noqa: E402
 
 
 def main(argv=None) -> int:

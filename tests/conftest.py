@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Tiny sizes for the token mixers that ``moecomp.hf.families.TINY`` does not shrink (linear attention heads, Mamba
+# Tiny sizes for the token mixers that ``moecomp.coverage.families.TINY`` does not shrink (linear attention heads, Mamba
 # heads / state / chunk): their defaults made one eager forward of a tiny model take seconds (glm5_next: 64 linear
 # heads of 128, a [2, 64, 64, 64, 128] decay mask per layer) and a Dynamo trace of it tens of seconds. Likewise the
 # hyper-connections' Sinkhorn loop (glm5_next, deepseek_v4): 2 iterations instead of 20 (the loop body still runs),
@@ -27,7 +27,7 @@ TEST_MIXER_SIZES = {
 
 
 def pytest_configure(config):
-    from moecomp.hf import families
+    from moecomp.coverage import families
 
     for family, sizes in TEST_MIXER_SIZES.items():
         families.FAMILY_OVERRIDES[family] = {**families.FAMILY_OVERRIDES.get(family, {}), **sizes}

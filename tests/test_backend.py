@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "passes"))
 
 import moecomp  # noqa: E402
 import tiny_models as tm  # noqa: E402
-from moecomp import backend  # noqa: E402
+from moecomp.api import backend  # noqa: E402
 
 EAGER_INNER = {"moecomp.inner": "eager"}
 MOE_CALL = "torch.ops.moecomp.moe_forward.default("
@@ -276,7 +276,7 @@ def test_jetmoe_output_bias_in_whole_model_graph(dynamic, poison):
     ``fullgraph=True`` (or ``torch._dynamo.config.capture_scalar_outputs``). The biases are zero when compiling
     (a model not loaded yet) and set afterwards: the compiled graph must still add them (a zero add folded into the
     op would drop them)."""
-    from moecomp.hf import families as F
+    from moecomp.coverage import families as F
 
     model, _ = F.build_tiny("jetmoe")
     mlps = [m for m in model.modules() if type(m).__name__ == "JetMoeMoE"]

@@ -27,7 +27,7 @@ gb = importlib.import_module("gen_build_fp8")
 bf = importlib.import_module("bench_generate_fp8")
 bg = importlib.import_module("bench_generate")
 
-from moecomp import quant as q8  # noqa: E402
+from moecomp.core import quant as q8  # noqa: E402
 from moecomp.testing import PeakMemory  # noqa: E402
 
 CHUNK = 16 << 10  # fp32 bytes drawn at a time: several chunks per expert tensor at the tiny sizes

@@ -112,9 +112,9 @@ def test_spec_is_the_recognisers(tiny_run, monkeypatch):
     """The benchmark has no recogniser of its own: per family, the spec it timed is ``match_block``'s for that block
     (the one call ``block_spec`` makes, watched: a second capture of each block cost seconds) and its tensors are
     ``bound_tensors``' (the block's own parameters), keyed by MOE_ARGS."""
-    from moecomp import recognise
-    from moecomp.hf.bind import bound_tensors
-    from moecomp.ops.common import MOE_ARGS
+    from moecomp.recognise import recognise
+    from moecomp.bind.bind import bound_tensors
+    from moecomp.core.args import MOE_ARGS
 
     calls, real_match = [], recognise.match_block
 
@@ -213,7 +213,7 @@ def test_report_markdown_section(tiny_run, tmp_path):
 
 
 def test_routing_ambiguity_flags_exact_ties():
-    from moecomp.spec import MoESpec
+    from moecomp.core.spec import MoESpec
 
     spec = MoESpec(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8)
     logits = torch.tensor([[3.0, 1.0, 1.0, -2.0],  # tie at the top-2 boundary
@@ -321,7 +321,7 @@ def test_plot_renders(tiny_run, tmp_path):
 
 # --------------------------------------------------------------------------------------------- routing modes
 def _spec(**kw):
-    from moecomp.spec import MoESpec
+    from moecomp.core.spec import MoESpec
 
     return MoESpec(**dict(dict(num_experts=16, top_k=2, hidden_size=32, intermediate_size=8), **kw))
 
@@ -360,7 +360,7 @@ def test_routing_plan_distributions():
 def test_planted_routing_every_path_same_ids(fam):
     """Planted ids: moecomp's reference routing, HF's own router module and the HF block all follow the drawn ids,
     and moecomp's op (which routes by itself) matches the HF block, i.e. took the same experts."""
-    from moecomp import reference
+    from moecomp.oracle import reference
 
     f = bench.FAMILIES[fam]
     _, block = bench.build_block(f, True, torch.device("cpu"), 5)
@@ -381,7 +381,7 @@ def test_planted_routing_every_path_same_ids(fam):
         assert bool(bench.same_sets(router(x2)[2], planned).all())
         assert int(bench.routing_ambiguous(logits, tensors["correction_bias"], spec, spec.router_fp32).sum()) == 0
         ref = block(x)
-        from moecomp.ops.common import MOE_ARGS
+        from moecomp.core.args import MOE_ARGS
 
         out = torch.ops.moecomp.moe_forward(x2, *[tensors[n] for n in MOE_ARGS], spec.key).view(x.shape)
     assert bench.rel_err(out, ref) < 2e-2
@@ -434,7 +434,7 @@ _VLLM_SCRIPT = textwrap.dedent("""
         with torch.no_grad():
             ref = block(x)
             errs = [bench.rel_err(bench.make_vllm_fn(fused, spec, tensors, r, torch.float32)(x), ref)
-                    for r in (router, None)]  # HF's router module, then moecomp.reference.route
+                    for r in (router, None)]  # HF's router module, then moecomp.oracle.reference.route
         out["direct"][name] = dict(owner=owner, rel_err=errs)
     bench.set_dtype(torch.bfloat16)
     res = bench.run(["--device", "cpu", "--tiny", "--families", "mixtral", "--tokens", "4", "--quick",
@@ -726,7 +726,7 @@ def test_fp8_missing_peers_are_reasoned():
     by = {p.name: p for p in paths}
     assert by["hf_eager"].skip == bench.fp8.HF_NA and by["vllm_fp8"].skip and by["scaled_grouped_mm"].skip
     assert by["moecomp_fp8"].fn is None and "refused" in (by["moecomp_fp8"].error or by["moecomp_fp8"].skip)
-    from moecomp.spec import MoESpec
+    from moecomp.core.spec import MoESpec
 
     in_out = MoESpec(num_experts=4, top_k=1, hidden_size=64, intermediate_size=32, w_layout="in_out")  # Llama 4's
     by = {p.name: p for p in fp8_paths.family_paths(in_out, None, "cannot quantize", None, list(bench.FP8_PEERS),

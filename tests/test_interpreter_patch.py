@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from moecomp.spec import MoESpec, SharedExpertSpec
+from moecomp.core.spec import MoESpec, SharedExpertSpec
 from moecomp.testing import random_moe_args
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),

@@ -25,16 +25,17 @@ import torch
 pytest.importorskip("transformers")
 
 import moecomp  # noqa: E402
-from moecomp import policy, verify  # noqa: E402
-from moecomp.hf import fallback  # noqa: E402
-from moecomp.hf import families as F  # noqa: E402
-from moecomp.hf.structure import find_parts  # noqa: E402
-from moecomp.hf.fp8 import plain_fp8  # noqa: E402
-from moecomp.passes import _numeric  # noqa: E402
+from moecomp.core import policy
+from moecomp.verify import verify  # noqa: E402
+from moecomp.recognise import fallback  # noqa: E402
+from moecomp.coverage import families as F  # noqa: E402
+from moecomp.recognise.structure import find_parts  # noqa: E402
+from moecomp.formats.fp8 import plain_fp8  # noqa: E402
+from moecomp.recognise.fx import numeric as _numeric  # noqa: E402
 from moecomp.testing import PeakMemory, forward_peak  # noqa: E402
-from moecomp.testing_blocks import one_block  # noqa: E402
+from moecomp.testing.blocks import one_block  # noqa: E402
 
-O = importlib.import_module("moecomp.optimize")  # (the module: ``moecomp.optimize`` is the function)
+O = importlib.import_module("moecomp.api.optimize")  # (the module: ``moecomp.optimize`` is the function)
 
 BOUND = 4 << 20  # policy.WORKING_MEMORY_BYTES in these tests
 E, H, I, K = 256, 128, 128, 8  # all experts' w13 + w2 in fp32: 256 * 3 * 128 * 128 * 4 bytes = 50 MB > 10 BOUND
@@ -63,8 +64,8 @@ def _agrees(block, x, got, want, tol) -> bool:
     """``got`` (the rewritten block) against ``want`` (its own forward) on ``x``: within ``tol`` of want's largest
     value on every token but at most ``policy.max_tie_tokens`` whose routing sits within a bf16 rounding of a tie
     (the two router GEMMs may round such a token's logits apart: the verify stage's rule)."""
-    from moecomp import reference
-    from moecomp.hf.bind import _resolve
+    from moecomp.oracle import reference
+    from moecomp.bind.bind import resolve as _resolve
 
     st = block._moecomp
     t = [None if p is None else _resolve(block, p) for p in st.paths[:3]]
@@ -85,9 +86,9 @@ def _plain_peak(model, x) -> int:
 def test_peak_memory_sees_temporaries_inside_custom_ops():
     """``PeakMemory`` counts what is allocated while active (freed or not), including the temporaries inside a custom
     op (``dequant_4bit`` unpacks codes a chunk at a time), and nothing held before."""
-    from moecomp.hf.packed import dequant_4bit  # noqa: F401  (registers the op)
-    from moecomp.spec import QuantSpec
-    from moecomp import quant as q8
+    from moecomp.formats.packed import dequant_4bit  # noqa: F401  (registers the op)
+    from moecomp.core.spec import QuantSpec
+    from moecomp.core import quant as q8
 
     held = torch.randn(1 << 20)  # 4 MB held before: not counted
     q, s, _ = q8.quantize_4bit(torch.randn(64, 1024), QuantSpec.mxfp4())
@@ -138,7 +139,7 @@ def test_compile_backend_within_bound(dynamic, monkeypatch):
     """The backend's first call (capture, numeric check, the call itself) against one plain forward plus the
     bound; the block becomes one moe_forward. Static shapes: the check would gather more than the bound at the traced
     token count, so the match rests on the structure (and says so); dynamic: the check runs on fewer tokens."""
-    import moecomp.backend as B
+    import moecomp.api.backend as B
 
     monkeypatch.setattr(policy, "WORKING_MEMORY_BYTES", BOUND)
     model = one_block("qwen3_moe", "fp8", E=E, H=H, I=I, k=2)  # (top-2: 4 tokens' gathered weights fit the bound)

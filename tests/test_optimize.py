@@ -13,8 +13,8 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 import moecomp  # noqa: E402
-from moecomp.hf import families as F  # noqa: E402
-from moecomp.optimize import rewritten_blocks  # noqa: E402
+from moecomp.coverage import families as F  # noqa: E402
+from moecomp.api.optimize import rewritten_blocks  # noqa: E402
 from moecomp.testing import LinearExpert  # noqa: E402
 
 TOL = 1e-4
@@ -407,8 +407,8 @@ def test_bf16_routing_ties_do_not_block_the_rewrite():
 
 
 def test_ties_do_not_excuse_a_wrong_result():
-    from moecomp.spec import MoESpec
-    from moecomp.verify import err_with_ties
+    from moecomp.core.spec import MoESpec
+    from moecomp.verify.verify import err_with_ties
 
     spec = MoESpec(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8)
     block = nn.Module()

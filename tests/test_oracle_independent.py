@@ -1,6 +1,6 @@
 """The oracle shares no code with the op (issue 40): nothing under moecomp/ops, moecomp/parallel or moecomp/kernels
-imports ``moecomp.reference`` / ``moecomp.reference_steps`` (or any other ``moecomp/reference*.py`` split from them),
-at top level or inside a function, and the oracle imports nothing of the op (``moecomp.ops``, ``moecomp.parallel``,
+imports ``moecomp.oracle`` (``reference.py``, ``reference_steps.py`` and every other module split from them), at
+top level or inside a function, and the oracle imports nothing of the op (``moecomp.ops``, ``moecomp.parallel``,
 ``moecomp.kernels``). A bug in shared routing, activation or shared-expert code would otherwise pass every
 op-against-oracle test unseen.
 
@@ -18,10 +18,10 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PKG_DIR = os.path.join(ROOT, "moecomp")
-# the oracle: reference.py and the modules split from it (reference_steps.py, ...), every moecomp/reference*.py
-ORACLE = tuple(sorted(f"moecomp.{f[:-3]}" for f in os.listdir(PKG_DIR)
-                     if f.startswith("reference") and f.endswith(".py")))
+PKG_DIR = os.path.join(ROOT, "moecomp", "oracle")
+# the oracle: reference.py and the modules split from it (reference_steps.py, ...), every module of moecomp/oracle/
+ORACLE = tuple(sorted(f"moecomp.oracle.{f[:-3]}" for f in os.listdir(PKG_DIR)
+                     if f.endswith(".py") and f != "__init__.py"))
 OP_SIDE = ("moecomp.ops", "moecomp.parallel", "moecomp.kernels")
 
 
@@ -68,11 +68,11 @@ def _hits(name: str, targets) -> bool:
 
 def test_the_reader_sees_every_import_form(tmp_path):
     """The checker itself: each way of importing the oracle is found (a checker that found nothing would pass)."""
-    src = ("from .. import reference\n"
-           "from ..reference import route\n"
-           "from moecomp.reference_steps import rms_norm\n"
-           "import moecomp.reference as r\n"
-           "def f():\n    from moecomp import reference_steps\n")
+    src = ("from ..oracle import reference\n"
+           "from ..oracle.reference import route\n"
+           "from moecomp.oracle.reference_steps import rms_norm\n"
+           "import moecomp.oracle.reference as r\n"
+           "def f():\n    from moecomp.oracle import reference_steps\n")
     d = tmp_path / "moecomp" / "ops"
     d.mkdir(parents=True)
     p = d / "probe.py"
@@ -89,7 +89,7 @@ def test_ops_parallel_kernels_never_import_the_oracle():
 
 
 def test_the_oracle_never_imports_the_op():
-    assert {"moecomp.reference", "moecomp.reference_steps"} <= set(ORACLE), ORACLE
+    assert {"moecomp.oracle.reference", "moecomp.oracle.reference_steps"} <= set(ORACLE), ORACLE
     paths = [os.path.join(PKG_DIR, f"{m.split('.')[-1]}.py") for m in ORACLE]
     bad = [(os.path.relpath(p, ROOT), n, ln) for p in paths for n, ln in sorted(imported_names(p))
            if _hits(n, OP_SIDE)]
@@ -101,11 +101,11 @@ def test_both_implementations_declare_the_one_interface(backend, monkeypatch):
     """torch_moe and triton_moe are ``Backend``s, and their routing returns ``Routed`` with the one field order:
     the oracle's ids (as sets per token) and weights on the same input (the Triton path under the interpreter;
     weights within 1e-6 relative: fp32 sigmoid and renormalisation, summed in another order)."""
-    from moecomp import reference
+    from moecomp.oracle import reference
     from moecomp.ops import backend as b
-    from moecomp.ops.common import MOE_ARGS
+    from moecomp.core.args import MOE_ARGS
     from moecomp.ops.moe_op import implementation
-    from moecomp.spec import MoESpec
+    from moecomp.core.spec import MoESpec
     from moecomp.testing import random_moe_args
 
     monkeypatch.setenv("MOECOMP_CPU_BACKEND", backend)

@@ -1,4 +1,4 @@
-"""moecomp.policy holds every tolerance / near-tie / probe rule once; reject codes drive control flow, not text."""
+"""moecomp.core.policy holds every tolerance / near-tie / probe rule once; reject codes drive control flow, not text."""
 
 from __future__ import annotations
 
@@ -10,31 +10,31 @@ import pytest
 import torch
 
 import moecomp
-from moecomp import policy
-from moecomp.reject import Reject, RejectCode
+from moecomp.core import policy
+from moecomp.core.reject import Reject, RejectCode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the modules that apply the policy: none may spell one of its literals itself
 USERS = [
-    "moecomp/optimize.py",
-    "moecomp/hf/fallback.py",
-    "moecomp/hf/bind.py",
-    "moecomp/hf/structure.py",
+    "moecomp/api/optimize.py",
+    "moecomp/recognise/fallback.py",
+    "moecomp/bind/bind.py",
+    "moecomp/recognise/structure.py",
     "moecomp/hf/experts_interface.py",
-    "moecomp/capture.py",
-    "moecomp/backend.py",
-    "moecomp/passes/_fx.py",
-    "moecomp/passes/_numeric.py",
-    "moecomp/passes/detect_moe.py",
-    "moecomp/passes/moe_routing.py",
-    "moecomp/passes/moe_experts.py",
-    "moecomp/passes/moe_per_expert.py",
-    "moecomp/passes/moe_output.py",
-    "moecomp/passes/fse.py",
-    "moecomp/recognise.py",
-    "moecomp/verify.py",
-    "moecomp/passes/rewrite_moe.py",
+    "moecomp/recognise/capture.py",
+    "moecomp/api/backend.py",
+    "moecomp/recognise/fx/graph.py",
+    "moecomp/recognise/fx/numeric.py",
+    "moecomp/recognise/fx/detect_moe.py",
+    "moecomp/recognise/fx/moe_routing.py",
+    "moecomp/recognise/fx/moe_experts.py",
+    "moecomp/recognise/fx/moe_per_expert.py",
+    "moecomp/recognise/fx/moe_output.py",
+    "moecomp/recognise/fx/fse.py",
+    "moecomp/recognise/recognise.py",
+    "moecomp/verify/verify.py",
+    "moecomp/recognise/fx/rewrite_moe.py",
     "benchmarks/bench_moe.py",
     "benchmarks/layer/common.py",  # bench_moe's parts that hold its tolerances and checks
     "benchmarks/layer/checks.py",
@@ -65,11 +65,11 @@ def _code_literals(path: str) -> set[str]:
 @pytest.mark.parametrize("path", USERS)
 def test_no_policy_literal_outside_policy(path):
     dup = _code_literals(path) & FORBIDDEN
-    assert not dup, f"{path} spells {sorted(dup)}: import it from moecomp.policy instead"
+    assert not dup, f"{path} spells {sorted(dup)}: import it from moecomp.core.policy instead"
 
 
 def test_policy_defines_each_value():
-    lits = _code_literals("moecomp/policy.py")
+    lits = _code_literals("moecomp/core/policy.py")
     for v in ("1e-4", "3e-2", "1e-2", "1e-6", "2.0**-7", "2.0**-10", "0.125"):
         assert v in lits
     # the values themselves (unchanged by the move to policy.py)
@@ -85,7 +85,7 @@ def test_policy_defines_each_value():
 def test_users_read_the_policy():
     import importlib
 
-    opt = importlib.import_module("moecomp.optimize")  # (moecomp.optimize is also the function)
+    opt = importlib.import_module("moecomp.api.optimize")  # (moecomp.optimize is also the function)
     ei = importlib.import_module("moecomp.hf.experts_interface")
 
     assert opt.TOLERANCE is policy.VERIFY_TOLERANCE and opt.TIE_REL is policy.TIE_REL
@@ -112,7 +112,7 @@ def test_reject_is_frozen_text():
 
 
 def test_detect_error_codes():
-    from moecomp.capture import DetectError
+    from moecomp.recognise.capture import DetectError
 
     assert DetectError("x", "capture").code is RejectCode.CAPTURE_FAILED
     assert DetectError("x").code is RejectCode.NOT_RECOGNISED
@@ -123,10 +123,10 @@ def test_detect_error_codes():
 def test_capture_failure_is_read_from_the_code_not_the_text(monkeypatch):
     """The pipeline hands a block to the attribute reader when the FX pass's Reject says CAPTURE_FAILED, whatever
     its text says, and returns any other Reject as it is."""
-    from moecomp import recognise as R
-    from moecomp.hf import families as F
-    from moecomp.hf.structure import iter_blocks
-    from moecomp.match import Match
+    from moecomp.recognise import recognise as R
+    from moecomp.coverage import families as F
+    from moecomp.recognise.structure import iter_blocks
+    from moecomp.core.match import Match
 
     model, _ = F.build_tiny("mixtral")
     _, block, parts, _ = iter_blocks(model)[0]
@@ -145,7 +145,7 @@ def test_backend_counts_grad_mode_by_code(monkeypatch):
     """``skipped_autograd`` counts GRAD_MODE rejects, whatever their text says (and not other rejections)."""
     from types import SimpleNamespace
 
-    from moecomp import backend
+    from moecomp.api import backend
 
     res = SimpleNamespace(matches=[], replaced=0, fused={},
                           rejected=[("a", "reworded: gradients needed"), ("b", "grad mode is on, but not ours")],
@@ -158,7 +158,7 @@ def test_backend_counts_grad_mode_by_code(monkeypatch):
 
 
 def test_fallback_error_codes():
-    from moecomp.hf.fallback import FallbackError
+    from moecomp.recognise.fallback import FallbackError
 
     assert FallbackError("x").code is RejectCode.UNSUPPORTED_STRUCTURE
     assert FallbackError("x", RejectCode.VERIFICATION_FAILED).code is RejectCode.VERIFICATION_FAILED
@@ -168,7 +168,7 @@ def test_report_codes_and_meta_warning():
     """Meta blocks: the warning is driven by RejectCode.META_TENSORS; the report text is unchanged."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from moecomp.optimize import META_NOTE
+    from moecomp.api.optimize import META_NOTE
 
     cfg = Qwen3MoeConfig(num_hidden_layers=2, hidden_size=64, moe_intermediate_size=32, intermediate_size=64,
                          num_experts=8, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
@@ -188,7 +188,7 @@ def test_skipped_block_has_a_code():
     """A block refused for its structure carries the code next to the unchanged reason text."""
     from torch import nn
 
-    from moecomp.optimize import BlockReport, _process_block
+    from moecomp.api.optimize import BlockReport, _process_block
 
     rep = BlockReport(name="", cls="X", status="skipped")
     rep.refuse(RejectCode.UNSUPPORTED_ROUTING, "hash routing")

@@ -1,9 +1,9 @@
-"""moecomp.reference helpers beyond the oracle itself."""
+"""moecomp.oracle.reference helpers beyond the oracle itself."""
 
 import torch
 
-from moecomp import reference
-from moecomp.spec import MoESpec
+from moecomp.oracle import reference
+from moecomp.core.spec import MoESpec
 
 
 def test_near_tie_tokens_finds_exact_and_near_ties_only():

@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from moecomp import cli, tune
+from moecomp import cli
+from moecomp.cli import tune
 from moecomp.ops import tuning
 
 E, I, H, K = tune.INTERPRET_SHAPE

@@ -30,9 +30,9 @@ def routing_ambiguous(logits: torch.Tensor, correction_bias, spec, fp32_router: 
     E=128), and ``torch.topk`` and our kernels may break them differently; two GEMMs summing in different orders
     can also land one bf16 ulp apart. Each ranking key gets an interval from the logit +- d; a token is ambiguous
     when the worst selected key's lower end does not clear the best rejected key's upper end (likewise for the
-    group choice). The window d is ``moecomp.policy.bench_tie_window`` (fp32 routers: 2e-5 relative; bf16: half an
+    group choice). The window d is ``moecomp.core.policy.bench_tie_window`` (fp32 routers: 2e-5 relative; bf16: half an
     ulp each side)."""
-    from moecomp import reference
+    from moecomp.oracle import reference
 
     l = logits.float()
     d = policy.bench_tie_window(l, fp32_router)

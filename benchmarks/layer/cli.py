@@ -110,7 +110,7 @@ def result_header(ctx, env: dict, commit: str, now) -> dict:
                        compute_dtype=None if ctx.vllm_fused is None else
                        str(common.DTYPE if device.type == "cuda" else torch.float32),
                        router="the block's own router module (the owner of the recognised router weight), "
-                              "else moecomp.reference.route on the recognised spec; shared expert in torch"))
+                              "else moecomp.oracle.reference.route on the recognised spec; shared expert in torch"))
     if ctx.fp8:
         result["fp8"] = dict(
             quant=fp8.quant_spec().key, method=fp8.QUANT_METHOD, reference=fp8.REFERENCE_METHOD,

@@ -13,7 +13,7 @@ for _p in (HERE, REPO):  # report.py (tables) and moecomp (this checkout) withou
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from moecomp import policy  # noqa: E402  (tolerances and the near-tie window: moecomp/policy.py)
+from moecomp.core import policy  # noqa: E402  (tolerances and the near-tie window: moecomp/core/policy.py)
 
 # --dtype: blocks, inputs, every peer, the floor's bytes. "fp8": the blocks' experts quantized to e4m3 (128x128 fp32
 # block scales), activations (and so the blocks as built, the router, the HF reference) in bf16.

@@ -195,14 +195,14 @@ class BlockRefused(RuntimeError):
 
 def block_spec(block, record: dict | None = None):
     """(MoESpec, {MOE_ARGS name: tensor or None}) for ``block``, from moecomp's own recogniser and verify stage
-    (``moecomp.recognise.match_block``, as ``moecomp.optimize`` sees the block, without binding it); the tensors are
-    the block's own (``moecomp.hf.bind.bound_tensors``). The block is put in eval mode first. Raises
+    (``moecomp.recognise.recognise.match_block``, as ``moecomp.optimize`` sees the block, without binding it); the tensors are
+    the block's own (``moecomp.bind.bind.bound_tensors``). The block is put in eval mode first. Raises
     :class:`BlockRefused` (with the reject code) when moecomp does not take the block. ``record``, when given, receives
     how the block was recognised (for the JSON)."""
-    from moecomp import reject
-    from moecomp.hf.bind import bound_tensors
-    from moecomp.ops.common import MOE_ARGS
-    from moecomp.recognise import match_block
+    from moecomp.core import reject
+    from moecomp.bind.bind import bound_tensors
+    from moecomp.core.args import MOE_ARGS
+    from moecomp.recognise.recognise import match_block
 
     block.eval()
     t0 = time.perf_counter()

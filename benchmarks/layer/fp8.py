@@ -3,13 +3,13 @@ matmul ceiling.
 
 The block is built and initialised in bf16 as in the other modes (the HF block stays the bf16 reference, and
 moecomp's bf16 path runs on it), then its routed experts (w13 [E, 2I, H], gate and up blocked apart; w2 [E, H, I])
-and its shared experts (gate_proj, up_proj, down_proj: 2-D, dense) are quantized with ``moecomp.quant.quantize``:
+and its shared experts (gate_proj, up_proj, down_proj: 2-D, dense) are quantized with ``moecomp.core.quant.quantize``:
 e4m3 weights, one fp32 scale per 128x128 block, the spec's activations "dynamic" (per token, groups of 128). The
 router, the shared-expert gate and the correction bias stay as they are; activations are bf16 in and out.
 
-References, per cell, from ``moecomp.reference.moe_forward`` with the quantized spec and the scales (weights
+References, per cell, from ``moecomp.oracle.reference.moe_forward`` with the quantized spec and the scales (weights
 dequantized exactly, fp32 math): "w8a8" quantizes each GEMM's input as the spec says (activation quantization
-counted), "w8a16" is the same spec weight-only (``moecomp.quant.weight_only``), which the op's kernel table may pick
+counted), "w8a16" is the same spec weight-only (``moecomp.core.quant.weight_only``), which the op's kernel table may pick
 for a dynamic spec (docs/FP8.md). The quantization error of the format itself is the w8a8 reference against the bf16
 HF block.
 """
@@ -41,11 +41,11 @@ FP8_TOLERANCE = common.policy.BENCH_TOLERANCE
 FP8_INTERPRET_TOLERANCE = 0.25
 HF_NA = ("n/a in fp8: transformers' FP8 forward (FP8Experts / FP8Linear, quantization_config fp8) calls kernels "
          "fetched from the hub at run time (the `kernels` package, online); nothing of it runs offline")
-QUANT_METHOD = ("e4m3 weights, one fp32 scale per 128x128 block (moecomp.quant.quantize of the block's own random "
+QUANT_METHOD = ("e4m3 weights, one fp32 scale per 128x128 block (moecomp.core.quant.quantize of the block's own random "
                 "bf16 weights; w13's gate and up rows blocked apart), routed and shared experts; activations "
                 "quantized per token in groups of 128 (dynamic) where a kernel runs w8a8; router, shared-expert "
                 "gate and correction bias unquantized; bf16 in and out")
-REFERENCE_METHOD = ("moecomp.reference.moe_forward with the quantized spec and the scales (weights dequantized, "
+REFERENCE_METHOD = ("moecomp.oracle.reference.moe_forward with the quantized spec and the scales (weights dequantized, "
                     "fp32 math): w8a8 = activations quantized as the spec says (activation quantization counted), "
                     "w8a16 = the same spec weight-only; the op may run either (its kernel table picks per T), so a "
                     "moecomp fp8 path passes when it is within the tolerance of one of them (ran = the closer one)")
@@ -55,7 +55,7 @@ _QUANT_CHUNK_ELEMS = 1 << 28  # quantize at most this many weight elements at a 
 
 
 def quant_spec():
-    from moecomp.spec import QuantSpec
+    from moecomp.core.spec import QuantSpec
 
     return QuantSpec()  # e4m3, "block" 128 x 128, fp32 scales, "dynamic" activations in groups of 128
 
@@ -68,18 +68,18 @@ class Fp8Block:
     seconds: float = 0.0
 
     def op_args(self) -> tuple:
-        from moecomp.ops.common import MOE_ARGS
+        from moecomp.core.args import MOE_ARGS
 
         return tuple(self.tensors[n] for n in MOE_ARGS)
 
     def scale_args(self) -> tuple:
         """The op's arguments after ``spec``, in QUANT_ARGS order (None where this spec has none)."""
-        from moecomp.ops.common import QUANT_ARGS
+        from moecomp.core.args import QUANT_ARGS
 
         return tuple(self.scales.get(n) for n in QUANT_ARGS)
 
     def weight_only_spec(self):
-        """The spec weight-only (activation "none"), as ``moecomp.quant.weight_only`` means it (built with
+        """The spec weight-only (activation "none"), as ``moecomp.core.quant.weight_only`` means it (built with
         ``dataclasses.replace``: ``weight_only`` copies ``__dict__``, which holds the cached ``key`` once read)."""
         sh = self.spec.shared
 
@@ -92,7 +92,7 @@ class Fp8Block:
     def dequantized_shared(self, dtype: torch.dtype) -> dict:
         """The tensors with the shared experts' weights dequantized to ``dtype`` (for peers that run the shared
         expert in plain torch); the routed experts stay fp8."""
-        from moecomp import quant as q8
+        from moecomp.core import quant as q8
 
         out = dict(self.tensors)
         sh = self.spec.shared
@@ -103,7 +103,7 @@ class Fp8Block:
         return out
 
     def describe(self) -> dict:
-        from moecomp.spec import FP8_MAX
+        from moecomp.core.spec import FP8_MAX
 
         return dict(spec=self.spec.key, quant=self.spec.quant.key, fp8_max=FP8_MAX, seconds=round(self.seconds, 2),
                     scales={n: list(t.shape) for n, t in self.scales.items()},
@@ -127,9 +127,9 @@ def unquantizable(spec) -> str | None:
 
 
 def _quantize_chunked(w: torch.Tensor, quant, halves: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``moecomp.quant.quantize`` of [E, rows, cols] a few experts at a time (its fp32 temporaries of a whole
+    """``moecomp.core.quant.quantize`` of [E, rows, cols] a few experts at a time (its fp32 temporaries of a whole
     DeepSeek-V3 w13 would be ~30 GiB each)."""
-    from moecomp import quant as q8
+    from moecomp.core import quant as q8
 
     E, rows, cols = w.shape
     step = max(1, _QUANT_CHUNK_ELEMS // (rows * cols))
@@ -147,7 +147,7 @@ def quantize_block(spec, tensors: dict) -> Fp8Block:
     why = unquantizable(spec)
     if why:
         raise ValueError(f"cannot quantize this block: {why}")
-    from moecomp import quant as q8
+    from moecomp.core import quant as q8
     from moecomp.ops.moe_op import check_args
 
     t0 = time.perf_counter()
@@ -169,9 +169,9 @@ def quantize_block(spec, tensors: dict) -> Fp8Block:
 
 # ------------------------------------------------------------------------------------------- references, checks
 def references(x2: torch.Tensor, fb: Fp8Block) -> dict:
-    """{"w8a8": ..., "w8a16": ...}: the dequantized references of x2 [T, H] (moecomp.reference.moe_forward on the
+    """{"w8a8": ..., "w8a16": ...}: the dequantized references of x2 [T, H] (moecomp.oracle.reference.moe_forward on the
     quantized spec and scales, fp32 math, output in x's dtype)."""
-    from moecomp import reference
+    from moecomp.oracle import reference
 
     with torch.no_grad():
         return {"w8a8": reference.moe_forward(x2, *fb.op_args(), fb.spec, **fb.scales),

@@ -112,7 +112,7 @@ def row_scales(block_scale: torch.Tensor, rows: int, halves: int, block_n: int =
 
 def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [P, K] -> (e4m3 [P, K], fp32 [P]): one scale per row, max|x| / 448."""
-    from moecomp.spec import FP8_MAX
+    from moecomp.core.spec import FP8_MAX
 
     s = x.abs().amax(-1).float().clamp(min=1e-10) / FP8_MAX
     return (x.float() / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s

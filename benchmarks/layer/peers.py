@@ -135,7 +135,7 @@ def torch_shared_expert(spec, tensors: dict):
         return None
     import torch.nn.functional as F
 
-    from moecomp import reference
+    from moecomp.oracle import reference
     from moecomp.ops.common import split_fused_gate
 
     t = split_fused_gate(tensors, spec)
@@ -158,8 +158,8 @@ def torch_shared_expert(spec, tensors: dict):
 
 def routing_fn(spec, tensors: dict, router):
     """x2 [T, H] -> (topk_weights [T, k] fp32, topk_ids [T, k]), both contiguous: the block's own router module,
-    else ``moecomp.reference.route`` on the recognised spec (the routing every peer path puts around its kernel)."""
-    from moecomp import reference
+    else ``moecomp.oracle.reference.route`` on the recognised spec (the routing every peer path puts around its kernel)."""
+    from moecomp.oracle import reference
     from moecomp.ops.common import split_fused_gate
 
     rt = split_fused_gate(tensors, spec)
@@ -180,7 +180,7 @@ def routing_fn(spec, tensors: dict, router):
 
 
 def make_vllm_fn(fused, spec, tensors: dict, router, compute_dtype: torch.dtype):
-    """x [1, T, H] -> [1, T, H]: the router (the block's own module, else moecomp.reference.route on the recognised
+    """x [1, T, H] -> [1, T, H]: the router (the block's own module, else moecomp.oracle.reference.route on the recognised
     spec), vLLM's fused experts, plus the shared expert in torch. ``compute_dtype`` != the weights' dtype (fp32 on the
     CPU interpreter) runs the kernel on copies of x / w13 / w2 in that dtype and casts its output back."""
     H = spec.hidden_size

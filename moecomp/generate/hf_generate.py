@@ -111,12 +111,12 @@ class FastGenerate:
         self.engine, self.last, self._t0 = None, {}, None
 
 
-def _fast_generate(model) -> FastGenerate | None:
+def fast_generate(model) -> FastGenerate | None:
     fg = model.__dict__.get("generate")
     return fg if isinstance(fg, FastGenerate) else None
 
 
-def _device_of(model) -> torch.device | None:
+def device_of(model) -> torch.device | None:
     devs = {p.device for p in model.parameters()}
     return devs.pop() if len(devs) == 1 else None
 
@@ -137,7 +137,7 @@ def _why_not(self, input_ids, generation_config, streamer, synced_gpus, model_kw
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is not None and (type(cache).__name__ != "DynamicCache" or cache.get_seq_length() != 0):
         return f"a {type(cache).__name__} prepared by transformers or the caller"
-    dev = _device_of(self)
+    dev = device_of(self)
     if dev is None or dev != input_ids.device:
         return "model on several devices, or inputs on another device"
     return None
@@ -146,7 +146,7 @@ def _why_not(self, input_ids, generation_config, streamer, synced_gpus, model_kw
 def decode(self, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
            synced_gpus=False, streamer=None, **model_kwargs):
     """transformers' decoding-method contract (like ``GenerationMixin._sample``); ``self`` is the model."""
-    fg = _fast_generate(self)
+    fg = fast_generate(self)
     t_setup = time.perf_counter() - fg._t0 if fg is not None and fg._t0 is not None else None
     why = _why_not(self, input_ids, generation_config, streamer, synced_gpus, model_kwargs)
     eng = fg._engine() if fg is not None else None
@@ -184,7 +184,7 @@ def decode(self, input_ids, logits_processor=None, stopping_criteria=None, gener
 
 def install(model) -> bool:
     """Set ``model.generate`` to a ``FastGenerate`` (idempotent). False when the model has no HF ``generate``."""
-    if _fast_generate(model) is not None:
+    if fast_generate(model) is not None:
         return True
     gen = getattr(type(model), "generate", None)
     if gen is None or not any(c.__name__ == "GenerationMixin" for c in type(model).__mro__):
@@ -196,7 +196,7 @@ def install(model) -> bool:
 
 
 def uninstall(model) -> bool:
-    fg = _fast_generate(model)
+    fg = fast_generate(model)
     if fg is None:
         return False
     fg.release()

@@ -74,16 +74,16 @@ class SharedLayer(torch.nn.Module):
 
 
 def _linear_method(self, x, *args, **kwargs):
-    from ..hf.fp8 import fp8_linear_forward
+    from ..formats.fp8 import fp8_linear_forward
 
     return fp8_linear_forward(self, x)
 
 
 def _method_of(f):
     """The function(self, ...) behind one of moecomp's instance-level forwards, None for any other forward."""
-    from ..hf.bind import BoundForward, moecomp_block_forward
-    from ..hf.bind_experts import ExpertsForward, experts_block_forward
-    from ..hf.fp8 import LinearForward
+    from ..bind.bind import BoundForward, moecomp_block_forward
+    from ..bind.bind_experts import ExpertsForward, experts_block_forward
+    from ..formats.fp8 import LinearForward
 
     if isinstance(f, BoundForward):
         return moecomp_block_forward

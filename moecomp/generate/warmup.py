@@ -20,7 +20,7 @@ import time
 import torch
 
 from . import engine as _engine
-from .hf_generate import _device_of, _fast_generate
+from .hf_generate import device_of as _device_of, fast_generate as _fast_generate
 
 WARM_NEW_TOKENS = 3  # step 1 eager (the warm-up before a capture), step 2 captured, then replayed
 

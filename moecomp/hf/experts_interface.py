@@ -19,7 +19,7 @@ weights or expert weights requiring grad) run transformers' ``grouped_mm`` path,
 
 FP8 experts (transformers' ``FP8Experts``, dispatching through ``FP8ExpertsInterface``, where ``"moecomp"`` is
 registered too when ``transformers.integrations.finegrained_fp8`` is imported): the quantization is read from the
-module (``hf/fp8.py``), the scales are passed to ``moe_experts``, and the module's plain-PyTorch FP8 forward is both
+module (``formats/fp8.py``), the scales are passed to ``moe_experts``, and the module's plain-PyTorch FP8 forward is both
 what the probe checks against and the fallback (transformers' own FP8 paths need the hub's kernel).
 
 Checked specs are cached per module and top-k together with a snapshot of the module's attributes
@@ -36,14 +36,14 @@ import warnings
 
 import torch
 
-from ..import_hooks import RegisterOnImport, uninstall
-from .. import quant as q8
+from .import_hooks import RegisterOnImport, uninstall
+from ..core import quant as q8
 from ..ops.moe_op import EXPERT_QUANT_ARGS, call_moe_experts
-from ..reject import Refused, RejectCode
-from ..spec import MoESpec, SpecError, expert_bias_fields
-from . import fp8
-from .activations import probe_activation, probe_gate
-from .snapshot import snapshot_changed, snapshot_changed_traced, take_snapshot
+from ..core.reject import Refused, RejectCode
+from ..core.spec import MoESpec, SpecError, expert_bias_fields
+from ..formats import fp8
+from ..probe.activations import probe_activation, probe_gate
+from ..core.snapshot import snapshot_changed, snapshot_changed_traced, take_snapshot
 
 NAME = "moecomp"
 _warned: set = set()
@@ -76,7 +76,7 @@ def _weights(m):
 
 
 def _fp8(m):
-    """The experts' FP8 layout (``hf/fp8.py``), None when not quantized; ``Unsupported`` when the scales do not fit
+    """The experts' FP8 layout (``formats/fp8.py``), None when not quantized; ``Unsupported`` when the scales do not fit
     (the message names both tensors)."""
     if fp8.fp8_kind(m) != "experts":
         return None
@@ -145,7 +145,7 @@ def experts_spec(m: torch.nn.Module, top_k: int, verify: bool = True) -> MoESpec
 
 def eager_forward(m):
     """The experts module's own forward (what ``experts_implementation="eager"`` runs); FP8 experts: their
-    plain-PyTorch forward (``hf/fp8.py``; transformers' needs the hub's kernel)."""
+    plain-PyTorch forward (``formats/fp8.py``; transformers' needs the hub's kernel)."""
     if fp8.fp8_kind(m) == "experts":
         return fp8.plain_experts_forward
     fwd = type(m).forward
@@ -162,7 +162,7 @@ def is_hf_experts_forward(fwd) -> bool:
 def _pre_activations(x: torch.Tensor, w13: torch.Tensor, w13_scale, spec: MoESpec) -> torch.Tensor:
     """x [T, H] (CPU) through every expert's w13: [T, E, N] fp32 on the CPU, w13 dequantized (or made fp32) a chunk of
     experts at a time (``policy.expert_chunks``): never the whole stack in fp32."""
-    from .. import policy
+    from ..core import policy
 
     E = w13.shape[0]
     out = None
@@ -183,9 +183,9 @@ def verify_experts(m: torch.nn.Module, spec: MoESpec, tokens: int | None = None)
 
     Two probes: hidden states of unit scale, and scaled so that the first GEMM's outputs reach about +-25 (the
     clamps of clamped SwiGLU / gpt-oss variants at 7-10). Ids are distinct per token, weights random positive.
-    Token count, seed, scale and tolerance: :mod:`moecomp.policy`.
+    Token count, seed, scale and tolerance: :mod:`moecomp.core.policy`.
     """
-    from .. import policy
+    from ..core import policy
 
     if tokens is None:
         tokens = policy.EXPERTS_PROBE_TOKENS

@@ -1,4 +1,4 @@
-"""FP8 building blocks of the quantized GEMMs (``moecomp.quant`` is their oracle; docs/FP8.md the design).
+"""FP8 building blocks of the quantized GEMMs (``moecomp.core.quant`` is their oracle; docs/FP8.md the design).
 
     quant_rows(a)      a [BM, BK] fp32 (one 128-column group per row) -> (q e4m3 [BM, BK], s [BM] fp32)
                            s = max(max_k |a|, 1e-10) / 448          (IEEE division)

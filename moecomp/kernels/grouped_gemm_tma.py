@@ -6,7 +6,7 @@ warp specialisation (a producer warp group issues the TMA loads while the others
             (gather_rows_kernel first copies x's rows into sorted order when A is read by TMA too)
 
 Same data and layout contract as ``grouped_gemm.py`` (sorted_ids, block_expert, num_padded from the alignment),
-with limits the launchers check (``ops/triton_moe._tma_ok`` / ``_tma1_ok``): weights in the [E, out, in] layout and
+with limits the launchers check (``ops/tma.tma_ok`` / ``tma1_ok``): weights in the [E, out, in] layout and
 contiguous (w2 reads as one 2-D [E * H, I] matrix, w13 with concatenated gate/up as [E, 2, I, H]); 16-bit dtypes;
 rows of whole 16-byte units. gemm2's h is already in sorted order, so both its operands are plain TMA tiles, and
 its epilogue scatters rows to pair order with pointer stores.

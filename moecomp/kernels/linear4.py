@@ -1,9 +1,9 @@
-"""Dense linear over 4-bit weights (GPTQ / AWQ int4, mxfp4; ``torch.ops.moecomp.linear_4bit``, ``hf/packed_linear.py``).
+"""Dense linear over 4-bit weights (GPTQ / AWQ int4, mxfp4; ``torch.ops.moecomp.linear_4bit``, ``formats/packed_linear.py``).
 
     y[m, n] = sum_k x[m, k] * w(n, k)  (+ bias[n])         x [M, K] (16-bit or fp32, unit stride along K)
               w(n, k) = E2M1[code] * 2 ** (s_byte - 127)              mxfp4 (W4 1; groups of 32, ue8m0 scales)
                       = (code - zero) * s[n, k // Q_BLOCK_K]           int4 (W4 2: zero 8; W4 3: zp[n, k // Q_BLOCK_K])
-              q [N, K / 2] uint8: code of column 2j in the low nibble of byte j (``moecomp.quant``, the oracle)
+              q [N, K / 2] uint8: code of column 2j in the low nibble of byte j (``moecomp.core.quant``, the oracle)
               y [M, N] in x's dtype, fp32 accumulation
 
 Two forms, as for the 16-bit / FP8 linears (``kernels/fp8_linear.py``, ``kernels/skinny.py``):

@@ -1,4 +1,4 @@
-"""4-bit weight-only (w4a16) building blocks of the grouped GEMMs (``moecomp.quant`` is their oracle).
+"""4-bit weight-only (w4a16) building blocks of the grouped GEMMs (``moecomp.core.quant`` is their oracle).
 
 Weights are packed two codes a byte along the input dim (the K of every expert GEMM): byte j of a row holds column
 2j in its low nibble and column 2j + 1 in its high nibble. A kernel's weight pointers address bytes, so a K step of

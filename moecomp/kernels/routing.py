@@ -5,11 +5,11 @@ r"""Fused routing: scores -> (grouped) top-k -> renormalise -> scale, one launch
     (TOPK_THEN_SCORE: top-k of the logits, then softmax over the k chosen, or sigmoid of each (SCORING 1))
     (BIAS_ON_LOGITS: choice = logits + bias; MASK_ZERO: dropped groups get 0.0 in the choice, not -inf)
     (SPARSEMIXER, PhiMoE: ids = top-k of the logits; round j's weight = 1 / sum exp(logit - m_j) over the free
-     logits with (m_j - logit) / max(|logit|, m_j) <= sm_thr, the ``moecomp.reference.sparsemixer`` formula)
+     logits with (m_j - logit) / max(|logit|, m_j) <= sm_thr, the ``moecomp.oracle.reference.sparsemixer`` formula)
 
 One program owns BLOCK_T tokens and all E experts (padded to BLOCK_E). Top-k is k rounds of picking the largest value
-among the experts not yet taken, ties going to the lower expert index (``moecomp.reference`` does the same).
-Rows with NaN / inf logits follow the routing contract stated in ``moecomp.reference``: NaN logits read as -inf,
+among the experts not yet taken, ties going to the lower expert index (``moecomp.oracle.reference`` does the same).
+Rows with NaN / inf logits follow the routing contract stated in ``moecomp.oracle.reference``: NaN logits read as -inf,
 +inf as FLT_MAX; k distinct ids in [0, E) whatever the values (``_pick`` never returns a taken or padding index);
 weights finite (NaN -> 0, clamped). Rows of finite logits route exactly as before. Group-limited selection keeps the TOPK_GROUP best of
 N_GROUP contiguous groups, a group scored by its top-2 sum (or its max): on a [BLOCK_T, N_GROUP, GROUP_SIZE] view of

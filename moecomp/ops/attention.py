@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import _backend, _on_device
+from .common import backend_name as _backend, on_device as _on_device
 
 
 def _check(q, k, v, keep, n, sinks, window):

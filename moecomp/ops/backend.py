@@ -11,7 +11,7 @@ the parallel path ``parallel/route.py``) goes through these names and this one r
     moe_experts(x, ids, weights, args, spec)    the routed experts alone, routing given
 
 Where the two differ, by design, is said here once: the torch path's ids are int64 and an expert capacity's dropped
-pairs there are -1 (what the oracle says, ``moecomp.reference``), the Triton path's ids int32 and dropped pairs E (the
+pairs there are -1 (what the oracle says, ``moecomp.oracle.reference``), the Triton path's ids int32 and dropped pairs E (the
 kernels skip any id outside [0, E) and read no weight for it); both give a dropped pair weight 0. ``gate`` is the
 sigmoid gate's logit where the Triton router GEMM computes it fused with the router (the torch path's shared experts
 compute their gate themselves: None there).
@@ -25,7 +25,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 
 
 class Routed(NamedTuple):

@@ -1,5 +1,5 @@
 """``MoESpec.capacity`` / ``capacity_factor`` on the Triton path (Switch Transformers, NLLB-MoE): pairs past an
-expert's capacity are dropped (the rule in ``moecomp.spec``), with torch ops around the routing kernel:
+expert's capacity are dropped (the rule in ``moecomp.core.spec``), with torch ops around the routing kernel:
 
     route_topk_kernel        ids [T, k], weights (raw scores when the renormalisation follows the drop:
                              ``kernel_spec``)
@@ -12,7 +12,7 @@ expert's capacity are dropped (the rule in ``moecomp.spec``), with torch ops aro
 
 Sizes depend on the shapes only (the capacity of a group of n tokens is a Python int), nothing is read on the host:
 capturable in a CUDA graph. The torch path (``ops/cpu_route.py``) drops pairs with the same ``kept``; the oracle
-ranks them its own way (a cumulative sum over their one-hot, ``moecomp.reference``).
+ranks them its own way (a cumulative sum over their one-hot, ``moecomp.oracle.reference``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 from . import route_weights as rw
 
 

@@ -1,7 +1,7 @@
-"""What the op modules share, one layer below them: argument names, backend choice, device placement, the
-Triton-interpreter precision flags. Imports torch only (no Triton, no kernels), so that ``moe_op`` (the op
-definitions), ``torch_moe`` / ``triton_moe`` (the implementations), ``attention`` and the passes can all import it
-without importing each other.
+"""What the op modules share, one layer below them: backend choice, device placement, the Triton-interpreter
+precision flags (the op's argument names are in ``core/args.py``). Imports torch only (no Triton, no kernels), so
+that ``moe_op`` (the op definitions), ``torch_moe`` / ``triton_moe`` (the implementations) and ``attention`` can all
+import it without importing each other.
 """
 
 from __future__ import annotations
@@ -10,52 +10,6 @@ import os
 
 import torch
 
-# Argument order of moe_forward after x; every entry point binds tensors by these names.
-MOE_ARGS = (
-    "router_w",
-    "router_b",
-    "correction_bias",
-    "w13",
-    "b13",
-    "w2",
-    "b2",
-    "shared_w1",
-    "shared_w3",
-    "shared_w2",
-    "shared_gate_w",
-)
-EXPERT_ARGS = ("w13", "b13", "w2", "b2")
-# Scales of quantized weights (MoESpec.quant / SharedExpertSpec.quant): the ops take them after ``spec``, each
-# defaulting to None, so unquantized callers pass nothing new. a13 / a2: static activation scales [E].
-QUANT_ARGS = ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "shared_w1_scale", "shared_w3_scale",
-              "shared_w2_scale")
-# int4 zero points (QuantSpec.zero_point): uint8 [E, rows, groups], the shape of the weight's scales; moe_forward takes
-# them last (after the norms' weights), moe_experts after a2_scale.
-ZERO_ARGS = ("w13_zero", "w2_zero")
-EXPERT_QUANT_ARGS = QUANT_ARGS[:4] + ZERO_ARGS
-# The latent projections around the routed experts (MoESpec.latent_size): after the scales, each defaulting to None.
-# latent_in_w [L, H] (+ latent_in_b [L]) before the experts, latent_out_w [H, L] (+ latent_out_b [H]) after the combine.
-LATENT_ARGS = ("latent_in_w", "latent_in_b", "latent_out_w", "latent_out_b")
-# Hash routing (MoESpec.hash_routing): the [V, k] table of expert ids and the tokens' ids [T]; moe_forward takes them
-# after the latent projections, each defaulting to None.
-HASH_ARGS = ("hash_table", "token_ids")
-# The router's own input and per-expert weight multipliers (MoESpec.router_input / router_in_scale / expert_scale):
-# router_x [..., H] (a per-call input like x), router_in_scale [H], expert_scale [E (+ Z)]; after the hash-routing
-# arguments, each defaulting to None.
-ROUTER_IN_ARGS = ("router_x", "router_in_scale", "expert_scale")
-# A learned scale of the routing weights (MoESpec.has_weight_scale, Inkling's global_scale): a [1] tensor after the
-# router-input arguments, default None.
-SCALE_ARGS = ("weight_scale",)
-# The norms' weights (MoESpec.latent_norm: latent_norm_w [L]; MoESpec.expert_norm: expert_norm_w [expert width]);
-# after weight_scale, each defaulting to None.
-NORM_ARGS = ("latent_norm_w", "expert_norm_w")
-# The shared expert's output norm (SharedExpertSpec.norm: shared_norm_w [H]); moe_forward's last argument, default None.
-SHARED_NORM_ARGS = ("shared_norm_w",)
-OP_ARGS = (MOE_ARGS + QUANT_ARGS + LATENT_ARGS + HASH_ARGS + ROUTER_IN_ARGS + SCALE_ARGS
-           + NORM_ARGS + ZERO_ARGS + SHARED_NORM_ARGS)  # every tensor a bound block may pass, in order
-# The attribute a block tensor carries while ``epilogue.Peeled`` has zeroed it (an output bias bound after the op;
-# ``match.PEELED``): here, below the passes and the match module that both read it.
-PEELED = "_moecomp_peeled"
 # What the op implements beyond the base spec; passes check this before relying on it.
 FEATURES = ("fused_shared_gate", "weight_on_input", "zero_experts", "sparsemixer", "latent", "hash_routing",
             "router_input", "shared_gamma", "weight_scale", "norms", "expert_bias", "shared_norm")
@@ -69,14 +23,14 @@ def split_fused_gate(args: dict, spec) -> dict:
     return {**args, "router_w": args["router_w"][:E], "shared_gate_w": args["router_w"][E:]}
 
 
-def _backend(device: torch.device) -> str:
+def backend_name(device: torch.device) -> str:
     """"triton" or "torch": which implementation runs on ``device`` (MOECOMP_CUDA_BACKEND / MOECOMP_CPU_BACKEND)."""
     if device.type == "cuda":
         return os.environ.get("MOECOMP_CUDA_BACKEND", "triton")
     return os.environ.get("MOECOMP_CPU_BACKEND", "torch")
 
 
-def _on_device(x: torch.Tensor, fn):
+def on_device(x: torch.Tensor, fn):
     """fn() with x's GPU as the current device: Triton launches (and graph captures) go to the current device, and
     a model spread over several GPUs (device_map="auto") calls blocks on a GPU that need not be current."""
     if x.device.index is None or x.device.index == torch.cuda.current_device():
@@ -85,7 +39,7 @@ def _on_device(x: torch.Tensor, fn):
         return fn()
 
 
-def _check_ids_wanted(ids: torch.Tensor) -> bool:
+def check_ids_wanted(ids: torch.Tensor) -> bool:
     """Read ids on the host to range-check them? CPU (and other synchronous devices): always. CUDA: reading them is a
     host sync, so only outside CUDA-graph capture and compilation, and not with MOECOMP_CHECK_IDS=0 (for callers that
     vouch for their ids)."""
@@ -95,21 +49,21 @@ def _check_ids_wanted(ids: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
-def _interpret() -> bool:
+def interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _upcast(t: torch.Tensor) -> bool:
+def upcast_bf16(t: torch.Tensor) -> bool:
     # The Triton interpreter's bf16 dot is wrong (FACTS.md); upcast operands to fp32 inside the kernel there.
-    return _interpret() and t.dtype == torch.bfloat16
+    return interpret() and t.dtype == torch.bfloat16
 
 
-def _precision(t: torch.Tensor) -> str:
+def dot_precision(t: torch.Tensor) -> str:
     # fp32 models get fp32 products (no tf32), like torch's default matmul; 16-bit dots ignore this.
-    return "ieee" if t.dtype == torch.float32 or _upcast(t) else "tf32"
+    return "ieee" if t.dtype == torch.float32 or upcast_bf16(t) else "tf32"
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     """The device's SM count, looked up once (4 off CUDA: the interpreter runs every program in turn)."""
     if device.type != "cuda":
         return 4
@@ -122,14 +76,14 @@ def _sm_count(device: torch.device) -> int:
 _sm_counts: dict = {}
 
 
-def _w_strides(w: torch.Tensor, layout: str):
+def w_strides(w: torch.Tensor, layout: str):
     """(stride_e, stride_row_out, stride_col_in) of per-expert matrices in either layout."""
     if layout == "out_in":
         return w.stride(0), w.stride(1), w.stride(2)
     return w.stride(0), w.stride(2), w.stride(1)
 
 
-def _flat_ids(ids: torch.Tensor) -> torch.Tensor:
+def flat_ids(ids: torch.Tensor) -> torch.Tensor:
     """ids [T, k] -> [P] with unit stride (reshape keeps a view with a step, e.g. every other column: copied)."""
     flat = ids.reshape(-1)
     return flat.contiguous() if flat.numel() > 1 and flat.stride(0) != 1 else flat

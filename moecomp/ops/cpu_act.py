@@ -1,7 +1,7 @@
 """The experts' activations on the op's torch code (the torch path's routed and shared experts, and the Triton path's
 torch-level shared-expert steps): ``spec.activation`` elementwise, or gated, ``act(gate) * up`` with clamped SwiGLU
 (the gate clamped before the activation, or its output after it: ``activation_clamp_after``), gpt-oss's
-``swiglu_oai`` and the softcapped silu (``moecomp.spec`` has the formulas; the kernels' epilogue is
+``swiglu_oai`` and the softcapped silu (``moecomp.core.spec`` has the formulas; the kernels' epilogue is
 ``kernels/activations.py``). One table from name to function, written for the op, apart from the oracle.
 
     split(h, ...)    h [n, 2I] after the first GEMM -> (gate, up) [n, I] each ("concat": halves, "interleaved": even /

@@ -1,6 +1,6 @@
 """The torch path's routing (``ops/torch_moe.py``; the parallel path on the same backend): router logits -> expert
 ids and weights, vectorised over tokens, experts and top-k slots, written for the op apart from the oracle
-(``moecomp.reference``, which tests compare it with). ``moecomp.spec`` has the rules; the routing contract on NaN /
+(``moecomp.oracle.reference``, which tests compare it with). ``moecomp.core.spec`` has the rules; the routing contract on NaN /
 inf logits is stated in the oracle and holds here.
 
 Selection is one ``torch.topk`` over keys with no ties: each value's fp32 bits mapped to an int64 whose order is
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 from . import capacity as cap
 from . import route_weights as rw
 from .backend import Routed

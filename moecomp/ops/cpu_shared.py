@@ -8,7 +8,7 @@ contraction, fp32 throughout (x's dtype only where the model rounds: before a no
     y   = norm(round(y)) * sigmoid(x @ gate_w.T) * scale    (each where the spec has it)
 
 FP8 shared experts (``shared.quant``): each GEMM on the dequantized weight with its input quantized as the spec says
-(``moecomp.quant``), the activation rounded to x's dtype before the down GEMM.
+(``moecomp.core.quant``), the activation rounded to x's dtype before the down GEMM.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import quant as q8
-from ..spec import MoESpec
+from ..core import quant as q8
+from ..core.spec import MoESpec
 from . import cpu_act, norms
 
 _W = ("shared_w1", "shared_w3", "shared_w2")

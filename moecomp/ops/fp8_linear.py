@@ -3,20 +3,20 @@ projections, dense MLPs, shared experts outside a block's op), opaque to Dynamo 
 
     y = quantize_act(x) @ dequantize(weight, weight_scale).T (+ bias)      x [..., in], weight [out, in] e4m3
 
-``quant`` is a ``QuantSpec`` key (``moecomp.spec.QuantSpec.key``): scale layout "block" ``[ceil(out / block_n),
+``quant`` is a ``QuantSpec`` key (``moecomp.core.spec.QuantSpec.key``): scale layout "block" ``[ceil(out / block_n),
 ceil(in / block_k)]``, "channel" ``[out]``, "tensor" ``[]``; activations "dynamic" (per token and 128 columns),
 "static" (``act_scale``, one value) or "none" (weight-only). CUDA runs the Triton kernel
 (``ops/triton_moe.fp8_linear``); CPU dequantizes for the call (nothing kept) and quantizes x as the kernel does
-(``moecomp.quant``).
+(``moecomp.core.quant``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import quant as q8
-from ..spec import QuantSpec, SpecError
-from .common import _backend
+from ..core import quant as q8
+from ..core.spec import QuantSpec, SpecError
+from .common import backend_name as _backend
 
 _X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

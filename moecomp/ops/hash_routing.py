@@ -1,6 +1,6 @@
 """``MoESpec.hash_routing`` in the op (DeepSeek-V4's ``hash_moe`` layers): the expert ids are a frozen table's rows,
 ``hash_table[token_ids]`` [T, k], and the weights the router's scores at those ids (then renormalised and scaled
-as the spec says: ``moecomp.reference.route`` with the ids given).
+as the spec says: ``moecomp.oracle.reference.route`` with the ids given).
 
 Arguments (``HASH_ARGS``, after the scales): ``hash_table`` [V, k] integer (k = top_k, V >= 1) and ``token_ids``
 integer with one id per token of x (any shape of T elements: [B, S] beside x [B, S, H], or [T]); both on x's device.
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import MoESpec, SpecError
-from .common import _check_ids_wanted
+from ..core.spec import MoESpec, SpecError
+from .common import check_ids_wanted as _check_ids_wanted
 
 _INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 

@@ -1,10 +1,10 @@
 """``torch.ops.moecomp.linear_4bit``: a dense linear over 4-bit weights (the int4 linears of GPTQ / AWQ checkpoints
 outside the routed experts: attention projections, shared experts, dense MLPs; mxfp4 too), opaque to Dynamo /
-Inductor. ``hf/packed_linear.Packed4Linear``'s forward is this op.
+Inductor. ``formats/packed_linear.Packed4Linear``'s forward is this op.
 
     y = x @ dequantize(q, scale, quant, zero=zero).T (+ bias)        x [..., K] -> y [..., N] in x's dtype
 
-    q      [N, K / 2] uint8     code of input 2j in the low nibble of byte j (``moecomp.quant``, the oracle)
+    q      [N, K / 2] uint8     code of input 2j in the low nibble of byte j (``moecomp.core.quant``, the oracle)
     scale  [N, ceil(K / g)]     int4: fp16 / bf16 / fp32 (the spec's scale_dtype); mxfp4: float8_e8m0fnu, g = 32
     zero   [N, ceil(K / g)]     uint8, int4 with ``quant.zero_point`` only (else None: zero 8)
     bias   [N] float or None
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import quant as q8
-from ..spec import QuantSpec, SpecError
-from .common import _backend
+from ..core import quant as q8
+from ..core.spec import QuantSpec, SpecError
+from .common import backend_name as _backend
 
 _X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -22,13 +22,15 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _get_dispatch_mode
 
-from ..spec import MoESpec, SpecError
+from ..core.args import (  # noqa: F401  (re-exported)
+    EXPERT_ARGS, EXPERT_QUANT_ARGS, HASH_ARGS, LATENT_ARGS, MOE_ARGS, NORM_ARGS, OP_ARGS, QUANT_ARGS, ROUTER_IN_ARGS,
+    SCALE_ARGS, SHARED_NORM_ARGS, ZERO_ARGS)
+from ..core.spec import MoESpec, SpecError
 from . import graphs, hash_routing, torch_moe
 from .backend import Backend
 from .common import (  # noqa: F401  (re-exported)
-    EXPERT_ARGS, EXPERT_QUANT_ARGS, FEATURES, HASH_ARGS, LATENT_ARGS, MOE_ARGS, NORM_ARGS, OP_ARGS, QUANT_ARGS,
-    ROUTER_IN_ARGS, SCALE_ARGS, SHARED_NORM_ARGS, ZERO_ARGS, _backend,
-    _check_ids_wanted, _on_device, split_fused_gate)
+    FEATURES, backend_name as _backend, check_ids_wanted as _check_ids_wanted, on_device as _on_device,
+    split_fused_gate)
 
 # Floating dtypes the kernels compute in (x / hidden_states). float64 only on the vectorised torch path (CPU, or
 # MOECOMP_CUDA_BACKEND=torch), which computes the experts in fp32 and returns float64; the Triton GEMMs have no fp64.
@@ -61,7 +63,7 @@ def _quantized(spec: MoESpec) -> frozenset:
 
 
 def _scale_dtype(name: str, spec: MoESpec) -> torch.dtype:
-    from .. import quant as q8  # torch only
+    from ..core import quant as q8  # torch only
 
     return q8.scale_dtype(_quant_of(name, spec))
 
@@ -274,7 +276,7 @@ def _width(spec: MoESpec) -> str:
 
 def implementation(device: torch.device) -> Backend:
     """The op's implementation on ``device`` (``ops/backend.Backend``): the Triton kernels or the torch path, as
-    ``common._backend`` says."""
+    ``common.backend_name`` says."""
     if _backend(device) == "triton":
         # lazy: triton_moe imports Triton and the kernels, which ``import moecomp`` should not pay for; triton_moe
         # never imports this module (no cycle)

@@ -3,7 +3,7 @@ torch-level steps: the latent input's norm (every path: a [T, L] row norm next t
 it does not pay to fuse), the torch path's per-pair expert-output norm and the shared experts' output norm (the torch
 path, and the Triton path's torch step after the shared GEMMs). The Triton path normalises the pairs' rows in its
 combine (``kernels/norm_combine.py``, launched by ``triton_norm.norm_combine``). Torch only; the forms
-(``moecomp.spec``):
+(``moecomp.core.spec``):
 
     "rms"             round(v / rms(v) * w)
     "rms_1p"          round(v / rms(v) * (1 + w))              1 + w formed in w's dtype
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import PER_EXPERT_NORMS, MoESpec
+from ..core.spec import PER_EXPERT_NORMS, MoESpec
 
 
 def _unit_rms(v: torch.Tensor, eps: float) -> torch.Tensor:

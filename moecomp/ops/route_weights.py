@@ -1,6 +1,6 @@
 """The routing weights' last steps on the op's torch-level code (the torch path's routing, ``ops/cpu_route.py``, and
 the Triton path's capacity drop, ``ops/capacity.py``): the renormalisation's denominator, the routed scaling, the
-routing contract's finite weights and the rounding through the model dtype (``moecomp.spec`` has the rules; the
+routing contract's finite weights and the rounding through the model dtype (``moecomp.core.spec`` has the rules; the
 routing kernel does the same in its epilogue). Written for the op, apart from the oracle.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
 

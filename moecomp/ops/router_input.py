@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 
 
 def router_in(x2: torch.Tensor, args: dict, spec: MoESpec) -> torch.Tensor:

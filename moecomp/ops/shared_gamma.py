@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 from . import cpu_act
 
 

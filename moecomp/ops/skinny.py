@@ -12,7 +12,7 @@ import torch
 import triton
 
 from ..kernels import skinny as skinny_k
-from .common import _sm_count
+from .common import sm_count as _sm_count
 
 MAX_ROWS = 4
 _W_SCALE = {None: 0, "block": 1, "channel": 2, "tensor": 3}

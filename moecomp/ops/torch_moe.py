@@ -9,7 +9,7 @@ batched GEMM over gathered weights in bounded chunks), and the weighted combine 
 (id -1), and no GEMM sees them.
 Routing (``ops/cpu_route.py``: the router's own input / prefix, hash routing, capacity, gammas, expert_scale), the
 activations (``ops/cpu_act.py``), the shared experts (``ops/cpu_shared.py``) and the norms (``ops/norms.py``) are the
-op's own torch code, written apart from the oracle (``moecomp.reference``) that the tests compare this path with.
+op's own torch code, written apart from the oracle (``moecomp.oracle.reference``) that the tests compare this path with.
 Latent experts (``spec.latent_size``): the experts run on ``latent_in(x)`` and their combined output, rounded to x's
 dtype, goes through ``latent_out`` before the shared experts are added (``ops/latent.py``). Norms
 (``spec.latent_norm`` / ``expert_norm``): on the latent input and on each pair's output row.
@@ -22,9 +22,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .. import policy
-from .. import quant as q8
-from ..spec import MoESpec
+from ..core import policy
+from ..core import quant as q8
+from ..core.spec import MoESpec
 from . import cpu_act, cpu_route, cpu_shared, latent, norms
 from .backend import Routed
 from .common import split_fused_gate

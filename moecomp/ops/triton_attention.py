@@ -8,7 +8,7 @@ import torch
 import triton
 
 from ..kernels import decode_attention as attn_k
-from .common import _precision, _upcast
+from .common import dot_precision as _precision, upcast_bf16 as _upcast
 
 
 def _splits(B: int, Hkv: int, L: int, block_n: int) -> int:

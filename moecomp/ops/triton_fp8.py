@@ -26,9 +26,9 @@ import triton
 
 from ..kernels import fp8 as fp8_k
 from ..kernels import fp8_linear as fp8_linear_k
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 from . import fp8_blas, skinny, triton_quant4, tuning
-from .common import _interpret, _precision, _sm_count, _upcast
+from .common import interpret as _interpret, dot_precision as _precision, sm_count as _sm_count, upcast_bf16 as _upcast
 
 W_SCALE = {"block": 1, "channel": 2, "tensor": 3}
 ACT_GROUP = 128

@@ -20,9 +20,10 @@ import triton
 from .act_args import act_args
 from ..kernels import fp8 as fp8_k
 from ..kernels import grouped_gemm_tma_fp8 as k8
-from ..spec import MoESpec
-from .common import _interpret
-from .tma import _desc, _programs, _TensorDescriptor, _tma_rows, _w13_desc, tma_device
+from ..core.spec import MoESpec
+from .common import interpret as _interpret
+from .tma import (tma_desc as _desc, persistent_programs as _programs, tensor_descriptor_class as _TensorDescriptor,
+                  tma_rows as _tma_rows, w13_desc as _w13_desc, tma_device)
 from . import triton_fp8
 from .triton_fp8 import ACT_GROUP, H_DTYPE, QAct, fp8_a, quantize_act
 

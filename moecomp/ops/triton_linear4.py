@@ -23,7 +23,7 @@ import triton
 
 from ..kernels import linear4 as lin4_k
 from . import skinny
-from .common import _on_device, _precision, _sm_count, _upcast
+from .common import on_device as _on_device, dot_precision as _precision, sm_count as _sm_count, upcast_bf16 as _upcast
 from .triton_quant4 import FORMS, W4_CODES, device_form, options, tile
 
 MAX_SKINNY_ROWS = skinny.MAX_ROWS

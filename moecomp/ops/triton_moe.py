@@ -54,7 +54,7 @@ from ..kernels import grouped_gemm as gemm_k
 from ..kernels import grouped_gemm_tma as tma_k
 from ..kernels import router as router_k
 from ..kernels import routing as routing_k
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 from . import capacity as cap
 from . import triton_fp8, triton_quant4_gemv, tuning
 from . import triton_fp8_tma as fp8_tma
@@ -68,9 +68,11 @@ from .tuning import ROUTE_ELEMS, ROUTE_ONE_TOKEN_T, route_tiles  # noqa: F401  (
 from .router_input import router_in
 from .triton_shared import shared_mlp, shared_part  # noqa: F401  (shared_part: this path's Backend.shared_part)
 from .tma import (  # noqa: F401  (tests read them here)
-    _desc, _programs, _TensorDescriptor, _tma1_ok, _tma_ok, _tma_rows, _w13_desc, tma_device)
+    tma_desc as _desc, persistent_programs as _programs, tensor_descriptor_class as _TensorDescriptor,
+    tma1_ok as _tma1_ok, tma_ok as _tma_ok, tma_rows as _tma_rows, w13_desc as _w13_desc, tma_device)
 from .common import (  # noqa: F401  (used here and by tests / benchmarks)
-    _flat_ids, _interpret, _precision, _sm_count, _upcast, _w_strides)
+    flat_ids as _flat_ids, interpret as _interpret, dot_precision as _precision, sm_count as _sm_count,
+    upcast_bf16 as _upcast, w_strides as _w_strides)
 from .triton_fp8 import (  # noqa: F401  (expert_quant: also the tuner's and tests')
     block_cfg as _block_cfg, expert_kwargs, expert_quant, fp8_a, fp8_linear, fp8_tile, gemm1_io, quant_kwargs)
 
@@ -210,7 +212,7 @@ def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     if T == 0:
         return ids, weights
-    # "topk_then_score" is top-k of the raw logits, then the score of the chosen (moecomp.reference): no correction
+    # "topk_then_score" is top-k of the raw logits, then the score of the chosen (moecomp.oracle.reference): no correction
     # bias and no group-limited selection take part, whatever else the spec says (the kernel would apply both).
     plain_topk = spec.score_order == "topk_then_score"
     n_group = 1 if plain_topk else spec.n_group

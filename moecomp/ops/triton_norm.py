@@ -11,8 +11,8 @@ import torch
 import triton
 
 from ..kernels import norm_combine as nc_k
-from ..spec import PER_EXPERT_NORMS, MoESpec
-from .common import _flat_ids
+from ..core.spec import PER_EXPERT_NORMS, MoESpec
+from .common import flat_ids as _flat_ids
 
 
 def norm_combine(y: torch.Tensor, weights: torch.Tensor, nw: torch.Tensor, spec: MoESpec, T: int, k: int,

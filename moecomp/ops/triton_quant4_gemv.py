@@ -34,11 +34,11 @@ import torch
 import triton
 
 from ..kernels import quant4_gemv as gemv_k
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 from . import weight_on_input as woi
 from . import zero_experts as zx
 from .act_args import act_args
-from .common import _interpret, _sm_count
+from .common import interpret as _interpret, sm_count as _sm_count
 
 MODES = ("gemv", "dot")
 MIN_PROGRAMS_PER_SM = 2

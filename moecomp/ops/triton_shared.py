@@ -14,7 +14,7 @@ import torch
 import triton
 
 from ..kernels import combine as combine_k
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 from . import cpu_act, norms
 from . import shared_gamma as sg
 from .act_args import act_args

@@ -6,7 +6,7 @@ largest listed token count <= T; a config holds ``BLOCK_M`` (shared by alignment
 ``g1`` / ``g2`` dicts of ``BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages``, and optionally ``decode``:
 ``max_t`` (the decode path up to this many tokens) with its own ``g1`` (DIRECT gemm1) and ``g2`` (``mode``
 "fused": the down-combine kernel, or "pairs": gemm2 DIRECT + combine) tiles; without it, ``decode_config``'s
-heuristic. ``python -m moecomp tune`` (:mod:`moecomp.tune`; ``benchmarks/tune_moe.py`` wraps it) writes them, and
+heuristic. ``python -m moecomp tune`` (:mod:`moecomp.cli.tune`; ``benchmarks/tune_moe.py`` wraps it) writes them, and
 their measurements to ``<device>.meta.json``.
 """
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 
 
 def gemm1_kwargs(spec: MoESpec, weights: torch.Tensor | None) -> dict:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 
 
 def zero_term(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, spec: MoESpec) -> torch.Tensor:

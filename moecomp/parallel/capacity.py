@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..spec_parallel import ParallelSpec
+from ..core.spec_parallel import ParallelSpec
 from .dispatch import destinations, meta_rows
 
 

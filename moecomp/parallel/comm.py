@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..spec_parallel import ParallelSpec
+from ..core.spec_parallel import ParallelSpec
 
 _GROUPS: dict = {}  # name -> process group (groups named by group_name(); others resolved through c10d)
 _COMMS: dict = {}  # (name, id(group), world_size, rank) -> DistComm, checked once

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..spec_parallel import ParallelSpec
+from ..core.spec_parallel import ParallelSpec
 
 
 def destinations(ids: torch.Tensor, p: ParallelSpec, E: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 
 from ..ops.backend import Routed
 from ..ops.zero_experts import zero_term
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 from . import capacity, dispatch, local, overlap
 
 

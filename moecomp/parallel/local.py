@@ -18,9 +18,9 @@ import functools
 
 import torch
 
-from ..ops.common import EXPERT_ARGS, EXPERT_QUANT_ARGS
+from ..core.args import EXPERT_ARGS, EXPERT_QUANT_ARGS
 from ..ops.moe_op import call_moe_experts
-from ..spec import MoESpec, SpecError
+from ..core.spec import MoESpec, SpecError
 
 SHARD_ARGS = EXPERT_ARGS + EXPERT_QUANT_ARGS  # the tensors a rank holds a shard of (everything else is whole)
 

@@ -33,9 +33,9 @@ import torch
 
 from ..ops import latent
 from ..ops.backend import Routed
-from ..ops.common import OP_ARGS
+from ..core.args import OP_ARGS
 from ..ops.moe_op import check_args, plain_eager
-from ..spec import MoESpec, SpecError
+from ..core.spec import MoESpec, SpecError
 from . import ep, route, tp
 from .comm import comm_for
 from .local import SHARD_ARGS, check_shards

@@ -34,8 +34,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..spec import MoESpec
-from ..spec_parallel import ParallelSpec
+from ..core.spec import MoESpec
+from ..core.spec_parallel import ParallelSpec
 from . import local
 from .comm import Pending
 from .dispatch import destinations, meta_rows

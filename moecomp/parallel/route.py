@@ -20,7 +20,7 @@ import torch
 
 from ..ops.backend import Routed
 from ..ops.moe_op import implementation
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 
 
 def route(x2: torch.Tensor, args: dict, spec: MoESpec, shape) -> Routed:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import MoESpec, SpecError
+from ..core.spec import MoESpec, SpecError
 from .local import SHARD_ARGS
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import MoESpec
+from ..core.spec import MoESpec
 from . import local
 from ..ops.backend import Routed
 

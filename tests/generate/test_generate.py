@@ -15,7 +15,7 @@ import torch
 
 import moecomp
 from moecomp.generate import sampling
-from moecomp.optimize import rewritten_blocks
+from moecomp.api.optimize import rewritten_blocks
 
 from .models import FAMILIES, build, prompts
 
@@ -400,8 +400,8 @@ def test_layers_share_one_compiled_entry(family):
     forwards are back in place after the call."""
     from torch._dynamo.utils import counters
 
-    from moecomp.hf.bind import BoundForward
-    from moecomp.hf.bind_experts import ExpertsForward
+    from moecomp.bind.bind import BoundForward
+    from moecomp.bind.bind_experts import ExpertsForward
 
     ref, opt = _pair(family, layers=4)
     eng = opt.generate._engine()

@@ -1,4 +1,4 @@
-"""Blocks with an expert capacity, rewritten whole through the dispatch reader (``hf/dispatch_reader.py``: Dynamo
+"""Blocks with an expert capacity, rewritten whole through the dispatch reader (``recognise/dispatch_reader.py``: Dynamo
 cannot capture them; the block is run with its expert modules observed) and checked by the verify stage on crowd
 probes: Switch Transformers (transformers' own model, top-1, a fixed capacity per sequence), a hand-written top-2
 block whose capacity is a fraction of the call's tokens and whose weights are renormalised over the pairs kept
@@ -19,10 +19,10 @@ import torch
 import torch.nn as nn
 
 import moecomp
-from moecomp.hf import families as F
-from moecomp.hf.bind import bound_tensors
-from moecomp.hf.families import OpCounter
-from moecomp.ops.common import MOE_ARGS
+from moecomp.coverage import families as F
+from moecomp.bind.bind import bound_tensors
+from moecomp.coverage.families import OpCounter
+from moecomp.core.args import MOE_ARGS
 
 from .conftest import rel_err
 
@@ -193,7 +193,7 @@ def test_capacity_beyond_the_probes_is_bound_with_a_token_limit(poison):
     _, rep = moecomp.optimize(m, report=True)
     assert [b.name for b in rep.rewritten] == ["0.block", "2.block"], str(rep)
     st = m[0].block._moecomp
-    assert not st.spec.has_capacity and st.max_tokens == max(moecomp.policy.CAPACITY_PROBE_SEQS)
+    assert not st.spec.has_capacity and st.max_tokens == max(moecomp.core.policy.CAPACITY_PROBE_SEQS)
     assert any("bound for calls of at most" in n for n in rep.rewritten[0].notes)
     for T, op_calls in ((40, 2), (st.max_tokens + 1, 0)):
         x = torch.randn(1, T, H, generator=torch.Generator().manual_seed(T))
@@ -229,10 +229,10 @@ class CappedFFN(FFN):
 @pytest.mark.parametrize("expert,why", [(NormedFFN, "is not a dense MLP by its shapes"),
                                         (CappedFFN, "computes no activation the spec knows")])
 def test_dispatch_reader_refuses_with_a_reason(expert, why):
-    from moecomp import policy
-    from moecomp.hf import dispatch_reader
-    from moecomp.hf.structure import structural_parts
-    from moecomp.reject import Reject
+    from moecomp.core import policy
+    from moecomp.recognise import dispatch_reader
+    from moecomp.recognise.structure import structural_parts
+    from moecomp.core.reject import Reject
 
     b = _top2_model(3)[0].block
     b.pool = nn.ModuleDict({f"ffn{i}": expert() for i in range(E)})

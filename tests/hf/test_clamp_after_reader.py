@@ -1,10 +1,10 @@
 """The activation clamped after it (``activation_clamp_after``: min(act(g), L) * clamp(u, -L, L), Step-3.7-Flash's
-``limit_after_act``) measured, not read, by the attribute reader's probes (``hf/activations.py``): the experts'
+``limit_after_act``) measured, not read, by the attribute reader's probes (``probe/activations.py``): the experts'
 ``_apply_gate`` (``probe_gate``) and a dense MLP called whole (``probe_mlp``), on synthetic modules; the near
 variants the spec lacks named (``describe_unknown_gate``); verify's activation check refusing a spec that drops the
 clamp or takes it for the other one; and transformers' own Step-3.7 (the ``step3p7:limits`` variant: routed and
 shared experts clamped at 0.5) read whole by the attribute reader and by the experts interface. Probe inputs
-(pre-activations over about +-20 / +-25) and tolerances: ``moecomp.policy``."""
+(pre-activations over about +-20 / +-25) and tolerances: ``moecomp.core.policy``."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moecomp.hf import activations as A
-from moecomp.hf import families as Fam
-from moecomp.hf.structure import iter_blocks, mlp_parts
+from moecomp.probe import activations as A
+from moecomp.coverage import families as Fam
+from moecomp.recognise.structure import iter_blocks, mlp_parts
 
 
 class GateExperts(nn.Module):
@@ -108,7 +108,7 @@ def _step3p7_block():
 
 @needs_step3p7
 def test_step3p7_read_by_the_attribute_reader():
-    from moecomp.hf import fallback as fb
+    from moecomp.recognise import fallback as fb
 
     block, parts = _step3p7_block()
     s = fb.static_extract(block, parts).spec

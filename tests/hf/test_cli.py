@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from moecomp import cli, demo
+from moecomp import cli
+from moecomp.cli import demo
 
 
 @pytest.fixture
@@ -66,7 +67,7 @@ def test_demo_cpu(capsys):
 def test_scan_reads_code_not_comments(tmp_path, capsys):
     """MiniMax-M3's router says "# Sigmoid scoring (not softmax)" above `F.sigmoid(...)`: on the meta device the
     attribute fallback reads the source, and a comment must not count as code."""
-    from moecomp.hf import families
+    from moecomp.coverage import families
 
     model, _ = families.build_tiny("minimax_m3_vl")
     path = tmp_path / "config.json"
@@ -80,7 +81,7 @@ def test_scan_reads_code_not_comments(tmp_path, capsys):
 def test_scan_meta_says_when_experts_only_is_possible(tmp_path, capsys):
     """Gemma-4's router sits in the decoder layer (no whole-block rewrite); on the meta device the scan says that
     its experts module could still run moecomp's experts path once weights are loaded."""
-    from moecomp.hf import families
+    from moecomp.coverage import families
 
     model, _ = families.build_tiny("gemma4")
     path = tmp_path / "config.json"

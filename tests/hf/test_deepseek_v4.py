@@ -1,4 +1,4 @@
-"""DeepSeek-V4 (``DeepseekV4ForCausalLM``, tiny: ``hf/families.py``'s config, ``mlp_layer_types = [hash_moe, moe]``):
+"""DeepSeek-V4 (``DeepseekV4ForCausalLM``, tiny: ``coverage/families.py``'s config, ``mlp_layer_types = [hash_moe, moe]``):
 layer 0's MoE block routes by its router's frozen table ``tid2eid[input_ids]`` (the weights its sqrt(softplus)
 scores there, renormalised, x1.5), layer 1's by a biased top-k. ``moecomp.optimize`` must rewrite both, layer 0 with
 a ``hash_routing`` spec found by the FX pass, the table bound as the router's buffer and the token ids as the block
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import moecomp
-from moecomp.hf import families as F
-from moecomp.match import forward_arg
+from moecomp.coverage import families as F
+from moecomp.core.match import forward_arg
 
 from .conftest import rel_err
 

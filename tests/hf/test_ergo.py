@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import moecomp
-from moecomp.hf import families as F
+from moecomp.coverage import families as F
 
 from .conftest import rel_err
 

@@ -8,7 +8,7 @@ import torch
 
 import moecomp  # noqa: F401  (registers "moecomp")
 from moecomp.hf import experts_interface as ei
-from moecomp.hf import families as F
+from moecomp.coverage import families as F
 
 from .conftest import rel_err
 

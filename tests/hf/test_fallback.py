@@ -4,13 +4,13 @@ import pytest
 import torch
 
 import moecomp
-from moecomp.hf import families as F
-from moecomp.hf import fallback as fb
-from moecomp.hf.activations import activation_mismatch
-from moecomp.hf.structure import iter_blocks
-from moecomp.match import Match
-from moecomp.recognise import fx_available, recognise
-from moecomp.verify import fit_routed_scale, verify
+from moecomp.coverage import families as F
+from moecomp.recognise import fallback as fb
+from moecomp.probe.activations import activation_mismatch
+from moecomp.recognise.structure import iter_blocks
+from moecomp.core.match import Match
+from moecomp.recognise.recognise import fx_available, recognise
+from moecomp.verify.verify import fit_routed_scale, verify
 
 
 def fallback_spec(block, parts, x):
@@ -41,7 +41,7 @@ def test_fallback_spec_equals_fx_spec(family):
     model, _ = F.build_tiny(family)
     name, block, parts = first_block(model)
     block.eval()
-    probe = moecomp.policy.probe_input(parts.hidden_size, "cpu", next(block.parameters()).dtype)
+    probe = moecomp.core.policy.probe_input(parts.hidden_size, "cpu", next(block.parameters()).dtype)
     m, notes = recognise(block, parts, probe)
     assert isinstance(m, Match) and m.method == "fx", (m, notes)
     spec_fx = verify(block, m, probe, fb.numeric_consts(fb.attr_sources(block, parts), 1), notes).match.spec

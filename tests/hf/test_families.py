@@ -8,7 +8,7 @@ optimized model must never differ from the original, and every family keeps its 
 import pytest
 import torch
 
-from moecomp.hf import families as F
+from moecomp.coverage import families as F
 
 # One pinned outcome per family (transformers 5.24, docs/coverage.md): rewritten whole and equal, experts only with
 # the named reason, or left alone with the named reason. A family missing from the installed transformers (e.g.
@@ -27,14 +27,14 @@ EQUAL = (
 # (deepseek_v4: a hash-routed layer, MoESpec.hash_routing, and a top-k one, both rewritten)
 OUTCOME = {
     **{f: ("equal", "") for f in EQUAL},
-    # router and experts siblings in a decoder layer (moecomp.pair): rewritten together, the router reading its own
+    # router and experts siblings in a decoder layer (moecomp.api.pair): rewritten together, the router reading its own
     # input (RMS norm, a scale vector, H ** -0.5) and per-expert weight multipliers (MoESpec.router_input, ...)
     "diffusion_gemma": ("equal", ""),
     "gemma4": ("equal", ""),
     # the whole block is beyond the spec (an MLP router over E + 1 classes, a router state passed from layer to layer:
-    # hf/router_probe.py measures it); its standard experts module runs moe_experts, routing stays HF's
+    # recognise/router_probe.py measures it); its standard experts module runs moe_experts, routing stays HF's
     "zaya": ("experts only", "after an MLP router"),
-    # found by structure (no @use_experts_implementation): hf/discover.py
+    # found by structure (no @use_experts_implementation): recognise/discover.py
     "llama4": ("equal", ""),
     # a router [E + S, H] whose last S rows give the S stacked shared experts' gammas, renormalised with the chosen
     # weights (MoESpec.shared_gamma, SharedExpertSpec.stacked, has_weight_scale)
@@ -43,7 +43,7 @@ OUTCOME = {
     # its MoE MLPs rewritten (an output bias: epilogue.find_output_bias); its attention experts (JetMoeMoA: a
     # map / reduce module whose forward raises) left alone
     "jetmoe": ("partial", "This module doesn't support call and forward"),
-    # Dynamo cannot capture these; the dispatch reader reads them (hf/dispatch_reader.py). Switch: a fixed expert
+    # Dynamo cannot capture these; the dispatch reader reads them (recognise/dispatch_reader.py). Switch: a fixed expert
     # capacity per sequence (MoESpec.capacity). NLLB-MoE (5.24): its experts module one-hot-encodes the router's
     # one-hot mask, so expert module 0 computes every token's second-choice slots and module 1 every first choice,
     # whatever the router picked: not a routed MoE

@@ -1,8 +1,8 @@
 """FP8 block checkpoints (issue 19): transformers' FP8Experts / FP8Linear models, reached from every entry point.
 
 Tiny models are built from a config (bf16), converted to what transformers builds for an FP8 block checkpoint
-(``moecomp.hf.fp8_convert.to_fp8``), and compared with the same model run with the plain-PyTorch FP8 forwards
-(``moecomp.hf.fp8.plain_fp8``: the dequantized reference, activations quantized as the modules say; transformers'
+(``moecomp.testing.fp8_convert.to_fp8``), and compared with the same model run with the plain-PyTorch FP8 forwards
+(``moecomp.formats.fp8.plain_fp8``: the dequantized reference, activations quantized as the modules say; transformers'
 own FP8 forwards need the hub's kernel).
 
 Tolerances (max |a - b| / max |b| over the logits):
@@ -25,12 +25,12 @@ import pytest
 import torch
 
 import moecomp
-from moecomp import policy
+from moecomp.core import policy
 from moecomp.hf import experts_interface as ei
-from moecomp.hf import families as F
-from moecomp.hf import fp8 as P
-from moecomp.hf import fp8_convert as C
-from moecomp.optimize import rewritten_blocks
+from moecomp.coverage import families as F
+from moecomp.formats import fp8 as P
+from moecomp.testing import fp8_convert as C
+from moecomp.api.optimize import rewritten_blocks
 
 from .conftest import rel_err
 
@@ -256,7 +256,7 @@ def test_checkpoint_writer(tmp_path):
             w, s = f.get_tensor(f"{pre}experts.{i}.{proj}.weight"), f.get_tensor(f"{pre}experts.{i}.{proj}.weight_scale_inv")
             assert w.dtype == P.FP8 and w.shape == shape and s.dtype == torch.float32 and s.shape == (1, 1)
     ref = model.model.layers[0].mlp.experts.down_proj[3].detach().float()
-    deq = moecomp.quant.dequantize(f.get_tensor(f"{pre}experts.3.down_proj.weight"),
+    deq = moecomp.core.quant.dequantize(f.get_tensor(f"{pre}experts.3.down_proj.weight"),
                                    f.get_tensor(f"{pre}experts.3.down_proj.weight_scale_inv"), q)
     assert rel_err(deq, ref) <= 2 ** -4  # one e4m3 rounding
     for k in (f"{pre}gate.weight", "lm_head.weight", "model.embed_tokens.weight", f"{pre}gate.e_score_correction_bias"):
@@ -275,7 +275,7 @@ def test_checkpoint_reload_dequantizes(tmp_path):
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
     fp8 = C.to_fp8(copy.deepcopy(model))
     ex = fp8.model.layers[0].mlp.experts
-    deq = moecomp.quant.dequantize(ex.gate_up_proj, ex.gate_up_proj_scale_inv, C.block_quant(), 2)
+    deq = moecomp.core.quant.dequantize(ex.gate_up_proj, ex.gate_up_proj_scale_inv, C.block_quant(), 2)
     got = back.model.layers[0].mlp.experts.gate_up_proj.float()
     assert rel_err(got, deq) <= 1e-2
 
@@ -283,7 +283,7 @@ def test_checkpoint_reload_dequantizes(tmp_path):
 def test_compile_backend_rewrites_fp8(ids):
     """``torch.compile(backend="moecomp")`` on an FP8 model: FP8Experts / FP8Linear trace as the plain forwards
     (for this backend only), each block becomes one moe_forward with its scales, the other FP8 linears fp8_linear."""
-    import moecomp.backend as B
+    import moecomp.api.backend as B
 
     torch._dynamo.reset()
     moecomp.counters.clear()
@@ -301,12 +301,12 @@ def test_compile_backend_rewrites_fp8(ids):
 
 def test_tracing_ops_opcheck():
     """moecomp::dequant_fp8 / moecomp::fake_quant_act (the tracing vocabulary): fake kernels agree with the real ones
-    (``test_schema`` cannot run on fp8 inputs on CPU: docs/FP8.md), results equal moecomp.quant's."""
+    (``test_schema`` cannot run on fp8 inputs on CPU: docs/FP8.md), results equal moecomp.core.quant's."""
     q = C.block_quant()
     x = torch.randn(4, 256, dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.moecomp.fake_quant_act.default, (x, q.key, None))
-    assert torch.equal(torch.ops.moecomp.fake_quant_act(x, q.key, None), moecomp.quant.fake_quant_act(x, q))
-    w, s = moecomp.quant.quantize(torch.randn(256, 128), q)
+    assert torch.equal(torch.ops.moecomp.fake_quant_act(x, q.key, None), moecomp.core.quant.fake_quant_act(x, q))
+    w, s = moecomp.core.quant.quantize(torch.randn(256, 128), q)
     torch.library.opcheck(torch.ops.moecomp.dequant_fp8.default, (w, s, q.key, 1),
                           test_utils=("test_faketensor", "test_aot_dispatch_static"))
-    assert torch.equal(torch.ops.moecomp.dequant_fp8(w, s, q.key, 1), moecomp.quant.dequantize(w, s, q))
+    assert torch.equal(torch.ops.moecomp.dequant_fp8(w, s, q.key, 1), moecomp.core.quant.dequantize(w, s, q))

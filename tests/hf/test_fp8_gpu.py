@@ -17,8 +17,8 @@ import torch
 pytest.importorskip("transformers")
 
 import moecomp  # noqa: E402
-from moecomp.hf import fp8 as P  # noqa: E402
-from moecomp.hf import fp8_convert as C  # noqa: E402
+from moecomp.formats import fp8 as P  # noqa: E402
+from moecomp.testing import fp8_convert as C  # noqa: E402
 
 from .conftest import rel_err  # noqa: E402
 from .test_fp8 import TOL_PLAIN, build  # noqa: E402

@@ -1,8 +1,8 @@
 """int4 GPTQ / AWQ checkpoints (issue 22): the converters against an independent writer, and load_int4.
 
-Converters: known codes, zeros and scales are packed the checkpoint way (``moecomp.hf.int4_writer.pack_gptq`` /
+Converters: known codes, zeros and scales are packed the checkpoint way (``moecomp.testing.int4_writer.pack_gptq`` /
 ``pack_awq``: a shift and an OR per nibble, as the quantizers write them; plus hand-written words for the nibble
-orders), converted (``gptq_to_packed`` / ``awq_to_packed``), and ``moecomp.quant.dequantize`` of the result must
+orders), converted (``gptq_to_packed`` / ``awq_to_packed``), and ``moecomp.core.quant.dequantize`` of the result must
 equal ``(code - zero) * scale`` computed from the known values: exactly (both are one fp32 product of the same
 numbers).
 
@@ -28,13 +28,14 @@ import pytest
 import torch
 
 import moecomp
-from moecomp import quant as q8
-from moecomp.hf import families as F
-from moecomp.hf import gptq as G
-from moecomp.hf import int4_writer as W
-from moecomp.hf.packed import PackedExperts
-from moecomp.hf.packed_linear import Packed4Linear
-from moecomp.spec import QuantSpec
+from moecomp.core import quant as q8
+from moecomp.coverage import families as F
+from moecomp.api import load_gptq as L
+from moecomp.formats import gptq as G
+from moecomp.testing import int4_writer as W
+from moecomp.formats.packed import PackedExperts
+from moecomp.formats.packed_linear import Packed4Linear
+from moecomp.core.spec import QuantSpec
 
 from .conftest import rel_err
 
@@ -249,8 +250,8 @@ def test_load_int4_matches_dequantized(tmp_path, ids, family, fmt, sym, v1, capl
     W.write_int4_checkpoint(model, str(tmp_path), fmt, GROUP, sym, attention=True, v1=v1)
     with open(os.path.join(tmp_path, "config.json")) as f:
         assert json.load(f)["quantization_config"]["quant_method"] == fmt
-    with caplog.at_level(logging.WARNING, logger="moecomp.hf.gptq"):
-        got = G.load_int4(str(tmp_path), dtype=torch.float32)
+    with caplog.at_level(logging.WARNING, logger="moecomp.api.load_gptq"):
+        got = L.load_int4(str(tmp_path), dtype=torch.float32)
     assert not caplog.text  # the int4 attention projections stay 4-bit: nothing dequantized, nothing to warn about
     lin = {n: m for n, m in got.named_modules() if isinstance(m, Packed4Linear)}
     assert len(lin) == 4 * model.config.num_hidden_layers and all(n.split(".")[-2] == "self_attn" for n in lin)
@@ -269,7 +270,7 @@ def test_load_int4_bf16(tmp_path, ids, family):
     W.write_int4_checkpoint(model, str(tmp_path), "gptq", GROUP, True, max_shard_size="200KB")
     assert os.path.exists(tmp_path / "model.safetensors.index.json")
     assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 1
-    got = G.load_int4(str(tmp_path))
+    got = L.load_int4(str(tmp_path))
     assert got.model.embed_tokens.weight.dtype == torch.bfloat16
     check_packed(got, GROUP, zero_point=False)
     err = rel_err(logits(got, ids), logits(reference(model, GROUP, True, torch.bfloat16, attention=False), ids))
@@ -283,7 +284,7 @@ def test_load_int4_other_families(tmp_path, ids, family):
     correction bias): GPTQ v1 asymmetric."""
     model = build(family)
     W.write_int4_checkpoint(model, str(tmp_path), "gptq", GROUP, False, attention=True)
-    got = G.load_int4(str(tmp_path), dtype=torch.float32)
+    got = L.load_int4(str(tmp_path), dtype=torch.float32)
     assert check_packed(got, GROUP, zero_point=True) == model.config.num_hidden_layers
     assert rel_err(logits(got, ids), logits(reference(model, GROUP, False), ids)) <= TOL_FP32
 
@@ -293,7 +294,7 @@ def test_load_int4_tied_embeddings(tmp_path, ids):
     model, _ = F.build_tiny("qwen3_moe", sizes={**SIZES["qwen3_moe"], "tie_word_embeddings": True})
     model = model.float().eval()
     W.write_int4_checkpoint(model, str(tmp_path), "awq", GROUP, False)
-    got = G.load_int4(str(tmp_path), dtype=torch.float32)
+    got = L.load_int4(str(tmp_path), dtype=torch.float32)
     assert got.lm_head.weight is got.model.embed_tokens.weight
     assert rel_err(logits(got, ids), logits(reference(model, GROUP, False, attention=False), ids)) <= TOL_FP32
 
@@ -310,13 +311,13 @@ def test_load_int4_refusals(tmp_path):
     t[key] = good.flip(0).contiguous()  # act-order
     save_file(t, f, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts.2.down: g_idx is not k // 64.*act-order"):
-        G.load_int4(path)
+        L.load_int4(path)
     t[key] = good
     up = "model.layers.0.block_sparse_moe.experts.0.w3.scales"
     t[up] = t[up][:, :64].contiguous()
     save_file(t, f, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"experts.0.up: scales has shape \[2, 64\]; expected \[\*, 128\]"):
-        G.load_int4(path)
+        L.load_int4(path)
 
 
 def test_optimize_binds_packed_blocks(tmp_path, ids):
@@ -324,7 +325,7 @@ def test_optimize_binds_packed_blocks(tmp_path, ids):
     the loaded model (the FX pass reads PackedExperts blocks: docs/QUANT4.md, "Recognition")."""
     model = build("qwen3_moe")
     W.write_int4_checkpoint(model, str(tmp_path), "gptq", GROUP, True)
-    got = G.load_int4(str(tmp_path), dtype=torch.float32)
+    got = L.load_int4(str(tmp_path), dtype=torch.float32)
     want = logits(got, ids)
     packed = {n: m.w13 for n, m in got.named_modules() if isinstance(m, PackedExperts)}
     got, rep = moecomp.optimize(got, report=True, fast_generate=False)
@@ -338,8 +339,8 @@ def test_load_int4_cuda(tmp_path, ids):
     """Loaded straight to the GPU (repacked there), bf16: the same logits as the CPU load within TOL_BF16."""
     model = build("qwen3_moe")
     W.write_int4_checkpoint(model, str(tmp_path), "awq", GROUP, False, attention=True)
-    got = G.load_int4(str(tmp_path), device="cuda")
+    got = L.load_int4(str(tmp_path), device="cuda")
     check_packed(got, GROUP, zero_point=True)
     assert all(t.device.type == "cuda" for t in got.state_dict().values())
-    want = logits(G.load_int4(str(tmp_path), dtype=torch.float32), ids)
+    want = logits(L.load_int4(str(tmp_path), dtype=torch.float32), ids)
     assert rel_err(logits(got, ids.cuda()).cpu(), want) <= TOL_BF16

@@ -1,5 +1,5 @@
 """``set_experts_implementation(name)`` after ``moecomp.optimize``: the bound blocks run what was asked for, and come
-back to moecomp's op on ``set_experts_implementation("moecomp")`` or ``optimize`` again (hf/impl_switch.py). The
+back to moecomp's op on ``set_experts_implementation("moecomp")`` or ``optimize`` again (bind/impl_switch.py). The
 check transformers' own model tests make (``test_eager_matches_batched_and_grouped_inference``: the implementation
 named is called), done here with a counting wrapper instead of a mock."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import moecomp
-from moecomp.hf import families as F
+from moecomp.coverage import families as F
 
 from .conftest import rel_err
 
@@ -43,7 +43,7 @@ def _counting(name, calls):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "olmoe"])
 def test_named_implementation_runs_after_optimize(family, ids, poison, monkeypatch):
-    from moecomp.hf import impl_switch
+    from moecomp.bind import impl_switch
 
     monkeypatch.setattr(impl_switch, "_warned", set())  # (once per process: this test looks for the warning)
     model, _ = F.build_tiny(family)

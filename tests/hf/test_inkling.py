@@ -1,4 +1,4 @@
-"""Inkling (``InklingForCausalLM`` built tiny by ``moecomp.hf.families.build_tiny``): its MoE (``InklingMoE``, the
+"""Inkling (``InklingForCausalLM`` built tiny by ``moecomp.coverage.families.build_tiny``): its MoE (``InklingMoE``, the
 ``mlp`` of each MoE decoder layer) has a router ``[E + S, H]`` whose last S rows score the S shared experts; the k
 chosen routed logits and the S shared ones are renormalised together (``exp(logsigmoid - logsumexp)``), times
 ``route_scale`` and the learned ``global_scale`` Parameter [1]; the S shared experts are stacked ``[S, I, H]`` and
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import moecomp
-from moecomp.hf import families as F
+from moecomp.coverage import families as F
 
 from .conftest import rel_err
 
@@ -104,9 +104,9 @@ def _first_block(model):
 
 def _read_alone(block):
     """The attribute reader's answer for ``block`` (measured on the probe input), and the block's parts."""
-    from moecomp import policy
-    from moecomp.hf import fallback
-    from moecomp.hf.structure import find_parts
+    from moecomp.core import policy
+    from moecomp.recognise import fallback
+    from moecomp.recognise.structure import find_parts
 
     parts = find_parts(block)
     return fallback.recognise(block, parts, policy.probe_input(parts.hidden_size, torch.device("cpu"),
@@ -117,7 +117,7 @@ def test_attribute_reader_finds_the_weight_scale_by_what_it_does():
     """A second one-element Parameter of the router that the routing does not read (named to come first) is not
     taken for the weight scale; the global scale, which multiplies the weights, is (and the routed scale is the
     config's route_scale, not route_scale times the global scale's value)."""
-    from moecomp.reject import Reject
+    from moecomp.core.reject import Reject
 
     model = tiny_inkling(2)
     blk = _first_block(model)
@@ -136,7 +136,7 @@ def test_attribute_reader_refuses_gammas_renormalised_apart():
 
     import torch.nn.functional as Fn
 
-    from moecomp.reject import Reject, RejectCode
+    from moecomp.core.reject import Reject, RejectCode
 
     model = tiny_inkling(3)
     blk = _first_block(model)

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import moecomp
-from moecomp.hf import activations, families as F
-from moecomp.hf import softcap_probe
+from moecomp.probe import activations
+from moecomp.coverage import families as F
+from moecomp.probe import softcap as softcap_probe
 
 from .conftest import rel_err
 
@@ -98,7 +99,7 @@ def test_probe_gate_fits_the_caps():
 
 @pytest.mark.parametrize("cg, cu", [(4.0, 25.0), (0.0, 3.0), (0.5, 0.0), (2500.0, 7.25)])
 def test_fit_softcaps_on_functions(cg, cu):
-    from moecomp import reference
+    from moecomp.oracle import reference
 
     def fn(h):
         g, u = h.chunk(2, dim=-1)

@@ -5,7 +5,7 @@ tiny model's config sets top-2) equal to the recognised tiny block's."""
 import json
 
 from moecomp import scan
-from moecomp.hf import families as fam
+from moecomp.coverage import families as fam
 from moecomp.testing import LAYER_PRESETS
 
 SIZES = ("hidden_size", "intermediate_size", "num_experts", "top_k")

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import moecomp
-from moecomp.derived import get_path
-from moecomp.hf import families as F
+from moecomp.core.derived import get_path
+from moecomp.coverage import families as F
 
 from .conftest import rel_err
 

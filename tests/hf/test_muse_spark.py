@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import moecomp
-from moecomp.hf import families as F
-from moecomp.recognise import match_block
+from moecomp.coverage import families as F
+from moecomp.recognise.recognise import match_block
 
 from .conftest import rel_err
 

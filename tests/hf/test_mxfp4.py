@@ -2,7 +2,7 @@
 dequantized to bf16), bound to ``moe_forward`` with ``spec.quant = QuantSpec.mxfp4()`` by ``optimize``.
 
 A tiny random ``GptOssForCausalLM`` (hidden 64, intermediate 64, 8 experts, top-2, 2 layers) is written with
-``write_mxfp4_checkpoint`` (experts quantized by ``moecomp.quant.quantize_4bit``) and loaded back.
+``write_mxfp4_checkpoint`` (experts quantized by ``moecomp.core.quant.quantize_4bit``) and loaded back.
 
 Tolerances (max |a - b| / max |b| over the logits):
 * ``TOL_REF_FP32`` 1e-5: the loaded model (``PackedExperts``, fp32 GEMMs of the exactly dequantized weights) against
@@ -29,13 +29,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moecomp
-from moecomp import policy, reference
-from moecomp.hf import families as F
-from moecomp.hf import mxfp4 as M
-from moecomp.hf import mxfp4_write as W
-from moecomp.hf.packed import PackedExperts
-from moecomp.optimize import rewritten_blocks
-from moecomp.reject import RejectCode
+from moecomp.core import policy
+from moecomp.oracle import reference
+from moecomp.coverage import families as F
+from moecomp.formats import mxfp4 as M
+from moecomp.testing import mxfp4_write as W
+from moecomp.formats.packed import PackedExperts
+from moecomp.api.optimize import rewritten_blocks
+from moecomp.core.reject import RejectCode
 
 from .conftest import rel_err
 
@@ -197,7 +198,7 @@ def test_load_peak_memory_near_packed_size(tmp_path):
     W.write_random_mxfp4_checkpoint(cfg, str(tmp_path))
     code = textwrap.dedent(f"""
         import torch, moecomp, transformers
-        from moecomp.hf import checkpoint as C
+        from moecomp.formats import checkpoint as C
         def status(key):
             for line in open("/proc/self/status"):
                 if line.startswith(key + ":"):
@@ -304,7 +305,7 @@ def test_optimize_binds_packed_blocks(written, ids):
         "b13": "experts.b13", "b2": "experts.b2"}
     assert st.bindings.get("w13_zero") is None and not st.derived
     # the op reads the packed tensors themselves (spy on the op call: same storage, uint8)
-    import moecomp.hf.bind as B
+    import moecomp.bind.bind as B
 
     seen, real = [], B.call_moe_forward
 
@@ -320,7 +321,7 @@ def test_optimize_binds_packed_blocks(written, ids):
     finally:
         B.call_moe_forward = real
     assert counter.calls == LAYERS and len(seen) == LAYERS
-    from moecomp.ops.common import OP_ARGS
+    from moecomp.core.args import OP_ARGS
 
     for i, tensors in enumerate(seen):
         ex = model.model.layers[i].mlp.experts
@@ -368,8 +369,8 @@ def test_wrong_readings_are_far_outside_the_tolerance(written):
 
 
 def test_attribute_reader_refuses_packed_experts(written):
-    from moecomp.hf import fallback
-    from moecomp.hf.structure import find_parts
+    from moecomp.recognise import fallback
+    from moecomp.recognise.structure import find_parts
 
     _, path = written
     block = moecomp.load(path, device="cpu").model.layers[0].mlp
@@ -380,7 +381,7 @@ def test_attribute_reader_refuses_packed_experts(written):
 def test_compile_backend_rewrites_packed_blocks(written, ids):
     """``torch.compile(model, backend="moecomp")``: ``PackedExperts`` traces as its batched spelling, the FX pass
     reads it and each block becomes one moe_forward (no dequant_4bit left in the compiled code)."""
-    import moecomp.backend as B
+    import moecomp.api.backend as B
 
     _, path = written
     torch._dynamo.reset()

@@ -22,8 +22,8 @@ import torch
 pytest.importorskip("transformers")
 
 import moecomp  # noqa: E402
-from moecomp.hf import mxfp4_write as W  # noqa: E402
-from moecomp.hf.packed import PackedExperts  # noqa: E402
+from moecomp.testing import mxfp4_write as W  # noqa: E402
+from moecomp.formats.packed import PackedExperts  # noqa: E402
 from moecomp.testing import routing_near_ties  # noqa: E402
 
 from .conftest import rel_err  # noqa: E402

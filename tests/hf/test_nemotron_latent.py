@@ -1,4 +1,4 @@
-"""NemotronH with ``moe_latent_size`` (the tiny variant ``nemotron_h:latent`` of ``moecomp.hf.families``: hidden 64,
+"""NemotronH with ``moe_latent_size`` (the tiny variant ``nemotron_h:latent`` of ``moecomp.coverage.families``: hidden 64,
 latent 48, 8 experts of moe_intermediate 32, top-2): its ``NemotronHMoE`` routes on x (fp32 sigmoid router,
 correction bias, groups, renormalised, scaled), runs the relu2 experts on ``fc1_latent_proj(x)`` and sends their
 combined output through ``fc2_latent_proj`` before adding the shared expert, which reads x.
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import moecomp
-from moecomp.hf import families as F
-from moecomp.recognise import match_block
+from moecomp.coverage import families as F
+from moecomp.recognise.recognise import match_block
 
 from .conftest import rel_err
 

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import moecomp
-from moecomp.hf import families as F
-from moecomp.optimize import experts_only_modules, rewritten_blocks
+from moecomp.coverage import families as F
+from moecomp.api.optimize import experts_only_modules, rewritten_blocks
 from moecomp.testing import SplitBlock
 
 from .conftest import rel_err
@@ -37,7 +37,7 @@ def _run(model, ids):
 
 # family: (blocks rewritten whole, blocks experts only, spec fields of the rewritten blocks; callables get config)
 CASES = {
-    # DeepSeek-V4: its hash layer too (hf/hash_reader.py: MoESpec.hash_routing), no longer experts only
+    # DeepSeek-V4: its hash layer too (recognise/hash_reader.py: MoESpec.hash_routing), no longer experts only
     "deepseek_v4": (2, 0, {"activation_clamp": True, "activation_limit": 10.0, "scoring": "sqrtsoftplus",
                            "renorm_eps": 1e-20, "shared.activation_clamp": True, "shared.activation_limit": 10.0}),
     "hy_v4": (1, 0, {"activation_clamp": True, "activation_limit": lambda c: float(c.swiglu_limit),

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import moecomp
-from moecomp.reject import RejectCode
+from moecomp.core.reject import RejectCode
 
 H, I, E, K = 24, 12, 6, 2
 

@@ -2,7 +2,7 @@
 recognised by meaning and bound to ``moe_forward`` with its packed tensors, whatever the block (issue 22).
 
 The GPTQ / AWQ loaders put ``PackedExperts`` into Mixtral / Qwen3-MoE style blocks (gate / up "concat", silu); here
-tiny bf16 models get theirs from ``moecomp.quant.quantize_4bit`` of their own expert weights. gpt-oss's blocks
+tiny bf16 models get theirs from ``moecomp.core.quant.quantize_4bit`` of their own expert weights. gpt-oss's blocks
 (interleaved swiglu_oai with biases) are ``test_mxfp4.py``'s.
 
 Tolerance: ``TOL_BLOCK`` 1e-3 (max |a - b| / max |b|), the bound block against its own forward (the
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import moecomp
-from moecomp import quant as q8
-from moecomp.hf import families as F
-from moecomp.hf.packed import PackedExperts
-from moecomp.optimize import rewritten_blocks
-from moecomp.spec import QuantSpec
+from moecomp.core import quant as q8
+from moecomp.coverage import families as F
+from moecomp.formats.packed import PackedExperts
+from moecomp.api.optimize import rewritten_blocks
+from moecomp.core.spec import QuantSpec
 
 from .conftest import rel_err
 
@@ -83,10 +83,10 @@ def test_scale_of_wrong_shape_is_refused_by_the_module():
 
 
 def test_moecomp_load_reads_awq_and_binds(tmp_path):
-    """``moecomp.load`` of an int4 AWQ checkpoint (written by ``hf/int4_writer.py``) goes to ``hf/gptq.py``'s loader
-    (``moecomp.load.LOADERS``); its ``PackedExperts`` blocks (int4 with zero points) are then bound, the zero points
+    """``moecomp.load`` of an int4 AWQ checkpoint (written by ``testing/int4_writer.py``) goes to ``api/load_gptq.py``'s loader
+    (``moecomp.api.load.LOADERS``); its ``PackedExperts`` blocks (int4 with zero points) are then bound, the zero points
     read from the graph."""
-    from moecomp.hf import int4_writer
+    from moecomp.testing import int4_writer
 
     model, _ = F.build_tiny("qwen3_moe", sizes=dict(hidden_size=128, moe_intermediate_size=128, head_dim=32))
     int4_writer.write_int4_checkpoint(model.eval(), str(tmp_path), "awq", 64, False)

@@ -1,7 +1,7 @@
 """4-bit dense linears (issue 22): ``torch.ops.moecomp.linear_4bit``, ``Packed4Linear``, and the int4 loader keeping
 every int4 linear of a GPTQ / AWQ checkpoint 4-bit. GPU: tests/hf/test_packed_linear_gpu.py.
 
-The oracle is written here by hand from the codes (not through ``moecomp.quant.dequantize``): int4
+The oracle is written here by hand from the codes (not through ``moecomp.core.quant.dequantize``): int4
 ``W[n, k] = (code - zero[n, k // g]) * scale[n, k // g]`` (zero 8 when symmetric), mxfp4
 ``W[n, k] = E2M1[code] * 2 ** (byte[n, k // 32] - 127)``, and ``y = (x.float() @ W.T + bias.float()).to(x.dtype)``.
 The packed bytes are written by hand too (input 2j in the low nibble of byte j). Tolerances:
@@ -23,13 +23,13 @@ import pytest
 import torch
 
 import moecomp
-from moecomp.hf import gptq as G
-from moecomp.hf import int4_writer as W
-from moecomp.hf.packed import PackedExperts
-from moecomp.hf.packed_linear import Packed4Linear
+from moecomp.api import load_gptq as L
+from moecomp.testing import int4_writer as W
+from moecomp.formats.packed import PackedExperts
+from moecomp.formats.packed_linear import Packed4Linear
 from moecomp.kernels import linear4 as lin4_k
 from moecomp.ops import linear4, triton_linear4
-from moecomp.spec import QuantSpec
+from moecomp.core.spec import QuantSpec
 
 from .conftest import rel_err
 from .test_gptq import TOL_FP32, build, logits
@@ -236,7 +236,7 @@ def test_module_holds_the_codes_frozen():
 def _act_order(t: dict, prefix: str, w: torch.Tensor, group: int, seed: int) -> torch.Tensor:
     """Replace ``prefix``'s GPTQ tensors in ``t`` by an act-order quantization of ``w`` [N, K] (groups formed over
     a random input order, as GPTQ's desc_act does); returns the weight the checkpoint then holds."""
-    from moecomp import quant as q8
+    from moecomp.core import quant as q8
 
     K = w.shape[1]
     perm = torch.randperm(K, generator=torch.Generator().manual_seed(seed))
@@ -272,8 +272,8 @@ def test_gptq_shared_experts_and_attention_stay_4bit(tmp_path, caplog):
         ref.model.layers[1].self_attn.k_proj.weight.copy_(_act_order(t, "model.layers.1.self_attn.k_proj",
                                                                      k_proj.weight.float(), 64, 3))
     save_file(t, f, metadata={"format": "pt"})
-    with caplog.at_level(logging.WARNING, logger="moecomp.hf.gptq"):
-        got = G.load_int4(path, dtype=torch.float32)
+    with caplog.at_level(logging.WARNING, logger="moecomp.api.load_gptq"):
+        got = L.load_int4(path, dtype=torch.float32)
     assert not caplog.text
     lin = {n: m for n, m in got.named_modules() if isinstance(m, Packed4Linear)}
     layers = model.config.num_hidden_layers
@@ -303,7 +303,7 @@ def copy_reference(model):
 
     ref = reference(model, 64, False)  # experts and attention dequantize(quantize_4bit(W))
     q = W.int4_spec(64, False)
-    from moecomp import quant as q8
+    from moecomp.core import quant as q8
 
     with torch.no_grad():
         for name, p in ref.named_parameters():
@@ -317,12 +317,12 @@ def test_deepseek_4bit_shared_experts_refused_with_reason(tmp_path):
     """DeepSeek-V3's blocks with 4-bit shared experts: the FX pass refuses them (SPEC_INVALID: 4-bit shared experts
     are not in the spec; the reason names the linear_4bit nodes) and the pair rewrite cannot read its group-limited
     routing: the blocks are left as they are (same logits), each with the reason."""
-    from moecomp.capture import DetectError, detect_block
-    from moecomp.reject import RejectCode
+    from moecomp.recognise.capture import DetectError, detect_block
+    from moecomp.core.reject import RejectCode
 
     model = build("deepseek_v3")
     path = W.write_int4_checkpoint(model, str(tmp_path), "gptq", 64, False, attention=True, dense=True)
-    got = G.load_int4(path, dtype=torch.float32)
+    got = L.load_int4(path, dtype=torch.float32)
     assert any(n.endswith("shared_experts.down_proj") for n, m in got.named_modules() if isinstance(m, Packed4Linear))
     ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(0))
     want = logits(got, ids)
@@ -420,7 +420,7 @@ def test_int4_lm_head_tied_to_embeddings_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from .test_gptq import SIZES
-    from moecomp.hf import families as F
+    from moecomp.coverage import families as F
 
     model, _ = F.build_tiny("qwen3_moe", sizes={**SIZES["qwen3_moe"], "tie_word_embeddings": True})
     path = W.write_int4_checkpoint(model.float().eval(), str(tmp_path), "gptq", 64, True)
@@ -429,4 +429,4 @@ def test_int4_lm_head_tied_to_embeddings_refused(tmp_path):
     t.update(W._convert_key("lm_head.weight", model.lm_head.weight.detach().float(), "gptq", 64, True, True))
     save_file(t, f, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="lm_head.*tie_word_embeddings"):
-        G.load_int4(path, dtype=torch.float32)
+        L.load_int4(path, dtype=torch.float32)

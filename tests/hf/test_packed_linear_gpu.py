@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from moecomp.kernels import linear4 as lin4_k
-from moecomp.spec import QuantSpec
+from moecomp.core.spec import QuantSpec
 
 from .test_packed_linear import make, oracle
 
@@ -85,9 +85,9 @@ def test_linear_4bit_cuda_graph():
 
 def test_loaded_int4_model_cuda(tmp_path):
     import moecomp
-    from moecomp.hf import gptq as G
-    from moecomp.hf import int4_writer as W
-    from moecomp.hf.packed_linear import Packed4Linear
+    from moecomp.api import load_gptq as L
+    from moecomp.testing import int4_writer as W
+    from moecomp.formats.packed_linear import Packed4Linear
 
     from .conftest import rel_err
     from .test_gptq import TOL_BF16 as TOL_MODEL, build, logits
@@ -95,8 +95,8 @@ def test_loaded_int4_model_cuda(tmp_path):
     model = build("qwen2_moe")
     path = W.write_int4_checkpoint(model, str(tmp_path), "awq", 64, False, attention=True, dense=True)
     ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(0))
-    want = logits(G.load_int4(path, dtype=torch.float32), ids)
-    got = G.load_int4(path, device="cuda")
+    want = logits(L.load_int4(path, dtype=torch.float32), ids)
+    got = L.load_int4(path, device="cuda")
     assert any(isinstance(m, Packed4Linear) and m.qweight.is_cuda for m in got.modules())
     got = moecomp.optimize(got, fast_generate=False)
     err = rel_err(logits(got, ids.cuda()).cpu(), want)

@@ -1,4 +1,4 @@
-"""The pair rewrite (``moecomp.pair``): a router and an experts module that are siblings in a parent whose forward
+"""The pair rewrite (``moecomp.api.pair``): a router and an experts module that are siblings in a parent whose forward
 also does other things, rewritten together as one ``moe_forward`` call while the parent's forward stays.
 
 A hand-written parent (names, argument orders and output tuples spelled unlike transformers'), the transformers
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import moecomp
-from moecomp.reject import RejectCode
-from moecomp.hf.families import OpCounter
+from moecomp.core.reject import RejectCode
+from moecomp.coverage.families import OpCounter
 
 TOL = 1e-4
 H, E, K, I = 32, 8, 2, 16
@@ -189,7 +189,7 @@ def test_unexpressible_router_refused():
 def test_families_rewritten_whole(family):
     """transformers' Gemma-4 and DiffusionGemma: every decoder layer's router and experts rewritten as one op call
     (the coverage check: whole-model logits within 1e-4, one moe_forward per layer call)."""
-    from moecomp.hf import families as F
+    from moecomp.coverage import families as F
 
     r = F.check_family(family)
     assert (r.status, r.calls_ok) == ("equal", True), (r.status, r.reason)
@@ -230,7 +230,7 @@ def test_families_bf16_cuda(family):
     ties are broken by index here, in no set order by torch.topk)."""
     import copy
 
-    from moecomp.hf import families as F
+    from moecomp.coverage import families as F
 
     try:
         model, _ = F.build_tiny(family)

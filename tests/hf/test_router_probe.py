@@ -1,4 +1,4 @@
-"""The measured reason for a block found by its experts that has no plain [E, H] router (``hf/router_probe.py``).
+"""The measured reason for a block found by its experts that has no plain [E, H] router (``recognise/router_probe.py``).
 
 ZAYA (``zaya``, tiny): its router is an MLP (down_proj [R, H] -> RMS norm -> fc1, fc2 with GELU -> out_proj [E + 1, R],
 one class past the E experts) whose input adds the previous layer's router state, and the block returns its own
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import moecomp
-from moecomp.hf import families as F
-from moecomp.hf import router_probe
+from moecomp.coverage import families as F
+from moecomp.recognise import router_probe
 
 from .conftest import rel_err
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import moecomp
-from moecomp.hf.structure import iter_blocks, structural_parts
+from moecomp.recognise.structure import iter_blocks, structural_parts
 
 H, I, E, K = 24, 12, 6, 2
 
@@ -154,7 +154,7 @@ class HalvesLayer(nn.Module):
 def test_abstract_forward_is_left_alone_with_the_reason():
     """Found by its shapes, but its forward raises NotImplementedError: no call of it can be replaced, so the block
     is skipped with NOT_A_BLOCK and a reason saying so, and the model still runs as before (bitwise)."""
-    from moecomp.reject import RejectCode
+    from moecomp.core.reject import RejectCode
 
     m = nn.Sequential(HalvesLayer()).eval()
     x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(4))
@@ -172,7 +172,7 @@ def test_source_bound_takes_every_router_spelling(tmp_path):
     """The coverage tool's source bound (``discover.source_candidates``) keeps a modeling file whose router is a
     top-k, an argmax or a max over a dim (Switch Transformers' top-1 in transformers 5.17 is
     ``torch.max(probs, dim=-1)``), and drops one with none of them."""
-    from moecomp.hf.discover import source_candidates
+    from moecomp.recognise.discover import source_candidates
 
     bodies = {"a": "w, i = torch.topk(p, 2, dim=-1)", "b": "i = p.argmax(-1)", "c": "v, i = torch.max(p, dim=-1)",
               "d": "v, i = p.max(-1)", "e": "m = torch.maximum(a, b)\ny = x.max()", "f": "z = torch.max(x)"}

@@ -15,10 +15,10 @@ import json
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import triton_fp8_tma, triton_moe, triton_quant4_gemv
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec
 from moecomp.testing import count_calls, quantize_moe_args, random_moe_args, rel_err
 
 TOL = {torch.float32: 3e-5, torch.float16: 5e-3}

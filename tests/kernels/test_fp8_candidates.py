@@ -23,11 +23,11 @@ import importlib
 import pytest
 import torch
 
-from moecomp import quant as q8
-from moecomp import reference
+from moecomp.core import quant as q8
+from moecomp.oracle import reference
 from moecomp.ops import triton_fp8, triton_moe, tuning
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec
 from moecomp.testing import quantize_moe_args, random_moe_args
 
 from test_fp8_gemm import run_routed  # (tests/kernels is on sys.path: no package)

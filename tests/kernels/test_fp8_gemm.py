@@ -1,5 +1,5 @@
 """The FP8 kernels (``kernels/fp8.py``, the quantized ``moe_gemm1_kernel`` / ``moe_gemm2_kernel``, the dense
-``fp8_linear_kernel``) against ``moecomp.quant`` / ``moecomp.reference`` under the interpreter (CPU; the GPU tests
+``fp8_linear_kernel``) against ``moecomp.core.quant`` / ``moecomp.oracle.reference`` under the interpreter (CPU; the GPU tests
 run them in bf16 at real sizes). Outputs and scratch are NaN-poisoned first (``poison``).
 
 * The e4m3 rounding the kernels do under the interpreter (EXACT_CAST) equals torch's ``.to(torch.float8_e4m3fn)``
@@ -27,12 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moecomp import quant as q8
-from moecomp import reference
+from moecomp.core import quant as q8
+from moecomp.oracle import reference
 from moecomp.kernels import fp8
 from moecomp.ops import triton_moe
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec
 from moecomp.testing import quantize_moe_args, random_moe_args
 
 TOL = {torch.float32: 3e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}

@@ -1,4 +1,4 @@
-"""The TMA GEMMs (``kernels/grouped_gemm_tma.py``) against ``moecomp.reference``, under the interpreter in fp16 (CPU;
+"""The TMA GEMMs (``kernels/grouped_gemm_tma.py``) against ``moecomp.oracle.reference``, under the interpreter in fp16 (CPU;
 the GPU tests run them in bf16 at real sizes). Configs force them on (``"tma": 1``; gemm1 with x's rows by pointer
 loads or gathered and read by TMA, ``"tma_a"``), their launches are counted so a silent fall-back to the pointer
 GEMMs fails the test, and every torch.empty is NaN-poisoned.
@@ -9,10 +9,10 @@ relative Frobenius error below 5e-3 against the fp32 reference on the same fp16 
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import triton_moe
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec
 from moecomp.testing import random_moe_args
 
 TILE = dict(BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)

@@ -1,5 +1,5 @@
 """The FP8 TMA GEMMs (``kernels/grouped_gemm_tma_fp8.py`` through ``ops/triton_fp8_tma.py``) against
-``moecomp.reference`` with the quantized spec (dynamic w8a8: activation quantization counted), under the interpreter
+``moecomp.oracle.reference`` with the quantized spec (dynamic w8a8: activation quantization counted), under the interpreter
 (CPU; the GPU tests run them in bf16 at real sizes). Configs ask for them (``"tma": 1``, w8a8 + prequant); the
 launchers are counted, so a silent fall-back to the pointer GEMMs fails the test; every torch.empty is NaN-poisoned
 (padding rows of the gathered A and of h hold NaN codes and scales: they must never reach a stored row).
@@ -15,9 +15,9 @@ import json
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import triton_fp8_tma, triton_moe
-from moecomp.spec import MoESpec, QuantSpec
+from moecomp.core.spec import MoESpec, QuantSpec
 from moecomp.testing import count_calls, quantize_moe_args, random_moe_args
 
 TOL = {torch.float32: 3e-5, torch.float16: 2e-3}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moecomp.ops import triton_moe
-from moecomp.spec import MoESpec
+from moecomp.core.spec import MoESpec
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """The inline-PTX e2m1 decode (``kernels/quant4.e2m1x2``, FORM 3 "asm") on the GPU (skipped without CUDA: the
-interpreter cannot run PTX): every byte 0..255 decodes to exactly the oracle's two values (``moecomp.quant.E2M1``:
+interpreter cannot run PTX): every byte 0..255 decodes to exactly the oracle's two values (``moecomp.core.quant.E2M1``:
 low nibble, high nibble), in bf16 and in fp16, signs of zero included."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moecomp import quant as q8
+from moecomp.core import quant as q8
 from moecomp.kernels import quant4
 
 pytestmark = pytest.mark.gpu

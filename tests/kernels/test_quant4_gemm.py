@@ -6,7 +6,7 @@ decode down-combine, launched by ``ops/triton_quant4.py`` through the op. GPU te
   for bit (fp32; fp16 where the weight rounds once, as ``dequantize(...).half()``): mxfp4 with one and with several
   groups a K step, int4 symmetric and with zero points, the three K-step forms (split A, interleaved nibbles,
   ``tl.dot_scaled``), gemm1 and gemm2. A mutation (the e2m1 sign bit ignored) fails it.
-* ``moe_forward`` / ``moe_experts`` on the Triton path against ``moecomp.reference`` on the same packed tensors:
+* ``moe_forward`` / ``moe_experts`` on the Triton path against ``moecomp.oracle.reference`` on the same packed tensors:
   mxfp4, int4 symmetric, int4 with zero points (groups 64 and 128, a partial last group), gate / up concatenated and
   interleaved (gpt-oss: swiglu_oai with its clamp, expert biases), the decode path (T = 1..4: fused down-combine and
   "pairs") and the aligned one (T = 40); the int4 fold option and the split / dot_scaled forms (dot_scaled on fp32 x
@@ -30,12 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moecomp import quant as q8
-from moecomp import reference
+from moecomp.core import quant as q8
+from moecomp.oracle import reference
 from moecomp.kernels import fp8, quant4
 from moecomp.ops import triton_fp8_tma, triton_moe, triton_quant4, tuning
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec
 from moecomp.testing import quantize_moe_args, random_moe_args
 
 TOL = {torch.float32: 3e-5, torch.float16: 2e-3}

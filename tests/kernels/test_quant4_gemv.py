@@ -30,12 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moecomp import quant as q8
-from moecomp import reference
+from moecomp.core import quant as q8
+from moecomp.oracle import reference
 from moecomp.kernels import quant4_gemv as qg
 from moecomp.ops import triton_moe, triton_quant4, triton_quant4_gemv, tuning
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec, SharedExpertSpec
 from moecomp.testing import quantize_moe_args, random_moe_args
 
 TOL = {torch.float32: 3e-5, torch.float16: 2e-3}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moecomp.ops import triton_moe
-from moecomp.spec import MoESpec, SharedExpertSpec
+from moecomp.core.spec import MoESpec, SharedExpertSpec
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-3, atol=1e-3)}
 

@@ -1,11 +1,11 @@
-"""route_topk_kernel against moecomp.reference.route: same experts chosen, same weights (fp32 logits)."""
+"""route_topk_kernel against moecomp.oracle.reference.route: same experts chosen, same weights (fp32 logits)."""
 
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import triton_moe
-from moecomp.spec import MoESpec
+from moecomp.core.spec import MoESpec
 
 CASES = [
     dict(num_experts=8, top_k=2),

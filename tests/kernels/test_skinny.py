@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from moecomp import quant as q8
-from moecomp.spec import QuantSpec
+from moecomp.core import quant as q8
+from moecomp.core.spec import QuantSpec
 
 CUDA = torch.cuda.is_available()
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"

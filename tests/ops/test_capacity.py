@@ -1,7 +1,7 @@
 """Expert capacity (``MoESpec.capacity`` / ``capacity_factor``; Switch Transformers, NLLB-MoE): per group of tokens
 (the call, or each sequence of x [B, S, H]) an expert takes its pairs in slot-major order up to its capacity; the rest
 are dropped (they add nothing). The spec field; the reference against a hand-written token loop (fp64, nothing from
-moecomp.reference); the sort-based ranks of the Triton path against the reference's one-hot cumsum; the op (torch
+moecomp.oracle.reference); the sort-based ranks of the Triton path against the reference's one-hot cumsum; the op (torch
 path, and the Triton kernels under the interpreter, fp32) against the reference with every torch.empty NaN-poisoned,
 on the decode paths and the aligned one; opcheck; (GPU only) CUDA-graph capture.
 
@@ -14,10 +14,10 @@ import json
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import capacity as cap
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError
 from moecomp.testing import capture_moe_forward, check_replays, random_moe_args, rel_err
 
 TOL = 1e-5

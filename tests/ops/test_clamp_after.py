@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops.act_args import act_args
 from moecomp.kernels import activations as act_k
-from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
+from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError
 from moecomp.testing import random_moe_args, rel_err
 
 SHARED = SharedExpertSpec(24, activation_clamp_after=True, activation_limit=0.4)
@@ -162,7 +162,7 @@ def test_experts_op_and_shared_kernel_exact(poison, monkeypatch):
 def test_parallel_kernel_spec_keeps_the_clamp():
     """A rank's ``moe_experts`` spec (parallel/local.kernel_spec) carries the clamp after the activation."""
     from moecomp.parallel.local import kernel_spec
-    from moecomp.spec_parallel import ParallelSpec
+    from moecomp.core.spec_parallel import ParallelSpec
 
     spec = STYLES["step3p7_routed_and_shared"]
     par = spec.replace(parallel=ParallelSpec(mode="ep", world_size=2, rank=1, num_global_experts=8))

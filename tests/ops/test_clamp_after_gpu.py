@@ -8,7 +8,7 @@ dot-free GEMV decode and the DIRECT dot one); a shared expert clamped with its o
 Sizes: Step-3.7-like mid layers (E=64, k=6 or 8, H=1024, I=512, sigmoid + correction bias, renormalised), weights
 std 0.05, so the pre-activations spread about +-1.6 and L = 0.5 / 0.3 bind on most of them (L = 2 on a few): each
 test also checks that the spec without the clamp misses the output by far more than the bound (a kernel that ignored
-CLAMP 2 fails). Bounds (relative Frobenius error against moecomp.reference in fp32 on the same bf16 tensors): 2e-2,
+CLAMP 2 fails). Bounds (relative Frobenius error against moecomp.oracle.reference in fp32 on the same bf16 tensors): 2e-2,
 tests/ops/test_gpu.py's bf16 bound (h and the per-pair outputs are rounded to bf16); 4-bit 1e-2 and FP8 2e-2 as
 tests/ops/test_quant4_gpu.py / test_fp8_gpu.py."""
 
@@ -17,10 +17,10 @@ import json
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import triton_moe
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec, SharedExpertSpec
 from moecomp.testing import quantize_moe_args, random_moe_args
 from test_gpu import poison_cache, rel_err  # (tests/ops is on sys.path, no package)
 

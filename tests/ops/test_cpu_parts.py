@@ -13,9 +13,9 @@ bf16 rounding step: an fp32 value a few ulps apart may round to the neighbouring
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import cpu_act, cpu_route, cpu_shared, norms, router_input, zero_experts
-from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec
+from moecomp.core.spec import MoESpec, QuantSpec, SharedExpertSpec
 from moecomp.testing import quantize_moe_args, random_hash_args, random_moe_args, random_weight_scale, rel_err
 
 TOL = 1e-6

@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 
-from moecomp import reference
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
+from moecomp.oracle import reference
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
 from moecomp.testing import capture_moe_forward, check_replays, random_moe_args, random_norm_args, rel_err
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -58,7 +58,7 @@ def test_spec_fields_and_checks():
 
 
 def _hand_loop(spec: MoESpec, args, extra) -> torch.Tensor:
-    """The block token by token in fp64, nothing from moecomp.reference."""
+    """The block token by token in fp64, nothing from moecomp.oracle.reference."""
     x, t = args[0].double(), {k: (v.double() if v is not None else None) for k, v in zip(MOE_ARGS, args[1:])}
     nw, sw = extra["expert_norm_w"].double(), extra["shared_norm_w"].double()
 

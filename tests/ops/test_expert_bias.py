@@ -4,7 +4,7 @@ GEMMs, and the dot-free 4-bit decode kernels), FP8's refusal naming it, gpt-oss'
 refusal (its format holds both), ``torch.library.opcheck`` of both ops, and (GPU) bf16 at mid sizes.
 (Unquantized experts: tests/reliability/test_expert_bias_properties.py.)
 
-Tolerances: fp32 against ``moecomp.reference`` on the same (packed) tensors, relative Frobenius error 3e-5 (the
+Tolerances: fp32 against ``moecomp.oracle.reference`` on the same (packed) tensors, relative Frobenius error 3e-5 (the
 sums in another order; the 4-bit kernels' own bound, tests/kernels/test_quant4_gemm.py). Outputs NaN-poisoned.
 """
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import triton_quant4, triton_quant4_gemv
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec, SpecError, expert_bias_fields
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec, SpecError, expert_bias_fields
 from moecomp.testing import quantize_moe_args, random_moe_args
 
 TOL = 3e-5
@@ -108,7 +108,8 @@ def test_4bit_gemv_one_sided(monkeypatch, poison, side):
 
 def test_mxfp4_checkpoint_needs_both_biases():
     """gpt-oss's checkpoint format holds both biases: one-sided 4-bit experts run, but are not written as it."""
-    from moecomp.hf import mxfp4, mxfp4_write
+    from moecomp.formats import mxfp4
+    from moecomp.testing import mxfp4_write
 
     spec, pos, extra = _packed("gemm1", 2, quant=QuantSpec.mxfp4(), gate_up="interleaved", activation="swiglu_oai")
     t = dict(zip(MOE_ARGS, pos[1:]))

@@ -5,10 +5,10 @@ agrees with the dequantized reference (activation quantization counted) and with
 import pytest
 import torch
 
-from moecomp import quant as q8
-from moecomp import reference
+from moecomp.core import quant as q8
+from moecomp.oracle import reference
 from moecomp.ops import fp8_blas, triton_fp8
-from moecomp.spec import QuantSpec
+from moecomp.core.spec import QuantSpec
 from moecomp.testing import rel_err
 
 Q = QuantSpec()  # e4m3, 128 x 128 fp32 block scales, dynamic activations

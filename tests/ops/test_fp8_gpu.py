@@ -3,7 +3,7 @@ modes (w8a8: fp8 x fp8 dots on activations quantized in the kernel; w8a16: weigh
 replay (the caller's graph and the op's own eager graphs), no host syncs on the hot path, the dense fp8_linear at
 model sizes, and the kernels' activation quantization against torch's cast, bit for bit.
 
-The reference is ``moecomp.reference`` with the spec's quantization (torch's e4m3 cast, fp32 math) on the same bf16
+The reference is ``moecomp.oracle.reference`` with the spec's quantization (torch's e4m3 cast, fp32 math) on the same bf16
 and fp8 tensors; in w8a16 mode a dynamic spec is compared with its weight-only reference (the op's documented
 freedom). Tolerance: relative Frobenius error 2e-2 for bf16 (h, the per-pair outputs and the output are bf16; an
 fp8 code of h can differ from the reference's where h's bf16 rounding does, one e4m3 step), as for the bf16 op."""
@@ -15,12 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moecomp import quant as q8
-from moecomp import reference
+from moecomp.core import quant as q8
+from moecomp.oracle import reference
 from moecomp.kernels import fp8
 from moecomp.ops import tuning
-from moecomp.ops.common import MOE_ARGS, QUANT_ARGS
-from moecomp.spec import MoESpec, QuantSpec
+from moecomp.core.args import MOE_ARGS, QUANT_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec
 from moecomp.testing import LAYER_PRESETS, quantize_moe_args, random_moe_args
 from test_gpu import poison_cache, rel_err  # (tests/ops is on sys.path, no package: the bf16 GPU tests)
 

@@ -4,10 +4,10 @@ dequantized reference with activation quantization counted: 1e-5, as test_fp8_op
 
 import torch
 
-from moecomp import quant as q8
-from moecomp import reference
+from moecomp.core import quant as q8
+from moecomp.oracle import reference
 from moecomp.ops import tuning
-from moecomp.spec import QuantSpec
+from moecomp.core.spec import QuantSpec
 from moecomp.testing import rel_err
 
 

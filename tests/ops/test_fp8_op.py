@@ -1,6 +1,6 @@
 """The quantized ops on the Triton path (MOECOMP_CPU_BACKEND=triton, the interpreter): ``moe_forward`` with
 quantized routed and shared experts (FSE on and off; aligned and decode paths, launches counted) and
-``moe_experts`` against ``moecomp.reference``; the mode choice (w8a8 / w8a16: MOECOMP_FP8_MODE, the config's "fp8"
+``moe_experts`` against ``moecomp.oracle.reference``; the mode choice (w8a8 / w8a16: MOECOMP_FP8_MODE, the config's "fp8"
 key, the heuristic) and the FP8 config tables (their own "dtype=fp8" keys; bf16 lookups unchanged); the TMA kernels
 refuse fp8 operands. Outputs and scratch NaN-poisoned (``poison``). GPU tests: tests/ops/test_fp8_gpu.py.
 
@@ -14,9 +14,9 @@ import json
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import triton_moe, triton_shared, tuning
-from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec
+from moecomp.core.spec import MoESpec, QuantSpec, SharedExpertSpec
 from moecomp.testing import quantize_moe_args, random_moe_args
 
 TOL = {torch.float32: 3e-5, torch.float16: 2e-3}
@@ -191,7 +191,7 @@ def test_tune_fp8_both_modes(lookup_dir, monkeypatch):
     candidates (fake timer, falling: the last variant measured, w8a16+fold2, is the fastest; every candidate still
     runs once, checked against the first), the table written under "dtype=fp8" with the winner's mode and candidate
     keys, which the run-time lookup returns for a quantized spec; the meta records every variant's time."""
-    from moecomp import tune
+    from moecomp.cli import tune
 
     times = iter(range(10 ** 6, 0, -1))
     monkeypatch.setattr(tune, "bench", lambda fn, rep_ms, device: 1.0 + 1e-6 * next(times))
@@ -215,7 +215,7 @@ def test_tune_fp8_both_modes(lookup_dir, monkeypatch):
 
 def test_tune_mode_keys():
     """The tuner's FP8 variant names -> config keys, as ``tuning.fp8_candidates`` reads them."""
-    from moecomp import tune
+    from moecomp.cli import tune
 
     assert tune.mode_keys(None) == {}
     assert tune.mode_keys("w8a8") == {"fp8": "w8a8"}
@@ -230,7 +230,7 @@ def test_tune_mode_keys():
 def test_tune_checks_a_quantized_h():
     """A gemm1 candidate whose epilogue writes h quantized (prequant's QAct) is checked on its dequantized values:
     equal codes pass, other codes are rejected (the tuner crashed on it on the GPU before)."""
-    from moecomp import tune
+    from moecomp.cli import tune
     from moecomp.ops.triton_fp8 import QAct
 
     g = torch.Generator().manual_seed(0)
@@ -253,7 +253,7 @@ def test_tune_compares_gemm1_candidates_as_gemm2_reads_them(triton_backend):
     """Under prequant the tuner compares gemm1 candidates on h as gemm2 reads it: a 16-bit h is quantized the way
     gemm1's epilogue would write it, so an epilogue-quantized candidate (a QAct of the same h) is equal to it, not
     2e-2 away (the quantization itself, which the tuner rejected on the GPU)."""
-    from moecomp import tune
+    from moecomp.cli import tune
     from moecomp.ops.triton_fp8 import quantize_act
 
     h = torch.randn(24, 200, generator=torch.Generator().manual_seed(2))

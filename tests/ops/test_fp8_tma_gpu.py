@@ -1,6 +1,6 @@
 """GPU tests of the FP8 TMA GEMMs (``kernels/grouped_gemm_tma_fp8.py``; H200 class, skipped without CUDA) at real
 layer sizes: configs that ask for them (``"tma": 1``, w8a8 + prequant), the launchers counted (a silent fall-back to
-the pointer kernels fails), against ``moecomp.reference`` with the quantized spec (activation quantization counted;
+the pointer kernels fails), against ``moecomp.oracle.reference`` with the quantized spec (activation quantization counted;
 tolerance 2e-2 as every bf16 FP8 test: h and y are bf16) and against the pointer kernels on the same call (5e-3:
 the same codes and scales, the tensor cores' order of sums differs); CUDA-graph capture and replay with new inputs;
 no host sync in a call. CPU tests: tests/kernels/test_grouped_gemm_tma_fp8.py."""
@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import triton_fp8_tma
 from moecomp.testing import capture_moe_forward, check_replays, count_calls
 from test_fp8_gpu import TOL, Q, quantized_args, quantized_spec  # (tests/ops is on sys.path: the FP8 GPU tests)

@@ -1,15 +1,15 @@
 """GPU tests (H200 class): our Triton kernels in bf16 at real layer sizes, CUDA-graph capture and replay with new
 inputs, no host syncs on the hot path, 64-bit addressing, fp16/fp32, opcheck on CUDA.
 
-Tolerance: relative Frobenius error vs the fp32 reference (moecomp.reference on the same bf16 tensors) below 2e-2
+Tolerance: relative Frobenius error vs the fp32 reference (moecomp.oracle.reference on the same bf16 tensors) below 2e-2
 for bf16 (the intermediate activation and the per-pair outputs are rounded to bf16, as HF does), 5e-3 fp16,
 1e-5 fp32 (fp32 dots run without tf32)."""
 
 import pytest
 import torch
 
-from moecomp import reference
-from moecomp.spec import MoESpec, SharedExpertSpec
+from moecomp.oracle import reference
+from moecomp.core.spec import MoESpec, SharedExpertSpec
 from moecomp.testing import LAYER_PRESETS, capture_moe_forward, random_moe_args
 
 pytestmark = pytest.mark.gpu
@@ -229,7 +229,7 @@ def test_tma_gemms_bf16(case, g1, monkeypatch):
     tile sizes: a real layer at T=2048, and E=6, H=I=1000 (tiles straddle the ends of experts' rows and of K).
     Their launches are counted (no silent fall-back)."""
     from moecomp.ops import triton_moe
-    from moecomp.ops.common import MOE_ARGS
+    from moecomp.core.args import MOE_ARGS
 
     spec = FAMILIES[case] if case in FAMILIES else MoESpec(num_experts=6, top_k=2, hidden_size=1000,
                                                            intermediate_size=1000)

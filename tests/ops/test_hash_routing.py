@@ -15,10 +15,10 @@ import json
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import hash_routing, torch_moe
-from moecomp.ops.common import MOE_ARGS, OP_ARGS
-from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
+from moecomp.core.args import MOE_ARGS, OP_ARGS
+from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError
 from moecomp.testing import random_hash_args, random_moe_args
 
 TOL = 1e-5
@@ -52,7 +52,7 @@ def _score(v, scoring):
 
 
 def _hand_loop(spec: MoESpec, args, h: dict) -> torch.Tensor:
-    """The block token by token in fp64, nothing from moecomp.reference: ids = table[token id], weights = scores at
+    """The block token by token in fp64, nothing from moecomp.oracle.reference: ids = table[token id], weights = scores at
     them, renormalised (+ eps), scaled."""
     x, t = args[0].double(), {k: (v.double() if v is not None else None) for k, v in zip(MOE_ARGS, args[1:])}
     I, L = spec.intermediate_size, spec.activation_limit

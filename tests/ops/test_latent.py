@@ -15,10 +15,10 @@ import json
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import triton_moe
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError
 from moecomp.testing import check_op, capture_moe_forward, check_replays, random_latent_args, random_moe_args, rel_err
 
 TOL = 1e-5
@@ -47,7 +47,7 @@ def _args(spec: MoESpec, T: int, dtype=torch.float32, device="cpu", seed: int = 
 
 
 def _hand_loop(spec: MoESpec, args, lat) -> torch.Tensor:
-    """The block token by token in fp64, with nothing from moecomp.reference: routing on x, the experts on
+    """The block token by token in fp64, with nothing from moecomp.oracle.reference: routing on x, the experts on
     xl = Wi x + bi, the weighted sum (routed scaling inside the weights) through Wo (+ bo), the shared expert on x."""
     x, t = args[0].double(), {k: (v.double() if v is not None else None) for k, v in zip(MOE_ARGS, args[1:])}
     lat = {k: v.double() for k, v in lat.items()}

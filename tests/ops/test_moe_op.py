@@ -1,4 +1,4 @@
-"""moe_forward / moe_experts against moecomp.reference over a grid of shapes, on CPU (torch path and Triton
+"""moe_forward / moe_experts against moecomp.oracle.reference over a grid of shapes, on CPU (torch path and Triton
 kernels under the interpreter). Outputs and every scratch buffer are NaN-poisoned (``poison`` fixture).
 
 Tolerances (relative Frobenius error vs the fp32 reference): fp32 1e-5; fp16 5e-3 (16-bit operands, the
@@ -7,8 +7,8 @@ intermediate activation and per-pair outputs are rounded to fp16 like HF does)."
 import pytest
 import torch
 
-from moecomp import reference
-from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
+from moecomp.oracle import reference
+from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError
 from moecomp.testing import random_moe_args
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -215,7 +215,7 @@ def test_derived_weights_follow_the_parameters(cpu_backend):
 
 
 def test_fused_shared_gate_argument_form(cpu_backend, poison):
-    """FSE form (what passes/fse.py emits): router_w = cat([router_w, shared_gate_w]) and no shared_gate_w."""
+    """FSE form (what recognise/fx/fse.py emits): router_w = cat([router_w, shared_gate_w]) and no shared_gate_w."""
     spec = MoESpec(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40,
                    shared=SharedExpertSpec(24, gate="sigmoid"))
     args = list(random_moe_args(spec, 13, seed=5))

@@ -13,9 +13,9 @@ import json
 import pytest
 import torch
 
-from moecomp import reference
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
+from moecomp.oracle import reference
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError
 from moecomp.testing import (check_op, capture_moe_forward, check_replays, random_latent_args, random_moe_args,
                              random_norm_args, rel_err)
 
@@ -44,7 +44,7 @@ def _args(spec: MoESpec, T: int, dtype=torch.float32, device="cpu", seed: int = 
 
 
 def _hand_loop(spec: MoESpec, args, extra) -> torch.Tensor:
-    """The block token by token in fp64, nothing from moecomp.reference."""
+    """The block token by token in fp64, nothing from moecomp.oracle.reference."""
     x, t = args[0].double(), {k: (v.double() if v is not None else None) for k, v in zip(MOE_ARGS, args[1:])}
     ex = {k: v.double() for k, v in extra.items()}
     I = spec.intermediate_size

@@ -4,7 +4,7 @@ one with zero tokens, for the default CPU path and the Triton path (interpreter)
 import pytest
 import torch
 
-from moecomp.spec import MoESpec, SharedExpertSpec
+from moecomp.core.spec import MoESpec, SharedExpertSpec
 from moecomp.testing import random_moe_args
 
 SPECS = [
@@ -45,7 +45,7 @@ def test_opcheck_moe_forward_hash(cpu_backend, T):
                    routed_scaling_factor=1.5, hash_routing=True)
     args = random_moe_args(spec, T, seed=T)
     h = random_hash_args(spec, T, vocab=11, seed=T)
-    from moecomp.ops.common import MOE_ARGS, OP_ARGS
+    from moecomp.core.args import MOE_ARGS, OP_ARGS
 
     between = [None] * (OP_ARGS.index("hash_table") - len(MOE_ARGS))  # the scales and latent projections
     torch.library.opcheck(torch.ops.moecomp.moe_forward.default, (*args, spec.key, *between, h["hash_table"],

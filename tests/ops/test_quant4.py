@@ -1,5 +1,5 @@
 """4-bit weights in the one quantization spec (``QuantSpec.mxfp4()`` / ``QuantSpec.int4(...)``): the format's
-definition checked against values written out independently of ``moecomp.quant``, the checks of packed arguments,
+definition checked against values written out independently of ``moecomp.core.quant``, the checks of packed arguments,
 and the CPU op against the dequantized reference.
 
 Tolerances: dequantization is exact (compared with ==); the CPU op against ``reference.moe_forward`` on the same
@@ -15,9 +15,9 @@ import dataclasses
 import pytest
 import torch
 
-from moecomp import quant as q8
-from moecomp import reference
-from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
+from moecomp.core import quant as q8
+from moecomp.oracle import reference
+from moecomp.core.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
 from moecomp.testing import quantize_moe_args, random_moe_args
 
 QUANTS = {"mxfp4": QuantSpec.mxfp4(), "int4": QuantSpec.int4(), "int4_zp64": QuantSpec.int4(64, zero_point=True),

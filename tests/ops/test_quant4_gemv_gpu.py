@@ -1,7 +1,7 @@
 """GPU tests of the dot-free 4-bit decode path (``kernels/quant4_gemv.py``, ``ops/triton_quant4_gemv.py``; H200
 class, skipped without CUDA): the op at gpt-oss-20b's layer size (E=32, k=4, H=I=2880, mxfp4, gate / up interleaved,
 swiglu_oai with its clamp, expert and router biases) and a Qwen3-30B-A3B-like int4 layer (E=128, k=8, H=2048, I=768,
-group 128, zero points), bf16, T in {1, 2, 4}: the GEMV path (MOECOMP_W4_DECODE=gemv) against ``moecomp.reference``
+group 128, zero points), bf16, T in {1, 2, 4}: the GEMV path (MOECOMP_W4_DECODE=gemv) against ``moecomp.oracle.reference``
 on the same packed tensors and against the DIRECT dot path (MOECOMP_W4_DECODE=dot); the tile options (REDUCE_END 0,
 PREFETCH 0, the inline-PTX conversions) against the default; CUDA-graph capture and replay with no host sync.
 
@@ -14,9 +14,9 @@ the inline PTX nothing: expected 0 for ASM). ``pytest tests/ops/test_quant4_gemv
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import triton_quant4_gemv, tuning
-from moecomp.spec import MoESpec, QuantSpec
+from moecomp.core.spec import MoESpec, QuantSpec
 from moecomp.testing import capture_moe_forward
 from test_gpu import poison_cache, rel_err  # (tests/ops is on sys.path, no package)
 from test_quant4_gpu import packed_args

@@ -1,5 +1,5 @@
 """GPU tests of the 4-bit (w4a16) Triton path (H200 class; skipped without CUDA): the op at real layer sizes against
-``moecomp.reference`` on the same packed tensors, CUDA-graph capture and replay, no host syncs.
+``moecomp.oracle.reference`` on the same packed tensors, CUDA-graph capture and replay, no host syncs.
 
 The decode sizes (T <= ``tuning.QUANT4_GEMV_MAX_T``) run the dot-free GEMV kernels here (the heuristic's choice;
 tests/ops/test_quant4_gemv_gpu.py compares them with the dot path), except in the options test.
@@ -19,10 +19,10 @@ quantization itself is one to two orders of magnitude larger (13-17% on the CPU 
 import pytest
 import torch
 
-from moecomp import quant as q8
-from moecomp import reference
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec
+from moecomp.core import quant as q8
+from moecomp.oracle import reference
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec
 from moecomp.testing import capture_moe_forward, random_moe_args
 from test_gpu import poison_cache, rel_err  # (tests/ops is on sys.path, no package: the bf16 GPU tests)
 
@@ -123,7 +123,7 @@ def test_quant4_eager_graphs_and_no_host_sync():
     """call_moe_forward (how bound blocks call the op) with 4-bit args: plain, captured (ops/graphs.py), replayed,
     each equal to plain launches; then no host sync on the hot path."""
     from moecomp.ops import graphs, triton_moe
-    from moecomp.ops.common import OP_ARGS
+    from moecomp.core.args import OP_ARGS
     from moecomp.ops.moe_op import call_moe_forward
 
     spec = GPT_OSS_20B

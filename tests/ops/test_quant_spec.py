@@ -1,4 +1,4 @@
-"""The quantization part of the spec (``QuantSpec``), its oracle (``moecomp.quant``), the CPU path of quantized ops,
+"""The quantization part of the spec (``QuantSpec``), its oracle (``moecomp.core.quant``), the CPU path of quantized ops,
 and the checks of scale arguments.
 
 Tolerances: dequantize(quantize(w)) is within half an e4m3 step of each block's scale (|err| <= 2^-4 |w| for normal
@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moecomp import quant as q8
-from moecomp import reference
-from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
+from moecomp.core import quant as q8
+from moecomp.oracle import reference
+from moecomp.core.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
 from moecomp.testing import quantize_moe_args, random_moe_args
 
 QUANTS = [QuantSpec(), QuantSpec(scale="channel"), QuantSpec(scale="tensor", activation="static"),
@@ -203,7 +203,7 @@ def test_fp8_ops_opcheck():
 def test_quantize_in_chunks_is_the_same(scale, halves, monkeypatch):
     """Stacked experts quantized a few at a time (the bound on fp32 temporaries) give the same codes and scales as
     all at once: 7 experts in chunks of 2 (the last one shorter)."""
-    from moecomp import quant as q8
+    from moecomp.core import quant as q8
 
     q = QuantSpec(scale=scale, block_n=32, block_k=64)
     w = torch.randn(7, 96, 200, generator=torch.Generator().manual_seed(1)) * 0.02

@@ -12,9 +12,9 @@ import json
 import pytest
 import torch
 
-from moecomp import reference
-from moecomp.ops.common import MOE_ARGS, OP_ARGS
-from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
+from moecomp.oracle import reference
+from moecomp.core.args import MOE_ARGS, OP_ARGS
+from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError
 from moecomp.testing import random_moe_args
 
 TOL = 1e-5

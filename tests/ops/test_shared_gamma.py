@@ -1,7 +1,7 @@
 """Stacked shared experts scaled by router gammas (``SharedExpertSpec.stacked``, ``MoESpec.shared_gamma``
 "joint_renorm", ``MoESpec.has_weight_scale``; Inkling): the spec's checks, the reference against a hand-written fp64
 loop written from the formula (logsigmoid / logsumexp, as Inkling's router spells it, nothing from
-``moecomp.reference``), the reference's invariants, then the op (torch path, and the Triton kernels under the
+``moecomp.oracle.reference``), the reference's invariants, then the op (torch path, and the Triton kernels under the
 interpreter, fp32) against the reference with every torch.empty NaN-poisoned, at decode sizes and aligned ones,
 its argument checks and opcheck, and (GPU only) bf16 with CUDA-graph capture.
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moecomp import reference
-from moecomp.ops.common import MOE_ARGS, OP_ARGS
-from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
+from moecomp.oracle import reference
+from moecomp.core.args import MOE_ARGS, OP_ARGS
+from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError
 from moecomp.testing import random_moe_args, random_weight_scale, rel_err
 
 TOL = 1e-5

@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from moecomp import reference
-from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
+from moecomp.oracle import reference
+from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError
 from moecomp.testing import random_moe_args, rel_err
 
 SHARED = SharedExpertSpec(24, gate_softcap=1.5, up_softcap=0.7)
@@ -151,7 +151,7 @@ def test_softcap_fp8_cuda(poison, monkeypatch, mode, T):
     """FP8 block-quantized routed experts (the FP8 gemm1 epilogues, TMA ones at the larger T where the tuned table
     takes them) with softcaps, bf16 activations, against reference.py on the same quantized weights (w8a16: the
     weight-only reference); relative Frobenius error < 2e-2 (tests/ops/test_fp8_gpu.py's bound)."""
-    from moecomp.spec import QuantSpec
+    from moecomp.core.spec import QuantSpec
     from moecomp.testing import quantize_moe_args
 
     spec = MoESpec(num_experts=32, top_k=4, hidden_size=1024, intermediate_size=512, scoring="sigmoid",

@@ -1,4 +1,4 @@
-"""``score_order == "sparsemixer"`` (PhiMoE's eval-mode router, ``moecomp.spec``): the spec field, the reference
+"""``score_order == "sparsemixer"`` (PhiMoE's eval-mode router, ``moecomp.core.spec``): the spec field, the reference
 against a hand-written token loop of transformers' sparsemixer semantics (fp64, written here from the formula), the
 op's CPU paths (vectorised torch; the Triton kernels under the interpreter, fp32) against the reference with every
 torch.empty NaN-poisoned, the routing kernel under the interpreter, and (GPU only, marked) the compiled routing
@@ -21,10 +21,11 @@ import math
 import pytest
 import torch
 
-from moecomp import policy, reference
+from moecomp.core import policy
+from moecomp.oracle import reference
 from moecomp.ops import triton_moe
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError
 from moecomp.testing import capture_moe_forward, check_replays, random_moe_args, rel_err
 
 TOL = 1e-5

@@ -15,10 +15,10 @@ import json
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import triton_moe
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
 from moecomp.testing import quantize_moe_args, random_moe_args
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
@@ -40,7 +40,7 @@ def rel_err(a, b):
 
 
 def _hand_loop(spec: MoESpec, args) -> torch.Tensor:
-    """The block written out token by token and slot by slot, in fp64, with nothing from moecomp.reference."""
+    """The block written out token by token and slot by slot, in fp64, with nothing from moecomp.oracle.reference."""
     x, t = args[0].double(), {k: (v.double() if v is not None else None) for k, v in zip(MOE_ARGS, args[1:])}
     I = spec.intermediate_size
     silu = lambda v: v / (1 + torch.exp(-v))  # noqa: E731
@@ -170,7 +170,7 @@ def test_fp8_dynamic(monkeypatch, poison, backend):
 
 def test_route_sigmoid_topk_then_score(poison):
     """The routing kernel's TOPK_THEN_SCORE + sigmoid against the reference, rows with NaN / inf logits included
-    (the routing contract in moecomp.reference)."""
+    (the routing contract in moecomp.oracle.reference)."""
     spec = SPECS["llama4"].replace(top_k=2)
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(9, 8, generator=g) * 3

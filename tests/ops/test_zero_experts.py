@@ -18,10 +18,10 @@ import json
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import triton_moe
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
 from moecomp.testing import capture_moe_forward, check_replays, quantize_moe_args, random_moe_args, rel_err
 
 TOL = 1e-5
@@ -56,7 +56,7 @@ def _routing(spec: MoESpec, t: dict, xi: torch.Tensor):
 
 
 def _hand_loop(spec: MoESpec, args) -> torch.Tensor:
-    """The block token by token and slot by slot in fp64, with nothing from moecomp.reference: a slot whose id is
+    """The block token by token and slot by slot in fp64, with nothing from moecomp.oracle.reference: a slot whose id is
     >= E adds weight * x."""
     x, t = args[0].double(), {k: (v.double() if v is not None else None) for k, v in zip(MOE_ARGS, args[1:])}
     I, E = spec.intermediate_size, spec.num_experts

@@ -2,7 +2,7 @@
 ``test_parallel_emulated.py``) and real gloo processes (``test_parallel_gloo.py``). Each check runs on every rank and
 returns rows (name, rank, relative error, tolerance) or raises; the runner asserts.
 
-The oracle is ``moecomp.reference.moe_forward`` on the WHOLE block (the one-GPU result): every rank's output must equal
+The oracle is ``moecomp.oracle.reference.moe_forward`` on the WHOLE block (the one-GPU result): every rank's output must equal
 it within fp32 tolerance (``TOL``; 4-bit / fp8 weights: the dequantized reference, activations not quantized, so the
 same tolerance). Inputs are drawn from fixed seeds, identical on every rank where the group shares one batch.
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 
 from moecomp import parallel as par
-from moecomp import reference
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec
-from moecomp.spec_parallel import ParallelSpec
+from moecomp.oracle import reference
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, QuantSpec, SharedExpertSpec
+from moecomp.core.spec_parallel import ParallelSpec
 from moecomp.testing import quantize_moe_args, random_hash_args, random_latent_args, random_moe_args, rel_err
 
 TOL = 2e-5  # fp32: relative Frobenius error (summation order only)

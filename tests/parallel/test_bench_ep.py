@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from moecomp.parallel.comm import comm_for
-from moecomp.spec_parallel import ParallelSpec
+from moecomp.core.spec_parallel import ParallelSpec
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
 

@@ -1,6 +1,7 @@
-"""transformers' own distributed loading, then ``moecomp.optimize`` (``moecomp/parallel/hf_distributed.py``,
-``hf_ep.py``): tiny models saved to a temp dir, loaded by ``from_pretrained(path, distributed_config=...)`` in 2 gloo
-processes on 127.0.0.1 (``gloo_run.py``), as torchrun would run them. Every plan style transformers 5.24 / 5.25 has:
+"""transformers' own distributed loading, then ``moecomp.optimize`` (``moecomp/api/hf_distributed.py``,
+``moecomp/hf/ep_interface.py``): tiny models saved to a temp dir, loaded by ``from_pretrained(path,
+distributed_config=...)`` in 2 gloo processes on 127.0.0.1 (``gloo_run.py``), as torchrun would run them. Every plan
+style transformers 5.24 / 5.25 has:
 
 * EP plan (``DistributedConfig(tp_size=2, ep_size=2)``, attention TP): experts DTensors Shard(0), with
   ``ep_implementation`` "all_reduce" (DeepSeek-V3: its shared expert TP-sliced), "all_to_all" (Qwen3-MoE) and
@@ -45,7 +46,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: generate.models
 import gloo_run  # noqa: E402
 
-from moecomp.parallel import hf_ep  # noqa: E402
+from moecomp.hf import ep_interface as hf_ep  # noqa: E402
 
 TOL = 2e-5
 WHY_NOT = hf_ep.available()
@@ -407,7 +408,7 @@ def test_shared_experts_given_as_this_ranks_slice(name, mode):
     in (all-to-all, a latent block's TP) refuse them naming shared_w2."""
     import scenarios as sc
     from moecomp import parallel as par
-    from moecomp.spec import SpecError
+    from moecomp.core.spec import SpecError
     from moecomp.testing import rel_err
 
     W = 2
@@ -441,7 +442,7 @@ def test_registered_when_transformers_ep_is_imported():
     code = textwrap.dedent("""
         import sys
         import moecomp
-        from moecomp.parallel import hf_ep
+        from moecomp.hf import ep_interface as hf_ep
         assert "transformers" not in sys.modules and not hf_ep.REGISTERED and hf_ep._finder in sys.meta_path
         import transformers.distributed.expert_parallel as ep
         impls = ep.EPImplementationInterface()

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from moecomp import parallel as par
 from moecomp.parallel import local, overlap
 from moecomp.parallel.comm import comm_for
-from moecomp.spec import MoESpec, SpecError
-from moecomp.spec_parallel import ParallelSpec
+from moecomp.core.spec import MoESpec, SpecError
+from moecomp.core.spec_parallel import ParallelSpec
 from moecomp.testing import random_moe_args, rel_err
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 import moecomp
 from moecomp import parallel as par
-from moecomp.ops.common import MOE_ARGS
-from moecomp.spec import MoESpec, SharedExpertSpec
-from moecomp.spec_parallel import ParallelSpec
+from moecomp.core.args import MOE_ARGS
+from moecomp.core.spec import MoESpec, SharedExpertSpec
+from moecomp.core.spec_parallel import ParallelSpec
 from moecomp.testing import random_moe_args, rel_err
 
 pytestmark = pytest.mark.gpu

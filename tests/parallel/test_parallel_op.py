@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from moecomp import parallel as par
-from moecomp.ops.common import MOE_ARGS, OP_ARGS
-from moecomp.spec import MoESpec, SharedExpertSpec
-from moecomp.spec_parallel import ParallelSpec
-from moecomp import reference
+from moecomp.core.args import MOE_ARGS, OP_ARGS
+from moecomp.core.spec import MoESpec, SharedExpertSpec
+from moecomp.core.spec_parallel import ParallelSpec
+from moecomp.oracle import reference
 from moecomp.testing import random_moe_args, rel_err
 
 SPEC = MoESpec(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, scoring="sigmoid",

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 
 from moecomp import parallel as par
-from moecomp.ops.common import MOE_ARGS
+from moecomp.core.args import MOE_ARGS
 from moecomp.ops.moe_op import call_moe_forward
 from moecomp.parallel import capacity, local
-from moecomp.spec import MoESpec, QuantSpec, SpecError
-from moecomp.spec_parallel import ParallelSpec
+from moecomp.core.spec import MoESpec, QuantSpec, SpecError
+from moecomp.core.spec_parallel import ParallelSpec
 from moecomp.testing import quantize_moe_args, random_moe_args
 
 BASE = MoESpec(num_experts=4, top_k=2, hidden_size=32, intermediate_size=64, has_expert_bias=True)

@@ -1,4 +1,4 @@
-"""ParallelSpec (``moecomp/spec_parallel.py``): its shard arithmetic, its validation (SpecError, a ValueError, naming
+"""ParallelSpec (``moecomp/core/spec_parallel.py``): its shard arithmetic, its validation (SpecError, a ValueError, naming
 the field), and the round trip of a MoESpec with a parallel part through its key (the op's spec string)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from moecomp.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
-from moecomp.spec_parallel import ParallelSpec
+from moecomp.core.spec import MoESpec, QuantSpec, SharedExpertSpec, SpecError
+from moecomp.core.spec_parallel import ParallelSpec
 
 DSV3 = MoESpec(num_experts=16, top_k=4, hidden_size=32, intermediate_size=16, scoring="sigmoid",
                has_correction_bias=True, n_group=4, topk_group=2, routed_scaling_factor=2.5, renorm_eps=1e-20,

@@ -3,7 +3,7 @@ tensors or a ModuleList of ``w1/w2/w3`` MLPs (issue 38): one 2-D matrix holding 
 split in the forward by a view / reshape / unflatten, by row or column ranges, by ``chunk`` / ``split``; stacked 3-D
 tensors under other names, on the block itself (also a block with no child module at all), one of them stored
 [in, out] and the other [out, in]; per-expert modules in a custom container, per-expert Parameters in
-``ParameterList``s. Attribute names are deliberately none of those ``hf/structure.py`` knows.
+``ParameterList``s. Attribute names are deliberately none of those ``recognise/structure.py`` knows.
 
 Sizes: H = 16, I = 6, E = 4, top-2 (no two of H, I, 2I, E alike, so no layout is read by luck). ``SPELLINGS`` maps a
 name to the block class, ``FLAT`` names the (parameter path, op argument) of each block's weights the op must read

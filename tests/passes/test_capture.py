@@ -13,7 +13,7 @@ import torch
 
 import moecomp
 import tiny_models as tm
-from moecomp.capture import DetectError, capture_block, detect_block
+from moecomp.recognise.capture import DetectError, capture_block, detect_block
 from moecomp.ops.moe_op import MOE_ARGS
 
 # What each family's block computes (the spec fields that tell them apart) and where its tensors live.
@@ -190,13 +190,13 @@ def test_eager_experts_unchanged_outside_capture():
     x = torch.randn(2, 3, tm.H)
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    import moecomp.backend  # noqa: F401 (registered, the compile backend keeps the dispatcher installed)
+    import moecomp.api.backend  # noqa: F401 (registered, the compile backend keeps the dispatcher installed)
 
     detect_block(block, x)  # installs the dispatcher
     with torch.no_grad():
         out = block(x)
         fn = ALL_EXPERTS_FUNCTIONS.get_interface("eager", None)
-        assert fn is moecomp.capture._eager_or_grouped
+        assert fn is moecomp.recognise.capture._eager_or_grouped
         calls = []
         orig = type(block.experts).forward.__wrapped__
         type(block.experts).forward.__wrapped__ = lambda *a, **k: calls.append(1) or orig(*a, **k)

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moecomp.capture import DetectError, detect_block
-from moecomp.passes import detect_moe as dm
-from moecomp.passes import moe_activation
+from moecomp.recognise.capture import DetectError, detect_block
+from moecomp.recognise.fx import detect_moe as dm
+from moecomp.recognise.fx import moe_activation
 from moecomp.testing import rewrite_block_graph
 
 H, I, E, K, IS = 32, 24, 6, 2, 16

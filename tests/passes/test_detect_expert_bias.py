@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import moecomp
-from moecomp.optimize import rewritten_blocks
-from moecomp.recognise import match_block
+from moecomp.api.optimize import rewritten_blocks
+from moecomp.recognise.recognise import match_block
 
 H, E, I, K = 32, 6, 16, 2
 TOL = 1e-5

@@ -21,14 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import moecomp
-from moecomp import backend
-from moecomp.capture import DetectError, capture_block, detect_block
-from moecomp.hf.bind import bound_tensors
-from moecomp.match import forward_arg
-from moecomp.ops.common import MOE_ARGS, OP_ARGS
-from moecomp.passes import detect_moe as dm
-from moecomp.passes.rewrite_moe import rewrite_moe
-from moecomp.recognise import match_block
+from moecomp.api import backend
+from moecomp.recognise.capture import DetectError, capture_block, detect_block
+from moecomp.bind.bind import bound_tensors
+from moecomp.core.match import forward_arg
+from moecomp.core.args import MOE_ARGS, OP_ARGS
+from moecomp.recognise.fx import detect_moe as dm
+from moecomp.recognise.fx.rewrite_moe import rewrite_moe
+from moecomp.recognise.recognise import match_block
 
 H, I, E, K, V = 32, 24, 6, 2, 19
 TOL = 1e-5
@@ -182,7 +182,7 @@ def test_match_block_and_bind(poison):
     _, rep = moecomp.optimize(model, report=True)
     assert [b.name for b in rep.rewritten] == ["mlp"] and rep.rewritten[0].method == "fx", str(rep)
     ids = _tok((2, 6), 9)
-    from moecomp.hf import families as fam
+    from moecomp.coverage import families as fam
 
     with torch.no_grad():
         out, per, total = fam.count_calls_per_block(model, lambda: model(ids))
@@ -196,7 +196,7 @@ def test_bad_table_is_refused():
     """A table entry outside [0, E) is refused by the pass before any check runs (``SPEC_INVALID``, naming
     hash_table; the block itself would index out of range). The binder checks the whole table too
     (``hash_routing.check_table``, tests/ops/test_hash_routing.py)."""
-    from moecomp.reject import RejectCode
+    from moecomp.core.reject import RejectCode
 
     block = HashMoE().eval()
     with torch.no_grad():

@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from moecomp.capture import DetectError, detect_block
-from moecomp.ops.common import OP_ARGS
-from moecomp.passes import detect_moe as dm
-from moecomp.recognise import match_block
+from moecomp.recognise.capture import DetectError, detect_block
+from moecomp.core.args import OP_ARGS
+from moecomp.recognise.fx import detect_moe as dm
+from moecomp.recognise.recognise import match_block
 from moecomp.testing import rewrite_block_graph
 
 H, L, I, E, K = 32, 24, 16, 8, 2

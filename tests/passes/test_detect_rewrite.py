@@ -11,15 +11,15 @@ import copy
 import pytest
 import torch
 
-from moecomp.reject import RejectCode
-from moecomp.spec import MoESpec
+from moecomp.core.reject import RejectCode
+from moecomp.core.spec import MoESpec
 
 import tiny_models as tm
-from moecomp.capture import capture_block
-from moecomp.passes import _fx
-from moecomp.passes.detect_moe import DetectResult, MoEMatch, detect_moe
-from moecomp.passes.fse import fuse_shared_gate
-from moecomp.passes.rewrite_moe import rewrite_moe
+from moecomp.recognise.capture import capture_block
+from moecomp.recognise.fx import graph as _fx
+from moecomp.recognise.fx.detect_moe import DetectResult, MoEMatch, detect_moe
+from moecomp.recognise.fx.fse import fuse_shared_gate
+from moecomp.recognise.fx.rewrite_moe import rewrite_moe
 
 MOE_OP = torch.ops.moecomp.moe_forward.default
 ROUTED_OPS = {"grouped_mm", "bmm", "sort", "histc", "cumsum", "repeat_interleave", "einsum", "index_add_", "where"}
@@ -103,7 +103,7 @@ def test_detect_verify_false_agrees():
 
 def test_numeric_check_catches_a_wrong_structural_reading(monkeypatch):
     """If the structure were misread (here: forced renormalize=False on Mixtral), the numeric check rejects."""
-    import moecomp.passes.moe_routing as routing
+    import moecomp.recognise.fx.moe_routing as routing
 
     orig = routing._weight_chain
 
@@ -145,7 +145,7 @@ def test_fse_fuses_router_and_shared_gate():
 
 def test_numeric_check_skipped_when_gathers_are_too_large(monkeypatch):
     """batched_mm gathers T*k expert matrices: past the budget the match rests on the structure and says so."""
-    from moecomp import policy
+    from moecomp.core import policy
 
     monkeypatch.setattr(policy, "WORKING_MEMORY_BYTES", 1000)
     cap = capture_block(tm.moe_blocks(tm.hf_model("mixtral", "batched_mm"))[0], torch.randn(1, 3, tm.H))

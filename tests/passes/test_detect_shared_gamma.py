@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moecomp.capture import DetectError, detect_block
-from moecomp.ops.common import OP_ARGS
-from moecomp.passes import detect_moe as dm
+from moecomp.recognise.capture import DetectError, detect_block
+from moecomp.core.args import OP_ARGS
+from moecomp.recognise.fx import detect_moe as dm
 from moecomp.testing import rewrite_block_graph
 
 H, I, E, K, S, IS = 32, 16, 6, 2, 3, 12
@@ -111,7 +111,7 @@ def test_optimize_finds_and_binds_it(poison):
     """The whole pipeline: the block finder takes it by its shapes (no part names it knows), the FX pass reads it,
     verify proves it, the binder binds it (one moe_forward per call)."""
     import moecomp
-    from moecomp.hf.families import count_calls_per_block
+    from moecomp.coverage.families import count_calls_per_block
 
     class Model(nn.Module):
         def __init__(self):

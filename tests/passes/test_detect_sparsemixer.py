@@ -5,7 +5,7 @@ rounds, experts gathered per pair and ``bmm``). Refused, with UNSUPPORTED_ROUTIN
 on the absolute gap (the probe rows tell it apart), and PhiMoE traced in training mode (Gumbel sampling).
 
 Tolerances: whole-model logits (fp32) within 1e-4 of eager relative to their largest value
-(``moecomp.hf.families.TOL``); the plain block's output within 1e-5 of its own forward (fp32 op on the CPU path).
+(``moecomp.coverage.families.TOL``); the plain block's output within 1e-5 of its own forward (fp32 op on the CPU path).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import moecomp
-from moecomp.capture import DetectError, detect_block
-from moecomp.optimize import rewritten_blocks
-from moecomp.reject import RejectCode
+from moecomp.recognise.capture import DetectError, detect_block
+from moecomp.api.optimize import rewritten_blocks
+from moecomp.core.reject import RejectCode
 
 H, I, E, K = 32, 16, 6, 3
 
@@ -89,7 +89,7 @@ def test_absolute_threshold_is_refused():
 # ------------------------------------------------------------------------------------------------- PhiMoE
 def _phimoe():
     pytest.importorskip("transformers.models.phimoe.modeling_phimoe")
-    from moecomp.hf import families as fam
+    from moecomp.coverage import families as fam
 
     return fam, fam.build_tiny("phimoe", seed=0)[0]
 

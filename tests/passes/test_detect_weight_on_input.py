@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import tiny_models as tm
-from moecomp.capture import DetectError, detect_block
+from moecomp.recognise.capture import DetectError, detect_block
 from moecomp.ops.moe_op import MOE_ARGS
-from moecomp.passes import detect_moe as dm
+from moecomp.recognise.fx import detect_moe as dm
 from moecomp.testing import rewrite_block_graph
 
 H, I, E, K = 32, 24, 6, 2

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moecomp.capture import DetectError, detect_block
-from moecomp.passes import detect_moe as dm
+from moecomp.recognise.capture import DetectError, detect_block
+from moecomp.recognise.fx import detect_moe as dm
 from moecomp.testing import rewrite_block_graph
 
 H, I, E, Z, K = 32, 24, 6, 3, 2

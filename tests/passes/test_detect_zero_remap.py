@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import moecomp
-from moecomp.capture import DetectError, detect_block
-from moecomp.derived import get_path
-from moecomp.hf import families as fam
-from moecomp.hf.fallback import FallbackError, static_extract
-from moecomp.hf.structure import NotABlock, find_parts, iter_blocks
+from moecomp.recognise.capture import DetectError, detect_block
+from moecomp.core.derived import get_path
+from moecomp.coverage import families as fam
+from moecomp.recognise.fallback import FallbackError, static_extract
+from moecomp.recognise.structure import NotABlock, find_parts, iter_blocks
 
 H, I, E, Z, K = 32, 24, 6, 3, 2
 SCALE = 2.0

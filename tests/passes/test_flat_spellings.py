@@ -1,5 +1,5 @@
 """Experts in other storage layouts (``flat_spellings``, issue 38) through ``moecomp.optimize`` on a model holding the
-block as ``mlp``, and through structural discovery (``hf/discover.py``).
+block as ``mlp``, and through structural discovery (``recognise/discover.py``).
 
 Each block: optimize rewrites exactly that one block, whole, by the FX pass; the bound block calls the op once per
 forward and gives the block's own output on fresh [3, 7, H] fp32 tokens within max |diff| / max |block| <= 1e-5;
@@ -18,12 +18,12 @@ import torch
 
 import flat_spellings as fs
 import moecomp
-from moecomp.derived import get_path
-from moecomp.hf import discover
-from moecomp.hf import families as fam
-from moecomp.hf.bind import _resolve
-from moecomp.hf.structure import iter_blocks
-from moecomp.ops.common import OP_ARGS
+from moecomp.core.derived import get_path
+from moecomp.recognise import discover
+from moecomp.coverage import families as fam
+from moecomp.bind.bind import resolve as _resolve
+from moecomp.recognise.structure import iter_blocks
+from moecomp.core.args import OP_ARGS
 
 TOL = 1e-5  # fp32: the op against the block's own forward, relative to the output's largest entry
 
@@ -212,8 +212,8 @@ def test_flat_spelling_compile_backend(name):
     transposed weight (view + permute nodes, no copy), equal to the block within 1e-5. (Blocks that loop over the
     experts with ``where(ids == e)`` break Dynamo's graph at the data-dependent shapes there: the backend sees no
     whole block; ``optimize`` binds them.)"""
-    import moecomp.backend  # noqa: F401 (registers the backend name)
-    from moecomp import counters
+    import moecomp.api.backend  # noqa: F401 (registers the backend name)
+    from moecomp.core import counters
 
     block = fs.build(name)
     compiled = torch.compile(block, backend="moecomp", dynamic=True)

@@ -1,4 +1,4 @@
-"""The FX numeric check and 16-bit routing ties (``moecomp/passes/_ties.py``).
+"""The FX numeric check and 16-bit routing ties (``moecomp/recognise/fx/ties.py``).
 
 A Qwen3-MoE block of random weights at E = 128, k = 4, H = I = 128 in bf16: the check's crowd token (a quarter of
 the 48 check tokens are one repeated token) has its 4th and 5th router logits equal in bf16, and ``torch.topk``
@@ -17,9 +17,10 @@ import pytest
 import torch
 
 import moecomp
-from moecomp import policy, reference
-from moecomp.passes import _numeric, _ties
-from moecomp.testing_blocks import one_block
+from moecomp.core import policy
+from moecomp.oracle import reference
+from moecomp.recognise.fx import numeric as _numeric, ties as _ties
+from moecomp.testing.blocks import one_block
 
 E, H, K = 128, 128, 4
 

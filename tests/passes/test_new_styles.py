@@ -4,7 +4,7 @@ relu² experts (Nemotron-H), gpt-oss-style concatenated experts and shared exper
 the experts' output (MiniMax-M3-VL, Beam), a correction bias on the logits (Kolibri-1), a [1, E] bias and
 clamp(sum, min) renormalisation (ERNIE-4.5), group masks of 0.0 (Mistral-4, AXK2), a post-MoE norm (AXK1).
 
-Whole models: the tiny config of ``moecomp.hf.families.build_tiny``, compiled with ``backend="moecomp"``,
+Whole models: the tiny config of ``moecomp.coverage.families.build_tiny``, compiled with ``backend="moecomp"``,
 ``dynamic=True`` (rewritten graph run as is: ``moecomp.inner = "eager"``), logits within 1e-4 relative of eager on
 fresh random token ids, one moe_forward per MoE block. Single blocks: ``detect_block`` / ``detect_moe`` + rewrite.
 """
@@ -19,12 +19,12 @@ import torch
 
 import moecomp
 import tiny_models as tm
-from moecomp import backend
-from moecomp.capture import DetectError, capture_block, detect_block
+from moecomp.api import backend
+from moecomp.recognise.capture import DetectError, capture_block, detect_block
 from moecomp.ops.moe_op import MOE_ARGS
-from moecomp.passes import detect_moe as dm
-from moecomp.passes import moe_activation
-from moecomp.passes.rewrite_moe import rewrite_moe
+from moecomp.recognise.fx import detect_moe as dm
+from moecomp.recognise.fx import moe_activation
+from moecomp.recognise.fx.rewrite_moe import rewrite_moe
 
 EAGER_INNER = {"moecomp.inner": "eager"}
 MOE_CALL = "torch.ops.moecomp.moe_forward.default("
@@ -89,7 +89,7 @@ def recorded(monkeypatch):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_compiled(family, recorded, poison):
-    from moecomp.hf.families import build_tiny
+    from moecomp.coverage.families import build_tiny
 
     n_blocks, fields, shared, from_cfg = FAMILIES[family]
     torch._dynamo.reset()
@@ -135,7 +135,7 @@ def test_family_compiled(family, recorded, poison):
 
 def test_axk1_block_post_norm(poison):
     """AXK1's block returns post_mlp_layernorm(moe + shared): the MoE output is the node before the norm."""
-    from moecomp.hf.families import build_tiny
+    from moecomp.coverage.families import build_tiny
 
     model, _ = build_tiny("axk1")
     block = [m for n, m in model.named_modules() if n.endswith("mlp") and hasattr(m, "post_mlp_layernorm")][0]
@@ -229,7 +229,7 @@ def test_clamp_limit_is_checked_with_binding_clamps(monkeypatch):
 
 def test_hy_v4_clamp_is_not_ignored():
     """HY-V4's experts clamp at 10, which tiny random weights never reach: the spec must say so anyway."""
-    from moecomp.hf.families import build_tiny
+    from moecomp.coverage.families import build_tiny
 
     model, _ = build_tiny("hy_v4")
     block = [m for n, m in model.named_modules() if n.endswith("mlp") and hasattr(m, "experts")][0]
@@ -241,7 +241,7 @@ def test_hy_v4_clamp_is_not_ignored():
 def test_view_only_tail_is_returned():
     """ERNIE-4.5-VL's sparse block returns result.flatten(): detect_block returns the match (the block's output is
     the op's, reshaped) and says so."""
-    from moecomp.hf.families import build_tiny
+    from moecomp.coverage.families import build_tiny
 
     model, _ = build_tiny("ernie4_5_vl_moe")
     block = [m for n, m in model.named_modules() if n.endswith("text_moe")][0]

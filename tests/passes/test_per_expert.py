@@ -2,7 +2,7 @@
 
 Each spelling: exactly one match; its spec fields; ``MoEMatch.stacked`` names placeholders that ``cap.paths`` maps
 to the expert modules' parameters, in expert order; the op's stacked tensors built from those parameters give, with
-``moecomp.reference.moe_forward`` and with ``torch.ops.moecomp.moe_forward``, the block's output on fresh random
+``moecomp.oracle.reference.moe_forward`` and with ``torch.ops.moecomp.moe_forward``, the block's output on fresh random
 tokens: fp32, max |diff| / max |block| <= 1e-5 (``poison``: torch.empty filled with NaN). A block whose example
 reaches only some experts is rejected with NOT_RECOGNISED, naming the others.
 """
@@ -17,12 +17,12 @@ import torch
 import torch._subclasses.meta_utils as meta_utils
 
 import per_expert_blocks as pb
-from moecomp import reference
-from moecomp.capture import capture_block
+from moecomp.oracle import reference
+from moecomp.recognise.capture import capture_block
 from moecomp.ops.moe_op import MOE_ARGS
-from moecomp.passes.detect_moe import detect_moe
-from moecomp.passes.rewrite_moe import rewrite_moe
-from moecomp.reject import RejectCode
+from moecomp.recognise.fx.detect_moe import detect_moe
+from moecomp.recognise.fx.rewrite_moe import rewrite_moe
+from moecomp.core.reject import RejectCode
 
 TOL = 1e-5
 STACKED = ("w13", "w2", "b13", "b2")
@@ -222,7 +222,7 @@ def test_rewrite_stacks_per_expert_weights(poison):
 def test_backend_leaves_per_expert_blocks_alone(poison):
     """A dense per-expert loop traces into one graph under torch.compile: the backend reports it (the op would need
     the weights stacked on every call) and compiles the block unchanged."""
-    from moecomp import backend
+    from moecomp.api import backend
 
     block = pb.build("dense")
     x = torch.randn(2, 5, pb.H)

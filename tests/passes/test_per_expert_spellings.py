@@ -24,10 +24,10 @@ import moecomp
 import per_expert_blocks as pb
 import per_expert_spellings as ps
 import sorted_spellings as ss
-from moecomp.capture import capture_block
-from moecomp.hf import families as fam
-from moecomp.passes.detect_moe import detect_moe
-from moecomp.reject import RejectCode
+from moecomp.recognise.capture import capture_block
+from moecomp.coverage import families as fam
+from moecomp.recognise.fx.detect_moe import detect_moe
+from moecomp.core.reject import RejectCode
 
 TOL = 1e-5
 NR, VF = RejectCode.NOT_RECOGNISED, RejectCode.VERIFICATION_FAILED

@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moecomp.capture import DetectError, detect_block
-from moecomp.reject import RejectCode
+from moecomp.recognise.capture import DetectError, detect_block
+from moecomp.core.reject import RejectCode
 
 H, I, E, K = 16, 8, 4, 2
 

@@ -22,9 +22,9 @@ from torch import nn
 pytest.importorskip("transformers")
 
 import moecomp  # noqa: E402
-from moecomp.hf import bind as B  # noqa: E402
-from moecomp.hf import families as F  # noqa: E402
-from moecomp.optimize import experts_only_modules, rewritten_blocks  # noqa: E402
+from moecomp.bind import bind as B  # noqa: E402
+from moecomp.coverage import families as F  # noqa: E402
+from moecomp.api.optimize import experts_only_modules, rewritten_blocks  # noqa: E402
 
 from .test_weights import TinyMoEConfig, TinyMoEModel, experts_only_tiny  # noqa: E402
 

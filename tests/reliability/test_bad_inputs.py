@@ -23,9 +23,9 @@ from typing import Callable
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops.moe_op import EXPERT_ARGS, LATENT_ARGS, MOE_ARGS, OP_ARGS, call_moe_experts, call_moe_forward
-from moecomp.spec import MoESpec, SharedExpertSpec, SpecError
+from moecomp.core.spec import MoESpec, SharedExpertSpec, SpecError
 from moecomp.testing import random_latent_args, random_moe_args
 
 # Every optional tensor present: router bias, correction bias, expert biases, a gated shared expert with its gate.

@@ -1,5 +1,5 @@
 """Property tests for the activation clamped after it (``MoESpec.activation_clamp_after``, shared experts' too:
-h = min(act(g), L) * clamp(u, -L, L)): ``moe_forward`` against ``moecomp.reference`` on random specs and inputs, CPU,
+h = min(act(g), L) * clamp(u, -L, L)): ``moe_forward`` against ``moecomp.oracle.reference`` on random specs and inputs, CPU,
 fp32.
 
 hypothesis draws E, k, odd H / I, the activation (silu, gelu, gelu_tanh, relu, relu2), L in [0.1, 3] (of the order of
@@ -19,8 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moecomp import reference
-from moecomp.spec import MoESpec, SharedExpertSpec
+from moecomp.oracle import reference
+from moecomp.core.spec import MoESpec, SharedExpertSpec
 from moecomp.testing import random_moe_args
 
 TOL = 1e-5

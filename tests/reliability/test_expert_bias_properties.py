@@ -1,5 +1,5 @@
 """Property tests for a bias on one expert GEMM only (``MoESpec.expert_bias`` "gemm1": b13 alone, "gemm2": b2 alone;
-"both" drawn too, as the control): ``moe_forward`` and ``moe_experts`` against ``moecomp.reference`` on random specs
+"both" drawn too, as the control): ``moe_forward`` and ``moe_experts`` against ``moecomp.oracle.reference`` on random specs
 and inputs, CPU, fp32.
 
 hypothesis draws E, k, odd H / I, every activation gated or not (swiglu_oai gated, with its clamp), both weight
@@ -20,8 +20,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moecomp import reference
-from moecomp.spec import ACTIVATIONS, EXPERT_BIASES, MoESpec, SharedExpertSpec
+from moecomp.oracle import reference
+from moecomp.core.spec import ACTIVATIONS, EXPERT_BIASES, MoESpec, SharedExpertSpec
 from moecomp.testing import random_moe_args
 
 TOL = 1e-5

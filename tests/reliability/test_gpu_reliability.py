@@ -19,8 +19,8 @@ import os
 import pytest
 import torch
 
-from moecomp import reference
-from moecomp.spec import MoESpec
+from moecomp.oracle import reference
+from moecomp.core.spec import MoESpec
 from moecomp.testing import LAYER_PRESETS, capture_moe_forward, random_moe_args
 
 pytestmark = pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""Routing on router rows that hold NaN / +inf / -inf: the contract of ``moecomp.reference`` (stated above its
+"""Routing on router rows that hold NaN / +inf / -inf: the contract of ``moecomp.oracle.reference`` (stated above its
 ``route``) on every path.
 
 For every token: k distinct expert ids, all in [0, E); finite weights; a row of only NaN logits takes the lowest ids
@@ -22,9 +22,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moecomp import reference
+from moecomp.oracle import reference
 from moecomp.ops import cpu_route, triton_moe
-from moecomp.spec import MoESpec
+from moecomp.core.spec import MoESpec
 from moecomp.testing import random_moe_args
 
 NAN, INF = float("nan"), float("inf")

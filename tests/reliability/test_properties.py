@@ -1,4 +1,4 @@
-"""Property tests: ``moe_forward`` and ``moe_experts`` against ``moecomp.reference`` on random specs and inputs.
+"""Property tests: ``moe_forward`` and ``moe_experts`` against ``moecomp.oracle.reference`` on random specs and inputs.
 
 hypothesis draws a ``MoESpec`` over everything the spec supports (every scoring function and score order, sparsemixer
 rounds with their threshold, groups with either group score and either mask, router bias, correction bias on scores
@@ -51,8 +51,8 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from moecomp import reference
-from moecomp.spec import (
+from moecomp.oracle import reference
+from moecomp.core.spec import (
     ACTIVATIONS,
     GATE_UP,
     GROUP_SCORES,

@@ -1,5 +1,5 @@
 """Property tests for the softcapped gated silu (``MoESpec.gate_softcap`` / ``up_softcap``, shared experts' too):
-``moe_forward`` against ``moecomp.reference`` on random specs and inputs, CPU, fp32.
+``moe_forward`` against ``moecomp.oracle.reference`` on random specs and inputs, CPU, fp32.
 
 hypothesis draws E, k, odd H / I, each cap 0 (uncapped) or in [0.2, 6] (of the order of the pre-activations, so
 tanh bends), both gate/up orders and weight layouts, expert biases, softmax / sigmoid routing with or without a
@@ -17,8 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moecomp import reference
-from moecomp.spec import MoESpec, SharedExpertSpec
+from moecomp.oracle import reference
+from moecomp.core.spec import MoESpec, SharedExpertSpec
 from moecomp.testing import random_moe_args
 
 TOL = 1e-5

@@ -22,10 +22,10 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 import moecomp  # noqa: E402
-from moecomp.hf import bind as B  # noqa: E402
-from moecomp.hf import families as F  # noqa: E402
-from moecomp.derived import SharedLayout  # noqa: E402
-from moecomp.optimize import experts_only_modules, rewritten_blocks  # noqa: E402
+from moecomp.bind import bind as B  # noqa: E402
+from moecomp.coverage import families as F  # noqa: E402
+from moecomp.core.derived import SharedLayout  # noqa: E402
+from moecomp.api.optimize import experts_only_modules, rewritten_blocks  # noqa: E402
 from moecomp.testing import LinearExpert, SplitBlock  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.float64: 1e-4}
@@ -249,7 +249,7 @@ CHANGES = {
 }
 
 # Weights moecomp must copy (separate 3-D gate / up: the sources would be strided views) do not see ``.data``
-# writes (no version bump); documented (moecomp.hf.bind): ``moecomp.optimize(model)`` again rebuilds the copies.
+# writes (no version bump); documented (moecomp.bind.bind): ``moecomp.optimize(model)`` again rebuilds the copies.
 REOPTIMIZE = {("split", c) for c in ("data_copy", "data_ema", "data_mul")}
 
 
@@ -476,7 +476,7 @@ def test_expert_module_shared_by_two_blocks():
 @pytest.fixture
 def grad_warning_once(monkeypatch):
     """The gradient warning is once per process: start each test from a fresh state."""
-    from moecomp.hf import bind_common
+    from moecomp.bind import bind_common
 
     monkeypatch.setattr(bind_common, "_grad_warned", False)
 
