@@ -343,7 +343,7 @@ def _run_direct(name: str, layers: int, dtype, args, ctx: dict) -> None:
         + (f", build peak {info['peak_extra_bytes'] / 2**30:.2f} GiB beyond the model" if "peak_extra_bytes" in info
            else ""))
     rows = _new_rows(name, layers, "fp8", args, result)
-    if "bf16" in args.formats and not args.bf16_json:
+    if "bf16" in args.formats and not args.bf16_json and name not in args.bf16_layers:
         for r in rows.values():
             r["bf16"] = dict(skipped="not built: --build fp8 (bf16 rows: --bf16-json or --bf16-layers)")
     fp8_out = format_rows(model, name, "fp8", args, ctx, rows)
@@ -386,17 +386,19 @@ def _cell(c: dict, fmt: str, r: dict) -> str:
             f"{'; '.join(agree) or '-'} |")
 
 
-def table(result: dict) -> str:
+def table(result: dict, shown: tuple = ()) -> str:
+    """The rows of ``result``; a bf16 cell copied from a file in ``shown`` (``--bf16-json``) is left out (that
+    file's own table has it)."""
     lines = ["| model | layers | B | weights | decode ms/step | floor | x floor | TTFT ms | TTFT floor | x floor |"
              " transformers' path | its ms/step | its TTFT ms | one-liner speed-up | warm-up s | fp8 / bf16 |"
              " agreement |", "|" + "---|" * 17]
     for r in result["rows"]:
         for fmt in ("bf16", "fp8"):
             c = r.get(fmt)
-            if c is None:
+            if c is None or c.get("source") in shown:
                 continue
-            how = (f"from {c['source']}" if "source" in c else "built in FP8" if r.get("build") == "fp8"
-                   else "quantized from bf16" if fmt == "fp8" else "")
+            how = (f"from {c['source']}" if "source" in c else "quantized from bf16" if fmt == "fp8" and r.get(
+                "build") == "bf16" else "built in FP8" if fmt == "fp8" else "")
             head = f"| {r['model']} | {r['layers']} | {r['B']} | {fmt}{f' ({how})' if how else ''} | "
             lines.append(head + (_cell(c, fmt, r) if "decode_ms" in c else f"{c.get('skipped', 'not run')} |"))
     return "\n".join(lines)
@@ -459,15 +461,17 @@ def _depths(spec: str, ap) -> dict:
 
 def print_tables(paths: list[str]) -> int:
     """``--table JSON...``: the table of each result file, from its rows (a run killed mid-way has no "table")."""
-    for i, path in enumerate(paths):
+    shown, head = tuple(os.path.basename(p) for p in paths), True
+    for path in paths:
         try:
             with open(path) as f:
                 res = json.load(f)
         except (OSError, ValueError) as e:
             log(f"{path}: {type(e).__name__}: {e}")
             continue
-        lines = table(res).splitlines()
-        log("\n".join(lines if i == 0 else lines[2:]))
+        lines = table(res, shown).splitlines()
+        log("\n".join(lines if head else lines[2:]))
+        head = False
     return 0
 
 

@@ -232,25 +232,28 @@ e2e80)  # issue 39 item 5: end-to-end generate() at full depth on one 80 GB GPU,
         #     at 16 layers, B=1 (budget allowing);
         # (d) with the time left (E2E_STATIC_MIN s at least): transformers' static cache + torch.compile on (a), B=1.
         # 8 files: e2e80-{qwen3-bf16,qwen3-fp8,mixtral-fp8,qwen3-hfstatic}.{json,log}
-  E2E_TOTAL=${E2E_TOTAL:-540}
+        # CPU dry run of the stage's logic: E2E_DEV="--device cpu --tiny" E2E_QWEN3_LAYERS=2 E2E_MIXTRAL_LAYERS=2
+        # E2E_MIXTRAL_BF16_LAYERS=1 E2E_BATCHES=1,2 E2E_STATIC_MIN=100000 OUT=/tmp/e2e benchmarks/run_gpu.sh e2e80
+  E2E_TOTAL=${E2E_TOTAL:-540} QL=${E2E_QWEN3_LAYERS:-48} ML=${E2E_MIXTRAL_LAYERS:-32}
   com="--batches ${E2E_BATCHES:-1,8,32} --prompt ${E2E_PROMPT:-512} --new ${E2E_NEW:-32} --peer-new ${E2E_PEER_NEW:-16}"
+  com="$com ${E2E_DEV:-}"
   e2e() {  # NAME TIMEOUT BUDGET ARGS...: one bench_generate_fp8.py process
     local n=$1 t=$2 bud=$3; shift 3
     echo "== e2e80 $n: timeout ${t} s, budget ${bud} s (${SECONDS} s in)"
     timeout "$t" python3 benchmarks/bench_generate_fp8.py $com --budget-s "$bud" "$@" --out-json "$OUT/e2e80-$n.json" \
-        2>&1 | grep -v "^DEBUG" | tee "$OUT/e2e80-$n.log" | grep -E "^\[|^#|^\| [a-z]|rror"
+        2>&1 | grep -v "^DEBUG" | tee "$OUT/e2e80-$n.log" | grep -E "^\[|^#|rror"  # (the tables: at the end)
     echo "== e2e80 $n: rc ${PIPESTATUS[0]} (${SECONDS} s in)"
   }
-  e2e qwen3-bf16 ${E2E_A_TIMEOUT:-170} ${E2E_A_BUDGET:-135} --models qwen3 --layers qwen3=full --build bf16 --formats bf16
-  e2e qwen3-fp8 ${E2E_B_TIMEOUT:-140} ${E2E_B_BUDGET:-110} --models qwen3 --layers qwen3=full --build fp8 \
+  e2e qwen3-bf16 ${E2E_A_TIMEOUT:-170} ${E2E_A_BUDGET:-135} --models qwen3 --layers qwen3=$QL --build bf16 --formats bf16
+  e2e qwen3-fp8 ${E2E_B_TIMEOUT:-140} ${E2E_B_BUDGET:-110} --models qwen3 --layers qwen3=$QL --build fp8 \
       --peer-batches 1 --bf16-json "$OUT/e2e80-qwen3-bf16.json"
-  e2e mixtral-fp8 ${E2E_C_TIMEOUT:-200} ${E2E_C_BUDGET:-165} --models mixtral --layers mixtral=full --build fp8 \
+  e2e mixtral-fp8 ${E2E_C_TIMEOUT:-200} ${E2E_C_BUDGET:-165} --models mixtral --layers mixtral=$ML --build fp8 \
       --peer-batches 1 --bf16-layers mixtral=${E2E_MIXTRAL_BF16_LAYERS:-16} --bf16-batches ${E2E_MIXTRAL_BF16_BATCHES:-1}
   left=$(( E2E_TOTAL - SECONDS - 5 ))
   if [ "$left" -ge "${E2E_STATIC_MIN:-90}" ]; then
     echo "== e2e80 qwen3-hfstatic: transformers' static cache + compile, 48 layers, B=1: timeout ${left} s"
-    timeout "$left" python3 benchmarks/bench_generate.py --models qwen3 --layers qwen3=48 --batches 1 --paths hf_static \
-        --compiled-models qwen3 --compiled-batches 1 --prompt ${E2E_PROMPT:-512} --new ${E2E_NEW:-32} \
+    timeout "$left" python3 benchmarks/bench_generate.py --models qwen3 --layers qwen3=$QL --batches 1 --paths hf_static \
+        --compiled-models qwen3 --compiled-batches 1 --prompt ${E2E_PROMPT:-512} --new ${E2E_NEW:-32} ${E2E_DEV:-} \
         --budget-s $((left - 20)) --out-json "$OUT/e2e80-qwen3-hfstatic.json" 2>&1 | grep -v "^DEBUG" \
         | tee "$OUT/e2e80-qwen3-hfstatic.log" | grep -E "hf_static|skipping cudagraphs|rror" | tail -8
   else

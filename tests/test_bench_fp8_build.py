@@ -126,7 +126,7 @@ def test_bf16_fits_says_why():
         gb.build("qwen3", "cpu", torch.float32, 1, True, 0, chunk_bytes=0)
 
 
-def test_bench_generate_fp8_direct_build_cpu(tmp_path):
+def test_bench_generate_fp8_direct_build_cpu(tmp_path, capsys):
     """bench_generate_fp8.py --build bf16 --formats bf16, then --build fp8 with the first run's bf16 rows beside its
     own: every row has a floor, a TTFT, transformers' pass (plain dequantized forward for FP8) and the FP8 tokens
     under the dequantized reference; --table prints both files' rows."""
@@ -146,3 +146,9 @@ def test_bench_generate_fp8_direct_build_cpu(tmp_path):
     assert row["fp8_over_bf16"] == pytest.approx(f8["decode_ms"] / b16["decode_ms"])
     assert f8["reference_agreement"] >= 0.9
     assert "fp8 (built in FP8)" in res["table"] and "bf16 (from a.json)" in res["table"]
+    capsys.readouterr()
+    assert bf.main(["--table", str(a), str(c), str(tmp_path / "missing.json")]) == 0
+    out = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ")]
+    # one header; a.json's bf16 row once (c.json's copy of it left out), c.json's fp8 row
+    assert len(out) == 3 and out[0].startswith("| model |") and "from a.json" not in "".join(out)
+    assert out[1].startswith("| qwen3 | 2 | 1 | bf16 |") and out[2].startswith("| qwen3 | 2 | 1 | fp8 (built in FP8) |")
