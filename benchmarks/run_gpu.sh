@@ -17,6 +17,8 @@
 #   benchmarks/run_gpu.sh warmup    benchmarks/bench_warmup.py: the one-liner's warm-up in fresh processes (issue 20)
 #   benchmarks/run_gpu.sh sanitize  benchmarks/nan_routing_probe.py and the graph-replay NaN test under
 #                                   compute-sanitizer memcheck (with .ab/routing_old.py too, to show the probe fails)
+#   benchmarks/run_gpu.sh e2e80     issue 39: generate() at full depth on an 80 GB GPU: Qwen3-30B-A3B bf16 and FP8,
+#                                   Mixtral-8x7B FP8 (built in FP8), B=1,8,32, one process each, under 540 s in all
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -222,6 +224,45 @@ s11)  # the eleventh session's first call: the GPU tests the tenth session did n
       | tee "$OUT/tests-s11.log" | tail -12
   GEN_ARGS="--models qwen3 --layers qwen3=${QWEN3_LAYERS:-48} --batches ${GEN_BATCHES:-1,8} --profile 1 --ref-batches 0" \
       GEN_BUDGET=${GEN_BUDGET:-330} GEN_TIMEOUT=${GEN_TIMEOUT:-420} "$0" fp8gen ;;
+e2e80)  # issue 39 item 5: end-to-end generate() at full depth on one 80 GB GPU, one process per row group, each under
+        # its own timeout and budget (a killed step keeps the rows it finished: the JSON is rewritten after each row):
+        # (a) Qwen3-30B-A3B bf16, 48 layers (61 GB), transformers' generate timed at every B;
+        # (b) Qwen3-30B-A3B FP8, built in FP8 (31 GB), bf16 rows from (a), transformers' loop on the plain dequantized
+        #     forward at B=1 (its own FP8 forward needs hub kernels);
+        # (c) Mixtral-8x7B FP8 at 32 layers, built in FP8 (47 GB; bf16 would be 93 GB), the same peer, then moecomp bf16
+        #     at 16 layers, B=1 (budget allowing);
+        # (d) with the time left (E2E_STATIC_MIN s at least): transformers' static cache + torch.compile on (a), B=1.
+        # 8 files: e2e80-{qwen3-bf16,qwen3-fp8,mixtral-fp8,qwen3-hfstatic}.{json,log}
+        # CPU dry run of the stage's logic: E2E_DEV="--device cpu --tiny" E2E_QWEN3_LAYERS=2 E2E_MIXTRAL_LAYERS=2
+        # E2E_MIXTRAL_BF16_LAYERS=1 E2E_BATCHES=1,2 E2E_STATIC_MIN=100000 OUT=/tmp/e2e benchmarks/run_gpu.sh e2e80
+  E2E_TOTAL=${E2E_TOTAL:-540} QL=${E2E_QWEN3_LAYERS:-48} ML=${E2E_MIXTRAL_LAYERS:-32}
+  com="--batches ${E2E_BATCHES:-1,8,32} --prompt ${E2E_PROMPT:-512} --new ${E2E_NEW:-32} --peer-new ${E2E_PEER_NEW:-16}"
+  com="$com ${E2E_DEV:-}"
+  e2e() {  # NAME TIMEOUT BUDGET ARGS...: one bench_generate_fp8.py process
+    local n=$1 t=$2 bud=$3; shift 3
+    echo "== e2e80 $n: timeout ${t} s, budget ${bud} s (${SECONDS} s in)"
+    timeout "$t" python3 benchmarks/bench_generate_fp8.py $com --budget-s "$bud" "$@" --out-json "$OUT/e2e80-$n.json" \
+        2>&1 | grep -v "^DEBUG" | tee "$OUT/e2e80-$n.log" | grep -E "^\[|^#|rror"  # (the tables: at the end)
+    echo "== e2e80 $n: rc ${PIPESTATUS[0]} (${SECONDS} s in)"
+  }
+  e2e qwen3-bf16 ${E2E_A_TIMEOUT:-170} ${E2E_A_BUDGET:-135} --models qwen3 --layers qwen3=$QL --build bf16 --formats bf16
+  e2e qwen3-fp8 ${E2E_B_TIMEOUT:-140} ${E2E_B_BUDGET:-110} --models qwen3 --layers qwen3=$QL --build fp8 \
+      --peer-batches 1 --bf16-json "$OUT/e2e80-qwen3-bf16.json"
+  e2e mixtral-fp8 ${E2E_C_TIMEOUT:-200} ${E2E_C_BUDGET:-165} --models mixtral --layers mixtral=$ML --build fp8 \
+      --peer-batches 1 --bf16-layers mixtral=${E2E_MIXTRAL_BF16_LAYERS:-16} --bf16-batches ${E2E_MIXTRAL_BF16_BATCHES:-1}
+  left=$(( E2E_TOTAL - SECONDS - 5 ))
+  if [ "$left" -ge "${E2E_STATIC_MIN:-90}" ]; then
+    echo "== e2e80 qwen3-hfstatic: transformers' static cache + compile, 48 layers, B=1: timeout ${left} s"
+    timeout "$left" python3 benchmarks/bench_generate.py --models qwen3 --layers qwen3=$QL --batches 1 --paths hf_static \
+        --compiled-models qwen3 --compiled-batches 1 --prompt ${E2E_PROMPT:-512} --new ${E2E_NEW:-32} ${E2E_DEV:-} \
+        --budget-s $((left - 20)) --out-json "$OUT/e2e80-qwen3-hfstatic.json" 2>&1 | grep -v "^DEBUG" \
+        | tee "$OUT/e2e80-qwen3-hfstatic.log" | grep -E "hf_static|skipping cudagraphs|rror" | tail -8
+  else
+    echo "== e2e80: ${left} s left, under E2E_STATIC_MIN=${E2E_STATIC_MIN:-90}: no static cache + compile row"
+  fi
+  python3 benchmarks/bench_generate_fp8.py --table "$OUT"/e2e80-qwen3-bf16.json "$OUT"/e2e80-qwen3-fp8.json \
+      "$OUT"/e2e80-mixtral-fp8.json 2>&1 | grep "^|"
+  echo "== e2e80 done in ${SECONDS} s" ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
   timeout ${TUNE_TIMEOUT:-560} python3 -m moecomp tune --restart -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-480} \
       --presets ${PRESETS:-all} ${TOKENS:+--tokens $TOKENS} --copy-to "$OUT" 2>&1 | tee "$OUT/tune.log" \
