@@ -74,10 +74,14 @@ compiled)  # Qwen1.5-MoE / DeepSeek-V3 at batch 8 and 128, then transformers' co
 tests)  # every GPU test: TEST_WORKERS xdist workers share the GPU (Triton's compiles are CPU-bound; 430 s serial at
         # 9bf6c19; at 8b52347 on an H100: 8 workers reached 94% in 440 s, 12 ran out of memory in 35 tests), then the
         # tests marked `exclusive` (they fill the device memory) alone; failures named
+  peaks=$(python3 -c "import tempfile, os; print(os.path.join(tempfile.gettempdir(), 'moecomp-gpu-tests.peaks'))")
+  rm -f "$peaks"
   timeout ${TEST_TIMEOUT:-480} python3 -m pytest -q -rfE --durations=8 -m "gpu and not exclusive" -n ${TEST_WORKERS:-8} \
       -p no:cacheprovider ${TEST_PATHS:-tests} 2>&1 | grep -v "^DEBUG" | tee "$OUT/tests.log" | tail -30
   timeout ${EXCL_TIMEOUT:-90} python3 -m pytest -q -rfE -m "gpu and exclusive" -p no:cacheprovider tests 2>&1 \
-      | grep -v "^DEBUG" | tee "$OUT/tests-exclusive.log" | tail -4 ;;
+      | grep -v "^DEBUG" | tee "$OUT/tests-exclusive.log" | tail -4
+  [ -f "$peaks" ] && sort -rn "$peaks" > "$OUT/tests-peaks.log" && echo "== GPU tests over 2 GiB (of $(wc -l < "$OUT/tests-peaks.log")):" \
+      && head -12 "$OUT/tests-peaks.log" && grep UNMARKED "$OUT/tests-peaks.log" | head -8 ;;
 layer)  # the layer benchmark: every family, every T, every peer in the same run (vLLM's kernel from the copy in
         # .peers/, carried: cp -r ../shared/peers/vllm_fused_moe .peers/), ROUTING=real|uniform|zipf|one-hot,
         # LAYER_ARGS: more bench_moe.py options (e.g. --breakdown mixtral:8192)
