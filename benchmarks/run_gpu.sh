@@ -17,6 +17,7 @@
 #   benchmarks/run_gpu.sh warmup    benchmarks/bench_warmup.py: the one-liner's warm-up in fresh processes (issue 20)
 #   benchmarks/run_gpu.sh sanitize  benchmarks/nan_routing_probe.py and the graph-replay NaN test under
 #                                   compute-sanitizer memcheck (with .ab/routing_old.py too, to show the probe fails)
+#   benchmarks/run_gpu.sh heur      issue 39: moecomp's layer grid with this GPU's table, then without it
 #   benchmarks/run_gpu.sh e2e80     issue 39: generate() at full depth on an 80 GB GPU: Qwen3-30B-A3B bf16 and FP8,
 #                                   Mixtral-8x7B FP8 (built in FP8), B=1,8,32, one process each, under 540 s in all
 set -uo pipefail
@@ -267,6 +268,13 @@ e2e80)  # issue 39 item 5: end-to-end generate() at full depth on one 80 GB GPU,
   python3 benchmarks/bench_generate_fp8.py --table "$OUT"/e2e80-qwen3-bf16.json "$OUT"/e2e80-qwen3-fp8.json \
       "$OUT"/e2e80-mixtral-fp8.json 2>&1 | grep "^|"
   echo "== e2e80 done in ${SECONDS} s" ;;
+heur)  # issue 39: moecomp alone on the layer grid (30 cells) with this GPU's table, then with it ignored (MOECOMP_TABLE
+       # modes: HEUR_MODES, default "on off"; "loo" also ignores every entry of the cell's own shape), same machine
+  for m in ${HEUR_MODES:-on off}; do
+    timeout $(( ${HEUR_BUDGET:-85} + 40 )) python3 benchmarks/bench_moe.py --quick --budget-s ${HEUR_BUDGET:-85} \
+        --peers moecomp --table $m --out-json "$OUT/layer-table$m.json" 2>&1 | grep -v "^DEBUG" > "$OUT/layer-table$m.log"
+    echo "== table $m (${SECONDS} s in): $(tail -1 "$OUT/layer-table$m.log" | cut -c1-200)"
+  done ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
   timeout ${TUNE_TIMEOUT:-560} python3 -m moecomp tune --restart -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-480} \
       --presets ${PRESETS:-all} ${TOKENS:+--tokens $TOKENS} --copy-to "$OUT" 2>&1 | tee "$OUT/tune.log" \
