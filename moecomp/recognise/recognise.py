@@ -272,7 +272,7 @@ class FxPass(Recogniser):
     name = "fx"
 
     def applies(self, a: Attempt) -> bool:
-        return a.use_fx and a.x is not None and a.refusal is None
+        return a.use_fx and a.x is not None
 
     def run(self, a: Attempt) -> Match | Reject:
         return _fx_answer(a, fx_match(a.block, a.parts, a.x.device, a.x.dtype, a.cache))
