@@ -35,7 +35,7 @@ from moecomp.recognise.fx import numeric as _numeric  # noqa: E402
 from moecomp.testing import PeakMemory, forward_peak  # noqa: E402
 from moecomp.testing.blocks import one_block  # noqa: E402
 
-O = importlib.import_module("moecomp.api.optimize")  # (the module: ``moecomp.optimize`` is the function)
+O = importlib.import_module("moecomp.api.whole")  # (the whole-block rewrite: its probe tries, ``_tries``)
 
 BOUND = 4 << 20  # policy.WORKING_MEMORY_BYTES in these tests
 E, H, I, K = 256, 128, 128, 8  # all experts' w13 + w2 in fp32: 256 * 3 * 128 * 128 * 4 bytes = 50 MB > 10 BOUND

@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..core.reject import RejectCode
+from ..core.status import BlockStatus
 from .report import BlockReport, expert_style
 from ..core.spec import MoESpec
 from ..bind import bind as _bind
@@ -39,7 +40,7 @@ def try_experts_only(name: str, block: nn.Module, parts: BlockParts | None, rep:
         if bind_it:
             _bind.claim(st, [experts])  # an experts implementation named since: moecomp's op again
         _fill_experts(rep, st.spec, full)
-        rep.status, rep.method = "experts only", "experts interface"
+        rep.status, rep.method = BlockStatus.EXPERTS_ONLY, "experts interface"
         return
     if any(p.device.type == "meta" for p in experts.parameters()):  # nothing can run: say what would be tried
         rep.reason += (f"; {full!r} is a standard experts module: with weights loaded, optimize can run it on "
@@ -64,9 +65,9 @@ def try_experts_only(name: str, block: nn.Module, parts: BlockParts | None, rep:
     if bind_it:
         _bind.bind_experts(experts, full, spec, rep.reason)
         _ei.cache_spec(experts, k, spec)
-        rep.status = "experts only"
+        rep.status = BlockStatus.EXPERTS_ONLY
     else:
-        rep.status = "experts only supported"
+        rep.status = BlockStatus.EXPERTS_ONLY_SUPPORTED
 
 
 def _experts_top_k(block: nn.Module, parts: BlockParts | None, experts: nn.Module) -> int:

@@ -76,6 +76,7 @@ from ..core.reject import Reject, RejectCode
 from .report import BlockReport, fill_from_spec as _fill_from_spec
 from ..core.spec import MoESpec, SpecError
 from ..core.spec_parallel import ParallelSpec
+from ..core.status import BlockStatus
 from ..parallel.comm import group_name
 from ..parallel.local import SHARD_ARGS
 from ..parallel.op import forward as parallel_forward
@@ -397,7 +398,7 @@ def process(name: str, block: nn.Module, parts: BlockParts, rep: BlockReport, bi
         _install_local(block, dpaths)
         st.op_spec = (st.op_spec or st.spec).replace(parallel=p)
         st.spec_key = st.op_spec.key
-        rep.status = "rewritten"
+        rep.status = BlockStatus.REWRITTEN
     else:
-        rep.status = "supported"
+        rep.status = BlockStatus.SUPPORTED
     _fill_from_spec(rep, m.spec, block, m.bindings, m.derived)

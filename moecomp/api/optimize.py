@@ -3,9 +3,10 @@
 For every candidate MoE block (a module owning a router weight [E, H] and 3-D expert weights, or a ModuleList of
 per-expert MLPs; see :mod:`moecomp.recognise.structure`):
 
-1. detect: the FX pass (``moecomp.recognise.capture.detect_block``) first; when Dynamo cannot capture the block (or the pass
-   is not installed), the attribute fallback (:mod:`moecomp.recognise.fallback`), which measures routing and activation by
-   running the block once;
+1. recognise: the recognisers in order (:data:`moecomp.recognise.recognise.RECOGNISERS`): the FX pass
+   (``moecomp.recognise.capture.detect_block``) first, again with real values where a per-expert loop stopped it;
+   when Dynamo cannot capture the block (or the pass is not used), the dispatch reader and the attribute reader
+   (:mod:`moecomp.recognise.fallback`), which measure routing and activation by running the block;
 2. check: the block's original forward and ``torch.ops.moecomp.moe_forward`` run on the same random input
    (``policy.PROBE_SHAPE``: 32 tokens, the block's dtype and device); the rewrite happens only if they agree within
    ``policy.VERIFY_TOLERANCE`` relative to the output's largest value (fp32: 1e-4; bf16: 3e-2; fp16: 1e-2; 16-bit
@@ -14,9 +15,14 @@ per-expert MLPs; see :mod:`moecomp.recognise.structure`):
    ModuleList of expert MLPs is stacked once and its Parameters re-pointed at the stacked tensor's slices, so the
    weights are still held once and every write to them reaches the op).
 
-A block whose experts transformers' distributed loading sharded (``from_pretrained(..., distributed_config=...)``:
-DTensor experts) goes through :mod:`moecomp.api.hf_distributed` instead: recognised on the sharded block,
-checked against its sharded forward, bound to the parallel op on the local shards (every rank of its group alike).
+The ways to rewrite a block are small strategies, tried in order (:data:`moecomp.api.rewrites.REWRITES`, the one
+place that orders them): ``sharded`` (transformers' distributed loading sharded the experts: DTensors;
+:mod:`moecomp.api.hf_distributed` recognises the sharded block, checks it against its sharded forward and binds the
+parallel op on the local shards, every rank of its group alike), ``whole`` (steps 1-3 above, :mod:`moecomp.api.whole`),
+``pair`` (router and experts beside other things in a decoder layer: :mod:`moecomp.api.pair`), ``experts_only``
+(:mod:`moecomp.api.experts_only`). The first that settles the block ends the walk; each block a strategy rewrites
+counts in ``moecomp.counters["rewrite"][name]``. Blocks bound before, candidates that are no block and router /
+experts next to attention are settled before the walk (``_before_rewrites``).
 
 Blocks that fail any step are left alone and reported with the reason (``BlockReport.reason``, text) and its
 code (``BlockReport.codes``, :class:`moecomp.core.reject.RejectCode`). On the meta device nothing can run:
@@ -37,37 +43,31 @@ input.
 moecomp keeps for the layouts it cannot share (separate 3-D gate / up, fp32 router copies): the way to pick up
 ``.data`` writes to those weights.
 
-This module holds the API and the walk over the blocks (detection included); the check of step 2 is
-:mod:`moecomp.verify.verify`, the ``Report`` :mod:`moecomp.api.report`, the experts-only rewrite :mod:`moecomp.api.experts_only`.
+This module holds the API and the walk over the blocks; the rewrites are :mod:`moecomp.api.rewrites`, the check of
+step 2 :mod:`moecomp.verify.verify`, the ``Report`` :mod:`moecomp.api.report` (``BlockReport.status``: a
+:class:`moecomp.core.status.BlockStatus`).
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import warnings
 
-import torch
 from torch import nn
 
 from ..core import policy
-from .experts_only import try_experts_only as _try_experts_only
-from ..core.reject import RejectCode, StageError, describe_exception, in_stage, is_oom
+from ..core.reject import RejectCode
+from ..core.status import BlockStatus
 from .report import (BlockReport, Report, fill_from_spec as _fill_from_spec, expert_style,  # noqa: F401 (re-exported)
                      router_style)
-from ..verify.epilogue import Peeled, block_device_dtype, epilogue_of
-from ..core.match import Verified
-from ..recognise.recognise import (block_constants, fx_available, recognise,  # noqa: F401 (structure_key re-exported)
-                                   structure_key)
-from ..core.reject import Refused, Reject
-from ..verify.verify import verify, verify_epilogue
+from ..recognise.recognise import fx_available, structure_key  # noqa: F401 (structure_key re-exported)
 from ..bind import bind as _bind
 from ..formats import fp8 as _fp8
 from ..recognise import router_probe as _router_probe
 from ..bind.impl_switch import unclaimed
 from ..core.parts import BlockParts
 from ..recognise.structure import iter_blocks
-from . import hf_distributed as _hf_distributed
+from . import hf_distributed as _hf_distributed, pair as _pair
+from .rewrites import Candidate, run_rewrites
 
 # the verify check's rules live in moecomp.core.policy (re-exported here for callers that read them from optimize)
 TOLERANCE = policy.VERIFY_TOLERANCE
@@ -77,105 +77,15 @@ MAX_TIE_FRACTION = policy.MAX_TIE_FRACTION
 
 
 # ----------------------------------------------------------------------------------------------- one block
-def _recognise_and_verify(block: nn.Module, parts: BlockParts, epilogue, rep: BlockReport, use_fx: bool,
-                          cache, trust_fallback: bool, shape=policy.PROBE_SHAPE) -> Verified:
-    """recognise (FX pass, attribute reader) -> verify on a probe of ``shape``; raises ``Refused``, or
-    ``StageError`` naming the stage that raised. Epilogue children are peeled off while the MoE part is recognised
-    and verified, then checked with it."""
-    device, dtype = block_device_dtype(block, parts)
-    x = policy.probe_input(parts.hidden_size, device, dtype, shape=shape)
-    dparts = parts
-    if epilogue:
-        dparts = dataclasses.replace(parts, extra_modules=[n for n in parts.extra_modules if n not in epilogue])
-    with Peeled(block, epilogue):
-        got, notes = in_stage("recognition", recognise, block, dparts, x, use_fx=use_fx,
-                              trust_fallback=trust_fallback, cache=cache)
-        rep.notes += notes
-        if isinstance(got, Reject):
-            raise Refused(got.message, got.code)
-        rep.method = got.method
-        rep.notes += got.evidence.notes
-        verified = in_stage("verify", verify, block, got, x, block_constants(block, dparts), rep.notes)
-    return in_stage("epilogue check", verify_epilogue, block, verified, x, epilogue, rep.notes)
-
-
-def _cpu_copy(block: nn.Module) -> nn.Module:
-    """A copy of ``block`` whose tensors (parameters, buffers, tensor attributes) are CPU copies, made one tensor at
-    a time (nothing is copied on the block's device)."""
-    memo = {}
-    for m in block.modules():
-        for t in list(m._parameters.values()) + list(m._buffers.values()) + [
-                v for v in vars(m).values() if isinstance(v, torch.Tensor)]:
-            if t is not None and id(t) not in memo:
-                c = t.detach().to("cpu", copy=True)
-                memo[id(t)] = nn.Parameter(c, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else c
-    return copy.deepcopy(block, memo)
-
-
-def _release() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _tries(device: torch.device) -> list[tuple[tuple, bool]]:
-    """(probe shape, on a CPU copy) in the order ``_checked`` tries them on a block on ``device``."""
-    tries = [(policy.PROBE_SHAPE, False), (policy.RETRY_PROBE_SHAPE, False)]
-    if device.type != "cpu":
-        tries.append((policy.PROBE_SHAPE, True))
-    return tries
-
-
-def _checked(block: nn.Module, parts: BlockParts, rep: BlockReport, use_fx: bool, cache, trust_fallback: bool):
-    """(epilogue, Verified) of the block, recognised and verified on the probe; when that runs out of memory, again on
-    ``policy.RETRY_PROBE_SHAPE``, then (a block off the CPU) on a CPU copy of its tensors, made one at a time: its
-    Match is path-based and binds the block itself. Each retry is noted in the report; a structure that needed one
-    starts there for its next block. ``StageError`` (out of memory) when every try ran out."""
-    device = torch.device(block_device_dtype(block, parts)[0])
-    tries = _tries(device)
-    key = ("memory", structure_key(block))
-    start = min(cache.get(key, 0), len(tries) - 1) if cache is not None else 0
-    ran_out = []
-    for i in range(start, len(tries)):
-        shape, on_cpu = tries[i]
-        where = f"{shape[0] * shape[1]} probe tokens" + (" on a CPU copy of the block" if on_cpu else f" on {device}")
-        n_notes = len(rep.notes)
-        try:
-            target = _cpu_copy(block) if on_cpu else block
-            with _fp8.plain_fp8(target):  # FP8 modules run in plain PyTorch while checked (formats/fp8.py); bound after
-                epilogue = in_stage("epilogue", epilogue_of, target, parts)
-                verified = _recognise_and_verify(target, parts, epilogue, rep, use_fx, cache, trust_fallback, shape)
-        except Exception as e:
-            if not is_oom(e):
-                raise
-            del rep.notes[n_notes:]
-            ran_out.append(f"{where}: {e.describe() if isinstance(e, StageError) else describe_exception(e)}")
-            del e
-            _release()
-            continue
-        if ran_out or i:
-            before = "; ".join(ran_out) or "as the blocks of this structure before it"
-            rep.notes.append(f"recognised and verified with {where} after running out of memory ({before})")
-        if cache is not None:
-            cache[key] = i
-        return epilogue, verified
-    raise StageError("recognition and verify", torch.OutOfMemoryError("; ".join(ran_out)))
-
-
 def _process(name: str, block: nn.Module, parts: BlockParts | None, reason: str, use_fx: bool, bind_it: bool,
              cache=None, trust_fallback: bool = False, experts_only: bool = True, calls=None) -> BlockReport:
-    from . import pair as _pair
-
     with unclaimed(block.modules()):  # layers bound before this one marked the shared config "moecomp"
-        rep = BlockReport(name=name, cls=type(block).__name__, status="skipped", reason=reason)
+        rep = BlockReport(name=name, cls=type(block).__name__, status=BlockStatus.SKIPPED, reason=reason)
         if _pair.report_bound(block, rep, bind_it):
             return rep
-        rep = _process_block(name, block, parts, reason, use_fx, bind_it, cache, trust_fallback)
-        whole = not _hf_distributed.sharded(block)  # (transformers sharded its experts: the rewrites below need all)
-        if rep.status == "skipped" and parts is not None and whole:  # router and experts beside other things: the pair
-            _pair.try_pair(name, block, parts, rep, bind_it, calls)
-        if rep.status == "skipped" and experts_only and whole:
-            _try_experts_only(name, block, parts, rep, bind_it)
-    if rep.status not in ("already", "experts only") and any(p.device.type == "meta" for p in block.parameters()):
+        rep = _process_block(name, block, parts, reason, use_fx, bind_it, cache, trust_fallback, experts_only, calls)
+    if rep.status not in (BlockStatus.ALREADY, BlockStatus.EXPERTS_ONLY) and any(
+            p.device.type == "meta" for p in block.parameters()):
         rep.notes.append(META_NOTE)
         rep.codes.append(RejectCode.META_TENSORS)
     return rep
@@ -193,7 +103,7 @@ def _report_already(block: nn.Module, rep: BlockReport, changed: str, bind_it: b
     elif bind_it:
         _bind.refresh(block)  # rebuild weight copies (picks up .data writes to weights moecomp had to copy)
         _bind.claim(st, st.watch_mods or ())  # an experts implementation named since: moecomp's op again
-    rep.status, rep.method = "already", st.method
+    rep.status, rep.method = BlockStatus.ALREADY, st.method
     rep.epilogue = [".".join(p) for p in st.epilogue]
     _fill_from_spec(rep, st.spec, block, st.bindings, st.derived)
 
@@ -210,65 +120,36 @@ def _refuse_structure(block: nn.Module, parts: BlockParts, rep: BlockReport) -> 
     return False
 
 
-def _report_meta(block: nn.Module, parts: BlockParts, rep: BlockReport) -> None:
-    """A block on the meta device: what the attribute reader reads, marked unverified (nothing can run)."""
-    got, notes = recognise(block, parts, None)
-    if isinstance(got, Reject):
-        rep.refuse(got.code, got.message)
-        return
-    _fill_from_spec(rep, got.spec, block, got.bindings, got.derived)
-    rep.status, rep.method, rep.reason = "unverified", got.method, ""
-    rep.notes += got.evidence.notes + notes
-
-
-def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason: str, use_fx: bool, bind_it: bool,
-                   cache=None, trust_fallback: bool = False) -> BlockReport:
-    rep = BlockReport(name=name, cls=type(block).__name__, status="skipped", reason=reason)
+def _before_rewrites(block: nn.Module, parts: BlockParts | None, reason: str, rep: BlockReport,
+                     bind_it: bool) -> bool:
+    """What needs no rewrite, settled in ``rep`` before the rewrites are tried: a block bound before ("already"; a
+    stale one is unbound to be read again), a candidate that is no block (the reason, measured), router and
+    experts next to attention (refused). True when a whole-block rewrite may be tried."""
     if parts is None:  # structure.iter_blocks says why (free text)
         if _hf_distributed.bound_shard(block):  # (its experts, a shard now, no longer match its router)
             _report_already(block, rep, "", bind_it)
-            return rep
+            return False
         rep.codes.append(RejectCode.NOT_A_BLOCK)
         rep.reason = _router_probe.explain(block, reason)  # no plain router: what the routing reads, measured
-        return rep
+        return False
     changed = _bind.stale(block) if getattr(block, "_moecomp", None) is not None else ""
     if changed and bind_it:  # derived from attributes that have changed since: detect and bind again
         _bind.unbind(block)
         rep.notes.append(f"re-detected: {changed} since the last optimize")
     if getattr(block, "_moecomp", None) is not None:
         _report_already(block, rep, changed, bind_it)
-        return rep
-    if _refuse_structure(block, parts, rep):
-        return rep
-    if _hf_distributed.sharded(block):  # transformers' distributed loading sharded it (DTensors): parallel op
-        _hf_distributed.process(name, block, parts, rep, bind_it)
-        return rep
-    meta = any(p.device.type == "meta" for p in block.parameters())
-    if meta:
-        _report_meta(block, parts, rep)
-        return rep
-    try:
-        epilogue, verified = _checked(block, parts, rep, use_fx, cache, trust_fallback)
-    except Refused as e:
-        rep.refuse(e.code, e.reason)
-        return rep
-    except StageError as e:  # a stage raised (the block's own forward on the check input, the op, a reader, ...)
-        rep.refuse(RejectCode.CHECK_ERROR, f"{e.describe()}")
-        return rep
-    except Exception as e:
-        rep.refuse(RejectCode.CHECK_ERROR, f"check failed: {describe_exception(e, 160)}")
-        return rep
-    rep.reason = ""
-    rep.epilogue = list(epilogue)
-    rep.max_rel_err = verified.max_rel_err
-    m = verified.match
-    derived = m.derived
-    if bind_it:
-        derived = _bind.bind(block, name, verified).derived  # with the router buffer, where the op reads one
-        rep.status = "rewritten"
-    else:
-        rep.status = "supported"
-    _fill_from_spec(rep, m.spec, block, m.bindings, derived)
+        return False
+    return not _refuse_structure(block, parts, rep)
+
+
+def _process_block(name: str, block: nn.Module, parts: BlockParts | None, reason: str, use_fx: bool, bind_it: bool,
+                   cache=None, trust_fallback: bool = False, experts_only: bool = False, calls=None) -> BlockReport:
+    """The block's report: the checks before the rewrites, then the registered rewrites in order
+    (:data:`moecomp.api.rewrites.REWRITES`; the pair rewrite needs ``calls``, the experts-only one ``experts_only``)."""
+    rep = BlockReport(name=name, cls=type(block).__name__, status=BlockStatus.SKIPPED, reason=reason)
+    ctx = Candidate(name, block, parts, rep, use_fx, bind_it, cache, trust_fallback, experts_only, calls)
+    ctx.whole_possible = _before_rewrites(block, parts, reason, rep, bind_it)
+    run_rewrites(ctx)
     return rep
 
 
@@ -280,9 +161,7 @@ def _walk(model: nn.Module, bind_it: bool, use_capture: bool = True, trust_fallb
     reps = []
     cache = {}  # FX results per block structure: one Dynamo capture per distinct block, not per layer
     was_training = {}
-    from .pair import ParentCalls
-
-    calls = ParentCalls(model, [mod for _, mod, parts, _ in blocks if parts is not None and parts.router_module])
+    calls = _pair.ParentCalls(model, [mod for _, mod, parts, _ in blocks if parts is not None and parts.router_module])
     for name, mod, parts, reason in blocks:
         was_training[name] = mod.training
         mod.eval()  # checks run in eval mode (no jitter / dropout); restored below
@@ -294,7 +173,7 @@ def _walk(model: nn.Module, bind_it: bool, use_capture: bool = True, trust_fallb
     fp8_linear = _fp8_linears(model, bind_it)
     det = "detection: FX pass, attribute fallback where Dynamo cannot capture" if use_fx else (
         f"detection: attribute fallback only — {why}")
-    if reps and all(r.method == "fallback (meta)" or r.status == "skipped" for r in reps) and any(
+    if reps and all(r.method == "fallback (meta)" or r.status == BlockStatus.SKIPPED for r in reps) and any(
             r.method == "fallback (meta)" for r in reps):
         det = "detection: attribute fallback (meta tensors: Dynamo cannot run the blocks; nothing verified)"
     return Report(type(model).__name__, reps, det, "optimize" if bind_it else "scan", fp8_linear=fp8_linear)
@@ -333,7 +212,7 @@ class OptimizeError(RuntimeError):
 def unrewritten(rep: Report) -> list[BlockReport]:
     """Blocks holding experts that ``optimize`` left as they were (not candidates that are no block; not meta
     tensors, which have their own warning)."""
-    return [b for b in rep.blocks if b.status == "skipped" and RejectCode.NOT_A_BLOCK not in b.codes
+    return [b for b in rep.blocks if b.status == BlockStatus.SKIPPED and RejectCode.NOT_A_BLOCK not in b.codes
             and RejectCode.META_TENSORS not in b.codes]
 
 

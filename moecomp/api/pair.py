@@ -26,6 +26,7 @@ from ..core.derived import get_path
 from ..core.match import PairMatch
 from ..verify.pair_verify import fresh_call, verify_pair
 from ..core.reject import Refused, RejectCode
+from ..core.status import BlockStatus
 from .report import BlockReport, fill_from_spec as _fill_from_spec
 
 _RX_NONE = ("router_x",)
@@ -129,9 +130,9 @@ def try_pair(name: str, block: nn.Module, parts: BlockParts | None, rep: BlockRe
     rep.reason, rep.method, rep.max_rel_err = "", "pair", err
     if bind_it:
         _bp.bind_pair(block, name, m.spec, m.bindings, m.router, m.experts, m.layout)
-        rep.status = "rewritten"
+        rep.status = BlockStatus.REWRITTEN
     else:
-        rep.status = "supported"
+        rep.status = BlockStatus.SUPPORTED
     _fill_from_spec(rep, m.spec, block, m.bindings, [])
 
 
@@ -149,6 +150,6 @@ def report_bound(block: nn.Module, rep: BlockReport, bind_it: bool) -> bool:
             rep.notes.append("re-detected: the pair's attributes changed since the last optimize")
             return False
         rep.notes.append("stale: the pair's attributes changed since optimize; its original forwards run")
-    rep.status, rep.method, rep.reason = "already", st.method, ""
+    rep.status, rep.method, rep.reason = BlockStatus.ALREADY, st.method, ""
     _fill_from_spec(rep, st.spec, block, st.bindings, [])
     return True

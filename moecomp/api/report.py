@@ -12,6 +12,7 @@ from torch import nn
 
 from ..core.reject import RejectCode
 from ..core.spec import MoESpec
+from ..core.status import BlockStatus
 from ..bind import bind as _bind
 from ..core.derived import get_path
 
@@ -89,7 +90,7 @@ def _itemsize(t: torch.Tensor | None, default=2) -> int:
 class BlockReport:
     name: str
     cls: str
-    status: str  # rewritten | skipped | supported | unverified | already | experts only | experts only supported
+    status: BlockStatus  # (core/status.py; its text accepted when constructed)
     reason: str = ""
     method: str = ""  # fx | fallback | fallback (meta)
     spec: MoESpec | None = None
@@ -107,8 +108,16 @@ class BlockReport:
     notes: list = field(default_factory=list)
     codes: list = field(default_factory=list)  # RejectCode of each refusal (``reason`` is the text for people)
 
+    def __post_init__(self):
+        try:
+            self.status = BlockStatus(self.status)  # (its text is accepted: "skipped")
+        except ValueError:
+            raise ValueError(f"BlockReport: status must be a BlockStatus or its text "
+                             f"({', '.join(s.value for s in BlockStatus)}), got {self.status!r}") from None
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        d["status"] = str(self.status)
         d["spec"] = None if self.spec is None else json.loads(self.spec.key)
         d["codes"] = [c.value for c in self.codes]
         return d
@@ -195,21 +204,21 @@ class Report:
 
     @property
     def rewritten(self) -> list[BlockReport]:
-        return [b for b in self.blocks if b.status in ("rewritten", "already")]
+        return [b for b in self.blocks if b.status in (BlockStatus.REWRITTEN, BlockStatus.ALREADY)]
 
     @property
     def experts_only(self) -> list[BlockReport]:
         """Blocks left as they are except for their experts module, which runs ``moe_experts``."""
-        return [b for b in self.blocks if b.status == "experts only"]
+        return [b for b in self.blocks if b.status == BlockStatus.EXPERTS_ONLY]
 
     @property
     def skipped(self) -> list[BlockReport]:
-        return [b for b in self.blocks if b.status == "skipped"]
+        return [b for b in self.blocks if b.status == BlockStatus.SKIPPED]
 
     def summary(self) -> dict:
         from collections import Counter
 
-        c = Counter(b.status for b in self.blocks)
+        c = Counter(str(b.status) for b in self.blocks)  # (keys: the statuses' text)
         return {"blocks": len(self.blocks), **dict(c)}
 
     def to_dict(self) -> dict:
@@ -224,10 +233,10 @@ class Report:
         head = ["block", "router", "E", "k", "H", "I", "shared", "experts", "status", "bytes/token"]
         rows = []
         for b in self.blocks:
-            st = b.status
+            st = str(b.status)
             if b.reason:
                 st += f": {b.reason}"
-            if b.method and b.status != "skipped":
+            if b.method and b.status != BlockStatus.SKIPPED:
                 st += f" [{b.method}]"
             if b.epilogue:
                 st += f" then {', '.join(b.epilogue)}"
@@ -244,7 +253,7 @@ class Report:
         out.append(line(head))
         out.append(line(["-" * w for w in widths]))
         out += [line(r) for r in rows]
-        extra = sum(b.extra_bytes for b in self.blocks if b.status in ("rewritten", "already"))
+        extra = sum(b.extra_bytes for b in self.blocks if b.status in (BlockStatus.REWRITTEN, BlockStatus.ALREADY))
         if extra:
             out.append(f"weight copies (separate 3-D gate and up, fp32 router copies) use {_fmt_bytes(extra)} extra "
                        f"memory")

@@ -1,4 +1,4 @@
-"""Counters of what the compile passes did: ``moecomp.counters["detect_moe"]["matched"]``.
+"""Counters of what the compile passes and optimize's strategies did: ``moecomp.counters["detect_moe"]["matched"]``.
 
 ``moecomp.counters`` is this module, and it is subscriptable like ``collections.defaultdict(Counter)``:
 
@@ -10,6 +10,22 @@
     moecomp.counters["rewrite_moe"]["replaced"]    # blocks replaced by torch.ops.moecomp.moe_forward
     moecomp.counters["fse"]["fused"]               # router + shared-gate GEMMs fused (see recognise/fx/fse.py)
     moecomp.counters["backend"]["graphs"]          # graphs the backend compiled
+
+``optimize`` / ``scan`` count what their strategies did, one key per registered strategy (its ``name``):
+
+    moecomp.counters["recognise"]["fx"]                # blocks the FX pass matched (recognise/recognise.RECOGNISERS)
+    moecomp.counters["recognise"]["fx_real_values"]    # ... the FX pass matched tracing with real values
+    moecomp.counters["recognise"]["dispatch_reader"]   # ... the dispatch reader matched (expert modules observed)
+    moecomp.counters["recognise"]["attribute_reader"]  # ... the attribute reader matched (meta tensors included)
+    moecomp.counters["rewrite"]["sharded"]             # blocks bound to the parallel op on transformers' shards
+    moecomp.counters["rewrite"]["whole"]               # ... rewritten whole (api/rewrites.REWRITES)
+    moecomp.counters["rewrite"]["pair"]                # ... as a router / experts pair inside their parent
+    moecomp.counters["rewrite"]["experts_only"]        # ... experts only (routing left to the block)
+
+A "recognise" key counts each Match the pipeline returned (one per block and per try: a block recognised again on
+a smaller probe after running out of memory counts again); a "rewrite" key counts blocks a strategy rewrote
+(status "rewritten" / "experts only"; ``scan`` rewrites nothing). A strategy registered by a user counts under its
+own name.
 
 Keys read before they were counted are 0. ``clear()`` resets everything; ``snapshot()`` is a plain-dict copy.
 """

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..core.status import BlockStatus
 from ..recognise import discover
 
 TINY = dict(
@@ -499,7 +500,7 @@ def _read_report(r: FamilyResult, rep, model) -> None:
     r.blocks = len(rep.blocks)
     r.rewritten = len(rep.rewritten)
     r.experts_only = len(rep.experts_only)
-    r.skipped = [f"{b.name}: {b.reason}" for b in rep.blocks if b.status == "skipped"]
+    r.skipped = [f"{b.name}: {b.reason}" for b in rep.blocks if b.status == BlockStatus.SKIPPED]
     fx = [b for b in rep.rewritten if b.method == "fx"]
     if fx:
         r.fallback_agrees = "yes" if all("attribute fallback agrees" in b.notes for b in fx) else "no: " + "; ".join(

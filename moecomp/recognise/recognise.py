@@ -1,28 +1,38 @@
 """Recognition: one block in, one :class:`moecomp.core.match.Match` or :class:`moecomp.core.reject.Reject` out.
 
-    block ─► FX pass (Dynamo's graph of the block; primary) ──────────────────────► Match
+    block ─► fx: FX pass (Dynamo's graph of the block; primary) ───────────────────────────► Match
                │ capture failed on a data-dependent branch (a per-expert loop)
-               ├─► FX pass again, tracing with real values (the loop unrolled) ──► Match
-               │ Dynamo cannot capture the block at all / meta tensors / FX pass not used
-               ├─► found by its shapes only: dispatch reader (the block run, its experts observed) ─► Match
-               └─► attribute reader (names, source, one measured run) ─────────────► Match
-             any other refusal of the FX pass ─────────────────────────────────────► Reject
+               ├─► fx_real_values: FX pass again, tracing with real values (the loop unrolled) ► Match
+               │ Dynamo cannot capture the block at all / ids select no expert / meta / FX pass not used
+               ├─► dispatch_reader: the block run, its expert modules observed ───────────────► Match
+               │     (a block found by its shapes: the only reader; its refusal is the answer)
+               └─► attribute_reader: names, source, one measured run ─────────────────────────► Match
+             any other refusal of the FX pass ─────────────────────────────────────────────────► Reject
              (``trust_fallback=True``: the attribute reader tries those too, and the report says so)
 
-Both recognisers describe a block the same way (spec, bindings by block-relative path, derived tensors); the verify
-stage (:mod:`moecomp.verify.verify`) then proves the Match on probes and the binder (:mod:`moecomp.bind.bind`) uses nothing
-else. FX results are cached per block structure (:func:`structure_key`): one Dynamo capture per distinct block,
-not per layer.
+Each step is a small :class:`Recogniser` (``name``, ``applies(attempt)`` given the refusals so far, ``run``),
+held in one ordered registry, :data:`RECOGNISERS`, which :func:`recognise` walks until one matches; each Match
+counts in ``moecomp.counters["recognise"][name]`` (the recogniser whose Match it is). What ``applies`` cannot say
+by order alone is in the strategies' own comments: which refusal of the FX pass lets which reader try, the
+attribute reader's Match taken first where it measured the routing (``DispatchReader.run``), a block found by its
+shapes read by the dispatch reader only. A stage that raised is named first in the refusal (``Reject.cause``).
+
+Every recogniser describes a block the same way (spec, bindings by block-relative path, derived tensors); the verify
+stage (:mod:`moecomp.verify.verify`) then proves the Match on probes and the binder (:mod:`moecomp.bind.bind`) uses
+nothing else. FX results are cached per block structure (:func:`structure_key`): one Dynamo capture per distinct
+block, not per layer.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from ..core import policy
+from ..core import counters as _counters, policy
+from ..core.registry import Registry
 from . import dispatch_reader, fallback
 from ..bind.bind import forward_params
 from ..core.parts import BlockParts
@@ -98,14 +108,29 @@ def _detect_fx(block: nn.Module, parts: BlockParts, device, dtype) -> Match | Re
         return hashed
     if first.code is not RejectCode.CAPTURE_FAILED or not _data_dependent(first):
         return first.reject
-    # a per-expert loop branches on the routing (``if tok.numel():``): trace again following the example's branches
-    x = policy.probe_input(H, device, dtype, shape=policy.real_trace_shape(parts.num_experts + parts.extra_rows))
+    return DataDependent(first.code, first.reason)  # (the cue for the trace with real values: FxRealValues)
+
+
+@dataclass(frozen=True)
+class DataDependent(Reject):
+    """The FX pass's refusal when Dynamo gave up on a branch over a data-dependent value (a per-expert loop's
+    ``if tok.numel():``) and no capture with token ids answered: the cue for the trace with real values."""
+
+
+def _detect_fx_real(block: nn.Module, parts: BlockParts, device, dtype, first: Reject) -> Match | Reject:
+    """The FX pass again, tracing with real values (``first``: the capture's refusal, a :class:`DataDependent`): a
+    per-expert loop branches on the routing (``if tok.numel():``), so the trace follows the example's branches on a
+    probe that reaches every expert."""
+    from .capture import DetectError, detect_block  # noqa: PLC0415
+
+    x = policy.probe_input(parts.hidden_size, device, dtype,
+                           shape=policy.real_trace_shape(parts.num_experts + parts.extra_rows))
     try:
         bm = detect_block(block, x, real_values=True)
     except DetectError as e:  # the unrolled trace proves nothing either way: let the attribute reader try
         if is_oom(e):
             return _failed(e)
-        return Reject(RejectCode.CAPTURE_FAILED, f"{first.reason}; traced with real values: {e.reason}")
+        return Reject(RejectCode.CAPTURE_FAILED, f"{first.message}; traced with real values: {e.reason}")
     except Exception as e:
         return _failed(StageError("traced with real values", e))
     m = _from_block_match(bm, parts)
@@ -171,12 +196,25 @@ def _data_dependent(e: Exception) -> bool:
 
 
 def fx_match(block: nn.Module, parts: BlockParts, device, dtype, cache: dict | None = None) -> Match | Reject:
-    """The FX pass's answer for ``block`` (cached per structure in ``cache``; bindings are block-relative, so one
-    answer serves every block of the same structure)."""
-    key = ("fx", structure_key(block))
+    """The FX pass's answer for ``block`` (its capture, and with token ids where it holds an integer table; cached
+    per structure in ``cache``: bindings are block-relative, so one answer serves every block of the same
+    structure). A :class:`DataDependent` refusal is the cue for :func:`fx_real_match`."""
+    return _per_structure(("fx", structure_key(block)), parts, cache,
+                          lambda: _detect_fx(block, parts, device, dtype))
+
+
+def fx_real_match(block: nn.Module, parts: BlockParts, device, dtype, first: Reject,
+                  cache: dict | None = None) -> Match | Reject:
+    """The FX pass's answer traced with real values (``first``: the capture's refusal), cached like
+    :func:`fx_match`."""
+    return _per_structure(("fx_real_values", structure_key(block)), parts, cache,
+                          lambda: _detect_fx_real(block, parts, device, dtype, first))
+
+
+def _per_structure(key, parts: BlockParts, cache: dict | None, answer) -> Match | Reject:
     hit = cache.get(key) if cache is not None else None
     if hit is None:
-        hit = _detect_fx(block, parts, device, dtype)
+        hit = answer()
         if cache is not None and not (isinstance(hit, Reject) and hit.cause):  # (a failure may not repeat)
             cache[key] = hit
     if isinstance(hit, Match):  # a fresh copy per block (evidence notes are appended to)
@@ -186,53 +224,163 @@ def fx_match(block: nn.Module, parts: BlockParts, device, dtype, cache: dict | N
 
 
 # ------------------------------------------------------------------------------------------------------ pipeline
+@dataclass
+class Attempt:
+    """One block on its way through the recognisers (:data:`RECOGNISERS`)."""
+
+    block: nn.Module
+    parts: BlockParts
+    x: torch.Tensor | None  # the probe input (None: meta tensors, nothing runs)
+    use_fx: bool = True
+    trust_fallback: bool = False
+    cache: dict | None = None
+    notes: list = field(default_factory=list)  # for the report
+    refusal: Reject | None = None  # the last refusal: what the next recogniser is asked with
+    fx: Reject | None = None  # the FX pass's refusal (None: not used, or not refused yet)
+    by: str = ""  # whose answer it is (the counter: a recogniser may hand back another's Match)
+    who: str = ""  # who refused, as the final message names it ("attribute reader: "; "" when it says)
+
+
+class Recogniser:
+    """One way to recognise a block. ``applies(a)``: is it tried, given the refusals so far (``a.refusal``, the
+    FX pass's ``a.fx``); ``run(a)``: a Match (the answer), a Reject (recorded as ``a.refusal``; the answer when no
+    later recogniser matches) or None (nothing to add; a note may say why). ``name``: its key in the registry and in
+    ``moecomp.counters["recognise"]``."""
+
+    name = ""
+
+    def applies(self, a: Attempt) -> bool:
+        raise NotImplementedError
+
+    def run(self, a: Attempt) -> Match | Reject | None:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<recogniser {self.name!r}>"
+
+
+def _fx_answer(a: Attempt, got: Match | Reject) -> Match | Reject:
+    if isinstance(got, Match):
+        if COMPARE_FALLBACK:
+            a.notes.append(_compare_note(a.block, a.parts, a.x, got, a.cache))
+    else:
+        a.fx = got
+    return got
+
+
+class FxPass(Recogniser):
+    name = "fx"
+
+    def applies(self, a: Attempt) -> bool:
+        return a.use_fx and a.x is not None
+
+    def run(self, a: Attempt) -> Match | Reject:
+        return _fx_answer(a, fx_match(a.block, a.parts, a.x.device, a.x.dtype, a.cache))
+
+
+class FxRealValues(Recogniser):
+    name = "fx_real_values"
+
+    def applies(self, a: Attempt) -> bool:
+        return isinstance(a.refusal, DataDependent)  # (a per-expert loop stopped the capture)
+
+    def run(self, a: Attempt) -> Match | Reject:
+        return _fx_answer(a, fx_real_match(a.block, a.parts, a.x.device, a.x.dtype, a.refusal, a.cache))
+
+
+class DispatchReader(Recogniser):
+    name = "dispatch_reader"
+
+    def applies(self, a: Attempt) -> bool:
+        if a.x is None:
+            return False
+        if a.parts.kind == "structural":  # found by shapes: the only reader, whatever the FX pass said (run says)
+            return True
+        r = a.refusal  # a block of named parts: Dynamo could not capture it, or its ids select no expert
+        return r is not None and (r.code is RejectCode.CAPTURE_FAILED or _unselected(r))
+
+    def run(self, a: Attempt) -> Match | Reject | None:
+        if a.parts.kind == "structural":  # its answer, a refusal included, is final (no attribute reader)
+            return _structural(a.block, a.parts, a.x, a.fx, a.notes)[0]
+        r = a.refusal
+        if r.code is RejectCode.CAPTURE_FAILED:
+            # A rule older than this reader: where Dynamo could not capture the block and the attribute reader
+            # measured the routing from an experts module called with it, that reader's Match is the answer (the
+            # dispatch reader binds calls of at most the tokens its probes ran); counted as the attribute reader's.
+            fb = in_stage("attribute reader", fallback.recognise, a.block, a.parts, a.x)
+            if isinstance(fb, Match) and fallback.ROUTING_MEASURED in fb.evidence.notes:
+                a.notes.append(f"FX pass could not capture the block ({r.message}); attribute fallback used")
+                a.by = AttributeReader.name
+                return fb
+        return _observed(a.block, a.parts, a.x, r, a.notes)
+
+
+class AttributeReader(Recogniser):
+    name = "attribute_reader"
+
+    def applies(self, a: Attempt) -> bool:
+        if a.x is None:  # meta tensors: read only
+            return True
+        if a.parts.kind == "structural":  # no part names to read (the dispatch reader answered)
+            return False
+        r = a.refusal  # any other refusal of the FX pass is the answer, unless trust_fallback
+        return r is None or r.code is RejectCode.CAPTURE_FAILED or a.trust_fallback
+
+    def run(self, a: Attempt) -> Match | Reject:
+        if a.x is None:
+            a.notes.append("meta tensors: routing read from attributes and source, not measured")
+            return fallback.recognise(a.block, a.parts, None)
+        r = a.refusal
+        if r is not None and r.code is RejectCode.CAPTURE_FAILED:
+            a.notes.append(f"FX pass could not capture the block ({r.message}); attribute fallback used")
+        elif r is not None:
+            a.notes.append(f"FX pass rejected the block ({r.message}); attribute fallback used (trust_fallback)")
+        got = in_stage("attribute reader", fallback.recognise, a.block, a.parts, a.x)
+        a.who = "attribute reader: "
+        return got
+
+
+# The recognisers in the order a block meets them (the one place that orders them).
+RECOGNISERS = Registry("recogniser", (FxPass(), FxRealValues(), DispatchReader(), AttributeReader()))
+
+
 def recognise(block: nn.Module, parts: BlockParts, x: torch.Tensor | None, *, use_fx: bool = True,
               trust_fallback: bool = False, cache: dict | None = None) -> tuple[Match | Reject, list[str]]:
     """Match or Reject for ``block`` (see the module docstring), plus notes for the report.
 
-    ``x``: a probe input for the attribute reader's measured run (None on the meta device: read only)."""
-    notes: list[str] = []
-    if x is None:
-        return fallback.recognise(block, parts, None), ["meta tensors: routing read from attributes and source, "
-                                                        "not measured"]
-    fx = None
-    if use_fx:
-        fx = fx_match(block, parts, x.device, x.dtype, cache)
-        if isinstance(fx, Match):
-            if COMPARE_FALLBACK:
-                notes.append(_compare_note(block, parts, x, fx, cache))
-            return fx, notes
-    try:
-        got, who = _readers(block, parts, x, fx, notes, trust_fallback)
-    except StageError as e:  # a reader raised: reported as such (its memory: optimize tries again smaller)
-        if e.oom:
-            raise
-        got, who = Reject(RejectCode.CHECK_ERROR, e.describe(), e.describe()), ""
-    if isinstance(got, Reject) and fx is not None and fx.cause and fx.cause not in got.message:
-        got = Reject(got.code, f"{fx.cause}; then {who}{got.message}", fx.cause)  # the first cause first
-    return got, notes
+    ``x``: a probe input for the readers' measured runs (None on the meta device: read only)."""
+    a = Attempt(block, parts, x, use_fx, trust_fallback, cache)
+    got = _walk(a)
+    if isinstance(got, Match):
+        _counters.counters["recognise"][a.by] += 1
+        return got, a.notes
+    fx = a.fx
+    if fx is not None and fx.cause and fx.cause not in got.message:
+        got = Reject(got.code, f"{fx.cause}; then {a.who}{got.message}", fx.cause)  # the first cause first
+    return got, a.notes
 
 
-def _readers(block: nn.Module, parts: BlockParts, x: torch.Tensor, fx: Reject | None, notes: list,
-             trust_fallback: bool) -> tuple[Match | Reject, str]:
-    """The readers' answer for a block the FX pass did not match (``fx``: its Reject; None: not used), and who
-    answered ("attribute reader: ", or "" when the message says)."""
-    if fx is not None:
-        if parts.kind == "structural":  # found by shapes: the attribute reader has no part names to read
-            return _structural(block, parts, x, fx, notes)[0], ""
-        if fx.code is RejectCode.CAPTURE_FAILED or _unselected(fx):
-            seen = _observed(block, parts, x, fx, notes)
-            if seen is not None:
-                return seen, ""
-        if fx.code is RejectCode.CAPTURE_FAILED:
-            notes.append(f"FX pass could not capture the block ({fx.message}); attribute fallback used")
-        elif trust_fallback:
-            notes.append(f"FX pass rejected the block ({fx.message}); attribute fallback used (trust_fallback)")
-        else:
-            return Reject(fx.code, f"FX pass: {fx.message}"), ""
-    if parts.kind == "structural":
-        return _structural(block, parts, x, None, notes)[0], ""
-    return in_stage("attribute reader", fallback.recognise, block, parts, x), "attribute reader: "
+def _walk(a: Attempt) -> Match | Reject:
+    """The registered recognisers in order, until one matches; else the refusal that stands."""
+    for r in RECOGNISERS:
+        if not r.applies(a):
+            continue
+        a.by, a.who = r.name, ""
+        try:
+            got = r.run(a)
+        except StageError as e:  # a reader raised: reported as such (its memory: optimize tries again smaller)
+            if e.oom:
+                raise
+            return Reject(RejectCode.CHECK_ERROR, e.describe(), e.describe())
+        if isinstance(got, Match):
+            return got
+        if got is not None:
+            a.refusal = got
+    if a.refusal is None:
+        return Reject(RejectCode.NOT_RECOGNISED, f"no recogniser applies ({', '.join(RECOGNISERS.names())})")
+    if a.refusal is a.fx:  # no reader took up the FX pass's refusal
+        return Reject(a.fx.code, f"FX pass: {a.fx.message}")
+    return a.refusal
 
 
 def _structural(block: nn.Module, parts: BlockParts, x: torch.Tensor, fx: Reject | None, notes: list):
@@ -266,14 +414,7 @@ def _observed(block: nn.Module, parts: BlockParts, x: torch.Tensor, fx: Reject, 
     dispatch by ``split(counts.tolist())``), or it did but the ids select no expert by a constant index (sorted
     dispatch over slices, every expert on every token ``stack``ed). What each expert module computed on which
     tokens is observed instead; the verify stage proves it. None (a note says why) when it cannot read the block:
-    the caller goes on as before. Where Dynamo could not capture the block and the attribute reader measured the
-    routing from an experts module called with it, that reader's Match is the answer (as before this reader was
-    tried: the dispatch reader binds calls of at most the tokens its probes ran)."""
-    if fx.code is RejectCode.CAPTURE_FAILED:
-        fb = in_stage("attribute reader", fallback.recognise, block, parts, x)
-        if isinstance(fb, Match) and fallback.ROUTING_MEASURED in fb.evidence.notes:
-            notes.append(f"FX pass could not capture the block ({fx.message}); attribute fallback used")
-            return fb
+    the attribute reader may then try."""
     got = in_stage("dispatch reader", dispatch_reader.recognise, block, parts, x)
     if isinstance(got, Match):
         notes.append(f"FX pass: {fx.message[:300]}; read by the dispatch reader (the expert modules observed)")
