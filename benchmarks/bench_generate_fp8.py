@@ -83,12 +83,26 @@ def expert_counts(model, ids, new: int) -> tuple[float, float]:
     return counter.mean_distinct(True), counter.mean_distinct(False)
 
 
+def teacher_forced(model, seq: torch.Tensor, S: int) -> dict:
+    """``model`` fed ``seq`` [B, S + n]: the share of generated positions where its argmax equals seq's next token,
+    and how flat its logits are there, which tells a kernel error from rounding on near-ties: the chosen token's
+    logit below the top one (``chosen_gap``: 0 where they agree), the top two's gap and the logits' spread over the
+    vocabulary (medians over positions), all over the largest |logit|, and whether every logit is finite."""
+    with torch.no_grad():
+        logits = model(input_ids=seq[:, :-1]).logits[:, S - 1:].float()  # [B, n, V]
+    nxt = seq[:, S:]
+    top2 = logits.topk(2, -1).values  # [B, n, 2]
+    scale = float(logits.abs().amax()) or 1.0
+    chosen = top2[..., 0] - logits.gather(-1, nxt[..., None])[..., 0]  # [B, n]
+    return dict(agreement=float((logits.argmax(-1) == nxt).float().mean()), finite=bool(torch.isfinite(logits).all()),
+                chosen_gap_max=float(chosen.max()) / scale, chosen_gap_median=float(chosen.median()) / scale,
+                top2_gap_median=float((top2[..., 0] - top2[..., 1]).median()) / scale,
+                spread_median=float(logits.std(-1).median()) / scale, max_abs_logit=scale)
+
+
 def teacher_forced_agreement(model, seq: torch.Tensor, S: int) -> float:
     """Share of generated positions where ``model``'s argmax, fed ``seq`` [B, S + n], equals seq's next token."""
-    with torch.no_grad():
-        logits = model(input_ids=seq[:, :-1]).logits  # [B, S + n - 1, V]
-    pred = logits[:, S - 1:].argmax(-1)
-    return float((pred == seq[:, S:]).float().mean())
+    return teacher_forced(model, seq, S)["agreement"]
 
 
 def one_liner(model, ids, new: int, cuda: bool) -> tuple[dict, torch.Tensor]:
@@ -131,12 +145,16 @@ def _reference_agreement(model, rows: dict, fp8_out: dict, S: int, args, result:
     for B in todo:
         try:
             with plain(model, "fp8"):
-                a = teacher_forced_agreement(model, fp8_out[B], S)
+                tf = teacher_forced(model, fp8_out[B], S)
         except Exception as e:  # e.g. out of memory: reported, the run goes on
             result["errors"].append(f"reference agreement B={B}: {type(e).__name__}: {str(e)[:160]}")
             continue
-        rows[B]["fp8"]["reference_agreement"] = a
-        log(f"[B={B}] fp8 tokens under its dequantized reference: teacher-forced agreement {a:.3f}")
+        rows[B]["fp8"]["reference_agreement"] = a = tf["agreement"]
+        rows[B]["fp8"]["reference_logits"] = tf
+        log(f"[B={B}] fp8 tokens under its dequantized reference: teacher-forced agreement {a:.3f}; over the largest "
+            f"|logit| {tf['max_abs_logit']:.3g}: chosen below the top by {tf['chosen_gap_median']:.2e} (median) / "
+            f"{tf['chosen_gap_max']:.2e} (max), top-2 gap {tf['top2_gap_median']:.2e}, spread "
+            f"{tf['spread_median']:.2e}, finite {tf['finite']}")
 
 
 # ------------------------------------------------------------------------------------------------ one format's rows

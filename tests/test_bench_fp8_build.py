@@ -152,3 +152,22 @@ def test_bench_generate_fp8_direct_build_cpu(tmp_path, capsys):
     # one header; a.json's bf16 row once (c.json's copy of it left out), c.json's fp8 row
     assert len(out) == 3 and out[0].startswith("| model |") and "from a.json" not in "".join(out)
     assert out[1].startswith("| qwen3 | 2 | 1 | bf16 |") and out[2].startswith("| qwen3 | 2 | 1 | fp8 (built in FP8) |")
+
+
+def test_teacher_forced_reports_agreement_and_how_flat_the_logits_are():
+    """bench_generate_fp8.teacher_forced on a stand-in model with set logits: agreement counts the generated
+    positions only, chosen_gap is the chosen token's distance below the top logit over the largest |logit|."""
+    from types import SimpleNamespace
+
+    S, V = 3, 5
+    seq = torch.tensor([[1, 2, 3, 4, 0, 2]])  # [1, S + 3]: tokens 4, 0, 2 generated
+    logits = torch.zeros(1, 5, V)
+    logits[0, 2, 4] = 10.0  # position S - 1 predicts token 4: agrees
+    logits[0, 3, 1], logits[0, 3, 0] = 10.0, 9.0  # predicts 1, 0 chosen: 1.0 below the top
+    logits[0, 4, 2] = 10.0  # agrees
+    model = lambda input_ids: SimpleNamespace(logits=logits[:, : input_ids.shape[1]])  # noqa: E731
+    tf = bf.teacher_forced(model, seq, S)
+    assert tf["agreement"] == pytest.approx(2 / 3) and tf["finite"]
+    assert tf["chosen_gap_max"] == pytest.approx(0.1) and tf["chosen_gap_median"] == 0.0
+    assert tf["max_abs_logit"] == 10.0 and tf["top2_gap_median"] == pytest.approx(1.0)
+    assert bf.teacher_forced_agreement(model, seq, S) == tf["agreement"]
