@@ -72,11 +72,12 @@ def check(spec, T, monkeypatch, seed=0, modes=("w8a8", "w8a16")):
 
 
 @pytest.mark.parametrize("T", [1, 16, 128, 1024])
-@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "qwen15_moe_a27b", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "qwen15_moe_a27b", "deepseek_v3", "mixtral_8x7b"])
 def test_fp8_real_layer_sizes(name, T, monkeypatch):
     """Qwen3-30B-A3B (E=128 H=2048 I=768 k=8), Qwen1.5-MoE (sigmoid-gated shared expert, fp8 too: the side stream's
     fp8_linear), DeepSeek-V3 (E=256 H=7168 I=2048 k=8, fp8 shared expert; T=1 and 128 only: 11 GB of fp8 weights,
-    22 GB in bf16 while they are made), 128x128 block scales, dynamic activations; w8a8 and w8a16 on the same
+    22 GB in bf16 while they are made), Mixtral-8x7B (E=8 H=4096 I=14336 k=2: its 32-layer FP8 generate disagreed
+    with its reference on the H100, 2f8b014), 128x128 block scales, dynamic activations; w8a8 and w8a16 on the same
     tensors."""
     if name == "deepseek_v3" and T not in (1, 128):
         pytest.skip("DeepSeek-V3 at T=1 and 128 only")
