@@ -278,6 +278,7 @@ def test_tile_rule_and_heuristic_configs(monkeypatch):
                 assert c["BLOCK_K"] >= 32 and (quant.weight == "mxfp4" or quant.block_k % c["BLOCK_K"] == 0)
     assert tuning.quant4_key(QuantSpec.int4(128, True)) == "int4_g128_zp" and tuning.quant4_key(MX) == "mxfp4"
     monkeypatch.setattr(tuning, "device_key", lambda device: "no-table")  # the CUDA heuristic, on this machine
+    monkeypatch.setattr(tuning, "_nearest", lambda *a: None)  # (no shipped table's entry near either: the heuristic)
     for quant in (MX, QuantSpec.int4(64)):
         for T in (1, 17, 64, 4096):  # every row class; T = 1: the decode path's tiles too
             cfg = tuning.quant4_config(32, 2880, 2880, T, 4, torch.device("cuda"), quant)

@@ -283,6 +283,11 @@ def test_dispatch_modes_and_fallback(triton_backend):
 
 def test_cuda_heuristic_and_tiles(monkeypatch):
     monkeypatch.setattr(tuning, "device_key", lambda device: "no-table")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    near = tuning.quant4_config(128, 2880, 2880, 1, 4, torch.device("cuda"), MX)  # a GPU without a table: the
+    h100 = tuning._table("NVIDIA_H100_80GB_HBM3")[tuning.shape_key(128, 2880, 2880, "mxfp4")]  # shipped entry
+    assert near == tuning._bucket(h100, 1)
+    monkeypatch.setattr(tuning, "_nearest", lambda *a: None)  # (no shipped table's entry near either: the heuristic)
     for T in range(1, 17):
         cfg = tuning.quant4_config(128, 2880, 2880, T, 4, torch.device("cuda"), MX)
         assert cfg["decode"].get("mode") == ("gemv" if T <= tuning.QUANT4_GEMV_MAX_T else None)
