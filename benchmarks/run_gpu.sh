@@ -17,6 +17,7 @@
 #   benchmarks/run_gpu.sh warmup    benchmarks/bench_warmup.py: the one-liner's warm-up in fresh processes (issue 20)
 #   benchmarks/run_gpu.sh sanitize  benchmarks/nan_routing_probe.py and the graph-replay NaN test under
 #                                   compute-sanitizer memcheck (with .ab/routing_old.py too, to show the probe fails)
+#   benchmarks/run_gpu.sh mixfp8    issue 39: Mixtral FP8's token disagreement: op tests, tiny generate, 8 layers table on/off
 #   benchmarks/run_gpu.sh heur      issue 39: moecomp's layer grid with this GPU's table, then without it
 #   benchmarks/run_gpu.sh e2e80     issue 39: generate() at full depth on an 80 GB GPU: Qwen3-30B-A3B bf16 and FP8,
 #                                   Mixtral-8x7B FP8 (built in FP8), B=1,8,32, one process each, under 540 s in all
@@ -274,6 +275,17 @@ heur)  # issue 39: moecomp alone on the layer grid (30 cells) with this GPU's ta
     timeout $(( ${HEUR_BUDGET:-85} + 40 )) python3 benchmarks/bench_moe.py --quick --budget-s ${HEUR_BUDGET:-85} \
         --peers moecomp --table $m --out-json "$OUT/layer-table$m.json" 2>&1 | grep -v "^DEBUG" > "$OUT/layer-table$m.log"
     echo "== table $m (${SECONDS} s in): $(tail -1 "$OUT/layer-table$m.log" | cut -c1-200)"
+  done ;;
+mixfp8)  # issue 39: Mixtral-8x7B FP8's 0/16 tokens at 32 layers (H100, 2f8b014): the op at real sizes (T = 1..1024),
+         # the tiny model's generate against its reference, then 8 layers with the reference's logit gaps, with this
+         # GPU's table and without it (a tuned entry at fault shows as a difference between the two)
+  timeout ${MIX_TEST_TIMEOUT:-240} python3 -m pytest -q -rfE -p no:cacheprovider -k mixtral \
+      tests/ops/test_fp8_gpu.py tests/hf/test_fp8_gpu.py 2>&1 | grep -v "^DEBUG" | tee "$OUT/mixfp8-tests.log" | tail -8
+  for m in on off; do
+    MOECOMP_TABLE=$m timeout ${MIX_TIMEOUT:-120} python3 benchmarks/bench_generate_fp8.py --models mixtral \
+        --layers mixtral=${MIX_LAYERS:-8} --build fp8 --batches 1 --peers '' --prompt 512 --new 32 --budget-s 90 \
+        --out-json "$OUT/mixfp8-table$m.json" 2>&1 | grep -v "^DEBUG" | tee "$OUT/mixfp8-table$m.log" \
+        | grep -E "one-liner|reference|rror"
   done ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
   timeout ${TUNE_TIMEOUT:-560} python3 -m moecomp tune --restart -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-480} \
