@@ -26,7 +26,7 @@ from ..core.args import (  # noqa: F401  (re-exported)
     EXPERT_ARGS, EXPERT_QUANT_ARGS, HASH_ARGS, LATENT_ARGS, MOE_ARGS, NORM_ARGS, OP_ARGS, QUANT_ARGS, ROUTER_IN_ARGS,
     SCALE_ARGS, SHARED_NORM_ARGS, ZERO_ARGS)
 from ..core.spec import MoESpec, SpecError
-from . import graphs, hash_routing, torch_moe
+from . import graphs, hash_routing, routes, torch_moe
 from .backend import Backend
 from .common import (  # noqa: F401  (re-exported)
     FEATURES, backend_name as _backend, check_ids_wanted as _check_ids_wanted, on_device as _on_device,
@@ -149,8 +149,9 @@ def check_args(x: torch.Tensor, tensors: dict, spec: MoESpec, symbolic: bool = F
         hash_routing.check_args(x, tensors.get("hash_table"), tensors.get("token_ids"), spec, symbolic)
     if "router_w" in tensors:
         _check_router_x(x, tensors.get("router_x"), spec, symbolic)
+        routes.check(x, tensors, spec, symbolic)
     for name, t in tensors.items():
-        if name in HASH_ARGS or name == "router_x":
+        if name in HASH_ARGS or name == "router_x" or name in routes.ROUTE_ARGS:
             continue
         want = expect.get(name)
         if want is None:
@@ -294,15 +295,18 @@ def _forward(x: torch.Tensor, args: dict, s: MoESpec, spec: str, eager: bool = F
     tok = args.get("token_ids")
     if s.hash_routing:
         hash_routing.check_values(args["hash_table"], tok, s)
-    if x.is_cuda:  # per-shape CUDA graphs in eager mode (ops/graphs.py); per-call inputs copied in like x
-        per_call = [n for n in ("token_ids", "router_x") if args.get(n) is not None]
-        if not per_call:
+    routes.check_values(args.get("routes_in"), s)
+    if x.is_cuda:  # per-shape CUDA graphs in eager mode (ops/graphs.py); per-call inputs copied in like x, the
+        # routing's output buffers (routes_out / route_weights_out) copied out after each replay
+        per_call = [n for n in ("token_ids", "router_x", "routes_in") if args.get(n) is not None]
+        outs = [n for n in routes.OUTS if args.get(n) is not None]
+        if not per_call and not outs:
             return _on_device(x, lambda: graphs.run(
                 "moe_forward", lambda xx: impl.moe_forward(xx, args, s), (x,), tuple(args.values()), spec, eager))
-        rest = {k: v for k, v in args.items() if k not in per_call}
+        rest = {k: v for k, v in args.items() if k not in per_call and k not in outs}
         return _on_device(x, lambda: graphs.run(
-            "moe_forward", lambda xx, *pc: impl.moe_forward(xx, {**rest, **dict(zip(per_call, pc))}, s),
-            (x, *(args[n] for n in per_call)), tuple(rest.values()), spec, eager))
+            "moe_forward", lambda xx, *pc: impl.moe_forward(xx, {**rest, **dict(zip(per_call + outs, pc))}, s),
+            (x, *(args[n] for n in per_call)), tuple(rest.values()), spec, eager, outs=tuple(args[n] for n in outs)))
     return impl.moe_forward(x, args, s)
 
 
@@ -322,19 +326,27 @@ def plain_eager(tensors) -> bool:
     return True
 
 
-def call_moe_forward(x: torch.Tensor, tensors, spec: MoESpec) -> torch.Tensor:
+def call_moe_forward(x: torch.Tensor, tensors, spec: MoESpec, routes_out: torch.Tensor | None = None,
+                     route_weights_out: torch.Tensor | None = None,
+                     routes_in: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.ops.moecomp.moe_forward(x, *tensors, spec.key)`` for eager callers (the bound HF blocks; ``tensors``
     in ``OP_ARGS`` order, the quantization scales and latent projections optional at the end): the same
     computation, without the custom-op dispatcher's host cost (tens of microseconds a call) where that dispatcher
-    would change nothing (``_plain_eager``); through the op otherwise."""
+    would change nothing (``_plain_eager``); through the op otherwise. ``routes_out`` / ``route_weights_out`` /
+    ``routes_in``: routing record and replay (``ops/routes.py``)."""
     tensors = tuple(tensors)
-    if plain_eager((x,) + tensors):
+    rt = dict(zip(routes.ROUTE_ARGS, (routes_out, route_weights_out, routes_in)))
+    if plain_eager((x,) + tensors + tuple(rt.values())):
         args = dict(zip(OP_ARGS, tensors))
+        args.update({n: t for n, t in rt.items() if t is not None})
         check_args(x, args, spec)
         return _forward(x, args, spec, spec.key, eager=True)
     n, last = len(MOE_ARGS), len(tensors)
     while last > n and tensors[last - 1] is None:  # the optional tail up to the last tensor given
         last -= 1
+    tail = {k: v for k, v in rt.items() if v is not None}
+    if tail:  # keywords after OP_ARGS' tail
+        return torch.ops.moecomp.moe_forward(x, *tensors[:n], spec.key, *tensors[n:], **tail)
     return torch.ops.moecomp.moe_forward(x, *tensors[:n], spec.key, *tensors[n:last])
 
 
@@ -360,7 +372,7 @@ def _expert_args(w13, b13, w2, b2, *scales) -> dict:
 
 
 def _op_args(tensors, scales, latent=(), hashed=(), router_in=(), wscale=(), norms=(), zeros=(),
-             shared_norm=()) -> dict:
+             shared_norm=(), route=()) -> dict:
     """moe_forward's tensors by name; the scale, latent, hash-routing, router-input, weight-scale and norm names only
     where given."""
     args = dict(zip(MOE_ARGS, tensors))
@@ -372,10 +384,11 @@ def _op_args(tensors, scales, latent=(), hashed=(), router_in=(), wscale=(), nor
     args.update({n: t for n, t in zip(NORM_ARGS, norms) if t is not None})
     args.update({n: t for n, t in zip(ZERO_ARGS, zeros) if t is not None})
     args.update({n: t for n, t in zip(SHARED_NORM_ARGS, shared_norm) if t is not None})
+    args.update({n: t for n, t in zip(routes.ROUTE_ARGS, route) if t is not None})
     return args
 
 
-@torch.library.custom_op("moecomp::moe_forward", mutates_args=())
+@torch.library.custom_op("moecomp::moe_forward", mutates_args=routes.OUTS)
 def moe_forward(
     x: torch.Tensor,
     router_w: torch.Tensor,
@@ -412,13 +425,17 @@ def moe_forward(
     w13_zero: torch.Tensor | None = None,
     w2_zero: torch.Tensor | None = None,
     shared_norm_w: torch.Tensor | None = None,
+    routes_out: torch.Tensor | None = None,
+    route_weights_out: torch.Tensor | None = None,
+    routes_in: torch.Tensor | None = None,
 ) -> torch.Tensor:
     s = MoESpec.from_key(spec)
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
                                       shared_w2_scale), (latent_in_w, latent_in_b, latent_out_w, latent_out_b),
                     (hash_table, token_ids), (router_x, router_in_scale, expert_scale), (weight_scale,),
-                    (latent_norm_w, expert_norm_w), (w13_zero, w2_zero), (shared_norm_w,))
+                    (latent_norm_w, expert_norm_w), (w13_zero, w2_zero), (shared_norm_w,),
+                    (routes_out, route_weights_out, routes_in))
     check_args(x, args, s)
     return _forward(x, args, s, spec)
 
@@ -428,14 +445,16 @@ def _(x, router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, share
       spec, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, shared_w1_scale=None,
       shared_w3_scale=None, shared_w2_scale=None, latent_in_w=None, latent_in_b=None, latent_out_w=None,
       latent_out_b=None, hash_table=None, token_ids=None, router_x=None, router_in_scale=None, expert_scale=None,
-      weight_scale=None, latent_norm_w=None, expert_norm_w=None, w13_zero=None, w2_zero=None, shared_norm_w=None):
+      weight_scale=None, latent_norm_w=None, expert_norm_w=None, w13_zero=None, w2_zero=None, shared_norm_w=None,
+      routes_out=None, route_weights_out=None, routes_in=None):
     # Also the Meta-key kernel: real tensors with one of them on "meta" dispatch here, not to the implementation, so
     # the checks (devices above all) must run here too, or the call returns uninitialised memory.
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
                                       shared_w2_scale), (latent_in_w, latent_in_b, latent_out_w, latent_out_b),
                     (hash_table, token_ids), (router_x, router_in_scale, expert_scale), (weight_scale,),
-                    (latent_norm_w, expert_norm_w), (w13_zero, w2_zero), (shared_norm_w,))
+                    (latent_norm_w, expert_norm_w), (w13_zero, w2_zero), (shared_norm_w,),
+                    (routes_out, route_weights_out, routes_in))
     check_args(x, args, MoESpec.from_key(spec), symbolic=True)
     return torch.empty_like(x)
 
