@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""The cost of routing record and replay on the op (issue 43): ``torch.ops.moecomp.moe_forward`` at a real layer size
-(``moecomp.testing.LAYER_PRESETS``, bf16), per preset and token count, timed four ways:
+"""The cost of routing record and replay on the op (issue 43): ``torch.ops.moecomp.moe_forward`` /
+``moe_forward_routes`` at a real layer size (``moecomp.testing.LAYER_PRESETS``, bf16), per preset and token count,
+timed four ways:
 
     plain      the op as it is
-    record     with routes_out [T, k] int32 and route_weights_out [T, k] fp32 (written by the routing kernel)
-    record_ids with routes_out only
-    replay     with routes_in [T, k] (the routes a recording call wrote)
+    record     moe_forward_routes with routes_out [T, k] int32 and route_weights_out [T, k] fp32 (written by the
+               routing kernel)
+    record_ids moe_forward_routes with routes_out only
+    replay     moe_forward with routes_in [T, k] (the routes a recording call wrote)
 
 each as plain launches and as a CUDA-graph replay of one call (what a decode step runs); times are
 ``triton.testing.do_bench`` medians in microseconds, with each variant's overhead over ``plain`` in percent. Targets
@@ -51,13 +53,13 @@ def _variants(args, spec, T: int) -> dict:
     k = spec.top_k
     out = torch.empty(T, k, dtype=torch.int32, device="cuda")
     wout = torch.empty(T, k, dtype=torch.float32, device="cuda")
-    op = torch.ops.moecomp.moe_forward
-    op(*args, spec.key, routes_out=out)
+    op, rec = torch.ops.moecomp.moe_forward, torch.ops.moecomp.moe_forward_routes
+    rec(out, None, *args, spec.key)
     given = out.clone()
     return {
         "plain": lambda: op(*args, spec.key),
-        "record": lambda: op(*args, spec.key, routes_out=out, route_weights_out=wout),
-        "record_ids": lambda: op(*args, spec.key, routes_out=out),
+        "record": lambda: rec(out, wout, *args, spec.key),
+        "record_ids": lambda: rec(out, None, *args, spec.key),
         "replay": lambda: op(*args, spec.key, routes_in=given),
     }
 

@@ -15,6 +15,8 @@ the lower index and the k picks come largest first (``ranked``). The rest follow
     sparsemixer       ids = ranked(logits) (round j picks the largest free logit: the j-th of the order); every
                       round's masked softmax at once over a [T, k, E] stack (free in round j: ranked after j - 1)
     hash routing      ids = hash_table[token_ids] (``hash_routing.lookup``), weights the scores at them
+    replay            ids = routes_in (``ops/routes.py``), weights the scores at them (topk_then_score: the score
+                      of the k logits at them); routes_out / route_weights_out get the selection and final weights
     then              expert capacity: pairs past it (``capacity.kept``) dropped, before or after the renormalisation;
                       renormalise (+ the shared experts' gammas in one denominator) and scale; expert_scale at the
                       ids; weight_scale; finite; rounded to x's dtype (round_weights)

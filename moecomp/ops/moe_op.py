@@ -6,6 +6,14 @@ at small token counts (``ops/graphs.py``). CPU tensors run a vectorised PyTorch 
 (``ops/torch_moe.py``), or the same Triton kernels under ``TRITON_INTERPRET=1`` when ``MOECOMP_CPU_BACKEND=triton``
 (how the tests exercise the kernels without a GPU).
 
+Routing record and replay (issue 43, ``ops/routes.py``): ``moe_forward``'s last argument ``routes_in`` (int32 / int64
+[T, k], the ids to use instead of the op's own top-k; None by default, at no cost), and the recording op
+``torch.ops.moecomp.moe_forward_routes(routes_out, route_weights_out, <moe_forward's arguments>)``: the same block,
+writing int32 ids [T, k] into ``routes_out`` and (where not None) the fp32 weights [T, k] into ``route_weights_out``,
+both declared mutated. A second op, not optional mutated arguments on moe_forward: Inductor (torch 2.13) fails on a
+custom op whose optional mutated arguments are all None ("getitem is not an OpOverload"), which every compiled call
+without a record would be. moe_experts takes none of them: it does not route (its ids are given).
+
 Hash routing's table and token ids (``HASH_ARGS``): ``ops/hash_routing.py`` checks them (their values as the ids
 below) and the implementations clamp them (memory safety where the values cannot be read).
 
@@ -344,10 +352,14 @@ def call_moe_forward(x: torch.Tensor, tensors, spec: MoESpec, routes_out: torch.
     n, last = len(MOE_ARGS), len(tensors)
     while last > n and tensors[last - 1] is None:  # the optional tail up to the last tensor given
         last -= 1
-    tail = {k: v for k, v in rt.items() if v is not None}
-    if tail:  # keywords after OP_ARGS' tail
-        return torch.ops.moecomp.moe_forward(x, *tensors[:n], spec.key, *tensors[n:], **tail)
-    return torch.ops.moecomp.moe_forward(x, *tensors[:n], spec.key, *tensors[n:last])
+    rest = tensors[n:last]
+    if routes_in is not None:  # after every other argument
+        rest = tensors[n:] + (None,) * (len(OP_ARGS) - len(tensors)) + (routes_in,)
+    if routes_out is None and route_weights_out is not None:  # weights alone: the ids into a scratch buffer
+        routes_out = torch.empty(x.numel() // x.shape[-1], spec.top_k, dtype=torch.int32, device=x.device)
+    if routes_out is not None:
+        return torch.ops.moecomp.moe_forward_routes(routes_out, route_weights_out, x, *tensors[:n], spec.key, *rest)
+    return torch.ops.moecomp.moe_forward(x, *tensors[:n], spec.key, *rest)
 
 
 def call_moe_experts(x, topk_ids, topk_weights, w13, b13, w2, b2, spec: MoESpec,
@@ -388,7 +400,7 @@ def _op_args(tensors, scales, latent=(), hashed=(), router_in=(), wscale=(), nor
     return args
 
 
-@torch.library.custom_op("moecomp::moe_forward", mutates_args=routes.OUTS)
+@torch.library.custom_op("moecomp::moe_forward", mutates_args=())
 def moe_forward(
     x: torch.Tensor,
     router_w: torch.Tensor,
@@ -425,8 +437,6 @@ def moe_forward(
     w13_zero: torch.Tensor | None = None,
     w2_zero: torch.Tensor | None = None,
     shared_norm_w: torch.Tensor | None = None,
-    routes_out: torch.Tensor | None = None,
-    route_weights_out: torch.Tensor | None = None,
     routes_in: torch.Tensor | None = None,
 ) -> torch.Tensor:
     s = MoESpec.from_key(spec)
@@ -434,8 +444,7 @@ def moe_forward(
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
                                       shared_w2_scale), (latent_in_w, latent_in_b, latent_out_w, latent_out_b),
                     (hash_table, token_ids), (router_x, router_in_scale, expert_scale), (weight_scale,),
-                    (latent_norm_w, expert_norm_w), (w13_zero, w2_zero), (shared_norm_w,),
-                    (routes_out, route_weights_out, routes_in))
+                    (latent_norm_w, expert_norm_w), (w13_zero, w2_zero), (shared_norm_w,), (None, None, routes_in))
     check_args(x, args, s)
     return _forward(x, args, s, spec)
 
@@ -446,16 +455,55 @@ def _(x, router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, share
       shared_w3_scale=None, shared_w2_scale=None, latent_in_w=None, latent_in_b=None, latent_out_w=None,
       latent_out_b=None, hash_table=None, token_ids=None, router_x=None, router_in_scale=None, expert_scale=None,
       weight_scale=None, latent_norm_w=None, expert_norm_w=None, w13_zero=None, w2_zero=None, shared_norm_w=None,
-      routes_out=None, route_weights_out=None, routes_in=None):
+      routes_in=None):
     # Also the Meta-key kernel: real tensors with one of them on "meta" dispatch here, not to the implementation, so
     # the checks (devices above all) must run here too, or the call returns uninitialised memory.
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
                                       shared_w2_scale), (latent_in_w, latent_in_b, latent_out_w, latent_out_b),
                     (hash_table, token_ids), (router_x, router_in_scale, expert_scale), (weight_scale,),
-                    (latent_norm_w, expert_norm_w), (w13_zero, w2_zero), (shared_norm_w,),
-                    (routes_out, route_weights_out, routes_in))
+                    (latent_norm_w, expert_norm_w), (w13_zero, w2_zero), (shared_norm_w,), (None, None, routes_in))
     check_args(x, args, MoESpec.from_key(spec), symbolic=True)
+    return torch.empty_like(x)
+
+
+_FORWARD_NAMES = tuple(a.name for a in torch.ops.moecomp.moe_forward.default._schema.arguments)
+
+
+def _routes_schema() -> str:
+    """moe_forward_routes' schema: the two mutated buffers, then moe_forward's arguments (read from its schema, so
+    the two never drift apart; custom ops take no keyword-only tensors, so the buffers come first)."""
+    full = str(torch.ops.moecomp.moe_forward.default._schema)
+    args = full[full.index("(") + 1:full.rindex(") ->")]
+    return f"(Tensor(a!) routes_out, Tensor(b!)? route_weights_out, {args}) -> Tensor"
+
+
+def _routes_call(routes_out, route_weights_out, args, kwargs, symbolic: bool):
+    """(x, the op's tensors by name, spec, key) of a moe_forward_routes call."""
+    bound = {**dict(zip(_FORWARD_NAMES, args)), **kwargs}
+    tensors = {n: bound.get(n) for n in MOE_ARGS}
+    tensors.update({n: bound[n] for n in OP_ARGS[len(MOE_ARGS):] + ("routes_in",) if bound.get(n) is not None})
+    tensors["routes_out"] = routes_out
+    if route_weights_out is not None:
+        tensors["route_weights_out"] = route_weights_out
+    x, key = bound["x"], bound["spec"]
+    s = MoESpec.from_key(key)
+    check_args(x, tensors, s, symbolic)
+    return x, tensors, s, key
+
+
+def _moe_forward_routes(routes_out, route_weights_out, *args, **kwargs):
+    x, tensors, s, key = _routes_call(routes_out, route_weights_out, args, kwargs, False)
+    return _forward(x, tensors, s, key)
+
+
+moe_forward_routes = torch.library.custom_op("moecomp::moe_forward_routes", _moe_forward_routes,
+                                             mutates_args=routes.OUTS, schema=_routes_schema())
+
+
+@moe_forward_routes.register_fake
+def _(routes_out, route_weights_out, *args, **kwargs):
+    x = _routes_call(routes_out, route_weights_out, args, kwargs, True)[0]  # the checks: see moe_forward's fake
     return torch.empty_like(x)
 
 

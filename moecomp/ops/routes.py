@@ -1,11 +1,13 @@
-"""Routing record and replay in the op (issue 43): ``moe_forward``'s three optional arguments after every other one.
+"""Routing record and replay in the op (issue 43): ``moe_forward``'s last argument ``routes_in`` and the recording
+op ``moe_forward_routes(routes_out, route_weights_out, <moe_forward's arguments>)`` (``ops/moe_op.py`` says why a
+second op).
 
     routes_out         int32 [T, k], caller-owned, written: each token's expert ids, the ids the op used, in its
                        slot order (T = the tokens of x, its leading dims flattened; k = spec.top_k)
-    route_weights_out  float32 [T, k], caller-owned, written: the combine weights the op used at those ids
-    routes_in          int32 or int64 [T, k]: the ids to use instead of the op's own selection (replay)
+    route_weights_out  float32 [T, k] or None, caller-owned, written: the combine weights the op used at those ids
+    routes_in          int32 or int64 [T, k] or None: the ids to use instead of the op's own selection (replay)
 
-Both outputs are declared mutated by the custom op. Every row of x is routed and written (the op has no notion of
+Both outputs are declared mutated by moe_forward_routes. Every row of x is routed and written (the op has no notion of
 padding: a padding token's row holds what the router chose for it; marking padding is the caller's business). With an
 expert capacity (``spec.has_capacity``) ``routes_out`` holds the selection before the drop (every slot a real id;
 replaying it drops the same pairs again, the drop being a function of the ids) and ``route_weights_out`` 0 at the
@@ -21,7 +23,7 @@ point (fake kernels too); the values of ``routes_in`` on CPU only (``check_value
 sync, so the paths clamp each id into [0, router_width - 1] instead (memory safety: a wrong id gives a wrong
 expert, never an out-of-bounds read).
 
-Off by default: with none of the three given nothing here runs (the kernels compile without them).
+Off by default: moe_forward without routes_in runs nothing of this (the kernel compiles without it).
 """
 
 from __future__ import annotations

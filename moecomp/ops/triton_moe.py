@@ -11,7 +11,8 @@ moe_forward, main stream                                   side stream (shared e
     combine_kernel         -> out [T, H] = sum_k y (+ sigmoid(gate) * s)   <- waits for the side stream
     (spec.zero_experts: routing over E + Z, ids >= E skip the GEMMs and the combine adds w * x, ``ops/zero_experts.py``)
     (spec.hash_routing: route_topk_kernel reads the ids from hash_table[token_ids] instead of a top-k,
-     ``ops/hash_routing.py``)
+     ``ops/hash_routing.py``; routes_in: from the caller's ids, routes_out / route_weights_out: written by it too,
+     ``ops/routes.py``)
     (spec capacity: pairs past an expert's capacity get id E and weight 0 after the routing kernel and are left out
      as zero experts' pairs are, ``ops/capacity.py``)
     (spec.latent_size: the experts' kernels run on latent_in(x) [T, L], their combine into [T, L], then latent_out

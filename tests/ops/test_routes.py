@@ -1,6 +1,6 @@
-"""Routing record and replay on the op (issue 43, ``ops/routes.py``): ``moe_forward``'s ``routes_out`` /
-``route_weights_out`` (record) and ``routes_in`` (replay), on the torch path and on the Triton kernels under the
-interpreter (fp32 only: the interpreter's bf16 dot is wrong).
+"""Routing record and replay on the op (issue 43, ``ops/routes.py``): ``moe_forward_routes``' ``routes_out`` /
+``route_weights_out`` (record) and ``moe_forward``'s ``routes_in`` (replay), on the torch path and on the Triton kernels
+under the interpreter (fp32 only: the interpreter's bf16 dot is wrong).
 
 - the recorded ids equal the oracle's routing (``moecomp.oracle.reference.route_with_gammas``), tokens within a
   relative 1e-5 of a tie (``near_tie_tokens``) excepted and counted; the recorded weights equal the oracle's
@@ -44,7 +44,7 @@ def _oracle_routes(args, spec: MoESpec, replay=None):
 def _record(args, spec: MoESpec, **kw):
     out = torch.full((T, spec.top_k), -7, dtype=torch.int32)
     wout = torch.full((T, spec.top_k), float("nan"))
-    y = torch.ops.moecomp.moe_forward(*args, spec.key, routes_out=out, route_weights_out=wout, **kw)
+    y = torch.ops.moecomp.moe_forward_routes(out, wout, *args, spec.key, **kw)
     return y, out, wout
 
 
@@ -120,7 +120,8 @@ def test_replay_ignores_bias_and_groups():
     s = torch.sigmoid(logits).gather(1, given.long())
     w = s / (s.sum(-1, keepdim=True) + spec.renorm_eps) * spec.routed_scaling_factor
     wout = torch.empty(T, spec.top_k)
-    torch.ops.moecomp.moe_forward(*args, spec.key, routes_in=given, route_weights_out=wout)
+    torch.ops.moecomp.moe_forward_routes(torch.empty(T, spec.top_k, dtype=torch.int32), wout, *args, spec.key,
+                                         routes_in=given)
     torch.testing.assert_close(wout, w, rtol=1e-5, atol=1e-6)
 
 
@@ -131,22 +132,27 @@ def test_opcheck_routes(cpu_backend, name, n):
     args = random_moe_args(spec, n, seed=n)
     k = spec.top_k
     out, wout = torch.zeros(n, k, dtype=torch.int32), torch.zeros(n, k)
-    torch.library.opcheck(torch.ops.moecomp.moe_forward.default, (*args, spec.key),
-                          {"routes_out": out, "route_weights_out": wout})
+    torch.library.opcheck(torch.ops.moecomp.moe_forward_routes.default, (out, wout, *args, spec.key))
     given = torch.stack([torch.randperm(spec.num_experts)[:k] for _ in range(n)]).int() if n else out
-    torch.library.opcheck(torch.ops.moecomp.moe_forward.default, (*args, spec.key),
-                          {"routes_in": given, "routes_out": out})
+    torch.library.opcheck(torch.ops.moecomp.moe_forward.default, (*args, spec.key), {"routes_in": given})
+    torch.library.opcheck(torch.ops.moecomp.moe_forward_routes.default, (out, None, *args, spec.key),
+                          {"routes_in": given})
 
 
-def _bad(spec: MoESpec, match: str, **kw):
+def _bad(spec: MoESpec, match: str, routes_out=None, route_weights_out=None, **kw):
     args = random_moe_args(spec, T, seed=0)
     with pytest.raises(ValueError, match=match):
-        torch.ops.moecomp.moe_forward(*args, spec.key, **kw)
+        if routes_out is None and route_weights_out is None:
+            torch.ops.moecomp.moe_forward(*args, spec.key, **kw)
+        else:
+            out = torch.zeros(T, spec.top_k, dtype=torch.int32) if routes_out is None else routes_out
+            torch.ops.moecomp.moe_forward_routes(out, route_weights_out, *args, spec.key, **kw)
 
 
 def test_bad_routes():
     spec, k = SPECS["softmax"], SPECS["softmax"].top_k
-    _bad(spec, r"routes_out has dtype torch.int64; expected torch.int32", routes_out=torch.zeros(T, k, dtype=torch.long))
+    _bad(spec, r"routes_out has dtype torch.int64; expected torch.int32",
+         routes_out=torch.zeros(T, k, dtype=torch.long))
     _bad(spec, r"routes_out has shape \(7, 3\); expected \[T=7, top_k=2\]",
          routes_out=torch.zeros(T, k + 1, dtype=torch.int32))
     _bad(spec, r"route_weights_out has dtype torch.bfloat16; expected torch.float32",
@@ -175,7 +181,8 @@ def test_replay_refused_where_meaningless():
     with pytest.raises(ValueError, match="sparsemixer"):
         ref.replayed(torch.zeros(T, 8), torch.zeros(T, 2, dtype=torch.long), sm)
     out = torch.full((T, 2), -7, dtype=torch.int32)  # recording is fine there: the table's ids
-    torch.ops.moecomp.moe_forward(*args, hs.key, hash_table=h["hash_table"], token_ids=h["token_ids"], routes_out=out)
+    torch.ops.moecomp.moe_forward_routes(out, None, *args, hs.key, hash_table=h["hash_table"],
+                                         token_ids=h["token_ids"])
     want = h["hash_table"][h["token_ids"].reshape(-1).long()]
     assert torch.equal(out.long(), want.long())
 
@@ -201,3 +208,24 @@ def test_leading_dims_and_call_helper(cpu_backend):
     with _PassThrough():  # through the dispatcher (not plain eager: a function mode is on)
         y3 = call_moe_forward(x3, args[1:], spec, routes_in=out)
     torch.testing.assert_close(y3, y, rtol=0, atol=0)
+
+
+def test_compiled_record_and_replay():
+    """Under torch.compile (Inductor): the recording op's mutation reaches the caller's buffer, the replaying and the
+    plain op compile beside it (a moe_forward with optional mutated arguments all None did not: see ``moe_op``)."""
+    spec = SPECS["softmax"]
+    args = random_moe_args(spec, T, seed=4)
+    key = spec.key
+
+    def f(x, out, given):
+        y = torch.ops.moecomp.moe_forward_routes(out, None, x * 1.0, *args[1:], key)
+        return y + torch.ops.moecomp.moe_forward(x, *args[1:], key, routes_in=given) + torch.ops.moecomp.moe_forward(
+            x, *args[1:], key)
+
+    given = _other_routes(spec, seed=3)
+    out, out_eager = (torch.full((T, spec.top_k), -7, dtype=torch.int32) for _ in range(2))
+    want = f(args[0], out_eager, given)
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="inductor", fullgraph=True)(args[0], out, given)
+    assert torch.equal(out, out_eager) and (out >= 0).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -1,5 +1,6 @@
 """Routing record and replay on the CUDA path at a real layer size (Qwen3-30B-A3B, bf16; issue 43): recorded and
-replayed inside a CUDA graph captured by the caller (no host sync on the captured path), and through the op's own
+replayed inside a CUDA graph captured by the caller (``moe_forward_routes`` / ``moe_forward(routes_in=...)``; no host
+sync on the captured path), and through the op's own
 eager graphs (``ops/graphs.py``: the recorded routes are copied out after each replay).
 
 Tolerances: the recorded ids equal those of a plain (uncaptured) call on the same input exactly (the same kernels),
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from moecomp.oracle import reference
-from moecomp.testing import LAYER_PRESETS, capture_moe_forward, random_moe_args, rel_err
+from moecomp.testing import LAYER_PRESETS, random_moe_args, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -30,6 +31,28 @@ def _routes(T: int):
             torch.full((T, k), float("nan"), device="cuda"))
 
 
+def _capture(static_x, args, out, wout, given=None):
+    """(graph, static_out) of moe_forward_routes(out, wout, static_x, ..., routes_in=given), warmed up twice on a
+    side stream, captured with host syncs raising (``torch.cuda.set_sync_debug_mode("error")``)."""
+    def call():
+        return torch.ops.moecomp.moe_forward_routes(out, wout, static_x, *args, SPEC.key, routes_in=given)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            static_out = call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return graph, static_out
+
+
 def _other_routes(T: int, seed: int) -> torch.Tensor:
     g = torch.Generator("cuda").manual_seed(seed)
     return torch.rand(T, SPEC.num_experts, device="cuda", generator=g).argsort(-1)[:, : SPEC.top_k].int()
@@ -41,12 +64,10 @@ def test_record_and_replay_under_graph_capture(T):
     args = list(random_moe_args(SPEC, T, torch.bfloat16, "cuda", std=0.02, seed=T))
     static_x = args[0].clone()
     out, wout = _routes(T)
-    g_rec, y_rec = capture_moe_forward(static_x, args[1:], SPEC, sync_check=True,
-                                       extra={"routes_out": out, "route_weights_out": wout})
+    g_rec, y_rec = _capture(static_x, args[1:], out, wout)
     given = _other_routes(T, 99)
     out2, wout2 = _routes(T)
-    g_rep, y_rep = capture_moe_forward(static_x, args[1:], SPEC, sync_check=True,
-                                       extra={"routes_in": given, "routes_out": out2, "route_weights_out": wout2})
+    g_rep, y_rep = _capture(static_x, args[1:], out2, wout2, given)
     ties_total = 0
     for seed in range(3):
         x = torch.randn(T, SPEC.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
@@ -56,7 +77,7 @@ def test_record_and_replay_under_graph_capture(T):
         torch.cuda.synchronize()
         assert torch.isfinite(y_rec).all() and torch.isfinite(wout).all()
         po, pw = _routes(T)  # a plain call on the same input
-        plain = torch.ops.moecomp.moe_forward(static_x, *args[1:], SPEC.key, routes_out=po, route_weights_out=pw)
+        plain = torch.ops.moecomp.moe_forward_routes(po, pw, static_x, *args[1:], SPEC.key)
         assert torch.equal(out, po) and torch.equal(wout, pw)
         torch.testing.assert_close(y_rec, plain, rtol=0, atol=0)
         _, ids_ref = reference.route(reference.router_logits(static_x, args[1], None, SPEC), None, SPEC)
@@ -94,7 +115,7 @@ def test_record_through_op_graphs_in_eager_mode():
         out, wout = _routes(1)
         y = call_moe_forward(x, args[1:], SPEC, routes_out=out, route_weights_out=wout)
         po, pw = _routes(1)
-        plain = torch.ops.moecomp.moe_forward(x, *args[1:], SPEC.key, routes_out=po, route_weights_out=pw)
+        plain = torch.ops.moecomp.moe_forward_routes(po, pw, x, *args[1:], SPEC.key)
         assert torch.equal(out, po) and torch.equal(wout, pw), step
         torch.testing.assert_close(y, plain, rtol=0, atol=0)
         y2 = call_moe_forward(x, args[1:], SPEC, routes_in=out.clone())
@@ -112,6 +133,6 @@ def test_bad_routes_cuda_no_sync():
         torch.ops.moecomp.moe_forward(*args, SPEC.key, routes_in=torch.zeros(4, 3, dtype=torch.int32, device="cuda"))
     bad = torch.full((4, SPEC.top_k), 10**6, dtype=torch.int32, device="cuda")
     out, _ = _routes(4)
-    torch.ops.moecomp.moe_forward(*args, SPEC.key, routes_in=bad, routes_out=out)
+    torch.ops.moecomp.moe_forward_routes(out, None, *args, SPEC.key, routes_in=bad)
     torch.cuda.synchronize()
     assert (out == SPEC.num_experts - 1).all()
