@@ -229,3 +229,22 @@ def test_compiled_record_and_replay():
     got = torch.compile(f, backend="inductor", fullgraph=True)(args[0], out, given)
     assert torch.equal(out, out_eager) and (out >= 0).all()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_triton_records_in_the_routing_kernel(monkeypatch):
+    """The Triton path writes routes_out / route_weights_out in the routing kernel's one launch (no copy after it,
+    no second launch), and reads routes_in there: ``route`` (the kernel's launcher) runs once a call, the torch-level
+    ``routes.record`` never (an expert capacity aside: its drop follows the kernel)."""
+    from moecomp.ops import routes, triton_moe
+    from moecomp.testing import count_calls
+
+    monkeypatch.setenv("MOECOMP_CPU_BACKEND", "triton")
+    spec = SPECS["sigmoid_bias_groups"]
+    args = random_moe_args(spec, T, seed=9)
+    count = count_calls(monkeypatch, triton_moe, ["route"])
+    rec = count_calls(monkeypatch, routes, ["record"])
+    y, out, wout = _record(args, spec)
+    y2, out2, _ = _record(args, spec, routes_in=out)
+    assert count == ["route", "route"] and rec == [], (count, rec)
+    torch.testing.assert_close(y2, y, rtol=0, atol=0)
+    assert torch.equal(out2, out) and torch.isfinite(wout).all()
