@@ -18,7 +18,9 @@ N_GAMMA (``MoESpec.shared_gamma``, Inkling): the row holds N_GAMMA shared expert
 scored alike, they join the renormalisation's sum and are written, scaled and rounded like the weights, to
 ``gammas_ptr`` [T, N_GAMMA]. HAS_WSCALE: both times the [1] tensor at ``wscale_ptr`` after ``scaling``.
 HASH (``MoESpec.hash_routing``, DeepSeek-V4): no selection; slot j's id is ``table[tok[t], j]`` and its weight the
-score there (then renorm / scale / rounding as above). HAS_ESCALE (``MoESpec.expert_scale``): each weight times
+score there (then renorm / scale / rounding as above). GIVEN (routing replay, ``ops/routes.py``): the same with slot
+j's id read from ``given_ptr`` (clamped into [0, E - 1]); REC_IDS / REC_W: the ids and final weights also stored to
+the caller's buffers (routing record), in this launch. HAS_ESCALE (``MoESpec.expert_scale``): each weight times
 ``escale[id]`` after the scaling, before the rounding. Memory safety without a host check: the token id is clamped
 into [0, n_vocab - 1] and the table entry into [0, E - 1] before either indexes anything.
 """
@@ -116,6 +118,18 @@ def route_topk_kernel(
     N_GAMMA: tl.constexpr = 0,  # shared_gamma "joint_renorm": the logits row holds N_GAMMA more after the E
     GAM_PAD: tl.constexpr = 1,
     HAS_WSCALE: tl.constexpr = False,
+    given_ptr=None,  # GIVEN: [T, TOP_K] int32 / int64 replayed ids (strides stride_gt, stride_gk), no selection
+    stride_gt=0,
+    stride_gk=0,
+    GIVEN: tl.constexpr = False,
+    rec_ids_ptr=None,  # REC_IDS: [T, TOP_K] int32 out, the ids as routed (strides stride_rt, stride_rk)
+    stride_rt=0,
+    stride_rk=0,
+    REC_IDS: tl.constexpr = False,
+    rec_w_ptr=None,  # REC_W: [T, TOP_K] fp32 out, the final weights (strides stride_wt, stride_wk)
+    stride_wt=0,
+    stride_wk=0,
+    REC_W: tl.constexpr = False,
 ):
     pdl.enter(USE_PDL)
     pid = tl.program_id(0)
@@ -205,6 +219,9 @@ def route_topk_kernel(
         if HASH:  # the table's entry, clamped to a real expert (never an index past the scores or the weights)
             e = tl.load(table_ptr + row + j, mask=t_ok, other=0).to(tl.int64)
             idx = tl.minimum(tl.maximum(e, 0), E - 1).to(tl.int32)
+        elif GIVEN:  # replay: the caller's id, clamped likewise (its range is checked on CPU only)
+            e = tl.load(given_ptr + offs_t.to(tl.int64) * stride_gt + j * stride_gk, mask=t_ok, other=0).to(tl.int64)
+            idx = tl.minimum(tl.maximum(e, 0), E - 1).to(tl.int32)
         else:
             idx = _pick(choice, free, offs_e, BLOCK_E, E)  # [BT]
         sel = offs_e[None, :] == idx[:, None]
@@ -278,3 +295,9 @@ def route_topk_kernel(
     m_out = t_ok[:, None] & k_ok[None, :]
     tl.store(ids_ptr + out, top_ids, mask=m_out)
     tl.store(weights_ptr + out, top_w, mask=m_out)
+    if REC_IDS:
+        tl.store(rec_ids_ptr + offs_t[:, None].to(tl.int64) * stride_rt + offs_k[None, :] * stride_rk, top_ids,
+                 mask=m_out)
+    if REC_W:
+        tl.store(rec_w_ptr + offs_t[:, None].to(tl.int64) * stride_wt + offs_k[None, :] * stride_wk, top_w,
+                 mask=m_out)

@@ -15,6 +15,8 @@ the lower index and the k picks come largest first (``ranked``). The rest follow
     sparsemixer       ids = ranked(logits) (round j picks the largest free logit: the j-th of the order); every
                       round's masked softmax at once over a [T, k, E] stack (free in round j: ranked after j - 1)
     hash routing      ids = hash_table[token_ids] (``hash_routing.lookup``), weights the scores at them
+    replay            ids = routes_in (``ops/routes.py``), weights the scores at them (topk_then_score: the score
+                      of the k logits at them); routes_out / route_weights_out get the selection and final weights
     then              expert capacity: pairs past it (``capacity.kept``) dropped, before or after the renormalisation;
                       renormalise (+ the shared experts' gammas in one denominator) and scale; expert_scale at the
                       ids; weight_scale; finite; rounded to x's dtype (round_weights)
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from ..core.spec import MoESpec
 from . import capacity as cap
 from . import route_weights as rw
+from . import routes
 from .backend import Routed
 from .hash_routing import lookup
 from .router_input import router_in
@@ -115,10 +118,16 @@ def _scores_at(scores: torch.Tensor, ids: torch.Tensor, spec: MoESpec) -> torch.
     return w.masked_fill(w == _NEG, 0.0) if spec.scoring == "none" else w
 
 
-def select(logits: torch.Tensor, bias, spec: MoESpec, given: torch.Tensor | None = None):
+def select(logits: torch.Tensor, bias, spec: MoESpec, given: torch.Tensor | None = None,
+           replay: torch.Tensor | None = None):
     """Sanitised logits [T, R] -> (raw weights [T, k] fp32, ids [T, k] int64): the chosen experts' scores, before
-    renormalisation and scaling (``given``: hash routing's ids)."""
+    renormalisation and scaling (``given``: hash routing's ids; ``replay``: replayed ids, ``ops/routes.py``: the
+    scores at them, or with topk_then_score the score of the k logits at them)."""
     k = spec.top_k
+    if replay is not None:
+        if spec.score_order == "topk_then_score":
+            return scored(logits.gather(1, replay), spec.scoring), replay
+        return _scores_at(scored(logits, spec.scoring), replay, spec), replay
     if spec.score_order == "sparsemixer":
         return _sparsemixer(logits, k, spec.jitter_eps)
     if given is not None:
@@ -164,13 +173,15 @@ def route_logits(logits: torch.Tensor, args: dict, spec: MoESpec, group: int | N
                  dtype: torch.dtype = torch.float32) -> Routed:
     """Router logits [T, R (+ G)] (any float dtype; NaN / inf read as the routing contract says) -> Routed(ids [T, k]
     int64, weights [T, k] fp32, gammas [T, G] fp32 | None, gate None). ``args``: the op's tensors the routing reads
-    (correction_bias, hash_table / token_ids, expert_scale, weight_scale). ``group``: tokens per capacity group
+    (correction_bias, hash_table / token_ids, expert_scale, weight_scale; routes_in / routes_out / route_weights_out:
+    ``ops/routes.py``). ``group``: tokens per capacity group
     (default: all T); dropped pairs' ids -1, weight 0. Weights and gammas rounded through ``dtype`` where
     ``spec.round_weights``."""
     logits = sanitised(logits)
     R, G = spec.router_width, spec.gamma_rows
     given = lookup(args["hash_table"], args["token_ids"], spec) if spec.hash_routing else None
-    w, ids = select(logits[:, :R], args.get("correction_bias"), spec, given)
+    w, ids = select(logits[:, :R], args.get("correction_bias"), spec, given, routes.given(args, spec))
+    chosen = ids  # routes_out: the selection, before an expert capacity's drop
     gam = scored(logits[:, R:R + G], spec.scoring) if G else None
     keep = cap.kept(ids, spec, logits.shape[0] if group is None else group) if spec.has_capacity else None
     w, gam = _weighed(w.float(), gam, ids, keep, args, spec)
@@ -179,6 +190,7 @@ def route_logits(logits: torch.Tensor, args: dict, spec: MoESpec, group: int | N
     if spec.round_weights:
         w = rw.rounded(w, dtype)
         gam = None if gam is None else rw.rounded(gam, dtype)
+    routes.record(args, chosen, w)
     return Routed(ids, w, gam, None)
 
 

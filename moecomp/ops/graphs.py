@@ -52,11 +52,11 @@ def max_tokens() -> int:
 
 
 class _Entry:
-    __slots__ = ("refs", "graph", "inputs", "output", "failed")
+    __slots__ = ("refs", "graph", "inputs", "output", "outs", "failed")
 
     def __init__(self, static):
         self.refs = tuple(None if t is None else weakref.ref(t) for t in static)
-        self.graph = self.inputs = self.output = None
+        self.graph = self.inputs = self.output = self.outs = None
         self.failed = False
 
     def alive(self, static) -> bool:
@@ -94,20 +94,22 @@ def _capture(fn, inputs, pool):
     return g, out
 
 
-def run(name: str, fn, dynamic: tuple, static: tuple, spec_key: str, eager: bool = False) -> torch.Tensor:
-    """fn(*dynamic) (weights bound inside fn), through a cached CUDA graph when that is safe and pays.
+def run(name: str, fn, dynamic: tuple, static: tuple, spec_key: str, eager: bool = False,
+        outs: tuple = ()) -> torch.Tensor:
+    """fn(*dynamic, *outs) (weights bound inside fn), through a cached CUDA graph when that is safe and pays.
     ``eager``: the caller is plain eager code and checked ``moe_op.plain_eager`` on these tensors; other calls
-    always run plain launches."""
+    always run plain launches. ``outs``: caller-owned tensors fn writes (the routing record, ``ops/routes.py``): a
+    graph writes static copies, copied into them after each replay."""
     global last_error
     x = dynamic[0]
     if not _usable(x, eager):
         stats["plain"] += 1
-        return fn(*dynamic)
+        return fn(*dynamic, *outs)
     key = (
         name,
         spec_key,
         x.device.index,
-        tuple((tuple(t.shape), t.dtype) for t in dynamic),
+        tuple((tuple(t.shape), t.dtype) for t in dynamic + outs),
         tuple(None if t is None else (id(t), t.data_ptr(), t._version, t.dtype) for t in static),
     )
     e = _entries.get(key)
@@ -123,29 +125,32 @@ def run(name: str, fn, dynamic: tuple, static: tuple, spec_key: str, eager: bool
             while len(_seen) > MAX_SEEN:
                 _seen.popitem(last=False)
             stats["plain"] += 1
-            return fn(*dynamic)
+            return fn(*dynamic, *outs)
         e = _entries[key] = first
         while len(_entries) > MAX_GRAPHS:
             _entries.popitem(last=False)
     if e.failed:
         stats["plain"] += 1
-        return fn(*dynamic)
+        return fn(*dynamic, *outs)
     if e.graph is None:
         inputs = tuple(t.clone() for t in dynamic)
+        static_outs = tuple(torch.empty_like(t) for t in outs)
         try:
-            e.graph, e.output = _capture(fn, inputs, _pool_handle(x.device.index))
-            e.inputs = inputs
+            e.graph, e.output = _capture(fn, inputs + static_outs, _pool_handle(x.device.index))
+            e.inputs, e.outs = inputs, static_outs
             stats["captured"] += 1
         except Exception as err:  # capture not possible here (e.g. an op that is not capturable): plain from now on
             last_error = f"{type(err).__name__}: {err}"
             e.failed, e.graph = True, None
             stats["capture_failed"] += 1
-            return fn(*dynamic)
+            return fn(*dynamic, *outs)
     else:
         for s, d in zip(e.inputs, dynamic):
             s.copy_(d)
         stats["replayed"] += 1
     e.graph.replay()  # (right after a capture, which computes nothing, the static inputs hold this call's data)
+    for d, s in zip(outs, e.outs):
+        d.copy_(s)
     return e.output.clone()
 
 

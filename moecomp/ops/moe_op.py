@@ -6,6 +6,14 @@ at small token counts (``ops/graphs.py``). CPU tensors run a vectorised PyTorch 
 (``ops/torch_moe.py``), or the same Triton kernels under ``TRITON_INTERPRET=1`` when ``MOECOMP_CPU_BACKEND=triton``
 (how the tests exercise the kernels without a GPU).
 
+Routing record and replay (issue 43, ``ops/routes.py``): ``moe_forward``'s last argument ``routes_in`` (int32 / int64
+[T, k], the ids to use instead of the op's own top-k; None by default, at no cost), and the recording op
+``torch.ops.moecomp.moe_forward_routes(routes_out, route_weights_out, <moe_forward's arguments>)``: the same block,
+writing int32 ids [T, k] into ``routes_out`` and (where not None) the fp32 weights [T, k] into ``route_weights_out``,
+both declared mutated. A second op, not optional mutated arguments on moe_forward: Inductor (torch 2.13) fails on a
+custom op whose optional mutated arguments are all None ("getitem is not an OpOverload"), which every compiled call
+without a record would be. moe_experts takes none of them: it does not route (its ids are given).
+
 Hash routing's table and token ids (``HASH_ARGS``): ``ops/hash_routing.py`` checks them (their values as the ids
 below) and the implementations clamp them (memory safety where the values cannot be read).
 
@@ -26,7 +34,7 @@ from ..core.args import (  # noqa: F401  (re-exported)
     EXPERT_ARGS, EXPERT_QUANT_ARGS, HASH_ARGS, LATENT_ARGS, MOE_ARGS, NORM_ARGS, OP_ARGS, QUANT_ARGS, ROUTER_IN_ARGS,
     SCALE_ARGS, SHARED_NORM_ARGS, ZERO_ARGS)
 from ..core.spec import MoESpec, SpecError
-from . import graphs, hash_routing, torch_moe
+from . import graphs, hash_routing, routes, torch_moe
 from .backend import Backend
 from .common import (  # noqa: F401  (re-exported)
     FEATURES, backend_name as _backend, check_ids_wanted as _check_ids_wanted, on_device as _on_device,
@@ -149,8 +157,9 @@ def check_args(x: torch.Tensor, tensors: dict, spec: MoESpec, symbolic: bool = F
         hash_routing.check_args(x, tensors.get("hash_table"), tensors.get("token_ids"), spec, symbolic)
     if "router_w" in tensors:
         _check_router_x(x, tensors.get("router_x"), spec, symbolic)
+        routes.check(x, tensors, spec, symbolic)
     for name, t in tensors.items():
-        if name in HASH_ARGS or name == "router_x":
+        if name in HASH_ARGS or name == "router_x" or name in routes.ROUTE_ARGS:
             continue
         want = expect.get(name)
         if want is None:
@@ -294,15 +303,18 @@ def _forward(x: torch.Tensor, args: dict, s: MoESpec, spec: str, eager: bool = F
     tok = args.get("token_ids")
     if s.hash_routing:
         hash_routing.check_values(args["hash_table"], tok, s)
-    if x.is_cuda:  # per-shape CUDA graphs in eager mode (ops/graphs.py); per-call inputs copied in like x
-        per_call = [n for n in ("token_ids", "router_x") if args.get(n) is not None]
-        if not per_call:
+    routes.check_values(args.get("routes_in"), s)
+    if x.is_cuda:  # per-shape CUDA graphs in eager mode (ops/graphs.py); per-call inputs copied in like x, the
+        # routing's output buffers (routes_out / route_weights_out) copied out after each replay
+        per_call = [n for n in ("token_ids", "router_x", "routes_in") if args.get(n) is not None]
+        outs = [n for n in routes.OUTS if args.get(n) is not None]
+        if not per_call and not outs:
             return _on_device(x, lambda: graphs.run(
                 "moe_forward", lambda xx: impl.moe_forward(xx, args, s), (x,), tuple(args.values()), spec, eager))
-        rest = {k: v for k, v in args.items() if k not in per_call}
+        rest = {k: v for k, v in args.items() if k not in per_call and k not in outs}
         return _on_device(x, lambda: graphs.run(
-            "moe_forward", lambda xx, *pc: impl.moe_forward(xx, {**rest, **dict(zip(per_call, pc))}, s),
-            (x, *(args[n] for n in per_call)), tuple(rest.values()), spec, eager))
+            "moe_forward", lambda xx, *pc: impl.moe_forward(xx, {**rest, **dict(zip(per_call + outs, pc))}, s),
+            (x, *(args[n] for n in per_call)), tuple(rest.values()), spec, eager, outs=tuple(args[n] for n in outs)))
     return impl.moe_forward(x, args, s)
 
 
@@ -322,20 +334,32 @@ def plain_eager(tensors) -> bool:
     return True
 
 
-def call_moe_forward(x: torch.Tensor, tensors, spec: MoESpec) -> torch.Tensor:
+def call_moe_forward(x: torch.Tensor, tensors, spec: MoESpec, routes_out: torch.Tensor | None = None,
+                     route_weights_out: torch.Tensor | None = None,
+                     routes_in: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.ops.moecomp.moe_forward(x, *tensors, spec.key)`` for eager callers (the bound HF blocks; ``tensors``
     in ``OP_ARGS`` order, the quantization scales and latent projections optional at the end): the same
     computation, without the custom-op dispatcher's host cost (tens of microseconds a call) where that dispatcher
-    would change nothing (``_plain_eager``); through the op otherwise."""
+    would change nothing (``_plain_eager``); through the op otherwise. ``routes_out`` / ``route_weights_out`` /
+    ``routes_in``: routing record and replay (``ops/routes.py``)."""
     tensors = tuple(tensors)
-    if plain_eager((x,) + tensors):
+    rt = dict(zip(routes.ROUTE_ARGS, (routes_out, route_weights_out, routes_in)))
+    if plain_eager((x,) + tensors + tuple(rt.values())):
         args = dict(zip(OP_ARGS, tensors))
+        args.update({n: t for n, t in rt.items() if t is not None})
         check_args(x, args, spec)
         return _forward(x, args, spec, spec.key, eager=True)
     n, last = len(MOE_ARGS), len(tensors)
     while last > n and tensors[last - 1] is None:  # the optional tail up to the last tensor given
         last -= 1
-    return torch.ops.moecomp.moe_forward(x, *tensors[:n], spec.key, *tensors[n:last])
+    rest = tensors[n:last]
+    if routes_in is not None:  # after every other argument
+        rest = tensors[n:] + (None,) * (len(OP_ARGS) - len(tensors)) + (routes_in,)
+    if routes_out is None and route_weights_out is not None:  # weights alone: the ids into a scratch buffer
+        routes_out = torch.empty(x.numel() // x.shape[-1], spec.top_k, dtype=torch.int32, device=x.device)
+    if routes_out is not None:
+        return torch.ops.moecomp.moe_forward_routes(routes_out, route_weights_out, x, *tensors[:n], spec.key, *rest)
+    return torch.ops.moecomp.moe_forward(x, *tensors[:n], spec.key, *rest)
 
 
 def call_moe_experts(x, topk_ids, topk_weights, w13, b13, w2, b2, spec: MoESpec,
@@ -360,7 +384,7 @@ def _expert_args(w13, b13, w2, b2, *scales) -> dict:
 
 
 def _op_args(tensors, scales, latent=(), hashed=(), router_in=(), wscale=(), norms=(), zeros=(),
-             shared_norm=()) -> dict:
+             shared_norm=(), route=()) -> dict:
     """moe_forward's tensors by name; the scale, latent, hash-routing, router-input, weight-scale and norm names only
     where given."""
     args = dict(zip(MOE_ARGS, tensors))
@@ -372,6 +396,7 @@ def _op_args(tensors, scales, latent=(), hashed=(), router_in=(), wscale=(), nor
     args.update({n: t for n, t in zip(NORM_ARGS, norms) if t is not None})
     args.update({n: t for n, t in zip(ZERO_ARGS, zeros) if t is not None})
     args.update({n: t for n, t in zip(SHARED_NORM_ARGS, shared_norm) if t is not None})
+    args.update({n: t for n, t in zip(routes.ROUTE_ARGS, route) if t is not None})
     return args
 
 
@@ -412,13 +437,14 @@ def moe_forward(
     w13_zero: torch.Tensor | None = None,
     w2_zero: torch.Tensor | None = None,
     shared_norm_w: torch.Tensor | None = None,
+    routes_in: torch.Tensor | None = None,
 ) -> torch.Tensor:
     s = MoESpec.from_key(spec)
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
                                       shared_w2_scale), (latent_in_w, latent_in_b, latent_out_w, latent_out_b),
                     (hash_table, token_ids), (router_x, router_in_scale, expert_scale), (weight_scale,),
-                    (latent_norm_w, expert_norm_w), (w13_zero, w2_zero), (shared_norm_w,))
+                    (latent_norm_w, expert_norm_w), (w13_zero, w2_zero), (shared_norm_w,), (None, None, routes_in))
     check_args(x, args, s)
     return _forward(x, args, s, spec)
 
@@ -428,15 +454,56 @@ def _(x, router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, share
       spec, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, shared_w1_scale=None,
       shared_w3_scale=None, shared_w2_scale=None, latent_in_w=None, latent_in_b=None, latent_out_w=None,
       latent_out_b=None, hash_table=None, token_ids=None, router_x=None, router_in_scale=None, expert_scale=None,
-      weight_scale=None, latent_norm_w=None, expert_norm_w=None, w13_zero=None, w2_zero=None, shared_norm_w=None):
+      weight_scale=None, latent_norm_w=None, expert_norm_w=None, w13_zero=None, w2_zero=None, shared_norm_w=None,
+      routes_in=None):
     # Also the Meta-key kernel: real tensors with one of them on "meta" dispatch here, not to the implementation, so
     # the checks (devices above all) must run here too, or the call returns uninitialised memory.
     args = _op_args((router_w, router_b, correction_bias, w13, b13, w2, b2, shared_w1, shared_w3, shared_w2,
                      shared_gate_w), (w13_scale, w2_scale, a13_scale, a2_scale, shared_w1_scale, shared_w3_scale,
                                       shared_w2_scale), (latent_in_w, latent_in_b, latent_out_w, latent_out_b),
                     (hash_table, token_ids), (router_x, router_in_scale, expert_scale), (weight_scale,),
-                    (latent_norm_w, expert_norm_w), (w13_zero, w2_zero), (shared_norm_w,))
+                    (latent_norm_w, expert_norm_w), (w13_zero, w2_zero), (shared_norm_w,), (None, None, routes_in))
     check_args(x, args, MoESpec.from_key(spec), symbolic=True)
+    return torch.empty_like(x)
+
+
+_FORWARD_NAMES = tuple(a.name for a in torch.ops.moecomp.moe_forward.default._schema.arguments)
+
+
+def _routes_schema() -> str:
+    """moe_forward_routes' schema: the two mutated buffers, then moe_forward's arguments (read from its schema, so
+    the two never drift apart; custom ops take no keyword-only tensors, so the buffers come first)."""
+    full = str(torch.ops.moecomp.moe_forward.default._schema)
+    args = full[full.index("(") + 1:full.rindex(") ->")]
+    return f"(Tensor(a!) routes_out, Tensor(b!)? route_weights_out, {args}) -> Tensor"
+
+
+def _routes_call(routes_out, route_weights_out, args, kwargs, symbolic: bool):
+    """(x, the op's tensors by name, spec, key) of a moe_forward_routes call."""
+    bound = {**dict(zip(_FORWARD_NAMES, args)), **kwargs}
+    tensors = {n: bound.get(n) for n in MOE_ARGS}
+    tensors.update({n: bound[n] for n in OP_ARGS[len(MOE_ARGS):] + ("routes_in",) if bound.get(n) is not None})
+    tensors["routes_out"] = routes_out
+    if route_weights_out is not None:
+        tensors["route_weights_out"] = route_weights_out
+    x, key = bound["x"], bound["spec"]
+    s = MoESpec.from_key(key)
+    check_args(x, tensors, s, symbolic)
+    return x, tensors, s, key
+
+
+def _moe_forward_routes(routes_out, route_weights_out, *args, **kwargs):
+    x, tensors, s, key = _routes_call(routes_out, route_weights_out, args, kwargs, False)
+    return _forward(x, tensors, s, key)
+
+
+moe_forward_routes = torch.library.custom_op("moecomp::moe_forward_routes", _moe_forward_routes,
+                                             mutates_args=routes.OUTS, schema=_routes_schema())
+
+
+@moe_forward_routes.register_fake
+def _(routes_out, route_weights_out, *args, **kwargs):
+    x = _routes_call(routes_out, route_weights_out, args, kwargs, True)[0]  # the checks: see moe_forward's fake
     return torch.empty_like(x)
 
 

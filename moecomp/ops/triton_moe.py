@@ -11,7 +11,8 @@ moe_forward, main stream                                   side stream (shared e
     combine_kernel         -> out [T, H] = sum_k y (+ sigmoid(gate) * s)   <- waits for the side stream
     (spec.zero_experts: routing over E + Z, ids >= E skip the GEMMs and the combine adds w * x, ``ops/zero_experts.py``)
     (spec.hash_routing: route_topk_kernel reads the ids from hash_table[token_ids] instead of a top-k,
-     ``ops/hash_routing.py``)
+     ``ops/hash_routing.py``; routes_in: from the caller's ids, routes_out / route_weights_out: written by it too,
+     ``ops/routes.py``)
     (spec capacity: pairs past an expert's capacity get id E and weight 0 after the routing kernel and are left out
      as zero experts' pairs are, ``ops/capacity.py``)
     (spec.latent_size: the experts' kernels run on latent_in(x) [T, L], their combine into [T, L], then latent_out
@@ -59,6 +60,7 @@ from . import capacity as cap
 from . import triton_fp8, triton_quant4_gemv, tuning
 from . import triton_fp8_tma as fp8_tma
 from . import hash_routing as hr
+from . import routes
 from . import shared_gamma as sg
 from . import latent, triton_norm
 from . import weight_on_input as woi
@@ -200,13 +202,13 @@ def router_gemv(x, rw, rb, gw, out_dtype: torch.dtype, out: torch.Tensor | None 
 
 def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch.dtype, tiles: dict | None = None,
           hashed: dict | None = None, expert_scale: torch.Tensor | None = None, gammas: torch.Tensor | None = None,
-          weight_scale: torch.Tensor | None = None):
+          weight_scale: torch.Tensor | None = None, rt: dict | None = None):
     """logits [T, E (+ Z) (+ G)] (any row stride) -> ids [T, k] int32, weights [T, k] fp32. ``tiles``
     (``route_tiles``'s keys) overrides the launch shape (the routing sweep in benchmarks/ uses it). ``hashed``: the
     op's arguments holding ``hash_table`` / ``token_ids``, needed (and only read) with ``spec.hash_routing``.
     ``expert_scale`` [E (+ Z)] (``spec.expert_scale``): each weight times it at its id, in the kernel after the
     scaling. ``gammas`` [T, G] fp32 (written; ``spec.shared_gamma``) and ``weight_scale`` [1]
-    (``spec.has_weight_scale``): ``ops/shared_gamma.py``."""
+    (``spec.has_weight_scale``): ``ops/shared_gamma.py``. ``rt``: ``routes.kernel_kwargs`` (record / replay)."""
     T, E, k = logits.shape[0], spec.router_width, spec.top_k
     ids = torch.empty(T, k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
@@ -215,7 +217,9 @@ def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch
     # "topk_then_score" is top-k of the raw logits, then the score of the chosen (moecomp.oracle.reference): no correction
     # bias and no group-limited selection take part, whatever else the spec says (the kernel would apply both).
     plain_topk = spec.score_order == "topk_then_score"
-    n_group = 1 if plain_topk else spec.n_group
+    rt = rt or {}
+    select = not (plain_topk or rt.get("GIVEN"))  # replayed ids: no selection (bias and groups unused) either
+    n_group = spec.n_group if select else 1
     tiles = {**route_tiles(T, E, n_group), **(tiles or {})}
     block_e = triton.next_power_of_2(E)
     group_3d = bool(tiles["group_3d"]) and n_group > 1 and E == block_e and E % n_group == 0
@@ -230,14 +234,14 @@ def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch
         float(spec.routed_scaling_factor), float(spec.renorm_eps), float(spec.renorm_min),
         TOP_K=k, K_PAD=triton.next_power_of_2(k), BLOCK_T=tiles["block_t"], BLOCK_E=block_e,
         SCORING=_SCORING[spec.scoring], TOPK_THEN_SCORE=plain_topk,
-        RENORM=spec.renormalize, HAS_BIAS=spec.has_correction_bias and not plain_topk,
-        BIAS_ON_LOGITS=spec.bias_on_logits, MASK_ZERO=spec.group_mask_zero and not plain_topk,
-        N_GROUP=n_group, G_PAD=triton.next_power_of_2(n_group), TOPK_GROUP=1 if plain_topk else spec.topk_group,
+        RENORM=spec.renormalize, HAS_BIAS=spec.has_correction_bias and select,
+        BIAS_ON_LOGITS=spec.bias_on_logits, MASK_ZERO=spec.group_mask_zero and select,
+        N_GROUP=n_group, G_PAD=triton.next_power_of_2(n_group), TOPK_GROUP=spec.topk_group if select else 1,
         GROUP_BY_MAX=spec.group_score == "max", GROUP_3D=group_3d, GROUP_SIZE=E // n_group if group_3d else 1,
         ROUND_TO=round_to, num_warps=tiles["num_warps"], **_pdl(logits.device),
         SPARSEMIXER=spec.score_order == "sparsemixer", sm_thr=2 * float(spec.jitter_eps),
         **hr.route_kwargs(spec, hashed or {}), **sg.route_kwargs(spec, gammas, _unit_stride(weight_scale)),
-        **({} if expert_scale is None else dict(escale_ptr=_unit_stride(expert_scale), HAS_ESCALE=True)),
+        **({} if expert_scale is None else dict(escale_ptr=_unit_stride(expert_scale), HAS_ESCALE=True)), **rt,
     )
     return ids, weights
 
@@ -518,11 +522,13 @@ def route_all(x2: torch.Tensor, args: dict, spec: MoESpec, shape) -> Routed:
     escale = args.get("expert_scale") if spec.expert_scale else None  # applied in the routing kernel
     gammas = sg.gamma_buffer(spec, x2.shape[0], x2.device)
     if spec.has_capacity:
-        ids, weights = route(logits, args["correction_bias"], cap.kernel_spec(spec), x2.dtype, expert_scale=escale)
+        ids, weights = route(logits, args["correction_bias"], cap.kernel_spec(spec), x2.dtype, expert_scale=escale,
+                             rt=routes.kernel_kwargs(args, weights=False))  # ids: the selection, before the drop
         ids, weights = cap.apply(ids, weights, spec, cap.group_tokens(shape, spec), x2.dtype)
+        routes.record(args, None, weights)
     else:
         ids, weights = route(logits, args["correction_bias"], spec, x2.dtype, hashed=args, expert_scale=escale,
-                             gammas=gammas, weight_scale=args.get("weight_scale"))
+                             gammas=gammas, weight_scale=args.get("weight_scale"), rt=routes.kernel_kwargs(args))
     return Routed(ids, weights, gammas, gate)
 
 

@@ -131,19 +131,49 @@ def renorm_and_scale(weights: torch.Tensor, spec: MoESpec) -> torch.Tensor:
     return weights * spec.routed_scaling_factor
 
 
+def replay_refusal(spec: MoESpec) -> str | None:
+    """Why replaying given ids into this spec's routing is not meaningful (None where it is): sparsemixer's weights
+    are rounds over the experts its own picks left free, and hash routing's ids are the table's, not a choice."""
+    if spec.score_order == "sparsemixer":
+        return "sparsemixer routing (PhiMoE): each weight depends on the rounds of its own selection"
+    if spec.hash_routing:
+        return "hash routing: the ids are hash_table[token_ids], not chosen from the scores"
+    return None
+
+
+def replayed(logits: torch.Tensor, ids: torch.Tensor, spec: MoESpec) -> torch.Tensor:
+    """Routing replay (issue 43): the raw weights [T, k] of given ids [T, k] over sanitised logits [T, E]: the
+    scores at the ids (softmax / sigmoid / ... over all E), or with ``topk_then_score`` the score of the k given
+    logits (softmax over them, or sigmoid of each). No selection: the correction bias and the group limits, which
+    only select, play no part; the renormalisation and scaling follow in :func:`route`."""
+    why = replay_refusal(spec)
+    if why is not None:
+        raise ValueError(f"routes_in: replaying given routes is not meaningful for {why}")
+    ids = ids.long()
+    if spec.score_order == "topk_then_score":
+        return score(logits.gather(1, ids), spec.scoring)
+    weights = score(logits, spec.scoring).gather(1, ids)
+    return weights.masked_fill(weights == float("-inf"), 0.0) if spec.scoring == "none" else weights
+
+
 def route(
     logits: torch.Tensor, correction_bias: torch.Tensor | None, spec: MoESpec, acc=torch.float32,
     ids: torch.Tensor | None = None, group: int | None = None, expert_scale: torch.Tensor | None = None,
+    replay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing from router logits [T, E] -> (weights [T, k] in ``acc``, ids [T, k] int64). Rows with NaN / inf
     logits follow the contract above. ``ids`` [T, k]: hash routing's ids (``spec.hash_routing``, :func:`hash_ids`):
     no selection, the weights are the scores at them. An expert capacity (``spec.has_capacity``; ``group``: tokens
     per group, :func:`group_size`, default all T) drops pairs: their id is -1 and their weight 0. ``expert_scale``
-    [E (+ Z)] (``spec.expert_scale``): each weight times it at its id, after the renormalisation and scaling."""
+    [E (+ Z)] (``spec.expert_scale``): each weight times it at its id, after the renormalisation and scaling.
+    ``replay`` [T, k]: given ids instead of the selection (:func:`replayed`); the capacity then drops as it would."""
     logits = sanitize_logits(logits.to(acc))
     k = spec.top_k
     neg = float("-inf")
-    if spec.score_order == "sparsemixer":
+    if replay is not None:
+        ids = replay.long()
+        weights = replayed(logits, ids, spec)
+    elif spec.score_order == "sparsemixer":
         weights, ids = sparsemixer(logits, k, spec.jitter_eps)
     elif spec.hash_routing:
         if ids is None:
@@ -180,7 +210,7 @@ def route(
 def route_with_gammas(
     logits: torch.Tensor, correction_bias: torch.Tensor | None, spec: MoESpec, acc=torch.float32,
     weight_scale: torch.Tensor | None = None, ids: torch.Tensor | None = None, group: int | None = None,
-    expert_scale: torch.Tensor | None = None,
+    expert_scale: torch.Tensor | None = None, replay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`route`, plus what ``shared_gamma`` and ``has_weight_scale`` add: (weights [T, k], ids [T, k], gammas
     [T, G] or None), in ``acc``. logits [T, R (+ G)]: with ``shared_gamma`` "joint_renorm" the last G
@@ -192,11 +222,13 @@ def route_with_gammas(
     G = spec.gamma_rows
     ws = None if not spec.has_weight_scale else weight_scale.to(acc).reshape(())
     if not G:
-        w, ids = route(logits, correction_bias, spec, acc, ids=ids, group=group, expert_scale=expert_scale)
+        w, ids = route(logits, correction_bias, spec, acc, ids=ids, group=group, expert_scale=expert_scale,
+                       replay=replay)
         return (w if ws is None else finite_weights(w * ws)), ids, None
     R = spec.router_width
     lg = sanitize_logits(logits.to(acc))
-    w, ids = route(lg[:, :R], correction_bias, _unscaled(spec), acc, ids=ids, group=group)  # the chosen scores
+    w, ids = route(lg[:, :R], correction_bias, _unscaled(spec), acc, ids=ids, group=group,
+                   replay=replay)  # the chosen scores
     both = torch.cat([w, score(lg[:, R:R + G], spec.scoring)], dim=-1)  # [T, k + G]
     both = renorm_and_scale(both, spec)
     if ws is not None:
@@ -500,7 +532,7 @@ _ROUTER_IN_NAMES = ("router_x", "router_in_scale", "expert_scale")
 _NORM_NAMES = ("latent_norm_w", "expert_norm_w", "shared_norm_w")
 _ZERO_NAMES = ("w13_zero", "w2_zero")
 _EXTRA_NAMES = (_QUANT_NAMES + _LATENT_NAMES + _HASH_NAMES + _ROUTER_IN_NAMES + ("weight_scale",) + _NORM_NAMES
-                + _ZERO_NAMES)
+                + _ZERO_NAMES + ("routes_in",))
 
 
 def moe_forward(
@@ -522,7 +554,8 @@ def moe_forward(
 ) -> torch.Tensor:
     """The whole block: x [..., H] -> [..., H] in x's dtype, math in ``acc``. ``extra``: the scale tensors of
     quantized weights, the latent projections, hash routing's table / token ids and the norms' weights by their op
-    argument names (``moecomp.core.args.QUANT_ARGS``, ``LATENT_ARGS``, ``HASH_ARGS``, ``NORM_ARGS``)."""
+    argument names (``moecomp.core.args.QUANT_ARGS``, ``LATENT_ARGS``, ``HASH_ARGS``, ``NORM_ARGS``); ``routes_in``
+    [T, k]: replayed ids (:func:`route`'s ``replay``)."""
     if isinstance(spec, str):
         spec = MoESpec.from_key(spec)
     if spec.fused_shared_gate:  # router_w [E + 1, H]: the last row is the shared-expert gate
@@ -536,7 +569,8 @@ def moe_forward(
     h = _pick(extra, *_HASH_NAMES)
     given = hash_ids(h["hash_table"], h["token_ids"]) if spec.hash_routing else None
     weights, ids, gammas = route_with_gammas(logits, correction_bias, spec, acc, extra.get("weight_scale"), ids=given,
-                                             group=group_size(shape, spec), expert_scale=ri["expert_scale"])
+                                             group=group_size(shape, spec), expert_scale=ri["expert_scale"],
+                                             replay=extra.get("routes_in"))
     if spec.round_weights:
         weights = round_weights(weights, x.dtype)
         gammas = None if gammas is None else round_weights(gammas, x.dtype)
