@@ -26,6 +26,7 @@ Gradient checkpointing recomputes forwards during ``backward``: call ``backward`
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -154,9 +155,11 @@ class ReplayForward:
 
     def __init__(self, p: BlockPlan, layer: int, routes: torch.Tensor):
         self.p, self.layer, self.routes = p, layer, routes
+        self.calls = 0
 
     def __call__(self, *args, **kwargs):
         p = self.p
+        self.calls += 1
         x = _hidden(p, args, kwargs)
         ids = _call_ids(p, self.layer, self.routes, x)
         t = rf.block_tensors(p.block, p.bindings, p.derived)
@@ -226,10 +229,17 @@ class replay_routing:  # noqa: N801 (a context manager used like a function)
             p.block.forward = ReplayForward(p, i, self.routes)
         self.plans = plans
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        idle = [b for b, _ in self._saved if b.forward.calls == 0]
+        if exc_type is None and idle:
+            names = ", ".join(p.name for p in self.plans if p.block in idle)
+            warnings.warn(f"moecomp.replay_routing: the forward of {len(idle)} of {len(self._saved)} MoE block(s) "
+                          f"({names}) was never called inside the context: their routes were not replayed (the "
+                          f"model reaches their router / experts another way, or was not called)", UserWarning,
+                          stacklevel=2)
         for block, fwd in reversed(self._saved):
             if fwd is None:
                 block.__dict__.pop("forward", None)
@@ -282,6 +292,10 @@ class record_routing:  # noqa: N801
 
     @property
     def calls(self) -> list[torch.Tensor]:
+        idle = [p.name for p, c in zip(self.plans, self._ids) if not c]
+        if idle and len(idle) < len(self.plans):
+            raise ValueError(f"record_routing: the forward of {', '.join(idle)} was never called (the model reaches "
+                             f"their router / experts another way): nothing recorded for them")
         n = min((len(c) for c in self._ids), default=0)
         return [torch.stack([c[j] for c in self._ids]) for j in range(n)]
 

@@ -213,6 +213,9 @@ def test_restored_after_exit(built, family):
         assert rel_err(model(input_ids=ids).logits, ref) > 1e-3
     with pytest.raises(RuntimeError, match="boom"), moecomp.replay_routing(other, model):
         raise RuntimeError("boom")
+    with pytest.warns(UserWarning, match=r"2 of 2 MoE block\(s\) \(model\.layers\.0\.mlp, model\.layers\.1\.mlp\) "
+                      "was never called"), moecomp.replay_routing(other, model):
+        pass  # (the model not called: nothing replayed, and the user hears it)
     with torch.no_grad():
         after = model(input_ids=ids).logits
     assert torch.equal(after, ref)
@@ -304,7 +307,7 @@ def test_modulelist_experts_gradients_reach_each_expert():
         assert isinstance(b.layers[0](x), tuple)
     out.square().sum().backward()
     assert len(ctx.plans) == 2 and ctx.plans[0].derived  # the stacked experts are a derived tensor
-    assert rel_err(out, ref) <= REPLAY_TOL
+    assert rel_err(out.detach(), ref.detach()) <= REPLAY_TOL
     scale = max(float(p.grad.abs().max()) for p in a.parameters() if p.grad is not None)
     routed = 0
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
