@@ -65,28 +65,30 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, mod) for name, mod, parts, _ in iter_blocks(model) if parts is not None]
 
 
-def _verified(block: nn.Module):
+def _verified(block: nn.Module, cache: dict):
     key = structure_key(block)
     got = _PLANS.get(block)
     if got is not None and got[0] == key:
         return got[1]
     with torch.no_grad():
-        v = match_block(block)
+        v = match_block(block, cache=cache)
     _PLANS[block] = (key, v)
     return v
 
 
-def plan(model: nn.Module) -> list[BlockPlan]:
-    """Each MoE block's plan, in order; a ValueError naming every block that cannot be replayed and why."""
-    plans, refused = [], []
-    for name, block in moe_blocks(model):
+def plan(model: nn.Module, blocks: list | None = None) -> list[BlockPlan]:
+    """Each MoE block's plan, in order (``blocks``: ``moe_blocks(model)`` when known); a ValueError naming every block
+    that cannot be replayed and why. Recognised once per block while its structure is unchanged; the FX pass once per
+    distinct structure (each block still verified on its own weights)."""
+    plans, refused, cache = [], [], {}
+    for name, block in moe_blocks(model) if blocks is None else blocks:
         label = name or "<root>"
         if getattr(block, "_moecomp", None) is not None:
             refused.append(f"{label}: rewritten by moecomp.optimize (the op path's replay is not available here; "
                            f"moecomp.unoptimize(model) first)")
             continue
         try:
-            v = _verified(block)
+            v = _verified(block, cache)
         except Refused as e:
             refused.append(f"{label}: not recognised ({e.reason})")
             continue
@@ -213,16 +215,17 @@ class replay_routing:  # noqa: N801 (a context manager used like a function)
     def _on_call(self, module, args):
         if module in self._no_blocks:
             return None
-        if not moe_blocks(module):
+        blocks = moe_blocks(module)
+        if not blocks:
             self._no_blocks.add(module)
             return None
         self._hook.remove()
         self._hook = None
-        self._install(module)
+        self._install(module, blocks)
         return None
 
-    def _install(self, model: nn.Module) -> None:
-        plans = plan(model)
+    def _install(self, model: nn.Module, blocks: list | None = None) -> None:
+        plans = plan(model, blocks)
         check_fit(self.routes, plans)
         for i, p in enumerate(plans):
             self._saved.append((p.block, p.block.__dict__.get("forward")))
