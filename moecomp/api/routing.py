@@ -38,7 +38,7 @@ from ..core.derived import get_path
 from ..core.reject import Refused
 from ..recognise.recognise import match_block, structure_key
 from ..recognise.structure import iter_blocks
-from ..bind.bind import forward_params
+from ..bind.bind import forward_params, hooks_active
 from . import replay_forward as rf
 
 
@@ -167,6 +167,11 @@ class ReplayForward:
         t = rf.block_tensors(p.block, p.bindings, p.derived)
         x2 = x.reshape(-1, x.shape[-1])
         y, _ = rf.replay_block(p.spec, t, x2, ids)
+        router = get_path(p.block, p.router_path) if p.router_path else None
+        if router is not None and not p.contract.is_tuple and hooks_active([router]):
+            # a hook records the router's output (transformers' output_router_logits, its aux loss): called as the
+            # block calls it; the replay's own logits are computed from the same weights
+            router(x if p.contract.router_call == "x" else x2)
         return finish(p, x, x2, y)
 
 
