@@ -335,3 +335,31 @@ def test_modulelist_experts_gradients_reach_each_expert():
         assert float((pb.grad - ga).abs().max()) <= GRAD_TOL * scale, name
         routed += pa.grad is not None and ".experts." in name
     assert routed >= 2 * 3 * 2  # (at least two experts of each block got gradients)
+
+
+def test_replay_forward_shares_no_code_with_oracle_or_op():
+    """The replay's forward is its own code: ``api/replay_forward.py`` imports only ``moecomp.core`` (which imports
+    neither the oracle nor the ops), read from the source, imports inside functions included."""
+    import ast
+    import os
+
+    import moecomp.api.replay_forward as mod
+
+    tree = ast.parse(open(mod.__file__, encoding="utf-8").read())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            found.append("." * node.level + (node.module or ""))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("moecomp"):
+            found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("moecomp")]
+    assert found and all(f.startswith("..core.") or f.startswith("moecomp.core.") for f in found), found
+    core = os.path.join(os.path.dirname(os.path.dirname(mod.__file__)), "core")
+    for f in os.listdir(core):
+        if f.endswith(".py"):
+            text = open(os.path.join(core, f), encoding="utf-8").read()
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.ImportFrom):
+                    name = "." * node.level + (node.module or "")
+                    assert not any(k in name.split(".") for k in ("oracle", "ops", "kernels")), (f, name)
