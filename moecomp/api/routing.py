@@ -261,7 +261,8 @@ class replay_routing:  # noqa: N801 (a context manager used like a function)
 class record_routing:  # noqa: N801
     """``with moecomp.record_routing(model) as rec: model(...)``: the expert ids every MoE block routes to, in
     ``rec.calls`` (one [layers, batch, tokens, k] int64 tensor per forward) and ``rec.routes`` (the calls joined
-    along the tokens: a prompt's forward and the decode steps after it, as transformers' generate makes them).
+    along the tokens: a prompt's forward and the decode steps after it, as transformers' generate makes them). A
+    block whose forward was never called gets -1 rows (and a UserWarning at exit names it).
     The model's forward runs unchanged; the ids are recomputed beside it (the module docstring)."""
 
     def __init__(self, model: nn.Module):
@@ -292,20 +293,26 @@ class record_routing:  # noqa: N801
 
         return hook
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        idle = [p.name for p, c in zip(self.plans, self._ids) if not c]
+        if exc_type is None and idle and len(idle) < len(self.plans):
+            warnings.warn(f"moecomp.record_routing: the forward of {len(idle)} of {len(self.plans)} MoE block(s) "
+                          f"({', '.join(idle)}) was never called: their rows are -1 (e.g. a modality's experts no "
+                          f"token reached, or a model that reaches their router / experts another way)", UserWarning,
+                          stacklevel=2)
         return False
 
     @property
     def calls(self) -> list[torch.Tensor]:
-        idle = [p.name for p, c in zip(self.plans, self._ids) if not c]
-        if idle and len(idle) < len(self.plans):
-            raise ValueError(f"record_routing: the forward of {', '.join(idle)} was never called (the model reaches "
-                             f"their router / experts another way): nothing recorded for them")
-        n = min((len(c) for c in self._ids), default=0)
-        return [torch.stack([c[j] for c in self._ids]) for j in range(n)]
+        """One [layers, batch, tokens, k] tensor per forward; a block never called: -1 rows (padding)."""
+        ran = [c for c in self._ids if c]
+        if not ran:
+            return []
+        n = min(len(c) for c in ran)
+        return [torch.stack([c[j] if c else torch.full_like(ran[0][j], -1) for c in self._ids]) for j in range(n)]
 
     @property
     def routes(self) -> torch.Tensor:

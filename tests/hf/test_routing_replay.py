@@ -363,3 +363,31 @@ def test_replay_forward_shares_no_code_with_oracle_or_op():
                 if isinstance(node, ast.ImportFrom):
                     name = "." * node.level + (node.module or "")
                     assert not any(k in name.split(".") for k in ("oracle", "ops", "kernels")), (f, name)
+
+
+class SkipNet(nn.Module):
+    """Three MoE blocks, the last never called (as a modality's experts that no token reaches)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([ListBlock(), ListBlock(), ListBlock()])
+
+    def forward(self, x):
+        for layer in self.layers[:2]:
+            x = x + layer(x)[0]
+        return x
+
+
+def test_block_never_called_recorded_as_padding():
+    torch.manual_seed(0)
+    net = SkipNet()
+    x = torch.randn(2, 3, 32)
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"1 of 3 MoE block\(s\) \(layers\.2\) was never called"):
+        with moecomp.record_routing(net) as rec:
+            ref = net(x)
+    routes = rec.routes
+    assert routes.shape == (3, 2, 3, 2) and bool((routes[2] == -1).all()) and bool((routes[:2] >= 0).all())
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"\(layers\.2\) was never called"):
+        with moecomp.replay_routing(routes, net):
+            out = net(x)
+    assert rel_err(out, ref) <= REPLAY_TOL
