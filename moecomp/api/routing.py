@@ -168,7 +168,8 @@ class ReplayForward:
         x2 = x.reshape(-1, x.shape[-1])
         y, _ = rf.replay_block(p.spec, t, x2, ids)
         router = get_path(p.block, p.router_path) if p.router_path else None
-        if router is not None and not p.contract.is_tuple and hooks_active([router]):
+        called = p.contract.is_tuple and any(e[0] != "none" for e in p.contract.extras)  # (finish calls it)
+        if router is not None and not called and hooks_active([router]):
             # a hook records the router's output (transformers' output_router_logits, its aux loss): called as the
             # block calls it; the replay's own logits are computed from the same weights
             router(x if p.contract.router_call == "x" else x2)
