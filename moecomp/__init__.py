@@ -32,6 +32,7 @@ from .core import counters  # noqa: F401  (moecomp.counters: a module that index
 from . import ops  # noqa: F401  (registers torch.ops.moecomp.*; torch only)
 from .core.spec import MoESpec, SharedExpertSpec, SpecError
 from .api.optimize import OptimizeError, Report, optimize, scan, unoptimize
+from .api.routing import record_routing, replay_routing  # routing replay on transformers' path (RL)
 from .api.load import load  # (torch only: the loaders import transformers / safetensors when called)
 from .api.shard import shard_experts  # expert / tensor parallelism (moecomp.parallel; torch only)
 from .hf import ep_interface as _hf_ep  # noqa: F401  (ep_implementation="moecomp", once transformers' EP loads)
@@ -71,4 +72,5 @@ def __dir__():
 
 
 __all__ = ["MoESpec", "SharedExpertSpec", "SpecError", "ops", "optimize", "scan", "unoptimize", "Report",
-           "OptimizeError", "counters", "warmup", "load", "shard_experts", "__version__"]
+           "OptimizeError", "counters", "warmup", "load", "shard_experts", "replay_routing", "record_routing",
+           "__version__"]

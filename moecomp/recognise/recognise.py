@@ -471,12 +471,14 @@ def _diff(a, b) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ one call
-def match_block(block: nn.Module, example: torch.Tensor | None = None, *, use_fx: bool = True) -> Verified:
+def match_block(block: nn.Module, example: torch.Tensor | None = None, *, use_fx: bool = True,
+                cache: dict | None = None) -> Verified:
     """Recognise and verify one block, as ``optimize`` would (without binding it): the way for tools (the layer
     benchmark, scripts) to get a block's spec and the op's tensors (``moecomp.bind.bind.bound_tensors``). Raises
     :class:`moecomp.core.reject.Refused` with the reason code when the block is not one the op can stand in for.
 
-    ``example``: the probe input (default: ``policy.probe_input`` in the block's dtype and device)."""
+    ``example``: the probe input (default: ``policy.probe_input`` in the block's dtype and device). ``cache``: the FX
+    pass's answers per block structure, shared across calls (as ``optimize`` shares them across a model's blocks)."""
     from ..verify.epilogue import block_device_dtype  # noqa: PLC0415
     from .structure import NotABlock, find_parts, structural_parts  # noqa: PLC0415
     from ..verify.verify import verify  # noqa: PLC0415
@@ -493,7 +495,7 @@ def match_block(block: nn.Module, example: torch.Tensor | None = None, *, use_fx
     was = block.training
     block.eval()
     try:
-        got, notes = recognise(block, parts, example, use_fx=use_fx)
+        got, notes = recognise(block, parts, example, use_fx=use_fx, cache=cache)
         if isinstance(got, Reject):
             raise Refused(got.message, got.code)
         return verify(block, got, example, block_constants(block, parts), notes + got.evidence.notes)

@@ -1,0 +1,326 @@
+"""Routing replay and recording on transformers' own forward: ``moecomp.replay_routing``, ``moecomp.record_routing``.
+
+    with moecomp.record_routing(model) as rec:      # plain forwards (or transformers' generate)
+        model(input_ids)
+    routes = rec.routes                             # [layers, batch, tokens, k] int64
+    with moecomp.replay_routing(routes):            # every MoE block uses these expert ids
+        loss = model(input_ids, labels=labels).loss
+        loss.backward()                             # gradients reach the model's parameters
+
+``layers`` are the model's MoE blocks in module order: the blocks ``moecomp.scan(model).blocks`` reports, less the
+candidates that are no block (``RejectCode.NOT_A_BLOCK``). Each block is recognised and verified as ``optimize``
+does (:func:`moecomp.recognise.recognise.match_block`: by what it computes, on probes; cached per block while its
+structure is unchanged), and, while a replay is active, runs :func:`moecomp.api.replay_forward.replay_block` on its
+own parameters: the given ids, weights = the router's scores at those ids renormalised as its spec says, shared
+experts unchanged. A token whose row is all -1 (padding) routes as the block would. A block whose spec has a
+feature the replay does not compute (``replay_forward.refusals``), or that recognition refuses, is a ValueError
+naming the block and why; a block ``moecomp.optimize`` rewrote too (the op's replay is not on this path yet).
+
+Recording recomputes each block's selection from the block's input with the block's spec (correction bias and
+expert groups included), beside the block's own forward, which runs unchanged: the recorded ids are the block's
+own up to exact ties between scores.
+
+On exit every forward is restored exactly (the instance ``forward`` the block had, or none) and the hooks removed.
+Gradient checkpointing recomputes forwards during ``backward``: call ``backward`` inside the replay then.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..core.match import apply_epilogue, reshape_to
+from ..core.derived import get_path
+from ..core.reject import Refused
+from ..recognise.recognise import match_block, structure_key
+from ..recognise.structure import iter_blocks
+from ..bind.bind import forward_params, hooks_active
+from . import replay_forward as rf
+
+
+@dataclass
+class BlockPlan:
+    """One recognised block, as the replay runs it."""
+
+    name: str
+    block: nn.Module
+    spec: object  # MoESpec
+    bindings: dict
+    derived: list
+    contract: object  # core.match.Contract
+    epilogue: tuple
+    router_path: str
+    hidden_name: str
+
+
+_PLANS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()  # block -> (structure, Verified)
+
+
+def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The MoE blocks of ``model`` in module order (what the routes' first dimension indexes)."""
+    return [(name, mod) for name, mod, parts, _ in iter_blocks(model) if parts is not None]
+
+
+def _verified(block: nn.Module, cache: dict):
+    key = structure_key(block)
+    got = _PLANS.get(block)
+    if got is not None and got[0] == key:
+        return got[1]
+    with torch.no_grad():
+        v = match_block(block, cache=cache)
+    _PLANS[block] = (key, v)
+    return v
+
+
+def plan(model: nn.Module, blocks: list | None = None) -> list[BlockPlan]:
+    """Each MoE block's plan, in order (``blocks``: ``moe_blocks(model)`` when known); a ValueError naming every block
+    that cannot be replayed and why. Recognised once per block while its structure is unchanged; the FX pass once per
+    distinct structure (each block still verified on its own weights)."""
+    plans, refused, cache = [], [], {}
+    for name, block in moe_blocks(model) if blocks is None else blocks:
+        label = name or "<root>"
+        if getattr(block, "_moecomp", None) is not None:
+            refused.append(f"{label}: rewritten by moecomp.optimize (the op path's replay is not available here; "
+                           f"moecomp.unoptimize(model) first)")
+            continue
+        try:
+            v = _verified(block, cache)
+        except Refused as e:
+            refused.append(f"{label}: not recognised ({e.reason})")
+            continue
+        m = v.match
+        why = rf.refusals(m.spec)
+        if why:
+            refused.append(f"{label}: {'; '.join(why)}")
+            continue
+        plans.append(BlockPlan(name, block, m.spec, m.bindings, m.derived, v.contract, tuple(v.epilogue),
+                               m.parts.router_module if m.parts is not None else "", forward_params(block)[0]))
+    if refused:
+        raise ValueError("moecomp routing replay: these MoE blocks cannot be replayed on transformers' path:\n  "
+                         + "\n  ".join(refused))
+    return plans
+
+
+def _hidden(p: BlockPlan, args, kwargs) -> torch.Tensor:
+    return args[0] if args else kwargs[p.hidden_name]
+
+
+# ------------------------------------------------------------------------------------------------------ replay
+def check_routes(routes) -> torch.Tensor:
+    """``routes`` as given, checked for what needs no model: a 4-D integer tensor of ids >= -1."""
+    if not isinstance(routes, torch.Tensor):
+        raise ValueError(f"routes: expected a tensor [layers, batch, tokens, k] of expert ids, got "
+                         f"{type(routes).__name__}")
+    if routes.dim() != 4 or routes.is_floating_point() or routes.is_complex() or routes.dtype == torch.bool:
+        raise ValueError(f"routes: expected an integer tensor [layers, batch, tokens, k], got {routes.dtype} "
+                         f"{list(routes.shape)}")
+    if routes.numel():
+        if int(routes.min()) < -1:
+            raise ValueError(f"routes: expected expert ids >= 0 (-1: padding), got {int(routes.min())}")
+        pad = routes < 0
+        if bool((pad.any(-1) & ~pad.all(-1)).any()):
+            raise ValueError("routes: a padded token is all -1 (its k ids); expected no row mixing -1 and ids")
+    return routes
+
+
+def check_fit(routes: torch.Tensor, plans: list[BlockPlan]) -> None:
+    """The routes against the model's blocks: layer count, k, ids in [0, E)."""
+    if routes.shape[0] != len(plans):
+        raise ValueError(f"routes: expected {len(plans)} layers (the model's MoE blocks: "
+                         f"{', '.join(p.name for p in plans[:4])}{' ...' if len(plans) > 4 else ''}), got "
+                         f"{routes.shape[0]}")
+    for i, p in enumerate(plans):
+        if routes.shape[-1] != p.spec.top_k:
+            raise ValueError(f"routes: expected k = {p.spec.top_k} (top_k of {p.name}), got {routes.shape[-1]}")
+        if routes[i].numel() and int(routes[i].max()) >= p.spec.num_experts:
+            raise ValueError(f"routes[{i}] ({p.name}): expected ids in [0, {p.spec.num_experts}), got "
+                             f"{int(routes[i].max())}")
+
+
+def _call_ids(p: BlockPlan, layer: int, r: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """This call's ids [T, k], checked against the input's batch and tokens."""
+    B, S = r.shape[1], r.shape[2]
+    lead = tuple(x.shape[:-1])
+    if (len(lead) >= 2 and lead[-2:] != (B, S)) or (len(lead) < 2 and x.numel() // x.shape[-1] != B * S):
+        want = f"batch {lead[-2]} and tokens {lead[-1]}" if len(lead) >= 2 else f"batch x tokens = {lead[0]}"
+        raise ValueError(f"routes {list(r.shape)}: expected {want} ({p.name} got hidden states {list(x.shape)}), "
+                         f"got batch {B} and tokens {S}")
+    return r[layer].reshape(-1, r.shape[-1])
+
+
+class ReplayForward:
+    """A block's forward while a replay is active (see the module docstring)."""
+
+    def __init__(self, p: BlockPlan, layer: int, routes: torch.Tensor):
+        self.p, self.layer, self.routes = p, layer, routes
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        p = self.p
+        self.calls += 1
+        x = _hidden(p, args, kwargs)
+        ids = _call_ids(p, self.layer, self.routes, x)
+        t = rf.block_tensors(p.block, p.bindings, p.derived)
+        x2 = x.reshape(-1, x.shape[-1])
+        y, _ = rf.replay_block(p.spec, t, x2, ids)
+        router = get_path(p.block, p.router_path) if p.router_path else None
+        called = p.contract.is_tuple and any(e[0] != "none" for e in p.contract.extras)  # (finish calls it)
+        if router is not None and not called and hooks_active([router]):
+            # a hook records the router's output (transformers' output_router_logits, its aux loss): called as the
+            # block calls it; the replay's own logits are computed from the same weights
+            router(x if p.contract.router_call == "x" else x2)
+        return finish(p, x, x2, y)
+
+
+def finish(p: BlockPlan, x: torch.Tensor, x2: torch.Tensor, y: torch.Tensor):
+    """The block's result from the combined output y [T, H], as the verified contract says."""
+    c = p.contract
+    y = y.reshape(x.shape) if c.primary == "same" else y
+    y = apply_epilogue(p.block, p.epilogue, y)
+    if c.primary == "flat1d":
+        y = y.reshape(-1)
+    if not c.is_tuple:
+        return y
+    outs, rout = [y], None
+    for e in c.extras:
+        if e[0] == "none":
+            outs.append(None)
+            continue
+        if rout is None:
+            rout = get_path(p.block, p.router_path)(x if c.router_call == "x" else x2)
+        outs.append(reshape_to(rout if e[1] == -1 else rout[e[1]], e[2]))
+    return tuple(outs)
+
+
+class replay_routing:  # noqa: N801 (a context manager used like a function)
+    """``with moecomp.replay_routing(routes[, model]): model(...)``: every MoE block of the model uses the given expert
+    ids (the module docstring). ``routes``: integer [layers, batch, tokens, k]; a token's row all -1: padding, routed
+    as the block would. ``model``: the model to replay on; without it, the first module called inside the context
+    that holds MoE blocks (the model you call) is the one, found at that call. Routes that do not fit (layer count,
+    k, an id >= E; batch / tokens at each block's call) are a ValueError naming what was expected."""
+
+    def __init__(self, routes: torch.Tensor, model: nn.Module | None = None):
+        self.routes = check_routes(routes)
+        self.model = model
+        self._saved: list = []  # (block, the instance forward it had or None)
+        self._hook = None
+        self._no_blocks: weakref.WeakSet = weakref.WeakSet()
+        self.plans: list[BlockPlan] = []
+
+    def __enter__(self):
+        if self.model is not None:
+            self._install(self.model)
+        else:
+            self._hook = nn.modules.module.register_module_forward_pre_hook(self._on_call)
+        return self
+
+    def _on_call(self, module, args):
+        if module in self._no_blocks:
+            return None
+        blocks = moe_blocks(module)
+        if not blocks:
+            self._no_blocks.add(module)
+            return None
+        self._hook.remove()
+        self._hook = None
+        self._install(module, blocks)
+        return None
+
+    def _install(self, model: nn.Module, blocks: list | None = None) -> None:
+        plans = plan(model, blocks)
+        check_fit(self.routes, plans)
+        for i, p in enumerate(plans):
+            self._saved.append((p.block, p.block.__dict__.get("forward")))
+            p.block.forward = ReplayForward(p, i, self.routes)
+        self.plans = plans
+
+    def __exit__(self, exc_type, *exc):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        idle = [b for b, _ in self._saved if b.forward.calls == 0]
+        if exc_type is None and idle:
+            names = ", ".join(p.name for p in self.plans if p.block in idle)
+            warnings.warn(f"moecomp.replay_routing: the forward of {len(idle)} of {len(self._saved)} MoE block(s) "
+                          f"({names}) was never called inside the context: their routes were not replayed (the "
+                          f"model reaches their router / experts another way, or was not called)", UserWarning,
+                          stacklevel=2)
+        for block, fwd in reversed(self._saved):
+            if fwd is None:
+                block.__dict__.pop("forward", None)
+            else:
+                block.forward = fwd
+        self._saved.clear()
+        return False
+
+
+# ------------------------------------------------------------------------------------------------------ record
+class record_routing:  # noqa: N801
+    """``with moecomp.record_routing(model) as rec: model(...)``: the expert ids every MoE block routes to, in
+    ``rec.calls`` (one [layers, batch, tokens, k] int64 tensor per forward) and ``rec.routes`` (the calls joined
+    along the tokens: a prompt's forward and the decode steps after it, as transformers' generate makes them). A
+    block whose forward was never called gets -1 rows (and a UserWarning at exit names it).
+    The model's forward runs unchanged; the ids are recomputed beside it (the module docstring)."""
+
+    def __init__(self, model: nn.Module):
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self._hooks: list = []
+        self._ids: list[list[torch.Tensor]] = []
+        self.plans: list[BlockPlan] = []
+
+    def __enter__(self):
+        self.plans = plan(self.model)
+        self._ids = [[] for _ in self.plans]
+        for i, p in enumerate(self.plans):
+            self._hooks.append(p.block.register_forward_pre_hook(self._recorder(i, p), with_kwargs=True))
+        return self
+
+    def _recorder(self, i: int, p: BlockPlan):
+        def hook(module, args, kwargs):
+            x = _hidden(p, args, kwargs)
+            with torch.no_grad():
+                t = rf.block_tensors(p.block, p.bindings, p.derived)
+                x2 = x.detach().reshape(-1, x.shape[-1])
+                ids = rf.select(p.spec, rf.router_logits(p.spec, t, x2), t.get("correction_bias"))
+            lead = tuple(x.shape[:-1]) if x.dim() >= 3 else (1, x2.shape[0])
+            self._ids[i].append(ids.reshape(lead[-2:] + (p.spec.top_k,)))
+            return None
+
+        return hook
+
+    def __exit__(self, exc_type, *exc):
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        idle = [p.name for p, c in zip(self.plans, self._ids) if not c]
+        if exc_type is None and idle and len(idle) < len(self.plans):
+            warnings.warn(f"moecomp.record_routing: the forward of {len(idle)} of {len(self.plans)} MoE block(s) "
+                          f"({', '.join(idle)}) was never called: their rows are -1 (e.g. a modality's experts no "
+                          f"token reached, or a model that reaches their router / experts another way)", UserWarning,
+                          stacklevel=2)
+        return False
+
+    @property
+    def calls(self) -> list[torch.Tensor]:
+        """One [layers, batch, tokens, k] tensor per forward; a block never called: -1 rows (padding)."""
+        ran = [c for c in self._ids if c]
+        if not ran:
+            return []
+        n = min(len(c) for c in ran)
+        return [torch.stack([c[j] if c else torch.full_like(ran[0][j], -1) for c in self._ids]) for j in range(n)]
+
+    @property
+    def routes(self) -> torch.Tensor:
+        calls = self.calls
+        if not calls:
+            raise ValueError("record_routing: nothing recorded (no forward of the model ran inside the context)")
+        if len({c.shape[1] for c in calls}) != 1:
+            raise ValueError(f"record_routing: the forwards had different batch sizes "
+                             f"({[c.shape[1] for c in calls]}); read rec.calls")
+        return torch.cat(calls, 2)
