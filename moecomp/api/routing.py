@@ -1,4 +1,5 @@
-"""Routing replay and recording on transformers' own forward: ``moecomp.replay_routing``, ``moecomp.record_routing``.
+"""Routing replay and recording: ``moecomp.replay_routing``, ``moecomp.record_routing``, on transformers' own forward
+and on blocks ``moecomp.optimize`` rewrote (the op path).
 
     with moecomp.record_routing(model) as rec:      # plain forwards (or transformers' generate)
         model(input_ids)
@@ -14,7 +15,19 @@ structure is unchanged), and, while a replay is active, runs :func:`moecomp.api.
 own parameters: the given ids, weights = the router's scores at those ids renormalised as its spec says, shared
 experts unchanged. A token whose row is all -1 (padding) routes as the block would. A block whose spec has a
 feature the replay does not compute (``replay_forward.refusals``), or that recognition refuses, is a ValueError
-naming the block and why; a block ``moecomp.optimize`` rewrote too (the op's replay is not on this path yet).
+naming the block and why.
+
+A block ``moecomp.optimize`` bound is planned from its bound state (no recognition again) and keeps its bound
+forward: both context managers set a routing session (``core/replay.py``, a ContextVar) which that forward reads.
+Replay passes the block's [T, k] ids to the op as ``routes_in``; padding rows (all -1) take the block's own choice,
+computed beside the op from the block's router (the op has no notion of padding). Recording calls
+``moe_forward_routes``: the ids the op chose, written by its routing kernel into an int32 buffer. Where the bound
+forward runs no op (training with autograd: the op has no backward; hooks on the router / experts), replay runs
+:func:`moecomp.api.replay_forward.replay_block` with the routes (never transformers' forward, which would lose them;
+a spec it cannot compute is a ValueError at that call), and recording recomputes the ids beside the original
+forward. Refused on this path: the op's own refusals (``ops/routes.refusal``: sparsemixer, hash routing), sharded
+experts, experts-only rewrites. Compiled (``torch.compile``) bound forwards do not read the session. One session is
+active at a time: a record around a replay sees the bound blocks only outside the replay.
 
 Recording recomputes each block's selection from the block's input with the block's spec (correction bias and
 expert groups included), beside the block's own forward, which runs unchanged: the recorded ids are the block's
@@ -36,6 +49,8 @@ from torch import nn
 from ..core.match import apply_epilogue, reshape_to
 from ..core.derived import get_path
 from ..core.reject import Refused
+from ..core import replay as session_var
+from ..ops.routes import refusal as op_refusal
 from ..recognise.recognise import match_block, structure_key
 from ..recognise.structure import iter_blocks
 from ..bind.bind import forward_params, hooks_active
@@ -55,6 +70,8 @@ class BlockPlan:
     epilogue: tuple
     router_path: str
     hidden_name: str
+    op: bool = False  # bound by moecomp.optimize: the op replays / records (routes_in / moe_forward_routes)
+    why_not_torch: tuple = ()  # why replay_forward cannot run it (the op's fallback then refuses at the call)
 
 
 _PLANS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()  # block -> (structure, Verified)
@@ -76,16 +93,36 @@ def _verified(block: nn.Module, cache: dict):
     return v
 
 
+def _op_plan(name: str, block: nn.Module) -> tuple[BlockPlan | None, str | None]:
+    """A block ``moecomp.optimize`` bound: its plan from the bound state (the op replays / records), or why not."""
+    st = block._moecomp
+    if not hasattr(st, "contract"):  # an experts-only binding (the experts module called by the block's own router)
+        return None, "rewritten experts-only by moecomp.optimize (moecomp.unoptimize(model) first)"
+    op_spec = st.op_spec or st.spec
+    if op_spec.parallel is not None:
+        return None, f"sharded experts ({op_spec.parallel.describe()}): not replayed on the parallel path"
+    why = op_refusal(st.spec)
+    if why is not None:
+        return None, why
+    epi = tuple(".".join(p) for p in st.epilogue)
+    return BlockPlan(name, block, st.spec, st.bindings, st.derived, st.contract, epi, st.router_path,
+                     st.hidden_name, op=True, why_not_torch=tuple(rf.refusals(st.spec))), None
+
+
 def plan(model: nn.Module, blocks: list | None = None) -> list[BlockPlan]:
     """Each MoE block's plan, in order (``blocks``: ``moe_blocks(model)`` when known); a ValueError naming every block
     that cannot be replayed and why. Recognised once per block while its structure is unchanged; the FX pass once per
-    distinct structure (each block still verified on its own weights)."""
+    distinct structure (each block still verified on its own weights). A block ``moecomp.optimize`` bound is planned
+    from its bound state: the op replays and records it."""
     plans, refused, cache = [], [], {}
     for name, block in moe_blocks(model) if blocks is None else blocks:
         label = name or "<root>"
         if getattr(block, "_moecomp", None) is not None:
-            refused.append(f"{label}: rewritten by moecomp.optimize (the op path's replay is not available here; "
-                           f"moecomp.unoptimize(model) first)")
+            p, why = _op_plan(name, block)
+            if why is not None:
+                refused.append(f"{label}: {why}")
+            else:
+                plans.append(p)
             continue
         try:
             v = _verified(block, cache)
@@ -100,7 +137,7 @@ def plan(model: nn.Module, blocks: list | None = None) -> list[BlockPlan]:
         plans.append(BlockPlan(name, block, m.spec, m.bindings, m.derived, v.contract, tuple(v.epilogue),
                                m.parts.router_module if m.parts is not None else "", forward_params(block)[0]))
     if refused:
-        raise ValueError("moecomp routing replay: these MoE blocks cannot be replayed on transformers' path:\n  "
+        raise ValueError("moecomp routing replay: these MoE blocks cannot be replayed:\n  "
                          + "\n  ".join(refused))
     return plans
 
@@ -196,6 +233,53 @@ def finish(p: BlockPlan, x: torch.Tensor, x2: torch.Tensor, y: torch.Tensor):
     return tuple(outs)
 
 
+class Session:
+    """The routing session bound blocks read (``core/replay.py``): block -> its handle."""
+
+    def __init__(self):
+        self.handles: dict = {}
+
+    def get(self, block):
+        return self.handles.get(block)
+
+
+def own_ids(p: BlockPlan, x2: torch.Tensor) -> torch.Tensor:
+    """The block's own choice [T, k] int64 for x2 [T, H] (no gradient)."""
+    with torch.no_grad():
+        t = rf.block_tensors(p.block, p.bindings, p.derived)
+        x2 = x2.detach()
+        return rf.select(p.spec, rf.router_logits(p.spec, t, x2), t.get("correction_bias"))
+
+
+class OpReplay:
+    """A bound block's replay (the op takes the ids as ``routes_in``). Padding rows (all -1) take the block's own
+    choice, computed beside the op from the block's router (the op itself has no notion of padding)."""
+
+    def __init__(self, p: BlockPlan, layer: int, routes: torch.Tensor):
+        self.p, self.layer, self.routes = p, layer, routes
+        self.torch_forward = ReplayForward(p, layer, routes)
+        self.op_calls = 0
+
+    @property
+    def calls(self) -> int:
+        return self.op_calls + self.torch_forward.calls
+
+    def ids(self, x: torch.Tensor) -> torch.Tensor:
+        self.op_calls += 1
+        ids = _call_ids(self.p, self.layer, self.routes, x).to(x.device).long()
+        pad = ids[:, 0] < 0
+        if bool(pad.any()):
+            ids = torch.where(pad.unsqueeze(1), own_ids(self.p, x.reshape(-1, x.shape[-1])), ids)
+        return ids
+
+    def fallback(self, x, rest, kwargs, call_original):
+        if self.p.why_not_torch:
+            raise ValueError(f"moecomp.replay_routing: {self.p.name} needs its torch forward for this call (e.g. "
+                             f"training with autograd: the op has no backward), which cannot compute "
+                             f"{'; '.join(self.p.why_not_torch)}")
+        return self.torch_forward(x, *rest, **kwargs)
+
+
 class replay_routing:  # noqa: N801 (a context manager used like a function)
     """``with moecomp.replay_routing(routes[, model]): model(...)``: every MoE block of the model uses the given expert
     ids (the module docstring). ``routes``: integer [layers, batch, tokens, k]; a token's row all -1: padding, routed
@@ -210,8 +294,10 @@ class replay_routing:  # noqa: N801 (a context manager used like a function)
         self._hook = None
         self._no_blocks: weakref.WeakSet = weakref.WeakSet()
         self.plans: list[BlockPlan] = []
+        self._session, self._token = Session(), None
 
     def __enter__(self):
+        self._token = session_var.activate(self._session)
         if self.model is not None:
             self._install(self.model)
         else:
@@ -234,6 +320,9 @@ class replay_routing:  # noqa: N801 (a context manager used like a function)
         plans = plan(model, blocks)
         check_fit(self.routes, plans)
         for i, p in enumerate(plans):
+            if p.op:  # the bound forward reads the session
+                self._session.handles[p.block] = OpReplay(p, i, self.routes)
+                continue
             self._saved.append((p.block, p.block.__dict__.get("forward")))
             p.block.forward = ReplayForward(p, i, self.routes)
         self.plans = plans
@@ -242,10 +331,15 @@ class replay_routing:  # noqa: N801 (a context manager used like a function)
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        idle = [b for b, _ in self._saved if b.forward.calls == 0]
+        if self._token is not None:
+            session_var.deactivate(self._token)
+            self._token = None
+        runs = {b: b.forward for b, _ in self._saved}
+        runs.update(self._session.handles)
+        idle = [b for b, r in runs.items() if r.calls == 0]
         if exc_type is None and idle:
             names = ", ".join(p.name for p in self.plans if p.block in idle)
-            warnings.warn(f"moecomp.replay_routing: the forward of {len(idle)} of {len(self._saved)} MoE block(s) "
+            warnings.warn(f"moecomp.replay_routing: the forward of {len(idle)} of {len(runs)} MoE block(s) "
                           f"({names}) was never called inside the context: their routes were not replayed (the "
                           f"model reaches their router / experts another way, or was not called)", UserWarning,
                           stacklevel=2)
@@ -255,10 +349,29 @@ class replay_routing:  # noqa: N801 (a context manager used like a function)
             else:
                 block.forward = fwd
         self._saved.clear()
+        self._session.handles.clear()
         return False
 
 
 # ------------------------------------------------------------------------------------------------------ record
+class OpRecord:
+    """A bound block's recording: the op writes its ids (``moe_forward_routes``); where the block's original forward
+    runs instead (autograd while training, hooks), the ids are recomputed beside it as on transformers' path."""
+
+    def __init__(self, rec, i: int, p: BlockPlan):
+        self.rec, self.i, self.p = rec, i, p
+
+    def ids(self, x):
+        return None
+
+    def store(self, ids: torch.Tensor, x: torch.Tensor) -> None:
+        self.rec.store(self.i, self.p, ids, x)
+
+    def fallback(self, x, rest, kwargs, call_original):
+        self.rec.store(self.i, self.p, own_ids(self.p, x.reshape(-1, x.shape[-1])), x)
+        return call_original()
+
+
 class record_routing:  # noqa: N801
     """``with moecomp.record_routing(model) as rec: model(...)``: the expert ids every MoE block routes to, in
     ``rec.calls`` (one [layers, batch, tokens, k] int64 tensor per forward) and ``rec.routes`` (the calls joined
@@ -273,23 +386,28 @@ class record_routing:  # noqa: N801
         self._hooks: list = []
         self._ids: list[list[torch.Tensor]] = []
         self.plans: list[BlockPlan] = []
+        self._session, self._token = Session(), None
 
     def __enter__(self):
         self.plans = plan(self.model)
         self._ids = [[] for _ in self.plans]
         for i, p in enumerate(self.plans):
+            if p.op:  # the bound forward records the op's own ids (moe_forward_routes)
+                self._session.handles[p.block] = OpRecord(self, i, p)
+                continue
             self._hooks.append(p.block.register_forward_pre_hook(self._recorder(i, p), with_kwargs=True))
+        self._token = session_var.activate(self._session)
         return self
+
+    def store(self, i: int, p: BlockPlan, ids: torch.Tensor, x: torch.Tensor) -> None:
+        """Layer i's ids [T, k] for the block's input x, kept as [batch, tokens, k] int64."""
+        lead = tuple(x.shape[:-1]) if x.dim() >= 3 else (1, ids.shape[0])
+        self._ids[i].append(ids.long().reshape(lead[-2:] + (p.spec.top_k,)))
 
     def _recorder(self, i: int, p: BlockPlan):
         def hook(module, args, kwargs):
             x = _hidden(p, args, kwargs)
-            with torch.no_grad():
-                t = rf.block_tensors(p.block, p.bindings, p.derived)
-                x2 = x.detach().reshape(-1, x.shape[-1])
-                ids = rf.select(p.spec, rf.router_logits(p.spec, t, x2), t.get("correction_bias"))
-            lead = tuple(x.shape[:-1]) if x.dim() >= 3 else (1, x2.shape[0])
-            self._ids[i].append(ids.reshape(lead[-2:] + (p.spec.top_k,)))
+            self.store(i, p, own_ids(p, x.reshape(-1, x.shape[-1])), x)
             return None
 
         return hook
@@ -298,6 +416,10 @@ class record_routing:  # noqa: N801
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self._token is not None:
+            session_var.deactivate(self._token)
+            self._token = None
+        self._session.handles.clear()
         idle = [p.name for p, c in zip(self.plans, self._ids) if not c]
         if exc_type is None and idle and len(idle) < len(self.plans):
             warnings.warn(f"moecomp.record_routing: the forward of {len(idle)} of {len(self.plans)} MoE block(s) "

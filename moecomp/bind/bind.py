@@ -82,6 +82,7 @@ from ..core.derived import Derived, SharedLayout
 from ..core.match import Contract, Verified, arg_name, call_params, reshape_to
 from .bind_common import (  # noqa: F401  (re-exported)
     BindError, restore_forward as _restore_forward, warn_grad as _warn_grad, claim)
+from .bind_routes import handle as _route_handle, routed_call as _routed_call
 from .bind_experts import (  # noqa: F401  (the experts-only rewrite; re-exported: optimize / experts_only use them)
     ExpertsForward, ExpertsState, bind_experts, experts_block_forward, experts_stale, unbind_experts)
 from .impl_switch import as_before as _as_before, release as _release_impl, requested as _requested_impl
@@ -369,6 +370,7 @@ def moecomp_block_forward(self: nn.Module, *args, **kwargs):
     if why is None and compiling and any(extra.get(n) is None for _, n in getattr(st, "inputs", ())):
         why = "argument missing"
     op_spec = st.op_spec or st.spec
+    h = None if compiling else _route_handle(self)  # a routing replay / record (core/replay.py)
     if why is not None:
         if op_spec.parallel is not None:  # the block's own forward would run on this rank's shard of the experts
             raise RuntimeError(f"moecomp: {st.name or type(self).__name__} holds a shard of its experts "
@@ -376,6 +378,8 @@ def moecomp_block_forward(self: nn.Module, *args, **kwargs):
                                f"forward, which this call needs ({why})")
         if not compiling:
             st.fallbacks += 1
+        if h is not None:  # the session's own forward: the routes are not lost
+            return h.fallback(x, rest, kwargs, lambda: _call_original(self, st, x, rest, kwargs))
         return _call_original(self, st, x, rest, kwargs)
     if st.derived and not compiling:
         refresh_derived(self, st)
@@ -394,7 +398,8 @@ def moecomp_block_forward(self: nn.Module, *args, **kwargs):
     # the op (through the dispatcher where a mode, tracing or autograd needs it; see call_moe_forward); sharded
     # experts (``MoESpec.parallel``, moecomp.shard_experts): the parallel path, collectives included
     run = call_moe_forward if op_spec.parallel is None else call_parallel
-    y = run(x if c.primary == "same" else x.reshape(-1, x.shape[-1]), tensors, op_spec)
+    x_op = x if c.primary == "same" else x.reshape(-1, x.shape[-1])
+    y = run(x_op, tensors, op_spec) if h is None else _routed_call(h, x_op, x, tensors, op_spec)
     for p in st.epilogue:  # a child module called, or an output bias added (moecomp.verify.epilogue)
         e = resolve(self, p)
         y = y + e if isinstance(e, torch.Tensor) else e(y)

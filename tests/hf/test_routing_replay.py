@@ -204,18 +204,23 @@ def test_refused_features():
     assert "sparsemixer" in rf.refusals(MoESpec(**base, score_order="sparsemixer"))[0]
 
 
-def test_refused_block_names_block_and_why(built):
+def test_refused_block_names_block_and_why(built, monkeypatch):
+    """A block the replay cannot run is a ValueError naming the block and why (an optimized model replays on the op
+    path: tests/hf/test_routing_op.py; here the op's sparsemixer refusal, faked on a bound block's spec)."""
     model = copy.deepcopy(built["qwen3_moe"])
     moecomp.optimize(model, fast_generate=False)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp: rewritten by moecomp\.optimize"):
+    st = moe_blocks(model)[1][1]._moecomp
+    monkeypatch.setattr(st, "op_spec", st.spec.replace(score_order="sparsemixer"))
+    monkeypatch.setattr(st, "spec", st.spec.replace(score_order="sparsemixer"))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp: sparsemixer routing"):
         moecomp.record_routing(model).__enter__()
-    ids = _ids()
     routes = torch.zeros(2, 2, 5, 2, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp: rewritten"), moecomp.replay_routing(routes, model):
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp: sparsemixer"), moecomp.replay_routing(routes, model):
         pass
+    monkeypatch.undo()
     moecomp.unoptimize(model)  # unoptimized: replay works on transformers' forward again
     with torch.no_grad(), moecomp.replay_routing(routes, model):
-        assert torch.isfinite(model(input_ids=ids).logits).all()
+        assert torch.isfinite(model(input_ids=_ids()).logits).all()
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
