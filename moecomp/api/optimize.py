@@ -278,6 +278,7 @@ def optimize(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool
     _warn_unrewritten(rep, strict)
     if fast_generate and (rep.rewritten or rep.experts_only or rep.fp8_linear.get("bound")):
         from ..generate import install
+        from . import routing  # noqa: F401  (generate's return_routed_experts records with it)
 
         if install(model):
             rep.generate = "moecomp (static cache; whole decode steps as CUDA graphs on GPU)"

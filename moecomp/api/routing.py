@@ -446,3 +446,12 @@ class record_routing:  # noqa: N801
             raise ValueError(f"record_routing: the forwards had different batch sizes "
                              f"({[c.shape[1] for c in calls]}); read rec.calls")
         return torch.cat(calls, 2)
+
+
+def _register() -> None:
+    from ..generate.hf_generate import FastGenerate
+
+    FastGenerate.recorder = record_routing
+
+
+_register()

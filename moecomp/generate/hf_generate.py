@@ -42,6 +42,7 @@ class FastGenerate:
     on CPU that way)."""
 
     __slots__ = ("model", "engine", "enabled", "cpu", "last", "_t0")
+    recorder = None  # moecomp.record_routing (set by api/routing.py: the layer above): return_routed_experts
 
     def __init__(self, model):
         self.model = model
@@ -87,6 +88,36 @@ class FastGenerate:
         return None
 
     def __call__(self, *args, **kwargs):
+        if kwargs.pop("return_routed_experts", False):
+            return self._with_routes(args, kwargs)
+        return self._generate(args, kwargs)
+
+    def _with_routes(self, args, kwargs):
+        """``return_routed_experts=True``: transformers' generate under ``record_routing`` (bound blocks record in
+        the op); the output's ``routed_experts`` [layers, batch, tokens, k] int64 over ``sequences``: -1 where
+        the attention mask is 0 and for the last token (never fed to the model)."""
+        if not kwargs.get("return_dict_in_generate", False):
+            raise ValueError("return_routed_experts=True: expected return_dict_in_generate=True too (the routes are "
+                             "the output's routed_experts; without it generate returns the sequences alone)")
+        if type(self).recorder is None:
+            raise ValueError("return_routed_experts=True: moecomp.record_routing is not loaded (import moecomp.api."
+                             "routing)")
+        kwargs["moecomp_fast"] = False  # the engine's graphs do not record yet: transformers' loop, the op records
+        with type(self).recorder(self.model) as rec:
+            out = self._generate(args, kwargs)
+        seq = out.sequences
+        calls = rec.calls  # with a cache: one call per new token (joined); without: each call the whole prefix
+        routes = calls[-1] if calls and calls[-1].shape[2] == seq.shape[1] - 1 else rec.routes
+        full = torch.full(routes.shape[:2] + (seq.shape[1],) + routes.shape[3:], -1, dtype=routes.dtype,
+                          device=routes.device)
+        full[:, :, : routes.shape[2]] = routes[:, :, : seq.shape[1]]
+        mask = kwargs.get("attention_mask")
+        if mask is not None:
+            full[:, :, : mask.shape[1]][:, mask.to(full.device) == 0] = -1
+        out["routed_experts"] = full
+        return out
+
+    def _generate(self, args, kwargs):
         m = self.model
         fast = kwargs.pop("moecomp_fast", True)
         why = "moecomp_fast=False" if not fast else self._plain_reason(args, kwargs)
