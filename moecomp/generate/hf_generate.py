@@ -18,6 +18,7 @@ or stopping criteria, ``prefix_allowed_tokens_fn``, beam search or another decod
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -32,6 +33,18 @@ _MODEL_KWARGS = ("attention_mask", "position_ids", "cache", "past_key_values", "
                  "cache_position")
 _OUTPUT_FLAGS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits",
                  "output_router_logits", "return_dict_in_generate")
+
+
+ROUTES_REASON = ("return_routed_experts=True: transformers' decode loop (the op records in each block); the "
+                 "engine's CUDA graphs do not record routes yet")
+_ROUTES_WARNED = False
+
+
+def _warn_routes_slow() -> None:
+    """Once per process: ``return_routed_experts=True`` on a CUDA model runs transformers' loop, not the graphs."""
+    global _ROUTES_WARNED
+    _ROUTES_WARNED = True
+    warnings.warn(ROUTES_REASON + ": slower than generate() without it", UserWarning, stacklevel=4)
 
 
 class FastGenerate:
@@ -103,8 +116,11 @@ class FastGenerate:
             raise ValueError("return_routed_experts=True: moecomp.record_routing is not loaded (import moecomp.api."
                              "routing)")
         kwargs["moecomp_fast"] = False  # the engine's graphs do not record yet: transformers' loop, the op records
+        if not _ROUTES_WARNED and any(p.is_cuda for p in self.model.parameters()):
+            _warn_routes_slow()
         with type(self).recorder(self.model) as rec:
             out = self._generate(args, kwargs)
+        self.last["reason"] = ROUTES_REASON
         seq = out.sequences
         calls = rec.calls  # with a cache: one call per new token (joined); without: each call the whole prefix
         routes = calls[-1] if calls and calls[-1].shape[2] == seq.shape[1] - 1 else rec.routes

@@ -37,6 +37,7 @@ def test_routes_equal_record_and_replay_reproduces_logits(model, poison):
     mask[1, :2] = 0  # left padding: -1 routes there
     out = _gen(model, ids, mask, return_dict_in_generate=True, return_routed_experts=True)
     seq, routes = out.sequences, out.routed_experts
+    assert model.generate.last["reason"].startswith("return_routed_experts=True")  # said, not silently slow
     k = moe_blocks(model)[0][1]._moecomp.spec.top_k
     assert routes.shape == (len(moe_blocks(model)), 2, seq.shape[1], k) and routes.dtype == torch.int64
     assert bool((routes[:, 1, :2] == -1).all()) and bool((routes[:, :, -1] == -1).all())
