@@ -47,6 +47,17 @@ def _warn_routes_slow() -> None:
     warnings.warn(ROUTES_REASON + ": slower than generate() without it", UserWarning, stacklevel=4)
 
 
+def _finished(seq: torch.Tensor, prompt: int, eos: list[int]) -> torch.Tensor:
+    """[B, L] bool: from each row's first generated EOS on (that EOS included: what the model computed after it
+    produced nothing the row keeps; a row that did not finish has none)."""
+    gen = seq[:, prompt:]  # [B, new]
+    hit = torch.zeros_like(gen, dtype=torch.bool)
+    for e in eos:
+        hit |= gen == e
+    after = hit.int().cumsum(1) > 0  # [B, new]
+    return torch.cat([torch.zeros(seq.shape[0], prompt, dtype=torch.bool, device=seq.device), after], 1)
+
+
 class FastGenerate:
     """Stands in for ``model.generate`` (see the module docstring). ``enabled = False`` turns the engine off.
 
@@ -108,7 +119,8 @@ class FastGenerate:
     def _with_routes(self, args, kwargs):
         """``return_routed_experts=True``: transformers' generate under ``record_routing`` (bound blocks record in
         the op); the output's ``routed_experts`` [layers, batch, tokens, k] int64 over ``sequences``: -1 where
-        the attention mask is 0 and for the last token (never fed to the model)."""
+        the attention mask is 0, for the last token (never fed to the model), and in a finished row from its EOS on
+        (the padding that follows it)."""
         if not kwargs.get("return_dict_in_generate", False):
             raise ValueError("return_routed_experts=True: expected return_dict_in_generate=True too (the routes are "
                              "the output's routed_experts; without it generate returns the sequences alone)")
@@ -130,8 +142,17 @@ class FastGenerate:
         mask = kwargs.get("attention_mask")
         if mask is not None:
             full[:, :, : mask.shape[1]][:, mask.to(full.device) == 0] = -1
+        prompt = (args[0] if args else kwargs.get("input_ids")).shape[1]
+        done = _finished(seq, prompt, self._eos_ids(kwargs))  # [B, L]: a finished row's EOS and what follows
+        full[:, done.to(full.device)] = -1
         out["routed_experts"] = full
         return out
+
+    def _eos_ids(self, kwargs) -> list[int]:
+        """The EOS ids this call stops at: ``eos_token_id`` given, else the generation config's (one or a list)."""
+        gc = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
+        eos = kwargs.get("eos_token_id", getattr(gc, "eos_token_id", None))
+        return [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
     def _generate(self, args, kwargs):
         m = self.model

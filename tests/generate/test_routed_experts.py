@@ -63,3 +63,20 @@ def test_needs_return_dict(model):
     ids = torch.randint(3, 100, (1, 4))
     with pytest.raises(ValueError, match="return_dict_in_generate=True"):
         _gen(model, ids, torch.ones_like(ids), return_routed_experts=True)
+
+
+def test_finished_rows_are_padding_from_their_eos(model):
+    """A row that stops at EOS: its routes are -1 from that EOS on (transformers pads the row after it), the other
+    row's stay; the EOS is the token the first row generates second (seen in a run without EOS)."""
+    ids = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    free = _gen(model, ids, mask, return_dict_in_generate=True, return_routed_experts=True, eos_token_id=None)
+    eos = int(free.sequences[0, 6])
+    other = free.sequences[1, 5:]
+    if (other == eos).any():
+        pytest.skip("the second row generates the same token: pick another seed")
+    out = _gen(model, ids, mask, return_dict_in_generate=True, return_routed_experts=True, eos_token_id=eos)
+    r = out.routed_experts  # [layers, 2, L, k]
+    first = 5 + int((out.sequences[0, 5:] == eos).nonzero()[0])
+    assert first == 6 and bool((r[:, 0, first:] == -1).all()) and bool((r[:, 0, :first] >= 0).all())
+    assert bool((r[:, 1, :-1] >= 0).all())
