@@ -25,8 +25,10 @@ computed beside the op from the block's router (the op has no notion of padding)
 forward runs no op (training with autograd: the op has no backward; hooks on the router / experts), replay runs
 :func:`moecomp.api.replay_forward.replay_block` with the routes (never transformers' forward, which would lose them;
 a spec it cannot compute is a ValueError at that call), and recording recomputes the ids beside the original
-forward. Refused on this path: the op's own refusals (``ops/routes.refusal``: sparsemixer, hash routing), sharded
-experts, experts-only rewrites. Compiled (``torch.compile``) bound forwards do not read the session. One session is
+forward. A block holding a shard of its experts (``moecomp.shard_experts``) replays and records through the parallel
+op the same way: its ids are global expert ids (every rank routes its own tokens before the exchange); it has no
+torch forward to fall back to (its other experts are on the other ranks: a RuntimeError at such a call). Refused on
+this path: the op's own refusals (``ops/routes.refusal``: sparsemixer, hash routing), experts-only rewrites. Compiled (``torch.compile``) bound forwards do not read the session. One session is
 active at a time: a record around a replay sees the bound blocks only outside the replay.
 
 Recording recomputes each block's selection from the block's input with the block's spec (correction bias and
@@ -77,9 +79,19 @@ class BlockPlan:
 _PLANS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()  # block -> (structure, Verified)
 
 
+def _sharded(mod: nn.Module) -> bool:
+    """Whether ``mod`` is a block ``moecomp.shard_experts`` sharded (its experts no longer match its router's E)."""
+    return getattr(getattr(mod.__dict__.get("_moecomp"), "op_spec", None), "parallel", None) is not None
+
+
 def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The MoE blocks of ``model`` in module order (what the routes' first dimension indexes)."""
-    return [(name, mod) for name, mod, parts, _ in iter_blocks(model) if parts is not None]
+    """The MoE blocks of ``model`` in module order (what the routes' first dimension indexes): those the structure
+    finds, and the blocks holding a shard of their experts (whose shapes the structure no longer reads as a block)."""
+    found = {name for name, _, parts, _ in iter_blocks(model) if parts is not None}
+    sharded = [name for name, mod in model.named_modules() if _sharded(mod)]
+    found -= {n for n in found for s in sharded if n == "" or s.startswith(n + ".")}  # (an ancestor of a shard)
+    found.update(sharded)
+    return [(name, mod) for name, mod in model.named_modules() if name in found]
 
 
 def _verified(block: nn.Module, cache: dict):
@@ -99,14 +111,15 @@ def _op_plan(name: str, block: nn.Module) -> tuple[BlockPlan | None, str | None]
     if not hasattr(st, "contract"):  # an experts-only binding (the experts module called by the block's own router)
         return None, "rewritten experts-only by moecomp.optimize (moecomp.unoptimize(model) first)"
     op_spec = st.op_spec or st.spec
-    if op_spec.parallel is not None:
-        return None, f"sharded experts ({op_spec.parallel.describe()}): not replayed on the parallel path"
     why = op_refusal(st.spec)
     if why is not None:
         return None, why
     epi = tuple(".".join(p) for p in st.epilogue)
+    no_torch = tuple(rf.refusals(st.spec))
+    if op_spec.parallel is not None:  # the parallel op replays / records (global ids); the torch forward cannot run
+        no_torch += (f"sharded experts ({op_spec.parallel.describe()}: the other experts are on the other ranks)",)
     return BlockPlan(name, block, st.spec, st.bindings, st.derived, st.contract, epi, st.router_path,
-                     st.hidden_name, op=True, why_not_torch=tuple(rf.refusals(st.spec))), None
+                     st.hidden_name, op=True, why_not_torch=no_torch), None
 
 
 def plan(model: nn.Module, blocks: list | None = None) -> list[BlockPlan]:

@@ -23,6 +23,13 @@ of the decoder layers in ``generate()``) the whole path is one opaque custom op,
 tensors, spec)``, so Dynamo never traces a collective and the graph does not break; ``call`` takes the direct path from
 plain eager code. Inside a CUDA graph capture the path must be ``ParallelSpec.capturable`` (no host read: all_reduce,
 or all_to_all with a capacity) — NCCL collectives of fixed sizes are captured with the kernels.
+
+Routing record and replay (issue 43, ``ops/routes.py``), as on one GPU: ``args``' ``routes_in`` (the op's last
+argument ``routes_in``: int32 / int64 [T, k] global expert ids to use instead of the op's own top-k) and the
+recording op ``torch.ops.moecomp.moe_parallel_routes(routes_out, route_weights_out, x, tensors, spec, routes_in)``
+(int32 ids / fp32 weights [T, k] written, both declared mutated; a second op for the reason ``ops/moe_op.py`` gives).
+Every rank routes its own tokens over the E global experts before any exchange, so the ids recorded and replayed are
+global ids and need no translation; the routing (``route.py``) is the one-GPU op's, which reads and writes them.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import dataclasses
 
 import torch
 
-from ..ops import latent
+from ..ops import latent, routes
 from ..ops.backend import Routed
 from ..core.args import OP_ARGS
 from ..ops.moe_op import check_args, plain_eager
@@ -92,6 +99,7 @@ def forward(x: torch.Tensor, args: dict, spec: MoESpec, comm=None) -> torch.Tens
     p = _parallel(spec)
     comm = comm_for(p) if comm is None else comm
     check(x, args, spec)
+    routes.check_values(args.get("routes_in"), spec)
     shape, dt = x.shape, x.dtype
     x2 = x.reshape(-1, shape[-1])  # [T, H]
     r = route.route(x2, args, spec, shape)
@@ -146,25 +154,60 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, args: dic
     return comm.all_reduce_(out) if partial else out
 
 
+def _op_args(tensors, rt=()) -> dict:
+    """The op's tensors by name (``OP_ARGS`` order), the routing arguments (``routes.ROUTE_ARGS``) where given."""
+    args = dict(zip(OP_ARGS, tensors))
+    args.update({n: t for n, t in zip(routes.ROUTE_ARGS, rt) if t is not None})
+    return args
+
+
 @torch.library.custom_op("moecomp::moe_parallel", mutates_args=())
-def moe_parallel(x: torch.Tensor, tensors: list[torch.Tensor | None], spec: str) -> torch.Tensor:
+def moe_parallel(x: torch.Tensor, tensors: list[torch.Tensor | None], spec: str,
+                 routes_in: torch.Tensor | None = None) -> torch.Tensor:
     """``forward`` as one op: ``tensors`` in ``OP_ARGS`` order (this rank's shards for the expert tensors; a shorter
-    list leaves the rest None), ``spec`` a MoESpec key with a parallel part."""
-    return forward(x, dict(zip(OP_ARGS, tensors)), MoESpec.from_key(spec))
+    list leaves the rest None), ``spec`` a MoESpec key with a parallel part; ``routes_in``: replayed global ids."""
+    return forward(x, _op_args(tensors, (None, None, routes_in)), MoESpec.from_key(spec))
 
 
-@moe_parallel.register_fake
-def _(x, tensors, spec):
+def _fake(x, tensors, spec, rt) -> torch.Tensor:
     s = MoESpec.from_key(spec)
     _parallel(s)
-    check(x, dict(zip(OP_ARGS, tensors)), s, symbolic=True)
+    check(x, _op_args(tensors, rt), s, symbolic=True)
     return torch.empty_like(x)
 
 
-def call(x: torch.Tensor, tensors, spec: MoESpec) -> torch.Tensor:
+@moe_parallel.register_fake
+def _(x, tensors, spec, routes_in=None):
+    return _fake(x, tensors, spec, (None, None, routes_in))
+
+
+@torch.library.custom_op("moecomp::moe_parallel_routes", mutates_args=routes.OUTS)
+def moe_parallel_routes(routes_out: torch.Tensor, route_weights_out: torch.Tensor | None, x: torch.Tensor,
+                        tensors: list[torch.Tensor | None], spec: str,
+                        routes_in: torch.Tensor | None = None) -> torch.Tensor:
+    """``moe_parallel`` recording its routing: int32 global ids [T, k] into ``routes_out``, fp32 weights [T, k] into
+    ``route_weights_out`` where given (module docstring)."""
+    return forward(x, _op_args(tensors, (routes_out, route_weights_out, routes_in)), MoESpec.from_key(spec))
+
+
+@moe_parallel_routes.register_fake
+def _(routes_out, route_weights_out, x, tensors, spec, routes_in=None):
+    return _fake(x, tensors, spec, (routes_out, route_weights_out, routes_in))
+
+
+def call(x: torch.Tensor, tensors, spec: MoESpec, routes_out: torch.Tensor | None = None,
+         route_weights_out: torch.Tensor | None = None, routes_in: torch.Tensor | None = None) -> torch.Tensor:
     """``moe_parallel`` for a bound block (``tensors`` in ``OP_ARGS`` order): direct from plain eager code, through
-    the op where something traces or dispatches (as ``moe_op.call_moe_forward``)."""
+    the op where something traces or dispatches (as ``moe_op.call_moe_forward``); ``routes_out`` /
+    ``route_weights_out`` / ``routes_in``: routing record and replay (module docstring), recording through
+    ``moe_parallel_routes``."""
     tensors = tuple(tensors)
-    if plain_eager((x,) + tensors):
-        return forward(x, dict(zip(OP_ARGS, tensors)), spec)
-    return torch.ops.moecomp.moe_parallel(x, list(tensors), spec.key)
+    rt = (routes_out, route_weights_out, routes_in)
+    if plain_eager((x,) + tensors + rt):
+        return forward(x, _op_args(tensors, rt), spec)
+    if routes_out is None and route_weights_out is not None:  # weights alone: the ids into a scratch buffer
+        routes_out = torch.empty(x.numel() // x.shape[-1], spec.top_k, dtype=torch.int32, device=x.device)
+    if routes_out is not None:
+        return torch.ops.moecomp.moe_parallel_routes(routes_out, route_weights_out, x, list(tensors), spec.key,
+                                                     routes_in)
+    return torch.ops.moecomp.moe_parallel(x, list(tensors), spec.key, routes_in)
