@@ -358,4 +358,16 @@ def one_rank_raises(rank: int, W: int, comm=None) -> list:
                                           oracle(x, t, SPECS["mixtral"])), TOL)]
 
 
-JOBS.update(hf_generate=check_hf_generate, plain_model=check_plain_model, one_rank_raises=one_rank_raises)
+def _routes_job(name: str):
+    """A job of ``scenarios_routes.py`` (imported at the call: that module imports this one)."""
+    def job(rank: int, W: int, comm=None) -> list:
+        import scenarios_routes
+
+        return getattr(scenarios_routes, name)(rank, W, comm)
+
+    job.__name__ = name
+    return job
+
+
+JOBS.update(hf_generate=check_hf_generate, plain_model=check_plain_model, one_rank_raises=one_rank_raises,
+            routes_op=_routes_job("check_routes_op"), routes_model=_routes_job("check_routes_model"))

@@ -52,3 +52,18 @@ def test_emulate_reports_a_failing_rank():
 
     with pytest.raises(RuntimeError, match="rank 1 broke"):
         par.emulate(2, fn, timeout=10)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_routes_record_replay(monkeypatch, backend):
+    """Routing record / replay on the parallel path (``scenarios_routes.check_routes_op``: EP all-reduce, EP
+    all-to-all, TP at W = 2): the record equals the one-GPU op's, replay gives the recorded output and the oracle's
+    replay of other global ids. "triton": the routing kernel writing / reading the ids (interpreter)."""
+    import scenarios_routes as sr
+
+    if backend == "triton":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("CPU runs of the Triton kernels need TRITON_INTERPRET=1 (set by conftest without CUDA)")
+        monkeypatch.setenv("MOECOMP_CPU_BACKEND", "triton")
+    rows = _run(2, lambda rank, comm: sr.check_routes_op(rank, 2, comm))
+    assert len(rows) == 2 * 3 * 3 * 6  # ranks x specs x modes x rows

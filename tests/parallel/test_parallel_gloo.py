@@ -2,7 +2,8 @@
 spawn per world size runs every job (process start-up is most of the time): every check of ``scenarios.py`` (each
 rank's output equal to the one-GPU oracle within fp32 tolerance), and at W = 2 also bad groups (world size or rank
 not the spec's, a group without this rank: ValueErrors), ``shard_experts`` on a plain PyTorch model and on tiny HF
-models whose ``generate()`` gives the unsharded tokens on every rank."""
+models whose ``generate()`` gives the unsharded tokens on every rank, and routing record / replay on the parallel op and
+on sharded tiny HF models (``scenarios_routes.py``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import scenarios as sc  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
-JOBS = {2: ("all", "bad_groups", "plain_model", "hf_generate"), 4: ("all",)}
+JOBS = {2: ("all", "bad_groups", "plain_model", "hf_generate", "routes_op", "routes_model"), 4: ("all",)}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda W: f"W{W}")
@@ -56,6 +57,21 @@ def test_shard_experts(world):
         _ok(got[job], W)
     assert {r[0] for r in got["hf_generate"]} == {f"hf {m} generate{e}" for m in ("qwen3_moe/ep", "deepseek_v3/tp")
                                                   for e in ("", " engine")}
+
+
+def test_routes_record_replay(world):
+    """Record / replay on the parallel op (EP all-reduce, EP all-to-all, TP; also through the custom ops) and on tiny
+    HF models sharded by shard_experts (Qwen3-MoE EP, DeepSeek-V3 TP): record equals the unsharded record, replay of
+    the recorded routes gives the unsharded logits, replay of other routes the unsharded replay of them."""
+    W, got = world
+    if W != 2:
+        pytest.skip("run at W = 2")
+    _ok(got["routes_op"], W)
+    assert len(got["routes_op"]) == W * 3 * 3 * 9  # ranks x specs x modes x rows (6 + 3 through the ops)
+    _ok(got["routes_model"], W)
+    assert {r[0] for r in got["routes_model"]} == {f"routes hf {m} {c}" for m in ("qwen3_moe/ep", "deepseek_v3/tp")
+                                                   for c in ("record ids", "record logits", "replay recorded",
+                                                             "replay other")}
 
 
 def test_one_rank_raising_ends_the_run_fast():

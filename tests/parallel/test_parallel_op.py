@@ -1,6 +1,7 @@
 """``torch.ops.moecomp.moe_parallel`` on a real process group of one (gloo, in this process, a HashStore: no port):
-equal to the one-GPU oracle in every mode, ``torch.library.opcheck`` (schema, fake tensors, AOT dispatch), and
-traced by torch.compile as one opaque op (fullgraph: no graph break around the collectives)."""
+equal to the one-GPU oracle in every mode, ``torch.library.opcheck`` (schema, fake tensors, AOT dispatch; also with
+routing record / replay), and traced by torch.compile as one opaque op (fullgraph: no graph break around the
+collectives; record / replay compiled by Inductor)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,54 @@ def test_opcheck(world_of_one, T):
     args = random_moe_args(SPEC, T, seed=3)
     whole = dict(zip(MOE_ARGS, args[1:]))
     torch.library.opcheck(torch.ops.moecomp.moe_parallel.default, (args[0], _tensors(spec, whole), spec.key))
+
+
+def _given(T: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randperm(8, generator=g)[:SPEC.top_k] for _ in range(T)]
+    return torch.stack(rows).int() if rows else torch.zeros(0, SPEC.top_k, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("T", [0, 4])
+def test_opcheck_routes(world_of_one, T):
+    """Record / replay (issue 43): ``moe_parallel_routes`` (both buffers, and the weights' None) and ``moe_parallel``
+    with ``routes_in``."""
+    spec = SPEC.replace(parallel=ParallelSpec("ep", 1, 0, 8))
+    args = random_moe_args(SPEC, T, seed=3)
+    tensors = _tensors(spec, dict(zip(MOE_ARGS, args[1:])))
+    out, wout = torch.zeros(T, SPEC.top_k, dtype=torch.int32), torch.zeros(T, SPEC.top_k)
+    given = _given(T, 5)
+    torch.library.opcheck(torch.ops.moecomp.moe_parallel.default, (args[0], tensors, spec.key, given))
+    torch.library.opcheck(torch.ops.moecomp.moe_parallel_routes.default, (out, wout, args[0], tensors, spec.key))
+    torch.library.opcheck(torch.ops.moecomp.moe_parallel_routes.default,
+                          (out, None, args[0], tensors, spec.key, given))
+
+
+def test_compiled_record_and_replay(world_of_one, T=6):
+    """Under torch.compile (Inductor): ``par.call`` recording (``moe_parallel_routes``: its mutation reaches the
+    caller's buffer) and replaying (``moe_parallel``'s routes_in) equal the eager calls; the recorded ids are the
+    one-GPU op's, the replay equals the oracle's replay of the given ids (fp32, rel 2e-5)."""
+    from moecomp.ops.moe_op import call_moe_forward
+
+    spec = SPEC.replace(parallel=ParallelSpec("tp", 1, 0, 8, intermediate_size=16))
+    args = random_moe_args(SPEC, T, seed=6)
+    whole = dict(zip(MOE_ARGS, args[1:]))
+    tensors = _tensors(spec, whole)
+    assert spec.key
+    given = _given(T, 7).long()
+
+    def f(x, out, ids):
+        return par.call(x * 1.0, tensors, spec, routes_out=out) + 2 * par.call(x, tensors, spec, routes_in=ids)
+
+    out, out_eager, want_ids = (torch.full((T, SPEC.top_k), -7, dtype=torch.int32) for _ in range(3))
+    want = f(args[0], out_eager, given)
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="inductor", fullgraph=True)(args[0], out, given)
+    call_moe_forward(args[0], list(args[1:]), SPEC, routes_out=want_ids)
+    assert torch.equal(out, out_eager) and torch.equal(out, want_ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    ref = reference.moe_forward(*args, SPEC) + 2 * reference.moe_forward(*args, SPEC, routes_in=given)
+    assert rel_err(want, ref) < 2e-5
 
 
 def test_compiled_call_is_one_op(world_of_one):
