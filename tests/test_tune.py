@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moecomp import cli
-from moecomp.cli import tune
+from moecomp.cli import tune, tune_io
 from moecomp.ops import tuning
 
 E, I, H, K = tune.INTERPRET_SHAPE
@@ -79,7 +79,7 @@ def bench_calls(monkeypatch):
             _RUNS[key] = real_routed(x, ids, weights, named, spec, out, cfg=cfg).clone()
         return _RUNS[key]
 
-    monkeypatch.setattr(tune, "bench", fake)
+    monkeypatch.setattr(tune_io, "bench", fake)
     monkeypatch.setattr(tune, "_run_checked", run_once)
     monkeypatch.setattr(triton_moe, "routed", routed_once)
     return calls
@@ -181,7 +181,7 @@ def test_interrupted_run_leaves_a_valid_file(tmp_path, monkeypatch, exc, capsys)
         return 1.0
 
     monkeypatch.setattr(tune, "save_entry", save)
-    monkeypatch.setattr(tune, "bench", bench)
+    monkeypatch.setattr(tune_io, "bench", bench)
     if exc is KeyboardInterrupt:  # Ctrl-C: a message and exit status 130
         assert tune.main([*ARGS, "--out", str(out)]) == tune.EXIT_INTERRUPTED
         assert "rerun the same command to resume" in capsys.readouterr().err

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moecomp import cli
-from moecomp.cli import tune, tune_quant4
+from moecomp.cli import tune, tune_io, tune_quant4
 from moecomp.cli.tune_quant4 import INT4, MXFP4, interpret_spec, packed_layer, pair_reference, scale_args
 from moecomp.cli.tune_quant4_run import EXIT_BUDGET
 from moecomp.core.args import MOE_ARGS
@@ -137,7 +137,7 @@ def test_budget_then_a_rerun_skips_finished_entries(tuned, tmp_path, monkeypatch
         shutil.copyfile(tuned.parent / name, tmp_path / name)
     before, meta_before = _load(out), _load(tmp_path / "cpu.meta.json")
     calls = []
-    monkeypatch.setattr(tune_quant4, "bench", lambda fn, rep_ms, device: calls.append(fn) or 1.0)
+    monkeypatch.setattr(tune_io, "bench", lambda fn, rep_ms, device: calls.append(fn) or 1.0)
     args = ["--interpret", "--quant4", "mxfp4", "--out", str(out)]
     # bucket 1 is there: skipped; 64 is measured (one entry per run at least), then the budget stops before 128
     assert tune.main([*args, "--tokens", "1,64,128", "--budget-s", "0", "--copy-to", str(copy)]) == EXIT_BUDGET
@@ -173,7 +173,7 @@ def test_decode_mode_and_limit_follow_the_timings(tmp_path, monkeypatch, poison)
         return (fake[key[1]](key[2]), r[1]) if r is not None and key[0] == "routed" else r
 
     monkeypatch.setattr(tune_quant4.Run, "measure", measure)
-    monkeypatch.setattr(tune_quant4, "bench", lambda fn, rep_ms, device: 1.0)
+    monkeypatch.setattr(tune_io, "bench", lambda fn, rep_ms, device: 1.0)
     run = tune_quant4.Run(dev, 1, lambda text: None, lambda text: None)  # (its memo: each candidate runs once)
     cases = [({"gemv": lambda T: 1.0 * T, "dot": lambda T: 2.0 * T, "aligned": lambda T: 3 + 0.5 * T}, "gemv", 4,
               [{"gemv", "dot", "aligned"}, {"gemv", "aligned"}, {"gemv", "aligned"}, {"gemv", "aligned"}]),
@@ -257,7 +257,7 @@ def test_a_table_entry_sets_what_the_op_launches_and_none_falls_back(tmp_path, m
 
 # ------------------------------------------------------------------------------------------------ parts
 def test_wrong_candidates_are_rejected_and_failing_ones_skipped(monkeypatch):
-    monkeypatch.setattr(tune_quant4, "bench", lambda fn, rep_ms, device: 2.5)
+    monkeypatch.setattr(tune_io, "bench", lambda fn, rep_ms, device: 2.5)
     notes = []
     run = tune_quant4.Run(torch.device("cpu"), 1, lambda text: None, notes.append)
     ref = torch.linspace(1, 2, 8)

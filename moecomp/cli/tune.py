@@ -45,7 +45,7 @@ from .tune_fp8 import (  # noqa: F401  (re-exported: tests and tools use them th
 from .tune_args import (  # noqa: F401  (re-exported: tests read them through this module)
     DTYPES, INTERPRET_SHAPE, INTERPRET_TOKENS, TOKENS, arg_parser, resolve_out, setup_device, tune_jobs)
 from .tune_io import (  # noqa: F401  (re-exported: tests and tools use them through this module)
-    Progress, fmt_seconds as _fmt_s, is_done as _done, meta_path, read_json, save_entry, source_commit as _commit,
+    Progress, bench, bench_graph, fmt_seconds as _fmt_s, is_done as _done, meta_path, read_json, save_entry, source_commit as _commit,
     write_json_atomic)
 from .tune_quant4_run import run_quant4
 
@@ -89,37 +89,6 @@ def block_ms(T: int, k: int, E: int) -> list[int]:
     rows = T * k / max(1, min(E, T * k))
     cap = max(16, 2 * (1 << max(0, int(rows) - 1).bit_length()))
     return [bm for bm in (16, 32, 64, 128) if bm <= cap]
-
-
-def bench(fn, rep_ms: float, device: torch.device) -> float:
-    """Median milliseconds of ``fn()``. CUDA: ``do_bench`` (L2 flushed between runs). CPU (the interpreter): the
-    wall clock over three runs, meaningless as a kernel timing but enough to rank in tests."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=5, rep=rep_ms, return_mode="median")
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[1]
-
-
-def bench_graph(fn, rep_ms: float, device: torch.device) -> float:
-    """``bench`` of ``fn`` captured in a CUDA graph (the way the op runs at small T): a few-microsecond kernel is
-    timed, not Python's launch cost. CPU: ``bench`` of ``fn`` itself."""
-    if device.type != "cuda":
-        return bench(fn, rep_ms, device)
-    main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        fn()  # compiled and warm before the capture
-    main.wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return bench(g.replay, rep_ms, device)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -11,6 +11,8 @@ import sys
 import tempfile
 import time
 
+import torch
+
 
 # ------------------------------------------------------------------------------------------------------- files
 def read_json(path: str) -> dict:
@@ -148,3 +150,34 @@ class Progress:
 
     def close(self) -> None:
         self._clear()
+
+
+def bench(fn, rep_ms: float, device: torch.device) -> float:
+    """Median milliseconds of ``fn()``. CUDA: ``do_bench`` (L2 flushed between runs). CPU (the interpreter): the
+    wall clock over three runs, meaningless as a kernel timing but enough to rank in tests."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=5, rep=rep_ms, return_mode="median")
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[1]
+
+
+def bench_graph(fn, rep_ms: float, device: torch.device) -> float:
+    """``bench`` of ``fn`` captured in a CUDA graph (the way the op runs at small T): a few-microsecond kernel is
+    timed, not Python's launch cost. CPU: ``bench`` of ``fn`` itself."""
+    if device.type != "cuda":
+        return bench(fn, rep_ms, device)
+    main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        fn()  # compiled and warm before the capture
+    main.wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return bench(g.replay, rep_ms, device)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-import time
 
 import torch
 
@@ -38,6 +37,7 @@ from ..core.spec import MoESpec, QuantSpec
 from ..ops import triton_quant4, tuning
 from ..oracle import reference
 from ..testing import LAYER_PRESETS
+from .tune_io import bench_graph
 
 # The formats. int4: GPTQ / AWQ-style, group 128 with zero points (AWQ's layout, GPTQ's asymmetric one), fp16 scales.
 MXFP4 = QuantSpec.mxfp4()
@@ -205,39 +205,7 @@ def _at(named: dict, name: str, e: int):
 
 
 # ------------------------------------------------------------------------------------------------ measuring
-# (the 16-bit tuner's measurement, ``cli/tune.bench`` / ``bench_graph``; not imported from there: tune.py imports
-# this module, and an import back would close a cycle)
-def bench(fn, rep_ms: float, device: torch.device) -> float:
-    """Median milliseconds of ``fn()``: ``do_bench`` on CUDA (L2 flushed between runs); on CPU (the interpreter) the
-    wall clock, the middle of three runs (meaningless as a kernel timing, enough to rank in tests)."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=5, rep=rep_ms, return_mode="median")
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[1]
-
-
-def bench_graph(fn, rep_ms: float, device: torch.device) -> float:
-    """``bench`` of ``fn`` captured in a CUDA graph (how the op runs at small T: kernel time, not launch cost);
-    CPU: ``bench`` of ``fn``."""
-    if device.type != "cuda":
-        return bench(fn, rep_ms, device)
-    main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        fn()  # compiled and warm before the capture
-    main.wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return bench(g.replay, rep_ms, device)
-
-
+# (timings: ``tune_io.bench_graph``, the 16-bit tuner's)
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative Frobenius error of ``a`` against ``b`` (NaN when ``a`` holds a non-finite value)."""
     a, b = a.float(), b.float()

@@ -191,10 +191,10 @@ def test_tune_fp8_both_modes(lookup_dir, monkeypatch):
     candidates (fake timer, falling: the last variant measured, w8a16+fold2, is the fastest; every candidate still
     runs once, checked against the first), the table written under "dtype=fp8" with the winner's mode and candidate
     keys, which the run-time lookup returns for a quantized spec; the meta records every variant's time."""
-    from moecomp.cli import tune
+    from moecomp.cli import tune, tune_io
 
     times = iter(range(10 ** 6, 0, -1))
-    monkeypatch.setattr(tune, "bench", lambda fn, rep_ms, device: 1.0 + 1e-6 * next(times))
+    monkeypatch.setattr(tune_io, "bench", lambda fn, rep_ms, device: 1.0 + 1e-6 * next(times))
     E, I, H, K = tune.INTERPRET_SHAPE
     out = lookup_dir / "cpu.json"
     assert tune.main(["--interpret", "--fp8", "both", "--shape", f"{E},{I},{H},{K}", "--tokens", "1",
