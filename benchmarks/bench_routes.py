@@ -16,6 +16,12 @@ each as plain launches and as a CUDA-graph replay of one call (what a decode ste
 
     python3 benchmarks/bench_routes.py                                   # qwen3_30b_a3b at T=1 and 64
     python3 benchmarks/bench_routes.py --presets qwen3_30b_a3b,deepseek_v3 --tokens 1,8,64 --out /tmp/routes.json
+    python3 benchmarks/bench_routes.py --generate 12 --batches 1,32      # + generate() with and without routes
+
+``--generate N``: also ``model.generate`` of Qwen3-30B-A3B cut to N layers (random bf16 weights, prompt 512, 64 new
+tokens, greedy) after ``moecomp.optimize``, with and without ``return_routed_experts=True`` (recorded in the
+engine's captured steps), alternating, 3 runs each; decode ms/step = the engine's decode time / its steps
+(``generate.last``). The target's own measure: recording <= 2% of a batch-1 decode step.
 
 Output: JSON (``--out``, default ``$OUT/bench_routes.json`` when $OUT is set, else benchmarks/results/routes-<gpu>.json)
 and a table on stdout.
@@ -27,10 +33,12 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from moecomp.testing import LAYER_PRESETS, random_moe_args  # noqa: E402
 
@@ -83,20 +91,63 @@ def bench(preset: str, T: int, reps: int) -> dict:
     return row
 
 
+def bench_generate(layers: int, batches: list[int], runs: int = 3) -> list[dict]:
+    """generate() decode ms/step with and without return_routed_experts (module docstring)."""
+    import statistics
+
+    from bench_generate import build
+    from gen_optimize import optimize_checked, require_generate
+
+    model = build("qwen3", "cuda", torch.bfloat16, layers, False, 0)
+    optimize_checked(model, "qwen3: ")
+    require_generate(model)
+    rows = []
+    for B in batches:
+        ids = torch.randint(3, model.config.vocab_size, (B, 512), device="cuda", generator=None)
+        kw = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, attention_mask=torch.ones_like(ids))
+        per = {"plain": [], "routes": []}
+        for i in range(runs + 1):  # the first pair warms up (compiles, captures)
+            for name in ("plain", "routes"):
+                extra = dict(return_dict_in_generate=True, return_routed_experts=True) if name == "routes" else {}
+                model.generate(ids, **kw, **extra)
+                last = model.generate.last
+                if name == "routes" and last.get("routes") != "recorded in the engine's steps":
+                    raise RuntimeError(f"routes not recorded in the engine: {last}")
+                if i:
+                    per[name].append(1e3 * last["decode_s"] / last["decode_steps"])
+        row = {"layers": layers, "B": B, **{f"{n}_ms_per_step": statistics.median(v) for n, v in per.items()},
+               "runs": per, "graphs": last["graphs"]}
+        row["overhead_pct"] = 100.0 * (row["routes_ms_per_step"] - row["plain_ms_per_step"]) / row["plain_ms_per_step"]
+        rows.append(row)
+        print(f"generate qwen3 {layers}L B={B}: plain {row['plain_ms_per_step']:.3f} ms/step, routes "
+              f"{row['routes_ms_per_step']:.3f} ({row['overhead_pct']:+.2f}%), graphs {row['graphs']}", flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", default="qwen3_30b_a3b")
     p.add_argument("--tokens", default="1,64")
     p.add_argument("--reps", type=int, default=200, help="do_bench's rep (ms of timing per cell)")
     p.add_argument("--out", default=None)
+    p.add_argument("--generate", type=int, default=0, help="also generate() with Qwen3-30B-A3B cut to N layers")
+    p.add_argument("--batches", default="1", help="generate()'s batch sizes (with --generate)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_routes.py needs CUDA", file=sys.stderr)
         return 2
-    rows = [bench(pr, int(t), a.reps) for pr in a.presets.split(",") for t in a.tokens.split(",")]
+    rows = [bench(pr, int(t), a.reps) for pr in a.presets.split(",") for t in a.tokens.split(",")] \
+        if a.tokens else []
+    gen = bench_generate(a.generate, [int(b) for b in a.batches.split(",")]) if a.generate else []
     gpu = torch.cuda.get_device_name()
-    commit = os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip()
-    doc = {"gpu": gpu, "commit": commit, "torch": torch.__version__, "rows": rows}
+    commit = os.environ.get("MOECOMP_COMMIT") or os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip()
+    import transformers
+    import triton
+
+    doc = {"gpu": gpu, "commit": commit, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+           "triton": triton.__version__, "transformers": transformers.__version__, "rows": rows, "generate": gen}
     out = a.out or (os.path.join(os.environ["OUT"], "bench_routes.json") if os.environ.get("OUT") else
                     os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                  f"routes-{gpu.replace(' ', '_')}.json"))

@@ -461,10 +461,32 @@ class record_routing:  # noqa: N801
         return torch.cat(calls, 2)
 
 
+def engine_blocks(model: nn.Module) -> tuple[list | None, str | None]:
+    """generate's engine records routes in its steps (``generate/routes.py``) when every MoE block is bound whole by
+    ``moecomp.optimize`` with routes the op records, all with one top-k: (the blocks in module order, None); else
+    (None, why not), and transformers' loop records under :class:`record_routing`."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        return None, "no MoE block found"
+    ks = set()
+    for name, block in blocks:
+        label = name or "<root>"
+        if getattr(block, "_moecomp", None) is None:
+            return None, f"{label} is not rewritten by moecomp.optimize"
+        p, why = _op_plan(name, block)
+        if why is not None:
+            return None, f"{label}: {why}"
+        ks.add(p.spec.top_k)
+    if len(ks) != 1:
+        return None, f"the blocks route to different numbers of experts ({sorted(ks)})"
+    return [b for _, b in blocks], None
+
+
 def _register() -> None:
     from ..generate.hf_generate import FastGenerate
 
     FastGenerate.recorder = record_routing
+    FastGenerate.engine_blocks = staticmethod(engine_blocks)
 
 
 _register()

@@ -154,6 +154,8 @@ class BoundState:
     impl_prev: str | None = None  # the name it had before binding marked it "moecomp"
     inputs: tuple = ()  # (index in OP_ARGS, forward argument name): op arguments read from each call (token ids)
     max_tokens: int = 0  # > 0: calls of more tokens run the original forward (``Match.max_tokens``)
+    route_sink: object = None  # [T, k] int32 the op writes its expert ids into (generate's engine: the recording of
+    # return_routed_experts inside the compiled, captured steps; read in the trace, unlike the routing session)
 
 
 def _split(p: str | None):
@@ -399,7 +401,13 @@ def moecomp_block_forward(self: nn.Module, *args, **kwargs):
     # experts (``MoESpec.parallel``, moecomp.shard_experts): the parallel path, collectives included
     run = call_moe_forward if op_spec.parallel is None else call_parallel
     x_op = x if c.primary == "same" else x.reshape(-1, x.shape[-1])
-    y = run(x_op, tensors, op_spec) if h is None else _routed_call(h, x_op, x, tensors, op_spec)
+    sink = st.route_sink
+    if h is not None:
+        y = _routed_call(h, x_op, x, tensors, op_spec)
+    elif sink is not None:  # the engine records (a static buffer, written by the routing kernel: no extra launch)
+        y = run(x_op, tensors, op_spec, routes_out=sink)
+    else:
+        y = run(x_op, tensors, op_spec)
     for p in st.epilogue:  # a child module called, or an output bias added (moecomp.verify.epilogue)
         e = resolve(self, p)
         y = y + e if isinstance(e, torch.Tensor) else e(y)

@@ -58,6 +58,7 @@ from . import attention, attention_probe
 from .progress import Progress
 from .shared_layers import SharedLayer, compiled_run, method_forwards
 from .sampling import Sampler, StepState, Unsupported, select
+from .routes import SlotRoutes
 
 MAX_SLOTS = 3
 CHECK_EVERY = 16
@@ -118,6 +119,7 @@ class Slot:
         self.graphs: dict = {}  # (fingerprint, sampler signature) -> (graph, sampler)
         self.failed: dict = {}  # same key -> why a capture failed
         self.pool = None  # graph memory pool of this slot (made with its first graph)
+        self.routes = None  # routes.SlotRoutes: the buffers return_routed_experts records into (made on demand)
         self.why_not = Engine.cache_unsupported(self)
 
 
@@ -171,6 +173,8 @@ class Engine:
         self.progress = Progress()
         self._ran: set = set()  # (phase, batch) whose compiled layers have run: their first run compiles
         self.n = None  # [] int64: cache positions the running step attends to
+        self.rec = None  # the running call's SlotRoutes (return_routed_experts), None when it records nothing
+        self.routes = None  # [layers, B, cols] int64: the routes the last recording run recorded
         # Set by _probe() on the first run (it needs the weights where they will run): the (config, function) pairs
         # the decode step points at moecomp's decode kernel (attention.py), the sliding window the engine masks
         # (full-length static cache layers for the sliding layers), and what the probe found.
@@ -363,7 +367,11 @@ class Engine:
         if self.n is None or self.n.device != s.slot.device:
             self.n = torch.zeros((), dtype=torch.long, device=s.slot.device)
         torch.add(s.slot, 1, out=self.n)
+        if self.rec is not None:
+            self.rec.step_begin()
         out = self._forward(s, dtype, self._compiling(s))
+        if self.rec is not None:
+            self.rec.step_end(s.slot)
         nxt = select(out.logits[:, -1], s.state, sampler)
         s.tok.copy_(nxt[:, None])
         s.pos.add_(1)
@@ -393,7 +401,7 @@ class Engine:
 
     def _graph(self, s: Slot, sampler: Sampler, dtype, fp: tuple):
         """The captured step for this slot, sampler and weights; None where graphs are off or capture failed."""
-        key = (fp, sampler.signature)
+        key = (fp, sampler.signature, self.rec is not None)
         hit = s.graphs.get(key)
         if hit is not None:
             return hit[0]
@@ -436,7 +444,11 @@ class Engine:
         # compiled once the cache exists (its lazy allocation stays out of the compiled code)
         tried = (self._compiling(s, "prefill") and os.environ.get("MOECOMP_GENERATE_COMPILE_PREFILL", "1") != "0"
                  and all(getattr(layer, "is_initialized", False) for layer in s.cache.layers))
+        if self.rec is not None:
+            self.rec.prefill_begin(ids.numel())
         out = self._compiled_or_eager(s, "prefill", **kw) if tried else self._call(None, **kw)
+        if self.rec is not None:
+            self.rec.prefill_end(S)
         kind = (self._layers_mode(dev.type == "cuda", "prefill") if tried or "prefill" in self.compile_errors
                 else "eager")
         sampler.prepare(dev, out.logits.shape[-1])
@@ -460,7 +472,7 @@ class Engine:
         for t in range(1, max_new):
             steps += 1
             if want and graph is None and t == 1:  # a graph captured by an earlier call replays from step 1
-                hit = s.graphs.get((fp, sampler.signature))
+                hit = s.graphs.get((fp, sampler.signature, self.rec is not None))
                 graph = hit[0] if hit is not None else None
             elif want and graph is None and t >= 2:  # step 1 ran eagerly: the warm-up before a capture
                 graph = self._graph(s, sampler, dtype, fp)
@@ -479,24 +491,45 @@ class Engine:
             return "off", steps
         if graph is not None:
             return "replayed", steps
-        fail = s.failed.get((fp, sampler.signature))
+        fail = s.failed.get((fp, sampler.signature, self.rec is not None))
         return (f"capture failed: {fail}" if fail else "not needed (fewer than 3 steps)"), steps
 
     @torch.no_grad()
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-            max_new: int, sampler: Sampler, use_graphs: bool = True) -> tuple[torch.Tensor, dict]:
-        """Generate ``max_new`` tokens at most: (ids [B, S + n], info)."""
+            max_new: int, sampler: Sampler, use_graphs: bool = True, record: list | None = None
+            ) -> tuple[torch.Tensor, dict]:
+        """Generate ``max_new`` tokens at most: (ids [B, S + n], info). ``record``: the bound MoE blocks whose expert
+        ids to record (``routes.py``), kept in ``self.routes`` [layers, B, S + n] (the last column never fed: -1)."""
         m = self.model
         B, S = input_ids.shape
         dev = input_ids.device
         emb = m.get_input_embeddings()
         dtype = emb.weight.dtype if emb is not None else m.dtype
-        Bb = batch_bucket(B)
-        s = self._slot(Bb, length_bucket(S + max_new), dev, dtype)
-        L = s.length
+        s = self._slot(batch_bucket(B), length_bucket(S + max_new), dev, dtype)
         if s.why_not is not None:
             raise Unsupported(s.why_not)
         self.stats["calls"] += 1
+        self.routes = None
+        if record is not None:
+            if s.routes is None or not s.routes.same(record):
+                s.routes = SlotRoutes(record, s.batch, s.length, dev)
+            self.rec = s.routes
+        try:
+            out, info = self._run(s, input_ids, attention_mask, position_ids, max_new, sampler, use_graphs, dtype)
+        finally:
+            if self.rec is not None:
+                self.rec.detach()
+        if self.rec is not None:
+            self.routes = self.rec.result(B, out.shape[1])
+            self.routes[:, :, -1] = -1  # the last token is never fed to the model
+            self.rec = None
+        return out, info
+
+    def _run(self, s: Slot, input_ids, attention_mask, position_ids, max_new: int, sampler: Sampler,
+             use_graphs: bool, dtype) -> tuple[torch.Tensor, dict]:
+        B, S = input_ids.shape
+        dev = input_ids.device
+        Bb, L = s.batch, s.length
         cuda = dev.type == "cuda"
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if cuda else None
         clock = [time.perf_counter()]

@@ -23,6 +23,8 @@ import warnings
 import torch
 
 from .engine import Engine
+from .routes import missing
+from ..core import replay
 from .sampling import Sampler, Unsupported
 
 _PLAIN_ARGS = ("past_key_values", "cache", "cache_implementation", "compile_config", "streamer", "assistant_model",
@@ -35,16 +37,15 @@ _OUTPUT_FLAGS = ("output_attentions", "output_hidden_states", "output_scores", "
                  "output_router_logits", "return_dict_in_generate")
 
 
-ROUTES_REASON = ("return_routed_experts=True: transformers' decode loop (the op records in each block); the "
-                 "engine's CUDA graphs do not record routes yet")
 _ROUTES_WARNED = False
 
 
-def _warn_routes_slow() -> None:
-    """Once per process: ``return_routed_experts=True`` on a CUDA model runs transformers' loop, not the graphs."""
+def _warn_routes_slow(why: str) -> None:
+    """Once per process: ``return_routed_experts=True`` on a CUDA model ran transformers' loop, not the graphs."""
     global _ROUTES_WARNED
     _ROUTES_WARNED = True
-    warnings.warn(ROUTES_REASON + ": slower than generate() without it", UserWarning, stacklevel=4)
+    warnings.warn(f"return_routed_experts=True ran transformers' decode loop ({why}): slower than the engine",
+                  UserWarning, stacklevel=4)
 
 
 def _finished(seq: torch.Tensor, prompt: int, eos: list[int]) -> torch.Tensor:
@@ -65,8 +66,11 @@ class FastGenerate:
     static-cache step, so CPU models keep transformers' loop unless ``cpu = True`` (the tests run the engine's logic
     on CPU that way)."""
 
-    __slots__ = ("model", "engine", "enabled", "cpu", "last", "_t0")
-    recorder = None  # moecomp.record_routing (set by api/routing.py: the layer above): return_routed_experts
+    __slots__ = ("model", "engine", "enabled", "cpu", "last", "_t0", "_record")
+    # Set by api/routing.py (the layer above), for return_routed_experts: moecomp.record_routing, and
+    # engine_blocks(model) -> (the bound MoE blocks in module order, None) or (None, why the engine cannot record)
+    recorder = None
+    engine_blocks = None
 
     def __init__(self, model):
         self.model = model
@@ -75,6 +79,7 @@ class FastGenerate:
         self.cpu = False
         self.last: dict = {}
         self._t0 = None  # perf_counter at the call's start (the host-time breakdown of ``last``)
+        self._record = None  # the blocks the engine records this call (return_routed_experts), else None
 
     def _engine(self) -> Engine:
         if self.engine is None:
@@ -117,36 +122,60 @@ class FastGenerate:
         return self._generate(args, kwargs)
 
     def _with_routes(self, args, kwargs):
-        """``return_routed_experts=True``: transformers' generate under ``record_routing`` (bound blocks record in
-        the op); the output's ``routed_experts`` [layers, batch, tokens, k] int64 over ``sequences``: -1 where
-        the attention mask is 0, for the last token (never fed to the model), and in a finished row from its EOS on
-        (the padding that follows it)."""
+        """``return_routed_experts=True``: the output's ``routed_experts`` [layers, batch, tokens, k] int64 over
+        ``sequences``: -1 where the attention mask is 0, for the last token (never fed to the model), and in a
+        finished row from its EOS on (the padding that follows it). The engine records inside its compiled,
+        captured steps (``routes.py``) when every MoE block is bound whole; otherwise, or where the call takes
+        transformers' loop, that loop runs under ``record_routing`` (the op records in each bound block) and
+        ``last["routes"]`` says why."""
         if not kwargs.get("return_dict_in_generate", False):
             raise ValueError("return_routed_experts=True: expected return_dict_in_generate=True too (the routes are "
                              "the output's routed_experts; without it generate returns the sequences alone)")
-        if type(self).recorder is None:
+        if type(self).recorder is None or type(self).engine_blocks is None:
             raise ValueError("return_routed_experts=True: moecomp.record_routing is not loaded (import moecomp.api."
                              "routing)")
-        kwargs["moecomp_fast"] = False  # the engine's graphs do not record yet: transformers' loop, the op records
-        if not _ROUTES_WARNED and any(p.is_cuda for p in self.model.parameters()):
-            _warn_routes_slow()
-        with type(self).recorder(self.model) as rec:
-            out = self._generate(args, kwargs)
-        self.last["reason"] = ROUTES_REASON
+        blocks, why = type(self).engine_blocks(self.model)
+        if why is not None:
+            kwargs["moecomp_fast"] = False
+        self._record = blocks
+        try:
+            with type(self).recorder(self.model) as rec:  # records only where transformers' loop runs
+                out = self._generate(args, kwargs)
+        finally:
+            self._record = None
         seq = out.sequences
-        calls = rec.calls  # with a cache: one call per new token (joined); without: each call the whole prefix
-        routes = calls[-1] if calls and calls[-1].shape[2] == seq.shape[1] - 1 else rec.routes
-        full = torch.full(routes.shape[:2] + (seq.shape[1],) + routes.shape[3:], -1, dtype=routes.dtype,
-                          device=routes.device)
-        full[:, :, : routes.shape[2]] = routes[:, :, : seq.shape[1]]
+        if self.last.get("path") == "moecomp" and self.engine is not None and self.engine.routes is not None:
+            full = self.engine.routes
+            self.last["routes"] = "recorded in the engine's steps"
+        else:
+            why = why or self.last.get("reason")
+            self.last["routes"] = f"transformers' decode loop, recorded by the op in each block ({why})"
+            if not _ROUTES_WARNED and any(p.is_cuda for p in self.model.parameters()):
+                _warn_routes_slow(why)
+            full = _from_recorder(rec, seq)
         mask = kwargs.get("attention_mask")
         if mask is not None:
             full[:, :, : mask.shape[1]][:, mask.to(full.device) == 0] = -1
         prompt = (args[0] if args else kwargs.get("input_ids")).shape[1]
         done = _finished(seq, prompt, self._eos_ids(kwargs))  # [B, L]: a finished row's EOS and what follows
         full[:, done.to(full.device)] = -1
+        self._check_recorded(full, seq, mask, done)
         out["routed_experts"] = full
         return out
+
+    def _check_recorded(self, full, seq, mask, done) -> None:
+        """Not silently wrong: tokens the model was fed whose ids no block recorded (a block that ran its original
+        forward in the engine's steps) are counted in ``last["routes_missing"]`` and warned of."""
+        fed = ~done.to(full.device)
+        fed[:, -1] = False
+        if mask is not None:
+            fed[:, : mask.shape[1]] &= mask.to(full.device) != 0
+        n = missing(full, fed)
+        self.last["routes_missing"] = n
+        if n:
+            warnings.warn(f"return_routed_experts=True: {n} (layer, row, token) entries have no recorded expert ids "
+                          f"(-1): a block ran its original forward instead of the op (model.generate.last)",
+                          UserWarning, stacklevel=3)
 
     def _eos_ids(self, kwargs) -> list[int]:
         """The EOS ids this call stops at: ``eos_token_id`` given, else the generation config's (one or a list)."""
@@ -176,7 +205,18 @@ class FastGenerate:
 
     def __setstate__(self, state):
         self.model, self.enabled, self.cpu = state["model"], state["enabled"], state.get("cpu", False)
-        self.engine, self.last, self._t0 = None, {}, None
+        self.engine, self.last, self._t0, self._record = None, {}, None, None
+
+
+def _from_recorder(rec, seq: torch.Tensor) -> torch.Tensor:
+    """[layers, B, cols] from ``record_routing``'s calls: with a cache, one call per new token (joined); without,
+    each call the whole prefix (the last one covers every column but the last)."""
+    calls = rec.calls
+    routes = calls[-1] if calls and calls[-1].shape[2] == seq.shape[1] - 1 else rec.routes
+    full = torch.full(routes.shape[:2] + (seq.shape[1],) + routes.shape[3:], -1, dtype=routes.dtype,
+                      device=routes.device)
+    full[:, :, : routes.shape[2]] = routes[:, :, : seq.shape[1]]
+    return full
 
 
 def fast_generate(model) -> FastGenerate | None:
@@ -189,12 +229,18 @@ def device_of(model) -> torch.device | None:
     return devs.pop() if len(devs) == 1 else None
 
 
-def _why_not(self, input_ids, generation_config, streamer, synced_gpus, model_kwargs) -> str | None:
+def _why_not(self, input_ids, generation_config, streamer, synced_gpus, model_kwargs,
+             routes: bool = False) -> str | None:
+    """Why the engine cannot run this call (None: it can). ``routes``: return_routed_experts records in the engine,
+    whose output is then a ``GenerateDecoderOnlyOutput`` of the sequences alone (no cache: the engine's is static
+    and its own), so ``return_dict_in_generate`` is allowed there only."""
     if streamer is not None or synced_gpus:
         return "streamer / synced_gpus"
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         return f"input_ids of shape {tuple(input_ids.shape)}"
     for f in _OUTPUT_FLAGS:
+        if routes and f == "return_dict_in_generate":
+            continue
         if getattr(generation_config, f, False) or model_kwargs.get(f):
             return f"{f}=True"
     if not model_kwargs.get("use_cache", True):
@@ -216,7 +262,8 @@ def decode(self, input_ids, logits_processor=None, stopping_criteria=None, gener
     """transformers' decoding-method contract (like ``GenerationMixin._sample``); ``self`` is the model."""
     fg = fast_generate(self)
     t_setup = time.perf_counter() - fg._t0 if fg is not None and fg._t0 is not None else None
-    why = _why_not(self, input_ids, generation_config, streamer, synced_gpus, model_kwargs)
+    record = fg._record if fg is not None else None
+    why = _why_not(self, input_ids, generation_config, streamer, synced_gpus, model_kwargs, record is not None)
     eng = fg._engine() if fg is not None else None
     if why is None and eng is None:
         why = "model.generate is not moecomp's"
@@ -234,15 +281,23 @@ def decode(self, input_ids, logits_processor=None, stopping_criteria=None, gener
         if max_new <= 0:
             why = "no tokens to generate"
     if why is None:
+        token = replay.activate(None) if record is not None else None  # the engine records, not the session
         try:
             out, info = eng.run(input_ids, model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"),
-                                max_new, sampler, use_graphs=True)
+                                max_new, sampler, use_graphs=True, record=record)
         except Unsupported as e:
             why = str(e)
         else:
             if fg is not None:
                 fg.last = {"path": "moecomp", **info, "host_setup_s": t_setup}
+            if record is not None and generation_config.return_dict_in_generate:
+                from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+                return GenerateDecoderOnlyOutput(sequences=out)
             return out
+        finally:
+            if token is not None:
+                replay.deactivate(token)
     if fg is not None:
         fg.last = {"path": "transformers", "reason": why}
     return type(self)._sample(self, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
