@@ -8,7 +8,9 @@
   custom ops ``moe_parallel_routes`` / ``moe_parallel(..., routes_in)``.
 - ``check_routes_model``: tiny HF models (Qwen3-MoE on EP, DeepSeek-V3 on TP) optimized, then sharded: record on the
   sharded model equals record on the whole one (ids exactly), replay of the recorded routes gives the whole model's
-  logits, and replay of other routes gives the whole model's replay of them (``MODEL_TOL``, fp32).
+  logits, and replay of other routes gives the whole model's replay of them (``MODEL_TOL``, fp32); and
+  ``generate(return_routed_experts=True)`` on the engine's path (CPU steps) returns the whole model's routes and
+  tokens exactly.
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ def check_routes_model(rank: int, W: int, comm=None) -> list:
         with moecomp.replay_routing(other, model):
             want_other = _logits(model, ids, mask)
         assert rel_err(want_other, want) > 1e-2  # the other routes change the logits
+        model.generate.cpu = True  # the engine's steps (as on the GPU, without the graphs)
+        gen_want = _generate_routes(model, ids, mask)
         report = moecomp.shard_experts(model, None, mode)
         assert len(report) == 2 and all(mode in v for v in report.values()), report
         with moecomp.record_routing(model) as rec:
@@ -123,4 +127,15 @@ def check_routes_model(rank: int, W: int, comm=None) -> list:
         with moecomp.replay_routing(other, model):
             got = _logits(model, ids, mask)
         rows.append((f"{tag} replay other", rank, rel_err(got, want_other), MODEL_TOL))
+        gen = _generate_routes(model, ids, mask)
+        in_engine = model.generate.last.get("routes") == "recorded in the engine's steps"
+        rows += [(f"{tag} generate routes", rank, _mismatch(gen.routed_experts, gen_want.routed_experts), 0.5),
+                 (f"{tag} generate tokens", rank, _mismatch(gen.sequences, gen_want.sequences), 0.5),
+                 (f"{tag} generate in engine", rank, 0.0 if in_engine else 1.0, 0.5)]
     return rows
+
+
+def _generate_routes(model, ids, mask):
+    """generate(return_routed_experts=True) on the engine's path: the global ids every block's op recorded."""
+    return model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+                          return_routed_experts=True)

@@ -71,7 +71,8 @@ def test_routes_record_replay(world):
     _ok(got["routes_model"], W)
     assert {r[0] for r in got["routes_model"]} == {f"routes hf {m} {c}" for m in ("qwen3_moe/ep", "deepseek_v3/tp")
                                                    for c in ("record ids", "record logits", "replay recorded",
-                                                             "replay other")}
+                                                             "replay other", "generate routes", "generate tokens",
+                                                             "generate in engine")}
 
 
 def test_one_rank_raising_ends_the_run_fast():
