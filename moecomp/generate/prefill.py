@@ -177,8 +177,8 @@ class PrefillGraphs:
         self.cpu = False
         self.refused: str | None = None  # why this model does not take the bucketed prefill (found once)
         self.info: dict = {}  # the last call's: prefill (what ran), prefill_bucket
-        self._events = None  # CUDA events around the last replay, read by gpu_seconds after the call's sync
-        self._timed = False
+        self._events: dict = {}  # device -> the two CUDA events put around a replay
+        self._timed = None  # the events of this call's replay (gpu_seconds reads them after the call's sync)
         self._dtype = None  # the running call's activation dtype (additive masks)
 
     # ----------------------------------------------------------------------------------------------- decisions
@@ -294,7 +294,7 @@ class PrefillGraphs:
         B, S = input_ids.shape
         dev = input_ids.device
         self.info = {"prefill": None, "prefill_bucket": None}
-        self._timed, self._dtype = False, dtype
+        self._timed, self._dtype = None, dtype
         why = self.why_off(s, S, position_ids, use_graphs, dev)
         if why is not None:
             self.info["prefill"] = f"off: {why}"
@@ -311,8 +311,8 @@ class PrefillGraphs:
         e = s.prefill_graphs.get(key)
         if e is not None and e.graph is not None:
             s.prefill_graphs.move_to_end(key)
+            sampler.prepare(dev, e.vocab)  # (the decode's eager steps read it; first: its copies wait for the stream)
             self._load(s, e, input_ids, attention_mask, position_ids, sampler)
-            sampler.prepare(dev, e.vocab)  # the decode's eager steps read this call's sampler
             self._replay(e, dev)
             if eng.rec is not None:
                 eng.rec.record_steps()  # (the graph wrote the prefill's routes; the steps record next)
@@ -389,16 +389,17 @@ class PrefillGraphs:
         if dev.type != "cuda":
             e.graph.replay()
             return
-        if self._events is None or self._events[0].device != dev:
-            self._events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        self._events[0].record()
+        ev = self._events.get(dev)
+        if ev is None:
+            ev = self._events[dev] = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        ev[0].record()
         e.graph.replay()
-        self._events[1].record()
-        self._timed = True
+        ev[1].record()
+        self._timed = ev
 
     def gpu_seconds(self) -> float | None:
         """The last call's replay on the device (CUDA events around it), once the call synchronized; else None."""
-        return self._events[0].elapsed_time(self._events[1]) / 1e3 if self._timed else None
+        return self._timed[0].elapsed_time(self._timed[1]) / 1e3 if self._timed else None
 
 
 def _widen_dynamo_limits() -> None:
