@@ -335,7 +335,7 @@ class PrefillGraphs:
         if not graphs:
             self.info["prefill"] = f"bucket {Sb}, not captured ({dev.type}: no graphs)"
         elif fresh:
-            self.info["prefill"] = f"bucket {Sb}, not captured: this call allocated the slot's cache (the next captures)"
+            self.info["prefill"] = f"bucket {Sb}, not captured: this call allocated the slot's cache (next: captured)"
         else:
             self._capture(s, e, key, sampler, phase, fp)
         return e.layers

@@ -226,7 +226,7 @@ def test_failed_capture_falls_back_with_the_reason(fake_graphs, monkeypatch):
     want = _gen(ref, ids, mask)
     assert torch.equal(_gen(opt, ids, mask), want)  # allocates the slot's cache
     fake_graphs["fail"] = RuntimeError("operation not permitted when stream is capturing\nmore")
-    with pytest.warns(UserWarning, match=r"the prefill could not be captured as a CUDA graph \(RuntimeError: operation not permitted"):
+    with pytest.warns(UserWarning, match=r"prefill could not be captured as a CUDA graph \(RuntimeError: operation"):
         assert torch.equal(_gen(opt, ids, mask), want)
     why = "RuntimeError: operation not permitted when stream is capturing"
     assert opt.generate.last["prefill"].startswith(f"capture failed: {why} (this call ran bucket 16"), opt.generate.last
