@@ -121,18 +121,24 @@ def new_pool(device: torch.device):
 
 def capture_graph(body, pool, device: torch.device):
     """``body()`` captured into ``pool``, with the decode capture's memory policy: cached blocks released first when
-    the device is nearly full, and once more on running out of memory, then one retry."""
+    the device is nearly full, and once more on running out of memory, then one retry. A failed capture leaves the
+    caller's stream current."""
     free, total = torch.cuda.mem_get_info(device)
     if free < LOW_MEMORY_FRACTION * total:
         torch.cuda.empty_cache()
+    stream = torch.cuda.current_stream(device)
     for attempt in (0, 1):
         g = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(g, pool=pool):
                 body()
             return g
-        except torch.cuda.OutOfMemoryError:
-            if attempt:
+        except BaseException as e:
+            # torch.cuda.graph's exit ends the capture before it leaves the capture stream: when ending it raises
+            # (a capture the body invalidated), the capture stream would stay current for everything after
+            if torch.cuda.current_stream(device) != stream:
+                torch.cuda.set_stream(stream)
+            if attempt or not isinstance(e, torch.cuda.OutOfMemoryError):
                 raise
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
@@ -142,14 +148,16 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
-def _warn(why: str) -> None:
-    """Once per reason: a prefill that could not be captured (its key then takes today's path)."""
+def _warn(why: str, model_wide: bool = False) -> None:
+    """Once per reason: a prefill that could not be captured (its key then takes today's path), or (``model_wide``)
+    a model whose bucketed prefill failed (every call then does)."""
     if why in _warned:
         return
     _warned.add(why)
-    warnings.warn(f"moecomp generate: the prefill could not be captured as a CUDA graph ({why}); calls with this "
-                  f"prompt bucket take the uncaptured prefill (its launches on the host add to the time to the first "
-                  f"token). model.generate.last['prefill'] says so per call.", UserWarning, stacklevel=6)
+    head = (f"the bucketed prefill failed for this model ({why}); every call takes" if model_wide else
+            f"the prefill could not be captured as a CUDA graph ({why}); calls with this prompt bucket take")
+    warnings.warn(f"moecomp generate: {head} the uncaptured prefill (its launches on the host add to the time to "
+                  f"the first token). model.generate.last['prefill'] says so per call.", UserWarning, stacklevel=6)
 
 
 class _Refused(Exception):
@@ -326,9 +334,10 @@ class PrefillGraphs:
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as x:  # the model does not take it: today's prefill for this model from now on, said
-            self.refused = f"the bucketed prefill failed ({x if isinstance(x, _Refused) else _short(x)})"
+            why = str(x) if isinstance(x, _Refused) else _short(x)
+            self.refused = f"the bucketed prefill failed ({why})"
             self.info["prefill"] = f"off: {self.refused}"
-            _warn(self.refused)
+            _warn(why, model_wide=True)
             if eng.rec is not None:
                 eng.rec.record_steps()
             return None

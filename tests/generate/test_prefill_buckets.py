@@ -117,10 +117,12 @@ def test_masks():
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_bucketed_prefill_tokens_equal_transformers(family):
-    """Batch 3 with left padding (batch bucket 4), prompts of 16 (on a bucket edge), 17 (one past it: bucket 32) and
-    one token alone: transformers' greedy tokens."""
+    """Batch 3 with left padding (batch bucket 4), prompts of 16 (on a bucket edge), 17 (one past it: bucket 32), one
+    token alone, and 257 (past the last power of two: bucket 512, as long as the call's cache): transformers' greedy
+    tokens."""
     ref, opt = _pair(family)
-    for S, B, pad in ((16, 3, (0, 3, 5)), (17, 3, (0, 3, 5)), (1, 1, ())):
+    cases = [(16, 3, (0, 3, 5)), (17, 3, (0, 3, 5)), (1, 1, ()), (257, 2, (0, 100))]
+    for S, B, pad in cases if family != "deepseek_v3" else cases[:3]:  # (MLA at 257 tokens: 7 s on CPU)
         ids, mask = prompts(ref.config.vocab_size, B, S, seed=S, left_pad=pad)
         want = _gen(ref, ids, mask)
         got = _gen(opt, ids, mask)
@@ -128,6 +130,7 @@ def test_bucketed_prefill_tokens_equal_transformers(family):
         assert last["path"] == "moecomp" and last["prefill_bucket"] == prefill.bucket(S), last
         assert last["prefill"] == f"bucket {prefill.bucket(S)}, not captured (cpu: no graphs)", last
         assert torch.equal(got, want), (family, S)
+    assert last["cache_length"] == (512 if family != "deepseek_v3" else 256)  # (257: its bucket fills the cache)
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen2_moe"])
@@ -168,6 +171,32 @@ def test_off_switches_take_todays_prefill(monkeypatch):
         _gen(opt, ids, mask)
     monkeypatch.delenv(prefill.ENV_LAYERS)
     assert torch.equal(_gen(opt, ids, mask), want) and opt.generate.last["prefill_bucket"] == 32
+
+
+def test_a_model_that_keeps_every_logit_is_refused(monkeypatch):
+    """A forward that ignores a tensor logits_to_keep (here: made to keep every position) is found on its first
+    bucketed run: that call and every later one take today's prefill, say why, and warn once; same tokens."""
+    import functools
+
+    monkeypatch.setattr(prefill, "_warned", set())
+    ref, opt = _pair("qwen3_moe")
+    forward = opt.forward
+
+    @functools.wraps(forward)
+    def keep_all(*args, **kwargs):
+        kwargs["logits_to_keep"] = 0
+        return forward(*args, **kwargs)
+
+    opt.forward = keep_all
+    why = "off: the bucketed prefill failed (the model's forward returned logits of shape (2, 16, 96)"
+    for S in (9, 12):
+        ids, mask = prompts(ref.config.vocab_size, 2, S, seed=S, left_pad=(0, 2))
+        if S == 9:
+            with pytest.warns(UserWarning, match="the bucketed prefill failed for this model"):
+                got = _gen(opt, ids, mask)
+        else:
+            got = _gen(opt, ids, mask)
+        assert torch.equal(got, _gen(ref, ids, mask)) and opt.generate.last["prefill"].startswith(why), S
 
 
 @pytest.mark.parametrize("mode", ["dynamic", "static", "eager"])
