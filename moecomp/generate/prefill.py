@@ -23,9 +23,11 @@ query also sees its own key (``| j == i``), so a left-padded query is never full
 
 **Buckets** (``bucket``): powers of two from 16 to 256, then multiples of 256 (the cache-length grid,
 ``engine.LENGTH_ROUND``) up to ``MAX_LENGTH`` = 4096 tokens: 20 buckets. On the 256-grid a bucket never exceeds the
-cache of the call it serves (``bucket(S) <= length_bucket(S + 1)``), so no call needs a longer cache; at most 255
-padding tokens past 256 (< 2x below, about 1.5x at 257 and shrinking), each costing what a prompt token costs.
-Also today's path: batch bucket x prompt bucket past ``MAX_TOKENS`` = 8192 tokens (there the prefill is GPU-bound:
+cache of the call it serves (``bucket(S) <= length_bucket(S + 1)``), so no call needs a longer cache. Padding: from
+16 to 256 fewer padding tokens than prompt tokens; past 256 at most 255 (2x at 257, 1.33x at 769, shrinking), each
+costing what a prompt token costs. Nothing below 16 (a prefill that short costs about what 16 tokens cost: the
+weights are read once either way). Past 4096 tokens the prefill is GPU-bound (tens of ms of host launches against
+hundreds of ms on the GPU at 30B-A3B sizes), so more buckets would buy little for their captures. Also today's path: batch bucket x prompt bucket past ``MAX_TOKENS`` = 8192 tokens (there the prefill is GPU-bound:
 the host's few ms of launches are small beside it), ``position_ids`` other than [B or 1, S], cache layers other than
 plain ``StaticLayer``.
 
@@ -45,10 +47,10 @@ more passes over the activations per layer).
 
 **First call of a key**: the body run eagerly (it compiles the layers and gives this call's result), then captured
 (nothing runs while capturing). On a slot whose cache is not allocated yet the body runs with eager layers and is
-not captured (the lazy allocation stays out of compiled code and graphs, as on today's path): the next call of the
-bucket captures. A capture that fails (a host sync or an uncapturable op in the
-model) leaves this call's result, is remembered for the key, warned of once and said in ``last["prefill"]``; later
-calls of that key take today's path. ``MOECOMP_GENERATE_PREFILL_GRAPH=0`` turns the whole thing off.
+not captured (the lazy allocation stays out of compiled code and graphs, as on today's path): the next call
+captures. A capture that fails (a host sync or an uncapturable op in the model) leaves this call's result, is
+remembered for the key, warned of once and said in ``last["prefill"]``; later calls of that key take today's path.
+``MOECOMP_GENERATE_PREFILL_GRAPH=0`` turns the whole thing off.
 """
 
 from __future__ import annotations
@@ -56,7 +58,6 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections import OrderedDict
 
 import torch
 
