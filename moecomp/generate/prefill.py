@@ -27,9 +27,9 @@ cache of the call it serves (``bucket(S) <= length_bucket(S + 1)``), so no call 
 16 to 256 fewer padding tokens than prompt tokens; past 256 at most 255 (2x at 257, 1.33x at 769, shrinking), each
 costing what a prompt token costs. Nothing below 16 (a prefill that short costs about what 16 tokens cost: the
 weights are read once either way). Past 4096 tokens the prefill is GPU-bound (tens of ms of host launches against
-hundreds of ms on the GPU at 30B-A3B sizes), so more buckets would buy little for their captures. Also today's path: batch bucket x prompt bucket past ``MAX_TOKENS`` = 8192 tokens (there the prefill is GPU-bound:
-the host's few ms of launches are small beside it), ``position_ids`` other than [B or 1, S], cache layers other than
-plain ``StaticLayer``.
+hundreds of ms on the GPU at 30B-A3B sizes), so more buckets would buy little for their captures. Also today's
+path: batch bucket x prompt bucket past ``MAX_TOKENS`` = 8192 tokens (GPU-bound there too), ``position_ids`` other
+than [B or 1, S], cache layers other than plain ``StaticLayer``.
 
 **Memory.** Per slot one private pool for its prefill graphs: they replay one at a time and every result they keep is
 written to the slot's own tensors (cache, tok, pos, step state, routes), so the pool holds about one uncaptured
