@@ -26,8 +26,8 @@ query also sees its own key (``| j == i``), so a left-padded query is never full
 cache of the call it serves (``bucket(S) <= length_bucket(S + 1)``), so no call needs a longer cache. Padding: from
 16 to 256 fewer padding tokens than prompt tokens; past 256 at most 255 (2x at 257, 1.33x at 769, shrinking), each
 costing what a prompt token costs. Nothing below 16 (a prefill that short costs about what 16 tokens cost: the
-weights are read once either way). Past 4096 tokens the prefill is GPU-bound (tens of ms of host launches against
-hundreds of ms on the GPU at 30B-A3B sizes), so more buckets would buy little for their captures. Also today's
+weights are read once either way). Past 4096 tokens the host's launches (a fixed count per prefill) are a small
+share of the GPU's time, which grows with the tokens: more buckets would buy little for their captures. Also today's
 path: batch bucket x prompt bucket past ``MAX_TOKENS`` = 8192 tokens (GPU-bound there too), ``position_ids`` other
 than [B or 1, S], cache layers other than plain ``StaticLayer``.
 
