@@ -80,7 +80,11 @@ ENGINE_OPTIONS = {"one_liner_no_overlap": ("MOECOMP_NO_OVERLAP", "1", "0"),
                   "one_liner_eager_layers": ("MOECOMP_GENERATE_COMPILE", "0", "1"),
                   "one_liner_eager_prefill": ("MOECOMP_GENERATE_COMPILE_PREFILL", "0", "1"),
                   "one_liner_sdpa": ("MOECOMP_DECODE_ATTENTION", "0", "1"),
-                  "one_liner_align64": ("MOECOMP_ALIGN_SMALL_P", "64", "256")}
+                  "one_liner_align64": ("MOECOMP_ALIGN_SMALL_P", "64", "256"),
+                  # the prefill (issue 41): uncaptured (today's), or its graph with Inductor per bucket / eager layers
+                  "one_liner_no_prefill_graph": ("MOECOMP_GENERATE_PREFILL_GRAPH", "0", "1"),
+                  "one_liner_prefill_static": ("MOECOMP_GENERATE_PREFILL_LAYERS", "static", "dynamic"),
+                  "one_liner_prefill_eager_layers": ("MOECOMP_GENERATE_PREFILL_LAYERS", "eager", "dynamic")}
 EXTRA_PATHS = tuple(ENGINE_OPTIONS)
 COMPILED = ("hf_static", "hf_static_moecomp", "optimize_static")
 
@@ -278,7 +282,9 @@ def run_path(model, path: str, ids, new: int, cuda: bool) -> dict:
 def one_liner_ttft(model, ids, cuda: bool, reps: int = 3) -> dict:
     """TTFT of the one-liner as issue 20 defines it: the wall time of ``generate(..., max_new_tokens=1)`` after
     warm-up (median of ``reps``), with its breakdown from ``model.generate.last``: transformers' generate setup
-    before the engine (host), the prefill's launches (host), the prefill on the device, and the rest of the call."""
+    before the engine (host), the prefill's launches (host), the prefill on the device, and the rest of the call.
+    Where the prefill replayed its CUDA graph (issue 41), its GPU time (CUDA events around the replay) and TTFT over
+    it (the target: <= 1.5); ``ttft_prefill_graph`` says what the prefill did ("replayed", "off: why", ...)."""
     walls, parts = [], []
     require_generate(model)
     model.generate.cpu = True
@@ -294,8 +300,11 @@ def one_liner_ttft(model, ids, cuda: bool, reps: int = 3) -> dict:
     i = sorted(range(reps), key=walls.__getitem__)[reps // 2]
     last = parts[i]
     ms = lambda k: round(last[k] * 1e3, 3) if last.get(k) is not None else None  # noqa: E731
+    gpu = ms("prefill_gpu_s")
     return dict(ttft_ms=walls[i] * 1e3, ttft_host_setup_ms=ms("host_setup_s"), ttft_prefill_host_ms=ms("prefill_host_s"),
-                ttft_prefill_device_ms=ms("prefill_s"), ttft_call_ms=ms("call_s"))
+                ttft_prefill_device_ms=ms("prefill_s"), ttft_call_ms=ms("call_s"), ttft_prefill_gpu_ms=gpu,
+                ttft_over_gpu=walls[i] * 1e3 / gpu if gpu else None, ttft_prefill_graph=last.get("prefill"),
+                ttft_prefill_bucket=last.get("prefill_bucket"))
 
 
 def parse_args(argv=None):
@@ -471,7 +480,9 @@ def _row_line(r: dict) -> str:
     ttft = f"  TTFT {r['ttft_ms']:.1f} ms" if r.get("ttft_ms") is not None else ""
     if r.get("ttft_host_setup_ms") is not None:
         ttft += (f" (setup {r['ttft_host_setup_ms']:.1f} + prefill launch {r['ttft_prefill_host_ms']:.1f} host; "
-                 f"prefill {r['ttft_prefill_device_ms']:.1f} device)")
+                 f"prefill {r['ttft_prefill_device_ms']:.1f} device; graph: {r.get('ttft_prefill_graph')}")
+        ttft += (f", GPU {r['ttft_prefill_gpu_ms']:.1f} ms, TTFT/GPU {r['ttft_over_gpu']:.2f})"
+                 if r.get("ttft_prefill_gpu_ms") else ")")
     return (f"{r['model']:8s} B={r['batch']:<4d} {r['path']:18s} prefill {r['prefill_ms']:8.2f} ms  decode "
             f"{r['decode_ms']:7.3f} ms/step ({r.get('decode_vs_floor', float('nan')):.2f}x floor)  "
             f"{r['tok_s']:8.1f} tok/s  match {tok.get('match', float('nan')):.2f}"
@@ -492,18 +503,42 @@ def _finish(result: dict, args) -> dict:
     return result
 
 
+def ttft_summary(rows: list) -> list[str]:
+    """Per (model, batch): the one-liner's TTFT, its prefill's GPU time and the ratio, beside transformers' best
+    TTFT (the faster of transformers' own paths that ran: ``hf`` eager, ``hf_static`` static cache + compile)."""
+    out = []
+    cells = {}
+    for r in rows:
+        if "error" not in r and r.get("ttft_ms") is not None:
+            cells.setdefault((r["model"], r["batch"]), []).append(r)
+    for (name, B), rs in cells.items():
+        ours = next((r for r in rs if r["path"] == "one_liner"), None)
+        hf = [r for r in rs if r["path"] in ("hf", "hf_static")]  # transformers alone: eager, static + compile
+        if ours is None or not hf:
+            continue
+        best = min(hf, key=lambda r: r["ttft_ms"])
+        gpu = (f", prefill GPU {ours['ttft_prefill_gpu_ms']:.2f} ms (TTFT/GPU {ours['ttft_over_gpu']:.2f})"
+               if ours.get("ttft_prefill_gpu_ms") else f", prefill {ours.get('ttft_prefill_graph')}")
+        out.append(f"TTFT {name} B={B}: one_liner {ours['ttft_ms']:.2f} ms{gpu}; transformers' best "
+                   f"{best['ttft_ms']:.2f} ms ({best['path']}): x{ours['ttft_ms'] / best['ttft_ms']:.2f}")
+    return out
+
+
 def table(result: dict) -> str:
-    lines = ["| model | B | path | prefill ms | TTFT ms | decode ms/step | x floor | tok/s | tokens = hf |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | B | path | prefill ms | TTFT ms | prefill GPU ms | TTFT / GPU | decode ms/step | x floor "
+             "| tok/s | tokens = hf |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['batch']} | {r['path']} | error: {r['error'][:80]} | | | | | |")
+            lines.append(f"| {r['model']} | {r['batch']} | {r['path']} | error: {r['error'][:80]} | | | | | | | |")
             continue
         tok = r.get("tokens", {})
         ttft = f"{r['ttft_ms']:.2f}" if r.get("ttft_ms") is not None else "-"
-        lines.append(f"| {r['model']} | {r['batch']} | {r['path']} | {r['prefill_ms']:.2f} | {ttft} | {r['decode_ms']:.3f} | "
-                     f"{r.get('decode_vs_floor', float('nan')):.2f} | {r['tok_s']:.0f} | "
+        gpu = (f"{r['ttft_prefill_gpu_ms']:.2f} | {r['ttft_over_gpu']:.2f}" if r.get("ttft_prefill_gpu_ms")
+               else "- | -")
+        lines.append(f"| {r['model']} | {r['batch']} | {r['path']} | {r['prefill_ms']:.2f} | {ttft} | {gpu} | "
+                     f"{r['decode_ms']:.3f} | {r.get('decode_vs_floor', float('nan')):.2f} | {r['tok_s']:.0f} | "
                      f"{tok.get('match', float('nan')):.2f} |")
+    lines += ttft_summary(result["rows"])
     for f in result.get("floors", []):
         lines.append(f"floor {f['model']} B={f['batch']}: decode {f['decode_ms']:.3f} ms, prefill "
                      f"{f['prefill_ms']:.2f} ms (distinct experts/layer: decode {f['distinct_experts_decode']:.1f}, "

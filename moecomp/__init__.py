@@ -51,12 +51,14 @@ _LAZY_SUBMODULES = {
 }
 
 
-def warmup(model, batch_sizes=(1,), max_length: int = 1024, prompt_length: int = 8) -> dict:
+def warmup(model, batch_sizes=(1,), max_length: int = 1024, prompt_length: int = 8, prompt_lengths=None) -> dict:
     """Compile and capture ``model.generate`` ahead of time for these batch sizes and cache length (after
-    ``optimize``): ``moecomp.generate.warmup``'s docstring."""
+    ``optimize``), and on CUDA the prefill of each prompt-length bucket of ``prompt_lengths`` (None: every bucket up
+    to ``max_length``): ``moecomp.generate.warmup``'s docstring."""
     from .generate.warmup import warmup as _warmup
 
-    return _warmup(model, batch_sizes=batch_sizes, max_length=max_length, prompt_length=prompt_length)
+    return _warmup(model, batch_sizes=batch_sizes, max_length=max_length, prompt_length=prompt_length,
+                   prompt_lengths=prompt_lengths)
 
 
 def __getattr__(name: str):

@@ -1,6 +1,8 @@
 """The decode engine behind the one-line fast ``generate()``: a static KV cache, and each decode step as one CUDA graph.
 
-    prompt ids [B, S] --pad rows to Bb--> prefill (transformers' own masks) -> cache slots 0..S-1, token 0
+    prompt ids [B, S] --pad rows to Bb--> prefill -> cache slots 0..S-1, token 0
+        CUDA: padded on the right to a prompt-length bucket, one CUDA graph per bucket (``prefill.py``); past the
+        buckets, or where the capture failed: the prompt as it is, with transformers' own masks
     decode step t (run once eagerly, then captured once per slot, sampler and weights, then replayed):
         mask  [Bb, 1, 1, L] = pad_mask & (arange(L) <= slot)
         model(tok [Bb, 1], pos [Bb, 1], mask, static cache) -> logits [Bb, V] -> select -> tok, out[:, t]
@@ -59,6 +61,7 @@ from .progress import Progress
 from .shared_layers import SharedLayer, compiled_run, method_forwards
 from .sampling import Sampler, StepState, Unsupported, select
 from .routes import SlotRoutes
+from .prefill import PrefillGraphs
 
 MAX_SLOTS = 3
 CHECK_EVERY = 16
@@ -120,6 +123,10 @@ class Slot:
         self.failed: dict = {}  # same key -> why a capture failed
         self.pool = None  # graph memory pool of this slot (made with its first graph)
         self.routes = None  # routes.SlotRoutes: the buffers return_routed_experts records into (made on demand)
+        # the captured prefills (prefill.py): key -> Entry (LRU), key -> why its capture failed, their memory pool
+        self.prefill_graphs: OrderedDict = OrderedDict()
+        self.prefill_failed: dict = {}
+        self.prefill_pool = None
         self.why_not = Engine.cache_unsupported(self)
 
 
@@ -184,6 +191,7 @@ class Engine:
         self.kernel_window = 0  # the window the decode kernel may read alone (0: the whole cache, masked)
         self.eager_swapped = False  # "eager" configs recognised: the step's masks are bool
         self.attention_why: str | None = None  # why "eager" attention stays transformers'
+        self.prefill = PrefillGraphs(self)  # the prefill captured per prompt-length bucket
 
     def _probe(self) -> None:
         """Once: which attention runs on moecomp's decode kernel in the decode step ("sdpa" configs; "eager" ones
@@ -294,7 +302,7 @@ class Engine:
                 self._compiled = (layers, {})
         layers, by_phase = self._compiled
         if layers is not None and phase not in by_phase:
-            run = compiled_run(phase, self.compile_backend, True if phase == "prefill" else None)
+            run = compiled_run(phase, self.compile_backend, {"prefill": True, "prefill_static": False}.get(phase))
             by_phase[phase] = [SharedLayer(run, m, i, self.cache_kw) for i, m in enumerate(layers)]
         return layers, by_phase.get(phase)
 
@@ -313,7 +321,7 @@ class Engine:
                 hooks = self.progress.layer_hooks(wrapped, f"compiling {phase} step, batch {key[1]}")
         try:
             with method_forwards(saved if layers is not None else (), skinny=phase == "decode"):
-                return self.model(**kw, use_cache=True, logits_to_keep=1, return_dict=True)
+                return self.model(**{"logits_to_keep": 1, **kw}, use_cache=True, return_dict=True)
         finally:
             for h in hooks:
                 h.remove()
@@ -426,8 +434,13 @@ class Engine:
         return g
 
     # ------------------------------------------------------------------------------------------- generate
-    def _prefill(self, s: Slot, input_ids, attention_mask, position_ids, sampler: Sampler) -> str:
-        """Prompt [B, S] into the slot's cache, first token chosen; returns "compiled" or "eager" (the layers)."""
+    def _prefill(self, s: Slot, input_ids, attention_mask, position_ids, sampler: Sampler, fp=None,
+                 use_graphs: bool = False, dtype=None) -> str:
+        """Prompt [B, S] into the slot's cache, first token chosen; returns "compiled" or "eager" (the layers). The
+        captured, bucketed prefill where it serves the call (``self.prefill.info`` says what ran), else this one."""
+        kind = self.prefill.run(s, input_ids, attention_mask, position_ids, sampler, fp, use_graphs, dtype)
+        if kind is not None:
+            return kind
         B, S = input_ids.shape
         dev = input_ids.device
         rows = torch.cat([torch.arange(B, device=dev), torch.full((s.batch - B,), B - 1, device=dev)]).long()
@@ -461,13 +474,13 @@ class Engine:
         s.tok.copy_(select(out.logits[:, -1], s.state, sampler)[:, None])
         return kind
 
-    def _decode(self, s: Slot, sampler: Sampler, dtype, max_new: int, use_graphs: bool) -> tuple[str, int]:
+    def _decode(self, s: Slot, sampler: Sampler, dtype, max_new: int, use_graphs: bool, fp=None) -> tuple[str, int]:
         """Steps 1 .. max_new - 1: the graph of an earlier call from step 1; else step 1 eager (the warm-up before
         the capture), then the graph. Returns (what the graphs did, steps run). An eager step of a model with many
         small launches costs tens of ms (measured: 27 ms for an FP8 Qwen3-30B-A3B of 6 layers, 12 ms in bf16)."""
         cuda = s.tok.is_cuda
         graph, want = None, use_graphs and cuda
-        fp = fingerprint(self.model) if want else None
+        fp = (fp if fp is not None else fingerprint(self.model)) if want else None
         steps = 0
         for t in range(1, max_new):
             steps += 1
@@ -535,11 +548,12 @@ class Engine:
         clock = [time.perf_counter()]
         if cuda:
             ev[0].record()
-        prefill = self._prefill(s, input_ids, attention_mask, position_ids, sampler)
+        fp = fingerprint(self.model) if use_graphs and (cuda or self.prefill.cpu) else None  # (prefill and steps)
+        prefill = self._prefill(s, input_ids, attention_mask, position_ids, sampler, fp, use_graphs, dtype)
         if cuda:
             ev[1].record()
         clock.append(time.perf_counter())
-        graphs, steps = self._decode(s, sampler, dtype, max_new, use_graphs)
+        graphs, steps = self._decode(s, sampler, dtype, max_new, use_graphs, fp)
         if cuda:
             ev[2].record()
         n = int(s.state.ncols)  # (waits for the device)
@@ -552,5 +566,7 @@ class Engine:
                 "prefill_s": ev[0].elapsed_time(ev[1]) / 1e3 if cuda else clock[1] - clock[0],
                 "decode_s": ev[1].elapsed_time(ev[2]) / 1e3 if cuda else clock[2] - clock[1],
                 # host time: launching the prefill (no sync in it), then the decode loop up to the final sync
-                "prefill_host_s": clock[1] - clock[0], "decode_host_s": clock[2] - clock[1]}
+                "prefill_host_s": clock[1] - clock[0], "decode_host_s": clock[2] - clock[1],
+                # the prefill's graph: what ran ("replayed", "captured", "off: why", ...), its bucket, device time
+                **self.prefill.info, "prefill_gpu_s": self.prefill.gpu_seconds()}
         return torch.cat([input_ids, s.state.out[:B, :n]], dim=-1), info

@@ -6,6 +6,8 @@ int32 buffer that the op's routing kernel writes its [T, k] ids into (``moe_forw
 block). The sinks are rows of one slot-owned buffer, so a step adds two small launches in all:
 
     prefill   sinks = rows of pre [L, Bb*S, k] (filled with -1)  -> model(prompt)  -> hist[:, :, :S] = pre
+              (the captured prefill, ``prefill.py``: S = the prompt bucket, pre kept per bucket; columns past the
+              prompt hold its padding's ids until the decode steps overwrite them, before they are returned)
     step      step.fill_(-1) -> sinks = rows of step [L, Bb, k]  -> model(tok)     -> hist[:, :, slot] = step
               (both captured in the step's CUDA graph; ``slot`` is the device-side cache index)
     result    hist[:, :B, :cols]  ->  [L, B, cols] int64
@@ -32,6 +34,7 @@ class SlotRoutes:
         self.step = torch.full((L, batch, self.k), -1, dtype=torch.int32, device=device)  # [L, Bb, k]
         self.hist = torch.full((L, batch, length, self.k), -1, dtype=torch.int32, device=device)  # [L, Bb, Lc, k]
         self.pre = None  # [L, Bb*S, k] during a prefill
+        self.pres: dict = {}  # tokens -> the buffer of a captured prefill of that many tokens (its graph writes it)
 
     def same(self, blocks: list) -> bool:
         return len(blocks) == len(self.blocks) and all(a is b for a, b in zip(blocks, self.blocks))
@@ -44,15 +47,26 @@ class SlotRoutes:
         for b in self.blocks:
             _state(b).route_sink = None
 
-    def prefill_begin(self, tokens: int) -> None:
-        """Before the prefill of ``tokens`` = Bb * S rows: every block writes a row of a fresh -1 buffer."""
+    def prefill_begin(self, tokens: int, keep: bool = False) -> None:
+        """Before the prefill of ``tokens`` = Bb * S rows: every block writes a row of a -1 buffer, a fresh one, or
+        with ``keep`` the one kept for that many tokens (made on first use, outside any capture)."""
         self.hist.fill_(-1)
-        self.pre = torch.full((len(self.blocks), tokens, self.k), -1, dtype=torch.int32, device=self.step.device)
+        pre = self.pres.get(tokens) if keep else None
+        if pre is None:
+            pre = torch.empty((len(self.blocks), tokens, self.k), dtype=torch.int32, device=self.step.device)
+            if keep:
+                self.pres[tokens] = pre
+        pre.fill_(-1)
+        self.pre = pre
         self._attach(self.pre)
 
     def prefill_end(self, S: int) -> None:
         L, Bb = self.step.shape[:2]
         self.hist[:, :, :S] = self.pre.view(L, Bb, S, self.k)
+        self.record_steps()
+
+    def record_steps(self) -> None:
+        """The blocks record into the step buffer (after a prefill, also one replayed or abandoned)."""
         self.pre = None
         self._attach(self.step)
 

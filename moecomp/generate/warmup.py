@@ -11,6 +11,10 @@ calls of that batch bucket whose prompt + new tokens fit in ``max_length`` use t
 shortest existing cache that is long enough), so they start on the captured graph. Greedy only: a sampling call
 (another sampler signature) captures its own step on first use. The engine keeps at most ``engine.MAX_SLOTS`` slots,
 the least recently used going first: warming more batch buckets than that keeps only the last ones.
+
+Then, on CUDA, the prefill of each prompt-length bucket of ``prompt_lengths`` (None: every bucket up to
+``max_length``) is captured by one greedy call of one new token (``prefill.warm``; at most ``prefill.WARM_BUDGET_S``
+seconds, the rest captured on first use).
 """
 
 from __future__ import annotations
@@ -20,15 +24,16 @@ import time
 import torch
 
 from . import engine as _engine
+from . import prefill as _prefill
 from .hf_generate import device_of as _device_of, fast_generate as _fast_generate
 
 WARM_NEW_TOKENS = 3  # step 1 eager (the warm-up before a capture), step 2 captured, then replayed
 
 
-def warmup(model, batch_sizes=(1,), max_length: int = 1024, prompt_length: int = 8) -> dict:
+def warmup(model, batch_sizes=(1,), max_length: int = 1024, prompt_length: int = 8, prompt_lengths=None) -> dict:
     """Compile and capture ``model.generate`` for each batch size (see the module docstring). Returns
-    ``{batch: {"seconds", "cache_length", "graphs", "path"}}``. ``ValueError`` for a model ``moecomp.optimize`` did
-    not give its fast generate, or bad sizes."""
+    ``{batch: {"seconds", "cache_length", "graphs", "path", "prefill"}}`` ("prefill": {prompt bucket: what its
+    capture did}). ``ValueError`` for a model ``moecomp.optimize`` did not give its fast generate, or bad sizes."""
     fg = _fast_generate(model)
     if fg is None:
         raise ValueError("model: moecomp.warmup needs a model that moecomp.optimize(model) gave its fast generate "
@@ -41,6 +46,9 @@ def warmup(model, batch_sizes=(1,), max_length: int = 1024, prompt_length: int =
     if not isinstance(max_length, int) or max_length < prompt_length + WARM_NEW_TOKENS:
         raise ValueError(f"max_length: expected an int >= prompt_length + {WARM_NEW_TOKENS} "
                          f"({prompt_length + WARM_NEW_TOKENS}), got {max_length!r}")
+    if prompt_lengths is not None and (isinstance(prompt_lengths, (int, str)) or any(
+            not isinstance(n, int) or isinstance(n, bool) or not 1 <= n < max_length for n in prompt_lengths)):
+        raise ValueError(f"prompt_lengths: expected a list of ints in [1, max_length), got {prompt_lengths!r}")
     dev = _device_of(model)
     if dev is None:
         raise ValueError("model: its parameters are on several devices; the engine runs models on one device")
@@ -64,6 +72,7 @@ def warmup(model, batch_sizes=(1,), max_length: int = 1024, prompt_length: int =
             torch.cuda.synchronize(dev)
         eng.progress.clear()
         last = dict(fg.last)
+        prefill = _prefill.warm(model, B, _engine.batch_bucket(B), max_length, prompt_lengths)
         out[B] = dict(seconds=time.perf_counter() - t0, cache_length=last.get("cache_length"),
-                      graphs=last.get("graphs"), path=last.get("path", "?"))
+                      graphs=last.get("graphs"), path=last.get("path", "?"), prefill=prefill)
     return out
