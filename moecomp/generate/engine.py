@@ -524,7 +524,9 @@ class Engine:
         self.stats["calls"] += 1
         self.routes = None
         if record is not None:
-            if s.routes is None or not s.routes.same(record):
+            if s.routes is None or not s.routes.same(record):  # new buffers: graphs that wrote the old ones go
+                s.graphs = {k: v for k, v in s.graphs.items() if not k[2]}
+                s.failed = {k: v for k, v in s.failed.items() if not k[2]}
                 s.routes = SlotRoutes(record, s.batch, s.length, dev)
             self.rec = s.routes
         try:
