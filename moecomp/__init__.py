@@ -51,12 +51,14 @@ _LAZY_SUBMODULES = {
 }
 
 
-def warmup(model, batch_sizes=(1,), max_length: int = 1024, prompt_length: int = 8) -> dict:
+def warmup(model, batch_sizes=(1,), max_length: int = 1024, prompt_length: int = 8, cache_dir=None) -> dict:
     """Compile and capture ``model.generate`` ahead of time for these batch sizes and cache length (after
-    ``optimize``): ``moecomp.generate.warmup``'s docstring."""
+    ``optimize``), loading / saving the compile artifacts under ``cache_dir`` (warm starts): ``moecomp.generate.
+    warmup``'s docstring."""
     from .generate.warmup import warmup as _warmup
 
-    return _warmup(model, batch_sizes=batch_sizes, max_length=max_length, prompt_length=prompt_length)
+    return _warmup(model, batch_sizes=batch_sizes, max_length=max_length, prompt_length=prompt_length,
+                   cache_dir=cache_dir)
 
 
 def __getattr__(name: str):
