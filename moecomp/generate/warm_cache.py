@@ -54,6 +54,8 @@ import warnings
 
 import torch
 
+from . import attention
+
 ENV_DIR = "MOECOMP_CACHE_DIR"
 ENV_SWITCH = "MOECOMP_WARM_CACHE"
 MAGIC = b"MOECOMPWARM1\n"
@@ -64,6 +66,9 @@ _CONFIG_SKIP = frozenset({"_name_or_path", "name_or_path", "transformers_version
                           "decoder_start_token_id", "task_specific_params", "finetuning_task", "tokenizer_class",
                           "prefix", "problem_type", "return_dict", "output_attentions", "output_hidden_states",
                           "use_cache", "dtype", "torch_dtype"})
+
+
+_UNSWAPPED = {attention.NAME: "sdpa", attention.NAME_EAGER: "eager"}
 
 
 def default_dir() -> str:
@@ -126,6 +131,9 @@ def _config_digest(config) -> tuple[str, str]:
     d = {k: v for k, v in d.items() if k not in _CONFIG_SKIP}
     for k in ("_attn_implementation", "_experts_implementation"):  # (private: to_dict may leave them out)
         d[k] = str(getattr(config, k, None))
+    # the decode step runs under attention.Swapped (moecomp's kernel registered under its own names): the same key
+    # whether the first compile is the decode step's (swapped) or warmup's / the prefill's
+    d["_attn_implementation"] = _UNSWAPPED.get(d["_attn_implementation"], d["_attn_implementation"])
     text = json.dumps(d, sort_keys=True, default=str)
     return type(config).__name__, hashlib.sha256(text.encode()).hexdigest()
 
