@@ -6,7 +6,8 @@ process starts with empty FX-graph and AOTAutograd caches, loads the entry, and 
 cache hit there (torch's counters), with the same tokens. What they do not: the time a GPU saves (Triton's
 compiles, bundled in the artifacts on CUDA; benchmarks/bench_warmup.py measures that on the GPU). To keep them fast
 the second process reuses the first one's Inductor directory minus ``fxgraph/`` and ``aotautograd/``: the C++
-builds Inductor makes on CPU (not part of the artifacts) are found there instead of being rebuilt.
+builds Inductor makes on CPU (not part of the artifacts) are found there instead of being rebuilt. Marked ``slow``:
+the fixture's cold process takes 35-50 s on 2 cores, each later one 12-22 s.
 
 The other tests run in this process on fakes of torch's save / load: the file format, the checks on reading, how
 saves merge, the entry key and the arguments."""
@@ -31,11 +32,11 @@ from .models import build
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm_child.py")
 
 
-def _child(mode: str, inductor_dir: str, cache_dir: str | None = None, **env) -> dict:
+def _child(mode: str, inductor_dir: str, cache_dir: str | None = None, device: str = "cpu", **env) -> dict:
     e = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_dir, TRITON_CACHE_DIR=inductor_dir + "-triton",
              MOECOMP_PROGRESS="0", **env)
-    r = subprocess.run([sys.executable, CHILD, mode] + ([cache_dir] if cache_dir else []), env=e,
-                       capture_output=True, text=True, timeout=400)
+    r = subprocess.run([sys.executable, CHILD, mode, cache_dir or "-", device], env=e, capture_output=True, text=True,
+                       timeout=400)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert r.returncode == 0 and lines, f"rc {r.returncode}: {r.stderr[-3000:]}"
     return json.loads(lines[-1])
@@ -57,6 +58,7 @@ def saved(tmp_path_factory):
     return root, a
 
 
+@pytest.mark.slow  # fresh processes compiling with Inductor on CPU (module docstring)
 def test_cold_process_saves(saved):
     root, a = saved
     c = a["warmup"]["2"]["cache"]
@@ -70,6 +72,7 @@ def test_cold_process_saves(saved):
     assert key["versions"]["torch"] == torch.__version__ and key["backend"] == "inductor" and key["bound_blocks"] == 2
 
 
+@pytest.mark.slow
 def test_fresh_process_loads_and_compiles_nothing_new(saved, tmp_path):
     """moecomp.warmup in a fresh process whose FX-graph / AOTAutograd caches are empty: the entry loads ("hit"), every
     graph the first process compiled is a hit, none compiles, the save finds nothing new, and the tokens are the
@@ -89,6 +92,7 @@ def test_fresh_process_loads_and_compiles_nothing_new(saved, tmp_path):
     assert b["warnings"] == []
 
 
+@pytest.mark.slow
 def test_plain_generate_loads_a_matching_entry(saved, tmp_path):
     """No warmup: the first generate() that compiles loads the entry found under $MOECOMP_CACHE_DIR by itself."""
     root, a = saved
@@ -100,6 +104,7 @@ def test_plain_generate_loads_a_matching_entry(saved, tmp_path):
     assert b["tokens"] == a["tokens"] and b["prefill_layers"] == "compiled"
 
 
+@pytest.mark.slow
 def test_corrupt_entry_is_reported_and_recompiled(saved, tmp_path):
     """A damaged file: a warning naming it and the exception, the graphs compile from scratch, the same tokens, and
     the warmup's save replaces the damaged file with a readable one."""
@@ -264,3 +269,25 @@ def test_switches_and_bad_arguments(tmp_path, monkeypatch):
     for bad in (123, "", True, str(a_file)):
         with pytest.raises(ValueError, match="cache_dir"):
             moecomp.warmup(ref, batch_sizes=[1], max_length=32, prompt_length=4, cache_dir=bad)
+
+
+def test_bench_warmup_children_share_what_each_row_says():
+    """benchmarks/bench_warmup.py's three children: warm reuses cold's Inductor / Triton caches with the artifact cache
+    off; artifacts gets new empty ones and cold's artifact cache; only cold saves."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
+                        "bench_warmup.py")
+    spec = importlib.util.spec_from_file_location("bench_warmup_under_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    kids = {state: (env, extra) for state, env, extra in bench.children()}
+    assert list(kids) == ["cold", "warm", "artifacts"]
+    (cold, cx), (warm, wx), (art, ax) = kids["cold"], kids["warm"], kids["artifacts"]
+    assert cx == ["--save"] and wx == ax == []
+    for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        assert warm[k] == cold[k] and art[k] != cold[k] and not os.path.exists(art[k])
+    assert cold["MOECOMP_CACHE_DIR"] == warm["MOECOMP_CACHE_DIR"] == art["MOECOMP_CACHE_DIR"]
+    assert (cold["MOECOMP_WARM_CACHE"], warm["MOECOMP_WARM_CACHE"], art["MOECOMP_WARM_CACHE"]) == ("1", "0", "1")
+    for env in (cold, art):
+        shutil.rmtree(os.path.dirname(env["TORCHINDUCTOR_CACHE_DIR"]), ignore_errors=True)
