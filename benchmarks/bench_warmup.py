@@ -8,7 +8,8 @@ For each model, three child processes run the same thing one after the other:
     warm       a fresh process with the on-disk caches the cold one left, the artifact cache off
                (MOECOMP_WARM_CACHE=0): every later run of the program on that machine, Inductor's / Triton's caches only
     artifacts  a fresh process with NEW empty Inductor / Triton caches but the artifact cache the cold one saved: the
-               first generate() loads it by itself: a warm start in another container or on another machine
+               first generate() loads it by itself (and optimize restores moecomp's own Triton kernels from it):
+               a warm start in another container or on another machine
 
 Each child builds the model (random weights, bf16, on the GPU), calls ``moecomp.optimize``, then for each batch size
 makes three short greedy ``generate`` calls (``--new`` tokens, a ``--prompt``-token prompt): the first compiles the
@@ -81,10 +82,13 @@ def child(a) -> dict:
                                       graphs=last.get("graphs"), layers=last.get("layers"),
                                       prefill_layers=last.get("prefill_layers"))
     rec["optimize_plus_warmup_s"] = t_opt + sum(b["warmup_s"] for b in rec["batches"].values())
-    rec["warm_cache"] = dict(eng.warm.report) if eng.warm is not None else None
-    if a.save:
-        from moecomp.generate import warm_cache
+    from moecomp.generate import warm_cache
 
+    rec["warm_cache"] = dict(eng.warm.report) if eng.warm is not None else None
+    # moecomp's Triton kernels restored by optimize (before its checks ran them) from the artifact cache
+    rec["triton_restore"] = {d: {k: v for k, v in r.items() if k != "restored_dirs"}
+                             for d, r in warm_cache._restored.items()}
+    if a.save:
         rec["warm_cache_save"] = warm_cache.save(eng)
     rec.update(compile_stats())
     return rec
@@ -130,8 +134,13 @@ def cache_line(rec: dict) -> str:
     line = f"{w.get('load', 'not used')}"
     if w.get("loaded_bytes"):
         line += f" ({w['loaded_bytes'] / 2**20:.1f} MiB in {w['load_s']:.2f} s)"
+    for r in (rec.get("triton_restore") or {}).values():
+        if "restored" in r:
+            line += f"; Triton kernels restored {r['restored']} of {r['kernels']} ({r['seconds']:.2f} s)"
     if sv:
-        line += f", save {sv['save']} ({sv.get('saved_bytes', 0) / 2**20:.1f} MiB in {sv.get('save_s', 0):.2f} s)"
+        line += f", save {sv['save']} ({sv.get('saved_bytes', 0) / 2**20:.1f} MiB in {sv.get('save_s', 0):.2f} s"
+        t = sv.get("triton_save")
+        line += f"; Triton kernels packed {t['packed']} of {t['kernels']})" if isinstance(t, dict) else ")"
     return line
 
 

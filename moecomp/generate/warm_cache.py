@@ -10,6 +10,8 @@ This module keeps those blobs per model: a server's ``moecomp.warmup`` pays the 
     <cache dir>/compile/<entry key>/key.json       what the entry is for (versions, device, model structure)
     <cache dir>/compile/<entry key>/<uuid>.bin     a "MOECOMPWARM1" line, one JSON header line (entry key, payload
                                                    bytes, sha256, artifact keys), then save_cache_artifacts()'s blob
+    <cache dir>/triton/<Triton's kernel dir>/      moecomp's own Triton kernels (warm_triton.py: not in torch's blob,
+                                                   the custom ops that launch them are opaque to Inductor)
 
 **Where.** ``moecomp.warmup(..., cache_dir=PATH)``, else ``$MOECOMP_CACHE_DIR``, else ``$XDG_CACHE_HOME/moecomp``
 (``~/.cache/moecomp``). ``MOECOMP_WARM_CACHE=0`` turns the cache off (an explicit ``cache_dir`` still wins);
@@ -32,11 +34,14 @@ because a user who shipped a warmed cache directory expects the next process to 
 seconds to a call the user is timing and write to the home directory unasked; ``moecomp.warmup`` is the explicit
 "prepare this model" step that writes. A file that cannot be read (corrupt, truncated, another key, another torch) is
 reported with a warning naming it and the exception, ignored (that phase compiles from scratch), and replaced by the
-next save; nothing here ever makes ``generate`` fail.
+next save; nothing here ever makes ``generate`` fail. moecomp's Triton kernels are restored earlier, by
+``moecomp.optimize`` on a CUDA model (its checks run them) from the default directory (``$MOECOMP_CACHE_DIR`` or
+``~/.cache/moecomp``: set the variable when the cache lives elsewhere), and again by each load; each save packs those
+this process ran.
 
 What it does not skip: Dynamo still traces each compiled function and checks its guards, and CUDA graphs are captured
-again in the new process; the artifacts spare Inductor's code generation and Triton's compiles (on CPU, Inductor's C++
-builds are not in the artifacts: they are rebuilt from the cached source).
+again in the new process; the artifacts spare Inductor's code generation and Triton's compiles, moecomp's kernels
+included (on CPU, Inductor's C++ builds are not in the artifacts: they are rebuilt from the cached source).
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ import warnings
 
 import torch
 
-from . import attention
+from . import attention, warm_triton
 
 ENV_DIR = "MOECOMP_CACHE_DIR"
 ENV_SWITCH = "MOECOMP_WARM_CACHE"
@@ -245,7 +250,8 @@ def _segments(path: str) -> list[str]:
 def load(engine, cache_dir=None, who: str = "moecomp.warmup") -> dict:
     """Load the engine's entry under ``cache_dir`` (``resolve``) into torch's local caches, once per engine and
     directory; sets ``engine.warm`` and returns its report: {"dir", "entry", "load": "hit" | "miss" | "failed" |
-    "off (why)", "loaded_by", "load_s", "loaded_bytes", "artifacts": {type: count}, "ignored": [files]}."""
+    "off (why)", "loaded_by", "load_s", "loaded_bytes", "artifacts": {type: count}, "ignored": [files], "triton_load":
+    warm_triton.restore's report}."""
     root, why = resolve(cache_dir)
     old = getattr(engine, "warm", None)
     if old is not None and old.root == root and old.report:
@@ -276,15 +282,17 @@ def load(engine, cache_dir=None, who: str = "moecomp.warmup") -> dict:
         keys |= ent.segments[name]
         loaded, nbytes = loaded + 1, nbytes + len(payload)
     status = "hit" if loaded else ("failed" if ent.broken else "miss")
+    kernels = _restore_kernels(root)
     ent.report = dict(dir=root, entry=ent.path, load=status, loaded_by=who, load_s=time.perf_counter() - t0,
-                      loaded_bytes=nbytes, artifacts=_counts(keys), ignored=list(ent.broken))
+                      loaded_bytes=nbytes, artifacts=_counts(keys), ignored=list(ent.broken), triton_load=kernels)
     engine.warm = ent
     return ent.report
 
 
 def save(engine) -> dict:
     """Save what this process compiled into the engine's entry (after ``load``): {"save": "saved" | "unchanged" |
-    "nothing to save (...)" | "off" | "failed (...)", "saved_bytes", "save_s", "file"}. Never raises."""
+    "nothing to save (...)" | "off" | "failed (...)", "saved_bytes", "save_s", "file", "triton_save": warm_triton.pack's
+    report}. Never raises."""
     ent = getattr(engine, "warm", None)
     if ent is None or ent.root is None:
         return dict(save="off", saved_bytes=0, save_s=0.0, file=None)
@@ -295,6 +303,12 @@ def save(engine) -> dict:
         warnings.warn(f"moecomp warm cache: could not save into {ent.path}: {type(e).__name__}: {e}", UserWarning,
                       stacklevel=3)
         out = dict(save=f"failed ({type(e).__name__}: {e})", saved_bytes=0, file=None)
+    try:
+        out["triton_save"] = warm_triton.pack(ent.root)
+    except Exception as e:
+        warnings.warn(f"moecomp warm cache: could not pack Triton kernels into {ent.root}: {type(e).__name__}: {e}",
+                      UserWarning, stacklevel=3)
+        out["triton_save"] = f"failed ({type(e).__name__}: {e})"
     out["save_s"] = time.perf_counter() - t0
     return out
 
@@ -332,6 +346,31 @@ def _save(ent: Entry) -> dict:
                 replaced=len(gone), files=len(ent.segments))
 
 
+_restored: dict = {}  # cache directory -> warm_triton.restore's report (once per process and directory)
+
+
+def _restore_kernels(root: str) -> dict:
+    """moecomp's packed Triton kernels into Triton's cache, once per process and directory (``warm_triton.py``)."""
+    if root not in _restored:
+        _restored[root] = warm_triton.restore(root)
+    return _restored[root]
+
+
+def before_optimize(model: torch.nn.Module) -> None:
+    """``moecomp.optimize``'s hook, before its checks run the op: a CUDA model's packed Triton kernels restored from
+    the default cache directory (``resolve(None)``), so neither the checks nor generate() compile them again. Never
+    raises."""
+    try:
+        if not any(p.is_cuda for p in model.parameters()):
+            return
+        root, _ = resolve(None)
+        if root is not None:
+            _restore_kernels(root)
+    except Exception as e:
+        warnings.warn(f"moecomp warm cache: could not restore Triton kernels: {type(e).__name__}: {e}", UserWarning,
+                      stacklevel=3)
+
+
 def before_compile(engine) -> None:
     """The engine's hook before its first compile in this process: load the matching entry (the module docstring's
     "When"), unless this engine has looked already (``moecomp.warmup`` loads first). Never raises: a failure is
@@ -346,12 +385,15 @@ def before_compile(engine) -> None:
                       f"(compiles from scratch; {ENV_SWITCH}=0 skips the lookup)", UserWarning, stacklevel=3)
 
 
-def clear(cache_dir=None) -> str | None:
-    """Remove every entry under the cache directory (``resolve``'s rules); returns the directory removed, or None
-    where the cache is off or empty."""
+def clear(cache_dir=None) -> list[str]:
+    """Remove every entry and packed kernel under the cache directory (``resolve``'s rules); returns the
+    directories removed."""
     root, _ = resolve(cache_dir)
-    path = os.path.join(root, SUBDIR) if root else None
-    if path is None or not os.path.isdir(path):
-        return None
-    shutil.rmtree(path)
-    return path
+    gone = []
+    for sub in (SUBDIR, warm_triton.SUBDIR) if root else ():
+        path = os.path.join(root, sub)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+            gone.append(path)
+    _restored.pop(root, None)
+    return gone

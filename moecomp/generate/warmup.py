@@ -38,8 +38,9 @@ def warmup(model, batch_sizes=(1,), max_length: int = 1024, prompt_length: int =
     ``{batch: {"seconds", "cache_length", "graphs", "path", "cache"}}``: ``seconds`` the batch's wall time (the first
     batch's includes loading the artifacts, every batch's its save); ``cache`` what the artifact cache did: the load
     (once, before the first batch; every batch repeats it: "load": "hit" | "miss" | "failed" | "off (why)",
-    "load_s", "loaded_bytes", "artifacts", "ignored", "entry") and this batch's save ("save": "saved" | "unchanged"
-    | "nothing to save (...)" | "off" | "failed (...)", "saved_bytes", "save_s"). ``ValueError`` for a model
+    "load_s", "loaded_bytes", "artifacts", "ignored", "entry", "triton_load": moecomp's Triton kernels restored) and
+    this batch's save ("save": "saved" | "unchanged" | "nothing to save (...)" | "off" | "failed (...)",
+    "saved_bytes", "save_s", "triton_save": kernels packed). ``ValueError`` for a model
     ``moecomp.optimize`` did not give its fast generate, bad sizes or a bad ``cache_dir``."""
     fg = _fast_generate(model)
     if fg is None:

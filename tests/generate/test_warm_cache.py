@@ -191,7 +191,7 @@ def test_saves_merge_by_artifact_keys(fake_torch, tmp_path):
     assert r3["load"] == "hit" and sorted(map(sorted, fake_torch["loaded"])) == sorted(
         [["aot_autograd:c", "inductor:a", "inductor:b"], ["inductor:a", "inductor:d"]])
     assert r3["artifacts"] == {"inductor": 3, "aot_autograd": 1}
-    assert W.clear(d) == os.path.join(d, "compile") and not os.path.exists(os.path.join(d, "compile"))
+    assert W.clear(d) == [os.path.join(d, "compile")] and not os.path.exists(os.path.join(d, "compile"))
 
 
 def test_unreadable_files_are_warned_of_and_ignored(fake_torch, tmp_path, monkeypatch):
@@ -291,3 +291,74 @@ def test_bench_warmup_children_share_what_each_row_says():
     assert (cold["MOECOMP_WARM_CACHE"], warm["MOECOMP_WARM_CACHE"], art["MOECOMP_WARM_CACHE"]) == ("1", "0", "1")
     for env in (cold, art):
         shutil.rmtree(os.path.dirname(env["TORCHINDUCTOR_CACHE_DIR"]), ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------- Triton kernels
+class _Kernel:
+    def __init__(self, hash_, name, files):
+        self.hash, self.name, self.metadata_group = hash_, name, files
+
+
+class _Jit:
+    def __init__(self, kernels):
+        self.device_caches = {0: ({f"key{i}": k for i, k in enumerate(kernels)}, None, None, None, None)}
+
+
+class _Wrapped:  # what triton.autotune / triton.heuristics return: the JIT function under .fn
+    def __init__(self, fn):
+        self.fn = fn
+
+
+def _triton_kernel_on_disk(root: str, dirname: str, name: str) -> _Kernel:
+    """A kernel as Triton's file cache holds it: <root>/<dirname>/{name}.json, {name}.cubin and the group file."""
+    d = os.path.join(root, dirname)
+    os.makedirs(d)
+    files = {f"{name}.json": os.path.join(d, f"{name}.json"), f"{name}.cubin": os.path.join(d, f"{name}.cubin")}
+    open(files[f"{name}.json"], "w").write(json.dumps({"name": name}))
+    open(files[f"{name}.cubin"], "wb").write(os.urandom(64))
+    open(os.path.join(d, f"__grp__{name}.json"), "w").write(json.dumps({"child_paths": files}))
+    return _Kernel(dirname.lower(), name, files)
+
+
+def test_triton_kernels_packed_and_restored(tmp_path, monkeypatch):
+    """moecomp's compiled Triton kernels (JIT functions of moecomp.* modules, wrappers unwrapped) are packed with their
+    files; restored into another Triton cache directory, Triton's own FileCacheManager finds each group there with
+    this directory's paths (what its compile() takes for a cache hit); a second restore finds them present; a packed
+    file that does not verify is warned of and skipped."""
+    from triton.runtime.cache import FileCacheManager
+
+    from moecomp.generate import warm_triton as T
+
+    src = str(tmp_path / "triton-a")
+    k1 = _triton_kernel_on_disk(src, "AAAA", "moe_kernel")
+    k2 = _triton_kernel_on_disk(src, "BBBB", "attn_kernel")
+    gone = _Kernel("cccc", "gone", {"gone.json": str(tmp_path / "nowhere.json")})  # files not on disk: not packed
+    fake = type(sys)("moecomp._warm_test_kernels")
+    fake.k1, fake.k2 = _Jit([k1, gone]), _Wrapped(_Jit([k2]))
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    assert {k.hash for k in T.compiled_kernels()} >= {"aaaa", "bbbb", "cccc"}
+    root = str(tmp_path / "warm")
+    p = T.pack(root)
+    assert p["packed"] == 2 and p["packed_bytes"] > 0, p
+    assert T.pack(root)["packed"] == 0  # already there
+    assert sorted(os.listdir(os.path.join(root, "triton"))) == ["AAAA", "BBBB"]
+
+    dst = str(tmp_path / "triton-b")
+    monkeypatch.setenv("TRITON_CACHE_DIR", dst)
+    r = T.restore(root)
+    assert r["restored"] == 2 and r["ignored"] == [] and sorted(r["restored_dirs"]) == ["AAAA", "BBBB"], r
+    for d, k in (("AAAA", k1), ("BBBB", k2)):
+        grp = FileCacheManager(d).get_group(f"{k.name}.json")
+        assert grp is not None and all(p.startswith(os.path.join(dst, d)) for p in grp.values()), grp
+        for c, path in grp.items():
+            assert open(path, "rb").read() == open(k.metadata_group[c], "rb").read()
+    assert T.restore(root)["present"] == 2
+
+    cubin = os.path.join(root, "triton", "AAAA", "moe_kernel.cubin")
+    open(cubin, "wb").write(b"damaged")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-c"))
+    with pytest.warns(UserWarning, match="AAAA: .*moe_kernel.cubin: checksum mismatch"):
+        r = T.restore(root)
+    assert r["restored"] == 1 and r["ignored"] == ["AAAA"], r
+    assert not os.path.exists(str(tmp_path / "triton-c" / "AAAA"))
+    assert W.clear(root) == [os.path.join(root, "triton")] and not os.path.exists(os.path.join(root, "triton"))

@@ -7,8 +7,9 @@ optimized, its engine compiling on CPU with Inductor, then
 ARGV[2] "-": no cache_dir argument; ARGV[3]: the device (default cpu; on CUDA the step is captured too).
 
 Prints one JSON line: the tokens of the last call, warmup's report, the engine's warm-cache report, torch's compile
-counters and the warm-cache warnings. The caller sets TORCHINDUCTOR_CACHE_DIR (and MOECOMP_CACHE_DIR /
-MOECOMP_WARM_CACHE for "plain")."""
+counters, the warm-cache warnings, the Triton cache directories of moecomp's kernels this process ran ("kernels";
+none under TRITON_INTERPRET=1) and what the warm cache restored of them. The caller sets TORCHINDUCTOR_CACHE_DIR
+(and MOECOMP_CACHE_DIR / MOECOMP_WARM_CACHE for "plain")."""
 
 from __future__ import annotations
 
@@ -49,7 +50,11 @@ def main() -> None:
             with torch.no_grad():
                 out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     last = model.generate.last
+    from moecomp.generate import warm_cache, warm_triton
+
+    groups = [warm_triton._group(k) for k in warm_triton.compiled_kernels()]
     print(json.dumps(dict(
+        kernels=sorted(g[0] for g in groups if g), restored={k: v for k, v in warm_cache._restored.items()},
         tokens=out.tolist(), warmup={str(k): v for k, v in (report or {}).items()}, seconds=time.perf_counter() - t0,
         warm=eng.warm.report if eng.warm is not None else None, layers=last.get("layers"), graphs=last.get("graphs"),
         prefill_layers=last.get("prefill_layers"), path=last.get("path"),
