@@ -261,8 +261,14 @@ def load(engine, cache_dir=None, who: str = "moecomp.warmup") -> dict:
         return engine.warm.report
     t0 = time.perf_counter()
     model = engine.model
-    device = next(model.parameters()).device
-    fields = key_fields(model, engine.compile_backend, device)
+    try:
+        fields = key_fields(model, engine.compile_backend, next(model.parameters()).device)
+    except Exception as e:  # (a model whose config does not serialize: compiles from scratch, said so)
+        warnings.warn(f"moecomp warm cache: no entry key for this model: {type(e).__name__}: {e} (compiles from "
+                      f"scratch)", UserWarning, stacklevel=3)
+        engine.warm = Entry(None, report=dict(dir=root, entry=None, load=f"failed ({type(e).__name__}: {e})",
+                                              loaded_by=who))
+        return engine.warm.report
     key = entry_key(fields)
     ent = Entry(root, os.path.join(root, SUBDIR, key), key, fields)
     loaded, nbytes, keys = 0, 0, set()

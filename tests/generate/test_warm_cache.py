@@ -362,3 +362,18 @@ def test_triton_kernels_packed_and_restored(tmp_path, monkeypatch):
     assert r["restored"] == 1 and r["ignored"] == ["AAAA"], r
     assert not os.path.exists(str(tmp_path / "triton-c" / "AAAA"))
     assert W.clear(root) == [os.path.join(root, "triton")] and not os.path.exists(os.path.join(root, "triton"))
+
+
+def test_a_model_without_a_key_is_reported_not_fatal(tmp_path, monkeypatch):
+    """A model whose entry key cannot be computed (a config that does not serialize): warmup's load says "failed"
+    with the exception and warns, and nothing is saved; the engine goes on."""
+    e = _engine()
+
+    def broken():
+        raise TypeError("config does not serialize")
+
+    monkeypatch.setattr(e.model.config, "to_dict", broken)
+    with pytest.warns(UserWarning, match="no entry key for this model: TypeError: config does not serialize"):
+        r = W.load(e, str(tmp_path))
+    assert r["load"] == "failed (TypeError: config does not serialize)" and W.save(e)["save"] == "off"
+    assert not os.listdir(tmp_path)
