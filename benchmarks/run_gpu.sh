@@ -168,7 +168,8 @@ fp8grid)  # issue 19: the FP8 TMA tune again (the "@2" tiles joined: two program
           # it wrote (vLLM's kernel from .peers/, carried)
   TUNE_TIMEOUT=${TUNE_TIMEOUT:-200} TUNE_BUDGET=${TUNE_BUDGET:-150} TUNE_TAIL=12 "$0" fp8tmatune
   LAYER_TIMEOUT=${LAYER_TIMEOUT:-350} LAYER_BUDGET=${LAYER_BUDGET:-290} LAYER_TAIL=40 "$0" layer_fp8 ;;
-warmup)  # issue 20: the one-liner's warm-up in fresh processes, cold then warm on-disk compile caches
+warmup)  # issues 20 / 41: the one-liner's warm-up in fresh processes: cold, warm (Inductor's / Triton's on-disk caches),
+         # artifacts (fresh on-disk caches + the moecomp artifact cache the cold run saved: a warm start elsewhere)
          # (benchmarks/bench_warmup.py; Qwen3-30B-A3B at its 48 layers, Qwen1.5-MoE at its 24, B = 1 then 32)
   timeout ${WARMUP_TIMEOUT:-540} python3 benchmarks/bench_warmup.py --models ${WARMUP_MODELS:-qwen3=48,qwen2=24} \
       --batches ${WARMUP_BATCHES:-1,32} --timeout-s ${WARMUP_CHILD_S:-200} --out-json "$OUT/warmup.json" 2>&1 \

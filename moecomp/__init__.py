@@ -51,14 +51,16 @@ _LAZY_SUBMODULES = {
 }
 
 
-def warmup(model, batch_sizes=(1,), max_length: int = 1024, prompt_length: int = 8, prompt_lengths=None) -> dict:
+def warmup(model, batch_sizes=(1,), max_length: int = 1024, prompt_length: int = 8, prompt_lengths=None,
+           cache_dir=None) -> dict:
     """Compile and capture ``model.generate`` ahead of time for these batch sizes and cache length (after
-    ``optimize``), and on CUDA the prefill of each prompt-length bucket of ``prompt_lengths`` (None: every bucket up
-    to ``max_length``): ``moecomp.generate.warmup``'s docstring."""
+    ``optimize``), on CUDA the prefill of each prompt-length bucket of ``prompt_lengths`` (None: every bucket up to
+    ``max_length``), loading / saving the compile artifacts under ``cache_dir`` (warm starts):
+    ``moecomp.generate.warmup``'s docstring."""
     from .generate.warmup import warmup as _warmup
 
     return _warmup(model, batch_sizes=batch_sizes, max_length=max_length, prompt_length=prompt_length,
-                   prompt_lengths=prompt_lengths)
+                   prompt_lengths=prompt_lengths, cache_dir=cache_dir)
 
 
 def __getattr__(name: str):

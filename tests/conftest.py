@@ -8,6 +8,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# generate()'s compile-artifact cache (generate/warm_cache.py) stays off in tests: nothing written under ~/.cache;
+# tests/generate/test_warm_cache.py turns it on for its own processes, in a temporary directory
+os.environ.setdefault("MOECOMP_WARM_CACHE", "0")
 
 # Tiny sizes for the token mixers that ``moecomp.coverage.families.TINY`` does not shrink (linear attention heads, Mamba
 # heads / state / chunk): their defaults made one eager forward of a tiny model take seconds (glm5_next: 64 linear

@@ -265,6 +265,9 @@ def optimize(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"moecomp.optimize expects a torch.nn.Module, got {type(model).__name__}")
+    from ..generate.warm_cache import before_optimize
+
+    before_optimize(model)  # Triton kernels another process compiled and saved, before the checks run them
     rep = _walk(model, bind_it=True, use_capture=use_capture, trust_fallback=trust_fallback,
                 experts_only=experts_only)
     meta = [b.name or "<root>" for b in rep.blocks if RejectCode.META_TENSORS in b.codes]

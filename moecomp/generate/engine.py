@@ -56,7 +56,7 @@ from collections import OrderedDict
 
 import torch
 
-from . import attention, attention_probe
+from . import attention, attention_probe, warm_cache
 from .progress import Progress
 from .shared_layers import SharedLayer, compiled_run, method_forwards
 from .sampling import Sampler, StepState, Unsupported, select
@@ -177,6 +177,7 @@ class Engine:
         self.compile_backend = "inductor"  # tests compile on CPU with "eager" (cpu_compile = True)
         self.cpu_compile = False
         self._compiled = None
+        self.warm = None  # warm_cache.Entry: the compile artifacts on disk this engine loads / saves
         self.progress = Progress()
         self._ran: set = set()  # (phase, batch) whose compiled layers have run: their first run compiles
         self.n = None  # [] int64: cache positions the running step attends to
@@ -285,6 +286,7 @@ class Engine:
         dynamic shapes (any prompt length or batch: one compile, batch 1 apart); "decode" wrappers with torch's
         automatic dynamic shapes (the first batch bucket static, one more compile covers the other buckets)."""
         if self._compiled is None:
+            warm_cache.before_compile(self)  # a saved entry's artifacts first (warm starts)
             base = getattr(self.model, self.model.base_model_prefix, None)
             layers = getattr(base, "layers", None)
             if not isinstance(layers, torch.nn.ModuleList):

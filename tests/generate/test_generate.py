@@ -315,9 +315,12 @@ def test_progress_line_while_layers_compile(monkeypatch, capsys):
 
 
 def test_warmup_prepares_the_slot_later_calls_use(monkeypatch):
-    """moecomp.warmup: two short calls per batch size on a cache of max_length (rounded up); a later call of that
-    batch whose prompt + new tokens fit reuses the slot (same tokens as transformers'); bad arguments are
-    ValueErrors naming them."""
+    """moecomp.warmup: three short calls per batch size on a cache of max_length (rounded up), the last with a
+    left-padded row; a later call of that batch whose prompt + new tokens fit reuses the slot and, padded, compiles
+    nothing more (Dynamo traces no new graph); same tokens as transformers'; bad arguments are ValueErrors naming
+    them."""
+    from torch._dynamo.utils import counters
+
     from moecomp.generate.sampling import Sampler
 
     sigs = []
@@ -335,13 +338,16 @@ def test_warmup_prepares_the_slot_later_calls_use(monkeypatch):
     eng.cpu_compile, eng.compile_backend = True, "eager"
     got = moecomp.warmup(opt, batch_sizes=[2], max_length=300, prompt_length=5)
     assert got[2]["path"] == "moecomp" and got[2]["cache_length"] == 512, got
+    assert got[2]["cache"]["load"].startswith("off") and got[2]["cache"]["save"] == "off", got  # (tests: off)
     slots = list(eng.slots)
+    graphs = counters["stats"]["unique_graphs"]
     ids, mask = prompts(ref.config.vocab_size, 2, 7, seed=9, left_pad=(0, 2))
     want = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     assert torch.equal(opt.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False), want)
     assert opt.generate.last["cache_length"] == 512 and list(eng.slots) == slots  # no new slot
+    assert opt.generate.last["prefill_layers"] == "compiled" and counters["stats"]["unique_graphs"] == graphs
     # warmup's calls (min_new_tokens set) and the user's (none) share one sampler signature: one captured step
-    assert len(sigs) == 3 and sigs[0] == sigs[1] == sigs[2], sigs
+    assert len(sigs) == 4 and len(set(sigs)) == 1, sigs
     with pytest.raises(ValueError, match="batch_sizes"):
         moecomp.warmup(opt, batch_sizes=[0])
     with pytest.raises(ValueError, match="max_length"):
