@@ -4,7 +4,9 @@ sync on the captured path), and through the op's own
 eager graphs (``ops/graphs.py``: the recorded routes are copied out after each replay).
 
 Tolerances: the recorded ids equal those of a plain (uncaptured) call on the same input exactly (the same kernels),
-and the oracle's on the tokens not within a relative 1e-2 of a tie (a bf16 router ties often; counted); a replay of
+and the oracle's as a set on the tokens not within a bf16 rounding of a tie (``policy.TIE_REL``; inputs drawn with a
+decided top-k, at most 1/8 of the tokens may be near a tie; H100, 4f2bf0f: with plain random inputs 167 of 192 were,
+and the check compared almost nothing); a replay of
 the recorded routes gives the recording call's output exactly (same kernels, same weights); a replay of other routes
 is within 2e-2 (relative Frobenius) of the oracle's replay, as the op's other bf16 real-size tests.
 """
@@ -12,6 +14,7 @@ is within 2e-2 (relative Frobenius) of the oracle's replay, as the op's other bf
 import pytest
 import torch
 
+from moecomp.core.policy import TIE_REL
 from moecomp.oracle import reference
 from moecomp.testing import LAYER_PRESETS, random_moe_args, rel_err
 
@@ -58,6 +61,18 @@ def _other_routes(T: int, seed: int) -> torch.Tensor:
     return torch.rand(T, SPEC.num_experts, device="cuda", generator=g).argsort(-1)[:, : SPEC.top_k].int()
 
 
+def _decided_input(router_w: torch.Tensor, T: int, seed: int) -> torch.Tensor:
+    """x [T, H] bf16 whose top-k is decided: each token the (normalised) sum of k random experts' router rows plus
+    noise, so those k logits stand far above the rest. Plain random x at this size (E = 128, k = 8) has the k-th and
+    (k+1)-th scores within a bf16 rounding for most tokens (44-50 of 64 on CPU), which would leave the comparison with
+    the oracle almost nothing to compare (the set, not the order: the chosen logits are close to each other)."""
+    g = torch.Generator("cuda").manual_seed(seed)
+    pick = torch.rand(T, SPEC.num_experts, device="cuda", generator=g).argsort(-1)[:, : SPEC.top_k]
+    x = router_w.float()[pick].sum(1)  # [T, H]
+    x = x / x.norm(dim=-1, keepdim=True) * SPEC.hidden_size ** 0.5
+    return (x + 0.1 * torch.randn(T, SPEC.hidden_size, device="cuda", generator=g)).to(torch.bfloat16)
+
+
 @pytest.mark.parametrize("T", [1, 64])
 def test_record_and_replay_under_graph_capture(T):
     _skip_without_cuda()
@@ -70,8 +85,7 @@ def test_record_and_replay_under_graph_capture(T):
     g_rep, y_rep = _capture(static_x, args[1:], out2, wout2, given)
     ties_total = 0
     for seed in range(3):
-        x = torch.randn(T, SPEC.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
-        static_x.copy_(x.to(torch.bfloat16))
+        static_x.copy_(_decided_input(args[1], T, seed))
         out.fill_(-7), wout.fill_(float("nan")), y_rec.fill_(float("nan"))
         g_rec.replay()
         torch.cuda.synchronize()
@@ -81,9 +95,9 @@ def test_record_and_replay_under_graph_capture(T):
         assert torch.equal(out, po) and torch.equal(wout, pw)
         torch.testing.assert_close(y_rec, plain, rtol=0, atol=0)
         _, ids_ref = reference.route(reference.router_logits(static_x, args[1], None, SPEC), None, SPEC)
-        ties = reference.near_tie_tokens(static_x, args[1], None, None, SPEC, 1e-2)
+        ties = reference.near_tie_tokens(static_x, args[1], None, None, SPEC, TIE_REL[torch.bfloat16])
         ties_total += int(ties.sum())
-        assert torch.equal(out.long()[~ties], ids_ref[~ties])
+        assert torch.equal(out.long()[~ties].sort(-1).values, ids_ref[~ties].sort(-1).values)
         # replay the recorded routes inside the other graph: the recording call's output, exactly
         given.copy_(out)
         y_rep.fill_(float("nan"))
@@ -98,7 +112,7 @@ def test_record_and_replay_under_graph_capture(T):
         want = reference.moe_forward(static_x, *args[1:], SPEC, routes_in=given)
         assert torch.isfinite(y_rep).all() and rel_err(y_rep, want) < 2e-2
         assert torch.equal(out2, given)
-    assert ties_total <= 3 * T // 2, f"{ties_total} near-tie tokens of {3 * T}"
+    assert ties_total <= (3 * T) // 8, f"{ties_total} near-tie tokens of {3 * T}"  # (0 on CPU for these inputs)
 
 
 def test_record_through_op_graphs_in_eager_mode():
