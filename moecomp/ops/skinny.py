@@ -18,6 +18,14 @@ MAX_ROWS = 4
 _W_SCALE = {None: 0, "block": 1, "channel": 2, "tensor": 3}
 
 
+def launch_options(device: torch.device) -> dict:
+    """The skinny launches' programmatic dependent launch options on ``device`` (``kernels/pdl.py``: wait for the
+    previous kernel at the start, let the next one launch after the K loop): ``triton_moe`` sets this to its ``_pdl``
+    (gemm form) when it imports this module (it imports this module, so this one cannot import it); until then, and
+    with MOECOMP_PDL=0, plain launches."""
+    return {}
+
+
 def use_skinny(M: int, N: int, K: int, quantized: bool) -> bool:
     """Whether M rows against an [N, K] weight go faster through the skinny kernel than through the alternative
     (cuBLAS for 16-bit weights, fp8_linear's MMA form for e4m3), by the H200 sweep of 2026-12-01
@@ -91,7 +99,7 @@ def skinny_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         x2, weight, ws, bias, y, N, K, x2.stride(0), weight.stride(0), s_n, s_k, y.stride(0),
         ROWS=M, HAS_BIAS=bias is not None, W_SCALE=mode, Q_BLOCK_N=qbn, Q_BLOCK_K=qbk, UE8M0=ue8m0,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, REDUCE_END=cfg["REDUCE_END"], num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        num_stages=cfg["num_stages"], **launch_options(x2.device))
     return y
 
 
@@ -160,5 +168,5 @@ def skinny_group(x2: torch.Tensor, weights: list, biases: list | None = None, sc
         G=G, ROWS=M, HB0=bs[0] is not None, HB1=bs[1] is not None, HB2=G > 2 and bs[2] is not None,
         HB3=G > 3 and bs[3] is not None, W_SCALE=mode, Q_BLOCK_N=qbn, Q_BLOCK_K=qbk, UE8M0=ue8m0,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, REDUCE_END=cfg["REDUCE_END"], num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        num_stages=cfg["num_stages"], **launch_options(x2.device))
     return ys

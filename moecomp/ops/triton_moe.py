@@ -56,7 +56,7 @@ from ..kernels import grouped_gemm_tma as tma_k
 from ..kernels import routing as routing_k
 from ..core.spec import MoESpec
 from . import capacity as cap
-from . import triton_fp8, triton_quant4_gemv, triton_router, tuning
+from . import skinny, triton_fp8, triton_quant4_gemv, triton_router, tuning
 from . import triton_fp8_tma as fp8_tma
 from . import hash_routing as hr
 from . import routes
@@ -101,6 +101,7 @@ def _pdl(device: torch.device, gemm: bool = False) -> dict:
 _pdl_devices: dict = {}
 triton_fp8.launch_options = lambda device: _pdl(device)  # its launches take the same options (it cannot import us)
 triton_router.launch_options = triton_fp8.launch_options
+skinny.launch_options = lambda device: _pdl(device, gemm=True)  # the skinny linears: wait, release after K
 _pdl_held = False  # set by ``_hold_pdl`` while the aligned path runs beside the shared experts' side stream
 
 

@@ -165,3 +165,22 @@ def test_group_gpu_qwen3_attention(M, fmt):
     g.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(yg, ys))
+
+
+def test_skinny_launches_take_the_ops_pdl_options(monkeypatch):
+    """The skinny linears (one matrix and the group) launch with the op's PDL options in the GEMM form (wait at the
+    start, release after the K loop; ``triton_moe._pdl``), plain with MOECOMP_PDL=0 or off Hopper; the fused router
+    with the non-GEMM form, as router_gemv / route_topk."""
+    from moecomp.ops import skinny, triton_moe, triton_router
+
+    monkeypatch.setattr(triton_moe, "_interpret", lambda: False)
+    monkeypatch.setattr(triton_moe, "_pdl_devices", {0: True})
+    monkeypatch.delenv("MOECOMP_PDL", raising=False)
+    hopper = torch.device("cuda", 0)
+    assert skinny.launch_options(hopper) == dict(USE_PDL=2, launch_pdl=True)
+    assert triton_router.launch_options(hopper) == dict(USE_PDL=1, launch_pdl=True)
+    monkeypatch.setenv("MOECOMP_PDL", "0")
+    assert skinny.launch_options(hopper) == {} == triton_router.launch_options(hopper)
+    monkeypatch.delenv("MOECOMP_PDL")
+    monkeypatch.setattr(triton_moe, "_pdl_devices", {0: False})
+    assert skinny.launch_options(hopper) == {}

@@ -2,7 +2,8 @@
 no GPU; ``test_sm90_compile.py`` says why: it catches what the interpreter lets through). The sibling-linear kernel
 (``kernels/skinny.skinny_group_kernel``: 2, 3 and 4 members, 16-bit with mixed biases, e4m3 block / channel scales)
 must load its weight tiles as 16-byte vectors, as the one-matrix kernel does; and ``skinny_kernel``, now a call of the
-tile function the group kernel shares, still compiles. The fused router GEMV + routing
+tile function the group kernel shares, still compiles; with USE_PDL 2 both wait at the start and release after the
+K loop, with 0 they hold no grid dependency control. The fused router GEMV + routing
 (``kernels/router.router_topk_kernel``): one program or split (an acq_rel atomic on the counter, the last program's
 logits read with volatile loads past L1), with gate rows, groups, record / replay. All in one child process (the
 tests run under TRITON_INTERPRET=1, whose jit functions do not compile)."""
@@ -55,17 +56,25 @@ def group(case):
         else:
             c.update({f"w{i}": None, f"ws{i}": None, f"b{i}": None, f"y{i}": None, f"HB{i}": False})
     c.update(G=G, ROWS=2 if "rows2" in case else 1, W_SCALE=(1 if "block" in case else 2) if fp8 else 0,
-             Q_BLOCK_N=128, Q_BLOCK_K=128, UE8M0=False, BLOCK_N=8, BLOCK_K=1024, REDUCE_END=1)
+             Q_BLOCK_N=128, Q_BLOCK_K=128, UE8M0=False, BLOCK_N=8, BLOCK_K=1024, REDUCE_END=1,
+             USE_PDL=2 if "pdl" in case else 0)
     div16 = ["x_ptr", "K", "stride_xm"] + [f"w{i}" for i in range(G)] + [f"swn{i}" for i in range(G)]
     ptx = compile_sm90(sk.skinny_group_kernel, ptr, c, div16)
     vec = "ld.global.v4.b32" in ptx or "ld.global.nc.v4.b32" in ptx
-    return (ptx if vec else "weight tiles not loaded as 16-byte vectors"), "skinny_group_kernel"
+    return (ptx if vec else "weight tiles not loaded as 16-byte vectors") if _pdl_ok(ptx, case) else \
+        "griddepcontrol not as USE_PDL says", "skinny_group_kernel"
+
+def _pdl_ok(ptx, case):
+    """USE_PDL 2: a wait at the start and a launch_dependents after the K loop; 0: neither."""
+    n = ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")
+    return n[0] >= 1 and n[1] >= 1 if "pdl" in case else n == (0, 0)
 
 def single(case):
     ptr = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16")
     c = dict(ws_ptr=None, b_ptr=None, ROWS=1, HAS_BIAS=False, W_SCALE=0, Q_BLOCK_N=128, Q_BLOCK_K=128, UE8M0=False,
-             BLOCK_N=8, BLOCK_K=1024, REDUCE_END=1)
-    return compile_sm90(sk.skinny_kernel, ptr, c, ("x_ptr", "w_ptr", "stride_wn", "K")), "skinny_kernel"
+             BLOCK_N=8, BLOCK_K=1024, REDUCE_END=1, USE_PDL=2 if "pdl" in case else 0)
+    ptx = compile_sm90(sk.skinny_kernel, ptr, c, ("x_ptr", "w_ptr", "stride_wn", "K"))
+    return (ptx if _pdl_ok(ptx, case) else "griddepcontrol not as USE_PDL says"), "skinny_kernel"
 
 def router(case):
     """The fused router GEMV + routing: split (counter) or one program, 1 or 4 tokens, a gate row and router bias,
@@ -107,8 +116,9 @@ for kind, fn in (("group", group), ("single", single), ("router", router)):
 print(json.dumps(out))
 '''
 
-CASES = {"group": ["G3 bf16 bias", "G2 bf16 rows2", "G4 bf16", "G2 fp8 block", "G3 fp8 channel bias rows2"],
-         "single": ["bf16"],
+CASES = {"group": ["G3 bf16 bias", "G2 bf16 rows2", "G4 bf16", "G2 fp8 block", "G3 fp8 channel bias rows2",
+                   "G3 bf16 pdl"],
+         "single": ["bf16", "bf16 pdl"],
          "router": ["split", "split rows4 gate groups record", "one rows4 gate", "split replay record",
                     "one groups replay"]}
 
