@@ -4,7 +4,8 @@ In the decode step every plain ``nn.Linear`` of the decoder layers runs ``moecom
 linear ``moecomp::fp8_linear`` (``shared_layers.method_forwards``); at batch 1 each is a latency-bound launch. Linears
 that read the same tensor (q / k / v of attention, gate / up of a dense MLP or a shared expert outside a bound block)
 are found by meaning: calls of one of those ops whose input is the same FX node, whose weights are of one format
-(16-bit of x's dtype, or e4m3 of one weight-only QuantSpec), and whose arguments all exist before the first of them.
+(16-bit of x's dtype, or e4m3 of one QuantSpec whose activations are not statically scaled: weight-only, or dynamic,
+which the FP8 linear runs weight-only at decode rows), and whose arguments all exist before the first of them.
 Each such set (split in order into runs of at most ``MAX_GROUP``) becomes one ``moecomp::skinny_group`` call placed
 where the first member was, and each member's users read their item of its result::
 
@@ -13,8 +14,9 @@ where the first member was, and each member's users read their item of its resul
     v = skinny_linear(h, Wv, bv)
 
 No attribute or module name takes part: the graph's nodes and their example values are all the pass reads. A call
-whose activation is quantized (FP8 w8a8), that has an activation scale, or whose weight is computed after the group's
-first member stays as it was. ``FusingBackend`` runs the pass and hands the graph on to the engine's backend (Inductor
+with a static activation scale (always w8a8), or whose weight is computed after the group's first member, stays as it
+was; whether a grouped call then runs as one launch is the op's choice at run time (``ops/linear_group.py``: where
+every member would take the skinny kernel alone). ``FusingBackend`` runs the pass and hands the graph on to the engine's backend (Inductor
 on CUDA, "eager" in the CPU tests); the engine's compile of the decode step uses it (``shared_layers.compiled_run``)
 unless ``MOECOMP_FUSE_LINEARS=0``. Each backend call records how many groups and members it fused
 (``FusingBackend.fused``) and ``moecomp.counters["fuse_linears"]`` counts them ("groups", "linears").
@@ -71,8 +73,8 @@ def _member(node, kind: str):
     from ..core.spec import QuantSpec
 
     quant = a["quant"]
-    if a["act_scale"] is not None or not isinstance(quant, str) or QuantSpec.from_key(quant).activation != "none":
-        return None  # quantized activations: the FP8 linear's MMA forms, not the skinny kernel
+    if a["act_scale"] is not None or not isinstance(quant, str) or QuantSpec.from_key(quant).activation == "static":
+        return None  # a static activation scale: always w8a8 (the FP8 linear's MMA forms, not the skinny kernel)
     return x, w, b, a["weight_scale"], quant
 
 

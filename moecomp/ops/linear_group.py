@@ -3,15 +3,17 @@
     [y_0, .., y_{G-1}] = [linear(x, w_i, b_i) for i < G]        x [..., K], w_i [N_i, K], 2 <= G <= 4
 
 The generate engine's decode-step pass (``generate/fuse_linears.py``) puts one call where the decoder layer called
-``moecomp::skinny_linear`` (16-bit weights) or ``moecomp::fp8_linear`` (weight-only e4m3) G times on one input node:
+``moecomp::skinny_linear`` (16-bit weights) or ``moecomp::fp8_linear`` (e4m3) G times on one input node:
 q / k / v, a dense MLP's gate / up. Each weight is read through its own pointer (``ops/skinny.skinny_group``: nothing
 concatenated, nothing copied), and each member's result is what its own op returns, computed by the same tile.
 
 ``quant`` "" means 16-bit weights (each of x's dtype), else the ``QuantSpec`` key of every member's e4m3 weight
-(activation "none": weight-only, ``scales`` their scales). One launch where every member would take the skinny kernel
-on its own (``linear16.takes`` / the FP8 linear's rule, ``MOECOMP_SKINNY``); otherwise each member runs what its own
-op runs (``F.linear`` / cuBLAS, the FP8 linear's other forms; on CPU the torch paths), so a call never changes which
-computation a member gets, only how many launches it takes.
+(``scales`` their scales; activation "none", or "dynamic", which the FP8 linear runs weight-only at decode rows:
+``tuning.fp8_mode``; a static activation scale is not taken). One launch where every member would take the skinny
+kernel on its own (``linear16.takes`` / the FP8 linear's rule: weight-only mode and ``skinny.use_skinny``;
+``MOECOMP_SKINNY``); otherwise each member runs what its own op runs (``F.linear`` / cuBLAS, the FP8 linear's other
+forms; on CPU the torch paths), so a call never changes which computation a member gets, only how many launches it
+takes.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ def _quant(quant: str) -> QuantSpec | None:
     if not quant:
         return None
     q = QuantSpec.from_key(quant)
-    if q.activation != "none":
-        raise ValueError(f"skinny_group: quant must be a weight-only QuantSpec key (activation 'none') or '' for "
-                         f"16-bit weights, got activation {q.activation!r}")
+    if q.activation == "static":
+        raise ValueError("skinny_group: quant must be a QuantSpec key without a static activation scale (activation "
+                         "'none' or 'dynamic') or '' for 16-bit weights, got activation 'static'")
     return q
 
 
@@ -65,11 +67,12 @@ def _one_launch(x: torch.Tensor, weights, q: QuantSpec | None) -> bool:
         return False
     if q is None:
         return all(linear16.takes(x, w) for w in weights)
-    from . import skinny
+    from . import skinny, tuning
 
     K = x.shape[-1]
     M = x.numel() // max(K, 1)
-    return _backend(x.device) == "triton" and all(skinny.use_skinny(M, w.shape[0], K, True) for w in weights)
+    return (_backend(x.device) == "triton" and tuning.fp8_mode(q, M) == "w8a16"
+            and all(skinny.use_skinny(M, w.shape[0], K, True) for w in weights))
 
 
 def _member(x, w, b, s, q: QuantSpec | None) -> torch.Tensor:

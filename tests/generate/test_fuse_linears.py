@@ -90,16 +90,18 @@ class _FP8Pair(torch.nn.Module):
             w, s = q8.quantize(torch.randn(n, 64) * 0.05, self.q)
             self.register_buffer(name, w)
             self.register_buffer(name + "_s", s)
+        self.register_buffer("a", torch.full((1,), 0.05) if activation == "static" else None)
 
     def forward(self, h):
         f = torch.ops.moecomp.fp8_linear
-        return f(h, self.g, self.g_s, None, None, self.key), f(h, self.u, self.u_s, None, None, self.key)
+        return f(h, self.g, self.g_s, None, self.a, self.key), f(h, self.u, self.u_s, None, self.a, self.key)
 
 
-@pytest.mark.parametrize("activation,groups", [("none", [2]), ("dynamic", [])])
-def test_pass_groups_weight_only_fp8_only(activation, groups):
-    """Two FP8 linears of one input are grouped when weight-only (the skinny kernel's format), left alone when their
-    activations are quantized (the FP8 linear's MMA forms); outputs as unfused."""
+@pytest.mark.parametrize("activation,groups", [("none", [2]), ("dynamic", [2]), ("static", [])])
+def test_pass_groups_fp8_unless_statically_scaled(activation, groups):
+    """Two FP8 linears of one input are grouped when weight-only or dynamic (run weight-only at decode rows: the
+    skinny kernel's format), left alone with a static activation scale (always w8a8, the FP8 linear's MMA forms);
+    outputs as unfused."""
     import moecomp.ops  # noqa: F401
 
     torch.manual_seed(1)

@@ -17,7 +17,8 @@ from moecomp.core.spec import QuantSpec
 
 CUDA = torch.cuda.is_available()
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-needs_triton = pytest.mark.skipif(not (CUDA or INTERP), reason="needs CUDA or TRITON_INTERPRET=1")
+# the CPU cases run the kernels on CPU tensors: the interpreter only (the GPU case is test_group_gpu_qwen3_attention)
+needs_triton = pytest.mark.skipif(not INTERP, reason="runs the kernels under TRITON_INTERPRET=1 on CPU tensors")
 
 
 def _rel(y, ref):
@@ -99,9 +100,9 @@ def test_group_op_checks_cpu_path_and_opcheck():
         op(x, ws[:2], [None], [None, None], "")
     with pytest.raises(ValueError, match="weights must hold 2..4"):
         op(x, ws * 2, [None] * 6, [None] * 6, "")
-    q_dyn = QuantSpec(activation="dynamic")
-    with pytest.raises(ValueError, match="weight-only"):
-        op(x, ws[:2], [None, None], [None, None], q_dyn.key)
+    q_static = QuantSpec(activation="static")
+    with pytest.raises(ValueError, match="without a static activation scale"):
+        op(x, ws[:2], [None, None], [None, None], q_static.key)
     torch.library.opcheck(op.default, (x, ws, bs, [None] * 3, ""))
     xg, wg = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws]
     torch.library.opcheck(op.default, (xg, wg, [b.clone() for b in (bs[0], bs[2], bs[2])], [None] * 3, ""))
@@ -165,6 +166,30 @@ def test_group_gpu_qwen3_attention(M, fmt):
     g.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(yg, ys))
+
+
+@needs_triton
+@pytest.mark.parametrize("activation,M,one", [("none", 4, True), ("dynamic", 2, True), ("dynamic", 4, True),
+                                              ("dynamic", 33, False)])
+def test_group_op_fp8_as_each_members_op(monkeypatch, poison, activation, M, one):
+    """e4m3 members through the op on the Triton path: one group launch where each member's FP8 linear runs the
+    skinny kernel (weight-only, or dynamic activations at decode rows: ``tuning.fp8_mode`` w8a16), each member's op
+    otherwise (dynamic at 33 rows: w8a8); either way each output equals ``moecomp::fp8_linear``'s bit for bit."""
+    import moecomp.ops  # noqa: F401
+    from moecomp.ops import skinny
+    from moecomp.testing import count_calls
+
+    monkeypatch.setenv("MOECOMP_CPU_BACKEND", "triton")
+    monkeypatch.setattr(skinny, "use_skinny", lambda M, N, K, quantized: quantized and M <= 4)  # the GPU's rule
+    torch.manual_seed(M)
+    q = QuantSpec(scale="block", activation=activation, block_n=32, block_k=32)
+    wq = [q8.quantize(torch.randn(n, 64) * 0.05, q) for n in (64, 32)]
+    x = torch.randn(M, 64)
+    calls = count_calls(monkeypatch, skinny, ["skinny_group"])
+    ys = torch.ops.moecomp.skinny_group(x, [w for w, _ in wq], [None, None], [s for _, s in wq], q.key)
+    assert calls == (["skinny_group"] if one else [])
+    for (w, s), y in zip(wq, ys):
+        assert torch.equal(y, torch.ops.moecomp.fp8_linear(x, w, s, None, None, q.key))
 
 
 def test_skinny_launches_take_the_ops_pdl_options(monkeypatch):
