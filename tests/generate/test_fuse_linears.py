@@ -181,3 +181,45 @@ def test_engine_decode_pass_through_inductor(monkeypatch):
     assert fusing.fused and all(f == [3] for f in fusing.fused), fusing.fused
     out_off, logits_off, _ = _decode_logits("qwen3_moe", "0", monkeypatch, backend="inductor")
     assert all(torch.equal(a, b) for a, b in zip(logits_on, logits_off))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not INTERP, reason="the FP8 kernels run under TRITON_INTERPRET=1 on CPU")
+def test_engine_decode_fp8_dynamic_pass_on_equals_off(monkeypatch):
+    """A tiny Qwen3-MoE in transformers' FP8 block format with dynamic activations (fp32 around the e4m3 weights),
+    the op's Triton path under the interpreter: the decode step's q / k / v FP8 linears (weight-only at one row,
+    ``tuning.fp8_mode``) become one group, launched once a layer a step, and the logits equal the unfused step's bit
+    for bit."""
+    from moecomp.coverage import families as F
+    from moecomp.ops import skinny
+    from moecomp.testing import count_calls
+    from moecomp.testing import fp8_convert as C
+
+    monkeypatch.setenv("MOECOMP_CPU_BACKEND", "triton")
+    model, _ = F.build_tiny("qwen3_moe", sizes=dict(hidden_size=128, moe_intermediate_size=128, num_experts=8,
+                                                    head_dim=32))
+    model = C.to_fp8(model.float().eval(), activation_scheme="dynamic")
+    model.config.use_cache = model.generation_config.use_cache = True
+    ids, mask = prompts(model.config.vocab_size, 1, 5, seed=9)
+    got = {}
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("MOECOMP_FUSE_LINEARS", fuse)
+        opt = moecomp.optimize(copy.deepcopy(model))
+        opt.generate.cpu = True
+        eng = opt.generate._engine()
+        eng.cpu_compile, eng.compile_backend = True, "eager"
+        seen = []
+        hook = opt.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
+        calls = count_calls(monkeypatch, skinny, ["skinny_group"])
+        out = opt.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        hook.remove()
+        assert opt.generate.last["layers"] == "compiled", opt.generate.last
+        fusing = eng._compiled[1]["decode"][0].run.fusing
+        layers, steps = model.config.num_hidden_layers, opt.generate.last["decode_steps"]
+        if fuse == "1":
+            assert fusing.fused == [[3]] and len(calls) == layers * steps, (fusing.fused, calls)
+        else:
+            assert fusing is None and calls == []
+        got[fuse] = out, seen
+    assert torch.equal(got["1"][0], got["0"][0]) and len(got["1"][1]) == 4
+    assert all(torch.equal(a, b) for a, b in zip(got["1"][1], got["0"][1]))
