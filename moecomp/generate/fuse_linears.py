@@ -31,8 +31,7 @@ from collections import defaultdict
 import torch
 
 from ..core.counters import counters
-
-MAX_GROUP = 4  # ops/linear_group.MAX_GROUP (the kernel's member slots)
+from ..ops.linear_group import MAX_GROUP  # the kernel's member slots
 
 
 def enabled() -> bool:
