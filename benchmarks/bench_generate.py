@@ -539,6 +539,7 @@ def table(result: dict) -> str:
                      f"{r['decode_ms']:.3f} | {r.get('decode_vs_floor', float('nan')):.2f} | {r['tok_s']:.0f} | "
                      f"{tok.get('match', float('nan')):.2f} |")
     lines += ttft_summary(result["rows"])
+    lines += gen_profile.profile_table(result.get("profiles", []))
     for f in result.get("floors", []):
         lines.append(f"floor {f['model']} B={f['batch']}: decode {f['decode_ms']:.3f} ms, prefill "
                      f"{f['prefill_ms']:.2f} ms (distinct experts/layer: decode {f['distinct_experts_decode']:.1f}, "

@@ -52,7 +52,7 @@ sys.path.insert(0, HERE)
 import bench_generate as bg  # noqa: E402
 import gen_build_fp8 as gb  # noqa: E402
 from bench_moe import _save, environment, git_commit  # noqa: E402
-from gen_profile import profile_steps  # noqa: E402
+from gen_profile import profile_steps, profile_table  # noqa: E402
 
 DEPTH = {"qwen3": 6, "deepseek": 2, "qwen2": 6, "mixtral": 4}
 FULL_DEPTH = {"qwen3": 48, "deepseek": 61, "qwen2": 24, "mixtral": 32}  # the real models' layers
@@ -126,7 +126,10 @@ def _profile(model, name: str, dtype: str, B: int, ids, args, cuda: bool, result
         return
     result.setdefault("profiles", []).append(dict(model=name, dtype=dtype, batch=B, **p))
     top = "; ".join(f"{n[:60]} {c:g}x {t:.1f} us" for t, c, n in p["top_kernels_us_per_step"][:12])
-    log(f"[{name} B={B}] {dtype} profile: {p['kernels_per_step']:.0f} kernels, busy {p['gpu_busy_ms_per_step']:.3f} "
+    per = p.get("kernels_per_layer")
+    log(f"[{name} B={B}] {dtype} profile: {p['kernels_per_step']:.0f} kernels"
+        + (f" ({per:.2f} a decoder layer, {p['kernels_per_layer_repeated']:.2f} repeated)" if per else "")
+        + f", busy {p['gpu_busy_ms_per_step']:.3f} "
         f"of {p['wall_ms_per_step']:.3f} ms/step: {top}")
 
 
@@ -419,7 +422,7 @@ def table(result: dict, shown: tuple = ()) -> str:
                 "build") == "bf16" else "built in FP8" if fmt == "fp8" else "")
             head = f"| {r['model']} | {r['layers']} | {r['B']} | {fmt}{f' ({how})' if how else ''} | "
             lines.append(head + (_cell(c, fmt, r) if "decode_ms" in c else f"{c.get('skipped', 'not run')} |"))
-    return "\n".join(lines)
+    return "\n".join(lines + profile_table(result.get("profiles", [])))
 
 
 def parse_args(argv=None):

@@ -36,6 +36,7 @@ sys.path.insert(0, HERE)
 
 import bench_generate as bg  # noqa: E402
 from bench_generate_fp8 import _profile, one_liner, teacher_forced_agreement  # noqa: E402
+from gen_profile import profile_table  # noqa: E402
 from layer.env import environment, git_commit, save  # noqa: E402
 
 TARGET_B1 = 1.6  # issue 22: B = 1 decode within 1.6x of the MXFP4 floor
@@ -230,7 +231,7 @@ def table(result: dict) -> str:
                         if "teacher_forced_agreement_transformers" in r else " - |")
                      + (f" {r['transformers_self_agreement']:.3f} |" if "transformers_self_agreement" in r else " - |")
                      + f" {r.get('layers')} |")
-    return "\n".join(lines)
+    return "\n".join(lines + profile_table(result.get("profiles", [])))
 
 
 def main(argv=None) -> int:

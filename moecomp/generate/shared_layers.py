@@ -36,10 +36,17 @@ def _run(layer, *args, **kwargs):
 
 
 def compiled_run(phase: str, backend: str, dynamic):
-    """A fresh copy of ``_run`` (its own code object: its own Dynamo cache), compiled."""
+    """A fresh copy of ``_run`` (its own code object: its own Dynamo cache), compiled. The decode phase's graphs go
+    through ``fuse_linears.FusingBackend`` first (sibling skinny linears in one launch with ``MOECOMP_FUSE_LINEARS=1``;
+    opt-in until measured), kept as the compiled function's ``fusing`` attribute."""
+    from . import fuse_linears
+
     code = _run.__code__.replace(co_name=f"moecomp_{phase}_layer")
     fn = types.FunctionType(code, _run.__globals__, f"moecomp_{phase}_layer")
-    return torch.compile(fn, dynamic=dynamic, backend=backend)
+    fusing = fuse_linears.FusingBackend(backend) if phase == "decode" and fuse_linears.enabled() else None
+    compiled = torch.compile(fn, dynamic=dynamic, backend=fusing or backend)
+    compiled.fusing = fusing
+    return compiled
 
 
 class LayerCache:

@@ -75,64 +75,19 @@ def _finite(w, limit):
 
 
 @triton.jit
-def route_topk_kernel(
-    logits_ptr,  # [T, E] any float dtype, row stride stride_lt
-    bias_ptr,  # [E] correction bias (selection only)
-    ids_ptr,  # [T, TOP_K] int32 out
-    weights_ptr,  # [T, TOP_K] fp32 out
-    T,
-    E,
-    stride_lt,
-    scaling,
-    renorm_eps,
-    renorm_min,  # > 0: the renorm denominator is max(sum + renorm_eps, renorm_min)
-    TOP_K: tl.constexpr,
-    K_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    SCORING: tl.constexpr,
-    TOPK_THEN_SCORE: tl.constexpr,
-    RENORM: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BIAS_ON_LOGITS: tl.constexpr,
-    MASK_ZERO: tl.constexpr,
-    N_GROUP: tl.constexpr,
-    G_PAD: tl.constexpr,
-    TOPK_GROUP: tl.constexpr,
-    GROUP_BY_MAX: tl.constexpr,
-    GROUP_3D: tl.constexpr,  # E == BLOCK_E and GROUP_SIZE = E / N_GROUP: per-group reductions on a 3-D view
-    GROUP_SIZE: tl.constexpr,
-    ROUND_TO: tl.constexpr,  # 0 keep fp32, 1 round weights through bf16, 2 through fp16
-    USE_PDL: tl.constexpr = 0,
-    SPARSEMIXER: tl.constexpr = 0,  # PhiMoE's routing (module docstring); the scoring / bias / group flags unused
-    sm_thr=0.0,  # SPARSEMIXER: 2 * jitter_eps
-    table_ptr=None,  # HASH: [n_vocab, TOP_K] integer expert ids, row stride stride_table
-    tok_ptr=None,  # HASH: [T] integer token ids
-    n_vocab=1,
-    stride_table=0,
-    HASH: tl.constexpr = False,
-    escale_ptr=None,  # HAS_ESCALE: [E] per-expert multipliers of the weights (MoESpec.expert_scale)
-    HAS_ESCALE: tl.constexpr = False,
-    gammas_ptr=None,  # N_GAMMA > 0: [T, N_GAMMA] fp32 out, the shared experts' gammas
-    wscale_ptr=None,  # HAS_WSCALE: [1] the routing weights' learned scale (any float dtype)
-    N_GAMMA: tl.constexpr = 0,  # shared_gamma "joint_renorm": the logits row holds N_GAMMA more after the E
-    GAM_PAD: tl.constexpr = 1,
-    HAS_WSCALE: tl.constexpr = False,
-    given_ptr=None,  # GIVEN: [T, TOP_K] int32 / int64 replayed ids (strides stride_gt, stride_gk), no selection
-    stride_gt=0,
-    stride_gk=0,
-    GIVEN: tl.constexpr = False,
-    rec_ids_ptr=None,  # REC_IDS: [T, TOP_K] int32 out, the ids as routed (strides stride_rt, stride_rk)
-    stride_rt=0,
-    stride_rk=0,
-    REC_IDS: tl.constexpr = False,
-    rec_w_ptr=None,  # REC_W: [T, TOP_K] fp32 out, the final weights (strides stride_wt, stride_wk)
-    stride_wt=0,
-    stride_wk=0,
-    REC_W: tl.constexpr = False,
-):
-    pdl.enter(USE_PDL)
-    pid = tl.program_id(0)
+def route_tile(pid, logits_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, stride_lt, scaling, renorm_eps, renorm_min,
+               TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+               SCORING: tl.constexpr, TOPK_THEN_SCORE: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+               BIAS_ON_LOGITS: tl.constexpr, MASK_ZERO: tl.constexpr, N_GROUP: tl.constexpr, G_PAD: tl.constexpr,
+               TOPK_GROUP: tl.constexpr, GROUP_BY_MAX: tl.constexpr, GROUP_3D: tl.constexpr,
+               GROUP_SIZE: tl.constexpr, ROUND_TO: tl.constexpr, SPARSEMIXER: tl.constexpr, sm_thr, table_ptr,
+               tok_ptr, n_vocab, stride_table, HASH: tl.constexpr, escale_ptr, HAS_ESCALE: tl.constexpr, gammas_ptr,
+               wscale_ptr, N_GAMMA: tl.constexpr, GAM_PAD: tl.constexpr, HAS_WSCALE: tl.constexpr, given_ptr,
+               stride_gt, stride_gk, GIVEN: tl.constexpr, rec_ids_ptr, stride_rt, stride_rk, REC_IDS: tl.constexpr,
+               rec_w_ptr, stride_wt, stride_wk, REC_W: tl.constexpr, VOLATILE: tl.constexpr):
+    """Route tokens [pid * BLOCK_T, +BLOCK_T) of the logits (the module docstring): ``route_topk_kernel``'s body, also
+    run by the last program of ``kernels/router.router_topk_kernel`` on the logits the other programs wrote (VOLATILE:
+    the logits are loaded past the L1 cache, which may hold stale lines of another program's rows)."""
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     offs_e = tl.arange(0, BLOCK_E)  # [BE]
     t_ok = offs_t < T
@@ -140,7 +95,8 @@ def route_topk_kernel(
     neg = float("-inf")
 
     ptrs = logits_ptr + offs_t[:, None].to(tl.int64) * stride_lt + offs_e[None, :]
-    logit = tl.load(ptrs, mask=t_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)  # [BT, BE]
+    logit = tl.load(ptrs, mask=t_ok[:, None] & e_ok[None, :], other=0.0,
+                    volatile=VOLATILE).to(tl.float32)  # [BT, BE]
     logit = tl.where(logit != logit, neg, tl.minimum(logit, FLT_MAX))  # NaN -> -inf, +inf -> FLT_MAX
 
     if SPARSEMIXER or TOPK_THEN_SCORE:
@@ -246,7 +202,7 @@ def route_topk_kernel(
         offs_s = tl.arange(0, GAM_PAD)
         s_ok = offs_s < N_GAMMA
         g_ptrs = logits_ptr + offs_t[:, None].to(tl.int64) * stride_lt + E + offs_s[None, :]
-        gl = tl.load(g_ptrs, mask=t_ok[:, None] & s_ok[None, :], other=0.0).to(tl.float32)
+        gl = tl.load(g_ptrs, mask=t_ok[:, None] & s_ok[None, :], other=0.0, volatile=VOLATILE).to(tl.float32)
         gl = tl.where(gl != gl, neg, tl.minimum(gl, FLT_MAX))
         if SCORING == 1:
             gam = tl.sigmoid(gl)
@@ -301,3 +257,70 @@ def route_topk_kernel(
     if REC_W:
         tl.store(rec_w_ptr + offs_t[:, None].to(tl.int64) * stride_wt + offs_k[None, :] * stride_wk, top_w,
                  mask=m_out)
+
+
+@triton.jit
+def route_topk_kernel(
+    logits_ptr,  # [T, E] any float dtype, row stride stride_lt
+    bias_ptr,  # [E] correction bias (selection only)
+    ids_ptr,  # [T, TOP_K] int32 out
+    weights_ptr,  # [T, TOP_K] fp32 out
+    T,
+    E,
+    stride_lt,
+    scaling,
+    renorm_eps,
+    renorm_min,  # > 0: the renorm denominator is max(sum + renorm_eps, renorm_min)
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    SCORING: tl.constexpr,
+    TOPK_THEN_SCORE: tl.constexpr,
+    RENORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BIAS_ON_LOGITS: tl.constexpr,
+    MASK_ZERO: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    GROUP_BY_MAX: tl.constexpr,
+    GROUP_3D: tl.constexpr,  # E == BLOCK_E and GROUP_SIZE = E / N_GROUP: per-group reductions on a 3-D view
+    GROUP_SIZE: tl.constexpr,
+    ROUND_TO: tl.constexpr,  # 0 keep fp32, 1 round weights through bf16, 2 through fp16
+    USE_PDL: tl.constexpr = 0,
+    SPARSEMIXER: tl.constexpr = 0,  # PhiMoE's routing (module docstring); the scoring / bias / group flags unused
+    sm_thr=0.0,  # SPARSEMIXER: 2 * jitter_eps
+    table_ptr=None,  # HASH: [n_vocab, TOP_K] integer expert ids, row stride stride_table
+    tok_ptr=None,  # HASH: [T] integer token ids
+    n_vocab=1,
+    stride_table=0,
+    HASH: tl.constexpr = False,
+    escale_ptr=None,  # HAS_ESCALE: [E] per-expert multipliers of the weights (MoESpec.expert_scale)
+    HAS_ESCALE: tl.constexpr = False,
+    gammas_ptr=None,  # N_GAMMA > 0: [T, N_GAMMA] fp32 out, the shared experts' gammas
+    wscale_ptr=None,  # HAS_WSCALE: [1] the routing weights' learned scale (any float dtype)
+    N_GAMMA: tl.constexpr = 0,  # shared_gamma "joint_renorm": the logits row holds N_GAMMA more after the E
+    GAM_PAD: tl.constexpr = 1,
+    HAS_WSCALE: tl.constexpr = False,
+    given_ptr=None,  # GIVEN: [T, TOP_K] int32 / int64 replayed ids (strides stride_gt, stride_gk), no selection
+    stride_gt=0,
+    stride_gk=0,
+    GIVEN: tl.constexpr = False,
+    rec_ids_ptr=None,  # REC_IDS: [T, TOP_K] int32 out, the ids as routed (strides stride_rt, stride_rk)
+    stride_rt=0,
+    stride_rk=0,
+    REC_IDS: tl.constexpr = False,
+    rec_w_ptr=None,  # REC_W: [T, TOP_K] fp32 out, the final weights (strides stride_wt, stride_wk)
+    stride_wt=0,
+    stride_wk=0,
+    REC_W: tl.constexpr = False,
+):
+    pdl.enter(USE_PDL)
+    pid = tl.program_id(0)
+    route_tile(pid, logits_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, stride_lt, scaling, renorm_eps, renorm_min,
+               TOP_K, K_PAD, BLOCK_T, BLOCK_E, SCORING, TOPK_THEN_SCORE, RENORM, HAS_BIAS, BIAS_ON_LOGITS, MASK_ZERO,
+               N_GROUP, G_PAD, TOPK_GROUP, GROUP_BY_MAX, GROUP_3D, GROUP_SIZE, ROUND_TO, SPARSEMIXER, sm_thr,
+               table_ptr, tok_ptr, n_vocab, stride_table, HASH, escale_ptr, HAS_ESCALE, gammas_ptr, wscale_ptr,
+               N_GAMMA, GAM_PAD, HAS_WSCALE, given_ptr, stride_gt, stride_gk, GIVEN, rec_ids_ptr, stride_rt,
+               stride_rk, REC_IDS, rec_w_ptr, stride_wt, stride_wk, REC_W, False)

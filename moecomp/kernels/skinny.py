@@ -15,12 +15,15 @@ each Q_BLOCK_K-column group; channel / tensor scales the final sums) and multipl
 
 Narrow BLOCK_N gives N / BLOCK_N programs, so that even a 512-row projection keeps the SMs streaming, where an MMA
 form's tiles of 16 x 64 leave most of them idle. The launcher (``ops/skinny.py``) picks the tiles.
+
+``skinny_group_kernel``: 2-4 sibling linears that read the same x (q / k / v, a dense MLP's gate / up) in one launch,
+each weight by its own pointer; its programs split the members' row blocks among them, each running the tile above.
 """
 
 import triton
 import triton.language as tl
 
-from . import fp8
+from . import fp8, pdl
 
 
 @triton.jit
@@ -67,30 +70,12 @@ def _row_store(acc, y_row, offs_n, n_ok, s_fin, bias, HAS_BIAS: tl.constexpr, W_
 
 
 @triton.jit
-def skinny_kernel(
-    x_ptr,  # [M, K], unit stride along K
-    w_ptr,  # [N, K], unit stride along K
-    ws_ptr,  # weight scales (W_SCALE 1-3; see the module docstring) or None
-    b_ptr,  # [N] bias or None
-    y_ptr,  # [M, N]
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_sn,
-    stride_sk,
-    stride_ym,
-    ROWS: tl.constexpr,  # M, 1..4
-    HAS_BIAS: tl.constexpr,
-    W_SCALE: tl.constexpr,  # 0 none (16-bit weights), 1 block, 2 channel, 3 tensor
-    Q_BLOCK_N: tl.constexpr,
-    Q_BLOCK_K: tl.constexpr,
-    UE8M0: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    REDUCE_END: tl.constexpr,
-):
-    pid = tl.program_id(0)
+def _tile(pid, x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_sn, stride_sk, stride_ym,
+          ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr, Q_BLOCK_N: tl.constexpr,
+          Q_BLOCK_K: tl.constexpr, UE8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          REDUCE_END: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    """Weight rows [pid * BLOCK_N, +BLOCK_N) of one [N, K] weight against every row of x: one program's work (USE_PDL
+    2: the next launch may start once every program is past its K loop, ``kernels/pdl.py``)."""
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows_n = offs_n.to(tl.int64)
@@ -118,6 +103,7 @@ def skinny_kernel(
         if ROWS > 3:
             acc3 = _row_step(acc3, wf, x_ptr + 3 * stride_xm, k0, offs_k, k_ok, REDUCE_END)
         w_ptrs += BLOCK_K
+    pdl.release(USE_PDL)
     s_fin = 1.0
     if W_SCALE == 2:
         s_fin = fp8.load_scale(ws_ptr + rows_n * stride_sn, n_ok, UE8M0)
@@ -133,3 +119,85 @@ def skinny_kernel(
         _row_store(acc2, y_ptr + 2 * stride_ym, offs_n, n_ok, s_fin, bias, HAS_BIAS, W_SCALE, REDUCE_END)
     if ROWS > 3:
         _row_store(acc3, y_ptr + 3 * stride_ym, offs_n, n_ok, s_fin, bias, HAS_BIAS, W_SCALE, REDUCE_END)
+
+
+@triton.jit
+def skinny_kernel(
+    x_ptr,  # [M, K], unit stride along K
+    w_ptr,  # [N, K], unit stride along K
+    ws_ptr,  # weight scales (W_SCALE 1-3; see the module docstring) or None
+    b_ptr,  # [N] bias or None
+    y_ptr,  # [M, N]
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_sk,
+    stride_ym,
+    ROWS: tl.constexpr,  # M, 1..4
+    HAS_BIAS: tl.constexpr,
+    W_SCALE: tl.constexpr,  # 0 none (16-bit weights), 1 block, 2 channel, 3 tensor
+    Q_BLOCK_N: tl.constexpr,
+    Q_BLOCK_K: tl.constexpr,
+    UE8M0: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    REDUCE_END: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,  # programmatic dependent launch (kernels/pdl.py): 0 off, 2 wait, release after K
+):
+    pdl.enter(USE_PDL)
+    _tile(tl.program_id(0), x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_sn, stride_sk,
+          stride_ym, ROWS, HAS_BIAS, W_SCALE, Q_BLOCK_N, Q_BLOCK_K, UE8M0, BLOCK_N, BLOCK_K, REDUCE_END, USE_PDL)
+
+
+@triton.jit
+def skinny_group_kernel(
+    x_ptr,  # [M, K], unit stride along K: the one input every member reads
+    w0, w1, w2, w3,  # members' [N_i, K] weights (unit stride along K); unused members None
+    ws0, ws1, ws2, ws3,  # their scales (W_SCALE 1-3) or None
+    b0, b1, b2, b3,  # their [N_i] biases or None
+    y0, y1, y2, y3,  # their [M, N_i] outputs
+    N0, N1, N2, N3,
+    K,
+    stride_xm,
+    swn0, swn1, swn2, swn3,  # weight row strides
+    ssn0, ssn1, ssn2, ssn3,  # scale strides (rows)
+    ssk0, ssk1, ssk2, ssk3,  # scale strides (K groups)
+    sym0, sym1, sym2, sym3,  # output row strides
+    G: tl.constexpr,  # members, 2..4
+    ROWS: tl.constexpr,
+    HB0: tl.constexpr, HB1: tl.constexpr, HB2: tl.constexpr, HB3: tl.constexpr,  # member i has a bias
+    W_SCALE: tl.constexpr,  # one format for every member (the QuantSpec of the group)
+    Q_BLOCK_N: tl.constexpr,
+    Q_BLOCK_K: tl.constexpr,
+    UE8M0: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    REDUCE_END: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
+):
+    """Sibling linears of one input in one launch: programs [0, cdiv(N0, BLOCK_N)) run member 0's tiles, the next
+    cdiv(N1, BLOCK_N) member 1's, and so on; each program runs exactly the tile ``skinny_kernel`` would (``_tile``),
+    on its member's own weight pointer (nothing concatenated)."""
+    pdl.enter(USE_PDL)
+    pid = tl.program_id(0)
+    nb0 = tl.cdiv(N0, BLOCK_N)
+    nb1 = tl.cdiv(N1, BLOCK_N)
+    if pid < nb0:
+        _tile(pid, x_ptr, w0, ws0, b0, y0, N0, K, stride_xm, swn0, ssn0, ssk0, sym0, ROWS, HB0, W_SCALE, Q_BLOCK_N,
+              Q_BLOCK_K, UE8M0, BLOCK_N, BLOCK_K, REDUCE_END, USE_PDL)
+    elif pid < nb0 + nb1:
+        _tile(pid - nb0, x_ptr, w1, ws1, b1, y1, N1, K, stride_xm, swn1, ssn1, ssk1, sym1, ROWS, HB1, W_SCALE,
+              Q_BLOCK_N, Q_BLOCK_K, UE8M0, BLOCK_N, BLOCK_K, REDUCE_END, USE_PDL)
+    else:
+        if G > 2:
+            nb2 = tl.cdiv(N2, BLOCK_N)
+            p2 = pid - nb0 - nb1
+            if p2 < nb2:
+                _tile(p2, x_ptr, w2, ws2, b2, y2, N2, K, stride_xm, swn2, ssn2, ssk2, sym2, ROWS, HB2, W_SCALE,
+                      Q_BLOCK_N, Q_BLOCK_K, UE8M0, BLOCK_N, BLOCK_K, REDUCE_END, USE_PDL)
+            else:
+                if G > 3:
+                    _tile(p2 - nb2, x_ptr, w3, ws3, b3, y3, N3, K, stride_xm, swn3, ssn3, ssk3, sym3, ROWS, HB3,
+                          W_SCALE, Q_BLOCK_N, Q_BLOCK_K, UE8M0, BLOCK_N, BLOCK_K, REDUCE_END, USE_PDL)

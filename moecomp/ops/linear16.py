@@ -17,7 +17,7 @@ import torch.nn.functional as F
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _check(x, weight, bias) -> None:
+def check_linear(x, weight, bias) -> None:
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"skinny_linear: weight must be [N, K] with K = x.shape[-1] = {x.shape[-1]}, got "
                          f"{tuple(weight.shape)}")
@@ -45,7 +45,13 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 @torch.library.custom_op("moecomp::skinny_linear", mutates_args=())
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    _check(x, weight, bias)
+    check_linear(x, weight, bias)
+    return run(x, weight, bias)
+
+
+def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The op's computation on checked arguments (also each member of ``moecomp::skinny_group`` it does not launch
+    as one)."""
     if not (enabled() and takes(x, weight)):
         return F.linear(x, weight, bias)
     from . import skinny
@@ -57,7 +63,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 @skinny_linear.register_fake
 def _(x, weight, bias):
-    _check(x, weight, bias)
+    check_linear(x, weight, bias)
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 

@@ -18,6 +18,14 @@ MAX_ROWS = 4
 _W_SCALE = {None: 0, "block": 1, "channel": 2, "tensor": 3}
 
 
+def launch_options(device: torch.device) -> dict:
+    """The skinny launches' programmatic dependent launch options on ``device`` (``kernels/pdl.py``: wait for the
+    previous kernel at the start, let the next one launch after the K loop): ``triton_moe`` sets this to its ``_pdl``
+    (gemm form) when it imports this module (it imports this module, so this one cannot import it); until then, and
+    with MOECOMP_PDL=0, plain launches."""
+    return {}
+
+
 def use_skinny(M: int, N: int, K: int, quantized: bool) -> bool:
     """Whether M rows against an [N, K] weight go faster through the skinny kernel than through the alternative
     (cuBLAS for 16-bit weights, fp8_linear's MMA form for e4m3), by the H200 sweep of 2026-12-01
@@ -91,5 +99,74 @@ def skinny_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         x2, weight, ws, bias, y, N, K, x2.stride(0), weight.stride(0), s_n, s_k, y.stride(0),
         ROWS=M, HAS_BIAS=bias is not None, W_SCALE=mode, Q_BLOCK_N=qbn, Q_BLOCK_K=qbk, UE8M0=ue8m0,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, REDUCE_END=cfg["REDUCE_END"], num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        num_stages=cfg["num_stages"], **launch_options(x2.device))
     return y
+
+
+MAX_GROUP = 4  # members of one skinny_group launch (q / k / v: 3; gate / up: 2)
+
+
+def skinny_group(x2: torch.Tensor, weights: list, biases: list | None = None, scales: list | None = None, q=None,
+                 cfg: dict | None = None, outs: list | None = None) -> list:
+    """``skinny_linear`` of x2 [M, K] against 2..MAX_GROUP weights [N_i, K] of one format (16-bit, or e4m3 of one
+    QuantSpec ``q`` with ``scales``), in one launch (``kernels/skinny.skinny_group_kernel``): [y_i [M, N_i]], each
+    as ``skinny_linear`` would compute it with the same tiles. The tiles are chosen for the members' total rows.
+    ``outs``: [M, N_i] buffers of unit column stride to write into."""
+    M, K = x2.shape
+    G = len(weights)
+    if not 2 <= G <= MAX_GROUP:
+        raise ValueError(f"skinny_group: weights must hold 2..{MAX_GROUP} matrices, got {G}")
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"skinny_group: x2 must have 1..{MAX_ROWS} rows, got {M}")
+    biases = list(biases) if biases is not None else [None] * G
+    scales = list(scales) if scales is not None else [None] * G
+    if len(biases) != G or len(scales) != G:
+        raise ValueError(f"skinny_group: biases and scales must have one entry per weight ({G}), got "
+                         f"{len(biases)} and {len(scales)}")
+    for i, w in enumerate(weights):
+        if w.dim() != 2 or w.shape[1] != K or w.stride(-1) != 1:
+            raise ValueError(f"skinny_group: weights[{i}] must be [N, {K}] with unit stride along K, got "
+                             f"{tuple(w.shape)} strides {w.stride()}")
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    mode = _W_SCALE[None if q is None else q.scale]
+    N_all = sum(w.shape[0] for w in weights)
+    if cfg is None:
+        cfg = skinny_config(M, N_all, K, weights[0].element_size(), x2.device, _sm_count(x2.device))
+    qbn, qbk = (q.block_n, q.block_k) if mode == 1 else (128, 128)
+    bk = cfg["BLOCK_K"]
+    if mode == 1 and (bk % qbk and qbk % bk):
+        bk = min(bk, qbk & -qbk)
+    if outs is not None and (len(outs) != G or any(tuple(o.shape) != (M, w.shape[0]) or o.stride(-1) != 1
+                                                   for o, w in zip(outs, weights))):
+        raise ValueError(f"skinny_group: outs must be {G} buffers [M={M}, N_i] of unit column stride, got "
+                         f"{[tuple(o.shape) for o in outs]}")
+    ys = [torch.empty(M, w.shape[0], dtype=x2.dtype, device=x2.device) for w in weights] if outs is None else outs
+    bs = [b if b is None or b.stride(-1) == 1 else b.contiguous() for b in biases]
+    ws, ue8m0 = [], False
+    for i, s in enumerate(scales):
+        if not mode:
+            ws.append(None)
+            continue
+        if s is None or (mode == 1 and s.dim() != 2):
+            raise ValueError(f"skinny_group: scales[{i}] must be the weight's {q.scale} scales, got "
+                             f"{None if s is None else tuple(s.shape)}")
+        ue8m0 = s.dtype == torch.float8_e8m0fnu
+        ws.append(s.view(torch.uint8) if ue8m0 else s)
+    pad = MAX_GROUP - G
+
+    def four(vals, fill):
+        return list(vals) + [fill] * pad
+
+    s_n = [s.stride(0) if s is not None and s.dim() >= 1 else 0 for s in ws]
+    s_k = [s.stride(1) if s is not None and s.dim() == 2 else 0 for s in ws]
+    grid = (sum(triton.cdiv(w.shape[0], cfg["BLOCK_N"]) for w in weights),)
+    skinny_k.skinny_group_kernel[grid](
+        x2, *four(weights, None), *four(ws, None), *four(bs, None), *four(ys, None),
+        *four([w.shape[0] for w in weights], 0), K, x2.stride(0), *four([w.stride(0) for w in weights], 0),
+        *four(s_n, 0), *four(s_k, 0), *four([y.stride(0) for y in ys], 0),
+        G=G, ROWS=M, HB0=bs[0] is not None, HB1=bs[1] is not None, HB2=G > 2 and bs[2] is not None,
+        HB3=G > 3 and bs[3] is not None, W_SCALE=mode, Q_BLOCK_N=qbn, Q_BLOCK_K=qbk, UE8M0=ue8m0,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, REDUCE_END=cfg["REDUCE_END"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **launch_options(x2.device))
+    return ys

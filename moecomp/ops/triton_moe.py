@@ -53,11 +53,10 @@ from ..kernels import combine as combine_k
 from ..kernels import decode as decode_k
 from ..kernels import grouped_gemm as gemm_k
 from ..kernels import grouped_gemm_tma as tma_k
-from ..kernels import router as router_k
 from ..kernels import routing as routing_k
 from ..core.spec import MoESpec
 from . import capacity as cap
-from . import triton_fp8, triton_quant4_gemv, tuning
+from . import skinny, triton_fp8, triton_quant4_gemv, triton_router, tuning
 from . import triton_fp8_tma as fp8_tma
 from . import hash_routing as hr
 from . import routes
@@ -68,6 +67,7 @@ from . import zero_experts as zx
 from .backend import Routed
 from .tuning import ROUTE_ELEMS, ROUTE_ONE_TOKEN_T, route_tiles  # noqa: F401  (tests and benchmarks read them here)
 from .router_input import router_in
+from .triton_router import ROUTER_GEMV_MAX_T, router_gemv, router_logits  # noqa: F401  (tests read them here)
 from .triton_shared import shared_mlp, shared_part  # noqa: F401  (shared_part: this path's Backend.shared_part)
 from .tma import (  # noqa: F401  (tests read them here)
     tma_desc as _desc, persistent_programs as _programs, tensor_descriptor_class as _TensorDescriptor,
@@ -81,7 +81,6 @@ from .triton_fp8 import (  # noqa: F401  (expert_quant: also the tuner's and tes
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "none": 3}
 _ACT = act_k.CODES  # activation name -> the kernels' ACT code
 SMALL_P = 256  # single-program alignment up to this many (token, expert) pairs (MOECOMP_ALIGN_SMALL_P overrides)
-ROUTER_GEMV_MAX_T = 4  # up to this many tokens the router GEMM is our GEMV kernel (MOECOMP_ROUTER_GEMV_MAX_T)
 
 
 def _pdl(device: torch.device, gemm: bool = False) -> dict:
@@ -101,6 +100,9 @@ def _pdl(device: torch.device, gemm: bool = False) -> dict:
 
 _pdl_devices: dict = {}
 triton_fp8.launch_options = lambda device: _pdl(device)  # its launches take the same options (it cannot import us)
+triton_router.launch_options = triton_fp8.launch_options
+# the skinny linears: wait, release after K (opt-in until measured on a GPU: MOECOMP_SKINNY_PDL=1)
+skinny.launch_options = lambda device: _pdl(device, gemm=True) if os.environ.get("MOECOMP_SKINNY_PDL") == "1" else {}
 _pdl_held = False  # set by ``_hold_pdl`` while the aligned path runs beside the shared experts' side stream
 
 
@@ -138,68 +140,6 @@ def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 # --------------------------------------------------------------------------------------------- routing
-def router_logits(x: torch.Tensor, args: dict, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Router GEMM, fused with the shared-expert gate GEMM when there is one. Returns (logits [T, E], gate [T]).
-
-    Up to ``ROUTER_GEMV_MAX_T`` tokens this is ``router_gemv`` (one launch, no converted or concatenated weight);
-    above, ``torch.nn.functional.linear``, where weights are used as given: an fp32 router (``spec.router_fp32``)
-    over 16-bit weights converts them here on every call, and a separate gate is concatenated here on every call.
-    The op caches nothing derived from its inputs (a cached tensor made while compiled code runs inside Inductor's
-    CUDA-graph trees would live in the tree's pool, untracked); callers that call often pass the fused / converted
-    weights (the bound HF blocks keep them as buffers, the FSE pass concatenates in the graph)."""
-    rw, rb, gw = args["router_w"], args["router_b"], args["shared_gate_w"]
-    E = spec.router_width  # the experts (+ zero experts)
-    want = torch.float32 if spec.router_fp32 else x.dtype
-    if x.shape[0] <= int(os.environ.get("MOECOMP_ROUTER_GEMV_MAX_T", ROUTER_GEMV_MAX_T)):
-        logits = router_gemv(x, rw, rb, gw, want)
-    else:
-        xs = x if x.dtype == want else x.to(want)
-        if gw is not None:
-            rw = torch.cat([rw, gw.to(rw.dtype)], 0)  # [E + 1, H]
-            if rb is not None:
-                rb = torch.cat([rb, rb.new_zeros(1)])
-        rw = rw if rw.dtype == want else rw.to(want)
-        if rb is not None and rb.dtype != want:
-            rb = rb.to(want)
-        logits = torch.nn.functional.linear(xs, rw, rb)  # [T, E] or [T, E + 1]
-    if spec.fused_shared_gate or gw is not None:
-        return _scaled(logits[:, :E], spec), logits[:, E]
-    return _scaled(logits, spec), None
-
-
-def _scaled(logits: torch.Tensor, spec: MoESpec) -> torch.Tensor:
-    """``spec.router_scale`` times the logits, in their dtype (the gate's logit is not scaled)."""
-    return logits * spec.router_scale if spec.router_scale != 1.0 else logits
-
-
-def router_gemv(x, rw, rb, gw, out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, H] . [rw; gw]^T (+ [rb; 0]) -> logits [T, R] in ``out_dtype`` (R = rw's rows, + 1 with a gate row gw
-    [1, H]), as ``linear`` on the operands converted to out_dtype (``kernels/router.py``). One program per token and
-    BLOCK_R rows, BLOCK_R chosen for about two programs per SM.
-
-    Measured on an H200 against linear (``diag_kernels.py --parts router``, 3909dcb; CUDA-graph replays): the
-    router alone 5.2-9.3 us against 8.7-20.2 at T=1 on all five presets, and the whole op at T=1 to 4 as fast or
-    faster (Qwen3 T=1 38.5 against 41.5 us); from T=8 cuBLAS wins on Qwen3 and DeepSeek-V3 (10.7 against 9.0 us,
-    46 against 34), hence ``ROUTER_GEMV_MAX_T`` = 4."""
-    T, H = x.shape
-    E = rw.shape[0]
-    R = E + (gw is not None)
-    if out is None:
-        out = torch.empty(T, R, dtype=out_dtype, device=x.device)
-    if T == 0:
-        return out
-    x, rw, rb = _unit_stride(x), _unit_stride(rw), _unit_stride(rb)
-    gw = None if gw is None else _unit_stride(gw.reshape(-1))
-    block_r = max(1, min(16, triton.next_power_of_2(triton.cdiv(T * R, 2 * _sm_count(x.device)))))
-    block_h = min(1024 // block_r, triton.next_power_of_2(H))
-    router_k.router_gemv_kernel[(T * triton.cdiv(R, block_r),)](
-        x, rw, gw, rb, out, E, R, H, x.stride(0), rw.stride(0), out.stride(0),
-        HAS_GATE=gw is not None, HAS_BIAS=rb is not None, BLOCK_R=block_r, BLOCK_H=max(16, block_h), num_warps=4,
-        **_pdl(x.device),
-    )
-    return out
-
-
 def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch.dtype, tiles: dict | None = None,
           hashed: dict | None = None, expert_scale: torch.Tensor | None = None, gammas: torch.Tensor | None = None,
           weight_scale: torch.Tensor | None = None, rt: dict | None = None):
@@ -209,29 +149,36 @@ def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch
     ``expert_scale`` [E (+ Z)] (``spec.expert_scale``): each weight times it at its id, in the kernel after the
     scaling. ``gammas`` [T, G] fp32 (written; ``spec.shared_gamma``) and ``weight_scale`` [1]
     (``spec.has_weight_scale``): ``ops/shared_gamma.py``. ``rt``: ``routes.kernel_kwargs`` (record / replay)."""
+    ids, weights, block_t, args, kw = route_args(logits, correction_bias, spec, out_dtype, tiles, hashed, expert_scale,
+                                                 gammas, weight_scale, rt)
+    if logits.shape[0]:
+        routing_k.route_topk_kernel[(triton.cdiv(logits.shape[0], block_t),)](*args, **kw)
+    return ids, weights
+
+
+def route_args(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch.dtype, tiles=None, hashed=None,
+               expert_scale=None, gammas=None, weight_scale=None, rt=None):
+    """``route``'s outputs (ids, weights) and its launch: (ids, weights, BLOCK_T, positional arguments, keyword
+    arguments of ``route_topk_kernel``); ``ops/triton_router.py`` launches the same arguments after the router's."""
     T, E, k = logits.shape[0], spec.router_width, spec.top_k
     ids = torch.empty(T, k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
-    if T == 0:
-        return ids, weights
-    # "topk_then_score" is top-k of the raw logits, then the score of the chosen (moecomp.oracle.reference): no correction
-    # bias and no group-limited selection take part, whatever else the spec says (the kernel would apply both).
+    # "topk_then_score" is top-k of the raw logits, then the score of the chosen (moecomp.oracle.reference): no
+    # correction bias and no group-limited selection take part, whatever else the spec says (the kernel would apply
+    # both).
     plain_topk = spec.score_order == "topk_then_score"
     rt = rt or {}
     select = not (plain_topk or rt.get("GIVEN"))  # replayed ids: no selection (bias and groups unused) either
     n_group = spec.n_group if select else 1
-    tiles = {**route_tiles(T, E, n_group), **(tiles or {})}
+    tiles = {**route_tiles(max(T, 1), E, n_group), **(tiles or {})}
     block_e = triton.next_power_of_2(E)
     group_3d = bool(tiles["group_3d"]) and n_group > 1 and E == block_e and E % n_group == 0
     round_to = 0
     if spec.round_weights:
         round_to = {torch.bfloat16: 1, torch.float16: 2}.get(out_dtype, 0)
-    grid = (triton.cdiv(T, tiles["block_t"]),)
-    correction_bias = _unit_stride(correction_bias)
-    routing_k.route_topk_kernel[grid](
-        logits, correction_bias, ids, weights,
-        T, E, logits.stride(0),
-        float(spec.routed_scaling_factor), float(spec.renorm_eps), float(spec.renorm_min),
+    args = (logits, _unit_stride(correction_bias), ids, weights, T, E, logits.stride(0),
+            float(spec.routed_scaling_factor), float(spec.renorm_eps), float(spec.renorm_min))
+    kw = dict(
         TOP_K=k, K_PAD=triton.next_power_of_2(k), BLOCK_T=tiles["block_t"], BLOCK_E=block_e,
         SCORING=_SCORING[spec.scoring], TOPK_THEN_SCORE=plain_topk,
         RENORM=spec.renormalize, HAS_BIAS=spec.has_correction_bias and select,
@@ -243,7 +190,7 @@ def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch
         **hr.route_kwargs(spec, hashed or {}), **sg.route_kwargs(spec, gammas, _unit_stride(weight_scale)),
         **({} if expert_scale is None else dict(escale_ptr=_unit_stride(expert_scale), HAS_ESCALE=True)), **rt,
     )
-    return ids, weights
+    return ids, weights, tiles["block_t"], args, kw
 
 
 # --------------------------------------------------------------------------------------------- alignment
@@ -518,17 +465,23 @@ def route_all(x2: torch.Tensor, args: dict, spec: MoESpec, shape) -> Routed:
     routing kernel; an expert capacity's dropped pairs: ids E, weights 0 (``ops/capacity.py``). ``moe_forward`` and
     the parallel path (``parallel/route.py``) route through this (``Backend.route_all``)."""
     r2 = router_in(x2, args, spec).contiguous()
-    logits, gate = router_logits(r2, args, spec)  # [T, E (+ G)], [T] or None
     escale = args.get("expert_scale") if spec.expert_scale else None  # applied in the routing kernel
     gammas = sg.gamma_buffer(spec, x2.shape[0], x2.device)
+    if spec.has_capacity:  # ids: the selection, before the drop
+        kspec, kw = cap.kernel_spec(spec), dict(expert_scale=escale, rt=routes.kernel_kwargs(args, weights=False))
+    else:
+        kspec, kw = spec, dict(hashed=args, expert_scale=escale, gammas=gammas, weight_scale=args.get("weight_scale"),
+                               rt=routes.kernel_kwargs(args))
+    logits = triton_router.logits_buffer(r2, args, spec)  # decode: the router and the routing in one launch
+    if logits is not None:
+        ids, weights, _, ra, rk = route_args(logits, args["correction_bias"], kspec, x2.dtype, **kw)
+        gate = triton_router.router_topk(r2, args, spec, logits, ra, rk)
+    else:
+        logits, gate = router_logits(r2, args, spec)  # [T, E (+ G)], [T] or None
+        ids, weights = route(logits, args["correction_bias"], kspec, x2.dtype, **kw)
     if spec.has_capacity:
-        ids, weights = route(logits, args["correction_bias"], cap.kernel_spec(spec), x2.dtype, expert_scale=escale,
-                             rt=routes.kernel_kwargs(args, weights=False))  # ids: the selection, before the drop
         ids, weights = cap.apply(ids, weights, spec, cap.group_tokens(shape, spec), x2.dtype)
         routes.record(args, None, weights)
-    else:
-        ids, weights = route(logits, args["correction_bias"], spec, x2.dtype, hashed=args, expert_scale=escale,
-                             gammas=gammas, weight_scale=args.get("weight_scale"), rt=routes.kernel_kwargs(args))
     return Routed(ids, weights, gammas, gate)
 
 

@@ -1,0 +1,72 @@
+"""Issue 41 item 1 on CUDA: the engine's captured decode step at batch 1 runs q / k / v as one ``skinny_group_kernel``
+launch a layer and the router + routing as one ``router_topk_kernel`` launch a layer (no ``route_topk_kernel`` in the
+decode steps), its tokens within bf16 tolerance of the unoptimized model's (teacher forcing, as
+test_generate_gpu.py's bf16 test), and the same model with both fusions off (MOECOMP_FUSE_LINEARS=0,
+MOECOMP_FUSED_ROUTER=0) launches the unfused kernels instead. The fused kernels themselves at real sizes:
+tests/kernels/test_skinny_group.py and tests/ops/test_fused_router_gpu.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import moecomp
+from moecomp.testing import routing_near_ties
+
+from .models import build, prompts
+
+pytestmark = pytest.mark.gpu
+BF16_TOL = 2e-2
+LAYERS, S, NEW = 3, 16, 12  # S = 16 prompt tokens: the prefill's routing has more than 4 tokens (two kernels)
+
+
+def _kernel_counts(opt, ids, mask) -> tuple[dict, int, torch.Tensor]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = opt.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    counts = {k: sum(n.startswith(k) for n in names)
+              for k in ("skinny_group_kernel", "skinny_kernel", "router_topk_kernel", "route_topk_kernel",
+                        "router_gemv_kernel")}
+    return counts, int(opt.generate.last["decode_steps"]), out
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_step_launches_and_tokens(fused, monkeypatch):
+    monkeypatch.setenv("MOECOMP_FUSE_LINEARS", "1" if fused else "0")  # (opt-in until measured)
+    monkeypatch.setenv("MOECOMP_FUSED_ROUTER", "1" if fused else "0")
+    ref = build("qwen3_moe", "cuda", torch.bfloat16, layers=LAYERS, hidden_size=256, moe_intermediate_size=128,
+                intermediate_size=256, num_experts=32, num_experts_per_tok=4)
+    opt = moecomp.optimize(copy.deepcopy(ref))
+    ids, mask = prompts(ref.config.vocab_size, 1, S, seed=5)
+    ids, mask = ids.cuda(), mask.cuda()
+    opt.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)  # compiles and captures
+    counts, steps, out = _kernel_counts(opt, ids, mask)
+    assert opt.generate.last["graphs"] == "replayed" and opt.generate.last["layers"] == "compiled"
+    fusing = opt.generate.engine._compiled[1]["decode"][0].run.fusing
+    if fused:
+        assert fusing.fused and all(f == [3] for f in fusing.fused), fusing.fused  # q / k / v of the one layer graph
+        assert counts["skinny_group_kernel"] == LAYERS * steps, (counts, steps)
+        assert counts["skinny_kernel"] == LAYERS * steps, counts  # o_proj
+        assert counts["router_topk_kernel"] == LAYERS * steps, counts
+        # the prefill's 16 tokens: F.linear and route_topk_kernel, once a layer
+        assert counts["route_topk_kernel"] == LAYERS and counts["router_gemv_kernel"] == 0, counts
+    else:
+        assert fusing is None
+        assert counts["skinny_group_kernel"] == counts["router_topk_kernel"] == 0, counts
+        assert counts["skinny_kernel"] == 4 * LAYERS * steps, counts
+        assert counts["router_gemv_kernel"] == LAYERS * steps, counts
+        assert counts["route_topk_kernel"] == LAYERS * (steps + 1), counts
+    with torch.no_grad():
+        logits = ref(out).logits[:, S - 1:-1].float()  # [1, n, V]: the logits that chose each new token
+    chosen = logits.gather(-1, out[:, S:, None]).squeeze(-1)
+    short = (logits.max(-1).values - chosen) / logits.abs().amax()
+    eos = torch.as_tensor(ref.generation_config.eos_token_id, device=out.device).reshape(-1)
+    is_eos = torch.isin(out[:, S:], eos).long()
+    off = (short > BF16_TOL) & ~(is_eos.cumsum(-1) - is_eos > 0)
+    near = routing_near_ties(opt, out)[:, S - 1:-1]
+    assert not bool((off & ~near).any()), (short, near)
