@@ -16,17 +16,8 @@ import sys
 
 import pytest
 
-CHILD = r'''
-import inspect, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from moecomp.kernels import decode as dk
-from moecomp.kernels import grouped_gemm as gk
-from moecomp.kernels import skinny as sk
-from moecomp.kernels import quant4_gemv as qg
-
-W = {"bf16": "*bf16", "fp8": "*fp8e4nv"}
+# PTX of a @triton.jit function for sm_90 (part of the child scripts here and in test_sm90_compile_fused.py)
+COMPILE_SM90 = r'''
 W4_OFF = dict(zp_ptr=None, W4=0, W4_FOLD=0, W4_FORM=0)
 
 def compile_sm90(fn, pointers, constexprs, div16=()):
@@ -45,7 +36,20 @@ def compile_sm90(fn, pointers, constexprs, div16=()):
             if p in div16:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+'''
 
+CHILD = r'''
+import inspect, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moecomp.kernels import decode as dk
+from moecomp.kernels import grouped_gemm as gk
+from moecomp.kernels import skinny as sk
+from moecomp.kernels import quant4_gemv as qg
+
+W = {"bf16": "*bf16", "fp8": "*fp8e4nv"}
+''' + COMPILE_SM90 + r'''
 def skinny(case):
     w = "fp8" if "fp8" in case else "bf16"
     ptr = dict(x_ptr="*bf16", w_ptr=W[w], ws_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16")
@@ -183,7 +187,8 @@ CASES = {"skinny": ["bf16 bias", "fp8 block rows4 reduce_step", "fp8 channel ue8
                          "gemv1 int4 zp asm", "down mxfp4 prefetch", "down int4 zp shared zero unweighted asm"]}
 
 
-def test_decode_kernels_compile_for_sm90():
+def compile_cases(child: str, cases: dict) -> dict:
+    """Run ``child`` (a script printing {case: "ok" | why}) on ``cases`` without the interpreter."""
     try:
         import triton.backends.nvidia.compiler  # noqa: F401
     except ImportError:  # pragma: no cover
@@ -191,10 +196,14 @@ def test_decode_kernels_compile_for_sm90():
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(CASES)], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", child, json.dumps(cases)], env=env, capture_output=True, text=True,
                        timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_decode_kernels_compile_for_sm90():
+    res = compile_cases(CHILD, CASES)
     assert len(res) == sum(len(v) for v in CASES.values())
     bad = {c: v for c, v in res.items() if v != "ok"}
     assert not bad, json.dumps(bad, indent=1)

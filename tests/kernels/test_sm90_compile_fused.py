@@ -9,11 +9,9 @@ logits read with volatile loads past L1), with gate rows, groups, record / repla
 tests run under TRITON_INTERPRET=1, whose jit functions do not compile)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from test_sm90_compile import COMPILE_SM90, compile_cases  # (this directory)
 
 CHILD = r'''
 import inspect, json, sys
@@ -23,19 +21,7 @@ from triton.compiler import ASTSource
 from moecomp.kernels import router as rk
 from moecomp.kernels import skinny as sk
 
-def compile_sm90(fn, pointers, constexprs, div16=()):
-    params = list(inspect.signature(fn.fn).parameters)
-    sig, const, attrs = {}, {}, {}
-    for i, p in enumerate(params):
-        if p in constexprs:
-            sig[p] = "constexpr"
-            const[(i,)] = constexprs[p]
-        else:
-            sig[p] = pointers.get(p, "i32")
-            if p in div16:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-
+''' + COMPILE_SM90 + r'''
 def group(case):
     G = int(case.split()[0][1])
     fp8 = "fp8" in case
@@ -121,21 +107,6 @@ CASES = {"group": ["G3 bf16 bias", "G2 bf16 rows2", "G4 bf16", "G2 fp8 block", "
          "single": ["bf16", "bf16 pdl"],
          "router": ["split", "split rows4 gate groups record", "one rows4 gate", "split replay record",
                     "one groups replay"]}
-
-
-def compile_cases(child: str, cases: dict) -> dict:
-    """Run ``child`` (a script printing {case: "ok" | why}) on ``cases`` without the interpreter."""
-    try:
-        import triton.backends.nvidia.compiler  # noqa: F401
-    except ImportError:  # pragma: no cover
-        pytest.skip("this Triton has no NVIDIA backend")
-    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", child, json.dumps(cases)], env=env, capture_output=True, text=True,
-                       timeout=240)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def test_fused_decode_kernels_compile_for_sm90():
