@@ -44,12 +44,8 @@ def test_routes_equal_record_and_replay_reproduces_logits(model, poison):
     assert routes.shape == (len(moe_blocks(model)), 2, seq.shape[1], k) and routes.dtype == torch.int64
     assert bool((routes[:, 1, :2] == -1).all()) and bool((routes[:, :, -1] == -1).all())
     assert bool((routes[:, 0, :-1] >= 0).all())
-    with torch.no_grad(), moecomp.record_routing(model) as rec:
-        again = _gen(model, ids, mask, return_dict_in_generate=True, moecomp_fast=False)
-    assert torch.equal(again.sequences, seq)
     live = routes[:, :, :-1] >= 0
-    calls = rec.calls  # this tiny config runs without a cache: each call the whole prefix; else one per token
-    ref = calls[-1] if calls[-1].shape[2] == seq.shape[1] - 1 else rec.routes
+    ref = _recorded_by_transformers(model, ids, mask, seq)  # (this tiny config runs without a cache)
     assert ref.shape[2] == seq.shape[1] - 1
     assert torch.equal(routes[:, :, :-1][live], ref[live])
     full_mask = torch.cat([mask, torch.ones(2, seq.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
@@ -98,7 +94,7 @@ def _recorded_by_transformers(m, ids, mask, seq):
     with torch.no_grad(), moecomp.record_routing(m) as rec:
         again = _gen(m, ids, mask, return_dict_in_generate=True, moecomp_fast=False)
     assert torch.equal(again.sequences, seq)
-    calls = rec.calls
+    calls = rec.calls  # without a cache: each call the whole prefix; with one: one call per token
     return calls[-1] if calls[-1].shape[2] == seq.shape[1] - 1 else rec.routes
 
 
