@@ -84,7 +84,13 @@ ENGINE_OPTIONS = {"one_liner_no_overlap": ("MOECOMP_NO_OVERLAP", "1", "0"),
                   # the prefill (issue 41): uncaptured (today's), or its graph with Inductor per bucket / eager layers
                   "one_liner_no_prefill_graph": ("MOECOMP_GENERATE_PREFILL_GRAPH", "0", "1"),
                   "one_liner_prefill_static": ("MOECOMP_GENERATE_PREFILL_LAYERS", "static", "dynamic"),
-                  "one_liner_prefill_eager_layers": ("MOECOMP_GENERATE_PREFILL_LAYERS", "eager", "dynamic")}
+                  "one_liner_prefill_eager_layers": ("MOECOMP_GENERATE_PREFILL_LAYERS", "eager", "dynamic"),
+                  # the fused decode launches (issue 41, opt-in until measured): each alone, and all three together
+                  "one_liner_fuse_linears": ("MOECOMP_FUSE_LINEARS", "1", "0"),
+                  "one_liner_fused_router": ("MOECOMP_FUSED_ROUTER", "1", "0"),
+                  "one_liner_skinny_pdl": ("MOECOMP_SKINNY_PDL", "1", "0"),
+                  "one_liner_fused": (("MOECOMP_FUSE_LINEARS", "1", "0"), ("MOECOMP_FUSED_ROUTER", "1", "0"),
+                                      ("MOECOMP_SKINNY_PDL", "1", "0"))}
 EXTRA_PATHS = tuple(ENGINE_OPTIONS)
 COMPILED = ("hf_static", "hf_static_moecomp", "optimize_static")
 
@@ -196,7 +202,13 @@ def compare(out: torch.Tensor, ref: torch.Tensor, S: int) -> dict:
 
 
 # ================================================================================================ paths
-ENGINE_DEFAULTS = {var: default for var, _, default in ENGINE_OPTIONS.values()}
+def _options(path: str) -> tuple:
+    """The (variable, value, default) triples a path sets: one, or a tuple of them."""
+    opt = ENGINE_OPTIONS[path]
+    return opt if isinstance(opt[0], tuple) else (opt,)
+
+
+ENGINE_DEFAULTS = {var: default for path in ENGINE_OPTIONS for var, _, default in _options(path)}
 
 
 def set_path(model, path: str, state: dict):
@@ -213,8 +225,7 @@ def set_path(model, path: str, state: dict):
         state["impl"] = want_impl
     # engine options: each variable at its default, except the one this path changes
     want = dict(ENGINE_DEFAULTS)
-    if path in ENGINE_OPTIONS:
-        var, val, _ = ENGINE_OPTIONS[path]
+    for var, val, _ in (_options(path) if path in ENGINE_OPTIONS else ()):
         want[var] = val
     changed = [var for var, val in want.items() if os.environ.get(var, ENGINE_DEFAULTS[var]) != val]
     for var in changed:

@@ -288,6 +288,20 @@ mixfp8)  # issue 39: Mixtral-8x7B FP8's 0/16 tokens at 32 layers (H100, 2f8b014)
         --out-json "$OUT/mixfp8-table$m.json" 2>&1 | grep -v "^DEBUG" | tee "$OUT/mixfp8-table$m.log" \
         | grep -E "one-liner|reference|rror"
   done ;;
+s18a)  # 2026-12-07 fourth session, first call: the GPU tests new since the last GPU run (routes, sinks, warm cache,
+       # fused decode, fused router, skinny group, generate), the fused decode launches' diagnostics, then Qwen3 (12
+       # layers) generate() with the fused launches on / off and the prefill uncaptured, TTFT and launches per layer
+  timeout ${S18_TEST_TIMEOUT:-230} python3 -m pytest -q -rfE --durations=6 -n 4 -p no:cacheprovider \
+      tests/generate/test_generate_gpu.py tests/generate/test_sinks_gpu.py tests/ops/test_routes_gpu.py \
+      tests/generate/test_warm_cache_gpu.py tests/generate/test_fused_decode_gpu.py tests/ops/test_fused_router_gpu.py \
+      tests/kernels/test_skinny_group.py tests/generate/test_routed_experts_gpu.py tests/generate/test_prefill_graph_gpu.py \
+      2>&1 | grep -v "^DEBUG" | tee "$OUT/tests-s18.log" | tail -16
+  timeout ${S18_DIAG_TIMEOUT:-80} python3 benchmarks/diag_fused_decode.py --out-json "$OUT/diag-fused.json" 2>&1 \
+      | grep -v "^DEBUG" | tee "$OUT/diag-fused.log" | grep "^|" | tail -40
+  timeout ${S18_GEN_TIMEOUT:-230} python3 benchmarks/bench_generate.py --models qwen3 --layers qwen3=12 --batches 1,32 \
+      --paths hf,one_liner --variants qwen3:1=one_liner_fused+one_liner_fuse_linears+one_liner_fused_router+one_liner_no_prefill_graph,qwen3:32=one_liner_fused \
+      --profile one_liner:1,one_liner_fused:1 --budget-s ${S18_GEN_BUDGET:-200} --out-json "$OUT/generate-fused.json" \
+      2>&1 | tee "$OUT/generate-fused.log" | quiet | grep "^|\|rror" | tail -40 ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
   timeout ${TUNE_TIMEOUT:-560} python3 -m moecomp tune --restart -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-480} \
       --presets ${PRESETS:-all} ${TOKENS:+--tokens $TOKENS} --copy-to "$OUT" 2>&1 | tee "$OUT/tune.log" \
