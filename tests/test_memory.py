@@ -338,3 +338,26 @@ def test_optimize_within_bound_on_the_gpu(family, fmt, e, h, i, k):
     with torch.no_grad():
         got = _primary(model.mlp(x2))
     assert _agrees(model.mlp, x2, got, want, TOL[fmt])
+
+
+def test_random_moe_args_draws_large_stacks_a_slice_at_a_time(monkeypatch):
+    """``random_moe_args`` draws a weight stack over ``testing.CHUNK_BYTES`` of fp32 one expert at a time (the tuner
+    ran out of memory on an 80 GB H100 drawing DeepSeek-V3's 28 GiB fp32 w13 before its bf16 cast): the peak is the
+    bf16 stacks plus one fp32 slice and its scaled copy, not their fp32 copies; the draw keeps N(0, std), differs per
+    expert and repeats with the seed."""
+    import moecomp.testing as mt
+    from moecomp.core.spec import MoESpec
+
+    spec = MoESpec(num_experts=16, top_k=2, hidden_size=256, intermediate_size=512)
+    bf16_bytes = sum(2 * torch.Size(s).numel() for n, s in spec.expert_weight_shapes().items() if n in ("w13", "w2"))
+    slice_fp32 = 4 * 2 * 512 * 256  # one expert's w13 in fp32
+    monkeypatch.setattr(mt, "CHUNK_BYTES", 4096)
+    with PeakMemory() as m:
+        args = mt.random_moe_args(spec, 4, torch.bfloat16, std=0.02, seed=3)
+    w13 = args[1 + list(mt.MOE_ARGS).index("w13")]
+    assert w13.shape == (16, 1024, 256) and w13.dtype == torch.bfloat16
+    assert m.peak <= bf16_bytes + 2 * slice_fp32 + (1 << 20), (m.peak, bf16_bytes)  # fp32 copies would add 2x
+    assert abs(w13.float().std().item() - 0.02) < 0.001
+    assert not torch.equal(w13[0], w13[1])
+    again = mt.random_moe_args(spec, 4, torch.bfloat16, std=0.02, seed=3)
+    assert torch.equal(again[1 + list(mt.MOE_ARGS).index("w13")], w13)

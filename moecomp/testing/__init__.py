@@ -19,6 +19,9 @@ from ..ops.moe_op import MOE_ARGS
 from ..core.spec import MoESpec, SharedExpertSpec
 
 
+CHUNK_BYTES = 1 << 30  # random_moe_args draws a weight stack over this many fp32 bytes a slice at a time
+
+
 def random_moe_args(
     spec: MoESpec,
     T: int,
@@ -32,7 +35,14 @@ def random_moe_args(
     g.manual_seed(torch.seed() if seed is None else seed)
 
     def rnd(*shape, scale=std, dt=dtype):
-        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * scale).to(dt)
+        if len(shape) < 2 or torch.Size(shape).numel() * 4 <= CHUNK_BYTES:
+            return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * scale).to(dt)
+        # a large stack (DeepSeek-V3's w13 is 28 GiB in fp32): drawn in fp32 one leading slice at a time, so the
+        # peak is the result plus one slice, not the result plus its fp32 copy (which an 80 GB GPU cannot hold)
+        out = torch.empty(*shape, device=device, dtype=dt)
+        for i in range(shape[0]):
+            out[i] = torch.randn(*shape[1:], generator=g, device=device, dtype=torch.float32) * scale
+        return out
 
     E, H = spec.router_width, spec.hidden_size  # router outputs (the experts, + zero experts)
     # float weights of the spec's shapes (4-bit specs: the unpacked shapes; quantize_moe_args packs them)
