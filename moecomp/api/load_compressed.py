@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..formats import compressed as ct
+from ..formats.fp8 import plain_experts_call, plain_linear_forward
 from ..formats.packed import PackedExperts
 from ..formats.packed_linear import Packed4Linear
 from .load_gptq import (EXPERT_RE, PROJ_SLOTS, Checkpoint, check_parts, empty_model, expert_activation,
@@ -73,6 +74,53 @@ def _stack(ckpt: Checkpoint, codec: ct.Codec, path: str, per_expert: dict, parts
     return first[0], first[1], out
 
 
+# ------------------------------------------------------------------------------------------------ modules
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def fp8_linear_into(mod: nn.Linear, c: dict, scheme: ct.Scheme) -> None:
+    """An ``nn.Linear`` holding the FP8 codes as its ``weight`` and fp32 ``weight_scale`` (the layout
+    ``moecomp.formats.fp8`` reads; ``ct_scheme`` says how activations are quantized); its forward runs the plain
+    dequantized reference until ``optimize`` binds it to ``moecomp.ops.fp8_linear``."""
+    N, K = c["w"].shape
+    if (N, K) != (mod.out_features, mod.in_features):
+        raise ct.CTUnsupported("ct_bad_tensors", f"weight [{N}, {K}]; the model's Linear is "
+                               f"[{mod.out_features}, {mod.in_features}]")
+    mod.weight = _frozen(c["w"])
+    mod.weight_scale = _frozen(c["scale"])
+    mod.ct_scheme = scheme
+    mod.forward = _PlainLinear(mod, plain_linear_forward)
+
+
+class _PlainLinear:
+    """``forward`` of an FP8 linear the loader made: the plain reference (``formats.fp8.plain_linear_forward``)."""
+
+    __slots__ = ("module", "fn")
+    _moecomp_plain = True
+
+    def __init__(self, module, fn):
+        self.module, self.fn = module, fn
+
+    def __call__(self, x, *args, **kwargs):
+        return self.fn(self.module, x)
+
+
+def fp8_experts_into(experts: nn.Module, w13_name: str, w2_name: str, t: dict, scheme: ct.Scheme) -> None:
+    """The model's own fused experts module holding FP8 codes: ``w13_name`` / ``w2_name`` [E, ., .] e4m3, their
+    ``*_scale`` fp32 [E, rows] (channel) or blocks, and ``ct_scheme``; its forward is the plain reference
+    (``formats.fp8.plain_experts_call``) until ``optimize`` binds the block."""
+    for name, key in ((w13_name, "w13"), (w2_name, "w2")):
+        setattr(experts, name, _frozen(t[key]))
+        experts.register_parameter(f"{name}_scale", _frozen(t[key + "_scale"]))
+    experts.ct_scheme = scheme
+    fwd = plain_experts_call(experts)
+    if fwd is None:
+        raise ValueError(f"the experts module ({type(experts).__name__}) does not read as FP8 experts after loading: "
+                         f"its 3-D weights are not named gate_up_proj / up_proj and down_proj")
+    experts.forward = fwd
+
+
 def _replace_experts(model, ckpt, codec, experts: dict, device) -> int:
     """Each MoE block's experts module holding the checkpoint's codes (FP8: the model's own module; int4: a
     PackedExperts in its place). Every block's experts must be quantized in the checkpoint."""
@@ -95,7 +143,7 @@ def _replace_experts(model, ckpt, codec, experts: dict, device) -> int:
             setattr(owner, child, new)
         else:
             mod = getattr(owner, child)
-            ct.fp8_experts_into(mod, parts.w13.rpartition(".")[2], parts.w2.rpartition(".")[2], t, scheme)
+            fp8_experts_into(mod, parts.w13.rpartition(".")[2], parts.w2.rpartition(".")[2], t, scheme)
     return len(blocks)
 
 
@@ -118,7 +166,7 @@ def _replace_linears(model, ckpt, codec, linears: dict, device) -> tuple[dict, l
         scheme = codec.scheme(name, t)
         q, c = codec.convert(t, name)
         if not q.packed:
-            ct.fp8_linear_into(mod, q, c, scheme)
+            fp8_linear_into(mod, c, scheme)
             continue
         if (c["w"].shape[0], 2 * c["w"].shape[1]) != (mod.out_features, mod.in_features):
             raise ValueError(f"{name}: int4 weight [{c['w'].shape[0]}, {2 * c['w'].shape[1]}]; the model's Linear "

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ..core import quant as q8
-from ..core.spec import QuantSpec, SpecError
+from ..core.spec import QuantSpec
 
 FP8 = torch.float8_e4m3fn
 FLOAT_SCALES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -324,53 +324,3 @@ class Codec:
         """fp32 W [N, K] of one linear (for a router the op reads 16-bit)."""
         q, c = self.convert(t, name)
         return q8.dequantize(c["w"], c["scale"], q, zero=c.get("zero"))
-
-
-# ------------------------------------------------------------------------------------------------ modules
-def _frozen(t: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t, requires_grad=False)
-
-
-def fp8_linear_into(mod: nn.Linear, quant: QuantSpec, c: dict, scheme: Scheme) -> None:
-    """An ``nn.Linear`` holding the FP8 codes as its ``weight`` and fp32 ``weight_scale`` (the layout
-    ``moecomp.formats.fp8`` reads; ``ct_scheme`` says how activations are quantized); its forward runs the plain
-    dequantized reference until ``optimize`` binds it to ``moecomp.ops.fp8_linear``."""
-    N, K = c["w"].shape
-    if (N, K) != (mod.out_features, mod.in_features):
-        raise _bad("weight", f"[{N}, {K}]; the model's Linear is [{mod.out_features}, {mod.in_features}]")
-    mod.weight = _frozen(c["w"])
-    mod.weight_scale = _frozen(c["scale"])
-    mod.ct_scheme = scheme
-    from .fp8 import plain_linear_forward  # (a runtime import: fp8 reads this module's schemes)
-
-    mod.forward = _PlainLinear(mod, plain_linear_forward)
-
-
-class _PlainLinear:
-    """``forward`` of an FP8 linear the loader made: the plain reference (``formats.fp8.plain_linear_forward``)."""
-
-    __slots__ = ("module", "fn")
-    _moecomp_plain = True
-
-    def __init__(self, module, fn):
-        self.module, self.fn = module, fn
-
-    def __call__(self, x, *args, **kwargs):
-        return self.fn(self.module, x)
-
-
-def fp8_experts_into(experts: nn.Module, w13_name: str, w2_name: str, t: dict, scheme: Scheme) -> None:
-    """The model's own fused experts module holding FP8 codes: ``w13_name`` / ``w2_name`` [E, ., .] e4m3, their
-    ``*_scale`` fp32 [E, rows] (channel) or blocks, and ``ct_scheme``; its forward is the plain reference
-    (``formats.fp8.plain_experts_call``) until ``optimize`` binds the block."""
-    for name, key in ((w13_name, "w13"), (w2_name, "w2")):
-        setattr(experts, name, _frozen(t[key]))
-        experts.register_parameter(f"{name}_scale", _frozen(t[key + "_scale"]))
-    experts.ct_scheme = scheme
-    from .fp8 import plain_experts_call
-
-    fwd = plain_experts_call(experts)
-    if fwd is None:
-        raise SpecError(f"the experts module ({type(experts).__name__}) does not read as FP8 experts after loading: "
-                        f"its 3-D weights are not named gate_up_proj / up_proj and down_proj")
-    experts.forward = fwd
