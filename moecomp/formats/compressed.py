@@ -61,6 +61,8 @@ REASONS = {
     "ct_actorder": "act-order int4 (weight_g_idx): groups scattered along K",
     "ct_float4": "a floating 4-bit format (NVFP4, MXFP4) or other bit widths",
     "ct_bad_tensors": "the stored tensors do not fit the scheme",
+    "ct_transformers_layout": "a linear as transformers' compressed-tensors path holds it (decompressed on the first "
+                              "forward): read through moecomp.load instead",
 }
 
 # compressed-tensors' preset names a config group may give instead of a scheme (the ones read here and their

@@ -211,7 +211,12 @@ def linear_fp8(m: nn.Module, who: str = "") -> LinearFP8 | None:
     pre = f"{who}." if who else ""
     if sn is None:
         raise FP8LayoutError(f"{pre}weight is {FP8} but {pre}weight_scale_inv (its scales) is missing")
-    q = quant_for(m, w, _own(m, sn), 1, f"{pre}weight", f"{pre}{sn}")
+    s = _own(m, sn)
+    if ct_scheme_of(m) is not None and s.shape == (w.shape[0], 1):
+        raise FP8LayoutError(CTUnsupported("ct_transformers_layout", f"{pre}weight: a compressed-tensors linear as "
+                                           f"transformers loads it ({pre}{sn} {s.dtype} [N, 1], decompressed by the "
+                                           f"model's first forward); moecomp.load(path) keeps it FP8").args[0])
+    q = quant_for(m, w, s, 1, f"{pre}weight", f"{pre}{sn}")
     act = None
     if q.activation == "static":
         a = _own(m, "activation_scale")
