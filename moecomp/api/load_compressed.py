@@ -48,10 +48,10 @@ def _stack(ckpt: Checkpoint, codec: ct.Codec, path: str, per_expert: dict, parts
     out, first = {}, None
     for e in range(E):
         for slot in ("gate", "up", "down"):
-            name = f"{path}.{e}.{slot}"
             if slot not in per_expert[e]:
-                raise ValueError(f"{name}: no quantized tensors for this projection in the checkpoint")
-            t = {k: ckpt.get(key, device) for k, key in per_expert[e][slot].items()}
+                raise ValueError(f"{path}.{e}.{slot}: no quantized tensors for this projection in the checkpoint")
+            name, keys = per_expert[e][slot]  # (the model's name of the linear: its scheme is looked up by it)
+            t = {k: ckpt.get(key, device) for k, key in keys.items()}
             scheme = codec.scheme(name, t)
             q, c = codec.convert(t, name)
             first = first or (scheme, q)
@@ -198,8 +198,9 @@ def load_compressed(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu"
     for pre, d in quant.items():
         name = rename(pre + ".weight")[: -len(".weight")]
         m = EXPERT_RE.match(name)
+        codec.aliases[name] = pre  # (the config's targets and ignore patterns name the checkpoint's linears)
         if m:
-            experts.setdefault(m["experts"], {}).setdefault(int(m["e"]), {})[PROJ_SLOTS[m["proj"]]] = d
+            experts.setdefault(m["experts"], {}).setdefault(int(m["e"]), {})[PROJ_SLOTS[m["proj"]]] = (name, d)
         else:
             linears[name] = d
     _replace_experts(model, ckpt, codec, experts, device)

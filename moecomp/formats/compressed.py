@@ -303,10 +303,11 @@ class Codec:
 
     def __init__(self, config: Config):
         self.config = config
+        self.aliases: dict = {}  # the model's name of a linear -> the checkpoint's (targets / ignore name those)
 
     def scheme(self, name: str, t: dict) -> Scheme:
         """The scheme of the quantized linear ``name`` (its stored tensors ``t``); CTUnsupported when none fits."""
-        s = self.config.scheme_for(name)
+        s = self.config.scheme_for(self.aliases.get(name, name))
         if s is None:
             raise CTUnsupported("ct_bad_tensors", f"{name}: quantized tensors {sorted(t)} but no config group "
                                 f"targets it (or it is ignored)")
