@@ -22,6 +22,8 @@ LOADERS: dict[str, str] = {
     "mxfp4": "moecomp.formats.mxfp4:load_checkpoint",  # gpt-oss: experts as PackedExperts (mxfp4)
     "gptq": "moecomp.api.load_gptq:load_int4",  # int4 GPTQ / AWQ ("gemm"): experts as PackedExperts (int4)
     "awq": "moecomp.api.load_gptq:load_int4",
+    # llm-compressor's FP8-dynamic / FP8-block / W4A16: experts kept FP8 (channel / block) or int4 (PackedExperts)
+    "compressed-tensors": "moecomp.api.load_compressed:load_compressed",
 }
 
 

@@ -41,7 +41,7 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_ta
 QSUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 
 
-class _Checkpoint:
+class Checkpoint:
     """The tensors of a safetensors checkpoint directory (one file, or shards with an index), read one by one."""
 
     def __init__(self, path: str):
@@ -62,21 +62,22 @@ class _Checkpoint:
     def get(self, key: str, device) -> torch.Tensor:
         return self._files[self.where[key]].get_tensor(key).to(device)
 
-    def group(self) -> tuple[dict, list]:
-        """({linear prefix: {suffix: key}} of the int4 linears (those with a ``qweight``), [every other key])."""
+    def group(self, suffixes: tuple = QSUFFIXES, mains: tuple = ("qweight",)) -> tuple[dict, list]:
+        """({linear prefix: {suffix: key}} of the quantized linears (those with one of ``mains``; by default GPTQ /
+        AWQ's ``qweight``), [every other key])."""
         quant, plain = {}, []
         for k in self.where:
             pre, _, suffix = k.rpartition(".")
-            if suffix in QSUFFIXES:
+            if suffix in suffixes:
                 quant.setdefault(pre, {})[suffix] = k
             else:
                 plain.append(k)
-        for pre in [p for p, d in quant.items() if "qweight" not in d]:
+        for pre in [p for p, d in quant.items() if not any(m in d for m in mains)]:
             plain += quant.pop(pre).values()
         return quant, plain
 
 
-def _renamer(model: nn.Module):
+def renamer(model: nn.Module):
     """checkpoint key -> the model's name for it: transformers' own renamings for the model's family (e.g.
     Mixtral's ``block_sparse_moe`` -> ``mlp``; its WeightConverters, which fuse experts, are not applied) and the
     base-model prefix added or dropped as the model's keys need."""
@@ -106,7 +107,7 @@ def _renamer(model: nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------ loading
-def _empty_model(config, dtype: torch.dtype) -> nn.Module:
+def empty_model(config, dtype: torch.dtype) -> nn.Module:
     """The model of ``config`` on the meta device (nothing allocated), ``quantization_config`` dropped."""
     from transformers import AutoModelForCausalLM
 
@@ -116,7 +117,7 @@ def _empty_model(config, dtype: torch.dtype) -> nn.Module:
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def _expert_blocks(model: nn.Module) -> dict:
+def expert_blocks(model: nn.Module) -> dict:
     """{experts module path: BlockParts} of the model's MoE blocks (``recognise.structure``, by what the blocks own)."""
     out = {}
     for name, _block, parts, _reason in iter_blocks(model):
@@ -125,14 +126,14 @@ def _expert_blocks(model: nn.Module) -> dict:
     return out
 
 
-def _router_modules(model: nn.Module) -> set:
+def router_modules(model: nn.Module) -> set:
     """Paths of the MoE blocks' router modules (``recognise.structure``): their weights stay 16-bit (the op's routing reads
     a 16-bit [E, H] router), so an int4 router is dequantized at load."""
     return {f"{name}.{parts.router_module}" if name else parts.router_module
             for name, _block, parts, _reason in iter_blocks(model) if parts is not None and parts.router_module}
 
 
-def _check_parts(path: str, parts) -> None:
+def check_parts(path: str, parts) -> None:
     bad = [f for f, v in (("ungated experts", not parts.gated),
                           ("experts stored [in, out]", parts.w_layout != "out_in"),
                           ("separate 3-D gate / up weights", parts.split_gate_up is not None),
@@ -144,7 +145,7 @@ def _check_parts(path: str, parts) -> None:
                          f"Qwen2/3-MoE, OLMoE, DeepSeek-V3 style); this block has {', '.join(bad)}")
 
 
-def _stack_experts(ckpt: _Checkpoint, fmt: Int4Format, path: str, per_expert: dict, parts, device) -> dict:
+def _stack_experts(ckpt: Checkpoint, fmt: Int4Format, path: str, per_expert: dict, parts, device) -> dict:
     """{w13, w13_scale, w2, w2_scale (, w13_zero, w2_zero)}: every expert's gate / up / down repacked and stacked
     in place (w13 [E, 2I, H / 2]: gate rows then up rows; w2 [E, H, I / 2])."""
     E, H, I = parts.num_experts, parts.hidden_size, parts.intermediate_size
@@ -181,14 +182,14 @@ def _stack_experts(ckpt: _Checkpoint, fmt: Int4Format, path: str, per_expert: di
 
 
 def _packed_experts(ckpt, fmt: Int4Format, path: str, per_expert: dict, parts, device, activation) -> PackedExperts:
-    _check_parts(path, parts)
+    check_parts(path, parts)
     t = _stack_experts(ckpt, fmt, path, per_expert, parts, device)
     quant = QuantSpec.int4(fmt.group, zero_point="w13_zero" in t, scale_dtype=SCALE_DTYPES[t["w13_scale"].dtype])
     return PackedExperts(quant, t["w13"], t["w13_scale"], t["w2"], t["w2_scale"], t.get("w13_zero"),
                          t.get("w2_zero"), gate_up="concat", activation=activation, gated=True)
 
 
-def _activation(config) -> str:
+def expert_activation(config) -> str:
     act = getattr(config, "hidden_act", None)
     if act not in ACTIVATIONS:
         raise ValueError(f"config.hidden_act={act!r}: int4 experts are read for {sorted(ACTIVATIONS)}")
@@ -197,7 +198,7 @@ def _activation(config) -> str:
 
 def _replace_experts(model, ckpt, fmt: Int4Format, experts: dict, device) -> int:
     """Put a PackedExperts where each block's experts were; every block's experts must be int4 in the checkpoint."""
-    blocks = _expert_blocks(model)
+    blocks = expert_blocks(model)
     for path in experts:
         if path not in blocks:
             raise ValueError(f"{path}: int4 expert tensors in the checkpoint, but no MoE block of the model has its "
@@ -206,7 +207,7 @@ def _replace_experts(model, ckpt, fmt: Int4Format, experts: dict, device) -> int
         if path not in experts:
             raise ValueError(f"{path}: the model's MoE block has no int4 experts in the checkpoint (16-bit experts "
                              f"next to int4 ones are not read)")
-        packed = _packed_experts(ckpt, fmt, path, experts[path], parts, device, _activation(model.config))
+        packed = _packed_experts(ckpt, fmt, path, experts[path], parts, device, expert_activation(model.config))
         parent, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, packed)
     return len(blocks)
@@ -215,10 +216,10 @@ def _replace_experts(model, ckpt, fmt: Int4Format, experts: dict, device) -> int
 def _replace_linears(model, ckpt, fmt: Int4Format, linears: dict, device) -> tuple[dict, list]:
     """Put a ``Packed4Linear`` (the checkpoint's codes repacked, never dequantized) where each int4 linear's
     ``nn.Linear`` was, its bias slot kept (loaded with the other tensors). Returns ({name: tensors} of the int4
-    weights left for ``_load_rest`` to dequantize: an MoE router's (16-bit for the op's routing), or a module's that
+    weights left for ``load_rest`` to dequantize: an MoE router's (16-bit for the op's routing), or a module's that
     is not an ``nn.Linear``; [checkpoint keys the model has no module for])."""
     left, unexpected = {}, []
-    routers = _router_modules(model)
+    routers = router_modules(model)
     for name, d in linears.items():
         try:
             mod = model.get_submodule(name)
@@ -247,8 +248,8 @@ def _replace_linears(model, ckpt, fmt: Int4Format, linears: dict, device) -> tup
     return left, unexpected
 
 
-def _load_rest(model, ckpt, fmt: Int4Format, left: dict, plain: list, rename, device, dtype,
-               unexpected: list) -> None:
+def load_rest(model, ckpt, fmt, left: dict, plain: list, rename, device, dtype, unexpected: list,
+              who: str = "load_int4") -> None:
     """Every tensor but the experts' and the Packed4Linears' codes, in the dtype of the model's tensor it replaces
     (biases included); ``left``: int4 weights of routers and of modules that are not an ``nn.Linear``, dequantized
     (logged)."""
@@ -257,7 +258,7 @@ def _load_rest(model, ckpt, fmt: Int4Format, left: dict, plain: list, rename, de
     for key in plain:
         name = rename(key)
         if EXPERT_RE.match(name.rpartition(".")[0]):
-            raise ValueError(f"{key}: a 16-bit tensor of a routed expert next to int4 experts is not read")
+            raise ValueError(f"{key}: a 16-bit tensor of a routed expert next to quantized experts is not read")
         if name not in ref:
             unexpected.append(key)
             continue
@@ -272,15 +273,15 @@ def _load_rest(model, ckpt, fmt: Int4Format, left: dict, plain: list, rename, de
                              f"{list(ref[name + '.weight'].shape)}")
         state[name + ".weight"] = w.to(ref[name + ".weight"].dtype)
     if left:
-        logger.warning("load_int4: %d int4 weights of MoE routers or of modules that are not an nn.Linear (e.g. %s) "
-                       "dequantized to %s at load (routers run 16-bit)", len(left), next(iter(left)), dtype)
+        logger.warning("%s: %d quantized weights of MoE routers or of modules that are not an nn.Linear (e.g. %s) "
+                       "dequantized to %s at load (routers run 16-bit)", who, len(left), next(iter(left)), dtype)
     if unexpected:
-        logger.warning("load_int4: %d checkpoint tensors the model has no place for, not read (e.g. %s)",
+        logger.warning("%s: %d checkpoint tensors the model has no place for, not read (e.g. %s)", who,
                        len(unexpected), unexpected[0])
     model.load_state_dict(state, strict=False, assign=True)
 
 
-def _finish(model, device) -> None:
+def finish(model, device) -> None:
     """Tie the embeddings, compute the rotary buffers (not in checkpoints), and refuse what is still unloaded."""
     model.tie_weights()
     for name, mod in model.named_modules():
@@ -321,10 +322,10 @@ def load_int4(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu", *, c
     config = config if config is not None else AutoConfig.from_pretrained(path)
     qc = quantization_config if quantization_config is not None else getattr(config, "quantization_config", None)
     fmt = Int4Format.from_config(qc)
-    model = _empty_model(config, dtype)
-    ckpt = _Checkpoint(path)
+    model = empty_model(config, dtype)
+    ckpt = Checkpoint(path)
     quant, plain = ckpt.group()
-    rename = _renamer(model)
+    rename = renamer(model)
     experts, linears = {}, {}
     for pre, d in quant.items():
         name = rename(pre + ".weight")[: -len(".weight")]
@@ -335,6 +336,6 @@ def load_int4(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu", *, c
             linears[name] = d
     _replace_experts(model, ckpt, fmt, experts, device)
     left, unexpected = _replace_linears(model, ckpt, fmt, linears, device)
-    _load_rest(model, ckpt, fmt, left, plain, rename, device, dtype, unexpected)
-    _finish(model, device)
+    load_rest(model, ckpt, fmt, left, plain, rename, device, dtype, unexpected)
+    finish(model, device)
     return model.eval()

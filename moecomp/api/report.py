@@ -78,7 +78,7 @@ def expert_style(spec: MoESpec) -> str:
         a = f"4-bit {q.weight} g{q.block_k}{' +zero' if q.zero_point else ''} {a}"
     elif q is not None:
         lay = f"{q.block_n}x{q.block_k}" if q.scale == "block" else q.scale
-        a = f"fp8 {lay} a:{q.activation} {a}"
+        a = f"fp8 {lay} a:{'token' if q.per_token else q.activation} {a}"
     return a
 
 

@@ -3,7 +3,7 @@
     dequantize(q, scale)      w = q * s_w             s_w per [block_n, block_k] block, per row, or per matrix
     quantize(w)               (q, s_w) from a float weight (tests, benchmarks, checkpoint writers)
     quantize_act(x)           (x_q e4m3, s_a): s_a = max|x| / 448 per token and group of 128 columns ("dynamic"),
-                              or the given static scale; x_q = e4m3(clamp(x * (1 / s_a), +-448))
+                              or per token over the whole row (``act_group`` 0), or the given static scale; x_q = e4m3(clamp(x * (1 / s_a), +-448))
     fake_quant_act(x)         x_q * s_a in fp32: what a w8a8 GEMM multiplies
 
 4-bit weights (weight-only, "group" scales: one per row and ``block_k`` input columns; docs/QUANT4.md):
@@ -238,10 +238,16 @@ def _quantize(w: torch.Tensor, quant: QuantSpec, halves: int) -> tuple[torch.Ten
     return q, s
 
 
+def act_group(K: int, quant: QuantSpec) -> int:
+    """Columns per dynamic activation scale for rows of K: ``act_group``, or K when it is 0 (per token)."""
+    return quant.act_group or max(K, 1)
+
+
 def act_scales(x: torch.Tensor, quant: QuantSpec) -> torch.Tensor:
-    """Dynamic scales of x [T, K]: [T, ceil(K / act_group)] fp32, max|x| / 448 per token and group."""
+    """Dynamic scales of x [T, K]: [T, ceil(K / act_group)] fp32, max|x| / 448 per token and group ([T, 1] per
+    token: ``act_group`` 0)."""
     T, K = x.shape
-    g = quant.act_group
+    g = act_group(K, quant)
     G = -(-K // g)
     xf = torch.nn.functional.pad(x.float().abs(), (0, G * g - K)).view(T, G, g)
     amax = xf.amax(-1).clamp(min=ACT_EPS)
@@ -258,7 +264,7 @@ def quantize_act(x: torch.Tensor, quant: QuantSpec, static_scale: torch.Tensor |
         return (x.float() * inv).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
     s = act_scales(x, quant)  # [T, G]
     inv = torch.ones((), device=x.device) / s
-    cols = torch.arange(K, device=x.device) // quant.act_group
+    cols = torch.arange(K, device=x.device) // act_group(K, quant)
     return (x.float() * inv[:, cols]).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
 
 
@@ -269,10 +275,12 @@ def fake_quant_act(x: torch.Tensor, quant: QuantSpec, static_scale: torch.Tensor
     q, s = quantize_act(x, quant, static_scale)
     if quant.activation == "static":
         return q.float() * s
-    cols = torch.arange(x.shape[1], device=x.device) // quant.act_group
+    cols = torch.arange(x.shape[1], device=x.device) // act_group(x.shape[1], quant)
     return q.float() * s[:, cols]
 
 
 def weight_only(quant: QuantSpec | None) -> QuantSpec | None:
     """The spec's quantization with 16-bit activations (what the op's weight-only kernels compute)."""
-    return None if quant is None else dataclasses.replace(quant, activation="none")
+    if quant is None:
+        return None
+    return dataclasses.replace(quant, activation="none", act_group=quant.act_group or 128)  # (act_group 0: dynamic only)

@@ -112,7 +112,8 @@ quantized tensors and their scales as they are stored; what a GEMM computes is
     w[n, k]  = q[n, k] * s_w                                   # s_w: scale[n // block_n, k // block_k] ("block"),
                                                                #      scale[n] ("channel"), scale ("tensor"), per expert
     x_q      = e4m3(clamp(x * (1 / s_a), +-448)) * s_a         # "dynamic": s_a = max|x| / 448 over each token's group of
-                                                               #   act_group columns (1e-10 at least); "static": s_a given
+                                                               #   act_group columns (act_group 0: the whole row, one
+                                                               #   scale per token; 1e-10 at least); "static": s_a given
     y        = x_q @ w.T                                       # activation "none": y = x @ w.T (weight-only)
 
 The router's own input (``router_input``, ``router_norm``, ``router_in_scale``, ``router_in_const``) and per-expert
@@ -160,8 +161,12 @@ class QuantSpec:
     "tensor" ``[E]`` (for a shared expert's 2-D weights the same without E). ``scale_dtype``: the scales' storage.
     ``activation``: "dynamic" (per token, per group of ``act_group`` columns, quantized on the fly), "static" (one
     given scale per expert and GEMM: ``a13_scale`` / ``a2_scale`` ``[E]``), or "none" (weight-only: 16-bit
-    activations against dequantized weights). The op may run a "dynamic" spec weight-only where that is faster
-    (the kernel table decides per token bucket): its error against the dequantized reference is then smaller."""
+    activations against dequantized weights). ``act_group`` (dynamic only): 128 (DeepSeek-style per-token-group
+    scales), or 0: one group spanning the whole row, one scale per token (``per_token``; compressed-tensors'
+    "token" strategy of FP8-dynamic checkpoints); other values are a ValueError. The op may run a "dynamic" spec
+    weight-only where that is faster (the kernel table decides per token bucket; the Triton kernels quantize
+    activations in 128-column groups only, so a per-token spec runs weight-only there): its error against the
+    dequantized reference is then smaller."""
 
     weight: str = "fp8_e4m3"
     scale: str = "block"
@@ -171,6 +176,11 @@ class QuantSpec:
     activation: str = "dynamic"
     act_group: int = 128
     zero_point: bool = False  # int4: w = (u - zero) * s with a zero per row and group (w13_zero / w2_zero); else u - 8
+
+    @property
+    def per_token(self) -> bool:
+        """Dynamic activations with one scale per token over the whole row (``act_group`` 0)."""
+        return self.activation == "dynamic" and self.act_group == 0
 
     @property
     def packed(self) -> bool:

@@ -64,18 +64,22 @@ def check_quant(q, who: str = "") -> None:
             raise SpecError(f"{who}quant.{name}={value!r} is not one of {allowed}")
     if not isinstance(q.zero_point, bool):
         raise SpecError(f"{who}quant.zero_point must be a bool, got {q.zero_point!r}")
-    if q.block_n <= 0 or q.block_k <= 0 or q.act_group <= 0:
-        raise SpecError(f"{who}quant block sizes must be positive: block_n={q.block_n}, "
-                        f"block_k={q.block_k}, act_group={q.act_group}")
+    if q.block_n <= 0 or q.block_k <= 0:
+        raise SpecError(f"{who}quant block sizes must be positive: block_n={q.block_n}, block_k={q.block_k}")
+    if not isinstance(q.act_group, int) or isinstance(q.act_group, bool) or q.act_group < 0:
+        raise SpecError(f"{who}quant.act_group={q.act_group!r}: expected a positive int, or 0 (dynamic per token)")
+    if q.act_group == 0 and q.activation != "dynamic":
+        raise SpecError(f"{who}quant.act_group=0 (one scale per token over the whole row) needs activation "
+                        f"'dynamic', got activation={q.activation!r}")
     if q.weight in PACKED_WEIGHTS:
         _check_4bit(q, who)
         return
     if q.scale == "group" or q.zero_point or q.scale_dtype not in ("fp32", "ue8m0"):
         raise SpecError(f"{who}quant: fp8 weights take block / channel / tensor scales in fp32 or ue8m0 and no zero "
                         f"points, got scale={q.scale!r}, scale_dtype={q.scale_dtype!r}, zero_point={q.zero_point}")
-    if q.activation == "dynamic" and q.act_group != 128:
+    if q.activation == "dynamic" and q.act_group not in (128, 0):
         raise SpecError(f"{who}quant.act_group={q.act_group}: dynamic activations are quantized in groups of "
-                        f"128 (the kernels' K step)")
+                        f"128 (the kernels' K step) or per token over the whole row (act_group 0)")
     if q.scale == "block" and (q.block_k % 16 or 128 % q.block_k and q.block_k % 128):
         raise SpecError(f"{who}quant.block_k={q.block_k}: expected a multiple of 128 or a divisor of 128 "
                         f"that is a multiple of 16")

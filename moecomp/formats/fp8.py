@@ -4,7 +4,8 @@ A weight is *quantized* when it is a ``float8_e4m3fn`` tensor with a scale tenso
 or ``<name>_scale``) whose shape is the blocked shape of that weight (``moecomp.core.spec.QuantSpec.scale_shape``): class
 names are not read. What the tensors cannot say comes from the module's attributes: ``block_size`` (the scale
 blocks; 128 x 128 when absent and the shapes fit it) and ``activation_scheme`` ("dynamic" / "static", with
-``*_activation_scale`` tensors).
+``*_activation_scale`` tensors), or the compressed-tensors scheme a module carries (``formats/compressed.py``:
+dynamic activations per token or per 128 columns).
 
 transformers runs these modules only through the hub's ``finegrained-fp8`` kernel, which is never available here;
 moecomp runs them in plain PyTorch instead (:func:`plain_fp8`: a context in which every FP8 module under a root
@@ -41,6 +42,7 @@ from torch import nn
 from ..core import quant as q8
 from ..ops.fp8_linear import call_fp8_linear
 from ..core.spec import FP8_MAX, QuantSpec, SpecError
+from .compressed import CTUnsupported, scheme_of as ct_scheme_of
 
 FP8 = torch.float8_e4m3fn
 DEFAULT_BLOCK = (128, 128)  # transformers' FineGrainedFP8Config default (and every FP8 block checkpoint's)
@@ -109,13 +111,22 @@ def _scale_dtype(t: torch.Tensor, who: str) -> str:
     raise FP8LayoutError(f"{who} has dtype {t.dtype}; FP8 weight scales are float32 or float8_e8m0fnu")
 
 
-def _activation(m: nn.Module) -> str:
+def _activation(m: nn.Module) -> dict:
+    """QuantSpec's activation fields of module ``m``: a compressed-tensors scheme's input activations (per token:
+    ``act_group`` 0), else transformers' ``activation_scheme`` attribute (groups of 128)."""
+    ct = ct_scheme_of(m)
+    if ct is not None:
+        try:
+            q = ct.quant()
+        except CTUnsupported as e:
+            raise FP8LayoutError(str(e)) from None
+        return dict(activation=q.activation, act_group=q.act_group)
     scheme = getattr(m, "activation_scheme", "dynamic")
     if scheme in (None, "none"):
-        return "none"
+        return dict(activation="none")
     if scheme not in ("dynamic", "static"):
         raise FP8LayoutError(f"activation_scheme={scheme!r} is not one moecomp knows (dynamic, static)")
-    return scheme
+    return dict(activation=scheme)
 
 
 def _block(m: nn.Module):
@@ -143,6 +154,7 @@ for _sc in ("block", "channel", "tensor"):  # the ones FP8 checkpoints use, read
     for _dt in ("fp32", "ue8m0"):
         for _act in ("dynamic", "static", "none"):
             _canonical(QuantSpec(scale=_sc, scale_dtype=_dt, activation=_act))
+        _canonical(QuantSpec(scale=_sc, scale_dtype=_dt, act_group=0))  # per token (compressed-tensors)
 
 
 def quant_for(m: nn.Module, w: torch.Tensor, s: torch.Tensor, halves: int, who_w: str, who_s: str) -> QuantSpec:
@@ -151,7 +163,7 @@ def quant_for(m: nn.Module, w: torch.Tensor, s: torch.Tensor, halves: int, who_w
     lead = w.dim() - 2
     rows, cols = w.shape[-2:]
     block = _block(m)
-    base = dict(scale_dtype=_scale_dtype(s, who_s), activation=_activation(m))
+    base = dict(scale_dtype=_scale_dtype(s, who_s), **_activation(m))
     cands = []
     if block is not None:
         cands.append(QuantSpec(scale="block", block_n=block[0], block_k=block[1], **base))
@@ -199,7 +211,12 @@ def linear_fp8(m: nn.Module, who: str = "") -> LinearFP8 | None:
     pre = f"{who}." if who else ""
     if sn is None:
         raise FP8LayoutError(f"{pre}weight is {FP8} but {pre}weight_scale_inv (its scales) is missing")
-    q = quant_for(m, w, _own(m, sn), 1, f"{pre}weight", f"{pre}{sn}")
+    s = _own(m, sn)
+    if ct_scheme_of(m) is not None and s.shape == (w.shape[0], 1):
+        raise FP8LayoutError(CTUnsupported("ct_transformers_layout", f"{pre}weight: a compressed-tensors linear as "
+                                           f"transformers loads it ({pre}{sn} {s.dtype} [N, 1], decompressed by the "
+                                           f"model's first forward); moecomp.load(path) keeps it FP8").args[0])
+    q = quant_for(m, w, s, 1, f"{pre}weight", f"{pre}{sn}")
     act = None
     if q.activation == "static":
         a = _own(m, "activation_scale")

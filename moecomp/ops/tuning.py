@@ -150,9 +150,12 @@ def fp8_forced() -> str | None:
 def fp8_mode(quant, T: int, cfg: dict | None = None) -> str:
     """"w8a8" or "w8a16" for a call of T tokens. The spec's activation decides unless it is "dynamic" ("static":
     w8a8, "none": w8a16); a dynamic one runs MOECOMP_FP8_MODE, else the config's "fp8" key, else weight-only up to
-    ``FP8_W8A16_MAX_T`` tokens (the op may run a dynamic spec weight-only: its error is then smaller)."""
+    ``FP8_W8A16_MAX_T`` tokens (the op may run a dynamic spec weight-only: its error is then smaller). A per-token
+    spec (``QuantSpec.per_token``) always runs weight-only: no kernel quantizes a whole row yet."""
     if quant.activation != "dynamic":
         return "w8a8" if quant.activation == "static" else "w8a16"
+    if quant.per_token:  # the kernels quantize activations in 128-column groups only: weight-only (allowed, closer)
+        return "w8a16"
     forced = fp8_forced()
     if forced:
         return forced
