@@ -38,6 +38,7 @@ import datetime
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -336,6 +337,8 @@ def parse_args(argv=None):
     ap.add_argument("--profile", default="", help="profile decode steps of the first model: path:batch,... "
                     "(e.g. hf:1,one_liner:1,one_liner:32)")
     ap.add_argument("--budget-s", type=float, default=560.0)
+    ap.add_argument("--repeat", type=int, default=1, help="run the engine's paths (one_liner*) of each cell this many "
+                    "times, interleaved, each on a fresh engine; the table adds their median and range")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-json", default=None)
     return ap.parse_args(argv)
@@ -402,13 +405,19 @@ def run(argv=None) -> dict:
             cell = {"ref": None}  # the "hf" path's tokens, once it ran
             state.pop("floor", None)
             cell_paths = list(paths) + args.variant_cells.get(f"{name}:{B}", [])
-            for path in cell_paths:
+            # --repeat N: the engine's paths again, interleaved (A B A B ...), each time on a fresh engine
+            order = [(0, p) for p in cell_paths] + [(rep, p) for rep in range(1, args.repeat) for p in cell_paths
+                                                    if p.startswith("one_liner")]
+            for rep, path in order:
                 if path in COMPILED and (B not in cbatches or name not in cmodels):
                     continue
+                if rep and "generate" in model.__dict__:
+                    model.generate.release()  # a fresh engine: its own capture, compile cache as it is
+                    model.generate.engine = None
                 if time.perf_counter() - t_start > args.budget_s:
                     result["errors"].append(f"{name} B={B} {path}: skipped (budget)")
                     continue
-                row = dict(model=name, batch=B, path=path, prompt=S, new=new)
+                row = dict(model=name, batch=B, path=path, prompt=S, new=new, rep=rep)
                 try:
                     _measure_path(row, model, path, ids, new, cuda, state, cell, (pb, kv_tok, ceil, active))
                 except Exception as e:  # the row records the failure; the run goes on
@@ -509,9 +518,30 @@ def _finish(result: dict, args) -> dict:
     if path:
         _save(result, path)
     log("\n" + table(result))
+    for line in repeat_summary(result["rows"]):
+        log(line)
     for e in result["errors"]:
         log(f"error: {e}")
     return result
+
+
+def repeat_summary(rows: list) -> list[str]:
+    """``--repeat``: per (model, batch, path) run more than once, the median decode ms/step, its range and the median
+    against the cell's plain one-liner's median (interleaved runs: drift between engines shows as the range)."""
+    runs: dict = {}
+    for r in rows:
+        if "error" not in r and r.get("decode_ms") is not None:
+            runs.setdefault((r["model"], r["batch"], r["path"]), []).append(r["decode_ms"])
+    if not any(len(v) > 1 for v in runs.values()):
+        return []
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    out = ["", "| model | B | path | runs | decode ms/step (median) | min - max | / one_liner |", "|---|---|---|---|---|---|---|"]
+    for (name, B, path), v in runs.items():
+        base = med.get((name, B, "one_liner"))
+        ratio = f"{med[(name, B, path)] / base:.3f}" if base else "-"
+        out.append(f"| {name} | {B} | {path} | {len(v)} | {med[(name, B, path)]:.3f} | {min(v):.3f} - {max(v):.3f} "
+                   f"| {ratio} |")
+    return out
 
 
 def ttft_summary(rows: list) -> list[str]:

@@ -136,24 +136,34 @@ def _profile(model, name: str, dtype: str, B: int, ids, args, cuda: bool, result
 def _reference_agreement(model, rows: dict, fp8_out: dict, S: int, args, result: dict) -> None:
     """The FP8 model's own greedy tokens fed to its dequantized reference (``moecomp.unoptimize``, then every FP8
     module's plain PyTorch forward: ``plain_fp8``, activations quantized the same way): the share of positions where
-    the reference's argmax is the token moecomp chose. Near 1 means moecomp's kernels compute what the format says,
-    so the agreement with bf16 measures the format; well below 1 would be a kernel error. The first batch size only
-    (``--ref-batches`` to change)."""
+    the reference's argmax is the token moecomp chose; and the same under the weight-only reference (activations in
+    16 bits: what the kernel table runs at small T, w8a16). On a model whose random routing amplifies small
+    differences (Mixtral: 8 experts, top-2; ``benchmarks/diag_fp8_blocks.py``) the two references themselves
+    disagree, so low agreement with one of them alone is not a kernel error; the block-level diagnostic is. The
+    first batch size only (``--ref-batches`` to change)."""
     import moecomp
 
     todo = [B for B in args.ref_batches if B in fp8_out]
     if not todo:
         return
+    from moecomp.formats.fp8 import plain_fp8
+
     moecomp.unoptimize(model)
     for B in todo:
         try:
             with plain(model, "fp8"):
                 tf = teacher_forced(model, fp8_out[B], S)
+            with plain_fp8(model, activations="none"):  # the kernel table runs small T weight-only (w8a16)
+                tf16 = teacher_forced(model, fp8_out[B], S)
         except Exception as e:  # e.g. out of memory: reported, the run goes on
             result["errors"].append(f"reference agreement B={B}: {type(e).__name__}: {str(e)[:160]}")
             continue
         rows[B]["fp8"]["reference_agreement"] = a = tf["agreement"]
         rows[B]["fp8"]["reference_logits"] = tf
+        rows[B]["fp8"]["reference_agreement_weight_only"] = tf16["agreement"]
+        rows[B]["fp8"]["reference_logits_weight_only"] = tf16
+        log(f"[B={B}] fp8 tokens under the weight-only (w8a16) reference: teacher-forced agreement "
+            f"{tf16['agreement']:.3f}, chosen below the top by {tf16['chosen_gap_median']:.2e} (median)")
         log(f"[B={B}] fp8 tokens under its dequantized reference: teacher-forced agreement {a:.3f}; over the largest "
             f"|logit| {tf['max_abs_logit']:.3g}: chosen below the top by {tf['chosen_gap_median']:.2e} (median) / "
             f"{tf['chosen_gap_max']:.2e} (max), top-2 gap {tf['top2_gap_median']:.2e}, spread "

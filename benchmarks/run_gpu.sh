@@ -19,6 +19,7 @@
 #                                   compute-sanitizer memcheck (with .ab/routing_old.py too, to show the probe fails)
 #   benchmarks/run_gpu.sh mixfp8    issue 39: Mixtral FP8's token disagreement: op tests, tiny generate, 8 layers table on/off
 #   benchmarks/run_gpu.sh heur      issue 39: moecomp's layer grid with this GPU's table, then without it
+#   benchmarks/run_gpu.sh s19       STEP=1|2|3: the next session's calls (tests named, Mixtral FP8 by block, fused A/B)
 #   benchmarks/run_gpu.sh e2e80     issue 39: generate() at full depth on an 80 GB GPU: Qwen3-30B-A3B bf16 and FP8,
 #                                   Mixtral-8x7B FP8 (built in FP8), B=1,8,32, one process each, under 540 s in all
 set -uo pipefail
@@ -302,6 +303,40 @@ s18a)  # 2026-12-07 fourth session, first call: the GPU tests new since the last
       --paths hf,one_liner --variants qwen3:1=one_liner_fused+one_liner_fuse_linears+one_liner_fused_router+one_liner_no_prefill_graph,qwen3:32=one_liner_fused \
       --profile one_liner:1,one_liner_fused:1 --budget-s ${S18_GEN_BUDGET:-200} --out-json "$OUT/generate-fused.json" \
       2>&1 | tee "$OUT/generate-fused.log" | quiet | grep "^|\|rror" | tail -40 ;;
+s19)  # the next session's calls (STEP=1|2|3), each under 9 minutes; logs and JSON to $OUT
+       # 1: the GPU tests new since the last full run, verbose (three failed unnamed at 73ca285: -v names them), then
+       #    Mixtral FP8 at 8 layers block by block (benchmarks/diag_fp8_blocks.py: against the w8a8 and w8a16
+       #    references) and generate() with the kernel forced to w8a8 (the reference's own math)
+       # 2: the fused decode launches A/B, interleaved on fresh engines (--repeat 3), B=1, Qwen3 12 layers; the
+       #    compressed-tensors GPU test; DeepSeek-V3 T=8192 FP8 (the H100 table's one missing entry)
+       # 3 (H200): the GPU tests of tests/ops + tests/kernels, the heuristic check, routing record / replay costs
+  case "${STEP:-1}" in
+  1)
+    timeout ${S19_TEST_TIMEOUT:-200} python3 -m pytest -v -rfE -n 8 -p no:cacheprovider \
+        tests/generate/test_generate_gpu.py tests/generate/test_sinks_gpu.py tests/ops/test_routes_gpu.py \
+        tests/generate/test_warm_cache_gpu.py tests/generate/test_fused_decode_gpu.py tests/ops/test_fused_router_gpu.py \
+        tests/kernels/test_skinny_group.py tests/generate/test_routed_experts_gpu.py \
+        tests/generate/test_prefill_graph_gpu.py > "$OUT/tests-s19.log" 2>&1
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/tests-s19.log" | grep -v "^\[gw" | cut -c1-250 | tail -14
+    timeout 120 python3 benchmarks/diag_fp8_blocks.py --model mixtral --layers 8 --prompt 512 \
+        --out-json "$OUT/diag-fp8-blocks.json" 2>&1 | grep -v "^DEBUG" | tee "$OUT/diag-fp8-blocks.log" | grep "^\[diag\]"
+    MOECOMP_FP8_MODE=w8a8 timeout 110 python3 benchmarks/bench_generate_fp8.py --models mixtral --layers mixtral=8 \
+        --build fp8 --batches 1 --peers '' --prompt 512 --new 32 --budget-s 90 --out-json "$OUT/mixfp8-w8a8.json" 2>&1 \
+        | grep -v "^DEBUG" | tee "$OUT/mixfp8-w8a8.log" | grep -E "one-liner|reference|rror" ;;
+  2)
+    timeout 330 python3 benchmarks/bench_generate.py --models qwen3 --layers qwen3=12 --batches 1 --paths one_liner \
+        --variants qwen3:1=one_liner_fused+one_liner_fuse_linears+one_liner_fused_router --repeat 3 --budget-s 300 \
+        --out-json "$OUT/generate-fused-ab.json" 2>&1 | tee "$OUT/generate-fused-ab.log" | quiet | grep "^|" | tail -12
+    timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/hf/test_compressed_gpu.py 2>&1 \
+        | grep -v "^DEBUG" | tee "$OUT/tests-compressed.log" | tail -5
+    timeout 90 python3 -m moecomp tune --fp8 lean -v --rep 10 --budget-s 40 --presets deepseek_v3 --tokens 8192 \
+        --copy-to "$OUT" 2>&1 | tee "$OUT/tune-fp8-ds8192.log" | grep "/1 \|rror" | cut -c1-220 ;;
+  3)
+    TEST_PATHS="tests/ops tests/kernels" TEST_WORKERS=12 TEST_TIMEOUT=250 EXCL_TIMEOUT=30 "$0" tests
+    timeout 100 python3 benchmarks/bench_routes.py --presets qwen3_30b_a3b --tokens 1,64 --generate 12 --batches 1,32 \
+        --out "$OUT/bench_routes.json" 2>&1 | tee "$OUT/bench_routes.log" | grep "^|" | tail -12
+    HEUR_BUDGET=60 "$0" heur ;;
+  esac ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
   timeout ${TUNE_TIMEOUT:-560} python3 -m moecomp tune --restart -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-480} \
       --presets ${PRESETS:-all} ${TOKENS:+--tokens $TOKENS} --copy-to "$OUT" 2>&1 | tee "$OUT/tune.log" \

@@ -248,6 +248,21 @@ def test_bench_generate_tiny_cpu(tmp_path):
     assert json.loads(out.read_text())["rows"]
 
 
+def test_bench_generate_repeat_summary():
+    """--repeat: the engine's paths run again interleaved; the summary gives each path's median, range and ratio to the
+    plain one-liner's median, and nothing when every path ran once."""
+    gen = _load("bench_generate")
+    rows = [dict(model="q", batch=1, path=p, decode_ms=ms) for p, ms in
+            [("hf", 9.0), ("one_liner", 1.0), ("one_liner_fused", 1.2), ("one_liner", 1.4), ("one_liner_fused", 0.9),
+             ("one_liner", 1.1), ("one_liner_fused", 1.0)]]
+    rows.append(dict(model="q", batch=1, path="one_liner_fused", error="X"))
+    out = gen.repeat_summary(rows)
+    line = next(ln for ln in out if "| one_liner_fused |" in ln)
+    assert "| 3 | 1.000 | 0.900 - 1.200 | 0.909 |" in line, line  # median 1.0 over one_liner's median 1.1
+    assert "| 3 | 1.100 | 1.000 - 1.400 | 1.000 |" in next(ln for ln in out if "| one_liner |" in ln)
+    assert gen.repeat_summary(rows[:3]) == []
+
+
 def test_plot_generate(tmp_path):
     pytest.importorskip("matplotlib")
     plot = _load("plot_generate")

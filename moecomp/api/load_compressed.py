@@ -97,7 +97,7 @@ class _PlainLinear:
     """``forward`` of an FP8 linear the loader made: the plain reference (``formats.fp8.plain_linear_forward``)."""
 
     __slots__ = ("module", "fn")
-    _moecomp_plain = True
+    _moecomp_plain = "stored"  # (formats.fp8.plain_fp8 leaves it alone: already the stored-activation reference)
 
     def __init__(self, module, fn):
         self.module, self.fn = module, fn

@@ -383,14 +383,17 @@ def _experts_traced(m, ex: ExpertsFP8, x, ids, wts):
 _MISSING = object()
 
 
-def _plain_forward(kind: str, m: nn.Module):
+def _plain_forward(kind: str, m: nn.Module, activations: str = "stored"):
     """The plain forward of FP8 module ``m``, its layout read now (outside any trace); a module whose scales do not
-    fit gets a forward that raises that ``FP8LayoutError``."""
+    fit gets a forward that raises that ``FP8LayoutError``. ``activations="none"``: weight-only (activations left
+    in 16 bits, as the kernels run a dynamic spec where the table says so)."""
     try:
         lay = experts_fp8(m) if kind == "experts" else linear_fp8(m)
         err = None
     except FP8LayoutError as e:
         lay, err = None, e
+    if lay is not None and activations == "none" and lay.quant.activation != "none":
+        lay = dataclasses.replace(lay, quant=dataclasses.replace(lay.quant, activation="none"))
     if kind == "experts":
         def forward(hidden_states, top_k_index, top_k_weights):
             if err is not None:
@@ -401,15 +404,19 @@ def _plain_forward(kind: str, m: nn.Module):
             if err is not None:
                 raise err
             return plain_linear_forward(m, x, lay)
-    forward._moecomp_plain = True
+    forward._moecomp_plain = activations
     return forward
 
 
 @contextlib.contextmanager
-def plain_fp8(root: nn.Module | None, kinds: tuple = ("experts", "linear")):
+def plain_fp8(root: nn.Module | None, kinds: tuple = ("experts", "linear"), activations: str = "stored"):
     """While active, every FP8 module under ``root`` (``FP8Experts``-like, ``FP8Linear``-like: :func:`fp8_kind`;
     ``kinds`` which of them) runs its plain-PyTorch forward (an instance attribute, removed on exit; contexts nest).
-    Nothing else changes: modules without fp8 weights are left alone."""
+    Nothing else changes: modules without fp8 weights are left alone. ``activations``: "stored" (quantized as the
+    module's scheme says: the dequantized reference) or "none" (weight-only: the reference of a dynamic scheme run
+    weight-only, which the kernel table picks at small T)."""
+    if activations not in ("stored", "none"):
+        raise ValueError(f"activations must be 'stored' or 'none', got {activations!r}")
     patched = []
     if root is not None:
         for m in root.modules():
@@ -417,9 +424,9 @@ def plain_fp8(root: nn.Module | None, kinds: tuple = ("experts", "linear")):
             if kind is None or kind not in kinds:
                 continue
             cur = m.__dict__.get("forward", _MISSING)
-            if getattr(cur, "_moecomp_plain", False):
+            if getattr(cur, "_moecomp_plain", None) == activations:
                 continue  # an outer context already did
-            m.forward = _plain_forward(kind, m)
+            m.forward = _plain_forward(kind, m, activations)
             patched.append((m, cur))
     try:
         yield patched

@@ -310,3 +310,39 @@ def test_tracing_ops_opcheck():
     torch.library.opcheck(torch.ops.moecomp.dequant_fp8.default, (w, s, q.key, 1),
                           test_utils=("test_faketensor", "test_aot_dispatch_static"))
     assert torch.equal(torch.ops.moecomp.dequant_fp8(w, s, q.key, 1), moecomp.core.quant.dequantize(w, s, q))
+
+
+def test_plain_reference_weight_only(ids):
+    """``plain_fp8(activations="none")``: the reference of a dynamic scheme run weight-only (the kernel table's w8a16
+    at small T): an FP8 linear's plain forward is then x times its dequantized weight exactly (fp32, 1e-6), and the
+    experts' forward differs from the stored-activation reference (whose activations are quantized); a bad value is a
+    ValueError naming the argument; the stored reference's nesting is unchanged."""
+    model = C.to_fp8(build("qwen2_moe", torch.float32))
+    lin = next(m for m in model.modules() if P.fp8_kind(m) == "linear")
+    lq = P.linear_fp8(lin)
+    x = torch.randn(5, lin.in_features, generator=torch.Generator().manual_seed(1))
+    W = q8_dequant(lin, lq)
+    b = lin.bias.detach().float() if getattr(lin, "bias", None) is not None else 0.0
+    with torch.no_grad(), P.plain_fp8(model, activations="none"):
+        got = lin(x)
+    with torch.no_grad(), P.plain_fp8(model):
+        stored = lin(x)
+        with P.plain_fp8(model, activations="none"):  # an inner context of the other mode takes over, then restores
+            inner = lin(x)
+        again = lin(x)
+    assert rel_err(got, x @ W.T + b) <= 1e-6 and rel_err(stored, x @ W.T + b) > 1e-3
+    assert torch.equal(inner, got) and torch.equal(again, stored)
+    with torch.no_grad(), P.plain_fp8(model):
+        want_q = logits(model, ids)
+    with torch.no_grad(), P.plain_fp8(model, activations="none"):
+        want_w = logits(model, ids)
+    assert rel_err(want_w, want_q) > 1e-3
+    with pytest.raises(ValueError, match="activations"):
+        with P.plain_fp8(model, activations="w8a16"):
+            pass
+
+
+def q8_dequant(lin, lq):
+    from moecomp.core import quant as q8
+
+    return q8.dequantize(getattr(lin, lq.weight), getattr(lin, lq.scale), lq.quant).float().detach()
