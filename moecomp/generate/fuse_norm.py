@@ -71,12 +71,6 @@ def _is(node, step: str) -> bool:
     return node.target in _TORCH.get(step, ()) or _aten(node, step)
 
 
-def _strip_casts(node):
-    while _is(node, "cast") and isinstance(node.args[0], torch.fx.Node):
-        node = node.args[0]
-    return node
-
-
 def _only_user(node):
     users = list(node.users)
     return users[0] if len(users) == 1 else None
@@ -183,7 +177,7 @@ def check_norm(m) -> tuple[bool | None, str]:
         gen = torch.Generator().manual_seed(0)
         shape = (4, int(rv.shape[-1]))  # on CPU, a few rows: only the last dim takes part
         w = torch.randn(shape[1], generator=gen).to(wv.dtype)
-        u = torch.finfo(ov.dtype).eps  # 2u: transformers rounds the normalized row up to twice
+        u = torch.finfo(ov.dtype).eps  # 2x the unit roundoff: transformers rounds the normalized row up to twice
         found = None
         for scale in (1.0, math.sqrt(m["eps"]) if m["eps"] > 0 else 1e-3):
             x = (torch.randn(shape, generator=gen) * scale).to(rv.dtype)
@@ -304,7 +298,7 @@ class NormPass:
         ops = linear_ops()
         rec = dict(norms=0, folded=[], skipped=[])
         for mean in [n for n in gm.graph.nodes if _is(n, "mean")]:
-            if mean.graph is not gm.graph or mean not in set(gm.graph.nodes):
+            if getattr(mean, "_erased", False):
                 continue  # erased by an earlier fold
             m = match_norm(mean)
             if m is None:
