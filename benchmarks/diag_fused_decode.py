@@ -10,6 +10,10 @@
               bias, top-k then softmax), DeepSeek-V3 (256, 8, 7168, sigmoid, groups, correction bias, fp32 router)
               and Mixtral-8x7B (8, 2, 4096: 8 programs), T = 1..4
     op        the whole MoE op at T = 1 with the fused routing on / off (Qwen3-30B-A3B and gpt-oss-120b sizes, bf16)
+    norm      the RMSNorm (and the residual add) before q / k / v: the norm compiled by Inductor (one kernel, as in
+              the decode step) then one ``skinny_group``, against one ``norm_group`` (MOECOMP_FUSE_NORM's op),
+              Qwen3-30B-A3B sizes, bf16 and e4m3 128x128 blocks weight-only, with and without the residual, 1, 2,
+              4 rows (4 rows in bf16 run the unfused members either way)
 
 PDL stays as the op sets it (MOECOMP_PDL). Results: a table on stdout and, with --out-json, every row.
 
@@ -135,6 +139,40 @@ def op_rows() -> list[dict]:
     return out
 
 
+def norm_rows(rows: list[int]) -> list[dict]:
+    from moecomp.core import quant as q8
+    from moecomp.core.spec import QuantSpec
+
+    K, Ns = QKV["qwen3"]
+    eps, q, out = 1e-6, QuantSpec(activation="none"), []
+
+    def rms(x, r, g):
+        h = x + r if r is not None else x
+        hf = h.float()
+        return h, g * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+    norm = torch.compile(rms, dynamic=False)
+    g = (1 + 0.1 * torch.randn(K, device="cuda")).bfloat16()
+    for fmt in ("bf16", "fp8"):
+        dense = [torch.randn(n, K, device="cuda") * 0.02 for n in Ns]
+        if fmt == "bf16":
+            ws, ss, key = [w.bfloat16() for w in dense], [None] * 3, ""
+        else:
+            pairs = [q8.quantize(w, q) for w in dense]
+            ws, ss, key = [p[0] for p in pairs], [p[1] for p in pairs], q.key
+        for residual in (False, True):
+            for M in rows:
+                x = torch.randn(M, 1, K, device="cuda", dtype=torch.bfloat16)
+                r = torch.randn_like(x) if residual else None
+                apart = lambda: torch.ops.moecomp.skinny_group(norm(x, r, g)[1], ws, [None] * 3, ss, key)  # noqa
+                fused = lambda: torch.ops.moecomp.norm_group(x, r, g, eps, False, ws, [None] * 3, ss, key)  # noqa
+                err = max(_rel(a, b) for a, b in zip(fused(), apart()))
+                t_apart, t_fused = _bench(apart), _bench(fused)
+                out.append(dict(part="norm", model="qwen3", weights=fmt + (" +res" if residual else ""), rows=M,
+                                unfused_us=t_apart, fused_us=t_fused, ratio=t_fused / t_apart, rel_diff=err))
+    return out
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| part | model | weights | rows / tokens | unfused us | fused us | fused / unfused | check |",
              "|---|---|---|---|---|---|---|---|"]
@@ -148,7 +186,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="qkv,router,op")
+    ap.add_argument("--parts", default="qkv,router,op,norm")
     ap.add_argument("--rows", default="1,2,4", help="qkv rows")
     ap.add_argument("--tokens", default="1,2,4", help="router tokens")
     ap.add_argument("--out-json", default=None)
@@ -165,6 +203,8 @@ def main(argv=None) -> int:
         rows += router_rows([int(t) for t in a.tokens.split(",")])
     if "op" in parts:
         rows += op_rows()
+    if "norm" in parts:
+        rows += norm_rows([int(r) for r in a.rows.split(",")])
     print(table(rows))
     if a.out_json:
         with open(a.out_json, "w") as f:

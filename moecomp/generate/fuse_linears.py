@@ -38,14 +38,14 @@ def enabled() -> bool:
     return os.environ.get("MOECOMP_FUSE_LINEARS", "0") == "1"  # opt-in until measured on a GPU (ARCHITECTURE)
 
 
-def _ops():
+def linear_ops():
     import moecomp.ops  # noqa: F401  (registers the ops)
 
     ns = torch.ops.moecomp
     return {ns.skinny_linear: "16", ns.skinny_linear.default: "16", ns.fp8_linear: "fp8", ns.fp8_linear.default: "fp8"}
 
 
-def _val(node):
+def example_value(node):
     """A node's example value (Dynamo's ``example_value``, else ``val``), None for non-nodes and unknowns."""
     if not isinstance(node, torch.fx.Node):
         return None
@@ -55,7 +55,7 @@ def _val(node):
 _SIG = {"16": ("x", "weight", "bias"), "fp8": ("x", "weight", "weight_scale", "bias", "act_scale", "quant")}
 
 
-def _member(node, kind: str):
+def member(node, kind: str):
     """(x, weight, bias, scale, quant key) of a call the group op can take, None otherwise."""
     names = _SIG[kind]
     if len(node.args) > len(names) or set(node.kwargs) - set(names):
@@ -64,7 +64,7 @@ def _member(node, kind: str):
     if any(n not in a for n in names):
         return None
     x, w, b = a["x"], a["weight"], a["bias"]
-    xv, wv = _val(x), _val(w)
+    xv, wv = example_value(x), example_value(w)
     if not (isinstance(x, torch.fx.Node) and isinstance(w, torch.fx.Node) and xv is not None and wv is not None):
         return None
     if kind == "16":
@@ -83,21 +83,21 @@ def _inputs(member) -> list:
 
 def fuse_sibling_linears(gm: torch.fx.GraphModule) -> list[int]:
     """Rewrite ``gm`` in place (module docstring); returns the size of each group it made."""
-    ops = _ops()
+    ops = linear_ops()
     sets = defaultdict(list)  # (x node, format key, dtype) -> [call nodes] in graph order
     for n in gm.graph.nodes:
         kind = ops.get(n.target) if n.op == "call_function" else None
-        m = _member(n, kind) if kind else None
+        m = member(n, kind) if kind else None
         if m is not None:
-            sets[(m[0], m[4], _val(m[0]).dtype)].append(n)
+            sets[(m[0], m[4], example_value(m[0]).dtype)].append(n)
     made = []
     for calls in sets.values():
         while len(calls) >= 2:
             # args are re-read: an earlier group may have replaced a member this set reads (its x, a weight)
             order = {n: i for i, n in enumerate(gm.graph.nodes)}
-            run, rest = [(calls[0], _member(calls[0], ops[calls[0].target]))], []
+            run, rest = [(calls[0], member(calls[0], ops[calls[0].target]))], []
             for n in calls[1:]:
-                m = _member(n, ops[n.target])
+                m = member(n, ops[n.target])
                 if len(run) < MAX_GROUP and all(order[a] < order[calls[0]] for a in _inputs(m)):
                     run.append((n, m))
                 else:  # its weight is computed after the first call, or the run is full: a later run's
@@ -118,7 +118,7 @@ def _replace(graph: torch.fx.Graph, run: list) -> None:
     ws, bs, ss = ([m[j] for _, m in run] for j in (1, 2, 3))
     with graph.inserting_before(nodes[0]):
         g = graph.call_function(torch.ops.moecomp.skinny_group.default, (x, ws, bs, ss, quant))
-        g.meta["example_value"] = [_val(n) for n in nodes]
+        g.meta["example_value"] = [example_value(n) for n in nodes]
         items = []
         for i, n in enumerate(nodes):
             it = graph.call_function(operator.getitem, (g, i))
@@ -131,17 +131,22 @@ def _replace(graph: torch.fx.Graph, run: list) -> None:
 
 
 class FusingBackend:
-    """A Dynamo backend: ``fuse_sibling_linears`` on each graph, then ``backend`` (a name or a callable)."""
+    """A Dynamo backend: ``fuse_sibling_linears`` on each graph (unless ``linears`` is False), then the pass ``then``
+    (if any), then ``backend`` (a name or a callable)."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, linears: bool = True, then=None):
         self.backend = backend
+        self.linears = linears  # False: this pass left out (only ``then`` runs)
+        self.then = then  # a further pass run on each graph after this one (``generate/fuse_norm.NormPass``)
         self.fused: list[list[int]] = []  # per graph compiled: the sizes of the groups made
 
     def __call__(self, gm, example_inputs):
-        made = fuse_sibling_linears(gm)
+        made = fuse_sibling_linears(gm) if self.linears else []
         self.fused.append(made)
         counters["fuse_linears"]["groups"] += len(made)
         counters["fuse_linears"]["linears"] += sum(made)
+        if self.then is not None:
+            self.then(gm)
         inner = self.backend
         if isinstance(inner, str):
             from torch._dynamo import lookup_backend

@@ -27,7 +27,7 @@ from . import fp8, pdl
 
 
 @triton.jit
-def _dequant(w, ws_row, n_ok, k0, K, stride_sk, W_SCALE: tl.constexpr, Q_BLOCK_K: tl.constexpr,
+def dequant(w, ws_row, n_ok, k0, K, stride_sk, W_SCALE: tl.constexpr, Q_BLOCK_K: tl.constexpr,
              UE8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The [BN, BK] weight tile of K step k0 in fp32, its block scales applied (W_SCALE 1)."""
     wf = w.to(tl.float32)
@@ -94,7 +94,7 @@ def _tile(pid, x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, s
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
-        wf = _dequant(w, ws_row, n_ok, k0, K, stride_sk, W_SCALE, Q_BLOCK_K, UE8M0, BLOCK_N, BLOCK_K)
+        wf = dequant(w, ws_row, n_ok, k0, K, stride_sk, W_SCALE, Q_BLOCK_K, UE8M0, BLOCK_N, BLOCK_K)
         acc0 = _row_step(acc0, wf, x_ptr, k0, offs_k, k_ok, REDUCE_END)
         if ROWS > 1:
             acc1 = _row_step(acc1, wf, x_ptr + stride_xm, k0, offs_k, k_ok, REDUCE_END)

@@ -30,7 +30,7 @@ from .fp8_linear import call_fp8_linear, check_fp8_linear
 MAX_GROUP = 4
 
 
-def _quant(quant: str) -> QuantSpec | None:
+def group_quant(quant: str) -> QuantSpec | None:
     if not quant:
         return None
     q = QuantSpec.from_key(quant)
@@ -41,27 +41,32 @@ def _quant(quant: str) -> QuantSpec | None:
 
 
 def _check(x, weights, biases, scales, q: QuantSpec | None) -> None:
+    check_members("skinny_group", 2, x, weights, biases, scales, q)
+
+
+def check_members(name: str, g_min: int, x, weights, biases, scales, q: QuantSpec | None) -> None:
+    """g_min..MAX_GROUP members, each a valid call of its own op on x (ValueErrors prefixed with ``name``)."""
     G = len(weights)
-    if not 2 <= G <= MAX_GROUP:
-        raise ValueError(f"skinny_group: weights must hold 2..{MAX_GROUP} matrices, got {G}")
+    if not g_min <= G <= MAX_GROUP:
+        raise ValueError(f"{name}: weights must hold {g_min}..{MAX_GROUP} matrices, got {G}")
     if len(biases) != G or len(scales) != G:
-        raise ValueError(f"skinny_group: biases and scales must have one entry per weight ({G}), got {len(biases)} "
+        raise ValueError(f"{name}: biases and scales must have one entry per weight ({G}), got {len(biases)} "
                          f"and {len(scales)}")
     for i, (w, b, s) in enumerate(zip(weights, biases, scales)):
         if q is None:
             if s is not None:
-                raise ValueError(f"skinny_group: scales[{i}] must be None for 16-bit weights (quant '')")
+                raise ValueError(f"{name}: scales[{i}] must be None for 16-bit weights (quant '')")
             try:
                 linear16.check_linear(x, w, b)
             except ValueError as e:
-                raise ValueError(f"skinny_group: member {i}: {e}") from None
+                raise ValueError(f"{name}: member {i}: {e}") from None
         else:
             if s is None:
-                raise ValueError(f"skinny_group: scales[{i}] is None; e4m3 weights need their scales")
+                raise ValueError(f"{name}: scales[{i}] is None; e4m3 weights need their scales")
             check_fp8_linear(x, w, s, b, None, q)
 
 
-def _one_launch(x: torch.Tensor, weights, q: QuantSpec | None) -> bool:
+def one_launch(x: torch.Tensor, weights, q: QuantSpec | None) -> bool:
     """Whether every member would take the skinny kernel on its own (decided on shapes, dtypes and the device)."""
     if not linear16.enabled():
         return False
@@ -75,7 +80,7 @@ def _one_launch(x: torch.Tensor, weights, q: QuantSpec | None) -> bool:
             and all(skinny.use_skinny(M, w.shape[0], K, True) for w in weights))
 
 
-def _member(x, w, b, s, q: QuantSpec | None) -> torch.Tensor:
+def run_member(x, w, b, s, q: QuantSpec | None) -> torch.Tensor:
     if q is None:
         return linear16.run(x, w, b)
     return call_fp8_linear(x, w, s, b, None, q)
@@ -84,10 +89,10 @@ def _member(x, w, b, s, q: QuantSpec | None) -> torch.Tensor:
 @torch.library.custom_op("moecomp::skinny_group", mutates_args=())
 def skinny_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
                  scales: list[torch.Tensor | None], quant: str) -> list[torch.Tensor]:
-    q = _quant(quant)
+    q = group_quant(quant)
     _check(x, weights, biases, scales, q)
-    if not _one_launch(x, weights, q):
-        return [_member(x, w, b, s, q) for w, b, s in zip(weights, biases, scales)]
+    if not one_launch(x, weights, q):
+        return [run_member(x, w, b, s, q) for w, b, s in zip(weights, biases, scales)]
     from . import skinny
 
     K = x.shape[-1]
@@ -97,7 +102,7 @@ def skinny_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torc
 
 @skinny_group.register_fake
 def _(x, weights, biases, scales, quant):
-    _check(x, weights, biases, scales, _quant(quant))
+    _check(x, weights, biases, scales, group_quant(quant))
     return [x.new_empty(*x.shape[:-1], w.shape[0]) for w in weights]
 
 
@@ -115,7 +120,7 @@ def _backward(ctx, grads):
     member has one (torch treats a list holding a None as a constant)."""
     saved = ctx.saved_tensors
     x, weights, scales = saved[0], saved[1:1 + ctx.G], saved[1 + ctx.G:]
-    q = _quant(ctx.quant)
+    q = group_quant(ctx.quant)
     K = x.shape[-1]
     gx = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
     gws, gbs = [], []
@@ -134,7 +139,7 @@ skinny_group.register_autograd(_backward, setup_context=_setup)
 
 def reference(x, weights, biases, scales, quant: str) -> list[torch.Tensor]:
     """The members one by one in plain torch (tests): ``F.linear`` on x and each (dequantized) weight."""
-    q = _quant(quant)
+    q = group_quant(quant)
     out = []
     for w, b, s in zip(weights, biases, scales):
         W = w if q is None else q8.dequantize(w, s, q)

@@ -12,6 +12,7 @@ import torch
 import triton
 
 from ..kernels import skinny as skinny_k
+from ..kernels import skinny_norm as skinny_norm_k
 from .common import sm_count as _sm_count
 
 MAX_ROWS = 4
@@ -112,20 +113,30 @@ def skinny_group(x2: torch.Tensor, weights: list, biases: list | None = None, sc
     QuantSpec ``q`` with ``scales``), in one launch (``kernels/skinny.skinny_group_kernel``): [y_i [M, N_i]], each
     as ``skinny_linear`` would compute it with the same tiles. The tiles are chosen for the members' total rows.
     ``outs``: [M, N_i] buffers of unit column stride to write into."""
+    a = _group_args("skinny_group", 2, x2, weights, biases, scales, q, cfg, outs)
+    x2 = a["x2"]
+    skinny_k.skinny_group_kernel[a["grid"]](x2, *a["ptrs"], x2.shape[1], x2.stride(0), *a["strides"], **a["meta"])
+    return a["ys"]
+
+
+def _group_args(name: str, g_min: int, x2, weights, biases, scales, q, cfg, outs) -> dict:
+    """The members' launch arguments, checked, for the group kernels (``skinny_group``, ``skinny_norm_group``):
+    x2 (unit stride along K), the member pointers and sizes (``ptrs``), their strides, the constexprs and launch
+    options (``meta``), the grid and the outputs ``ys``."""
     M, K = x2.shape
     G = len(weights)
-    if not 2 <= G <= MAX_GROUP:
-        raise ValueError(f"skinny_group: weights must hold 2..{MAX_GROUP} matrices, got {G}")
+    if not g_min <= G <= MAX_GROUP:
+        raise ValueError(f"{name}: weights must hold {g_min}..{MAX_GROUP} matrices, got {G}")
     if not 1 <= M <= MAX_ROWS:
-        raise ValueError(f"skinny_group: x2 must have 1..{MAX_ROWS} rows, got {M}")
+        raise ValueError(f"{name}: x2 must have 1..{MAX_ROWS} rows, got {M}")
     biases = list(biases) if biases is not None else [None] * G
     scales = list(scales) if scales is not None else [None] * G
     if len(biases) != G or len(scales) != G:
-        raise ValueError(f"skinny_group: biases and scales must have one entry per weight ({G}), got "
+        raise ValueError(f"{name}: biases and scales must have one entry per weight ({G}), got "
                          f"{len(biases)} and {len(scales)}")
     for i, w in enumerate(weights):
         if w.dim() != 2 or w.shape[1] != K or w.stride(-1) != 1:
-            raise ValueError(f"skinny_group: weights[{i}] must be [N, {K}] with unit stride along K, got "
+            raise ValueError(f"{name}: weights[{i}] must be [N, {K}] with unit stride along K, got "
                              f"{tuple(w.shape)} strides {w.stride()}")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -139,7 +150,7 @@ def skinny_group(x2: torch.Tensor, weights: list, biases: list | None = None, sc
         bk = min(bk, qbk & -qbk)
     if outs is not None and (len(outs) != G or any(tuple(o.shape) != (M, w.shape[0]) or o.stride(-1) != 1
                                                    for o, w in zip(outs, weights))):
-        raise ValueError(f"skinny_group: outs must be {G} buffers [M={M}, N_i] of unit column stride, got "
+        raise ValueError(f"{name}: outs must be {G} buffers [M={M}, N_i] of unit column stride, got "
                          f"{[tuple(o.shape) for o in outs]}")
     ys = [torch.empty(M, w.shape[0], dtype=x2.dtype, device=x2.device) for w in weights] if outs is None else outs
     bs = [b if b is None or b.stride(-1) == 1 else b.contiguous() for b in biases]
@@ -149,7 +160,7 @@ def skinny_group(x2: torch.Tensor, weights: list, biases: list | None = None, sc
             ws.append(None)
             continue
         if s is None or (mode == 1 and s.dim() != 2):
-            raise ValueError(f"skinny_group: scales[{i}] must be the weight's {q.scale} scales, got "
+            raise ValueError(f"{name}: scales[{i}] must be the weight's {q.scale} scales, got "
                              f"{None if s is None else tuple(s.shape)}")
         ue8m0 = s.dtype == torch.float8_e8m0fnu
         ws.append(s.view(torch.uint8) if ue8m0 else s)
@@ -160,13 +171,40 @@ def skinny_group(x2: torch.Tensor, weights: list, biases: list | None = None, sc
 
     s_n = [s.stride(0) if s is not None and s.dim() >= 1 else 0 for s in ws]
     s_k = [s.stride(1) if s is not None and s.dim() == 2 else 0 for s in ws]
-    grid = (sum(triton.cdiv(w.shape[0], cfg["BLOCK_N"]) for w in weights),)
-    skinny_k.skinny_group_kernel[grid](
-        x2, *four(weights, None), *four(ws, None), *four(bs, None), *four(ys, None),
-        *four([w.shape[0] for w in weights], 0), K, x2.stride(0), *four([w.stride(0) for w in weights], 0),
-        *four(s_n, 0), *four(s_k, 0), *four([y.stride(0) for y in ys], 0),
-        G=G, ROWS=M, HB0=bs[0] is not None, HB1=bs[1] is not None, HB2=G > 2 and bs[2] is not None,
-        HB3=G > 3 and bs[3] is not None, W_SCALE=mode, Q_BLOCK_N=qbn, Q_BLOCK_K=qbk, UE8M0=ue8m0,
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, REDUCE_END=cfg["REDUCE_END"], num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **launch_options(x2.device))
-    return ys
+    hb = four([b is not None for b in bs], False)
+    return dict(
+        x2=x2, ys=ys, grid=(sum(triton.cdiv(w.shape[0], cfg["BLOCK_N"]) for w in weights),),
+        ptrs=[*four(weights, None), *four(ws, None), *four(bs, None), *four(ys, None),
+              *four([w.shape[0] for w in weights], 0)],
+        strides=[*four([w.stride(0) for w in weights], 0), *four(s_n, 0), *four(s_k, 0),
+                 *four([y.stride(0) for y in ys], 0)],
+        meta=dict(G=G, ROWS=M, HB0=hb[0], HB1=hb[1], HB2=hb[2], HB3=hb[3], W_SCALE=mode, Q_BLOCK_N=qbn,
+                  Q_BLOCK_K=qbk, UE8M0=ue8m0, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, REDUCE_END=cfg["REDUCE_END"],
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(x2.device)))
+
+
+def skinny_norm_group(x2: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      offset: bool, weights: list, biases: list | None = None, scales: list | None = None, q=None,
+                      cfg: dict | None = None, outs: list | None = None) -> tuple[list, torch.Tensor | None]:
+    """1..MAX_GROUP linears of the RMSNorm of x2 [M, K] (+ ``residual`` [M, K]) in one launch
+    (``kernels/skinny_norm.skinny_norm_group_kernel``): ([y_i [M, N_i]], h), y_i = linear(rmsnorm(h), W_i, b_i)
+    with the norm's fp32 scale applied to each output row, h = x2 + residual in x2's dtype (None without a
+    residual). ``norm_weight`` [K] multiplies (``offset``: 1 + it multiplies); the members as ``skinny_group``'s."""
+    M, K = x2.shape
+    if norm_weight.shape != (K,):
+        raise ValueError(f"skinny_norm_group: norm_weight must be [{K}], got {tuple(norm_weight.shape)}")
+    if residual is not None and (residual.shape != x2.shape or residual.dtype != x2.dtype):
+        raise ValueError(f"skinny_norm_group: residual must be [{M}, {K}] of {x2.dtype}, got "
+                         f"{tuple(residual.shape)} of {residual.dtype}")
+    a = _group_args("skinny_norm_group", 1, x2, weights, biases, scales, q, cfg, outs)
+    x2 = a["x2"]
+    h = r = None
+    if residual is not None:
+        r = residual if residual.stride(-1) == 1 else residual.contiguous()
+        h = torch.empty_like(x2, memory_format=torch.contiguous_format)
+    g = norm_weight if norm_weight.stride(-1) == 1 else norm_weight.contiguous()
+    rr, hh = (r, h) if r is not None else (x2, x2)  # never read nor written without HAS_RES
+    skinny_norm_k.skinny_norm_group_kernel[a["grid"]](
+        x2, rr, hh, g, float(eps), *a["ptrs"], K, x2.stride(0), rr.stride(0), hh.stride(0), *a["strides"],
+        HAS_RES=r is not None, OFFSET=bool(offset), **a["meta"])
+    return a["ys"], h
