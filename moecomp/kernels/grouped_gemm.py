@@ -44,13 +44,15 @@ the K loop differs (``fp8.dot_loop``), as constexpr branches, so 16-bit launches
 K / 2] (stride_wk: the bytes' stride), ws_ptr the group scales [E, rows, groups] and zp_ptr (W4 3) the int4 zero
 points of the same shape and strides. A tile column reads the scale row of its own weight row (group scales have
 block_n 1), so concatenated and interleaved gate / up, biases, the activations (swiglu_oai's clamp) and DIRECT run
-unchanged; W4 0 (the default) compiles the 16-bit / FP8 loops as before.
+unchanged; W4 0 (the default) compiles the 16-bit / FP8 loops as before. W4_FORM 4 (the opt-in "mma" form): w_ptr
+holds the mma layout (``ops/w4_layout.py``) and ``quant4_mma.mma_loop`` runs the K loop (swap-AB: the weight rows are
+the dot's M side); the launcher takes it on the aligned path only.
 """
 
 import triton
 import triton.language as tl
 
-from . import fp8, kloop, pdl, quant4
+from . import fp8, kloop, pdl, quant4, quant4_mma
 from .activations import act as _act
 from .activations import gated as _gated
 
@@ -159,7 +161,13 @@ def moe_gemm1_kernel(
         w_rows = col_n.to(tl.int64)
         col_ok = col_n < N_OUT
 
-    if W4 != 0:  # 4-bit weights: packed bytes, group scales (the rows' own: gate / up columns read theirs)
+    if W4 != 0 and W4_FORM == 4:  # 4-bit, the mma form: w_ptr holds the mma layout (ops/w4_layout.py)
+        ws_ptrs = ws_ptr + expert * stride_se + w_rows * stride_sn
+        zp_ptrs = (zp_ptr + expert * stride_se + w_rows * stride_sn) if W4 == 3 else ws_ptrs
+        acc = quant4_mma.mma_loop(x_ptr + tok * stride_xm, row_ok, w_ptr + expert * stride_we + w_rows * stride_wn,
+                                  col_ok, K, ws_ptrs, zp_ptrs, stride_sk, W4, Q_BLOCK_K, UPCAST, DOT_PRECISION,
+                                  BLOCK_M, TILE_N, BLOCK_K)
+    elif W4 != 0:  # 4-bit weights: packed bytes, group scales (the rows' own: gate / up columns read theirs)
         b_ptrs = (w_ptr + expert * stride_we + w_rows[None, :] * stride_wn
                   + tl.arange(0, BLOCK_K // 2)[:, None] * stride_wk)
         ws_ptrs = ws_ptr + expert * stride_se + w_rows * stride_sn
@@ -263,7 +271,14 @@ def moe_gemm2_kernel(
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
 
-    if W4 != 0:
+    if W4 != 0 and W4_FORM == 4:  # the mma form (as in moe_gemm1_kernel)
+        rows = offs_n.to(tl.int64)
+        ws_ptrs = ws_ptr + expert * stride_se + rows * stride_sn
+        zp_ptrs = (zp_ptr + expert * stride_se + rows * stride_sn) if W4 == 3 else ws_ptrs
+        acc = quant4_mma.mma_loop(h_ptr + offs_m.to(tl.int64) * stride_hm, row_ok,
+                                  w_ptr + expert * stride_we + rows * stride_wn, n_ok, K, ws_ptrs, zp_ptrs, stride_sk,
+                                  W4, Q_BLOCK_K, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif W4 != 0:
         rows = offs_n.to(tl.int64)
         b_ptrs = (w_ptr + expert * stride_we + rows[None, :] * stride_wn
                   + tl.arange(0, BLOCK_K // 2)[:, None] * stride_wk)

@@ -94,7 +94,7 @@ def linear_4bit(x, q, scale, zero, bias, quant, cfg: dict | None = None):
     else:
         c = dict(cfg) if cfg is not None else linear4_config(M, N, K, x.device, sms, quant.weight)
         opts = options(c)  # MOECOMP_W4_FOLD / MOECOMP_W4_FORM, else the config's keys (triton_quant4)
-        fold, form = int(opts["w4_fold"]) if w4 != 1 else 0, FORMS[device_form(opts["w4_form"], x.device)]
+        fold, form = int(opts["w4_fold"]) if w4 != 1 else 0, FORMS[device_form(_form(opts), x.device)]
         if form in (2, 3) and w4 != 1:  # dot_scaled / asm: e2m1 codes with ue8m0 scales only
             form = 0
         c = tile(c, {"W4": w4, "Q_BLOCK_K": g, "W4_FOLD": fold})
@@ -112,3 +112,8 @@ def linear_4bit(x, q, scale, zero, bias, quant, cfg: dict | None = None):
     else:
         launch()
     return y.reshape(*x.shape[:-1], N)
+
+
+def _form(opts: dict) -> str | None:
+    """The asked K-step form; "mma" (the routed experts' aligned GEMMs only) takes the device's default."""
+    return None if opts["w4_form"] == "mma" else opts["w4_form"]

@@ -56,7 +56,7 @@ from ..kernels import grouped_gemm_tma as tma_k
 from ..kernels import routing as routing_k
 from ..core.spec import MoESpec
 from . import capacity as cap
-from . import skinny, triton_fp8, triton_quant4_gemv, triton_router, tuning
+from . import skinny, triton_fp8, triton_quant4, triton_quant4_gemv, triton_router, tuning
 from . import triton_fp8_tma as fp8_tma
 from . import hash_routing as hr
 from . import routes
@@ -393,9 +393,10 @@ def experts(x, ids, weights, args: dict, spec: MoESpec, cfg: dict | None = None)
         cfg = tuning.get_config(spec.num_experts, spec.intermediate_size, H, T, k, x.dtype, x.device, spec.quant)
     bm = cfg["BLOCK_M"]
     q1, q2 = expert_quant(args, spec, cfg, T)
+    w13, w2 = triton_quant4.gemm_weights(spec.quant, args, q1, q2)  # 4-bit "mma" form: its layout (else args')
     aligned = align(ids, spec.num_experts, bm)
-    h = gemm1(x, args["w13"], _unit_stride(args["b13"]), spec, aligned, k, bm, cfg["g1"], q1, weights)
-    return gemm2(h, args["w2"], _unit_stride(args["b2"]), weights, spec, aligned, T * k, bm, cfg["g2"], q2)
+    h = gemm1(x, w13, _unit_stride(args["b13"]), spec, aligned, k, bm, cfg["g1"], q1, weights)
+    return gemm2(h, w2, _unit_stride(args["b2"]), weights, spec, aligned, T * k, bm, cfg["g2"], q2)
 
 
 def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=None, cfg: dict | None = None,
@@ -423,7 +424,7 @@ def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=No
             join()
         return combine(y, T, k, out, shared, gate, zx.combine_kwargs(spec, x, ids, weights))
     ids_direct = direct(ids)
-    q1, q2 = expert_quant(args, spec, cfg, T)
+    q1, q2 = (triton_quant4.direct_kwargs(q, x.device) for q in expert_quant(args, spec, cfg, T))
     if triton_quant4_gemv.wanted(spec, dec, x, args):  # 4-bit experts on the dot-free kernels (mode "gemv")
         return triton_quant4_gemv.routed(x, ids_direct[0], weights, args, spec, out, shared, gate, dec, q1, q2, join,
                                          _pdl(x.device, gemm=True))

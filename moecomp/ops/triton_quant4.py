@@ -32,9 +32,13 @@ import os
 
 import torch
 
+from . import w4_layout
+
 
 W4_CODES = {"mxfp4": 1, "int4": 2}  # int4 with zero points: 3
-FORMS = {"interleave": 0, "split": 1, "dot_scaled": 2, "asm": 3}  # the K step's form (kernels/quant4.py: FORM)
+# the K step's form (kernels/quant4.py: FORM; "mma": kernels/quant4_mma.py on ops/w4_layout.py's layout, opt-in)
+FORMS = {"interleave": 0, "split": 1, "dot_scaled": 2, "asm": 3, "mma": 4}
+MMA = FORMS["mma"]
 DEFAULT_FORM = {"cuda": "dot_scaled"}  # by device type; others: "interleave" (module docstring)
 MIN_BLOCK_K = 32  # the split loop multiplies two [BM, BLOCK_K / 2] halves: a 16-bit dot needs K >= 16
 
@@ -67,9 +71,9 @@ def quant4_kwargs(quant, scale: torch.Tensor, zero: torch.Tensor | None, opts: d
               Q_BLOCK_K=quant.block_k, UE8M0=quant.scale_dtype == "ue8m0", W_SCALE=0, A_QUANT=0)
     if w4 == 3:
         kw["zp_ptr"] = zero
-    if w4 != 1 and opts.get("w4_fold"):
-        kw["W4_FOLD"] = 1
     form = FORMS[opts.get("w4_form") or "interleave"]
+    if w4 != 1 and opts.get("w4_fold") and form != MMA:  # (the mma form applies int4 scales after the dot)
+        kw["W4_FOLD"] = 1
     if form in (2, 3) and w4 != 1:  # dot_scaled / asm take e2m1 codes with ue8m0 scales only
         form = 0
     if form:
@@ -85,8 +89,12 @@ def device_form(form: str | None, device: torch.device) -> str:
 
 
 def expert_kwargs(quant, args: dict, cfg: dict | None) -> tuple[dict, dict]:
-    """(gemm1's, gemm2's) ``quant4_kwargs`` of the routed experts (w13 / w2 scales and zeros from ``args``)."""
+    """(gemm1's, gemm2's) ``quant4_kwargs`` of the routed experts (w13 / w2 scales and zeros from ``args``). The
+    "mma" form only where both weights take its layout (``w4_layout.fits``: H and I multiples of 8), else the
+    device's default form."""
     opts = options(cfg)
+    if opts["w4_form"] == "mma" and not (w4_layout.fits(args["w13"]) and w4_layout.fits(args["w2"])):
+        opts["w4_form"] = None
     opts["w4_form"] = device_form(opts["w4_form"], args["w13"].device)
     return (quant4_kwargs(quant, args["w13_scale"], args.get("w13_zero"), opts),
             quant4_kwargs(quant, args["w2_scale"], args.get("w2_zero"), opts))
@@ -101,3 +109,26 @@ def tile(c: dict, kw: dict) -> dict:
     while g % bk and (not folded or bk % g):
         bk //= 2
     return c if bk == c["BLOCK_K"] else dict(c, BLOCK_K=bk)
+
+
+def gemm_weights(quant, args: dict, q1: dict | None, q2: dict | None) -> tuple:
+    """(w13, w2) the aligned GEMMs read: the mma layout (``w4_layout.relaid``: made once per weight tensor) when
+    ``q1`` / ``q2`` ask for the "mma" form, else ``args``' packed tensors."""
+    w13, w2 = args["w13"], args["w2"]
+    if q1 is not None and q1.get("W4_FORM") == MMA:
+        w13 = w4_layout.relaid(w13, quant)
+    if q2 is not None and q2.get("W4_FORM") == MMA:
+        w2 = w4_layout.relaid(w2, quant)
+    return w13, w2
+
+
+def direct_kwargs(q: dict | None, device: torch.device) -> dict | None:
+    """``q`` for the decode path's DIRECT / down-combine kernels, which read the packed layout: the "mma" form
+    replaced by the device's default form (the mma form runs the aligned GEMMs only)."""
+    if q is None or q.get("W4_FORM") != MMA:
+        return q
+    q = {k: v for k, v in q.items() if k != "W4_FORM"}
+    form = FORMS[device_form(None, device)]
+    if form and not (form in (2, 3) and q["W4"] != 1):
+        q["W4_FORM"] = form
+    return q

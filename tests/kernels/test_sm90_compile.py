@@ -99,7 +99,7 @@ def gemm1(case):
 def quant4(case):
     """4-bit weights (kernels/quant4.py) in gemm1 / gemm2 / the down-combine: mxfp4 (ue8m0 bytes) or int4 (fp16
     scales, zero points with "zp"), the interleave, split, dot_scaled ("scaled") or inline-PTX ("asm") K step, DIRECT or
-    aligned at BLOCK_M 64."""
+    aligned at BLOCK_M 64; the opt-in "mma" form (kernels/quant4_mma.py) aligned."""
     w4 = 1 if "mxfp4" in case else (3 if "zp" in case else 2)
     ptr = dict(x_ptr="*bf16", h_ptr="*bf16", w_ptr="*u8", b_ptr="*bf16", y_ptr="*bf16", out_ptr="*bf16",
                sorted_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32", ids_ptr="*i32", topk_w_ptr="*fp32",
@@ -110,7 +110,8 @@ def quant4(case):
     c = dict(HAS_BIAS=True, UPCAST=False, DOT_PRECISION="tf32", BLOCK_M=16 if direct else 64, BLOCK_K=128, USE_PDL=0,
              as_ptr=None, W_SCALE=0, A_QUANT=0, Q_BLOCK_N=1, Q_BLOCK_K=32 if w4 == 1 else 128, UE8M0=w4 == 1,
              EXACT_CAST=False, stride_am=None, FOLD=0, ZERO_EXPERTS=False, W4=w4, W4_FOLD=int("fold" in case),
-             W4_FORM=1 if "split" in case else (2 if "scaled" in case else (3 if "asm" in case else 0)), stride_wk=1,
+             W4_FORM=1 if "split" in case else (2 if "scaled" in case else (3 if "asm" in case else (4 if "mma" in case else 0))),
+             stride_wk=1,
              stride_sk=1)
     if "gemm1" in case:
         fn, name = gk.moe_gemm1_kernel, "moe_gemm1_kernel"
@@ -182,7 +183,8 @@ CASES = {"skinny": ["bf16 bias", "fp8 block rows4 reduce_step", "fp8 channel ue8
          "gemm1": ["pair in_out", "pair in_out direct", "interleaved in_out"],
          "quant4": ["gemm1 mxfp4 direct", "gemm1 int4 zp fold", "gemm2 int4 split", "gemm2 mxfp4 direct",
                     "down mxfp4", "down int4 zp split", "gemm1 mxfp4 scaled", "down mxfp4 scaled",
-                    "gemm1 mxfp4 asm", "down mxfp4 asm"],
+                    "gemm1 mxfp4 asm", "down mxfp4 asm", "gemm1 mxfp4 mma", "gemm2 mxfp4 mma", "gemm2 int4 zp mma",
+                    "gemm1 int4 mma"],
          "quant4_gemv": ["gemv1 mxfp4", "gemv1 int4 zp prefetch", "gemv1 ungated int4 zero step", "gemv1 mxfp4 asm",
                          "gemv1 int4 zp asm", "down mxfp4 prefetch", "down int4 zp shared zero unweighted asm"]}
 

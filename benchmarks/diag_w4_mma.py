@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""The opt-in "mma" K-step form of the 4-bit experts (MOECOMP_W4_FORM=mma: ``ops/w4_layout.py``,
+``kernels/quant4_mma.py``) against the default MXFP4 forms and bf16, on a gpt-oss-120b layer (E 128, H = I = 2880,
+top-4, swiglu_oai, biases). CUDA only; prints a markdown table (us, CUDA-graph replay, ``do_bench`` median) and
+writes JSON with --out-json.
+
+    paths   w4 (the heuristic: GEMV decode up to 8 tokens, else the aligned dot_scaled form), w4 scaled / interleave
+            (the aligned path's forms, MOECOMP_DECODE_MAX_T=0), w4 mma (MOECOMP_W4_FORM=mma, MOECOMP_DECODE_MAX_T=0:
+            the aligned path at every T), bf16 (the same layer unquantized)
+    err     each 4-bit path against ``moecomp.oracle.reference`` (fp32, the same packed tensors), rel. Frobenius
+
+    PYTHONPATH=. python3 benchmarks/diag_w4_mma.py --tokens 1,4,16,64,128 --out-json /tmp/w4mma.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from diag_quant4 import env, gpt_oss, pack, time_op  # noqa: E402
+
+from moecomp.core.args import MOE_ARGS  # noqa: E402
+from moecomp.oracle import reference  # noqa: E402
+from moecomp.testing import random_moe_args  # noqa: E402
+
+ALIGNED = {"MOECOMP_DECODE_MAX_T": "0"}
+PATHS = {  # label -> environment (4-bit paths); "bf16" is the unquantized layer
+    "w4": {},
+    "w4 scaled": {"MOECOMP_W4_FORM": "dot_scaled", **ALIGNED},
+    "w4 interleave": {"MOECOMP_W4_FORM": "interleave", **ALIGNED},
+    "w4 mma": {"MOECOMP_W4_FORM": "mma", **ALIGNED},
+}
+
+
+def _err(x, t4: dict, spec, extra: dict, kv: dict) -> float:
+    with env(**kv):
+        out = torch.ops.moecomp.moe_forward(x, *(t4[n] for n in MOE_ARGS), spec.key, **extra)
+    ref = reference.moe_forward(x, *(t4[n] for n in MOE_ARGS), spec, **extra)
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def run(tokens: list[int], check: bool) -> list[dict]:
+    spec = gpt_oss(128)
+    raw = random_moe_args(spec, max(tokens), torch.bfloat16, "cuda", std=0.02, seed=0)
+    t16 = dict(zip(MOE_ARGS, raw[1:]))
+    t4, extra4 = pack(spec, t16)
+    rows = []
+    for T in tokens:
+        x = raw[0][:T].contiguous()
+        rec = {"T": T}
+        for label, kv in [*PATHS.items(), ("bf16", None)]:
+            try:
+                if kv is None:
+                    rec[label] = time_op(x, t16, spec.replace(quant=None), {})
+                    continue
+                with env(**kv):
+                    rec[label] = time_op(x, t4, spec, extra4)
+                if check:
+                    rec[f"{label} err"] = _err(x, t4, spec, extra4, kv)
+            except Exception as e:  # one path failing (compile, memory) is reported, the rest still run
+                rec[label] = None
+                rec[f"{label} error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(rec)
+        print(json.dumps(rec), flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    labels = [*PATHS, "bf16"]
+    out = ["| T | " + " | ".join(labels) + " | bf16 / mma | bf16 / w4 |", "|---" * (len(labels) + 3) + "|"]
+    for r in rows:
+        cells = [f"{r[k]:.1f}" if r.get(k) else "fail" for k in labels]
+        ratio = (lambda a: f"{r['bf16'] / r[a]:.2f}x" if r.get(a) and r.get("bf16") else "-")  # noqa: E731
+        out.append(f"| {r['T']} | " + " | ".join(cells) + f" | {ratio('w4 mma')} | {ratio('w4')} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="1,4,16,64,128")
+    ap.add_argument("--no-check", action="store_true", help="skip the error against the reference")
+    ap.add_argument("--out-json", default=None)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("diag_w4_mma.py needs CUDA")
+        return 1
+    import moecomp.ops  # noqa: F401  (registers torch.ops.moecomp)
+
+    rows = run([int(t) for t in a.tokens.split(",")], not a.no_check)
+    print(f"\n{torch.cuda.get_device_name()}, gpt-oss-120b layer, us (CUDA-graph replay, median)\n")
+    print(table(rows))
+    if a.out_json:
+        with open(a.out_json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
