@@ -307,8 +307,10 @@ s19)  # the next session's calls (STEP=1|2|3), each under 9 minutes; logs and JS
        # 1: the GPU tests new since the last full run, verbose (three failed unnamed at 73ca285: -v names them), then
        #    Mixtral FP8 at 8 layers block by block (benchmarks/diag_fp8_blocks.py: against the w8a8 and w8a16
        #    references) and generate() with the kernel forced to w8a8 (the reference's own math)
-       # 2: the fused decode launches A/B, interleaved on fresh engines (--repeat 3), B=1, Qwen3 12 layers; the
-       #    compressed-tensors GPU test; DeepSeek-V3 T=8192 FP8 (the H100 table's one missing entry)
+       # 2: the new kernels' GPU tests and diagnostics (RMSNorm prologue: tests/kernels/test_skinny_norm_gpu.py and
+       #    diag_fused_decode --parts norm; the 4-bit mma form: tests/ops/test_quant4_mma_gpu.py, diag_w4_mma.py), then
+       #    the fused decode launches A/B, interleaved on fresh engines (--repeat 3), B=1, Qwen3 12 layers
+       # 2b: the compressed-tensors GPU test; DeepSeek-V3 T=8192 FP8 (the H100 table's one missing entry)
        # 3 (H200): the GPU tests of tests/ops + tests/kernels, the heuristic check, routing record / replay costs
   case "${STEP:-1}" in
   1)
@@ -324,10 +326,18 @@ s19)  # the next session's calls (STEP=1|2|3), each under 9 minutes; logs and JS
         --build fp8 --batches 1 --peers '' --prompt 512 --new 32 --budget-s 90 --out-json "$OUT/mixfp8-w8a8.json" 2>&1 \
         | grep -v "^DEBUG" | tee "$OUT/mixfp8-w8a8.log" | grep -E "one-liner|reference|rror" ;;
   2)
-    timeout 330 python3 benchmarks/bench_generate.py --models qwen3 --layers qwen3=12 --batches 1 --paths one_liner \
-        --variants qwen3:1=one_liner_fused+one_liner_fuse_linears+one_liner_fused_router --repeat 3 --budget-s 300 \
-        --out-json "$OUT/generate-fused-ab.json" 2>&1 | tee "$OUT/generate-fused-ab.log" | quiet | grep "^|" | tail -12
-    timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/hf/test_compressed_gpu.py 2>&1 \
+    timeout 120 python3 -m pytest -v -rfE -n 4 -p no:cacheprovider tests/kernels/test_skinny_norm_gpu.py \
+        tests/ops/test_quant4_mma_gpu.py > "$OUT/tests-norm-w4mma.log" 2>&1
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/tests-norm-w4mma.log" | grep -v "^\[gw" | cut -c1-250 | tail -8
+    timeout 60 python3 benchmarks/diag_fused_decode.py --parts norm --rows 1,2,4 --out-json "$OUT/diag-norm.json" 2>&1 \
+        | grep -v "^DEBUG" | tee "$OUT/diag-norm.log" | grep "^|" | tail -14
+    timeout 90 python3 benchmarks/diag_w4_mma.py --tokens 1,4,16,64,128 --out-json "$OUT/diag-w4mma.json" 2>&1 \
+        | grep -v "^DEBUG" | tee "$OUT/diag-w4mma.log" | tail -14
+    timeout 260 python3 benchmarks/bench_generate.py --models qwen3 --layers qwen3=12 --batches 1 --paths one_liner \
+        --variants qwen3:1=one_liner_fuse_norm+one_liner_fuse_linears+one_liner_fused_router --repeat 3 --budget-s 230 \
+        --out-json "$OUT/generate-fused-ab.json" 2>&1 | tee "$OUT/generate-fused-ab.log" | quiet | grep "^|" | tail -12 ;;
+  2b)
+    timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/hf/test_compressed_gpu.py 2>&1 \
         | grep -v "^DEBUG" | tee "$OUT/tests-compressed.log" | tail -5
     timeout 90 python3 -m moecomp tune --fp8 lean -v --rep 10 --budget-s 40 --presets deepseek_v3 --tokens 8192 \
         --copy-to "$OUT" 2>&1 | tee "$OUT/tune-fp8-ds8192.log" | grep "/1 \|rror" | cut -c1-220 ;;
