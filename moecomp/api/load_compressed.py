@@ -31,7 +31,7 @@ from ..formats.fp8 import plain_experts_call, plain_linear_forward
 from ..formats.packed import PackedExperts
 from ..formats.packed_linear import Packed4Linear
 from .load_gptq import (EXPERT_RE, PROJ_SLOTS, Checkpoint, check_parts, empty_model, expert_activation,
-                        expert_blocks, finish, load_rest, renamer, router_modules)
+                        finish, load_rest, matched_expert_blocks, renamer, router_modules)
 
 _SUFFIX = {"w": "", "scale": "_scale", "zero": "_zero"}
 
@@ -124,15 +124,9 @@ def fp8_experts_into(experts: nn.Module, w13_name: str, w2_name: str, t: dict, s
 def _replace_experts(model, ckpt, codec, experts: dict, device) -> int:
     """Each MoE block's experts module holding the checkpoint's codes (FP8: the model's own module; int4: a
     PackedExperts in its place). Every block's experts must be quantized in the checkpoint."""
-    blocks = expert_blocks(model)
-    for path in experts:
-        if path not in blocks:
-            raise ValueError(f"{path}: quantized expert tensors in the checkpoint, but no MoE block of the model has "
-                             f"its experts there (blocks' experts: {sorted(blocks)[:4]})")
+    blocks = matched_expert_blocks(model, experts, "quantized", "16-bit experts are read by transformers' "
+                                   "from_pretrained")
     for path, parts in blocks.items():
-        if path not in experts:
-            raise ValueError(f"{path}: the model's MoE block has no quantized experts in the checkpoint (16-bit "
-                             f"experts are read by transformers' from_pretrained)")
         check_parts(path, parts)
         scheme, q, t = _stack(ckpt, codec, path, experts[path], parts, device)
         parent, _, child = path.rpartition(".")

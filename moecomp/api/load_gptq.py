@@ -196,17 +196,25 @@ def expert_activation(config) -> str:
     return ACTIVATIONS[act]
 
 
-def _replace_experts(model, ckpt, fmt: Int4Format, experts: dict, device) -> int:
-    """Put a PackedExperts where each block's experts were; every block's experts must be int4 in the checkpoint."""
+def matched_expert_blocks(model: nn.Module, experts: dict, what: str, missing: str) -> dict:
+    """``expert_blocks(model)``, checked against the checkpoint's quantized experts ``experts`` ({block path: ...}):
+    each side's paths must be the other's (ValueError naming the path; ``what``: the format, ``missing``: why a block
+    without them is not read)."""
     blocks = expert_blocks(model)
     for path in experts:
         if path not in blocks:
-            raise ValueError(f"{path}: int4 expert tensors in the checkpoint, but no MoE block of the model has its "
+            raise ValueError(f"{path}: {what} expert tensors in the checkpoint, but no MoE block of the model has its "
                              f"experts there (blocks' experts: {sorted(blocks)[:4]})")
-    for path, parts in blocks.items():
+    for path in blocks:
         if path not in experts:
-            raise ValueError(f"{path}: the model's MoE block has no int4 experts in the checkpoint (16-bit experts "
-                             f"next to int4 ones are not read)")
+            raise ValueError(f"{path}: the model's MoE block has no {what} experts in the checkpoint ({missing})")
+    return blocks
+
+
+def _replace_experts(model, ckpt, fmt: Int4Format, experts: dict, device) -> int:
+    """Put a PackedExperts where each block's experts were; every block's experts must be int4 in the checkpoint."""
+    blocks = matched_expert_blocks(model, experts, "int4", "16-bit experts next to int4 ones are not read")
+    for path, parts in blocks.items():
         packed = _packed_experts(ckpt, fmt, path, experts[path], parts, device, expert_activation(model.config))
         parent, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, packed)
