@@ -30,8 +30,9 @@ from ..formats import compressed as ct
 from ..formats.fp8 import plain_experts_call, plain_linear_forward
 from ..formats.packed import PackedExperts
 from ..formats.packed_linear import Packed4Linear
-from .load_gptq import (EXPERT_RE, PROJ_SLOTS, Checkpoint, check_parts, empty_model, expert_activation,
-                        finish, load_rest, matched_expert_blocks, renamer, router_modules)
+from .load_gptq import (EXPERT_RE, PROJ_SLOTS, Checkpoint, check_linear_shape, check_parts, empty_model,
+                        expert_activation, finish, install_linear, linear_targets, load_rest, matched_expert_blocks,
+                        renamer)
 
 _SUFFIX = {"w": "", "scale": "_scale", "zero": "_zero"}
 
@@ -145,31 +146,16 @@ def _replace_linears(model, ckpt, codec, linears: dict, device) -> tuple[dict, l
     """Every quantized ``nn.Linear`` outside the routed experts kept quantized (FP8 in place, int4 as a
     Packed4Linear); returns ({name: tensors} left for ``load_rest`` to dequantize: routers and modules that are not an
     ``nn.Linear``, [checkpoint keys the model has no module for])."""
-    left, unexpected = {}, []
-    routers = router_modules(model)
-    for name, d in linears.items():
-        try:
-            mod = model.get_submodule(name)
-        except AttributeError:
-            unexpected += list(d.values())
-            continue
-        if type(mod) is not nn.Linear or name in routers:
-            left[name] = d
-            continue
+    targets, left, unexpected = linear_targets(model, linears, lambda name, d: list(d.values()))
+    for name, d, mod in targets:
         t = {k: ckpt.get(key, device) for k, key in d.items()}
         scheme = codec.scheme(name, t)
         q, c = codec.convert(t, name)
         if not q.packed:
             fp8_linear_into(mod, c, scheme)
             continue
-        if (c["w"].shape[0], 2 * c["w"].shape[1]) != (mod.out_features, mod.in_features):
-            raise ValueError(f"{name}: int4 weight [{c['w'].shape[0]}, {2 * c['w'].shape[1]}]; the model's Linear "
-                             f"is [{mod.out_features}, {mod.in_features}]")
-        packed = Packed4Linear(q, c["w"], c["scale"], c["zero"])
-        if mod.bias is not None:  # (on the meta device: the checkpoint's bias is loaded into it with the rest)
-            packed.bias = nn.Parameter(mod.bias, requires_grad=False)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, packed)
+        check_linear_shape(name, c["w"], mod)
+        install_linear(model, name, mod, Packed4Linear(q, c["w"], c["scale"], c["zero"]))
     return left, unexpected
 
 

@@ -221,34 +221,54 @@ def _replace_experts(model, ckpt, fmt: Int4Format, experts: dict, device) -> int
     return len(blocks)
 
 
-def _replace_linears(model, ckpt, fmt: Int4Format, linears: dict, device) -> tuple[dict, list]:
-    """Put a ``Packed4Linear`` (the checkpoint's codes repacked, never dequantized) where each int4 linear's
-    ``nn.Linear`` was, its bias slot kept (loaded with the other tensors). Returns ({name: tensors} of the int4
-    weights left for ``load_rest`` to dequantize: an MoE router's (16-bit for the op's routing), or a module's that
-    is not an ``nn.Linear``; [checkpoint keys the model has no module for])."""
-    left, unexpected = {}, []
+def linear_targets(model: nn.Module, linears: dict, missing) -> tuple[list, dict, list]:
+    """Split a checkpoint's quantized linears ({module name: tensors}): ([(name, tensors, module)] of the
+    ``nn.Linear`` modules to replace, {name: tensors} left for ``load_rest`` to dequantize (an MoE router's: 16-bit
+    for the op's routing; a module's that is not an ``nn.Linear``), [checkpoint keys the model has no module for:
+    ``missing(name, tensors)``])."""
+    targets, left, unexpected = [], {}, []
     routers = router_modules(model)
     for name, d in linears.items():
         try:
             mod = model.get_submodule(name)
         except AttributeError:
-            unexpected.append(name + ".qweight")
+            unexpected += missing(name, d)
             continue
         if type(mod) is not nn.Linear or name in routers:
             left[name] = d
-            continue
+        else:
+            targets.append((name, d, mod))
+    return targets, left, unexpected
+
+
+def check_linear_shape(name: str, w: torch.Tensor, mod: nn.Linear) -> None:
+    """Packed int4 codes ``w`` [N, K / 2] against the model's Linear."""
+    if (w.shape[0], 2 * w.shape[1]) != (mod.out_features, mod.in_features):
+        raise ValueError(f"{name}: int4 weight [{w.shape[0]}, {2 * w.shape[1]}]; the model's Linear is "
+                         f"[{mod.out_features}, {mod.in_features}]")
+
+
+def install_linear(model: nn.Module, name: str, mod: nn.Linear, packed: nn.Module) -> None:
+    """``packed`` where the model's Linear ``mod`` was, its bias slot kept (on the meta device: the checkpoint's bias
+    is loaded into it with the rest)."""
+    if mod.bias is not None:
+        packed.bias = nn.Parameter(mod.bias, requires_grad=False)
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, packed)
+
+
+def _replace_linears(model, ckpt, fmt: Int4Format, linears: dict, device) -> tuple[dict, list]:
+    """Put a ``Packed4Linear`` (the checkpoint's codes repacked, never dequantized) where each int4 linear's
+    ``nn.Linear`` was (``linear_targets``: what is left, what is unexpected)."""
+    targets, left, unexpected = linear_targets(model, linears, lambda name, d: [name + ".qweight"])
+    for name, d, mod in targets:
         w, scale, zero, perm = fmt.convert_linear({k: ckpt.get(key, device) for k, key in d.items()}, name)
-        if (w.shape[0], 2 * w.shape[1]) != (mod.out_features, mod.in_features):
-            raise ValueError(f"{name}: int4 weight [{w.shape[0]}, {2 * w.shape[1]}]; the model's Linear is "
-                             f"[{mod.out_features}, {mod.in_features}]")
+        check_linear_shape(name, w, mod)
         try:
             packed = Packed4Linear(fmt.quant(scale, zero), w, scale, zero, None, perm)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
-        if mod.bias is not None:  # (on the meta device: the checkpoint's bias is loaded into it with the rest)
-            packed.bias = nn.Parameter(mod.bias, requires_grad=False)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, packed)
+        install_linear(model, name, mod, packed)
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(out, Packed4Linear) and getattr(model.config, "tie_word_embeddings", False):
         raise ValueError("the output embeddings (lm_head) are int4 in the checkpoint but config.tie_word_embeddings "
