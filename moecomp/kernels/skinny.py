@@ -70,24 +70,50 @@ def _row_store(acc, y_row, offs_n, n_ok, s_fin, bias, HAS_BIAS: tl.constexpr, W_
 
 
 @triton.jit
+def tile_start(pid, w_ptr, ws_ptr, N, stride_wn, stride_sn, W_SCALE: tl.constexpr, Q_BLOCK_N: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_END: tl.constexpr):
+    """A skinny tile's set-up (here and in ``skinny_norm``): its weight rows, their mask, the K offsets, the first K
+    step's weight pointers, the block-scale rows (W_SCALE 1) and a zero accumulator ([BN, BK] with REDUCE_END)."""
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows_n = offs_n.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
+    ws_row = 0  # (read by ``dequant`` with W_SCALE 1 only; a jit function cannot return the None ws_ptr may be)
+    if W_SCALE == 1:
+        ws_row = ws_ptr + (rows_n // Q_BLOCK_N) * stride_sn  # [BN]
+    if REDUCE_END:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    return offs_n, n_ok, rows_n, offs_k, w_ptrs, ws_row, acc
+
+
+@triton.jit
+def tile_end(ws_ptr, b_ptr, rows_n, offs_n, n_ok, stride_sn, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr,
+             UE8M0: tl.constexpr):
+    """After the K loop: (the per-row scale a channel / tensor-scaled weight applies at the end, else 1.0; the fp32
+    bias, else 0.0)."""
+    s_fin = 1.0
+    if W_SCALE == 2:
+        s_fin = fp8.load_scale(ws_ptr + rows_n * stride_sn, n_ok, UE8M0)
+    elif W_SCALE == 3:
+        s_fin = fp8.load_scale(ws_ptr + rows_n * 0, n_ok, UE8M0)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    return s_fin, bias
+
+
+@triton.jit
 def _tile(pid, x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_sn, stride_sk, stride_ym,
           ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr, Q_BLOCK_N: tl.constexpr,
           Q_BLOCK_K: tl.constexpr, UE8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           REDUCE_END: tl.constexpr, USE_PDL: tl.constexpr = 0):
     """Weight rows [pid * BLOCK_N, +BLOCK_N) of one [N, K] weight against every row of x: one program's work (USE_PDL
     2: the next launch may start once every program is past its K loop, ``kernels/pdl.py``)."""
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    rows_n = offs_n.to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
-    ws_row = ws_ptr
-    if W_SCALE == 1:
-        ws_row = ws_ptr + (rows_n // Q_BLOCK_N) * stride_sn  # [BN]
-    if REDUCE_END:
-        acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
-        acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    offs_n, n_ok, rows_n, offs_k, w_ptrs, ws_row, acc0 = tile_start(pid, w_ptr, ws_ptr, N, stride_wn, stride_sn,
+                                                                     W_SCALE, Q_BLOCK_N, BLOCK_N, BLOCK_K, REDUCE_END)
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
@@ -104,14 +130,7 @@ def _tile(pid, x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, s
             acc3 = _row_step(acc3, wf, x_ptr + 3 * stride_xm, k0, offs_k, k_ok, REDUCE_END)
         w_ptrs += BLOCK_K
     pdl.release(USE_PDL)
-    s_fin = 1.0
-    if W_SCALE == 2:
-        s_fin = fp8.load_scale(ws_ptr + rows_n * stride_sn, n_ok, UE8M0)
-    elif W_SCALE == 3:
-        s_fin = fp8.load_scale(ws_ptr + rows_n * 0, n_ok, UE8M0)
-    bias = 0.0
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    s_fin, bias = tile_end(ws_ptr, b_ptr, rows_n, offs_n, n_ok, stride_sn, HAS_BIAS, W_SCALE, UE8M0)
     _row_store(acc0, y_ptr, offs_n, n_ok, s_fin, bias, HAS_BIAS, W_SCALE, REDUCE_END)
     if ROWS > 1:
         _row_store(acc1, y_ptr + stride_ym, offs_n, n_ok, s_fin, bias, HAS_BIAS, W_SCALE, REDUCE_END)

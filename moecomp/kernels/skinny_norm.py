@@ -18,8 +18,8 @@ The weight tiles are ``kernels/skinny.py``'s (16-bit, or e4m3 with block / chann
 import triton
 import triton.language as tl
 
-from . import fp8, pdl
-from .skinny import dequant
+from . import pdl
+from .skinny import dequant, tile_end, tile_start
 
 
 @triton.jit
@@ -64,18 +64,8 @@ def _norm_tile(pid, write_h, x_ptr, r_ptr, h_ptr, g_ptr, eps, w_ptr, ws_ptr, b_p
                Q_BLOCK_N: tl.constexpr, Q_BLOCK_K: tl.constexpr, UE8M0: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, REDUCE_END: tl.constexpr, USE_PDL: tl.constexpr = 0):
     """Weight rows [pid * BLOCK_N, +BLOCK_N) of one member against every normalized row."""
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    rows_n = offs_n.to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
-    ws_row = ws_ptr
-    if W_SCALE == 1:
-        ws_row = ws_ptr + (rows_n // Q_BLOCK_N) * stride_sn
-    if REDUCE_END:
-        acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
-        acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    offs_n, n_ok, rows_n, offs_k, w_ptrs, ws_row, acc0 = tile_start(pid, w_ptr, ws_ptr, N, stride_wn, stride_sn,
+                                                                     W_SCALE, Q_BLOCK_N, BLOCK_N, BLOCK_K, REDUCE_END)
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
@@ -103,14 +93,7 @@ def _norm_tile(pid, write_h, x_ptr, r_ptr, h_ptr, g_ptr, eps, w_ptr, ws_ptr, b_p
                                    h_ptr + 3 * stride_hm, write_h, k0, offs_k, k_ok, HAS_RES, REDUCE_END)
         w_ptrs += BLOCK_K
     pdl.release(USE_PDL)
-    s_fin = 1.0
-    if W_SCALE == 2:
-        s_fin = fp8.load_scale(ws_ptr + rows_n * stride_sn, n_ok, UE8M0)
-    elif W_SCALE == 3:
-        s_fin = fp8.load_scale(ws_ptr + rows_n * 0, n_ok, UE8M0)
-    bias = 0.0
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    s_fin, bias = tile_end(ws_ptr, b_ptr, rows_n, offs_n, n_ok, stride_sn, HAS_BIAS, W_SCALE, UE8M0)
     _norm_store(acc0, ss0, K, eps, y_ptr, offs_n, n_ok, s_fin, bias, HAS_BIAS, W_SCALE, REDUCE_END)
     if ROWS > 1:
         _norm_store(acc1, ss1, K, eps, y_ptr + stride_ym, offs_n, n_ok, s_fin, bias, HAS_BIAS, W_SCALE, REDUCE_END)
