@@ -107,6 +107,13 @@ def max_tie_tokens(n_tokens: int) -> int:
     return max(1, int(MAX_TIE_FRACTION * n_tokens))
 
 
+# The decode step's RMSNorm fold (generate/fuse_norm.py) checks a matched norm on probes against h / rms(h) * w (or
+# * (1 + w)): within NORM_PROBE_EPS of the output dtype's eps relative to each value (2x the unit roundoff: transformers
+# rounds the normalized row up to twice, with headroom), plus NORM_PROBE_ABS of the largest value.
+NORM_PROBE_EPS = 2.5
+NORM_PROBE_ABS = 1e-6
+
+
 # ------------------------------------------------------------------------------------------------ probe inputs
 # The verify check's input: [batch, tokens] = 2 x 16 = 32 tokens of N(0, 1) hidden states (the block's dtype and
 # device), from a fixed seed so that reports are reproducible. 32 tokens with top-k routing over <= 128 experts hit

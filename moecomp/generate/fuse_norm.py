@@ -39,6 +39,7 @@ import os
 
 import torch
 
+from ..core import policy
 from ..core.counters import counters
 from ..ops.linear_group import MAX_GROUP
 from .fuse_linears import example_value, linear_ops, member
@@ -177,7 +178,7 @@ def check_norm(m) -> tuple[bool | None, str]:
         gen = torch.Generator().manual_seed(0)
         shape = (4, int(rv.shape[-1]))  # on CPU, a few rows: only the last dim takes part
         w = torch.randn(shape[1], generator=gen).to(wv.dtype)
-        u = torch.finfo(ov.dtype).eps  # 2x the unit roundoff: transformers rounds the normalized row up to twice
+        u = torch.finfo(ov.dtype).eps
         found = None
         for scale in (1.0, math.sqrt(m["eps"]) if m["eps"] > 0 else 1e-3):
             x = (torch.randn(shape, generator=gen) * scale).to(rv.dtype)
@@ -188,7 +189,8 @@ def check_norm(m) -> tuple[bool | None, str]:
             ok = []
             for offset in (False, True):
                 ref = unit * (w.float() + 1.0 if offset else w.float())
-                ok.append(bool(((y - ref).abs() <= 2.5 * u * ref.abs() + 1e-6 * ref.abs().amax()).all()))
+                ok.append(bool(((y - ref).abs() <= policy.NORM_PROBE_EPS * u * ref.abs()
+                                + policy.NORM_PROBE_ABS * ref.abs().amax()).all()))
             if ok.count(True) != 1 or found not in (None, ok.index(True)):
                 return None, f"the probe does not compute an RMSNorm (scale {scale:g}: matches w, 1 + w: {ok})"
             found = ok.index(True)
