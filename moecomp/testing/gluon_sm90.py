@@ -1,0 +1,91 @@
+"""Offline (no GPU) checks of the Gluon FP8 gemm2 (``kernels/gluon_fp8.py``) for sm_90: its PTX from
+``triton.compile`` with an explicit target, and, where this Triton ships a ptxas that reads that PTX, the SASS: the
+overlap the kernel is for exists only if ptxas keeps ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (one wgmma in flight while
+the previous step's product is promoted) and reports no serialization (C7514: an in-flight accumulator read by a
+non-wgmma instruction, e.g. a phi copy; C7512: too few registers). Run it without TRITON_INTERPRET (the
+interpreter's jit functions do not compile)."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+
+LOOP_WAIT = "wgmma.wait_group.sync.aligned 1"
+
+
+def compile_gemm2(bm: int = 64, bn: int = 128, stages: int = 4, chunk: int = 3, tail: int = 0, ue8m0: bool = False,
+                  bias: bool = False, weighted: bool = True) -> str:
+    """PTX of ``moe_gemm2_gluon_fp8_kernel`` for sm_90 at this tile (num_warps = bm // 16)."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import GluonASTSource
+    from triton.experimental.gluon.language import NVMMASharedLayout
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ..kernels import gluon_fp8 as gk
+
+    def desc(block):
+        t = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
+        return TensorDescriptor(t, [256, 256], [256, 1], block, NVMMASharedLayout(128, 8, 2)).__mangle__()
+
+    ptr = dict(h_desc=desc([bm, 128]), w_desc=desc([bn, 128]), hs_ptr="*fp32", ws_ptr="*u8" if ue8m0 else "*fp32",
+               b_ptr="*bf16", topk_w_ptr="*fp32", y_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32",
+               num_padded_ptr="*i32")
+    const = dict(Q_BLOCK_N=128, UE8M0=ue8m0, HAS_BIAS=bias, WEIGHTED=weighted, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128,
+                 STAGES=stages, CHUNK=chunk, TAIL=tail)
+    if not bias:
+        const["b_ptr"] = None
+    sig, cvals = {}, {}
+    for i, p in enumerate(inspect.signature(gk.moe_gemm2_gluon_fp8_kernel.fn).parameters):
+        if p in const:
+            sig[p], cvals[(i,)] = "constexpr", const[p]
+        else:
+            sig[p] = ptr.get(p, "i32")
+    src = GluonASTSource(gk.moe_gemm2_gluon_fp8_kernel, sig, cvals, {})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=bm // 16)).asm["ptx"]
+
+
+def loop_bodies(ptx: str) -> list[str]:
+    """The PTX of each loop: from a loop header label to the branch back to it."""
+    out = []
+    for m in re.finditer(r"^(\$L__BB\d+_\d+):[^\n]*\n(?:[^\n]*Loop Header[^\n]*\n)", ptx, re.M):
+        back = re.search(r"bra(?:\.uni)?\s+" + re.escape(m.group(1)) + ";", ptx[m.end():])
+        if back:
+            out.append(ptx[m.start():m.end() + back.end()])
+    return out
+
+
+def _tool(name: str) -> str | None:
+    import triton
+
+    d = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    p = os.path.join(d, name)
+    return p if os.path.exists(p) else None
+
+
+def sass_check(ptx: str) -> dict | None:
+    """ptxas -v (sm_90a) on ``ptx`` and the SASS's wgmma waits: {"info": ptxas's notes, "depbar": {N: count of
+    WARPGROUP.DEPBAR.LE gsb0, N}, "spill": spill store bytes}; None where no shipped ptxas reads this PTX."""
+    cuobjdump = _tool("cuobjdump")
+    for name in ("ptxas", "ptxas-blackwell"):
+        ptxas = _tool(name)
+        if ptxas is None or cuobjdump is None:
+            continue
+        with tempfile.TemporaryDirectory() as d:
+            src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+            with open(src, "w") as f:
+                f.write(ptx)
+            r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", cubin], capture_output=True, text=True)
+            if r.returncode != 0:
+                continue  # e.g. a PTX version newer than this ptxas
+            sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
+        depbar = {}
+        for n in re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d+)", sass):
+            depbar[int(n)] = depbar.get(int(n), 0) + 1
+        spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+        return dict(info=r.stderr, depbar=depbar, spill=int(spill.group(1)) if spill else 0, ptxas=name)
+    return None
