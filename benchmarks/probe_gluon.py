@@ -1,0 +1,169 @@
+"""Probe of the Gluon FP8 gemm2 (kernels/gluon_fp8.py) on this machine, in seconds: Triton's version, whether each
+Gluon name / keyword the kernel uses exists here (feature checks, as ops/triton_fp8_gluon.gluon_api), then on CUDA
+(compute capability 9.x) a few tiny gemm2 calls against a plain-torch dequantized reference (max error printed).
+
+    PYTHONPATH=. python3 benchmarks/probe_gluon.py
+
+``make_case`` / ``reference`` / ``run_gluon`` / ``run_tma`` build and run one synthetic gemm2 (sorted rows already
+aligned, e4m3 codes and fp32 scales drawn directly): benchmarks/diag_fp8_gluon.py times them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+import triton
+
+
+def api_report() -> dict:
+    """{name: present} for every Gluon name and keyword the kernel and its launcher use."""
+    out = {}
+    try:
+        from triton.experimental import gluon
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia import hopper
+    except ImportError as e:
+        return {f"triton.experimental.gluon ({e})": False}
+    out["gluon.jit"] = hasattr(gluon, "jit")
+    out["gluon.GluonASTSource"] = hasattr(gluon, "GluonASTSource")
+    for n in ("NVMMADistributedLayout", "NVMMASharedLayout", "SliceLayout", "allocate_shared_memory", "arange",
+              "static_range", "zeros", "load", "store", "where", "cdiv", "program_id", "float8e4nv"):
+        out[f"gl.{n}"] = hasattr(gl, n)
+    for n in ("warpgroup_mma", "warpgroup_mma_wait", "fence_async_shared"):
+        out[f"hopper.{n}"] = hasattr(hopper, n)
+    for n in ("async_load", "async_copy_global_to_shared"):
+        out[f"tma.{n}"] = hasattr(hopper.tma, n)
+    for n in ("init", "expect", "wait", "invalidate", "MBarrierLayout"):
+        out[f"mbarrier.{n}"] = hasattr(hopper.mbarrier, n)
+    if hasattr(hopper, "warpgroup_mma"):
+        sig = inspect.signature(hopper.warpgroup_mma)
+        for k in ("use_acc", "is_async"):
+            out[f"warpgroup_mma({k}=)"] = k in sig.parameters
+    if hasattr(hopper, "warpgroup_mma_wait"):
+        sig = inspect.signature(hopper.warpgroup_mma_wait)
+        for k in ("num_outstanding", "deps"):
+            out[f"warpgroup_mma_wait({k}=)"] = k in sig.parameters
+    if hasattr(hopper.mbarrier, "expect"):
+        out["mbarrier.expect(pred=)"] = "pred" in inspect.signature(hopper.mbarrier.expect).parameters
+    try:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        out["gluon.nvidia.hopper.TensorDescriptor(layout)"] = "layout" in inspect.signature(TensorDescriptor).parameters
+    except ImportError:
+        out["gluon.nvidia.hopper.TensorDescriptor"] = False
+    return out
+
+
+def make_case(E: int, H: int, I: int, counts: list[int], bm: int, device="cuda", seed: int = 0) -> dict:
+    """A gemm2 call as the op makes it: ``counts[e]`` rows for expert e, each expert's rows padded to a multiple of
+    ``bm`` (padding rows: sentinel pair P), h_q / w2_q e4m3 codes with fp32 scales (h per row and 128 columns, w2 per
+    128 x 128 block), routing weights per pair."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    P = sum(counts)
+    perm = torch.randperm(P, generator=g)
+    sorted_ids, block_expert, start = [], [], 0
+    for e, c in enumerate(counts):
+        n = -(-c // bm) * bm
+        sorted_ids += perm[start:start + c].tolist() + [P] * (n - c)
+        block_expert += [e] * (n // bm)
+        start += c
+    S = len(sorted_ids)
+    dev = torch.device(device)
+    gd = torch.Generator(device=dev).manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gd, device=dev)  # noqa: E731
+    e4m3 = lambda t: (t * 100).clamp(-448, 448).to(torch.float8_e4m3fn)  # noqa: E731
+    w2 = torch.empty(E, H, I, dtype=torch.float8_e4m3fn, device=dev)
+    for e in range(E):  # one expert at a time: DeepSeek-V3's w2 never has an fp32 copy
+        w2[e] = e4m3(rnd(H, I))
+    case = dict(
+        E=E, H=H, I=I, P=P, bm=bm, hq=e4m3(rnd(S, I)), hs=rnd(S, I // 128).abs() * 1e-2 + 1e-3, w2=w2,
+        ws=rnd(E, H // 128, I // 128).abs() * 1e-3 + 1e-4, weights=rnd(P).abs(),
+        sorted_ids=torch.tensor(sorted_ids, dtype=torch.int32, device=dev),
+        block_expert=torch.tensor(block_expert, dtype=torch.int32, device=dev),
+        num_padded=torch.tensor([S], dtype=torch.int32, device=dev),
+        max_blocks=len(block_expert),
+    )
+    return case
+
+
+def reference(c: dict) -> torch.Tensor:
+    """y [P, H] fp32 from the dequantized operands (plain torch)."""
+    h = c["hq"].float() * c["hs"].repeat_interleave(128, 1)
+    w = c["w2"].float() * c["ws"].repeat_interleave(128, 1).repeat_interleave(128, 2)
+    y = torch.zeros(c["P"] + 1, c["H"], device=h.device)
+    rows = torch.arange(h.shape[0], device=h.device)
+    e_of_row = c["block_expert"].long()[rows // c["bm"]]
+    for e in range(c["E"]):
+        sel = rows[e_of_row == e]
+        y[c["sorted_ids"].long()[sel]] = h[sel] @ w[e].T
+    return y[:-1] * c["weights"][:, None]
+
+
+def _q(c: dict) -> dict:
+    ws = c["ws"]
+    return dict(A_QUANT=3, W_SCALE=1, Q_BLOCK_N=128, Q_BLOCK_K=128, UE8M0=False, ws_ptr=ws, stride_se=ws.stride(0),
+                stride_sn=ws.stride(1), stride_sk=ws.stride(2))
+
+
+def _aligned(c: dict):
+    return c["sorted_ids"], c["block_expert"], c["num_padded"], c["max_blocks"]
+
+
+def run_gluon(c: dict, y: torch.Tensor | None = None) -> torch.Tensor:
+    from moecomp.ops import triton_fp8_gluon as fg
+
+    y = torch.empty(c["P"], c["H"], dtype=torch.bfloat16, device=c["hq"].device) if y is None else y
+    return fg.gemm2(c["hq"], dict(as_ptr=c["hs"], stride_am=c["hs"].stride(0)), c["w2"], None, c["weights"],
+                    _aligned(c), c["P"], c["bm"], _q(c), y, {})
+
+
+def run_tma(c: dict, y: torch.Tensor | None = None, bn: int = 128, nw: int = 8, stages: int = 4) -> torch.Tensor:
+    """The Triton TMA fp8 gemm2 (ops/triton_fp8_tma.gemm2, the Gluon opt-in off) on the same call."""
+    import os
+
+    from moecomp.ops import triton_fp8_tma
+    from moecomp.ops.triton_fp8 import QAct
+
+    y = torch.empty(c["P"], c["H"], dtype=torch.bfloat16, device=c["hq"].device) if y is None else y
+    c2 = dict(BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=nw, num_stages=stages, tma=1)
+    old = os.environ.pop("MOECOMP_FP8_GLUON", None)
+    try:
+        return triton_fp8_tma.gemm2(QAct(c["hq"], c["hs"], torch.bfloat16), c["w2"], None, c["weights"], _aligned(c),
+                                    c["P"], c["bm"], c2, _q(c), y, {}, {})
+    finally:
+        if old is not None:
+            os.environ["MOECOMP_FP8_GLUON"] = old
+
+
+def main() -> int:
+    print(f"triton {triton.__version__}, torch {torch.__version__}")
+    rep = api_report()
+    for name, ok in rep.items():
+        print(f"  {'ok     ' if ok else 'MISSING'} {name}")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("no CUDA compute capability 9.x device: nothing run")
+        return 0
+    from moecomp.ops import triton_fp8_gluon as fg
+
+    print(f"launcher gluon_api(): {fg.gluon_api() or 'ok'}")
+    worst = 0.0
+    for E, H, I, counts, bm in ((2, 256, 256, [70, 33], 64), (3, 256, 768, [5, 0, 130], 64),
+                                (2, 384, 1408, [129, 64], 128), (1, 128, 128, [1], 64)):
+        c = make_case(E, H, I, counts, bm)
+        y = torch.full((c["P"], H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        run_gluon(c, y)
+        torch.cuda.synchronize()
+        ref = reference(c)
+        err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+        worst = max(worst, err if err == err else float("inf"))
+        nk = I // 128
+        print(f"  E={E} H={H} I={I} (K steps {nk}, chunk/tail {fg.chunk(nk)}) rows {counts} BLOCK_M {bm}: "
+              f"max |y - ref| / max |ref| = {err:.2e}")
+    print(f"worst {worst:.2e} ({'ok' if worst < 1e-2 else 'BAD'}: bf16 output rounding is 2^-9 = 2.0e-3 relative)")
+    return 0 if worst < 1e-2 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
