@@ -17,6 +17,9 @@ K loop is written out by hand (one K step = BLOCK_K = 128 = one scale group):
               acc += p_{k-1} * s_h[:, k-1][:, None] * s_w[k-1]        <- registers, while wgmma_k runs
     end:      wait for the last wgmma, promote it; bias, routing weight, scattered store of the rows
 
+The loop runs CHUNK steps an iteration, unrolled, with no product in flight at an iteration's ends: a product
+carried in flight through a loop or branch is a phi copy, and ptxas then serializes every wgmma (``_chunk``).
+
 Two step accumulators are live at once (p_{k-1} being promoted, p_k being written), plus acc: 3 * BM * BN / 128
 fp32 registers a thread; BLOCK_M = 64 per warp group (num_warps = 4 * BLOCK_M // 64) keeps that at 192 for
 BN = 128. Supported: block weight scales with Q_BLOCK_K = 128 and Q_BLOCK_N a multiple of BLOCK_N (one scalar
@@ -168,7 +171,8 @@ def moe_gemm2_gluon_fp8_kernel(
         offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
         n_ok = offs_n < N
         if HAS_BIAS:
-            acc += gl.load(b_ptr + expert.to(gl.int64) * stride_be + offs_n, mask=n_ok, other=0.0).to(gl.float32)[None, :]
+            bias = gl.load(b_ptr + expert.to(gl.int64) * stride_be + offs_n, mask=n_ok, other=0.0)
+            acc += bias.to(gl.float32)[None, :]
         pair = gl.load(sorted_ptr + offs_m)
         row_ok = pair < P
         if WEIGHTED:
