@@ -19,7 +19,7 @@
 #                                   compute-sanitizer memcheck (with .ab/routing_old.py too, to show the probe fails)
 #   benchmarks/run_gpu.sh mixfp8    issue 39: Mixtral FP8's token disagreement: op tests, tiny generate, 8 layers table on/off
 #   benchmarks/run_gpu.sh heur      issue 39: moecomp's layer grid with this GPU's table, then without it
-#   benchmarks/run_gpu.sh s19       STEP=1|2|3: the next session's calls (tests named, Mixtral FP8 by block, fused A/B)
+#   benchmarks/run_gpu.sh s19       STEP=0|1|2|2b|3: the next session's calls (0: the Gluon probe) (tests named, Mixtral FP8 by block, fused A/B)
 #   benchmarks/run_gpu.sh e2e80     issue 39: generate() at full depth on an 80 GB GPU: Qwen3-30B-A3B bf16 and FP8,
 #                                   Mixtral-8x7B FP8 (built in FP8), B=1,8,32, one process each, under 540 s in all
 set -uo pipefail
@@ -325,9 +325,11 @@ s19)  # the next session's calls (STEP=1|2|3), each under 9 minutes; logs and JS
     MOECOMP_FP8_MODE=w8a8 timeout 110 python3 benchmarks/bench_generate_fp8.py --models mixtral --layers mixtral=8 \
         --build fp8 --batches 1 --peers '' --prompt 512 --new 32 --budget-s 90 --out-json "$OUT/mixfp8-w8a8.json" 2>&1 \
         | grep -v "^DEBUG" | tee "$OUT/mixfp8-w8a8.log" | grep -E "one-liner|reference|rror" ;;
+  0)  # seconds: does this Triton's Gluon take the FP8 gemm2 (kernels/gluon_fp8.py), and is it right on tiny cases
+    timeout 60 python3 benchmarks/probe_gluon.py 2>&1 | grep -v "^DEBUG" | tee "$OUT/probe-gluon.log" | tail -12 ;;
   2)
     timeout 120 python3 -m pytest -v -rfE -n 4 -p no:cacheprovider tests/kernels/test_skinny_norm_gpu.py \
-        tests/ops/test_quant4_mma_gpu.py > "$OUT/tests-norm-w4mma.log" 2>&1
+        tests/ops/test_quant4_mma_gpu.py tests/ops/test_fp8_gluon_gpu.py > "$OUT/tests-norm-w4mma.log" 2>&1
     grep -E "FAILED|ERROR|passed|failed" "$OUT/tests-norm-w4mma.log" | grep -v "^\[gw" | cut -c1-250 | tail -8
     timeout 60 python3 benchmarks/diag_fused_decode.py --parts norm --rows 1,2,4 --out-json "$OUT/diag-norm.json" 2>&1 \
         | grep -v "^DEBUG" | tee "$OUT/diag-norm.log" | grep "^|" | tail -14
@@ -340,7 +342,9 @@ s19)  # the next session's calls (STEP=1|2|3), each under 9 minutes; logs and JS
     timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/hf/test_compressed_gpu.py 2>&1 \
         | grep -v "^DEBUG" | tee "$OUT/tests-compressed.log" | tail -5
     timeout 90 python3 -m moecomp tune --fp8 lean -v --rep 10 --budget-s 40 --presets deepseek_v3 --tokens 8192 \
-        --copy-to "$OUT" 2>&1 | tee "$OUT/tune-fp8-ds8192.log" | grep "/1 \|rror" | cut -c1-220 ;;
+        --copy-to "$OUT" 2>&1 | tee "$OUT/tune-fp8-ds8192.log" | grep "/1 \|rror" | cut -c1-220
+    timeout 100 python3 benchmarks/diag_fp8_gluon.py --out-json "$OUT/diag-fp8-gluon.json" 2>&1 | grep -v "^DEBUG" \
+        | tee "$OUT/diag-fp8-gluon.log" | tail -12 ;;
   3)
     TEST_PATHS="tests/ops tests/kernels" TEST_WORKERS=12 TEST_TIMEOUT=250 EXCL_TIMEOUT=30 "$0" tests
     timeout 100 python3 benchmarks/bench_routes.py --presets qwen3_30b_a3b --tokens 1,64 --generate 12 --batches 1,32 \
