@@ -15,13 +15,15 @@ there are only T * H / BLOCK_N programs: at T = 1 and a small H that is under on
 
 FP8 w2 (W_SCALE > 0): each slot's K loop is ``fp8.dot_loop`` with that slot's expert's scales (weight-only, or h
 quantized per 128-column group in the A loads), as in ``moe_gemm2_kernel``; 16-bit launches compile as before.
-4-bit w2 (W4 > 0): ``quant4.dot_loop4``, as in ``moe_gemm2_kernel``.
+4-bit w2 (W4 > 0): ``quant4.dot_loop4``, as in ``moe_gemm2_kernel``; W4_FORM 4 (the opt-in "mma" form): w_ptr holds
+the mma layout (``ops/w4_layout.py``) and each slot runs ``quant4_mma.mma_loop`` (swap-AB: the BLOCK_N weight rows
+are the dot's M side, the slot's BLOCK_M-row tile, row 0 the pair, its N side), as ``moe_gemm2_kernel`` does.
 """
 
 import triton
 import triton.language as tl
 
-from . import fp8, kloop, pdl, quant4
+from . import fp8, kloop, pdl, quant4, quant4_mma
 from .combine import store_with_shared
 
 
@@ -35,7 +37,14 @@ def _slot(h_ptr, w_ptr, b_ptr, ws_ptr, as_ptr, topk_w_ptr, p, expert, offs_n, n_
           W4_FORM: tl.constexpr):
     """One slot's [BLOCK_N] term: weight[p] * (h[p] . w2_e[offs_n] (+ b2_e)), unweighted when not WEIGHTED."""
     b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    if W4 != 0:  # 4-bit w2: packed bytes (BLOCK_K / 2 a step), group scales (and zero points) of the rows
+    if W4 != 0 and W4_FORM == 4:  # 4-bit w2, the mma form: the mma layout's rows (ops/w4_layout.py)
+        rows = offs_n.to(tl.int64)
+        ws_ptrs = ws_ptr + expert * stride_se + rows * stride_sn
+        zp_ptrs = (zp_ptr + expert * stride_se + rows * stride_sn) if W4 == 3 else ws_ptrs
+        acc = quant4_mma.mma_loop(h_ptr + p * stride_hm + tl.arange(0, BLOCK_M) * 0, row0,
+                                  w_ptr + expert * stride_we + rows * stride_wn, n_ok, K, ws_ptrs, zp_ptrs, stride_sk,
+                                  W4, Q_BLOCK_K, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif W4 != 0:  # 4-bit w2: packed bytes (BLOCK_K / 2 a step), group scales (and zero points) of the rows
         rows = offs_n.to(tl.int64)
         b_ptrs = (w_ptr + expert * stride_we + rows[None, :] * stride_wn
                   + tl.arange(0, BLOCK_K // 2)[:, None] * stride_wk)

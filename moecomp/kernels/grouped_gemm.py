@@ -46,7 +46,8 @@ points of the same shape and strides. A tile column reads the scale row of its o
 block_n 1), so concatenated and interleaved gate / up, biases, the activations (swiglu_oai's clamp) and DIRECT run
 unchanged; W4 0 (the default) compiles the 16-bit / FP8 loops as before. W4_FORM 4 (the opt-in "mma" form): w_ptr
 holds the mma layout (``ops/w4_layout.py``) and ``quant4_mma.mma_loop`` runs the K loop (swap-AB: the weight rows are
-the dot's M side); the launcher takes it on the aligned path only.
+the dot's M side, BLOCK_M tokens its N side: 16 on the DIRECT decode path, row 0 the pair); the launchers take it on
+the aligned and the DIRECT path.
 """
 
 import triton

@@ -35,7 +35,9 @@ take fp8 w2; a config's "tma" runs the FP8 TMA GEMMs (``triton_fp8_tma``) on w8a
 experts (``spec.shared.quant``): ``fp8_linear`` for gate, up and down. 4-bit experts (mxfp4 / int4): the same
 launches again, ``expert_quant`` -> ``triton_quant4.expert_kwargs`` (w4a16, ``kernels/quant4.py``; never TMA);
 their decode path runs on dot-free GEMV kernels instead where the decode config says mode "gemv" (on CUDA up to
-``tuning.QUANT4_GEMV_MAX_T`` tokens; ``triton_quant4_gemv``, ``kernels/quant4_gemv.py``).
+``tuning.QUANT4_GEMV_MAX_T`` tokens; ``triton_quant4_gemv``, ``kernels/quant4_gemv.py``). The opt-in "mma" form
+(MOECOMP_W4_FORM=mma) runs the aligned GEMMs and the DIRECT / down-combine launches on the re-laid weights
+(``triton_quant4.gemm_weights``); the GEMV kernels keep the packed ones (``triton_quant4.direct_kwargs``).
 """
 
 from __future__ import annotations
@@ -424,13 +426,15 @@ def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=No
             join()
         return combine(y, T, k, out, shared, gate, zx.combine_kwargs(spec, x, ids, weights))
     ids_direct = direct(ids)
-    q1, q2 = (triton_quant4.direct_kwargs(q, x.device) for q in expert_quant(args, spec, cfg, T))
-    if triton_quant4_gemv.wanted(spec, dec, x, args):  # 4-bit experts on the dot-free kernels (mode "gemv")
+    gemv = triton_quant4_gemv.wanted(spec, dec, x, args)  # 4-bit experts on the dot-free kernels (mode "gemv")
+    q1, q2 = (triton_quant4.direct_kwargs(q, x.device, gemv) for q in expert_quant(args, spec, cfg, T))
+    if gemv:
         return triton_quant4_gemv.routed(x, ids_direct[0], weights, args, spec, out, shared, gate, dec, q1, q2, join,
                                          _pdl(x.device, gemm=True))
-    h = gemm1(x, args["w13"], _unit_stride(args["b13"]), spec, ids_direct, k, 16, dec["g1"], q1, weights)
-    return decode_down(h, args["w2"], _unit_stride(args["b2"]), ids_direct[0], weights.reshape(-1), spec, out,
-                       shared, gate, dec["g2"], join, q2, x)
+    w13, w2 = triton_quant4.gemm_weights(spec.quant, args, q1, q2)  # 4-bit "mma" form: its layout (else args')
+    h = gemm1(x, w13, _unit_stride(args["b13"]), spec, ids_direct, k, 16, dec["g1"], q1, weights)
+    return decode_down(h, w2, _unit_stride(args["b2"]), ids_direct[0], weights.reshape(-1), spec, out, shared, gate,
+                       dec["g2"], join, q2, x)
 
 
 def combine(y: torch.Tensor, T: int, k: int, out: torch.Tensor, shared=None, gate=None,

@@ -14,7 +14,10 @@ into the weight tile, one rounding of each scaled weight to x's dtype; off by de
 columns times the low / high nibbles, two dots a step) or "dot_scaled" (mxfp4 with 16-bit x: ``tl.dot_scaled``; else
 interleave); or MOECOMP_W4_FOLD=0|1 / MOECOMP_W4_FORM=interleave|split|dot_scaled, which win. mxfp4 always folds
 (exact); "asm" (mxfp4 with 16-bit x on CUDA: ``kernels/quant4.py`` FORM 3, inline PTX decode; the
-interpreter runs "split" instead). Default (``DEFAULT_FORM``): "dot_scaled" on CUDA, measured on an H200 (2026-12-03, 41626bb,
+interpreter runs "split" instead); "mma" (opt-in: ``kernels/quant4_mma.py`` on ``ops/w4_layout.py``'s re-laid
+weights, ``gemm_weights``; the aligned GEMMs and the decode path's DIRECT gemm1 / gemm2 and down-combine, while the
+GEMV kernels keep the packed weights and the default form: ``direct_kwargs``; also a BLOCK_N of at least 16:
+``tile``). Default (``DEFAULT_FORM``): "dot_scaled" on CUDA, measured on an H200 (2026-12-03, 41626bb,
 ``benchmarks/results/nvidia-h200-2026-12-03-41626bb-diag-quant4.json``, gpt-oss-120b layer): 0.60-0.68x the
 interleave form's time at T = 1, 4, 16, 64 (87 against 128 us at T = 1), the split form 1.04-1.15x; int4 and fp32 x
 take interleave. Under the interpreter (CPU tests): interleave.
@@ -41,6 +44,7 @@ FORMS = {"interleave": 0, "split": 1, "dot_scaled": 2, "asm": 3, "mma": 4}
 MMA = FORMS["mma"]
 DEFAULT_FORM = {"cuda": "dot_scaled"}  # by device type; others: "interleave" (module docstring)
 MIN_BLOCK_K = 32  # the split loop multiplies two [BM, BLOCK_K / 2] halves: a 16-bit dot needs K >= 16
+MIN_MMA_ROWS = 16  # the mma form's BLOCK_N: weight rows on the dot's M side (swap-AB)
 
 
 def options(cfg: dict | None = None) -> dict:
@@ -103,16 +107,21 @@ def expert_kwargs(quant, args: dict, cfg: dict | None) -> tuple[dict, dict]:
 def tile(c: dict, kw: dict) -> dict:
     """``c`` with a BLOCK_K the 4-bit loop takes: at least ``MIN_BLOCK_K``; a divisor of the group when the scale is
     applied after the dot (int4 unfolded), else a divisor or a multiple of it (folded: a step covers whole groups or
-    lies in one). The groups are multiples of 32, so halving a power of two reaches 32, which divides them."""
+    lies in one). The groups are multiples of 32, so halving a power of two reaches 32, which divides them. The
+    "mma" form also takes a BLOCK_N of at least ``MIN_MMA_ROWS`` (its weight rows are the dot's M side, which
+    ``tl.dot`` wants >= 16 on the GPU; a decode tile of 4 or 8 columns is widened)."""
     bk, g = max(c["BLOCK_K"], MIN_BLOCK_K), kw["Q_BLOCK_K"]
     folded = kw["W4"] == 1 or kw.get("W4_FOLD")
     while g % bk and (not folded or bk % g):
         bk //= 2
-    return c if bk == c["BLOCK_K"] else dict(c, BLOCK_K=bk)
+    out = c if bk == c["BLOCK_K"] else dict(c, BLOCK_K=bk)
+    if kw.get("W4_FORM") == MMA and out["BLOCK_N"] < MIN_MMA_ROWS:
+        out = dict(out, BLOCK_N=MIN_MMA_ROWS)
+    return out
 
 
 def gemm_weights(quant, args: dict, q1: dict | None, q2: dict | None) -> tuple:
-    """(w13, w2) the aligned GEMMs read: the mma layout (``w4_layout.relaid``: made once per weight tensor) when
+    """(w13, w2) the aligned GEMMs and the decode path's DIRECT / down-combine kernels read: the mma layout (``w4_layout.relaid``: made once per weight tensor) when
     ``q1`` / ``q2`` ask for the "mma" form, else ``args``' packed tensors."""
     w13, w2 = args["w13"], args["w2"]
     if q1 is not None and q1.get("W4_FORM") == MMA:
@@ -122,10 +131,11 @@ def gemm_weights(quant, args: dict, q1: dict | None, q2: dict | None) -> tuple:
     return w13, w2
 
 
-def direct_kwargs(q: dict | None, device: torch.device) -> dict | None:
-    """``q`` for the decode path's DIRECT / down-combine kernels, which read the packed layout: the "mma" form
-    replaced by the device's default form (the mma form runs the aligned GEMMs only)."""
-    if q is None or q.get("W4_FORM") != MMA:
+def direct_kwargs(q: dict | None, device: torch.device, gemv: bool) -> dict | None:
+    """``q`` for the decode path: the DIRECT gemm1 / gemm2 and the fused down-combine take every form, the "mma" one
+    included (on ``gemm_weights``' re-laid tensors); the dot-free GEMV kernels (``gemv``) read the packed layout, so
+    for them the "mma" form is replaced by the device's default form."""
+    if q is None or q.get("W4_FORM") != MMA or not gemv:
         return q
     q = {k: v for k, v in q.items() if k != "W4_FORM"}
     form = FORMS[device_form(None, device)]

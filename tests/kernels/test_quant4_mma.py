@@ -8,8 +8,8 @@ config's ``w4_form``) under the interpreter (CPU). GPU: tests/ops/test_quant4_mm
   symmetric 8) equals it exactly.
 * The op (``moe_forward``) with the form against ``oracle/reference.py`` on fresh random inputs: mxfp4 and int4
   (symmetric, with zero points), gated (concat; gpt-oss's interleaved swiglu_oai with expert biases) and not gated,
-  T on both sides of the CPU decode limit (the decode path keeps the default form; the aligned path runs the mma
-  one: counted), outputs NaN-poisoned.
+  T on both sides of the CPU decode limit (both the decode path and the aligned path run the mma form: counted;
+  the decode path's own cases: tests/kernels/test_quant4_mma_decode.py), outputs NaN-poisoned.
 
 Tolerances (relative Frobenius error against the fp32 reference on the same packed tensors): fp32 3e-5 (the same
 exact weights, sums in another order), fp16 2e-3 (h and the outputs stored in fp16), as the other forms'
@@ -140,7 +140,7 @@ def _spec(quant, gate_up="concat", gated=True, H=64, I=32):
                    quant=quant)
 
 
-OP = {  # name: (spec, dtype, T)   T <= 8: the CPU decode path (default form); above: aligned, the mma form
+OP = {  # name: (spec, dtype, T)   T <= 8: the CPU decode path (DIRECT + down-combine); above: aligned
     "mxfp4-oai-fp32-T20": (_spec(MX, "interleaved"), torch.float32, 20),
     "mxfp4-concat-fp16-T20": (_spec(MX, H=96), torch.float16, 20),
     "mxfp4-ungated-fp32-T12": (_spec(MX, gated=False), torch.float32, 12),
@@ -187,7 +187,7 @@ def test_moe_forward_mma_form_matches_reference(mma_backend, poison, case):
     assert err < TOL[dtype], f"{case}: rel err {err:.2e}"
     decode = T <= tuning.decode_config(tuning.get_config(4, spec.intermediate_size, spec.hidden_size, T, 2, dtype,
                                                          torch.device("cpu"), spec.quant), 0, torch.device("cpu"))["max_t"]
-    want = [("gemm1", 0), ("decode_down", 0)] if decode else [("gemm1", 4), ("gemm2", 4)]
+    want = [("gemm1", 4), ("decode_down", 4)] if decode else [("gemm1", 4), ("gemm2", 4)]
     assert seen == want
 
 
@@ -199,7 +199,8 @@ def test_mma_form_falls_back_where_the_layout_does_not_fit(mma_backend):
     q1, q2 = triton_quant4.expert_kwargs(MX, dict(named, w13_scale=scales["w13_scale"], w2_scale=scales["w2_scale"]),
                                          None)
     assert "W4_FORM" not in q1 and "W4_FORM" not in q2  # interleave, the CPU default
-    assert triton_quant4.direct_kwargs(dict(q1, W4_FORM=4), torch.device("cpu")) == q1
+    assert triton_quant4.direct_kwargs(dict(q1, W4_FORM=4), torch.device("cpu"), gemv=True) == q1  # packed
+    assert triton_quant4.direct_kwargs(dict(q1, W4_FORM=4), torch.device("cpu"), gemv=False)["W4_FORM"] == 4
 
 
 def test_config_key_selects_the_form(monkeypatch):
