@@ -34,7 +34,7 @@ def _slot(h_ptr, w_ptr, b_ptr, ws_ptr, as_ptr, topk_w_ptr, p, expert, offs_n, n_
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_SCALE: tl.constexpr, A_QUANT: tl.constexpr,
           Q_BLOCK_N: tl.constexpr, Q_BLOCK_K: tl.constexpr, UE8M0: tl.constexpr, EXACT_CAST: tl.constexpr,
           FOLD: tl.constexpr, WEIGHTED: tl.constexpr, zp_ptr, W4: tl.constexpr, W4_FOLD: tl.constexpr,
-          W4_FORM: tl.constexpr):
+          W4_FORM: tl.constexpr, W4_K32: tl.constexpr):
     """One slot's [BLOCK_N] term: weight[p] * (h[p] . w2_e[offs_n] (+ b2_e)), unweighted when not WEIGHTED."""
     b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
     if W4 != 0 and W4_FORM == 4:  # 4-bit w2, the mma form: the mma layout's rows (ops/w4_layout.py)
@@ -43,7 +43,7 @@ def _slot(h_ptr, w_ptr, b_ptr, ws_ptr, as_ptr, topk_w_ptr, p, expert, offs_n, n_
         zp_ptrs = (zp_ptr + expert * stride_se + rows * stride_sn) if W4 == 3 else ws_ptrs
         acc = quant4_mma.mma_loop(h_ptr + p * stride_hm + tl.arange(0, BLOCK_M) * 0, row0,
                                   w_ptr + expert * stride_we + rows * stride_wn, n_ok, K, ws_ptrs, zp_ptrs, stride_sk,
-                                  W4, Q_BLOCK_K, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                                  W4, Q_BLOCK_K, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, W4_K32)
     elif W4 != 0:  # 4-bit w2: packed bytes (BLOCK_K / 2 a step), group scales (and zero points) of the rows
         rows = offs_n.to(tl.int64)
         b_ptrs = (w_ptr + expert * stride_we + rows[None, :] * stride_wn
@@ -112,6 +112,7 @@ def moe_down_combine_kernel(
     WEIGHTED: tl.constexpr = True,
     x_ptr=None, stride_xm=0, n_experts=0, ZERO_EXPERTS: tl.constexpr = False,  # x [T, N]: the zero experts' input
     zp_ptr=None, W4: tl.constexpr = 0, W4_FOLD: tl.constexpr = 0, W4_FORM: tl.constexpr = 0,  # 4-bit w2
+    W4_K32: tl.constexpr = 0,  # the mma form: K % 32 == 0 (quant4_mma.mma_loop's K32)
 ):
     pdl.enter(USE_PDL)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -134,12 +135,13 @@ def moe_down_combine_kernel(
                                N, K, stride_hm, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn,
                                stride_sk, stride_am, HAS_BIAS, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
                                W_SCALE, A_QUANT, Q_BLOCK_N, Q_BLOCK_K, UE8M0, EXACT_CAST, FOLD, WEIGHTED, zp_ptr, W4,
-                               W4_FOLD, W4_FORM)
+                               W4_FOLD, W4_FORM, W4_K32)
         else:
             total += _slot(h_ptr, w_ptr, b_ptr, ws_ptr, as_ptr, topk_w_ptr, p, expert, offs_n, n_ok, offs_k, row0, N,
                            K, stride_hm, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn, stride_sk,
                            stride_am, HAS_BIAS, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, W_SCALE, A_QUANT,
-                           Q_BLOCK_N, Q_BLOCK_K, UE8M0, EXACT_CAST, FOLD, WEIGHTED, zp_ptr, W4, W4_FOLD, W4_FORM)
+                           Q_BLOCK_N, Q_BLOCK_K, UE8M0, EXACT_CAST, FOLD, WEIGHTED, zp_ptr, W4, W4_FOLD, W4_FORM,
+                           W4_K32)
     pdl.release(USE_PDL)
 
     store_with_shared(total, t, offs_n, n_ok, shared_ptr, stride_s, gate_ptr, stride_g, out_ptr, stride_o, HAS_SHARED,

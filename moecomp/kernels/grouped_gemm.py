@@ -137,6 +137,7 @@ def moe_gemm1_kernel(
     # 4-bit weights (W4 1 mxfp4, 2 int4, 3 int4 with zero points zp_ptr; w_ptr: packed bytes, stride_wk their
     # stride; ws_ptr / stride_s*: group scales; Q_BLOCK_K, UE8M0 as for FP8): quant4.dot_loop4 (module docstring)
     zp_ptr=None, W4: tl.constexpr = 0, W4_FOLD: tl.constexpr = 0, W4_FORM: tl.constexpr = 0,
+    W4_K32: tl.constexpr = 0,  # the mma form: K % 32 == 0 (quant4_mma.mma_loop's K32)
 ):
     pdl.enter(USE_PDL)
     pid_m, pid_n, expert, offs_m, pair, row_ok, dead = _rows(
@@ -167,7 +168,7 @@ def moe_gemm1_kernel(
         zp_ptrs = (zp_ptr + expert * stride_se + w_rows * stride_sn) if W4 == 3 else ws_ptrs
         acc = quant4_mma.mma_loop(x_ptr + tok * stride_xm, row_ok, w_ptr + expert * stride_we + w_rows * stride_wn,
                                   col_ok, K, ws_ptrs, zp_ptrs, stride_sk, W4, Q_BLOCK_K, UPCAST, DOT_PRECISION,
-                                  BLOCK_M, TILE_N, BLOCK_K)
+                                  BLOCK_M, TILE_N, BLOCK_K, W4_K32)
     elif W4 != 0:  # 4-bit weights: packed bytes, group scales (the rows' own: gate / up columns read theirs)
         b_ptrs = (w_ptr + expert * stride_we + w_rows[None, :] * stride_wn
                   + tl.arange(0, BLOCK_K // 2)[:, None] * stride_wk)
@@ -261,6 +262,7 @@ def moe_gemm2_kernel(
     WEIGHTED: tl.constexpr = True,  # off: the weight was applied to gemm1's input (W_ON_INPUT)
     ZERO_EXPERTS: tl.constexpr = False, n_experts=0,  # as in moe_gemm1_kernel
     zp_ptr=None, W4: tl.constexpr = 0, W4_FOLD: tl.constexpr = 0, W4_FORM: tl.constexpr = 0,  # 4-bit: gemm1's
+    W4_K32: tl.constexpr = 0,
 ):
     pdl.enter(USE_PDL)
     pid_m, pid_n, expert, offs_m, pair, row_ok, dead = _rows(
@@ -278,7 +280,7 @@ def moe_gemm2_kernel(
         zp_ptrs = (zp_ptr + expert * stride_se + rows * stride_sn) if W4 == 3 else ws_ptrs
         acc = quant4_mma.mma_loop(h_ptr + offs_m.to(tl.int64) * stride_hm, row_ok,
                                   w_ptr + expert * stride_we + rows * stride_wn, n_ok, K, ws_ptrs, zp_ptrs, stride_sk,
-                                  W4, Q_BLOCK_K, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                                  W4, Q_BLOCK_K, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, W4_K32)
     elif W4 != 0:
         rows = offs_n.to(tl.int64)
         b_ptrs = (w_ptr + expert * stride_we + rows[None, :] * stride_wn

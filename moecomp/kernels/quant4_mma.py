@@ -3,7 +3,9 @@ weights in the mma layout (``ops/w4_layout.py``: each 32-bit word 8 codes, re-en
 arithmetic, fed to ``tl.dot`` as the M side (swap-AB: the token tile is the dot's N side).
 
     per K step of BLOCK_K columns, a program of TILE_N weight rows and BLOCK_M tokens:
-        r      [TILE_N, BLOCK_K / 8] int32 words (each row's words contiguous along K: 16-byte vector loads)
+        r      [TILE_N, BLOCK_K / 8] int32 words (each row's words contiguous along K: 16-byte vector loads where
+               the launcher passes K32, K % 32 == 0; else 8-byte ones: checked in tests/kernels/
+               test_sm90_compile_w4mma.py)
         slot j of both 16-bit lanes:
             mxfp4   t = ((r << (6 - 3j)) & 0x01C001C0) | ((r << j) & 0x80008000)   bf16 bits of e2m1 * 2^-126
                     f = fp32(t << 16), fp32(t & 0xFFFF0000)                         the same value, each lane
@@ -112,17 +114,21 @@ def decode_int4(r, zh):
 @triton.jit
 def mma_loop(x_rows, row_ok, w_rows, col_ok, K, ws_rows, zp_rows, stride_sk, W4: tl.constexpr,
              Q_BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-             TILE_N: tl.constexpr, BLOCK_K: tl.constexpr):
+             TILE_N: tl.constexpr, BLOCK_K: tl.constexpr, K32: tl.constexpr = 0):
     """acc [BLOCK_M, TILE_N] fp32 = (x rows) x (4-bit weight rows)^T (the module docstring). ``x_rows`` [BLOCK_M]:
     pointers to the token rows (unit stride; x's dtype); ``w_rows`` [TILE_N]: byte pointers to each weight row's
     first mma-layout byte (4-byte aligned; K % 8 == 0); ``ws_rows`` / ``zp_rows`` [TILE_N]: each row's first group
     scale (ue8m0 bytes for W4 1) / zero point (W4 3), ``stride_sk`` apart. BLOCK_K: a multiple of 32 (mxfp4) or a
-    divisor of the group (int4)."""
+    divisor of the group (int4). K32 (the launcher's promise that K % 32 == 0): the words' K mask is written over
+    whole runs of 4 words, so that the compiler can load them as 16-byte vectors (K % 8 alone gives it 8 bytes)."""
     NW: tl.constexpr = BLOCK_K // 8
     A_DT: tl.constexpr = x_rows.dtype.element_ty
     offs_w = tl.arange(0, NW)
     offs_k = tl.arange(0, BLOCK_K)
-    kw = K // 8
+    if K32:
+        kw = (K // 32) * 4  # = K // 8, visibly a multiple of 4
+    else:
+        kw = K // 8
     w_base = w_rows.to(tl.pointer_type(tl.int32))[:, None]  # [TILE_N, 1]
     acc = tl.zeros([TILE_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

@@ -95,13 +95,17 @@ def device_form(form: str | None, device: torch.device) -> str:
 def expert_kwargs(quant, args: dict, cfg: dict | None) -> tuple[dict, dict]:
     """(gemm1's, gemm2's) ``quant4_kwargs`` of the routed experts (w13 / w2 scales and zeros from ``args``). The
     "mma" form only where both weights take its layout (``w4_layout.fits``: H and I multiples of 8), else the
-    device's default form."""
+    device's default form; with it, W4_K32 where the GEMM's K is a multiple of 32 (16-byte word loads)."""
     opts = options(cfg)
     if opts["w4_form"] == "mma" and not (w4_layout.fits(args["w13"]) and w4_layout.fits(args["w2"])):
         opts["w4_form"] = None
     opts["w4_form"] = device_form(opts["w4_form"], args["w13"].device)
-    return (quant4_kwargs(quant, args["w13_scale"], args.get("w13_zero"), opts),
-            quant4_kwargs(quant, args["w2_scale"], args.get("w2_zero"), opts))
+    q1 = quant4_kwargs(quant, args["w13_scale"], args.get("w13_zero"), opts)
+    q2 = quant4_kwargs(quant, args["w2_scale"], args.get("w2_zero"), opts)
+    for q, w in ((q1, args["w13"]), (q2, args["w2"])):
+        if q.get("W4_FORM") == MMA and (2 * w.shape[-1]) % 32 == 0:  # K % 32: 16-byte word loads (mma_loop's K32)
+            q["W4_K32"] = 1
+    return q1, q2
 
 
 def tile(c: dict, kw: dict) -> dict:
@@ -137,7 +141,7 @@ def direct_kwargs(q: dict | None, device: torch.device, gemv: bool) -> dict | No
     for them the "mma" form is replaced by the device's default form."""
     if q is None or q.get("W4_FORM") != MMA or not gemv:
         return q
-    q = {k: v for k, v in q.items() if k != "W4_FORM"}
+    q = {k: v for k, v in q.items() if k not in ("W4_FORM", "W4_K32")}
     form = FORMS[device_form(None, device)]
     if form and not (form in (2, 3) and q["W4"] != 1):
         q["W4_FORM"] = form

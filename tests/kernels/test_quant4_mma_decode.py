@@ -6,9 +6,10 @@ tests/kernels/test_sm90_compile_w4mma.py; the aligned path's mma form: tests/ker
 
 * The op (``moe_forward``) against ``oracle/reference.py`` on fresh random inputs (NaN-poisoned outputs): mxfp4 and
   int4 (symmetric, with zero points), gpt-oss's interleaved swiglu_oai with expert biases, concat silu, ungated gelu,
-  weight_on_input, zero experts; T = 1..3 (the CPU decode path), both decode modes. Each launch is counted and must
-  have run the mma form (W4_FORM 4) on the re-laid weights (mxfp4: ``w4_layout.relayout``'s bytes; int4: the packed
-  bytes themselves); no alignment launch.
+  weight_on_input, zero experts, H / I multiples of 8 but not of 32 (the word mask word by word: no W4_K32); T = 1..3
+  (the CPU decode path), both decode modes. Each launch is counted and must have run the mma form (W4_FORM 4) on the
+  re-laid weights (mxfp4: ``w4_layout.relayout``'s bytes; int4: the packed bytes themselves), with W4_K32 exactly
+  where its K is a multiple of 32; no alignment launch.
 * The same launches with the mma form but the packed (not re-laid) mxfp4 bytes fail the tolerance (the check can
   fail); the GEMV mode keeps the packed weights (``direct_kwargs``: counted).
 * A decode tile narrower than 16 weight rows is widened for the mma form (``triton_quant4.tile``).
@@ -58,6 +59,8 @@ CASES = {  # name: (spec, dtype, T, decode mode)
     "int4zp-g64-ungated-fp32-T3-fused": (_spec(QuantSpec.int4(64, True), gated=False), torch.float32, 3, "fused"),
     "int4zp-g32-fp32-T2-pairs": (_spec(QuantSpec.int4(32, True)), torch.float32, 2, "pairs"),
     "mxfp4-zero-fp32-T3-fused": (_spec(MX, zero_experts=2), torch.float32, 3, "fused"),
+    "mxfp4-H80-I40-fp32-T2-fused": (_spec(MX, H=80, I=40), torch.float32, 2, "fused"),  # K % 32 != 0: no W4_K32
+    "int4zp-g32-H80-I40-fp32-T1-pairs": (_spec(QuantSpec.int4(32, True), H=80, I=40), torch.float32, 1, "pairs"),
 }
 
 
@@ -79,11 +82,11 @@ def _launches(monkeypatch):
 
         def spy(*a, _real=real, _fn=fn, **kw):
             if _fn == "align":
-                seen.append(("align", None, None))
+                seen.append(("align", None, None, None))
             else:
                 w, qi = pos[_fn]
                 q = kw["q"] if "q" in kw else (a[qi] if len(a) > qi else None)
-                seen.append((_fn, (q or {}).get("W4_FORM", 0), a[w]))
+                seen.append((_fn, (q or {}).get("W4_FORM", 0), a[w], (q or {}).get("W4_K32", 0)))
             return _real(*a, **kw)
 
         monkeypatch.setattr(triton_moe, fn, spy)
@@ -116,8 +119,9 @@ def test_decode_path_mma_form_matches_reference(mma_decode, poison, case):
     named = dict(zip(MOE_ARGS, args[1:]))
     w13, w2 = named["w13"], named["w2"]  # the packed tensors
     want = [("gemm1", w13), ("decode_down", w2)] + ([("gemm2", w2)] if mode == "pairs" else [])
-    assert [(n, f) for n, f, _ in seen] == [(n, 4) for n, _ in want]  # no align: DIRECT
-    for (name, _, w), (_, packed) in zip(seen, want):
+    assert [(n, f) for n, f, _, _ in seen] == [(n, 4) for n, _ in want]  # no align: DIRECT
+    for (name, _, w, k32), (_, packed) in zip(seen, want):
+        assert k32 == (packed.shape[-1] % 16 == 0), name  # K % 32 == 0: the 16-byte word loads' promise
         relaid = w4_layout.relayout(packed, spec.quant)
         assert torch.equal(w, relaid), name
         if spec.quant.weight == "int4":
@@ -130,7 +134,7 @@ def test_packed_bytes_under_the_mma_form_fail(mma_decode, poison):
     """Mutation: the DIRECT launches given the mma form but the packed mxfp4 bytes are far off the reference."""
     mma_decode.setattr(triton_quant4, "gemm_weights", lambda quant, args, q1, q2: (args["w13"], args["w2"]))
     _, _, _, _, out, ref, seen = _run(mma_decode, "mxfp4-oai-fp32-T1-fused")
-    assert [(n, f) for n, f, _ in seen] == [("gemm1", 4), ("decode_down", 4)]
+    assert [(n, f) for n, f, _, _ in seen] == [("gemm1", 4), ("decode_down", 4)]
     assert rel_err(out, ref) > 1e-2
 
 

@@ -20,9 +20,9 @@ import pytest
 COMPILE_SM90 = r'''
 W4_OFF = dict(zp_ptr=None, W4=0, W4_FOLD=0, W4_FORM=0)
 
-def compile_sm90(fn, pointers, constexprs, div16=()):
+def compile_sm90(fn, pointers, constexprs, div16=(), options=None):
     """PTX of fn; ``div16``: arguments declared divisible by 16, as Triton specializes aligned pointers and
-    strides at run time (what lets it vectorize loads)."""
+    strides at run time (what lets it vectorize loads); ``options``: compile options (num_stages, num_warps)."""
     params = list(inspect.signature(fn.fn).parameters)
     # the 4-bit arguments' defaults unless the case sets them (zp_ptr: a pointer in "zp" cases)
     constexprs = {**{n: v for n, v in W4_OFF.items() if n not in pointers}, **constexprs}
@@ -35,7 +35,8 @@ def compile_sm90(fn, pointers, constexprs, div16=()):
             sig[p] = pointers.get(p, "i32")
             if p in div16:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options).asm["ptx"]
 '''
 
 CHILD = r'''
