@@ -4,12 +4,18 @@
 top-4, swiglu_oai, biases). CUDA only; prints a markdown table (us, CUDA-graph replay, ``do_bench`` median) and
 writes JSON with --out-json.
 
-    paths   w4 (the heuristic: GEMV decode up to 8 tokens, else the aligned dot_scaled form), w4 scaled / interleave
-            (the aligned path's forms, MOECOMP_DECODE_MAX_T=0), w4 mma (MOECOMP_W4_FORM=mma, MOECOMP_DECODE_MAX_T=0:
-            the aligned path at every T), bf16 (the same layer unquantized)
+    paths   w4 (the default: the tuned table / heuristic, GEMV decode up to 8 tokens, else the aligned dot_scaled
+            form), w4 direct (the decode path's DIRECT gemm1 + down-combine or gemm2 DIRECT, MOECOMP_W4_DECODE=dot,
+            with the device's default K-step form), w4 direct mma (the same with MOECOMP_W4_FORM=mma: the re-laid
+            weights into a swap-AB tl.dot, N side 16 rows, row 0 the pair), w4 scaled / interleave (the aligned
+            path's forms, MOECOMP_DECODE_MAX_T=0), w4 mma (MOECOMP_W4_FORM=mma, MOECOMP_DECODE_MAX_T=0: the aligned
+            path at every T), bf16 (the same layer unquantized). The "direct" paths force the decode path at every T
+            (MOECOMP_DECODE_MAX_T=1024); --paths picks some.
     err     each 4-bit path against ``moecomp.oracle.reference`` (fp32, the same packed tensors), rel. Frobenius
 
     PYTHONPATH=. python3 benchmarks/diag_w4_mma.py --tokens 1,4,16,64,128 --out-json /tmp/w4mma.json
+    PYTHONPATH=. python3 benchmarks/diag_w4_mma.py --decode --out-json /tmp/w4mma-decode.json
+            (= --tokens 1,2,4,8 --paths "w4,w4 direct,w4 direct mma,w4 mma,bf16": the batch-1 question, issue 42)
 """
 
 from __future__ import annotations
@@ -31,12 +37,18 @@ from moecomp.oracle import reference  # noqa: E402
 from moecomp.testing import random_moe_args  # noqa: E402
 
 ALIGNED = {"MOECOMP_DECODE_MAX_T": "0"}
+DIRECT = {"MOECOMP_DECODE_MAX_T": "1024", "MOECOMP_W4_DECODE": "dot"}
 PATHS = {  # label -> environment (4-bit paths); "bf16" is the unquantized layer
     "w4": {},
+    "w4 direct": DIRECT,
+    "w4 direct mma": {"MOECOMP_W4_FORM": "mma", **DIRECT},
     "w4 scaled": {"MOECOMP_W4_FORM": "dot_scaled", **ALIGNED},
     "w4 interleave": {"MOECOMP_W4_FORM": "interleave", **ALIGNED},
     "w4 mma": {"MOECOMP_W4_FORM": "mma", **ALIGNED},
 }
+LABELS = (*PATHS, "bf16")
+DECODE = dict(tokens="1,2,4,8", paths="w4,w4 direct,w4 direct mma,w4 mma,bf16")
+RATIOS = ("w4", "w4 direct mma", "w4 mma")  # bf16's time over theirs
 
 
 def _err(x, t4: dict, spec, extra: dict, kv: dict) -> float:
@@ -46,7 +58,7 @@ def _err(x, t4: dict, spec, extra: dict, kv: dict) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def run(tokens: list[int], check: bool) -> list[dict]:
+def run(tokens: list[int], check: bool, labels=LABELS) -> list[dict]:
     spec = gpt_oss(128)
     raw = random_moe_args(spec, max(tokens), torch.bfloat16, "cuda", std=0.02, seed=0)
     t16 = dict(zip(MOE_ARGS, raw[1:]))
@@ -55,7 +67,7 @@ def run(tokens: list[int], check: bool) -> list[dict]:
     for T in tokens:
         x = raw[0][:T].contiguous()
         rec = {"T": T}
-        for label, kv in [*PATHS.items(), ("bf16", None)]:
+        for label, kv in [(n, PATHS.get(n)) for n in labels]:
             try:
                 if kv is None:
                     rec[label] = time_op(x, t16, spec.replace(quant=None), {})
@@ -72,33 +84,47 @@ def run(tokens: list[int], check: bool) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict]) -> str:
-    labels = [*PATHS, "bf16"]
-    out = ["| T | " + " | ".join(labels) + " | bf16 / mma | bf16 / w4 |", "|---" * (len(labels) + 3) + "|"]
+def table(rows: list[dict], labels=LABELS) -> str:
+    """us per path (err under it when checked), then bf16's time over each of ``RATIOS``' (those timed)."""
+    ratios = [a for a in RATIOS if a in labels and "bf16" in labels]
+    head = [*labels, *(f"bf16 / {a}" for a in ratios)]
+    out = ["| T | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for r in rows:
-        cells = [f"{r[k]:.1f}" if r.get(k) else "fail" for k in labels]
-        ratio = (lambda a: f"{r['bf16'] / r[a]:.2f}x" if r.get(a) and r.get("bf16") else "-")  # noqa: E731
-        out.append(f"| {r['T']} | " + " | ".join(cells) + f" | {ratio('w4 mma')} | {ratio('w4')} |")
+        cells = []
+        for k in labels:
+            err = r.get(f"{k} err")
+            cells.append((f"{r[k]:.1f}" if r.get(k) else "fail") + (f" ({err:.1e})" if err is not None else ""))
+        cells += [f"{r['bf16'] / r[a]:.2f}x" if r.get(a) and r.get("bf16") else "-" for a in ratios]
+        out.append(f"| {r['T']} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", default="1,4,16,64,128")
+    ap.add_argument("--tokens", default=None, help="default 1,4,16,64,128 (--decode: 1,2,4,8)")
+    ap.add_argument("--paths", default=None, help=f"comma-separated labels of {list(LABELS)} (default all)")
+    ap.add_argument("--decode", action="store_true", help=f"the decode question's preset: {DECODE}")
     ap.add_argument("--no-check", action="store_true", help="skip the error against the reference")
     ap.add_argument("--out-json", default=None)
     a = ap.parse_args(argv)
+    tokens = a.tokens or (DECODE["tokens"] if a.decode else "1,4,16,64,128")
+    labels = tuple((a.paths or (DECODE["paths"] if a.decode else ",".join(LABELS))).split(","))
+    unknown = [n for n in labels if n not in LABELS]
+    if unknown:
+        ap.error(f"--paths: unknown {unknown}; expected labels of {list(LABELS)}")
     if not torch.cuda.is_available():
         print("diag_w4_mma.py needs CUDA")
         return 1
     import moecomp.ops  # noqa: F401  (registers torch.ops.moecomp)
 
-    rows = run([int(t) for t in a.tokens.split(",")], not a.no_check)
-    print(f"\n{torch.cuda.get_device_name()}, gpt-oss-120b layer, us (CUDA-graph replay, median)\n")
-    print(table(rows))
+    rows = run([int(t) for t in tokens.split(",")], not a.no_check, labels)
+    print(f"\n{torch.cuda.get_device_name()}, gpt-oss-120b layer, us (CUDA-graph replay, median; rel. err against "
+          "the fp32 reference)\n")
+    print(table(rows, labels))
     if a.out_json:
         with open(a.out_json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "paths": {n: PATHS.get(n) for n in labels},
+                       "rows": rows}, f, indent=1)
     return 0
 
 

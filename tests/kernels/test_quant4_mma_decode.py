@@ -13,6 +13,7 @@ tests/kernels/test_sm90_compile_w4mma.py; the aligned path's mma form: tests/ker
 * The same launches with the mma form but the packed (not re-laid) mxfp4 bytes fail the tolerance (the check can
   fail); the GEMV mode keeps the packed weights (``direct_kwargs``: counted).
 * A decode tile narrower than 16 weight rows is widened for the mma form (``triton_quant4.tile``).
+* benchmarks/diag_w4_mma.py's path environments run the launches their labels name.
 
 Tolerances (relative Frobenius error against the fp32 reference on the same packed tensors): fp32 3e-5 (the same
 exact weights, sums in another order), fp16 2e-3 (h and the outputs stored in fp16), as tests/kernels/
@@ -169,3 +170,26 @@ def test_mma_tile_is_at_least_16_rows(quant):
     assert t["BLOCK_K"] == (256 if quant.weight == "mxfp4" else 64)
     kw.pop("W4_FORM")
     assert triton_quant4.tile(c, kw)["BLOCK_N"] == 4  # the other forms keep the tile
+
+
+@pytest.mark.parametrize("label,T", [("w4 direct", 1), ("w4 direct mma", 1), ("w4 direct mma", 12), ("w4 mma", 2)])
+def test_diag_paths_run_what_they_are_named(mma_decode, label, T):
+    """benchmarks/diag_w4_mma.py's environments: "direct" paths on the DIRECT launches (past the CPU decode limit of 8
+    tokens too), "mma" ones with W4_FORM 4, "w4 mma" on the aligned path."""
+    import os
+
+    mma_decode.syspath_prepend(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+    from diag_w4_mma import PATHS
+
+    mma_decode.delenv("MOECOMP_W4_FORM")
+    for name, v in PATHS[label].items():
+        mma_decode.setenv(name, v)
+    seen = _launches(mma_decode)
+    spec = _spec(MX, "interleaved")
+    args, scales = quantize_moe_args(spec, random_moe_args(spec, T, torch.float32, seed=T))
+    out = torch.ops.moecomp.moe_forward(*args, spec.key, **scales)
+    assert rel_err(out, reference.moe_forward(*args, spec, **scales)) < TOL[torch.float32]
+    form = 4 if "mma" in label else 0  # (0: interleave, the CPU default)
+    direct = "direct" in label
+    want = [("gemm1", form), ("decode_down", form)] if direct else [("align", None), ("gemm1", 4), ("gemm2", 4)]
+    assert [(n, f) for n, f, _, _ in seen] == want
