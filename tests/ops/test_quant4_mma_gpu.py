@@ -9,7 +9,15 @@
   tests/ops/test_quant4_gpu.py: h and the outputs rounded to bf16) and against the default form (< 1e-2: the two
   differ only in the summation order and bf16 roundings), CUDA-graph captured and replayed with no host sync; an int4
   layer (group 128, zero points) the same way at T = 64.
+* The decode path with the form (MOECOMP_W4_DECODE=dot: the DIRECT gemm1, then the fused down-combine or gemm2
+  DIRECT + combine, both decode modes forced through MOECOMP_CONFIG) at T = 1, 2, 4, 8 on one set of weights per
+  layer: gpt-oss-120b (mxfp4) and Qwen3-30B-A3B (E 128, top-8, H 2048, I 768) in int4 group 128 with and without zero
+  points. Every launch counted (W4_FORM 4 with W4_K32 on gemm1 and the down projection, no alignment), the op
+  captured and replayed (no host sync), against the reference and the DIRECT path's default form (< 1e-2 each).
 """
+
+import functools
+import json
 
 import pytest
 import torch
@@ -28,6 +36,10 @@ GPT_OSS_120B = MoESpec(num_experts=128, top_k=4, hidden_size=2880, intermediate_
                        has_router_bias=True, score_order="topk_then_score", quant=QuantSpec.mxfp4())
 INT4 = MoESpec(num_experts=64, top_k=8, hidden_size=2048, intermediate_size=768,
                quant=QuantSpec.int4(128, zero_point=True))
+QWEN3_INT4 = MoESpec(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768, round_weights=True,
+                     quant=QuantSpec.int4(128, zero_point=True))
+DECODE = {"gpt_oss_120b": GPT_OSS_120B, "qwen3_30b_a3b_int4_zp": QWEN3_INT4,
+          "qwen3_30b_a3b_int4": QWEN3_INT4.replace(quant=QuantSpec.int4(128))}
 TOL = 1e-2
 
 
@@ -93,3 +105,61 @@ def test_mma_form_real_layer(name, spec, T, monkeypatch):
     assert torch.isfinite(out).all()
     err, err_default = rel_err(out, ref), rel_err(out, default)
     assert err < TOL and err_default < TOL, f"{name} T={T}: vs reference {err:.2e}, vs default form {err_default:.2e}"
+
+
+@functools.lru_cache(maxsize=1)  # one layer's weights at a time (gpt-oss-120b: 1.1 GB packed)
+def _decode_layer(name: str):
+    return packed_args(DECODE[name], 8, torch.bfloat16, seed=8)
+
+
+def _spy_forms(monkeypatch):
+    from moecomp.ops import triton_moe
+
+    seen = []
+    for fn, qi in (("gemm1", 8), ("gemm2", 9), ("decode_down", 11), ("align", None)):
+        real = getattr(triton_moe, fn)
+
+        def spy(*a, _real=real, _fn=fn, _qi=qi, **kw):
+            q = {} if _qi is None else (kw.get("q") or (a[_qi] if len(a) > _qi else None) or {})
+            seen.append((_fn, q.get("W4_FORM", 0), q.get("W4_K32", 0)))
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(triton_moe, fn, spy)
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["fused", "pairs"])
+@pytest.mark.parametrize("name", sorted(DECODE))
+def test_mma_form_decode_path(name, mode, monkeypatch):
+    from moecomp.ops import tuning
+
+    for var in ("MOECOMP_CONFIG", "MOECOMP_W4_FOLD", "MOECOMP_W4_FORM", "MOECOMP_W4_GEMV", "MOECOMP_W4_ASM"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MOECOMP_W4_DECODE", "dot")
+    monkeypatch.setenv("MOECOMP_DECODE_MAX_T", "8")  # the decode path at every T here, whatever the table's limit
+    spec = DECODE[name]
+    args, extra = _decode_layer(name)
+    dev = torch.device("cuda")
+    seen = _spy_forms(monkeypatch)
+    want = [("gemm1", 4, 1), ("decode_down", 4, 1)] + ([("gemm2", 4, 1)] if mode == "pairs" else [])
+    for T in (1, 2, 4, 8):
+        cfg = tuning.get_config(spec.num_experts, spec.intermediate_size, spec.hidden_size, T, spec.top_k,
+                                torch.bfloat16, dev, spec.quant)
+        dec = tuning.decode_config(cfg, T, dev)
+        assert dec is not None, f"{name} T={T}: not on the decode path"
+        monkeypatch.setenv("MOECOMP_CONFIG", json.dumps(dict(cfg, decode=dict(dec, g2=dict(dec["g2"], mode=mode)))))
+        x = args[0][:T].contiguous()
+        monkeypatch.delenv("MOECOMP_W4_FORM", raising=False)
+        default = torch.ops.moecomp.moe_forward(x, *args[1:], spec.key, **extra)  # DIRECT, the default form
+        monkeypatch.setenv("MOECOMP_W4_FORM", "mma")
+        seen.clear()
+        graph, out = capture_moe_forward(x.clone(), args[1:], spec, sync_check=True, extra=extra)
+        assert seen == want * 3, f"{name} T={T} {mode}: launches {seen}"  # two warm-up calls and the capture
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.moe_forward(x, *args[1:], spec, **extra)
+        assert torch.isfinite(out).all(), f"{name} T={T} {mode}: non-finite output"
+        err, err_default = rel_err(out, ref), rel_err(out, default)
+        assert err < TOL and err_default < TOL, (f"{name} T={T} {mode}: vs reference {err:.2e}, vs the DIRECT "
+                                                 f"default form {err_default:.2e}")
