@@ -125,8 +125,9 @@ def tile(c: dict, kw: dict) -> dict:
 
 
 def gemm_weights(quant, args: dict, q1: dict | None, q2: dict | None) -> tuple:
-    """(w13, w2) the aligned GEMMs and the decode path's DIRECT / down-combine kernels read: the mma layout (``w4_layout.relaid``: made once per weight tensor) when
-    ``q1`` / ``q2`` ask for the "mma" form, else ``args``' packed tensors."""
+    """(w13, w2) the aligned GEMMs and the decode path's DIRECT / down-combine kernels read: the mma layout
+    (``w4_layout.relaid``: made once per weight tensor) when ``q1`` / ``q2`` ask for the "mma" form, else ``args``'
+    packed tensors."""
     w13, w2 = args["w13"], args["w2"]
     if q1 is not None and q1.get("W4_FORM") == MMA:
         w13 = w4_layout.relaid(w13, quant)
