@@ -19,7 +19,7 @@
 #                                   compute-sanitizer memcheck (with .ab/routing_old.py too, to show the probe fails)
 #   benchmarks/run_gpu.sh mixfp8    issue 39: Mixtral FP8's token disagreement: op tests, tiny generate, 8 layers table on/off
 #   benchmarks/run_gpu.sh heur      issue 39: moecomp's layer grid with this GPU's table, then without it
-#   benchmarks/run_gpu.sh s19       STEP=0|1|2|2b|3: the next session's calls (0: the Gluon probe) (tests named, Mixtral FP8 by block, fused A/B)
+#   benchmarks/run_gpu.sh s19       STEP=0|1|2|2a|2b|3: the next session's calls (0: the Gluon probe) (tests named, Mixtral FP8 by block, fused A/B)
 #   benchmarks/run_gpu.sh e2e80     issue 39: generate() at full depth on an 80 GB GPU: Qwen3-30B-A3B bf16 and FP8,
 #                                   Mixtral-8x7B FP8 (built in FP8), B=1,8,32, one process each, under 540 s in all
 set -uo pipefail
@@ -333,8 +333,13 @@ s19)  # the next session's calls (STEP=1|2|3), each under 9 minutes; logs and JS
     grep -E "FAILED|ERROR|passed|failed" "$OUT/tests-norm-w4mma.log" | grep -v "^\[gw" | cut -c1-250 | tail -8
     timeout 60 python3 benchmarks/diag_fused_decode.py --parts norm --rows 1,2,4 --out-json "$OUT/diag-norm.json" 2>&1 \
         | grep -v "^DEBUG" | tee "$OUT/diag-norm.log" | grep "^|" | tail -14
-    timeout 90 python3 benchmarks/diag_w4_mma.py --tokens 1,4,16,64,128 --out-json "$OUT/diag-w4mma.json" 2>&1 \
-        | grep -v "^DEBUG" | tee "$OUT/diag-w4mma.log" | tail -14
+    timeout 100 python3 benchmarks/diag_w4_mma.py --decode --out-json "$OUT/diag-w4mma-decode.json" 2>&1 \
+        | grep -v "^DEBUG" | tee "$OUT/diag-w4mma-decode.log" | tail -16
+    timeout 90 python3 benchmarks/diag_w4_mma.py --tokens 16,64,128 --out-json "$OUT/diag-w4mma.json" 2>&1 \
+        | grep -v "^DEBUG" | tee "$OUT/diag-w4mma.log" | tail -12 ;;
+  2a)  # the fused decode launches A/B (interleaved, fresh engines), then the Gluon FP8 gemm2 against the TMA kernel
+    timeout 100 python3 benchmarks/diag_fp8_gluon.py --out-json "$OUT/diag-fp8-gluon.json" 2>&1 | grep -v "^DEBUG" \
+        | tee "$OUT/diag-fp8-gluon.log" | tail -12
     timeout 260 python3 benchmarks/bench_generate.py --models qwen3 --layers qwen3=12 --batches 1 --paths one_liner \
         --variants qwen3:1=one_liner_fuse_norm+one_liner_fuse_linears+one_liner_fused_router --repeat 3 --budget-s 230 \
         --out-json "$OUT/generate-fused-ab.json" 2>&1 | tee "$OUT/generate-fused-ab.log" | quiet | grep "^|" | tail -12 ;;
@@ -342,9 +347,7 @@ s19)  # the next session's calls (STEP=1|2|3), each under 9 minutes; logs and JS
     timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/hf/test_compressed_gpu.py 2>&1 \
         | grep -v "^DEBUG" | tee "$OUT/tests-compressed.log" | tail -5
     timeout 90 python3 -m moecomp tune --fp8 lean -v --rep 10 --budget-s 40 --presets deepseek_v3 --tokens 8192 \
-        --copy-to "$OUT" 2>&1 | tee "$OUT/tune-fp8-ds8192.log" | grep "/1 \|rror" | cut -c1-220
-    timeout 100 python3 benchmarks/diag_fp8_gluon.py --out-json "$OUT/diag-fp8-gluon.json" 2>&1 | grep -v "^DEBUG" \
-        | tee "$OUT/diag-fp8-gluon.log" | tail -12 ;;
+        --copy-to "$OUT" 2>&1 | tee "$OUT/tune-fp8-ds8192.log" | grep "/1 \|rror" | cut -c1-220 ;;
   3)
     TEST_PATHS="tests/ops tests/kernels" TEST_WORKERS=12 TEST_TIMEOUT=250 EXCL_TIMEOUT=30 "$0" tests
     timeout 100 python3 benchmarks/bench_routes.py --presets qwen3_30b_a3b --tokens 1,64 --generate 12 --batches 1,32 \
