@@ -66,7 +66,7 @@ class FastGenerate:
     static-cache step, so CPU models keep transformers' loop unless ``cpu = True`` (the tests run the engine's logic
     on CPU that way)."""
 
-    __slots__ = ("model", "engine", "enabled", "cpu", "last", "_t0", "_record")
+    __slots__ = ("model", "engine", "enabled", "cpu", "last", "_t0", "_record", "_modes")
     # Set by api/routing.py (the layer above), for return_routed_experts: moecomp.record_routing, and
     # engine_blocks(model) -> (the bound MoE blocks in module order, None) or (None, why the engine cannot record)
     recorder = None
@@ -79,6 +79,7 @@ class FastGenerate:
         self.cpu = False
         self.last: dict = {}
         self._t0 = None  # perf_counter at the call's start (the host-time breakdown of ``last``)
+        self._modes: dict = {}  # _mode_key -> _mode_reason (transformers' config resolution deep-copies: ~1 ms)
         self._record = None  # the blocks the engine records this call (return_routed_experts), else None
 
     def _engine(self) -> Engine:
@@ -103,18 +104,12 @@ class FastGenerate:
                 return f"{k} given"
         if len(args) > 1:
             return "positional arguments after the inputs"
-        try:
-            gc, _ = self.model._prepare_generation_config(kwargs.get("generation_config"),
-                                                          **{k: v for k, v in kwargs.items()
-                                                             if k != "generation_config"})
-            mode = gc.get_generation_mode(None)
-        except Exception as e:  # let transformers raise its own error
-            return f"generation config: {type(e).__name__}"
-        if getattr(mode, "name", str(mode)) not in ("GREEDY_SEARCH", "SAMPLE"):
-            return f"decoding mode {getattr(mode, 'name', mode)}"
-        if gc.cache_implementation is not None:
-            return f"cache_implementation={gc.cache_implementation!r} in the generation config"
-        return None
+        key = _mode_key(self.model, kwargs)
+        if key not in self._modes:
+            if len(self._modes) >= 16:
+                self._modes.pop(next(iter(self._modes)))
+            self._modes[key] = _mode_reason(self.model, kwargs)
+        return self._modes[key]
 
     def __call__(self, *args, **kwargs):
         if kwargs.pop("return_routed_experts", False):
@@ -185,13 +180,14 @@ class FastGenerate:
 
     def _generate(self, args, kwargs):
         m = self.model
+        t_call = time.perf_counter()  # host setup counts our own checks too
         fast = kwargs.pop("moecomp_fast", True)
         why = "moecomp_fast=False" if not fast else self._plain_reason(args, kwargs)
         if why is not None:
             self.last = {"path": "transformers", "reason": why}
             return type(m).generate(m, *args, **kwargs)
         self.last = {}
-        self._t0 = time.perf_counter()
+        self._t0 = t_call
         try:
             out = type(m).generate(m, *args, custom_generate=decode, **kwargs)
         finally:
@@ -205,7 +201,39 @@ class FastGenerate:
 
     def __setstate__(self, state):
         self.model, self.enabled, self.cpu = state["model"], state["enabled"], state.get("cpu", False)
-        self.engine, self.last, self._t0, self._record = None, {}, None, None
+        self.engine, self.last, self._t0, self._record, self._modes = None, {}, None, None, {}
+
+
+def _mode_reason(model, kwargs) -> str | None:
+    """Why transformers' own loop must run this call's decoding mode (None: greedy or sampling on a dynamic cache,
+    which the engine runs): the generation config transformers resolves from the call's arguments, the model's
+    generation config and its config."""
+    try:
+        gc, _ = model._prepare_generation_config(kwargs.get("generation_config"),
+                                                 **{k: v for k, v in kwargs.items() if k != "generation_config"})
+        mode = gc.get_generation_mode(None)
+    except Exception as e:  # let transformers raise its own error
+        return f"generation config: {type(e).__name__}"
+    if getattr(mode, "name", str(mode)) not in ("GREEDY_SEARCH", "SAMPLE"):
+        return f"decoding mode {getattr(mode, 'name', mode)}"
+    if gc.cache_implementation is not None:
+        return f"cache_implementation={gc.cache_implementation!r} in the generation config"
+    return None
+
+
+def _mode_key(model, kwargs) -> str:
+    """Everything ``_mode_reason`` reads, as text: the call's arguments (a tensor by its type alone: the mode does
+    not depend on values), the generation config given or the model's, and the model's config, each by the repr of
+    its attributes, so a changed attribute is a new key (an object whose repr hides its state cannot give a wrong
+    answer either: the key then holds its identity)."""
+    def text(v):
+        if isinstance(v, torch.Tensor):
+            return "Tensor"
+        if hasattr(v, "__dict__") and not isinstance(v, type):
+            return f"{type(v).__name__}@{id(v)}:{sorted(vars(v).items(), key=lambda kv: kv[0])!r}"
+        return repr(v)
+    args = sorted((k, text(v)) for k, v in kwargs.items())
+    return repr((args, text(getattr(model, "generation_config", None)), text(getattr(model, "config", None))))
 
 
 def _from_recorder(rec, seq: torch.Tensor) -> torch.Tensor:

@@ -136,6 +136,37 @@ def test_falls_back_to_transformers_with_the_same_result(kw, reason):
         assert torch.equal(got.sequences, want.sequences)
 
 
+def test_remembered_decoding_mode_follows_config_changes(monkeypatch):
+    """``_plain_reason`` remembers transformers' resolution of the decoding mode (it deep-copies the configs: ~0.4 ms
+    a call on this CPU); a change of the model's generation config, of its config or of the call's arguments must
+    change the answer, never reuse a stale one. Counts the resolutions to show the memo is used at all."""
+    from moecomp.generate import hf_generate
+
+    _, opt = _pair("qwen3_moe")
+    ids, mask = prompts(opt.config.vocab_size, 1, 5, seed=2)
+    calls = []
+    real = hf_generate._mode_reason
+    monkeypatch.setattr(hf_generate, "_mode_reason", lambda m, kw: calls.append(1) or real(m, kw))
+    fg = opt.generate
+    for _ in range(3):
+        assert fg._plain_reason((ids,), dict(attention_mask=mask, max_new_tokens=2)) is None
+    assert len(calls) == 1
+    opt.generation_config.num_beams = 2  # the model's config changed in place: a new key, a new answer
+    assert "decoding mode" in fg._plain_reason((ids,), dict(attention_mask=mask, max_new_tokens=2))
+    opt.generation_config.num_beams = 1
+    assert fg._plain_reason((ids,), dict(attention_mask=mask, max_new_tokens=2)) is None
+    assert "decoding mode" in fg._plain_reason((ids,), dict(attention_mask=mask, max_new_tokens=2, num_beams=3))
+    gc = copy.deepcopy(opt.generation_config)
+    assert fg._plain_reason((ids,), dict(generation_config=gc, max_new_tokens=2)) is None
+    gc.num_beams = 2  # a config object passed in, changed between calls
+    assert "decoding mode" in fg._plain_reason((ids,), dict(generation_config=gc, max_new_tokens=2))
+    n = len(calls)
+    assert "decoding mode" in fg._plain_reason((ids,), dict(generation_config=gc, max_new_tokens=2))
+    assert len(calls) == n  # the same call again: remembered
+    got = opt.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert opt.generate.last["path"] == "transformers" or got.shape == (1, 8)
+
+
 def test_streamer_and_user_cache_go_to_transformers():
     from transformers import DynamicCache
     from transformers.generation.streamers import BaseStreamer
