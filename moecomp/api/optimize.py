@@ -259,6 +259,9 @@ def optimize(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool
     the report names with the exception) give one ``UserWarning`` per call; ``strict=True`` raises
     :class:`OptimizeError` (naming each block and its reason) instead, before ``generate`` is replaced.
 
+    4-bit experts (``PackedExperts``) with MOECOMP_W4_FORM=mma: re-laid once, in place, to the "mma" layout before
+    the checks (``QuantSpec.layout``; ``Report.w4_relaid``; docs/QUANT4.md); ``unoptimize`` restores the packed bytes.
+
     Memory: beyond one plain forward of a block, recognising and checking it takes at most about
     ``policy.WORKING_MEMORY_BYTES`` (1 GiB); a probe that still runs out of device memory is tried again smaller, then
     on the CPU, and the report says so.
