@@ -61,7 +61,7 @@ from .report import (BlockReport, Report, fill_from_spec as _fill_from_spec, exp
                      router_style)
 from ..recognise.recognise import fx_available, structure_key  # noqa: F401 (structure_key re-exported)
 from ..bind import bind as _bind
-from ..formats import fp8 as _fp8
+from ..formats import fp8 as _fp8, packed as _packed
 from ..recognise import router_probe as _router_probe
 from ..bind.impl_switch import unclaimed
 from ..core.parts import BlockParts
@@ -259,6 +259,9 @@ def optimize(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool
     the report names with the exception) give one ``UserWarning`` per call; ``strict=True`` raises
     :class:`OptimizeError` (naming each block and its reason) instead, before ``generate`` is replaced.
 
+    4-bit experts (``PackedExperts``) with MOECOMP_W4_FORM=mma: re-laid once, in place, to the "mma" layout before
+    the checks (``QuantSpec.layout``; ``Report.w4_relaid``; docs/QUANT4.md); ``unoptimize`` restores the packed bytes.
+
     Memory: beyond one plain forward of a block, recognising and checking it takes at most about
     ``policy.WORKING_MEMORY_BYTES`` (1 GiB); a probe that still runs out of device memory is tried again smaller, then
     on the CPU, and the report says so.
@@ -268,8 +271,10 @@ def optimize(model: nn.Module, *, use_capture: bool = True, trust_fallback: bool
     from ..generate.warm_cache import before_optimize
 
     before_optimize(model)  # Triton kernels another process compiled and saved, before the checks run them
+    relaid = _w4_relayout(model)
     rep = _walk(model, bind_it=True, use_capture=use_capture, trust_fallback=trust_fallback,
                 experts_only=experts_only)
+    rep.w4_relaid = relaid
     meta = [b.name or "<root>" for b in rep.blocks if RejectCode.META_TENSORS in b.codes]
     if meta:
         shown = ", ".join(meta[:3]) + (f" and {len(meta) - 3} more" if len(meta) > 3 else "")
@@ -307,9 +312,19 @@ def unoptimize(model: nn.Module):
     for m in model.modules():
         _bind.unbind(m)
         _fp8.unbind_linear(m)
+    _packed.relayout_experts(model, "packed", only_relaid=True)  # the packed bytes back (in place, exactly)
     if "_moecomp_report" in model.__dict__:
         del model._moecomp_report
     return model
+
+
+def _w4_relayout(model: nn.Module) -> list[str]:
+    """With the 4-bit "mma" form asked (MOECOMP_W4_FORM=mma), every ``PackedExperts`` that can take its layout is
+    re-laid once, in place, before the checks run (``formats/packed.py``: ``QuantSpec.layout`` "mma", no second copy;
+    ``unoptimize`` restores the packed bytes). The names of those re-laid."""
+    from ..ops.triton_quant4 import options
+
+    return _packed.relayout_experts(model, "mma") if options()["w4_form"] == "mma" else []
 
 
 def rewritten_blocks(model: nn.Module) -> dict[str, nn.Module]:

@@ -201,6 +201,8 @@ class Report:
     # FP8Linear-like modules (attention, dense MLPs, shared experts): {"modules": n, "bound": n (to
     # moecomp.ops.fp8_linear), "refused": {name: why}}
     fp8_linear: dict = field(default_factory=dict)
+    # PackedExperts re-laid in place to the 4-bit "mma" layout before the checks (MOECOMP_W4_FORM=mma; QuantSpec.layout)
+    w4_relaid: list = field(default_factory=list)
 
     @property
     def rewritten(self) -> list[BlockReport]:

@@ -77,7 +77,12 @@ def expand_scales(scale: torch.Tensor, rows: int, cols: int, quant: QuantSpec, h
 def dequantize(q: torch.Tensor, scale: torch.Tensor, quant: QuantSpec, halves: int = 1,
                zero: torch.Tensor | None = None) -> torch.Tensor:
     """[..., rows, cols] fp8 (or [..., rows, cols / 2] packed 4-bit) + scales (+ int4 zeros) -> fp32 weights
-    [..., rows, cols]: exact (each weight a code times a power of two, or a small integer times the stored scale)."""
+    [..., rows, cols]: exact (each weight a code times a power of two, or a small integer times the stored scale).
+    Packed 4-bit codes only: the "mma" layout (``QuantSpec.layout``) is a ValueError (read it back first:
+    ``ops/w4_layout.restore``; the oracle has its own decode)."""
+    if quant.packed and quant.layout != "packed":
+        raise ValueError(f"quant.layout={quant.layout!r}: dequantize reads packed 4-bit codes; restore the mma bytes "
+                         f"to the packed layout first (moecomp.ops.w4_layout.restore)")
     if quant.packed:
         return _dequantize_4bit(q, scale, quant, zero)
     rows, cols = q.shape[-2:]

@@ -145,7 +145,7 @@ from moecomp.core.spec_checks import (  # noqa: F401  (re-exported: the allowed 
     SCALE_DTYPES,
     QUANT_ACTIVATIONS, CAPACITY_PER, EXPERT_BIASES, PER_EXPERT_NORMS, FP8_MAX, SpecError, expert_bias_fields,
     check_activation as _check_activation, check_softcaps as _check_softcaps, check_quant, check_shared_norm,
-    validate_moe,
+    validate_moe, fields_from_key, spec_key,
 )
 from moecomp.core import spec_describe
 from moecomp.core.spec_parallel import ParallelSpec, check_parallel, parallel_from_dict  # the sharded experts' part
@@ -176,6 +176,7 @@ class QuantSpec:
     activation: str = "dynamic"
     act_group: int = 128
     zero_point: bool = False  # int4: w = (u - zero) * s with a zero per row and group (w13_zero / w2_zero); else u - 8
+    layout: str = "packed"  # 4-bit codes: "packed" (two a byte) | "mma" (ops/w4_layout.py; docs/QUANT4.md)
 
     @property
     def per_token(self) -> bool:
@@ -207,8 +208,8 @@ class QuantSpec:
 
     @functools.cached_property
     def key(self) -> str:
-        """A compact, canonical string (the ``fp8_linear`` op's ``quant`` argument)."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        """A compact, canonical string (the ``fp8_linear`` op's ``quant`` argument; ``spec_checks.spec_key``)."""
+        return spec_key(dataclasses.asdict(self))
 
     @staticmethod
     def from_key(key: str) -> "QuantSpec":
@@ -391,9 +392,8 @@ class MoESpec:
     # ------------------------------------------------------------ serialise
     @functools.cached_property
     def key(self) -> str:
-        """A compact, canonical string: the op's ``spec`` argument."""
-        d = dataclasses.asdict(self)
-        return json.dumps(d, sort_keys=True, separators=(",", ":"))
+        """A compact, canonical string: the op's ``spec`` argument (``spec_checks.spec_key``)."""
+        return spec_key(dataclasses.asdict(self))
 
     @staticmethod
     def from_key(key: str) -> "MoESpec":
@@ -542,37 +542,13 @@ class MoESpec:
         return spec_describe.describe(self)
 
 
-_FIELD_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
-
-
-def _fields_from_key(d, cls, key: str, where: str) -> dict:
-    """The JSON object ``d`` checked against ``cls``'s fields: SpecError naming a missing, unknown or mistyped one."""
-    if not isinstance(d, dict):
-        raise SpecError(f"spec string {key[:80]!r}: {where} must be a JSON object of {cls.__name__} fields, "
-                        f"got {type(d).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - set(fields))
-    if unknown:
-        raise SpecError(f"spec string {key[:80]!r}: unknown {cls.__name__} field(s) {unknown}; expected only "
-                        f"{sorted(fields)}")
-    missing = [n for n, f in fields.items() if n not in d and f.default is dataclasses.MISSING]
-    if missing:
-        raise SpecError(f"spec string {key[:80]!r}: missing required {cls.__name__} field(s) {missing}")
-    for name, value in d.items():
-        ok = _FIELD_TYPES.get(fields[name].type)
-        if ok is not None and (not isinstance(value, ok) or (bool not in ok and isinstance(value, bool))):
-            raise SpecError(f"spec string {key[:80]!r}: {cls.__name__} field {name}={value!r} should be "
-                            f"{fields[name].type}")
-    return d
-
-
 @functools.lru_cache(maxsize=256)
 def _quant_from_key(key: str) -> QuantSpec:
     try:
         d = json.loads(key)
     except json.JSONDecodeError as e:
         raise SpecError(f"quant string {key[:80]!r} is not a QuantSpec key (JSON of the QuantSpec fields): {e}") from e
-    q = QuantSpec(**_fields_from_key(d, QuantSpec, key, "the quant spec"))
+    q = QuantSpec(**fields_from_key(d, QuantSpec, key, "the quant spec"))
     q.validate()
     return q
 
@@ -584,17 +560,17 @@ def _spec_from_key(key: str) -> MoESpec:
         d = json.loads(key)
     except json.JSONDecodeError as e:
         raise SpecError(f"spec string {key[:80]!r} is not a MoESpec key (JSON of the MoESpec fields): {e}") from e
-    d = dict(_fields_from_key(d, MoESpec, key, "the spec"))
+    d = dict(fields_from_key(d, MoESpec, key, "the spec"))
     shared = d.pop("shared", None)
     if shared is not None:
-        shared = dict(_fields_from_key(shared, SharedExpertSpec, key, "'shared'"))
+        shared = dict(fields_from_key(shared, SharedExpertSpec, key, "'shared'"))
         sq = shared.pop("quant", None)
-        sq = None if sq is None else QuantSpec(**_fields_from_key(sq, QuantSpec, key, "'shared.quant'"))
+        sq = None if sq is None else QuantSpec(**fields_from_key(sq, QuantSpec, key, "'shared.quant'"))
         shared = SharedExpertSpec(**shared, quant=sq)
     quant = d.pop("quant", None)
     if quant is not None:
-        quant = QuantSpec(**_fields_from_key(quant, QuantSpec, key, "'quant'"))
+        quant = QuantSpec(**fields_from_key(quant, QuantSpec, key, "'quant'"))
     par = d.pop("parallel", None)
     if par is not None:
-        par = parallel_from_dict(par, key, _fields_from_key)
+        par = parallel_from_dict(par, key, fields_from_key)
     return MoESpec(**d, shared=shared, quant=quant, parallel=par)

@@ -4,6 +4,8 @@ re-exports them."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 
@@ -17,6 +19,7 @@ GATE_UP = ("concat", "interleaved")
 # packed two a byte along the input dim (low nibble first) with "group" scales (one per row and block_k columns).
 QUANT_WEIGHTS = ("fp8_e4m3", "mxfp4", "int4")
 PACKED_WEIGHTS = ("mxfp4", "int4")  # two codes a byte
+W4_LAYOUTS = ("packed", "mma")  # QuantSpec.layout of 4-bit codes: as stored, or ops/w4_layout.py's re-encoding
 QUANT_SCALES = ("block", "channel", "tensor", "group")
 # ue8m0: powers of two stored as a biased exponent byte (torch.float8_e8m0fnu); fp16 / bf16: int4 checkpoints' scales
 SCALE_DTYPES = ("fp32", "ue8m0", "fp16", "bf16")
@@ -71,6 +74,9 @@ def check_quant(q, who: str = "") -> None:
     if q.act_group == 0 and q.activation != "dynamic":
         raise SpecError(f"{who}quant.act_group=0 (one scale per token over the whole row) needs activation "
                         f"'dynamic', got activation={q.activation!r}")
+    if q.layout not in W4_LAYOUTS or (q.layout != "packed" and q.weight not in PACKED_WEIGHTS):
+        raise SpecError(f"{who}quant.layout={q.layout!r}: expected one of {W4_LAYOUTS} ('mma' for 4-bit weights "
+                        f"only: mxfp4, int4), weight={q.weight!r}")
     if q.weight in PACKED_WEIGHTS:
         _check_4bit(q, who)
         return
@@ -394,3 +400,39 @@ def check_softcaps(s, who: str) -> None:
                         f"gated experts with activation 'silu' and no activation_clamp / activation_clamp_after (got "
                         f"activation={s.activation!r}, gated={s.gated}, activation_clamp={s.activation_clamp}, "
                         f"activation_clamp_after={s.activation_clamp_after})")
+
+
+FIELD_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+
+
+def fields_from_key(d, cls, key: str, where: str) -> dict:
+    """The JSON object ``d`` checked against ``cls``'s fields: SpecError naming a missing, unknown or mistyped one."""
+    if not isinstance(d, dict):
+        raise SpecError(f"spec string {key[:80]!r}: {where} must be a JSON object of {cls.__name__} fields, "
+                        f"got {type(d).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise SpecError(f"spec string {key[:80]!r}: unknown {cls.__name__} field(s) {unknown}; expected only "
+                        f"{sorted(fields)}")
+    missing = [n for n, f in fields.items() if n not in d and f.default is dataclasses.MISSING]
+    if missing:
+        raise SpecError(f"spec string {key[:80]!r}: missing required {cls.__name__} field(s) {missing}")
+    for name, value in d.items():
+        ok = FIELD_TYPES.get(fields[name].type)
+        if ok is not None and (not isinstance(value, ok) or (bool not in ok and isinstance(value, bool))):
+            raise SpecError(f"spec string {key[:80]!r}: {cls.__name__} field {name}={value!r} should be "
+                            f"{fields[name].type}")
+    return d
+
+
+def spec_key(d: dict) -> str:
+    """A spec's fields ``d`` (``dataclasses.asdict``) as its key: canonical JSON, with a QuantSpec's ``layout`` left
+    out where it is "packed" (the default), so that every key reads as it did before that field."""
+    def drop(v):
+        if not isinstance(v, dict):
+            return v
+        quant = "weight" in v and v.get("layout") == "packed"  # a QuantSpec's fields (SharedExpertSpec has no weight)
+        return {k: drop(x) for k, x in v.items() if not (quant and k == "layout")}
+
+    return json.dumps(drop(d), sort_keys=True, separators=(",", ":"))

@@ -17,6 +17,15 @@ A weight goes through ``torch.ops.moecomp.dequant_4bit(q, scale, zero, quant)`` 
 vocabulary for 4-bit weights (as ``dequant_fp8`` is for FP8): one node whose inputs are the packed tensors.
 ``optimize`` binds a block holding this module to ``moe_forward`` with ``spec.quant`` set, reading the packed
 tensors in place.
+
+Layout (``QuantSpec.layout``; docs/QUANT4.md). ``set_layout("mma")`` re-lays w13 / w2 in place (``ops/w4_layout.py``:
+each expert's 32-bit words rewritten in the same storage, one expert's temporaries at a time; never a second copy)
+and sets ``quant.layout``; ``set_layout("packed")`` restores the packed bytes exactly. ``optimize`` does it to every
+``PackedExperts`` that can take it when MOECOMP_W4_FORM=mma (``relayout_experts``), before the checks run, and
+``unoptimize`` restores them. While re-laid, everything that reads the codes goes by the layout: ``dequant_4bit``
+(this module's forward) reads the mma bytes back to packed ones per expert (a copy of that expert's bytes), the op's
+Triton path reads them as they are, ``state_dict()`` holds the packed bytes (copies, made at that call), and
+``load_state_dict`` takes packed bytes (a checkpoint's) and re-lays them as it loads.
 """
 
 from __future__ import annotations
@@ -24,15 +33,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import dataclasses
+
 from ..core import quant as q8
 from ..oracle import reference
 from ..core.spec import QuantSpec, SpecError
+from ..core.spec_checks import W4_LAYOUTS
+from ..ops import w4_layout
+
+CODES = ("w13", "w2")  # the 4-bit code tensors (a layout re-lays these; scales and zeros are read as stored)
 
 
 @torch.library.custom_op("moecomp::dequant_4bit", mutates_args=())
 def dequant_4bit(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, quant: str) -> torch.Tensor:
-    """[..., rows, cols / 2] packed 4-bit + group scales (+ int4 zeros) -> fp32 [..., rows, cols]."""
-    return q8.dequantize(q, scale, QuantSpec.from_key(quant), zero=zero)
+    """[..., rows, cols / 2] 4-bit codes in ``quant``'s layout + group scales (+ int4 zeros) -> fp32 [..., rows,
+    cols] (the mma layout read back to packed bytes first: ``w4_layout.unpack``)."""
+    q, qs = w4_layout.unpack(q, QuantSpec.from_key(quant))
+    return q8.dequantize(q, scale, qs, zero=zero)
 
 
 @dequant_4bit.register_fake
@@ -75,6 +92,11 @@ class PackedExperts(nn.Module):
                         ("w13_zero", w13_zero), ("w2_zero", w2_zero), ("b13", b13), ("b2", b2)):
             setattr(self, name, _frozen(t))
         self.spec().validate()
+        (getattr(self, "register_state_dict_post_hook", None) or self._register_state_dict_hook)(_packed_state)
+        if hasattr(self, "register_load_state_dict_pre_hook"):
+            self.register_load_state_dict_pre_hook(_relay_on_load)
+        else:  # (torch < 2.5)
+            self._register_load_state_dict_pre_hook(_relay_on_load, with_module=True)
         from ..ops.moe_op import check_args
 
         x = torch.empty(0, self.hidden_size, dtype=torch.bfloat16, device=w13.device)
@@ -94,6 +116,24 @@ class PackedExperts(nn.Module):
         """The op's expert arguments by name (``EXPERT_ARGS`` + scales / zeros where held)."""
         names = ("w13", "b13", "w2", "b2", "w13_scale", "w2_scale", "w13_zero", "w2_zero")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None or n in ("b13", "b2")}
+
+    def set_layout(self, layout: str) -> bool:
+        """w13 / w2 re-laid in place to ``layout`` ("packed" | "mma": the module docstring) and ``quant.layout`` set;
+        whether anything changed. A ValueError naming the tensor (before either is touched) when one cannot take it
+        (K not a multiple of 8, not contiguous, not 4-byte aligned)."""
+        if layout not in W4_LAYOUTS:
+            raise ValueError(f"layout={layout!r}: expected one of {W4_LAYOUTS}")
+        if layout == self.quant.layout:
+            return False
+        for name in CODES:
+            w4_layout.check_in_place(getattr(self, name), self.quant, name)
+        fn = w4_layout.relayout_ if layout == "mma" else w4_layout.restore_
+        with torch.no_grad():
+            for name in CODES:
+                fn(getattr(self, name).detach(), self.quant)  # (detach: the same storage and version counter)
+        self.quant = dataclasses.replace(self.quant, layout=layout)
+        self._quant_key = self.quant.key
+        return True
 
     def dequantized(self, name: str, e) -> torch.Tensor:
         """fp32 weight ``name`` ("w13" / "w2") of expert(s) ``e`` (an index, or each pair's expert [S]: [S, rows,
@@ -155,3 +195,40 @@ class PackedExperts(nn.Module):
             y = y + self.b2[eid].float()
         y = y * weights.reshape(-1, 1).float()
         return y.view(T, k, self.hidden_size).sum(dim=1)
+
+
+def _packed_state(module: PackedExperts, state_dict, prefix: str, local_metadata) -> None:
+    """``state_dict()`` of a re-laid module: its codes as packed bytes (copies; the checkpoint format)."""
+    if module.quant.layout != "packed":
+        for name in CODES:
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = w4_layout.restore(state_dict[prefix + name].detach(), module.quant)
+
+
+def _relay_on_load(module: PackedExperts, state_dict, prefix: str, *args) -> None:
+    """``load_state_dict`` into a re-laid module: the incoming packed codes re-laid (copies) before they are loaded."""
+    if module.quant.layout != "packed":
+        for name in CODES:
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = w4_layout.relayout(state_dict[prefix + name], module.quant)
+
+
+def relayout_experts(model: nn.Module, layout: str, only_relaid: bool = False) -> list[str]:
+    """Every ``PackedExperts`` of ``model`` set to ``layout`` (``set_layout``) where it can take it (its tensors
+    checked by ``w4_layout.check_in_place``; meta tensors skipped); ``only_relaid``: only those an earlier call
+    re-laid (marked ``_moecomp_relaid``). The names of the modules changed."""
+    done = []
+    for name, m in model.named_modules():
+        if not isinstance(m, PackedExperts) or (only_relaid and not m.__dict__.get("_moecomp_relaid")):
+            continue
+        if any(getattr(m, n).is_meta for n in CODES):
+            continue
+        try:
+            for n in CODES:
+                w4_layout.check_in_place(getattr(m, n), m.quant, n)
+        except ValueError:
+            continue  # (this one keeps its layout: the op runs the device's default form on packed weights)
+        if m.set_layout(layout):
+            m.__dict__["_moecomp_relaid"] = layout != "packed"
+            done.append(name)
+    return done

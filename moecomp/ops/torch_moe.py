@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ..core import policy
 from ..core import quant as q8
 from ..core.spec import MoESpec
-from . import cpu_act, cpu_route, cpu_shared, latent, norms
+from . import cpu_act, cpu_route, cpu_shared, latent, norms, w4_layout
 from .backend import Routed
 from .common import split_fused_gate
 from .zero_experts import zero_term
@@ -128,7 +128,8 @@ def _experts_quantized(x, topk_ids, topk_weights, args: dict, spec: MoESpec) -> 
 def _dequantized_linear(xs: torch.Tensor, args: dict, name: str, halves: int, sorted_ids: torch.Tensor,
                         offs: torch.Tensor, spec: MoESpec) -> torch.Tensor:
     """xs [P, in] (sorted by expert) times each row's expert's weight ``name`` dequantized -> fp32 [P, out]: the
-    experts hit, a chunk at a time (each chunk's weights dequantized, used, freed)."""
+    experts hit, a chunk at a time (each chunk's weights dequantized, used, freed; 4-bit weights held in the mma
+    layout read back to packed bytes per chunk: ``w4_layout.unpack``)."""
     q, scale, zero = args[name], args[f"{name}_scale"], args.get(f"{name}_zero")
     rows, cols = q.shape[-2], q.shape[-1] * (2 if spec.quant.packed else 1)
     out = torch.empty(xs.shape[0], rows, dtype=torch.float32, device=xs.device)
@@ -140,7 +141,8 @@ def _dequantized_linear(xs: torch.Tensor, args: dict, name: str, halves: int, so
     starts, ends_l = (ends - counts).tolist(), ends.tolist()
     for c0, c1 in policy.expert_chunks(len(starts), rows * cols * 4):
         ids = hit[c0:c1]
-        w = q8.dequantize(q[ids], scale[ids], spec.quant, halves, None if zero is None else zero[ids])  # [c, out, in]
+        qc, qs = w4_layout.unpack(q[ids], spec.quant)  # (the mma layout: this chunk's packed bytes, a copy)
+        w = q8.dequantize(qc, scale[ids], qs, halves, None if zero is None else zero[ids])  # [c, out, in]
         r0, r1 = starts[c0], ends_l[c1 - 1]
         local = torch.cumsum(counts[c0:c1], 0).to(torch.int32)
         out[r0:r1] = grouped_linear(xs[r0:r1], w.transpose(-2, -1), local, torch.searchsorted(

@@ -427,7 +427,8 @@ def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=No
         return combine(y, T, k, out, shared, gate, zx.combine_kwargs(spec, x, ids, weights))
     ids_direct = direct(ids)
     gemv = triton_quant4_gemv.wanted(spec, dec, x, args)  # 4-bit experts on the dot-free kernels (mode "gemv")
-    q1, q2 = (triton_quant4.direct_kwargs(q, x.device, gemv) for q in expert_quant(args, spec, cfg, T))
+    layout = spec.quant.layout if spec.quant is not None else "packed"
+    q1, q2 = (triton_quant4.direct_kwargs(q, x.device, gemv, layout) for q in expert_quant(args, spec, cfg, T))
     if gemv:
         return triton_quant4_gemv.routed(x, ids_direct[0], weights, args, spec, out, shared, gate, dec, q1, q2, join,
                                          _pdl(x.device, gemm=True))

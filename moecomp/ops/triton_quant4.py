@@ -17,7 +17,8 @@ interleave); or MOECOMP_W4_FOLD=0|1 / MOECOMP_W4_FORM=interleave|split|dot_scale
 interpreter runs "split" instead); "mma" (opt-in: ``kernels/quant4_mma.py`` on ``ops/w4_layout.py``'s re-laid
 weights, ``gemm_weights``; the aligned GEMMs and the decode path's DIRECT gemm1 / gemm2 and down-combine, while the
 GEMV kernels keep the packed weights and the default form: ``direct_kwargs``; also a BLOCK_N of at least 16:
-``tile``). Default (``DEFAULT_FORM``): "dot_scaled" on CUDA, measured on an H200 (2026-12-03, 41626bb,
+``tile``); weights held in the mma layout (``QuantSpec.layout`` "mma": re-laid once, in place, by ``optimize`` when
+MOECOMP_W4_FORM=mma) always take the "mma" form and never the GEMV kernels. Default (``DEFAULT_FORM``): "dot_scaled" on CUDA, measured on an H200 (2026-12-03, 41626bb,
 ``benchmarks/results/nvidia-h200-2026-12-03-41626bb-diag-quant4.json``, gpt-oss-120b layer): 0.60-0.68x the
 interleave form's time at T = 1, 4, 16, 64 (87 against 128 us at T = 1), the split form 1.04-1.15x; int4 and fp32 x
 take interleave. Under the interpreter (CPU tests): interleave.
@@ -97,7 +98,9 @@ def expert_kwargs(quant, args: dict, cfg: dict | None) -> tuple[dict, dict]:
     "mma" form only where both weights take its layout (``w4_layout.fits``: H and I multiples of 8), else the
     device's default form; with it, W4_K32 where the GEMM's K is a multiple of 32 (16-byte word loads)."""
     opts = options(cfg)
-    if opts["w4_form"] == "mma" and not (w4_layout.fits(args["w13"]) and w4_layout.fits(args["w2"])):
+    if quant.layout == "mma":  # the weights are held in the mma layout (re-laid at optimize): only this form reads it
+        opts["w4_form"] = "mma"
+    elif opts["w4_form"] == "mma" and not (w4_layout.fits(args["w13"]) and w4_layout.fits(args["w2"])):
         opts["w4_form"] = None
     opts["w4_form"] = device_form(opts["w4_form"], args["w13"].device)
     q1 = quant4_kwargs(quant, args["w13_scale"], args.get("w13_zero"), opts)
@@ -125,10 +128,13 @@ def tile(c: dict, kw: dict) -> dict:
 
 
 def gemm_weights(quant, args: dict, q1: dict | None, q2: dict | None) -> tuple:
-    """(w13, w2) the aligned GEMMs and the decode path's DIRECT / down-combine kernels read: the mma layout
-    (``w4_layout.relaid``: made once per weight tensor) when ``q1`` / ``q2`` ask for the "mma" form, else ``args``'
-    packed tensors."""
+    """(w13, w2) the aligned GEMMs and the decode path's DIRECT / down-combine kernels read: ``args``' tensors as held
+    when ``quant.layout`` is "mma" (re-laid once at optimize, in place); for packed weights the mma layout
+    (``w4_layout.relaid``: a cached copy per weight tensor) when ``q1`` / ``q2`` ask for the "mma" form, else
+    ``args``' packed tensors."""
     w13, w2 = args["w13"], args["w2"]
+    if quant.layout == "mma":
+        return w13, w2
     if q1 is not None and q1.get("W4_FORM") == MMA:
         w13 = w4_layout.relaid(w13, quant)
     if q2 is not None and q2.get("W4_FORM") == MMA:
@@ -136,10 +142,14 @@ def gemm_weights(quant, args: dict, q1: dict | None, q2: dict | None) -> tuple:
     return w13, w2
 
 
-def direct_kwargs(q: dict | None, device: torch.device, gemv: bool) -> dict | None:
+def direct_kwargs(q: dict | None, device: torch.device, gemv: bool, layout: str = "packed") -> dict | None:
     """``q`` for the decode path: the DIRECT gemm1 / gemm2 and the fused down-combine take every form, the "mma" one
     included (on ``gemm_weights``' re-laid tensors); the dot-free GEMV kernels (``gemv``) read the packed layout, so
-    for them the "mma" form is replaced by the device's default form."""
+    for them the "mma" form is replaced by the device's default form, and weights held in the mma layout
+    (``layout``, ``QuantSpec.layout``) are refused (``triton_quant4_gemv.wanted`` never picks them)."""
+    if gemv and layout != "packed":
+        raise ValueError(f"layout={layout!r}: the GEMV decode kernels read packed 4-bit codes; weights held in the mma "
+                         f"layout take the DIRECT dot kernels (MOECOMP_W4_DECODE=dot)")
     if q is None or q.get("W4_FORM") != MMA or not gemv:
         return q
     q = {k: v for k, v in q.items() if k not in ("W4_FORM", "W4_K32")}

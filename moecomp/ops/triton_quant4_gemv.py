@@ -67,9 +67,10 @@ def layout_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
 
 
 def wanted(spec: MoESpec, dec: dict | None, x: torch.Tensor, args: dict) -> bool:
-    """This decode call runs on the GEMV kernels: 4-bit experts, mode "gemv" (``mode``) and ``layout_ok``."""
+    """This decode call runs on the GEMV kernels: 4-bit experts held packed (``QuantSpec.layout``: never the mma
+    layout, which the DIRECT dot kernels read), mode "gemv" (``mode``) and ``layout_ok``."""
     q = spec.quant
-    return (q is not None and q.packed and dec is not None and mode(dec) == "gemv"
+    return (q is not None and q.packed and q.layout == "packed" and dec is not None and mode(dec) == "gemv"
             and layout_ok(x, args["w13"], args["w2"]))
 
 
@@ -120,7 +121,10 @@ def _quant(q: dict) -> tuple:
 def routed(x, ids_flat, weights, args: dict, spec: MoESpec, out, shared, gate, dec: dict | None, q1: dict,
            q2: dict, join=None, launch: dict | None = None) -> torch.Tensor:
     """x [T, H] -> out [T, H] = sum_k weight * expert(x) (+ gated shared): ``gemm1`` then ``decode_down``.
-    ``ids_flat`` [P] int32, ``weights`` [T, k] fp32; ``q1`` / ``q2``: ``triton_quant4.quant4_kwargs`` of w13 / w2."""
+    ``ids_flat`` [P] int32, ``weights`` [T, k] fp32; ``q1`` / ``q2``: ``triton_quant4.quant4_kwargs`` of w13 / w2.
+    Packed weights only (a ValueError for ``QuantSpec.layout`` "mma": these kernels would read its bytes as packed)."""
+    if spec.quant.layout != "packed":
+        raise ValueError(f"spec.quant.layout={spec.quant.layout!r}: the GEMV decode kernels read packed 4-bit codes")
     b13, b2 = _unit_stride(args["b13"]), _unit_stride(args["b2"])
     h = gemm1(x, args["w13"], b13, spec, ids_flat, weights.shape[1], q1, weights, dec, launch)
     return decode_down(h, args["w2"], b2, ids_flat, weights.reshape(-1), spec, out, shared, gate, q2, dec, join, x,

@@ -27,13 +27,18 @@ the kernel reads them as stored): a pure re-encoding inside each 4-byte word, wi
     relayout(q, quant) -> the mma bytes (a new tensor; int4: ``q`` itself when its rows are 4-byte words already)
     restore(r, quant)  -> the packed bytes (the exact inverse: restore(relayout(q)) == q byte for byte)
     relaid(q, quant)   -> relayout(q), computed once per weight tensor and kept while the tensor lives (what the op
-                          calls: the first call with the form pays it; the copy costs another 4 bits a weight)
+                          calls on packed weights with the form asked: the copy costs another 4 bits a weight)
+    relayout_(q, quant) / restore_(r, quant) -> the same in place: each expert's words rewritten in q's own storage
+                          (one expert's int32 temporaries at a time; no second copy). What ``optimize`` does once to
+                          a ``PackedExperts`` when the form is asked (``QuantSpec.layout`` "mma"): the op then reads
+                          the weights as they are (``unpack``: the packed bytes back, a copy, for the torch paths)
 
 Needs K % 8 == 0 (whole words: ``fits``). Chunked over the leading dim (int32 temporaries of one expert).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
@@ -108,6 +113,45 @@ def restore(r: torch.Tensor, quant) -> torch.Tensor:
     return _map(r, _mx_decode)
 
 
+def check_in_place(q: torch.Tensor, quant, name: str) -> None:
+    """ValueError naming ``name`` unless ``q`` can be re-laid in place: packed 4-bit codes with K % 8 == 0, contiguous
+    and 4-byte aligned (its rows viewed as int32 words)."""
+    _check(q, quant, name)
+    if not (q.is_contiguous() and q.data_ptr() % 4 == 0):
+        raise ValueError(f"{name}: re-laid in place only when contiguous and 4-byte aligned (whole 32-bit words); got "
+                         f"strides {tuple(q.stride())}, address % 4 = {q.data_ptr() % 4}")
+
+
+def _in_place(q: torch.Tensor, quant, name: str, fn) -> torch.Tensor:
+    check_in_place(q, quant, name)
+    if quant.weight == "mxfp4":  # (int4: the two layouts are the same bytes)
+        flat = q.view(-1, *q.shape[-2:])
+        for i in range(flat.shape[0]):  # one expert's int32 temporaries at a time
+            w = flat[i].view(torch.int32)
+            w.copy_(fn(w))
+    return q
+
+
+def relayout_(q: torch.Tensor, quant) -> torch.Tensor:
+    """``relayout`` in place: ``q``'s own storage rewritten expert by expert (contiguous, 4-byte aligned); returns
+    ``q``."""
+    return _in_place(q, quant, "q", _mx_encode)
+
+
+def restore_(r: torch.Tensor, quant) -> torch.Tensor:
+    """``restore`` in place (``relayout_``'s inverse); returns ``r``."""
+    return _in_place(r, quant, "r", _mx_decode)
+
+
+def unpack(q: torch.Tensor, quant) -> tuple:
+    """(packed bytes, packed QuantSpec) of weights ``q`` held in ``quant.layout``: ``(q, quant)`` when packed, else
+    ``restore(q)`` (a copy of what ``q`` holds: index one expert or a chunk first) and the spec with layout
+    "packed". What the torch paths call before ``core.quant.dequantize`` (which reads packed codes only)."""
+    if getattr(quant, "layout", "packed") == "packed":
+        return q, quant
+    return restore(q, quant), dataclasses.replace(quant, layout="packed")
+
+
 def relaid(q: torch.Tensor, quant) -> torch.Tensor:
     """``relayout(q, quant)``, once per weight tensor: kept (keyed by the tensor's address, shape, strides and
     version, checked against the tensor object itself) until ``q`` is freed or written to."""
@@ -116,12 +160,12 @@ def relaid(q: torch.Tensor, quant) -> torch.Tensor:
     if hit is not None and hit[0]() is q and hit[1] == q._version:
         return hit[2]
     out = relayout(q, quant)
-    ref = weakref.ref(q, lambda r, k=key: _forget(k, r))
+    ref = weakref.ref(q, lambda r, k=key, c=_CACHE: _forget(c, k, r))  # (c bound: callbacks may run at exit)
     _CACHE[key] = (ref, q._version, out)
     return out
 
 
-def _forget(key: tuple, ref) -> None:
+def _forget(cache: dict, key: tuple, ref) -> None:
     """Drop ``key``'s entry when its weight tensor dies (not a newer entry at the same address)."""
-    if _CACHE.get(key, (None,))[0] is ref:
-        del _CACHE[key]
+    if cache.get(key, (None,))[0] is ref:
+        del cache[key]

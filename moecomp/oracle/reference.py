@@ -27,8 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..core import quant as q8
-from .reference_quant import fake_quant_act as _act_q
+from .reference_quant import dequantize_weight as _deq, fake_quant_act as _act_q
 from .reference_activations import (  # noqa: F401  (re-exported: reference.gated_activation, ...)
     activation, gated_activation, softcap, spec_gated)
 from .reference_steps import (  # noqa: F401  (re-exported: reference.rms_norm, ... as before the split)
@@ -423,10 +422,10 @@ def _experts_quantized(x, ids, weights, tensors, spec: MoESpec, acc, scales):
         a2 = None if a2_scale is None else a2_scale[e]
         w = weights[tok, slot, None].to(acc)
         xe = _act_q(_on_input(x[tok], w, spec), qs, a13).to(acc)
-        h = xe @ q8.dequantize(w13[e], w13_scale[e], qs, halves, _at(w13_zero, e)).to(acc).T
+        h = xe @ _deq(w13[e], w13_scale[e], qs, halves, _at(w13_zero, e)).to(acc).T
         h = _gate_up(h if b13 is None else h + b13[e].to(acc), spec)
         he = _act_q(h.to(x.dtype) if x.dtype != acc else h, qs, a2).to(acc)
-        y = he @ q8.dequantize(w2[e], w2_scale[e], qs, zero=_at(w2_zero, e)).to(acc).T
+        y = he @ _deq(w2[e], w2_scale[e], qs, zero=_at(w2_zero, e)).to(acc).T
         y = y if b2 is None else y + b2[e].to(acc)
         out.index_add_(0, tok, y if spec.weight_on_input else y * w)
     return out
@@ -503,7 +502,7 @@ def shared_experts(x: torch.Tensor, shared_w1, shared_w3, shared_w2, shared_gate
 
 def quantized_linear(x: torch.Tensor, w, scale, quant, acc=torch.float32) -> torch.Tensor:
     """x [n, in] @ dequantize(w [out, in], scale).T, x quantized as ``quant.activation`` says."""
-    return _act_q(x, quant).to(acc) @ q8.dequantize(w, scale, quant).to(acc).T
+    return _act_q(x, quant).to(acc) @ _deq(w, scale, quant).to(acc).T
 
 
 def _shared_quantized(x, w1, w3, w2, gate_w, spec: MoESpec, acc, s1, s3, s2):

@@ -63,6 +63,9 @@ def to_checkpoint(experts: nn.Module) -> dict[str, torch.Tensor]:
     """{suffix: tensor} of one experts module in the checkpoint format: a ``PackedExperts`` as held (views), a 16-bit
     ``GptOssExperts`` (gate_up_proj [E, H, 2I], down_proj [E, I, H]) quantized."""
     if isinstance(experts, PackedExperts):
+        if experts.quant.layout != "packed":
+            raise ValueError(f"PackedExperts holds its codes in the {experts.quant.layout!r} layout (re-laid by "
+                             "optimize with MOECOMP_W4_FORM=mma): moecomp.unoptimize(model) restores the packed bytes")
         if (experts.quant != QUANT or experts.gate_up != "interleaved" or experts.activation != "swiglu_oai"
                 or experts.b13 is None or experts.b2 is None):
             raise ValueError(f"PackedExperts ({experts.quant.weight}, {experts.gate_up}, {experts.activation}, "
