@@ -1,8 +1,8 @@
 """Offline (no GPU) checks of the Gluon FP8 GEMMs (``kernels/gluon_fp8.py``, ``gluon_fp8_gemm1.py``) for sm_90:
 their PTX from ``triton.compile`` with an explicit target, and, where this Triton ships a ptxas that reads that
-PTX, the SASS: the overlap the kernel is for exists only if ptxas keeps ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (one wgmma in flight while
-the previous step's product is promoted) and reports no serialization (C7514: an in-flight accumulator read by a
-non-wgmma instruction, e.g. a phi copy; C7512: too few registers). Run it without TRITON_INTERPRET (the
+PTX, the SASS: the overlap the kernels are for exists only if ptxas keeps ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (one
+wgmma in flight while the previous step's product is promoted) and reports no serialization (C7514: an in-flight
+accumulator read by a non-wgmma instruction, e.g. a phi copy; C7512: too few registers). Run it without TRITON_INTERPRET (the
 interpreter's jit functions do not compile)."""
 
 from __future__ import annotations
