@@ -2,8 +2,8 @@
 their PTX from ``triton.compile`` with an explicit target, and, where this Triton ships a ptxas that reads that
 PTX, the SASS: the overlap the kernels are for exists only if ptxas keeps ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (one
 wgmma in flight while the previous step's product is promoted) and reports no serialization (C7514: an in-flight
-accumulator read by a non-wgmma instruction, e.g. a phi copy; C7512: too few registers). Run it without TRITON_INTERPRET (the
-interpreter's jit functions do not compile)."""
+accumulator read by a non-wgmma instruction, e.g. a phi copy; C7512: too few registers). Run it without
+TRITON_INTERPRET (the interpreter's jit functions do not compile)."""
 
 from __future__ import annotations
 
