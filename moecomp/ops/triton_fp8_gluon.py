@@ -143,14 +143,13 @@ def chunk1(nk: int, bm: int) -> tuple[int, int]:
 
 def unsupported1(spec, x: torch.Tensor, w13: torch.Tensor, q: dict, bm: int) -> str | None:
     """Why the Gluon gemm1 cannot take this call (None: it can); the caller (``triton_fp8_tma.gemm1``) has checked
-    ``gemm1_ok`` (e4m3 [E, out, in] weights, TMA rows, gate / up concatenated)."""
+    ``gemm1_ok`` (e4m3 [E, out, in] weights, TMA rows, gate / up concatenated). The device is checked last (the
+    other reasons show on CPU too)."""
     from .act_args import act_args
 
     api = gluon_api(gemm1=True)
     if api is not None:
         return api
-    if w13.device.type != "cuda" or torch.cuda.get_device_capability(w13.device)[0] != 9:
-        return "not a CUDA compute capability 9.x device (wgmma)"
     if q.get("A_QUANT") != 3 or q.get("W_SCALE") != 1:
         return "not w8a8 prequant with block weight scales"
     if not spec.gated:
@@ -165,6 +164,8 @@ def unsupported1(spec, x: torch.Tensor, w13: torch.Tensor, q: dict, bm: int) -> 
         return f"block scales {q['Q_BLOCK_N']}x{q['Q_BLOCK_K']} (Q_BLOCK_K 128, Q_BLOCK_N a multiple of {bn})"
     if x.shape[-1] % 128 or w13.shape[-1] != x.shape[-1]:
         return "H not a multiple of 128"
+    if w13.device.type != "cuda" or torch.cuda.get_device_capability(w13.device)[0] != 9:
+        return "not a CUDA compute capability 9.x device (wgmma)"
     return None
 
 
