@@ -1,6 +1,7 @@
 """Probe of the Gluon FP8 gemm2 (kernels/gluon_fp8.py) on this machine, in seconds: Triton's version, whether each
 Gluon name / keyword the kernel uses exists here (feature checks, as ops/triton_fp8_gluon.gluon_api), then on CUDA
-(compute capability 9.x) a few tiny gemm2 calls against a plain-torch dequantized reference (max error printed).
+(compute capability 9.x) a few tiny gemm2 calls and gemm1 calls (``moecomp.testing.gluon_gemm1_case``) against
+plain-torch dequantized references (max error printed).
 
     PYTHONPATH=. python3 benchmarks/probe_gluon.py
 
@@ -35,6 +36,9 @@ def api_report() -> dict:
         out[f"hopper.{n}"] = hasattr(hopper, n)
     for n in ("async_load", "async_copy_global_to_shared"):
         out[f"tma.{n}"] = hasattr(hopper.tma, n)
+    for n in ("BlockedLayout", "SwizzledSharedLayout", "exp", "erf", "div_rn", "max", "abs", "full"):  # gemm1
+        out[f"gl.{n}"] = hasattr(gl, n)
+    out["shared_memory_descriptor.slice"] = hasattr(getattr(gl, "shared_memory_descriptor", None), "slice")
     for n in ("init", "expect", "wait", "invalidate", "MBarrierLayout"):
         out[f"mbarrier.{n}"] = hasattr(hopper.mbarrier, n)
     if hasattr(hopper, "warpgroup_mma"):
@@ -161,8 +165,39 @@ def main() -> int:
         nk = I // 128
         print(f"  E={E} H={H} I={I} (K steps {nk}, chunk/tail {fg.chunk(nk)}) rows {counts} BLOCK_M {bm}: "
               f"max |y - ref| / max |ref| = {err:.2e}")
-    print(f"worst {worst:.2e} ({'ok' if worst < 1e-2 else 'BAD'}: bf16 output rounding is 2^-9 = 2.0e-3 relative)")
-    return 0 if worst < 1e-2 else 1
+    print(f"gemm2 worst {worst:.2e} ({'ok' if worst < 1e-2 else 'BAD'}: bf16 output rounding is 2^-9 = 2.0e-3 "
+          f"relative)")
+    worst1 = probe_gemm1(fg.gluon_api(gemm1=True))
+    return 0 if worst < 1e-2 and worst1 < 5e-2 else 1
+
+
+def probe_gemm1(api: str | None) -> float:
+    """Tiny Gluon gemm1 calls against the dequantized reference: max |h - ref| / max |ref| over the rows holding a
+    pair (bf16 h: 2^-9 rounding plus x's e4m3 codes; Q_OUT: e4m3's 2^-4). Returns the worst, scaled to the bf16
+    bound (Q_OUT errors divided by 4)."""
+    from moecomp.ops import triton_fp8_gluon as fg
+    from moecomp.testing import gluon_gemm1_case as g1
+
+    print(f"launcher gluon_api(gemm1=True): {api or 'ok'}")
+    if api is not None:
+        return float("inf")
+    worst = 0.0
+    for E, H, I, counts, bm, kw in ((2, 256, 256, [70, 33], 64, {}), (3, 384, 256, [5, 0, 130], 128, dict(bias=True)),
+                                    (2, 256, 128, [64, 1], 64, dict(h_quant=True, act="gelu_tanh")),
+                                    (1, 128, 128, [1], 128, {})):
+        c = g1.make_case1(E, H, I, counts, bm, **kw)
+        fg.FALLBACKS.clear()
+        out = g1.run1(c, gluon=True)
+        torch.cuda.synchronize()
+        rows = g1.valid_rows(c)
+        h, ref = g1.dense_h(out)[rows], g1.reference1(c)[rows]
+        err = ((h - ref).abs().max() / ref.abs().max()).item()
+        quant = hasattr(out, "s")
+        worst = max(worst, (err / 4 if quant else err) if err == err else float("inf"))
+        print(f"  gemm1 E={E} H={H} I={I} rows {counts} BLOCK_M {bm} {kw} (Q_OUT {quant}, fallbacks "
+              f"{fg.fallbacks() or 'none'}): max |h - ref| / max |ref| = {err:.2e}")
+    print(f"gemm1 worst {worst:.2e} ({'ok' if worst < 5e-2 else 'BAD'})")
+    return worst
 
 
 if __name__ == "__main__":

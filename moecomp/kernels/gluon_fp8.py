@@ -26,7 +26,7 @@ BN = 128. Supported: block weight scales with Q_BLOCK_K = 128 and Q_BLOCK_N a mu
 weight scale per step), fp32 or ue8m0; the launcher (ops/triton_fp8_gluon.py) checks and falls back otherwise.
 
 API surface: Triton 3.6 (GPU machine) and 3.9 (here) differ in the TMA load's name (``tma.async_copy_global_to_shared``
-until the rename, ``tma.async_load`` after, the old name raising); ``_tma_load`` picks by feature.
+until the rename, ``tma.async_load`` after, the old name raising); ``tma_load`` picks by feature.
 """
 
 from triton.experimental import gluon
@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                  warpgroup_mma_wait)
 
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
@@ -43,8 +43,8 @@ def _issue(h_desc, w_desc, a_s, b_s, bars, slot, row0, wrow0, k, pred, STEP_BYTE
     """TMA loads of K step ``k``'s A and B tiles into ring slot ``slot`` (skipped where not ``pred``)."""
     bar = bars.index(slot)
     mbarrier.expect(bar, STEP_BYTES, pred=pred)
-    _tma_load(h_desc, [row0, k * BLOCK_K], bar, a_s.index(slot), pred=pred)
-    _tma_load(w_desc, [wrow0, k * BLOCK_K], bar, b_s.index(slot), pred=pred)
+    tma_load(h_desc, [row0, k * BLOCK_K], bar, a_s.index(slot), pred=pred)
+    tma_load(w_desc, [wrow0, k * BLOCK_K], bar, b_s.index(slot), pred=pred)
 
 
 @gluon.jit
@@ -62,7 +62,7 @@ def _step_scale(hs, k, ws, stride_sk, UE8M0: gl.constexpr):
 
 
 @gluon.jit
-def _mma(a_s, b_s, bars, k, zero, STAGES: gl.constexpr):
+def mma_step(a_s, b_s, bars, k, zero, STAGES: gl.constexpr):
     """Wait for step k's tiles, issue its wgmma (async) into a fresh step accumulator."""
     slot = k % STAGES
     mbarrier.wait(bars.index(slot), (k // STAGES) & 1)
@@ -87,9 +87,9 @@ def _chunk(acc, k0, zero, hs, ws, stride_sk, h_desc, w_desc, a_s, b_s, bars, row
     promoted. No product is in flight at the chunk's ends: an in-flight step accumulator carried through a loop or
     a branch is copied (a phi), ptxas then waits for every wgmma of the kernel (C7514 "wgmma.mma_async
     instructions are serialized"). So one promotion a chunk (its last) runs with no MMA beside it."""
-    prev = _mma(a_s, b_s, bars, k0, zero, STAGES)
+    prev = mma_step(a_s, b_s, bars, k0, zero, STAGES)
     for i in gl.static_range(1, STEPS):
-        cur = _mma(a_s, b_s, bars, k0 + i, zero, STAGES)
+        cur = mma_step(a_s, b_s, bars, k0 + i, zero, STAGES)
         acc = _promote(acc, prev, 1, hs, ws, stride_sk, h_desc, w_desc, a_s, b_s, bars, row0, wrow0, k0 + i - 1, nk,
                        UE8M0, STEP_BYTES, BLOCK_K, STAGES)
         prev = cur

@@ -67,6 +67,12 @@ def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, q: dic
     the launch options of a GEMM."""
     sorted_ids, block_expert, num_padded, max_blocks = aligned
     T, H = x.shape
+    if fp8_gluon.enabled():  # opt-in (MOECOMP_FP8_GLUON=1): the Gluon gemm1 where it takes the call, else counted
+        why = fp8_gluon.unsupported1(spec, x, w13, q, bm)
+        if why is None:
+            xa = _quantize_gathered(x, sorted_ids, num_padded, T * k, k)
+            return fp8_gluon.gemm1(xa, w13, b13, spec, aligned, T * k, bm, q, wk, x.dtype)
+        fp8_gluon.FALLBACKS["gemm1: " + why] += 1
     I = spec.intermediate_size
     S = sorted_ids.numel()
     bn, bk = c1["BLOCK_N"], c1["BLOCK_K"]
@@ -108,7 +114,7 @@ def gemm2(h, w2, b2, weights, aligned, P: int, bm: int, c2: dict, q: dict, y: to
         why = fp8_gluon.unsupported(hq, w2, q, bm)
         if why is None:
             return fp8_gluon.gemm2(hq, hk, w2, b2, weights, aligned, P, bm, q, y, wk)
-        fp8_gluon.FALLBACKS[why] += 1
+        fp8_gluon.FALLBACKS["gemm2: " + why] += 1
     bn, bk = c2["BLOCK_N"], c2["BLOCK_K"]
     n_prog = _programs(y.device, max_blocks * triton.cdiv(H, bn), c2.get("per_sm", 1))
     k8.moe_gemm2_tma_fp8_kernel[(n_prog,)](
