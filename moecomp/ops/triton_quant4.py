@@ -133,7 +133,7 @@ def gemm_weights(quant, args: dict, q1: dict | None, q2: dict | None) -> tuple:
     (``w4_layout.relaid``: a cached copy per weight tensor) when ``q1`` / ``q2`` ask for the "mma" form, else
     ``args``' packed tensors."""
     w13, w2 = args["w13"], args["w2"]
-    if quant.layout == "mma":
+    if quant is None or quant.layout == "mma":  # 16-bit / FP8 experts, or 4-bit ones held re-laid: as held
         return w13, w2
     if q1 is not None and q1.get("W4_FORM") == MMA:
         w13 = w4_layout.relaid(w13, quant)
