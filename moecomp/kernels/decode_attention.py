@@ -82,9 +82,10 @@ def _merge_splits(po_ptr, pm_ptr, pl_ptr, sinks_ptr, pid, Hkv, g, gmask, offs_s,
                   G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS: tl.constexpr,
                   HAS_SINKS: tl.constexpr, CACHE: tl.constexpr):
     """The combine of (row, kv head) ``pid``'s SPLITS partials for its query heads ``g`` (of the group of kv head
-    h = pid % Hkv): a scalar g with ``offs_s`` [S_PAD] (the combine kernel: one query head a program) -> out [BLOCK_DV]; a
-    vector g [GS] with ``offs_s`` [S_PAD, 1] (the one-launch kernel's last program) -> out [GS, BLOCK_DV]. ``gmask``:
-    which g are query heads (None with a scalar g); ``CACHE``: the partials' loads' cache modifier. fp32."""
+    h = pid % Hkv): a scalar g with ``offs_s`` [S_PAD] (the combine kernel: one query head a program) -> out
+    [BLOCK_DV]; a vector g [GS] with ``offs_s`` [S_PAD, 1] (the one-launch kernel's last program) -> out [GS,
+    BLOCK_DV]. ``gmask``: which g are query heads (None with a scalar g); ``CACHE``: the partials' loads' cache
+    modifier. fp32. (The combine kernel's code before this helper, line for line: its sm_90 PTX is unchanged.)"""
     offs_dv = tl.arange(0, BLOCK_DV)
     smask = offs_s < SPLITS
     row = (pid * SPLITS + offs_s) * BLOCK_G + g

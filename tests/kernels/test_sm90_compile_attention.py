@@ -4,10 +4,10 @@ with several splits: a CTA barrier before the count, the count an acq_rel atomic
 the reset an atomic exchange, the last program's partials read with ``.cg`` loads (L2, never L1), vectorized where
 the pointers are 16-byte aligned as Triton specializes them at run time; with one split: no atomic, no ``.cg``
 load (no partials). (The barrier check guards the ordering, not the ``tl.debug_barrier()`` call: Triton places a
-bar.sync there anyway today, for the count's shared-memory broadcast.) The two-launch kernels (split, combine; their code is now the shared ``_attend`` /
-``_merge_splits``) still compile, the combine with ordinary (cached) loads. bf16 operands, Qwen3-30B-A3B /
-gpt-oss sizes (G 8, head dim 128 / 64), with and without sinks. One child process (the tests run under
-TRITON_INTERPRET=1, whose jit functions do not compile)."""
+bar.sync there anyway today, for the count's shared-memory broadcast.) The two-launch kernels (split, combine;
+their code is now the shared ``_attend`` / ``_merge_splits``) still compile, the combine with ordinary (cached)
+loads. bf16 operands, Qwen3-30B-A3B / gpt-oss sizes (G 8, head dim 128 / 64), with and without sinks. One child
+process (the tests run under TRITON_INTERPRET=1, whose jit functions do not compile)."""
 
 import json
 

@@ -3,8 +3,8 @@ on CUDA at real layer sizes, bf16, against the two launches (split + combine) an
 
     sizes      Qwen3-30B-A3B (Hq 32, Hkv 4, head 128), gpt-oss (Hq 64, Hkv 8, head 64, sinks; full and sliding
                layers, window 128), DeepSeek-V3's MLA as transformers caches it (Hq = Hkv = 128, Dk 192, Dv 128:
-               G 1, 8 warps); B = 1, 8, 32; valid length n = 100, 576, 4096 (one split up to many; 2048 and others in the
-               capture test), ~10% padded positions
+               G 1, 8 warps); B = 1, 8, 32; valid length n = 100, 576, 4096 (one split up to many; 2048 and
+               others in the capture test), ~10% padded positions
     equality   one launch against two: within one bf16 rounding of the output (the merge's fp32 sums may run in
                another order: |diff| <= 1e-2 |out|max, and 99.9% of the elements equal); both within 2e-2 of the
                float32 torch attention (relative to its largest |out|)
