@@ -14,11 +14,17 @@
               the decode step) then one ``skinny_group``, against one ``norm_group`` (MOECOMP_FUSE_NORM's op),
               Qwen3-30B-A3B sizes, bf16 and e4m3 128x128 blocks weight-only, with and without the residual, 1, 2,
               4 rows (4 rows in bf16 run the unfused members either way)
+    attention the decode attention: split + combine (two launches, MOECOMP_ATTN_ONE_LAUNCH=0) against the one launch
+              (=1; one split: no partials, no counter), Qwen3-30B-A3B (Hq 32, Hkv 4, head 128), gpt-oss (Hq 64,
+              Hkv 8, head 64, sinks; full layers and sliding ones, window 128), DeepSeek-V3 MLA as cached (Hq = Hkv
+              = 128, Dk 192, Dv 128); B = --batches (1, 8, 32), context = --contexts (576, 2048, 8192: the valid
+              length, cache 64 longer); the weights column gives the splits S
 
 PDL stays as the op sets it (MOECOMP_PDL). Results: a table on stdout and, with --out-json, every row.
 
     PYTHONPATH=. python3 benchmarks/diag_fused_decode.py --out-json /tmp/fused.json
     PYTHONPATH=. python3 benchmarks/diag_fused_decode.py --parts router --tokens 1
+    PYTHONPATH=. python3 benchmarks/diag_fused_decode.py --parts attention --batches 1,8,32 --contexts 576,2048,8192
 """
 
 from __future__ import annotations
@@ -173,6 +179,39 @@ def norm_rows(rows: list[int]) -> list[dict]:
     return out
 
 
+# name -> (Hq, Hkv, Dk, Dv, sinks, window)
+ATTENTION = {"qwen3": (32, 4, 128, 128, False, 0), "gpt-oss": (64, 8, 64, 64, True, 0),
+             "gpt-oss-sliding": (64, 8, 64, 64, True, 128), "deepseek-v3-mla": (128, 128, 192, 128, False, 0)}
+
+
+def attention_rows(batches: list[int], contexts: list[int]) -> list[dict]:
+    from moecomp.ops import triton_attention as ta
+
+    out = []
+    for name, (Hq, Hkv, Dk, Dv, sinks, window) in ATTENTION.items():
+        for B in batches:
+            for ctx in contexts:
+                L = ctx + 64
+                q = torch.randn(B, Hq, Dk, device="cuda", dtype=torch.bfloat16)
+                k = torch.randn(B, Hkv, L, Dk, device="cuda", dtype=torch.bfloat16)
+                v = torch.randn(B, Hkv, L, Dv, device="cuda", dtype=torch.bfloat16)
+                keep = torch.ones(B, L, dtype=torch.bool, device="cuda")
+                n = torch.tensor(ctx, device="cuda")
+                s = (torch.randn(Hq, device="cuda") * 2).bfloat16() if sinks else None
+                run = lambda: torch.ops.moecomp.decode_attention(q, k, v, keep, n, Dk ** -0.5, s, window)  # noqa
+                got = {}
+                for one in ("0", "1"):
+                    os.environ[ta.ONE_LAUNCH_ENV] = one
+                    got[one] = (run(), _bench(run))  # the first call makes the counters, outside the capture
+                (y0, t0), (y1, t1) = got["0"], got["1"]
+                S = ta._plan(q, k, v, window)["S"]
+                out.append(dict(part="attention", model=f"{name} n={ctx}", weights=f"bf16 S={S}", rows=B,
+                                unfused_us=t0, fused_us=t1, ratio=t1 / t0, rel_diff=_rel(y1, y0)))
+                del q, k, v
+    os.environ.pop(ta.ONE_LAUNCH_ENV, None)
+    return out
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| part | model | weights | rows / tokens | unfused us | fused us | fused / unfused | check |",
              "|---|---|---|---|---|---|---|---|"]
@@ -186,9 +225,11 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="qkv,router,op,norm")
+    ap.add_argument("--parts", default="qkv,router,op,norm,attention")
     ap.add_argument("--rows", default="1,2,4", help="qkv rows")
     ap.add_argument("--tokens", default="1,2,4", help="router tokens")
+    ap.add_argument("--batches", default="1,8,32", help="attention batch rows")
+    ap.add_argument("--contexts", default="576,2048,8192", help="attention valid lengths")
     ap.add_argument("--out-json", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -205,6 +246,8 @@ def main(argv=None) -> int:
         rows += op_rows()
     if "norm" in parts:
         rows += norm_rows([int(r) for r in a.rows.split(",")])
+    if "attention" in parts:
+        rows += attention_rows([int(b) for b in a.batches.split(",")], [int(c) for c in a.contexts.split(",")])
     print(table(rows))
     if a.out_json:
         with open(a.out_json, "w") as f:

@@ -16,8 +16,9 @@ attention sinks) each query head's softmax gets one more logit, ``sinks[i]``, th
 CUDA: two Triton kernels (``kernels/decode_attention.py``, launched by ``ops/triton_attention.py``, imported on the
 first Triton call): split over the cache length (over the window, with one), each split reading only positions
 below ``n``, each kv head read once for its query heads (no repeat of K / V); then a combine over the splits, which
-adds the sink. No host sync, fixed launch sizes for
-a given shape: CUDA-graph capturable. CPU: the same math in torch (grouped view, masked softmax in fp32).
+adds the sink (or both in one launch with ``MOECOMP_ATTN_ONE_LAUNCH=1``, opt-in until measured: the split that
+finishes last combines; ``ops/triton_attention.py``). No host sync, fixed launch sizes for a given shape:
+CUDA-graph capturable. CPU: the same math in torch (grouped view, masked softmax in fp32).
 """
 
 from __future__ import annotations
