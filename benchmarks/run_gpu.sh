@@ -328,12 +328,14 @@ s19)  # the next session's calls (STEP=1|2|3), each under 9 minutes; logs and JS
   0)  # seconds: does this Triton's Gluon take the FP8 gemm2 / gemm1 (kernels/gluon_fp8*.py): right on tiny cases?
     timeout 60 python3 benchmarks/probe_gluon.py 2>&1 | grep -v "^DEBUG" | tee "$OUT/probe-gluon.log" | tail -20 ;;
   2)
-    timeout 170 python3 -m pytest -v -rfE -n 4 -p no:cacheprovider tests/kernels/test_skinny_norm_gpu.py \
+    timeout 200 python3 -m pytest -v -rfE -n 4 -p no:cacheprovider tests/kernels/test_skinny_norm_gpu.py \
         tests/ops/test_quant4_mma_gpu.py tests/ops/test_quant4_mma_load_gpu.py tests/ops/test_fp8_gluon_gpu.py \
-        > "$OUT/tests-norm-w4mma.log" 2>&1
+        tests/ops/test_attention_one_launch_gpu.py > "$OUT/tests-norm-w4mma.log" 2>&1
     grep -E "FAILED|ERROR|passed|failed" "$OUT/tests-norm-w4mma.log" | grep -v "^\[gw" | cut -c1-250 | tail -8
     timeout 60 python3 benchmarks/diag_fused_decode.py --parts norm --rows 1,2,4 --out-json "$OUT/diag-norm.json" 2>&1 \
         | grep -v "^DEBUG" | tee "$OUT/diag-norm.log" | grep "^|" | tail -14
+    timeout 90 python3 benchmarks/diag_fused_decode.py --parts attention --out-json "$OUT/diag-attn1.json" 2>&1 \
+        | grep -v "^DEBUG" | tee "$OUT/diag-attn1.log" | grep "^|" | tail -14
     timeout 100 python3 benchmarks/diag_w4_mma.py --decode --out-json "$OUT/diag-w4mma-decode.json" 2>&1 \
         | grep -v "^DEBUG" | tee "$OUT/diag-w4mma-decode.log" | tail -16
     timeout 90 python3 benchmarks/diag_w4_mma.py --tokens 16,64,128 --out-json "$OUT/diag-w4mma.json" 2>&1 \
@@ -342,7 +344,7 @@ s19)  # the next session's calls (STEP=1|2|3), each under 9 minutes; logs and JS
     timeout 150 python3 benchmarks/diag_fp8_gluon.py --out-json "$OUT/diag-fp8-gluon.json" 2>&1 | grep -v "^DEBUG" \
         | tee "$OUT/diag-fp8-gluon.log" | tail -24
     timeout 260 python3 benchmarks/bench_generate.py --models qwen3 --layers qwen3=12 --batches 1 --paths one_liner \
-        --variants qwen3:1=one_liner_fuse_norm+one_liner_fuse_linears+one_liner_fused_router --repeat 3 --budget-s 230 \
+        --variants qwen3:1=one_liner_fuse_norm+one_liner_attn1+one_liner_fuse_linears+one_liner_fused_router --repeat 3 --budget-s 230 \
         --out-json "$OUT/generate-fused-ab.json" 2>&1 | tee "$OUT/generate-fused-ab.log" | quiet | grep "^|" | tail -12 ;;
   2b)
     timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/hf/test_compressed_gpu.py 2>&1 \
