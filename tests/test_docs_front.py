@@ -110,3 +110,17 @@ def test_relative_links_resolve(rel):
     assert local, f"{rel}: no relative links found"
     missing = [link for link in local if not os.path.exists(os.path.normpath(os.path.join(base, link)))]
     assert not missing, f"{rel}: links to missing files: {missing}"
+
+
+def test_every_environment_switch_is_documented():
+    """docs/SWITCHES.md names every ``MOECOMP_*`` variable the package's code mentions (read or documented), and
+    names none the code no longer has."""
+    code = set()
+    for top, _, files in os.walk(os.path.join(ROOT, "moecomp")):
+        for f in files:
+            if f.endswith(".py"):
+                code |= set(re.findall(r"MOECOMP_[A-Z0-9_]*[A-Z0-9]", _read(os.path.join(top, f))))
+    doc = set(re.findall(r"MOECOMP_[A-Z0-9_]*[A-Z0-9]", _read("docs/SWITCHES.md")))
+    assert code, "no MOECOMP_ variable found in the package"
+    assert not code - doc, f"not in docs/SWITCHES.md: {sorted(code - doc)}"
+    assert not doc - code, f"docs/SWITCHES.md names variables the package no longer has: {sorted(doc - code)}"
