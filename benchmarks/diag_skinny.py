@@ -26,6 +26,7 @@ SHAPES = {  # name: (N, K)
     "qwen3 q_proj": (4096, 2048), "qwen3 k_proj": (512, 2048), "qwen3 o_proj": (2048, 4096),
     "deepseek q_b_proj": (24576, 1536), "deepseek kv_a_proj": (576, 7168), "deepseek o_proj": (7168, 16384),
     "deepseek shared gate_up": (4096, 7168),
+    "gpt-oss-120b q_proj": (4096, 2880), "gpt-oss-120b k_proj": (512, 2880), "gpt-oss-120b o_proj": (2880, 4096),
 }
 SWEEP = dict(BLOCK_N=(4, 8, 16, 32), BLOCK_K=(256, 512, 1024), REDUCE_END=(1, 0), num_stages=(3,), num_warps=(4,))
 

@@ -19,7 +19,7 @@
 #                                   compute-sanitizer memcheck (with .ab/routing_old.py too, to show the probe fails)
 #   benchmarks/run_gpu.sh mixfp8    issue 39: Mixtral FP8's token disagreement: op tests, tiny generate, 8 layers table on/off
 #   benchmarks/run_gpu.sh heur      issue 39: moecomp's layer grid with this GPU's table, then without it
-#   benchmarks/run_gpu.sh s19       STEP=0|1|2|2a|2b|3: the next session's calls (0: the Gluon probe) (tests named, Mixtral FP8 by block, fused A/B)
+#   benchmarks/run_gpu.sh s19       STEP=0|1|2|2a|2b|2c|3: the next session's calls (0: the Gluon probe; 2c: skinny tiles) (tests named, Mixtral FP8 by block, fused A/B)
 #   benchmarks/run_gpu.sh e2e80     issue 39: generate() at full depth on an 80 GB GPU: Qwen3-30B-A3B bf16 and FP8,
 #                                   Mixtral-8x7B FP8 (built in FP8), B=1,8,32, one process each, under 540 s in all
 set -uo pipefail
@@ -351,6 +351,10 @@ s19)  # the next session's calls (STEP=1|2|3), each under 9 minutes; logs and JS
         | grep -v "^DEBUG" | tee "$OUT/tests-compressed.log" | tail -5
     timeout 90 python3 -m moecomp tune --fp8 lean -v --rep 10 --budget-s 40 --presets deepseek_v3 --tokens 8192 \
         --copy-to "$OUT" 2>&1 | tee "$OUT/tune-fp8-ds8192.log" | grep "/1 \|rror" | cut -c1-220 ;;
+  2c)  # the skinny projections' tiles on this GPU (tuned on the H200 only; 62% of the copy rate on the H100's Qwen3
+       # step): heuristic vs a swept best at 1 and 2 rows, Qwen3 / DeepSeek-V3 / gpt-oss-120b shapes
+    timeout 240 python3 benchmarks/diag_skinny.py --rows 1,2 --sweep-budget-s 180 --out-json "$OUT/diag-skinny.json" \
+        2>&1 | grep -v "^DEBUG" | tee "$OUT/diag-skinny.log" | grep "^|" | tail -32 ;;
   3)
     TEST_PATHS="tests/ops tests/kernels" TEST_WORKERS=12 TEST_TIMEOUT=250 EXCL_TIMEOUT=30 "$0" tests
     timeout 100 python3 benchmarks/bench_routes.py --presets qwen3_30b_a3b --tokens 1,64 --generate 12 --batches 1,32 \
