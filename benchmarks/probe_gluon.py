@@ -19,7 +19,11 @@ import triton
 
 
 def api_report() -> dict:
-    """{name: present} for every Gluon name and keyword the kernel and its launcher use."""
+    """{what: present} for every Gluon name and keyword the kernels and their launcher use (the launcher's lists,
+    ops/triton_fp8_gluon); where Triton versions spell a thing differently (3.6 / 3.9), one entry names the
+    spelling found here."""
+    from moecomp.ops import triton_fp8_gluon as fg
+
     out = {}
     try:
         from triton.experimental import gluon
@@ -28,35 +32,47 @@ def api_report() -> dict:
     except ImportError as e:
         return {f"triton.experimental.gluon ({e})": False}
     out["gluon.jit"] = hasattr(gluon, "jit")
-    out["gluon.GluonASTSource"] = hasattr(gluon, "GluonASTSource")
-    for n in ("NVMMADistributedLayout", "NVMMASharedLayout", "SliceLayout", "allocate_shared_memory", "arange",
-              "static_range", "zeros", "load", "store", "where", "cdiv", "program_id", "float8e4nv"):
+    for n in fg.GL_NAMES + fg.GEMM1_NAMES:
         out[f"gl.{n}"] = hasattr(gl, n)
-    for n in ("warpgroup_mma", "warpgroup_mma_wait", "fence_async_shared"):
+    for n in fg.HOPPER_NAMES:
         out[f"hopper.{n}"] = hasattr(hopper, n)
-    for n in ("async_load", "async_copy_global_to_shared"):
-        out[f"tma.{n}"] = hasattr(hopper.tma, n)
-    for n in ("BlockedLayout", "SwizzledSharedLayout", "exp", "erf", "div_rn", "max", "abs", "full"):  # gemm1
-        out[f"gl.{n}"] = hasattr(gl, n)
+    load = next((n for n in fg.TMA_LOADS if hasattr(getattr(hopper, "tma", None), n)), None)
+    out[f"TMA load: tma.{load}" if load else "TMA load: tma." + " / ".join(fg.TMA_LOADS)] = load is not None
     out["shared_memory_descriptor.slice"] = hasattr(getattr(gl, "shared_memory_descriptor", None), "slice")
     for n in ("init", "expect", "wait", "invalidate", "MBarrierLayout"):
-        out[f"mbarrier.{n}"] = hasattr(hopper.mbarrier, n)
-    if hasattr(hopper, "warpgroup_mma"):
-        sig = inspect.signature(hopper.warpgroup_mma)
-        for k in ("use_acc", "is_async"):
-            out[f"warpgroup_mma({k}=)"] = k in sig.parameters
-    if hasattr(hopper, "warpgroup_mma_wait"):
-        sig = inspect.signature(hopper.warpgroup_mma_wait)
-        for k in ("num_outstanding", "deps"):
-            out[f"warpgroup_mma_wait({k}=)"] = k in sig.parameters
-    if hasattr(hopper.mbarrier, "expect"):
-        out["mbarrier.expect(pred=)"] = "pred" in inspect.signature(hopper.mbarrier.expect).parameters
+        out[f"mbarrier.{n}"] = hasattr(getattr(hopper, "mbarrier", None), n)
+    lacking = fg.missing_keywords(hopper)
+    for path, kws in fg.KEYWORDS:
+        out.update({f"{path}({k}=)": f"{path}({k}=)" not in lacking for k in kws})
     try:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         out["gluon.nvidia.hopper.TensorDescriptor(layout)"] = "layout" in inspect.signature(TensorDescriptor).parameters
     except ImportError:
         out["gluon.nvidia.hopper.TensorDescriptor"] = False
+    out.update(_offline_report(gluon))
+    return out
+
+
+def _offline_report(gluon) -> dict:
+    """The offline compile's (moecomp/testing/gluon_sm90) version-dependent pieces: where GluonASTSource lives and
+    how a descriptor argument gets its signature type."""
+    out = {}
+    if hasattr(gluon, "GluonASTSource"):
+        out["GluonASTSource: gluon.GluonASTSource"] = True
+    else:
+        try:
+            from triton.experimental.gluon._runtime import GluonASTSource  # noqa: F401
+
+            out["GluonASTSource: gluon._runtime.GluonASTSource"] = True
+        except ImportError:
+            out["GluonASTSource (gluon / gluon._runtime)"] = False
+    try:
+        from triton.runtime.jit import mangle_type  # noqa: F401
+
+        out["descriptor signature: triton.runtime.jit.mangle_type"] = True
+    except ImportError:
+        out["descriptor signature: triton.runtime.jit.mangle_type"] = False
     return out
 
 
@@ -146,12 +162,14 @@ def main() -> int:
     rep = api_report()
     for name, ok in rep.items():
         print(f"  {'ok     ' if ok else 'MISSING'} {name}")
+    from moecomp.kernels.gluon_fp8 import tma_load
+    from moecomp.ops import triton_fp8_gluon as fg
+
+    print(f"kernels' TMA load: tma.{tma_load.__name__}")
+    print(f"launcher gluon_api(): {fg.gluon_api() or 'ok'}; gluon_api(gemm1=True): {fg.gluon_api(gemm1=True) or 'ok'}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("no CUDA compute capability 9.x device: nothing run")
         return 0
-    from moecomp.ops import triton_fp8_gluon as fg
-
-    print(f"launcher gluon_api(): {fg.gluon_api() or 'ok'}")
     worst = 0.0
     for E, H, I, counts, bm in ((2, 256, 256, [70, 33], 64), (3, 256, 768, [5, 0, 130], 64),
                                 (2, 384, 1408, [129, 64], 128), (1, 128, 128, [1], 64)):

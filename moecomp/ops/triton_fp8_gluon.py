@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import os
 
 import torch
@@ -39,29 +40,56 @@ def enabled() -> bool:
     return os.environ.get("MOECOMP_FP8_GLUON", "0") == "1"
 
 
+GL_NAMES = ("NVMMADistributedLayout", "NVMMASharedLayout", "SliceLayout", "allocate_shared_memory", "arange",
+            "static_range", "zeros", "load", "store", "where", "cdiv", "program_id", "float8e4nv")
+HOPPER_NAMES = ("warpgroup_mma", "warpgroup_mma_wait", "fence_async_shared", "mbarrier", "tma")
+TMA_LOADS = ("async_load", "async_copy_global_to_shared")  # 3.9's name, 3.6's (kernels/gluon_fp8.tma_load picks)
+KEYWORDS = (("warpgroup_mma", ("use_acc", "is_async")), ("warpgroup_mma_wait", ("num_outstanding", "deps")),
+            ("mbarrier.expect", ("pred",)))
+
+
+def missing_keywords(hopper) -> list[str]:
+    """The keywords the kernels pass that this Gluon's functions do not take ("fn(kw=)"), where the function
+    exists (a missing function is reported by name)."""
+    out = []
+    for path, kws in KEYWORDS:
+        fn = hopper
+        for part in path.split("."):
+            fn = getattr(fn, part, None)
+        if fn is None:
+            continue
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):  # pragma: no cover - a builtin without a signature: nothing to check
+            continue
+        out += [f"{path}({k}=)" for k in kws if k not in params and not any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())]
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def gluon_api(gemm1: bool = False) -> str | None:
-    """None where this Triton's Gluon has every name the kernel (``gemm1``: the gemm1 kernel) uses, else what is
-    missing (checked by feature)."""
+    """None where this Triton's Gluon has every name and keyword the kernel (``gemm1``: the gemm1 kernel) uses, else
+    what is missing (checked by feature; Triton 3.6 and 3.9 both pass, with their own TMA load names)."""
     try:
         from triton.experimental import gluon  # noqa: F401
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia import hopper
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     except ImportError as e:
         return f"no Gluon ({e})"
-    need = {gl: ("NVMMADistributedLayout", "NVMMASharedLayout", "SliceLayout", "allocate_shared_memory", "arange",
-                 "static_range", "zeros", "load", "store", "where"),
-            hopper: ("warpgroup_mma", "warpgroup_mma_wait", "fence_async_shared", "mbarrier", "tma")}
-    if gemm1:
-        need[gl] += GEMM1_NAMES
+    need = {gl: GL_NAMES + (GEMM1_NAMES if gemm1 else ()), hopper: HOPPER_NAMES}
     missing = [n for mod, names in need.items() for n in names if not hasattr(mod, n)]
     if gemm1 and not hasattr(getattr(gl, "shared_memory_descriptor", None), "slice"):
         missing.append("shared_memory_descriptor.slice")
-    if not (hasattr(hopper.tma, "async_load") or hasattr(hopper.tma, "async_copy_global_to_shared")):
-        missing.append("tma.async_load / async_copy_global_to_shared")
-    missing += [f"mbarrier.{n}" for n in ("init", "expect", "wait", "invalidate", "MBarrierLayout")
-                if not hasattr(hopper.mbarrier, n)]
+    if hasattr(hopper, "tma") and not any(hasattr(hopper.tma, n) for n in TMA_LOADS):
+        missing.append("tma." + " / ".join(TMA_LOADS))
+    if hasattr(hopper, "mbarrier"):
+        missing += [f"mbarrier.{n}" for n in ("init", "expect", "wait", "invalidate", "MBarrierLayout")
+                    if not hasattr(hopper.mbarrier, n)]
+    missing += missing_keywords(hopper)
+    if "layout" not in inspect.signature(TensorDescriptor).parameters:
+        missing.append("TensorDescriptor(layout=)")
     return f"Gluon lacks {', '.join(missing)}" if missing else None
 
 

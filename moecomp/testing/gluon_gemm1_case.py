@@ -44,7 +44,7 @@ def make_case1(E: int, H: int, I: int, counts: list[int], bm: int, top_k: int = 
     for e in range(E):  # one expert at a time: no fp32 copy of a large w13
         w13[e] = (rnd(2 * I, H) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
     spec = MoESpec(num_experts=E, top_k=top_k, hidden_size=H, intermediate_size=I, activation=act,
-                   has_expert_bias=bias, expert_bias="gemm1", weight_on_input=w_on_input)
+                   has_expert_bias=bias, expert_bias="gemm1" if bias else "both", weight_on_input=w_on_input)
     ws = rnd(E, 2 * I // 128, H // 128).abs() * 1e-3 + 1e-4
     return dict(
         spec=spec, E=E, H=H, I=I, P=P, bm=bm, k=top_k, x=rnd(-(-P // top_k), H).to(torch.bfloat16), w13=w13,

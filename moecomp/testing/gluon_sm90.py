@@ -17,12 +17,29 @@ LOOP_WAIT = "wgmma.wait_group.sync.aligned 1"
 
 
 def _desc(block):
+    """The signature type of the descriptor the launcher (``ops/triton_fp8_gluon._desc``) passes for a ``block``
+    box: as the runtime types it (``mangle_type``, 3.6 and 3.9), else the descriptor's own ``__mangle__``."""
     import torch
-    from triton.experimental.gluon.language import NVMMASharedLayout
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    t = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
-    return TensorDescriptor(t, [256, 256], [256, 1], block, NVMMASharedLayout(128, 8, 2)).__mangle__()
+    from ..ops.triton_fp8_gluon import _desc as launcher_desc
+
+    d = launcher_desc(torch.empty(256, 256, dtype=torch.float8_e4m3fn), 256, block)
+    try:
+        from triton.runtime.jit import mangle_type
+    except ImportError:  # pragma: no cover - a Triton without it
+        return d.__mangle__()
+    return mangle_type(d)
+
+
+def _ast_source():
+    """Gluon's ASTSource class: exported by ``triton.experimental.gluon`` (3.9) or only in its ``_runtime`` (3.6)."""
+    from triton.experimental import gluon
+
+    if hasattr(gluon, "GluonASTSource"):
+        return gluon.GluonASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    return GluonASTSource
 
 
 def _compile(kernel, ptr: dict, const: dict, num_warps: int):
@@ -30,7 +47,6 @@ def _compile(kernel, ptr: dict, const: dict, num_warps: int):
     from ``ptr``, constexprs from ``const`` (None-valued ones too), every other argument an i32."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import GluonASTSource
 
     sig, cvals = {}, {}
     for i, p in enumerate(inspect.signature(kernel.fn).parameters):
@@ -38,7 +54,7 @@ def _compile(kernel, ptr: dict, const: dict, num_warps: int):
             sig[p], cvals[(i,)] = "constexpr", const[p]
         else:
             sig[p] = ptr.get(p, "i32")
-    src = GluonASTSource(kernel, sig, cvals, {})
+    src = _ast_source()(kernel, sig, cvals, {})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
 
