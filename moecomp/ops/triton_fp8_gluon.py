@@ -125,7 +125,9 @@ def unsupported(h_q: torch.Tensor, w2: torch.Tensor, q: dict, bm: int) -> str | 
     return None
 
 
-def _desc(t: torch.Tensor, rows: int, block: list):
+def tma_desc(t: torch.Tensor, rows: int, block: list):
+    """Gluon's TMA descriptor of ``t`` read as [rows, t.shape[-1]] (contiguous rows), box ``block``, the kernels'
+    128-byte-swizzled e4m3 shared layout (the same constructor on Triton 3.6 and 3.9)."""
     from triton.experimental.gluon.language import NVMMASharedLayout
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -146,7 +148,7 @@ def gemm2(hq: torch.Tensor, hk: dict, w2, b2, weights, aligned, P: int, bm: int,
     ch, tail = chunk(nk)
     grid = (max_blocks * triton.cdiv(H, bn),)
     gk.moe_gemm2_gluon_fp8_kernel[grid](
-        _desc(hq, sorted_ids.numel(), [bm, 128]), hk["as_ptr"], _desc(w2.view(E * H, I), E * H, [bn, 128]),
+        tma_desc(hq, sorted_ids.numel(), [bm, 128]), hk["as_ptr"], tma_desc(w2.view(E * H, I), E * H, [bn, 128]),
         q["ws_ptr"], b2, weights, y, sorted_ids, block_expert, num_padded, P, H, I,
         hk["stride_am"], q["stride_se"], q["stride_sn"], q["stride_sk"], 0 if b2 is None else b2.stride(0),
         y.stride(0), Q_BLOCK_N=q["Q_BLOCK_N"], UE8M0=bool(q["UE8M0"]), HAS_BIAS=b2 is not None,
@@ -215,7 +217,7 @@ def gemm1(xa, w13, b13, spec, aligned, P: int, bm: int, q: dict, wk: dict, x_dty
     hs = torch.empty(S, triton.cdiv(I, ACT_GROUP), dtype=torch.float32, device=dev) if h_quant else None
     ch, tail = chunk1(H // 128, bm)
     gk1.moe_gemm1_gluon_fp8_kernel[(max_blocks * triton.cdiv(I, bn),)](
-        _desc(xa.q, S, [bm, 128]), xa.s, _desc(w13.view(E * two_i, H), E * two_i, [bn, 128]), q["ws_ptr"], b13, h,
+        tma_desc(xa.q, S, [bm, 128]), xa.s, tma_desc(w13.view(E * two_i, H), E * two_i, [bn, 128]), q["ws_ptr"], b13, h,
         hs, wk.get("topk_w_ptr"), sorted_ids, block_expert, num_padded, P, I, H, xa.s.stride(0), q["stride_se"],
         q["stride_sn"], q["stride_sk"], 0 if b13 is None else b13.stride(0), h.stride(0),
         0 if hs is None else hs.stride(0), Q_BLOCK_N=q["Q_BLOCK_N"], UE8M0=bool(q["UE8M0"]),

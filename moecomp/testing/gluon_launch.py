@@ -63,9 +63,9 @@ def compile_request(fn, req: dict):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from .gluon_sm90 import _ast_source
+    from .gluon_sm90 import ast_source
 
-    src = _ast_source()(fn, req["signature"], req["constants"], req["configs"][0])
+    src = ast_source()(fn, req["signature"], req["constants"], req["configs"][0])
     opts = dict(num_warps=req["num_warps"], num_ctas=req["num_ctas"], num_stages=req["num_stages"])
     return triton.compile(src, target=GPUTarget(*SM90), options=opts)
 

@@ -17,13 +17,13 @@ LOOP_WAIT = "wgmma.wait_group.sync.aligned 1"
 
 
 def _desc(block):
-    """The signature type of the descriptor the launcher (``ops/triton_fp8_gluon._desc``) passes for a ``block``
+    """The signature type of the descriptor the launcher (``ops/triton_fp8_gluon.tma_desc``) passes for a ``block``
     box: as the runtime types it (``mangle_type``, 3.6 and 3.9), else the descriptor's own ``__mangle__``."""
     import torch
 
-    from ..ops.triton_fp8_gluon import _desc as launcher_desc
+    from ..ops.triton_fp8_gluon import tma_desc
 
-    d = launcher_desc(torch.empty(256, 256, dtype=torch.float8_e4m3fn), 256, block)
+    d = tma_desc(torch.empty(256, 256, dtype=torch.float8_e4m3fn), 256, block)
     try:
         from triton.runtime.jit import mangle_type
     except ImportError:  # pragma: no cover - a Triton without it
@@ -31,7 +31,7 @@ def _desc(block):
     return mangle_type(d)
 
 
-def _ast_source():
+def ast_source():
     """Gluon's ASTSource class: exported by ``triton.experimental.gluon`` (3.9) or only in its ``_runtime`` (3.6)."""
     from triton.experimental import gluon
 
@@ -54,7 +54,7 @@ def _compile(kernel, ptr: dict, const: dict, num_warps: int):
             sig[p], cvals[(i,)] = "constexpr", const[p]
         else:
             sig[p] = ptr.get(p, "i32")
-    src = _ast_source()(kernel, sig, cvals, {})
+    src = ast_source()(kernel, sig, cvals, {})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
 
@@ -113,7 +113,9 @@ def _tool(name: str) -> str | None:
 
 def sass_check(ptx: str) -> dict | None:
     """ptxas -v (sm_90a) on ``ptx`` and the SASS's wgmma waits: {"info": ptxas's notes, "depbar": {N: count of
-    WARPGROUP.DEPBAR.LE gsb0, N}, "spill": spill store bytes}; None where no shipped ptxas reads this PTX."""
+    WARPGROUP.DEPBAR.LE gsb0, N}, "spill": spill store bytes, "ptxas": which (name and build)}; None where no
+    shipped ptxas reads this PTX. The first of this Triton's bundled ptxas that reads it: on 3.6 ``ptxas`` (CUDA
+    12.8, the one that Triton uses for sm_90) reads its PTX 8.7; on 3.9 only ``ptxas-blackwell`` reads PTX 9.x."""
     cuobjdump = _tool("cuobjdump")
     for name in ("ptxas", "ptxas-blackwell"):
         ptxas = _tool(name)
@@ -131,5 +133,7 @@ def sass_check(ptx: str) -> dict | None:
         for n in re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d+)", sass):
             depbar[int(n)] = depbar.get(int(n), 0) + 1
         spill = re.search(r"(\d+) bytes spill stores", r.stderr)
-        return dict(info=r.stderr, depbar=depbar, spill=int(spill.group(1)) if spill else 0, ptxas=name)
+        version = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout.strip()
+        return dict(info=r.stderr, depbar=depbar, spill=int(spill.group(1)) if spill else 0,
+                    ptxas=f"{name} ({version.splitlines()[-1] if version else '?'})")
     return None

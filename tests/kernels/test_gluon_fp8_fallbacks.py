@@ -61,3 +61,19 @@ def test_gluon_env_on_falls_back_counted(poison, monkeypatch):
     assert sum(fb.values()) == 2, fb
     ref = reference.moe_forward(*args, spec, **scales)
     assert torch.isfinite(out).all() and rel_err(out, ref) < TOL[torch.float32], rel_err(out, ref)
+
+
+def test_gluon_api_names_what_is_missing(monkeypatch):
+    """``gluon_api`` (uncached) on a Gluon stripped of both TMA load spellings (3.9's ``async_load``, 3.6's
+    ``async_copy_global_to_shared``) and with a ``warpgroup_mma_wait`` that takes no ``num_outstanding``: the reason
+    names both; the untouched Gluon of this Triton passes, gemm1's names too."""
+    from triton.experimental.gluon.language.nvidia import hopper
+
+    assert triton_fp8_gluon.gluon_api.__wrapped__() is None
+    assert triton_fp8_gluon.gluon_api.__wrapped__(gemm1=True) is None
+    for name in triton_fp8_gluon.TMA_LOADS:
+        monkeypatch.delattr(hopper.tma, name, raising=False)
+    monkeypatch.setattr(hopper, "warpgroup_mma_wait", lambda deps=None: deps)
+    why = triton_fp8_gluon.gluon_api.__wrapped__()
+    want = "Gluon lacks tma.async_load / async_copy_global_to_shared, warpgroup_mma_wait(num_outstanding=)"
+    assert why == want, why

@@ -49,7 +49,7 @@ def test_gluon_gemm1_keeps_one_wgmma_in_flight():
     for name, r in res.items():
         s = r["sass"]
         print(name, json.dumps({k: v for k, v in r.items() if k != "sass"}),
-              s and dict(depbar=s["depbar"], regs=s["regs"], spill=s["spill"]))
+              s and dict(ptxas=s["ptxas"], depbar=s["depbar"], regs=s["regs"], spill=s["spill"]))
         assert r["n128"] and r["wgmma"] > 0, f"{name}: fp8 m64n128k32 wgmmas expected"
         assert r["shared"] <= 227 * 1024, f"{name}: {r['shared']} bytes of shared memory"
         loops = [lp for lp in r["loops"] if lp[1] > 0]
