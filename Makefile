@@ -8,7 +8,7 @@ $(VENV)/.ready: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: demo test test-oldest
+.PHONY: demo test test-oldest compile-t36
 demo: $(VENV)/.ready
 	$(PY) -m moecomp demo
 
@@ -34,3 +34,13 @@ test-oldest: $(OLDEST)/.ready
 	$(OLDEST)/bin/python -m pytest -q -n 2 --dist worksteal -k "not compile_backend and not peak_memory" \
 		tests/hf/test_families.py tests/hf/test_experts_interface.py tests/hf/test_impl_switch.py \
 		tests/hf/test_mxfp4.py tests/hf/test_fp8.py tests/hf/test_inkling.py tests/hf/test_router_probe.py
+
+# The GPU machine's Triton (3.6): the offline sm_90 compile tests (Gluon FP8 GEMMs, the decode kernels) with a
+# Triton 3.6 venv, $(T36) (default /work/venv_t36: triton 3.6.0 over .venv's packages), where it exists. Not in CI.
+T36 ?= /work/venv_t36
+compile-t36:
+	@if [ -x "$(T36)/bin/python" ]; then \
+		PYTHONPATH=$(CURDIR) $(T36)/bin/python -m pytest -q -p no:cacheprovider -n 0 \
+			tests/kernels/test_gluon_fp8_compile.py tests/kernels/test_gluon_fp8_gemm1_compile.py \
+			tests/kernels/test_gluon_fp8_launch_offline.py tests/kernels/test_sm90_compile*.py; \
+	else echo "no Triton 3.6 venv at $(T36) (set T36=...): skipped"; fi
