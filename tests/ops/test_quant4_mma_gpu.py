@@ -143,6 +143,7 @@ def test_mma_form_decode_path(name, mode, monkeypatch):
     seen = _spy_forms(monkeypatch)
     want = [("gemm1", 4, 1), ("decode_down", 4, 1)] + ([("gemm2", 4, 1)] if mode == "pairs" else [])
     for T in (1, 2, 4, 8):
+        monkeypatch.delenv("MOECOMP_CONFIG", raising=False)  # not the previous T's (get_config would return it)
         cfg = tuning.get_config(spec.num_experts, spec.intermediate_size, spec.hidden_size, T, spec.top_k,
                                 torch.bfloat16, dev, spec.quant)
         dec = tuning.decode_config(cfg, T, dev)
