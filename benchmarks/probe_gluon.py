@@ -80,15 +80,10 @@ def make_case(E: int, H: int, I: int, counts: list[int], bm: int, device="cuda",
     """A gemm2 call as the op makes it: ``counts[e]`` rows for expert e, each expert's rows padded to a multiple of
     ``bm`` (padding rows: sentinel pair P), h_q / w2_q e4m3 codes with fp32 scales (h per row and 128 columns, w2 per
     128 x 128 block), routing weights per pair."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    from moecomp.testing.gluon_gemm1_case import padded_order
+
     P = sum(counts)
-    perm = torch.randperm(P, generator=g)
-    sorted_ids, block_expert, start = [], [], 0
-    for e, c in enumerate(counts):
-        n = -(-c // bm) * bm
-        sorted_ids += perm[start:start + c].tolist() + [P] * (n - c)
-        block_expert += [e] * (n // bm)
-        start += c
+    sorted_ids, block_expert = padded_order(counts, bm, seed)
     S = len(sorted_ids)
     dev = torch.device(device)
     gd = torch.Generator(device=dev).manual_seed(seed)

@@ -23,11 +23,9 @@ ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approxi
         "relu2": lambda v: F.relu(v).square()}
 
 
-def make_case1(E: int, H: int, I: int, counts: list[int], bm: int, top_k: int = 2, act: str = "silu",
-               bias: bool = False, w_on_input: bool = False, h_quant: bool = False, device="cuda",
-               seed: int = 0) -> dict:
-    """A gemm1 call (see the module docstring); ``h_quant``: gemm2 reads h quantized (the launchers may then return
-    a QAct)."""
+def padded_order(counts: list[int], bm: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    """(sorted_ids, block_expert) as the alignment makes them: the P = sum(counts) pairs in a random order, expert e
+    taking the next ``counts[e]`` of them, each expert's rows padded to a multiple of ``bm`` with the sentinel P."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     P = sum(counts)
     perm = torch.randperm(P, generator=g)
@@ -37,6 +35,16 @@ def make_case1(E: int, H: int, I: int, counts: list[int], bm: int, top_k: int = 
         sorted_ids += perm[start:start + c].tolist() + [P] * (n - c)
         block_expert += [e] * (n // bm)
         start += c
+    return sorted_ids, block_expert
+
+
+def make_case1(E: int, H: int, I: int, counts: list[int], bm: int, top_k: int = 2, act: str = "silu",
+               bias: bool = False, w_on_input: bool = False, h_quant: bool = False, device="cuda",
+               seed: int = 0) -> dict:
+    """A gemm1 call (see the module docstring); ``h_quant``: gemm2 reads h quantized (the launchers may then return
+    a QAct)."""
+    P = sum(counts)
+    sorted_ids, block_expert = padded_order(counts, bm, seed)
     dev = torch.device(device)
     gd = torch.Generator(device=dev).manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gd, device=dev)  # noqa: E731
