@@ -27,9 +27,10 @@ from moecomp.core import quant as q8
 from moecomp.core.args import MOE_ARGS
 from moecomp.core.spec import MoESpec, QuantSpec
 from moecomp.kernels import fp8, quant4_mma
-from moecomp.ops import triton_moe, triton_quant4, tuning, w4_layout
+from moecomp.ops import triton_quant4, tuning, w4_layout
 from moecomp.oracle import reference
 from moecomp.testing import quantize_moe_args, random_moe_args
+from moecomp.testing.w4_launches import record_w4_forms
 
 MX = QuantSpec.mxfp4()
 TOL = {torch.float32: 3e-5, torch.float16: 2e-3}
@@ -162,17 +163,7 @@ def mma_backend(monkeypatch):
 
 def _forms(monkeypatch):
     """The W4_FORM each gemm1 / gemm2 / decode_down launch got, and whether its weights were the mma layout."""
-    seen = []
-    for fn in ("gemm1", "gemm2", "decode_down"):
-        real = getattr(triton_moe, fn)
-
-        def spy(*a, _real=real, _fn=fn, **kw):
-            q = a[8] if _fn == "gemm1" else (a[9] if _fn == "gemm2" else kw.get("q", a[11] if len(a) > 11 else None))
-            seen.append((_fn, (q or {}).get("W4_FORM", 0)))
-            return _real(*a, **kw)
-
-        monkeypatch.setattr(triton_moe, fn, spy)
-    return seen
+    return record_w4_forms(monkeypatch)
 
 
 @pytest.mark.parametrize("case", sorted(OP))

@@ -33,9 +33,10 @@ from moecomp.core import quant as q8
 from moecomp.core.args import MOE_ARGS
 from moecomp.core.spec import MoESpec, QuantSpec, SpecError
 from moecomp.formats.packed import PackedExperts
-from moecomp.ops import triton_moe, triton_quant4, triton_quant4_gemv, w4_layout
+from moecomp.ops import triton_quant4, triton_quant4_gemv, w4_layout
 from moecomp.oracle import reference, reference_quant
 from moecomp.testing import quantize_moe_args, random_moe_args
+from moecomp.testing.w4_launches import record_w4_forms
 
 MX = QuantSpec.mxfp4()
 QUANTS = {"mxfp4": MX, "int4": QuantSpec.int4(32), "int4zp": QuantSpec.int4(32, True)}
@@ -153,17 +154,7 @@ def _relaid_args(name: str, T: int, seed: int):
 
 
 def _spy(monkeypatch):
-    seen = []
-    for fn in ("gemm1", "gemm2", "decode_down"):
-        real = getattr(triton_moe, fn)
-
-        def spy(*a, _real=real, _fn=fn, **kw):
-            q = a[8] if _fn == "gemm1" else (a[9] if _fn == "gemm2" else kw.get("q", a[11] if len(a) > 11 else None))
-            seen.append((_fn, (q or {}).get("W4_FORM", 0), a[1].data_ptr()))
-            return _real(*a, **kw)
-
-        monkeypatch.setattr(triton_moe, fn, spy)
-    return seen
+    return record_w4_forms(monkeypatch, with_weights=True)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -48,18 +48,10 @@ def _module(spec: MoESpec, named: dict, extra: dict) -> PackedExperts:
 
 
 def _spy(monkeypatch):
-    from moecomp.ops import triton_moe, triton_quant4_gemv
+    from moecomp.ops import triton_quant4_gemv
+    from moecomp.testing.w4_launches import record_w4_forms
 
-    seen = []
-    for fn in ("gemm1", "gemm2", "decode_down"):
-        real = getattr(triton_moe, fn)
-
-        def spy(*a, _real=real, _fn=fn, **kw):
-            q = a[8] if _fn == "gemm1" else (a[9] if _fn == "gemm2" else kw.get("q", a[11] if len(a) > 11 else None))
-            seen.append((_fn, (q or {}).get("W4_FORM", 0), a[1].data_ptr()))
-            return _real(*a, **kw)
-
-        monkeypatch.setattr(triton_moe, fn, spy)
+    seen = record_w4_forms(monkeypatch, with_weights=True)
 
     def gemv(*a, **kw):
         raise AssertionError("the GEMV decode kernels ran on mma-layout weights")
