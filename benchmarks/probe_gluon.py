@@ -197,7 +197,7 @@ def probe_gemm1(api: str | None) -> float:
     worst = 0.0
     for E, H, I, counts, bm, kw in ((2, 256, 256, [70, 33], 64, {}), (3, 384, 256, [5, 0, 130], 128, dict(bias=True)),
                                     (2, 256, 128, [64, 1], 64, dict(h_quant=True, act="gelu_tanh")),
-                                    (1, 128, 128, [1], 128, {})):
+                                    (1, 128, 128, [1], 128, dict(top_k=1))):
         c = g1.make_case1(E, H, I, counts, bm, **kw)
         fg.FALLBACKS.clear()
         out = g1.run1(c, gluon=True)

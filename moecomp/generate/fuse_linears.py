@@ -132,12 +132,13 @@ def _replace(graph: torch.fx.Graph, run: list) -> None:
 
 class FusingBackend:
     """A Dynamo backend: ``fuse_sibling_linears`` on each graph (unless ``linears`` is False), then the pass ``then``
-    (if any), then ``backend`` (a name or a callable)."""
+    (if any), then the passes of ``after`` in order, then ``backend`` (a name or a callable)."""
 
-    def __init__(self, backend, linears: bool = True, then=None):
+    def __init__(self, backend, linears: bool = True, then=None, after=()):
         self.backend = backend
-        self.linears = linears  # False: this pass left out (only ``then`` runs)
+        self.linears = linears  # False: this pass left out (only ``then`` / ``after`` run)
         self.then = then  # a further pass run on each graph after this one (``generate/fuse_norm.NormPass``)
+        self.after = list(after)  # passes run after ``then`` (``shared_layers.LATER_PASSES``)
         self.fused: list[list[int]] = []  # per graph compiled: the sizes of the groups made
 
     def __call__(self, gm, example_inputs):
@@ -145,8 +146,8 @@ class FusingBackend:
         self.fused.append(made)
         counters["fuse_linears"]["groups"] += len(made)
         counters["fuse_linears"]["linears"] += sum(made)
-        if self.then is not None:
-            self.then(gm)
+        for p in ([self.then] if self.then is not None else []) + self.after:
+            p(gm)
         inner = self.backend
         if isinstance(inner, str):
             from torch._dynamo import lookup_backend

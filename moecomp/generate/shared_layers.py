@@ -35,19 +35,28 @@ def _run(layer, *args, **kwargs):
     return layer(*args, **kwargs)
 
 
+def later_passes() -> list:
+    """The decode-graph passes run after ``fuse_norm``, in order: modules of ``generate/`` with ``enabled()`` (their
+    switch) and ``make_pass()`` (a callable taking the ``GraphModule``, changing it in place)."""
+    return []
+
+
 def compiled_run(phase: str, backend: str, dynamic):
     """A fresh copy of ``_run`` (its own code object: its own Dynamo cache), compiled. The decode phase's graphs go
     through ``fuse_linears.FusingBackend`` first (sibling skinny linears in one launch with ``MOECOMP_FUSE_LINEARS=1``,
     RMSNorms folded into the linears they feed with ``MOECOMP_FUSE_NORM=1``: ``fuse_norm``; opt-in until measured),
-    kept as the compiled function's ``fusing`` attribute."""
+    then the passes of ``LATER_PASSES`` that are enabled, in order; kept as the compiled function's ``fusing``
+    attribute."""
     from . import fuse_linears, fuse_norm
 
     code = _run.__code__.replace(co_name=f"moecomp_{phase}_layer")
     fn = types.FunctionType(code, _run.__globals__, f"moecomp_{phase}_layer")
     linears, norms = fuse_linears.enabled(), fuse_norm.enabled()
+    after = [m.make_pass() for m in later_passes() if m.enabled()] if phase == "decode" else []
     fusing = None
-    if phase == "decode" and (linears or norms):
-        fusing = fuse_linears.FusingBackend(backend, linears=linears, then=fuse_norm.NormPass() if norms else None)
+    if phase == "decode" and (linears or norms or after):
+        fusing = fuse_linears.FusingBackend(backend, linears=linears, then=fuse_norm.NormPass() if norms else None,
+                                            after=after)
     compiled = torch.compile(fn, dynamic=dynamic, backend=fusing or backend)
     compiled.fusing = fusing
     return compiled
