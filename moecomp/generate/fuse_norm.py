@@ -26,8 +26,9 @@ add as root whose other users all come after that place, the add goes in too and
 
 In a Qwen3-MoE decoder layer's decode graph: the pre-attention norm before q / k / v folds (its residual add is in
 the previous layer's graph); the post-attention norm (its user is ``moe_forward``) and q_norm / k_norm (their users
-are views and rotary) are found and checked, but stay. No module or attribute name takes part. ``MOECOMP_FUSE_NORM=1``
-turns the pass on (opt-in until measured on a GPU); ``moecomp.counters["fuse_norm"]`` counts the norms checked
+are views and rotary) are found and checked, but stay. No module or attribute name takes part. On by default for CUDA
+graphs of at most ``AUTO_ROWS`` (2) rows, where it measured faster (H100, 2026-12-07: 6.5% off a batch-1 Qwen3 step);
+``MOECOMP_FUSE_NORM=1`` folds every graph (the tests), ``=0`` none; ``moecomp.counters["fuse_norm"]`` counts the norms checked
 ("norms"), those folded ("folded"), the residual adds folded ("residuals") and the linears they feed ("linears").
 """
 
@@ -45,8 +46,22 @@ from ..ops.linear_group import MAX_GROUP
 from .fuse_linears import example_value, linear_ops, member
 
 
+# Rows of a decode graph up to which the fold pays, by the H100 measurement of 2026-12-07 (``diag_fused_decode.py
+# --parts norm``, Qwen3-30B-A3B's q / k / v: fused / unfused 0.72-0.97 at 1 and 2 rows, 1.16-2.04 at 4 rows, where
+# 16-bit weights leave the skinny kernel and the op falls back to eager torch; the whole step at B = 1: 1.154 against
+# 1.235 ms, results nvidia-h100-2026-12-07-1c088c1-s19-*).
+AUTO_ROWS = 2
+
+
+def mode() -> str:
+    """``MOECOMP_FUSE_NORM``: "0" off, "1" on for every graph (the tests' and the A/B's setting), anything else
+    (unset) "auto": CUDA graphs of at most ``AUTO_ROWS`` rows, where it measured faster."""
+    v = os.environ.get("MOECOMP_FUSE_NORM", "")
+    return {"0": "off", "1": "on"}.get(v, "auto")
+
+
 def enabled() -> bool:
-    return os.environ.get("MOECOMP_FUSE_NORM", "0") == "1"  # opt-in until measured on a GPU (ARCHITECTURE)
+    return mode() != "off"
 
 
 _CASTS = {"to", "float", "type", "type_as", "bfloat16", "half", "double"}
@@ -293,8 +308,19 @@ class NormPass:
     """The pass, called on each decode graph (``FusingBackend(..., then=NormPass())``); ``found`` holds one record
     per graph: the norms checked, those folded (members, residual folded) and why the others stayed."""
 
-    def __init__(self):
+    def __init__(self, auto: bool = False):
         self.found: list[dict] = []
+        self.auto = auto  # fold only CUDA graphs of at most AUTO_ROWS rows (``mode()`` "auto")
+
+    def _outside_auto(self, m) -> str:
+        """Why the "auto" mode leaves this norm (not on CUDA, more rows than ``AUTO_ROWS``), "" where it folds."""
+        if not self.auto:
+            return ""
+        rv = example_value(m["root"])
+        rows = rv.numel() // max(int(rv.shape[-1]), 1)
+        if rv.device.type != "cuda":
+            return f"auto: a {rv.device.type} graph (the fold is measured on CUDA only)"
+        return f"auto: {rows} rows > {AUTO_ROWS} (measured slower)" if rows > AUTO_ROWS else ""
 
     def __call__(self, gm: torch.fx.GraphModule) -> dict:
         ops = linear_ops()
@@ -310,6 +336,10 @@ class NormPass:
                 rec["skipped"].append(f"{m['out'].name}: {why}")
                 continue
             rec["norms"] += 1
+            why = self._outside_auto(m)
+            if why:
+                rec["skipped"].append(f"{m['out'].name}: {why}")
+                continue
             members, calls = _users(m["out"], ops)
             order = {n: i for i, n in enumerate(gm.graph.nodes)}
             if members is None or not _inputs_before(members, min(calls, key=order.__getitem__), order):

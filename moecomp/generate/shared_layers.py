@@ -44,8 +44,8 @@ def later_passes() -> list:
 def compiled_run(phase: str, backend: str, dynamic):
     """A fresh copy of ``_run`` (its own code object: its own Dynamo cache), compiled. The decode phase's graphs go
     through ``fuse_linears.FusingBackend`` first (sibling skinny linears in one launch with ``MOECOMP_FUSE_LINEARS=1``,
-    RMSNorms folded into the linears they feed with ``MOECOMP_FUSE_NORM=1``: ``fuse_norm``; opt-in until measured),
-    then the passes of ``LATER_PASSES`` that are enabled, in order; kept as the compiled function's ``fusing``
+    RMSNorms folded into the linears they feed: ``fuse_norm``, on by default at decode rows <= 2 on CUDA; the others
+    opt-in until measured), then the passes of ``later_passes()`` that are enabled, in order; kept as the compiled function's ``fusing``
     attribute."""
     from . import fuse_linears, fuse_norm
 
@@ -55,8 +55,8 @@ def compiled_run(phase: str, backend: str, dynamic):
     after = [m.make_pass() for m in later_passes() if m.enabled()] if phase == "decode" else []
     fusing = None
     if phase == "decode" and (linears or norms or after):
-        fusing = fuse_linears.FusingBackend(backend, linears=linears, then=fuse_norm.NormPass() if norms else None,
-                                            after=after)
+        norm_pass = fuse_norm.NormPass(auto=fuse_norm.mode() == "auto") if norms else None
+        fusing = fuse_linears.FusingBackend(backend, linears=linears, then=norm_pass, after=after)
     compiled = torch.compile(fn, dynamic=dynamic, backend=fusing or backend)
     compiled.fusing = fusing
     return compiled

@@ -170,7 +170,10 @@ def test_engine_decode_pass_on_equals_off(family, groups, monkeypatch):
     assert sorted(fusing.fused) == groups
     assert moecomp.counters["fuse_linears"]["groups"] == sum(len(g) for g in groups)
     out_off, logits_off, off = _decode_logits(family, "0", monkeypatch, **kw)
-    assert off is None
+    # without the pass, the wrapper stays for the RMSNorm fold's default ("auto"), which leaves CPU graphs as they are
+    assert off is not None and off.linears is False and all(f == [] for f in off.fused)
+    assert off.then.auto and all(r["folded"] == [] for r in off.then.found)
+    assert any("auto: a cpu graph" in why for r in off.then.found for why in r["skipped"])
     assert torch.equal(out_on, out_off) and len(logits_on) == len(logits_off) == 5
     assert all(torch.equal(a, b) for a, b in zip(logits_on, logits_off))
 
@@ -225,7 +228,8 @@ def test_engine_decode_fp8_dynamic_pass_on_equals_off(monkeypatch):
         if fuse == "1":
             assert fusing.fused == [[3]] and len(calls) == layers * steps, (fusing.fused, calls)
         else:
-            assert fusing is None and calls == []
+            # the wrapper stays for the RMSNorm fold's "auto" default, with the sibling-linear pass off
+            assert not fusing.linears and all(f == [] for f in fusing.fused) and calls == []
         got[fuse] = out, seen
     assert torch.equal(got["1"][0], got["0"][0]) and len(got["1"][1]) == 4
     assert all(torch.equal(a, b) for a, b in zip(got["1"][1], got["0"][1]))

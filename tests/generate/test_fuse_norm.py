@@ -10,6 +10,7 @@ skinny ops the GPU's step holds, run under the Triton interpreter."""
 from __future__ import annotations
 
 import copy
+import math
 import os
 
 import pytest
@@ -190,3 +191,30 @@ def test_engine_decode_norm_pass_on_equals_off_deepseek(monkeypatch):
     out_off, logits_off, _ = _decode("deepseek_v3", "0", monkeypatch, first_k_dense_replace=1)
     assert torch.equal(out_on, out_off)
     _close(logits_on, logits_off)
+
+
+class _Val:
+    """What ``_outside_auto`` reads of a node's example value: shape, numel, device (a CUDA value without a GPU)."""
+
+    def __init__(self, shape, device):
+        self.shape, self.device = shape, torch.device(device)
+
+    def numel(self):
+        return math.prod(self.shape)
+
+
+@pytest.mark.parametrize("shape,device,folds", [((1, 1, 64), "cuda", True), ((2, 1, 64), "cuda", True),
+                                                ((4, 1, 64), "cuda", False), ((3, 64), "cuda", False),
+                                                ((1, 1, 64), "cpu", False)])
+def test_auto_mode_folds_cuda_graphs_of_at_most_two_rows(shape, device, folds, monkeypatch):
+    """The default ("auto", MOECOMP_FUSE_NORM unset) folds where it measured faster: CUDA graphs of 1-2 rows; "1"
+    folds every graph, "0" none."""
+    monkeypatch.delenv("MOECOMP_FUSE_NORM", raising=False)
+    assert fn.mode() == "auto" and fn.enabled() and fn.AUTO_ROWS == 2
+    for v, m in (("1", "on"), ("0", "off"), ("x", "auto")):
+        monkeypatch.setenv("MOECOMP_FUSE_NORM", v)
+        assert fn.mode() == m and fn.enabled() == (m != "off")
+    monkeypatch.setattr(fn, "example_value", lambda node: _Val(shape, device))
+    why = fn.NormPass(auto=True)._outside_auto({"root": None})
+    assert (why == "") == folds, why
+    assert fn.NormPass(auto=False)._outside_auto({"root": None}) == ""
