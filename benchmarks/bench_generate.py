@@ -86,15 +86,13 @@ ENGINE_OPTIONS = {"one_liner_no_overlap": ("MOECOMP_NO_OVERLAP", "1", "0"),
                   "one_liner_no_prefill_graph": ("MOECOMP_GENERATE_PREFILL_GRAPH", "0", "1"),
                   "one_liner_prefill_static": ("MOECOMP_GENERATE_PREFILL_LAYERS", "static", "dynamic"),
                   "one_liner_prefill_eager_layers": ("MOECOMP_GENERATE_PREFILL_LAYERS", "eager", "dynamic"),
-                  # the fused decode launches (issue 41, opt-in until measured): each alone, and all three together
+                  # the fused decode launches (issue 41): each alone, and the two opt-in ones together
                   "one_liner_fuse_linears": ("MOECOMP_FUSE_LINEARS", "1", "0"),
-                  "one_liner_fused_router": ("MOECOMP_FUSED_ROUTER", "1", "0"),
                   "one_liner_skinny_pdl": ("MOECOMP_SKINNY_PDL", "1", "0"),
                   "one_liner_fuse_norm": ("MOECOMP_FUSE_NORM", "1", ""),  # every graph (default: auto, rows <= 2)
                   "one_liner_no_fuse_norm": ("MOECOMP_FUSE_NORM", "0", ""),
                   "one_liner_attn1": ("MOECOMP_ATTN_ONE_LAUNCH", "1", "0"),  # decode attention in one launch
-                  "one_liner_fused": (("MOECOMP_FUSE_LINEARS", "1", "0"), ("MOECOMP_FUSED_ROUTER", "1", "0"),
-                                      ("MOECOMP_SKINNY_PDL", "1", "0"))}
+                  "one_liner_fused": (("MOECOMP_FUSE_LINEARS", "1", "0"), ("MOECOMP_SKINNY_PDL", "1", "0"))}
 EXTRA_PATHS = tuple(ENGINE_OPTIONS)
 COMPILED = ("hf_static", "hf_static_moecomp", "optimize_static")
 

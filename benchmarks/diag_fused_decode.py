@@ -5,11 +5,6 @@
     qkv       q / k / v projections: three ``skinny_linear`` launches against one ``skinny_group`` (bf16 weights, and
               e4m3 128x128 blocks weight-only), Qwen3-30B-A3B (2048 -> 4096 / 512 / 512) and gpt-oss-120b
               (2880 -> 4096 / 512 / 512) at 1, 2 and 4 rows (4 rows in bf16 runs cuBLAS for each member either way)
-    router    the router GEMV + routing: ``router_gemv`` then ``route_topk`` (MOECOMP_FUSED_ROUTER=0) against the one
-              launch (``router_topk``), Qwen3-30B-A3B (E 128, k 8, H 2048), gpt-oss-120b (128, 4, 2880, router
-              bias, top-k then softmax), DeepSeek-V3 (256, 8, 7168, sigmoid, groups, correction bias, fp32 router)
-              and Mixtral-8x7B (8, 2, 4096: 8 programs), T = 1..4
-    op        the whole MoE op at T = 1 with the fused routing on / off (Qwen3-30B-A3B and gpt-oss-120b sizes, bf16)
     norm      the RMSNorm (and the residual add) before q / k / v: the norm compiled by Inductor (one kernel, as in
               the decode step) then one ``skinny_group``, against one ``norm_group`` (MOECOMP_FUSE_NORM's op),
               Qwen3-30B-A3B sizes, bf16 and e4m3 128x128 blocks weight-only, with and without the residual, 1, 2,
@@ -23,7 +18,6 @@
 PDL stays as the op sets it (MOECOMP_PDL). Results: a table on stdout and, with --out-json, every row.
 
     PYTHONPATH=. python3 benchmarks/diag_fused_decode.py --out-json /tmp/fused.json
-    PYTHONPATH=. python3 benchmarks/diag_fused_decode.py --parts router --tokens 1
     PYTHONPATH=. python3 benchmarks/diag_fused_decode.py --parts attention --batches 1,8,32 --contexts 576,2048,8192
 """
 
@@ -39,21 +33,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 QKV = {"qwen3": (2048, (4096, 512, 512)), "gpt-oss-120b": (2880, (4096, 512, 512))}
-
-
-def _routers():
-    from moecomp.core.spec import MoESpec
-
-    base = dict(intermediate_size=256)
-    return {
-        "qwen3": MoESpec(num_experts=128, top_k=8, hidden_size=2048, **base),
-        "gpt-oss-120b": MoESpec(num_experts=128, top_k=4, hidden_size=2880, score_order="topk_then_score",
-                                renormalize=False, has_router_bias=True, **base),
-        "deepseek-v3": MoESpec(num_experts=256, top_k=8, hidden_size=7168, scoring="sigmoid", has_correction_bias=True,
-                               n_group=8, topk_group=4, routed_scaling_factor=2.5, renorm_eps=1e-20, router_fp32=True,
-                               **base),
-        "mixtral": MoESpec(num_experts=8, top_k=2, hidden_size=4096, **base),
-    }
 
 
 def _bench(fn) -> float:
@@ -89,59 +68,6 @@ def qkv_rows(rows: list[int]) -> list[dict]:
             nbytes = sum(w.numel() * w.element_size() for w in ws)
             out.append(dict(part="qkv", model=name, weights=fmt, rows=M, unfused_us=t_apart, fused_us=t_group,
                             ratio=t_group / t_apart, fused_tb_s=nbytes / t_group / 1e6, rel_diff=err))
-    return out
-
-
-def _route_args(spec, T: int):
-    from moecomp.ops.moe_op import MOE_ARGS
-    from moecomp.testing import random_moe_args
-
-    args = random_moe_args(spec, T, torch.bfloat16, "cuda", seed=T)
-    return args[0], dict(zip(MOE_ARGS, args[1:]))
-
-
-def router_rows(tokens: list[int]) -> list[dict]:
-    from moecomp.ops import triton_moe
-
-    out = []
-    for name, spec in _routers().items():
-        for T in tokens:
-            x, named = _route_args(spec, T)
-            run = lambda: triton_moe.route_all(x, named, spec, x.shape)  # noqa: E731
-            got = {}
-            for fused in ("0", "1"):
-                os.environ["MOECOMP_FUSED_ROUTER"] = fused
-                r = run()
-                got[fused] = (r, _bench(run))
-            (r0, t0), (r1, t1) = got["0"], got["1"]
-            same = float((r0.ids == r1.ids).float().mean())
-            out.append(dict(part="router", model=name, tokens=T, unfused_us=t0, fused_us=t1, ratio=t1 / t0,
-                            ids_equal=same, weights_rel_diff=_rel(r1.weights, r0.weights)))
-    os.environ.pop("MOECOMP_FUSED_ROUTER", None)
-    return out
-
-
-def op_rows() -> list[dict]:
-    from moecomp.core.spec import MoESpec
-    from moecomp.testing import random_moe_args
-
-    specs = {"qwen3": MoESpec(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768),
-             "gpt-oss-120b": MoESpec(num_experts=128, top_k=4, hidden_size=2880, intermediate_size=2880,
-                                     score_order="topk_then_score", renormalize=False, has_router_bias=True,
-                                     activation="swiglu_oai", w_layout="in_out", gate_up="interleaved",
-                                     has_expert_bias=True, activation_alpha=1.702, activation_limit=7.0)}
-    out = []
-    for name, spec in specs.items():
-        args = random_moe_args(spec, 1, torch.bfloat16, "cuda", seed=0)
-        run = lambda: torch.ops.moecomp.moe_forward(*args, spec.key)  # noqa: E731
-        got = {}
-        for fused in ("0", "1"):
-            os.environ["MOECOMP_FUSED_ROUTER"] = fused
-            got[fused] = (run(), _bench(run))
-        (y0, t0), (y1, t1) = got["0"], got["1"]
-        out.append(dict(part="op", model=name, tokens=1, unfused_us=t0, fused_us=t1, ratio=t1 / t0,
-                        rel_diff=_rel(y1, y0)))
-    os.environ.pop("MOECOMP_FUSED_ROUTER", None)
     return out
 
 
@@ -216,8 +142,7 @@ def table(rows: list[dict]) -> str:
     lines = ["| part | model | weights | rows / tokens | unfused us | fused us | fused / unfused | check |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        check = (f"rel diff {r['rel_diff']:.1e}" if "rel_diff" in r else
-                 f"ids equal {r['ids_equal']:.3f}, weights rel diff {r['weights_rel_diff']:.1e}")
+        check = f"rel diff {r['rel_diff']:.1e}"
         lines.append(f"| {r['part']} | {r['model']} | {r.get('weights', 'bf16')} | {r.get('rows', r.get('tokens'))} | "
                      f"{r['unfused_us']:.2f} | {r['fused_us']:.2f} | {r['ratio']:.2f} | {check} |")
     return "\n".join(lines)
@@ -225,9 +150,8 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="qkv,router,op,norm,attention")
+    ap.add_argument("--parts", default="qkv,norm,attention")
     ap.add_argument("--rows", default="1,2,4", help="qkv rows")
-    ap.add_argument("--tokens", default="1,2,4", help="router tokens")
     ap.add_argument("--batches", default="1,8,32", help="attention batch rows")
     ap.add_argument("--contexts", default="576,2048,8192", help="attention valid lengths")
     ap.add_argument("--out-json", default=None)
@@ -240,10 +164,6 @@ def main(argv=None) -> int:
     parts, rows = a.parts.split(","), []
     if "qkv" in parts:
         rows += qkv_rows([int(r) for r in a.rows.split(",")])
-    if "router" in parts:
-        rows += router_rows([int(t) for t in a.tokens.split(",")])
-    if "op" in parts:
-        rows += op_rows()
     if "norm" in parts:
         rows += norm_rows([int(r) for r in a.rows.split(",")])
     if "attention" in parts:

@@ -290,17 +290,17 @@ mixfp8)  # issue 39: Mixtral-8x7B FP8's 0/16 tokens at 32 layers (H100, 2f8b014)
         | grep -E "one-liner|reference|rror"
   done ;;
 s18a)  # 2026-12-07 fourth session, first call: the GPU tests new since the last GPU run (routes, sinks, warm cache,
-       # fused decode, fused router, skinny group, generate), the fused decode launches' diagnostics, then Qwen3 (12
+       # fused decode, skinny group, generate), the fused decode launches' diagnostics, then Qwen3 (12
        # layers) generate() with the fused launches on / off and the prefill uncaptured, TTFT and launches per layer
   timeout ${S18_TEST_TIMEOUT:-230} python3 -m pytest -q -rfE --durations=6 -n 4 -p no:cacheprovider \
       tests/generate/test_generate_gpu.py tests/generate/test_sinks_gpu.py tests/ops/test_routes_gpu.py \
-      tests/generate/test_warm_cache_gpu.py tests/generate/test_fused_decode_gpu.py tests/ops/test_fused_router_gpu.py \
+      tests/generate/test_warm_cache_gpu.py tests/generate/test_fused_decode_gpu.py \
       tests/kernels/test_skinny_group.py tests/generate/test_routed_experts_gpu.py tests/generate/test_prefill_graph_gpu.py \
       2>&1 | grep -v "^DEBUG" | tee "$OUT/tests-s18.log" | tail -16
   timeout ${S18_DIAG_TIMEOUT:-80} python3 benchmarks/diag_fused_decode.py --out-json "$OUT/diag-fused.json" 2>&1 \
       | grep -v "^DEBUG" | tee "$OUT/diag-fused.log" | grep "^|" | tail -40
   timeout ${S18_GEN_TIMEOUT:-230} python3 benchmarks/bench_generate.py --models qwen3 --layers qwen3=12 --batches 1,32 \
-      --paths hf,one_liner --variants qwen3:1=one_liner_fused+one_liner_fuse_linears+one_liner_fused_router+one_liner_no_prefill_graph,qwen3:32=one_liner_fused \
+      --paths hf,one_liner --variants qwen3:1=one_liner_fused+one_liner_fuse_linears+one_liner_no_prefill_graph,qwen3:32=one_liner_fused \
       --profile one_liner:1,one_liner_fused:1 --budget-s ${S18_GEN_BUDGET:-200} --out-json "$OUT/generate-fused.json" \
       2>&1 | tee "$OUT/generate-fused.log" | quiet | grep "^|\|rror" | tail -40 ;;
 s19)  # the next session's calls (STEP=1|2|3), each under 9 minutes; logs and JSON to $OUT
@@ -316,7 +316,7 @@ s19)  # the next session's calls (STEP=1|2|3), each under 9 minutes; logs and JS
   1)
     timeout ${S19_TEST_TIMEOUT:-200} python3 -m pytest -v -rfE -n 8 -p no:cacheprovider \
         tests/generate/test_generate_gpu.py tests/generate/test_sinks_gpu.py tests/ops/test_routes_gpu.py \
-        tests/generate/test_warm_cache_gpu.py tests/generate/test_fused_decode_gpu.py tests/ops/test_fused_router_gpu.py \
+        tests/generate/test_warm_cache_gpu.py tests/generate/test_fused_decode_gpu.py \
         tests/kernels/test_skinny_group.py tests/generate/test_routed_experts_gpu.py \
         tests/generate/test_prefill_graph_gpu.py > "$OUT/tests-s19.log" 2>&1
     grep -E "FAILED|ERROR|passed|failed" "$OUT/tests-s19.log" | grep -v "^\[gw" | cut -c1-250 | tail -14
@@ -344,7 +344,7 @@ s19)  # the next session's calls (STEP=1|2|3), each under 9 minutes; logs and JS
     timeout 150 python3 benchmarks/diag_fp8_gluon.py --out-json "$OUT/diag-fp8-gluon.json" 2>&1 | grep -v "^DEBUG" \
         | tee "$OUT/diag-fp8-gluon.log" | tail -24
     timeout 260 python3 benchmarks/bench_generate.py --models qwen3 --layers qwen3=12 --batches 1 --paths one_liner \
-        --variants qwen3:1=one_liner_fuse_norm+one_liner_attn1+one_liner_fuse_linears+one_liner_fused_router --repeat 3 --budget-s 230 \
+        --variants qwen3:1=one_liner_fuse_norm+one_liner_attn1+one_liner_fuse_linears --repeat 3 --budget-s 230 \
         --out-json "$OUT/generate-fused-ab.json" 2>&1 | tee "$OUT/generate-fused-ab.log" | quiet | grep "^|" | tail -12 ;;
   2b)
     timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/hf/test_compressed_gpu.py 2>&1 \

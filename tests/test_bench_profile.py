@@ -57,13 +57,12 @@ def test_diag_fused_decode_refuses_without_cuda_and_renders(capsys):
     if BENCH_DIR not in sys.path:
         sys.path.insert(0, BENCH_DIR)
     diag = importlib.import_module("diag_fused_decode")
-    assert diag.main(["--parts", "router"]) == 2
+    assert diag.main(["--parts", "norm"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     rows = [dict(part="qkv", model="qwen3", weights="fp8", rows=2, unfused_us=9.0, fused_us=4.5, ratio=0.5,
                  rel_diff=1e-3),
-            dict(part="router", model="qwen3", tokens=1, unfused_us=8.0, fused_us=6.0, ratio=0.75, ids_equal=1.0,
-                 weights_rel_diff=0.0)]
+            dict(part="attention", model="qwen3 n=576", weights="bf16 S=10", rows=1, unfused_us=8.0, fused_us=6.0,
+                 ratio=0.75, rel_diff=0.0)]
     text = diag.table(rows).splitlines()
     assert text[2] == "| qkv | qwen3 | fp8 | 2 | 9.00 | 4.50 | 0.50 | rel diff 1.0e-03 |"
-    assert text[3] == "| router | qwen3 | bf16 | 1 | 8.00 | 6.00 | 0.75 | ids equal 1.000, weights rel diff 0.0e+00 |"
-    assert set(diag._routers()) == {"qwen3", "gpt-oss-120b", "deepseek-v3", "mixtral"}
+    assert text[3] == "| attention | qwen3 n=576 | bf16 S=10 | 1 | 8.00 | 6.00 | 0.75 | rel diff 0.0e+00 |"

@@ -84,10 +84,8 @@ def route_tile(pid, logits_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, stride_lt,
                tok_ptr, n_vocab, stride_table, HASH: tl.constexpr, escale_ptr, HAS_ESCALE: tl.constexpr, gammas_ptr,
                wscale_ptr, N_GAMMA: tl.constexpr, GAM_PAD: tl.constexpr, HAS_WSCALE: tl.constexpr, given_ptr,
                stride_gt, stride_gk, GIVEN: tl.constexpr, rec_ids_ptr, stride_rt, stride_rk, REC_IDS: tl.constexpr,
-               rec_w_ptr, stride_wt, stride_wk, REC_W: tl.constexpr, VOLATILE: tl.constexpr):
-    """Route tokens [pid * BLOCK_T, +BLOCK_T) of the logits (the module docstring): ``route_topk_kernel``'s body, also
-    run by the last program of ``kernels/router.router_topk_kernel`` on the logits the other programs wrote (VOLATILE:
-    the logits are loaded past the L1 cache, which may hold stale lines of another program's rows)."""
+               rec_w_ptr, stride_wt, stride_wk, REC_W: tl.constexpr):
+    """Route tokens [pid * BLOCK_T, +BLOCK_T) of the logits (the module docstring): ``route_topk_kernel``'s body."""
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     offs_e = tl.arange(0, BLOCK_E)  # [BE]
     t_ok = offs_t < T
@@ -95,8 +93,7 @@ def route_tile(pid, logits_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, stride_lt,
     neg = float("-inf")
 
     ptrs = logits_ptr + offs_t[:, None].to(tl.int64) * stride_lt + offs_e[None, :]
-    logit = tl.load(ptrs, mask=t_ok[:, None] & e_ok[None, :], other=0.0,
-                    volatile=VOLATILE).to(tl.float32)  # [BT, BE]
+    logit = tl.load(ptrs, mask=t_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)  # [BT, BE]
     logit = tl.where(logit != logit, neg, tl.minimum(logit, FLT_MAX))  # NaN -> -inf, +inf -> FLT_MAX
 
     if SPARSEMIXER or TOPK_THEN_SCORE:
@@ -202,7 +199,7 @@ def route_tile(pid, logits_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, stride_lt,
         offs_s = tl.arange(0, GAM_PAD)
         s_ok = offs_s < N_GAMMA
         g_ptrs = logits_ptr + offs_t[:, None].to(tl.int64) * stride_lt + E + offs_s[None, :]
-        gl = tl.load(g_ptrs, mask=t_ok[:, None] & s_ok[None, :], other=0.0, volatile=VOLATILE).to(tl.float32)
+        gl = tl.load(g_ptrs, mask=t_ok[:, None] & s_ok[None, :], other=0.0).to(tl.float32)
         gl = tl.where(gl != gl, neg, tl.minimum(gl, FLT_MAX))
         if SCORING == 1:
             gam = tl.sigmoid(gl)
@@ -323,4 +320,4 @@ def route_topk_kernel(
                N_GROUP, G_PAD, TOPK_GROUP, GROUP_BY_MAX, GROUP_3D, GROUP_SIZE, ROUND_TO, SPARSEMIXER, sm_thr,
                table_ptr, tok_ptr, n_vocab, stride_table, HASH, escale_ptr, HAS_ESCALE, gammas_ptr, wscale_ptr,
                N_GAMMA, GAM_PAD, HAS_WSCALE, given_ptr, stride_gt, stride_gk, GIVEN, rec_ids_ptr, stride_rt,
-               stride_rk, REC_IDS, rec_w_ptr, stride_wt, stride_wk, REC_W, False)
+               stride_rk, REC_IDS, rec_w_ptr, stride_wt, stride_wk, REC_W)

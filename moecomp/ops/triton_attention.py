@@ -9,11 +9,10 @@ Two forms of the same math:
                    last on a per-device counter merges that pair's S partials with the combine's own code; with one
                    split (S == 1: a span of one block, or B*Hkv filling the GPU alone) no partials and no counter
 
-The one-launch form is opt-in (``MOECOMP_ATTN_ONE_LAUNCH=1``) until a GPU measures it (issue 41 item 1: a decoder
-layer's attention in one launch; docs/ARCHITECTURE.md, "Fewer launches per decoder layer"). Its counters follow
-the fused router's rules (``ops/triton_router._counter``): an int32 buffer per device, zero between launches (each
-last program resets its own slot), made outside CUDA-graph capture on a stream of its own (a first call during a
-capture that needs one it does not have takes the two launches); a bigger buffer, when one is needed, is added and
+The one-launch form is opt-in (``MOECOMP_ATTN_ONE_LAUNCH=1``): measured on the H100 (1c088c1) it wins only with two
+splits and loses with more (docs/ARCHITECTURE.md, "Fewer launches per decoder layer", (5)). Its counters: an int32
+buffer per device, zero between launches (each last program resets its own slot), made outside CUDA-graph capture on
+a stream of its own (a first call during a capture that needs one it does not have takes the two launches); a bigger buffer, when one is needed, is added and
 the old one kept (a captured graph holds its address). Two one-launch attentions must not run at the same time on
 one device (on two streams): they would share the counters; nothing in moecomp does that.
 """

@@ -161,7 +161,7 @@ def route(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch
 def route_args(logits: torch.Tensor, correction_bias, spec: MoESpec, out_dtype: torch.dtype, tiles=None, hashed=None,
                expert_scale=None, gammas=None, weight_scale=None, rt=None):
     """``route``'s outputs (ids, weights) and its launch: (ids, weights, BLOCK_T, positional arguments, keyword
-    arguments of ``route_topk_kernel``); ``ops/triton_router.py`` launches the same arguments after the router's."""
+    arguments of ``route_topk_kernel``)."""
     T, E, k = logits.shape[0], spec.router_width, spec.top_k
     ids = torch.empty(T, k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
@@ -478,13 +478,8 @@ def route_all(x2: torch.Tensor, args: dict, spec: MoESpec, shape) -> Routed:
     else:
         kspec, kw = spec, dict(hashed=args, expert_scale=escale, gammas=gammas, weight_scale=args.get("weight_scale"),
                                rt=routes.kernel_kwargs(args))
-    logits = triton_router.logits_buffer(r2, args, spec)  # decode: the router and the routing in one launch
-    if logits is not None:
-        ids, weights, _, ra, rk = route_args(logits, args["correction_bias"], kspec, x2.dtype, **kw)
-        gate = triton_router.router_topk(r2, args, spec, logits, ra, rk)
-    else:
-        logits, gate = router_logits(r2, args, spec)  # [T, E (+ G)], [T] or None
-        ids, weights = route(logits, args["correction_bias"], kspec, x2.dtype, **kw)
+    logits, gate = router_logits(r2, args, spec)  # [T, E (+ G)], [T] or None
+    ids, weights = route(logits, args["correction_bias"], kspec, x2.dtype, **kw)
     if spec.has_capacity:
         ids, weights = cap.apply(ids, weights, spec, cap.group_tokens(shape, spec), x2.dtype)
         routes.record(args, None, weights)

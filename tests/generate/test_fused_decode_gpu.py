@@ -1,9 +1,13 @@
-"""Issue 41 item 1 on CUDA: the engine's captured decode step at batch 1 runs q / k / v as one ``skinny_group_kernel``
-launch a layer and the router + routing as one ``router_topk_kernel`` launch a layer (no ``route_topk_kernel`` in the
-decode steps), its tokens within bf16 tolerance of the unoptimized model's (teacher forcing, as
-test_generate_gpu.py's bf16 test), and the same model with both fusions off (MOECOMP_FUSE_LINEARS=0,
-MOECOMP_FUSED_ROUTER=0) launches the unfused kernels instead. The fused kernels themselves at real sizes:
-tests/kernels/test_skinny_group.py and tests/ops/test_fused_router_gpu.py."""
+"""Issue 41 item 1 on CUDA: the engine's captured decode step at batch 1, its launches counted and its tokens within
+bf16 tolerance of the unoptimized model's (teacher forcing, as test_generate_gpu.py's bf16 test), in three settings:
+
+    default  (MOECOMP_FUSE_NORM unset: on at <= 2 rows) the pre-attention RMSNorm + q / k / v as one
+             ``skinny_norm_group_kernel`` launch a layer; o_proj one ``skinny_kernel``
+    group    (MOECOMP_FUSE_LINEARS=1, MOECOMP_FUSE_NORM=0) q / k / v as one ``skinny_group_kernel`` launch a layer
+    off      (both 0) four ``skinny_kernel`` launches a layer
+
+and in each the router GEMV and the routing as two launches (``router_gemv_kernel``, ``route_topk_kernel``). The
+fused kernels themselves at real sizes: tests/kernels/test_skinny_group.py, tests/kernels/test_skinny_norm_gpu.py."""
 
 from __future__ import annotations
 
@@ -30,15 +34,19 @@ def _kernel_counts(opt, ids, mask) -> tuple[dict, int, torch.Tensor]:
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     counts = {k: sum(n.startswith(k) for n in names)
-              for k in ("skinny_group_kernel", "skinny_kernel", "router_topk_kernel", "route_topk_kernel",
+              for k in ("skinny_group_kernel", "skinny_kernel", "skinny_norm_group_kernel", "route_topk_kernel",
                         "router_gemv_kernel")}
     return counts, int(opt.generate.last["decode_steps"]), out
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_decode_step_launches_and_tokens(fused, monkeypatch):
-    monkeypatch.setenv("MOECOMP_FUSE_LINEARS", "1" if fused else "0")  # (opt-in until measured)
-    monkeypatch.setenv("MOECOMP_FUSED_ROUTER", "1" if fused else "0")
+@pytest.mark.parametrize("setting", ["default", "group", "off"])
+def test_decode_step_launches_and_tokens(setting, monkeypatch):
+    if setting == "default":
+        monkeypatch.delenv("MOECOMP_FUSE_LINEARS", raising=False)
+        monkeypatch.delenv("MOECOMP_FUSE_NORM", raising=False)
+    else:
+        monkeypatch.setenv("MOECOMP_FUSE_LINEARS", "1" if setting == "group" else "0")  # (opt-in: measured no faster)
+        monkeypatch.setenv("MOECOMP_FUSE_NORM", "0")
     ref = build("qwen3_moe", "cuda", torch.bfloat16, layers=LAYERS, hidden_size=256, moe_intermediate_size=128,
                 intermediate_size=256, num_experts=32, num_experts_per_tok=4)
     opt = moecomp.optimize(copy.deepcopy(ref))
@@ -48,19 +56,21 @@ def test_decode_step_launches_and_tokens(fused, monkeypatch):
     counts, steps, out = _kernel_counts(opt, ids, mask)
     assert opt.generate.last["graphs"] == "replayed" and opt.generate.last["layers"] == "compiled"
     fusing = opt.generate.engine._compiled[1]["decode"][0].run.fusing
-    if fused:
+    per_step = LAYERS * steps
+    if setting == "group":
         assert fusing.fused and all(f == [3] for f in fusing.fused), fusing.fused  # q / k / v of the one layer graph
-        assert counts["skinny_group_kernel"] == LAYERS * steps, (counts, steps)
-        assert counts["skinny_kernel"] == LAYERS * steps, counts  # o_proj
-        assert counts["router_topk_kernel"] == LAYERS * steps, counts
-        # the prefill's 16 tokens: F.linear and route_topk_kernel, once a layer
-        assert counts["route_topk_kernel"] == LAYERS and counts["router_gemv_kernel"] == 0, counts
-    else:
+        assert counts["skinny_group_kernel"] == per_step and counts["skinny_kernel"] == per_step, counts  # + o_proj
+    elif setting == "off":
         assert fusing is None
-        assert counts["skinny_group_kernel"] == counts["router_topk_kernel"] == 0, counts
-        assert counts["skinny_kernel"] == 4 * LAYERS * steps, counts
-        assert counts["router_gemv_kernel"] == LAYERS * steps, counts
-        assert counts["route_topk_kernel"] == LAYERS * (steps + 1), counts
+        assert counts["skinny_group_kernel"] == counts["skinny_norm_group_kernel"] == 0, counts
+        assert counts["skinny_kernel"] == 4 * per_step, counts
+    else:  # one fold a layer graph: the pre-attention norm into q / k / v (no residual: it is the previous graph's)
+        found = fusing.then.found
+        assert found and all(len(r["folded"]) == 1 for r in found), found
+        assert counts["skinny_norm_group_kernel"] == per_step and counts["skinny_kernel"] == per_step, counts
+        assert counts["skinny_group_kernel"] == 0, counts
+    assert counts["router_gemv_kernel"] == per_step, counts
+    assert counts["route_topk_kernel"] == LAYERS * (steps + 1), counts  # + the prefill's 16 tokens, once a layer
     with torch.no_grad():
         logits = ref(out).logits[:, S - 1:-1].float()  # [1, n, V]: the logits that chose each new token
     chosen = logits.gather(-1, out[:, S:, None]).squeeze(-1)

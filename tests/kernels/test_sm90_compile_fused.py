@@ -3,10 +3,8 @@ no GPU; ``test_sm90_compile.py`` says why: it catches what the interpreter lets 
 (``kernels/skinny.skinny_group_kernel``: 2, 3 and 4 members, 16-bit with mixed biases, e4m3 block / channel scales)
 must load its weight tiles as 16-byte vectors, as the one-matrix kernel does; and ``skinny_kernel``, now a call of the
 tile function the group kernel shares, still compiles; with USE_PDL 2 both wait at the start and release after the
-K loop, with 0 they hold no grid dependency control. The fused router GEMV + routing
-(``kernels/router.router_topk_kernel``): one program or split (an acq_rel atomic on the counter, the last program's
-logits read with volatile loads past L1), with gate rows, groups, record / replay. All in one child process (the
-tests run under TRITON_INTERPRET=1, whose jit functions do not compile)."""
+K loop, with 0 they hold no grid dependency control. All in one child process (the tests run
+under TRITON_INTERPRET=1, whose jit functions do not compile)."""
 
 import json
 
@@ -18,7 +16,6 @@ import inspect, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moecomp.kernels import router as rk
 from moecomp.kernels import skinny as sk
 
 ''' + COMPILE_SM90 + r'''
@@ -62,36 +59,8 @@ def single(case):
     ptx = compile_sm90(sk.skinny_kernel, ptr, c, ("x_ptr", "w_ptr", "stride_wn", "K"))
     return (ptx if _pdl_ok(ptx, case) else "griddepcontrol not as USE_PDL says"), "skinny_kernel"
 
-def router(case):
-    """The fused router GEMV + routing: split (counter) or one program, 1 or 4 tokens, a gate row and router bias,
-    groups with a correction bias, record / replay pointers."""
-    split = "split" in case
-    ptr = dict(x_ptr="*bf16", w_ptr="*bf16", g_ptr="*bf16", rb_ptr="*bf16", counter_ptr="*i32", logits_ptr="*bf16",
-               bias_ptr="*fp32", ids_ptr="*i32", weights_ptr="*fp32", scaling="fp32", renorm_eps="fp32",
-               renorm_min="fp32", sm_thr="fp32", rec_ids_ptr="*i32", rec_w_ptr="*fp32", given_ptr="*i64")
-    grp = "groups" in case
-    c = dict(ROWS=4 if "rows4" in case else 1, HAS_GATE="gate" in case, HAS_RBIAS="gate" in case,
-             BLOCK_R=1 if split else 128, BLOCK_H=1024 if split else 16, SINGLE=not split,
-             TOP_K=8, K_PAD=8, BLOCK_T=4 if "rows4" in case else 1, BLOCK_E=256 if grp else 128,
-             SCORING=1 if grp else 0, TOPK_THEN_SCORE=False, RENORM=True, HAS_BIAS=grp, BIAS_ON_LOGITS=False,
-             MASK_ZERO=False, N_GROUP=8 if grp else 1, G_PAD=8 if grp else 1, TOPK_GROUP=4 if grp else 1,
-             GROUP_BY_MAX=False, GROUP_3D=grp, GROUP_SIZE=32 if grp else 1, ROUND_TO=1, USE_PDL=1, SPARSEMIXER=0,
-             table_ptr=None, tok_ptr=None, HASH=False, escale_ptr=None, HAS_ESCALE=False, gammas_ptr=None,
-             wscale_ptr=None, N_GAMMA=0, GAM_PAD=1, HAS_WSCALE=False, GIVEN="replay" in case,
-             REC_IDS="record" in case, REC_W="record" in case)
-    for name, on in (("g_ptr", "gate"), ("rb_ptr", "gate"), ("bias_ptr", "groups"), ("rec_ids_ptr", "record"),
-                     ("rec_w_ptr", "record"), ("given_ptr", "replay")):
-        if on not in case:
-            c[name] = None
-    ptx = compile_sm90(rk.router_topk_kernel, ptr, c, ("x_ptr", "w_ptr", "stride_w", "H"))
-    if split and not ("atom.global.gpu.acq_rel.add" in ptx or "atom.acq_rel.gpu.global.add" in ptx):
-        return "no acq_rel atomic add on the counter", "router_topk_kernel"
-    if split and "ld.volatile.global" not in ptx:
-        return "the last program's logits loads are not volatile", "router_topk_kernel"
-    return ptx, "router_topk_kernel"
-
 out = {}
-for kind, fn in (("group", group), ("single", single), ("router", router)):
+for kind, fn in (("group", group), ("single", single)):
     for case in json.loads(sys.argv[1]).get(kind, []):
         try:
             ptx, name = fn(case)
@@ -104,9 +73,7 @@ print(json.dumps(out))
 
 CASES = {"group": ["G3 bf16 bias", "G2 bf16 rows2", "G4 bf16", "G2 fp8 block", "G3 fp8 channel bias rows2",
                    "G3 bf16 pdl"],
-         "single": ["bf16", "bf16 pdl"],
-         "router": ["split", "split rows4 gate groups record", "one rows4 gate", "split replay record",
-                    "one groups replay"]}
+         "single": ["bf16", "bf16 pdl"]}
 
 
 def test_fused_decode_kernels_compile_for_sm90():
