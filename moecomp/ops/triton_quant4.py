@@ -18,7 +18,8 @@ interpreter runs "split" instead); "mma" (opt-in: ``kernels/quant4_mma.py`` on `
 weights, ``gemm_weights``; the aligned GEMMs and the decode path's DIRECT gemm1 / gemm2 and down-combine, while the
 GEMV kernels read the weights as held: ``direct_kwargs``; also a BLOCK_N of at least 16: ``tile``); weights held in
 the mma layout (``QuantSpec.layout`` "mma": re-laid once, in place, by ``optimize`` when MOECOMP_W4_FORM=mma) always
-take the "mma" form on the dot paths, and the GEMV decode kernels read them too (their W4_MMA word decode). Default (``DEFAULT_FORM``): "dot_scaled" on CUDA, measured on an H200 (2026-12-03, 41626bb,
+take the "mma" form on the dot paths, and the GEMV decode kernels read them too (their W4_MMA word decode).
+Default (``DEFAULT_FORM``): "dot_scaled" on CUDA, measured on an H200 (2026-12-03, 41626bb,
 ``benchmarks/results/nvidia-h200-2026-12-03-41626bb-diag-quant4.json``, gpt-oss-120b layer): 0.60-0.68x the
 interleave form's time at T = 1, 4, 16, 64 (87 against 128 us at T = 1), the split form 1.04-1.15x; int4 and fp32 x
 take interleave. Under the interpreter (CPU tests): interleave.

@@ -270,3 +270,28 @@ def test_moe_forward_on_mma_layout_takes_gemv(triton_backend, poison, case):
     ref = reference.moe_forward(*held, mspec, **scales)  # the oracle's own decode of the mma bytes
     assert torch.isfinite(out).all() and rel_err(out, ref) < TOL[dtype], f"{case}: {rel_err(out, ref):.2e}"
     assert torch.equal(out, torch.ops.moecomp.moe_forward(*args, spec.key, **scales))  # = the op on packed bytes
+
+
+@pytest.mark.parametrize("label", ["w4 gemv", "w4 gemv mma", "w4 held mma"])
+def test_diag_gemv_paths_run_what_they_are_named(triton_backend, poison, label):
+    """benchmarks/diag_w4_mma.py's GEMV labels: the GEMV at T = 2 (the CPU decode limit is 8), on the packed tensors
+    or on ``held_mma``'s (layout "mma"); "w4 held mma" sets no switch, so on the CPU (decode mode "dot" unless asked)
+    it takes the DIRECT dot launches on the held tensors, the GEMV where MOECOMP_W4_DECODE says so."""
+    import os
+
+    triton_backend.syspath_prepend(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+    from diag_w4_mma import HELD_MMA, PATHS, held_mma
+
+    for name, v in PATHS[label].items():
+        triton_backend.setenv(name, v)
+    spec = _spec(MX, "interleaved")
+    args, scales = quantize_moe_args(spec, random_moe_args(spec, 2, torch.float32, seed=3))
+    t4 = dict(zip(MOE_ARGS, args[1:]))
+    s, t = held_mma(spec, t4) if label in HELD_MMA else (spec, t4)
+    assert (s.quant.layout == "mma") == (label in HELD_MMA)
+    calls = _count(triton_backend)
+    out = torch.ops.moecomp.moe_forward(args[0], *(t[n] for n in MOE_ARGS), s.key, **scales)
+    assert rel_err(out, reference.moe_forward(args[0], *(t[n] for n in MOE_ARGS), s, **scales)) < TOL[torch.float32]
+    gemv = label != "w4 held mma"
+    assert calls["gemv"] == ([(t["w13"].data_ptr(), t["w2"].data_ptr())] if gemv else [])
+    assert calls["dot"] == (0 if gemv else 2) and calls["relaid"] == 0

@@ -77,4 +77,4 @@ def test_gemv_mma_decode_sass_no_longer_than_packed():
     counts = {c: r["loop"][0] for c, r in res.items()}
     print(json.dumps({c: (n, round(n / 64, 2), res[c]["regs"]) for c, n in counts.items()}))  # (-s shows them)
     for packed, mma in PAIRS:
-        assert counts[mma] <= counts[packed], f"{mma}: {counts[mma]} SASS instructions a K step, packed {counts[packed]}"
+        assert counts[mma] <= counts[packed], f"{mma}: {counts[mma]} SASS instructions a step, packed {counts[packed]}"
