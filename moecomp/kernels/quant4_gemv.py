@@ -36,8 +36,10 @@
            tensor-core decode): lane L's slot j (column 4L + j) holds e1 e0 m at lane bits 3j..3j+2, s at 15 - j:
                (0, 4):  (r << 9) & MAG | r & SIGN       (1, 5):  (r << 6) & ... | (r << 1) & ...
                (2, 6):  (r << 3) & ... | (r << 2) & ...  (3, 7):  r & ...      | (r << 3) & ...
-           the same fp16 bits, columns and op count (7 shifts, 8 AND, 4 OR), so the same x split, 2^14 and scales:
-           bit-identical outputs. int4 needs no flag (its mma bytes are the packed bytes).
+           the same fp16 bits and columns from fewer shifts (5 distinct: r << 3 serves two slots; 8 AND, 4 OR, as
+           packed), so the same x split, 2^14 and scales: bit-identical outputs (offline sm90 SASS, gemm1's K loop:
+           5.36 instructions a code against 5.59; tests/kernels/test_sm90_compile_gemv_mma.py). int4 needs no flag
+           (its mma bytes are the packed bytes).
     int4:  (r >> 4i) & 0x000F000F | 0x64006400 is two fp16 values 1024 + code (columns i, i + 4); minus 1024 + zero
            (fp16, two lanes an HADD2) is code - zero exactly (integers below 2048), then the cvt. The scale (fp16 /
            bf16 / fp32, as fp32) multiplies t: (code - zero) * scale exactly, products and sums in fp32.
@@ -97,7 +99,7 @@ def _halves(w, ASM: tl.constexpr):
 def _e2m1_word(r, ASM: tl.constexpr, W4_MMA: tl.constexpr = 0):
     """int32 words of 8 e2m1 codes -> their values times 2^-14 (fp32), columns 0..7 of the word; W4_MMA: the words
     in the mma layout (``ops/w4_layout.py``: slot j of lane L, column 4L + j, has its magnitude at lane bits 3j..3j+2
-    and its sign at lane bit 15 - j), moved to the same fp16 bits with as many shifts and masks."""
+    and its sign at lane bit 15 - j), moved to the same fp16 bits with the same masks and fewer shifts."""
     if W4_MMA:
         c0, c4 = _halves(((r << 9) & MAG) | (r & SIGN), ASM)
         c1, c5 = _halves(((r << 6) & MAG) | ((r << 1) & SIGN), ASM)

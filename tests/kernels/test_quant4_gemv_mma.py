@@ -109,6 +109,15 @@ def test_int4_mma_bytes_are_the_packed_bytes():
         assert torch.equal(w4_layout.relayout(q, quant), q) and torch.equal(w4_layout.relayout_(q.clone(), quant), q)
 
 
+def test_w4_mma_flag_by_layout_and_format():
+    from types import SimpleNamespace as NS
+
+    assert triton_quant4_gemv.w4_mma(NS(quant=mma(MX))) == 1 and triton_quant4_gemv.w4_mma(NS(quant=MX)) == 0
+    assert triton_quant4_gemv.w4_mma(NS(quant=mma(QuantSpec.int4(32, True)))) == 0  # int4: the packed bytes
+    with pytest.raises(ValueError, match="spec.quant.layout='tiled'"):
+        triton_quant4_gemv.w4_mma(NS(quant=dataclasses.replace(MX, layout="tiled")))
+
+
 # ------------------------------------------------------------------------------------------------ exact weights
 MX_BYTES = (0, 1, 2, 30, 60, 90, 100, 110, 118, 120, 122, 124, 126, 127, 128, 129, 130, 132, 136, 140, 150, 170,
             200, 230, 251, 252)  # 253 and up overflow fp32 at code 6; 255 is NaN
