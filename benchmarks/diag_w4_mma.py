@@ -9,13 +9,19 @@ writes JSON with --out-json.
             with the device's default K-step form), w4 direct mma (the same with MOECOMP_W4_FORM=mma: the re-laid
             weights into a swap-AB tl.dot, N side 16 rows, row 0 the pair), w4 scaled / interleave (the aligned
             path's forms, MOECOMP_DECODE_MAX_T=0), w4 mma (MOECOMP_W4_FORM=mma, MOECOMP_DECODE_MAX_T=0: the aligned
-            path at every T), bf16 (the same layer unquantized). The "direct" paths force the decode path at every T
+            path at every T), w4 gemv (the GEMV decode kernels forced, MOECOMP_W4_DECODE=gemv, on the packed
+            weights), w4 gemv mma (the same on the weights held in the mma layout: ``QuantSpec.layout`` "mma",
+            re-laid once as ``optimize`` does with MOECOMP_W4_FORM=mma), w4 held mma (no switch, the weights held in
+            the mma layout: what the op runs once the layout is held, the GEMV up to the decode limit and the mma
+            form above it; against "w4" the question whether mma becomes the default layout), bf16 (the same layer
+            unquantized). The "direct" and "gemv" paths force the decode path at every T
             (MOECOMP_DECODE_MAX_T=1024); --paths picks some.
     err     each 4-bit path against ``moecomp.oracle.reference`` (fp32, the same packed tensors), rel. Frobenius
 
     PYTHONPATH=. python3 benchmarks/diag_w4_mma.py --tokens 1,4,16,64,128 --out-json /tmp/w4mma.json
     PYTHONPATH=. python3 benchmarks/diag_w4_mma.py --decode --out-json /tmp/w4mma-decode.json
-            (= --tokens 1,2,4,8 --paths "w4,w4 direct,w4 direct mma,w4 mma,bf16": the batch-1 question, issue 42)
+            (= --tokens 1,2,4,8 --paths "w4,w4 gemv,w4 gemv mma,w4 held mma,w4 direct,w4 direct mma,w4 mma,bf16":
+            the batch-1 question, issue 42)
 """
 
 from __future__ import annotations
@@ -38,17 +44,33 @@ from moecomp.testing import random_moe_args  # noqa: E402
 
 ALIGNED = {"MOECOMP_DECODE_MAX_T": "0"}
 DIRECT = {"MOECOMP_DECODE_MAX_T": "1024", "MOECOMP_W4_DECODE": "dot"}
+GEMV = {"MOECOMP_DECODE_MAX_T": "1024", "MOECOMP_W4_DECODE": "gemv"}
 PATHS = {  # label -> environment (4-bit paths); "bf16" is the unquantized layer
     "w4": {},
+    "w4 gemv": GEMV,
+    "w4 gemv mma": GEMV,
+    "w4 held mma": {},
     "w4 direct": DIRECT,
     "w4 direct mma": {"MOECOMP_W4_FORM": "mma", **DIRECT},
     "w4 scaled": {"MOECOMP_W4_FORM": "dot_scaled", **ALIGNED},
     "w4 interleave": {"MOECOMP_W4_FORM": "interleave", **ALIGNED},
     "w4 mma": {"MOECOMP_W4_FORM": "mma", **ALIGNED},
 }
+HELD_MMA = ("w4 gemv mma", "w4 held mma")  # run on the weights held in the mma layout (spec layout "mma")
 LABELS = (*PATHS, "bf16")
-DECODE = dict(tokens="1,2,4,8", paths="w4,w4 direct,w4 direct mma,w4 mma,bf16")
-RATIOS = ("w4", "w4 direct mma", "w4 mma")  # bf16's time over theirs
+DECODE = dict(tokens="1,2,4,8", paths="w4,w4 gemv,w4 gemv mma,w4 held mma,w4 direct,w4 direct mma,w4 mma,bf16")
+RATIOS = ("w4", "w4 held mma", "w4 direct mma", "w4 mma")  # bf16's time over theirs
+
+
+def held_mma(spec, t4: dict) -> tuple:
+    """(spec with layout "mma", tensors with w13 / w2 in the mma layout: ``w4_layout.relayout`` copies, as
+    ``optimize`` re-lays them in place)."""
+    import dataclasses
+
+    from moecomp.ops import w4_layout
+
+    t = dict(t4, w13=w4_layout.relayout(t4["w13"], spec.quant), w2=w4_layout.relayout(t4["w2"], spec.quant))
+    return spec.replace(quant=dataclasses.replace(spec.quant, layout="mma")), t
 
 
 def _err(x, t4: dict, spec, extra: dict, kv: dict) -> float:
@@ -63,6 +85,7 @@ def run(tokens: list[int], check: bool, labels=LABELS) -> list[dict]:
     raw = random_moe_args(spec, max(tokens), torch.bfloat16, "cuda", std=0.02, seed=0)
     t16 = dict(zip(MOE_ARGS, raw[1:]))
     t4, extra4 = pack(spec, t16)
+    spec_m, t4m = held_mma(spec, t4) if any(n in HELD_MMA for n in labels) else (None, None)
     rows = []
     for T in tokens:
         x = raw[0][:T].contiguous()
@@ -72,10 +95,11 @@ def run(tokens: list[int], check: bool, labels=LABELS) -> list[dict]:
                 if kv is None:
                     rec[label] = time_op(x, t16, spec.replace(quant=None), {})
                     continue
+                s, t = (spec_m, t4m) if label in HELD_MMA else (spec, t4)
                 with env(**kv):
-                    rec[label] = time_op(x, t4, spec, extra4)
+                    rec[label] = time_op(x, t, s, extra4)
                 if check:
-                    rec[f"{label} err"] = _err(x, t4, spec, extra4, kv)
+                    rec[f"{label} err"] = _err(x, t, s, extra4, kv)
             except Exception as e:  # one path failing (compile, memory) is reported, the rest still run
                 rec[label] = None
                 rec[f"{label} error"] = f"{type(e).__name__}: {str(e)[:300]}"

@@ -32,6 +32,14 @@
            once per x element and step, not per weight): the products are e2m1 * x exactly, and the group scale
            2^(byte - 127) (``fp8.ue8m0``, every byte) multiplies t. Exact weights for every code and scale byte;
            x * 2^14 overflows fp32 only for |x| >= 2^114.
+    mxfp4, W4_MMA 1: words in the mma layout (``ops/w4_layout.py``, re-laid once at load for the aligned path's
+           tensor-core decode): lane L's slot j (column 4L + j) holds e1 e0 m at lane bits 3j..3j+2, s at 15 - j:
+               (0, 4):  (r << 9) & MAG | r & SIGN       (1, 5):  (r << 6) & ... | (r << 1) & ...
+               (2, 6):  (r << 3) & ... | (r << 2) & ...  (3, 7):  r & ...      | (r << 3) & ...
+           the same fp16 bits and columns from fewer shifts (5 distinct: r << 3 serves two slots; 8 AND, 4 OR, as
+           packed), so the same x split, 2^14 and scales: bit-identical outputs (offline sm90 SASS, gemm1's K loop:
+           5.36 instructions a code against 5.59; tests/kernels/test_sm90_compile_gemv_mma.py). int4 needs no flag
+           (its mma bytes are the packed bytes).
     int4:  (r >> 4i) & 0x000F000F | 0x64006400 is two fp16 values 1024 + code (columns i, i + 4); minus 1024 + zero
            (fp16, two lanes an HADD2) is code - zero exactly (integers below 2048), then the cvt. The scale (fp16 /
            bf16 / fp32, as fp32) multiplies t: (code - zero) * scale exactly, products and sums in fp32.
@@ -88,12 +96,20 @@ def _halves(w, ASM: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_word(r, ASM: tl.constexpr):
-    """int32 words of 8 e2m1 codes -> their values times 2^-14 (fp32), columns 0..7 of the word."""
-    c0, c4 = _halves(((r << 9) & MAG) | ((r << 12) & SIGN), ASM)
-    c2, c6 = _halves(((r << 1) & MAG) | ((r << 4) & SIGN), ASM)
-    c1, c5 = _halves(((r << 5) & MAG) | ((r << 8) & SIGN), ASM)
-    c3, c7 = _halves(((r >> 3) & MAG) | (r & SIGN), ASM)
+def _e2m1_word(r, ASM: tl.constexpr, W4_MMA: tl.constexpr = 0):
+    """int32 words of 8 e2m1 codes -> their values times 2^-14 (fp32), columns 0..7 of the word; W4_MMA: the words
+    in the mma layout (``ops/w4_layout.py``: slot j of lane L, column 4L + j, has its magnitude at lane bits 3j..3j+2
+    and its sign at lane bit 15 - j), moved to the same fp16 bits with the same masks and fewer shifts."""
+    if W4_MMA:
+        c0, c4 = _halves(((r << 9) & MAG) | (r & SIGN), ASM)
+        c1, c5 = _halves(((r << 6) & MAG) | ((r << 1) & SIGN), ASM)
+        c2, c6 = _halves(((r << 3) & MAG) | ((r << 2) & SIGN), ASM)
+        c3, c7 = _halves((r & MAG) | ((r << 3) & SIGN), ASM)
+    else:
+        c0, c4 = _halves(((r << 9) & MAG) | ((r << 12) & SIGN), ASM)
+        c2, c6 = _halves(((r << 1) & MAG) | ((r << 4) & SIGN), ASM)
+        c1, c5 = _halves(((r << 5) & MAG) | ((r << 8) & SIGN), ASM)
+        c3, c7 = _halves(((r >> 3) & MAG) | (r & SIGN), ASM)
     return c0, c1, c2, c3, c4, c5, c6, c7
 
 
@@ -161,7 +177,7 @@ def _load_step(w_base, row3, s_rows, z_rows, k0, K, kw, offs_w, offs_g, stride_s
 @triton.jit
 def _rows_dot(x_row, w_rows, row_ok, s_rows, z_rows, K, stride_sk, W4: tl.constexpr, GROUP: tl.constexpr,
               ROWS: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_END: tl.constexpr, K_ALIGNED: tl.constexpr,
-              ASM: tl.constexpr, PREFETCH: tl.constexpr):
+              ASM: tl.constexpr, PREFETCH: tl.constexpr, W4_MMA: tl.constexpr = 0):
     """acc [ROWS] fp32 = x_row . each weight row over K columns (the module docstring's K loop). ``w_rows`` [ROWS]:
     byte pointers to each row's first packed byte (4-byte aligned); ``s_rows`` / ``z_rows`` [ROWS]: each row's
     first group scale / zero point (``stride_sk`` apart); W4 1 mxfp4, 2 int4, 3 int4 with zero points. PREFETCH:
@@ -193,7 +209,7 @@ def _rows_dot(x_row, w_rows, row_ok, s_rows, z_rows, K, stride_sk, W4: tl.conste
         x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_row, k0, offs_w, k0 // 8 + offs_w < kw, XS)
         if W4 == 1:
             s = fp8.ue8m0(sb)
-            c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word(r, ASM)
+            c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word(r, ASM, W4_MMA)
         else:
             s = sb.to(tl.float32)
             if W4 == 3:
@@ -233,6 +249,7 @@ def moe_gemv1_kernel(
     K_ALIGNED: tl.constexpr, USE_PDL: tl.constexpr = 0, ASM: tl.constexpr = 0, PREFETCH: tl.constexpr = 0,
     topk_w_ptr=None, W_ON_INPUT: tl.constexpr = False,  # [P] fp32 routing weights: weight_on_input
     ZERO_EXPERTS: tl.constexpr = False, n_experts=0,  # pairs of ids >= n_experts skipped
+    W4_MMA: tl.constexpr = 0,  # mxfp4 words in the mma layout (ops/w4_layout.py; int4's bytes are the packed ones)
 ):
     pdl.enter(USE_PDL)
     num_n = tl.cdiv(N_OUT, BLOCK_N)
@@ -255,7 +272,7 @@ def moe_gemv1_kernel(
     s_rows = ws_ptr + expert * stride_se + w_rows * stride_sn
     z_rows = (zp_ptr + expert * stride_se + w_rows * stride_sn) if W4 == 3 else s_rows
     acc = _rows_dot(x_ptr + tok * stride_xm, w_ptr + expert * stride_we + w_rows * stride_wn, row_ok, s_rows, z_rows,
-                    K, stride_sk, W4, GROUP, TILE_N, BLOCK_K, REDUCE_END, K_ALIGNED, ASM, PREFETCH)  # [TILE_N]
+                    K, stride_sk, W4, GROUP, TILE_N, BLOCK_K, REDUCE_END, K_ALIGNED, ASM, PREFETCH, W4_MMA)  # [TILE_N]
     pdl.release(USE_PDL)
     if W_ON_INPUT:  # (weight * x) . w
         acc = acc * tl.load(topk_w_ptr + pair)
@@ -289,6 +306,7 @@ def moe_gemv_down_kernel(
     K_ALIGNED: tl.constexpr, USE_PDL: tl.constexpr = 0, ASM: tl.constexpr = 0, PREFETCH: tl.constexpr = 0,
     WEIGHTED: tl.constexpr = True,  # off: weight_on_input / expert_norm
     x_ptr=None, stride_xm=0, n_experts=0, ZERO_EXPERTS: tl.constexpr = False,  # x [T, N]: the zero experts' input
+    W4_MMA: tl.constexpr = 0,  # as in moe_gemv1_kernel
 ):
     pdl.enter(USE_PDL)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -307,11 +325,11 @@ def moe_gemv_down_kernel(
             else:
                 total += _slot(h_ptr + p * stride_hm, w_ptr, b_ptr, ws_ptr, zp_ptr, topk_w_ptr, p, expert, rows, n_ok,
                                K, stride_we, stride_wn, stride_be, stride_se, stride_sn, stride_sk, HAS_BIAS,
-                               WEIGHTED, W4, GROUP, BLOCK_N, BLOCK_K, REDUCE_END, K_ALIGNED, ASM, PREFETCH)
+                               WEIGHTED, W4, GROUP, BLOCK_N, BLOCK_K, REDUCE_END, K_ALIGNED, ASM, PREFETCH, W4_MMA)
         else:
             total += _slot(h_ptr + p * stride_hm, w_ptr, b_ptr, ws_ptr, zp_ptr, topk_w_ptr, p, expert, rows, n_ok, K,
                            stride_we, stride_wn, stride_be, stride_se, stride_sn, stride_sk, HAS_BIAS, WEIGHTED, W4,
-                           GROUP, BLOCK_N, BLOCK_K, REDUCE_END, K_ALIGNED, ASM, PREFETCH)
+                           GROUP, BLOCK_N, BLOCK_K, REDUCE_END, K_ALIGNED, ASM, PREFETCH, W4_MMA)
     pdl.release(USE_PDL)
     store_with_shared(total, t, offs_n, n_ok, shared_ptr, stride_s, gate_ptr, stride_g, out_ptr, stride_o, HAS_SHARED,
                       HAS_GATE)
@@ -321,12 +339,13 @@ def moe_gemv_down_kernel(
 def _slot(h_row, w_ptr, b_ptr, ws_ptr, zp_ptr, topk_w_ptr, p, expert, rows, n_ok, K, stride_we, stride_wn,
           stride_be, stride_se, stride_sn, stride_sk, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr,
           W4: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          REDUCE_END: tl.constexpr, K_ALIGNED: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr):
+          REDUCE_END: tl.constexpr, K_ALIGNED: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
+          W4_MMA: tl.constexpr):
     """One slot's [BLOCK_N] term: weight[p] * (h[p] . w2_e[rows] (+ b2_e)), unweighted when not WEIGHTED."""
     s_rows = ws_ptr + expert * stride_se + rows * stride_sn
     z_rows = (zp_ptr + expert * stride_se + rows * stride_sn) if W4 == 3 else s_rows
     r = _rows_dot(h_row, w_ptr + expert * stride_we + rows * stride_wn, n_ok, s_rows, z_rows, K, stride_sk, W4, GROUP,
-                  BLOCK_N, BLOCK_K, REDUCE_END, K_ALIGNED, ASM, PREFETCH)
+                  BLOCK_N, BLOCK_K, REDUCE_END, K_ALIGNED, ASM, PREFETCH, W4_MMA)
     if HAS_BIAS:
         r += tl.load(b_ptr + expert * stride_be + rows, mask=n_ok, other=0.0).to(tl.float32)
     if WEIGHTED:

@@ -37,7 +37,8 @@ launches again, ``expert_quant`` -> ``triton_quant4.expert_kwargs`` (w4a16, ``ke
 their decode path runs on dot-free GEMV kernels instead where the decode config says mode "gemv" (on CUDA up to
 ``tuning.QUANT4_GEMV_MAX_T`` tokens; ``triton_quant4_gemv``, ``kernels/quant4_gemv.py``). The opt-in "mma" form
 (MOECOMP_W4_FORM=mma) runs the aligned GEMMs and the DIRECT / down-combine launches on the re-laid weights
-(``triton_quant4.gemm_weights``); the GEMV kernels keep the packed ones (``triton_quant4.direct_kwargs``).
+(``triton_quant4.gemm_weights``); the GEMV kernels read the weights as held (packed, or the mma layout when
+``QuantSpec.layout`` says so; never a re-laid copy: ``triton_quant4.direct_kwargs``).
 """
 
 from __future__ import annotations
@@ -427,8 +428,7 @@ def routed(x, ids, weights, args: dict, spec: MoESpec, out, shared=None, gate=No
         return combine(y, T, k, out, shared, gate, zx.combine_kwargs(spec, x, ids, weights))
     ids_direct = direct(ids)
     gemv = triton_quant4_gemv.wanted(spec, dec, x, args)  # 4-bit experts on the dot-free kernels (mode "gemv")
-    layout = spec.quant.layout if spec.quant is not None else "packed"
-    q1, q2 = (triton_quant4.direct_kwargs(q, x.device, gemv, layout) for q in expert_quant(args, spec, cfg, T))
+    q1, q2 = (triton_quant4.direct_kwargs(q, x.device, gemv) for q in expert_quant(args, spec, cfg, T))
     if gemv:
         return triton_quant4_gemv.routed(x, ids_direct[0], weights, args, spec, out, shared, gate, dec, q1, q2, join,
                                          _pdl(x.device, gemm=True))

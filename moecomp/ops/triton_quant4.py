@@ -16,9 +16,10 @@ interleave); or MOECOMP_W4_FOLD=0|1 / MOECOMP_W4_FORM=interleave|split|dot_scale
 (exact); "asm" (mxfp4 with 16-bit x on CUDA: ``kernels/quant4.py`` FORM 3, inline PTX decode; the
 interpreter runs "split" instead); "mma" (opt-in: ``kernels/quant4_mma.py`` on ``ops/w4_layout.py``'s re-laid
 weights, ``gemm_weights``; the aligned GEMMs and the decode path's DIRECT gemm1 / gemm2 and down-combine, while the
-GEMV kernels keep the packed weights and the default form: ``direct_kwargs``; also a BLOCK_N of at least 16:
-``tile``); weights held in the mma layout (``QuantSpec.layout`` "mma": re-laid once, in place, by ``optimize`` when
-MOECOMP_W4_FORM=mma) always take the "mma" form and never the GEMV kernels. Default (``DEFAULT_FORM``): "dot_scaled" on CUDA, measured on an H200 (2026-12-03, 41626bb,
+GEMV kernels read the weights as held: ``direct_kwargs``; also a BLOCK_N of at least 16: ``tile``); weights held in
+the mma layout (``QuantSpec.layout`` "mma": re-laid once, in place, by ``optimize`` when MOECOMP_W4_FORM=mma) always
+take the "mma" form on the dot paths, and the GEMV decode kernels read them too (their W4_MMA word decode).
+Default (``DEFAULT_FORM``): "dot_scaled" on CUDA, measured on an H200 (2026-12-03, 41626bb,
 ``benchmarks/results/nvidia-h200-2026-12-03-41626bb-diag-quant4.json``, gpt-oss-120b layer): 0.60-0.68x the
 interleave form's time at T = 1, 4, 16, 64 (87 against 128 us at T = 1), the split form 1.04-1.15x; int4 and fp32 x
 take interleave. Under the interpreter (CPU tests): interleave.
@@ -142,14 +143,11 @@ def gemm_weights(quant, args: dict, q1: dict | None, q2: dict | None) -> tuple:
     return w13, w2
 
 
-def direct_kwargs(q: dict | None, device: torch.device, gemv: bool, layout: str = "packed") -> dict | None:
+def direct_kwargs(q: dict | None, device: torch.device, gemv: bool) -> dict | None:
     """``q`` for the decode path: the DIRECT gemm1 / gemm2 and the fused down-combine take every form, the "mma" one
-    included (on ``gemm_weights``' re-laid tensors); the dot-free GEMV kernels (``gemv``) read the packed layout, so
-    for them the "mma" form is replaced by the device's default form, and weights held in the mma layout
-    (``layout``, ``QuantSpec.layout``) are refused (``triton_quant4_gemv.wanted`` never picks them)."""
-    if gemv and layout != "packed":
-        raise ValueError(f"layout={layout!r}: the GEMV decode kernels read packed 4-bit codes; weights held in the mma "
-                         f"layout take the DIRECT dot kernels (MOECOMP_W4_DECODE=dot)")
+    included (on ``gemm_weights``' re-laid tensors); the dot-free GEMV kernels (``gemv``) have no K-step form (they
+    read the weights as held, packed or in the mma layout: ``triton_quant4_gemv.w4_mma``), so for them the "mma"
+    form is replaced by the device's default form (never a ``w4_layout.relaid`` copy of packed weights)."""
     if q is None or q.get("W4_FORM") != MMA or not gemv:
         return q
     q = {k: v for k, v in q.items() if k not in ("W4_FORM", "W4_K32")}

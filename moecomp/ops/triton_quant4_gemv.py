@@ -6,7 +6,9 @@ runs instead of the DIRECT gemm1 + down-combine when the decode config says ``mo
                                                                   slots summed inside (+ gated shared, zero experts)
 
     wanted(spec, dec, x, args)  -> whether this call takes it: the config's decode entry says mode "gemv" (or
-                                   MOECOMP_W4_DECODE=gemv|dot, which wins), and ``layout_ok`` holds
+                                   MOECOMP_W4_DECODE=gemv|dot, which wins), and ``layout_ok`` holds; weights held
+                                   packed or in the mma layout (``QuantSpec.layout``)
+    w4_mma(spec)                -> the kernels' W4_MMA: 1 for mxfp4 held in the mma layout (its word decode)
     layout_ok(x, w13, w2)       -> H and I multiples of 8, packed rows of unit stride, 4-byte aligned (int32 words)
     tiles(which, rows_per_col, blocks_per_col, N, K, device) -> BLOCK_N, BLOCK_K, REDUCE_END, PREFETCH, num_warps,
                                    num_stages of one launch
@@ -67,11 +69,20 @@ def layout_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
 
 
 def wanted(spec: MoESpec, dec: dict | None, x: torch.Tensor, args: dict) -> bool:
-    """This decode call runs on the GEMV kernels: 4-bit experts held packed (``QuantSpec.layout``: never the mma
-    layout, which the DIRECT dot kernels read), mode "gemv" (``mode``) and ``layout_ok``."""
+    """This decode call runs on the GEMV kernels: 4-bit experts (held packed or in the mma layout,
+    ``QuantSpec.layout``: the kernels read both, ``w4_mma``), mode "gemv" (``mode``) and ``layout_ok``."""
     q = spec.quant
-    return (q is not None and q.packed and q.layout == "packed" and dec is not None and mode(dec) == "gemv"
+    return (q is not None and q.packed and dec is not None and mode(dec) == "gemv"
             and layout_ok(x, args["w13"], args["w2"]))
+
+
+def w4_mma(spec: MoESpec) -> int:
+    """The kernels' W4_MMA: 1 for mxfp4 weights held in the mma layout (``QuantSpec.layout`` "mma": their words
+    re-encoded, ``ops/w4_layout.py``), else 0 (packed weights, and int4 ones in either layout: the same bytes)."""
+    q = spec.quant
+    if q.layout not in ("packed", "mma"):
+        raise ValueError(f"spec.quant.layout={q.layout!r}: the GEMV decode kernels read 'packed' or 'mma'")
+    return int(q.layout == "mma" and q.weight == "mxfp4")
 
 
 def tiles(which: str, rows_per_col: int, blocks_per_col: int, N: int, K: int, device: torch.device,
@@ -122,9 +133,7 @@ def routed(x, ids_flat, weights, args: dict, spec: MoESpec, out, shared, gate, d
            q2: dict, join=None, launch: dict | None = None) -> torch.Tensor:
     """x [T, H] -> out [T, H] = sum_k weight * expert(x) (+ gated shared): ``gemm1`` then ``decode_down``.
     ``ids_flat`` [P] int32, ``weights`` [T, k] fp32; ``q1`` / ``q2``: ``triton_quant4.quant4_kwargs`` of w13 / w2.
-    Packed weights only (a ValueError for ``QuantSpec.layout`` "mma": these kernels would read its bytes as packed)."""
-    if spec.quant.layout != "packed":
-        raise ValueError(f"spec.quant.layout={spec.quant.layout!r}: the GEMV decode kernels read packed 4-bit codes")
+    ``args``' weights as held: packed or in the mma layout (``spec.quant.layout``, ``w4_mma``)."""
     b13, b2 = _unit_stride(args["b13"]), _unit_stride(args["b2"])
     h = gemm1(x, args["w13"], b13, spec, ids_flat, weights.shape[1], q1, weights, dec, launch)
     return decode_down(h, args["w2"], b2, ids_flat, weights.reshape(-1), spec, out, shared, gate, q2, dec, join, x,
@@ -154,7 +163,8 @@ def gemm1(x, w13, b13, spec: MoESpec, ids_flat, k: int, q: dict, weights, dec: d
         GATE_STRIDE=2 if interleaved else 1, GATED=spec.gated, ACT=act.ACT, CLAMP=act.CLAMP, HAS_BIAS=b13 is not None,
         W4=w4, GROUP=group, BLOCK_N=c["BLOCK_N"], BLOCK_K=_block_k(c["BLOCK_K"], group), REDUCE_END=c["REDUCE_END"],
         K_ALIGNED=H % 32 == 0, ASM=_asm(dec), PREFETCH=c["PREFETCH"], num_warps=c["num_warps"],
-        num_stages=c["num_stages"], **(launch or {}), **woi.gemm1_kwargs(spec, weights), **zx.gemm_kwargs(spec),
+        num_stages=c["num_stages"], W4_MMA=w4_mma(spec), **(launch or {}), **woi.gemm1_kwargs(spec, weights),
+        **zx.gemm_kwargs(spec),
     )
     return h
 
@@ -176,6 +186,7 @@ def decode_down(h, w2, b2, ids_flat, weights, spec: MoESpec, out, shared, gate, 
         TOP_K=P // T, HAS_BIAS=b2 is not None, HAS_SHARED=shared is not None, HAS_GATE=gate is not None,
         W4=w4, GROUP=group, BLOCK_N=c["BLOCK_N"], BLOCK_K=_block_k(c["BLOCK_K"], group), REDUCE_END=c["REDUCE_END"],
         K_ALIGNED=I % 32 == 0, ASM=_asm(dec), PREFETCH=c["PREFETCH"], num_warps=c["num_warps"],
-        num_stages=c["num_stages"], **(launch or {}), **woi.gemm2_kwargs(spec), **zx.down_kwargs(spec, x),
+        num_stages=c["num_stages"], W4_MMA=w4_mma(spec), **(launch or {}), **woi.gemm2_kwargs(spec),
+        **zx.down_kwargs(spec, x),
     )
     return out

@@ -172,8 +172,8 @@ _E2M1_WORD = qg._e2m1_word
 
 
 @triton.jit
-def _unsigned_word(r, ASM: tl.constexpr):
-    return _E2M1_WORD(r & 0x77777777, ASM)
+def _unsigned_word(r, ASM: tl.constexpr, W4_MMA: tl.constexpr = 0):
+    return _E2M1_WORD(r & 0x77777777, ASM, W4_MMA)
 
 
 def test_dropping_the_sign_fails(monkeypatch, poison):

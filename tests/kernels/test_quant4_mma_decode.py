@@ -11,7 +11,7 @@ tests/kernels/test_sm90_compile_w4mma.py; the aligned path's mma form: tests/ker
   re-laid weights (mxfp4: ``w4_layout.relayout``'s bytes; int4: the packed bytes themselves), with W4_K32 exactly
   where its K is a multiple of 32; no alignment launch.
 * The same launches with the mma form but the packed (not re-laid) mxfp4 bytes fail the tolerance (the check can
-  fail); the GEMV mode keeps the packed weights (``direct_kwargs``: counted).
+  fail); the GEMV mode reads packed weights as held, no re-laid copy (``direct_kwargs``: counted).
 * A decode tile narrower than 16 weight rows is widened for the mma form (``triton_quant4.tile``).
 * benchmarks/diag_w4_mma.py's path environments run the launches their labels name.
 
@@ -140,8 +140,9 @@ def test_packed_bytes_under_the_mma_form_fail(mma_decode, poison):
 
 
 def test_gemv_mode_keeps_the_packed_weights(mma_decode):
-    """Mode "gemv" (MOECOMP_W4_DECODE=gemv): the dot-free kernels read the packed layout; ``direct_kwargs`` gives them
-    the device's default form and ``gemm_weights`` is not asked for the re-laid tensors."""
+    """Mode "gemv" (MOECOMP_W4_DECODE=gemv) on packed weights with the mma form asked: the dot-free kernels read the
+    weights as held (packed here); ``direct_kwargs`` gives them the device's default form and ``gemm_weights`` is
+    not asked for the re-laid tensors."""
     mma_decode.setenv("MOECOMP_W4_DECODE", "gemv")
     from moecomp.ops import triton_quant4_gemv
 

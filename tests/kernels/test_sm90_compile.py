@@ -132,15 +132,16 @@ def quant4(case):
 def quant4_gemv(case):
     """The dot-free 4-bit decode kernels (kernels/quant4_gemv.py): gemm1 (gated interleaved swiglu_oai, or ungated
     with weight_on_input and zero experts) and the down-combine (shared expert, zero experts, unweighted), mxfp4 or
-    int4 ("zp": zero points), "asm": the inline-PTX conversions, "prefetch", "step": REDUCE_END 0. The int32 word
-    loads must be 16-byte vectors (K % 32 == 0, 16-byte aligned rows)."""
+    int4 ("zp": zero points), "asm": the inline-PTX conversions, "prefetch", "step": REDUCE_END 0, "mma": mxfp4
+    words in the mma layout (W4_MMA). The int32 word loads must be 16-byte vectors (K % 32 == 0, 16-byte aligned
+    rows)."""
     w4 = 1 if "mxfp4" in case else (3 if "zp" in case else 2)
     ptr = dict(x_ptr="*bf16", h_ptr="*bf16", w_ptr="*u8", b_ptr="*bf16", out_ptr="*bf16", ids_ptr="*i32",
                topk_w_ptr="*fp32", shared_ptr="*bf16", gate_ptr="*bf16", alpha="fp32", limit="fp32",
                ws_ptr="*u8" if w4 == 1 else "*fp16", zp_ptr="*u8")
     c = dict(HAS_BIAS=True, W4=w4, GROUP=32 if w4 == 1 else 128, REDUCE_END=0 if "step" in case else 1,
              K_ALIGNED=True, USE_PDL=2, ASM=int("asm" in case), PREFETCH=int("prefetch" in case),
-             ZERO_EXPERTS="zero" in case)
+             ZERO_EXPERTS="zero" in case, W4_MMA=int("mma" in case))
     if w4 != 3:
         c["zp_ptr"] = None
     zero = "zero" in case
@@ -187,7 +188,8 @@ CASES = {"skinny": ["bf16 bias", "fp8 block rows4 reduce_step", "fp8 channel ue8
                     "gemm1 mxfp4 asm", "down mxfp4 asm", "gemm1 mxfp4 mma", "gemm2 mxfp4 mma", "gemm2 int4 zp mma",
                     "gemm1 int4 mma"],
          "quant4_gemv": ["gemv1 mxfp4", "gemv1 int4 zp prefetch", "gemv1 ungated int4 zero step", "gemv1 mxfp4 asm",
-                         "gemv1 int4 zp asm", "down mxfp4 prefetch", "down int4 zp shared zero unweighted asm"]}
+                         "gemv1 int4 zp asm", "down mxfp4 prefetch", "down int4 zp shared zero unweighted asm",
+                         "gemv1 mxfp4 mma asm", "down mxfp4 mma shared zero prefetch"]}
 
 
 def compile_cases(child: str, cases: dict) -> dict:

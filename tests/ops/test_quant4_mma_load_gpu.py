@@ -9,9 +9,10 @@ Qwen3-30B-A3B-size int4 layer (group 128, zero points) as a ``PackedExperts``, r
   relayout is at most ``PEAK_EXPERTS`` experts' w13 bytes above it (one expert's int32 temporaries; a second copy of
   the codes would be 1.6 GB for gpt-oss);
 * the op with the module's spec (layout "mma"; MOECOMP_W4_FORM unset: the layout selects the form) at T = 1 (the
-  decode path: the DIRECT dot kernels; the GEMV launcher patched to fail) and T = 32 (aligned), uninitialised
-  memory NaN-poisoned (the ``poison`` fixture) and the output checked finite, every launch the mma form on the held
-  tensors, no ``w4_layout.relaid`` copy; against the oracle on the mma bytes (its own decode) and on
+  decode path: the GEMV kernels where the decode config says mode "gemv", they read the mma layout, else the DIRECT
+  dot kernels) and T = 32 (aligned), uninitialised memory NaN-poisoned (the ``poison`` fixture) and the output
+  checked finite, every launch the mma form or the GEMV on the held tensors, no ``w4_layout.relaid`` copy; against
+  the oracle on the mma bytes (its own decode) and on
   the original packed bytes (relative Frobenius error < 1e-2 in bf16, as tests/ops/test_quant4_mma_gpu.py);
 * ``set_layout("packed")`` gives the packed bytes back exactly.
 """
@@ -23,6 +24,7 @@ from torch import nn
 from moecomp.core.args import MOE_ARGS
 from moecomp.core.spec import MoESpec, QuantSpec
 from moecomp.formats.packed import PackedExperts, relayout_experts
+from moecomp.ops import tuning
 from moecomp.oracle import reference
 from test_gpu import rel_err  # (tests/ops is on sys.path, no package: the bf16 GPU tests)
 from test_quant4_gpu import packed_args
@@ -52,9 +54,11 @@ def _spy(monkeypatch):
     from moecomp.testing.w4_launches import record_w4_forms
 
     seen = record_w4_forms(monkeypatch, with_weights=True)
+    real = triton_quant4_gemv.routed
 
-    def gemv(*a, **kw):
-        raise AssertionError("the GEMV decode kernels ran on mma-layout weights")
+    def gemv(x, ids_flat, weights, args, *a, **kw):  # recorded as ("gemv", None, each weight's data_ptr)
+        seen.extend([("gemv", None, args["w13"].data_ptr()), ("gemv", None, args["w2"].data_ptr())])
+        return real(x, ids_flat, weights, args, *a, **kw)
 
     monkeypatch.setattr(triton_quant4_gemv, "routed", gemv)
     return seen
@@ -95,7 +99,12 @@ def test_load_time_relayout_real_layer(name, monkeypatch, poison):
         out = torch.ops.moecomp.moe_forward(x, *args[1:], mspec.key, **extra)
         torch.cuda.synchronize()
         assert torch.isfinite(out).all(), f"{name} T={T}: non-finite output"
-        assert seen and all(f == 4 and p in ptrs.values() for _, f, p in seen), f"{name} T={T}: {seen}"
+        assert seen and all((f == 4 or n == "gemv") and p in ptrs.values() for n, f, p in seen), f"{name} T={T}: {seen}"
+        cfg = tuning.get_config(spec.num_experts, spec.intermediate_size, spec.hidden_size, T, spec.top_k,
+                                x.dtype, x.device, mspec.quant)
+        dec = tuning.decode_config(cfg, T, x.device)
+        gemv = dec is not None and dec.get("mode") == "gemv"
+        assert any(n == "gemv" for n, _, _ in seen) == gemv, f"{name} T={T}: decode {dec}, launches {seen}"
         ref = reference.moe_forward(x, *args[1:], mspec, **extra)  # the oracle's own decode of the mma bytes
         err, err_packed = rel_err(out, ref), rel_err(out, ref_packed[T])
         assert err < TOL and err_packed < TOL, f"{name} T={T}: vs oracle {err:.2e}, vs packed oracle {err_packed:.2e}"
