@@ -316,13 +316,48 @@ def test_tma_tiles_only_where_they_apply(which):
         assert c["tma"] == 1 and tune._tile(c).endswith("/" + t[4])
         assert c.get("tma_a", 0) == (t[4] == "tma_a")
     assert "tma" not in tune._config(tune.TILES[which][0], 128)
-    fp8_tma = [t for t in tune.FP8_TILES[which] if len(t) == 5]  # fp8 weights: only under prequant
+    fp8_tma = [t for t in tune.FP8_TILES[which] if len(t) == 5 and t[4] != "gluon"]  # fp8 weights: under prequant
     assert fp8_tma and set(fp8_tma) <= set(tune._tiles_for(tune.FP8_TILES[which], 64, torch.bfloat16, True, True))
     assert not set(fp8_tma) & set(tune._tiles_for(tune.FP8_TILES[which], 128, torch.bfloat16, True, False))
     two = [t for t in fp8_tma if t[4].endswith("@2")]  # two persistent programs per SM
     assert two and all(tune._config(t, 64)["per_sm"] == 2 and tune._tile(tune._config(t, 64)).endswith("@2")
                        for t in two)
     assert all("per_sm" not in tune._config(t, 64) for t in fp8_tma if "@" not in t[4])
+
+
+@pytest.mark.parametrize("which", ["g1", "g2"])
+def test_gluon_tiles_only_for_fp8_where_the_device_runs_them(which, monkeypatch):
+    """The "gluon" candidate (the Gluon FP8 GEMMs): one per GEMM in the FP8 tiles, none in the 16-bit ones; offered
+    only for fp8 weights under prequant from BLOCK_M 64 and where ``gluon`` says the device runs them (compute
+    capability 9.x, a Gluon with the kernels' names: never on this CPU); its config is a TMA one with "gluon": 1."""
+    from moecomp.ops import triton_fp8_gluon
+
+    gl = [t for t in tune.FP8_TILES[which] if len(t) == 5 and t[4] == "gluon"]
+    assert len(gl) == 1 and not [t for t in tune.TILES[which] if len(t) == 5 and t[4] == "gluon"]
+    on = tune._tiles_for(tune.FP8_TILES[which], 64, torch.bfloat16, True, True, gluon=True)
+    assert gl[0] in on and gl[0] not in tune._tiles_for(tune.FP8_TILES[which], 64, torch.bfloat16, True, True)
+    assert gl[0] not in tune._tiles_for(tune.FP8_TILES[which], 32, torch.bfloat16, True, True, gluon=True)
+    assert gl[0] not in tune._tiles_for(tune.FP8_TILES[which], 128, torch.bfloat16, True, False, gluon=True)
+    assert gl[0] not in tune._tiles_for(tune.FP8_TILES[which], 128, torch.bfloat16, False, True, gluon=True)
+    c = tune._config(gl[0], 128)
+    assert c["tma"] == 1 and c["gluon"] == 1 and "tma_a" not in c and tune._tile(c).endswith("/gluon")
+    assert not tune.gluon_tiles_ok(torch.device("cpu"))
+    monkeypatch.setattr(triton_fp8_gluon, "gluon_api", lambda gemm1=False: "hopper.tma: missing")
+    assert not tune.gluon_tiles_ok(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("major,kept", [(8, ()), (9, ("tma", "gluon")), (10, ("tma",))])
+def test_borrowed_config_keeps_gluon_on_hopper_only(major, kept, monkeypatch):
+    """A nearest-entry config borrowed on another GPU: "gluon" (wgmma) is kept on compute capability 9.x only, the TMA
+    keys from 9 up (``tuning_nearest._fit_device``)."""
+    from moecomp.ops import tuning_nearest
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+    cfg = dict(BLOCK_M=128, g1=dict(BLOCK_N=128, tma=1, gluon=1), g2=dict(BLOCK_N=128, tma=1, per_sm=2, gluon=1))
+    out = tuning_nearest._fit_device(cfg, torch.device("cuda", 0))
+    for g in ("g1", "g2"):
+        assert {k for k in ("tma", "gluon") if k in out[g]} == set(kept), (major, out)
+    assert tuning_nearest._fit_device(dict(g1=dict(gluon=1)), torch.device("cpu")) == dict(g1=dict(gluon=1))
 
 
 @pytest.mark.parametrize("path", sorted(p.name for p in tuning.CONFIG_DIR.glob("*.json") if ".meta." not in p.name))
@@ -335,8 +370,10 @@ def test_shipped_tables_are_well_formed(path):
         for bucket, cfg in buckets.items():
             where = f"{path} {shape} bucket {bucket}"
             assert int(bucket) >= 1 and cfg["BLOCK_M"] in (16, 32, 64, 128), where
-            assert keys <= set(cfg["g1"]) and set(cfg["g1"]) <= keys | {"tma", "tma_a", "ws", "per_sm"}, where
-            assert keys <= set(cfg["g2"]) and set(cfg["g2"]) <= keys | {"tma", "ws", "per_sm"}, where
+            assert keys <= set(cfg["g1"]) and set(cfg["g1"]) <= keys | {"tma", "tma_a", "ws", "per_sm", "gluon"}, where
+            assert keys <= set(cfg["g2"]) and set(cfg["g2"]) <= keys | {"tma", "ws", "per_sm", "gluon"}, where
+            for g in ("g1", "g2"):  # the Gluon FP8 GEMMs: on the TMA path, fp8 shapes only
+                assert "gluon" not in cfg[g] or cfg[g].get("tma") and "fp8" in shape, where
             for g in ("g1", "g2"):  # programs per SM: the persistent (TMA) kernels only
                 assert cfg[g].get("per_sm", 1) in (1, 2) and ("per_sm" not in cfg[g] or cfg[g].get("tma")), where
             dec = cfg.get("decode")

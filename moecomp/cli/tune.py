@@ -121,19 +121,22 @@ def _run_checked(fn, ref_out, label: str, note, device: torch.device, rows=None,
 def _tile(c: dict) -> str:
     """A GEMM config in short: BLOCK_NxBLOCK_K/w<num_warps>s<num_stages>[/tma|/tma_a][@<programs per SM>] (GROUP_M
     follows BLOCK_M)."""
-    kind = "/tma_a" if c.get("tma_a") else "/tma" if c.get("tma") else ""
+    kind = "/gluon" if c.get("gluon") else "/tma_a" if c.get("tma_a") else "/tma" if c.get("tma") else ""
     per_sm = f"@{c['per_sm']}" if c.get("per_sm", 1) != 1 else ""
     return f"{c['BLOCK_N']}x{c['BLOCK_K']}/w{c['num_warps']}s{c['num_stages']}{kind}{per_sm}"
 
 
 def _config(tile, bm: int) -> dict:
     """A tile tuple as a GEMM config; a fifth field "tma" / "tma_a", optionally "@<n>" (n persistent programs per SM:
-    the FP8 TMA kernels' "per_sm")."""
+    the FP8 TMA kernels' "per_sm"), or "gluon" (FP8 only: the Gluon GEMM, ``ops/triton_fp8_gluon.py``, on the TMA
+    path; its own fixed tile, the TMA kernel's where it does not take the call)."""
     bn, bk, nw, ns, *kind = tile
     c = dict(BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8 if bm >= 64 else 1, num_warps=nw, num_stages=ns)
     name, _, per_sm = (kind[0] if kind else "").partition("@")
-    if name in ("tma", "tma_a"):
+    if name in ("tma", "tma_a", "gluon"):
         c["tma"] = 1
+    if name == "gluon":
+        c["gluon"] = 1
     if name == "tma_a":
         c["tma_a"] = 1
     if per_sm:
@@ -141,11 +144,22 @@ def _config(tile, bm: int) -> dict:
     return c
 
 
-def _tiles_for(cands: list, bm: int, dtype: torch.dtype, quantized: bool = False, prequant: bool = False) -> list:
+def _tiles_for(cands: list, bm: int, dtype: torch.dtype, quantized: bool = False, prequant: bool = False,
+               gluon: bool = False) -> list:
     """The candidates that apply at this BLOCK_M and dtype: TMA tiles only from TMA_MIN_BLOCK_M, with 16-bit
-    activations, and for fp8 weights only under prequant (the FP8 TMA kernels read activations quantized once)."""
+    activations, and for fp8 weights only under prequant (the FP8 TMA kernels read activations quantized once);
+    "gluon" tiles only where ``gluon`` (the device runs the Gluon FP8 GEMMs: ``gluon_tiles_ok``) and for fp8 weights."""
     tma_ok = bm >= TMA_MIN_BLOCK_M and dtype in (torch.bfloat16, torch.float16) and (not quantized or prequant)
-    return [t for t in cands if len(t) == 4 or tma_ok]
+    return [t for t in cands if len(t) == 4 or tma_ok and (t[4] != "gluon" or gluon and quantized)]
+
+
+def gluon_tiles_ok(device: torch.device) -> bool:
+    """Whether "gluon" candidates run on ``device``: compute capability 9.x and a Triton whose Gluon has every name
+    the kernels use (``triton_fp8_gluon.gluon_api``)."""
+    from ..ops import triton_fp8_gluon
+
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+            and triton_fp8_gluon.gluon_api() is None and triton_fp8_gluon.gluon_api(gemm1=True) is None)
 
 
 def _tune_args(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, seed: int):
@@ -176,6 +190,7 @@ def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, 
     logits, _ = triton_moe.router_logits(x, named, spec)
     ids, weights = triton_moe.route(logits, named["correction_bias"], spec, x.dtype)
     E, k, P = spec.num_experts, spec.top_k, T * spec.top_k
+    gluon_ok = spec.quant is not None and gluon_tiles_ok(device)
     best, per_bm, rejected, failed = None, {}, 0, 0
     for bm in block_ms(T, k, E):
         status(f"BM={bm} align")
@@ -186,7 +201,8 @@ def tune_entry(spec: MoESpec, T: int, dtype: torch.dtype, device: torch.device, 
         res = {}
         for which in ("g1", "g2"):
             ref_out, best_t, best_c = None, float("inf"), None
-            cands = _tiles_for(tiles[which], bm, dtype, spec.quant is not None, bool(keys.get("fp8_prequant")))
+            cands = _tiles_for(tiles[which], bm, dtype, spec.quant is not None, bool(keys.get("fp8_prequant")),
+                               gluon_ok)
             for i, tile in enumerate(cands):
                 c = _config(tile, bm)
                 if best:

@@ -22,10 +22,16 @@ import torch
 FP8_TILES = {
     "g1": [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3),
            (64, 128, 8, 4, "tma_a"), (64, 128, 8, 3, "tma_a"), (64, 128, 4, 3, "tma_a@2"), (64, 128, 4, 4, "tma_a@2"),
-           (128, 128, 8, 3, "tma_a")],
+           (128, 128, 8, 3, "tma_a"), (128, 128, 4, 4, "gluon")],
     "g2": [(32, 128, 4, 4), (64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (256, 128, 8, 3),
-           (128, 128, 8, 4, "tma"), (128, 128, 8, 3, "tma"), (128, 128, 4, 3, "tma@2"), (128, 128, 4, 4, "tma@2")],
+           (128, 128, 8, 4, "tma"), (128, 128, 8, 3, "tma"), (128, 128, 4, 3, "tma@2"), (128, 128, 4, 4, "tma@2"),
+           (128, 128, 4, 4, "gluon")],
 }
+# "gluon": the Gluon GEMMs (``kernels/gluon_fp8*.py``: each K step's product promoted while the next MMA runs), a
+# candidate on compute capability 9.x where this Triton's Gluon has the kernels' names (``tune.gluon_tiles_ok``); their
+# tile is their own (BLOCK_N 128, BLOCK_K 128, 4 warps per 64 rows, 4 stages), the tuple's fields name it only. H100,
+# 1c088c1 (BENCHMARKS.md): gemm1 1.05-1.22x faster than the TMA kernel, gemm2 1.03-1.33x on DeepSeek-V3 / Mixtral and
+# 0.78-0.82x on Qwen3-30B-A3B: a choice per bucket and GEMM, so the tuner makes it.
 FP8_DECODE_TILES = {"g1": [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3)],
                     "g2": [(16, 128, 4, 4, "fused"), (32, 128, 4, 4, "fused"), (64, 128, 4, 3, "fused"),
                            (32, 128, 4, 4, "pairs"), (64, 128, 4, 3, "pairs"), (128, 128, 4, 3, "pairs")]}

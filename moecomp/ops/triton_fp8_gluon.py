@@ -1,7 +1,8 @@
-"""Launchers of the Gluon FP8 GEMMs (``kernels/gluon_fp8.py``: gemm2; ``kernels/gluon_fp8_gemm1.py``: gemm1), opt-in:
-``MOECOMP_FP8_GLUON=1`` makes the FP8 TMA GEMMs (``triton_fp8_tma.gemm1`` / ``gemm2``) run them where ``unsupported1``
-/ ``unsupported`` find nothing against it; otherwise the TMA kernel runs and the reason is counted in ``FALLBACKS``
-(``fallbacks()``: "gemm1: why" / "gemm2: why"). Off (the default), nothing here runs.
+"""Launchers of the Gluon FP8 GEMMs (``kernels/gluon_fp8.py``: gemm2; ``kernels/gluon_fp8_gemm1.py``: gemm1). Asked for
+by a config's ``"gluon": 1`` (per GEMM: what ``tune --fp8`` writes where its "gluon" candidate measured fastest) or by
+``MOECOMP_FP8_GLUON=1`` (every call), the FP8 TMA GEMMs (``triton_fp8_tma.gemm1`` / ``gemm2``) run them where
+``unsupported1`` / ``unsupported`` find nothing against it; otherwise the TMA kernel runs and the reason is counted in
+``FALLBACKS`` (``fallbacks()``: "gemm1: why" / "gemm2: why"). Not asked for (the default), nothing here runs.
 
 Supported: w8a8 on prequantized h (the TMA gemm2's contract: A_QUANT 3, e4m3 codes + per-row 128-column scales),
 block weight scales [E, H/128, I/128] (fp32 or ue8m0) with Q_BLOCK_N a multiple of BLOCK_N and Q_BLOCK_K = 128,

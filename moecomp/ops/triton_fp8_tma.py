@@ -67,7 +67,7 @@ def gemm1(x, w13, b13, spec: MoESpec, aligned, k: int, bm: int, c1: dict, q: dic
     the launch options of a GEMM."""
     sorted_ids, block_expert, num_padded, max_blocks = aligned
     T, H = x.shape
-    if fp8_gluon.enabled():  # opt-in (MOECOMP_FP8_GLUON=1): the Gluon gemm1 where it takes the call, else counted
+    if fp8_gluon.enabled() or c1.get("gluon"):  # the table's "gluon" key or MOECOMP_FP8_GLUON=1: else counted
         why = fp8_gluon.unsupported1(spec, x, w13, q, bm)
         if why is None:
             xa = _quantize_gathered(x, sorted_ids, num_padded, T * k, k)
@@ -110,7 +110,7 @@ def gemm2(h, w2, b2, weights, aligned, P: int, bm: int, c2: dict, q: dict, y: to
     E, H, I = w2.shape
     S = sorted_ids.numel()
     hq, hk = fp8_a(h, q, aligned, P)  # h's codes (gemm1's QAct, or quantized here, padding rows skipped), its scales
-    if fp8_gluon.enabled():  # opt-in (MOECOMP_FP8_GLUON=1): the Gluon kernel where it takes the call, else counted
+    if fp8_gluon.enabled() or c2.get("gluon"):  # the table's "gluon" key or MOECOMP_FP8_GLUON=1: else counted
         why = fp8_gluon.unsupported(hq, w2, q, bm)
         if why is None:
             return fp8_gluon.gemm2(hq, hk, w2, b2, weights, aligned, P, bm, q, y, wk)

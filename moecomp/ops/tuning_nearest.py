@@ -87,9 +87,13 @@ def nearest(config_dir: str, own_gpu: str, E: int, N: int, K: int, T: int, top_k
 
 def _fit_device(cfg: dict, device: torch.device) -> dict:
     """A borrowed config on this device: TMA tiles (``"tma"`` and what goes with it) become pointer tiles on GPUs of
-    compute capability < 9, which have no tensor memory accelerator."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
-        for g in ("g1", "g2"):
-            if isinstance(cfg.get(g), dict):
-                cfg[g] = {k: v for k, v in cfg[g].items() if k not in ("tma", "tma_a", "ws", "per_sm")}
+    compute capability < 9, which have no tensor memory accelerator; the Gluon FP8 GEMMs (``"gluon"``: Hopper's
+    wgmma) are asked for on 9.x only."""
+    if device.type != "cuda":
+        return cfg
+    major = torch.cuda.get_device_capability(device)[0]
+    drop = ("tma", "tma_a", "ws", "per_sm", "gluon") if major < 9 else ("gluon",) if major != 9 else ()
+    for g in ("g1", "g2"):
+        if drop and isinstance(cfg.get(g), dict):
+            cfg[g] = {k: v for k, v in cfg[g].items() if k not in drop}
     return cfg

@@ -1,7 +1,8 @@
-"""The Gluon FP8 GEMMs' opt-in (``MOECOMP_FP8_GLUON=1``, ops/triton_fp8_gluon.py) on this CPU machine: every call the
-Gluon gemm1 does not take names its reason (``unsupported1``: the data reasons before the device one), and the op
-with the env on runs the Triton TMA GEMMs under the interpreter, each fall-back counted once under "gemm1: ..." /
-"gemm2: ...", its output still the reference's (tolerance as tests/kernels/test_grouped_gemm_tma_fp8.py: fp32 3e-5)."""
+"""The Gluon FP8 GEMMs asked for (``MOECOMP_FP8_GLUON=1``, or a config's "gluon" key; ops/triton_fp8_gluon.py) on
+this CPU machine: every call the Gluon gemm1 does not take names its reason (``unsupported1``: the data reasons before
+the device one), and the op asked either way runs the Triton TMA GEMMs under the interpreter, each fall-back counted
+once under "gemm1: ..." / "gemm2: ...", its output still the reference's (tolerance as
+tests/kernels/test_grouped_gemm_tma_fp8.py: fp32 3e-5)."""
 
 import dataclasses
 import json
@@ -42,10 +43,17 @@ def test_gluon_gemm1_reasons(case):
     assert why is not None and why.startswith(REASONS[case][4]), f"{case}: {why}"
 
 
-def test_gluon_env_on_falls_back_counted(poison, monkeypatch):
+@pytest.mark.parametrize("asked", ["env", "config"])
+def test_gluon_env_on_falls_back_counted(asked, poison, monkeypatch):
+    """Asked by MOECOMP_FP8_GLUON=1, or by the config's "gluon" key on both GEMMs (what a tuned table holds)."""
     monkeypatch.setenv("MOECOMP_CPU_BACKEND", "triton")
-    monkeypatch.setenv("MOECOMP_CONFIG", json.dumps(_cfg(32, dict(tma_a=1))))
-    monkeypatch.setenv("MOECOMP_FP8_GLUON", "1")
+    cfg = _cfg(32, dict(tma_a=1))
+    if asked == "config":
+        cfg["g1"]["gluon"] = cfg["g2"]["gluon"] = 1
+        monkeypatch.delenv("MOECOMP_FP8_GLUON", raising=False)
+    else:
+        monkeypatch.setenv("MOECOMP_FP8_GLUON", "1")
+    monkeypatch.setenv("MOECOMP_CONFIG", json.dumps(cfg))
     for var in ("MOECOMP_FP8_MODE", "MOECOMP_FP8_PREQUANT", "MOECOMP_DECODE_MAX_T"):
         monkeypatch.delenv(var, raising=False)
     spec = MoESpec(num_experts=6, top_k=2, hidden_size=256, intermediate_size=48, quant=QuantSpec())
