@@ -34,8 +34,7 @@ import torch
 
 from ..core.counters import counters
 from .fuse_linears import example_value, linear_ops, member
-from .fuse_norm import _is as is_step
-from .fuse_norm import check_norm, match_norm
+from .fuse_norm import check_norm, is_step, match_norm
 
 
 def enabled() -> bool:
@@ -66,14 +65,14 @@ def _linear_into(root, ops):
 
 def _refusal(m) -> str | None:
     """Why the op would not take its one launch at the graph's rows (None: it would, or the rows are symbolic)."""
-    from ..ops.linear_add_norm import _quant, refusal
+    from ..ops.linear_add_norm import quant_spec, refusal
 
     x, w = example_value(m[0]), example_value(m[1])
     K = x.shape[-1]
     rows = x.numel() // K if isinstance(K, int) else None
     if not isinstance(rows, int):
         return None  # symbolic rows: the op decides at run time
-    return refusal(x, w, _quant(m[4]))
+    return refusal(x, w, quant_spec(m[4]))
 
 
 def fold(gm: torch.fx.GraphModule, norm, offset: bool, lin, mem, res) -> None:

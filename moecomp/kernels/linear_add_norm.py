@@ -10,8 +10,8 @@ The GEMV splits N over programs, the norm needs whole rows of h, so the launch e
     program p:      its BLOCK_N columns of a (``skinny.tile_sums``, the unfused skinny kernel's K loop), rounded
                     to the activation dtype; h = r + a rounded again; h stored for every row
     then:           CTA barrier; atomic_add(counter, 1) (acq_rel, gpu scope)
-    last program:   counter <- 0; per row: sum(h^2) over all N columns of h read back with ``.cg`` loads (L2, never
-                    a stale L1 line), rsqrt, then n for the whole row, BLOCK_D columns at a time
+    last program:   counter <- 0; sum(h^2) over all N columns of h read back with ``.cg`` loads (L2, never a stale
+                    L1 line), rsqrt, then n; every row at once, [ROWS_PAD, BLOCK_D] a step
 
 Rounding, as the unfused graph rounds (dt: the activation dtype): a = dt(sum) (the skinny kernel's store), h =
 dt(r + a) (the add), then transformers' forms of the norm: OFFSET 0 (Llama / Qwen: ``w * (h32 * rsqrt).to(dt)``)
@@ -44,25 +44,31 @@ def _add_store(acc, r_row, h_row, offs_n, n_ok, s_fin, bias, HAS_BIAS: tl.conste
 
 
 @triton.jit
-def _norm_row(h_row, n_row, g_ptr, N, eps, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The last program's work for one row: the row's sum of squares from h (``.cg`` reads), then n."""
-    dt = n_row.dtype.element_ty
+def _norm_rows(h_ptr, n_ptr, g_ptr, N, eps, stride_hm, stride_nm, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr,
+               OFFSET: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The last program's work: every row's sum of squares from h (``.cg`` reads), then n; all rows at once, a
+    [ROWS_PAD, BLOCK_D] tile a step (one L2 round trip a pass where BLOCK_D covers N)."""
+    dt = n_ptr.dtype.element_ty
+    offs_m = tl.arange(0, ROWS_PAD)
+    m_ok = offs_m < ROWS
     offs = tl.arange(0, BLOCK_D)
-    ss = tl.zeros([BLOCK_D], dtype=tl.float32)
+    h_rows = h_ptr + offs_m[:, None] * stride_hm
+    ss = tl.zeros([ROWS_PAD], dtype=tl.float32)
     for d0 in range(0, N, BLOCK_D):
-        ok = offs < N - d0
-        hf = tl.load(h_row + d0 + offs, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        ss += hf * hf
-    rs = tl.rsqrt(tl.sum(ss, axis=0) / N + eps)
+        ok = m_ok[:, None] & (offs < N - d0)[None, :]
+        hf = tl.load(h_rows + d0 + offs[None, :], mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        ss += tl.sum(hf * hf, axis=1)  # (a row sum a step: no [ROWS_PAD, BLOCK_D] accumulator held in registers)
+    rs = tl.rsqrt(ss / N + eps)[:, None]  # [ROWS_PAD, 1]
     for d0 in range(0, N, BLOCK_D):
-        ok = offs < N - d0
-        hf = tl.load(h_row + d0 + offs, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        g = tl.load(g_ptr + d0 + offs, mask=ok, other=0.0).to(tl.float32)
+        d_ok = offs < N - d0
+        ok = m_ok[:, None] & d_ok[None, :]
+        hf = tl.load(h_rows + d0 + offs[None, :], mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        g = tl.load(g_ptr + d0 + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         if OFFSET:
             n = hf * rs * (1.0 + g)
         else:
             n = g * (hf * rs).to(dt).to(tl.float32)
-        tl.store(n_row + d0 + offs, n.to(dt), mask=ok)
+        tl.store(n_ptr + offs_m[:, None] * stride_nm + d0 + offs[None, :], n.to(dt), mask=ok)
 
 
 @triton.jit
@@ -96,6 +102,7 @@ def linear_add_norm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     REDUCE_END: tl.constexpr,
+    ROWS_PAD: tl.constexpr,  # ROWS rounded up to a power of two (the last program's tile rows)
     BLOCK_D: tl.constexpr,  # the last program's columns a step
     SINGLE: tl.constexpr,  # one program: no counter
     USE_PDL: tl.constexpr = 0,  # 0 off, 2 wait at the start, release after the K loop (kernels/pdl.py)
@@ -125,10 +132,4 @@ def linear_add_norm_kernel(
     if last:
         if not SINGLE:
             tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")  # every program has counted: reset
-        _norm_row(h_ptr, n_ptr, g_ptr, N, eps, OFFSET, BLOCK_D)
-        if ROWS > 1:
-            _norm_row(h_ptr + stride_hm, n_ptr + stride_nm, g_ptr, N, eps, OFFSET, BLOCK_D)
-        if ROWS > 2:
-            _norm_row(h_ptr + 2 * stride_hm, n_ptr + 2 * stride_nm, g_ptr, N, eps, OFFSET, BLOCK_D)
-        if ROWS > 3:
-            _norm_row(h_ptr + 3 * stride_hm, n_ptr + 3 * stride_nm, g_ptr, N, eps, OFFSET, BLOCK_D)
+        _norm_rows(h_ptr, n_ptr, g_ptr, N, eps, stride_hm, stride_nm, ROWS, ROWS_PAD, OFFSET, BLOCK_D)

@@ -35,7 +35,6 @@ import math
 import os
 
 import torch
-import triton
 
 from ..core.counters import counters
 from ..core.spec import QuantSpec
@@ -54,7 +53,7 @@ def fused_rows() -> int:
     return v
 
 
-def _quant(quant: str) -> QuantSpec | None:
+def quant_spec(quant: str) -> QuantSpec | None:
     try:
         return group_quant(quant)
     except ValueError as e:
@@ -124,8 +123,13 @@ def _counter(device: torch.device) -> torch.Tensor | None:
 def launch(x2, weight, bias, weight_scale, q, r2, norm_weight, eps: float, offset: bool, counter=None,
            cfg: dict | None = None, out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The one launch on x2 [M, K] (M <= MAX_ROWS) and r2 [M, N] (unit stride along K / N): (h, n) [M, N]. ``cfg``:
-    explicit tiles (a benchmark's), else the skinny linear's (``skinny_config``) and BLOCK_D = min(1024, N);
+    explicit tiles (a benchmark's), else the skinny linear's (``skinny_config``) and the last program's BLOCK_D
+    columns (4096 / M rounded up to a power of two, at most N rounded so: 32 fp32 registers a thread for its h
+    tile at 4 warps, not to raise the kernel's register count above the K loop's; one step a pass up to N = 4096 at
+    one row, 2048 at two);
     ``counter``: an int32 [1] zero (else the device's); ``out``: (h, n) buffers [M, N] of unit column stride."""
+    import triton
+
     from ..kernels import linear_add_norm as lan_k
     from . import skinny
     from .common import sm_count
@@ -142,7 +146,8 @@ def launch(x2, weight, bias, weight_scale, q, r2, norm_weight, eps: float, offse
     g = norm_weight if norm_weight.stride(-1) == 1 else norm_weight.contiguous()
     if cfg is None:
         cfg = skinny.skinny_config(M, N, K, weight.element_size(), x2.device, sm_count(x2.device))
-        cfg = dict(cfg, BLOCK_D=min(1024 if x2.is_cuda else 64, triton.next_power_of_2(N)))
+        cfg = dict(cfg, BLOCK_D=min((4096 if x2.is_cuda else 64) // triton.next_power_of_2(M),
+                                    triton.next_power_of_2(N)))
     ws, s_n, s_k, meta = skinny.weight_args("linear_add_norm", weight_scale, q, cfg)
     grid = triton.cdiv(N, cfg["BLOCK_N"])
     if grid > 1 and counter is None:
@@ -156,7 +161,8 @@ def launch(x2, weight, bias, weight_scale, q, r2, norm_weight, eps: float, offse
     lan_k.linear_add_norm_kernel[(grid,)](
         x2, weight, ws, bias, r2, h, g, n, counter, float(eps), N, K, x2.stride(0), weight.stride(0), s_n, s_k,
         r2.stride(0), h.stride(0), n.stride(0), ROWS=M, HAS_BIAS=bias is not None, OFFSET=bool(offset),
-        BLOCK_D=cfg["BLOCK_D"], SINGLE=grid == 1, **meta, **skinny.launch_options(x2.device))
+        ROWS_PAD=triton.next_power_of_2(M), BLOCK_D=cfg["BLOCK_D"], SINGLE=grid == 1, **meta,
+        **skinny.launch_options(x2.device))
     return h, n
 
 
@@ -164,7 +170,7 @@ def launch(x2, weight, bias, weight_scale, q, r2, norm_weight, eps: float, offse
 def linear_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     weight_scale: torch.Tensor | None, quant: str, residual: torch.Tensor, norm_weight: torch.Tensor,
                     eps: float, offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    q = _quant(quant)
+    q = quant_spec(quant)
     _check(x, weight, bias, weight_scale, q, residual, norm_weight, eps)
     why = refusal(x, weight, q)
     if why is None and x.is_cuda and _counter(x.device) is None:
@@ -183,5 +189,5 @@ def linear_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 @linear_add_norm.register_fake
 def _(x, weight, bias, weight_scale, quant, residual, norm_weight, eps, offset):
-    _check(x, weight, bias, weight_scale, _quant(quant), residual, norm_weight, eps)
+    _check(x, weight, bias, weight_scale, quant_spec(quant), residual, norm_weight, eps)
     return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
