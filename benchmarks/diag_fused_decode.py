@@ -216,7 +216,7 @@ def oproj_rows(rows: list[int]) -> list[dict]:
             x = torch.randn(M, 1, K, device="cuda", dtype=torch.bfloat16)
             r = torch.randn(M, 1, N, device="cuda", dtype=torch.bfloat16)
             apart = lambda: norm(lin(x), r, g)  # noqa: E731
-            fused = lambda: torch.ops.moecomp.linear_add_norm(x, w, b, s, key, r, g, eps, False)  # noqa: E731
+            fused = lambda: torch.ops.moecomp.linear_add_norm(x, w, b, s, key, r, g, eps, False, True)  # noqa: E731
             counters["linear_add_norm"].clear()
             got = fused()
             path = ",".join(counters["linear_add_norm"])

@@ -9,7 +9,7 @@ by the MoE op instead, so it stays. This pass folds it backwards, into the linea
     n = rmsnorm(h) * w                  (fuse_norm's subgraph, checked on its probes: w or 1 + w, eps)
     y = anything(n)                     (moe_forward, ...)
                         --->
-    t = linear_add_norm(o, Wo, bo, scale, quant, r, w, eps, offset);  h, n = t[0], t[1]
+    t = linear_add_norm(o, Wo, bo, scale, quant, r, w, eps, offset, round_unit);  h, n = t[0], t[1]
 
 The norm is found and checked by ``fuse_norm``'s own matcher and prober (``match_norm`` / ``check_norm``); its root
 must be a two-operand add of which one operand is a call of ``moecomp::skinny_linear`` / ``fp8_linear`` in the group
@@ -17,7 +17,9 @@ form (``fuse_linears.member``: no static activation scale) with that add as its 
 of the linear's output shape and dtype, and the norm weight must exist before the add (the op goes where the add
 was; every user of h and n comes after it). Where the rows are a known number, the fold also needs the op to take
 its one launch there (``ops/linear_add_norm.refusal``: the linear takes the skinny kernel, rows <=
-``MOECOMP_FUSE_OPROJ_ROWS``); with symbolic rows the op decides at run time. No module or attribute name takes part.
+``MOECOMP_FUSE_OPROJ_ROWS``); with symbolic rows the op decides at run time. ``round_unit`` (the op's rounding of
+h * rsqrt before the weight multiply) is read from the graph: a cast to a narrower dtype than fp32 between the two
+(``rounds_unit``). No module or attribute name takes part.
 
 In a Qwen3-MoE (or gpt-oss) decoder layer's decode graph exactly one norm folds: the post-attention one (the
 pre-attention norm's root is the layer input, q_norm / k_norm read views of q / k). ``MOECOMP_FUSE_OPROJ=1`` turns
@@ -75,6 +77,19 @@ def _refusal(m) -> str | None:
     return refusal(x, w, quant_spec(m[4]))
 
 
+def rounds_unit(norm) -> bool:
+    """Whether the norm rounds h * rsqrt to a narrower dtype than fp32 before the weight multiply (transformers'
+    Llama / Qwen form: a cast between the rsqrt's multiply and the weight's), the op's ``round_unit``."""
+    rs = next(n for n in norm["nodes"] if is_step(n, "rsqrt"))
+    cur = next(iter(rs.users))  # h * rsqrt (match_norm: its only user)
+    while len(cur.users) == 1 and is_step(u := next(iter(cur.users)), "cast") and u.args[0] is cur:
+        v = example_value(u)
+        if v is not None and v.dtype.is_floating_point and torch.finfo(v.dtype).eps > torch.finfo(torch.float32).eps:
+            return True
+        cur = u
+    return False
+
+
 def fold(gm: torch.fx.GraphModule, norm, offset: bool, lin, mem, res) -> None:
     """Replace the linear ``lin``, the add (the norm's root) and the norm by one ``moecomp::linear_add_norm``."""
     graph = gm.graph
@@ -83,7 +98,7 @@ def fold(gm: torch.fx.GraphModule, norm, offset: bool, lin, mem, res) -> None:
     x, w, b, s, quant = mem
     with graph.inserting_before(add):
         call = graph.call_function(torch.ops.moecomp.linear_add_norm.default,
-                                   (x, w, b, s, quant, res, norm["w"], norm["eps"], offset))
+                                   (x, w, b, s, quant, res, norm["w"], norm["eps"], offset, rounds_unit(norm)))
         h = graph.call_function(operator.getitem, (call, 0))
         n = graph.call_function(operator.getitem, (call, 1))
     vals = (example_value(add), example_value(norm["out"]))

@@ -14,11 +14,11 @@ The GEMV splits N over programs, the norm needs whole rows of h, so the launch e
                     L1 line), rsqrt, then n; every row at once, [ROWS_PAD, BLOCK_D] a step
 
 Rounding, as the unfused graph rounds (dt: the activation dtype): a = dt(sum) (the skinny kernel's store), h =
-dt(r + a) (the add), then transformers' forms of the norm: OFFSET 0 (Llama / Qwen: ``w * (h32 * rsqrt).to(dt)``)
-n = dt(g * dt(h32 * rs)), OFFSET 1 (Gemma: ``(h32 * rsqrt * (1 + w32)).to(dt)``) n = dt(h32 * rs * (1 + g)), with
-rs = rsqrt(sum(h32^2) / N + eps). a and h are bit-identical to the unfused skinny kernel + add (same K steps and
-reduction: BLOCK_N does not change a row's sum); n can differ from torch's by the order of the sum of squares and
-the rsqrt's approximation (a unit of dt's last place at most, on some elements).
+dt(r + a) (the add), u = h32 * rs with rs = rsqrt(sum(h32^2) / N + eps), then n = dt(gw * dt(u)) with ROUND_UNIT
+(Llama / Qwen: ``w * (h32 * rsqrt).to(dt)``) or n = dt(u * gw) without (Gemma: ``(h32 * rsqrt * (1 + w32)).to(dt)``,
+gpt-oss: ``(w * h32 * rsqrt).to(dt)``). a and h are bit-identical to the unfused skinny kernel + add (same K steps
+and reduction: BLOCK_N does not change a row's sum); n can differ from torch's by the order of the sum of squares
+and the rsqrt's approximation (a unit of dt's last place at most, on some elements).
 
 One program (SINGLE) needs no counter. The counter is a buffer the launcher keeps per device, zero between launches
 (the last program puts it back), so a CUDA graph replays the launch as captured; two launches sharing it must not
@@ -45,7 +45,7 @@ def _add_store(acc, r_row, h_row, offs_n, n_ok, s_fin, bias, HAS_BIAS: tl.conste
 
 @triton.jit
 def _norm_rows(h_ptr, n_ptr, g_ptr, N, eps, stride_hm, stride_nm, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr,
-               OFFSET: tl.constexpr, BLOCK_D: tl.constexpr):
+               OFFSET: tl.constexpr, ROUND_UNIT: tl.constexpr, BLOCK_D: tl.constexpr):
     """The last program's work: every row's sum of squares from h (``.cg`` reads), then n; all rows at once, a
     [ROWS_PAD, BLOCK_D] tile a step (one L2 round trip a pass where BLOCK_D covers N)."""
     dt = n_ptr.dtype.element_ty
@@ -65,9 +65,11 @@ def _norm_rows(h_ptr, n_ptr, g_ptr, N, eps, stride_hm, stride_nm, ROWS: tl.const
         hf = tl.load(h_rows + d0 + offs[None, :], mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
         g = tl.load(g_ptr + d0 + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         if OFFSET:
-            n = hf * rs * (1.0 + g)
-        else:
-            n = g * (hf * rs).to(dt).to(tl.float32)
+            g = 1.0 + g
+        u = hf * rs
+        if ROUND_UNIT:
+            u = u.to(dt).to(tl.float32)
+        n = u * g
         tl.store(n_ptr + offs_m[:, None] * stride_nm + d0 + offs[None, :], n.to(dt), mask=ok)
 
 
@@ -99,6 +101,7 @@ def linear_add_norm_kernel(
     Q_BLOCK_K: tl.constexpr,
     UE8M0: tl.constexpr,
     OFFSET: tl.constexpr,  # 0: * g, 1: * (1 + g)
+    ROUND_UNIT: tl.constexpr,  # h * rs rounded to dt before the weight multiply (Llama / Qwen), or not
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     REDUCE_END: tl.constexpr,
@@ -132,4 +135,5 @@ def linear_add_norm_kernel(
     if last:
         if not SINGLE:
             tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")  # every program has counted: reset
-        _norm_rows(h_ptr, n_ptr, g_ptr, N, eps, stride_hm, stride_nm, ROWS, ROWS_PAD, OFFSET, BLOCK_D)
+        _norm_rows(h_ptr, n_ptr, g_ptr, N, eps, stride_hm, stride_nm, ROWS, ROWS_PAD, OFFSET, ROUND_UNIT,
+                   BLOCK_D)

@@ -3,7 +3,7 @@ one launch at decode rows.
 
     a = linear(x, weight, bias)                  x [..., K], weight [N, K] (16-bit of x's dtype, or e4m3 weight-only)
     h = residual + a                             residual [..., N] of x's dtype: the next residual stream
-    n = rmsnorm(h) * gw,  gw = norm_weight or 1 + norm_weight (``offset``, Gemma-style)
+    n = rmsnorm(h) * gw,  gw = norm_weight or 1 + norm_weight (``offset``, Gemma-style); ``round_unit`` below
     returns (h, n)
 
 The generate engine's decode-step pass (``generate/fuse_oproj.py``) puts one call where a decoder layer's attention
@@ -11,12 +11,13 @@ output projection fed only the residual add before the post-attention RMSNorm (w
 linear: ``fuse_norm`` leaves it). ``weight`` / ``bias`` / ``weight_scale`` / ``quant`` are ``skinny_group``'s member
 arguments ("" and no scale for 16-bit weights, else the e4m3 weight's QuantSpec key, no static activation scale).
 
-Rounding (dt = x's dtype), as the unfused graph rounds: a = dt(x @ W^T + b), h = dt(residual + a), then
-transformers' norm forms: ``offset`` False (Llama / Qwen) n = dt(gw * dt(h32 * rs)), True (Gemma) n = dt(h32 * rs *
-(1 + gw32)), rs = rsqrt(mean(h32^2) + eps) in fp32. The one launch (``kernels/linear_add_norm.py``) computes a with
-the skinny kernel's tiles (``skinny.skinny_config``: the same K steps, so a and h are the unfused skinny linear's
-and add's bit for bit); n may differ from torch's by the sum of squares' order (a unit in dt's last place on some
-elements).
+Rounding (dt = x's dtype), as the unfused graph rounds: a = dt(x @ W^T + b), h = dt(residual + a), u = h32 * rs
+with rs = rsqrt(mean(h32^2) + eps) in fp32, then ``round_unit`` True (transformers' Llama / Qwen norm: ``w *
+(h32 * rsqrt).to(dt)``) n = dt(gw * dt(u)), False (Gemma's ``(h32 * rsqrt * (1 + w32)).to(dt)``, gpt-oss's ``(w *
+h32 * rsqrt).to(dt)``) n = dt(u * gw); the pass reads which from the graph (a cast to dt between the rsqrt's
+multiply and the weight's). The one launch (``kernels/linear_add_norm.py``) computes a with the skinny kernel's
+tiles (``skinny.skinny_config``: the same K steps, so a and h are the unfused skinny linear's and add's bit for
+bit); n may differ from torch's by the sum of squares' order (a unit in dt's last place on some elements).
 
 One launch where the linear would take the skinny kernel on its own (``linear_group.one_launch``) at most
 ``fused_rows()`` rows (``MOECOMP_FUSE_OPROJ_ROWS``, default 4: the kernel's row slots) and the device's counter
@@ -76,13 +77,14 @@ def _check(x, weight, bias, weight_scale, q, residual, norm_weight, eps) -> None
         raise ValueError(f"linear_add_norm: eps must be a finite number >= 0, got {eps}")
 
 
-def normalized(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
-    """The norm in torch with the kernel's rounding (module docstring): Llama's two roundings, Gemma's one."""
+def normalized(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, offset: bool,
+               round_unit: bool) -> torch.Tensor:
+    """The norm in torch with the kernel's rounding (module docstring)."""
     hf = h.float()
     unit = hf * torch.rsqrt(hf.square().mean(-1, keepdim=True) + eps)
-    if offset:
-        return (unit * (norm_weight.float() + 1.0)).to(h.dtype)
-    return (norm_weight.float() * unit.to(h.dtype).float()).to(h.dtype)
+    if round_unit:
+        unit = unit.to(h.dtype).float()
+    return (unit * (norm_weight.float() + 1.0 if offset else norm_weight.float())).to(h.dtype)
 
 
 def refusal(x: torch.Tensor, weight: torch.Tensor, q: QuantSpec | None) -> str | None:
@@ -120,8 +122,8 @@ def _counter(device: torch.device) -> torch.Tensor | None:
     return c
 
 
-def launch(x2, weight, bias, weight_scale, q, r2, norm_weight, eps: float, offset: bool, counter=None,
-           cfg: dict | None = None, out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def launch(x2, weight, bias, weight_scale, q, r2, norm_weight, eps: float, offset: bool, round_unit: bool,
+           counter=None, cfg: dict | None = None, out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The one launch on x2 [M, K] (M <= MAX_ROWS) and r2 [M, N] (unit stride along K / N): (h, n) [M, N]. ``cfg``:
     explicit tiles (a benchmark's), else the skinny linear's (``skinny_config``) and the last program's BLOCK_D
     columns (4096 / M rounded up to a power of two, at most N rounded so: 32 fp32 registers a thread for its h
@@ -161,15 +163,15 @@ def launch(x2, weight, bias, weight_scale, q, r2, norm_weight, eps: float, offse
     lan_k.linear_add_norm_kernel[(grid,)](
         x2, weight, ws, bias, r2, h, g, n, counter, float(eps), N, K, x2.stride(0), weight.stride(0), s_n, s_k,
         r2.stride(0), h.stride(0), n.stride(0), ROWS=M, HAS_BIAS=bias is not None, OFFSET=bool(offset),
-        ROWS_PAD=triton.next_power_of_2(M), BLOCK_D=cfg["BLOCK_D"], SINGLE=grid == 1, **meta,
-        **skinny.launch_options(x2.device))
+        ROUND_UNIT=bool(round_unit), ROWS_PAD=triton.next_power_of_2(M), BLOCK_D=cfg["BLOCK_D"],
+        SINGLE=grid == 1, **meta, **skinny.launch_options(x2.device))
     return h, n
 
 
 @torch.library.custom_op("moecomp::linear_add_norm", mutates_args=())
 def linear_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     weight_scale: torch.Tensor | None, quant: str, residual: torch.Tensor, norm_weight: torch.Tensor,
-                    eps: float, offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    eps: float, offset: bool, round_unit: bool) -> tuple[torch.Tensor, torch.Tensor]:
     q = quant_spec(quant)
     _check(x, weight, bias, weight_scale, q, residual, norm_weight, eps)
     why = refusal(x, weight, q)
@@ -179,15 +181,15 @@ def linear_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if why is not None:
         c[f"unfused: {why}"] += 1
         h = residual + run_member(x, weight, bias, weight_scale, q)
-        return h, normalized(h, norm_weight, eps, offset)
+        return h, normalized(h, norm_weight, eps, offset, round_unit)
     c["fused"] += 1
     K, N = x.shape[-1], weight.shape[0]
     h, n = launch(x.reshape(-1, K), weight, bias, weight_scale, q, residual.reshape(-1, N), norm_weight, eps,
-                  offset)
+                  offset, round_unit)
     return h.reshape(residual.shape), n.reshape(residual.shape)
 
 
 @linear_add_norm.register_fake
-def _(x, weight, bias, weight_scale, quant, residual, norm_weight, eps, offset):
+def _(x, weight, bias, weight_scale, quant, residual, norm_weight, eps, offset, round_unit):
     _check(x, weight, bias, weight_scale, quant_spec(quant), residual, norm_weight, eps)
     return residual.new_empty(residual.shape), residual.new_empty(residual.shape)

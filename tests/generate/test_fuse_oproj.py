@@ -29,6 +29,12 @@ INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not INTERP, reason="the kernels run under TRITON_INTERPRET=1 on CPU")
 
 
+def _gptoss(h, g):  # gpt-oss's form: the weight multiplies in fp32, one rounding at the end
+    hs = h.to(torch.float32)
+    hs = hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return (g * hs).to(h.dtype)
+
+
 class _Block(torch.nn.Module):
     """o_proj -> residual add -> norm -> a non-linear user of the norm; h is read again at the end (the next
     residual). ``fmt`` "fp8": o_proj is a weight-only e4m3 ``fp8_linear``; ``leak``: o_proj's output has a second
@@ -103,6 +109,23 @@ def test_pass_folds_linear_add_norm(monkeypatch, norm, swap, bias, fmt):
     with torch.no_grad():
         ref = mod(*args)
     torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("norm,offset,round_unit", [(_llama, False, True), (_gemma, True, False),
+                                                    (_gptoss, False, False)])
+def test_pass_reads_the_norms_rounding(monkeypatch, norm, offset, round_unit):
+    """bf16: the op's ``offset`` from the probe and ``round_unit`` from the graph (Llama / Qwen cast h * rsqrt to
+    bf16 before the weight multiply; Gemma and gpt-oss round once, at the end)."""
+    import moecomp.ops  # noqa: F401
+
+    _skinny_on_cpu(monkeypatch)
+    torch.manual_seed(8)
+    mod = _Block(norm).eval().to(torch.bfloat16)
+    gm, opass, _ = _compile(mod, (torch.randn(1, 1, 48).bfloat16(), torch.randn(1, 1, 40).bfloat16()))
+    assert opass.found == [dict(matched=1, folded=1, skipped=[])]
+    (call,) = [n for n in gm.graph.nodes if n.target == torch.ops.moecomp.linear_add_norm.default]
+    assert call.args[8:] == (offset, round_unit)
 
 
 @pytest.mark.parametrize("case", ["mean0", "leak", "cpu", "rows"])

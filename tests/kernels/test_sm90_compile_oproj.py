@@ -24,8 +24,8 @@ def lan(case):
                n_ptr="*bf16", counter_ptr="*i32", eps="fp32")
     c = dict(ROWS=4 if "rows4" in case else 1, HAS_BIAS="bias" in case,
              W_SCALE=(1 if "block" in case else 2) if fp8 else 0, Q_BLOCK_N=128, Q_BLOCK_K=128, UE8M0=False,
-             OFFSET="gemma" in case, BLOCK_N=4, BLOCK_K=1024, REDUCE_END=1, ROWS_PAD=4 if "rows4" in case else 1,
-             BLOCK_D=1024 if "rows4" in case else 4096, SINGLE="one" in case,
+             OFFSET="gemma" in case, ROUND_UNIT="gemma" not in case, BLOCK_N=4, BLOCK_K=1024, REDUCE_END=1,
+             ROWS_PAD=4 if "rows4" in case else 1, BLOCK_D=1024 if "rows4" in case else 4096, SINGLE="one" in case,
              USE_PDL=2 if "pdl" in case else 0)
     if fp8:
         ptr["ws_ptr"] = "*fp32"
