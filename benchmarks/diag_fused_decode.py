@@ -9,6 +9,11 @@
               the decode step) then one ``skinny_group``, against one ``norm_group`` (MOECOMP_FUSE_NORM's op),
               Qwen3-30B-A3B sizes, bf16 and e4m3 128x128 blocks weight-only, with and without the residual, 1, 2,
               4 rows (4 rows in bf16 run the unfused members either way)
+    oproj     the attention output projection, the residual add and the post-attention RMSNorm: o_proj's own op
+              (``skinny_linear`` / ``fp8_linear``) then the add and norm compiled by Inductor (one kernel, as in the
+              decode step), against one ``linear_add_norm`` (MOECOMP_FUSE_OPROJ's op), Qwen3-30B-A3B (4096 -> 2048)
+              and gpt-oss-120b (4096 -> 2880, a bias), bf16 and e4m3 128x128 blocks weight-only, --rows (4 rows in
+              bf16 run the op's unfused path: the check column says which path the op took)
     attention the decode attention: split + combine (two launches, MOECOMP_ATTN_ONE_LAUNCH=0) against the one launch
               (=1; one split: no partials, no counter), Qwen3-30B-A3B (Hq 32, Hkv 4, head 128), gpt-oss (Hq 64,
               Hkv 8, head 64, sinks; full layers and sliding ones, window 128), DeepSeek-V3 MLA as cached (Hq = Hkv
@@ -18,6 +23,7 @@
 PDL stays as the op sets it (MOECOMP_PDL). Results: a table on stdout and, with --out-json, every row.
 
     PYTHONPATH=. python3 benchmarks/diag_fused_decode.py --out-json /tmp/fused.json
+    PYTHONPATH=. python3 benchmarks/diag_fused_decode.py --parts oproj --rows 1,2,4
     PYTHONPATH=. python3 benchmarks/diag_fused_decode.py --parts attention --batches 1,8,32 --contexts 576,2048,8192
 """
 
@@ -105,6 +111,48 @@ def norm_rows(rows: list[int]) -> list[dict]:
     return out
 
 
+OPROJ = {"qwen3": (4096, 2048, False), "gpt-oss-120b": (4096, 2880, True)}  # K, N, bias
+
+
+def oproj_rows(rows: list[int]) -> list[dict]:
+    from moecomp.core import quant as q8
+    from moecomp.core.counters import counters
+    from moecomp.core.spec import QuantSpec
+
+    eps, q, out = 1e-6, QuantSpec(activation="none"), []
+
+    def add_norm(a, r, g):  # transformers' Qwen3 form, one Inductor kernel
+        h = r + a
+        hf = h.float()
+        return h, g * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+    norm = torch.compile(add_norm, dynamic=False)
+    for (name, (K, N, has_bias)), fmt in ((m, f) for m in OPROJ.items() for f in ("bf16", "fp8")):
+        w32 = torch.randn(N, K, device="cuda") * 0.02
+        b = (torch.randn(N, device="cuda") * 0.1).bfloat16() if has_bias else None
+        g = (1 + 0.1 * torch.randn(N, device="cuda")).bfloat16()
+        if fmt == "bf16":
+            w, s, key = w32.bfloat16(), None, ""
+            lin = lambda x: torch.ops.moecomp.skinny_linear(x, w, b)  # noqa: E731
+        else:
+            w, s = q8.quantize(w32, q)
+            key = q.key
+            lin = lambda x: torch.ops.moecomp.fp8_linear(x, w, s, b, None, key)  # noqa: E731
+        for M in rows:
+            x = torch.randn(M, 1, K, device="cuda", dtype=torch.bfloat16)
+            r = torch.randn(M, 1, N, device="cuda", dtype=torch.bfloat16)
+            apart = lambda: norm(lin(x), r, g)  # noqa: E731
+            fused = lambda: torch.ops.moecomp.linear_add_norm(x, w, b, s, key, r, g, eps, False, True)  # noqa: E731
+            counters["linear_add_norm"].clear()
+            got = fused()
+            path = ",".join(counters["linear_add_norm"])
+            err = max(_rel(a, b_) for a, b_ in zip(got, apart()))
+            t_apart, t_fused = _bench(apart), _bench(fused)
+            out.append(dict(part="oproj", model=name, weights=f"{fmt} ({path})", rows=M, unfused_us=t_apart,
+                            fused_us=t_fused, ratio=t_fused / t_apart, rel_diff=err))
+    return out
+
+
 # name -> (Hq, Hkv, Dk, Dv, sinks, window)
 ATTENTION = {"qwen3": (32, 4, 128, 128, False, 0), "gpt-oss": (64, 8, 64, 64, True, 0),
              "gpt-oss-sliding": (64, 8, 64, 64, True, 128), "deepseek-v3-mla": (128, 128, 192, 128, False, 0)}
@@ -150,8 +198,8 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="qkv,norm,attention")
-    ap.add_argument("--rows", default="1,2,4", help="qkv rows")
+    ap.add_argument("--parts", default="qkv,norm,oproj,attention")
+    ap.add_argument("--rows", default="1,2,4", help="qkv / norm / oproj rows")
     ap.add_argument("--batches", default="1,8,32", help="attention batch rows")
     ap.add_argument("--contexts", default="576,2048,8192", help="attention valid lengths")
     ap.add_argument("--out-json", default=None)
@@ -166,6 +214,8 @@ def main(argv=None) -> int:
         rows += qkv_rows([int(r) for r in a.rows.split(",")])
     if "norm" in parts:
         rows += norm_rows([int(r) for r in a.rows.split(",")])
+    if "oproj" in parts:
+        rows += oproj_rows([int(r) for r in a.rows.split(",")])
     if "attention" in parts:
         rows += attention_rows([int(b) for b in a.batches.split(",")], [int(c) for c in a.contexts.split(",")])
     print(table(rows))

@@ -87,6 +87,9 @@ def _is(node, step: str) -> bool:
     return node.target in _TORCH.get(step, ()) or _aten(node, step)
 
 
+is_step = _is  # the public name (generate/fuse_oproj reads a norm's root with it)
+
+
 def _only_user(node):
     users = list(node.users)
     return users[0] if len(users) == 1 else None

@@ -56,8 +56,8 @@ def _row_step(acc, wf, x_row, k0, offs_k, k_ok, REDUCE_END: tl.constexpr):
 
 
 @triton.jit
-def _row_store(acc, y_row, offs_n, n_ok, s_fin, bias, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr,
-               REDUCE_END: tl.constexpr):
+def row_value(acc, s_fin, bias, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr, REDUCE_END: tl.constexpr):
+    """One row's [BN] outputs in fp32 from its accumulator: summed (REDUCE_END), scaled, the bias added."""
     if REDUCE_END:
         r = tl.sum(acc, axis=1)
     else:
@@ -66,6 +66,13 @@ def _row_store(acc, y_row, offs_n, n_ok, s_fin, bias, HAS_BIAS: tl.constexpr, W_
         r = r * s_fin
     if HAS_BIAS:
         r = r + bias
+    return r
+
+
+@triton.jit
+def _row_store(acc, y_row, offs_n, n_ok, s_fin, bias, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr,
+               REDUCE_END: tl.constexpr):
+    r = row_value(acc, s_fin, bias, HAS_BIAS, W_SCALE, REDUCE_END)
     tl.store(y_row + offs_n, r.to(y_row.dtype.element_ty), mask=n_ok)
 
 
@@ -106,12 +113,11 @@ def tile_end(ws_ptr, b_ptr, rows_n, offs_n, n_ok, stride_sn, HAS_BIAS: tl.conste
 
 
 @triton.jit
-def _tile(pid, x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_sn, stride_sk, stride_ym,
-          ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr, Q_BLOCK_N: tl.constexpr,
-          Q_BLOCK_K: tl.constexpr, UE8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          REDUCE_END: tl.constexpr, USE_PDL: tl.constexpr = 0):
-    """Weight rows [pid * BLOCK_N, +BLOCK_N) of one [N, K] weight against every row of x: one program's work (USE_PDL
-    2: the next launch may start once every program is past its K loop, ``kernels/pdl.py``)."""
+def tile_sums(pid, x_ptr, w_ptr, ws_ptr, N, K, stride_xm, stride_wn, stride_sn, stride_sk, ROWS: tl.constexpr,
+              W_SCALE: tl.constexpr, Q_BLOCK_N: tl.constexpr, Q_BLOCK_K: tl.constexpr, UE8M0: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_END: tl.constexpr):
+    """The K loop of one program's tile (here and in ``linear_add_norm``): weight rows [pid * BLOCK_N, +BLOCK_N) of
+    one [N, K] weight against every row of x; (offs_n, n_ok, rows_n, acc0..acc3: one accumulator per row of x)."""
     offs_n, n_ok, rows_n, offs_k, w_ptrs, ws_row, acc0 = tile_start(pid, w_ptr, ws_ptr, N, stride_wn, stride_sn,
                                                                      W_SCALE, Q_BLOCK_N, BLOCK_N, BLOCK_K, REDUCE_END)
     acc1 = acc0
@@ -129,6 +135,19 @@ def _tile(pid, x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, s
         if ROWS > 3:
             acc3 = _row_step(acc3, wf, x_ptr + 3 * stride_xm, k0, offs_k, k_ok, REDUCE_END)
         w_ptrs += BLOCK_K
+    return offs_n, n_ok, rows_n, acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _tile(pid, x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_sn, stride_sk, stride_ym,
+          ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr, Q_BLOCK_N: tl.constexpr,
+          Q_BLOCK_K: tl.constexpr, UE8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          REDUCE_END: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    """Weight rows [pid * BLOCK_N, +BLOCK_N) of one [N, K] weight against every row of x: one program's work (USE_PDL
+    2: the next launch may start once every program is past its K loop, ``kernels/pdl.py``)."""
+    offs_n, n_ok, rows_n, acc0, acc1, acc2, acc3 = tile_sums(pid, x_ptr, w_ptr, ws_ptr, N, K, stride_xm, stride_wn,
+                                                             stride_sn, stride_sk, ROWS, W_SCALE, Q_BLOCK_N,
+                                                             Q_BLOCK_K, UE8M0, BLOCK_N, BLOCK_K, REDUCE_END)
     pdl.release(USE_PDL)
     s_fin, bias = tile_end(ws_ptr, b_ptr, rows_n, offs_n, n_ok, stride_sn, HAS_BIAS, W_SCALE, UE8M0)
     _row_store(acc0, y_ptr, offs_n, n_ok, s_fin, bias, HAS_BIAS, W_SCALE, REDUCE_END)

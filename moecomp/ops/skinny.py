@@ -79,29 +79,36 @@ def skinny_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if weight.stride(-1) != 1:
         raise ValueError(f"skinny_linear: weight must have unit stride along K, got strides {weight.stride()}")
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device) if out is None else out
-    mode = _W_SCALE[None if q is None else q.scale]
     if cfg is None:
         cfg = skinny_config(M, N, K, weight.element_size(), x2.device, _sm_count(x2.device))
+    if bias is not None and bias.stride(-1) != 1:
+        bias = bias.contiguous()
+    ws, s_n, s_k, meta = weight_args("skinny_linear", weight_scale, q, cfg)
+    skinny_k.skinny_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
+        x2, weight, ws, bias, y, N, K, x2.stride(0), weight.stride(0), s_n, s_k, y.stride(0),
+        ROWS=M, HAS_BIAS=bias is not None, **meta, **launch_options(x2.device))
+    return y
+
+
+def weight_args(name: str, weight_scale: torch.Tensor | None, q, cfg: dict) -> tuple:
+    """One weight's scale arguments for the skinny tile (here and in ``ops/linear_add_norm.py``): (scales as the
+    kernel reads them or None, their row and K-group strides, the constexprs and launch sizes of ``cfg``)."""
+    mode = _W_SCALE[None if q is None else q.scale]
     qbn, qbk = (q.block_n, q.block_k) if mode == 1 else (128, 128)
     bk = cfg["BLOCK_K"]
     if mode == 1 and (bk % qbk and qbk % bk):  # a scale block of 384: steps of its largest power-of-two divisor
         bk = min(bk, qbk & -qbk)
-    if bias is not None and bias.stride(-1) != 1:
-        bias = bias.contiguous()
     ws = weight_scale if mode else None
     if ws is not None and mode == 1 and ws.dim() != 2:
-        raise ValueError(f"skinny_linear: block scales must be 2-D, got {tuple(ws.shape)}")
+        raise ValueError(f"{name}: block scales must be 2-D, got {tuple(ws.shape)}")
     ue8m0 = ws is not None and ws.dtype == torch.float8_e8m0fnu
     if ue8m0:
         ws = ws.view(torch.uint8)
     s_n = ws.stride(0) if ws is not None and ws.dim() >= 1 else 0
     s_k = ws.stride(1) if ws is not None and ws.dim() == 2 else 0
-    skinny_k.skinny_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
-        x2, weight, ws, bias, y, N, K, x2.stride(0), weight.stride(0), s_n, s_k, y.stride(0),
-        ROWS=M, HAS_BIAS=bias is not None, W_SCALE=mode, Q_BLOCK_N=qbn, Q_BLOCK_K=qbk, UE8M0=ue8m0,
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, REDUCE_END=cfg["REDUCE_END"], num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **launch_options(x2.device))
-    return y
+    return ws, s_n, s_k, dict(W_SCALE=mode, Q_BLOCK_N=qbn, Q_BLOCK_K=qbk, UE8M0=ue8m0, BLOCK_N=cfg["BLOCK_N"],
+                              BLOCK_K=bk, REDUCE_END=cfg["REDUCE_END"], num_warps=cfg["num_warps"],
+                              num_stages=cfg["num_stages"])
 
 
 MAX_GROUP = 4  # members of one skinny_group launch (q / k / v: 3; gate / up: 2)
