@@ -38,7 +38,9 @@ def _run(layer, *args, **kwargs):
 def later_passes() -> list:
     """The decode-graph passes run after ``fuse_norm``, in order: modules of ``generate/`` with ``enabled()`` (their
     switch) and ``make_pass()`` (a callable taking the ``GraphModule``, changing it in place)."""
-    return []
+    from . import fuse_qkrope  # q / k norms, rotary and the KV-cache writes in one launch (MOECOMP_FUSE_QKROPE=1)
+
+    return [fuse_qkrope]
 
 
 def compiled_run(phase: str, backend: str, dynamic):
