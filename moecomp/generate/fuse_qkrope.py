@@ -284,7 +284,7 @@ class QkRopePass:
                 m = p if isinstance(p, str) else m
             if isinstance(m, str):
                 rec["left"].append(f"{attn.name}: {m}")
-                counters["fuse_qkrope_left"][m.split(":")[0]] += 1
+                counters["fuse_qkrope_left"][m] += 1
                 continue
             rec["folded"].append(fold(gm, m))
         if rec["folded"]:

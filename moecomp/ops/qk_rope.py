@@ -84,7 +84,7 @@ def _heads(x, w, eps, offset, cos, sin, H, D):
     if c.shape[-1] != D:
         c, s = torch.cat([c, c], -1), torch.cat([s, s], -1)
     rot = torch.cat([-h[..., D // 2:], h[..., :D // 2]], -1)
-    return ((h * c).to(dt).float() + (rot * s).to(dt).float()).to(dt)
+    return ((h * c).to(dt).float() + (rot * s).to(dt).float()).to(dt).contiguous()
 
 
 def _torch(q, k, v, q_weight, k_weight, eps, offset, cos, sin, k_cache, v_cache, index, Hq, Hkv, D):

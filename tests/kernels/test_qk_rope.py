@@ -126,8 +126,9 @@ def test_op_bad_arguments():
         op(q, k, v, None, None, EPS, False, c, c, kc, kc.clone(), torch.tensor([0, 1]))
 
 
-def test_opcheck():
-    case = _case(2, 1, 4, 2, 16, 8, torch.float32, True, False)
+@pytest.mark.parametrize("T,norms", [(1, True), (2, False)])
+def test_opcheck(T, norms):
+    case = _case(2, T, 4, 2, 16, 8, torch.float32, norms, False)
     q, k, v, qw, kw, cos, sin, idx = case
     kc, vc = torch.zeros(2, 2, 8, 16), torch.zeros(2, 2, 8, 16)
     torch.library.opcheck(torch.ops.moecomp.qk_norm_rope_cache, (q, k, v, qw, kw, EPS, False, cos, sin, kc, vc, idx))
