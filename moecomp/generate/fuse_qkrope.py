@@ -10,7 +10,7 @@ layer; docs/NOTES_generate.md lists the nodes of other families)::
 
 found from each attention call by meaning: its k / v caches are graph inputs written by exactly one ``index_copy_``
 each (dim 2, one index node); the q it reads and the two written tensors are each traced back to their *leaves*
-(graph inputs, or results of moecomp's ops: the projections), and each leaf gets its role by its shape: the
+(graph inputs, or results of moecomp's ops or of a linear / matmul: the projections), and each leaf gets its role by its shape: the
 projection (a computed [B, T, H*D]), the rotary table (two graph inputs [B, T, D] or [B, T, D / 2]), the norm
 weight (a [D]). Then the traced nodes are run on random leaves (probes) and must give, within the model dtype's
 rounding, ``ops/qk_rope``'s formula for one of: cos / sin either way round, weight w or 1 + w (eps read from the
@@ -53,10 +53,16 @@ def _moecomp_op(node) -> bool:
     return isinstance(t, torch._ops.OpOverload | torch._ops.OpOverloadPacket) and str(t).split(".")[0] == "moecomp"
 
 
+_LINEARS = {torch.nn.functional.linear, torch._C._nn.linear, torch.matmul, operator.matmul}
+
+
 def _is_leaf(node) -> bool:
+    """Where a trace stops: graph inputs, and the results of moecomp's ops or of a linear / matmul (projections)."""
     if node.op in ("placeholder", "get_attr"):
         return True
-    if node.op == "call_function" and _moecomp_op(node):
+    if node.op == "call_function" and (_moecomp_op(node) or node.target in _LINEARS
+                                       or getattr(node.target, "__name__", "").split(".")[0] in ("linear", "mm",
+                                                                                                 "addmm", "matmul")):
         return True
     return (node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node)
             and _moecomp_op(node.args[0]))

@@ -10,6 +10,11 @@ import triton
 from ..kernels import qk_rope as qk_k
 
 
+def warps(D: int) -> int:
+    """One warp per head up to D 128 (its sum of squares reduced in the warp, no shared memory), two above."""
+    return 1 if D <= 128 else 2
+
+
 def qk_norm_rope_cache_triton(q, k, v, q_weight, k_weight, eps, offset, cos, sin, k_cache, v_cache, index, Hq, Hkv,
                               D) -> torch.Tensor:
     B, T = q.shape[:2]
@@ -25,5 +30,5 @@ def qk_norm_rope_cache_triton(q, k, v, q_weight, k_weight, eps, offset, cos, sin
         q, k, v, qw, kw, cos, sin, k_cache, v_cache, index, out, T, Hq, Hkv, float(eps),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), D=D, BLOCK_D=triton.next_power_of_2(D), HAS_QN=q_weight is not None,
-        HAS_KN=k_weight is not None, OFFSET=bool(offset), CS_HALF=cos.shape[-1] != D)
+        HAS_KN=k_weight is not None, OFFSET=bool(offset), CS_HALF=cos.shape[-1] != D, num_warps=warps(D))
     return out

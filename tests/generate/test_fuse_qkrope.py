@@ -130,12 +130,14 @@ def test_pass_leaves_other_forms(f, why):
     assert sum(moecomp.counters["fuse_qkrope_left"].values()) == 1
 
 
-def _decode(family, on: str, monkeypatch, kernel=False, **kw):
+def _decode(family, on: str, monkeypatch, kernel=False, skinny=True, **kw):
     """(tokens, lm_head outputs of every step, the decode compile's QkRopePass or None), with the linear and norm
-    passes on, the q / k rope pass on ("1") or off; ``kernel``: the op runs its Triton kernel (interpreter)."""
+    passes on, the q / k rope pass on ("1") or off; ``kernel``: the op runs its Triton kernel (interpreter);
+    ``skinny``: the projections are skinny ops (as on the GPU at <= 4 rows), else ``F.linear`` (more rows)."""
     from moecomp.ops import linear16, qk_rope
 
-    monkeypatch.setattr(linear16, "takes", lambda x, w: x.dtype == w.dtype and x.numel() // w.shape[1] <= 4)
+    if skinny:
+        monkeypatch.setattr(linear16, "takes", lambda x, w: x.dtype == w.dtype and x.numel() // w.shape[1] <= 4)
     if kernel:
         monkeypatch.setattr(qk_rope, "use_kernel", lambda device: True)
     for name, v in (("MOECOMP_FUSE_LINEARS", "1"), ("MOECOMP_FUSE_NORM", "1"), ("MOECOMP_FUSE_QKROPE", on)):
@@ -165,19 +167,19 @@ def _close(logits_on, logits_off):
 
 
 @pytest.mark.skipif(not INTERP, reason="the skinny kernels run under TRITON_INTERPRET=1 on CPU")
-@pytest.mark.parametrize("family,kernel,folds", [("qwen3_moe", True, 1), ("qwen2_moe", False, 1),
-                                                 ("olmoe", True, 0)])
-def test_engine_decode_qkrope_on_equals_off(family, kernel, folds, monkeypatch):
+@pytest.mark.parametrize("family,kernel,folds,skinny", [("qwen3_moe", True, 1, True), ("qwen2_moe", False, 1, True),
+                                                        ("qwen3_moe", False, 1, False), ("olmoe", True, 0, True)])
+def test_engine_decode_qkrope_on_equals_off(family, kernel, folds, skinny, monkeypatch):
     """Tiny Qwen3-MoE (q / k norms; the op's Triton kernel, under the interpreter) and Qwen2-MoE (no q / k norms,
     q / k / v biases; the op's torch path), 2 layers in one compiled layer graph: one fold in it, the op runs once
-    a layer a decode step. OLMoE normalizes q and k over all heads at once (a [Hq*D] weight, before the head
+    a layer a decode step; the same with the projections as ``F.linear`` calls (the step at more rows). OLMoE normalizes q and k over all heads at once (a [Hq*D] weight, before the head
     view): not the op's per-head norm, left with its reason. Tokens equal to the pass off, logits within 1e-5."""
     from moecomp.ops import triton_qk_rope
     from moecomp.testing import count_calls
 
     moecomp.counters.clear()
     calls = count_calls(monkeypatch, triton_qk_rope, ["qk_norm_rope_cache_triton"])
-    out_on, logits_on, p = _decode(family, "1", monkeypatch, kernel=kernel)
+    out_on, logits_on, p = _decode(family, "1", monkeypatch, kernel=kernel, skinny=skinny)
     assert [(r["attentions"], len(r["folded"])) for r in p.found] == [(1, folds)]
     assert dict(moecomp.counters["fuse_qkrope"]) == {"attentions": 1, "folded": folds}
     if folds:
@@ -186,7 +188,7 @@ def test_engine_decode_qkrope_on_equals_off(family, kernel, folds, monkeypatch):
         assert len(p.found[0]["left"]) == 1 and "has no role" in p.found[0]["left"][0], p.found
         assert sum(moecomp.counters["fuse_qkrope_left"].values()) == 1
     assert len(calls) == (2 * 3 if kernel and folds else 0)  # 2 layers, 3 decode steps
-    out_off, logits_off, off = _decode(family, "0", monkeypatch)
+    out_off, logits_off, off = _decode(family, "0", monkeypatch, skinny=skinny)
     assert off is None
     assert torch.equal(out_on, out_off)
     _close(logits_on, logits_off)

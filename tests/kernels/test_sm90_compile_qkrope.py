@@ -1,7 +1,7 @@
 """The q / k norm + rotary + cache-write kernel (``kernels/qk_rope.qk_norm_rope_cache_kernel``) compiled for Hopper
 (sm_90) on this CPU machine (``triton.compile`` to PTX needs no GPU; ``test_sm90_compile.py`` says why): bf16,
 Qwen3-30B-A3B's heads (D 128, q / k norms, cos / sin of D), gpt-oss's (D 64, no norms, cos / sin of D / 2), an fp16
-case with Gemma's 1 + w; each PTX has the kernel's entry, no local memory (no spills) and the three branches' stores
+case with Gemma's 1 + w, at the launcher's warps; each PTX has the kernel's entry, no local memory (no spills) and the three branches' stores
 (q out, k cache, v cache: at least three ``st.global``). One child process (the tests run under TRITON_INTERPRET=1,
 whose jit functions do not compile)."""
 
@@ -15,6 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from moecomp.kernels import qk_rope as qk
+from moecomp.ops.triton_qk_rope import warps
 
 ''' + COMPILE_SM90 + r'''
 def one(case):
@@ -26,7 +27,7 @@ def one(case):
              CS_HALF=half == "half")
     ptx = compile_sm90(qk.qk_norm_rope_cache_kernel, ptrs, c, ("q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr",
                                                                "out_ptr", "s_kb", "s_kh", "s_kl", "s_vb", "s_vh",
-                                                               "s_vl"))
+                                                               "s_vl"), dict(num_warps=warps(int(D))))
     if ".entry qk_norm_rope_cache_kernel" not in ptx:
         return "no entry in the PTX"
     if ".local" in ptx:
@@ -44,7 +45,7 @@ for case in json.loads(sys.argv[1])["cases"]:
 print(json.dumps(out))
 '''
 
-CASES = {"cases": ["bf16 128 norms full plain", "bf16 64 none half plain", "fp16 128 norms full offset"]}
+CASES = {"cases": ["bf16 128 norms full plain", "bf16 256 norms full plain", "bf16 64 none half plain", "fp16 128 norms full offset"]}
 
 
 def test_qk_rope_kernel_compiles_for_sm90():
