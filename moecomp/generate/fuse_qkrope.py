@@ -12,7 +12,8 @@ found from each attention call by meaning: its k / v caches are graph inputs wri
 each (dim 2, one index node); the q it reads and the two written tensors are each traced back to their *leaves*
 (graph inputs, or results of moecomp's ops or of a linear / matmul: the projections), and each leaf gets its role by its shape: the
 projection (a computed [B, T, H*D]), the rotary table (two graph inputs [B, T, D] or [B, T, D / 2]), the norm
-weight (a [D]). Then the traced nodes are run on random leaves (probes) and must give, within the model dtype's
+weight (a [D]), and in a graph of symbolic sizes (the later batch buckets: torch's automatic dynamic shapes) the
+size inputs the views read (probed at their hints). Then the traced nodes are run on random leaves (probes) and must give, within the model dtype's
 rounding, ``ops/qk_rope``'s formula for one of: cos / sin either way round, weight w or 1 + w (eps read from the
 norm's ``+ eps``, ``fuse_norm.match_norm``); v the plain [B, Hkv, T, D] view. All of it becomes::
 
@@ -20,7 +21,7 @@ norm's ``+ eps``, ``fuse_norm.match_norm``); v the plain [B, Hkv, T, D] view. Al
 
 placed before the first of the two writes and the attention's read of q; the traced nodes no other node reads are
 erased. Left as it is (counted in ``moecomp.counters["fuse_qkrope_left"]`` by reason, and in the pass's ``found``
-records): caches not graph inputs, writes of another form or more than one, a leaf of no role, a probe that does not
+records): caches not graph inputs, an eps that is a graph input (a float made dynamic), writes of another form or more than one, a leaf of no role, a probe that does not
 match, another read of a cache before its write, an input computed after the placement. ``MOECOMP_FUSE_QKROPE=1``
 turns the pass on (opt-in until measured on a GPU); ``moecomp.counters["fuse_qkrope"]`` counts the attentions seen
 ("attentions") and folded ("folded").
@@ -94,13 +95,28 @@ def _is_write(node, cache) -> bool:
     return ok and len(node.args) == 4 and not node.kwargs and node.args[0] is cache and node.args[1] in (2, -2)
 
 
+def _hint(s) -> int | None:
+    """A size as an int: a symbolic one (the decode graph of the later batch buckets) by its hint, None unknown."""
+    if isinstance(s, torch.SymInt):
+        h = s.node.hint
+        return None if h is None else int(h)
+    return int(s)
+
+
+def _shape(v) -> tuple | None:
+    return tuple(_hint(s) for s in v.shape) if isinstance(v, torch.Tensor) else None
+
+
 def _roles(leaves, B, T, HD, D) -> dict | str:
-    """{"proj", "tables", "weight"} of a trace's leaves by shape (module docstring)."""
-    r = {"proj": [], "tables": [], "weight": []}
+    """{"proj", "tables", "weight", "sizes"} of a trace's leaves by shape (module docstring); sizes: the symbolic
+    sizes a dynamic-shape graph passes as inputs (the views read them)."""
+    r = {"proj": [], "tables": [], "weight": [], "sizes": []}
     for n in leaves:
         v = example_value(n)
-        shape = tuple(v.shape) if isinstance(v, torch.Tensor) else None
-        if shape == (B, T, HD) and n.op not in ("placeholder", "get_attr"):
+        shape = _shape(v)
+        if n.op == "placeholder" and isinstance(v, torch.SymInt) and _hint(v) is not None:
+            r["sizes"].append(n)
+        elif shape == (B, T, HD) and n.op not in ("placeholder", "get_attr"):
             r["proj"].append(n)
         elif shape in ((B, T, D), (B, T, D // 2)) and n.op in ("placeholder", "get_attr"):
             r["tables"].append(n)
@@ -125,7 +141,9 @@ def _run(nodes, env_in, out):
 
 def _rand(node, gen):
     v = example_value(node)
-    return torch.randn(tuple(v.shape), generator=gen).to(v.dtype)
+    if isinstance(v, torch.SymInt):
+        return _hint(v)
+    return torch.randn(_shape(v), generator=gen).to(v.dtype)
 
 
 def _close(y, ref) -> bool:
@@ -141,9 +159,9 @@ def probe_rope(nodes, roles, out, H, D, eps) -> tuple | str:
 
     pr, (t0, t1), w = roles["proj"][0], roles["tables"], (roles["weight"] or [None])[0]
     gen = torch.Generator().manual_seed(0)
-    leaves = [pr, t0, t1] + ([w] if w is not None else [])
-    vals = [_rand(n, gen) for n in leaves]
+    leaves = [pr, t0, t1] + ([w] if w is not None else []) + roles["sizes"]
     try:
+        vals = [_rand(n, gen) for n in leaves]
         with torch.no_grad():
             y = _run(nodes, leaves, out)(*vals)
     except Exception as e:  # a node that cannot run on its own: reported, the nodes stay
@@ -171,8 +189,9 @@ def _side(root, B, T, H, D, rope: bool) -> dict | str:
     if not rope:
         if roles["tables"] or roles["weight"]:
             return "the value path reads more than its projection"
-        x = _rand(roles["proj"][0], torch.Generator().manual_seed(1))
-        y = _run(nodes, [roles["proj"][0]], root)(x)
+        ins = roles["proj"] + roles["sizes"]
+        x, *sizes = [_rand(n, torch.Generator().manual_seed(1)) for n in ins]
+        y = _run(nodes, ins, root)(x, *sizes)
         ok = y.shape == (B, H, T, D) and torch.equal(y, x.reshape(B, T, H, D).transpose(1, 2))
         return dict(proj=roles["proj"][0], nodes=nodes) if ok else "the value path is not a plain head view"
     if len(roles["tables"]) != 2:
@@ -210,8 +229,10 @@ def match(attn) -> dict | str:
     kv, qv, iv = example_value(kc), example_value(q), example_value(wk.args[2])
     if kv is None or qv is None or iv is None or iv.dim() != 1 or qv.dim() not in (3, 4):
         return "no example values"
-    B, Hkv, _, D = kv.shape
-    T, Hq = iv.shape[0], qv.shape[1]
+    B, Hkv, _, D = _shape(kv)
+    T, Hq = _hint(iv.shape[0]), _hint(qv.shape[1])
+    if None in (B, Hkv, D, T, Hq):
+        return "a size without a hint"
     if qv.dim() == 3 and T != 1:
         return "a 3-D q with more than one token"
     sides = [_side(q, B, T, Hq, D, True), _side(wk.args[3], B, T, Hkv, D, True), _side(wv.args[3], B, T, Hkv, D, False)]

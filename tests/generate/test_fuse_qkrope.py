@@ -136,6 +136,7 @@ def _decode(family, on: str, monkeypatch, kernel=False, skinny=True, **kw):
     ``skinny``: the projections are skinny ops (as on the GPU at <= 4 rows), else ``F.linear`` (more rows)."""
     from moecomp.ops import linear16, qk_rope
 
+    torch._dynamo.reset()  # no automatic-dynamic sizes / floats (another model's eps) carried over from other tests
     if skinny:
         monkeypatch.setattr(linear16, "takes", lambda x, w: x.dtype == w.dtype and x.numel() // w.shape[1] <= 4)
     if kernel:
@@ -192,3 +193,33 @@ def test_engine_decode_qkrope_on_equals_off(family, kernel, folds, skinny, monke
     assert off is None
     assert torch.equal(out_on, out_off)
     _close(logits_on, logits_off)
+
+
+@pytest.mark.skipif(not INTERP, reason="the skinny kernels run under TRITON_INTERPRET=1 on CPU")
+def test_engine_decode_qkrope_dynamic_batch(monkeypatch):
+    """A second batch bucket (3 rows -> 4 after 2) recompiles the layer graph with symbolic sizes (torch's automatic
+    dynamic shapes): the views read them as graph inputs, the probe runs at their hints; both graphs fold, the
+    tokens of both calls equal the pass off."""
+    from moecomp.ops import linear16
+
+    monkeypatch.setattr(linear16, "takes", lambda x, w: x.dtype == w.dtype and x.numel() // w.shape[1] <= 4)
+    outs = {}
+    for on in ("1", "0"):
+        torch._dynamo.reset()  # each engine starts static (the first bucket), as in a fresh process
+        for name, v in (("MOECOMP_FUSE_LINEARS", "1"), ("MOECOMP_FUSE_NORM", "1"), ("MOECOMP_FUSE_QKROPE", on)):
+            monkeypatch.setenv(name, v)
+        ref = build("qwen3_moe")
+        opt = moecomp.optimize(copy.deepcopy(ref))
+        opt.generate.cpu = True
+        eng = opt.generate._engine()
+        eng.cpu_compile, eng.compile_backend = True, "eager"
+        outs[on] = []
+        for b in (2, 3):
+            ids, mask = prompts(ref.config.vocab_size, b, 7, seed=9, left_pad=(0, 2))
+            outs[on].append(opt.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False))
+            assert opt.generate.last["layers"] == "compiled" and eng.compile_error is None, eng.compile_traceback
+        if on == "1":
+            p = next(p for p in eng._compiled[1]["decode"][0].run.fusing.after if isinstance(p, fq.QkRopePass))
+            assert [(r["attentions"], len(r["folded"]), r["left"]) for r in p.found] == [(1, 1, [])] * 2, p.found
+    for a, b in zip(outs["1"], outs["0"]):
+        assert torch.equal(a, b)
