@@ -80,7 +80,9 @@ def trace(root) -> tuple[list, list] | str:
         if _is_leaf(n):
             leaves.append(n)
             continue
-        if n.op not in ("call_function", "call_method") or (n.op == "call_method" and n.target.endswith("_")):
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "").split(".")[0]
+        if (n.op not in ("call_function", "call_method") or n.target is operator.setitem
+                or (name.endswith("_") and not name.startswith("__"))):
             return f"{n.name} ({n.op} {n.target}) is not a pure step"
         nodes.append(n)
         todo.extend(n.all_input_nodes)
