@@ -92,6 +92,7 @@ ENGINE_OPTIONS = {"one_liner_no_overlap": ("MOECOMP_NO_OVERLAP", "1", "0"),
                   "one_liner_fuse_norm": ("MOECOMP_FUSE_NORM", "1", ""),  # every graph (default: auto, rows <= 2)
                   "one_liner_no_fuse_norm": ("MOECOMP_FUSE_NORM", "0", ""),
                   "one_liner_fuse_oproj": ("MOECOMP_FUSE_OPROJ", "1", "0"),  # o_proj + add + post-attention norm
+                  "one_liner_fuse_qkrope": ("MOECOMP_FUSE_QKROPE", "1", "0"),  # q / k norms, rotary, cache writes
                   "one_liner_attn1": ("MOECOMP_ATTN_ONE_LAUNCH", "1", "0"),  # decode attention in one launch
                   "one_liner_fused": (("MOECOMP_FUSE_LINEARS", "1", "0"), ("MOECOMP_SKINNY_PDL", "1", "0"))}
 EXTRA_PATHS = tuple(ENGINE_OPTIONS)

@@ -14,6 +14,10 @@
               decode step), against one ``linear_add_norm`` (MOECOMP_FUSE_OPROJ's op), Qwen3-30B-A3B (4096 -> 2048)
               and gpt-oss-120b (4096 -> 2880, a bias), bf16 and e4m3 128x128 blocks weight-only, --rows (4 rows in
               bf16 run the op's unfused path: the check column says which path the op took)
+    qkrope    what follows q / k / v: per-head q / k RMSNorm, rotary, the k / v cache writes (transformers' steps
+              compiled by Inductor, as in the decode step) against one ``qk_norm_rope_cache`` (MOECOMP_FUSE_QKROPE's
+              op), Qwen3-30B-A3B (Hq 32, Hkv 4, head 128, q / k norms) and gpt-oss (64, 8, 64, no norms, cos / sin
+              of D / 2), B = --batches, cache 2048, bf16
     attention the decode attention: split + combine (two launches, MOECOMP_ATTN_ONE_LAUNCH=0) against the one launch
               (=1; one split: no partials, no counter), Qwen3-30B-A3B (Hq 32, Hkv 4, head 128), gpt-oss (Hq 64,
               Hkv 8, head 64, sinks; full layers and sliding ones, window 128), DeepSeek-V3 MLA as cached (Hq = Hkv
@@ -24,6 +28,7 @@ PDL stays as the op sets it (MOECOMP_PDL). Results: a table on stdout and, with 
 
     PYTHONPATH=. python3 benchmarks/diag_fused_decode.py --out-json /tmp/fused.json
     PYTHONPATH=. python3 benchmarks/diag_fused_decode.py --parts oproj --rows 1,2,4
+    PYTHONPATH=. python3 benchmarks/diag_fused_decode.py --parts qkrope --batches 1,8,32
     PYTHONPATH=. python3 benchmarks/diag_fused_decode.py --parts attention --batches 1,8,32 --contexts 576,2048,8192
 """
 
@@ -150,6 +155,48 @@ def oproj_rows(rows: list[int]) -> list[dict]:
             t_apart, t_fused = _bench(apart), _bench(fused)
             out.append(dict(part="oproj", model=name, weights=f"{fmt} ({path})", rows=M, unfused_us=t_apart,
                             fused_us=t_fused, ratio=t_fused / t_apart, rel_diff=err))
+
+
+def _hf_qkrope(q, k, v, qw, kw, cos, sin, kc, vc, idx, eps=1e-6):
+    """transformers' steps (Qwen3 / gpt-oss attention) between the projections and the attention."""
+    B, T, D = q.shape[0], q.shape[1], kc.shape[-1]
+
+    def norm(x, w):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) if w is not None else x
+
+    def rope(x):
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        x1, x2 = x[..., : D // 2], x[..., D // 2:]
+        if c.shape[-1] == D:
+            return x * c + torch.cat((-x2, x1), -1) * s
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+
+    qs = rope(norm(q.view(B, T, -1, D), qw).transpose(1, 2))
+    ks = rope(norm(k.view(B, T, -1, D), kw).transpose(1, 2))
+    kc.index_copy_(2, idx, ks)
+    vc.index_copy_(2, idx, v.view(B, T, -1, D).transpose(1, 2))
+    return qs
+
+
+def qkrope_rows(batches: list[int]) -> list[dict]:
+    hf, out = torch.compile(_hf_qkrope, dynamic=False), []
+    for name, (Hq, Hkv, D, norms) in {"qwen3": (32, 4, 128, True), "gpt-oss": (64, 8, 64, False)}.items():
+        for B in batches:
+            r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+            q, k, v = r(B, 1, Hq * D), r(B, 1, Hkv * D), r(B, 1, Hkv * D)
+            qw, kw = (r(D), r(D)) if norms else (None, None)
+            cos, sin = r(B, 1, D if norms else D // 2), r(B, 1, D if norms else D // 2)
+            kc, vc = r(B, Hkv, 2048, D), r(B, Hkv, 2048, D)
+            idx = torch.tensor([1000], device="cuda")
+            apart = lambda: hf(q, k, v, qw, kw, cos, sin, kc, vc, idx)  # noqa: E731
+            fused = lambda: torch.ops.moecomp.qk_norm_rope_cache(q, k, v, qw, kw, 1e-6, False, cos, sin, kc, vc,  # noqa
+                                                                 idx)
+            y0, k0 = apart(), kc[:, :, 1000].clone()
+            y1, k1 = fused(), kc[:, :, 1000].clone()
+            t0, t1 = _bench(apart), _bench(fused)
+            out.append(dict(part="qkrope", model=name, weights="bf16" + (" +norms" if norms else ""), rows=B,
+                            unfused_us=t0, fused_us=t1, ratio=t1 / t0, rel_diff=max(_rel(y1, y0), _rel(k1, k0))))
     return out
 
 
@@ -198,9 +245,9 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="qkv,norm,oproj,attention")
+    ap.add_argument("--parts", default="qkv,norm,oproj,qkrope,attention")
     ap.add_argument("--rows", default="1,2,4", help="qkv / norm / oproj rows")
-    ap.add_argument("--batches", default="1,8,32", help="attention batch rows")
+    ap.add_argument("--batches", default="1,8,32", help="attention / qkrope batch rows")
     ap.add_argument("--contexts", default="576,2048,8192", help="attention valid lengths")
     ap.add_argument("--out-json", default=None)
     a = ap.parse_args(argv)
@@ -216,6 +263,8 @@ def main(argv=None) -> int:
         rows += norm_rows([int(r) for r in a.rows.split(",")])
     if "oproj" in parts:
         rows += oproj_rows([int(r) for r in a.rows.split(",")])
+    if "qkrope" in parts:
+        rows += qkrope_rows([int(b) for b in a.batches.split(",")])
     if "attention" in parts:
         rows += attention_rows([int(b) for b in a.batches.split(",")], [int(c) for c in a.contexts.split(",")])
     print(table(rows))

@@ -38,9 +38,9 @@ def _run(layer, *args, **kwargs):
 def later_passes() -> list:
     """The decode-graph passes run after ``fuse_norm``, in order: modules of ``generate/`` with ``enabled()`` (their
     switch) and ``make_pass()`` (a callable taking the ``GraphModule``, changing it in place)."""
-    from . import fuse_oproj
+    from . import fuse_oproj, fuse_qkrope  # q / k norms, rotary, KV writes; o_proj + add + post-attention norm
 
-    return [fuse_oproj]
+    return [fuse_qkrope, fuse_oproj]
 
 
 def compiled_run(phase: str, backend: str, dynamic):
