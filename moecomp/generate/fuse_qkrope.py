@@ -36,7 +36,7 @@ import torch
 
 from ..core.counters import counters
 from .fuse_linears import example_value
-from .fuse_norm import _is, match_norm
+from .fuse_norm import is_step as _is, match_norm
 
 TOL_ULPS = 8  # probe tolerance: |got - formula| <= TOL_ULPS * u * max|formula| (u: the dtype's roundoff)
 
@@ -157,7 +157,7 @@ def _close(y, ref) -> bool:
 
 def probe_rope(nodes, roles, out, H, D, eps) -> tuple | str:
     """((cos, sin), offset) under which the traced nodes compute ``ops/qk_rope``'s formula on random leaves."""
-    from ..ops.qk_rope import _heads
+    from ..ops.qk_rope import norm_rope_heads
 
     pr, (t0, t1), w = roles["proj"][0], roles["tables"], (roles["weight"] or [None])[0]
     gen = torch.Generator().manual_seed(0)
@@ -171,7 +171,7 @@ def probe_rope(nodes, roles, out, H, D, eps) -> tuple | str:
     found = []
     for (c, s), (ci, si) in (((vals[1], vals[2]), (t0, t1)), ((vals[2], vals[1]), (t1, t0))):
         for offset in ((False, True) if w is not None else (False,)):
-            ref = _heads(vals[0], vals[3] if w is not None else None, eps, offset, c, s, H, D)  # [B, H, T, D]
+            ref = norm_rope_heads(vals[0], vals[3] if w is not None else None, eps, offset, c, s, H, D)  # [B, H, T, D]
             if ref.numel() == y.numel() and y.dim() in (3, 4) and _close(y, ref.reshape(y.shape)):
                 found.append(((ci, si), offset))
     if len(found) != 1:

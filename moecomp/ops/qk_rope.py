@@ -71,7 +71,7 @@ def _check(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, index) 
     return q.shape[-1] // D, Hkv, D
 
 
-def _heads(x, w, eps, offset, cos, sin, H, D):
+def norm_rope_heads(x, w, eps, offset, cos, sin, H, D):
     """x [B, T, H*D] -> rope(norm(x)) [B, H, T, D] in x's dtype, rounded at the steps the module docstring lists."""
     B, T = x.shape[:2]
     dt = x.dtype
@@ -88,11 +88,11 @@ def _heads(x, w, eps, offset, cos, sin, H, D):
 
 
 def _torch(q, k, v, q_weight, k_weight, eps, offset, cos, sin, k_cache, v_cache, index, Hq, Hkv, D):
-    kr = _heads(k, k_weight, eps, offset, cos, sin, Hkv, D)  # [B, Hkv, T, D]
+    kr = norm_rope_heads(k, k_weight, eps, offset, cos, sin, Hkv, D)  # [B, Hkv, T, D]
     B, T = v.shape[:2]
     k_cache.index_copy_(2, index.long(), kr.to(k_cache.dtype))
     v_cache.index_copy_(2, index.long(), v.reshape(B, T, Hkv, D).transpose(1, 2).to(v_cache.dtype))
-    return _heads(q, q_weight, eps, offset, cos, sin, Hq, D)
+    return norm_rope_heads(q, q_weight, eps, offset, cos, sin, Hq, D)
 
 
 @torch.library.custom_op("moecomp::qk_norm_rope_cache", mutates_args=("k_cache", "v_cache"))

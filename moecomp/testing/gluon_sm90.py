@@ -103,7 +103,7 @@ def loop_bodies(ptx: str) -> list[str]:
     return out
 
 
-def _tool(name: str) -> str | None:
+def tool(name: str) -> str | None:
     import triton
 
     d = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -116,9 +116,9 @@ def sass_check(ptx: str) -> dict | None:
     WARPGROUP.DEPBAR.LE gsb0, N}, "spill": spill store bytes, "ptxas": which (name and build)}; None where no
     shipped ptxas reads this PTX. The first of this Triton's bundled ptxas that reads it: on 3.6 ``ptxas`` (CUDA
     12.8, the one that Triton uses for sm_90) reads its PTX 8.7; on 3.9 only ``ptxas-blackwell`` reads PTX 9.x."""
-    cuobjdump = _tool("cuobjdump")
+    cuobjdump = tool("cuobjdump")
     for name in ("ptxas", "ptxas-blackwell"):
-        ptxas = _tool(name)
+        ptxas = tool(name)
         if ptxas is None or cuobjdump is None:
             continue
         with tempfile.TemporaryDirectory() as d:

@@ -15,7 +15,7 @@ import re
 import subprocess
 import tempfile
 
-from .gluon_sm90 import _tool
+from .gluon_sm90 import tool
 
 _INS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _BRA = re.compile(r"BRA\s+0x([0-9a-f]+)")
@@ -24,9 +24,9 @@ _BRA = re.compile(r"BRA\s+0x([0-9a-f]+)")
 def sass(ptx: str) -> tuple[str, str, str] | None:
     """cuobjdump -sass of ``ptx`` assembled for sm_90a by the first of this Triton's bundled ptxas that reads it
     (3.9: only ``ptxas-blackwell`` reads its PTX 9.x), with ptxas -v's notes (registers, spills)."""
-    cuobjdump = _tool("cuobjdump")
+    cuobjdump = tool("cuobjdump")
     for name in ("ptxas", "ptxas-blackwell"):
-        ptxas = _tool(name)
+        ptxas = tool(name)
         if ptxas is None or cuobjdump is None:
             continue
         with tempfile.TemporaryDirectory() as d:
