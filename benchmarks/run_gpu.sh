@@ -20,6 +20,8 @@
 #   benchmarks/run_gpu.sh mixfp8    issue 39: Mixtral FP8's token disagreement: op tests, tiny generate, 8 layers table on/off
 #   benchmarks/run_gpu.sh heur      issue 39: moecomp's layer grid with this GPU's table, then without it
 #   benchmarks/run_gpu.sh s19       STEP=0|1|2|2a|2b|2c|3: the next session's calls (0: the Gluon probe; 2c: skinny tiles) (tests named, Mixtral FP8 by block, fused A/B)
+#   benchmarks/run_gpu.sh s20       STEP=1|2|3|4: the session after 2026-12-08's (new GPU tests and diags, generate A/B, FP8
+#                                   retune with the Gluon candidate, H200 step)
 #   benchmarks/run_gpu.sh e2e80     issue 39: generate() at full depth on an 80 GB GPU: Qwen3-30B-A3B bf16 and FP8,
 #                                   Mixtral-8x7B FP8 (built in FP8), B=1,8,32, one process each, under 540 s in all
 set -uo pipefail
@@ -361,9 +363,39 @@ s19)  # the next session's calls (STEP=1|2|3), each under 9 minutes; logs and JS
         --out "$OUT/bench_routes.json" 2>&1 | tee "$OUT/bench_routes.log" | grep "^|" | tail -12
     HEUR_BUDGET=60 "$0" heur ;;
   esac ;;
+s20)  # the session after 2026-12-08's (STEP=1|2|3|4), each under 9 minutes; logs and JSON to $OUT
+       # 1 (H100): the GPU tests of what was merged without a GPU (GEMV on the mma layout, o_proj + add + norm,
+       #    q / k norm + rotary + cache, the default norm fold in the decode step), then the new fused parts' diag and
+       #    the 4-bit layout question (weights held as mma against packed, every T)
+       # 2 (H100): generate() A/B on fresh engines, interleaved (--repeat 3), Qwen3 12 layers B=1: the default (norm
+       #    fold on) against the fold off, o_proj fold and q / k rope fold
+       # 3 (H100): the FP8 table retuned at T = 1024 / 8192 with the Gluon candidate (tune --fp8 lean --restart)
+       # 4 (H200): s19's step 3 (tests/ops + tests/kernels, routing costs, the heuristic check)
+  case "${STEP:-1}" in
+  1)
+    timeout ${S20_TEST_TIMEOUT:-250} python3 -m pytest -v -rfE -n 4 -p no:cacheprovider \
+        tests/ops/test_quant4_gemv_mma_gpu.py tests/ops/test_quant4_mma_load_gpu.py tests/kernels/test_linear_add_norm_gpu.py \
+        tests/kernels/test_qk_rope.py tests/generate/test_fused_decode_gpu.py tests/generate/test_generate_gpu.py \
+        > "$OUT/tests-s20.log" 2>&1
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/tests-s20.log" | grep -v "^\[gw" | cut -c1-250 | tail -14
+    timeout 90 python3 benchmarks/diag_fused_decode.py --parts oproj,qkrope --rows 1,2,4 --batches 1,8,32 \
+        --out-json "$OUT/diag-oproj-qkrope.json" 2>&1 | grep -v "^DEBUG" | tee "$OUT/diag-oproj-qkrope.log" | grep "^|"
+    timeout 130 python3 benchmarks/diag_w4_mma.py --tokens 1,4,16,64,128 --paths "w4,w4 held mma,bf16" \
+        --out-json "$OUT/diag-w4-held.json" 2>&1 | grep -v "^DEBUG" | tee "$OUT/diag-w4-held.log" | tail -10 ;;
+  2)
+    timeout 500 python3 benchmarks/bench_generate.py --models qwen3 --layers qwen3=12 --batches 1 --paths one_liner \
+        --variants qwen3:1=one_liner_no_fuse_norm+one_liner_fuse_oproj+one_liner_fuse_qkrope --repeat 3 --budget-s 440 \
+        --profile one_liner:1 --out-json "$OUT/generate-s20-ab.json" 2>&1 | tee "$OUT/generate-s20-ab.log" | quiet \
+        | grep "^|" | tail -14 ;;
+  3)
+    mkdir -p "$OUT/fp8"; OUT="$OUT/fp8" TOKENS=1024,8192 TUNE_ARGS="--fp8 lean" TUNE_TIMEOUT=540 TUNE_BUDGET=450 \
+        TUNE_TAIL=40 "$0" tune ;;
+  4)
+    STEP=3 "$0" s19 ;;
+  esac ;;
 tune)  # retune the kernel table (every preset and bucket by default) and keep a copy of it under $OUT
   timeout ${TUNE_TIMEOUT:-560} python3 -m moecomp tune --restart -v --rep ${TUNE_REP:-10} --budget-s ${TUNE_BUDGET:-480} \
-      --presets ${PRESETS:-all} ${TOKENS:+--tokens $TOKENS} --copy-to "$OUT" 2>&1 | tee "$OUT/tune.log" \
+      --presets ${PRESETS:-all} ${TOKENS:+--tokens $TOKENS} ${TUNE_ARGS:-} --copy-to "$OUT" 2>&1 | tee "$OUT/tune.log" \
       | grep -v "^DEBUG" | grep "T=\|tune\]" | tail -${TUNE_TAIL:-80} ;;
 tune4)  # issue 39: the 4-bit experts' tables (`tune --quant4 both`: K-step forms, aligned tiles, GEMV / DIRECT decode
        # tiles and the decode limit per bucket) on gpt-oss-120b, Qwen3-30B-A3B int4 and gpt-oss-20b, in that order;

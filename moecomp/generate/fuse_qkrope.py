@@ -9,22 +9,23 @@ layer; docs/NOTES_generate.md lists the nodes of other families)::
     pv ---> view -> transpose ---------------------------------------> index_copy_(vc, 2, idx, .)          vc, ...)
 
 found from each attention call by meaning: its k / v caches are graph inputs written by exactly one ``index_copy_``
-each (dim 2, one index node); the q it reads and the two written tensors are each traced back to their *leaves*
-(graph inputs, or results of moecomp's ops or of a linear / matmul: the projections), and each leaf gets its role by its shape: the
-projection (a computed [B, T, H*D]), the rotary table (two graph inputs [B, T, D] or [B, T, D / 2]), the norm
-weight (a [D]), and in a graph of symbolic sizes (the later batch buckets: torch's automatic dynamic shapes) the
-size inputs the views read (probed at their hints). Then the traced nodes are run on random leaves (probes) and must give, within the model dtype's
-rounding, ``ops/qk_rope``'s formula for one of: cos / sin either way round, weight w or 1 + w (eps read from the
-norm's ``+ eps``, ``fuse_norm.match_norm``); v the plain [B, Hkv, T, D] view. All of it becomes::
+each (dim 2, one index node); the q it reads and the two written tensors are each traced back to their *leaves* (graph
+inputs, or results of moecomp's ops or of a linear / matmul: the projections), and each leaf gets its role by its
+shape: the projection (a computed [B, T, H*D]), the rotary table (two graph inputs [B, T, D] or [B, T, D / 2]), the
+norm weight (a [D]), and in a graph of symbolic sizes (the later batch buckets: torch's automatic dynamic shapes) the
+size inputs the views read (probed at their hints). Then the traced nodes are run on random leaves (probes) and must
+give, within the model dtype's rounding, ``ops/qk_rope``'s formula for one of: cos / sin either way round, weight w or
+1 + w (eps read from the norm's ``+ eps``, ``fuse_norm.match_norm``); v the plain [B, Hkv, T, D] view. All of it
+becomes::
 
     q = qk_norm_rope_cache(pq, pk, pv, wq, wk, eps, offset, cos, sin, kc, vc, idx)   (k / v written in place)
 
 placed before the first of the two writes and the attention's read of q; the traced nodes no other node reads are
 erased. Left as it is (counted in ``moecomp.counters["fuse_qkrope_left"]`` by reason, and in the pass's ``found``
-records): caches not graph inputs, an eps that is a graph input (a float made dynamic), writes of another form or more than one, a leaf of no role, a probe that does not
-match, another read of a cache before its write, an input computed after the placement. ``MOECOMP_FUSE_QKROPE=1``
-turns the pass on (opt-in until measured on a GPU); ``moecomp.counters["fuse_qkrope"]`` counts the attentions seen
-("attentions") and folded ("folded").
+records): caches not graph inputs, an eps that is a graph input (a float made dynamic), writes of another form or more
+than one, a leaf of no role, a probe that does not match, another read of a cache before its write, an input computed
+after the placement. ``MOECOMP_FUSE_QKROPE=1`` turns the pass on (opt-in until measured on a GPU);
+``moecomp.counters["fuse_qkrope"]`` counts the attentions seen ("attentions") and folded ("folded").
 """
 
 from __future__ import annotations
