@@ -111,11 +111,11 @@ def tool(name: str) -> str | None:
     return p if os.path.exists(p) else None
 
 
-def sass_check(ptx: str) -> dict | None:
-    """ptxas -v (sm_90a) on ``ptx`` and the SASS's wgmma waits: {"info": ptxas's notes, "depbar": {N: count of
-    WARPGROUP.DEPBAR.LE gsb0, N}, "spill": spill store bytes, "ptxas": which (name and build)}; None where no
-    shipped ptxas reads this PTX. The first of this Triton's bundled ptxas that reads it: on 3.6 ``ptxas`` (CUDA
-    12.8, the one that Triton uses for sm_90) reads its PTX 8.7; on 3.9 only ``ptxas-blackwell`` reads PTX 9.x."""
+def sass(ptx: str) -> tuple[str, str, str] | None:
+    """cuobjdump -sass of ``ptx`` assembled for sm_90a by the first of this Triton's bundled ptxas that reads it:
+    (SASS text, that ptxas's name, ptxas -v's notes: registers, spills); None where none reads this PTX. On 3.6
+    ``ptxas`` (CUDA 12.8, the one that Triton uses for sm_90) reads its PTX 8.7; on 3.9 only ``ptxas-blackwell``
+    reads PTX 9.x."""
     cuobjdump = tool("cuobjdump")
     for name in ("ptxas", "ptxas-blackwell"):
         ptxas = tool(name)
@@ -128,12 +128,23 @@ def sass_check(ptx: str) -> dict | None:
             r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", cubin], capture_output=True, text=True)
             if r.returncode != 0:
                 continue  # e.g. a PTX version newer than this ptxas
-            sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
-        depbar = {}
-        for n in re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d+)", sass):
-            depbar[int(n)] = depbar.get(int(n), 0) + 1
-        spill = re.search(r"(\d+) bytes spill stores", r.stderr)
-        version = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout.strip()
-        return dict(info=r.stderr, depbar=depbar, spill=int(spill.group(1)) if spill else 0,
-                    ptxas=f"{name} ({version.splitlines()[-1] if version else '?'})")
+            out = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
+        return out, name, r.stderr
     return None
+
+
+def sass_check(ptx: str) -> dict | None:
+    """ptxas -v (sm_90a) on ``ptx`` and the SASS's wgmma waits: {"info": ptxas's notes, "depbar": {N: count of
+    WARPGROUP.DEPBAR.LE gsb0, N}, "spill": spill store bytes, "ptxas": which (name and build)}; None where no
+    shipped ptxas reads this PTX (``sass``)."""
+    got = sass(ptx)
+    if got is None:
+        return None
+    text, name, info = got
+    depbar = {}
+    for n in re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d+)", text):
+        depbar[int(n)] = depbar.get(int(n), 0) + 1
+    spill = re.search(r"(\d+) bytes spill stores", info)
+    version = subprocess.run([tool(name), "--version"], capture_output=True, text=True).stdout.strip()
+    return dict(info=info, depbar=depbar, spill=int(spill.group(1)) if spill else 0,
+                ptxas=f"{name} ({version.splitlines()[-1] if version else '?'})")

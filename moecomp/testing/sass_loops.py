@@ -3,6 +3,7 @@ kernels' "instructions a code" figures (docs/QUANT4.md) are measured with. Run w
 interpreter's jit functions do not compile).
 
     sass(ptx)         -> (SASS text, "ptxas name", ptxas -v notes), or None where no bundled ptxas reads the PTX
+                         (``gluon_sm90.sass``)
     loops(sass_text)  -> [(first address, branch address, instruction count)] of each backward branch's body, in
                          address order of the branch (the innermost loops first: a body that holds no other)
     inner_loops(...)  -> the counts of the loops whose bodies hold no other loop
@@ -10,35 +11,12 @@ interpreter's jit functions do not compile).
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import tempfile
 
-from .gluon_sm90 import tool
+from .gluon_sm90 import sass  # noqa: F401  (re-exported: the tests read it here)
 
 _INS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _BRA = re.compile(r"BRA\s+0x([0-9a-f]+)")
-
-
-def sass(ptx: str) -> tuple[str, str, str] | None:
-    """cuobjdump -sass of ``ptx`` assembled for sm_90a by the first of this Triton's bundled ptxas that reads it
-    (3.9: only ``ptxas-blackwell`` reads its PTX 9.x), with ptxas -v's notes (registers, spills)."""
-    cuobjdump = tool("cuobjdump")
-    for name in ("ptxas", "ptxas-blackwell"):
-        ptxas = tool(name)
-        if ptxas is None or cuobjdump is None:
-            continue
-        with tempfile.TemporaryDirectory() as d:
-            src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
-            with open(src, "w") as f:
-                f.write(ptx)
-            r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", cubin], capture_output=True, text=True)
-            if r.returncode != 0:
-                continue
-            out = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
-        return out, name, r.stderr
-    return None
 
 
 def loops(text: str) -> list[tuple[int, int, int]]:
