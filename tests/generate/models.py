@@ -48,3 +48,34 @@ def prompts(vocab: int, batch: int, length: int, seed: int = 0, left_pad: tuple 
         ids[i, :n] = 0
         mask[i, :n] = 0
     return ids, mask
+
+
+def greedy_cpu_engine(ref, new: int = 4) -> tuple:
+    """``moecomp.optimize`` of a copy of ``ref``, then greedy ``generate`` (batch 2, 7 prompt tokens, one left-padded
+    by 2) on the CPU engine with compiled layers (Dynamo's "eager" backend): (tokens, the lm_head's output of every
+    step, the engine). The compile and ``new - 1`` decode steps checked."""
+    import copy
+
+    import moecomp
+
+    opt = moecomp.optimize(copy.deepcopy(ref))
+    opt.generate.cpu = True
+    eng = opt.generate._engine()
+    eng.cpu_compile, eng.compile_backend = True, "eager"
+    seen = []
+    hook = opt.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
+    ids, mask = prompts(ref.config.vocab_size, 2, 7, seed=9, left_pad=(0, 2))
+    try:
+        out = opt.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+    finally:
+        hook.remove()
+    assert opt.generate.last["layers"] == "compiled" and eng.compile_error is None, eng.compile_traceback
+    assert opt.generate.last["decode_steps"] == new - 1  # the prefill gives the first token
+    return out, seen, eng
+
+
+def logits_close(logits_on, logits_off, steps: int = 4) -> None:
+    """Each step's lm_head output within 1e-5 of the largest |logit| of the other run's."""
+    assert len(logits_on) == len(logits_off) == steps
+    for a, b in zip(logits_on, logits_off):
+        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())

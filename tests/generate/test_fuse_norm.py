@@ -9,7 +9,6 @@ skinny ops the GPU's step holds, run under the Triton interpreter."""
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 
@@ -20,7 +19,7 @@ import moecomp
 from moecomp.generate import fuse_linears as fl
 from moecomp.generate import fuse_norm as fn
 
-from .models import build, prompts
+from .models import build, greedy_cpu_engine, logits_close
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 EPS = 1e-6
@@ -134,27 +133,8 @@ def _decode(family, norm: str, monkeypatch, **kw):
     off, the sibling-linear pass on."""
     monkeypatch.setenv("MOECOMP_FUSE_LINEARS", "1")
     monkeypatch.setenv("MOECOMP_FUSE_NORM", norm)
-    ref = build(family, **kw)
-    opt = moecomp.optimize(copy.deepcopy(ref))
-    opt.generate.cpu = True
-    eng = opt.generate._engine()
-    eng.cpu_compile, eng.compile_backend = True, "eager"
-    seen = []
-    hook = opt.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
-    ids, mask = prompts(ref.config.vocab_size, 2, 7, seed=9, left_pad=(0, 2))
-    try:
-        out = opt.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-    finally:
-        hook.remove()
-    assert opt.generate.last["layers"] == "compiled" and eng.compile_error is None, eng.compile_traceback
-    assert opt.generate.last["decode_steps"] == 3  # the prefill gives the first of the 4 tokens
+    out, seen, eng = greedy_cpu_engine(build(family, **kw))
     return out, seen, eng._compiled[1]["decode"][0].run.fusing.then
-
-
-def _close(logits_on, logits_off):
-    assert len(logits_on) == len(logits_off) == 4
-    for a, b in zip(logits_on, logits_off):
-        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
 
 
 @pytest.mark.skipif(not INTERP, reason="the skinny kernels run under TRITON_INTERPRET=1 on CPU")
@@ -176,7 +156,7 @@ def test_engine_decode_norm_pass_on_equals_off_qwen3(monkeypatch):
     out_off, logits_off, off = _decode("qwen3_moe", "0", monkeypatch)
     assert off is None
     assert torch.equal(out_on, out_off)
-    _close(logits_on, logits_off)
+    logits_close(logits_on, logits_off)
 
 
 @pytest.mark.skipif(not INTERP, reason="the skinny kernels run under TRITON_INTERPRET=1 on CPU")
@@ -190,7 +170,7 @@ def test_engine_decode_norm_pass_on_equals_off_deepseek(monkeypatch):
     assert got == [(4, [(1, False), (2, False)]), (4, [(1, False), (2, False), (2, True)])], got
     out_off, logits_off, _ = _decode("deepseek_v3", "0", monkeypatch, first_k_dense_replace=1)
     assert torch.equal(out_on, out_off)
-    _close(logits_on, logits_off)
+    logits_close(logits_on, logits_off)
 
 
 class _Val:

@@ -9,7 +9,6 @@ skinny ops the GPU's step holds, run under the Triton interpreter."""
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 
@@ -22,7 +21,7 @@ from moecomp.core.spec import QuantSpec
 from moecomp.generate import fuse_linears as fl
 from moecomp.generate import fuse_oproj as fo
 
-from .models import build, prompts
+from .models import build, greedy_cpu_engine
 from .test_fuse_norm import _gemma, _llama, _mean0, _skinny_on_cpu, _square
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -165,20 +164,7 @@ def _decode(oproj: str, monkeypatch, family="qwen3_moe", **kw):
     monkeypatch.setenv("MOECOMP_FUSE_LINEARS", "1")
     monkeypatch.setenv("MOECOMP_FUSE_NORM", "1")
     monkeypatch.setenv("MOECOMP_FUSE_OPROJ", oproj)
-    ref = build(family, **kw)
-    opt = moecomp.optimize(copy.deepcopy(ref))
-    opt.generate.cpu = True
-    eng = opt.generate._engine()
-    eng.cpu_compile, eng.compile_backend = True, "eager"
-    seen = []
-    hook = opt.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
-    ids, mask = prompts(ref.config.vocab_size, 2, 7, seed=9, left_pad=(0, 2))
-    try:
-        out = opt.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-    finally:
-        hook.remove()
-    assert opt.generate.last["layers"] == "compiled" and eng.compile_error is None, eng.compile_traceback
-    assert opt.generate.last["decode_steps"] == 3  # the prefill gives the first of the 4 tokens
+    out, seen, eng = greedy_cpu_engine(build(family, **kw))
     after = eng._compiled[1]["decode"][0].run.fusing.after
     return out, seen, (after[0] if after else None)
 

@@ -20,7 +20,7 @@ import moecomp
 from moecomp.generate import fuse_linears as fl
 from moecomp.generate import fuse_qkrope as fq
 
-from .models import build, prompts
+from .models import build, greedy_cpu_engine, logits_close, prompts
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 EPS = 1e-6
@@ -143,28 +143,9 @@ def _decode(family, on: str, monkeypatch, kernel=False, skinny=True, **kw):
         monkeypatch.setattr(qk_rope, "use_kernel", lambda device: True)
     for name, v in (("MOECOMP_FUSE_LINEARS", "1"), ("MOECOMP_FUSE_NORM", "1"), ("MOECOMP_FUSE_QKROPE", on)):
         monkeypatch.setenv(name, v)
-    ref = build(family, **kw)
-    opt = moecomp.optimize(copy.deepcopy(ref))
-    opt.generate.cpu = True
-    eng = opt.generate._engine()
-    eng.cpu_compile, eng.compile_backend = True, "eager"
-    seen = []
-    hook = opt.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
-    ids, mask = prompts(ref.config.vocab_size, 2, 7, seed=9, left_pad=(0, 2))
-    try:
-        out = opt.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-    finally:
-        hook.remove()
-    assert opt.generate.last["layers"] == "compiled" and eng.compile_error is None, eng.compile_traceback
-    assert opt.generate.last["decode_steps"] == 3  # the prefill gives the first of the 4 tokens
+    out, seen, eng = greedy_cpu_engine(build(family, **kw))
     after = eng._compiled[1]["decode"][0].run.fusing.after
     return out, seen, next((p for p in after if isinstance(p, fq.QkRopePass)), None)
-
-
-def _close(logits_on, logits_off):
-    assert len(logits_on) == len(logits_off) == 4
-    for a, b in zip(logits_on, logits_off):
-        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
 
 
 @pytest.mark.skipif(not INTERP, reason="the skinny kernels run under TRITON_INTERPRET=1 on CPU")
@@ -192,7 +173,7 @@ def test_engine_decode_qkrope_on_equals_off(family, kernel, folds, skinny, monke
     out_off, logits_off, off = _decode(family, "0", monkeypatch, skinny=skinny)
     assert off is None
     assert torch.equal(out_on, out_off)
-    _close(logits_on, logits_off)
+    logits_close(logits_on, logits_off)
 
 
 @pytest.mark.skipif(not INTERP, reason="the skinny kernels run under TRITON_INTERPRET=1 on CPU")
