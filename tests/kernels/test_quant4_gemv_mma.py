@@ -39,28 +39,14 @@ from moecomp.kernels import quant4_gemv as qg
 from moecomp.oracle import reference
 from moecomp.ops import triton_moe, triton_quant4, triton_quant4_gemv, w4_layout
 from moecomp.testing import quantize_moe_args, random_moe_args
+from test_quant4_gemv import rel_err, triton_backend  # noqa: F401  (tests/kernels is on sys.path; a fixture)
 
 TOL = {torch.float32: 3e-5, torch.float16: 2e-3}
 MX = QuantSpec.mxfp4()
-ENV = ("MOECOMP_CONFIG", "MOECOMP_DECODE_MAX_T", "MOECOMP_W4_FOLD", "MOECOMP_W4_FORM", "MOECOMP_W4_DECODE",
-       "MOECOMP_W4_GEMV", "MOECOMP_W4_ASM")
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def mma(q: QuantSpec) -> QuantSpec:
     return dataclasses.replace(q, layout="mma")
-
-
-@pytest.fixture
-def triton_backend(monkeypatch):
-    monkeypatch.setenv("MOECOMP_CPU_BACKEND", "triton")
-    for var in ENV:
-        monkeypatch.delenv(var, raising=False)
-    return monkeypatch
 
 
 # ------------------------------------------------------------------------------------------------ the word decode
